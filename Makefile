@@ -1,0 +1,112 @@
+# shardlm — build, run and test.
+#
+#   make            build build/shardlm (CPU backend, plus CUDA when nvcc is found)
+#   make run        train inputs/tiny-sft.toml under mpirun -np 2
+#   make test       all CPU test suites; ends with "N passed, N failed"
+#   make test-gpu   the same plus the GPU suites (CUDA build, needs a GPU)
+#   make clean
+#
+# On a fresh Debian/Ubuntu machine `make run` and `make test` install what is
+# missing (tools/install-deps.sh). On a cluster, load modules and override:
+#   make MPICXX=... HDF5_DIR=... BLAS_LIBS=... CUDA_HOME=... CUDA=0|1 CUDA_ARCH=...
+
+MPICXX    ?= mpicxx
+MPIRUN    ?= mpirun
+PKG_CONFIG ?= pkg-config
+BUILD     ?= build
+OPT       ?= -O2
+CUDA_HOME ?= /usr/local/cuda
+NVCC      ?= $(CUDA_HOME)/bin/nvcc
+CUDA      ?= $(if $(wildcard $(NVCC)),1,0)
+CUDA_ARCH ?= -gencode=arch=compute_90a,code=sm_90a -gencode=arch=compute_90,code=sm_90
+# Python interpreter with h5py + numpy, for tools and tool tests.
+PYTHON    ?= $(shell for p in /usr/bin/python3 python3; do $$p -c 'import h5py, numpy' 2>/dev/null && { command -v $$p; break; }; done)
+
+# Dependencies: pkg-config names, or explicit overrides from modules.
+ifdef HDF5_DIR
+HDF5_CFLAGS ?= -I$(HDF5_DIR)/include
+HDF5_LIBS   ?= -L$(HDF5_DIR)/lib -Wl,-rpath,$(HDF5_DIR)/lib -lhdf5
+else
+HDF5_CFLAGS ?= $(shell $(PKG_CONFIG) --cflags hdf5-openmpi 2>/dev/null || $(PKG_CONFIG) --cflags hdf5 2>/dev/null)
+HDF5_LIBS   ?= $(shell $(PKG_CONFIG) --libs hdf5-openmpi 2>/dev/null || $(PKG_CONFIG) --libs hdf5 2>/dev/null)
+endif
+TOML_CFLAGS ?= $(shell $(PKG_CONFIG) --cflags tomlplusplus 2>/dev/null)
+TOML_LIBS   ?= $(shell $(PKG_CONFIG) --libs tomlplusplus 2>/dev/null)
+BLAS_CFLAGS ?= $(shell $(PKG_CONFIG) --cflags openblas 2>/dev/null || $(PKG_CONFIG) --cflags blas 2>/dev/null)
+BLAS_LIBS   ?= $(shell $(PKG_CONFIG) --libs openblas 2>/dev/null || $(PKG_CONFIG) --libs blas 2>/dev/null)
+JSON_CFLAGS ?= $(shell $(PKG_CONFIG) --cflags nlohmann_json 2>/dev/null)
+MPI_CFLAGS  ?= $(shell $(MPICXX) --showme:compile 2>/dev/null)
+
+CXXFLAGS ?= $(OPT) -g
+CXXFLAGS += -std=c++20 -Wall -Wextra -fopenmp -MMD -MP -Iinclude -DOMPI_SKIP_MPICXX -DMPICH_SKIP_MPICXX \
+            $(HDF5_CFLAGS) $(TOML_CFLAGS) $(BLAS_CFLAGS) $(JSON_CFLAGS)
+LDLIBS   += $(HDF5_LIBS) $(TOML_LIBS) $(BLAS_LIBS) -fopenmp
+
+VERSION := $(shell cat VERSION 2>/dev/null || echo 0.0.0)
+GIT_REV := $(shell git rev-parse --short HEAD 2>/dev/null || echo unknown)
+CXXFLAGS += -DSHARDLM_VERSION='"$(VERSION)"' -DSHARDLM_GIT_REV='"$(GIT_REV)"'
+
+LIB_SRCS := $(filter-out src/main.cpp src/cuda_stub.cpp,$(wildcard src/*.cpp)) $(wildcard src/cpu/*.cpp)
+CU_SRCS  := $(wildcard src/cuda/*.cu)
+ifeq ($(CUDA),1)
+NVCCFLAGS ?= $(OPT) -lineinfo
+NVCCFLAGS += -std=c++20 $(CUDA_ARCH) -Iinclude $(MPI_CFLAGS) -DOMPI_SKIP_MPICXX -ccbin $(firstword $(CXX)) \
+             -Xcompiler -Wall,-Wextra,-fopenmp -MMD -MP
+LIB_OBJS := $(LIB_SRCS:%.cpp=$(BUILD)/obj/%.o) $(CU_SRCS:%.cu=$(BUILD)/obj/%.o)
+LDLIBS   += -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcublasLt -lcublas -lnccl -lcudart
+else
+LIB_OBJS := $(LIB_SRCS:%.cpp=$(BUILD)/obj/%.o) $(BUILD)/obj/src/cuda_stub.o
+endif
+
+UNIT_OBJS := $(patsubst %.cpp,$(BUILD)/obj/%.o,$(wildcard tests/unit/*.cpp)) $(BUILD)/obj/tests/main_unit.o
+MPI_OBJS  := $(patsubst %.cpp,$(BUILD)/obj/%.o,$(wildcard tests/mpi/*.cpp)) $(BUILD)/obj/tests/main_mpi.o
+
+.PHONY: all run test test-gpu test-suites clean deps
+all: $(BUILD)/shardlm $(BUILD)/test_unit $(BUILD)/test_mpi
+
+$(BUILD)/shardlm: $(BUILD)/obj/src/main.o $(LIB_OBJS)
+	$(MPICXX) -o $@ $^ $(LDLIBS)
+
+$(BUILD)/test_unit: $(UNIT_OBJS) $(LIB_OBJS)
+	$(MPICXX) -o $@ $^ $(LDLIBS)
+
+$(BUILD)/test_mpi: $(MPI_OBJS) $(LIB_OBJS)
+	$(MPICXX) -o $@ $^ $(LDLIBS)
+
+$(BUILD)/obj/%.o: %.cpp
+	@mkdir -p $(dir $@)
+	$(MPICXX) $(CXXFLAGS) -c $< -o $@
+
+$(BUILD)/obj/%.o: %.cu
+	@mkdir -p $(dir $@)
+	$(NVCC) $(NVCCFLAGS) -c $< -o $@
+
+$(BUILD)/obj/tests/main_unit.o: tests/test_main.cpp
+	@mkdir -p $(dir $@)
+	$(MPICXX) $(CXXFLAGS) -c $< -o $@
+
+$(BUILD)/obj/tests/main_mpi.o: tests/test_main.cpp
+	@mkdir -p $(dir $@)
+	$(MPICXX) $(CXXFLAGS) -DSHARDLM_TEST_MPI -c $< -o $@
+
+# run and test install missing dependencies first, then build in a fresh make so
+# that the pkg-config flags above are read after the install.
+deps:
+	@bash tools/install-deps.sh
+
+run: deps
+	@$(MAKE) --no-print-directory all
+	@MPIRUN="$(MPIRUN)" bash tools/run-tiny.sh
+
+test: deps
+	@$(MAKE) --no-print-directory all
+	@MPIRUN="$(MPIRUN)" PYTHON="$(PYTHON)" BUILD="$(BUILD)" bash tests/run.sh
+
+test-gpu: deps
+	@$(MAKE) --no-print-directory all CUDA=1
+	@MPIRUN="$(MPIRUN)" PYTHON="$(PYTHON)" BUILD="$(BUILD)" SHARDLM_TEST_GPU=1 bash tests/run.sh
+
+clean:
+	rm -rf $(BUILD)
+
+-include $(shell find $(BUILD)/obj -name '*.d' 2>/dev/null)

@@ -1,0 +1,24 @@
+// cli.hpp — the command line: subcommand, deck, --set overrides, options.
+//
+// Owns: parse_cli() and the usage text. Knows nothing about what the commands do.
+#pragma once
+
+#include <map>
+#include <string>
+#include <vector>
+
+namespace shardlm {
+
+struct CliArgs {
+  std::string command;                       // train | check | help | version
+  std::string deck;                          // the TOML deck (train, check)
+  std::vector<std::string> overrides;        // --set section.key=value, in order
+  int world = 0;                             // check --world N (0 = the MPI world)
+  std::map<std::string, std::string> options;  // other --name value options
+};
+
+// Throws shardlm::Error with a message that ends in the usage line.
+CliArgs parse_cli(int argc, const char* const* argv);
+const char* usage();
+
+}  // namespace shardlm

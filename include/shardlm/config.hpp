@@ -1,0 +1,141 @@
+// config.hpp — the input deck: typed sections, defaults, parsing, validation.
+//
+// Owns: Config and its sections, parse_deck() (TOML file + --set overrides),
+// the resolved-deck writer, and every validation rule that can be checked before
+// work starts. Knows nothing about MPI, devices or the model's tensors: the
+// runtime decides who reads the deck and who prints the errors.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "shardlm/model_config.hpp"
+
+namespace shardlm {
+
+struct RunSection {
+  std::string name = "shardlm";
+  std::string dir = "runs/shardlm";
+  int64_t seed = 1234;
+  int64_t max_steps = 100;
+  bool deterministic = false;
+  int64_t max_bad_steps = 5;        // NaN/Inf steps in a row before the run aborts
+};
+
+struct ModelSection {
+  std::string hf;                   // HF model directory; empty = seeded init from the sizes below
+  ModelConfig arch;                 // sizes (from the deck, or from hf/config.json)
+  double init_std = 0.02;
+  bool optim_cpu_offload = false;
+  std::string activation_checkpointing = "none";  // none | full
+  bool reshard_after_forward = true;
+  std::string reduce_dtype = "fp32";              // fp32 | bf16
+};
+
+struct DataSection {
+  std::string path;
+  int64_t seq_len = 2048;
+  int64_t micro_batch = 1;          // rows per micro-batch per rank
+  int64_t global_batch = 1;         // rows per optimizer step, all ranks together
+  bool packing = true;
+  std::string rollout_dir;
+  int64_t max_async = 0;
+  double rollout_timeout_s = 600.0;
+};
+
+struct OptimSection {
+  std::string name = "adamw";       // adamw | sgd | muon
+  double lr = 3e-4;
+  double beta1 = 0.9;
+  double beta2 = 0.95;
+  double eps = 1e-8;
+  double weight_decay = 0.0;
+  double momentum = 0.0;            // sgd
+  double max_norm = 1.0;            // 0 disables clipping
+};
+
+struct SchedSection {
+  std::string name = "constant";    // constant | linear | cosine
+  int64_t warmup = 0;               // steps of linear warmup from 0
+  int64_t decay = 0;                // linear: steps of the final decay (0 = to max_steps)
+  double min_lr = 0.0;
+};
+
+struct LossSection {
+  std::string type = "sft";         // sft | rl
+  int64_t chunk_tokens = 1024;      // tokens per lm-head + loss chunk
+  double mask_high = 0.2;
+  double mask_low = 0.2;
+  double kl_coef = 1e-3;
+  double ce_coef = 0.0;
+};
+
+struct CkptSection {
+  int64_t interval = 0;             // 0 = only at the end / on signal
+  int64_t keep_last = 2;
+  int64_t keep_interval = 0;
+  std::string resume = "latest";    // latest | none | path
+  std::string on_error = "stop";    // stop | continue
+};
+
+struct BroadcastSection {
+  std::string backend = "none";     // none | nccl | filesystem
+  int64_t interval = 1;
+  std::string dir;
+  int64_t keep = 2;
+};
+
+struct LogSection {
+  int64_t interval = 1;
+  std::string jsonl = "metrics.jsonl";  // relative to run.dir
+};
+
+struct DeviceSection {
+  std::string backend = "auto";     // auto | cpu | cuda
+  int64_t cpu_threads = 0;          // 0 = OMP_NUM_THREADS or all cores
+};
+
+struct CommSection {
+  std::string backend = "auto";     // auto | mpi | nccl
+  double timeout_s = 600.0;
+};
+
+struct Config {
+  std::string deck_path;
+  RunSection run;
+  ModelSection model;
+  DataSection data;
+  OptimSection optim;
+  SchedSection sched;
+  LossSection loss;
+  CkptSection ckpt;
+  BroadcastSection broadcast;
+  LogSection log;
+  DeviceSection device;
+  CommSection comm;
+};
+
+// What parse_deck found: the config and every error (empty = valid).
+struct DeckResult {
+  Config config;
+  std::vector<std::string> errors;
+  bool ok() const { return errors.empty(); }
+};
+
+// Parse `deck_path`, apply `overrides` ("section.key=value", value parsed as TOML;
+// an unquoted value for a string key is taken as the string), and validate.
+// `world` is the number of training ranks the cross-field checks assume.
+DeckResult parse_deck(const std::string& deck_path, const std::vector<std::string>& overrides,
+                      int world);
+// The same from deck text (tests; `source_name` stands in for the file name).
+DeckResult parse_deck_text(const std::string& text, const std::string& source_name,
+                           const std::vector<std::string>& overrides, int world);
+
+// The resolved deck as TOML: every key with its value, defaults included.
+std::string resolved_deck(const Config& config);
+
+// Every key the deck accepts, "section.key" (help text, tests).
+std::vector<std::string> known_keys();
+
+}  // namespace shardlm

@@ -1,0 +1,63 @@
+// runtime.hpp — the process's place in the job: MPI ranks, node-local rank, role
+// (trainer or receiver in an MPMD launch), device, and the one way to die.
+//
+// Owns: MPI initialisation and finalisation, the role and broadcast
+// communicators, device selection, fatal(). MPI is the only bootstrap: no
+// environment-variable rendezvous, no TCP store. Knows nothing about the deck,
+// the model or the data.
+#pragma once
+
+#include <mpi.h>
+
+#include <string>
+
+#include "shardlm/error.hpp"
+
+#define MPI_CHECK(call)                                                              \
+  do {                                                                               \
+    int mpi_status_ = (call);                                                        \
+    if (mpi_status_ != MPI_SUCCESS) ::shardlm::mpi_failed(#call, mpi_status_, __FILE__, __LINE__); \
+  } while (0)
+
+namespace shardlm {
+
+enum class Role { Train, Receive };
+
+struct Runtime {
+  int world_rank = 0, world_size = 1;   // MPI_COMM_WORLD
+  int local_rank = 0, local_size = 1;   // ranks on this node (MPI_COMM_TYPE_SHARED)
+  int appnum = 0;                       // MPI_APPNUM: 0 trains, 1 receives
+  Role role = Role::Train;
+  MPI_Comm role_comm = MPI_COMM_NULL;   // the ranks of this role; for trainers, the training ranks
+  int rank = 0, size = 1;               // within role_comm
+  int num_trainers = 1, num_receivers = 0;
+  MPI_Comm broadcast_comm = MPI_COMM_NULL;  // trainer rank 0 + every receiver; NULL elsewhere
+  std::string hostname;
+  std::string backend = "cpu";          // "cpu" | "cuda", after select_device()
+  int device = -1;                      // CUDA device ordinal, -1 on the CPU backend
+  std::string device_name = "cpu";
+};
+
+// MPI_Init and everything derived from MPI_COMM_WORLD. Works as a singleton,
+// under mpirun and under srun --mpi=pmix.
+Runtime runtime_init(int* argc, char*** argv);
+void runtime_finalize(Runtime& rt);
+
+// Decide the backend ("auto" | "cpu" | "cuda") and bind the GPU from the local
+// rank: ndev == 1 ? 0 : local_rank % ndev. Throws Error when cuda is asked for
+// and cannot be had.
+void select_device(Runtime& rt, const std::string& requested);
+
+// The only exit for an unrecoverable error on one rank: one message naming the
+// rank, host and cause on stderr, then MPI_Abort of the whole job (never a hang).
+[[noreturn]] void fatal(const std::string& message);
+[[noreturn]] void mpi_failed(const char* call, int status, const char* file, int line);
+
+// Fault injection for the tests that prove a failing rank aborts the job:
+// SHARDLM_FAULT="<point>@<world rank>" makes that rank fail at that point.
+void maybe_inject_fault(const char* point);
+
+// Built-in backends of this binary ("cpu" or "cpu+cuda").
+const char* built_backends();
+
+}  // namespace shardlm

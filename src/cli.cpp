@@ -1,0 +1,56 @@
+// cli.cpp — command-line parsing for the shardlm subcommands.
+#include "shardlm/cli.hpp"
+
+#include <cstdlib>
+#include <cstring>
+
+#include "shardlm/error.hpp"
+
+namespace shardlm {
+
+const char* usage() {
+  return "usage: shardlm train DECK [--set section.key=value]...\n"
+         "       shardlm check DECK [--set section.key=value]... [--world N]\n"
+         "       shardlm --help | --version\n"
+         "\n"
+         "  train   run the deck's training job (launch with mpirun or srun; a singleton works too)\n"
+         "  check   validate the deck, print the resolved deck and the per-rank memory plan, exit\n"
+         "  --set   override any deck key; the value is parsed as TOML (--set optim.lr=3e-4,\n"
+         "          --set 'run.dir=\"runs/a\"'); for string keys an unquoted value is the string\n"
+         "  --world the number of training ranks `check` plans for (default: the MPI world)\n";
+}
+
+CliArgs parse_cli(int argc, const char* const* argv) {
+  CliArgs args;
+  auto fail = [](const std::string& m) { SHARDLM_FAIL("%s\n%s", m.c_str(), usage()); };
+  if (argc < 2) fail("no command given");
+  const std::string first = argv[1];
+  if (first == "--help" || first == "-h" || first == "help") return args.command = "help", args;
+  if (first == "--version" || first == "version") return args.command = "version", args;
+  if (first != "train" && first != "check") fail("unknown command '" + first + "'");
+  args.command = first;
+
+  for (int i = 2; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto value = [&](const char* name) -> std::string {
+      if (i + 1 >= argc) fail(std::string(name) + " needs a value");
+      return argv[++i];
+    };
+    if (a == "--set") args.overrides.push_back(value("--set"));
+    else if (a.rfind("--set=", 0) == 0) args.overrides.push_back(a.substr(6));
+    else if (a == "--world" && args.command == "check") {
+      const std::string v = value("--world");
+      char* end = nullptr;
+      long n = std::strtol(v.c_str(), &end, 10);
+      if (*end != '\0' || n < 1 || n > 1000000) fail("--world expects a positive integer, got '" + v + "'");
+      args.world = static_cast<int>(n);
+    } else if (a == "--help" || a == "-h") return args.command = "help", args;
+    else if (a.rfind("--", 0) == 0) fail("unknown option '" + a + "' for '" + args.command + "'");
+    else if (args.deck.empty()) args.deck = a;
+    else fail("unexpected argument '" + a + "' (the deck is already '" + args.deck + "')");
+  }
+  if (args.deck.empty()) fail("'" + args.command + "' needs a deck (a TOML file)");
+  return args;
+}
+
+}  // namespace shardlm

@@ -1,0 +1,515 @@
+// config.cpp — deck parsing and validation against one table of known keys.
+//
+// Every key the deck accepts is one row of key_table(): its path, its type, its
+// constraint and whether its feature exists yet. Parsing walks the TOML tree and
+// looks each key up there, so unknown keys, wrong types and out-of-range values
+// are found by one mechanism and reported with the same FILE:LINE:COL prefix.
+#include "shardlm/config.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <sstream>
+
+#include <toml++/toml.h>
+
+#include "shardlm/error.hpp"
+
+namespace shardlm {
+namespace {
+
+enum class Type { Bool, Int, Float, String };
+
+const char* type_name(Type t) {
+  switch (t) {
+    case Type::Bool: return "a boolean (true or false)";
+    case Type::Int: return "an integer";
+    case Type::Float: return "a number";
+    case Type::String: return "a string";
+  }
+  return "?";
+}
+
+struct KeySpec {
+  std::string path;                      // "section.key"
+  Type type;
+  std::function<void*(Config&)> ref;     // the field this key sets
+  double min = -INFINITY;                // numbers: inclusive bounds ...
+  double max = INFINITY;
+  bool min_exclusive = false;            // ... or exclusive lower bound
+  std::vector<std::string> choices;      // strings: accepted values (empty = any)
+  std::vector<std::string> not_yet;      // strings: accepted later, refused now
+  bool implemented = true;               // false: any appearance is refused
+};
+
+template <class F>
+KeySpec key(std::string path, Type type, F field) {
+  KeySpec k;
+  k.path = std::move(path);
+  k.type = type;
+  k.ref = [field](Config& c) -> void* { return static_cast<void*>(&field(c)); };
+  return k;
+}
+KeySpec at_least(KeySpec k, double min) { k.min = min; return k; }
+KeySpec positive(KeySpec k) { k.min = 0; k.min_exclusive = true; return k; }
+KeySpec within(KeySpec k, double min, double max) { k.min = min; k.max = max; return k; }
+KeySpec one_of(KeySpec k, std::vector<std::string> choices, std::vector<std::string> not_yet = {}) {
+  k.choices = std::move(choices);
+  k.not_yet = std::move(not_yet);
+  return k;
+}
+KeySpec not_implemented(KeySpec k) { k.implemented = false; return k; }
+
+#define FIELD(expr) [](Config& c) -> auto& { return c.expr; }
+
+const std::vector<KeySpec>& key_table() {
+  static const std::vector<KeySpec> table = {
+      key("run.name", Type::String, FIELD(run.name)),
+      key("run.dir", Type::String, FIELD(run.dir)),
+      at_least(key("run.seed", Type::Int, FIELD(run.seed)), 0),
+      at_least(key("run.max_steps", Type::Int, FIELD(run.max_steps)), 0),
+      key("run.deterministic", Type::Bool, FIELD(run.deterministic)),
+      at_least(key("run.max_bad_steps", Type::Int, FIELD(run.max_bad_steps)), 1),
+
+      not_implemented(key("model.hf", Type::String, FIELD(model.hf))),
+      one_of(key("model.arch", Type::String, FIELD(model.arch.arch)), {"llama", "qwen2", "qwen3"}),
+      positive(key("model.vocab_size", Type::Int, FIELD(model.arch.vocab_size))),
+      positive(key("model.hidden_size", Type::Int, FIELD(model.arch.hidden_size))),
+      positive(key("model.intermediate_size", Type::Int, FIELD(model.arch.intermediate_size))),
+      positive(key("model.num_layers", Type::Int, FIELD(model.arch.num_layers))),
+      positive(key("model.num_heads", Type::Int, FIELD(model.arch.num_heads))),
+      positive(key("model.num_kv_heads", Type::Int, FIELD(model.arch.num_kv_heads))),
+      positive(key("model.head_dim", Type::Int, FIELD(model.arch.head_dim))),
+      positive(key("model.max_position_embeddings", Type::Int, FIELD(model.arch.max_position_embeddings))),
+      positive(key("model.rms_norm_eps", Type::Float, FIELD(model.arch.rms_norm_eps))),
+      positive(key("model.rope_theta", Type::Float, FIELD(model.arch.rope_theta))),
+      one_of(key("model.rope_scaling", Type::String, FIELD(model.arch.rope_scaling.type)), {"none", "llama3"}),
+      positive(key("model.rope_factor", Type::Float, FIELD(model.arch.rope_scaling.factor))),
+      positive(key("model.rope_low_freq_factor", Type::Float, FIELD(model.arch.rope_scaling.low_freq_factor))),
+      positive(key("model.rope_high_freq_factor", Type::Float, FIELD(model.arch.rope_scaling.high_freq_factor))),
+      positive(key("model.rope_original_max_position_embeddings", Type::Int,
+                   FIELD(model.arch.rope_scaling.original_max_position_embeddings))),
+      key("model.attention_bias", Type::Bool, FIELD(model.arch.attention_bias)),
+      key("model.qk_norm", Type::Bool, FIELD(model.arch.qk_norm)),
+      key("model.tie_word_embeddings", Type::Bool, FIELD(model.arch.tie_word_embeddings)),
+      positive(key("model.init_std", Type::Float, FIELD(model.init_std))),
+      key("model.optim_cpu_offload", Type::Bool, FIELD(model.optim_cpu_offload)),
+      one_of(key("model.activation_checkpointing", Type::String, FIELD(model.activation_checkpointing)),
+             {"none", "full"}, {"full"}),
+      key("model.reshard_after_forward", Type::Bool, FIELD(model.reshard_after_forward)),
+      one_of(key("model.reduce_dtype", Type::String, FIELD(model.reduce_dtype)), {"fp32", "bf16"}, {"bf16"}),
+
+      key("data.path", Type::String, FIELD(data.path)),
+      at_least(key("data.seq_len", Type::Int, FIELD(data.seq_len)), 2),
+      positive(key("data.micro_batch", Type::Int, FIELD(data.micro_batch))),
+      positive(key("data.global_batch", Type::Int, FIELD(data.global_batch))),
+      key("data.packing", Type::Bool, FIELD(data.packing)),
+      not_implemented(key("data.rollout_dir", Type::String, FIELD(data.rollout_dir))),
+      not_implemented(at_least(key("data.max_async", Type::Int, FIELD(data.max_async)), 0)),
+      not_implemented(positive(key("data.rollout_timeout_s", Type::Float, FIELD(data.rollout_timeout_s)))),
+
+      one_of(key("optim.name", Type::String, FIELD(optim.name)), {"adamw", "sgd", "muon"}, {"muon"}),
+      positive(key("optim.lr", Type::Float, FIELD(optim.lr))),
+      within(key("optim.beta1", Type::Float, FIELD(optim.beta1)), 0, 0.999999),
+      within(key("optim.beta2", Type::Float, FIELD(optim.beta2)), 0, 0.999999),
+      positive(key("optim.eps", Type::Float, FIELD(optim.eps))),
+      at_least(key("optim.weight_decay", Type::Float, FIELD(optim.weight_decay)), 0),
+      within(key("optim.momentum", Type::Float, FIELD(optim.momentum)), 0, 0.999999),
+      at_least(key("optim.max_norm", Type::Float, FIELD(optim.max_norm)), 0),
+
+      one_of(key("sched.name", Type::String, FIELD(sched.name)), {"constant", "linear", "cosine"}),
+      at_least(key("sched.warmup", Type::Int, FIELD(sched.warmup)), 0),
+      at_least(key("sched.decay", Type::Int, FIELD(sched.decay)), 0),
+      at_least(key("sched.min_lr", Type::Float, FIELD(sched.min_lr)), 0),
+
+      one_of(key("loss.type", Type::String, FIELD(loss.type)), {"sft", "rl"}, {"rl"}),
+      positive(key("loss.chunk_tokens", Type::Int, FIELD(loss.chunk_tokens))),
+      not_implemented(at_least(key("loss.mask_high", Type::Float, FIELD(loss.mask_high)), 0)),
+      not_implemented(at_least(key("loss.mask_low", Type::Float, FIELD(loss.mask_low)), 0)),
+      not_implemented(at_least(key("loss.kl_coef", Type::Float, FIELD(loss.kl_coef)), 0)),
+      not_implemented(at_least(key("loss.ce_coef", Type::Float, FIELD(loss.ce_coef)), 0)),
+
+      at_least(key("ckpt.interval", Type::Int, FIELD(ckpt.interval)), 0),
+      not_implemented(at_least(key("ckpt.keep_last", Type::Int, FIELD(ckpt.keep_last)), 1)),
+      not_implemented(at_least(key("ckpt.keep_interval", Type::Int, FIELD(ckpt.keep_interval)), 0)),
+      key("ckpt.resume", Type::String, FIELD(ckpt.resume)),
+      not_implemented(one_of(key("ckpt.on_error", Type::String, FIELD(ckpt.on_error)), {"stop", "continue"})),
+
+      one_of(key("broadcast.backend", Type::String, FIELD(broadcast.backend)), {"none", "nccl", "filesystem"},
+             {"nccl", "filesystem"}),
+      positive(key("broadcast.interval", Type::Int, FIELD(broadcast.interval))),
+      not_implemented(key("broadcast.dir", Type::String, FIELD(broadcast.dir))),
+      not_implemented(positive(key("broadcast.keep", Type::Int, FIELD(broadcast.keep)))),
+
+      positive(key("log.interval", Type::Int, FIELD(log.interval))),
+      key("log.jsonl", Type::String, FIELD(log.jsonl)),
+
+      one_of(key("device.backend", Type::String, FIELD(device.backend)), {"auto", "cpu", "cuda"}, {"cuda"}),
+      at_least(key("device.cpu_threads", Type::Int, FIELD(device.cpu_threads)), 0),
+
+      one_of(key("comm.backend", Type::String, FIELD(comm.backend)), {"auto", "mpi", "nccl"}, {"nccl"}),
+      positive(key("comm.timeout_s", Type::Float, FIELD(comm.timeout_s))),
+  };
+  return table;
+}
+#undef FIELD
+
+const KeySpec* find_key(const std::string& path) {
+  for (const auto& k : key_table())
+    if (k.path == path) return &k;
+  return nullptr;
+}
+
+std::vector<std::string> section_names() {
+  std::vector<std::string> out;
+  for (const auto& k : key_table()) {
+    std::string s = k.path.substr(0, k.path.find('.'));
+    if (std::find(out.begin(), out.end(), s) == out.end()) out.push_back(s);
+  }
+  return out;
+}
+
+size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diag = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      size_t up = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diag = up;
+    }
+  }
+  return row[b.size()];
+}
+
+// The known key a user most likely meant: a near spelling in the same section,
+// else a key of that section that the unknown one starts with (or the reverse),
+// else a near spelling in another section (a key put under the wrong header).
+std::string suggest(const std::string& unknown, const std::vector<std::string>& candidates) {
+  auto section_of = [](const std::string& p) { return p.substr(0, p.find('.')); };
+  auto name_of = [](const std::string& p) { return p.substr(p.find('.') + 1); };
+  const std::string section = section_of(unknown), name = name_of(unknown);
+  std::string best;
+  size_t best_d = 3;  // at most 2 edits
+  for (const auto& c : candidates) {
+    if (section_of(c) != section) continue;
+    size_t d = edit_distance(name, name_of(c));
+    if (d < best_d) best_d = d, best = c;
+  }
+  if (!best.empty()) return best;
+  size_t best_len = 0;
+  for (const auto& c : candidates) {
+    const std::string n = name_of(c);
+    if (section_of(c) != section || n.size() < 2) continue;
+    bool prefix = name.rfind(n, 0) == 0 || n.rfind(name, 0) == 0;
+    if (prefix && n.size() > best_len) best_len = n.size(), best = c;
+  }
+  if (!best.empty()) return best;
+  best_d = 2;
+  for (const auto& c : candidates) {
+    size_t d = edit_distance(name, name_of(c));
+    if (d < best_d) best_d = d, best = c;
+  }
+  return best;
+}
+
+std::string with_hint(std::string message, const std::string& hint) {
+  if (!hint.empty()) message += " (did you mean '" + hint + "'?)";
+  return message;
+}
+
+// Where a node came from: FILE:LINE:COL, or the --set argument that made it.
+struct Locator {
+  std::string deck_name;
+  std::map<std::string, std::string> overridden;  // path -> "--set ..." text
+
+  std::string at(const std::string& path, const toml::source_region& src) const {
+    if (auto it = overridden.find(path); it != overridden.end()) return it->second;
+    if (src.begin.line == 0) return deck_name;
+    return fmt("%s:%u:%u", deck_name.c_str(), src.begin.line, src.begin.column);
+  }
+};
+
+std::string show(const toml::node& node) {
+  std::ostringstream os;
+  if (auto s = node.as_string()) os << '"' << s->get() << '"';
+  else if (node.is_table()) os << "a table";
+  else if (node.is_array()) os << "an array";
+  else node.visit([&](auto&& v) { os << v; });
+  return os.str();
+}
+
+std::string describe_range(const KeySpec& k) {
+  if (k.min_exclusive) return fmt("> %g", k.min);
+  if (std::isfinite(k.min) && std::isfinite(k.max)) return fmt("between %g and %g", k.min, k.max);
+  if (std::isfinite(k.min)) return fmt(">= %g", k.min);
+  return fmt("<= %g", k.max);
+}
+
+std::string quoted_list(const std::vector<std::string>& items) {
+  std::string out;
+  for (size_t i = 0; i < items.size(); ++i) out += (i ? ", \"" : "\"") + items[i] + "\"";
+  return out;
+}
+
+// Set one field from one TOML value; returns an error message or "".
+std::string assign(Config& config, const KeySpec& k, const toml::node& value, const std::string& where) {
+  const std::string head = where + ": " + k.path + " = " + show(value);
+  void* field = k.ref(config);
+  switch (k.type) {
+    case Type::Bool: {
+      auto v = value.as_boolean();
+      if (!v) return head + " has the wrong type: expected " + type_name(k.type);
+      *static_cast<bool*>(field) = v->get();
+      return "";
+    }
+    case Type::Int:
+    case Type::Float: {
+      double number;
+      if (auto i = value.as_integer()) number = static_cast<double>(i->get());
+      else if (auto f = value.as_floating_point(); f && k.type == Type::Float) number = f->get();
+      else return head + " has the wrong type: expected " + type_name(k.type);
+      bool low = k.min_exclusive ? !(number > k.min) : !(number >= k.min);
+      if (low || number > k.max || std::isnan(number))
+        return head + " is out of range: it must be " + describe_range(k);
+      if (k.type == Type::Int) *static_cast<int64_t*>(field) = value.as_integer()->get();
+      else *static_cast<double*>(field) = number;
+      return "";
+    }
+    case Type::String: {
+      auto v = value.as_string();
+      if (!v) return head + " has the wrong type: expected " + type_name(k.type);
+      const std::string s = v->get();
+      if (!k.choices.empty() && std::find(k.choices.begin(), k.choices.end(), s) == k.choices.end())
+        return head + " is not accepted: it must be one of " + quoted_list(k.choices);
+      if (std::find(k.not_yet.begin(), k.not_yet.end(), s) != k.not_yet.end())
+        return head + " is not implemented yet";
+      *static_cast<std::string*>(field) = s;
+      return "";
+    }
+  }
+  return "";
+}
+
+// Turn "section.key=value" into a TOML node placed in `root`.
+std::string apply_override(toml::table& root, const std::string& text, Locator& where) {
+  const std::string origin = "--set " + text;
+  const auto eq = text.find('=');
+  if (eq == std::string::npos || eq == 0)
+    return origin + ": expected section.key=value (e.g. --set optim.lr=3e-4)";
+  const std::string path = text.substr(0, eq), raw = text.substr(eq + 1);
+  const auto dot = path.find('.');
+  if (dot == std::string::npos || path.find('.', dot + 1) != std::string::npos)
+    return origin + ": '" + path + "' is not of the form section.key";
+  const std::string section = path.substr(0, dot), name = path.substr(dot + 1);
+
+  const KeySpec* spec = find_key(path);
+  toml::table parsed;
+  bool parsed_ok = true;
+  try {
+    parsed = toml::parse("v = " + raw);
+  } catch (const toml::parse_error&) {
+    parsed_ok = false;
+  }
+  toml::node* value = parsed_ok ? parsed.get("v") : nullptr;
+  toml::table holder;
+  // Unquoted strings are taken as they are; so is any value of an unknown key,
+  // whose error ("unknown key ... did you mean") says more than a parse error.
+  if ((!spec && !value) || (spec && spec->type == Type::String && (!value || !value->is_string()))) {
+    holder.insert_or_assign("v", raw);
+    value = holder.get("v");
+  }
+  if (!value) {
+    const std::string expect = spec ? std::string(" (") + path + " expects " + type_name(spec->type) + ")" : "";
+    return origin + ": '" + raw + "' is not a valid TOML value" + expect;
+  }
+  toml::node* sec = root.get(section);
+  if (!sec) sec = &root.insert_or_assign(section, toml::table{}).first->second;
+  if (!sec->is_table()) return origin + ": '" + section + "' is not a table in the deck";
+  sec->as_table()->insert_or_assign(name, *value);
+  where.overridden[path] = origin;
+  return "";
+}
+
+void validate(const Config& c, int world, const std::map<std::string, std::string>& set_keys,
+              std::vector<std::string>& errors) {
+  auto err = [&](const std::string& m) { errors.push_back(c.deck_path + ": " + m); };
+  const auto& a = c.model.arch;
+
+  if (c.model.optim_cpu_offload) err("model.optim_cpu_offload = true is not implemented yet");
+  if (c.ckpt.interval > 0) err(fmt("ckpt.interval = %lld is not implemented yet (checkpoints)", (long long)c.ckpt.interval));
+  if (c.ckpt.resume != "latest" && c.ckpt.resume != "none")
+    err("ckpt.resume = \"" + c.ckpt.resume + "\": resuming from a path is not implemented yet");
+
+  if (c.model.hf.empty()) {
+    const char* missing = a.vocab_size <= 0 ? "vocab_size" : a.hidden_size <= 0 ? "hidden_size"
+                        : a.intermediate_size <= 0 ? "intermediate_size" : a.num_layers <= 0 ? "num_layers"
+                        : a.num_heads <= 0 ? "num_heads" : nullptr;
+    if (missing)
+      err(fmt("model.%s is not set: without model.hf the deck must give the model's sizes "
+              "(vocab_size, hidden_size, intermediate_size, num_layers, num_heads)", missing));
+    else if (a.num_kv_heads > 0 && a.num_heads % a.num_kv_heads != 0)
+      err(fmt("model.num_heads = %lld is not a multiple of model.num_kv_heads = %lld",
+              (long long)a.num_heads, (long long)a.num_kv_heads));
+    else if (a.head_dim == 0 && a.hidden_size % a.num_heads != 0)
+      err(fmt("model.hidden_size = %lld is not a multiple of model.num_heads = %lld; set model.head_dim",
+              (long long)a.hidden_size, (long long)a.num_heads));
+    if (a.head_dim % 2 != 0) err(fmt("model.head_dim = %lld must be even (RoPE rotates pairs)", (long long)a.head_dim));
+    if (a.max_position_embeddings > 0 && c.data.seq_len > a.max_position_embeddings)
+      err(fmt("data.seq_len = %lld is larger than model.max_position_embeddings = %lld",
+              (long long)c.data.seq_len, (long long)a.max_position_embeddings));
+  }
+  if (c.loss.type == "sft" && c.data.path.empty())
+    err("data.path is not set: SFT needs a token file (see docs/data.md)");
+  if (world > 0 && c.data.global_batch % (c.data.micro_batch * world) != 0)
+    err(fmt("data.global_batch = %lld must be a multiple of data.micro_batch x training ranks = %lld x %d = %lld",
+            (long long)c.data.global_batch, (long long)c.data.micro_batch, world,
+            (long long)(c.data.micro_batch * world)));
+  if (c.sched.warmup > c.run.max_steps)
+    err(fmt("sched.warmup = %lld is longer than run.max_steps = %lld", (long long)c.sched.warmup,
+            (long long)c.run.max_steps));
+  if (c.sched.min_lr > c.optim.lr)
+    err(fmt("sched.min_lr = %g is larger than optim.lr = %g", c.sched.min_lr, c.optim.lr));
+  if (c.optim.name == "sgd" && set_keys.count("optim.beta1"))
+    err("optim.beta1 has no meaning for optim.name = \"sgd\" (use optim.momentum)");
+  if (c.run.dir.empty()) err("run.dir is empty: give the directory where the run writes its outputs");
+}
+
+}  // namespace
+
+std::vector<std::string> known_keys() {
+  std::vector<std::string> out;
+  for (const auto& k : key_table()) out.push_back(k.path);
+  return out;
+}
+
+DeckResult parse_deck_text(const std::string& text, const std::string& source_name,
+                           const std::vector<std::string>& overrides, int world) {
+  DeckResult result;
+  Config& config = result.config;
+  config.deck_path = source_name;
+  auto& errors = result.errors;
+
+  toml::table root;
+  try {
+    root = toml::parse(text, source_name);
+  } catch (const toml::parse_error& e) {
+    errors.push_back(fmt("%s:%u:%u: %s", source_name.c_str(), e.source().begin.line, e.source().begin.column,
+                         std::string(e.description()).c_str()));
+    return result;
+  }
+
+  Locator where{source_name, {}};
+  for (const auto& text_override : overrides)
+    if (auto e = apply_override(root, text_override, where); !e.empty()) errors.push_back(e);
+
+  const std::vector<std::string> sections = section_names(), keys = known_keys();
+  for (auto&& [section_key, section_node] : root) {
+    const std::string section(section_key.str());
+    if (std::find(sections.begin(), sections.end(), section) == sections.end()) {
+      std::string hint;
+      size_t best = 3;
+      for (const auto& s : sections)
+        if (size_t d = edit_distance(section, s); d < best) best = d, hint = s;
+      errors.push_back(with_hint(where.at(section, section_key.source()) + ": unknown section '" + section + "'", hint));
+      continue;
+    }
+    const toml::table* table = section_node.as_table();
+    if (!table) {
+      errors.push_back(where.at(section, section_key.source()) + ": '" + section + "' must be a table ([" + section + "])");
+      continue;
+    }
+    for (auto&& [name_key, value] : *table) {
+      const std::string path = section + "." + std::string(name_key.str());
+      const std::string loc = where.at(path, name_key.source());
+      if (path == "model.fsdp_cpu_offload") {
+        errors.push_back(loc + ": model.fsdp_cpu_offload was removed: shardlm never offloads parameters to the CPU. "
+                               "Use model.optim_cpu_offload = true to keep the fp32 master weights, optimizer state and "
+                               "gradient accumulation in host memory while the bf16 parameters stay on the GPU.");
+        continue;
+      }
+      const KeySpec* spec = find_key(path);
+      if (!spec) {
+        errors.push_back(with_hint(loc + ": unknown key '" + path + "'", suggest(path, keys)));
+        continue;
+      }
+      if (!spec->implemented) {
+        errors.push_back(loc + ": " + path + " is not implemented yet");
+        continue;
+      }
+      if (auto e = assign(config, *spec, value, loc); !e.empty()) errors.push_back(e);
+    }
+  }
+  // Report in deck order (the TOML tree iterates keys alphabetically).
+  auto line_of = [&](const std::string& e) -> long {
+    if (e.rfind(source_name + ":", 0) != 0) return 0;  // --set errors first
+    return std::strtol(e.c_str() + source_name.size() + 1, nullptr, 10);
+  };
+  std::stable_sort(errors.begin(), errors.end(),
+                   [&](const std::string& a, const std::string& b) { return line_of(a) < line_of(b); });
+  if (errors.empty()) {
+    if (config.model.hf.empty() && config.model.arch.num_kv_heads == 0)
+      config.model.arch.num_kv_heads = config.model.arch.num_heads;
+    if (config.model.hf.empty() && config.model.arch.head_dim == 0 && config.model.arch.num_heads > 0)
+      config.model.arch.head_dim = config.model.arch.hidden_size / config.model.arch.num_heads;
+    if (config.model.hf.empty() && config.model.arch.max_position_embeddings == 0)
+      config.model.arch.max_position_embeddings = config.data.seq_len;
+    validate(config, world, where.overridden, errors);
+  }
+  return result;
+}
+
+DeckResult parse_deck(const std::string& deck_path, const std::vector<std::string>& overrides, int world) {
+  std::string text;
+  try {
+    std::ifstream in(deck_path, std::ios::binary);
+    if (!in) {
+      DeckResult r;
+      r.config.deck_path = deck_path;
+      r.errors.push_back(deck_path + ": cannot open the deck (does the file exist and is it readable?)");
+      return r;
+    }
+    std::ostringstream ss;
+    ss << in.rdbuf();
+    text = ss.str();
+  } catch (const std::exception& e) {
+    DeckResult r;
+    r.errors.push_back(deck_path + ": " + e.what());
+    return r;
+  }
+  return parse_deck_text(text, deck_path, overrides, world);
+}
+
+std::string resolved_deck(const Config& config) {
+  Config copy = config;  // key_table() hands out mutable references
+  std::ostringstream out;
+  out << "# resolved shardlm deck (from " << config.deck_path << "), every key with its value\n";
+  std::string current;
+  toml::table section;
+  auto flush = [&] {
+    if (current.empty()) return;
+    out << "\n[" << current << "]\n" << section << "\n";
+    section = toml::table{};
+  };
+  for (const auto& k : key_table()) {
+    if (!k.implemented) continue;  // the echo must parse again as a deck
+    const std::string s = k.path.substr(0, k.path.find('.')), name = k.path.substr(k.path.find('.') + 1);
+    if (s != current) flush(), current = s;
+    void* field = k.ref(copy);
+    switch (k.type) {
+      case Type::Bool: section.insert_or_assign(name, *static_cast<bool*>(field)); break;
+      case Type::Int: section.insert_or_assign(name, *static_cast<int64_t*>(field)); break;
+      case Type::Float: section.insert_or_assign(name, *static_cast<double*>(field)); break;
+      case Type::String: section.insert_or_assign(name, *static_cast<std::string*>(field)); break;
+    }
+  }
+  flush();
+  return out.str();
+}
+
+}  // namespace shardlm

@@ -1,0 +1,117 @@
+// main.cpp — shardlm's entry point and the solver loop, top to bottom.
+//
+// runtime -> config -> (model, shards, init) -> for step: batch, forward,
+// loss, backward, clip, optimizer, metrics, checkpoint. Each phase is one call;
+// a phase that grows past a screen lives in its own file.
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include "shardlm/cli.hpp"
+#include "shardlm/config.hpp"
+#include "shardlm/runtime.hpp"
+
+#ifndef SHARDLM_VERSION
+#define SHARDLM_VERSION "0.0.0"
+#endif
+#ifndef SHARDLM_GIT_REV
+#define SHARDLM_GIT_REV "unknown"
+#endif
+
+namespace fs = std::filesystem;
+using namespace shardlm;
+
+namespace {
+
+// Every rank parses the deck; the job agrees on whether it is valid, and the
+// lowest rank that found errors prints them. Returns false when the deck is bad.
+bool load_deck(const Runtime& rt, const CliArgs& args, int world, Config& config) {
+  DeckResult deck = parse_deck(args.deck, args.overrides, world);
+  int bad = deck.ok() ? 0 : 1, any_bad = 0, first_bad = rt.world_size;
+  int my_index = bad ? rt.world_rank : rt.world_size;
+  MPI_CHECK(MPI_Allreduce(&bad, &any_bad, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD));
+  MPI_CHECK(MPI_Allreduce(&my_index, &first_bad, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD));
+  if (any_bad && rt.world_rank == first_bad) {
+    std::fprintf(stderr, "shardlm: the deck has %zu error%s%s:\n", deck.errors.size(),
+                 deck.errors.size() == 1 ? "" : "s",
+                 rt.world_rank ? fmt(" (seen on rank %d)", rt.world_rank).c_str() : "");
+    for (const auto& e : deck.errors) std::fprintf(stderr, "  %s\n", e.c_str());
+    std::fflush(stderr);
+  }
+  config = deck.config;
+  return !any_bad;
+}
+
+void print_banner(const Runtime& rt, const Config& config) {
+  if (rt.world_rank != 0) return;
+  std::printf("shardlm %s (%s) | %d rank%s: %d trainer%s, %d receiver%s | backend %s (built: %s) | device %s\n"
+              "deck %s | run dir %s\n",
+              SHARDLM_VERSION, SHARDLM_GIT_REV, rt.world_size, rt.world_size == 1 ? "" : "s", rt.num_trainers,
+              rt.num_trainers == 1 ? "" : "s", rt.num_receivers, rt.num_receivers == 1 ? "" : "s",
+              rt.backend.c_str(), built_backends(), rt.device_name.c_str(), config.deck_path.c_str(),
+              config.run.dir.c_str());
+  std::fflush(stdout);
+}
+
+// <run.dir>/config.toml: the deck exactly as this run resolved it.
+void write_run_dir(const Runtime& rt, const Config& config) {
+  if (rt.world_rank == 0) {
+    std::error_code ec;
+    fs::create_directories(config.run.dir, ec);
+    SHARDLM_CHECK(!ec, "cannot create run.dir '%s': %s", config.run.dir.c_str(), ec.message().c_str());
+    const fs::path path = fs::path(config.run.dir) / "config.toml";
+    std::ofstream out(path);
+    out << resolved_deck(config);
+    SHARDLM_CHECK(out.good(), "cannot write %s", path.c_str());
+  }
+  MPI_CHECK(MPI_Barrier(MPI_COMM_WORLD));
+}
+
+int cmd_check(const Runtime& rt, const CliArgs& args) {
+  Config config;
+  const int world = args.world > 0 ? args.world : rt.num_trainers;
+  if (!load_deck(rt, args, world, config)) return 1;
+  if (rt.world_rank == 0) {
+    std::printf("%s: valid for %d training rank%s\n\n%s", args.deck.c_str(), world, world == 1 ? "" : "s",
+                resolved_deck(config).c_str());
+    std::fflush(stdout);
+  }
+  return 0;
+}
+
+int cmd_train(Runtime& rt, const CliArgs& args) {
+  Config config;
+  if (!load_deck(rt, args, rt.num_trainers, config)) return 1;
+  maybe_inject_fault("startup");
+  select_device(rt, config.device.backend);
+  print_banner(rt, config);
+  write_run_dir(rt, config);
+  if (rt.role == Role::Receive) return 0;  // receivers arrive with the RL weight broadcast
+  if (rt.world_rank == 0) std::printf("done: outputs in %s\n", config.run.dir.c_str());
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CliArgs args;
+  try {
+    args = parse_cli(argc, argv);
+  } catch (const Error& e) {
+    std::fprintf(stderr, "shardlm: %s", e.what());
+    return 2;
+  }
+  if (args.command == "help") return std::printf("%s", usage()), 0;
+  if (args.command == "version") return std::printf("shardlm %s (%s) backends: %s\n", SHARDLM_VERSION, SHARDLM_GIT_REV, built_backends()), 0;
+
+  Runtime rt = runtime_init(&argc, &argv);
+  int rc = 1;
+  try {
+    rc = args.command == "check" ? cmd_check(rt, args) : cmd_train(rt, args);
+  } catch (const std::exception& e) {
+    fatal(e.what());  // one message naming the rank, then MPI_Abort: never a hang
+  }
+  runtime_finalize(rt);
+  return rc;
+}

@@ -1,0 +1,125 @@
+// runtime.cpp — MPI bootstrap, roles, device choice, fatal errors.
+#include "shardlm/runtime.hpp"
+
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+
+#include "shardlm/cuda.hpp"
+
+namespace shardlm {
+namespace {
+int g_world_rank = -1;
+int g_world_size = 0;
+char g_host[256] = "?";
+}  // namespace
+
+const char* built_backends() { return cuda_built() ? "cpu+cuda" : "cpu"; }
+
+Runtime runtime_init(int* argc, char*** argv) {
+  int initialized = 0;
+  MPI_Initialized(&initialized);
+  if (!initialized) {
+    int provided = 0;
+    // FUNNELED: only the main thread calls MPI; OpenMP threads compute.
+    if (MPI_Init_thread(argc, argv, MPI_THREAD_FUNNELED, &provided) != MPI_SUCCESS) {
+      std::fprintf(stderr, "shardlm: error: MPI_Init_thread failed\n");
+      std::exit(1);
+    }
+  }
+  // Errors come back as codes that MPI_CHECK turns into one clear message.
+  MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
+
+  Runtime rt;
+  MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &rt.world_rank));
+  MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &rt.world_size));
+  g_world_rank = rt.world_rank;
+  g_world_size = rt.world_size;
+  gethostname(g_host, sizeof(g_host) - 1);
+  rt.hostname = g_host;
+
+  MPI_Comm node_comm;
+  MPI_CHECK(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, rt.world_rank, MPI_INFO_NULL, &node_comm));
+  MPI_CHECK(MPI_Comm_rank(node_comm, &rt.local_rank));
+  MPI_CHECK(MPI_Comm_size(node_comm, &rt.local_size));
+  MPI_CHECK(MPI_Comm_free(&node_comm));
+
+  int* appnum = nullptr;
+  int has_appnum = 0;
+  MPI_CHECK(MPI_Comm_get_attr(MPI_COMM_WORLD, MPI_APPNUM, &appnum, &has_appnum));
+  rt.appnum = (has_appnum && appnum) ? *appnum : 0;
+  rt.role = rt.appnum == 0 ? Role::Train : Role::Receive;
+
+  MPI_CHECK(MPI_Comm_split(MPI_COMM_WORLD, rt.role == Role::Train ? 0 : 1, rt.world_rank, &rt.role_comm));
+  MPI_Comm_set_errhandler(rt.role_comm, MPI_ERRORS_RETURN);
+  MPI_CHECK(MPI_Comm_rank(rt.role_comm, &rt.rank));
+  MPI_CHECK(MPI_Comm_size(rt.role_comm, &rt.size));
+  int is_trainer = rt.role == Role::Train;
+  MPI_CHECK(MPI_Allreduce(&is_trainer, &rt.num_trainers, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD));
+  rt.num_receivers = rt.world_size - rt.num_trainers;
+
+  // The broadcast communicator: trainer rank 0 first (rank 0 in it), then receivers.
+  const bool joins = rt.role == Role::Receive || rt.rank == 0;
+  MPI_CHECK(MPI_Comm_split(MPI_COMM_WORLD, joins ? 0 : MPI_UNDEFINED, rt.world_rank, &rt.broadcast_comm));
+  if (rt.num_receivers == 0 && rt.broadcast_comm != MPI_COMM_NULL) MPI_CHECK(MPI_Comm_free(&rt.broadcast_comm));
+  return rt;
+}
+
+void runtime_finalize(Runtime& rt) {
+  if (rt.broadcast_comm != MPI_COMM_NULL) MPI_Comm_free(&rt.broadcast_comm);
+  if (rt.role_comm != MPI_COMM_NULL) MPI_Comm_free(&rt.role_comm);
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (!finalized) MPI_Finalize();
+}
+
+void select_device(Runtime& rt, const std::string& requested) {
+  const int ndev = cuda_device_count();
+  if (requested == "cpu" || (requested == "auto" && ndev == 0)) {
+    rt.backend = "cpu";
+    rt.device = -1;
+    rt.device_name = "cpu";
+    return;
+  }
+  SHARDLM_CHECK(cuda_built(), "device.backend = \"cuda\" but this shardlm was built without CUDA "
+                              "(rebuild with nvcc on the PATH or CUDA=1)");
+  SHARDLM_CHECK(ndev > 0, "device.backend = \"cuda\" but no CUDA device is visible on %s", rt.hostname.c_str());
+  rt.backend = "cuda";
+  rt.device = ndev == 1 ? 0 : rt.local_rank % ndev;
+  cuda_set_device(rt.device);
+  rt.device_name = cuda_device_name(rt.device);
+}
+
+void fatal(const std::string& message) {
+  if (g_world_rank >= 0)
+    std::fprintf(stderr, "shardlm: error on rank %d of %d (%s): %s\n", g_world_rank, g_world_size, g_host,
+                 message.c_str());
+  else
+    std::fprintf(stderr, "shardlm: error: %s\n", message.c_str());
+  std::fflush(stderr);
+  int initialized = 0, finalized = 0;
+  MPI_Initialized(&initialized);
+  MPI_Finalized(&finalized);
+  if (initialized && !finalized && g_world_size > 1) MPI_Abort(MPI_COMM_WORLD, 1);
+  std::_Exit(1);
+}
+
+void mpi_failed(const char* call, int status, const char* file, int line) {
+  char text[MPI_MAX_ERROR_STRING] = {0};
+  int len = 0;
+  MPI_Error_string(status, text, &len);
+  fatal(fmt("%s failed at %s:%d: %s", call, file, line, text));
+}
+
+void maybe_inject_fault(const char* point) {
+  const char* spec = std::getenv("SHARDLM_FAULT");
+  if (!spec) return;
+  const char* at = std::strchr(spec, '@');
+  if (!at || std::strncmp(spec, point, static_cast<size_t>(at - spec)) != 0 || std::strlen(point) != size_t(at - spec))
+    return;
+  if (std::atoi(at + 1) == g_world_rank) fatal(fmt("injected fault '%s' (SHARDLM_FAULT=%s)", point, spec));
+}
+
+}  // namespace shardlm

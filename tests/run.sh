@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# tests/run.sh — every CPU test suite, then one closing line "N passed, N failed".
+#
+# Called by `make test` (and `make test-gpu` with SHARDLM_TEST_GPU=1). Each suite
+# appends "passed failed name" to a results file (the test main reads
+# SHARDLM_TEST_RESULTS and SHARDLM_TEST_SUITE); a suite that crashes or times
+# out without writing its line counts as one failure. Exit status: 0 only when
+# nothing failed.
+set -u
+cd "$(dirname "$0")/.."
+BUILD=${BUILD:-build}
+MPIRUN=${MPIRUN:-mpirun}
+PYTHON=${PYTHON:-/usr/bin/python3}
+export PYTHON BUILD
+results="$BUILD/test-results.txt"
+: > "$results"
+
+if [ "$(id -u)" = 0 ]; then
+  export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+fi
+cores=$(nproc 2>/dev/null || echo 2)
+MPIRUN_FLAGS="--oversubscribe --bind-to none -x SHARDLM_TEST_RESULTS -x SHARDLM_TEST_SUITE -x OMP_NUM_THREADS"
+
+# run_suite NAME TIMEOUT CMD...: a suite that dies without reporting is one failure.
+run_suite() {
+  local name=$1 limit=$2
+  shift 2
+  local before
+  before=$(grep -c . "$results")
+  echo "== $name"
+  SHARDLM_TEST_RESULTS="$results" SHARDLM_TEST_SUITE="$name" timeout --kill-after=10 "$limit" "$@"
+  local rc=$?
+  if [ "$(grep -c . "$results")" = "$before" ]; then
+    echo "$name: no result (exit status $rc$([ $rc = 124 ] && echo ', timed out'))" >&2
+    echo "0 1 $name" >> "$results"
+  fi
+}
+
+threads_for() { local t=$(( cores / $1 )); [ $t -lt 1 ] && t=1; echo $t; }
+
+OMP_NUM_THREADS=$cores run_suite unit 900 "$BUILD/test_unit"
+for np in 1 2 4; do
+  OMP_NUM_THREADS=$(threads_for $np) run_suite "mpi-np$np" 900 \
+    $MPIRUN $MPIRUN_FLAGS -np $np "$BUILD/test_mpi"
+done
+# MPMD: two trainers and one receiver in one job; the role tests check the split.
+OMP_NUM_THREADS=1 run_suite "mpi-mpmd" 300 \
+  $MPIRUN $MPIRUN_FLAGS -np 2 "$BUILD/test_mpi" --test-suite=runtime : -np 1 "$BUILD/test_mpi" --test-suite=runtime
+
+# Script tests: each prints PASS/FAIL lines.
+for t in tests/scripts/*.sh; do
+  [ -e "$t" ] || continue
+  echo "== $t"
+  out=$(timeout 600 bash "$t" 2>&1); rc=$?
+  echo "$out"
+  p=$(grep -c '^PASS' <<< "$out"); f=$(grep -c '^FAIL' <<< "$out")
+  if [ $rc != 0 ] && [ "$f" = 0 ]; then f=1; fi
+  echo "$p $f $t" >> "$results"
+done
+
+passed=$(awk '{p+=$1} END {print p+0}' "$results")
+failed=$(awk '{f+=$2} END {print f+0}' "$results")
+if [ "$failed" != 0 ]; then
+  echo "failing suites:"; awk '$2 > 0 {print "  " $3 ": " $2 " failed"}' "$results"
+fi
+echo "$passed passed, $failed failed"
+[ "$failed" = 0 ]

@@ -1,0 +1,106 @@
+// test_cli.cpp — the shardlm binary as users run it: exit codes and messages,
+// singleton and mpirun launches, and abort-not-hang when one rank fails.
+#include <doctest/doctest.h>
+
+#include <sys/wait.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <string>
+
+#include "shardlm/cli.hpp"
+#include "shardlm/error.hpp"
+#include "run_command.hpp"
+
+using namespace shardlm;
+using shardlm_test::run;
+using shardlm_test::shardlm_bin;
+using shardlm_test::mpirun;
+
+TEST_SUITE("cli") {
+
+TEST_CASE("argument parsing: commands, --set forms, --world, errors") {
+  const char* a1[] = {"shardlm", "check", "d.toml", "--set", "optim.lr=1", "--set=run.seed=3", "--world", "4"};
+  CliArgs c = parse_cli(8, a1);
+  CHECK(c.command == "check");
+  CHECK(c.deck == "d.toml");
+  REQUIRE(c.overrides.size() == 2);
+  CHECK(c.overrides[1] == "run.seed=3");
+  CHECK(c.world == 4);
+  const char* a2[] = {"shardlm", "trian", "d.toml"};
+  CHECK_THROWS_WITH_AS(parse_cli(3, a2), doctest::Contains("unknown command 'trian'"), Error);
+  const char* a3[] = {"shardlm", "check", "d.toml", "--world", "zero"};
+  CHECK_THROWS_WITH_AS(parse_cli(5, a3), doctest::Contains("--world expects a positive integer, got 'zero'"), Error);
+  const char* a4[] = {"shardlm", "train"};
+  CHECK_THROWS_WITH_AS(parse_cli(2, a4), doctest::Contains("'train' needs a deck"), Error);
+  const char* a5[] = {"shardlm", "train", "d.toml", "--world", "2"};
+  CHECK_THROWS_WITH_AS(parse_cli(5, a5), doctest::Contains("unknown option '--world' for 'train'"), Error);
+}
+
+TEST_CASE("--version and --help") {
+  auto v = run(shardlm_bin() + " --version");
+  CHECK(v.status == 0);
+  CHECK(v.output.rfind("shardlm ", 0) == 0);
+  auto h = run(shardlm_bin() + " --help");
+  CHECK(h.status == 0);
+  CHECK(h.output.find("usage: shardlm train DECK") != std::string::npos);
+  auto bad = run(shardlm_bin() + " frobnicate");
+  CHECK(bad.status == 2);
+  CHECK(bad.output.find("unknown command 'frobnicate'") != std::string::npos);
+}
+
+TEST_CASE("check refuses fsdp_cpu_offload with a message naming optim_cpu_offload") {
+  auto r = run(shardlm_bin() + " check inputs/tiny-sft.toml --set model.fsdp_cpu_offload=true");
+  CHECK(r.status == 1);
+  CHECK(r.output.find("model.fsdp_cpu_offload was removed") != std::string::npos);
+  CHECK(r.output.find("model.optim_cpu_offload") != std::string::npos);
+}
+
+TEST_CASE("check reports an unknown key in a deck file with file, line and column") {
+  const auto dir = std::filesystem::temp_directory_path() / ("shardlm-cli-" + std::to_string(getpid()));
+  std::filesystem::create_directories(dir);
+  const auto deck = dir / "bad.toml";
+  std::FILE* f = std::fopen(deck.c_str(), "w");
+  REQUIRE(f);
+  std::fputs("[run]\nname = \"x\"\n\n[optim]\nlr = 1e-3\n  lr_schedul = \"cosine\"\n", f);
+  std::fclose(f);
+  auto r = run(shardlm_bin() + " check " + deck.string());
+  CHECK(r.status == 1);
+  CHECK(r.output.find(deck.string() + ":6:3: unknown key 'optim.lr_schedul' (did you mean 'optim.lr'?)") !=
+        std::string::npos);
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("check prints the resolved deck and exits 0; --world drives the batch check") {
+  auto ok = run(shardlm_bin() + " check inputs/tiny-sft.toml --world 4");
+  CHECK(ok.status == 0);
+  CHECK(ok.output.find("valid for 4 training ranks") != std::string::npos);
+  CHECK(ok.output.find("[optim]") != std::string::npos);
+  auto bad = run(shardlm_bin() + " check inputs/tiny-sft.toml --world 3");
+  CHECK(bad.status == 1);
+  CHECK(bad.output.find("data.global_batch = 8 must be a multiple of data.micro_batch x training ranks = 2 x 3 = 6") !=
+        std::string::npos);
+}
+
+TEST_CASE("train under mpirun -np 2 with a bad deck: one report, clean exit 1") {
+  auto r = run(mpirun(2) + shardlm_bin() + " train inputs/tiny-sft.toml --set optim.lr=-1", 120);
+  CHECK(r.status == 1);
+  CHECK(r.output.find("optim.lr = -1 is out of range") != std::string::npos);
+  // printed once, not once per rank
+  CHECK(r.output.find("optim.lr = -1") == r.output.rfind("optim.lr = -1"));
+}
+
+TEST_CASE("a fatal error on one rank aborts the whole job with one message, never a hang") {
+  auto r = run("SHARDLM_FAULT=startup@1 " + mpirun(2) + "-x SHARDLM_FAULT " + shardlm_bin() +
+                   " train inputs/tiny-sft.toml --set run.dir=" +
+                   (std::filesystem::temp_directory_path() / "shardlm-abort").string(),
+               60);
+  CHECK(r.status != 0);
+  CHECK(r.status != 124);  // 124: the timeout fired, i.e. the job hung
+  CHECK(r.output.find("shardlm: error on rank 1 of 2") != std::string::npos);
+  CHECK(r.output.find("injected fault 'startup'") != std::string::npos);
+  CHECK(r.output.find("error on rank 0") == std::string::npos);
+}
+
+}  // TEST_SUITE

@@ -1,0 +1,200 @@
+// test_config.cpp — the deck: parsing, every validation error, overrides, echo.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <string>
+
+#include "shardlm/config.hpp"
+
+using namespace shardlm;
+
+namespace {
+
+const char* kValid = R"(
+[run]
+name = "t"
+dir = "runs/t"
+max_steps = 10
+[model]
+vocab_size = 258
+hidden_size = 64
+intermediate_size = 176
+num_layers = 2
+num_heads = 4
+num_kv_heads = 2
+[data]
+path = "inputs/data/tiny.h5"
+seq_len = 64
+micro_batch = 2
+global_batch = 8
+)";
+
+DeckResult parse(const std::string& text, std::vector<std::string> sets = {}, int world = 1) {
+  return parse_deck_text(text, "deck.toml", sets, world);
+}
+
+std::string only_error(const DeckResult& r) {
+  REQUIRE(r.errors.size() == 1);
+  return r.errors[0];
+}
+
+}  // namespace
+
+TEST_SUITE("config") {
+
+TEST_CASE("a valid deck parses with its values and the defaults") {
+  DeckResult r = parse(kValid);
+  REQUIRE(r.ok());
+  CHECK(r.config.run.name == "t");
+  CHECK(r.config.run.max_steps == 10);
+  CHECK(r.config.model.arch.hidden_size == 64);
+  CHECK(r.config.model.arch.head_dim == 16);        // derived: hidden / heads
+  CHECK(r.config.optim.name == "adamw");            // default
+  CHECK(r.config.optim.lr == doctest::Approx(3e-4));
+  CHECK(r.config.model.reshard_after_forward == true);
+  CHECK(r.config.data.global_batch == 8);
+}
+
+TEST_CASE("unknown key: file, line, column and a did-you-mean hint") {
+  std::string text = std::string(kValid) + "[optim]\nlr = 1e-3\nlr_schedul = \"cosine\"\n";
+  const std::string e = only_error(parse(text));
+  CHECK(e == "deck.toml:20:1: unknown key 'optim.lr_schedul' (did you mean 'optim.lr'?)");
+}
+
+TEST_CASE("a key under the wrong section points to the right one") {
+  const std::string e = only_error(parse(std::string(kValid) + "[optim]\nwarmup = 10\n"));
+  CHECK(e == "deck.toml:19:1: unknown key 'optim.warmup' (did you mean 'sched.warmup'?)");
+}
+
+TEST_CASE("misspelled key and section get hints; a far-off key gets none") {
+  CHECK(only_error(parse(std::string(kValid) + "[optim]\nweight_decy = 0.1\n")) ==
+        "deck.toml:19:1: unknown key 'optim.weight_decy' (did you mean 'optim.weight_decay'?)");
+  CHECK(only_error(parse(std::string(kValid) + "[optimizer]\nlr = 0.1\n")) ==
+        "deck.toml:18:2: unknown section 'optimizer'");
+  CHECK(only_error(parse(std::string(kValid) + "[shced]\nwarmup = 1\n")) ==
+        "deck.toml:18:2: unknown section 'shced' (did you mean 'sched'?)");
+  CHECK(only_error(parse(std::string(kValid) + "[log]\nzzzzzz = 1\n")) ==
+        "deck.toml:19:1: unknown key 'log.zzzzzz'");
+}
+
+TEST_CASE("fsdp_cpu_offload is refused and the message names optim_cpu_offload") {
+  for (const char* v : {"true", "false"}) {
+    const std::string e = only_error(parse(kValid, {std::string("model.fsdp_cpu_offload=") + v}));
+    CHECK(e.find("--set model.fsdp_cpu_offload=") == 0);
+    CHECK(e.find("was removed") != std::string::npos);
+    CHECK(e.find("model.optim_cpu_offload") != std::string::npos);
+  }
+  std::string text = kValid;
+  text.replace(text.find("num_kv_heads = 2"), 16, "num_kv_heads = 2\nfsdp_cpu_offload = true");
+  const std::string in_file = only_error(parse(text));
+  CHECK(in_file.rfind("deck.toml:13:1: model.fsdp_cpu_offload was removed", 0) == 0);
+  CHECK(in_file.find("model.optim_cpu_offload") != std::string::npos);
+}
+
+TEST_CASE("wrong types name the key, the value and what is accepted") {
+  CHECK(only_error(parse(kValid, {"optim.lr=\"fast\""})) ==
+        "--set optim.lr=\"fast\": optim.lr = \"fast\" has the wrong type: expected a number");
+  CHECK(only_error(parse(kValid, {"run.max_steps=1.5"})) ==
+        "--set run.max_steps=1.5: run.max_steps = 1.5 has the wrong type: expected an integer");
+  CHECK(only_error(parse(kValid, {"run.deterministic=1"})) ==
+        "--set run.deterministic=1: run.deterministic = 1 has the wrong type: expected a boolean (true or false)");
+  CHECK(only_error(parse(kValid, {"optim.lr=abc"})) ==
+        "--set optim.lr=abc: 'abc' is not a valid TOML value (optim.lr expects a number)");
+}
+
+TEST_CASE("out-of-range values and unknown choices") {
+  CHECK(only_error(parse(kValid, {"optim.lr=-1"})) ==
+        "--set optim.lr=-1: optim.lr = -1 is out of range: it must be > 0");
+  CHECK(only_error(parse(kValid, {"optim.beta2=1.5"})) ==
+        "--set optim.beta2=1.5: optim.beta2 = 1.5 is out of range: it must be between 0 and 0.999999");
+  CHECK(only_error(parse(kValid, {"data.seq_len=1"})) ==
+        "--set data.seq_len=1: data.seq_len = 1 is out of range: it must be >= 2");
+  CHECK(only_error(parse(kValid, {"optim.name=adam"})) ==
+        "--set optim.name=adam: optim.name = \"adam\" is not accepted: it must be one of \"adamw\", \"sgd\", \"muon\"");
+}
+
+TEST_CASE("features not built yet are refused, never ignored") {
+  CHECK(only_error(parse(kValid, {"optim.name=muon"})) ==
+        "--set optim.name=muon: optim.name = \"muon\" is not implemented yet");
+  CHECK(only_error(parse(kValid, {"broadcast.dir=/tmp/x"})) ==
+        "--set broadcast.dir=/tmp/x: broadcast.dir is not implemented yet");
+  CHECK(only_error(parse(kValid, {"model.optim_cpu_offload=true"})) ==
+        "deck.toml: model.optim_cpu_offload = true is not implemented yet");
+}
+
+TEST_CASE("cross-field checks run before any work") {
+  CHECK(only_error(parse(kValid, {}, 3)) ==
+        "deck.toml: data.global_batch = 8 must be a multiple of data.micro_batch x training ranks = 2 x 3 = 6");
+  CHECK(parse(kValid, {}, 4).ok());
+  CHECK(only_error(parse(kValid, {"model.num_kv_heads=3"})) ==
+        "deck.toml: model.num_heads = 4 is not a multiple of model.num_kv_heads = 3");
+  CHECK(only_error(parse(kValid, {"sched.warmup=20"})) == "deck.toml: sched.warmup = 20 is longer than run.max_steps = 10");
+  CHECK(only_error(parse(kValid, {"sched.min_lr=1"})) == "deck.toml: sched.min_lr = 1 is larger than optim.lr = 0.0003");
+  CHECK(only_error(parse(kValid, {"data.path="})) ==
+        "deck.toml: data.path is not set: SFT needs a token file (see docs/data.md)");
+  CHECK(only_error(parse(kValid, {"model.max_position_embeddings=32"})) ==
+        "deck.toml: data.seq_len = 64 is larger than model.max_position_embeddings = 32");
+}
+
+TEST_CASE("a deck without model sizes says which one is missing") {
+  CHECK(only_error(parse("[data]\npath = \"x.h5\"\n")).find("model.vocab_size is not set") != std::string::npos);
+}
+
+TEST_CASE("--set overrides: TOML values, unquoted strings, new sections, order") {
+  DeckResult r = parse(kValid, {"optim.lr=3e-4", "run.dir=runs/a", "run.name=\"quoted\"", "sched.name=cosine",
+                                "run.seed=7", "run.seed=8", "run.deterministic=true", "log.interval=5"});
+  REQUIRE(r.ok());
+  CHECK(r.config.optim.lr == doctest::Approx(3e-4));
+  CHECK(r.config.run.dir == "runs/a");
+  CHECK(r.config.run.name == "quoted");
+  CHECK(r.config.sched.name == "cosine");
+  CHECK(r.config.run.seed == 8);  // the last override wins
+  CHECK(r.config.run.deterministic);
+  CHECK(r.config.log.interval == 5);
+  CHECK(parse(kValid, {"run.name=123"}).config.run.name == "123");  // string key: the text as given
+  CHECK(only_error(parse(kValid, {"optim.lr"})) == "--set optim.lr: expected section.key=value (e.g. --set optim.lr=3e-4)");
+  CHECK(only_error(parse(kValid, {"lr=3"})) == "--set lr=3: 'lr' is not of the form section.key");
+}
+
+TEST_CASE("TOML syntax errors carry file, line and column") {
+  const std::string e = only_error(parse("[run]\nname = \"unterminated\n"));
+  CHECK(e.rfind("deck.toml:2:", 0) == 0);
+}
+
+TEST_CASE("a missing deck file is named") {
+  DeckResult r = parse_deck("/nonexistent/deck.toml", {}, 1);
+  REQUIRE(r.errors.size() == 1);
+  CHECK(r.errors[0] == "/nonexistent/deck.toml: cannot open the deck (does the file exist and is it readable?)");
+}
+
+TEST_CASE("errors come in deck order and all of them at once") {
+  DeckResult r = parse("[run]\nmax_steps = -1\n[optim]\nlr = \"x\"\nbogus = 1\n");
+  REQUIRE(r.errors.size() == 3);
+  CHECK(r.errors[0].rfind("deck.toml:2:", 0) == 0);
+  CHECK(r.errors[1].rfind("deck.toml:4:", 0) == 0);
+  CHECK(r.errors[2].rfind("deck.toml:5:", 0) == 0);
+}
+
+TEST_CASE("the resolved deck parses back to the same config") {
+  DeckResult r = parse(kValid, {"optim.lr=1.25e-3", "run.seed=99", "sched.name=linear"});
+  REQUIRE(r.ok());
+  const std::string echo = resolved_deck(r.config);
+  DeckResult back = parse_deck_text(echo, "config.toml", {}, 1);
+  for (const auto& e : back.errors) MESSAGE(e);
+  REQUIRE(back.ok());
+  CHECK(back.config.optim.lr == r.config.optim.lr);
+  CHECK(back.config.run.seed == 99);
+  CHECK(back.config.sched.name == "linear");
+  CHECK(back.config.model.arch.head_dim == 16);
+  const std::string again = resolved_deck(back.config);
+  CHECK(again.substr(again.find('\n')) == echo.substr(echo.find('\n')));  // all but the header line
+}
+
+TEST_CASE("every key the project relies on exists") {
+  const auto keys = known_keys();
+  for (const char* k : {"run.dir", "run.name", "run.seed", "run.max_steps", "run.deterministic", "optim.name",
+                        "optim.lr", "model.optim_cpu_offload", "ckpt.interval", "ckpt.resume", "log.interval"})
+    CHECK_MESSAGE(std::find(keys.begin(), keys.end(), k) != keys.end(), k);
+}
+
+}  // TEST_SUITE
