@@ -74,7 +74,7 @@ const std::vector<KeySpec>& key_table() {
       key("run.deterministic", Type::Bool, FIELD(run.deterministic)),
       at_least(key("run.max_bad_steps", Type::Int, FIELD(run.max_bad_steps)), 1),
 
-      not_implemented(key("model.hf", Type::String, FIELD(model.hf))),
+      key("model.hf", Type::String, FIELD(model.hf)),
       one_of(key("model.arch", Type::String, FIELD(model.arch.arch)), {"llama", "qwen2", "qwen3"}),
       positive(key("model.vocab_size", Type::Int, FIELD(model.arch.vocab_size))),
       positive(key("model.hidden_size", Type::Int, FIELD(model.arch.hidden_size))),
@@ -98,7 +98,7 @@ const std::vector<KeySpec>& key_table() {
       positive(key("model.init_std", Type::Float, FIELD(model.init_std))),
       key("model.optim_cpu_offload", Type::Bool, FIELD(model.optim_cpu_offload)),
       one_of(key("model.activation_checkpointing", Type::String, FIELD(model.activation_checkpointing)),
-             {"none", "full"}, {"full"}),
+             {"none", "full"}),
       key("model.reshard_after_forward", Type::Bool, FIELD(model.reshard_after_forward)),
       one_of(key("model.reduce_dtype", Type::String, FIELD(model.reduce_dtype)), {"fp32", "bf16"}, {"bf16"}),
 

@@ -9,8 +9,13 @@
 #include <string>
 
 #include "shardlm/cli.hpp"
+#include "shardlm/comm.hpp"
 #include "shardlm/config.hpp"
+#include "shardlm/engine.hpp"
+#include "shardlm/memory.hpp"
+#include "shardlm/metrics.hpp"
 #include "shardlm/runtime.hpp"
+#include "shardlm/train.hpp"
 
 #ifndef SHARDLM_VERSION
 #define SHARDLM_VERSION "0.0.0"
@@ -73,8 +78,13 @@ int cmd_check(const Runtime& rt, const CliArgs& args) {
   const int world = args.world > 0 ? args.world : rt.num_trainers;
   if (!load_deck(rt, args, world, config)) return 1;
   if (rt.world_rank == 0) {
-    std::printf("%s: valid for %d training rank%s\n\n%s", args.deck.c_str(), world, world == 1 ? "" : "s",
-                resolved_deck(config).c_str());
+    const ModelConfig arch = model_config_for(config);
+    const ModelLayout layout(arch, world);
+    const MemoryPlan plan = plan_memory(arch, world, engine_options_for(config), config.optim.name == "adamw" ? 2 : 1);
+    std::printf("%s: valid for %d training rank%s\n\n%s\nmodel: %s, %lld parameters (%lld in matmuls)\n%s",
+                args.deck.c_str(), world, world == 1 ? "" : "s", resolved_deck(config).c_str(), arch.arch.c_str(),
+                (long long)layout.parameter_count(), (long long)layout.matmul_parameter_count(),
+                format_memory_plan(plan, world).c_str());
     std::fflush(stdout);
   }
   return 0;
@@ -87,7 +97,32 @@ int cmd_train(Runtime& rt, const CliArgs& args) {
   select_device(rt, config.device.backend);
   print_banner(rt, config);
   write_run_dir(rt, config);
-  if (rt.role == Role::Receive) return 0;  // receivers arrive with the RL weight broadcast
+  SHARDLM_CHECK(rt.role == Role::Train, "this rank was launched as a receiver (MPI_APPNUM = %d), but the weight "
+                                        "broadcast to receivers is not implemented yet", rt.appnum);
+  auto comm = make_mpi_comm(rt.role_comm);
+
+  // model, shards, init; data; optimizer; engine
+  TrainSession session(config, *comm);
+  Metrics metrics(config, comm->rank() == 0);
+  if (comm->rank() == 0) {
+    const ModelLayout& layout = session.model.layout;
+    std::printf("model %s: %lld parameters, %d layers, hidden %lld | data %s: %lld documents, %lld tokens\n",
+                layout.config.arch.c_str(), (long long)layout.parameter_count(), layout.num_layers(),
+                (long long)layout.config.hidden_size, config.data.path.c_str(), (long long)session.data.documents(),
+                (long long)session.data.total_tokens());
+    std::fflush(stdout);
+  }
+
+  for (int64_t step = 0; step < config.run.max_steps; ++step) {
+    const StepStats stats = session.step(step);  // batch, forward, loss, backward, clip, optimizer
+    metrics.log(stats);
+  }
+
+  int64_t peak = host_memory().total_peak;
+  MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &peak, 1, MPI_INT64_T, MPI_MAX, rt.role_comm));
+  metrics.summary(plan_memory(session.model.layout.config, comm->size(), engine_options_for(config),
+                              session.optimizer.states()),
+                  peak, session.bad_steps_total);
   if (rt.world_rank == 0) std::printf("done: outputs in %s\n", config.run.dir.c_str());
   return 0;
 }

@@ -39,7 +39,7 @@ run_suite() {
 threads_for() { local t=$(( cores / $1 )); [ $t -lt 1 ] && t=1; echo $t; }
 
 OMP_NUM_THREADS=$cores run_suite unit 900 "$BUILD/test_unit"
-for np in 1 2 4; do
+for np in 1 2 3 4; do
   OMP_NUM_THREADS=$(threads_for $np) run_suite "mpi-np$np" 900 \
     $MPIRUN $MPIRUN_FLAGS -np $np "$BUILD/test_mpi"
 done

@@ -26,7 +26,8 @@ have_cmd g++ || need g++
 have_cmd h5dump || need hdf5-tools
 have_pc tomlplusplus || [ -f /usr/include/toml++/toml.h ] || need libtomlplusplus-dev
 [ -f /usr/include/doctest/doctest.h ] || [ -n "${DOCTEST_DIR:-}" ] || need doctest-dev
-[ -n "${BLAS_LIBS:-}" ] || have_pc openblas || need libopenblas-dev
+# OpenBLAS on OpenMP (not pthreads): it shares shardlm's OpenMP threads.
+[ -n "${BLAS_LIBS:-}" ] || ls /usr/lib/*/openblas-openmp/pkgconfig/openblas.pc >/dev/null 2>&1 || need libopenblas-openmp-dev
 have_pc nlohmann_json || [ -f /usr/include/nlohmann/json.hpp ] || need nlohmann-json3-dev
 /usr/bin/python3 -c 'import h5py, numpy' >/dev/null 2>&1 || need python3-h5py python3-numpy
 

@@ -1,0 +1,47 @@
+// comm.hpp — the collectives sharded training needs, behind one interface.
+//
+// Owns: Comm (all_gather, reduce_scatter, all_reduce, broadcast, barrier; the two
+// big ones asynchronous) and its MPI implementation for host buffers. The NCCL
+// implementation (src/cuda/) takes device buffers only. Knows nothing about the
+// model: it moves counted floats between ranks.
+#pragma once
+
+#include <mpi.h>
+
+#include <cstdint>
+#include <memory>
+
+namespace shardlm {
+
+// A collective in flight; wait() completes it (a no-op when already done).
+class CommRequest {
+ public:
+  CommRequest() = default;
+  explicit CommRequest(MPI_Request r) : request_(r) {}
+  void wait();
+  bool pending() const { return request_ != MPI_REQUEST_NULL; }
+
+ private:
+  MPI_Request request_ = MPI_REQUEST_NULL;
+};
+
+class Comm {
+ public:
+  virtual ~Comm() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  // full(size * count) <- every rank's shard(count), in rank order.
+  virtual CommRequest all_gather(const float* shard, float* full, int64_t count) = 0;
+  // shard(count) <- sum over ranks of full[rank * count, (rank + 1) * count).
+  virtual CommRequest reduce_scatter(const float* full, float* shard, int64_t count) = 0;
+  virtual void all_reduce_sum(double* values, int64_t count) = 0;
+  virtual void all_reduce_sum(int64_t* values, int64_t count) = 0;
+  virtual void broadcast(void* bytes, int64_t count, int root) = 0;
+  virtual void barrier() = 0;
+};
+
+// MPI over an existing communicator (not owned). Reductions use MPI's fixed
+// algorithm for a given size, so results are reproducible run to run.
+std::unique_ptr<Comm> make_mpi_comm(MPI_Comm comm);
+
+}  // namespace shardlm

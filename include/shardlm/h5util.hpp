@@ -1,0 +1,104 @@
+// h5util.hpp — small HDF5 helpers shared by the data reader and the checkpoint.
+//
+// Owns: H5_CHECK (every HDF5 call goes through it: call text, file:line and the
+// innermost message of HDF5's error stack in one shardlm::Error), h5::Handle
+// (RAII for hid_t), h5::silence_error_stack(), h5::dtype_name(). Knows nothing
+// about MPI, datasets' meaning or shardlm types other than Error.
+#pragma once
+
+#include <hdf5.h>
+
+#include <string>
+#include <utility>
+
+#include "shardlm/error.hpp"
+
+namespace shardlm::h5 {
+
+// HDF5 prints its whole error stack to stderr on every failure by default; we
+// turn that off and put the one useful line into our own message instead.
+// Affects the default error stack of the calling thread (the whole process in
+// a non-threadsafe build); call it once before the first HDF5 call.
+inline void silence_error_stack() { H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr); }
+
+// The innermost (most specific) description on the current error stack, or "".
+inline std::string error_stack_message() {
+  std::string innermost;
+  auto keep_first = [](unsigned n, const H5E_error2_t* err, void* out) -> herr_t {
+    if (n == 0 && err->desc) *static_cast<std::string*>(out) = err->desc;
+    return 0;
+  };
+  H5Ewalk2(H5E_DEFAULT, H5E_WALK_UPWARD, keep_first, &innermost);
+  return innermost;
+}
+
+// HDF5 calls report failure with a negative hid_t / herr_t / htri_t.
+template <class T>
+T check(T result, const char* call, const char* file, int line) {
+  if (result < 0) {
+    std::string detail = error_stack_message();
+    H5Eclear2(H5E_DEFAULT);
+    throw Error(fmt("HDF5 call %s failed at %s:%d%s%s", call, file, line,
+                    detail.empty() ? "" : ": ", detail.c_str()));
+  }
+  return result;
+}
+
+// Owns one hid_t and closes it with the matching H5?close. Declare the file
+// handle first so that objects inside it are closed before it.
+class Handle {
+ public:
+  using Closer = herr_t (*)(hid_t);
+  Handle() = default;
+  Handle(hid_t id, Closer close) : id_(id), close_(close) {}
+  Handle(const Handle&) = delete;
+  Handle& operator=(const Handle&) = delete;
+  Handle(Handle&& other) noexcept
+      : id_(std::exchange(other.id_, H5I_INVALID_HID)), close_(other.close_) {}
+  Handle& operator=(Handle&& other) noexcept {
+    if (this != &other) {
+      reset();
+      id_ = std::exchange(other.id_, H5I_INVALID_HID);
+      close_ = other.close_;
+    }
+    return *this;
+  }
+  ~Handle() { reset(); }
+
+  hid_t get() const { return id_; }
+  operator hid_t() const { return id_; }  // NOLINT: pass straight to H5 calls
+  void reset() {
+    // A close failing in a destructor has nowhere to go; the id is gone either way.
+    if (id_ >= 0 && close_) close_(id_);
+    id_ = H5I_INVALID_HID;
+  }
+
+ private:
+  hid_t id_ = H5I_INVALID_HID;
+  Closer close_ = nullptr;
+};
+
+// numpy-style name of an HDF5 datatype for messages: "int32", "uint8",
+// "float64", "string", "compound", ...
+inline std::string dtype_name(hid_t type) {
+  const H5T_class_t cls = H5Tget_class(type);
+  const size_t bits = H5Tget_size(type) * 8;
+  switch (cls) {
+    case H5T_INTEGER:
+      return fmt("%sint%zu", H5Tget_sign(type) == H5T_SGN_NONE ? "u" : "", bits);
+    case H5T_FLOAT: return fmt("float%zu", bits);
+    case H5T_STRING: return "string";
+    case H5T_BITFIELD: return fmt("bitfield%zu", bits);
+    case H5T_OPAQUE: return "opaque";
+    case H5T_COMPOUND: return "compound";
+    case H5T_REFERENCE: return "reference";
+    case H5T_ENUM: return "enum";
+    case H5T_VLEN: return "vlen";
+    case H5T_ARRAY: return "array";
+    default: return "unknown";
+  }
+}
+
+}  // namespace shardlm::h5
+
+#define H5_CHECK(call) ::shardlm::h5::check((call), #call, __FILE__, __LINE__)

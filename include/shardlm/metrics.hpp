@@ -1,0 +1,39 @@
+// metrics.hpp — what a run reports: progress lines, metrics.jsonl, the summary.
+//
+// Owns: the rank-0 progress line every log.interval steps, <run.dir>/<log.jsonl>
+// (one JSON object per logged step), and the closing summary with peak memory
+// next to the plan. Knows nothing about how a step is computed.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <string>
+
+#include "shardlm/config.hpp"
+#include "shardlm/engine.hpp"
+#include "shardlm/train.hpp"
+
+namespace shardlm {
+
+class Metrics {
+ public:
+  Metrics(const Config& config, bool writer);  // writer: rank 0 of the trainers
+  ~Metrics();
+  void log(const StepStats& s);
+  void summary(const MemoryPlan& plan, int64_t peak_bytes_max_rank, int64_t bad_steps);
+
+ private:
+  const Config& config_;
+  bool writer_;
+  std::FILE* jsonl_ = nullptr;
+  std::chrono::steady_clock::time_point start_;
+  int64_t tokens_total_ = 0;
+  int64_t steps_done_ = 0;
+  double window_time_s_ = 0;
+  int64_t window_tokens_ = 0;
+  double first_loss_ = 0, last_loss_ = 0;
+  int64_t first_logged_step_ = -1;
+};
+
+}  // namespace shardlm

@@ -1,0 +1,83 @@
+// model.hpp — the model as units of named parameters, laid out in flat buffers.
+//
+// Owns: ModelLayout (units embed, layers.0 .. layers.L-1, head; each a table of
+// (HF name, shape, offset) into one flat buffer padded to split evenly over the
+// ranks), the per-layer weight views, and the seeded initial value of every
+// element. Knows nothing about MPI, devices, optimizers or files: sharding uses
+// the layout's sizes, HF loading and checkpoints use its names and offsets.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "shardlm/model_config.hpp"
+
+namespace shardlm {
+
+enum class ParamKind { Embedding, Matrix, Norm, Bias };
+
+struct ParamInfo {
+  std::string name;              // Hugging Face name, e.g. model.layers.3.self_attn.q_proj.weight
+  std::vector<int64_t> shape;
+  int64_t offset = 0;            // elements from the start of the unit's flat buffer
+  int64_t numel = 0;
+  ParamKind kind = ParamKind::Matrix;
+  bool weight_decay() const { return kind == ParamKind::Matrix || kind == ParamKind::Embedding; }
+};
+
+enum class UnitKind { Embed, Layer, Head };
+
+struct Unit {
+  std::string name;              // "embed", "layers.3", "head"
+  UnitKind kind = UnitKind::Layer;
+  int layer = -1;                // for layers
+  std::vector<ParamInfo> params;
+  int64_t numel = 0;             // sum of the parameters
+  int64_t padded_numel = 0;      // numel rounded up to world * kShardAlign
+  int64_t shard_numel = 0;       // padded_numel / world: what each rank owns
+  // Rank r owns elements [r * shard_numel, (r + 1) * shard_numel) of the flat buffer.
+  const ParamInfo& param(const std::string& suffix) const;  // by name suffix ("q_proj.weight")
+  const ParamInfo* find_param(const std::string& suffix) const;
+};
+
+// Shards start on this many elements (256 B of fp32, 128 B of bf16).
+constexpr int64_t kShardAlign = 64;
+
+struct ModelLayout {
+  ModelConfig config;
+  int world = 1;
+  std::vector<Unit> units;       // embed, layers.0 .. layers.{L-1}, head
+
+  ModelLayout(const ModelConfig& config, int world);
+  const Unit& embed() const { return units.front(); }
+  const Unit& head() const { return units.back(); }
+  const Unit& layer(int i) const { return units[1 + i]; }
+  int num_layers() const { return static_cast<int>(config.num_layers); }
+
+  int64_t parameter_count() const;        // logical parameters (tied weights once)
+  int64_t matmul_parameter_count() const; // weights used in matmuls, lm-head included (MFU's N)
+  // Every parameter with its unit, in unit order (checkpoints, export, loading).
+  struct Located { const Unit* unit; const ParamInfo* param; };
+  std::vector<Located> all_params() const;
+  const Located find(const std::string& name) const;  // unit == nullptr when absent
+};
+
+// Pointers to one layer's weights inside a gathered unit buffer (nullptr where
+// the architecture has no such parameter).
+template <class T>
+struct LayerWeights {
+  T *input_norm, *wq, *wk, *wv, *bq, *bk, *bv, *wo, *q_norm, *k_norm;
+  T *post_norm, *w_gate, *w_up, *w_down;
+};
+template <class T>
+LayerWeights<T> layer_weights(const Unit& unit, T* base);
+
+// The initial value of element `index` of parameter `p`: a pure function of
+// (seed, name, index), so every rank fills its own slice and any world size
+// builds the same model. Norm weights 1, biases 0, the rest N(0, std).
+float init_value(uint64_t seed, const ParamInfo& p, int64_t index, double std);
+// Fills out[0, count) with elements [begin, begin + count) of `p`.
+void init_range(uint64_t seed, const ParamInfo& p, int64_t begin, int64_t count, double std, float* out);
+
+}  // namespace shardlm

@@ -1,0 +1,55 @@
+// train.hpp — everything one training run holds, and one optimizer step.
+//
+// Owns: TrainSession (data, sharded model, optimizer, engine: all state in one
+// place) and step(), the phases of one step in order: batch, forward / loss /
+// backward per micro-batch, global-norm clipping, optimizer. Knows the Comm it
+// is given (the trainer ranks), not MPI_COMM_WORLD, so tests can run it on
+// sub-communicators of any size.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include "shardlm/comm.hpp"
+#include "shardlm/config.hpp"
+#include "shardlm/data.hpp"
+#include "shardlm/engine.hpp"
+#include "shardlm/optim.hpp"
+#include "shardlm/shard.hpp"
+
+namespace shardlm {
+
+struct StepStats {
+  int64_t step = 0;            // 0-based
+  double loss = 0;             // mean NLL over the step's loss tokens (all ranks)
+  double grad_norm = 0;        // before clipping
+  double lr = 0;
+  int64_t tokens = 0;          // non-padding tokens in the step (all ranks)
+  int64_t loss_tokens = 0;
+  bool skipped = false;        // NaN/Inf: no update
+  double step_time_s = 0;
+};
+
+// The model's architecture for a deck: model.hf's config.json, else the deck's sizes.
+ModelConfig model_config_for(const Config& config);
+EngineOptions engine_options_for(const Config& config);
+
+struct TrainSession {
+  Config config;
+  Comm& comm;
+  ModelConfig arch;            // model.hf's config.json or the deck's sizes
+  TokenDataset data;
+  ShardedModel model;
+  Optimizer optimizer;
+  Engine engine;
+  MicroBatch micro;            // reused every micro-batch
+  int64_t bad_steps_in_a_row = 0;
+  int64_t bad_steps_total = 0;
+
+  TrainSession(const Config& config, Comm& comm);
+  StepStats step(int64_t step);
+};
+
+TokenBatch token_batch(const MicroBatch& mb);
+
+}  // namespace shardlm

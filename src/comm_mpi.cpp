@@ -1,0 +1,59 @@
+// comm_mpi.cpp — Comm over MPI for host buffers.
+#include <climits>
+
+#include "shardlm/comm.hpp"
+#include "shardlm/runtime.hpp"
+
+namespace shardlm {
+
+void CommRequest::wait() {
+  if (request_ != MPI_REQUEST_NULL) MPI_CHECK(MPI_Wait(&request_, MPI_STATUS_IGNORE));
+}
+
+namespace {
+
+int as_count(int64_t n) {
+  SHARDLM_CHECK(n >= 0 && n <= INT_MAX, "a collective of %lld elements exceeds MPI's int count", (long long)n);
+  return static_cast<int>(n);
+}
+
+class MpiComm final : public Comm {
+ public:
+  explicit MpiComm(MPI_Comm comm) : comm_(comm) {
+    MPI_CHECK(MPI_Comm_rank(comm_, &rank_));
+    MPI_CHECK(MPI_Comm_size(comm_, &size_));
+  }
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+
+  CommRequest all_gather(const float* shard, float* full, int64_t count) override {
+    MPI_Request r;
+    MPI_CHECK(MPI_Iallgather(shard, as_count(count), MPI_FLOAT, full, as_count(count), MPI_FLOAT, comm_, &r));
+    return CommRequest(r);
+  }
+  CommRequest reduce_scatter(const float* full, float* shard, int64_t count) override {
+    MPI_Request r;
+    MPI_CHECK(MPI_Ireduce_scatter_block(full, shard, as_count(count), MPI_FLOAT, MPI_SUM, comm_, &r));
+    return CommRequest(r);
+  }
+  void all_reduce_sum(double* values, int64_t count) override {
+    MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, values, as_count(count), MPI_DOUBLE, MPI_SUM, comm_));
+  }
+  void all_reduce_sum(int64_t* values, int64_t count) override {
+    MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, values, as_count(count), MPI_INT64_T, MPI_SUM, comm_));
+  }
+  void broadcast(void* bytes, int64_t count, int root) override {
+    MPI_CHECK(MPI_Bcast(bytes, as_count(count), MPI_BYTE, root, comm_));
+  }
+  void barrier() override { MPI_CHECK(MPI_Barrier(comm_)); }
+
+ private:
+  MPI_Comm comm_;
+  int rank_ = 0, size_ = 1;
+};
+
+}  // namespace
+
+std::unique_ptr<Comm> make_mpi_comm(MPI_Comm comm) { return std::make_unique<MpiComm>(comm); }
+
+}  // namespace shardlm

@@ -1,0 +1,75 @@
+// metrics.cpp — progress lines, metrics.jsonl and the run summary.
+#include "shardlm/metrics.hpp"
+
+#include <filesystem>
+
+#include "shardlm/error.hpp"
+#include "shardlm/memory.hpp"
+
+namespace shardlm {
+namespace {
+
+std::string clock_text(double seconds) {
+  const long s = static_cast<long>(seconds + 0.5);
+  return fmt("%ld:%02ld:%02ld", s / 3600, (s / 60) % 60, s % 60);
+}
+
+}  // namespace
+
+Metrics::Metrics(const Config& config, bool writer)
+    : config_(config), writer_(writer), start_(std::chrono::steady_clock::now()) {
+  if (!writer_) return;
+  const auto path = std::filesystem::path(config.run.dir) / config.log.jsonl;
+  jsonl_ = std::fopen(path.c_str(), "w");
+  SHARDLM_CHECK(jsonl_, "cannot open %s for writing", path.c_str());
+}
+
+Metrics::~Metrics() {
+  if (jsonl_) std::fclose(jsonl_);
+}
+
+void Metrics::log(const StepStats& s) {
+  tokens_total_ += s.tokens;
+  window_tokens_ += s.tokens;
+  window_time_s_ += s.step_time_s;
+  ++steps_done_;
+  if (first_logged_step_ < 0) first_logged_step_ = s.step, first_loss_ = s.loss;
+  last_loss_ = s.loss;
+  const int64_t step1 = s.step + 1;
+  if (!writer_ || (step1 % config_.log.interval != 0 && step1 != config_.run.max_steps)) return;
+
+  const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+  const double tok_s = window_time_s_ > 0 ? static_cast<double>(window_tokens_) / window_time_s_ : 0.0;
+  const double eta = steps_done_ > 0 ? elapsed / static_cast<double>(steps_done_) *
+                                           static_cast<double>(config_.run.max_steps - step1)
+                                     : 0.0;
+  const int64_t peak = host_memory().total_peak;
+  std::printf("step %6lld/%lld | loss %.4f | grad norm %.4f | lr %.3e | %.0f tok/s | elapsed %s | eta %s%s\n",
+              (long long)step1, (long long)config_.run.max_steps, s.loss, s.grad_norm, s.lr, tok_s,
+              clock_text(elapsed).c_str(), clock_text(eta).c_str(), s.skipped ? " | SKIPPED (NaN/Inf)" : "");
+  std::fflush(stdout);
+  std::fprintf(jsonl_,
+               "{\"step\": %lld, \"loss\": %.9g, \"grad_norm\": %.9g, \"lr\": %.9g, \"tokens\": %lld, "
+               "\"loss_tokens\": %lld, \"tokens_per_s\": %.6g, \"step_time_s\": %.6g, \"mem_peak_bytes\": %lld, "
+               "\"skipped\": %s}\n",
+               (long long)step1, s.loss, s.grad_norm, s.lr, (long long)tokens_total_, (long long)s.loss_tokens,
+               tok_s, s.step_time_s, (long long)peak, s.skipped ? "true" : "false");
+  std::fflush(jsonl_);
+  window_tokens_ = 0;
+  window_time_s_ = 0;
+}
+
+void Metrics::summary(const MemoryPlan& plan, int64_t peak_bytes_max_rank, int64_t bad_steps) {
+  if (!writer_) return;
+  const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+  std::printf("summary: %lld steps in %s | loss %.4f -> %.4f | %lld tokens, %.0f tok/s | %lld skipped steps\n",
+              (long long)steps_done_, clock_text(elapsed).c_str(), first_loss_, last_loss_, (long long)tokens_total_,
+              elapsed > 0 ? static_cast<double>(tokens_total_) / elapsed : 0.0, (long long)bad_steps);
+  std::printf("memory: peak %.3f MiB host on the largest rank, planned %.3f MiB (%+.1f%%)\n",
+              static_cast<double>(peak_bytes_max_rank) / 1048576.0, static_cast<double>(plan.total()) / 1048576.0,
+              plan.total() > 0 ? 100.0 * (static_cast<double>(peak_bytes_max_rank) / static_cast<double>(plan.total()) - 1.0)
+                               : 0.0);
+  std::fflush(stdout);
+}
+
+}  // namespace shardlm

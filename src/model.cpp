@@ -1,0 +1,178 @@
+// model.cpp — unit layout, parameter tables and the seeded initialisation.
+#include "shardlm/model.hpp"
+
+#include <cmath>
+
+#include "shardlm/error.hpp"
+
+namespace shardlm {
+namespace {
+
+int64_t numel_of(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+void add_param(Unit& u, std::string name, std::vector<int64_t> shape, ParamKind kind) {
+  ParamInfo p;
+  p.name = std::move(name);
+  p.shape = std::move(shape);
+  p.numel = numel_of(p.shape);
+  p.offset = u.numel;
+  p.kind = kind;
+  u.numel += p.numel;
+  u.params.push_back(std::move(p));
+}
+
+void finish_unit(Unit& u, int world) {
+  const int64_t quantum = kShardAlign * world;
+  u.padded_numel = (u.numel + quantum - 1) / quantum * quantum;
+  u.shard_numel = u.padded_numel / world;
+}
+
+// splitmix64: a counter-based generator; mixing (key, index) gives independent
+// streams per parameter with no state to carry between ranks.
+uint64_t mix(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
+uint64_t name_key(uint64_t seed, const std::string& name) {
+  uint64_t h = 0xcbf29ce484222325ULL;  // FNV-1a over the name, then mixed with the seed
+  for (unsigned char c : name) h = (h ^ c) * 0x100000001b3ULL;
+  return mix(h ^ mix(seed));
+}
+
+}  // namespace
+
+const ParamInfo* Unit::find_param(const std::string& suffix) const {
+  for (const auto& p : params)
+    if (p.name.size() >= suffix.size() && p.name.compare(p.name.size() - suffix.size(), suffix.size(), suffix) == 0)
+      return &p;
+  return nullptr;
+}
+
+const ParamInfo& Unit::param(const std::string& suffix) const {
+  const ParamInfo* p = find_param(suffix);
+  SHARDLM_CHECK(p, "unit '%s' has no parameter ending in '%s'", name.c_str(), suffix.c_str());
+  return *p;
+}
+
+ModelLayout::ModelLayout(const ModelConfig& c, int world_size) : config(c), world(world_size) {
+  SHARDLM_CHECK(world >= 1, "world size must be >= 1");
+  const int64_t C = c.hidden_size, I = c.intermediate_size, D = c.head_dim;
+  const int64_t qdim = c.num_heads * D, kvdim = c.num_kv_heads * D;
+
+  Unit embed;
+  embed.name = "embed";
+  embed.kind = UnitKind::Embed;
+  add_param(embed, "model.embed_tokens.weight", {c.vocab_size, C}, ParamKind::Embedding);
+  finish_unit(embed, world);
+  units.push_back(std::move(embed));
+
+  for (int64_t l = 0; l < c.num_layers; ++l) {
+    Unit u;
+    u.name = "layers." + std::to_string(l);
+    u.kind = UnitKind::Layer;
+    u.layer = static_cast<int>(l);
+    const std::string p = "model.layers." + std::to_string(l) + ".";
+    add_param(u, p + "input_layernorm.weight", {C}, ParamKind::Norm);
+    // q, k, v adjacent: together they are one ((H + 2 KV) D, C) matrix, so a
+    // backend may run them as a single GEMM.
+    add_param(u, p + "self_attn.q_proj.weight", {qdim, C}, ParamKind::Matrix);
+    add_param(u, p + "self_attn.k_proj.weight", {kvdim, C}, ParamKind::Matrix);
+    add_param(u, p + "self_attn.v_proj.weight", {kvdim, C}, ParamKind::Matrix);
+    if (c.attention_bias) {
+      add_param(u, p + "self_attn.q_proj.bias", {qdim}, ParamKind::Bias);
+      add_param(u, p + "self_attn.k_proj.bias", {kvdim}, ParamKind::Bias);
+      add_param(u, p + "self_attn.v_proj.bias", {kvdim}, ParamKind::Bias);
+    }
+    add_param(u, p + "self_attn.o_proj.weight", {C, qdim}, ParamKind::Matrix);
+    if (c.qk_norm) {
+      add_param(u, p + "self_attn.q_norm.weight", {D}, ParamKind::Norm);
+      add_param(u, p + "self_attn.k_norm.weight", {D}, ParamKind::Norm);
+    }
+    add_param(u, p + "post_attention_layernorm.weight", {C}, ParamKind::Norm);
+    // gate and up adjacent: one (2 I, C) matrix.
+    add_param(u, p + "mlp.gate_proj.weight", {I, C}, ParamKind::Matrix);
+    add_param(u, p + "mlp.up_proj.weight", {I, C}, ParamKind::Matrix);
+    add_param(u, p + "mlp.down_proj.weight", {C, I}, ParamKind::Matrix);
+    finish_unit(u, world);
+    units.push_back(std::move(u));
+  }
+
+  Unit head;
+  head.name = "head";
+  head.kind = UnitKind::Head;
+  add_param(head, "model.norm.weight", {C}, ParamKind::Norm);
+  if (!c.tie_word_embeddings) add_param(head, "lm_head.weight", {c.vocab_size, C}, ParamKind::Matrix);
+  finish_unit(head, world);
+  units.push_back(std::move(head));
+}
+
+int64_t ModelLayout::parameter_count() const {
+  int64_t n = 0;
+  for (const auto& u : units) n += u.numel;
+  return n;
+}
+
+int64_t ModelLayout::matmul_parameter_count() const {
+  int64_t n = 0;
+  for (const auto& u : units)
+    for (const auto& p : u.params)
+      if (p.kind == ParamKind::Matrix) n += p.numel;
+  if (config.tie_word_embeddings) n += embed().numel;  // the lm-head matmul uses the embedding
+  return n;
+}
+
+std::vector<ModelLayout::Located> ModelLayout::all_params() const {
+  std::vector<Located> out;
+  for (const auto& u : units)
+    for (const auto& p : u.params) out.push_back({&u, &p});
+  return out;
+}
+
+const ModelLayout::Located ModelLayout::find(const std::string& name) const {
+  for (const auto& u : units)
+    for (const auto& p : u.params)
+      if (p.name == name) return {&u, &p};
+  return {nullptr, nullptr};
+}
+
+template <class T>
+LayerWeights<T> layer_weights(const Unit& u, T* base) {
+  auto at = [&](const char* suffix) -> T* {
+    const ParamInfo* p = u.find_param(suffix);
+    return p ? base + p->offset : nullptr;
+  };
+  return {at("input_layernorm.weight"), at("q_proj.weight"), at("k_proj.weight"), at("v_proj.weight"),
+          at("q_proj.bias"), at("k_proj.bias"), at("v_proj.bias"), at("o_proj.weight"),
+          at("q_norm.weight"), at("k_norm.weight"), at("post_attention_layernorm.weight"),
+          at("gate_proj.weight"), at("up_proj.weight"), at("down_proj.weight")};
+}
+template LayerWeights<float> layer_weights(const Unit&, float*);
+template LayerWeights<const float> layer_weights(const Unit&, const float*);
+template LayerWeights<double> layer_weights(const Unit&, double*);
+
+float init_value(uint64_t seed, const ParamInfo& p, int64_t index, double std) {
+  if (p.kind == ParamKind::Norm) return 1.0f;
+  if (p.kind == ParamKind::Bias) return 0.0f;
+  // Box-Muller on two uniforms drawn from (key, 2i) and (key, 2i + 1).
+  const uint64_t key = name_key(seed, p.name);
+  const uint64_t a = mix(key ^ mix(2 * static_cast<uint64_t>(index)));
+  const uint64_t b = mix(key ^ mix(2 * static_cast<uint64_t>(index) + 1));
+  const double u1 = (static_cast<double>(a >> 11) + 1.0) * 0x1.0p-53;  // (0, 1]
+  const double u2 = static_cast<double>(b >> 11) * 0x1.0p-53;          // [0, 1)
+  const double z = std::sqrt(-2.0 * std::log(u1)) * std::cos(2.0 * M_PI * u2);
+  return static_cast<float>(z * std);
+}
+
+void init_range(uint64_t seed, const ParamInfo& p, int64_t begin, int64_t count, double std, float* out) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < count; ++i) out[i] = init_value(seed, p, begin + i, std);
+}
+
+}  // namespace shardlm

@@ -1,0 +1,141 @@
+// test_sharded.cpp — world-size invariance, memory scaling and activation
+// checkpointing of sharded training, on the CPU backend through MPI.
+//
+// Each case trains the tiny deck twice inside one job: on a communicator of
+// rank 0 alone (the -np 1 reference) and on every rank of the job, and compares.
+#include <doctest/doctest.h>
+
+#include <mpi.h>
+
+#include <cmath>
+#include <vector>
+
+#include "shardlm/comm.hpp"
+#include "shardlm/config.hpp"
+#include "shardlm/memory.hpp"
+#include "shardlm/train.hpp"
+
+using namespace shardlm;
+
+namespace {
+
+Config tiny_deck(std::vector<std::string> sets, int world) {
+  DeckResult r = parse_deck("inputs/tiny-sft.toml", sets, world);
+  for (const auto& e : r.errors) MESSAGE(e);
+  REQUIRE(r.ok());
+  return r.config;
+}
+
+struct Run {
+  std::vector<double> losses;
+  std::vector<std::vector<float>> params;
+  int64_t shard_and_optim_bytes = 0;  // measured from the allocator's counters
+  int64_t activation_peak_bytes = 0;
+  int64_t total_peak_bytes = 0;
+  MemoryPlan plan;
+};
+
+// Trains `steps` steps on `comm` (a rank outside it passes MPI_COMM_NULL and waits).
+Run train_on(MPI_Comm mpi, const Config& config, int steps) {
+  Run run;
+  if (mpi != MPI_COMM_NULL) {
+    auto comm = make_mpi_comm(mpi);
+    const MemCounters before = host_memory();
+    reset_host_peaks();
+    TrainSession session(config, *comm);
+    const MemCounters built = host_memory();
+    for (Mem m : {Mem::ParamShard, Mem::GradShard, Mem::OptimState})
+      run.shard_and_optim_bytes += built.current[int(m)] - before.current[int(m)];
+    for (int s = 0; s < steps; ++s) run.losses.push_back(session.step(s).loss);
+    const MemCounters after = host_memory();
+    run.activation_peak_bytes = after.peak[int(Mem::Activations)] - before.current[int(Mem::Activations)];
+    run.total_peak_bytes = after.total_peak - before.total_current;
+    run.plan = plan_memory(session.model.layout.config, comm->size(), engine_options_for(config),
+                           session.optimizer.states());
+    run.params = gather_all_params(session.model, *comm);
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+  return run;
+}
+
+double rel(double a, double b) { return std::fabs(a - b) / std::max(std::fabs(b), 1e-30); }
+
+}  // namespace
+
+TEST_SUITE("sharded") {
+
+TEST_CASE("np N matches np 1: losses every step and parameters after 30 steps") {
+  int rank = 0, world = 1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &world);
+  // global_batch must split over both 1 and `world` ranks: 12 rows = 1 x 12 = 2 x 6 = 3 x 4 = 4 x 3.
+  const std::vector<std::string> sets = {"data.micro_batch=1", "data.global_batch=12", "run.max_steps=30"};
+  MPI_Comm solo;
+  MPI_Comm_split(MPI_COMM_WORLD, rank == 0 ? 0 : MPI_UNDEFINED, 0, &solo);
+  const Run one = train_on(solo, tiny_deck(sets, 1), 30);
+  const Run all = train_on(MPI_COMM_WORLD, tiny_deck(sets, world), 30);
+  if (solo != MPI_COMM_NULL) MPI_Comm_free(&solo);
+  if (rank != 0) return;
+
+  REQUIRE(one.losses.size() == 30);
+  REQUIRE(all.losses.size() == 30);
+  double worst = 0;
+  for (int s = 0; s < 30; ++s) worst = std::max(worst, rel(all.losses[s], one.losses[s]));
+  MESSAGE("world " << world << ": worst relative loss difference " << worst);
+  CHECK(worst < 1e-5);
+  CHECK(one.losses.back() < one.losses.front() - 1.0);  // and it learns
+
+  double max_abs = 0;
+  REQUIRE(one.params.size() == all.params.size());
+  for (size_t i = 0; i < one.params.size(); ++i)
+    for (size_t j = 0; j < one.params[i].size(); ++j)
+      max_abs = std::max(max_abs, (double)std::fabs(one.params[i][j] - all.params[i][j]));
+  MESSAGE("world " << world << ": max |param difference| after 30 steps " << max_abs);
+  CHECK(max_abs < 1e-4);
+
+  // Shards + optimizer state per rank fall as 1/N (padding allows a little more).
+  const double ratio = double(all.shard_and_optim_bytes) / double(one.shard_and_optim_bytes);
+  MESSAGE("world " << world << ": shard+optimizer bytes ratio " << ratio);
+  CHECK(ratio <= 1.0 / world * 1.05 + 1e-9);
+  CHECK(ratio >= 1.0 / world * 0.95);
+}
+
+TEST_CASE("the memory plan is within 10% of the measured peak") {
+  int world = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &world);
+  for (const char* deck : {"inputs/tiny-sft.toml", "inputs/small-sft.toml"}) {
+    DeckResult r = parse_deck(deck, {"data.global_batch=" + std::to_string(4 * world), "data.micro_batch=2"}, world);
+    REQUIRE(r.ok());
+    const Run run = train_on(MPI_COMM_WORLD, r.config, 2);
+    const double err = rel(double(run.total_peak_bytes), double(run.plan.total()));
+    MESSAGE(std::string(deck) << " world " << world << ": measured peak " << run.total_peak_bytes << " B, plan "
+                 << run.plan.total() << " B");
+    CHECK(err < 0.10);
+  }
+}
+
+TEST_CASE("activation checkpointing: same losses, less activation memory") {
+  int world = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &world);
+  const std::vector<std::string> base = {"data.micro_batch=1", "data.global_batch=" + std::to_string(2 * world)};
+  auto with_ckpt = base;
+  with_ckpt.push_back("model.activation_checkpointing=full");
+  const Run off = train_on(MPI_COMM_WORLD, tiny_deck(base, world), 5);
+  const Run on = train_on(MPI_COMM_WORLD, tiny_deck(with_ckpt, world), 5);
+  for (int s = 0; s < 5; ++s) CHECK(rel(on.losses[s], off.losses[s]) < 1e-6);
+  MESSAGE("activation bytes: off " << off.activation_peak_bytes << ", full " << on.activation_peak_bytes);
+  CHECK(on.activation_peak_bytes < off.activation_peak_bytes);
+}
+
+TEST_CASE("reshard_after_forward = false gives the same losses") {
+  int world = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &world);
+  const std::vector<std::string> base = {"data.micro_batch=1", "data.global_batch=" + std::to_string(2 * world)};
+  auto keep = base;
+  keep.push_back("model.reshard_after_forward=false");
+  const Run a = train_on(MPI_COMM_WORLD, tiny_deck(base, world), 4);
+  const Run b = train_on(MPI_COMM_WORLD, tiny_deck(keep, world), 4);
+  for (int s = 0; s < 4; ++s) CHECK(a.losses[s] == b.losses[s]);  // same arithmetic, bit for bit
+}
+
+}  // TEST_SUITE

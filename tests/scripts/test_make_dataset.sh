@@ -1,0 +1,143 @@
+#!/usr/bin/env bash
+# test_make_dataset.sh — runs tools/make_dataset.py on tiny inputs and checks
+# exit codes, error messages and the HDF5 contents. Prints PASS/FAIL per check
+# and exits non-zero if any failed. Run from anywhere:
+#   bash tests/tools/test_make_dataset.sh
+# PYTHON overrides the interpreter (it needs h5py and numpy).
+set -u
+PYTHON=${PYTHON:-/usr/bin/python3}
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+TOOL="$ROOT/tools/make_dataset.py"
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/shardlm_test_make_dataset.XXXXXX")
+trap 'rm -rf "$WORK"' EXIT
+failed=0
+
+pass() { echo "PASS $1"; }
+fail() { echo "FAIL $1"; failed=$((failed + 1)); }
+
+# check NAME PYTHON-EXPRESSION-OVER-f  (f = the open h5py.File of $2)
+check_h5() {
+  local name=$1 file=$2 expr=$3
+  if "$PYTHON" - "$file" "$expr" <<'EOF'
+import sys, h5py, numpy as np
+with h5py.File(sys.argv[1], "r") as f:
+    ok = eval(sys.argv[2])
+if not ok:
+    print("  expression was false:", sys.argv[2])
+sys.exit(0 if ok else 1)
+EOF
+  then pass "$name"; else fail "$name"; fi
+}
+
+# expect_run NAME EXPECTED-RC SUBSTRING-OF-OUTPUT ARGS...
+expect_run() {
+  local name=$1 rc_want=$2 text=$3
+  shift 3
+  local out rc
+  out=$("$PYTHON" "$TOOL" "$@" 2>&1)
+  rc=$?
+  if [[ $rc -ne $rc_want ]]; then
+    fail "$name (exit $rc, expected $rc_want)"; echo "$out" | sed 's/^/  /'
+  elif [[ "$out" != *"$text"* ]]; then
+    fail "$name (output lacks: $text)"; echo "$out" | sed 's/^/  /'
+  else
+    pass "$name"
+  fi
+}
+
+# ---------------------------------------------------------------- valid JSONL
+cat > "$WORK/good.jsonl" <<'EOF'
+{"text": "hi!"}
+
+{"prompt": "Q:", "completion": "ok"}
+{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
+EOF
+expect_run "valid jsonl is written" 0 "3 documents" -o "$WORK/good.h5" --append-eos "$WORK/good.jsonl"
+# Byte ids: h=104 i=105 !=33 Q=81 :=58 o=111 k=107 a=97 b=98 '<'=60 '|'=124 '>'=62 '\n'=10; EOS=257.
+check_h5 "text document tokens" "$WORK/good.h5" \
+  "list(f['tokens'][0:4]) == [104, 105, 33, 257]"
+check_h5 "prompt/completion tokens and mask" "$WORK/good.h5" \
+  "list(f['tokens'][4:9]) == [81, 58, 111, 107, 257] and list(f['loss_mask'][4:9]) == [0, 0, 1, 1, 1]"
+check_h5 "chat template and assistant-only loss" "$WORK/good.h5" \
+  "bytes(f['tokens'][9:17].astype(np.uint8)).decode() == '<|user|>' and int(f['tokens'][19]) == 257 \
+   and int(f['loss_mask'][18:20].sum()) == 0 \
+   and bytes(f['tokens'][20:35].astype(np.uint8)).decode() == '<|assistant|>\nb' \
+   and list(f['loss_mask'][20:36]) == [0] * 14 + [1, 1] and int(f['tokens'][35]) == 257"
+check_h5 "offsets" "$WORK/good.h5" "list(f['offsets'][:]) == [0, 4, 9, 36]"
+check_h5 "dtypes" "$WORK/good.h5" \
+  "f['tokens'].dtype == np.int32 and f['offsets'].dtype == np.int64 and f['loss_mask'].dtype == np.uint8"
+check_h5 "attributes" "$WORK/good.h5" "int(f.attrs['vocab_size']) == 258 and f.attrs['tokenizer'] == 'byte'"
+
+# -------------------------------------------------------------- bad JSONL
+cat > "$WORK/bad.jsonl" <<'EOF'
+{"text": "fine"}
+{"text": "unterminated
+{"prompt": "no completion"}
+{"messages": [{"role": "user", "content": "only a user"}]}
+[1, 2]
+{"text": 5}
+{"body": "x"}
+EOF
+out=$("$PYTHON" "$TOOL" -o "$WORK/bad.h5" "$WORK/bad.jsonl" 2>&1); rc=$?
+[[ $rc -eq 1 ]] && pass "malformed jsonl exits 1" || fail "malformed jsonl exits 1 (got $rc)"
+for want in "bad.jsonl:2: invalid JSON" \
+            "bad.jsonl:3: has 'prompt' but no 'completion'" \
+            "bad.jsonl:4: 'messages' has no assistant turn" \
+            "bad.jsonl:5: expected a JSON object, got array" \
+            "bad.jsonl:6: 'text' must be a string, got number" \
+            "bad.jsonl:7: expected 'text', 'prompt' and 'completion', or 'messages'; found keys: 'body'" \
+            "6 error(s)"; do
+  [[ "$out" == *"$want"* ]] && pass "reports: $want" || { fail "reports: $want"; echo "$out" | sed 's/^/  /'; }
+done
+[[ ! -e "$WORK/bad.h5" && ! -e "$WORK/bad.h5.tmp" ]] && pass "nothing written on error" \
+  || fail "nothing written on error"
+
+# ------------------------------------------------------------ text inputs
+printf 'First paragraph\nstill first.\n\nSecond one.\n  \nThird.\n' > "$WORK/notes.txt"
+expect_run "paragraphs are documents" 0 "3 documents" \
+  -o "$WORK/notes.h5" --split paragraphs --prepend-bos "$WORK/notes.txt"
+check_h5 "paragraph offsets, BOS first, no loss_mask when all loss" "$WORK/notes.h5" \
+  "list(f['offsets'][:]) == [0, 29, 41, 48] and int(f['tokens'][0]) == 256 and 'loss_mask' not in f"
+expect_run "--max-docs stops early" 0 "2 documents" \
+  -o "$WORK/two.h5" --split paragraphs --max-docs 2 "$WORK/notes.txt"
+expect_run "whole file is one document" 0 "1 documents" -o "$WORK/one.h5" "$WORK/notes.txt"
+
+# ------------------------------------------------------------ other errors
+expect_run "missing input" 1 "nope.txt: input file does not exist" -o "$WORK/x.h5" "$WORK/nope.txt"
+expect_run "missing tokenizer file" 1 "tokenizer file does not exist" \
+  -o "$WORK/x.h5" --tokenizer "$WORK/none.json" "$WORK/notes.txt"
+if ! "$PYTHON" -c "import tokenizers" 2>/dev/null; then
+  echo '{}' > "$WORK/tokenizer.json"
+  expect_run "tokenizers package missing" 1 "needs the Hugging Face 'tokenizers' package" \
+    -o "$WORK/x.h5" --tokenizer "$WORK/tokenizer.json" "$WORK/notes.txt"
+fi
+# The tokenizer.json path, with a stand-in `tokenizers` module (character
+# vocabulary) so the wiring is tested where the real package is not installed.
+mkdir -p "$WORK/stub/tokenizers" "$WORK/model"
+cat > "$WORK/stub/tokenizers/__init__.py" <<'PY'
+import json
+class _Encoding:
+    def __init__(self, ids): self.ids = ids
+class Tokenizer:
+    @staticmethod
+    def from_file(path):
+        t = Tokenizer(); t.vocab = json.load(open(path))["vocab"]; return t
+    def get_vocab_size(self, with_added_tokens=True): return len(self.vocab)
+    def token_to_id(self, token): return self.vocab.get(token)
+    def encode(self, text, add_special_tokens=True): return _Encoding([self.vocab[c] for c in text])
+PY
+echo '{"vocab": {"<s>": 0, "</s>": 1, "h": 2, "i": 3, "Q": 4, "A": 5}}' > "$WORK/model/tokenizer.json"
+echo '{"bos_token": "<s>", "eos_token": {"content": "</s>"}}' > "$WORK/model/tokenizer_config.json"
+printf '{"prompt": "Q", "completion": "A"}\n{"text": "hi"}\n' > "$WORK/hf.jsonl"
+PYTHONPATH="$WORK/stub" expect_run "tokenizer.json path" 0 "2 documents" \
+  -o "$WORK/hf.h5" --tokenizer "$WORK/model/tokenizer.json" --prepend-bos --append-eos "$WORK/hf.jsonl"
+check_h5 "tokenizer.json ids, specials from tokenizer_config.json, attributes" "$WORK/hf.h5" \
+  "list(f['tokens'][:]) == [0, 4, 5, 1, 0, 2, 3, 1] and list(f['loss_mask'][:4]) == [0, 0, 1, 1] \
+   and int(f.attrs['vocab_size']) == 6 and f.attrs['tokenizer'].endswith('model/tokenizer.json')"
+PYTHONPATH="$WORK/stub" expect_run "unknown --eos-token" 1 "token '<eos>' (from --eos-token" \
+  -o "$WORK/x.h5" --tokenizer "$WORK/model/tokenizer.json" --eos-token "<eos>" "$WORK/hf.jsonl"
+
+expect_run "bad --max-docs" 2 "--max-docs must be at least 1" -o "$WORK/x.h5" --max-docs 0 "$WORK/notes.txt"
+
+echo "test_make_dataset: $failed failed"
+[[ $failed -eq 0 ]]

@@ -1,0 +1,327 @@
+#!/usr/bin/env python3
+"""make_dataset.py — turn text or JSONL into a shardlm SFT token file (HDF5).
+
+Run it with an interpreter that has h5py and numpy, e.g. /usr/bin/python3:
+
+    /usr/bin/python3 tools/make_dataset.py -o data.h5 --split paragraphs notes.txt
+    /usr/bin/python3 tools/make_dataset.py -o sft.h5 --append-eos train.jsonl
+    /usr/bin/python3 tools/make_dataset.py -o sft.h5 --tokenizer /models/qwen/tokenizer.json train.jsonl
+
+Inputs: text files (each file, or with --split paragraphs each blank-line
+separated paragraph, is one document) and JSONL files (.jsonl, .ndjson, .json)
+with one object per line:
+    {"text": "..."}                                   loss on every token
+    {"prompt": "...", "completion": "..."}            loss on completion tokens only
+    {"messages": [{"role": "user", "content": "..."}, ...]}
+                                                      loss on assistant turns only
+
+Output layout and the chat template: docs/data.md. Exit status: 0 written,
+1 bad input (every problem is reported as FILE:LINE: reason, nothing is
+written), 2 bad command line.
+"""
+
+import argparse
+import json
+import os
+import re
+import sys
+
+try:
+    import h5py
+    import numpy as np
+except ImportError as missing:  # pragma: no cover - depends on the interpreter
+    sys.exit(f"make_dataset.py: {missing}; run it with an interpreter that has h5py and numpy "
+             f"(e.g. /usr/bin/python3 tools/make_dataset.py ...)")
+
+JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
+MAX_REPORTED_ERRORS = 50
+
+
+class InputError(Exception):
+    """A problem with one input, already formatted as 'FILE[:LINE]: reason'."""
+
+
+class ByteTokenizer:
+    """UTF-8 bytes are ids 0..255; 256 = BOS, 257 = EOS; vocab_size 258."""
+
+    name = "byte"
+    vocab_size = 258
+    bos_id = 256
+    eos_id = 257
+
+    def encode(self, text):
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
+
+
+class HFTokenizer:
+    """A Hugging Face tokenizer.json through the `tokenizers` package."""
+
+    def __init__(self, path, bos_token, eos_token):
+        if not os.path.isfile(path):
+            raise InputError(f"{path}: tokenizer file does not exist")
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise InputError(
+                f"{path}: --tokenizer needs the Hugging Face 'tokenizers' package, which "
+                f"{sys.executable} cannot import; install it (pip install tokenizers) "
+                f"or use --tokenizer byte") from None
+        self.name = path
+        self.tokenizer = Tokenizer.from_file(path)
+        self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
+        config = {}
+        config_path = os.path.join(os.path.dirname(path), "tokenizer_config.json")
+        if os.path.isfile(config_path):
+            with open(config_path, encoding="utf-8") as f:
+                config = json.load(f)
+        self.bos_id = self._special_id(bos_token, config.get("bos_token"), "--bos-token", path)
+        self.eos_id = self._special_id(eos_token, config.get("eos_token"), "--eos-token", path)
+
+    def _special_id(self, flag_value, config_value, flag, path):
+        token = flag_value
+        if token is None:  # tokenizer_config.json holds "tok" or {"content": "tok", ...}
+            token = config_value.get("content") if isinstance(config_value, dict) else config_value
+        if token is None:
+            return None
+        token_id = self.tokenizer.token_to_id(token)
+        if token_id is None:
+            raise InputError(f"{path}: token {token!r} (from {flag} or tokenizer_config.json) "
+                             f"is not in the vocabulary")
+        return token_id
+
+    def encode(self, text):
+        return np.asarray(self.tokenizer.encode(text, add_special_tokens=False).ids, dtype=np.int32)
+
+
+class Builder:
+    """Collects documents as (ids, loss mask) pieces."""
+
+    def __init__(self, tokenizer, prepend_bos, append_eos):
+        self.tok = tokenizer
+        self.prepend_bos = prepend_bos
+        self.append_eos = append_eos
+        self.docs = []  # (ids int32, mask uint8)
+        self.skipped_short = 0
+
+    def special(self, which, where):
+        token_id = self.tok.bos_id if which == "BOS" else self.tok.eos_id
+        if token_id is None:
+            raise InputError(f"{where}: the tokenizer has no {which} token; name one with "
+                             f"--{which.lower()}-token")
+        return np.asarray([token_id], dtype=np.int32)
+
+    def add(self, pieces, where):
+        """pieces: list of (ids, loss 0/1). Adds BOS/EOS as asked."""
+        if self.prepend_bos:
+            pieces = [(self.special("BOS", where), 0)] + pieces
+        ids = np.concatenate([p for p, _ in pieces]) if pieces else np.zeros(0, np.int32)
+        mask = np.concatenate([np.full(len(p), loss, np.uint8) for p, loss in pieces]) \
+            if pieces else np.zeros(0, np.uint8)
+        if len(ids) < 2:  # nothing to predict; the reader would skip it anyway
+            self.skipped_short += 1
+            return
+        self.docs.append((ids, mask))
+
+    def text(self, text, where):
+        pieces = [(self.tok.encode(text), 1)]
+        if self.append_eos:
+            pieces.append((self.special("EOS", where), 1))
+        self.add(pieces, where)
+
+    def prompt_completion(self, prompt, completion, where):
+        pieces = [(self.tok.encode(prompt), 0), (self.tok.encode(completion), 1)]
+        if self.append_eos:
+            pieces.append((self.special("EOS", where), 1))
+        self.add(pieces, where)
+
+    def chat(self, messages, where):
+        # Template: each turn is "<|role|>\n" (no loss), the content, then EOS
+        # as end of turn; content and EOS carry loss on assistant turns only.
+        eos = self.special("EOS", where)
+        pieces = []
+        for message in messages:
+            loss = 1 if message["role"] == "assistant" else 0
+            pieces.append((self.tok.encode(f"<|{message['role']}|>\n"), 0))
+            pieces.append((self.tok.encode(message["content"]), loss))
+            pieces.append((eos, loss))
+        self.add(pieces, where)
+
+
+def type_name(value):
+    return {dict: "object", list: "array", str: "string", bool: "boolean",
+            int: "number", float: "number", type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def parse_record(record, where, builder):
+    """Checks one JSONL object and adds its document; raises InputError."""
+    if not isinstance(record, dict):
+        raise InputError(f"{where}: expected a JSON object, got {type_name(record)}")
+    kinds = [k for k in ("text", "prompt", "completion", "messages") if k in record]
+    if "messages" in record:
+        others = [k for k in kinds if k != "messages"]
+        if others:
+            raise InputError(f"{where}: has both 'messages' and {others[0]!r}; use one form per line")
+        messages = record["messages"]
+        if not isinstance(messages, list) or not messages:
+            raise InputError(f"{where}: 'messages' must be a non-empty array of "
+                             f"{{\"role\": ..., \"content\": ...}} objects")
+        for i, message in enumerate(messages):
+            if not (isinstance(message, dict) and isinstance(message.get("role"), str)
+                    and isinstance(message.get("content"), str)):
+                raise InputError(f"{where}: messages[{i}] must be an object with string "
+                                 f"'role' and 'content'")
+        if not any(m["role"] == "assistant" for m in messages):
+            raise InputError(f"{where}: 'messages' has no assistant turn, so nothing would carry loss")
+        builder.chat(messages, where)
+    elif "prompt" in record or "completion" in record:
+        if "text" in record:
+            raise InputError(f"{where}: has both 'text' and prompt/completion; use one form per line")
+        for key in ("prompt", "completion"):
+            if key not in record:
+                raise InputError(f"{where}: has {'prompt' if key == 'completion' else 'completion'!r} "
+                                 f"but no {key!r}")
+            if not isinstance(record[key], str):
+                raise InputError(f"{where}: {key!r} must be a string, got {type_name(record[key])}")
+        if not record["completion"]:
+            raise InputError(f"{where}: 'completion' is empty, so nothing would carry loss")
+        builder.prompt_completion(record["prompt"], record["completion"], where)
+    elif "text" in record:
+        if not isinstance(record["text"], str):
+            raise InputError(f"{where}: 'text' must be a string, got {type_name(record['text'])}")
+        builder.text(record["text"], where)
+    else:
+        found = ", ".join(repr(k) for k in record) or "none"
+        raise InputError(f"{where}: expected 'text', 'prompt' and 'completion', or 'messages'; "
+                         f"found keys: {found}")
+
+
+def read_jsonl(path, builder, errors, max_docs):
+    with open(path, "rb") as f:
+        for line_number, raw in enumerate(f, start=1):
+            if max_docs is not None and len(builder.docs) >= max_docs:
+                return
+            where = f"{path}:{line_number}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                errors.append(f"{where}: not valid UTF-8 ({e.reason} at byte {e.start})")
+                continue
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                errors.append(f"{where}: invalid JSON: {e.msg} (column {e.colno})")
+                continue
+            try:
+                parse_record(record, where, builder)
+            except InputError as e:
+                errors.append(str(e))
+
+
+def read_text(path, split, builder, errors, max_docs):
+    try:
+        with open(path, encoding="utf-8") as f:
+            content = f.read()
+    except UnicodeDecodeError as e:
+        errors.append(f"{path}: not valid UTF-8 ({e.reason} at byte {e.start})")
+        return
+    if split == "paragraphs":
+        documents = [p.strip() for p in re.split(r"\n[ \t]*\n", content)]
+    else:
+        documents = [content.strip()]
+    for document in documents:
+        if max_docs is not None and len(builder.docs) >= max_docs:
+            return
+        if document:
+            builder.text(document, path)
+
+
+def write_h5(path, builder):
+    ids = np.concatenate([d[0] for d in builder.docs])
+    mask = np.concatenate([d[1] for d in builder.docs])
+    offsets = np.zeros(len(builder.docs) + 1, dtype=np.int64)
+    offsets[1:] = np.cumsum([len(d[0]) for d in builder.docs])
+    max_id = int(ids.max())
+    vocab_size = max(int(builder.tok.vocab_size), max_id + 1)
+    # A document's first token is never a target, so its mask value is moot.
+    is_target = np.ones(len(ids), dtype=bool)
+    is_target[offsets[:-1]] = False
+    write_mask = bool(np.any(mask[is_target] == 0))
+    tmp = path + ".tmp"
+    # track_times=False: the same inputs give byte-identical files.
+    with h5py.File(tmp, "w") as f:
+        f.create_dataset("tokens", data=ids.astype(np.int32), track_times=False)
+        f.create_dataset("offsets", data=offsets, track_times=False)
+        if write_mask:
+            f.create_dataset("loss_mask", data=mask.astype(np.uint8), track_times=False)
+        f.attrs["vocab_size"] = np.int64(vocab_size)
+        f.attrs["tokenizer"] = builder.tok.name
+    os.replace(tmp, path)
+    return len(ids), int(mask[is_target].sum()), vocab_size
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(
+        description="Tokenize text/JSONL into a shardlm token file (tokens, offsets, loss_mask).")
+    parser.add_argument("inputs", nargs="+", help="text or JSONL files")
+    parser.add_argument("-o", "--output", required=True, help="HDF5 file to write")
+    parser.add_argument("--format", choices=("auto", "text", "jsonl"), default="auto",
+                        help="input kind; auto: .jsonl/.ndjson/.json are JSONL, the rest text")
+    parser.add_argument("--split", choices=("file", "paragraphs"), default="file",
+                        help="text inputs: one document per file, or per blank-line separated paragraph")
+    parser.add_argument("--tokenizer", default="byte",
+                        help="'byte' (default; ids 0..255 bytes, 256 BOS, 257 EOS) or a tokenizer.json")
+    parser.add_argument("--bos-token", help="BOS token string for a tokenizer.json tokenizer")
+    parser.add_argument("--eos-token", help="EOS token string for a tokenizer.json tokenizer")
+    parser.add_argument("--prepend-bos", action="store_true", help="start every document with BOS")
+    parser.add_argument("--append-eos", action="store_true",
+                        help="end text and prompt/completion documents with EOS (which carries loss)")
+    parser.add_argument("--max-docs", type=int, help="stop after this many documents")
+    args = parser.parse_args(argv)
+    if args.max_docs is not None and args.max_docs < 1:
+        parser.error("--max-docs must be at least 1")
+
+    try:
+        tokenizer = ByteTokenizer() if args.tokenizer == "byte" else \
+            HFTokenizer(args.tokenizer, args.bos_token, args.eos_token)
+        builder = Builder(tokenizer, args.prepend_bos, args.append_eos)
+    except InputError as e:
+        print(f"make_dataset.py: {e}", file=sys.stderr)
+        return 1
+
+    errors = []
+    for path in args.inputs:
+        if not os.path.isfile(path):
+            errors.append(f"{path}: input file does not exist")
+            continue
+        kind = args.format
+        if kind == "auto":
+            kind = "jsonl" if path.lower().endswith(JSONL_SUFFIXES) else "text"
+        try:
+            if kind == "jsonl":
+                read_jsonl(path, builder, errors, args.max_docs)
+            else:
+                read_text(path, args.split, builder, errors, args.max_docs)
+        except InputError as e:  # e.g. a tokenizer without the EOS a line needs
+            errors.append(str(e))
+
+    if not errors and not builder.docs:
+        errors.append("no document with at least 2 tokens in the inputs; nothing to write")
+    if errors:
+        for message in errors[:MAX_REPORTED_ERRORS]:
+            print(message, file=sys.stderr)
+        if len(errors) > MAX_REPORTED_ERRORS:
+            print(f"... and {len(errors) - MAX_REPORTED_ERRORS} more", file=sys.stderr)
+        print(f"make_dataset.py: {len(errors)} error(s); {args.output} not written", file=sys.stderr)
+        return 1
+
+    n_tokens, n_loss, vocab_size = write_h5(args.output, builder)
+    skipped = f", {builder.skipped_short} skipped (< 2 tokens)" if builder.skipped_short else ""
+    print(f"wrote {args.output}: {len(builder.docs)} documents{skipped}, {n_tokens} tokens, "
+          f"{n_loss} loss targets, vocab_size {vocab_size}, tokenizer {tokenizer.name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
