@@ -11,10 +11,13 @@ namespace shardlm {
 const char* usage() {
   return "usage: shardlm train DECK [--set section.key=value]...\n"
          "       shardlm check DECK [--set section.key=value]... [--world N]\n"
+         "       shardlm forward --hf DIR --tokens IN.h5 --out OUT.h5\n"
          "       shardlm --help | --version\n"
          "\n"
          "  train   run the deck's training job (launch with mpirun or srun; a singleton works too)\n"
          "  check   validate the deck, print the resolved deck and the per-rank memory plan, exit\n"
+         "  forward logits of an HF model directory for int32 `tokens` [B, T] (each row one sequence),\n"
+         "          written as float32 `logits` [B, T, V]; one process\n"
          "  --set   override any deck key; the value is parsed as TOML (--set optim.lr=3e-4,\n"
          "          --set 'run.dir=\"runs/a\"'); for string keys an unquoted value is the string\n"
          "  --world the number of training ranks `check` plans for (default: the MPI world)\n";
@@ -27,8 +30,12 @@ CliArgs parse_cli(int argc, const char* const* argv) {
   const std::string first = argv[1];
   if (first == "--help" || first == "-h" || first == "help") return args.command = "help", args;
   if (first == "--version" || first == "version") return args.command = "version", args;
-  if (first != "train" && first != "check") fail("unknown command '" + first + "'");
+  if (first != "train" && first != "check" && first != "forward") fail("unknown command '" + first + "'");
   args.command = first;
+  // Options that take one value, per command.
+  const auto takes = [&](const std::string& name) {
+    return args.command == "forward" && (name == "--hf" || name == "--tokens" || name == "--out");
+  };
 
   for (int i = 2; i < argc; ++i) {
     const std::string a = argv[i];
@@ -44,10 +51,18 @@ CliArgs parse_cli(int argc, const char* const* argv) {
       long n = std::strtol(v.c_str(), &end, 10);
       if (*end != '\0' || n < 1 || n > 1000000) fail("--world expects a positive integer, got '" + v + "'");
       args.world = static_cast<int>(n);
+    } else if (takes(a)) {
+      args.options[a.substr(2)] = value(a.c_str());
     } else if (a == "--help" || a == "-h") return args.command = "help", args;
     else if (a.rfind("--", 0) == 0) fail("unknown option '" + a + "' for '" + args.command + "'");
     else if (args.deck.empty()) args.deck = a;
     else fail("unexpected argument '" + a + "' (the deck is already '" + args.deck + "')");
+  }
+  if (args.command == "forward") {
+    for (const char* need : {"hf", "tokens", "out"})
+      if (!args.options.count(need)) fail(std::string("'forward' needs --") + need);
+    if (!args.deck.empty() || !args.overrides.empty()) fail("'forward' takes no deck and no --set");
+    return args;
   }
   if (args.deck.empty()) fail("'" + args.command + "' needs a deck (a TOML file)");
   return args;

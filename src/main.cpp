@@ -12,6 +12,7 @@
 #include "shardlm/comm.hpp"
 #include "shardlm/config.hpp"
 #include "shardlm/engine.hpp"
+#include "shardlm/forward.hpp"
 #include "shardlm/memory.hpp"
 #include "shardlm/metrics.hpp"
 #include "shardlm/runtime.hpp"
@@ -139,6 +140,17 @@ int main(int argc, char** argv) {
   }
   if (args.command == "help") return std::printf("%s", usage()), 0;
   if (args.command == "version") return std::printf("shardlm %s (%s) backends: %s\n", SHARDLM_VERSION, SHARDLM_GIT_REV, built_backends()), 0;
+
+  if (args.command == "forward") {
+    try {
+      const int64_t rows = forward_hf(args.options["hf"], args.options["tokens"], args.options["out"]);
+      std::printf("forward: %lld rows -> %s\n", (long long)rows, args.options["out"].c_str());
+      return 0;
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "shardlm: error: %s\n", e.what());
+      return 1;
+    }
+  }
 
   Runtime rt = runtime_init(&argc, &argv);
   int rc = 1;

@@ -43,5 +43,7 @@ class Comm {
 // MPI over an existing communicator (not owned). Reductions use MPI's fixed
 // algorithm for a given size, so results are reproducible run to run.
 std::unique_ptr<Comm> make_mpi_comm(MPI_Comm comm);
+// One rank, no MPI at all (single-process tools and unit tests).
+std::unique_ptr<Comm> make_self_comm();
 
 }  // namespace shardlm

@@ -1,0 +1,359 @@
+// test_model.cpp — the model against Hugging Face fixtures, finite differences
+// through the whole model, layout and init invariants, training, export, and
+// bad inputs. Single process (SelfComm); the MPI suites cover sharding.
+#include <doctest/doctest.h>
+
+#include <hdf5.h>
+
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "run_command.hpp"
+#include "shardlm/comm.hpp"
+#include "shardlm/config.hpp"
+#include "shardlm/engine.hpp"
+#include "shardlm/forward.hpp"
+#include "shardlm/h5util.hpp"
+#include "shardlm/hf.hpp"
+#include "shardlm/shard.hpp"
+#include "shardlm/train.hpp"
+
+using namespace shardlm;
+namespace fs = std::filesystem;
+
+namespace {
+
+template <class T>
+std::vector<T> read_h5(const fs::path& file, const std::string& name, hid_t mem_type) {
+  h5::Handle f(H5_CHECK(H5Fopen(file.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT)), H5Fclose);
+  h5::Handle d(H5_CHECK(H5Dopen2(f, name.c_str(), H5P_DEFAULT)), H5Dclose);
+  h5::Handle space(H5_CHECK(H5Dget_space(d)), H5Sclose);
+  std::vector<T> out(H5Sget_simple_extent_npoints(space));
+  H5_CHECK(H5Dread(d, mem_type, H5S_ALL, H5S_ALL, H5P_DEFAULT, out.data()));
+  return out;
+}
+
+void write_tokens_h5(const fs::path& file, const std::vector<int32_t>& tokens, hsize_t rows, hsize_t cols) {
+  h5::Handle f(H5_CHECK(H5Fcreate(file.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT)), H5Fclose);
+  const hsize_t dims[2] = {rows, cols};
+  h5::Handle space(H5_CHECK(H5Screate_simple(2, dims, nullptr)), H5Sclose);
+  h5::Handle d(H5_CHECK(H5Dcreate2(f, "tokens", H5T_STD_I32LE, space, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT)),
+               H5Dclose);
+  H5_CHECK(H5Dwrite(d, H5T_NATIVE_INT32, H5S_ALL, H5S_ALL, H5P_DEFAULT, tokens.data()));
+}
+
+double rel_error(const float* a, const float* b, size_t n) {
+  double diff = 0, ref = 0;
+  for (size_t i = 0; i < n; ++i) {
+    diff += (double(a[i]) - b[i]) * (double(a[i]) - b[i]);
+    ref += double(b[i]) * b[i];
+  }
+  return std::sqrt(diff) / std::max(std::sqrt(ref), 1e-30);
+}
+
+struct TempDir {
+  fs::path path;
+  TempDir() {
+    path = fs::temp_directory_path() / ("shardlm-model-" + std::to_string(getpid()) + "-" + std::to_string(rand()));
+    fs::create_directories(path);
+  }
+  ~TempDir() { fs::remove_all(path); }
+};
+
+// The fixture batch: two packed rows with document-local positions.
+struct FixtureBatch {
+  std::vector<int32_t> tokens, targets, positions, seq_ids;
+  std::vector<float> weights;
+  TokenBatch batch() const {
+    return {int64_t(tokens.size()), tokens.data(), targets.data(), weights.data(), positions.data(), seq_ids.data()};
+  }
+};
+
+FixtureBatch read_fixture_batch(const fs::path& ref) {
+  FixtureBatch b;
+  b.tokens = read_h5<int32_t>(ref, "tokens", H5T_NATIVE_INT32);
+  b.targets = read_h5<int32_t>(ref, "targets", H5T_NATIVE_INT32);
+  b.positions = read_h5<int32_t>(ref, "positions", H5T_NATIVE_INT32);
+  b.weights = read_h5<float>(ref, "weights", H5T_NATIVE_FLOAT);
+  // The fixture numbers documents per row; the engine sees all rows as one
+  // token stream, so make the ids distinct across rows.
+  const auto local = read_h5<int32_t>(ref, "seq_ids", H5T_NATIVE_INT32);
+  const size_t cols = 24;
+  b.seq_ids.resize(local.size());
+  for (size_t i = 0; i < local.size(); ++i) b.seq_ids[i] = int32_t(1000 * (i / cols) + local[i]);
+  return b;
+}
+
+Config tiny_deck(std::vector<std::string> sets = {}) {
+  DeckResult r = parse_deck("inputs/tiny-sft.toml", sets, 1);
+  for (const auto& e : r.errors) MESSAGE(e);
+  REQUIRE(r.ok());
+  return r.config;
+}
+
+}  // namespace
+
+TEST_SUITE("model") {
+
+TEST_CASE("HF fixtures: logits, loss and every parameter gradient match transformers") {
+  for (const std::string name : {"llama-gqa-tied", "qwen3-qknorm", "qwen2-bias"}) {
+    CAPTURE(name);
+    const fs::path dir = fs::path("tests/fixtures") / name, ref = dir / "reference.h5";
+    const ModelConfig config = read_hf_config(dir);
+    auto comm = make_self_comm();
+    ShardedModel model(config, 0, 1);
+    model.load_hf(SafetensorsReader(dir));
+    const FixtureBatch fb = read_fixture_batch(ref);
+    EngineOptions options;
+    options.max_tokens = int64_t(fb.tokens.size());
+    options.chunk_tokens = 10;  // several lm-head chunks, one of them partial
+    Engine engine(model, *comm, options);
+
+    const auto ref_logits = read_h5<float>(ref, "logits", H5T_NATIVE_FLOAT);
+    std::vector<float> logits(ref_logits.size(), NAN);
+    engine.forward_logits(fb.batch(), logits.data());
+    const double logit_err = rel_error(logits.data(), ref_logits.data(), logits.size());
+    MESSAGE(name << ": logits relative error " << logit_err);
+    CHECK(logit_err < 1e-4);
+
+    double loss_tokens = 0;
+    for (float w : fb.weights) loss_tokens += w;
+    const double loss = engine.forward_backward(fb.batch(), float(1.0 / loss_tokens)) / loss_tokens;
+    const double ref_loss = read_h5<double>(ref, "loss", H5T_NATIVE_DOUBLE)[0];
+    CHECK(std::fabs(loss - ref_loss) / ref_loss < 1e-5);
+
+    double worst = 0;
+    int checked = 0;
+    for (const auto& [unit, p] : model.layout.all_params()) {
+      const auto ref_grad = read_h5<float>(ref, "grads/" + p->name, H5T_NATIVE_FLOAT);
+      REQUIRE(int64_t(ref_grad.size()) == p->numel);
+      const size_t ui = size_t(unit - model.layout.units.data());
+      const double err = rel_error(model.grad[ui].data() + p->offset, ref_grad.data(), ref_grad.size());
+      CHECK_MESSAGE(err < 1e-3, p->name << " gradient relative error " << err);
+      worst = std::max(worst, err);
+      ++checked;
+    }
+    MESSAGE(name << ": " << checked << " gradients, worst relative error " << worst);
+    CHECK(checked == int(model.layout.all_params().size()));
+  }
+}
+
+TEST_CASE("whole-model finite differences agree with backward (fp32, directional)") {
+  ModelConfig c;
+  c.arch = "qwen3";
+  c.vocab_size = 50;
+  c.hidden_size = 32;
+  c.intermediate_size = 48;
+  c.num_layers = 2;
+  c.num_heads = 4;
+  c.num_kv_heads = 2;
+  c.head_dim = 8;
+  c.max_position_embeddings = 64;
+  c.qk_norm = true;
+  c.attention_bias = true;
+  c.rms_norm_eps = 1e-6;
+  auto comm = make_self_comm();
+  ShardedModel model(c, 0, 1);
+  model.init_seeded(7, 0.3);
+  // Norm weights away from 1 and non-zero biases, so every parameter matters.
+  std::mt19937_64 rng(11);
+  std::normal_distribution<float> gauss(0.0f, 1.0f);
+  for (size_t u = 0; u < model.layout.units.size(); ++u)
+    for (const auto& s : model.segments(model.layout.units[u]))
+      if (s.param->kind == ParamKind::Norm || s.param->kind == ParamKind::Bias)
+        for (int64_t i = 0; i < s.count; ++i) model.param[u][s.shard_offset + i] += 0.2f * gauss(rng);
+
+  const int64_t N = 16;
+  std::vector<int32_t> tokens(N), targets(N), positions(N), seq(N);
+  std::vector<float> weights(N, 1.0f);
+  for (int64_t i = 0; i < N; ++i) {
+    tokens[i] = int32_t(rng() % 50);
+    seq[i] = i < 7 ? 0 : 1;  // two documents
+    positions[i] = int32_t(i < 7 ? i : i - 7);
+    targets[i] = (i == 6 || i == N - 1) ? -1 : int32_t(rng() % 50);
+  }
+  const TokenBatch b{N, tokens.data(), targets.data(), weights.data(), positions.data(), seq.data()};
+  EngineOptions o;
+  o.max_tokens = N;
+  o.chunk_tokens = 5;
+  Engine engine(model, *comm, o);
+  model.zero_grads();
+  engine.forward_backward(b, 1.0f);
+  std::vector<std::vector<float>> grad;
+  for (auto& g : model.grad) grad.emplace_back(g.data(), g.data() + g.size());
+
+  int checked = 0;
+  for (size_t u = 0; u < model.layout.units.size(); ++u)
+    for (const auto& s : model.segments(model.layout.units[u])) {
+      // Direction: the gradient of this parameter plus an equal-norm random part.
+      std::vector<float> dir(s.count);
+      double gnorm = 0, rnorm = 0;
+      std::vector<float> r(s.count);
+      for (int64_t i = 0; i < s.count; ++i) {
+        r[i] = gauss(rng);
+        rnorm += double(r[i]) * r[i];
+        gnorm += double(grad[u][s.shard_offset + i]) * grad[u][s.shard_offset + i];
+      }
+      double analytic = 0;
+      for (int64_t i = 0; i < s.count; ++i) {
+        dir[i] = float(grad[u][s.shard_offset + i] / std::sqrt(gnorm) + r[i] / std::sqrt(rnorm));
+        analytic += double(grad[u][s.shard_offset + i]) * dir[i];
+      }
+      auto loss_at = [&](float eps) {
+        float* p = model.param[u].data() + s.shard_offset;
+        std::vector<float> saved(p, p + s.count);
+        for (int64_t i = 0; i < s.count; ++i) p[i] += eps * dir[i];
+        model.zero_grads();
+        const double l = engine.forward_backward(b, 1.0f);
+        std::memcpy(p, saved.data(), sizeof(float) * s.count);
+        return l;
+      };
+      const float eps = 2e-3f;
+      const double numeric = (loss_at(eps) - loss_at(-eps)) / (2.0 * eps);
+      const double err = std::fabs(numeric - analytic) / std::max(std::fabs(analytic), 1e-3);
+      CHECK_MESSAGE(err < 1e-2, s.param->name << ": analytic " << analytic << " numeric " << numeric);
+      ++checked;
+    }
+  CHECK(checked == int(model.layout.all_params().size()));
+}
+
+TEST_CASE("layout: HF names and shapes, equal aligned shards at any world size") {
+  ModelConfig c = tiny_deck().model.arch;
+  const ModelLayout one(c, 1);
+  REQUIRE(one.units.size() == size_t(c.num_layers + 2));
+  CHECK(one.embed().params[0].name == "model.embed_tokens.weight");
+  CHECK(one.layer(1).param("self_attn.k_proj.weight").name == "model.layers.1.self_attn.k_proj.weight");
+  CHECK(one.layer(1).param("self_attn.k_proj.weight").shape == std::vector<int64_t>{2 * 16, 64});
+  CHECK(one.head().find_param("lm_head.weight") == nullptr);  // tied
+  CHECK(one.parameter_count() == 258 * 64 + 2 * (2 * 64 + 64 * 64 + 2 * 32 * 64 + 64 * 64 + 3 * 64 * 176) + 64);
+  for (int world : {1, 2, 3, 4, 5, 7}) {
+    const ModelLayout l(c, world);
+    for (const auto& u : l.units) {
+      CHECK(u.shard_numel * world == u.padded_numel);
+      CHECK(u.padded_numel >= u.numel);
+      CHECK(u.padded_numel - u.numel < kShardAlign * world);
+      CHECK(u.shard_numel % kShardAlign == 0);
+    }
+  }
+}
+
+TEST_CASE("seeded init: every world size builds the same model, element by element") {
+  const ModelConfig c = tiny_deck().model.arch;
+  ShardedModel one(c, 0, 1);
+  one.init_seeded(1234, 0.02);
+  for (int world : {2, 3, 5}) {
+    std::vector<std::vector<float>> units(one.layout.units.size());
+    for (int r = 0; r < world; ++r) {
+      ShardedModel part(c, r, world);
+      part.init_seeded(1234, 0.02);
+      for (size_t u = 0; u < units.size(); ++u)
+        units[u].insert(units[u].end(), part.param[u].data(), part.param[u].data() + part.param[u].size());
+    }
+    for (size_t u = 0; u < units.size(); ++u)
+      CHECK(std::memcmp(units[u].data(), one.param[u].data(), sizeof(float) * one.layout.units[u].numel) == 0);
+  }
+  ShardedModel other(c, 0, 1);
+  other.init_seeded(1235, 0.02);
+  CHECK(std::memcmp(other.param[0].data(), one.param[0].data(), 64 * sizeof(float)) != 0);
+  // N(0, 0.02): check the spread of a large matrix
+  double sumsq = 0;
+  const auto& embed = one.param[0];
+  for (int64_t i = 0; i < one.layout.embed().numel; ++i) sumsq += double(embed[i]) * embed[i];
+  CHECK(std::sqrt(sumsq / double(one.layout.embed().numel)) == doctest::Approx(0.02).epsilon(0.03));
+}
+
+TEST_CASE("training the tiny deck lowers the loss; export then reload gives identical logits") {
+  auto comm = make_self_comm();
+  TrainSession session(tiny_deck({"run.max_steps=50"}), *comm);
+  std::vector<double> losses;
+  for (int s = 0; s < 50; ++s) losses.push_back(session.step(s).loss);
+  const double last5 = (losses[45] + losses[46] + losses[47] + losses[48] + losses[49]) / 5;
+  MESSAGE("tiny deck: loss " << losses[0] << " -> " << last5 << " (mean of the last 5)");
+  CHECK(losses[0] > 5.0);  // about log(258) = 5.55 at init
+  CHECK(last5 < losses[0] - 2.0);
+
+  TempDir tmp;
+  export_hf(session.model, *comm, tmp.path / "hf", "F32");
+  CHECK(fs::exists(tmp.path / "hf" / "config.json"));
+  CHECK(fs::exists(tmp.path / "hf" / "model.safetensors"));
+  ShardedModel reloaded(read_hf_config(tmp.path / "hf"), 0, 1);
+  reloaded.load_hf(SafetensorsReader(tmp.path / "hf"));
+  session.data.micro_batch(0, 0, 0, 1, session.micro);
+  const TokenBatch b = token_batch(session.micro);
+  std::vector<float> a(b.N * 258), c(b.N * 258);
+  session.engine.forward_logits(b, a.data());
+  Engine engine2(reloaded, *comm, engine_options_for(session.config));
+  engine2.forward_logits(b, c.data());
+  CHECK(std::memcmp(a.data(), c.data(), a.size() * sizeof(float)) == 0);
+}
+
+TEST_CASE("bad inputs get clear errors") {
+  auto comm = make_self_comm();
+  TempDir tmp;
+  SUBCASE("an HF directory without weights") {
+    fs::copy_file("tests/fixtures/llama-gqa-tied/config.json", tmp.path / "config.json");
+    CHECK_THROWS_WITH_AS(SafetensorsReader{tmp.path}, doctest::Contains("no *.safetensors"), Error);
+  }
+  SUBCASE("weights whose shapes do not match config.json") {
+    fs::copy_file("tests/fixtures/llama-gqa-tied/model.safetensors", tmp.path / "model.safetensors");
+    ModelConfig wrong = read_hf_config("tests/fixtures/llama-gqa-tied");
+    wrong.intermediate_size += 16;
+    ShardedModel model(wrong, 0, 1);
+    CHECK_THROWS_WITH_AS(model.load_hf(SafetensorsReader(tmp.path)),
+                         doctest::Contains("tensor 'model.layers.0.mlp.gate_proj.weight' in"), Error);
+    CHECK_THROWS_WITH_AS(model.load_hf(SafetensorsReader(tmp.path)),
+                         doctest::Contains("has shape [160, 64] but config.json implies [176, 64]"), Error);
+  }
+  SUBCASE("weights with tensors the model does not use") {
+    ModelConfig fewer = read_hf_config("tests/fixtures/llama-gqa-tied");
+    fewer.num_layers = 1;
+    ShardedModel model(fewer, 0, 1);
+    CHECK_THROWS_WITH_AS(model.load_hf(SafetensorsReader("tests/fixtures/llama-gqa-tied")),
+                         doctest::Contains("tensors this model does not use, first 'model.layers.1."), Error);
+  }
+  SUBCASE("token ids beyond the model's vocabulary") {
+    CHECK_THROWS_WITH_AS(TrainSession(tiny_deck({"model.vocab_size=200"}), *comm),
+                         doctest::Contains("but the model has vocab_size 200"), Error);
+  }
+  SUBCASE("seq_len longer than the HF model supports") {
+    CHECK_THROWS_WITH_AS(
+        TrainSession(tiny_deck({"model.hf=tests/fixtures/llama-gqa-tied", "data.seq_len=512"}), *comm),
+        doctest::Contains("data.seq_len = 512 is larger than the model supports (max_position_embeddings = 256)"),
+        Error);
+  }
+  SUBCASE("a data file that does not exist") {
+    CHECK_THROWS_WITH_AS(TrainSession(tiny_deck({"data.path=/nonexistent/x.h5"}), *comm),
+                         doctest::Contains("/nonexistent/x.h5"), Error);
+  }
+  SUBCASE("forward: token ids outside the vocabulary, wrong dtype") {
+    write_tokens_h5(tmp.path / "t.h5", {1, 2, 300, 4}, 2, 2);
+    CHECK_THROWS_WITH_AS(read_token_rows(tmp.path / "t.h5", 258),
+                         doctest::Contains("tokens[1][0] = 300 is outside the model's vocabulary [0, 258)"), Error);
+    CHECK_THROWS_WITH_AS(read_token_rows(tmp.path / "none.h5", 258), doctest::Contains("none.h5: no such file"),
+                         Error);
+  }
+}
+
+TEST_CASE("shardlm forward matches the transformers logits of a one-document row") {
+  TempDir tmp;
+  const fs::path dir = "tests/fixtures/qwen3-qknorm", ref = dir / "reference.h5";
+  const auto tokens = read_h5<int32_t>(ref, "tokens", H5T_NATIVE_INT32);
+  const auto ref_logits = read_h5<float>(ref, "logits", H5T_NATIVE_FLOAT);
+  // Row 1 of the fixture is a single document of 24 tokens.
+  std::vector<int32_t> row1(tokens.begin() + 24, tokens.end());
+  write_tokens_h5(tmp.path / "in.h5", row1, 1, 24);
+  auto r = shardlm_test::run(shardlm_test::shardlm_bin() + " forward --hf " + dir.string() + " --tokens " +
+                             (tmp.path / "in.h5").string() + " --out " + (tmp.path / "out.h5").string());
+  CHECK(r.status == 0);
+  CHECK(r.output.find("forward: 1 rows") != std::string::npos);
+  const auto logits = read_h5<float>(tmp.path / "out.h5", "logits", H5T_NATIVE_FLOAT);
+  REQUIRE(logits.size() == 24 * 258);
+  CHECK(rel_error(logits.data(), ref_logits.data() + 24 * 258, logits.size()) < 1e-4);
+  CHECK_FALSE(fs::exists(tmp.path / "out.h5.tmp"));
+}
+
+}  // TEST_SUITE
