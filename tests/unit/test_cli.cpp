@@ -91,6 +91,35 @@ TEST_CASE("train under mpirun -np 2 with a bad deck: one report, clean exit 1") 
   CHECK(r.output.find("optim.lr = -1") == r.output.rfind("optim.lr = -1"));
 }
 
+TEST_CASE("train under mpirun -np 2: banner, progress, config.toml and metrics.jsonl") {
+  const auto dir = std::filesystem::temp_directory_path() / ("shardlm-train-" + std::to_string(getpid()));
+  auto r = run("OMP_NUM_THREADS=1 " + mpirun(2) + shardlm_bin() + " train inputs/tiny-sft.toml --set run.max_steps=10 " +
+                   "--set log.interval=5 --set run.dir=" + dir.string(),
+               300);
+  CHECK(r.status == 0);
+  CHECK(r.output.find("2 ranks: 2 trainers, 0 receivers") != std::string::npos);
+  CHECK(r.output.find("step      5/10 | loss ") != std::string::npos);
+  CHECK(r.output.find("step     10/10 | loss ") != std::string::npos);
+  CHECK(r.output.find("summary: 10 steps") != std::string::npos);
+  CHECK(r.output.find("memory: peak ") != std::string::npos);
+  // the resolved deck is a valid deck again, with the override applied
+  auto again = run(shardlm_bin() + " check " + (dir / "config.toml").string());
+  CHECK(again.status == 0);
+  CHECK(again.output.find("max_steps = 10") != std::string::npos);
+  std::FILE* f = std::fopen((dir / "metrics.jsonl").c_str(), "r");
+  REQUIRE(f);
+  char line[4096];
+  int lines = 0;
+  std::string last;
+  while (std::fgets(line, sizeof line, f)) ++lines, last = line;
+  std::fclose(f);
+  CHECK(lines == 2);
+  for (const char* key : {"\"step\": 10", "\"loss\": ", "\"grad_norm\": ", "\"lr\": ", "\"tokens\": ",
+                          "\"tokens_per_s\": ", "\"step_time_s\": ", "\"mem_peak_bytes\": "})
+    CHECK_MESSAGE(last.find(key) != std::string::npos, key);
+  std::filesystem::remove_all(dir);
+}
+
 TEST_CASE("a fatal error on one rank aborts the whole job with one message, never a hang") {
   auto r = run("SHARDLM_FAULT=startup@1 " + mpirun(2) + "-x SHARDLM_FAULT " + shardlm_bin() +
                    " train inputs/tiny-sft.toml --set run.dir=" +

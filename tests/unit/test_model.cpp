@@ -291,6 +291,27 @@ TEST_CASE("training the tiny deck lowers the loss; export then reload gives iden
   CHECK(std::memcmp(a.data(), c.data(), a.size() * sizeof(float)) == 0);
 }
 
+TEST_CASE("a NaN loss skips the update, is counted, and max_bad_steps in a row aborts naming the step") {
+  auto comm = make_self_comm();
+  TrainSession session(tiny_deck({"run.max_bad_steps=3"}), *comm);
+  session.step(0);
+  const std::vector<float> before(session.model.param[1].data(), session.model.param[1].data() + 64);
+  session.model.param[1][3] = NAN;  // a norm weight: every loss becomes NaN
+  const StepStats bad = session.step(1);
+  CHECK(bad.skipped);
+  CHECK(std::isnan(bad.loss));
+  CHECK(session.bad_steps_total == 1);
+  CHECK(std::memcmp(before.data(), session.model.param[1].data(), 3 * sizeof(float)) == 0);  // no update
+  CHECK(session.step(2).skipped);
+  CHECK_THROWS_WITH_AS(session.step(3),
+                       doctest::Contains("step 4: loss or gradient is NaN/Inf for 3 steps in a row "
+                                         "(run.max_bad_steps = 3)"),
+                       Error);
+  session.model.param[1][3] = 1.0f;  // healthy again: the streak resets
+  session.bad_steps_in_a_row = 0;
+  CHECK_FALSE(session.step(4).skipped);
+}
+
 TEST_CASE("bad inputs get clear errors") {
   auto comm = make_self_comm();
   TempDir tmp;
