@@ -140,7 +140,7 @@ const std::vector<KeySpec>& key_table() {
 
       one_of(key("broadcast.backend", Type::String, FIELD(broadcast.backend)), {"none", "nccl", "filesystem"},
              {"nccl", "filesystem"}),
-      positive(key("broadcast.interval", Type::Int, FIELD(broadcast.interval))),
+      not_implemented(positive(key("broadcast.interval", Type::Int, FIELD(broadcast.interval)))),
       not_implemented(key("broadcast.dir", Type::String, FIELD(broadcast.dir))),
       not_implemented(positive(key("broadcast.keep", Type::Int, FIELD(broadcast.keep)))),
 
@@ -151,7 +151,7 @@ const std::vector<KeySpec>& key_table() {
       at_least(key("device.cpu_threads", Type::Int, FIELD(device.cpu_threads)), 0),
 
       one_of(key("comm.backend", Type::String, FIELD(comm.backend)), {"auto", "mpi", "nccl"}, {"nccl"}),
-      positive(key("comm.timeout_s", Type::Float, FIELD(comm.timeout_s))),
+      not_implemented(positive(key("comm.timeout_s", Type::Float, FIELD(comm.timeout_s)))),
   };
   return table;
 }
@@ -377,6 +377,7 @@ void validate(const Config& c, int world, const std::map<std::string, std::strin
     err(fmt("sched.min_lr = %g is larger than optim.lr = %g", c.sched.min_lr, c.optim.lr));
   if (c.optim.name == "sgd" && set_keys.count("optim.beta1"))
     err("optim.beta1 has no meaning for optim.name = \"sgd\" (use optim.momentum)");
+  if (!c.data.packing) err("data.packing = false is not implemented yet (rows are always packed)");
   if (c.run.dir.empty()) err("run.dir is empty: give the directory where the run writes its outputs");
 }
 
@@ -487,28 +488,34 @@ DeckResult parse_deck(const std::string& deck_path, const std::vector<std::strin
 
 std::string resolved_deck(const Config& config) {
   Config copy = config;  // key_table() hands out mutable references
+  // Shortest text that reads back as the same double, always with a '.' or an
+  // exponent so TOML keeps it a float.
+  auto float_text = [](double v) {
+    std::string out;
+    for (int digits = 6; digits <= 17; ++digits) {
+      out = fmt("%.*g", digits, v);
+      if (std::strtod(out.c_str(), nullptr) == v) break;
+    }
+    if (out.find_first_of(".eEn") == std::string::npos) out += ".0";
+    return out;
+  };
   std::ostringstream out;
   out << "# resolved shardlm deck (from " << config.deck_path << "), every key with its value\n";
   std::string current;
-  toml::table section;
-  auto flush = [&] {
-    if (current.empty()) return;
-    out << "\n[" << current << "]\n" << section << "\n";
-    section = toml::table{};
-  };
   for (const auto& k : key_table()) {
     if (!k.implemented) continue;  // the echo must parse again as a deck
     const std::string s = k.path.substr(0, k.path.find('.')), name = k.path.substr(k.path.find('.') + 1);
-    if (s != current) flush(), current = s;
+    if (s != current) out << "\n[" << s << "]\n", current = s;
+    out << name << " = ";
     void* field = k.ref(copy);
     switch (k.type) {
-      case Type::Bool: section.insert_or_assign(name, *static_cast<bool*>(field)); break;
-      case Type::Int: section.insert_or_assign(name, *static_cast<int64_t*>(field)); break;
-      case Type::Float: section.insert_or_assign(name, *static_cast<double*>(field)); break;
-      case Type::String: section.insert_or_assign(name, *static_cast<std::string*>(field)); break;
+      case Type::Bool: out << (*static_cast<bool*>(field) ? "true" : "false"); break;
+      case Type::Int: out << *static_cast<int64_t*>(field); break;
+      case Type::Float: out << float_text(*static_cast<double*>(field)); break;
+      case Type::String: out << toml::value<std::string>(*static_cast<std::string*>(field)); break;
     }
+    out << "\n";
   }
-  flush();
   return out.str();
 }
 

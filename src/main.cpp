@@ -3,6 +3,8 @@
 // runtime -> config -> (model, shards, init) -> for step: batch, forward,
 // loss, backward, clip, optimizer, metrics, checkpoint. Each phase is one call;
 // a phase that grows past a screen lives in its own file.
+#include <omp.h>
+
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -96,6 +98,7 @@ int cmd_train(Runtime& rt, const CliArgs& args) {
   if (!load_deck(rt, args, rt.num_trainers, config)) return 1;
   maybe_inject_fault("startup");
   select_device(rt, config.device.backend);
+  if (config.device.cpu_threads > 0) omp_set_num_threads(static_cast<int>(config.device.cpu_threads));
   print_banner(rt, config);
   write_run_dir(rt, config);
   SHARDLM_CHECK(rt.role == Role::Train, "this rank was launched as a receiver (MPI_APPNUM = %d), but the weight "
