@@ -11,11 +11,14 @@ namespace shardlm {
 const char* usage() {
   return "usage: shardlm train DECK [--set section.key=value]...\n"
          "       shardlm check DECK [--set section.key=value]... [--world N]\n"
+         "       shardlm receive DECK [--set section.key=value]... [--out DIR]\n"
          "       shardlm forward --hf DIR --tokens IN.h5 --out OUT.h5\n"
          "       shardlm --help | --version\n"
          "\n"
          "  train   run the deck's training job (launch with mpirun or srun; a singleton works too)\n"
          "  check   validate the deck, print the resolved deck and the per-rank memory plan, exit\n"
+         "  receive the reference weight receiver of an RL job (second app of an MPMD launch:\n"
+         "          mpirun -np N shardlm train D : -np 1 shardlm receive D); --out writes the last weights\n"
          "  forward logits of an HF model directory for int32 `tokens` [B, T] (each row one sequence),\n"
          "          written as float32 `logits` [B, T, V]; one process\n"
          "  --set   override any deck key; the value is parsed as TOML (--set optim.lr=3e-4,\n"
@@ -30,11 +33,12 @@ CliArgs parse_cli(int argc, const char* const* argv) {
   const std::string first = argv[1];
   if (first == "--help" || first == "-h" || first == "help") return args.command = "help", args;
   if (first == "--version" || first == "version") return args.command = "version", args;
-  if (first != "train" && first != "check" && first != "forward") fail("unknown command '" + first + "'");
+  if (first != "train" && first != "check" && first != "forward" && first != "receive") fail("unknown command '" + first + "'");
   args.command = first;
   // Options that take one value, per command.
   const auto takes = [&](const std::string& name) {
-    return args.command == "forward" && (name == "--hf" || name == "--tokens" || name == "--out");
+    return (args.command == "forward" && (name == "--hf" || name == "--tokens" || name == "--out")) ||
+           (args.command == "receive" && name == "--out");
   };
 
   for (int i = 2; i < argc; ++i) {

@@ -1,6 +1,7 @@
 // comm_mpi.cpp — Comm over MPI for host buffers.
 #include <climits>
 #include <cstring>
+#include <vector>
 
 #include "shardlm/comm.hpp"
 #include "shardlm/runtime.hpp"
@@ -23,6 +24,7 @@ class MpiComm final : public Comm {
   explicit MpiComm(MPI_Comm comm) : comm_(comm) {
     MPI_CHECK(MPI_Comm_rank(comm_, &rank_));
     MPI_CHECK(MPI_Comm_size(comm_, &size_));
+    for (auto* v : {&send_counts_, &send_displs_, &recv_counts_, &recv_displs_}) v->resize(size_);
   }
   int rank() const override { return rank_; }
   int size() const override { return size_; }
@@ -47,10 +49,23 @@ class MpiComm final : public Comm {
     MPI_CHECK(MPI_Bcast(bytes, as_count(count), MPI_BYTE, root, comm_));
   }
   void barrier() override { MPI_CHECK(MPI_Barrier(comm_)); }
+  void all_to_all_v(const float* send, const int64_t* send_counts, const int64_t* send_displs, float* recv,
+                    const int64_t* recv_counts, const int64_t* recv_displs) override {
+    for (int p = 0; p < size_; ++p) {
+      send_counts_[p] = as_count(send_counts[p]);
+      send_displs_[p] = as_count(send_displs[p]);
+      recv_counts_[p] = as_count(recv_counts[p]);
+      recv_displs_[p] = as_count(recv_displs[p]);
+    }
+    MPI_CHECK(MPI_Alltoallv(send, send_counts_.data(), send_displs_.data(), MPI_FLOAT, recv, recv_counts_.data(),
+                            recv_displs_.data(), MPI_FLOAT, comm_));
+  }
 
  private:
   MPI_Comm comm_;
   int rank_ = 0, size_ = 1;
+  // MPI's int counts for all_to_all_v, sized once (the step allocates nothing).
+  std::vector<int> send_counts_, send_displs_, recv_counts_, recv_displs_;
 };
 
 class SelfComm final : public Comm {
@@ -69,6 +84,10 @@ class SelfComm final : public Comm {
   void all_reduce_sum(int64_t*, int64_t) override {}
   void broadcast(void*, int64_t, int) override {}
   void barrier() override {}
+  void all_to_all_v(const float* send, const int64_t* send_counts, const int64_t* send_displs, float* recv,
+                    const int64_t*, const int64_t* recv_displs) override {
+    if (send_counts[0] > 0) std::memmove(recv + recv_displs[0], send + send_displs[0], sizeof(float) * send_counts[0]);
+  }
 };
 
 }  // namespace

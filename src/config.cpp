@@ -73,6 +73,8 @@ const std::vector<KeySpec>& key_table() {
       at_least(key("run.max_steps", Type::Int, FIELD(run.max_steps)), 0),
       key("run.deterministic", Type::Bool, FIELD(run.deterministic)),
       at_least(key("run.max_bad_steps", Type::Int, FIELD(run.max_bad_steps)), 1),
+      key("run.export_dir", Type::String, FIELD(run.export_dir)),
+      one_of(key("run.export_dtype", Type::String, FIELD(run.export_dtype)), {"bf16", "fp32"}),
 
       key("model.hf", Type::String, FIELD(model.hf)),
       one_of(key("model.arch", Type::String, FIELD(model.arch.arch)), {"llama", "qwen2", "qwen3"}),
@@ -138,11 +140,10 @@ const std::vector<KeySpec>& key_table() {
       key("ckpt.resume", Type::String, FIELD(ckpt.resume)),
       not_implemented(one_of(key("ckpt.on_error", Type::String, FIELD(ckpt.on_error)), {"stop", "continue"})),
 
-      one_of(key("broadcast.backend", Type::String, FIELD(broadcast.backend)), {"none", "nccl", "filesystem"},
-             {"nccl", "filesystem"}),
-      not_implemented(positive(key("broadcast.interval", Type::Int, FIELD(broadcast.interval)))),
-      not_implemented(key("broadcast.dir", Type::String, FIELD(broadcast.dir))),
-      not_implemented(positive(key("broadcast.keep", Type::Int, FIELD(broadcast.keep)))),
+      one_of(key("broadcast.backend", Type::String, FIELD(broadcast.backend)), {"none", "nccl", "filesystem"}),
+      positive(key("broadcast.interval", Type::Int, FIELD(broadcast.interval))),
+      key("broadcast.dir", Type::String, FIELD(broadcast.dir)),
+      positive(key("broadcast.keep", Type::Int, FIELD(broadcast.keep))),
 
       positive(key("log.interval", Type::Int, FIELD(log.interval))),
       key("log.jsonl", Type::String, FIELD(log.jsonl)),
@@ -377,6 +378,8 @@ void validate(const Config& c, int world, const std::map<std::string, std::strin
     err(fmt("sched.min_lr = %g is larger than optim.lr = %g", c.sched.min_lr, c.optim.lr));
   if (c.optim.name == "sgd" && set_keys.count("optim.beta1"))
     err("optim.beta1 has no meaning for optim.name = \"sgd\" (use optim.momentum)");
+  if (c.broadcast.backend == "filesystem" && c.broadcast.dir.empty())
+    err("broadcast.backend = \"filesystem\" needs broadcast.dir (where step_<N>/ directories are written)");
   if (!c.data.packing) err("data.packing = false is not implemented yet (rows are always packed)");
   if (c.run.dir.empty()) err("run.dir is empty: give the directory where the run writes its outputs");
 }

@@ -761,7 +761,7 @@ void SafetensorsReader::read_f32(const std::string& name, int64_t elem_begin, in
 // ============================================================================
 
 SafetensorsWriter::SafetensorsWriter(const fs::path& file, const std::vector<TensorSpec>& tensors,
-                                     const std::map<std::string, std::string>& metadata)
+                                     const std::map<std::string, std::string>& metadata, Open open)
     : file_(file), tmp_file_(fs::path(file.string() + ".tmp")) {
   const std::string file_s = file.string();
   std::vector<const TensorSpec*> order;
@@ -803,6 +803,13 @@ SafetensorsWriter::SafetensorsWriter(const fs::path& file, const std::vector<Ten
   for (auto& [name, slot] : slots_) slot.data_offset_bytes = data_start + begin_of[name];
 
   const std::string tmp_s = tmp_file_.string();
+  if (open == Open::Existing) {
+    fd_ = ::open(tmp_s.c_str(), O_WRONLY | O_CLOEXEC);
+    SHARDLM_CHECK(fd_ >= 0, "cannot open %s for shared writing: %s", tmp_s.c_str(), std::strerror(errno));
+    finished_ = true;  // the creator owns FILE.tmp: never remove it from here
+    participant_ = true;
+    return;
+  }
   fd_ = ::open(tmp_s.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   SHARDLM_CHECK(fd_ >= 0, "cannot create %s: %s", tmp_s.c_str(), std::strerror(errno));
   try {
@@ -832,7 +839,7 @@ SafetensorsWriter::~SafetensorsWriter() {
 
 void SafetensorsWriter::write(const std::string& name, int64_t elem_begin, int64_t elem_count, const float* data) {
   const std::string tmp_s = tmp_file_.string();
-  SHARDLM_CHECK(fd_ >= 0 && !finished_, "%s: write after finish()", tmp_s.c_str());
+  SHARDLM_CHECK(fd_ >= 0 && (!finished_ || participant_), "%s: write after finish()", tmp_s.c_str());
   auto it = slots_.find(name);
   SHARDLM_CHECK(it != slots_.end(), "%s: tensor '%s' is not in the header", file_.string().c_str(), name.c_str());
   Slot& s = it->second;
@@ -857,11 +864,20 @@ void SafetensorsWriter::write(const std::string& name, int64_t elem_begin, int64
                 file_.string().c_str(), name.c_str(), (long long)s.elems_written, (long long)s.numel);
 }
 
-void SafetensorsWriter::finish() {
+void SafetensorsWriter::close_part() {
+  SHARDLM_CHECK(participant_ && fd_ >= 0, "%s: close_part() is for shared-writing participants",
+                tmp_file_.string().c_str());
+  SHARDLM_CHECK(::fsync(fd_) == 0, "fsync of %s failed: %s", tmp_file_.string().c_str(), std::strerror(errno));
+  const int rc = ::close(fd_);
+  fd_ = -1;
+  SHARDLM_CHECK(rc == 0, "closing %s failed: %s", tmp_file_.string().c_str(), std::strerror(errno));
+}
+
+void SafetensorsWriter::finish(bool check_complete) {
   const std::string file_s = file_.string();
   SHARDLM_CHECK(fd_ >= 0 && !finished_, "%s: finish() called twice", file_s.c_str());
   for (const auto& [name, s] : slots_)
-    SHARDLM_CHECK(s.elems_written == s.numel, "%s: tensor '%s' has %lld of %lld elements written; not finishing",
+    SHARDLM_CHECK(!check_complete || s.elems_written == s.numel, "%s: tensor '%s' has %lld of %lld elements written; not finishing",
                   file_s.c_str(), name.c_str(), (long long)s.elems_written, (long long)s.numel);
   SHARDLM_CHECK(::fsync(fd_) == 0, "fsync of %s failed: %s", tmp_file_.string().c_str(), std::strerror(errno));
   int rc = ::close(fd_);

@@ -10,6 +10,7 @@
 #include <fstream>
 #include <string>
 
+#include "shardlm/broadcast.hpp"
 #include "shardlm/cli.hpp"
 #include "shardlm/comm.hpp"
 #include "shardlm/config.hpp"
@@ -73,7 +74,7 @@ void write_run_dir(const Runtime& rt, const Config& config) {
     out << resolved_deck(config);
     SHARDLM_CHECK(out.good(), "cannot write %s", path.c_str());
   }
-  MPI_CHECK(MPI_Barrier(MPI_COMM_WORLD));
+  MPI_CHECK(MPI_Barrier(rt.role_comm));  // world rank 0 is trainer rank 0
 }
 
 int cmd_check(const Runtime& rt, const CliArgs& args) {
@@ -83,13 +84,24 @@ int cmd_check(const Runtime& rt, const CliArgs& args) {
   if (rt.world_rank == 0) {
     const ModelConfig arch = model_config_for(config);
     const ModelLayout layout(arch, world);
-    const MemoryPlan plan = plan_memory(arch, world, engine_options_for(config), config.optim.name == "adamw" ? 2 : 1);
+    MemoryPlan plan = plan_memory(arch, world, engine_options_for(config), config.optim.name == "adamw" ? 2 : 1);
+    plan.workspace += output_workspace_bytes(config, layout);
     std::printf("%s: valid for %d training rank%s\n\n%s\nmodel: %s, %lld parameters (%lld in matmuls)\n%s",
                 args.deck.c_str(), world, world == 1 ? "" : "s", resolved_deck(config).c_str(), arch.arch.c_str(),
                 (long long)layout.parameter_count(), (long long)layout.matmul_parameter_count(),
                 format_memory_plan(plan, world).c_str());
     std::fflush(stdout);
   }
+  return 0;
+}
+
+int cmd_receive(Runtime& rt, const CliArgs& args) {
+  Config config;
+  if (!load_deck(rt, args, rt.num_trainers, config)) return 1;
+  SHARDLM_CHECK(rt.role == Role::Receive, "`shardlm receive` must run as the second app of an MPMD launch "
+                                          "(mpirun -np N shardlm train DECK : -np 1 shardlm receive DECK)");
+  const auto out = args.options.count("out") ? args.options.at("out") : std::string();
+  run_receiver(config, rt, out);
   return 0;
 }
 
@@ -101,9 +113,10 @@ int cmd_train(Runtime& rt, const CliArgs& args) {
   if (config.device.cpu_threads > 0) omp_set_num_threads(static_cast<int>(config.device.cpu_threads));
   print_banner(rt, config);
   write_run_dir(rt, config);
-  SHARDLM_CHECK(rt.role == Role::Train, "this rank was launched as a receiver (MPI_APPNUM = %d), but the weight "
-                                        "broadcast to receivers is not implemented yet", rt.appnum);
+  SHARDLM_CHECK(rt.role == Role::Train, "this rank is in app %d of the MPMD launch, which receives: run "
+                                        "`shardlm receive` there, `shardlm train` in the first app", rt.appnum);
   auto comm = make_mpi_comm(rt.role_comm);
+  WeightBroadcaster broadcaster(config, rt, *comm);
 
   // model, shards, init; data; optimizer; engine
   TrainSession session(config, *comm);
@@ -120,13 +133,20 @@ int cmd_train(Runtime& rt, const CliArgs& args) {
   for (int64_t step = 0; step < config.run.max_steps; ++step) {
     const StepStats stats = session.step(step);  // batch, forward, loss, backward, clip, optimizer
     metrics.log(stats);
+    if (broadcaster.due(step + 1)) broadcaster.send(session.model, step + 1);
+  }
+  broadcaster.finish();
+  if (!config.run.export_dir.empty()) {
+    export_hf(session.model, *comm, config.run.export_dir, config.run.export_dtype == "bf16" ? "BF16" : "F32");
+    if (comm->rank() == 0) std::printf("exported the final weights to %s\n", config.run.export_dir.c_str());
   }
 
   int64_t peak = host_memory().total_peak;
   MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &peak, 1, MPI_INT64_T, MPI_MAX, rt.role_comm));
-  metrics.summary(plan_memory(session.model.layout.config, comm->size(), engine_options_for(config),
-                              session.optimizer.states()),
-                  peak, session.bad_steps_total);
+  MemoryPlan plan = plan_memory(session.model.layout.config, comm->size(), engine_options_for(config),
+                                session.optimizer.states());
+  plan.workspace += output_workspace_bytes(config, session.model.layout);
+  metrics.summary(plan, peak, session.bad_steps_total);
   if (rt.world_rank == 0) std::printf("done: outputs in %s\n", config.run.dir.c_str());
   return 0;
 }
@@ -158,7 +178,9 @@ int main(int argc, char** argv) {
   Runtime rt = runtime_init(&argc, &argv);
   int rc = 1;
   try {
-    rc = args.command == "check" ? cmd_check(rt, args) : cmd_train(rt, args);
+    rc = args.command == "check" ? cmd_check(rt, args)
+         : args.command == "receive" ? cmd_receive(rt, args)
+                                     : cmd_train(rt, args);
   } catch (const std::exception& e) {
     fatal(e.what());  // one message naming the rank, then MPI_Abort: never a hang
   }

@@ -1,4 +1,4 @@
-// optim.cpp — AdamW / SGD on shards, lr schedule, global grad norm.
+// optim.cpp — AdamW, SGD and Muon (AdamW group here, matrices in muon.cpp) on shards, lr schedule, global grad norm.
 #include "shardlm/optim.hpp"
 
 #include <cmath>
@@ -27,58 +27,119 @@ double lr_at(const SchedSection& s, double peak, int64_t max_steps, int64_t step
   return s.min_lr + 0.5 * (peak - s.min_lr) * (1.0 + std::cos(M_PI * frac));
 }
 
-Optimizer::Optimizer(const OptimSection& config, ShardedModel& model) : config_(config), model_(model) {
-  state_.resize(states());
+namespace {
+
+// AdamW's per-step constants, in the float form the element loop uses.
+struct AdamWConsts {
+  float lr, b1, b2, step_size, inv_bc2_sqrt, eps;
+};
+
+AdamWConsts adamw_consts(const OptimSection& c, double lr, int64_t step) {
+  const double b1 = c.beta1, b2 = c.beta2;
+  const double bc1 = 1.0 - std::pow(b1, static_cast<double>(step));
+  const double bc2 = 1.0 - std::pow(b2, static_cast<double>(step));
+  return {static_cast<float>(lr), static_cast<float>(b1), static_cast<float>(b2), static_cast<float>(lr / bc1),
+          static_cast<float>(1.0 / std::sqrt(bc2)), static_cast<float>(c.eps)};
+}
+
+// n elements: p (params), g (gradients), m, v (moments), all at the segment's start.
+void adamw_update(float* p, const float* g, float* m, float* v, int64_t n, float grad_scale, float wd,
+                  const AdamWConsts& k) {
+#pragma omp parallel for simd schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    const float gi = g[i] * grad_scale;
+    float* pi = p + i;
+    m[i] = k.b1 * m[i] + (1.0f - k.b1) * gi;
+    v[i] = k.b2 * v[i] + (1.0f - k.b2) * gi * gi;
+    *pi -= k.lr * wd * *pi;  // decoupled weight decay
+    *pi -= k.step_size * m[i] / (std::sqrt(v[i]) * k.inv_bc2_sqrt + k.eps);
+  }
+}
+
+// buf: the momentum buffer, or nullptr without momentum.
+void sgd_update(float* p, const float* g, float* buf, int64_t n, float grad_scale, float wd, float lr, float mu) {
+#pragma omp parallel for simd schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    float d = g[i] * grad_scale + wd * p[i];
+    if (buf) d = buf[i] = mu * buf[i] + d;
+    p[i] -= lr * d;
+  }
+}
+
+}  // namespace
+
+int optimizer_states(const OptimSection& c) {
+  if (c.name == "adamw" || c.name == "muon") return 2;
+  return c.momentum > 0 ? 1 : 0;
+}
+
+Optimizer::Optimizer(const OptimSection& config, ShardedModel& model, Comm& comm) : config_(config), model_(&model) {
+  init(&comm);
+}
+
+Optimizer::Optimizer(const OptimSection& config, ShardedModel& model) : config_(config), model_(&model) {
+  if (config.name == "muon") {
+    SHARDLM_CHECK(model.world == 1,
+                  "Muon on %d ranks exchanges matrices between them: construct the Optimizer with the "
+                  "trainers' Comm",
+                  model.world);
+    self_comm_ = make_self_comm();
+  }
+  init(self_comm_.get());
+}
+
+void Optimizer::init(Comm* comm) {
+  SHARDLM_CHECK(config_.name == "adamw" || config_.name == "sgd" || config_.name == "muon",
+                "optim.name = \"%s\" is not an optimizer (adamw, sgd or muon)", config_.name.c_str());
+  for (const auto& u : model_->layout.units) segments_.push_back(model_->segments(u));
+  state_.resize(optimizer_states(config_));
   for (auto& s : state_)
-    for (const auto& u : model.layout.units) {
+    for (const auto& u : model_->layout.units) {
       s.emplace_back(Mem::OptimState, u.shard_numel);
       std::memset(s.back().data(), 0, s.back().bytes());
     }
+  if (config_.name == "muon") {
+    SHARDLM_CHECK(comm != nullptr, "Muon needs a Comm");
+    SHARDLM_CHECK(config_.ns_steps >= 0 && config_.ns_steps <= 100, "optim.ns_steps = %lld is out of range",
+                  (long long)config_.ns_steps);
+    muon_ = std::make_unique<MuonStep>(*model_, *comm, static_cast<int>(config_.ns_steps));
+  }
 }
 
-int Optimizer::states() const {
-  if (config_.name == "adamw") return 2;
-  return config_.momentum > 0 ? 1 : 0;
+std::string Optimizer::state_name(int i) const {
+  if (config_.name == "sgd") return "momentum_buffer";
+  return i == 0 ? "exp_avg" : "exp_avg_sq";
+}
+
+std::string Optimizer::state_name(int i, const Unit& unit, const ParamInfo& param) const {
+  if (config_.name == "muon" && is_muon_param(unit, param)) return i == 0 ? "momentum_buffer" : "";
+  return state_name(i);
 }
 
 void Optimizer::step(double lr, float grad_scale) {
   ++step_;
-  const double b1 = config_.beta1, b2 = config_.beta2;
-  const double bc1 = 1.0 - std::pow(b1, static_cast<double>(step_));
-  const double bc2 = 1.0 - std::pow(b2, static_cast<double>(step_));
-  const float eps = static_cast<float>(config_.eps);
-  for (size_t ui = 0; ui < model_.layout.units.size(); ++ui) {
-    float* p = model_.param[ui].data();
-    const float* g = model_.grad[ui].data();
-    for (const auto& seg : model_.segments(model_.layout.units[ui])) {
-      const float wd = seg.param->weight_decay() ? static_cast<float>(config_.weight_decay) : 0.0f;
+  const bool muon = config_.name == "muon";
+  // Muon's AdamW group follows the same schedule, scaled to its own peak lr.
+  const double adamw_lr = muon && config_.adamw_lr > 0 ? lr * (config_.adamw_lr / config_.lr) : lr;
+  const double adamw_wd = muon && config_.adamw_weight_decay >= 0 ? config_.adamw_weight_decay : config_.weight_decay;
+  const AdamWConsts adamw = adamw_consts(config_, adamw_lr, step_);
+  for (size_t ui = 0; ui < model_->layout.units.size(); ++ui) {
+    const Unit& unit = model_->layout.units[ui];
+    float* p = model_->param[ui].data();
+    const float* g = model_->grad[ui].data();
+    for (const auto& seg : segments_[ui]) {
       const int64_t o = seg.shard_offset, n = seg.count;
-      if (config_.name == "adamw") {
-        float* m = state_[0][ui].data() + o;
-        float* v = state_[1][ui].data() + o;
-        const float lr_f = static_cast<float>(lr), b1f = static_cast<float>(b1), b2f = static_cast<float>(b2);
-        const float step_size = static_cast<float>(lr / bc1), inv_bc2_sqrt = static_cast<float>(1.0 / std::sqrt(bc2));
-#pragma omp parallel for simd schedule(static)
-        for (int64_t i = 0; i < n; ++i) {
-          const float gi = g[o + i] * grad_scale;
-          float* pi = p + o + i;
-          m[i] = b1f * m[i] + (1.0f - b1f) * gi;
-          v[i] = b2f * v[i] + (1.0f - b2f) * gi * gi;
-          *pi -= lr_f * wd * *pi;  // decoupled weight decay
-          *pi -= step_size * m[i] / (std::sqrt(v[i]) * inv_bc2_sqrt + eps);
-        }
-      } else {  // sgd
-        const float lr_f = static_cast<float>(lr), mu = static_cast<float>(config_.momentum);
+      if (config_.name == "sgd") {
+        const float wd = seg.param->weight_decay() ? static_cast<float>(config_.weight_decay) : 0.0f;
         float* buf = states() ? state_[0][ui].data() + o : nullptr;
-#pragma omp parallel for simd schedule(static)
-        for (int64_t i = 0; i < n; ++i) {
-          float d = g[o + i] * grad_scale + wd * p[o + i];
-          if (buf) d = buf[i] = mu * buf[i] + d;
-          p[o + i] -= lr_f * d;
-        }
+        sgd_update(p + o, g + o, buf, n, grad_scale, wd, static_cast<float>(lr), static_cast<float>(config_.momentum));
+      } else if (!muon || !is_muon_param(unit, *seg.param)) {  // adamw, or Muon's AdamW group
+        const float wd = seg.param->weight_decay() ? static_cast<float>(adamw_wd) : 0.0f;
+        adamw_update(p + o, g + o, state_[0][ui].data() + o, state_[1][ui].data() + o, n, grad_scale, wd, adamw);
       }
     }
   }
+  if (muon) muon_->step(lr, config_.weight_decay, config_.muon_momentum, grad_scale, state_[0]);
 }
 
 double global_grad_norm(const ShardedModel& model, Comm& comm) {

@@ -1,7 +1,8 @@
 // comm.hpp — the collectives sharded training needs, behind one interface.
 //
 // Owns: Comm (all_gather, reduce_scatter, all_reduce, broadcast, barrier; the two
-// big ones asynchronous) and its MPI implementation for host buffers. The NCCL
+// big ones asynchronous; all_to_all_v for Muon's owner exchange) and its MPI
+// implementation for host buffers. The NCCL
 // implementation (src/cuda/) takes device buffers only. Knows nothing about the
 // model: it moves counted floats between ranks.
 #pragma once
@@ -38,6 +39,13 @@ class Comm {
   virtual void all_reduce_sum(int64_t* values, int64_t count) = 0;
   virtual void broadcast(void* bytes, int64_t count, int root) = 0;
   virtual void barrier() = 0;
+  // Personalised exchange: this rank sends send[send_displs[p], + send_counts[p])
+  // to every rank p and receives p's block into recv[recv_displs[p], + recv_counts[p]).
+  // Each array has size() entries; this rank's send_counts[p] must equal rank p's
+  // recv_counts[this rank]. Blocking. It only moves data, so it is exact. Muon uses
+  // it to gather each matrix to its owner and to return the update's slices.
+  virtual void all_to_all_v(const float* send, const int64_t* send_counts, const int64_t* send_displs,
+                            float* recv, const int64_t* recv_counts, const int64_t* recv_displs) = 0;
 };
 
 // MPI over an existing communicator (not owned). Reductions use MPI's fixed

@@ -21,6 +21,8 @@ struct RunSection {
   int64_t max_steps = 100;
   bool deterministic = false;
   int64_t max_bad_steps = 5;        // NaN/Inf steps in a row before the run aborts
+  std::string export_dir;           // HF directory written with the final weights ("" = none)
+  std::string export_dtype = "bf16";  // bf16 | fp32
 };
 
 struct ModelSection {
@@ -53,6 +55,12 @@ struct OptimSection {
   double weight_decay = 0.0;
   double momentum = 0.0;            // sgd
   double max_norm = 1.0;            // 0 disables clipping
+  // muon: lr and weight_decay above are the hidden matrices'; the rest (embeddings,
+  // lm_head, norms, biases) is AdamW with beta1/beta2/eps and these two.
+  double muon_momentum = 0.95;      // Nesterov momentum of the matrices
+  int64_t ns_steps = 5;             // Newton–Schulz iterations
+  double adamw_lr = 0.0;            // peak lr of the AdamW group; 0 = optim.lr (same schedule)
+  double adamw_weight_decay = -1.0; // weight decay of the AdamW group; < 0 = optim.weight_decay
 };
 
 struct SchedSection {

@@ -124,14 +124,20 @@ struct TensorToWrite {
 // of 8 bytes and carries __metadata__ {"format": "pt"} plus `metadata`.
 class SafetensorsWriter {
  public:
+  // Shared writing (several processes, one file): one process constructs with
+  // Open::Create; after that, the others construct with Open::Existing (same
+  // tensors and metadata give the same layout), write their element ranges and
+  // call close_part(); then the creator calls finish(/*check_complete=*/false).
+  enum class Open { Create, Existing };
   SafetensorsWriter(const std::filesystem::path& file, const std::vector<TensorSpec>& tensors,
-                    const std::map<std::string, std::string>& metadata = {});
+                    const std::map<std::string, std::string>& metadata = {}, Open open = Open::Create);
   ~SafetensorsWriter();
   SafetensorsWriter(const SafetensorsWriter&) = delete;
   SafetensorsWriter& operator=(const SafetensorsWriter&) = delete;
 
   void write(const std::string& name, int64_t elem_begin, int64_t elem_count, const float* data);
-  void finish();
+  void finish(bool check_complete = true);
+  void close_part();  // a participant of shared writing: flush and close, leave FILE.tmp
 
  private:
   struct Slot {
@@ -144,6 +150,7 @@ class SafetensorsWriter {
   std::filesystem::path tmp_file_;
   int fd_ = -1;
   bool finished_ = false;
+  bool participant_ = false;
   std::map<std::string, Slot> slots_;
 };
 

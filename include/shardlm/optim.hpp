@@ -1,19 +1,23 @@
 // optim.hpp — optimizers on flat shards and the learning-rate schedule.
 //
-// Owns: AdamW (decoupled weight decay, none on norms and biases) and SGD (with
-// optional momentum), each updating only this rank's shard, segment by segment
-// so every parameter gets its own decay rule; the lr schedule; the global
-// gradient norm. Knows nothing about kernels, MPI or files (the norm's
-// all-reduce goes through Comm).
+// Owns: AdamW (decoupled weight decay, none on norms and biases), SGD (with
+// optional momentum) and Muon (the hidden matrices through MuonStep in muon.hpp,
+// AdamW for the rest), each updating only this rank's shard, segment by segment
+// so every parameter gets its own rule; the optimizer state, laid out like the
+// parameter shards so checkpoints write it with the parameters' hyperslab code;
+// the lr schedule; the global gradient norm. Knows nothing about kernels, MPI or
+// files (the norm's all-reduce and Muon's exchange go through Comm).
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "shardlm/comm.hpp"
 #include "shardlm/config.hpp"
 #include "shardlm/memory.hpp"
+#include "shardlm/muon.hpp"
 #include "shardlm/shard.hpp"
 
 namespace shardlm {
@@ -23,22 +27,51 @@ namespace shardlm {
 // rest when 0) | cosine (to min_lr at max_steps).
 double lr_at(const SchedSection& sched, double peak_lr, int64_t max_steps, int64_t step);
 
+// fp32 arrays per parameter element that `config` keeps (AdamW 2, SGD 0 or 1, Muon 2).
+int optimizer_states(const OptimSection& config);
+
 class Optimizer {
  public:
+  // `comm` is the trainer ranks' (the shards' world): Muon exchanges matrices over it.
+  Optimizer(const OptimSection& config, ShardedModel& model, Comm& comm);
+  // Without a Comm: AdamW, SGD, and Muon on one rank (a self Comm).
   Optimizer(const OptimSection& config, ShardedModel& model);
-  int states() const;  // fp32 arrays per parameter element (AdamW 2, SGD 0 or 1)
-  // One update of every shard with lr, after scaling gradients by grad_scale
-  // (clipping); increments the step count.
+
+  // fp32 arrays per parameter element. state(i)[unit] is (shard_numel), element j
+  // belonging to the parameter element the shard holds at j.
+  //   adamw: 0 exp_avg, 1 exp_avg_sq
+  //   sgd:   0 momentum_buffer (only when optim.momentum > 0)
+  //   muon:  0 momentum_buffer on Muon matrices, exp_avg on the AdamW parameters;
+  //          1 exp_avg_sq on the AdamW parameters, unused (zero) on Muon matrices
+  int states() const { return static_cast<int>(state_.size()); }
+  std::vector<Buffer<float>>& state(int i) { return state_[i]; }
+  const std::vector<Buffer<float>>& state(int i) const { return state_[i]; }
+  // The checkpoint's dataset name for state i (/optim/<param>/<state_name>):
+  // "exp_avg", "exp_avg_sq" or "momentum_buffer"; for Muon, AdamW's names.
+  std::string state_name(int i) const;
+  // The same for one parameter: Muon matrices hold state 0 as "momentum_buffer"
+  // and no state 1 (""): a checkpoint skips the empty name.
+  std::string state_name(int i, const Unit& unit, const ParamInfo& param) const;
+
+  // One update of every shard with lr (optim.lr's schedule: Muon's matrices take
+  // it, Muon's AdamW group takes it times adamw_lr / lr), after scaling gradients
+  // by grad_scale (clipping); increments the step count. Collective over the Comm
+  // for Muon.
   void step(double lr, float grad_scale);
   int64_t steps_taken() const { return step_; }
   void set_steps_taken(int64_t s) { step_ = s; }
-  std::vector<Buffer<float>>& state(int i) { return state_[i]; }
   const std::string& name() const { return config_.name; }
+  const MuonStep* muon() const { return muon_.get(); }  // nullptr unless muon
 
  private:
+  void init(Comm* comm);
+
   OptimSection config_;
-  ShardedModel& model_;
-  std::vector<std::vector<Buffer<float>>> state_;  // [state][unit] (shard_numel)
+  ShardedModel* model_;
+  std::unique_ptr<Comm> self_comm_;                   // the two-argument constructor's, at world 1
+  std::unique_ptr<MuonStep> muon_;
+  std::vector<std::vector<ShardSegment>> segments_;   // [unit]: this rank's (parameter ∩ shard)
+  std::vector<std::vector<Buffer<float>>> state_;     // [state][unit] (shard_numel)
   int64_t step_ = 0;
 };
 

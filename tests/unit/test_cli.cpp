@@ -120,6 +120,66 @@ TEST_CASE("train under mpirun -np 2: banner, progress, config.toml and metrics.j
   std::filesystem::remove_all(dir);
 }
 
+TEST_CASE("weight broadcast to a receiver (MPI path): the receiver's weights equal the trainer's export bit for bit") {
+  const auto dir = std::filesystem::temp_directory_path() / ("shardlm-bcast-" + std::to_string(getpid()));
+  const std::string sets = " --set broadcast.backend=nccl --set broadcast.interval=5 --set run.max_steps=10";
+  auto r = run("OMP_NUM_THREADS=1 " + mpirun(2) + shardlm_bin() + " train inputs/tiny-sft.toml" + sets +
+                   " --set run.dir=" + (dir / "run").string() + " --set run.export_dir=" + (dir / "trainer").string() +
+                   " : -np 1 " + shardlm_bin() + " receive inputs/tiny-sft.toml" + sets + " --out " +
+                   (dir / "receiver").string(),
+               300);
+  CHECK(r.status == 0);
+  CHECK(r.output.find("receive[0]: step 5: 20 tensors") != std::string::npos);
+  CHECK(r.output.find("receive[0]: step 10: 20 tensors") != std::string::npos);
+  CHECK(r.output.find("2 broadcasts received") != std::string::npos);
+  auto same = run("cmp " + (dir / "trainer/model.safetensors").string() + " " +
+                  (dir / "receiver/model.safetensors").string());
+  CHECK_MESSAGE(same.status == 0, same.output);
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("weight broadcast through the filesystem: step dirs, STABLE, keep, checksums, equal weights") {
+  const auto dir = std::filesystem::temp_directory_path() / ("shardlm-fsb-" + std::to_string(getpid()));
+  const std::string sets = " --set broadcast.backend=filesystem --set broadcast.interval=3 --set broadcast.keep=2"
+                           " --set data.global_batch=6 --set run.max_steps=9 --set broadcast.dir=" +
+                           (dir / "bcast").string();
+  auto r = run("OMP_NUM_THREADS=1 " + mpirun(3) + shardlm_bin() + " train inputs/tiny-sft.toml" + sets +
+                   " --set run.dir=" + (dir / "run").string() + " --set run.export_dir=" + (dir / "trainer").string() +
+                   " : -np 1 " + shardlm_bin() + " receive inputs/tiny-sft.toml" + sets + " --out " +
+                   (dir / "receiver").string(),
+               300);
+  CHECK(r.status == 0);
+  CHECK(r.output.find("receive[0]: step 9: 20 tensors") != std::string::npos);
+  CHECK_FALSE(std::filesystem::exists(dir / "bcast/step_3"));  // keep = 2
+  CHECK(std::filesystem::exists(dir / "bcast/step_6/STABLE"));
+  CHECK(std::filesystem::exists(dir / "bcast/step_9/config.json"));
+  auto same = run("cmp " + (dir / "trainer/model.safetensors").string() + " " +
+                  (dir / "receiver/model.safetensors").string());
+  CHECK_MESSAGE(same.status == 0, same.output);
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("a receiver that dies makes the trainers abort with a message, not hang") {
+  const std::string sets = " --set broadcast.backend=nccl --set broadcast.interval=2 --set run.max_steps=50";
+  auto r = run("SHARDLM_FAULT=receive@2 OMP_NUM_THREADS=1 " + mpirun(2) + "-x SHARDLM_FAULT " + shardlm_bin() +
+                   " train inputs/tiny-sft.toml" + sets + " --set run.dir=" +
+                   (std::filesystem::temp_directory_path() / "shardlm-deadrecv").string() + " : -np 1 " +
+                   shardlm_bin() + " receive inputs/tiny-sft.toml" + sets,
+               120);
+  CHECK(r.status != 0);
+  CHECK(r.status != 124);
+  CHECK(r.output.find("shardlm: error on rank 2 of 3") != std::string::npos);
+}
+
+TEST_CASE("receive refuses a deck without a broadcast backend; train refuses nccl broadcast without receivers") {
+  auto r = run(mpirun(1) + shardlm_bin() + " train inputs/tiny-sft.toml --set broadcast.backend=nccl", 60);
+  CHECK(r.status != 0);
+  CHECK(r.output.find("this job has no receiver ranks") != std::string::npos);
+  auto fsb = run(shardlm_bin() + " check inputs/tiny-sft.toml --set broadcast.backend=filesystem");
+  CHECK(fsb.status == 1);
+  CHECK(fsb.output.find("needs broadcast.dir") != std::string::npos);
+}
+
 TEST_CASE("a fatal error on one rank aborts the whole job with one message, never a hang") {
   auto r = run("SHARDLM_FAULT=startup@1 " + mpirun(2) + "-x SHARDLM_FAULT " + shardlm_bin() +
                    " train inputs/tiny-sft.toml --set run.dir=" +

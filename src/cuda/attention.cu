@@ -1,0 +1,1130 @@
+// attention.cu — causal GQA packed-document flash attention, forward and backward.
+// Contract: include/shardlm/cuda_attention.hpp. Reference: shardlm::cpu::attention_*.
+//
+// Kernels (all deterministic, none uses atomics):
+//   doc_start_kernel   one block scans seq_id: doc_start[i] = first token of i's run.
+//   fwd_kernel         FlashAttention-2 forward: a block owns BM queries of one head,
+//                      walks key tiles [doc_start[first query], last query], online
+//                      softmax in fp32 registers, O accumulated by mma.sync.
+//   delta_kernel       delta = rowsum(dout * out) (N, H) fp32.
+//   dkdv_kernel        a block owns BNK keys of one kv head; it sums over the group's
+//                      query heads (in order) and their query tiles (in order).
+//   dq_kernel          a block owns BM queries of one head; walks key tiles like
+//                      forward (recomputes P and dP: 7 matrix products instead of 5,
+//                      the price of no atomics).
+//   generic_*          one warp per row, fp32 dot products: any D <= 256, slow.
+//
+// Tensor-core tiles: mma.sync.m16n8k16 bf16 -> fp32. Operands come from shared
+// memory through ldmatrix (rows padded by 16 bytes so the 8 row addresses of an
+// 8x8 matrix hit distinct banks); P and dS go from the fp32 accumulators straight
+// into A fragments (the accumulator layout of two n8 tiles is the A layout of one
+// k16 slice). Tiles are loaded with cp.async, two stages deep.
+//
+// Fragment layouts used below (PTX ISA, mma.m16n8k16, g = lane / 4, t = lane % 4):
+//   A (16x16, row): a0 = (g, 2t..2t+1), a1 = (g+8, 2t..), a2 = (g, 2t+8..), a3 = (g+8, 2t+8..)
+//   B (16x8,  col): b0 = (k 2t..2t+1, n g), b1 = (k 2t+8..2t+9, n g)
+//   C (16x8):       c0,c1 = (g, 2t..2t+1), c2,c3 = (g+8, 2t..2t+1)
+#include "shardlm/cuda_attention.hpp"
+
+#include <climits>
+#include <cmath>
+#include <cstdint>
+#include <string>
+
+#include "shardlm/error.hpp"
+
+#define ATTN_CUDA_CHECK(call)                                                              \
+  do {                                                                                     \
+    cudaError_t attn_status_ = (call);                                                     \
+    if (attn_status_ != cudaSuccess)                                                       \
+      throw ::shardlm::Error(::shardlm::fmt("%s failed at %s:%d: %s", #call, __FILE__,    \
+                                            __LINE__, cudaGetErrorString(attn_status_)));  \
+  } while (0)
+
+namespace shardlm::cuda {
+
+namespace {
+
+using bf16 = __nv_bfloat16;
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+AttentionKernel g_kernel = AttentionKernel::kAuto;
+
+// ---------------------------------------------------------------- PTX helpers
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16 bytes global -> shared, bypassing L1; valid == false writes 16 zero bytes.
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+               "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src),
+               "r"(valid ? 4 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// c += a * b, m16n8k16, bf16 operands, fp32 accumulators.
+__device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+      "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Two floats to a bf16 pair, `lo` in the low half (the lower column index).
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// 2^x; ex2(-inf) = 0.
+__device__ __forceinline__ float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+// Butterfly sum: every lane ends with the same bits (each level adds the same two
+// partials, only in swapped order).
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+
+// ---------------------------------------------------------------- tiles
+
+// Row stride of a shared tile, in elements: 16 bytes of padding, so the 8 rows an
+// ldmatrix 8x8 matrix reads start in 8 different 4-bank groups.
+template <int D>
+__host__ __device__ constexpr int smem_row() {
+  return D + 8;
+}
+
+// ROWS x D bf16 rows [row0, row0 + ROWS) of a (N, heads, D) tensor, one head
+// (`base` already offset to it, rows `row_stride` elements apart) -> shared tile
+// (ROWS, D + 8). Rows outside [0, N) are zero-filled, so masked probabilities
+// multiply zeros, never stale NaNs.
+template <int ROWS, int D, int NTHREADS>
+__device__ __forceinline__ void load_tile(bf16* tile, const bf16* base, int64_t row_stride,
+                                          int row0, int N) {
+  constexpr int kChunks = D / 8;  // 16-byte chunks per row
+#pragma unroll
+  for (int c = threadIdx.x; c < ROWS * kChunks; c += NTHREADS) {
+    const int r = c / kChunks, col = (c % kChunks) * 8;
+    const int row = row0 + r;
+    const bool valid = row < N;
+    const bf16* src = base + (valid ? int64_t(row) * row_stride : 0) + col;
+    cp_async16(smem_addr(tile + r * smem_row<D>() + col), src, valid);
+  }
+}
+
+// A fragment (16x16) of a row-major shared tile at (row0, col0).
+template <int D>
+__device__ __forceinline__ void load_a(uint32_t (&a)[4], const bf16* tile, int row0, int col0) {
+  const int lane = threadIdx.x & 31;
+  ldmatrix_x4(a, smem_addr(tile + (row0 + (lane & 15)) * smem_row<D>() + col0 + (lane >> 4) * 8));
+}
+// B fragments of two n8 tiles (n0..n0+15) for k16 slice k0, where B(k, n) = tile[n][k]
+// (K for Q K^T): b[0], b[1] for n0..n0+7, b[2], b[3] for n0+8..n0+15.
+template <int D>
+__device__ __forceinline__ void load_b_nk(uint32_t (&b)[4], const bf16* tile, int n0, int k0) {
+  const int lane = threadIdx.x & 31;
+  ldmatrix_x4(b, smem_addr(tile + (n0 + (lane & 7) + ((lane >> 4) << 3)) * smem_row<D>() + k0 +
+                           ((lane >> 3) & 1) * 8));
+}
+// The same where B(k, n) = tile[k][n] (V for P V): transposed ldmatrix.
+template <int D>
+__device__ __forceinline__ void load_b_kn(uint32_t (&b)[4], const bf16* tile, int k0, int n0) {
+  const int lane = threadIdx.x & 31;
+  ldmatrix_x4_trans(b, smem_addr(tile + (k0 + (lane & 7) + ((lane >> 3) & 1) * 8) * smem_row<D>() +
+                                 n0 + (lane >> 4) * 8));
+}
+// A fragment of k16 slice kc from accumulators of n8 tiles 2kc and 2kc+1.
+__device__ __forceinline__ void acc_to_a(uint32_t (&a)[4], const float (&lo)[4], const float (&hi)[4]) {
+  a[0] = pack_bf16(lo[0], lo[1]);
+  a[1] = pack_bf16(lo[2], lo[3]);
+  a[2] = pack_bf16(hi[0], hi[1]);
+  a[3] = pack_bf16(hi[2], hi[3]);
+}
+
+// The first query after key j that cannot see j: the first i > j whose document
+// starts after j, or N. doc_start is nondecreasing, so the predicate is
+// false..false true..true; each round a warp probes 32 points and keeps 1/32 of the
+// interval. Every lane returns the same value.
+__device__ int find_doc_end(const int32_t* doc_start, int j, int N) {
+  const int lane = threadIdx.x & 31;
+  int lo = j + 1, hi = N;  // the answer lies in [lo, hi]
+  while (lo < hi) {
+    const int step = (hi - lo + 31) / 32;
+    const int pos = lo + lane * step;
+    const bool probe = pos < hi;
+    const bool pred = probe && doc_start[pos] > j;
+    const unsigned hits = __ballot_sync(0xffffffffu, pred);
+    if (hits) {
+      const int first = __ffs(hits) - 1;
+      const int new_hi = lo + first * step;
+      lo = first == 0 ? new_hi : lo + (first - 1) * step + 1;
+      hi = new_hi;
+    } else {
+      const unsigned probes = __ballot_sync(0xffffffffu, probe);
+      lo = lo + (31 - __clz(probes)) * step + 1;
+    }
+  }
+  return lo;
+}
+
+// ---------------------------------------------------------------- doc_start
+
+constexpr int kScanThreads = 1024;
+constexpr int kScanPerThread = 8;
+
+// One block; chunks of 8192 tokens, a running max carried between chunks. A token
+// is a boundary when it is 0 or its seq_id differs from its left neighbour's;
+// doc_start[i] is the last boundary <= i (a max-scan).
+__global__ void __launch_bounds__(kScanThreads) doc_start_kernel(int32_t* doc_start,
+                                                                 const int32_t* seq_id, int N) {
+  __shared__ int warp_max[kScanThreads / 32];
+  __shared__ int carry_s;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  int carry = 0;
+  for (int base = 0; base < N; base += kScanThreads * kScanPerThread) {
+    const int i0 = base + tid * kScanPerThread;
+    int run[kScanPerThread];
+    int m = -1;
+#pragma unroll
+    for (int e = 0; e < kScanPerThread; ++e) {
+      const int i = i0 + e;
+      if (i < N && (i == 0 || seq_id[i] != seq_id[i - 1])) m = i;
+      run[e] = m;
+    }
+    // Inclusive max-scan of the thread maxima across the block.
+    int x = m;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int y = __shfl_up_sync(0xffffffffu, x, o);
+      if (lane >= o) x = max(x, y);
+    }
+    if (lane == 31) warp_max[warp] = x;
+    __syncthreads();
+    if (warp == 0) {
+      int w = warp_max[lane];
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int y = __shfl_up_sync(0xffffffffu, w, o);
+        if (lane >= o) w = max(w, y);
+      }
+      warp_max[lane] = w;
+    }
+    __syncthreads();
+    int before = __shfl_up_sync(0xffffffffu, x, 1);  // exclusive within the warp
+    if (lane == 0) before = -1;
+    if (warp > 0) before = max(before, warp_max[warp - 1]);
+    before = max(before, carry);
+#pragma unroll
+    for (int e = 0; e < kScanPerThread; ++e) {
+      const int i = i0 + e;
+      if (i < N) doc_start[i] = max(run[e], before);
+    }
+    if (tid == kScanThreads - 1) carry_s = max(x, before);
+    __syncthreads();
+    carry = carry_s;
+    __syncthreads();
+  }
+}
+
+// ---------------------------------------------------------------- forward (mma)
+
+struct FwdParams {
+  bf16* out;              // (N, H, D)
+  float* lse;             // (N, H)
+  const bf16* q;          // (N, H, D)
+  const bf16* k;          // (N, KV, D)
+  const bf16* v;          // (N, KV, D)
+  const int32_t* doc_start;  // (N)
+  int N, H, KV, group;
+  float scale_log2;       // log2(e) / sqrt(D)
+};
+
+template <int D, int NWARPS, int MT, int BN>
+struct FwdTile {
+  static constexpr int kThreads = NWARPS * 32;
+  static constexpr int kBM = NWARPS * 16 * MT;  // queries per block
+  static constexpr size_t kSmemBytes = size_t(kBM + 4 * BN) * smem_row<D>() * sizeof(bf16);
+};
+
+// Warp w owns query rows w*16*MT + mt*16 + {g, g+8} of the block (mt < MT); MT = 2
+// halves the shared-memory reads per mma (each K/V fragment feeds two row tiles).
+template <int D, int NWARPS, int MT, int BN>
+__global__ void __launch_bounds__(NWARPS * 32) fwd_kernel(const FwdParams p) {
+  using Tile = FwdTile<D, NWARPS, MT, BN>;
+  constexpr int kBM = Tile::kBM, kSR = smem_row<D>();
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  bf16* sQ = reinterpret_cast<bf16*>(smem_raw);  // (BM, D+8)
+  bf16* sK = sQ + kBM * kSR;                      // 2 stages x (BN, D+8)
+  bf16* sV = sK + 2 * BN * kSR;                   // 2 stages x (BN, D+8)
+
+  const int h = blockIdx.x;
+  const int i0 = (gridDim.y - 1 - blockIdx.y) * kBM;  // heaviest (last) blocks first
+  const int i_last = min(i0 + kBM, p.N) - 1;
+  const int kvh = h / p.group;
+  const int kv_begin = p.doc_start[i0];
+  const int ds_last = p.doc_start[i_last];  // the largest doc start in the block
+  const int ntiles = (i_last - kv_begin) / BN + 1;
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int64_t q_stride = int64_t(p.H) * D, kv_stride = int64_t(p.KV) * D;
+  const bf16* q_head = p.q + int64_t(h) * D;
+  const bf16* k_head = p.k + int64_t(kvh) * D;
+  const bf16* v_head = p.v + int64_t(kvh) * D;
+
+  int row[MT][2], row_ds[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      row[mt][hh] = i0 + warp * 16 * MT + mt * 16 + g + 8 * hh;
+      // A padding row (>= N) sees no key.
+      row_ds[mt][hh] = row[mt][hh] < p.N ? p.doc_start[row[mt][hh]] : INT_MAX;
+    }
+
+  float o[MT][D / 8][4];
+  float m[MT][2], l[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int dt = 0; dt < D / 8; ++dt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[mt][dt][e] = 0.f;
+    m[mt][0] = m[mt][1] = -INFINITY;
+    l[mt][0] = l[mt][1] = 0.f;
+  }
+
+  load_tile<kBM, D, Tile::kThreads>(sQ, q_head, q_stride, i0, p.N);
+  load_tile<BN, D, Tile::kThreads>(sK, k_head, kv_stride, kv_begin, p.N);
+  load_tile<BN, D, Tile::kThreads>(sV, v_head, kv_stride, kv_begin, p.N);
+  cp_async_commit();
+
+  for (int it = 0; it < ntiles; ++it) {
+    const int st = it & 1;
+    if (it + 1 < ntiles) {
+      const int next = kv_begin + (it + 1) * BN;
+      load_tile<BN, D, Tile::kThreads>(sK + (st ^ 1) * BN * kSR, k_head, kv_stride, next, p.N);
+      load_tile<BN, D, Tile::kThreads>(sV + (st ^ 1) * BN * kSR, v_head, kv_stride, next, p.N);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    const bf16* k_tile = sK + st * BN * kSR;
+    const bf16* v_tile = sV + st * BN * kSR;
+    const int kt = kv_begin + it * BN;
+
+    // S = Q K^T (fp32).
+    float s[MT][BN / 8][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < BN / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      uint32_t a[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) load_a<D>(a[mt], sQ, warp * 16 * MT + mt * 16, kk * 16);
+#pragma unroll
+      for (int np = 0; np < BN / 16; ++np) {
+        uint32_t b[4];
+        load_b_nk<D>(b, k_tile, np * 16, kk * 16);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          mma_bf16(s[mt][2 * np], a[mt], b[0], b[1]);
+          mma_bf16(s[mt][2 * np + 1], a[mt], b[2], b[3]);
+        }
+      }
+    }
+
+    // Mask (only tiles that cross the diagonal or a document start need it), then
+    // the online softmax in the log2 domain. A row with no visible key yet keeps
+    // m = -inf and subtracts 0 instead, so exp2 gives 0, never NaN.
+    const bool need_mask = (kt + BN - 1 > i0) || (kt < ds_last);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        float mx = -INFINITY;
+#pragma unroll
+        for (int nt = 0; nt < BN / 8; ++nt)
+#pragma unroll
+          for (int e2 = 0; e2 < 2; ++e2) {
+            float x = s[mt][nt][2 * hh + e2] * p.scale_log2;
+            if (need_mask) {
+              const int j = kt + nt * 8 + 2 * t + e2;
+              if (j > row[mt][hh] || j < row_ds[mt][hh]) x = -INFINITY;
+            }
+            s[mt][nt][2 * hh + e2] = x;
+            mx = fmaxf(mx, x);
+          }
+        mx = quad_max(mx);
+        const float m_new = fmaxf(m[mt][hh], mx);
+        const float base = m_new == -INFINITY ? 0.f : m_new;
+        const float alpha = ex2(m[mt][hh] - base);
+        m[mt][hh] = m_new;
+        float rowsum = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < BN / 8; ++nt)
+#pragma unroll
+          for (int e2 = 0; e2 < 2; ++e2) {
+            const float pr = ex2(s[mt][nt][2 * hh + e2] - base);
+            s[mt][nt][2 * hh + e2] = pr;
+            rowsum += pr;
+          }
+        l[mt][hh] = l[mt][hh] * alpha + rowsum;  // this thread's columns; quad sum at the end
+#pragma unroll
+        for (int dt = 0; dt < D / 8; ++dt) {
+          o[mt][dt][2 * hh] *= alpha;
+          o[mt][dt][2 * hh + 1] *= alpha;
+        }
+      }
+
+    // O += P V, P rounded to bf16 (as FlashAttention does).
+#pragma unroll
+    for (int kc = 0; kc < BN / 16; ++kc) {
+      uint32_t a[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) acc_to_a(a[mt], s[mt][2 * kc], s[mt][2 * kc + 1]);
+#pragma unroll
+      for (int dp = 0; dp < D / 16; ++dp) {
+        uint32_t b[4];
+        load_b_kn<D>(b, v_tile, kc * 16, dp * 16);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          mma_bf16(o[mt][2 * dp], a[mt], b[0], b[1]);
+          mma_bf16(o[mt][2 * dp + 1], a[mt], b[2], b[3]);
+        }
+      }
+    }
+    __syncthreads();  // this stage is refilled next iteration
+  }
+
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const float l_row = quad_sum(l[mt][hh]);
+      const int r = row[mt][hh];
+      if (r >= p.N) continue;
+      const float inv = 1.f / l_row;
+      bf16* out_row = p.out + (int64_t(r) * p.H + h) * D;
+#pragma unroll
+      for (int dt = 0; dt < D / 8; ++dt)
+        *reinterpret_cast<uint32_t*>(out_row + dt * 8 + 2 * t) =
+            pack_bf16(o[mt][dt][2 * hh] * inv, o[mt][dt][2 * hh + 1] * inv);
+      if (t == 0) p.lse[int64_t(r) * p.H + h] = (m[mt][hh] + log2f(l_row)) * kLn2;
+    }
+}
+
+// ---------------------------------------------------------------- backward (mma)
+
+struct BwdParams {
+  bf16* dq;                  // (N, H, D)
+  bf16* dk;                  // (N, KV, D)
+  bf16* dv;                  // (N, KV, D)
+  const bf16* dout;          // (N, H, D)
+  const bf16* q;             // (N, H, D)
+  const bf16* k;             // (N, KV, D)
+  const bf16* v;             // (N, KV, D)
+  const float* lse;          // (N, H)
+  const float* delta;        // (N, H)
+  const int32_t* doc_start;  // (N)
+  int N, H, KV, group;
+  float scale;               // 1 / sqrt(D)
+  float scale_log2;          // log2(e) / sqrt(D)
+};
+
+template <int D, int NWARPS, int BMQ>
+struct DkdvTile {
+  static constexpr int kThreads = NWARPS * 32;
+  static constexpr int kBNK = NWARPS * 16;  // keys per block
+  // K, V tiles; two stages of (Q, dO tiles, lse, delta, doc_start of the queries).
+  static constexpr size_t kStageBytes =
+      size_t(2 * BMQ) * smem_row<D>() * sizeof(bf16) + 3 * BMQ * sizeof(float);
+  static constexpr size_t kSmemBytes =
+      size_t(2 * kBNK) * smem_row<D>() * sizeof(bf16) + 2 * kStageBytes;
+};
+
+// Warp w owns keys w*16 + {g, g+8} of the block and computes the transposed
+// products S^T = K Q^T and dP^T = V dO^T, so dV += P^T dO and dK += dS^T Q land in
+// its own accumulators: no reduction between warps.
+template <int D, int NWARPS, int BMQ>
+__global__ void __launch_bounds__(NWARPS * 32) dkdv_kernel(const BwdParams p) {
+  using Tile = DkdvTile<D, NWARPS, BMQ>;
+  constexpr int kBNK = Tile::kBNK, kSR = smem_row<D>(), kT = Tile::kThreads;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  bf16* sK = reinterpret_cast<bf16*>(smem_raw);  // (BNK, D+8)
+  bf16* sV = sK + kBNK * kSR;                     // (BNK, D+8)
+  unsigned char* stage_base = reinterpret_cast<unsigned char*>(sV + kBNK * kSR);
+  auto sQ = [&](int s) { return reinterpret_cast<bf16*>(stage_base + s * Tile::kStageBytes); };
+  auto sdO = [&](int s) { return sQ(s) + BMQ * kSR; };
+  auto sLse = [&](int s) { return reinterpret_cast<float*>(sdO(s) + BMQ * kSR); };
+  auto sDelta = [&](int s) { return sLse(s) + BMQ; };
+  auto sDocStart = [&](int s) { return reinterpret_cast<int32_t*>(sDelta(s) + BMQ); };
+
+  const int kvh = blockIdx.x;
+  const int j0 = blockIdx.y * kBNK;  // first blocks own the most queries: launched first
+  const int j_last = min(j0 + kBNK, p.N) - 1;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int64_t q_stride = int64_t(p.H) * D, kv_stride = int64_t(p.KV) * D;
+
+  // Queries [j0, q_end) can see some key of the block; every head of the group
+  // walks the same query tiles.
+  const int q_end = find_doc_end(p.doc_start, j_last, p.N);
+  const int nq = (q_end - j0 + BMQ - 1) / BMQ;
+  const int items = p.group * nq;
+
+  auto load_item = [&](int item, int s) {
+    const int h = kvh * p.group + item / nq;
+    const int i_start = j0 + (item % nq) * BMQ;
+    load_tile<BMQ, D, kT>(sQ(s), p.q + int64_t(h) * D, q_stride, i_start, p.N);
+    load_tile<BMQ, D, kT>(sdO(s), p.dout + int64_t(h) * D, q_stride, i_start, p.N);
+    for (int c = threadIdx.x; c < BMQ; c += kT) {
+      const int i = i_start + c;
+      const bool valid = i < p.N;
+      const int64_t ih = valid ? int64_t(i) * p.H + h : 0;
+      cp_async4(smem_addr(sLse(s) + c), p.lse + ih, valid);
+      cp_async4(smem_addr(sDelta(s) + c), p.delta + ih, valid);
+      cp_async4(smem_addr(sDocStart(s) + c), p.doc_start + (valid ? i : 0), valid);
+    }
+  };
+
+  load_tile<kBNK, D, kT>(sK, p.k + int64_t(kvh) * D, kv_stride, j0, p.N);
+  load_tile<kBNK, D, kT>(sV, p.v + int64_t(kvh) * D, kv_stride, j0, p.N);
+  load_item(0, 0);
+  cp_async_commit();
+
+  float dk[D / 8][4], dv[D / 8][4];
+#pragma unroll
+  for (int dt = 0; dt < D / 8; ++dt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dk[dt][e] = dv[dt][e] = 0.f;
+
+  const int key[2] = {j0 + warp * 16 + g, j0 + warp * 16 + g + 8};
+
+  for (int item = 0; item < items; ++item) {
+    const int st = item & 1;
+    if (item + 1 < items) {
+      load_item(item + 1, st ^ 1);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    const bf16* q_tile = sQ(st);
+    const bf16* do_tile = sdO(st);
+    const float* lse_t = sLse(st);
+    const float* delta_t = sDelta(st);
+    const int32_t* ds_t = sDocStart(st);
+    const int i_start = j0 + (item % nq) * BMQ;
+
+    // S^T = K Q^T and dP^T = V dO^T: (16 keys) x (BMQ queries) per warp.
+    float sT[BMQ / 8][4], dpT[BMQ / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < BMQ / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) sT[nt][e] = dpT[nt][e] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      uint32_t ak[4], av[4];
+      load_a<D>(ak, sK, warp * 16, kk * 16);
+      load_a<D>(av, sV, warp * 16, kk * 16);
+#pragma unroll
+      for (int np = 0; np < BMQ / 16; ++np) {
+        uint32_t b[4];
+        load_b_nk<D>(b, q_tile, np * 16, kk * 16);
+        mma_bf16(sT[2 * np], ak, b[0], b[1]);
+        mma_bf16(sT[2 * np + 1], ak, b[2], b[3]);
+        load_b_nk<D>(b, do_tile, np * 16, kk * 16);
+        mma_bf16(dpT[2 * np], av, b[0], b[1]);
+        mma_bf16(dpT[2 * np + 1], av, b[2], b[3]);
+      }
+    }
+
+    // P^T = exp(S^T * scale - lse), dS^T = P^T (dP^T - delta). A tile needs the mask
+    // unless every query is at or after every key, is a real token, and its
+    // document started at or before the block's first key.
+    const bool full = i_start >= j_last && i_start + BMQ <= p.N && ds_t[BMQ - 1] <= j0;
+#pragma unroll
+    for (int nt = 0; nt < BMQ / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int qc = nt * 8 + 2 * t + (e & 1);
+        const float pr = ex2(sT[nt][e] * p.scale_log2 - lse_t[qc] * kLog2e);
+        bool visible = true;
+        if (!full) {
+          const int i = i_start + qc, j = key[e >> 1];
+          visible = i < p.N && j <= i && j >= ds_t[qc];
+        }
+        const float pv = visible ? pr : 0.f;
+        sT[nt][e] = pv;
+        dpT[nt][e] = pv * (dpT[nt][e] - delta_t[qc]);
+      }
+
+    // dV += P^T dO, dK += dS^T Q (bf16 operands, fp32 accumulators).
+#pragma unroll
+    for (int kc = 0; kc < BMQ / 16; ++kc) {
+      uint32_t ap[4], ads[4];
+      acc_to_a(ap, sT[2 * kc], sT[2 * kc + 1]);
+      acc_to_a(ads, dpT[2 * kc], dpT[2 * kc + 1]);
+#pragma unroll
+      for (int dp = 0; dp < D / 16; ++dp) {
+        uint32_t b[4];
+        load_b_kn<D>(b, do_tile, kc * 16, dp * 16);
+        mma_bf16(dv[2 * dp], ap, b[0], b[1]);
+        mma_bf16(dv[2 * dp + 1], ap, b[2], b[3]);
+        load_b_kn<D>(b, q_tile, kc * 16, dp * 16);
+        mma_bf16(dk[2 * dp], ads, b[0], b[1]);
+        mma_bf16(dk[2 * dp + 1], ads, b[2], b[3]);
+      }
+    }
+    __syncthreads();  // this stage is refilled next iteration
+  }
+
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int j = key[hh];
+    if (j >= p.N) continue;
+    const int64_t off = (int64_t(j) * p.KV + kvh) * D;
+#pragma unroll
+    for (int dt = 0; dt < D / 8; ++dt) {
+      *reinterpret_cast<uint32_t*>(p.dk + off + dt * 8 + 2 * t) =
+          pack_bf16(dk[dt][2 * hh] * p.scale, dk[dt][2 * hh + 1] * p.scale);
+      *reinterpret_cast<uint32_t*>(p.dv + off + dt * 8 + 2 * t) =
+          pack_bf16(dv[dt][2 * hh], dv[dt][2 * hh + 1]);
+    }
+  }
+}
+
+template <int D, int NWARPS, int BN>
+struct DqTile {
+  static constexpr int kThreads = NWARPS * 32;
+  static constexpr int kBM = NWARPS * 16;
+  // Q, dO tiles; two stages of K, V tiles.
+  static constexpr size_t kSmemBytes = size_t(2 * kBM + 4 * BN) * smem_row<D>() * sizeof(bf16);
+};
+
+// Warp w owns query rows w*16 + {g, g+8}; key tiles as in forward.
+template <int D, int NWARPS, int BN>
+__global__ void __launch_bounds__(NWARPS * 32) dq_kernel(const BwdParams p) {
+  using Tile = DqTile<D, NWARPS, BN>;
+  constexpr int kBM = Tile::kBM, kSR = smem_row<D>(), kT = Tile::kThreads;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  bf16* sQ = reinterpret_cast<bf16*>(smem_raw);  // (BM, D+8)
+  bf16* sdO = sQ + kBM * kSR;                     // (BM, D+8)
+  bf16* sK = sdO + kBM * kSR;                     // 2 stages x (BN, D+8)
+  bf16* sV = sK + 2 * BN * kSR;                   // 2 stages x (BN, D+8)
+
+  const int h = blockIdx.x;
+  const int i0 = (gridDim.y - 1 - blockIdx.y) * kBM;
+  const int i_last = min(i0 + kBM, p.N) - 1;
+  const int kvh = h / p.group;
+  const int kv_begin = p.doc_start[i0];
+  const int ds_last = p.doc_start[i_last];
+  const int ntiles = (i_last - kv_begin) / BN + 1;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int64_t q_stride = int64_t(p.H) * D, kv_stride = int64_t(p.KV) * D;
+  const bf16* k_head = p.k + int64_t(kvh) * D;
+  const bf16* v_head = p.v + int64_t(kvh) * D;
+
+  int row[2], row_ds[2];
+  float lse2[2], delta[2];
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    row[hh] = i0 + warp * 16 + g + 8 * hh;
+    const bool valid = row[hh] < p.N;
+    row_ds[hh] = valid ? p.doc_start[row[hh]] : INT_MAX;
+    lse2[hh] = valid ? p.lse[int64_t(row[hh]) * p.H + h] * kLog2e : 0.f;
+    delta[hh] = valid ? p.delta[int64_t(row[hh]) * p.H + h] : 0.f;
+  }
+
+  load_tile<kBM, D, kT>(sQ, p.q + int64_t(h) * D, q_stride, i0, p.N);
+  load_tile<kBM, D, kT>(sdO, p.dout + int64_t(h) * D, q_stride, i0, p.N);
+  load_tile<BN, D, kT>(sK, k_head, kv_stride, kv_begin, p.N);
+  load_tile<BN, D, kT>(sV, v_head, kv_stride, kv_begin, p.N);
+  cp_async_commit();
+
+  float dq[D / 8][4];
+#pragma unroll
+  for (int dt = 0; dt < D / 8; ++dt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dq[dt][e] = 0.f;
+
+  for (int it = 0; it < ntiles; ++it) {
+    const int st = it & 1;
+    if (it + 1 < ntiles) {
+      const int next = kv_begin + (it + 1) * BN;
+      load_tile<BN, D, kT>(sK + (st ^ 1) * BN * kSR, k_head, kv_stride, next, p.N);
+      load_tile<BN, D, kT>(sV + (st ^ 1) * BN * kSR, v_head, kv_stride, next, p.N);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    const bf16* k_tile = sK + st * BN * kSR;
+    const bf16* v_tile = sV + st * BN * kSR;
+    const int kt = kv_begin + it * BN;
+
+    // S = Q K^T, dP = dO V^T.
+    float s[BN / 8][4], dp[BN / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < BN / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[nt][e] = dp[nt][e] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      uint32_t aq[4], ado[4];
+      load_a<D>(aq, sQ, warp * 16, kk * 16);
+      load_a<D>(ado, sdO, warp * 16, kk * 16);
+#pragma unroll
+      for (int np = 0; np < BN / 16; ++np) {
+        uint32_t b[4];
+        load_b_nk<D>(b, k_tile, np * 16, kk * 16);
+        mma_bf16(s[2 * np], aq, b[0], b[1]);
+        mma_bf16(s[2 * np + 1], aq, b[2], b[3]);
+        load_b_nk<D>(b, v_tile, np * 16, kk * 16);
+        mma_bf16(dp[2 * np], ado, b[0], b[1]);
+        mma_bf16(dp[2 * np + 1], ado, b[2], b[3]);
+      }
+    }
+
+    const bool need_mask = (kt + BN - 1 > i0) || (kt < ds_last);
+#pragma unroll
+    for (int nt = 0; nt < BN / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int hh = e >> 1;
+        float pr = ex2(s[nt][e] * p.scale_log2 - lse2[hh]);
+        if (need_mask) {
+          const int j = kt + nt * 8 + 2 * t + (e & 1);
+          if (j > row[hh] || j < row_ds[hh]) pr = 0.f;
+        }
+        dp[nt][e] = pr * (dp[nt][e] - delta[hh]);  // dS
+      }
+
+    // dQ += dS K.
+#pragma unroll
+    for (int kc = 0; kc < BN / 16; ++kc) {
+      uint32_t a[4];
+      acc_to_a(a, dp[2 * kc], dp[2 * kc + 1]);
+#pragma unroll
+      for (int dpair = 0; dpair < D / 16; ++dpair) {
+        uint32_t b[4];
+        load_b_kn<D>(b, k_tile, kc * 16, dpair * 16);
+        mma_bf16(dq[2 * dpair], a, b[0], b[1]);
+        mma_bf16(dq[2 * dpair + 1], a, b[2], b[3]);
+      }
+    }
+    __syncthreads();
+  }
+
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    if (row[hh] >= p.N) continue;
+    bf16* dq_row = p.dq + (int64_t(row[hh]) * p.H + h) * D;
+#pragma unroll
+    for (int dt = 0; dt < D / 8; ++dt)
+      *reinterpret_cast<uint32_t*>(dq_row + dt * 8 + 2 * t) =
+          pack_bf16(dq[dt][2 * hh] * p.scale, dq[dt][2 * hh + 1] * p.scale);
+  }
+}
+
+// delta[r] = sum_d dout[r, d] * out[r, d] for the N*H rows: one warp per row.
+constexpr int kRowWarps = 8;
+__global__ void __launch_bounds__(kRowWarps * 32)
+    delta_kernel(float* delta, const bf16* dout, const bf16* out, int64_t rows, int D) {
+  const int64_t r = int64_t(blockIdx.x) * kRowWarps + (threadIdx.x >> 5);
+  if (r >= rows) return;
+  const int lane = threadIdx.x & 31;
+  const bf16* a = dout + r * D;
+  const bf16* b = out + r * D;
+  float acc = 0.f;
+  for (int d = lane; d < D; d += 32) acc += __bfloat162float(a[d]) * __bfloat162float(b[d]);
+  acc = warp_sum(acc);
+  if (lane == 0) delta[r] = acc;
+}
+
+// ---------------------------------------------------------------- generic fallback
+
+// One warp per (token, head); lane owns dims lane, lane + 32, ... (D <= 256). Two
+// passes like the CPU reference: logsumexp, then out = sum_j exp(s_j - lse) v_j.
+constexpr int kMaxDimPerLane = 8;
+
+__global__ void __launch_bounds__(kRowWarps * 32)
+    generic_fwd_kernel(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v,
+                       const int32_t* doc_start, int N, int H, int KV, int D, float scale) {
+  const int64_t r = int64_t(blockIdx.x) * kRowWarps + (threadIdx.x >> 5);
+  if (r >= int64_t(N) * H) return;
+  const int lane = threadIdx.x & 31;
+  const int i = int(r / H), h = int(r % H), kvh = h / (H / KV);
+  float qr[kMaxDimPerLane];
+#pragma unroll
+  for (int c = 0; c < kMaxDimPerLane; ++c) {
+    const int d = lane + 32 * c;
+    qr[c] = d < D ? __bfloat162float(q[r * D + d]) : 0.f;
+  }
+  auto score = [&](int j) {
+    const bf16* kj = k + (int64_t(j) * KV + kvh) * D;
+    float acc = 0.f;
+#pragma unroll
+    for (int c = 0; c < kMaxDimPerLane; ++c) {
+      const int d = lane + 32 * c;
+      if (d < D) acc += qr[c] * __bfloat162float(kj[d]);
+    }
+    return warp_sum(acc) * scale;
+  };
+  const int j0 = doc_start[i];
+  float m = -INFINITY, l = 0.f;
+  for (int j = j0; j <= i; ++j) {
+    const float s = score(j);
+    if (s > m) {
+      l *= expf(m - s);
+      m = s;
+    }
+    l += expf(s - m);
+  }
+  const float lse_r = m + logf(l);
+  float acc[kMaxDimPerLane] = {};
+  for (int j = j0; j <= i; ++j) {
+    const float pr = expf(score(j) - lse_r);
+    const bf16* vj = v + (int64_t(j) * KV + kvh) * D;
+#pragma unroll
+    for (int c = 0; c < kMaxDimPerLane; ++c) {
+      const int d = lane + 32 * c;
+      if (d < D) acc[c] += pr * __bfloat162float(vj[d]);
+    }
+  }
+#pragma unroll
+  for (int c = 0; c < kMaxDimPerLane; ++c) {
+    const int d = lane + 32 * c;
+    if (d < D) out[r * D + d] = __float2bfloat16(acc[c]);
+  }
+  if (lane == 0) lse[r] = lse_r;
+}
+
+// dq: one warp per (token, head) over its keys.
+__global__ void __launch_bounds__(kRowWarps * 32)
+    generic_dq_kernel(bf16* dq, const bf16* dout, const bf16* q, const bf16* k, const bf16* v,
+                      const float* lse, const float* delta, const int32_t* doc_start, int N,
+                      int H, int KV, int D, float scale) {
+  const int64_t r = int64_t(blockIdx.x) * kRowWarps + (threadIdx.x >> 5);
+  if (r >= int64_t(N) * H) return;
+  const int lane = threadIdx.x & 31;
+  const int i = int(r / H), h = int(r % H), kvh = h / (H / KV);
+  float qr[kMaxDimPerLane], dor[kMaxDimPerLane], acc[kMaxDimPerLane] = {};
+#pragma unroll
+  for (int c = 0; c < kMaxDimPerLane; ++c) {
+    const int d = lane + 32 * c;
+    qr[c] = d < D ? __bfloat162float(q[r * D + d]) : 0.f;
+    dor[c] = d < D ? __bfloat162float(dout[r * D + d]) : 0.f;
+  }
+  const float lse_r = lse[r], delta_r = delta[r];
+  for (int j = doc_start[i]; j <= i; ++j) {
+    const bf16* kj = k + (int64_t(j) * KV + kvh) * D;
+    const bf16* vj = v + (int64_t(j) * KV + kvh) * D;
+    float s = 0.f, dpv = 0.f;
+#pragma unroll
+    for (int c = 0; c < kMaxDimPerLane; ++c) {
+      const int d = lane + 32 * c;
+      if (d < D) {
+        s += qr[c] * __bfloat162float(kj[d]);
+        dpv += dor[c] * __bfloat162float(vj[d]);
+      }
+    }
+    const float pr = expf(warp_sum(s) * scale - lse_r);
+    const float ds = pr * (warp_sum(dpv) - delta_r);
+#pragma unroll
+    for (int c = 0; c < kMaxDimPerLane; ++c) {
+      const int d = lane + 32 * c;
+      if (d < D) acc[c] += ds * __bfloat162float(kj[d]);
+    }
+  }
+#pragma unroll
+  for (int c = 0; c < kMaxDimPerLane; ++c) {
+    const int d = lane + 32 * c;
+    if (d < D) dq[r * D + d] = __float2bfloat16(acc[c] * scale);
+  }
+}
+
+// dk, dv: one warp per (key token, kv head) over queries i >= j of its document,
+// and the group's heads for each query.
+__global__ void __launch_bounds__(kRowWarps * 32)
+    generic_dkdv_kernel(bf16* dk, bf16* dv, const bf16* dout, const bf16* q, const bf16* k,
+                        const bf16* v, const float* lse, const float* delta,
+                        const int32_t* doc_start, int N, int H, int KV, int D, float scale) {
+  const int64_t r = int64_t(blockIdx.x) * kRowWarps + (threadIdx.x >> 5);
+  if (r >= int64_t(N) * KV) return;
+  const int lane = threadIdx.x & 31;
+  const int j = int(r / KV), kvh = int(r % KV), group = H / KV;
+  float kr[kMaxDimPerLane], vr[kMaxDimPerLane], dka[kMaxDimPerLane] = {},
+      dva[kMaxDimPerLane] = {};
+#pragma unroll
+  for (int c = 0; c < kMaxDimPerLane; ++c) {
+    const int d = lane + 32 * c;
+    kr[c] = d < D ? __bfloat162float(k[r * D + d]) : 0.f;
+    vr[c] = d < D ? __bfloat162float(v[r * D + d]) : 0.f;
+  }
+  for (int i = j; i < N && doc_start[i] <= j; ++i) {
+    for (int h = kvh * group; h < (kvh + 1) * group; ++h) {
+      const int64_t ih = int64_t(i) * H + h;
+      const bf16* qi = q + ih * D;
+      const bf16* doi = dout + ih * D;
+      float s = 0.f, dpv = 0.f;
+#pragma unroll
+      for (int c = 0; c < kMaxDimPerLane; ++c) {
+        const int d = lane + 32 * c;
+        if (d < D) {
+          s += kr[c] * __bfloat162float(qi[d]);
+          dpv += vr[c] * __bfloat162float(doi[d]);
+        }
+      }
+      const float pr = expf(warp_sum(s) * scale - lse[ih]);
+      const float ds = pr * (warp_sum(dpv) - delta[ih]);
+#pragma unroll
+      for (int c = 0; c < kMaxDimPerLane; ++c) {
+        const int d = lane + 32 * c;
+        if (d < D) {
+          dva[c] += pr * __bfloat162float(doi[d]);
+          dka[c] += ds * __bfloat162float(qi[d]);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int c = 0; c < kMaxDimPerLane; ++c) {
+    const int d = lane + 32 * c;
+    if (d < D) {
+      dk[r * D + d] = __float2bfloat16(dka[c] * scale);
+      dv[r * D + d] = __float2bfloat16(dva[c]);
+    }
+  }
+}
+
+// ---------------------------------------------------------------- launchers
+
+unsigned row_blocks(int64_t rows) { return unsigned((rows + kRowWarps - 1) / kRowWarps); }
+
+template <class Kernel>
+void set_smem(Kernel kernel, size_t bytes) {
+  // Raising the dynamic shared-memory limit is per function; done once each.
+  if (bytes > 48 * 1024)
+    ATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         int(bytes)));
+}
+
+template <int D, int NWARPS, int MT, int BN>
+void launch_fwd(const FwdParams& p, cudaStream_t stream) {
+  using Tile = FwdTile<D, NWARPS, MT, BN>;
+  static const bool configured = (set_smem(fwd_kernel<D, NWARPS, MT, BN>, Tile::kSmemBytes), true);
+  (void)configured;
+  const dim3 grid(p.H, (p.N + Tile::kBM - 1) / Tile::kBM);
+  fwd_kernel<D, NWARPS, MT, BN><<<grid, Tile::kThreads, Tile::kSmemBytes, stream>>>(p);
+}
+
+template <int D, int NWARPS, int BMQ>
+void launch_dkdv(const BwdParams& p, cudaStream_t stream) {
+  using Tile = DkdvTile<D, NWARPS, BMQ>;
+  static const bool configured = (set_smem(dkdv_kernel<D, NWARPS, BMQ>, Tile::kSmemBytes), true);
+  (void)configured;
+  const dim3 grid(p.KV, (p.N + Tile::kBNK - 1) / Tile::kBNK);
+  dkdv_kernel<D, NWARPS, BMQ><<<grid, Tile::kThreads, Tile::kSmemBytes, stream>>>(p);
+}
+
+template <int D, int NWARPS, int BN>
+void launch_dq(const BwdParams& p, cudaStream_t stream) {
+  using Tile = DqTile<D, NWARPS, BN>;
+  static const bool configured = (set_smem(dq_kernel<D, NWARPS, BN>, Tile::kSmemBytes), true);
+  (void)configured;
+  const dim3 grid(p.H, (p.N + Tile::kBM - 1) / Tile::kBM);
+  dq_kernel<D, NWARPS, BN><<<grid, Tile::kThreads, Tile::kSmemBytes, stream>>>(p);
+}
+
+// The tensor-core configuration for (D, kernel choice), -1 when the generic
+// fallback runs. Variant 0 is the tuned default.
+int variant_for(int64_t D) {
+  if (g_kernel == AttentionKernel::kGeneric) return -1;
+  if (D != 32 && D != 64 && D != 128) return -1;
+  switch (g_kernel) {
+    case AttentionKernel::kVariant1: return 1;
+    case AttentionKernel::kVariant2: return 2;
+    default: return 0;
+  }
+}
+
+// Forward tilings: {warps, row tiles per warp, key tile}.
+template <int D>
+void dispatch_fwd(int variant, const FwdParams& p, cudaStream_t stream) {
+  if constexpr (D == 128) {
+    if (variant == 1) return launch_fwd<D, 4, 1, 64>(p, stream);
+    if (variant == 2) return launch_fwd<D, 8, 1, 32>(p, stream);
+    return launch_fwd<D, 8, 1, 64>(p, stream);
+  } else {
+    if (variant == 1) return launch_fwd<D, 8, 1, 64>(p, stream);
+    if (variant == 2) return launch_fwd<D, 4, 1, 64>(p, stream);
+    return launch_fwd<D, 4, 2, 64>(p, stream);
+  }
+}
+
+// Backward tilings: dkdv {warps, query tile}, dq {warps, key tile}.
+template <int D>
+void dispatch_bwd(int variant, const BwdParams& p, cudaStream_t stream) {
+  if constexpr (D == 128) {
+    if (variant == 1) return launch_dkdv<D, 4, 32>(p, stream), launch_dq<D, 4, 64>(p, stream);
+    if (variant == 2) return launch_dkdv<D, 8, 64>(p, stream), launch_dq<D, 8, 32>(p, stream);
+    return launch_dkdv<D, 8, 32>(p, stream), launch_dq<D, 8, 64>(p, stream);
+  } else {
+    if (variant == 1) return launch_dkdv<D, 4, 64>(p, stream), launch_dq<D, 4, 64>(p, stream);
+    if (variant == 2) return launch_dkdv<D, 8, 32>(p, stream), launch_dq<D, 8, 32>(p, stream);
+    return launch_dkdv<D, 8, 64>(p, stream), launch_dq<D, 8, 64>(p, stream);
+  }
+}
+
+void check_shape(int64_t N, int64_t H, int64_t KV, int64_t D) {
+  SHARDLM_CHECK(N > 0 && N < INT_MAX / 2, "attention: N = %lld tokens is out of range",
+                static_cast<long long>(N));
+  SHARDLM_CHECK(KV > 0 && H > 0 && H % KV == 0,
+                "attention: num_heads %lld is not a multiple of num_kv_heads %lld",
+                static_cast<long long>(H), static_cast<long long>(KV));
+  SHARDLM_CHECK(D > 0 && D <= 256, "attention: head_dim %lld is outside [1, 256]",
+                static_cast<long long>(D));
+  SHARDLM_CHECK(H <= 65535 && KV <= 65535, "attention: %lld heads exceed the grid limit",
+                static_cast<long long>(H));
+}
+
+}  // namespace
+
+void attention_doc_start(int32_t* doc_start, const int32_t* seq_id, int64_t N,
+                         cudaStream_t stream) {
+  doc_start_kernel<<<1, kScanThreads, 0, stream>>>(doc_start, seq_id, int(N));
+  ATTN_CUDA_CHECK(cudaGetLastError());
+}
+
+void attention_forward(__nv_bfloat16* out, float* lse, const __nv_bfloat16* q,
+                       const __nv_bfloat16* k, const __nv_bfloat16* v,
+                       const int32_t* seq_id, int32_t* doc_start_scratch, int64_t N,
+                       int64_t H, int64_t KV, int64_t D, cudaStream_t stream) {
+  check_shape(N, H, KV, D);
+  attention_doc_start(doc_start_scratch, seq_id, N, stream);
+  const int variant = variant_for(D);
+  if (variant < 0) {
+    generic_fwd_kernel<<<row_blocks(N * H), kRowWarps * 32, 0, stream>>>(
+        out, lse, q, k, v, doc_start_scratch, int(N), int(H), int(KV), int(D),
+        float(1.0 / std::sqrt(double(D))));
+  } else {
+    const FwdParams p{out, lse, q, k, v, doc_start_scratch, int(N), int(H), int(KV),
+                      int(H / KV), float(1.4426950408889634 / std::sqrt(double(D)))};
+    if (D == 32) dispatch_fwd<32>(variant, p, stream);
+    else if (D == 64) dispatch_fwd<64>(variant, p, stream);
+    else dispatch_fwd<128>(variant, p, stream);
+  }
+  ATTN_CUDA_CHECK(cudaGetLastError());
+}
+
+size_t attention_backward_scratch_bytes(int64_t N, int64_t H, int64_t /*KV*/, int64_t /*D*/) {
+  return size_t(N) * size_t(H) * sizeof(float);
+}
+
+void attention_backward(__nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat16* dv,
+                        const __nv_bfloat16* dout, const __nv_bfloat16* q,
+                        const __nv_bfloat16* k, const __nv_bfloat16* v,
+                        const __nv_bfloat16* out, const float* lse,
+                        const int32_t* seq_id, int32_t* doc_start_scratch,
+                        float* delta_scratch, int64_t N, int64_t H, int64_t KV,
+                        int64_t D, cudaStream_t stream) {
+  check_shape(N, H, KV, D);
+  attention_doc_start(doc_start_scratch, seq_id, N, stream);
+  delta_kernel<<<row_blocks(N * H), kRowWarps * 32, 0, stream>>>(delta_scratch, dout, out,
+                                                                 N * H, int(D));
+  ATTN_CUDA_CHECK(cudaGetLastError());
+  const float scale = float(1.0 / std::sqrt(double(D)));
+  const int variant = variant_for(D);
+  if (variant < 0) {
+    generic_dq_kernel<<<row_blocks(N * H), kRowWarps * 32, 0, stream>>>(
+        dq, dout, q, k, v, lse, delta_scratch, doc_start_scratch, int(N), int(H), int(KV),
+        int(D), scale);
+    ATTN_CUDA_CHECK(cudaGetLastError());
+    generic_dkdv_kernel<<<row_blocks(N * KV), kRowWarps * 32, 0, stream>>>(
+        dk, dv, dout, q, k, v, lse, delta_scratch, doc_start_scratch, int(N), int(H),
+        int(KV), int(D), scale);
+  } else {
+    const BwdParams p{dq, dk, dv, dout, q, k, v, lse, delta_scratch, doc_start_scratch,
+                      int(N), int(H), int(KV), int(H / KV), scale,
+                      float(1.4426950408889634 / std::sqrt(double(D)))};
+    if (D == 32) dispatch_bwd<32>(variant, p, stream);
+    else if (D == 64) dispatch_bwd<64>(variant, p, stream);
+    else dispatch_bwd<128>(variant, p, stream);
+  }
+  ATTN_CUDA_CHECK(cudaGetLastError());
+}
+
+void attention_set_kernel(AttentionKernel kernel) { g_kernel = kernel; }
+
+const char* attention_kernel_name(int64_t D) {
+  static thread_local std::string name;
+  const int variant = variant_for(D);
+  if (variant < 0) {
+    name = "generic (warp per row, fp32 dot products)";
+    return name.c_str();
+  }
+  // Keep in step with dispatch_fwd / dispatch_bwd.
+  static const char* const kNames128[3] = {
+      "fwd 8 warps BM128 BN64 | dkdv 8 warps BNK128 BMQ32 | dq 8 warps BM128 BN64",
+      "fwd 4 warps BM64 BN64 | dkdv 4 warps BNK64 BMQ32 | dq 4 warps BM64 BN64",
+      "fwd 8 warps BM128 BN32 | dkdv 8 warps BNK128 BMQ64 | dq 8 warps BM128 BN32"};
+  static const char* const kNames[3] = {
+      "fwd 4 warps x2 rowtiles BM128 BN64 | dkdv 8 warps BNK128 BMQ64 | dq 8 warps BM128 BN64",
+      "fwd 8 warps BM128 BN64 | dkdv 4 warps BNK64 BMQ64 | dq 4 warps BM64 BN64",
+      "fwd 4 warps BM64 BN64 | dkdv 8 warps BNK128 BMQ32 | dq 8 warps BM128 BN32"};
+  name = D == 128 ? kNames128[variant] : kNames[variant];
+  return name.c_str();
+}
+
+}  // namespace shardlm::cuda
