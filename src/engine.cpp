@@ -4,7 +4,6 @@
 #include <algorithm>
 #include <cstring>
 
-#include "shardlm/cpu_ops.hpp"
 #include "shardlm/error.hpp"
 
 namespace shardlm {
@@ -32,19 +31,18 @@ int grad_slot_count() { return 3; }
 
 }  // namespace
 
-MemoryPlan plan_memory(const ModelConfig& config, int world, const EngineOptions& o, int optim_states) {
+MemoryPlan plan_memory(const ModelConfig& config, int world, const EngineOptions& o, int optim_states,
+                       const Backend& backend) {
   const ModelLayout layout(config, world);
   MemoryPlan plan;
   for (const auto& u : layout.units) plan.param_shards += 4 * u.shard_numel;
   plan.grad_shards = plan.param_shards;
   plan.optim_state = plan.param_shards * optim_states;
-  const int64_t N = o.max_tokens, L = config.num_layers, C = config.hidden_size;
   if (world > 1)
     plan.gathered = 4 * (param_slot_count(layout, o.reshard_after_forward) * max_padded(layout) +
                          grad_slot_count() * (max_padded(layout) + max_shard(layout)));
-  plan.activations = 4 * (L + 1) * N * C + (o.checkpoint_activations ? 1 : L) * cpu::LayerActs::bytes(config, N) +
-                     (o.checkpoint_activations ? 4 * N * C : 0);
-  plan.workspace = 4 * N * C + cpu::LayerGradScratch::bytes(config, N) + cpu::HeadScratch::bytes(config, N, o.chunk_tokens);
+  plan.activations = backend.activation_bytes(config, o);
+  plan.workspace = backend.workspace_bytes(config, o);
   return plan;
 }
 
@@ -59,29 +57,40 @@ std::string format_memory_plan(const MemoryPlan& p, int world) {
   return out;
 }
 
-Engine::Engine(ShardedModel& model, Comm& comm, const EngineOptions& options)
-    : model_(model), comm_(comm), options_(options), config_(model.layout.config), sharded_(comm.size() > 1) {
+Engine::Engine(ShardedModel& model, Comm& comm, const EngineOptions& options, std::unique_ptr<Backend> backend)
+    : model_(model),
+      comm_(comm),
+      options_(options),
+      backend_(std::move(backend)),
+      config_(model.layout.config),
+      sharded_(comm.size() > 1) {
   SHARDLM_CHECK(comm.size() == model.world, "the communicator has %d ranks but the model is sharded %d ways",
                 comm.size(), model.world);
   const ModelLayout& layout = model.layout;
-  const int64_t N = options.max_tokens, C = config_.hidden_size, L = config_.num_layers;
-  inv_freq_ = cpu::rope_inv_freq(config_.head_dim, config_.rope_theta, config_.rope_scaling);
   if (sharded_) {
+    slot_floats_ = max_padded(layout);
+    recv_floats_ = max_shard(layout);
     param_slots_.resize(param_slot_count(layout, options.reshard_after_forward));
-    for (auto& s : param_slots_) s.full = Buffer<float>(Mem::Gathered, max_padded(layout));
+    for (auto& s : param_slots_) s.full = static_cast<float*>(backend_->allocate(Mem::Gathered, 4 * slot_floats_));
     grad_slots_.resize(grad_slot_count());
     for (auto& s : grad_slots_) {
-      s.full = Buffer<float>(Mem::Gathered, max_padded(layout));
-      s.recv = Buffer<float>(Mem::Gathered, max_shard(layout));
+      s.full = static_cast<float*>(backend_->allocate(Mem::Gathered, 4 * slot_floats_));
+      s.recv = static_cast<float*>(backend_->allocate(Mem::Gathered, 4 * recv_floats_));
     }
   }
-  for (int64_t l = 0; l <= L; ++l) residual_.emplace_back(Mem::Activations, N * C);
-  const int64_t sets = options.checkpoint_activations ? 1 : L;
-  for (int64_t l = 0; l < sets; ++l) acts_.emplace_back(config_, N);
-  if (options.checkpoint_activations) recompute_out_ = Buffer<float>(Mem::Activations, N * C);
-  d_x_ = Buffer<float>(Mem::Workspace, N * C);
-  scratch_ = cpu::LayerGradScratch(config_, N);
-  head_ = cpu::HeadScratch(config_, N, options.chunk_tokens);
+  backend_->prepare(config_, options);
+}
+
+Engine::~Engine() {
+  for (auto& s : param_slots_) {
+    s.request.wait();
+    backend_->deallocate(Mem::Gathered, s.full, 4 * slot_floats_);
+  }
+  for (auto& s : grad_slots_) {
+    s.request.wait();
+    backend_->deallocate(Mem::Gathered, s.full, 4 * slot_floats_);
+    backend_->deallocate(Mem::Gathered, s.recv, 4 * recv_floats_);
+  }
 }
 
 // ---------------------------------------------------------------- gathering
@@ -93,7 +102,7 @@ void Engine::prefetch(int unit) {
   for (auto& s : param_slots_) {
     if (s.unit != -1) continue;
     s.unit = unit;
-    s.request = comm_.all_gather(model_.param[unit].data(), s.full.data(), model_.layout.units[unit].shard_numel);
+    s.request = comm_.all_gather(model_.param[unit].data(), s.full, model_.layout.units[unit].shard_numel);
     return;
   }
   // No free slot: the unit is gathered when it is needed instead.
@@ -105,7 +114,7 @@ const float* Engine::params(int unit) {
   for (auto& s : param_slots_)
     if (s.unit == unit) {
       s.request.wait();
-      return s.full.data();
+      return s.full;
     }
   SHARDLM_FAIL("internal: no gather slot free for unit %s", model_.layout.units[unit].name.c_str());
 }
@@ -123,7 +132,7 @@ void Engine::release(int unit) {
 float* Engine::grads(int unit) {
   if (!sharded_) return model_.grad[unit].data();  // accumulate straight into the shard
   for (auto& s : grad_slots_)
-    if (s.unit == unit) return s.full.data();
+    if (s.unit == unit) return s.full;
   // Take the oldest slot in turn; a slot still reducing is finished first.
   for (size_t tries = 0; tries < grad_slots_.size(); ++tries) {
     GradSlot& s = grad_slots_[next_grad_slot_];
@@ -131,8 +140,8 @@ float* Engine::grads(int unit) {
     if (s.unit != -1 && !s.request.pending()) continue;  // held (tied embedding), not reducing
     if (s.unit != -1) finish_grad(s);
     s.unit = unit;
-    std::memset(s.full.data(), 0, sizeof(float) * model_.layout.units[unit].padded_numel);
-    return s.full.data();
+    backend_->zero(s.full, sizeof(float) * model_.layout.units[unit].padded_numel);
+    return s.full;
   }
   SHARDLM_FAIL("internal: no gradient slot free for unit %s", model_.layout.units[unit].name.c_str());
 }
@@ -141,14 +150,14 @@ void Engine::reduce_grads(int unit) {
   if (!sharded_) return;
   for (auto& s : grad_slots_)
     if (s.unit == unit) {
-      s.request = comm_.reduce_scatter(s.full.data(), s.recv.data(), model_.layout.units[unit].shard_numel);
+      s.request = comm_.reduce_scatter(s.full, s.recv, model_.layout.units[unit].shard_numel);
       return;
     }
 }
 
 void Engine::finish_grad(GradSlot& s) {
   s.request.wait();
-  cpu::accumulate(model_.grad[s.unit].data(), s.recv.data(), model_.layout.units[s.unit].shard_numel);
+  backend_->accumulate(model_.grad[s.unit].data(), s.recv, model_.layout.units[s.unit].shard_numel);
   s.unit = -1;
 }
 
@@ -161,54 +170,42 @@ void Engine::finish_all_grads() {
 
 // ---------------------------------------------------------------- forward / backward
 
-void Engine::set_inputs(const TokenBatch& b) {
-  SHARDLM_CHECK(b.N <= options_.max_tokens, "micro-batch of %lld tokens exceeds the planned %lld", (long long)b.N,
-                (long long)options_.max_tokens);
-  inputs_.N = b.N;
-  inputs_.positions = b.positions;
-  inputs_.seq_ids = b.seq_ids;
-  inputs_.inv_freq = inv_freq_.data();
-}
-
-void Engine::embed_forward(const TokenBatch& b) {
-  prefetch(1);  // the first layer's gather overlaps the embedding lookup
-  cpu::embedding_forward(residual_[0].data(), b.tokens, params(0), b.N, config_.vocab_size, config_.hidden_size);
-  if (options_.reshard_after_forward) release(0);
-}
-
 const float* Engine::lm_head_weights() {
   const int head = static_cast<int>(model_.layout.units.size()) - 1;
   if (config_.tie_word_embeddings) return params(0);
   return params(head) + model_.layout.head().param("lm_head.weight").offset;
 }
 
-double Engine::forward_backward(const TokenBatch& b, float grad_scale) {
-  set_inputs(b);
+// forward: for u in units: gather(u) [prefetch u+1]; compute; release(u)
+void Engine::forward(const TokenBatch& b, bool keep_for_backward) {
   const ModelLayout& layout = model_.layout;
-  const int L = layout.num_layers(), head = L + 1;
-  const int64_t N = b.N;
-  auto layer_acts = [&](int l) -> cpu::LayerActs& { return acts_[options_.checkpoint_activations ? 0 : l]; };
-
-  // forward: for u in units: gather(u) [prefetch u+1]; compute; release(u)
-  embed_forward(b);
-  for (int l = 0; l < L; ++l) {
+  const bool release_after = !keep_for_backward || options_.reshard_after_forward;
+  backend_->load_batch(b);
+  prefetch(1);  // the first layer's gather overlaps the embedding lookup
+  backend_->embed_forward(params(0));
+  if (release_after) release(0);
+  for (int l = 0; l < layout.num_layers(); ++l) {
     const int unit = 1 + l;
     const float* w = params(unit);
     prefetch(unit + 1);
-    cpu::layer_forward(config_, layer_weights(layout.units[unit], w), inputs_, residual_[l].data(),
-                       residual_[l + 1].data(), layer_acts(l));
-    if (options_.reshard_after_forward) release(unit);
+    backend_->layer_forward(l, layout.units[unit], w);
+    if (release_after) release(unit);
   }
+}
+
+double Engine::forward_backward(const TokenBatch& b, float grad_scale) {
+  const ModelLayout& layout = model_.layout;
+  const int L = layout.num_layers(), head = L + 1;
+  forward(b, /*keep_for_backward=*/true);
 
   // loss: chunked lm-head + CE, whose backward gives d_x at the last layer's output
   const Unit& hu = layout.head();
+  const int64_t norm_off = hu.param("model.norm.weight").offset;
   const float* hw = params(head);
   const float* lm_w = lm_head_weights();
   float* hg = grads(head);
   float* lm_g = config_.tie_word_embeddings ? grads(0) : hg + hu.param("lm_head.weight").offset;
-  const int64_t norm_off = hu.param("model.norm.weight").offset;
-  const double loss = cpu::head_loss_backward(config_, hw + norm_off, lm_w, hg + norm_off, lm_g, residual_[L].data(),
-                                              b.targets, b.weights, grad_scale, N, d_x_.data(), head_);
+  const double loss = backend_->head_loss_backward(hw + norm_off, lm_w, hg + norm_off, lm_g, grad_scale);
   reduce_grads(head);
   release(head);
   if (config_.tie_word_embeddings && options_.reshard_after_forward) release(0);
@@ -218,15 +215,11 @@ double Engine::forward_backward(const TokenBatch& b, float grad_scale) {
     const int unit = 1 + l;
     const float* w = params(unit);
     prefetch(l > 0 ? unit - 1 : 0);
-    const auto weights = layer_weights(layout.units[unit], w);
-    if (options_.checkpoint_activations)
-      cpu::layer_forward(config_, weights, inputs_, residual_[l].data(), recompute_out_.data(), layer_acts(l));
-    cpu::layer_backward(config_, weights, layer_weights(layout.units[unit], grads(unit)), inputs_,
-                        residual_[l].data(), layer_acts(l), d_x_.data(), scratch_);
+    backend_->layer_backward(l, layout.units[unit], w, grads(unit));
     reduce_grads(unit);
     release(unit);
   }
-  cpu::embedding_backward(grads(0), d_x_.data(), b.tokens, N, config_.vocab_size, config_.hidden_size);
+  backend_->embed_backward(grads(0));
   reduce_grads(0);
   release(0);
   finish_all_grads();
@@ -234,22 +227,11 @@ double Engine::forward_backward(const TokenBatch& b, float grad_scale) {
 }
 
 void Engine::forward_logits(const TokenBatch& b, float* logits) {
-  set_inputs(b);
-  const ModelLayout& layout = model_.layout;
-  const int L = layout.num_layers(), head = L + 1;
-  embed_forward(b);
-  for (int l = 0; l < L; ++l) {
-    const int unit = 1 + l;
-    const float* w = params(unit);
-    prefetch(unit + 1);
-    cpu::layer_forward(config_, layer_weights(layout.units[unit], w), inputs_, residual_[l].data(),
-                       residual_[l + 1].data(), acts_[options_.checkpoint_activations ? 0 : l]);
-    release(unit);
-  }
+  const int head = model_.layout.num_layers() + 1;
+  forward(b, /*keep_for_backward=*/false);
   const float* hw = params(head);
   const float* lm_w = lm_head_weights();
-  cpu::head_logits(config_, hw + layout.head().param("model.norm.weight").offset, lm_w, residual_[L].data(), b.N,
-                   logits, head_);
+  backend_->head_logits(hw + model_.layout.head().param("model.norm.weight").offset, lm_w, logits);
   release(head);
   release(0);
 }

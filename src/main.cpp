@@ -84,7 +84,8 @@ int cmd_check(const Runtime& rt, const CliArgs& args) {
   if (rt.world_rank == 0) {
     const ModelConfig arch = model_config_for(config);
     const ModelLayout layout(arch, world);
-    MemoryPlan plan = plan_memory(arch, world, engine_options_for(config), config.optim.name == "adamw" ? 2 : 1);
+    MemoryPlan plan = plan_memory(arch, world, engine_options_for(config), config.optim.name == "adamw" ? 2 : 1,
+                                  *make_cpu_backend());
     plan.workspace += output_workspace_bytes(config, layout);
     std::printf("%s: valid for %d training rank%s\n\n%s\nmodel: %s, %lld parameters (%lld in matmuls)\n%s",
                 args.deck.c_str(), world, world == 1 ? "" : "s", resolved_deck(config).c_str(), arch.arch.c_str(),
@@ -144,7 +145,7 @@ int cmd_train(Runtime& rt, const CliArgs& args) {
   int64_t peak = host_memory().total_peak;
   MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &peak, 1, MPI_INT64_T, MPI_MAX, rt.role_comm));
   MemoryPlan plan = plan_memory(session.model.layout.config, comm->size(), engine_options_for(config),
-                                session.optimizer.states());
+                                session.optimizer.states(), session.engine.backend());
   plan.workspace += output_workspace_bytes(config, session.model.layout);
   metrics.summary(plan, peak, session.bad_steps_total);
   if (rt.world_rank == 0) std::printf("done: outputs in %s\n", config.run.dir.c_str());

@@ -51,7 +51,7 @@ Run train_on(MPI_Comm mpi, const Config& config, int steps) {
     run.activation_peak_bytes = after.peak[int(Mem::Activations)] - before.current[int(Mem::Activations)];
     run.total_peak_bytes = after.total_peak - before.total_current;
     run.plan = plan_memory(session.model.layout.config, comm->size(), engine_options_for(config),
-                           session.optimizer.states());
+                           session.optimizer.states(), session.engine.backend());
     run.params = gather_all_params(session.model, *comm);
   }
   MPI_Barrier(MPI_COMM_WORLD);

@@ -1,0 +1,71 @@
+// backend.hpp — where the model's arithmetic runs: the one interface between
+// the engine's unit loop and a device (CPU fp32 now; CUDA bf16 next).
+//
+// Owns: the compute of one micro-batch over gathered units (embedding, decoder
+// layers, lm-head + loss, and their backward) with the activations and scratch
+// it needs, plus the memory the engine asks it for (gathered units, full-unit
+// gradients). Knows nothing about ranks, shards or collectives: the engine
+// gathers a unit, hands its parameters here, and reduce-scatters the gradients
+// it gets back.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include "shardlm/memory.hpp"
+#include "shardlm/model.hpp"
+
+namespace shardlm {
+
+struct EngineOptions {
+  int64_t max_tokens = 0;            // tokens per micro-batch (rows * seq_len)
+  int64_t chunk_tokens = 1024;       // lm-head + loss chunk
+  bool reshard_after_forward = true; // free gathered units after forward, re-gather in backward
+  bool checkpoint_activations = false;  // keep only layer inputs; recompute in backward
+};
+
+// Token arrays of one micro-batch (host memory), each (N).
+struct TokenBatch {
+  int64_t N = 0;
+  const int32_t* tokens = nullptr;
+  const int32_t* targets = nullptr;   // -1: no target
+  const float* weights = nullptr;     // loss weight per position
+  const int32_t* positions = nullptr;
+  const int32_t* seq_ids = nullptr;
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual const char* name() const = 0;
+
+  // Memory for gathered units and gradient buffers, counted per category.
+  virtual void* allocate(Mem category, size_t bytes) = 0;
+  virtual void deallocate(Mem category, void* ptr, size_t bytes) = 0;
+  virtual void zero(void* ptr, size_t bytes) = 0;
+  // y += x over n fp32 elements (gradient shards).
+  virtual void accumulate(float* y, const float* x, int64_t n) = 0;
+
+  // Activations and scratch for micro-batches of up to options.max_tokens tokens.
+  virtual void prepare(const ModelConfig& config, const EngineOptions& options) = 0;
+  // Bytes prepare() allocates (the memory plan's activations and workspace).
+  virtual int64_t activation_bytes(const ModelConfig& config, const EngineOptions& options) const = 0;
+  virtual int64_t workspace_bytes(const ModelConfig& config, const EngineOptions& options) const = 0;
+
+  // One micro-batch. `params` point at a gathered unit; gradients are added
+  // into full-unit fp32 buffers laid out like the unit.
+  virtual void load_batch(const TokenBatch& batch) = 0;
+  virtual void embed_forward(const float* table) = 0;
+  virtual void layer_forward(int layer, const Unit& unit, const float* params) = 0;
+  // Final norm + lm-head + loss, forward and backward; returns sum of weight * NLL.
+  virtual double head_loss_backward(const float* norm_weight, const float* lm_head, float* norm_grad,
+                                    float* lm_head_grad, float grad_scale) = 0;
+  virtual void layer_backward(int layer, const Unit& unit, const float* params, float* grads) = 0;
+  virtual void embed_backward(float* table_grad) = 0;
+  // Forward only: logits (N, V) into host memory.
+  virtual void head_logits(const float* norm_weight, const float* lm_head, float* logits) = 0;
+};
+
+std::unique_ptr<Backend> make_cpu_backend();
+
+}  // namespace shardlm

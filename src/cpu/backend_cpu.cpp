@@ -1,0 +1,111 @@
+// backend_cpu.cpp — the CPU backend: fp32 everywhere, the reference the GPU is
+// checked against. Holds the residual stream, every layer's saved activations
+// (or one set with activation checkpointing) and the backward scratch.
+#include <cstring>
+#include <vector>
+
+#include "shardlm/backend.hpp"
+#include "shardlm/cpu_layers.hpp"
+#include "shardlm/cpu_ops.hpp"
+#include "shardlm/error.hpp"
+
+namespace shardlm {
+namespace {
+
+class CpuBackend final : public Backend {
+ public:
+  const char* name() const override { return "cpu"; }
+
+  void* allocate(Mem category, size_t bytes) override { return mem_alloc(category, bytes); }
+  void deallocate(Mem category, void* ptr, size_t bytes) override { mem_free(category, ptr, bytes); }
+  void zero(void* ptr, size_t bytes) override { std::memset(ptr, 0, bytes); }
+  void accumulate(float* y, const float* x, int64_t n) override { cpu::accumulate(y, x, n); }
+
+  int64_t activation_bytes(const ModelConfig& c, const EngineOptions& o) const override {
+    const int64_t N = o.max_tokens, L = c.num_layers, C = c.hidden_size;
+    return 4 * (L + 1) * N * C + (o.checkpoint_activations ? 1 : L) * cpu::LayerActs::bytes(c, N) +
+           (o.checkpoint_activations ? 4 * N * C : 0);
+  }
+  int64_t workspace_bytes(const ModelConfig& c, const EngineOptions& o) const override {
+    const int64_t N = o.max_tokens;
+    return 4 * N * c.hidden_size + cpu::LayerGradScratch::bytes(c, N) + cpu::HeadScratch::bytes(c, N, o.chunk_tokens);
+  }
+
+  void prepare(const ModelConfig& c, const EngineOptions& o) override {
+    config_ = c;
+    options_ = o;
+    const int64_t N = o.max_tokens, C = c.hidden_size, L = c.num_layers;
+    inv_freq_ = cpu::rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling);
+    residual_.clear();
+    acts_.clear();
+    for (int64_t l = 0; l <= L; ++l) residual_.emplace_back(Mem::Activations, N * C);
+    for (int64_t l = 0; l < (o.checkpoint_activations ? 1 : L); ++l) acts_.emplace_back(c, N);
+    if (o.checkpoint_activations) recompute_out_ = Buffer<float>(Mem::Activations, N * C);
+    d_x_ = Buffer<float>(Mem::Workspace, N * C);
+    scratch_ = cpu::LayerGradScratch(c, N);
+    head_ = cpu::HeadScratch(c, N, o.chunk_tokens);
+  }
+
+  void load_batch(const TokenBatch& b) override {
+    SHARDLM_CHECK(b.N <= options_.max_tokens, "micro-batch of %lld tokens exceeds the planned %lld", (long long)b.N,
+                  (long long)options_.max_tokens);
+    batch_ = b;
+    inputs_ = {b.N, b.positions, b.seq_ids, inv_freq_.data()};
+  }
+
+  void embed_forward(const float* table) override {
+    cpu::embedding_forward(residual_[0].data(), batch_.tokens, table, batch_.N, config_.vocab_size,
+                           config_.hidden_size);
+  }
+
+  void layer_forward(int l, const Unit& unit, const float* params) override {
+    cpu::layer_forward(config_, layer_weights(unit, params), inputs_, residual_[l].data(), residual_[l + 1].data(),
+                       acts(l));
+  }
+
+  double head_loss_backward(const float* norm_weight, const float* lm_head, float* norm_grad, float* lm_head_grad,
+                            float grad_scale) override {
+    const int L = static_cast<int>(config_.num_layers);
+    return cpu::head_loss_backward(config_, norm_weight, lm_head, norm_grad, lm_head_grad, residual_[L].data(),
+                                   batch_.targets, batch_.weights, grad_scale, batch_.N, d_x_.data(), head_);
+  }
+
+  void layer_backward(int l, const Unit& unit, const float* params, float* grads) override {
+    const auto weights = layer_weights(unit, params);
+    if (options_.checkpoint_activations)  // recompute this layer's saved tensors
+      cpu::layer_forward(config_, weights, inputs_, residual_[l].data(), recompute_out_.data(), acts(l));
+    cpu::layer_backward(config_, weights, layer_weights(unit, grads), inputs_, residual_[l].data(), acts(l),
+                        d_x_.data(), scratch_);
+  }
+
+  void embed_backward(float* table_grad) override {
+    cpu::embedding_backward(table_grad, d_x_.data(), batch_.tokens, batch_.N, config_.vocab_size,
+                            config_.hidden_size);
+  }
+
+  void head_logits(const float* norm_weight, const float* lm_head, float* logits) override {
+    const int L = static_cast<int>(config_.num_layers);
+    cpu::head_logits(config_, norm_weight, lm_head, residual_[L].data(), batch_.N, logits, head_);
+  }
+
+ private:
+  cpu::LayerActs& acts(int l) { return acts_[options_.checkpoint_activations ? 0 : l]; }
+
+  ModelConfig config_;
+  EngineOptions options_;
+  std::vector<double> inv_freq_;
+  TokenBatch batch_;
+  cpu::TokenInputs inputs_;
+  std::vector<Buffer<float>> residual_;  // (L + 1) x (N, C): x_0 = embeddings .. x_L
+  std::vector<cpu::LayerActs> acts_;     // L sets, or 1 with activation checkpointing
+  Buffer<float> recompute_out_;          // (N, C) with activation checkpointing
+  Buffer<float> d_x_;                    // (N, C) gradient flowing down the residual stream
+  cpu::LayerGradScratch scratch_;
+  cpu::HeadScratch head_;
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> make_cpu_backend() { return std::make_unique<CpuBackend>(); }
+
+}  // namespace shardlm
