@@ -109,9 +109,9 @@ const std::vector<KeySpec>& key_table() {
       positive(key("data.micro_batch", Type::Int, FIELD(data.micro_batch))),
       positive(key("data.global_batch", Type::Int, FIELD(data.global_batch))),
       key("data.packing", Type::Bool, FIELD(data.packing)),
-      not_implemented(key("data.rollout_dir", Type::String, FIELD(data.rollout_dir))),
-      not_implemented(at_least(key("data.max_async", Type::Int, FIELD(data.max_async)), 0)),
-      not_implemented(positive(key("data.rollout_timeout_s", Type::Float, FIELD(data.rollout_timeout_s)))),
+      key("data.rollout_dir", Type::String, FIELD(data.rollout_dir)),
+      at_least(key("data.max_async", Type::Int, FIELD(data.max_async)), 0),
+      positive(key("data.rollout_timeout_s", Type::Float, FIELD(data.rollout_timeout_s))),
 
       one_of(key("optim.name", Type::String, FIELD(optim.name)), {"adamw", "sgd", "muon"}, {"muon"}),
       positive(key("optim.lr", Type::Float, FIELD(optim.lr))),
@@ -127,12 +127,12 @@ const std::vector<KeySpec>& key_table() {
       at_least(key("sched.decay", Type::Int, FIELD(sched.decay)), 0),
       at_least(key("sched.min_lr", Type::Float, FIELD(sched.min_lr)), 0),
 
-      one_of(key("loss.type", Type::String, FIELD(loss.type)), {"sft", "rl"}, {"rl"}),
+      one_of(key("loss.type", Type::String, FIELD(loss.type)), {"sft", "rl"}),
       positive(key("loss.chunk_tokens", Type::Int, FIELD(loss.chunk_tokens))),
-      not_implemented(at_least(key("loss.mask_high", Type::Float, FIELD(loss.mask_high)), 0)),
-      not_implemented(at_least(key("loss.mask_low", Type::Float, FIELD(loss.mask_low)), 0)),
-      not_implemented(at_least(key("loss.kl_coef", Type::Float, FIELD(loss.kl_coef)), 0)),
-      not_implemented(at_least(key("loss.ce_coef", Type::Float, FIELD(loss.ce_coef)), 0)),
+      at_least(key("loss.mask_high", Type::Float, FIELD(loss.mask_high)), 0),
+      at_least(key("loss.mask_low", Type::Float, FIELD(loss.mask_low)), 0),
+      at_least(key("loss.kl_coef", Type::Float, FIELD(loss.kl_coef)), 0),
+      at_least(key("loss.ce_coef", Type::Float, FIELD(loss.ce_coef)), 0),
 
       at_least(key("ckpt.interval", Type::Int, FIELD(ckpt.interval)), 0),
       not_implemented(at_least(key("ckpt.keep_last", Type::Int, FIELD(ckpt.keep_last)), 1)),
@@ -367,7 +367,11 @@ void validate(const Config& c, int world, const std::map<std::string, std::strin
   }
   if (c.loss.type == "sft" && c.data.path.empty())
     err("data.path is not set: SFT needs a token file (see docs/data.md)");
-  if (world > 0 && c.data.global_batch % (c.data.micro_batch * world) != 0)
+  if (c.loss.type == "rl" && c.data.rollout_dir.empty())
+    err("loss.type = \"rl\" needs data.rollout_dir (where step_<N>.h5 rollout files appear; docs/rollouts.md)");
+  if (c.loss.type == "rl" && !c.data.path.empty())
+    err("data.path is for SFT token files; with loss.type = \"rl\" the batches come from data.rollout_dir");
+  if (c.loss.type == "sft" && world > 0 && c.data.global_batch % (c.data.micro_batch * world) != 0)
     err(fmt("data.global_batch = %lld must be a multiple of data.micro_batch x training ranks = %lld x %d = %lld",
             (long long)c.data.global_batch, (long long)c.data.micro_batch, world,
             (long long)(c.data.micro_batch * world)));

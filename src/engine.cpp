@@ -193,7 +193,7 @@ void Engine::forward(const TokenBatch& b, bool keep_for_backward) {
   }
 }
 
-double Engine::forward_backward(const TokenBatch& b, float grad_scale) {
+LossStats Engine::forward_backward(const TokenBatch& b, float grad_scale) {
   const ModelLayout& layout = model_.layout;
   const int L = layout.num_layers(), head = L + 1;
   forward(b, /*keep_for_backward=*/true);
@@ -205,7 +205,7 @@ double Engine::forward_backward(const TokenBatch& b, float grad_scale) {
   const float* lm_w = lm_head_weights();
   float* hg = grads(head);
   float* lm_g = config_.tie_word_embeddings ? grads(0) : hg + hu.param("lm_head.weight").offset;
-  const double loss = backend_->head_loss_backward(hw + norm_off, lm_w, hg + norm_off, lm_g, grad_scale);
+  const LossStats loss = backend_->head_loss_backward(hw + norm_off, lm_w, hg + norm_off, lm_g, grad_scale);
   reduce_grads(head);
   release(head);
   if (config_.tie_word_embeddings && options_.reshard_after_forward) release(0);

@@ -124,10 +124,13 @@ int cmd_train(Runtime& rt, const CliArgs& args) {
   Metrics metrics(config, comm->rank() == 0);
   if (comm->rank() == 0) {
     const ModelLayout& layout = session.model.layout;
-    std::printf("model %s: %lld parameters, %d layers, hidden %lld | data %s: %lld documents, %lld tokens\n",
-                layout.config.arch.c_str(), (long long)layout.parameter_count(), layout.num_layers(),
-                (long long)layout.config.hidden_size, config.data.path.c_str(), (long long)session.data.documents(),
-                (long long)session.data.total_tokens());
+    std::printf("model %s: %lld parameters, %d layers, hidden %lld\n", layout.config.arch.c_str(),
+                (long long)layout.parameter_count(), layout.num_layers(), (long long)layout.config.hidden_size);
+    if (session.data)
+      std::printf("data %s: %lld documents, %lld tokens\n", config.data.path.c_str(),
+                  (long long)session.data->documents(), (long long)session.data->total_tokens());
+    else
+      std::printf("data: RL rollouts from %s/step_<N>.h5\n", config.data.rollout_dir.c_str());
     std::fflush(stdout);
   }
 

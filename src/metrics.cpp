@@ -47,13 +47,22 @@ void Metrics::log(const StepStats& s) {
   std::printf("step %6lld/%lld | loss %.4f | grad norm %.4f | lr %.3e | %.0f tok/s | elapsed %s | eta %s%s\n",
               (long long)step1, (long long)config_.run.max_steps, s.loss, s.grad_norm, s.lr, tok_s,
               clock_text(elapsed).c_str(), clock_text(eta).c_str(), s.skipped ? " | SKIPPED (NaN/Inf)" : "");
+  if (s.rl)
+    std::printf("        rl | entropy %.4f | mismatch kl %.3e | masked high %.3f low %.3f | mean advantage %+.4f | "
+                "waited %.2f s for rollouts\n",
+                s.entropy, s.mismatch_kl, s.masked_high, s.masked_low, s.advantage, s.rollout_wait_s);
   std::fflush(stdout);
+  std::string rl_fields;
+  if (s.rl)
+    rl_fields = fmt(", \"entropy\": %.9g, \"mismatch_kl\": %.9g, \"masked_high\": %.9g, \"masked_low\": %.9g, "
+                    "\"mean_advantage\": %.9g, \"rollout_wait_s\": %.6g",
+                    s.entropy, s.mismatch_kl, s.masked_high, s.masked_low, s.advantage, s.rollout_wait_s);
   std::fprintf(jsonl_,
                "{\"step\": %lld, \"loss\": %.9g, \"grad_norm\": %.9g, \"lr\": %.9g, \"tokens\": %lld, "
                "\"loss_tokens\": %lld, \"tokens_per_s\": %.6g, \"step_time_s\": %.6g, \"mem_peak_bytes\": %lld, "
-               "\"skipped\": %s}\n",
+               "\"skipped\": %s%s}\n",
                (long long)step1, s.loss, s.grad_norm, s.lr, (long long)tokens_total_, (long long)s.loss_tokens,
-               tok_s, s.step_time_s, (long long)peak, s.skipped ? "true" : "false");
+               tok_s, s.step_time_s, (long long)peak, s.skipped ? "true" : "false", rl_fields.c_str());
   std::fflush(jsonl_);
   window_tokens_ = 0;
   window_time_s_ = 0;

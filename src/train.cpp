@@ -2,6 +2,7 @@
 #include "shardlm/train.hpp"
 
 #include <chrono>
+#include <cstdio>
 #include <cmath>
 
 #include "shardlm/error.hpp"
@@ -16,6 +17,8 @@ ModelConfig model_config_for(const Config& config) {
 
 EngineOptions engine_options_for(const Config& config) {
   EngineOptions o;
+  o.rl = config.loss.type == "rl";
+  o.rl_params = {config.loss.mask_high, config.loss.mask_low, config.loss.kl_coef, config.loss.ce_coef};
   o.max_tokens = config.data.micro_batch * config.data.seq_len;
   o.chunk_tokens = config.loss.chunk_tokens;
   o.reshard_after_forward = config.model.reshard_after_forward;
@@ -46,15 +49,29 @@ ShardedModel initial_model(const Config& c, const ModelConfig& arch, const Comm&
 }  // namespace
 
 TokenBatch token_batch(const MicroBatch& mb) {
-  return {mb.rows * mb.seq_len, mb.tokens.data(), mb.targets.data(), mb.weights.data(), mb.positions.data(),
-          mb.seq_ids.data()};
+  TokenBatch b;
+  b.N = mb.rows * mb.seq_len;
+  b.tokens = mb.tokens.data();
+  b.targets = mb.targets.data();
+  b.weights = mb.weights.data();
+  b.positions = mb.positions.data();
+  b.seq_ids = mb.seq_ids.data();
+  return b;
+}
+
+TokenBatch token_batch(const RlMicroBatch& mb) {
+  TokenBatch b = token_batch(mb.batch);
+  b.advantages = mb.advantages.data();
+  b.inference_logprobs = mb.inference_logprobs.data();
+  b.temperatures = mb.temperatures.data();
+  return b;
 }
 
 TrainSession::TrainSession(const Config& c, Comm& comm_)
     : config(c),
       comm(comm_),
       arch(model_config_for(c)),
-      data(data_spec(c, arch.vocab_size)),
+      data(c.loss.type == "sft" ? std::optional<TokenDataset>(data_spec(c, arch.vocab_size)) : std::nullopt),
       model(initial_model(c, arch, comm_)),
       optimizer(c.optim, model),
       engine(model, comm_, engine_options_for(c)) {
@@ -67,23 +84,53 @@ StepStats TrainSession::step(int64_t step) {
   const auto t0 = std::chrono::steady_clock::now();
   StepStats s;
   s.step = step;
+  s.rl = config.loss.type == "rl";
 
-  // batch: the step's global batch; losses are divided by its global loss-token count
-  const StepCounts counts = data.step_counts(step);
-  s.tokens = counts.tokens;
-  s.loss_tokens = counts.loss_tokens;
-  const float grad_scale = counts.loss_tokens > 0 ? 1.0f / static_cast<float>(counts.loss_tokens) : 0.0f;
+  // batch: this rank's micro-batches of the step; losses are divided by the
+  // step's global loss-token count, known without communication
+  std::vector<TokenBatch> batches;
+  int64_t loss_tokens_global = 0;
+  if (s.rl) {
+    const auto wait0 = std::chrono::steady_clock::now();
+    const std::string path = wait_for_rollouts(config.data.rollout_dir, step, config.data.rollout_timeout_s,
+                                               [&](const std::string& m) {
+                                                 if (comm.rank() == 0) std::printf("%s\n", m.c_str()), std::fflush(stdout);
+                                               });
+    s.rollout_wait_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - wait0).count();
+    const RolloutBatch file = read_rollouts(path, arch.vocab_size);
+    check_rollout_step(file, step, config.data.max_async);
+    rollouts = pack_rollouts(file, config.data.seq_len, config.data.micro_batch, comm.rank(), comm.size());
+    for (const auto& mb : rollouts.micro_batches) batches.push_back(token_batch(mb));
+    loss_tokens_global = rollouts.loss_tokens_global;
+    s.tokens = rollouts.tokens_global;
+  } else {
+    const StepCounts counts = data->step_counts(step);
+    loss_tokens_global = counts.loss_tokens;
+    s.tokens = counts.tokens;
+  }
+  s.loss_tokens = loss_tokens_global;
+  const float grad_scale = loss_tokens_global > 0 ? 1.0f / static_cast<float>(loss_tokens_global) : 0.0f;
 
   // forward / loss / backward per micro-batch; gradients accumulate in the shards
   model.zero_grads();
-  double loss_sum = 0.0;
-  const int64_t accum = data.micro_batches_per_rank(comm.size());
-  for (int64_t a = 0; a < accum; ++a) {
-    data.micro_batch(step, static_cast<int>(a), comm.rank(), comm.size(), micro);
-    loss_sum += engine.forward_backward(token_batch(micro), grad_scale);
+  LossStats sums;
+  const int64_t micro_batches = s.rl ? static_cast<int64_t>(batches.size()) : data->micro_batches_per_rank(comm.size());
+  for (int64_t a = 0; a < micro_batches; ++a) {
+    if (!s.rl) data->micro_batch(step, static_cast<int>(a), comm.rank(), comm.size(), micro);
+    sums += engine.forward_backward(s.rl ? batches[a] : token_batch(micro), grad_scale);
   }
-  comm.all_reduce_sum(&loss_sum, 1);
-  s.loss = counts.loss_tokens > 0 ? loss_sum / static_cast<double>(counts.loss_tokens) : 0.0;
+  auto totals = sums.to_array();
+  comm.all_reduce_sum(totals.data(), static_cast<int64_t>(totals.size()));
+  sums = LossStats::from_array(totals);
+  const double denom = loss_tokens_global > 0 ? static_cast<double>(loss_tokens_global) : 1.0;
+  s.loss = sums.loss / denom;
+  if (s.rl) {
+    s.entropy = sums.entropy_sum / denom;
+    s.mismatch_kl = sums.mismatch_kl_sum / denom;
+    s.masked_high = static_cast<double>(sums.masked_high) / denom;
+    s.masked_low = static_cast<double>(sums.masked_low) / denom;
+    s.advantage = sums.advantage_sum / denom;
+  }
 
   // clip by global norm (one all-reduce over shard norms); NaN/Inf skips the update
   s.grad_norm = global_grad_norm(model, comm);

@@ -14,6 +14,7 @@
 
 #include "shardlm/memory.hpp"
 #include "shardlm/model.hpp"
+#include "shardlm/rl_loss.hpp"
 
 namespace shardlm {
 
@@ -22,6 +23,8 @@ struct EngineOptions {
   int64_t chunk_tokens = 1024;       // lm-head + loss chunk
   bool reshard_after_forward = true; // free gathered units after forward, re-gather in backward
   bool checkpoint_activations = false;  // keep only layer inputs; recompute in backward
+  bool rl = false;                   // RL policy loss instead of cross-entropy
+  cpu::RlLossParams rl_params;
 };
 
 // Token arrays of one micro-batch (host memory), each (N).
@@ -32,7 +35,14 @@ struct TokenBatch {
   const float* weights = nullptr;     // loss weight per position
   const int32_t* positions = nullptr;
   const int32_t* seq_ids = nullptr;
+  // RL only (nullptr for SFT), per position, taken at the target token:
+  const float* advantages = nullptr;
+  const float* inference_logprobs = nullptr;
+  const float* temperatures = nullptr;
 };
+
+// What the loss of one micro-batch adds up to (SFT fills loss and loss_tokens).
+using LossStats = cpu::RlChunkStats;
 
 class Backend {
  public:
@@ -57,9 +67,9 @@ class Backend {
   virtual void load_batch(const TokenBatch& batch) = 0;
   virtual void embed_forward(const float* table) = 0;
   virtual void layer_forward(int layer, const Unit& unit, const float* params) = 0;
-  // Final norm + lm-head + loss, forward and backward; returns sum of weight * NLL.
-  virtual double head_loss_backward(const float* norm_weight, const float* lm_head, float* norm_grad,
-                                    float* lm_head_grad, float grad_scale) = 0;
+  // Final norm + lm-head + loss (cross-entropy or RL), forward and backward.
+  virtual LossStats head_loss_backward(const float* norm_weight, const float* lm_head, float* norm_grad,
+                                       float* lm_head_grad, float grad_scale) = 0;
   virtual void layer_backward(int layer, const Unit& unit, const float* params, float* grads) = 0;
   virtual void embed_backward(float* table_grad) = 0;
   // Forward only: logits (N, V) into host memory.

@@ -12,6 +12,7 @@
 
 #include "shardlm/memory.hpp"
 #include "shardlm/model.hpp"
+#include "shardlm/rl_loss.hpp"
 
 namespace shardlm::cpu {
 
@@ -88,9 +89,17 @@ struct HeadScratch {
 // Returns sum of weight * NLL; writes d_x (N, C) = gradient at the final hidden
 // state with every token's loss scaled by grad_scale; accumulates g_norm (C) and
 // g_lm (V, C). `lm_head` is the embedding when tied.
-double head_loss_backward(const ModelConfig& c, const float* norm_w, const float* lm_head, float* g_norm,
-                          float* g_lm, const float* x, const int32_t* targets, const float* weights,
-                          float grad_scale, int64_t N, float* d_x, HeadScratch& s);
+// With `rl` set, the RL policy loss replaces cross-entropy (rl_loss.hpp).
+struct RlInputs {
+  const float* advantages;          // (N)
+  const float* inference_logprobs;  // (N)
+  const float* temperatures;        // (N)
+  RlLossParams params;
+};
+RlChunkStats head_loss_backward(const ModelConfig& c, const float* norm_w, const float* lm_head, float* g_norm,
+                                float* g_lm, const float* x, const int32_t* targets, const float* weights,
+                                float grad_scale, int64_t N, float* d_x, HeadScratch& s,
+                                const RlInputs* rl = nullptr);
 
 // Logits (N, V) for the forward command and tests.
 void head_logits(const ModelConfig& c, const float* norm_w, const float* lm_head, const float* x, int64_t N,

@@ -36,8 +36,8 @@ class Engine {
   ~Engine();
 
   // Forward, loss and backward; gradients (scaled by grad_scale) are added into
-  // model.grad. Returns this rank's sum of weight * NLL.
-  double forward_backward(const TokenBatch& batch, float grad_scale);
+  // model.grad. Returns this rank's loss sums (SFT: sum of weight * NLL).
+  LossStats forward_backward(const TokenBatch& batch, float grad_scale);
 
   // Forward only: logits (N, V) for every position.
   void forward_logits(const TokenBatch& batch, float* logits);

@@ -9,12 +9,14 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 
 #include "shardlm/comm.hpp"
 #include "shardlm/config.hpp"
 #include "shardlm/data.hpp"
 #include "shardlm/engine.hpp"
 #include "shardlm/optim.hpp"
+#include "shardlm/rollouts.hpp"
 #include "shardlm/shard.hpp"
 
 namespace shardlm {
@@ -28,6 +30,10 @@ struct StepStats {
   int64_t loss_tokens = 0;
   bool skipped = false;        // NaN/Inf: no update
   double step_time_s = 0;
+  // RL (loss.type = "rl"), means over the step's loss tokens:
+  bool rl = false;
+  double entropy = 0, mismatch_kl = 0, masked_high = 0, masked_low = 0, advantage = 0;
+  double rollout_wait_s = 0;   // time spent waiting for the rollout file
 };
 
 // The model's architecture for a deck: model.hf's config.json, else the deck's sizes.
@@ -38,11 +44,12 @@ struct TrainSession {
   Config config;
   Comm& comm;
   ModelConfig arch;            // model.hf's config.json or the deck's sizes
-  TokenDataset data;
+  std::optional<TokenDataset> data;  // SFT token file (RL reads rollout files instead)
   ShardedModel model;
   Optimizer optimizer;
   Engine engine;
   MicroBatch micro;            // reused every micro-batch
+  RankRollouts rollouts;       // RL: this step's micro-batches of this rank
   int64_t bad_steps_in_a_row = 0;
   int64_t bad_steps_total = 0;
 

@@ -63,11 +63,16 @@ class CpuBackend final : public Backend {
                        acts(l));
   }
 
-  double head_loss_backward(const float* norm_weight, const float* lm_head, float* norm_grad, float* lm_head_grad,
-                            float grad_scale) override {
+  LossStats head_loss_backward(const float* norm_weight, const float* lm_head, float* norm_grad, float* lm_head_grad,
+                               float grad_scale) override {
     const int L = static_cast<int>(config_.num_layers);
+    cpu::RlInputs rl{batch_.advantages, batch_.inference_logprobs, batch_.temperatures, options_.rl_params};
+    if (options_.rl)
+      SHARDLM_CHECK(batch_.advantages && batch_.inference_logprobs && batch_.temperatures,
+                    "internal: an RL micro-batch without advantages, logprobs or temperatures");
     return cpu::head_loss_backward(config_, norm_weight, lm_head, norm_grad, lm_head_grad, residual_[L].data(),
-                                   batch_.targets, batch_.weights, grad_scale, batch_.N, d_x_.data(), head_);
+                                   batch_.targets, batch_.weights, grad_scale, batch_.N, d_x_.data(), head_,
+                                   options_.rl ? &rl : nullptr);
   }
 
   void layer_backward(int l, const Unit& unit, const float* params, float* grads) override {

@@ -156,12 +156,12 @@ void layer_backward(const ModelConfig& c, const LayerWeights<const float>& w, co
   add(d_x, s.d_mid.data(), s.d_tmp.data(), N * d.C);
 }
 
-double head_loss_backward(const ModelConfig& c, const float* norm_w, const float* lm_head, float* g_norm,
-                          float* g_lm, const float* x, const int32_t* targets, const float* weights,
-                          float grad_scale, int64_t N, float* d_x, HeadScratch& s) {
+RlChunkStats head_loss_backward(const ModelConfig& c, const float* norm_w, const float* lm_head, float* g_norm,
+                                float* g_lm, const float* x, const int32_t* targets, const float* weights,
+                                float grad_scale, int64_t N, float* d_x, HeadScratch& s, const RlInputs* rl) {
   const int64_t C = c.hidden_size, V = c.vocab_size;
   rmsnorm_forward(s.xf.data(), s.rstd.data(), x, norm_w, N, C, c.rms_norm_eps);
-  double loss = 0.0;
+  RlChunkStats stats;
   for (int64_t t0 = 0; t0 < N; t0 += s.chunk) {
     const int64_t n = std::min(s.chunk, N - t0);
     float* dxf = s.dxf.data() + t0 * C;
@@ -173,11 +173,18 @@ double head_loss_backward(const ModelConfig& c, const float* norm_w, const float
     }
     const float* xf = s.xf.data() + t0 * C;
     linear_forward(s.logits.data(), xf, lm_head, kNoBias, n, C, V);
-    loss += cross_entropy_forward_backward(s.logits.data(), targets + t0, weights + t0, grad_scale, n, V);
+    if (rl) {
+      stats += rl_loss_forward_backward<float>(s.logits.data(), targets + t0, weights + t0, rl->advantages + t0,
+                                               rl->inference_logprobs + t0, rl->temperatures + t0, rl->params,
+                                               grad_scale, n, V);
+    } else {
+      stats.loss += cross_entropy_forward_backward(s.logits.data(), targets + t0, weights + t0, grad_scale, n, V);
+      for (int64_t i = 0; i < n; ++i) stats.loss_tokens += targets[t0 + i] >= 0 && weights[t0 + i] > 0.0f;
+    }
     linear_backward(dxf, g_lm, kNoBiasGrad, s.logits.data(), xf, lm_head, n, C, V);
   }
   rmsnorm_backward(d_x, g_norm, s.dxf.data(), x, norm_w, s.rstd.data(), N, C);
-  return loss;
+  return stats;
 }
 
 void head_logits(const ModelConfig& c, const float* norm_w, const float* lm_head, const float* x, int64_t N,

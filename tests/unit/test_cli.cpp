@@ -180,6 +180,53 @@ TEST_CASE("receive refuses a deck without a broadcast backend; train refuses ncc
   CHECK(fsb.output.find("needs broadcast.dir") != std::string::npos);
 }
 
+TEST_CASE("RL end to end: tiny-rl trains on synthetic rollouts and broadcasts; receiver == export, bit for bit") {
+  const auto dir = std::filesystem::temp_directory_path() / ("shardlm-rl-" + std::to_string(getpid()));
+  auto gen = run(std::string(getenv("PYTHON") && *getenv("PYTHON") ? getenv("PYTHON") : "/usr/bin/python3") +
+                 " tools/make_rollouts.py inputs/data/tiny.h5 --out " + (dir / "rollouts").string() + " --steps 10");
+  REQUIRE_MESSAGE(gen.status == 0, gen.output);
+  const std::string sets = " --set run.max_steps=10 --set data.rollout_dir=" + (dir / "rollouts").string();
+  for (const std::string backend : {"nccl", "filesystem"}) {
+    CAPTURE(backend);
+    const std::string b = sets + " --set broadcast.backend=" + backend + " --set broadcast.dir=" + (dir / "bc").string();
+    auto r = run("OMP_NUM_THREADS=1 " + mpirun(2) + shardlm_bin() + " train inputs/tiny-rl.toml" + b +
+                     " --set run.dir=" + (dir / "run").string() + " --set run.export_dir=" +
+                     (dir / ("trainer-" + backend)).string() + " : -np 1 " + shardlm_bin() +
+                     " receive inputs/tiny-rl.toml" + b + " --out " + (dir / ("receiver-" + backend)).string(),
+                 300);
+    CHECK(r.status == 0);
+    CHECK(r.output.find("rl | entropy ") != std::string::npos);
+    CHECK(r.output.find("receive[0]: step 10: 20 tensors") != std::string::npos);
+    CHECK(r.output.find("2 broadcasts received") != std::string::npos);
+    auto same = run("cmp " + (dir / ("trainer-" + backend) / "model.safetensors").string() + " " +
+                    (dir / ("receiver-" + backend) / "model.safetensors").string());
+    CHECK_MESSAGE(same.status == 0, same.output);
+  }
+  // metrics.jsonl carries the RL fields
+  std::FILE* f = std::fopen((dir / "run/metrics.jsonl").c_str(), "r");
+  REQUIRE(f);
+  char line[4096] = {0};
+  REQUIRE(std::fgets(line, sizeof line, f));
+  std::fclose(f);
+  for (const char* key : {"\"entropy\": ", "\"mismatch_kl\": ", "\"masked_high\": ", "\"masked_low\": ",
+                          "\"mean_advantage\": "})
+    CHECK_MESSAGE(std::string(line).find(key) != std::string::npos, key);
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("RL: a rollout file that never comes is a clear error after data.rollout_timeout_s") {
+  const auto dir = std::filesystem::temp_directory_path() / ("shardlm-rlwait-" + std::to_string(getpid()));
+  std::filesystem::create_directories(dir / "rollouts");
+  auto r = run(mpirun(1) + shardlm_bin() + " train inputs/tiny-rl.toml --set broadcast.backend=none" +
+                   " --set data.rollout_timeout_s=1.5 --set data.rollout_dir=" + (dir / "rollouts").string() +
+                   " --set run.dir=" + (dir / "run").string(),
+               60);
+  CHECK(r.status != 0);
+  CHECK(r.status != 124);
+  CHECK(r.output.find("no rollouts for step 0 in " + (dir / "rollouts").string()) != std::string::npos);
+  std::filesystem::remove_all(dir);
+}
+
 TEST_CASE("a fatal error on one rank aborts the whole job with one message, never a hang") {
   auto r = run("SHARDLM_FAULT=startup@1 " + mpirun(2) + "-x SHARDLM_FAULT " + shardlm_bin() +
                    " train inputs/tiny-sft.toml --set run.dir=" +

@@ -122,7 +122,7 @@ TEST_CASE("HF fixtures: logits, loss and every parameter gradient match transfor
 
     double loss_tokens = 0;
     for (float w : fb.weights) loss_tokens += w;
-    const double loss = engine.forward_backward(fb.batch(), float(1.0 / loss_tokens)) / loss_tokens;
+    const double loss = engine.forward_backward(fb.batch(), float(1.0 / loss_tokens)).loss / loss_tokens;
     const double ref_loss = read_h5<double>(ref, "loss", H5T_NATIVE_DOUBLE)[0];
     CHECK(std::fabs(loss - ref_loss) / ref_loss < 1e-5);
 
@@ -208,7 +208,7 @@ TEST_CASE("whole-model finite differences agree with backward (fp32, directional
         std::vector<float> saved(p, p + s.count);
         for (int64_t i = 0; i < s.count; ++i) p[i] += eps * dir[i];
         model.zero_grads();
-        const double l = engine.forward_backward(b, 1.0f);
+        const double l = engine.forward_backward(b, 1.0f).loss;
         std::memcpy(p, saved.data(), sizeof(float) * s.count);
         return l;
       };
@@ -282,7 +282,7 @@ TEST_CASE("training the tiny deck lowers the loss; export then reload gives iden
   CHECK(fs::exists(tmp.path / "hf" / "model.safetensors"));
   ShardedModel reloaded(read_hf_config(tmp.path / "hf"), 0, 1);
   reloaded.load_hf(SafetensorsReader(tmp.path / "hf"));
-  session.data.micro_batch(0, 0, 0, 1, session.micro);
+  session.data->micro_batch(0, 0, 0, 1, session.micro);
   const TokenBatch b = token_batch(session.micro);
   std::vector<float> a(b.N * 258), c(b.N * 258);
   session.engine.forward_logits(b, a.data());
