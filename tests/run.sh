@@ -61,6 +61,18 @@ for t in tests/scripts/*.sh; do
   echo "$p $f $t" >> "$results"
 done
 
+# GPU suites (make test-gpu): kernel-vs-CPU checks; each binary prints PASS/FAIL lines.
+if [ "${SHARDLM_TEST_GPU:-0}" = 1 ]; then
+  for t in tests/gpu/build_and_run.sh tests/gpu/build_attention.sh; do
+    echo "== $t"
+    out=$(timeout 900 bash "$t" --no-timing 2>&1); rc=$?
+    echo "$out" | tail -40
+    p=$(grep -cE ' PASS$' <<< "$out"); f=$(grep -cE ' FAIL$|^FAIL' <<< "$out")
+    if [ $rc != 0 ] && [ "$f" = 0 ]; then f=1; fi
+    echo "$p $f $t" >> "$results"
+  done
+fi
+
 passed=$(awk '{p+=$1} END {print p+0}' "$results")
 failed=$(awk '{f+=$2} END {print f+0}' "$results")
 if [ "$failed" != 0 ]; then

@@ -71,7 +71,7 @@ void attention_doc_start(int32_t* doc_start, const int32_t* seq_id, int64_t N,
 // kernels (generic fallback for unsupported D); kGeneric forces the simple
 // fallback for any D; kVariantN picks an alternative tensor-core tiling, so the test
 // can check and time each one. Not thread-safe; leave it at kAuto in the trainer.
-enum class AttentionKernel { kAuto = 0, kGeneric = 1, kVariant1 = 2, kVariant2 = 3 };
+enum class AttentionKernel { kAuto, kGeneric, kVariant1, kVariant2, kVariant3, kVariant4 };
 void attention_set_kernel(AttentionKernel kernel);
 // A one-line description of the kernels attention_* would launch for head dim D
 // (tile sizes, warps), for test and benchmark logs.

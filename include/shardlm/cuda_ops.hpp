@@ -75,7 +75,7 @@ void embedding_backward(float* dtable, const bf16* dout, const int32_t* ids, int
 // HF LlamaRMSNorm: out = weight * (inp * rstd), rstd = 1 / sqrt(mean(inp^2) + eps).
 //   out (rows, C) overwritten (may alias inp); rstd (rows) fp32 saved for backward;
 //   inp (rows, C); weight (C). Qwen3 q/k norm: rows = N * heads, C = head_dim.
-//   C <= 8192 (C <= 2048 when C is not a multiple of 8).
+//   C <= 8192 (C <= 1024 when C is not a multiple of 8).
 void rmsnorm_forward(bf16* out, float* rstd, const bf16* inp, const bf16* weight,
                      int64_t rows, int64_t C, double eps, cudaStream_t stream);
 

@@ -332,21 +332,25 @@ constexpr int kNormThreads = 256;
 constexpr int kNormMaxPartials = 256;  // row chunks of the dweight reduction
 
 struct NormGeom {
-  int vec, G, K;
+  int vec, G, K, kmax;  // kmax: the kernel instantiation's register arrays (K <= kmax)
   int rows_per_iter() const { return kNormThreads / G; }
 };
 
+// The smallest group that keeps K at 2 vectors per thread (8 bf16 each), so a
+// 256-thread block holds 256 * 2 * 8 columns in registers; wider rows take K up to 4.
+// K = 2 keeps the backward at ~100 registers (K = 4 needs ~180: one block per SM).
 NormGeom norm_geom(int64_t C, bool vec_ok, const char* op) {
   NormGeom g{};
   g.vec = vec_ok ? 8 : 1;
-  const int kmax = vec_ok ? 4 : 8;
+  const int prefer = vec_ok ? 2 : 4, limit = 4;
   const int64_t nvec = div_up(C, g.vec);
   g.G = 1;
-  while (g.G < kNormThreads && int64_t(g.G) * kmax < nvec) g.G *= 2;
+  while (g.G < kNormThreads && int64_t(g.G) * prefer < nvec) g.G *= 2;
   g.K = int(div_up(nvec, g.G));
-  SHARDLM_CHECK(g.K <= kmax, "%s: C = %lld is too large (at most %d, or %d when C is not a "
+  SHARDLM_CHECK(g.K <= limit, "%s: C = %lld is too large (at most %d, or %d when C is not a "
                 "multiple of 8)", op, static_cast<long long>(C), kNormThreads * 4 * 8,
-                kNormThreads * 8);
+                kNormThreads * 4);
+  g.kmax = vec_ok ? (g.K <= 2 ? 2 : 4) : 4;
   return g;
 }
 
@@ -505,12 +509,13 @@ void launch_rmsnorm_forward(bf16* residual_out, bf16* normed, float* rstd, const
   const NormGeom g = norm_geom(C, vec, op);
   const unsigned blocks = grid_for(rows, g.rows_per_iter());
   const float eps_f = static_cast<float>(eps);
-  if (vec)
-    rmsnorm_forward_kernel<8, 4, kResidual><<<blocks, kNormThreads, 0, stream>>>(
-        residual_out, normed, rstd, a, b, weight, rows, int(C), eps_f, g.G, g.K);
-  else
-    rmsnorm_forward_kernel<1, 8, kResidual><<<blocks, kNormThreads, 0, stream>>>(
-        residual_out, normed, rstd, a, b, weight, rows, int(C), eps_f, g.G, g.K);
+#define SHARDLM_RMS_FWD(VEC, KMAX)                                                           \
+  rmsnorm_forward_kernel<VEC, KMAX, kResidual><<<blocks, kNormThreads, 0, stream>>>(          \
+      residual_out, normed, rstd, a, b, weight, rows, int(C), eps_f, g.G, g.K)
+  if (g.vec == 1) SHARDLM_RMS_FWD(1, 4);  // unaligned or C % 8 != 0: scalar loads
+  else if (g.kmax == 2) SHARDLM_RMS_FWD(8, 2);
+  else SHARDLM_RMS_FWD(8, 4);
+#undef SHARDLM_RMS_FWD
   CUDA_CHECK(cudaGetLastError());
 }
 
@@ -1227,7 +1232,7 @@ size_t rmsnorm_backward_scratch_bytes(int64_t rows, int64_t C) {
   size_t bytes = 0;
   for (bool vec : {true, false}) {
     if (vec && C % 8 != 0) continue;
-    if (!vec && C > kNormThreads * 8) continue;
+    if (!vec && C > kNormThreads * 4) continue;
     const NormGeom g = norm_geom(C, vec, op);
     const int64_t P = div_up(rows, norm_rows_per_block(rows, g));
     bytes = std::max(bytes, size_t(P * C) * sizeof(float));
@@ -1256,12 +1261,16 @@ void rmsnorm_backward(bf16* dinp, float* dweight, const bf16* dout, const bf16* 
 #define SHARDLM_RMS_BWD(VEC, KMAX, RES)                                                      \
   rmsnorm_backward_kernel<VEC, KMAX, RES><<<blocks, kNormThreads, smem, stream>>>(           \
       dinp, partial, dout, inp, weight, rstd, dresidual, rows, int(C), g.G, g.K, rows_per_block)
-  if (vec) {
-    if (dresidual) SHARDLM_RMS_BWD(8, 4, true);
-    else SHARDLM_RMS_BWD(8, 4, false);
+  const bool res = dresidual != nullptr;
+  if (g.vec == 1) {  // unaligned or C % 8 != 0: scalar loads
+    if (res) SHARDLM_RMS_BWD(1, 4, true);
+    else SHARDLM_RMS_BWD(1, 4, false);
+  } else if (g.kmax == 2) {
+    if (res) SHARDLM_RMS_BWD(8, 2, true);
+    else SHARDLM_RMS_BWD(8, 2, false);
   } else {
-    if (dresidual) SHARDLM_RMS_BWD(1, 8, true);
-    else SHARDLM_RMS_BWD(1, 8, false);
+    if (res) SHARDLM_RMS_BWD(8, 4, true);
+    else SHARDLM_RMS_BWD(8, 4, false);
   }
 #undef SHARDLM_RMS_BWD
   CUDA_CHECK(cudaGetLastError());
