@@ -1,4 +1,5 @@
 // cuda_stub.cpp — the CUDA entry points of a CPU-only build: no devices.
+#include "shardlm/backend.hpp"
 #include "shardlm/cuda.hpp"
 #include "shardlm/error.hpp"
 
@@ -12,5 +13,6 @@ struct NcclComm {};
 void NcclCommDeleter::operator()(NcclComm* c) const { delete c; }
 NcclCommPtr nccl_comm_create(MPI_Comm) { SHARDLM_FAIL("this shardlm was built without CUDA (no NCCL)"); }
 int nccl_comm_size(const NcclComm&) { return 0; }
+std::unique_ptr<Backend> make_cuda_backend() { SHARDLM_FAIL("this shardlm was built without CUDA"); }
 
 }  // namespace shardlm

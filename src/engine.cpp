@@ -39,8 +39,9 @@ MemoryPlan plan_memory(const ModelConfig& config, int world, const EngineOptions
   plan.grad_shards = plan.param_shards;
   plan.optim_state = plan.param_shards * optim_states;
   if (world > 1)
-    plan.gathered = 4 * (param_slot_count(layout, o.reshard_after_forward) * max_padded(layout) +
-                         grad_slot_count() * (max_padded(layout) + max_shard(layout)));
+    plan.gathered += backend.param_bytes() * param_slot_count(layout, o.reshard_after_forward) * max_padded(layout);
+  if (world > 1 || !backend.host_resident())
+    plan.gathered += 4 * grad_slot_count() * (max_padded(layout) + max_shard(layout));
   plan.activations = backend.activation_bytes(config, o);
   plan.workspace = backend.workspace_bytes(config, o);
   return plan;
@@ -67,24 +68,37 @@ Engine::Engine(ShardedModel& model, Comm& comm, const EngineOptions& options, st
   SHARDLM_CHECK(comm.size() == model.world, "the communicator has %d ranks but the model is sharded %d ways",
                 comm.size(), model.world);
   const ModelLayout& layout = model.layout;
+  SHARDLM_CHECK(!sharded_ || backend_->host_resident(),
+                "the %s backend runs on one rank for now: multi-rank GPU runs need the NCCL communicator",
+                backend_->name());
+  grad_slots_used_ = sharded_ || !backend_->host_resident();
+  slot_floats_ = max_padded(layout);
+  recv_floats_ = max_shard(layout);
   if (sharded_) {
-    slot_floats_ = max_padded(layout);
-    recv_floats_ = max_shard(layout);
     param_slots_.resize(param_slot_count(layout, options.reshard_after_forward));
-    for (auto& s : param_slots_) s.full = static_cast<float*>(backend_->allocate(Mem::Gathered, 4 * slot_floats_));
+    for (auto& s : param_slots_) s.full = backend_->allocate(Mem::Gathered, backend_->param_bytes() * slot_floats_);
+  }
+  if (grad_slots_used_) {
     grad_slots_.resize(grad_slot_count());
     for (auto& s : grad_slots_) {
       s.full = static_cast<float*>(backend_->allocate(Mem::Gathered, 4 * slot_floats_));
       s.recv = static_cast<float*>(backend_->allocate(Mem::Gathered, 4 * recv_floats_));
     }
   }
+  backend_->attach_shards(layout);
+  sync_params();
   backend_->prepare(config_, options);
+}
+
+void Engine::sync_params() {
+  for (size_t u = 0; u < model_.layout.units.size(); ++u)
+    backend_->set_param_shard(static_cast<int>(u), model_.param[u].data(), model_.layout.units[u].shard_numel);
 }
 
 Engine::~Engine() {
   for (auto& s : param_slots_) {
     s.request.wait();
-    backend_->deallocate(Mem::Gathered, s.full, 4 * slot_floats_);
+    backend_->deallocate(Mem::Gathered, s.full, backend_->param_bytes() * slot_floats_);
   }
   for (auto& s : grad_slots_) {
     s.request.wait();
@@ -102,14 +116,17 @@ void Engine::prefetch(int unit) {
   for (auto& s : param_slots_) {
     if (s.unit != -1) continue;
     s.unit = unit;
-    s.request = comm_.all_gather(model_.param[unit].data(), s.full, model_.layout.units[unit].shard_numel);
+    // The CPU backend gathers fp32 (its param_bytes is 4); device backends join
+    // the comm with their own precision once multi-rank GPU runs exist.
+    s.request = comm_.all_gather(static_cast<const float*>(backend_->param_shard(unit)), static_cast<float*>(s.full),
+                                 model_.layout.units[unit].shard_numel);
     return;
   }
   // No free slot: the unit is gathered when it is needed instead.
 }
 
-const float* Engine::params(int unit) {
-  if (!sharded_) return model_.param[unit].data();  // one rank: the shard is the whole unit
+const void* Engine::params(int unit) {
+  if (!sharded_) return backend_->param_shard(unit);  // one rank: the shard is the whole unit
   prefetch(unit);
   for (auto& s : param_slots_)
     if (s.unit == unit) {
@@ -130,14 +147,14 @@ void Engine::release(int unit) {
 // ---------------------------------------------------------------- gradients
 
 float* Engine::grads(int unit) {
-  if (!sharded_) return model_.grad[unit].data();  // accumulate straight into the shard
+  if (!grad_slots_used_) return model_.grad[unit].data();  // accumulate straight into the shard
   for (auto& s : grad_slots_)
     if (s.unit == unit) return s.full;
-  // Take the oldest slot in turn; a slot still reducing is finished first.
+  // Take the oldest slot in turn; a slot whose reduction started is finished first.
   for (size_t tries = 0; tries < grad_slots_.size(); ++tries) {
     GradSlot& s = grad_slots_[next_grad_slot_];
     next_grad_slot_ = (next_grad_slot_ + 1) % static_cast<int>(grad_slots_.size());
-    if (s.unit != -1 && !s.request.pending()) continue;  // held (tied embedding), not reducing
+    if (s.unit != -1 && !s.reducing) continue;  // held (tied embedding), still being written
     if (s.unit != -1) finish_grad(s);
     s.unit = unit;
     backend_->zero(s.full, sizeof(float) * model_.layout.units[unit].padded_numel);
@@ -147,22 +164,26 @@ float* Engine::grads(int unit) {
 }
 
 void Engine::reduce_grads(int unit) {
-  if (!sharded_) return;
+  if (!grad_slots_used_) return;
   for (auto& s : grad_slots_)
     if (s.unit == unit) {
-      s.request = comm_.reduce_scatter(s.full, s.recv, model_.layout.units[unit].shard_numel);
+      s.reducing = true;
+      if (sharded_) s.request = comm_.reduce_scatter(s.full, s.recv, model_.layout.units[unit].shard_numel);
       return;
     }
 }
 
 void Engine::finish_grad(GradSlot& s) {
   s.request.wait();
-  backend_->accumulate(model_.grad[s.unit].data(), s.recv, model_.layout.units[s.unit].shard_numel);
+  // One rank: the whole unit's gradient is the shard's.
+  backend_->add_grad_to_host(model_.grad[s.unit].data(), sharded_ ? s.recv : s.full,
+                             model_.layout.units[s.unit].shard_numel);
   s.unit = -1;
+  s.reducing = false;
 }
 
 void Engine::finish_all_grads() {
-  if (!sharded_) return;
+  if (!grad_slots_used_) return;
   // In unit order, so the accumulation into each shard is the same every run.
   for (auto& s : grad_slots_)
     if (s.unit != -1) finish_grad(s);
@@ -170,10 +191,10 @@ void Engine::finish_all_grads() {
 
 // ---------------------------------------------------------------- forward / backward
 
-const float* Engine::lm_head_weights() {
+const void* Engine::lm_head_weights() {
   const int head = static_cast<int>(model_.layout.units.size()) - 1;
   if (config_.tie_word_embeddings) return params(0);
-  return params(head) + model_.layout.head().param("lm_head.weight").offset;
+  return param_at(*backend_, params(head), model_.layout.head().param("lm_head.weight").offset);
 }
 
 // forward: for u in units: gather(u) [prefetch u+1]; compute; release(u)
@@ -186,7 +207,7 @@ void Engine::forward(const TokenBatch& b, bool keep_for_backward) {
   if (release_after) release(0);
   for (int l = 0; l < layout.num_layers(); ++l) {
     const int unit = 1 + l;
-    const float* w = params(unit);
+    const void* w = params(unit);
     prefetch(unit + 1);
     backend_->layer_forward(l, layout.units[unit], w);
     if (release_after) release(unit);
@@ -201,11 +222,12 @@ LossStats Engine::forward_backward(const TokenBatch& b, float grad_scale) {
   // loss: chunked lm-head + CE, whose backward gives d_x at the last layer's output
   const Unit& hu = layout.head();
   const int64_t norm_off = hu.param("model.norm.weight").offset;
-  const float* hw = params(head);
-  const float* lm_w = lm_head_weights();
+  const void* hw = params(head);
+  const void* lm_w = lm_head_weights();
   float* hg = grads(head);
   float* lm_g = config_.tie_word_embeddings ? grads(0) : hg + hu.param("lm_head.weight").offset;
-  const LossStats loss = backend_->head_loss_backward(hw + norm_off, lm_w, hg + norm_off, lm_g, grad_scale);
+  const LossStats loss =
+      backend_->head_loss_backward(param_at(*backend_, hw, norm_off), lm_w, hg + norm_off, lm_g, grad_scale);
   reduce_grads(head);
   release(head);
   if (config_.tie_word_embeddings && options_.reshard_after_forward) release(0);
@@ -213,7 +235,7 @@ LossStats Engine::forward_backward(const TokenBatch& b, float grad_scale) {
   // backward: for u reversed: gather(u); grads; reduce_scatter -> grad shard; release(u)
   for (int l = L - 1; l >= 0; --l) {
     const int unit = 1 + l;
-    const float* w = params(unit);
+    const void* w = params(unit);
     prefetch(l > 0 ? unit - 1 : 0);
     backend_->layer_backward(l, layout.units[unit], w, grads(unit));
     reduce_grads(unit);
@@ -229,9 +251,10 @@ LossStats Engine::forward_backward(const TokenBatch& b, float grad_scale) {
 void Engine::forward_logits(const TokenBatch& b, float* logits) {
   const int head = model_.layout.num_layers() + 1;
   forward(b, /*keep_for_backward=*/false);
-  const float* hw = params(head);
-  const float* lm_w = lm_head_weights();
-  backend_->head_logits(hw + model_.layout.head().param("model.norm.weight").offset, lm_w, logits);
+  const void* hw = params(head);
+  const void* lm_w = lm_head_weights();
+  backend_->head_logits(param_at(*backend_, hw, model_.layout.head().param("model.norm.weight").offset), lm_w,
+                        logits);
   release(head);
   release(0);
 }

@@ -112,6 +112,7 @@ StepStats TrainSession::step(int64_t step) {
   const float grad_scale = loss_tokens_global > 0 ? 1.0f / static_cast<float>(loss_tokens_global) : 0.0f;
 
   // forward / loss / backward per micro-batch; gradients accumulate in the shards
+  engine.sync_params();  // the backend's parameter copies follow the fp32 masters
   model.zero_grads();
   LossStats sums;
   const int64_t micro_batches = s.rl ? static_cast<int64_t>(batches.size()) : data->micro_batches_per_rank(comm.size());

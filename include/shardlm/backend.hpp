@@ -48,13 +48,25 @@ class Backend {
  public:
   virtual ~Backend() = default;
   virtual const char* name() const = 0;
+  // True when the backend computes in host memory (the CPU backend): then the
+  // fp32 master shards are the parameters it reads and the gradient shards are
+  // where it adds, with no copies.
+  virtual bool host_resident() const = 0;
+  // Bytes per element of the parameters it computes with (4: fp32, 2: bf16).
+  virtual int64_t param_bytes() const = 0;
 
   // Memory for gathered units and gradient buffers, counted per category.
   virtual void* allocate(Mem category, size_t bytes) = 0;
   virtual void deallocate(Mem category, void* ptr, size_t bytes) = 0;
   virtual void zero(void* ptr, size_t bytes) = 0;
-  // y += x over n fp32 elements (gradient shards).
-  virtual void accumulate(float* y, const float* x, int64_t n) = 0;
+  // host_grad (n fp32, host) += src (n fp32, backend memory).
+  virtual void add_grad_to_host(float* host_grad, const float* src, int64_t n) = 0;
+
+  // Parameter shards in the backend's own precision and memory, refreshed from
+  // the fp32 master shards (after every optimizer step, load or change).
+  virtual void attach_shards(const ModelLayout& layout) = 0;
+  virtual void set_param_shard(int unit, const float* master, int64_t n) = 0;
+  virtual const void* param_shard(int unit) const = 0;
 
   // Activations and scratch for micro-batches of up to options.max_tokens tokens.
   virtual void prepare(const ModelConfig& config, const EngineOptions& options) = 0;
@@ -62,20 +74,27 @@ class Backend {
   virtual int64_t activation_bytes(const ModelConfig& config, const EngineOptions& options) const = 0;
   virtual int64_t workspace_bytes(const ModelConfig& config, const EngineOptions& options) const = 0;
 
-  // One micro-batch. `params` point at a gathered unit; gradients are added
-  // into full-unit fp32 buffers laid out like the unit.
+  // One micro-batch. `params` point at a gathered unit (param_bytes() per
+  // element); gradients are added into full-unit fp32 buffers laid out like the unit.
   virtual void load_batch(const TokenBatch& batch) = 0;
-  virtual void embed_forward(const float* table) = 0;
-  virtual void layer_forward(int layer, const Unit& unit, const float* params) = 0;
+  virtual void embed_forward(const void* table) = 0;
+  virtual void layer_forward(int layer, const Unit& unit, const void* params) = 0;
   // Final norm + lm-head + loss (cross-entropy or RL), forward and backward.
-  virtual LossStats head_loss_backward(const float* norm_weight, const float* lm_head, float* norm_grad,
+  virtual LossStats head_loss_backward(const void* norm_weight, const void* lm_head, float* norm_grad,
                                        float* lm_head_grad, float grad_scale) = 0;
-  virtual void layer_backward(int layer, const Unit& unit, const float* params, float* grads) = 0;
+  virtual void layer_backward(int layer, const Unit& unit, const void* params, float* grads) = 0;
   virtual void embed_backward(float* table_grad) = 0;
   // Forward only: logits (N, V) into host memory.
-  virtual void head_logits(const float* norm_weight, const float* lm_head, float* logits) = 0;
+  virtual void head_logits(const void* norm_weight, const void* lm_head, float* logits) = 0;
 };
 
+// `p` advanced by `elements` parameters of the backend's precision.
+inline const void* param_at(const Backend& b, const void* p, int64_t elements) {
+  return static_cast<const char*>(p) + elements * b.param_bytes();
+}
+
 std::unique_ptr<Backend> make_cpu_backend();
+// CUDA bf16 backend on the current device (CUDA builds; throws otherwise).
+std::unique_ptr<Backend> make_cuda_backend();
 
 }  // namespace shardlm

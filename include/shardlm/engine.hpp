@@ -43,21 +43,25 @@ class Engine {
   void forward_logits(const TokenBatch& batch, float* logits);
 
   const Backend& backend() const { return *backend_; }
+  // Refresh the backend's parameter shards from the fp32 masters (a no-op copy
+  // on the CPU backend); the session calls it after every change to model.param.
+  void sync_params();
 
  private:
   struct ParamSlot {
     int unit = -1;
-    float* full = nullptr;   // (max padded numel) backend memory
+    void* full = nullptr;    // (max padded numel) backend memory, backend precision
     CommRequest request;
   };
   struct GradSlot {
     int unit = -1;
+    bool reducing = false;   // backward of the unit done; its reduction started
     float* full = nullptr;   // (max padded numel) this unit's gradient, all of it
     float* recv = nullptr;   // (max shard numel) the reduced slice, added into model.grad
     CommRequest request;
   };
 
-  const float* params(int unit);        // gathered weights of `unit` (waits)
+  const void* params(int unit);         // gathered weights of `unit` (waits)
   void prefetch(int unit);              // start gathering `unit` if a slot is free
   void release(int unit);
   float* grads(int unit);               // a zeroed full gradient buffer for `unit`
@@ -65,7 +69,7 @@ class Engine {
   void finish_grad(GradSlot& slot);
   void finish_all_grads();
   void forward(const TokenBatch& b, bool keep_head);
-  const float* lm_head_weights();
+  const void* lm_head_weights();
 
   ShardedModel& model_;
   Comm& comm_;
@@ -73,6 +77,7 @@ class Engine {
   std::unique_ptr<Backend> backend_;
   const ModelConfig& config_;
   const bool sharded_;                  // world > 1: gather and reduce through comm
+  bool grad_slots_used_ = false;        // sharded, or gradients outside host memory
   int64_t slot_floats_ = 0, recv_floats_ = 0;
   std::vector<ParamSlot> param_slots_;
   std::vector<GradSlot> grad_slots_;

@@ -15,11 +15,17 @@ namespace {
 class CpuBackend final : public Backend {
  public:
   const char* name() const override { return "cpu"; }
+  bool host_resident() const override { return true; }
+  int64_t param_bytes() const override { return 4; }
+  void add_grad_to_host(float* host_grad, const float* src, int64_t n) override { cpu::accumulate(host_grad, src, n); }
+  void attach_shards(const ModelLayout& layout) override { shards_.assign(layout.units.size(), nullptr); }
+  // The master shard is the parameter: keep a pointer, copy nothing.
+  void set_param_shard(int unit, const float* master, int64_t) override { shards_[unit] = master; }
+  const void* param_shard(int unit) const override { return shards_[unit]; }
 
   void* allocate(Mem category, size_t bytes) override { return mem_alloc(category, bytes); }
   void deallocate(Mem category, void* ptr, size_t bytes) override { mem_free(category, ptr, bytes); }
   void zero(void* ptr, size_t bytes) override { std::memset(ptr, 0, bytes); }
-  void accumulate(float* y, const float* x, int64_t n) override { cpu::accumulate(y, x, n); }
 
   int64_t activation_bytes(const ModelConfig& c, const EngineOptions& o) const override {
     const int64_t N = o.max_tokens, L = c.num_layers, C = c.hidden_size;
@@ -53,30 +59,30 @@ class CpuBackend final : public Backend {
     inputs_ = {b.N, b.positions, b.seq_ids, inv_freq_.data()};
   }
 
-  void embed_forward(const float* table) override {
-    cpu::embedding_forward(residual_[0].data(), batch_.tokens, table, batch_.N, config_.vocab_size,
+  void embed_forward(const void* table) override {
+    cpu::embedding_forward(residual_[0].data(), batch_.tokens, f32(table), batch_.N, config_.vocab_size,
                            config_.hidden_size);
   }
 
-  void layer_forward(int l, const Unit& unit, const float* params) override {
-    cpu::layer_forward(config_, layer_weights(unit, params), inputs_, residual_[l].data(), residual_[l + 1].data(),
+  void layer_forward(int l, const Unit& unit, const void* params) override {
+    cpu::layer_forward(config_, layer_weights(unit, f32(params)), inputs_, residual_[l].data(), residual_[l + 1].data(),
                        acts(l));
   }
 
-  LossStats head_loss_backward(const float* norm_weight, const float* lm_head, float* norm_grad, float* lm_head_grad,
+  LossStats head_loss_backward(const void* norm_weight, const void* lm_head, float* norm_grad, float* lm_head_grad,
                                float grad_scale) override {
     const int L = static_cast<int>(config_.num_layers);
     cpu::RlInputs rl{batch_.advantages, batch_.inference_logprobs, batch_.temperatures, options_.rl_params};
     if (options_.rl)
       SHARDLM_CHECK(batch_.advantages && batch_.inference_logprobs && batch_.temperatures,
                     "internal: an RL micro-batch without advantages, logprobs or temperatures");
-    return cpu::head_loss_backward(config_, norm_weight, lm_head, norm_grad, lm_head_grad, residual_[L].data(),
+    return cpu::head_loss_backward(config_, f32(norm_weight), f32(lm_head), norm_grad, lm_head_grad, residual_[L].data(),
                                    batch_.targets, batch_.weights, grad_scale, batch_.N, d_x_.data(), head_,
                                    options_.rl ? &rl : nullptr);
   }
 
-  void layer_backward(int l, const Unit& unit, const float* params, float* grads) override {
-    const auto weights = layer_weights(unit, params);
+  void layer_backward(int l, const Unit& unit, const void* params, float* grads) override {
+    const auto weights = layer_weights(unit, f32(params));
     if (options_.checkpoint_activations)  // recompute this layer's saved tensors
       cpu::layer_forward(config_, weights, inputs_, residual_[l].data(), recompute_out_.data(), acts(l));
     cpu::layer_backward(config_, weights, layer_weights(unit, grads), inputs_, residual_[l].data(), acts(l),
@@ -88,14 +94,16 @@ class CpuBackend final : public Backend {
                             config_.hidden_size);
   }
 
-  void head_logits(const float* norm_weight, const float* lm_head, float* logits) override {
+  void head_logits(const void* norm_weight, const void* lm_head, float* logits) override {
     const int L = static_cast<int>(config_.num_layers);
-    cpu::head_logits(config_, norm_weight, lm_head, residual_[L].data(), batch_.N, logits, head_);
+    cpu::head_logits(config_, f32(norm_weight), f32(lm_head), residual_[L].data(), batch_.N, logits, head_);
   }
 
  private:
+  static const float* f32(const void* p) { return static_cast<const float*>(p); }
   cpu::LayerActs& acts(int l) { return acts_[options_.checkpoint_activations ? 0 : l]; }
 
+  std::vector<const float*> shards_;    // per unit: the master shard
   ModelConfig config_;
   EngineOptions options_;
   std::vector<double> inv_freq_;
