@@ -68,6 +68,7 @@ endif
 
 UNIT_OBJS := $(patsubst %.cpp,$(BUILD)/obj/%.o,$(wildcard tests/unit/*.cpp)) $(BUILD)/obj/tests/main_unit.o
 MPI_OBJS  := $(patsubst %.cpp,$(BUILD)/obj/%.o,$(wildcard tests/mpi/*.cpp)) $(BUILD)/obj/tests/main_mpi.o
+GPU_OBJS  := $(patsubst %.cpp,$(BUILD)/obj/%.o,$(wildcard tests/gpu/*.cpp)) $(BUILD)/obj/tests/main_unit.o
 
 .PHONY: all run test test-gpu test-suites clean deps
 all: $(BUILD)/shardlm $(BUILD)/test_unit $(BUILD)/test_mpi
@@ -79,6 +80,10 @@ $(BUILD)/test_unit: $(UNIT_OBJS) $(LIB_OBJS)
 	$(MPICXX) -o $@ $^ $(LDLIBS)
 
 $(BUILD)/test_mpi: $(MPI_OBJS) $(LIB_OBJS)
+	$(MPICXX) -o $@ $^ $(LDLIBS)
+
+# GPU-only suites (CUDA builds): run by `make test-gpu` on a machine with a GPU.
+$(BUILD)/test_gpu: $(GPU_OBJS) $(LIB_OBJS)
 	$(MPICXX) -o $@ $^ $(LDLIBS)
 
 $(BUILD)/obj/%.o: %.cpp
@@ -111,7 +116,7 @@ test: deps
 	@MPIRUN="$(MPIRUN)" PYTHON="$(PYTHON)" BUILD="$(BUILD)" bash tests/run.sh
 
 test-gpu: deps
-	@$(MAKE) --no-print-directory all CUDA=1
+	@$(MAKE) --no-print-directory all $(BUILD)/test_gpu CUDA=1
 	@MPIRUN="$(MPIRUN)" PYTHON="$(PYTHON)" BUILD="$(BUILD)" SHARDLM_TEST_GPU=1 bash tests/run.sh
 
 clean:

@@ -148,7 +148,7 @@ const std::vector<KeySpec>& key_table() {
       positive(key("log.interval", Type::Int, FIELD(log.interval))),
       key("log.jsonl", Type::String, FIELD(log.jsonl)),
 
-      one_of(key("device.backend", Type::String, FIELD(device.backend)), {"auto", "cpu", "cuda"}, {"cuda"}),
+      one_of(key("device.backend", Type::String, FIELD(device.backend)), {"auto", "cpu", "cuda"}),
       at_least(key("device.cpu_threads", Type::Int, FIELD(device.cpu_threads)), 0),
 
       one_of(key("comm.backend", Type::String, FIELD(comm.backend)), {"auto", "mpi", "nccl"}, {"nccl"}),

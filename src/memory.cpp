@@ -1,6 +1,7 @@
 // memory.cpp — aligned host allocation with per-category counters.
 #include "shardlm/memory.hpp"
 
+#include <algorithm>
 #include <cstdlib>
 
 #include "shardlm/error.hpp"
@@ -44,6 +45,20 @@ void mem_free(Mem category, void* ptr, size_t bytes) {
 }
 
 MemCounters host_memory() { return g_counters; }
+
+namespace {
+MemCounters g_device;
+}
+
+void device_mem_track(Mem category, int64_t delta) {
+  const int c = static_cast<int>(category);
+  g_device.current[c] += delta;
+  g_device.total_current += delta;
+  g_device.peak[c] = std::max(g_device.peak[c], g_device.current[c]);
+  g_device.total_peak = std::max(g_device.total_peak, g_device.total_current);
+}
+
+MemCounters device_memory() { return g_device; }
 
 void reset_host_peaks() {
   g_counters.peak = g_counters.current;

@@ -74,7 +74,8 @@ TrainSession::TrainSession(const Config& c, Comm& comm_)
       data(c.loss.type == "sft" ? std::optional<TokenDataset>(data_spec(c, arch.vocab_size)) : std::nullopt),
       model(initial_model(c, arch, comm_)),
       optimizer(c.optim, model),
-      engine(model, comm_, engine_options_for(c)) {
+      engine(model, comm_, engine_options_for(c),
+             c.device.backend == "cuda" ? make_cuda_backend() : make_cpu_backend()) {
   SHARDLM_CHECK(c.data.seq_len <= arch.max_position_embeddings,
                 "data.seq_len = %lld is larger than the model supports (max_position_embeddings = %lld)",
                 (long long)c.data.seq_len, (long long)arch.max_position_embeddings);

@@ -63,6 +63,7 @@ done
 
 # GPU suites (make test-gpu): kernel-vs-CPU checks; each binary prints PASS/FAIL lines.
 if [ "${SHARDLM_TEST_GPU:-0}" = 1 ]; then
+  OMP_NUM_THREADS=$cores run_suite gpu 900 "$BUILD/test_gpu"
   for t in tests/gpu/build_and_run.sh tests/gpu/build_attention.sh; do
     echo "== $t"
     out=$(timeout 900 bash "$t" --no-timing 2>&1); rc=$?

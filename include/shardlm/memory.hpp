@@ -25,6 +25,9 @@ struct MemCounters {
 void* mem_alloc(Mem category, size_t bytes);   // aligned to 64 bytes; throws on failure
 void mem_free(Mem category, void* ptr, size_t bytes);
 MemCounters host_memory();                     // this process's counters
+// Device (GPU) memory, counted the same way by the device backend.
+void device_mem_track(Mem category, int64_t delta_bytes);
+MemCounters device_memory();
 void reset_host_peaks();                       // peak := current (per category and total)
 
 template <class T>

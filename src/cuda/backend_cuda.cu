@@ -1,0 +1,406 @@
+// backend_cuda.cu — the CUDA backend: bf16 parameters and activations, fp32
+// gradients, statistics and losses; cuBLASLt GEMMs (cuda_gemm.hpp), the kernels
+// of cuda_ops.hpp and the flash attention of cuda_attention.hpp, all on one
+// stream. The fp32 master shards stay with the host (ShardedModel); this
+// backend keeps a bf16 copy per unit shard, refreshed after each update, and
+// hands gradients back to the host shards unit by unit.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "shardlm/backend.hpp"
+#include "shardlm/cpu_ops.hpp"
+#include "shardlm/cuda_attention.hpp"
+#include "shardlm/cuda_gemm.hpp"
+#include "shardlm/cuda_ops.hpp"
+#include "shardlm/error.hpp"
+#include "shardlm/hf.hpp"
+
+namespace shardlm {
+namespace {
+
+using cuda::bf16;
+
+__global__ void add_bf16_kernel(bf16* out, const bf16* a, const bf16* b, int64_t n) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) out[i] = __float2bfloat16(__bfloat162float(a[i]) + __bfloat162float(b[i]));
+}
+
+// out = a + b in bf16 (fp32 add, one rounding): the residual stream.
+void add_bf16(bf16* out, const bf16* a, const bf16* b, int64_t n, cudaStream_t stream) {
+  if (n == 0) return;
+  add_bf16_kernel<<<unsigned((n + 255) / 256), 256, 0, stream>>>(out, a, b, n);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+// One layer's weights (or gradients) inside a gathered unit buffer.
+template <class T>
+struct Weights {
+  T *input_norm, *wq, *wk, *wv, *bq, *bk, *bv, *wo, *q_norm, *k_norm, *post_norm, *w_gate_up, *w_down;
+};
+template <class T>
+Weights<T> weights(const Unit& u, T* base) {
+  auto at = [&](const char* suffix) -> T* {
+    const ParamInfo* p = u.find_param(suffix);
+    return p ? base + p->offset : nullptr;
+  };
+  // gate_proj and up_proj are adjacent (model.cpp): one (2I, C) matrix.
+  return {at("input_layernorm.weight"), at("q_proj.weight"), at("k_proj.weight"), at("v_proj.weight"),
+          at("q_proj.bias"), at("k_proj.bias"), at("v_proj.bias"), at("o_proj.weight"),
+          at("q_norm.weight"), at("k_norm.weight"), at("post_attention_layernorm.weight"),
+          at("gate_proj.weight"), at("down_proj.weight")};
+}
+
+class CudaBackend final : public Backend {
+ public:
+  CudaBackend() {
+    CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    gemm_workspace_ = allocate(Mem::Workspace, kGemmWorkspace);
+    gemm_ = std::make_unique<cuda::Gemm>(stream_, gemm_workspace_, kGemmWorkspace);
+  }
+  ~CudaBackend() override {
+    cudaStreamSynchronize(stream_);
+    gemm_.reset();
+    for (auto& [ptr, size] : owned_) cudaFree(ptr);
+    if (host_staging_) cudaFreeHost(host_staging_);
+    cudaStreamDestroy(stream_);
+  }
+
+  const char* name() const override { return "cuda"; }
+  bool host_resident() const override { return false; }
+  int64_t param_bytes() const override { return 2; }
+
+  void* allocate(Mem category, size_t bytes) override {
+    void* p = nullptr;
+    const cudaError_t e = cudaMalloc(&p, std::max<size_t>(bytes, 256));
+    SHARDLM_CHECK(e == cudaSuccess, "out of GPU memory allocating %.1f MiB for %s: %s", double(bytes) / 1048576.0,
+                  mem_name(category), cudaGetErrorString(e));
+    device_mem_track(category, static_cast<int64_t>(bytes));
+    return p;
+  }
+  void deallocate(Mem category, void* ptr, size_t bytes) override {
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+    CUDA_CHECK(cudaFree(ptr));
+    device_mem_track(category, -static_cast<int64_t>(bytes));
+  }
+  void zero(void* ptr, size_t bytes) override { CUDA_CHECK(cudaMemsetAsync(ptr, 0, bytes, stream_)); }
+
+  void add_grad_to_host(float* host_grad, const float* src, int64_t n) override {
+    SHARDLM_CHECK(n <= staging_floats_, "internal: gradient of %lld elements exceeds the staging buffer",
+                  (long long)n);
+    CUDA_CHECK(cudaMemcpyAsync(host_staging_, src, sizeof(float) * n, cudaMemcpyDeviceToHost, stream_));
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+    cpu::accumulate(host_grad, host_staging_, n);
+  }
+
+  void attach_shards(const ModelLayout& layout) override {
+    int64_t largest = 0;
+    for (const auto& u : layout.units) largest = std::max(largest, u.padded_numel);
+    staging_floats_ = largest;
+    CUDA_CHECK(cudaMallocHost(&host_staging_, sizeof(float) * largest));
+    device_staging_ = static_cast<float*>(own(Mem::Workspace, sizeof(float) * largest));
+    for (const auto& u : layout.units) shards_.push_back(static_cast<bf16*>(own(Mem::ParamShard, 2 * u.shard_numel)));
+  }
+
+  void set_param_shard(int unit, const float* master, int64_t n) override {
+    CUDA_CHECK(cudaMemcpyAsync(device_staging_, master, sizeof(float) * n, cudaMemcpyHostToDevice, stream_));
+    cuda::cast_f32_to_bf16(shards_[unit], device_staging_, n, stream_);
+  }
+  const void* param_shard(int unit) const override { return shards_[unit]; }
+
+  // ------------------------------------------------------------ sizes
+
+  struct Dims {
+    int64_t N, C, I, H, KV, D, HD, KVD, V, chunk;
+  };
+  static Dims dims(const ModelConfig& c, const EngineOptions& o) {
+    return {o.max_tokens, c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim,
+            c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.vocab_size, std::min(o.chunk_tokens, o.max_tokens)};
+  }
+  // Bytes of one layer's saved activations (bf16 tensors, fp32 statistics).
+  static int64_t layer_act_bytes(const ModelConfig& c, const Dims& d) {
+    int64_t b = 2 * d.N * (3 * d.C + 2 * d.HD + 2 * d.KVD + 3 * d.I) + 4 * d.N * (2 + d.H);
+    if (c.qk_norm) b += 2 * d.N * (d.HD + d.KVD) + 4 * d.N * (d.H + d.KV);
+    return b;
+  }
+  int64_t activation_bytes(const ModelConfig& c, const EngineOptions& o) const override {
+    const Dims d = dims(c, o);
+    const int64_t L = c.num_layers;
+    return 2 * (L + 1) * d.N * d.C + (o.checkpoint_activations ? 1 : L) * layer_act_bytes(c, d) +
+           (o.checkpoint_activations ? 2 * d.N * d.C : 0);
+  }
+  size_t scratch_bytes(const ModelConfig& c, const Dims& d) const {
+    size_t s = cuda::rmsnorm_backward_scratch_bytes(d.N, d.C);
+    s = std::max(s, cuda::rmsnorm_backward_scratch_bytes(d.N * d.H, d.D));
+    s = std::max(s, cuda::embedding_backward_scratch_bytes(d.N, d.C));
+    s = std::max(s, cuda::linear_backward_scratch_bytes(d.N, d.HD));
+    s = std::max(s, cuda::linear_backward_scratch_bytes(d.N, d.KVD));
+    (void)c;
+    return s;
+  }
+  int64_t workspace_bytes(const ModelConfig& c, const EngineOptions& o) const override {
+    const Dims d = dims(c, o);
+    int64_t b = 2 * d.N * (4 * d.C + 2 * d.HD + 2 * d.KVD + 3 * d.I);      // backward scratch
+    if (c.qk_norm) b += 2 * d.N * (d.HD + d.KVD);
+    b += 2 * d.N * 2 * d.C + 4 * d.N + 2 * d.chunk * d.V + 4 * d.chunk + 8;  // head
+    b += 4 * d.N * 5 + 4 * d.N + 4 * (d.D / 2);                              // batch arrays, doc starts, inv_freq
+    b += static_cast<int64_t>(cuda::attention_backward_scratch_bytes(d.N, d.H, d.KV, d.D));
+    b += static_cast<int64_t>(scratch_bytes(c, d)) + kGemmWorkspace;
+    return b;
+  }
+
+  // ------------------------------------------------------------ buffers
+
+  struct Acts {
+    float *rstd1, *q_rstd, *k_rstd, *lse, *rstd2;
+    bf16 *xn1, *q_raw, *k_raw, *q, *k, *v, *att, *x_mid, *xn2, *gu, *h;
+  };
+
+  void prepare(const ModelConfig& c, const EngineOptions& o) override {
+    SHARDLM_CHECK(!o.rl, "loss.type = \"rl\" on the CUDA backend is not implemented yet (use device.backend = \"cpu\")");
+    config_ = c;
+    options_ = o;
+    d_ = dims(c, o);
+    const Dims& d = d_;
+    const int64_t L = c.num_layers;
+    const std::vector<double> inv = cpu::rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling);
+    std::vector<float> inv_f(inv.begin(), inv.end());
+    inv_freq_ = static_cast<float*>(own(Mem::Workspace, 4 * inv_f.size()));
+    CUDA_CHECK(cudaMemcpy(inv_freq_, inv_f.data(), 4 * inv_f.size(), cudaMemcpyHostToDevice));
+
+    tokens_ = ints(d.N), targets_ = ints(d.N), positions_ = ints(d.N), seq_ids_ = ints(d.N), doc_start_ = ints(d.N);
+    weights_ = floats(Mem::Workspace, d.N);
+    for (int64_t l = 0; l <= L; ++l) residual_.push_back(bf16s(Mem::Activations, d.N * d.C));
+    for (int64_t l = 0; l < (o.checkpoint_activations ? 1 : L); ++l) acts_.push_back(make_acts());
+    if (o.checkpoint_activations) recompute_out_ = bf16s(Mem::Activations, d.N * d.C);
+
+    const Mem w = Mem::Workspace;
+    d_x_ = bf16s(w, d.N * d.C), d_mid_ = bf16s(w, d.N * d.C), d_xn_ = bf16s(w, d.N * d.C), d_tmp_ = bf16s(w, d.N * d.C);
+    d_att_ = bf16s(w, d.N * d.HD), dq_ = bf16s(w, d.N * d.HD), dk_ = bf16s(w, d.N * d.KVD), dv_ = bf16s(w, d.N * d.KVD);
+    if (c.qk_norm) dq_raw_ = bf16s(w, d.N * d.HD), dk_raw_ = bf16s(w, d.N * d.KVD);
+    dgu_ = bf16s(w, d.N * 2 * d.I), dh_ = bf16s(w, d.N * d.I);
+    xf_ = bf16s(w, d.N * d.C), dxf_ = bf16s(w, d.N * d.C), rstdf_ = floats(w, d.N);
+    logits_ = bf16s(w, d.chunk * d.V), row_loss_ = floats(w, d.chunk);
+    loss_sum_ = static_cast<double*>(own(w, 8));
+    delta_bytes_ = cuda::attention_backward_scratch_bytes(d.N, d.H, d.KV, d.D);
+    delta_ = own(w, delta_bytes_);
+    scratch_bytes_ = scratch_bytes(c, d);
+    scratch_ = own(w, scratch_bytes_);
+    CUDA_CHECK(cudaMemsetAsync(loss_sum_, 0, 8, stream_));
+  }
+
+  // ------------------------------------------------------------ compute
+
+  void load_batch(const TokenBatch& b) override {
+    SHARDLM_CHECK(b.N <= d_.N, "micro-batch of %lld tokens exceeds the planned %lld", (long long)b.N, (long long)d_.N);
+    n_ = b.N;
+    host_targets_.assign(b.targets ? b.targets : b.tokens, (b.targets ? b.targets : b.tokens) + b.N);
+    host_weights_.assign(b.N, 0.0f);
+    if (b.weights) std::memcpy(host_weights_.data(), b.weights, 4 * b.N);
+    upload(tokens_, b.tokens, 4 * b.N);
+    upload(positions_, b.positions, 4 * b.N);
+    upload(seq_ids_, b.seq_ids, 4 * b.N);
+    if (b.targets) upload(targets_, b.targets, 4 * b.N);
+    if (b.weights) upload(weights_, b.weights, 4 * b.N);
+    cuda::attention_doc_start(doc_start_, seq_ids_, n_, stream_);
+  }
+
+  void embed_forward(const void* table) override {
+    cuda::embedding_forward(residual_[0], tokens_, bf(table), n_, d_.V, d_.C, stream_);
+  }
+
+  void layer_forward(int l, const Unit& unit, const void* params) override {
+    forward_layer(weights(unit, bf(params)), residual_[l], residual_[l + 1], acts(l));
+  }
+
+  LossStats head_loss_backward(const void* norm_weight, const void* lm_head, float* norm_grad, float* lm_head_grad,
+                               float grad_scale) override {
+    const Dims& d = d_;
+    const bf16* x = residual_[config_.num_layers];
+    cuda::rmsnorm_forward(xf_, rstdf_, x, bf(norm_weight), n_, d.C, config_.rms_norm_eps, stream_);
+    LossStats stats;
+    for (int64_t t0 = 0; t0 < n_; t0 += d.chunk) {
+      const int64_t n = std::min(d.chunk, n_ - t0);
+      int64_t loss_rows = 0;
+      for (int64_t i = t0; i < t0 + n; ++i) loss_rows += host_targets_[i] >= 0 && host_weights_[i] > 0.0f;
+      stats.loss_tokens += loss_rows;
+      if (loss_rows == 0) {  // no loss in this chunk: its gradient is exactly zero
+        CUDA_CHECK(cudaMemsetAsync(dxf_ + t0 * d.C, 0, 2 * n * d.C, stream_));
+        continue;
+      }
+      cuda::linear_forward(*gemm_, logits_, xf_ + t0 * d.C, bf(lm_head), nullptr, n, d.C, d.V);
+      cuda::cross_entropy_forward_backward(logits_, row_loss_, targets_ + t0, weights_ + t0, grad_scale, n, d.V,
+                                           stream_);
+      cuda::sum_rows(loss_sum_, row_loss_, n, /*accumulate=*/true, stream_);
+      cuda::linear_backward(*gemm_, dxf_ + t0 * d.C, lm_head_grad, nullptr, logits_, xf_ + t0 * d.C, bf(lm_head), n,
+                            d.C, d.V, scratch_, scratch_bytes_);
+    }
+    cuda::rmsnorm_backward(d_x_, norm_grad, dxf_, x, bf(norm_weight), rstdf_, nullptr, n_, d.C, scratch_,
+                           scratch_bytes_, stream_);
+    // The one host synchronisation of a micro-batch: the loss value.
+    double loss = 0;
+    CUDA_CHECK(cudaMemcpyAsync(&loss, loss_sum_, 8, cudaMemcpyDeviceToHost, stream_));
+    CUDA_CHECK(cudaMemsetAsync(loss_sum_, 0, 8, stream_));
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+    stats.loss = loss;
+    return stats;
+  }
+
+  void layer_backward(int l, const Unit& unit, const void* params, float* grads) override {
+    const Weights<const bf16> w = weights(unit, bf(params));
+    const Weights<float> g = weights(unit, grads);
+    Acts& a = acts(l);
+    const bf16* x_in = residual_[l];
+    if (options_.checkpoint_activations) forward_layer(w, x_in, recompute_out_, a);
+    const Dims& d = d_;
+    const int64_t N = n_;
+    // MLP: x_out = x_mid + down(silu(gate) * up)
+    cuda::linear_backward(*gemm_, dh_, g.w_down, nullptr, d_x_, a.h, w.w_down, N, d.I, d.C, scratch_, scratch_bytes_);
+    cuda::swiglu_backward(dgu_, 2 * d.I, dgu_ + d.I, 2 * d.I, dh_, d.I, a.gu, 2 * d.I, a.gu + d.I, 2 * d.I, N, d.I,
+                          stream_);
+    cuda::linear_backward(*gemm_, d_xn_, g.w_gate_up, nullptr, dgu_, a.xn2, w.w_gate_up, N, d.C, 2 * d.I, scratch_,
+                          scratch_bytes_);
+    cuda::rmsnorm_backward(d_mid_, g.post_norm, d_xn_, a.x_mid, w.post_norm, a.rstd2, d_x_, N, d.C, scratch_,
+                           scratch_bytes_, stream_);
+    // attention: x_mid = x_in + o(attn(rope(norm(q)), rope(norm(k)), v))
+    cuda::linear_backward(*gemm_, d_att_, g.wo, nullptr, d_mid_, a.att, w.wo, N, d.HD, d.C, scratch_, scratch_bytes_);
+    cuda::attention_backward(dq_, dk_, dv_, d_att_, a.q, a.k, a.v, a.att, a.lse, seq_ids_, doc_start_,
+                             static_cast<float*>(delta_), N, d.H, d.KV, d.D, stream_);
+    cuda::rope_backward(dq_, positions_, inv_freq_, N, d.H, d.D, d.HD, stream_);
+    cuda::rope_backward(dk_, positions_, inv_freq_, N, d.KV, d.D, d.KVD, stream_);
+    const bf16* dq = dq_;
+    const bf16* dk = dk_;
+    if (config_.qk_norm) {
+      cuda::rmsnorm_backward(dq_raw_, g.q_norm, dq_, a.q_raw, w.q_norm, a.q_rstd, nullptr, N * d.H, d.D, scratch_,
+                             scratch_bytes_, stream_);
+      cuda::rmsnorm_backward(dk_raw_, g.k_norm, dk_, a.k_raw, w.k_norm, a.k_rstd, nullptr, N * d.KV, d.D, scratch_,
+                             scratch_bytes_, stream_);
+      dq = dq_raw_;
+      dk = dk_raw_;
+    }
+    cuda::linear_backward(*gemm_, d_xn_, g.wq, g.bq, dq, a.xn1, w.wq, N, d.C, d.HD, scratch_, scratch_bytes_);
+    cuda::linear_backward(*gemm_, d_tmp_, g.wk, g.bk, dk, a.xn1, w.wk, N, d.C, d.KVD, scratch_, scratch_bytes_);
+    add_bf16(d_xn_, d_xn_, d_tmp_, N * d.C, stream_);
+    cuda::linear_backward(*gemm_, d_tmp_, g.wv, g.bv, dv_, a.xn1, w.wv, N, d.C, d.KVD, scratch_, scratch_bytes_);
+    add_bf16(d_xn_, d_xn_, d_tmp_, N * d.C, stream_);
+    cuda::rmsnorm_backward(d_x_, g.input_norm, d_xn_, x_in, w.input_norm, a.rstd1, d_mid_, N, d.C, scratch_,
+                           scratch_bytes_, stream_);
+  }
+
+  void embed_backward(float* table_grad) override {
+    cuda::embedding_backward(table_grad, d_x_, tokens_, n_, d_.V, d_.C, scratch_, scratch_bytes_, stream_);
+  }
+
+  void head_logits(const void* norm_weight, const void* lm_head, float* logits) override {
+    const Dims& d = d_;
+    cuda::rmsnorm_forward(xf_, rstdf_, residual_[config_.num_layers], bf(norm_weight), n_, d.C, config_.rms_norm_eps,
+                          stream_);
+    std::vector<uint16_t> host(d.chunk * d.V);
+    for (int64_t t0 = 0; t0 < n_; t0 += d.chunk) {
+      const int64_t n = std::min(d.chunk, n_ - t0);
+      cuda::linear_forward(*gemm_, logits_, xf_ + t0 * d.C, bf(lm_head), nullptr, n, d.C, d.V);
+      CUDA_CHECK(cudaMemcpyAsync(host.data(), logits_, 2 * n * d.V, cudaMemcpyDeviceToHost, stream_));
+      CUDA_CHECK(cudaStreamSynchronize(stream_));
+      for (int64_t i = 0; i < n * d.V; ++i) logits[t0 * d.V + i] = bf16_to_f32(host[i]);
+    }
+  }
+
+ private:
+  static constexpr size_t kGemmWorkspace = size_t(32) << 20;
+
+  static const bf16* bf(const void* p) { return static_cast<const bf16*>(p); }
+  Acts& acts(int l) { return acts_[options_.checkpoint_activations ? 0 : l]; }
+
+  void* own(Mem category, size_t bytes) {
+    void* p = allocate(category, bytes);
+    owned_.emplace_back(p, bytes);
+    return p;
+  }
+  bf16* bf16s(Mem m, int64_t n) { return static_cast<bf16*>(own(m, 2 * n)); }
+  float* floats(Mem m, int64_t n) { return static_cast<float*>(own(m, 4 * n)); }
+  int32_t* ints(int64_t n) { return static_cast<int32_t*>(own(Mem::Workspace, 4 * n)); }
+  void upload(void* dst, const void* src, size_t bytes) {
+    CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_));
+  }
+
+  Acts make_acts() {
+    const Dims& d = d_;
+    const Mem m = Mem::Activations;
+    Acts a{};
+    a.rstd1 = floats(m, d.N), a.rstd2 = floats(m, d.N), a.lse = floats(m, d.N * d.H);
+    a.xn1 = bf16s(m, d.N * d.C), a.x_mid = bf16s(m, d.N * d.C), a.xn2 = bf16s(m, d.N * d.C);
+    a.q = bf16s(m, d.N * d.HD), a.k = bf16s(m, d.N * d.KVD), a.v = bf16s(m, d.N * d.KVD), a.att = bf16s(m, d.N * d.HD);
+    a.gu = bf16s(m, d.N * 2 * d.I), a.h = bf16s(m, d.N * d.I);
+    if (config_.qk_norm) {
+      a.q_raw = bf16s(m, d.N * d.HD), a.k_raw = bf16s(m, d.N * d.KVD);
+      a.q_rstd = floats(m, d.N * d.H), a.k_rstd = floats(m, d.N * d.KV);
+    }
+    return a;
+  }
+
+  void forward_layer(const Weights<const bf16>& w, const bf16* x_in, bf16* x_out, Acts& a) {
+    const Dims& d = d_;
+    const int64_t N = n_;
+    const double eps = config_.rms_norm_eps;
+    cuda::rmsnorm_forward(a.xn1, a.rstd1, x_in, w.input_norm, N, d.C, eps, stream_);
+    bf16* q_proj = config_.qk_norm ? a.q_raw : a.q;
+    bf16* k_proj = config_.qk_norm ? a.k_raw : a.k;
+    cuda::linear_forward(*gemm_, q_proj, a.xn1, w.wq, w.bq, N, d.C, d.HD);
+    cuda::linear_forward(*gemm_, k_proj, a.xn1, w.wk, w.bk, N, d.C, d.KVD);
+    cuda::linear_forward(*gemm_, a.v, a.xn1, w.wv, w.bv, N, d.C, d.KVD);
+    if (config_.qk_norm) {
+      cuda::rmsnorm_forward(a.q, a.q_rstd, a.q_raw, w.q_norm, N * d.H, d.D, eps, stream_);
+      cuda::rmsnorm_forward(a.k, a.k_rstd, a.k_raw, w.k_norm, N * d.KV, d.D, eps, stream_);
+    }
+    cuda::rope_forward(a.q, positions_, inv_freq_, N, d.H, d.D, d.HD, stream_);
+    cuda::rope_forward(a.k, positions_, inv_freq_, N, d.KV, d.D, d.KVD, stream_);
+    cuda::attention_forward(a.att, a.lse, a.q, a.k, a.v, seq_ids_, doc_start_, N, d.H, d.KV, d.D, stream_);
+    // x_out holds the o_proj output until the residual add below overwrites it.
+    cuda::linear_forward(*gemm_, x_out, a.att, w.wo, nullptr, N, d.HD, d.C);
+    cuda::residual_rmsnorm_forward(a.x_mid, a.xn2, a.rstd2, x_in, x_out, w.post_norm, N, d.C, eps, stream_);
+    cuda::linear_forward(*gemm_, a.gu, a.xn2, w.w_gate_up, nullptr, N, d.C, 2 * d.I);
+    cuda::swiglu_forward(a.h, d.I, a.gu, 2 * d.I, a.gu + d.I, 2 * d.I, N, d.I, stream_);
+    cuda::linear_forward(*gemm_, x_out, a.h, w.w_down, nullptr, N, d.I, d.C);
+    add_bf16(x_out, x_out, a.x_mid, N * d.C, stream_);
+  }
+
+  cudaStream_t stream_ = nullptr;
+  void* gemm_workspace_ = nullptr;
+  std::unique_ptr<cuda::Gemm> gemm_;
+  std::vector<std::pair<void*, size_t>> owned_;
+  std::vector<bf16*> shards_;            // per unit: bf16 copy of the master shard
+  float* host_staging_ = nullptr;        // pinned (max padded numel) for gradients to the host
+  float* device_staging_ = nullptr;      // (max padded numel) masters on their way to bf16
+  int64_t staging_floats_ = 0;
+
+  ModelConfig config_;
+  EngineOptions options_;
+  Dims d_{};
+  int64_t n_ = 0;                        // tokens of the current micro-batch
+  std::vector<int32_t> host_targets_;
+  std::vector<float> host_weights_;
+  int32_t *tokens_ = nullptr, *targets_ = nullptr, *positions_ = nullptr, *seq_ids_ = nullptr, *doc_start_ = nullptr;
+  float* weights_ = nullptr;
+  float* inv_freq_ = nullptr;
+  std::vector<bf16*> residual_;          // (L + 1) x (N, C)
+  std::vector<Acts> acts_;
+  bf16* recompute_out_ = nullptr;
+  bf16 *d_x_ = nullptr, *d_mid_ = nullptr, *d_xn_ = nullptr, *d_tmp_ = nullptr, *d_att_ = nullptr;
+  bf16 *dq_ = nullptr, *dk_ = nullptr, *dv_ = nullptr, *dq_raw_ = nullptr, *dk_raw_ = nullptr;
+  bf16 *dgu_ = nullptr, *dh_ = nullptr;
+  bf16 *xf_ = nullptr, *dxf_ = nullptr, *logits_ = nullptr;
+  float *rstdf_ = nullptr, *row_loss_ = nullptr;
+  double* loss_sum_ = nullptr;
+  void* delta_ = nullptr;
+  size_t delta_bytes_ = 0;
+  void* scratch_ = nullptr;
+  size_t scratch_bytes_ = 0;
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> make_cuda_backend() { return std::make_unique<CudaBackend>(); }
+
+}  // namespace shardlm
