@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <tuple>
 
 #include "shardlm/error.hpp"
 
@@ -35,7 +36,9 @@ MemoryPlan plan_memory(const ModelConfig& config, int world, const EngineOptions
                        const Backend& backend) {
   const ModelLayout layout(config, world);
   MemoryPlan plan;
+  plan.device = !backend.host_resident();
   for (const auto& u : layout.units) plan.param_shards += 4 * u.shard_numel;
+  if (plan.device) plan.param_copies = plan.param_shards / 4 * backend.param_bytes();
   plan.grad_shards = plan.param_shards;
   plan.optim_state = plan.param_shards * optim_states;
   if (world > 1)
@@ -49,12 +52,17 @@ MemoryPlan plan_memory(const ModelConfig& config, int world, const EngineOptions
 
 std::string format_memory_plan(const MemoryPlan& p, int world) {
   auto mib = [](int64_t b) { return static_cast<double>(b) / (1024.0 * 1024.0); };
-  std::string out = fmt("memory plan per rank (world %d), host (CPU backend; GPU: none)\n", world);
-  const std::pair<const char*, int64_t> rows[] = {
-      {"parameter shards", p.param_shards}, {"gradient shards", p.grad_shards}, {"optimizer state", p.optim_state},
-      {"gathered units", p.gathered},       {"activations", p.activations},    {"workspace", p.workspace}};
-  for (const auto& [name, bytes] : rows) out += fmt("  %-18s %12.3f MiB\n", name, mib(bytes));
-  out += fmt("  %-18s %12.3f MiB\n", "total", mib(p.total()));
+  const char* where = p.device ? "GPU" : "host";
+  std::string out = fmt("memory plan per rank (world %d)\n", world);
+  const std::tuple<const char*, const char*, int64_t> rows[] = {
+      {"parameter shards", "host", p.param_shards}, {"gradient shards", "host", p.grad_shards},
+      {"optimizer state", "host", p.optim_state},   {"parameter copies", "GPU", p.param_copies},
+      {"gathered units", where, p.gathered},        {"activations", where, p.activations},
+      {"workspace", where, p.workspace},            {"output staging", "host", p.host_workspace}};
+  for (const auto& [name, place, bytes] : rows)
+    if (bytes > 0) out += fmt("  %-18s %-5s %12.3f MiB\n", name, place, mib(bytes));
+  out += fmt("  %-18s %-5s %12.3f MiB\n", "total", "host", mib(p.host_total()));
+  if (p.device) out += fmt("  %-18s %-5s %12.3f MiB\n", "total", "GPU", mib(p.device_total()));
   return out;
 }
 

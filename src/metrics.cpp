@@ -68,16 +68,19 @@ void Metrics::log(const StepStats& s) {
   window_time_s_ = 0;
 }
 
-void Metrics::summary(const MemoryPlan& plan, int64_t peak_bytes_max_rank, int64_t bad_steps) {
+void Metrics::summary(const MemoryPlan& plan, int64_t host_peak, int64_t device_peak, int64_t bad_steps) {
   if (!writer_) return;
   const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
   std::printf("summary: %lld steps in %s | loss %.4f -> %.4f | %lld tokens, %.0f tok/s | %lld skipped steps\n",
               (long long)steps_done_, clock_text(elapsed).c_str(), first_loss_, last_loss_, (long long)tokens_total_,
               elapsed > 0 ? static_cast<double>(tokens_total_) / elapsed : 0.0, (long long)bad_steps);
-  std::printf("memory: peak %.3f MiB host on the largest rank, planned %.3f MiB (%+.1f%%)\n",
-              static_cast<double>(peak_bytes_max_rank) / 1048576.0, static_cast<double>(plan.total()) / 1048576.0,
-              plan.total() > 0 ? 100.0 * (static_cast<double>(peak_bytes_max_rank) / static_cast<double>(plan.total()) - 1.0)
-                               : 0.0);
+  auto line = [](const char* where, int64_t peak, int64_t planned) {
+    std::printf("memory: peak %.3f MiB %s on the largest rank, planned %.3f MiB (%+.1f%%)\n",
+                static_cast<double>(peak) / 1048576.0, where, static_cast<double>(planned) / 1048576.0,
+                planned > 0 ? 100.0 * (static_cast<double>(peak) / static_cast<double>(planned) - 1.0) : 0.0);
+  };
+  line("host", host_peak, plan.host_total());
+  if (plan.device) line("GPU", device_peak, plan.device_total());
   std::fflush(stdout);
 }
 

@@ -21,8 +21,20 @@ namespace shardlm {
 
 // Bytes per rank the engine and the shards will allocate (host, fp32 CPU backend).
 struct MemoryPlan {
-  int64_t param_shards = 0, grad_shards = 0, optim_state = 0, gathered = 0, activations = 0, workspace = 0;
-  int64_t total() const { return param_shards + grad_shards + optim_state + gathered + activations + workspace; }
+  // The fp32 master, gradient and optimizer shards live in host memory today on
+  // every backend; a device backend adds its bf16 parameter copies, gradient
+  // slots, activations and workspace in device memory.
+  bool device = false;
+  int64_t param_shards = 0, grad_shards = 0, optim_state = 0;  // host
+  int64_t param_copies = 0;                                     // device: bf16 shards
+  int64_t gathered = 0, activations = 0, workspace = 0;         // device when `device`, else host
+  int64_t host_workspace = 0;                                   // host: broadcast / export staging
+  int64_t host_total() const {
+    return param_shards + grad_shards + optim_state + host_workspace +
+           (device ? 0 : gathered + activations + workspace);
+  }
+  int64_t device_total() const { return device ? param_copies + gathered + activations + workspace : 0; }
+  int64_t total() const { return host_total() + device_total(); }
 };
 MemoryPlan plan_memory(const ModelConfig& config, int world, const EngineOptions& options, int optim_states,
                        const Backend& backend);

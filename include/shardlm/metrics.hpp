@@ -21,7 +21,8 @@ class Metrics {
   Metrics(const Config& config, bool writer);  // writer: rank 0 of the trainers
   ~Metrics();
   void log(const StepStats& s);
-  void summary(const MemoryPlan& plan, int64_t peak_bytes_max_rank, int64_t bad_steps);
+  // Peaks are the largest over the trainer ranks (host, and device when the plan has one).
+  void summary(const MemoryPlan& plan, int64_t host_peak, int64_t device_peak, int64_t bad_steps);
 
  private:
   const Config& config_;

@@ -55,12 +55,11 @@ Weights<T> weights(const Unit& u, T* base) {
 
 class CudaBackend final : public Backend {
  public:
-  CudaBackend() {
-    CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-    gemm_workspace_ = allocate(Mem::Workspace, kGemmWorkspace);
-    gemm_ = std::make_unique<cuda::Gemm>(stream_, gemm_workspace_, kGemmWorkspace);
-  }
+  // Nothing touches the device until the first allocation, so the sizes (the
+  // memory plan of `shardlm check`) can be asked for on a machine without a GPU.
+  CudaBackend() = default;
   ~CudaBackend() override {
+    if (!stream_) return;
     cudaStreamSynchronize(stream_);
     gemm_.reset();
     for (auto& [ptr, size] : owned_) cudaFree(ptr);
@@ -73,6 +72,7 @@ class CudaBackend final : public Backend {
   int64_t param_bytes() const override { return 2; }
 
   void* allocate(Mem category, size_t bytes) override {
+    init();
     void* p = nullptr;
     const cudaError_t e = cudaMalloc(&p, std::max<size_t>(bytes, 256));
     SHARDLM_CHECK(e == cudaSuccess, "out of GPU memory allocating %.1f MiB for %s: %s", double(bytes) / 1048576.0,
@@ -134,7 +134,12 @@ class CudaBackend final : public Backend {
   size_t scratch_bytes(const ModelConfig& c, const Dims& d) const {
     size_t s = cuda::rmsnorm_backward_scratch_bytes(d.N, d.C);
     s = std::max(s, cuda::rmsnorm_backward_scratch_bytes(d.N * d.H, d.D));
-    s = std::max(s, cuda::embedding_backward_scratch_bytes(d.N, d.C));
+    // CUB sizes its sort scratch on a device; without one (`shardlm check` on a
+    // login node) use a bound: keys, values and their copies plus 1 MiB.
+    int devices = 0;
+    const bool have_device = cudaGetDeviceCount(&devices) == cudaSuccess && devices > 0;
+    if (!have_device) cudaGetLastError();
+    s = std::max(s, have_device ? cuda::embedding_backward_scratch_bytes(d.N, d.C) : size_t(16 * d.N + (1 << 20)));
     s = std::max(s, cuda::linear_backward_scratch_bytes(d.N, d.HD));
     s = std::max(s, cuda::linear_backward_scratch_bytes(d.N, d.KVD));
     (void)c;
@@ -309,6 +314,13 @@ class CudaBackend final : public Backend {
 
  private:
   static constexpr size_t kGemmWorkspace = size_t(32) << 20;
+
+  void init() {
+    if (stream_) return;
+    CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    gemm_workspace_ = own(Mem::Workspace, kGemmWorkspace);
+    gemm_ = std::make_unique<cuda::Gemm>(stream_, gemm_workspace_, kGemmWorkspace);
+  }
 
   static const bf16* bf(const void* p) { return static_cast<const bf16*>(p); }
   Acts& acts(int l) { return acts_[options_.checkpoint_activations ? 0 : l]; }

@@ -116,8 +116,9 @@ TEST_CASE("out-of-range values and unknown choices") {
 TEST_CASE("features not built yet are refused, never ignored") {
   CHECK(only_error(parse(kValid, {"optim.name=muon"})) ==
         "--set optim.name=muon: optim.name = \"muon\" is not implemented yet");
-  CHECK(only_error(parse(kValid, {"broadcast.dir=/tmp/x"})) ==
-        "--set broadcast.dir=/tmp/x: broadcast.dir is not implemented yet");
+  CHECK(only_error(parse(kValid, {"comm.timeout_s=30"})) == "--set comm.timeout_s=30: comm.timeout_s is not implemented yet");
+  CHECK(only_error(parse(kValid, {"comm.backend=nccl"})) ==
+        "--set comm.backend=nccl: comm.backend = \"nccl\" is not implemented yet");
   CHECK(only_error(parse(kValid, {"model.optim_cpu_offload=true"})) ==
         "deck.toml: model.optim_cpu_offload = true is not implemented yet");
 }
