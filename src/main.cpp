@@ -124,7 +124,10 @@ int cmd_train(Runtime& rt, const CliArgs& args) {
 
   // model, shards, init; data; optimizer; engine
   TrainSession session(config, *comm);
-  Metrics metrics(config, comm->rank() == 0);
+  // MFU against dense bf16 peak: 989 TFLOP/s for an H100 SXM (DESIGN.md); none on the CPU.
+  const double peak_flops = rt.backend == "cuda" ? 989e12 : 0.0;
+  Metrics metrics(config, comm->rank() == 0, flops_per_token(session.model.layout, config.data.seq_len),
+                  peak_flops);
   if (comm->rank() == 0) {
     const ModelLayout& layout = session.model.layout;
     std::printf("model %s: %lld parameters, %d layers, hidden %lld\n", layout.config.arch.c_str(),

@@ -16,8 +16,12 @@ std::string clock_text(double seconds) {
 
 }  // namespace
 
-Metrics::Metrics(const Config& config, bool writer)
-    : config_(config), writer_(writer), start_(std::chrono::steady_clock::now()) {
+Metrics::Metrics(const Config& config, bool writer, double flops_per_token, double peak_flops)
+    : config_(config),
+      writer_(writer),
+      start_(std::chrono::steady_clock::now()),
+      flops_per_token_(flops_per_token),
+      peak_flops_(peak_flops) {
   if (!writer_) return;
   const auto path = std::filesystem::path(config.run.dir) / config.log.jsonl;
   jsonl_ = std::fopen(path.c_str(), "w");
@@ -35,6 +39,10 @@ void Metrics::log(const StepStats& s) {
   ++steps_done_;
   if (first_logged_step_ < 0) first_logged_step_ = s.step, first_loss_ = s.loss;
   last_loss_ = s.loss;
+  if (steps_done_ > 1) {
+    sum_step_s_ += s.step_time_s, sum_data_s_ += s.data_s, sum_compute_s_ += s.compute_s;
+    sum_opt_s_ += s.optimizer_s, sum_sync_s_ += s.param_sync_s, sum_tokens_ += s.tokens, ++sum_steps_;
+  }
   const int64_t step1 = s.step + 1;
   if (!writer_ || (step1 % config_.log.interval != 0 && step1 != config_.run.max_steps)) return;
 
@@ -79,6 +87,17 @@ void Metrics::summary(const MemoryPlan& plan, int64_t host_peak, int64_t device_
                 static_cast<double>(peak) / 1048576.0, where, static_cast<double>(planned) / 1048576.0,
                 planned > 0 ? 100.0 * (static_cast<double>(peak) / static_cast<double>(planned) - 1.0) : 0.0);
   };
+  if (sum_steps_ > 0) {
+    const double tok_s = static_cast<double>(sum_tokens_) / sum_step_s_;
+    const double ms = 1e3 / static_cast<double>(sum_steps_);
+    std::printf("throughput (steps 2..%lld): %.0f tok/s", (long long)steps_done_, tok_s);
+    if (flops_per_token_ > 0 && peak_flops_ > 0)
+      std::printf(", %.1f TFLOP/s, MFU %.1f%% of %.0f TFLOP/s", tok_s * flops_per_token_ / 1e12,
+                  100.0 * tok_s * flops_per_token_ / peak_flops_, peak_flops_ / 1e12);
+    std::printf("\nstep time %.1f ms: data %.1f, forward/backward %.1f (collectives and gradient transfers inside), "
+                "optimizer %.1f, parameter sync %.1f\n",
+                sum_step_s_ * ms, sum_data_s_ * ms, sum_compute_s_ * ms, sum_opt_s_ * ms, sum_sync_s_ * ms);
+  }
   line("host", host_peak, plan.host_total());
   if (plan.device) line("GPU", device_peak, plan.device_total());
   std::fflush(stdout);

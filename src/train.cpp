@@ -48,6 +48,12 @@ ShardedModel initial_model(const Config& c, const ModelConfig& arch, const Comm&
 
 }  // namespace
 
+double flops_per_token(const ModelLayout& layout, int64_t seq_len) {
+  const ModelConfig& c = layout.config;
+  return 6.0 * static_cast<double>(layout.matmul_parameter_count()) +
+         12.0 * static_cast<double>(c.num_layers * c.num_heads * c.head_dim) * static_cast<double>(seq_len);
+}
+
 TokenBatch token_batch(const MicroBatch& mb) {
   TokenBatch b;
   b.N = mb.rows * mb.seq_len;
@@ -112,15 +118,26 @@ StepStats TrainSession::step(int64_t step) {
   s.loss_tokens = loss_tokens_global;
   const float grad_scale = loss_tokens_global > 0 ? 1.0f / static_cast<float>(loss_tokens_global) : 0.0f;
 
+  using clock = std::chrono::steady_clock;
+  auto seconds_since = [](clock::time_point t) { return std::chrono::duration<double>(clock::now() - t).count(); };
+  s.data_s = seconds_since(t0);
+
   // forward / loss / backward per micro-batch; gradients accumulate in the shards
+  auto t_sync = clock::now();
   engine.sync_params();  // the backend's parameter copies follow the fp32 masters
+  s.param_sync_s = seconds_since(t_sync);
   model.zero_grads();
   LossStats sums;
   const int64_t micro_batches = s.rl ? static_cast<int64_t>(batches.size()) : data->micro_batches_per_rank(comm.size());
   for (int64_t a = 0; a < micro_batches; ++a) {
+    auto t_data = clock::now();
     if (!s.rl) data->micro_batch(step, static_cast<int>(a), comm.rank(), comm.size(), micro);
+    s.data_s += seconds_since(t_data);
+    auto t_compute = clock::now();
     sums += engine.forward_backward(s.rl ? batches[a] : token_batch(micro), grad_scale);
+    s.compute_s += seconds_since(t_compute);
   }
+  auto t_opt = clock::now();
   auto totals = sums.to_array();
   comm.all_reduce_sum(totals.data(), static_cast<int64_t>(totals.size()));
   sums = LossStats::from_array(totals);
@@ -151,7 +168,8 @@ StepStats TrainSession::step(int64_t step) {
     // optimizer step on shards
     optimizer.step(s.lr, clip);
   }
-  s.step_time_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  s.optimizer_s = seconds_since(t_opt);
+  s.step_time_s = seconds_since(t0);
   return s;
 }
 

@@ -18,7 +18,8 @@ namespace shardlm {
 
 class Metrics {
  public:
-  Metrics(const Config& config, bool writer);  // writer: rank 0 of the trainers
+  // writer: rank 0 of the trainers; flops_per_token for MFU (0: not reported).
+  Metrics(const Config& config, bool writer, double flops_per_token = 0, double peak_flops = 0);
   ~Metrics();
   void log(const StepStats& s);
   // Peaks are the largest over the trainer ranks (host, and device when the plan has one).
@@ -35,6 +36,10 @@ class Metrics {
   int64_t window_tokens_ = 0;
   double first_loss_ = 0, last_loss_ = 0;
   int64_t first_logged_step_ = -1;
+  double flops_per_token_ = 0, peak_flops_ = 0;
+  // Sums over steps after the first (which pays for warm-up), for the breakdown.
+  double sum_step_s_ = 0, sum_data_s_ = 0, sum_compute_s_ = 0, sum_opt_s_ = 0, sum_sync_s_ = 0;
+  int64_t sum_tokens_ = 0, sum_steps_ = 0;
 };
 
 }  // namespace shardlm

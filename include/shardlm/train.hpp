@@ -34,7 +34,15 @@ struct StepStats {
   bool rl = false;
   double entropy = 0, mismatch_kl = 0, masked_high = 0, masked_low = 0, advantage = 0;
   double rollout_wait_s = 0;   // time spent waiting for the rollout file
+  // Where the step's time went (seconds): batch assembly, forward/loss/backward
+  // with the collectives and gradient transfers inside it, clip + optimizer,
+  // refreshing the backend's parameter copies.
+  double data_s = 0, compute_s = 0, optimizer_s = 0, param_sync_s = 0;
 };
+
+// Training FLOPs per token: 6 N + 12 L H Q T (N = weights used in matmuls, lm-head
+// included; L layers, H heads, Q head dim, T sequence length), as DESIGN.md counts MFU.
+double flops_per_token(const ModelLayout& layout, int64_t seq_len);
 
 // The model's architecture for a deck: model.hf's config.json, else the deck's sizes.
 ModelConfig model_config_for(const Config& config);
