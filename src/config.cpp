@@ -342,7 +342,7 @@ void validate(const Config& c, int world, const std::map<std::string, std::strin
   auto err = [&](const std::string& m) { errors.push_back(c.deck_path + ": " + m); };
   const auto& a = c.model.arch;
 
-  if (c.model.optim_cpu_offload) err("model.optim_cpu_offload = true is not implemented yet");
+
   if (c.ckpt.interval > 0) err(fmt("ckpt.interval = %lld is not implemented yet (checkpoints)", (long long)c.ckpt.interval));
   if (c.ckpt.resume != "latest" && c.ckpt.resume != "none")
     err("ckpt.resume = \"" + c.ckpt.resume + "\": resuming from a path is not implemented yet");

@@ -43,8 +43,11 @@ MemoryPlan plan_memory(const ModelConfig& config, int world, const EngineOptions
   plan.optim_state = plan.param_shards * optim_states;
   if (world > 1)
     plan.gathered += backend.param_bytes() * param_slot_count(layout, o.reshard_after_forward) * max_padded(layout);
-  if (world > 1 || !backend.host_resident())
+  if (!o.device_state && (world > 1 || !backend.host_resident()))
     plan.gathered += 4 * grad_slot_count() * (max_padded(layout) + max_shard(layout));
+  if (o.device_state) plan.device_state = plan.param_shards + plan.grad_shards + plan.optim_state;
+  // A device backend refreshes its bf16 copies through one fp32 staging unit.
+  if (plan.device && !o.device_state) plan.workspace += 4 * max_padded(layout);
   plan.activations = backend.activation_bytes(config, o);
   plan.workspace = backend.workspace_bytes(config, o);
   return plan;
@@ -56,7 +59,8 @@ std::string format_memory_plan(const MemoryPlan& p, int world) {
   std::string out = fmt("memory plan per rank (world %d)\n", world);
   const std::tuple<const char*, const char*, int64_t> rows[] = {
       {"parameter shards", "host", p.param_shards}, {"gradient shards", "host", p.grad_shards},
-      {"optimizer state", "host", p.optim_state},   {"parameter copies", "GPU", p.param_copies},
+      {"optimizer state", "host", p.optim_state},   {"training state", "GPU", p.device_state},
+      {"parameter copies", "GPU", p.param_copies},
       {"gathered units", where, p.gathered},        {"activations", where, p.activations},
       {"workspace", where, p.workspace},            {"output staging", "host", p.host_workspace}};
   for (const auto& [name, place, bytes] : rows)
@@ -79,7 +83,11 @@ Engine::Engine(ShardedModel& model, Comm& comm, const EngineOptions& options, st
   SHARDLM_CHECK(!sharded_ || backend_->host_resident(),
                 "the %s backend runs on one rank for now: multi-rank GPU runs need the NCCL communicator",
                 backend_->name());
-  grad_slots_used_ = sharded_ || !backend_->host_resident();
+  SHARDLM_CHECK(!options.device_state || (backend_->supports_device_state() && !sharded_),
+                "device-resident training state needs a GPU backend on one rank");
+  // Gradients go straight into the host shards (CPU), the device shards (device
+  // state), or through full-unit slots that are reduced and handed over.
+  grad_slots_used_ = !options.device_state && (sharded_ || !backend_->host_resident());
   slot_floats_ = max_padded(layout);
   recv_floats_ = max_shard(layout);
   if (sharded_) {
@@ -99,6 +107,7 @@ Engine::Engine(ShardedModel& model, Comm& comm, const EngineOptions& options, st
 }
 
 void Engine::sync_params() {
+  if (options_.device_state) return;  // the device update writes the bf16 copies itself
   for (size_t u = 0; u < model_.layout.units.size(); ++u)
     backend_->set_param_shard(static_cast<int>(u), model_.param[u].data(), model_.layout.units[u].shard_numel);
 }
@@ -155,6 +164,7 @@ void Engine::release(int unit) {
 // ---------------------------------------------------------------- gradients
 
 float* Engine::grads(int unit) {
+  if (options_.device_state) return backend_->state_grad(unit);
   if (!grad_slots_used_) return model_.grad[unit].data();  // accumulate straight into the shard
   for (auto& s : grad_slots_)
     if (s.unit == unit) return s.full;

@@ -143,10 +143,14 @@ int cmd_train(Runtime& rt, const CliArgs& args) {
   for (int64_t step = 0; step < config.run.max_steps; ++step) {
     const StepStats stats = session.step(step);  // batch, forward, loss, backward, clip, optimizer
     metrics.log(stats);
-    if (broadcaster.due(step + 1)) broadcaster.send(session.model, step + 1);
+    if (broadcaster.due(step + 1)) {
+      session.pull_state();
+      broadcaster.send(session.model, step + 1);
+    }
   }
   broadcaster.finish();
   if (!config.run.export_dir.empty()) {
+    session.pull_state();
     export_hf(session.model, *comm, config.run.export_dir, config.run.export_dtype == "bf16" ? "BF16" : "F32");
     if (comm->rank() == 0) std::printf("exported the final weights to %s\n", config.run.export_dir.c_str());
   }

@@ -23,6 +23,8 @@ EngineOptions engine_options_for(const Config& config) {
   o.chunk_tokens = config.loss.chunk_tokens;
   o.reshard_after_forward = config.model.reshard_after_forward;
   o.checkpoint_activations = config.model.activation_checkpointing == "full";
+  // On a GPU the fp32 state lives on the device unless it is offloaded to the host.
+  o.device_state = config.device.backend == "cuda" && !config.model.optim_cpu_offload;
   return o;
 }
 
@@ -82,9 +84,40 @@ TrainSession::TrainSession(const Config& c, Comm& comm_)
       optimizer(c.optim, model),
       engine(model, comm_, engine_options_for(c),
              c.device.backend == "cuda" ? make_cuda_backend() : make_cpu_backend()) {
+  if (engine.options().device_state) {
+    Backend::OptimSpec spec{c.optim.name, c.optim.beta1, c.optim.beta2, c.optim.eps, c.optim.momentum,
+                            optimizer.states()};
+    std::vector<std::vector<Backend::Segment>> segments;
+    for (const auto& u : model.layout.units) {
+      segments.emplace_back();
+      for (const auto& s : model.segments(u))
+        segments.back().push_back({s.shard_offset, s.count,
+                                   s.param->weight_decay() ? static_cast<float>(c.optim.weight_decay) : 0.0f});
+    }
+    engine.backend().state_attach(model.layout, segments, spec);
+    push_state();
+  }
   SHARDLM_CHECK(c.data.seq_len <= arch.max_position_embeddings,
                 "data.seq_len = %lld is larger than the model supports (max_position_embeddings = %lld)",
                 (long long)c.data.seq_len, (long long)arch.max_position_embeddings);
+}
+
+void TrainSession::pull_state() {
+  if (!engine.options().device_state) return;
+  for (size_t u = 0; u < model.layout.units.size(); ++u) {
+    std::vector<float*> states;
+    for (int i = 0; i < optimizer.states(); ++i) states.push_back(optimizer.state(i)[u].data());
+    engine.backend().state_download(static_cast<int>(u), model.param[u].data(), states);
+  }
+}
+
+void TrainSession::push_state() {
+  if (!engine.options().device_state) return;
+  for (size_t u = 0; u < model.layout.units.size(); ++u) {
+    std::vector<const float*> states;
+    for (int i = 0; i < optimizer.states(); ++i) states.push_back(optimizer.state(i)[u].data());
+    engine.backend().state_upload(static_cast<int>(u), model.param[u].data(), states);
+  }
 }
 
 StepStats TrainSession::step(int64_t step) {
@@ -126,7 +159,9 @@ StepStats TrainSession::step(int64_t step) {
   auto t_sync = clock::now();
   engine.sync_params();  // the backend's parameter copies follow the fp32 masters
   s.param_sync_s = seconds_since(t_sync);
-  model.zero_grads();
+  const bool device_state = engine.options().device_state;
+  if (device_state) engine.backend().state_zero_grads();
+  else model.zero_grads();
   LossStats sums;
   const int64_t micro_batches = s.rl ? static_cast<int64_t>(batches.size()) : data->micro_batches_per_rank(comm.size());
   for (int64_t a = 0; a < micro_batches; ++a) {
@@ -152,7 +187,13 @@ StepStats TrainSession::step(int64_t step) {
   }
 
   // clip by global norm (one all-reduce over shard norms); NaN/Inf skips the update
-  s.grad_norm = global_grad_norm(model, comm);
+  if (device_state) {
+    double sumsq = engine.backend().state_grad_sumsq();
+    comm.all_reduce_sum(&sumsq, 1);
+    s.grad_norm = std::sqrt(sumsq);
+  } else {
+    s.grad_norm = global_grad_norm(model, comm);
+  }
   s.lr = lr_at(config.sched, config.optim.lr, config.run.max_steps, step);
   if (!std::isfinite(s.grad_norm) || !std::isfinite(s.loss)) {
     s.skipped = true;
@@ -165,8 +206,13 @@ StepStats TrainSession::step(int64_t step) {
     bad_steps_in_a_row = 0;
     const double max_norm = config.optim.max_norm;
     const float clip = (max_norm > 0 && s.grad_norm > max_norm) ? static_cast<float>(max_norm / (s.grad_norm + 1e-6)) : 1.0f;
-    // optimizer step on shards
-    optimizer.step(s.lr, clip);
+    // optimizer step on shards (on the device when the state lives there)
+    if (device_state) {
+      engine.backend().state_step(s.lr, clip, optimizer.steps_taken() + 1);
+      optimizer.set_steps_taken(optimizer.steps_taken() + 1);
+    } else {
+      optimizer.step(s.lr, clip);
+    }
   }
   s.optimizer_s = seconds_since(t_opt);
   s.step_time_s = seconds_since(t0);

@@ -11,6 +11,8 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
+#include <vector>
 
 #include "shardlm/memory.hpp"
 #include "shardlm/model.hpp"
@@ -23,6 +25,7 @@ struct EngineOptions {
   int64_t chunk_tokens = 1024;       // lm-head + loss chunk
   bool reshard_after_forward = true; // free gathered units after forward, re-gather in backward
   bool checkpoint_activations = false;  // keep only layer inputs; recompute in backward
+  bool device_state = false;         // masters, gradients and optimizer state on the device
   bool rl = false;                   // RL policy loss instead of cross-entropy
   cpu::RlLossParams rl_params;
 };
@@ -67,6 +70,26 @@ class Backend {
   virtual void attach_shards(const ModelLayout& layout) = 0;
   virtual void set_param_shard(int unit, const float* master, int64_t n) = 0;
   virtual const void* param_shard(int unit) const = 0;
+
+  // Device-resident training state (GPU backends without optim_cpu_offload):
+  // fp32 masters, gradients and optimizer moments live in device memory and the
+  // update runs there; the host shards become a mirror, refreshed on request
+  // (checkpoint, export, broadcast). Units of the layout, in order.
+  struct OptimSpec {
+    std::string name;              // adamw | sgd
+    double beta1 = 0.9, beta2 = 0.95, eps = 1e-8, momentum = 0;
+    int states = 0;                // fp32 arrays per element (AdamW 2, SGD 0 or 1)
+  };
+  struct Segment { int64_t offset, count; float weight_decay; };  // within a unit shard
+  virtual bool supports_device_state() const { return false; }
+  virtual void state_attach(const ModelLayout&, const std::vector<std::vector<Segment>>&, const OptimSpec&) {}
+  // host -> device and back: the unit's master shard and optimizer states.
+  virtual void state_upload(int, const float*, const std::vector<const float*>&) {}
+  virtual void state_download(int, float*, const std::vector<float*>&) {}
+  virtual float* state_grad(int) { return nullptr; }   // the unit's fp32 gradient shard
+  virtual void state_zero_grads() {}
+  virtual double state_grad_sumsq() { return 0; }      // one host synchronisation
+  virtual void state_step(double, float, int64_t) {}    // lr, clip scale, 1-based step count
 
   // Activations and scratch for micro-batches of up to options.max_tokens tokens.
   virtual void prepare(const ModelConfig& config, const EngineOptions& options) = 0;

@@ -29,11 +29,14 @@ struct MemoryPlan {
   int64_t param_copies = 0;                                     // device: bf16 shards
   int64_t gathered = 0, activations = 0, workspace = 0;         // device when `device`, else host
   int64_t host_workspace = 0;                                   // host: broadcast / export staging
+  int64_t device_state = 0;  // GPU: fp32 masters + gradients + optimizer state (their host shards become mirrors)
   int64_t host_total() const {
     return param_shards + grad_shards + optim_state + host_workspace +
            (device ? 0 : gathered + activations + workspace);
   }
-  int64_t device_total() const { return device ? param_copies + gathered + activations + workspace : 0; }
+  int64_t device_total() const {
+    return device ? device_state + param_copies + gathered + activations + workspace : 0;
+  }
   int64_t total() const { return host_total() + device_total(); }
 };
 MemoryPlan plan_memory(const ModelConfig& config, int world, const EngineOptions& options, int optim_states,
@@ -55,6 +58,8 @@ class Engine {
   void forward_logits(const TokenBatch& batch, float* logits);
 
   const Backend& backend() const { return *backend_; }
+  Backend& backend() { return *backend_; }
+  const EngineOptions& options() const { return options_; }
   // Refresh the backend's parameter shards from the fp32 masters (a no-op copy
   // on the CPU backend); the session calls it after every change to model.param.
   void sync_params();

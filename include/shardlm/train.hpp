@@ -63,6 +63,13 @@ struct TrainSession {
 
   TrainSession(const Config& config, Comm& comm);
   StepStats step(int64_t step);
+
+  // With device-resident state (GPU, no optim_cpu_offload) the host shards are a
+  // mirror: pull_state() refreshes them (before a checkpoint, export or
+  // broadcast), push_state() sends host values back (after a checkpoint load).
+  // Both are no-ops when the host shards are the state.
+  void pull_state();
+  void push_state();
 };
 
 TokenBatch token_batch(const MicroBatch& mb);

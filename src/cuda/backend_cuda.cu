@@ -90,6 +90,7 @@ class CudaBackend final : public Backend {
   void add_grad_to_host(float* host_grad, const float* src, int64_t n) override {
     SHARDLM_CHECK(n <= staging_floats_, "internal: gradient of %lld elements exceeds the staging buffer",
                   (long long)n);
+    if (!host_staging_) CUDA_CHECK(cudaMallocHost(&host_staging_, sizeof(float) * staging_floats_));
     CUDA_CHECK(cudaMemcpyAsync(host_staging_, src, sizeof(float) * n, cudaMemcpyDeviceToHost, stream_));
     CUDA_CHECK(cudaStreamSynchronize(stream_));
     cpu::accumulate(host_grad, host_staging_, n);
@@ -98,17 +99,96 @@ class CudaBackend final : public Backend {
   void attach_shards(const ModelLayout& layout) override {
     int64_t largest = 0;
     for (const auto& u : layout.units) largest = std::max(largest, u.padded_numel);
-    staging_floats_ = largest;
-    CUDA_CHECK(cudaMallocHost(&host_staging_, sizeof(float) * largest));
-    device_staging_ = static_cast<float*>(own(Mem::Workspace, sizeof(float) * largest));
+    staging_floats_ = largest;  // the staging buffers are made on first use: device state needs none
     for (const auto& u : layout.units) shards_.push_back(static_cast<bf16*>(own(Mem::ParamShard, 2 * u.shard_numel)));
   }
 
   void set_param_shard(int unit, const float* master, int64_t n) override {
+    if (!device_staging_) device_staging_ = static_cast<float*>(own(Mem::Workspace, sizeof(float) * staging_floats_));
     CUDA_CHECK(cudaMemcpyAsync(device_staging_, master, sizeof(float) * n, cudaMemcpyHostToDevice, stream_));
     cuda::cast_f32_to_bf16(shards_[unit], device_staging_, n, stream_);
   }
   const void* param_shard(int unit) const override { return shards_[unit]; }
+
+  // ------------------------------------------------------------ device-resident state
+
+  bool supports_device_state() const override { return true; }
+
+  void state_attach(const ModelLayout& layout, const std::vector<std::vector<Segment>>& segments,
+                    const OptimSpec& spec) override {
+    spec_ = spec;
+    SHARDLM_CHECK(spec.name == "adamw" || spec.name == "sgd", "optim.name = \"%s\" has no GPU update yet",
+                  spec.name.c_str());
+    for (size_t u = 0; u < layout.units.size(); ++u) {
+      const int64_t n = layout.units[u].shard_numel;
+      UnitState st;
+      st.n = n;
+      st.param = static_cast<float*>(own(Mem::ParamShard, 4 * n));
+      st.grad = static_cast<float*>(own(Mem::GradShard, 4 * n));
+      for (int i = 0; i < spec.states; ++i) st.states.push_back(static_cast<float*>(own(Mem::OptimState, 4 * n)));
+      std::vector<cuda::OptimSegment> table;
+      for (const auto& seg : segments[u]) table.push_back({seg.offset, seg.count, seg.weight_decay});
+      SHARDLM_CHECK(int(table.size()) <= cuda::kMaxOptimSegments, "unit %s has too many parameters for one update",
+                    layout.units[u].name.c_str());
+      st.segments = static_cast<cuda::OptimSegment*>(own(Mem::OptimState, sizeof(cuda::OptimSegment) * std::max<size_t>(1, table.size())));
+      st.num_segments = static_cast<int>(table.size());
+      CUDA_CHECK(cudaMemcpy(st.segments, table.data(), sizeof(cuda::OptimSegment) * table.size(), cudaMemcpyHostToDevice));
+      units_.push_back(st);
+    }
+    sumsq_scratch_bytes_ = cuda::sum_squares_scratch_bytes();
+    sumsq_scratch_ = own(Mem::Workspace, sumsq_scratch_bytes_);
+    sumsq_ = static_cast<double*>(own(Mem::Workspace, 8));
+  }
+
+  void state_upload(int unit, const float* param, const std::vector<const float*>& states) override {
+    UnitState& st = units_[unit];
+    CUDA_CHECK(cudaMemcpyAsync(st.param, param, 4 * st.n, cudaMemcpyHostToDevice, stream_));
+    for (size_t i = 0; i < st.states.size(); ++i)
+      CUDA_CHECK(cudaMemcpyAsync(st.states[i], states[i], 4 * st.n, cudaMemcpyHostToDevice, stream_));
+    cuda::cast_f32_to_bf16(shards_[unit], st.param, st.n, stream_);
+    CUDA_CHECK(cudaStreamSynchronize(stream_));  // the host buffers may change after we return
+  }
+
+  void state_download(int unit, float* param, const std::vector<float*>& states) override {
+    UnitState& st = units_[unit];
+    CUDA_CHECK(cudaMemcpyAsync(param, st.param, 4 * st.n, cudaMemcpyDeviceToHost, stream_));
+    for (size_t i = 0; i < st.states.size(); ++i)
+      CUDA_CHECK(cudaMemcpyAsync(states[i], st.states[i], 4 * st.n, cudaMemcpyDeviceToHost, stream_));
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+  }
+
+  float* state_grad(int unit) override { return units_[unit].grad; }
+
+  void state_zero_grads() override {
+    for (auto& st : units_) CUDA_CHECK(cudaMemsetAsync(st.grad, 0, 4 * st.n, stream_));
+  }
+
+  double state_grad_sumsq() override {
+    for (size_t u = 0; u < units_.size(); ++u)
+      cuda::sum_squares(sumsq_, units_[u].grad, units_[u].n, /*accumulate=*/u > 0, sumsq_scratch_,
+                        sumsq_scratch_bytes_, stream_);
+    double host = 0;
+    CUDA_CHECK(cudaMemcpyAsync(&host, sumsq_, 8, cudaMemcpyDeviceToHost, stream_));
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+    return host;
+  }
+
+  void state_step(double lr, float clip, int64_t step) override {
+    for (size_t u = 0; u < units_.size(); ++u) {
+      UnitState& st = units_[u];
+      if (spec_.name == "adamw") {
+        cuda::AdamWConfig c;
+        c.lr = lr, c.beta1 = spec_.beta1, c.beta2 = spec_.beta2, c.eps = spec_.eps, c.step = step, c.grad_scale = clip;
+        cuda::adamw_step_segments(st.param, shards_[u], st.grad, st.states[0], st.states[1], st.n, st.segments,
+                                  st.num_segments, c, nullptr, stream_);
+      } else {
+        cuda::SgdConfig c;
+        c.lr = lr, c.momentum = spec_.momentum, c.grad_scale = clip;
+        cuda::sgd_step_segments(st.param, shards_[u], st.grad, st.states.empty() ? nullptr : st.states[0], st.n,
+                                st.segments, st.num_segments, c, nullptr, stream_);
+      }
+    }
+  }
 
   // ------------------------------------------------------------ sizes
 
@@ -377,6 +457,20 @@ class CudaBackend final : public Backend {
     cuda::linear_forward(*gemm_, x_out, a.h, w.w_down, nullptr, N, d.I, d.C);
     add_bf16(x_out, x_out, a.x_mid, N * d.C, stream_);
   }
+
+  struct UnitState {
+    int64_t n = 0;
+    float* param = nullptr;               // fp32 master shard
+    float* grad = nullptr;                // fp32 gradient shard
+    std::vector<float*> states;           // AdamW exp_avg, exp_avg_sq | SGD momentum
+    cuda::OptimSegment* segments = nullptr;
+    int num_segments = 0;
+  };
+  OptimSpec spec_;
+  std::vector<UnitState> units_;
+  void* sumsq_scratch_ = nullptr;
+  size_t sumsq_scratch_bytes_ = 0;
+  double* sumsq_ = nullptr;
 
   cudaStream_t stream_ = nullptr;
   void* gemm_workspace_ = nullptr;
