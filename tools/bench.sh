@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# bench.sh — run named benchmark configurations on a GPU and print one line each:
+# tokens/s, TFLOP/s, MFU (vs 989 TFLOP/s H100 dense bf16), step-time breakdown, peak memory.
+#
+#   tools/bench.sh [NAME...]      names: 125m 1b 1b-8k 1b-32k 3b (default: all)
+#   SHARDLM=path/to/shardlm tools/bench.sh 1b
+#
+# Data: random tokens made on the fly (tools/make_synthetic_data.py, needs h5py).
+# Results go to docs/benchmarks.md by hand, with date, GPU and command.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+SHARDLM=${SHARDLM:-build/shardlm}
+PY=${PYTHON:-python3}
+export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive}
+[ -f runs/bench-data/random-128k.h5 ] || $PY tools/make_synthetic_data.py runs/bench-data/random-128k.h5 --vocab 128256 --tokens 600000 --doc-len 32769
+[ -f runs/bench-data/random-32k.h5 ] || $PY tools/make_synthetic_data.py runs/bench-data/random-32k.h5 --vocab 32000 --tokens 600000 --doc-len 2049
+run() {
+  local name=$1 deck=$2; shift 2
+  echo "== $name: $SHARDLM train $deck $*"
+  "$SHARDLM" train "$deck" --set run.dir=runs/bench-$name "$@" 2>&1 | grep -E "^(throughput|step time|memory|shardlm: error)" | sed "s/^/$name: /"
+}
+names=${*:-"125m 1b 1b-8k 1b-32k 3b"}
+for n in $names; do
+  case $n in
+    125m) run 125m inputs/bench/llama-125m.toml ;;
+    1b) run 1b inputs/bench/llama-1b.toml ;;
+    1b-8k) run 1b-8k inputs/bench/llama-1b.toml --set data.seq_len=8192 --set data.global_batch=2 ;;
+    1b-32k) run 1b-32k inputs/bench/llama-1b.toml --set data.seq_len=32768 --set data.global_batch=1 \
+              --set model.activation_checkpointing=full --set run.max_steps=5 ;;
+    3b) run 3b inputs/bench/llama-3b.toml --set model.activation_checkpointing=full --set run.max_steps=6 ;;
+    *) echo "unknown benchmark '$n'" >&2; exit 2 ;;
+  esac
+done
