@@ -90,6 +90,8 @@ class Backend {
   virtual void state_zero_grads() {}
   virtual double state_grad_sumsq() { return 0; }      // one host synchronisation
   virtual void state_step(double, float, int64_t) {}    // lr, clip scale, 1-based step count
+  // Wait for queued device work (step-time breakdown; a no-op on the CPU).
+  virtual void synchronize() {}
 
   // Activations and scratch for micro-batches of up to options.max_tokens tokens.
   virtual void prepare(const ModelConfig& config, const EngineOptions& options) = 0;

@@ -113,6 +113,9 @@ class CudaBackend final : public Backend {
   // ------------------------------------------------------------ device-resident state
 
   bool supports_device_state() const override { return true; }
+  void synchronize() override {
+    if (stream_) CUDA_CHECK(cudaStreamSynchronize(stream_));
+  }
 
   void state_attach(const ModelLayout& layout, const std::vector<std::vector<Segment>>& segments,
                     const OptimSpec& spec) override {
