@@ -142,21 +142,6 @@ const ModelLayout::Located ModelLayout::find(const std::string& name) const {
   return {nullptr, nullptr};
 }
 
-template <class T>
-LayerWeights<T> layer_weights(const Unit& u, T* base) {
-  auto at = [&](const char* suffix) -> T* {
-    const ParamInfo* p = u.find_param(suffix);
-    return p ? base + p->offset : nullptr;
-  };
-  return {at("input_layernorm.weight"), at("q_proj.weight"), at("k_proj.weight"), at("v_proj.weight"),
-          at("q_proj.bias"), at("k_proj.bias"), at("v_proj.bias"), at("o_proj.weight"),
-          at("q_norm.weight"), at("k_norm.weight"), at("post_attention_layernorm.weight"),
-          at("gate_proj.weight"), at("up_proj.weight"), at("down_proj.weight")};
-}
-template LayerWeights<float> layer_weights(const Unit&, float*);
-template LayerWeights<const float> layer_weights(const Unit&, const float*);
-template LayerWeights<double> layer_weights(const Unit&, double*);
-
 float init_value(uint64_t seed, const ParamInfo& p, int64_t index, double std) {
   if (p.kind == ParamKind::Norm) return 1.0f;
   if (p.kind == ParamKind::Bias) return 0.0f;

@@ -70,8 +70,20 @@ struct LayerWeights {
   T *input_norm, *wq, *wk, *wv, *bq, *bk, *bv, *wo, *q_norm, *k_norm;
   T *post_norm, *w_gate, *w_up, *w_down;
 };
+// Views of a layer's parameters (or of gradients laid out like them) inside a
+// unit buffer of element type T. w_gate and w_up are adjacent, so w_gate is also
+// the start of one (2 I, C) gate|up matrix.
 template <class T>
-LayerWeights<T> layer_weights(const Unit& unit, T* base);
+LayerWeights<T> layer_weights(const Unit& u, T* base) {
+  auto at = [&](const char* suffix) -> T* {
+    const ParamInfo* p = u.find_param(suffix);
+    return p ? base + p->offset : nullptr;
+  };
+  return {at("input_layernorm.weight"), at("q_proj.weight"), at("k_proj.weight"), at("v_proj.weight"),
+          at("q_proj.bias"), at("k_proj.bias"), at("v_proj.bias"), at("o_proj.weight"),
+          at("q_norm.weight"), at("k_norm.weight"), at("post_attention_layernorm.weight"),
+          at("gate_proj.weight"), at("up_proj.weight"), at("down_proj.weight")};
+}
 
 // The initial value of element `index` of parameter `p`: a pure function of
 // (seed, name, index), so every rank fills its own slice and any world size

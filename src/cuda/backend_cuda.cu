@@ -35,24 +35,6 @@ void add_bf16(bf16* out, const bf16* a, const bf16* b, int64_t n, cudaStream_t s
   CUDA_CHECK(cudaGetLastError());
 }
 
-// One layer's weights (or gradients) inside a gathered unit buffer.
-template <class T>
-struct Weights {
-  T *input_norm, *wq, *wk, *wv, *bq, *bk, *bv, *wo, *q_norm, *k_norm, *post_norm, *w_gate_up, *w_down;
-};
-template <class T>
-Weights<T> weights(const Unit& u, T* base) {
-  auto at = [&](const char* suffix) -> T* {
-    const ParamInfo* p = u.find_param(suffix);
-    return p ? base + p->offset : nullptr;
-  };
-  // gate_proj and up_proj are adjacent (model.cpp): one (2I, C) matrix.
-  return {at("input_layernorm.weight"), at("q_proj.weight"), at("k_proj.weight"), at("v_proj.weight"),
-          at("q_proj.bias"), at("k_proj.bias"), at("v_proj.bias"), at("o_proj.weight"),
-          at("q_norm.weight"), at("k_norm.weight"), at("post_attention_layernorm.weight"),
-          at("gate_proj.weight"), at("down_proj.weight")};
-}
-
 class CudaBackend final : public Backend {
  public:
   // Nothing touches the device until the first allocation, so the sizes (the
@@ -300,7 +282,7 @@ class CudaBackend final : public Backend {
   }
 
   void layer_forward(int l, const Unit& unit, const void* params) override {
-    forward_layer(weights(unit, bf(params)), residual_[l], residual_[l + 1], acts(l));
+    forward_layer(layer_weights(unit, bf(params)), residual_[l], residual_[l + 1], acts(l));
   }
 
   LossStats head_loss_backward(const void* norm_weight, const void* lm_head, float* norm_grad, float* lm_head_grad,
@@ -337,8 +319,8 @@ class CudaBackend final : public Backend {
   }
 
   void layer_backward(int l, const Unit& unit, const void* params, float* grads) override {
-    const Weights<const bf16> w = weights(unit, bf(params));
-    const Weights<float> g = weights(unit, grads);
+    const LayerWeights<const bf16> w = layer_weights(unit, bf(params));
+    const LayerWeights<float> g = layer_weights(unit, grads);
     Acts& a = acts(l);
     const bf16* x_in = residual_[l];
     if (options_.checkpoint_activations) forward_layer(w, x_in, recompute_out_, a);
@@ -348,7 +330,7 @@ class CudaBackend final : public Backend {
     cuda::linear_backward(*gemm_, dh_, g.w_down, nullptr, d_x_, a.h, w.w_down, N, d.I, d.C, scratch_, scratch_bytes_);
     cuda::swiglu_backward(dgu_, 2 * d.I, dgu_ + d.I, 2 * d.I, dh_, d.I, a.gu, 2 * d.I, a.gu + d.I, 2 * d.I, N, d.I,
                           stream_);
-    cuda::linear_backward(*gemm_, d_xn_, g.w_gate_up, nullptr, dgu_, a.xn2, w.w_gate_up, N, d.C, 2 * d.I, scratch_,
+    cuda::linear_backward(*gemm_, d_xn_, g.w_gate, nullptr, dgu_, a.xn2, w.w_gate, N, d.C, 2 * d.I, scratch_,
                           scratch_bytes_);
     cuda::rmsnorm_backward(d_mid_, g.post_norm, d_xn_, a.x_mid, w.post_norm, a.rstd2, d_x_, N, d.C, scratch_,
                            scratch_bytes_, stream_);
@@ -435,7 +417,7 @@ class CudaBackend final : public Backend {
     return a;
   }
 
-  void forward_layer(const Weights<const bf16>& w, const bf16* x_in, bf16* x_out, Acts& a) {
+  void forward_layer(const LayerWeights<const bf16>& w, const bf16* x_in, bf16* x_out, Acts& a) {
     const Dims& d = d_;
     const int64_t N = n_;
     const double eps = config_.rms_norm_eps;
@@ -455,7 +437,7 @@ class CudaBackend final : public Backend {
     // x_out holds the o_proj output until the residual add below overwrites it.
     cuda::linear_forward(*gemm_, x_out, a.att, w.wo, nullptr, N, d.HD, d.C);
     cuda::residual_rmsnorm_forward(a.x_mid, a.xn2, a.rstd2, x_in, x_out, w.post_norm, N, d.C, eps, stream_);
-    cuda::linear_forward(*gemm_, a.gu, a.xn2, w.w_gate_up, nullptr, N, d.C, 2 * d.I);
+    cuda::linear_forward(*gemm_, a.gu, a.xn2, w.w_gate, nullptr, N, d.C, 2 * d.I);
     cuda::swiglu_forward(a.h, d.I, a.gu, 2 * d.I, a.gu + d.I, 2 * d.I, N, d.I, stream_);
     cuda::linear_forward(*gemm_, x_out, a.h, w.w_down, nullptr, N, d.I, d.C);
     add_bf16(x_out, x_out, a.x_mid, N * d.C, stream_);

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "run_command.hpp"
+#include "../test_util.hpp"
 #include "shardlm/comm.hpp"
 #include "shardlm/config.hpp"
 #include "shardlm/engine.hpp"
@@ -23,19 +24,12 @@
 #include "shardlm/train.hpp"
 
 using namespace shardlm;
+using shardlm_test::read_h5;
+using shardlm_test::rel_error;
 namespace fs = std::filesystem;
 
 namespace {
 
-template <class T>
-std::vector<T> read_h5(const fs::path& file, const std::string& name, hid_t mem_type) {
-  h5::Handle f(H5_CHECK(H5Fopen(file.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT)), H5Fclose);
-  h5::Handle d(H5_CHECK(H5Dopen2(f, name.c_str(), H5P_DEFAULT)), H5Dclose);
-  h5::Handle space(H5_CHECK(H5Dget_space(d)), H5Sclose);
-  std::vector<T> out(H5Sget_simple_extent_npoints(space));
-  H5_CHECK(H5Dread(d, mem_type, H5S_ALL, H5S_ALL, H5P_DEFAULT, out.data()));
-  return out;
-}
 
 void write_tokens_h5(const fs::path& file, const std::vector<int32_t>& tokens, hsize_t rows, hsize_t cols) {
   h5::Handle f(H5_CHECK(H5Fcreate(file.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT)), H5Fclose);
@@ -46,14 +40,6 @@ void write_tokens_h5(const fs::path& file, const std::vector<int32_t>& tokens, h
   H5_CHECK(H5Dwrite(d, H5T_NATIVE_INT32, H5S_ALL, H5S_ALL, H5P_DEFAULT, tokens.data()));
 }
 
-double rel_error(const float* a, const float* b, size_t n) {
-  double diff = 0, ref = 0;
-  for (size_t i = 0; i < n; ++i) {
-    diff += (double(a[i]) - b[i]) * (double(a[i]) - b[i]);
-    ref += double(b[i]) * b[i];
-  }
-  return std::sqrt(diff) / std::max(std::sqrt(ref), 1e-30);
-}
 
 struct TempDir {
   fs::path path;
