@@ -2,6 +2,7 @@
 #
 #   make            build build/shardlm (CPU backend, plus CUDA when nvcc is found)
 #   make run        train inputs/tiny-sft.toml under mpirun -np 2
+#   make run-text   train inputs/text-sft.toml (real text) under mpirun -np 2
 #   make test       all CPU test suites; ends with "N passed, N failed"
 #   make test-gpu   the same plus the GPU suites (CUDA build, needs a GPU)
 #   make clean
@@ -70,7 +71,7 @@ UNIT_OBJS := $(patsubst %.cpp,$(BUILD)/obj/%.o,$(wildcard tests/unit/*.cpp)) $(B
 MPI_OBJS  := $(patsubst %.cpp,$(BUILD)/obj/%.o,$(wildcard tests/mpi/*.cpp)) $(BUILD)/obj/tests/main_mpi.o
 GPU_OBJS  := $(patsubst %.cpp,$(BUILD)/obj/%.o,$(wildcard tests/gpu/*.cpp)) $(BUILD)/obj/tests/main_unit.o
 
-.PHONY: all run test test-gpu test-suites clean deps
+.PHONY: all run run-text test test-gpu test-suites clean deps
 all: $(BUILD)/shardlm $(BUILD)/test_unit $(BUILD)/test_mpi
 
 $(BUILD)/shardlm: $(BUILD)/obj/src/main.o $(LIB_OBJS)
@@ -110,6 +111,13 @@ deps:
 run: deps
 	@$(MAKE) --no-print-directory all
 	@MPIRUN="$(MPIRUN)" bash tools/run-tiny.sh
+
+# The real-text deck: a 0.77M-parameter model on the King James Bible, about two
+# minutes on 2 cores (docs/text-sft.md).
+run-text: deps
+	@$(MAKE) --no-print-directory all
+	@bash tools/make_text_data.sh
+	@MPIRUN="$(MPIRUN)" DECK=inputs/text-sft.toml bash tools/run-tiny.sh
 
 test: deps
 	@$(MAKE) --no-print-directory all

@@ -30,6 +30,8 @@ have_pc tomlplusplus || [ -f /usr/include/toml++/toml.h ] || need libtomlplusplu
 [ -n "${BLAS_LIBS:-}" ] || ls /usr/lib/*/openblas-openmp/pkgconfig/openblas.pc >/dev/null 2>&1 || need libopenblas-openmp-dev
 have_pc nlohmann_json || [ -f /usr/include/nlohmann/json.hpp ] || need nlohmann-json3-dev
 /usr/bin/python3 -c 'import h5py, numpy' >/dev/null 2>&1 || need python3-h5py python3-numpy
+# The real-text deck's corpus (inputs/text-sft.toml, tools/make_text_data.sh).
+{ command -v bible >/dev/null 2>&1 && [ -f /usr/lib/bible.data ]; } || need bible-kjv
 
 if [ ${#missing[@]} -eq 0 ]; then
   exit 0
