@@ -113,7 +113,7 @@ const std::vector<KeySpec>& key_table() {
       at_least(key("data.max_async", Type::Int, FIELD(data.max_async)), 0),
       positive(key("data.rollout_timeout_s", Type::Float, FIELD(data.rollout_timeout_s))),
 
-      one_of(key("optim.name", Type::String, FIELD(optim.name)), {"adamw", "sgd", "muon"}, {"muon"}),
+      one_of(key("optim.name", Type::String, FIELD(optim.name)), {"adamw", "sgd", "muon"}),
       positive(key("optim.lr", Type::Float, FIELD(optim.lr))),
       within(key("optim.beta1", Type::Float, FIELD(optim.beta1)), 0, 0.999999),
       within(key("optim.beta2", Type::Float, FIELD(optim.beta2)), 0, 0.999999),
@@ -121,6 +121,10 @@ const std::vector<KeySpec>& key_table() {
       at_least(key("optim.weight_decay", Type::Float, FIELD(optim.weight_decay)), 0),
       within(key("optim.momentum", Type::Float, FIELD(optim.momentum)), 0, 0.999999),
       at_least(key("optim.max_norm", Type::Float, FIELD(optim.max_norm)), 0),
+      within(key("optim.muon_momentum", Type::Float, FIELD(optim.muon_momentum)), 0, 0.999999),
+      within(key("optim.ns_steps", Type::Int, FIELD(optim.ns_steps)), 1, 20),
+      positive(key("optim.adamw_lr", Type::Float, FIELD(optim.adamw_lr))),
+      at_least(key("optim.adamw_weight_decay", Type::Float, FIELD(optim.adamw_weight_decay)), 0),
 
       one_of(key("sched.name", Type::String, FIELD(sched.name)), {"constant", "linear", "cosine"}),
       at_least(key("sched.warmup", Type::Int, FIELD(sched.warmup)), 0),
@@ -382,6 +386,13 @@ void validate(const Config& c, int world, const std::map<std::string, std::strin
     err(fmt("sched.min_lr = %g is larger than optim.lr = %g", c.sched.min_lr, c.optim.lr));
   if (c.optim.name == "sgd" && set_keys.count("optim.beta1"))
     err("optim.beta1 has no meaning for optim.name = \"sgd\" (use optim.momentum)");
+  if (c.optim.name != "muon")
+    for (const char* k : {"optim.muon_momentum", "optim.ns_steps", "optim.adamw_lr", "optim.adamw_weight_decay"})
+      if (set_keys.count(k))
+        err(fmt("%s has no meaning for optim.name = \"%s\" (it sets Muon; see docs/muon.md)", k, c.optim.name.c_str()));
+  if (c.optim.name == "muon" && c.device.backend == "cuda" && !c.model.optim_cpu_offload)
+    err("optim.name = \"muon\" with device.backend = \"cuda\" is not implemented yet (the GPU optimizer is AdamW/SGD; "
+        "Muon runs on the CPU backend)");
   if (c.broadcast.backend == "filesystem" && c.broadcast.dir.empty())
     err("broadcast.backend = \"filesystem\" needs broadcast.dir (where step_<N>/ directories are written)");
   if (!c.data.packing) err("data.packing = false is not implemented yet (rows are always packed)");
@@ -467,6 +478,10 @@ DeckResult parse_deck_text(const std::string& text, const std::string& source_na
       config.model.arch.head_dim = config.model.arch.hidden_size / config.model.arch.num_heads;
     if (config.model.hf.empty() && config.model.arch.max_position_embeddings == 0)
       config.model.arch.max_position_embeddings = config.data.seq_len;
+    // Muon's AdamW group defaults to the matrices' lr and weight decay (the update
+    // scale rule makes one setting fit both); resolved here so the echoed deck is concrete.
+    if (config.optim.adamw_lr <= 0) config.optim.adamw_lr = config.optim.lr;
+    if (config.optim.adamw_weight_decay < 0) config.optim.adamw_weight_decay = config.optim.weight_decay;
     validate(config, world, where.overridden, errors);
   }
   return result;

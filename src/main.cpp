@@ -86,9 +86,9 @@ int cmd_check(const Runtime& rt, const CliArgs& args) {
     const ModelLayout layout(arch, world);
     // The plan of the backend this deck asks for; "auto" plans the CPU backend.
     const bool cuda = config.device.backend == "cuda";
-    MemoryPlan plan = plan_memory(arch, world, engine_options_for(config), config.optim.name == "adamw" ? 2 : 1,
+    MemoryPlan plan = plan_memory(arch, world, engine_options_for(config), optimizer_states(config.optim),
                                   cuda ? *make_cuda_backend() : *make_cpu_backend());
-    plan.host_workspace = output_workspace_bytes(config, layout);
+    plan.host_workspace = output_workspace_bytes(config, layout) + optimizer_workspace_bytes(config.optim, layout);
     std::printf("%s: valid for %d training rank%s\n\n%s\nmodel: %s, %lld parameters (%lld in matmuls)\n%s",
                 args.deck.c_str(), world, world == 1 ? "" : "s", resolved_deck(config).c_str(), arch.arch.c_str(),
                 (long long)layout.parameter_count(), (long long)layout.matmul_parameter_count(),
@@ -159,7 +159,8 @@ int cmd_train(Runtime& rt, const CliArgs& args) {
   MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, peak, 2, MPI_INT64_T, MPI_MAX, rt.role_comm));
   MemoryPlan plan = plan_memory(session.model.layout.config, comm->size(), engine_options_for(config),
                                 session.optimizer.states(), session.engine.backend());
-  plan.host_workspace = output_workspace_bytes(config, session.model.layout);
+  plan.host_workspace = output_workspace_bytes(config, session.model.layout) +
+                        optimizer_workspace_bytes(config.optim, session.model.layout);
   metrics.summary(plan, peak[0], peak[1], session.bad_steps_total);
   if (rt.world_rank == 0) std::printf("done: outputs in %s\n", config.run.dir.c_str());
   return 0;

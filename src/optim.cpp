@@ -73,6 +73,11 @@ int optimizer_states(const OptimSection& c) {
   return c.momentum > 0 ? 1 : 0;
 }
 
+int64_t optimizer_workspace_bytes(const OptimSection& c, const ModelLayout& layout) {
+  if (c.name != "muon") return 0;
+  return static_cast<int64_t>(sizeof(float)) * muon_workspace_numel(layout, layout.world);
+}
+
 Optimizer::Optimizer(const OptimSection& config, ShardedModel& model, Comm& comm) : config_(config), model_(&model) {
   init(&comm);
 }

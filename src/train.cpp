@@ -81,7 +81,7 @@ TrainSession::TrainSession(const Config& c, Comm& comm_)
       arch(model_config_for(c)),
       data(c.loss.type == "sft" ? std::optional<TokenDataset>(data_spec(c, arch.vocab_size)) : std::nullopt),
       model(initial_model(c, arch, comm_)),
-      optimizer(c.optim, model),
+      optimizer(c.optim, model, comm_),
       engine(model, comm_, engine_options_for(c),
              c.device.backend == "cuda" ? make_cuda_backend() : make_cpu_backend()) {
   if (engine.options().device_state) {

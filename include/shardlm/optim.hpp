@@ -29,6 +29,9 @@ double lr_at(const SchedSection& sched, double peak_lr, int64_t max_steps, int64
 
 // fp32 arrays per parameter element that `config` keeps (AdamW 2, SGD 0 or 1, Muon 2).
 int optimizer_states(const OptimSection& config);
+// Host bytes of optimizer workspace per rank beyond the state (Muon's exchange and
+// Newton–Schulz buffers on the rank that needs the most; 0 for AdamW and SGD).
+int64_t optimizer_workspace_bytes(const OptimSection& config, const ModelLayout& layout);
 
 class Optimizer {
  public:

@@ -114,12 +114,34 @@ TEST_CASE("out-of-range values and unknown choices") {
 }
 
 TEST_CASE("features not built yet are refused, never ignored") {
-  CHECK(only_error(parse(kValid, {"optim.name=muon"})) ==
-        "--set optim.name=muon: optim.name = \"muon\" is not implemented yet");
   CHECK(only_error(parse(kValid, {"comm.timeout_s=30"})) == "--set comm.timeout_s=30: comm.timeout_s is not implemented yet");
   CHECK(only_error(parse(kValid, {"comm.backend=nccl"})) ==
         "--set comm.backend=nccl: comm.backend = \"nccl\" is not implemented yet");
   CHECK(parse(kValid, {"model.optim_cpu_offload=true"}).config.model.optim_cpu_offload);  // built: accepted
+}
+
+TEST_CASE("muon: its keys parse, its AdamW group defaults to lr and weight_decay, other optimizers refuse them") {
+  DeckResult r = parse(kValid, {"optim.name=muon", "optim.lr=0.02", "optim.weight_decay=0.1"});
+  for (const auto& e : r.errors) MESSAGE(e);
+  REQUIRE(r.ok());
+  CHECK(r.config.optim.adamw_lr == 0.02);
+  CHECK(r.config.optim.adamw_weight_decay == 0.1);
+  CHECK(r.config.optim.muon_momentum == 0.95);
+  CHECK(r.config.optim.ns_steps == 5);
+  r = parse(kValid, {"optim.name=muon", "optim.adamw_lr=3e-4", "optim.adamw_weight_decay=0", "optim.ns_steps=3",
+                     "optim.muon_momentum=0.9"});
+  REQUIRE(r.ok());
+  CHECK(r.config.optim.adamw_lr == 3e-4);
+  CHECK(r.config.optim.adamw_weight_decay == 0.0);
+  CHECK(r.config.optim.ns_steps == 3);
+  CHECK(r.config.optim.muon_momentum == 0.9);
+  const DeckResult back = parse_deck_text(resolved_deck(r.config), "config.toml", {}, 1);  // the echo is concrete
+  REQUIRE(back.ok());
+  CHECK(back.config.optim.adamw_lr == 3e-4);
+  CHECK(only_error(parse(kValid, {"optim.ns_steps=3"})) ==
+        "deck.toml: optim.ns_steps has no meaning for optim.name = \"adamw\" (it sets Muon; see docs/muon.md)");
+  CHECK(only_error(parse(kValid, {"optim.name=muon", "optim.ns_steps=0"})) ==
+        "--set optim.ns_steps=0: optim.ns_steps = 0 is out of range: it must be between 1 and 20");
 }
 
 TEST_CASE("cross-field checks run before any work") {
