@@ -29,7 +29,7 @@ if [ ! -f "$BIBLE_DATA" ] || ! command -v "$BIBLE" >/dev/null 2>&1; then
   exit 1
 fi
 
-if [ -f "$out" ] && [ "$out" -nt "$BIBLE_DATA" ] && [ "$out" -nt "$0" ] \
+if [ -f "$out" ] && [ "$out" -nt "$BIBLE_DATA" ] && [ "$out" -nt "$root/tools/make_text_data.sh" ] \
    && [ "$out" -nt "$root/tools/make_dataset.py" ]; then
   exit 0   # up to date
 fi
