@@ -4,6 +4,7 @@
 #include "shardlm/checkpoint.hpp"
 
 #include <fcntl.h>
+#include <linux/falloc.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
 
@@ -18,6 +19,7 @@
 #include <memory>
 #include <set>
 #include <thread>
+#include <utility>
 #include <type_traits>
 
 #include "shardlm/h5util.hpp"
@@ -192,6 +194,7 @@ std::string read_str(hid_t obj, const char* name) {
   h5::Handle type(H5_CHECK(H5Aget_type(attr)), H5Tclose);
   SHARDLM_CHECK(H5Tget_class(type) == H5T_STRING, "attribute '%s' is not a string", name);
   h5::Handle mem(H5_CHECK(H5Tcopy(H5T_C_S1)), H5Tclose);
+  H5_CHECK(H5Tset_cset(mem, H5Tget_cset(type)));  // HDF5 does not convert between ASCII and UTF-8
   if (H5_CHECK(H5Tis_variable_str(type)) > 0) {
     H5_CHECK(H5Tset_size(mem, H5T_VARIABLE));
     char* text = nullptr;
@@ -285,9 +288,10 @@ CheckpointInfo read_info(hid_t file, const fs::path& path) {
   CheckpointInfo info;
   info.path = path;
   info.format = read_i64(file, "format_version");
-  SHARDLM_CHECK(info.format == kCheckpointFormat,
-                "it is in checkpoint format %lld; this shardlm (%s) reads format %lld", (long long)info.format,
-                SHARDLM_VERSION, (long long)kCheckpointFormat);
+  if (info.format != kCheckpointFormat)  // sound, but not ours to read: refused, never skipped as damage
+    throw CheckpointMismatch(fmt("checkpoint %s is in format %lld; this shardlm (%s) reads format %lld",
+                                 path.c_str(), (long long)info.format, SHARDLM_VERSION,
+                                 (long long)kCheckpointFormat));
   info.step = read_i64(file, "step");
   info.tokens_seen = read_i64(file, "tokens_seen");
   info.world_size_at_save = read_i64(file, "world_size_at_save");
@@ -435,6 +439,120 @@ h5::Handle mpio_fapl(MPI_Comm comm) {
   return fapl;
 }
 
+// Nodes the communicator spans (ranks sharing memory count as one node).
+int node_count(MPI_Comm comm) {
+  MPI_Comm node = MPI_COMM_NULL;
+  MPI_CHECK(MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, comm_rank(comm), MPI_INFO_NULL, &node));
+  int leader = comm_rank(node) == 0 ? 1 : 0, nodes = 0;
+  MPI_CHECK(MPI_Comm_free(&node));
+  MPI_CHECK(MPI_Allreduce(&leader, &nodes, 1, MPI_INT, MPI_SUM, comm));
+  return nodes;
+}
+
+// How ranks move raw data (SHARDLM_CKPT_XFER overrides the default):
+//   collective  (default across nodes) collective MPI-IO: the MPI-IO layer
+//               aggregates the ranks' pieces into large aligned requests,
+//               which parallel file systems want;
+//   direct      (default on one node) POSIX I/O at the offsets HDF5 allocated,
+//               whole 4 KiB blocks with O_DIRECT (RawFile, below);
+//   independent independent MPI-IO.
+// Measured on one node in docs/benchmarks.md ("Checkpoint I/O").
+enum class RawMode { Collective, Independent, Direct };
+
+RawMode raw_mode(MPI_Comm comm) {
+  const char* mode = std::getenv("SHARDLM_CKPT_XFER");
+  const std::string forced = mode ? mode : "";
+  if (forced == "collective") return RawMode::Collective;
+  if (forced == "independent") return RawMode::Independent;
+  if (forced == "direct") return RawMode::Direct;
+  return node_count(comm) > 1 ? RawMode::Collective : RawMode::Direct;
+}
+
+h5::Handle transfer_plist(RawMode mode) {
+  h5::Handle dxpl(H5_CHECK(H5Pcreate(H5P_DATASET_XFER)), H5Pclose);
+  H5_CHECK(H5Pset_dxpl_mpio(dxpl, mode == RawMode::Collective ? H5FD_MPIO_COLLECTIVE : H5FD_MPIO_INDEPENDENT));
+  return dxpl;
+}
+
+// Raw data of contiguous datasets moved with POSIX I/O at the byte offsets HDF5
+// allocated (the file stays a plain HDF5 file). The whole 4 KiB blocks inside a
+// piece go through O_DIRECT and a 4 KiB-aligned staging buffer: the page cache
+// would cost a copy of every byte and, on the VMs we measured, a first touch of
+// every page. The partial blocks at either end are written buffered: they may
+// share a block with another rank's piece or with HDF5 metadata, and one
+// node's page cache keeps those coherent, which is why direct mode is the
+// single-node default only. Without O_DIRECT (tmpfs, some file systems) all of
+// it is buffered.
+class RawFile {
+ public:
+  static constexpr int64_t kBlock = 4096;
+  static constexpr int64_t kStaging = int64_t(16) << 20;
+
+  RawFile(const fs::path& path, bool write) : path_(path) {
+    const int flags = write ? O_WRONLY : O_RDONLY;
+    buffered_ = ::open(path.c_str(), flags);
+    SHARDLM_CHECK(buffered_ >= 0, "cannot open %s: %s", path.c_str(), std::strerror(errno));
+    direct_ = ::open(path.c_str(), flags | O_DIRECT);
+    if (direct_ >= 0) staging_ = static_cast<char*>(std::aligned_alloc(kBlock, kStaging));
+    SHARDLM_CHECK(direct_ < 0 || staging_, "cannot allocate the %lld-byte checkpoint staging buffer",
+                  (long long)kStaging);
+  }
+  ~RawFile() {
+    if (buffered_ >= 0) ::close(buffered_);
+    if (direct_ >= 0) ::close(direct_);
+    std::free(staging_);
+  }
+  RawFile(const RawFile&) = delete;
+  RawFile& operator=(const RawFile&) = delete;
+
+  void write(int64_t offset, const void* src, int64_t bytes) { move(offset, const_cast<void*>(src), bytes, true); }
+  void read(int64_t offset, void* dst, int64_t bytes) { move(offset, dst, bytes, false); }
+
+ private:
+  void all(int fd, char* p, int64_t n, int64_t off, bool write) {
+    while (n > 0) {
+      const size_t chunk = static_cast<size_t>(std::min<int64_t>(n, int64_t(1) << 30));
+      const ssize_t done = write ? ::pwrite(fd, p, chunk, off) : ::pread(fd, p, chunk, off);
+      if (done < 0 && errno == EINTR) continue;
+      SHARDLM_CHECK(done >= 0, "%s %s at byte %lld: %s", write ? "writing" : "reading", path_.c_str(),
+                    (long long)off, std::strerror(errno));
+      SHARDLM_CHECK(done > 0, "%s ends at byte %lld, before the data it should hold (truncated file)",
+                    path_.c_str(), (long long)off);
+      p += done, n -= done, off += done;
+    }
+  }
+  void move(int64_t offset, void* buffer, int64_t bytes, bool write) {
+    char* p = static_cast<char*>(buffer);
+    const int64_t end = offset + bytes;
+    const int64_t a = (offset + kBlock - 1) / kBlock * kBlock, b = end / kBlock * kBlock;
+    if (direct_ < 0 || a >= b) return all(buffered_, p, bytes, offset, write);
+    if (a > offset) all(buffered_, p, a - offset, offset, write);
+    for (int64_t x = a; x < b; x += kStaging) {
+      const int64_t n = std::min(kStaging, b - x);
+      if (write) std::memcpy(staging_, p + (x - offset), static_cast<size_t>(n));
+      all(direct_, staging_, n, x, write);
+      if (!write) std::memcpy(p + (x - offset), staging_, static_cast<size_t>(n));
+    }
+    if (end > b) all(buffered_, p + (b - offset), end - b, b, write);
+  }
+
+  fs::path path_;
+  int buffered_ = -1, direct_ = -1;
+  char* staging_ = nullptr;
+};
+
+// Byte offset of a dataset's data when RawFile can read it: contiguous,
+// allocated, unfiltered little-endian float32 (what shardlm writes); -1 when
+// not (a file rewritten by other tools), and HDF5 reads it instead.
+int64_t raw_offset(hid_t dset) {
+  h5::Handle dcpl(H5_CHECK(H5Dget_create_plist(dset)), H5Pclose);
+  h5::Handle type(H5_CHECK(H5Dget_type(dset)), H5Tclose);
+  if (H5Pget_layout(dcpl) != H5D_CONTIGUOUS || H5Pget_nfilters(dcpl) != 0) return -1;
+  if (H5_CHECK(H5Tequal(type, H5T_IEEE_F32LE)) <= 0) return -1;
+  const haddr_t offset = H5Dget_offset(dset);
+  return offset == HADDR_UNDEF ? -1 : static_cast<int64_t>(offset);
+}
+
 h5::Handle open_serial(const fs::path& path) {
   h5::Handle fapl(H5_CHECK(H5Pcreate(H5P_FILE_ACCESS)), H5Pclose);
   H5_CHECK(H5Pset_file_locking(fapl, false, true));
@@ -511,7 +629,8 @@ void prepare_dir(const fs::path& dir, int64_t bytes_needed, int64_t keep_last) {
       std::printf("checkpoint: removed %s, left by an interrupted save\n", e.path().c_str());
     }
   }
-  // Tests: SHARDLM_CKPT_SKIP_SPACE_CHECK=1 lets a save run into a real ENOSPC;
+  // Tests: SHARDLM_CKPT_SKIP_SPACE_CHECK=1 skips this and the reservation, so a
+  // save runs into a real ENOSPC in its writes;
   // SHARDLM_CKPT_FAKE_FREE_BYTES=N pretends the disk has N bytes free.
   const char* skip = std::getenv("SHARDLM_CKPT_SKIP_SPACE_CHECK");
   const char* fake = std::getenv("SHARDLM_CKPT_FAKE_FREE_BYTES");
@@ -544,19 +663,70 @@ void apply_retention(const fs::path& dir, int64_t current, const CkptSection& ck
 
 // ------------------------------------------------------------ save
 
+// An HDF5 file id that is closed explicitly (and checked) on success, and
+// closed quietly when an exception unwinds.
+class FileId {
+ public:
+  FileId() = default;
+  FileId(const FileId&) = delete;
+  FileId& operator=(const FileId&) = delete;
+  ~FileId() {
+    if (id_ >= 0) H5Fclose(id_);
+  }
+  void reset(hid_t id) { id_ = id; }
+  operator hid_t() const { return id_; }  // NOLINT
+  void close() { H5_CHECK(H5Fclose(std::exchange(id_, H5I_INVALID_HID))); }
+
+ private:
+  hid_t id_ = H5I_INVALID_HID;
+};
+
+// "N MiB free on the filesystem of DIR", for messages about failed writes.
+std::string free_space_text(const fs::path& dir) {
+  struct statvfs st {};
+  if (::statvfs(dir.c_str(), &st) != 0) return "free space unknown";
+  return mib(static_cast<double>(st.f_bavail) * static_cast<double>(st.f_frsize)) + " free on the filesystem of " +
+         dir.string();
+}
+
+// Reserves the file's blocks so the raw-data writes cannot run out of space:
+// a full disk shows up here, while the metadata is already on disk and clean.
+// Filesystems without fallocate (some NFS, Lustre versions) skip it.
+void reserve_space(const fs::path& path, int64_t bytes) {
+  const int fd = ::open(path.c_str(), O_WRONLY);
+  SHARDLM_CHECK(fd >= 0, "cannot open %s: %s", path.c_str(), std::strerror(errno));
+  const int rc = ::fallocate(fd, FALLOC_FL_KEEP_SIZE, 0, static_cast<off_t>(bytes));
+  const int err = errno;
+  ::close(fd);
+  if (rc != 0 && err != EOPNOTSUPP && err != ENOSYS)
+    SHARDLM_FAIL("cannot reserve %s for %s: %s", mib(static_cast<double>(bytes)).c_str(), path.c_str(),
+                 std::strerror(err));
+}
+
+// The collective write. Order matters for failures: parallel HDF5 cannot close
+// a file whose metadata flush failed on some ranks without hanging, so all
+// metadata is created and flushed first, the file's space is reserved, and
+// only then is raw data written; a failed raw write leaves clean metadata and
+// a close that every rank completes.
 void write_file(TrainSession& s, MPI_Comm comm, const fs::path& tmp, int64_t steps_done, int64_t tokens_seen,
                 const std::vector<Tensor>& tensors, const std::vector<uint64_t>& sums, uint64_t position_sum,
                 const std::vector<int64_t>& position, const std::string& saved_at) {
   const int rank = comm_rank(comm);
-  h5::Handle file;
+  FileId file;
   std::vector<h5::Handle> dsets;
   h5::Handle position_dset;
   agreed(comm, [&] {
     h5::Handle fapl = mpio_fapl(comm);
-    file = h5::Handle(H5_CHECK(H5Fcreate(tmp.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, fapl)), H5Fclose);
+    file.reset(H5_CHECK(H5Fcreate(tmp.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, fapl)));
   });
   agreed(comm, [&] {
-    // Metadata: every rank makes the same calls with the same values.
+    // Metadata: every rank makes the same calls with the same values. No
+    // timestamps in object headers: the same state gives the same bytes.
+    h5::Handle gcpl(H5_CHECK(H5Pcreate(H5P_GROUP_CREATE)), H5Pclose);
+    H5_CHECK(H5Pset_obj_track_times(gcpl, false));
+    auto group = [&](hid_t parent, const std::string& name) {
+      return h5::Handle(H5_CHECK(H5Gcreate2(parent, name.c_str(), H5P_DEFAULT, gcpl, H5P_DEFAULT)), H5Gclose);
+    };
     attr_i64(file, "format_version", kCheckpointFormat);
     attr_i64(file, "step", steps_done);
     attr_i64(file, "tokens_seen", tokens_seen);
@@ -571,9 +741,9 @@ void write_file(TrainSession& s, MPI_Comm comm, const fs::path& tmp, int64_t ste
     for (const auto& u : layout.units) n_params += static_cast<int64_t>(u.params.size());
     const auto names = state_names(s.optimizer);
     {
-      h5::Handle g(H5_CHECK(H5Gcreate2(file, "model", H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT)), H5Gclose);
+      h5::Handle g = group(file, "model");
       write_arch(g, layout.config, layout.parameter_count(), n_params);
-      h5::Handle o(H5_CHECK(H5Gcreate2(file, "optim", H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT)), H5Gclose);
+      h5::Handle o = group(file, "optim");
       attr_str(o, "name", s.optimizer.name());
       attr_str(o, "states", join(names, ","));
       attr_i64(o, "steps_taken", s.optimizer.steps_taken());
@@ -586,11 +756,10 @@ void write_file(TrainSession& s, MPI_Comm comm, const fs::path& tmp, int64_t ste
       attr_f64(o, "momentum", oc.momentum);
       std::set<std::string> made;
       for (const auto& t : tensors)
-        if (t.path.rfind("/optim/", 0) == 0 && made.insert(t.param->name).second)
-          h5::Handle(H5_CHECK(H5Gcreate2(o, t.param->name.c_str(), H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT)), H5Gclose);
-      h5::Handle d(H5_CHECK(H5Gcreate2(file, "data", H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT)), H5Gclose);
+        if (t.path.rfind("/optim/", 0) == 0 && made.insert(t.param->name).second) group(o, t.param->name);
+      h5::Handle d = group(file, "data");
       attr_str(d, "position_fields", "format, step, rows_consumed, seq_len, seed, documents, shuffle");
-      h5::Handle r(H5_CHECK(H5Gcreate2(file, "rng", H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT)), H5Gclose);
+      h5::Handle r = group(file, "rng");
       attr_i64(r, "seed", s.config.run.seed);
       attr_str(r, "note",
                "counter-based: initial weights = f(seed, name, index), data order = f(seed, epoch); "
@@ -600,6 +769,7 @@ void write_file(TrainSession& s, MPI_Comm comm, const fs::path& tmp, int64_t ste
     h5::Handle dcpl(H5_CHECK(H5Pcreate(H5P_DATASET_CREATE)), H5Pclose);
     H5_CHECK(H5Pset_fill_time(dcpl, H5D_FILL_TIME_NEVER));
     H5_CHECK(H5Pset_alloc_time(dcpl, H5D_ALLOC_TIME_EARLY));
+    H5_CHECK(H5Pset_obj_track_times(dcpl, false));
     for (size_t i = 0; i < tensors.size(); ++i) {
       const auto& shape = tensors[i].param->shape;
       std::vector<hsize_t> dims(shape.begin(), shape.end());
@@ -615,18 +785,39 @@ void write_file(TrainSession& s, MPI_Comm comm, const fs::path& tmp, int64_t ste
         H5_CHECK(H5Dcreate2(file, "/data/position", H5T_STD_I64LE, space, H5P_DEFAULT, dcpl, H5P_DEFAULT)),
         H5Dclose);
     attr_u64(position_dset, "checksum", position_sum);
+    H5_CHECK(H5Fflush(file, H5F_SCOPE_GLOBAL));
+  });
+  std::vector<int64_t> offsets(tensors.size());
+  agreed(comm, [&] {
+    int64_t end = 0;  // past the last byte of raw data: every dataset's space is allocated by now
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      const haddr_t offset = H5Dget_offset(dsets[i]);
+      SHARDLM_CHECK(offset != HADDR_UNDEF, "no file space for %s", tensors[i].path.c_str());
+      offsets[i] = static_cast<int64_t>(offset);
+      end = std::max(end, offsets[i] + tensors[i].param->numel * 4);
+    }
+    const char* skip = std::getenv("SHARDLM_CKPT_SKIP_SPACE_CHECK");  // tests: reach ENOSPC in the writes
+    if (rank == 0 && !(skip && *skip)) reserve_space(tmp, end);
   });
 
-  h5::Handle dxpl(H5_CHECK(H5Pcreate(H5P_DATASET_XFER)), H5Pclose);
-  H5_CHECK(H5Pset_dxpl_mpio(dxpl, H5FD_MPIO_COLLECTIVE));
+  const RawMode mode = raw_mode(comm);
+  h5::Handle dxpl = transfer_plist(mode);
+  std::unique_ptr<RawFile> raw;
+  if (mode == RawMode::Direct) agreed(comm, [&] { raw = std::make_unique<RawFile>(tmp, true); });
   for (size_t i = 0; i < tensors.size(); ++i) {
     agreed(comm, [&] {
       const Tensor& t = tensors[i];
-      const LocalRange r = local_range(s.model, t);
-      float* base = (*t.shards)[t.unit].data() + r.shard_offset;
-      transfer<float>(dsets[i], t.param->shape, r.begin, r.count, base, rounds_for(s.model, t), dxpl,
-                      H5T_NATIVE_FLOAT, true);
-      if (i == 0) maybe_inject_save_fault(rank, steps_done);
+      try {
+        const LocalRange r = local_range(s.model, t);
+        float* base = (*t.shards)[t.unit].data() + r.shard_offset;
+        if (raw) raw->write(offsets[i] + r.begin * 4, base, r.count * 4);
+        else transfer<float>(dsets[i], t.param->shape, r.begin, r.count, base, rounds_for(s.model, t), dxpl,
+                             H5T_NATIVE_FLOAT, true);
+        if (i == 0) maybe_inject_save_fault(rank, steps_done);
+      } catch (const std::exception& e) {
+        SHARDLM_FAIL("writing %s failed on rank %d: %s (%s)", t.path.c_str(), rank, e.what(),
+                     free_space_text(tmp.parent_path()).c_str());
+      }
     });
   }
   agreed(comm, [&] {
@@ -636,11 +827,11 @@ void write_file(TrainSession& s, MPI_Comm comm, const fs::path& tmp, int64_t ste
                       true);
   });
   agreed(comm, [&] {
+    raw.reset();
     position_dset.reset();
     dsets.clear();
-    H5_CHECK(H5Fflush(file, H5F_SCOPE_GLOBAL));  // metadata now, where its errors can be seen
+    file.close();
   });
-  file.reset();
 }
 
 }  // namespace
@@ -779,6 +970,7 @@ bool checkpoint_due(const CkptSection& ckpt, int64_t steps_done, int64_t max_ste
 // ------------------------------------------------------------ save
 
 SaveResult save_checkpoint(TrainSession& s, MPI_Comm comm, int64_t steps_done, int64_t tokens_seen) {
+  h5::silence_error_stack();  // failures become one shardlm::Error line
   const auto t0 = std::chrono::steady_clock::now();
   const int rank = comm_rank(comm);
   const fs::path dir = checkpoint_dir(s.config);
@@ -788,6 +980,7 @@ SaveResult save_checkpoint(TrainSession& s, MPI_Comm comm, int64_t steps_done, i
   const std::vector<Tensor> tensors = tensors_of(s);
 
   try {
+    s.pull_state();  // device-resident state (GPU): refresh the host shards we write from
     int64_t data_bytes = 0;
     for (const auto& t : tensors) data_bytes += t.param->numel * 4;
     const int64_t bytes_needed = data_bytes + static_cast<int64_t>(tensors.size()) * 4096 + (1 << 20);
@@ -802,11 +995,17 @@ SaveResult save_checkpoint(TrainSession& s, MPI_Comm comm, int64_t steps_done, i
       sums[i] = checksum_f32((*tensors[i].shards)[tensors[i].unit].data() + r.shard_offset, r.begin, r.count);
     }
     MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, sums.data(), static_cast<int>(sums.size()), MPI_UINT64_T, MPI_SUM, comm));
-    const std::vector<int64_t> position = s.data.position(steps_done).to_vector();
+    // RL reads rollout files by step: no sampler position beyond the step itself.
+    const std::vector<int64_t> position =
+        s.data ? s.data->position(steps_done).to_vector() : DataPosition{steps_done}.to_vector();
     const uint64_t position_sum = checksum_i64(position.data(), 0, static_cast<int64_t>(position.size()));
     const std::string saved_at = bcast_string(comm, rank == 0 ? now_text() : "");
 
+    const auto t_written = std::chrono::steady_clock::now();
+    result.checksum_s = std::chrono::duration<double>(t_written - t0).count();
     write_file(s, comm, tmp, steps_done, tokens_seen, tensors, sums, position_sum, position, saved_at);
+    const auto t_synced = std::chrono::steady_clock::now();
+    result.write_s = std::chrono::duration<double>(t_synced - t_written).count();
 
     // Durable before visible: every node flushes its part, then rank 0 renames.
     agreed(comm, [&] {
@@ -816,6 +1015,7 @@ SaveResult save_checkpoint(TrainSession& s, MPI_Comm comm, int64_t steps_done, i
       MPI_CHECK(MPI_Comm_free(&node));
       if (node_rank == 0) sync_path(tmp, false);
     });
+    result.sync_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_synced).count();
     agreed(comm, [&] {
       if (rank != 0) return;
       result.bytes = static_cast<int64_t>(fs::file_size(tmp));
@@ -839,9 +1039,10 @@ SaveResult save_checkpoint(TrainSession& s, MPI_Comm comm, int64_t steps_done, i
   result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   if (rank == 0) {
     if (result.ok)
-      std::printf("checkpoint: saved %s (%s) in %.2f s, %.0f MiB/s\n", result.path.c_str(),
-                  mib(static_cast<double>(result.bytes)).c_str(), result.seconds,
-                  static_cast<double>(result.bytes) / 1048576.0 / std::max(result.seconds, 1e-9));
+      std::printf("checkpoint: saved %s (%s) in %.2f s, %.0f MiB/s (checksums %.2f s, write %.2f s, fsync %.2f s)\n",
+                  result.path.c_str(), mib(static_cast<double>(result.bytes)).c_str(), result.seconds,
+                  static_cast<double>(result.bytes) / 1048576.0 / std::max(result.seconds, 1e-9), result.checksum_s,
+                  result.write_s, result.sync_s);
     else
       std::fprintf(stderr,
                    "shardlm: checkpoint %s FAILED: %s\n"
@@ -935,6 +1136,7 @@ std::vector<std::string> mismatches_of(TrainSession& s, hid_t file, const Checkp
 }  // namespace
 
 CheckpointInfo load_checkpoint(TrainSession& s, MPI_Comm comm, const fs::path& path) {
+  h5::silence_error_stack();  // failures become one shardlm::Error line
   const int rank = comm_rank(comm);
   const std::vector<Tensor> tensors = tensors_of(s);
   h5::Handle file;
@@ -961,6 +1163,8 @@ CheckpointInfo load_checkpoint(TrainSession& s, MPI_Comm comm, const fs::path& p
         SHARDLM_FAIL("checksum mismatch in /data/position");
     } catch (const CheckpointDamaged&) {
       throw;
+    } catch (const CheckpointMismatch&) {
+      throw;
     } catch (const std::exception& e) {
       throw_damaged(path, e.what());
     }
@@ -976,7 +1180,7 @@ CheckpointInfo load_checkpoint(TrainSession& s, MPI_Comm comm, const fs::path& p
     // The data order last: restore() only moves the sampler when it fits.
     try {
       info.data = DataPosition::from_vector(position);
-      s.data.restore(info.data);
+      if (s.data) s.data->restore(info.data);
     } catch (const Error& e) {
       problems.push_back(e.what());
     }
@@ -989,8 +1193,17 @@ CheckpointInfo load_checkpoint(TrainSession& s, MPI_Comm comm, const fs::path& p
   });
 
   // Tensor data: each rank reads its shards' intersection with every dataset.
-  h5::Handle dxpl(H5_CHECK(H5Pcreate(H5P_DATASET_XFER)), H5Pclose);
-  H5_CHECK(H5Pset_dxpl_mpio(dxpl, H5FD_MPIO_COLLECTIVE));
+  const RawMode mode = raw_mode(comm);
+  h5::Handle dxpl = transfer_plist(mode);
+  std::unique_ptr<RawFile> raw;
+  if (mode == RawMode::Direct)
+    agreed(comm, [&] {
+      try {
+        raw = std::make_unique<RawFile>(path, false);
+      } catch (const std::exception& e) {
+        throw_damaged(path, e.what());
+      }
+    });
   std::vector<uint64_t> sums(tensors.size());
   for (size_t i = 0; i < tensors.size(); ++i) {
     agreed(comm, [&] {
@@ -1000,14 +1213,17 @@ CheckpointInfo load_checkpoint(TrainSession& s, MPI_Comm comm, const fs::path& p
         stored[i] = read_u64(d, "checksum");
         const LocalRange r = local_range(s.model, t);
         float* base = (*t.shards)[t.unit].data() + r.shard_offset;
-        transfer<float>(d, t.param->shape, r.begin, r.count, base, rounds_for(s.model, t), dxpl, H5T_NATIVE_FLOAT,
-                        false);
+        const int64_t offset = raw ? raw_offset(d) : -1;  // the same on every rank: metadata
+        if (offset >= 0) raw->read(offset + r.begin * 4, base, r.count * 4);
+        else transfer<float>(d, t.param->shape, r.begin, r.count, base, rounds_for(s.model, t), dxpl,
+                             H5T_NATIVE_FLOAT, false);
         sums[i] = checksum_f32(base, r.begin, r.count);
       } catch (const std::exception& e) {
         throw_damaged(path, fmt("%s: %s", tensors[i].path.c_str(), e.what()));
       }
     });
   }
+  raw.reset();
   dxpl.reset();
   file.reset();
   MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, sums.data(), static_cast<int>(sums.size()), MPI_UINT64_T, MPI_SUM, comm));
@@ -1025,10 +1241,12 @@ CheckpointInfo load_checkpoint(TrainSession& s, MPI_Comm comm, const fs::path& p
   s.optimizer.set_steps_taken(info.optimizer_steps);
   s.bad_steps_in_a_row = info.bad_steps_in_a_row;
   s.bad_steps_total = info.bad_steps_total;
+  s.push_state();  // device-resident state (GPU): the host shards we read into go to the device
   return info;
 }
 
 CheckpointInfo read_checkpoint_info(const fs::path& path) {
+  h5::silence_error_stack();  // failures become one shardlm::Error line
   try {
     SHARDLM_CHECK(fs::exists(path), "no such file");
     h5::Handle file = open_serial(path);
@@ -1039,6 +1257,8 @@ CheckpointInfo read_checkpoint_info(const fs::path& path) {
     info.data = DataPosition::from_vector(position);
     return info;
   } catch (const CheckpointDamaged&) {
+    throw;
+  } catch (const CheckpointMismatch&) {
     throw;
   } catch (const std::exception& e) {
     throw_damaged(path, e.what());
@@ -1183,6 +1403,7 @@ std::string export_dtype(const std::string& d) {
 }  // namespace
 
 int inspect_checkpoint(const fs::path& given, MPI_Comm comm, std::FILE* out) {
+  h5::silence_error_stack();  // failures become one shardlm::Error line
   int rc = 0;
   if (comm_rank(comm) == 0) {
     fs::path path = given;
@@ -1258,6 +1479,7 @@ int inspect_checkpoint(const fs::path& given, MPI_Comm comm, std::FILE* out) {
 }
 
 void export_checkpoint(const fs::path& given, const fs::path& out_dir, const std::string& dtype_arg, MPI_Comm comm) {
+  h5::silence_error_stack();  // failures become one shardlm::Error line
   agreed(comm, [&] {
     if (comm_rank(comm) != 0) return;
     const std::string dtype = export_dtype(dtype_arg);

@@ -13,6 +13,8 @@ const char* usage() {
          "       shardlm check DECK [--set section.key=value]... [--world N]\n"
          "       shardlm receive DECK [--set section.key=value]... [--out DIR]\n"
          "       shardlm forward --hf DIR --tokens IN.h5 --out OUT.h5\n"
+         "       shardlm inspect CHECKPOINT\n"
+         "       shardlm export CHECKPOINT --out DIR [--dtype bf16|fp32]\n"
          "       shardlm --help | --version\n"
          "\n"
          "  train   run the deck's training job (launch with mpirun or srun; a singleton works too)\n"
@@ -21,6 +23,10 @@ const char* usage() {
          "          mpirun -np N shardlm train D : -np 1 shardlm receive D); --out writes the last weights\n"
          "  forward logits of an HF model directory for int32 `tokens` [B, T] (each row one sequence),\n"
          "          written as float32 `logits` [B, T, V]; one process\n"
+         "  inspect print a checkpoint's step, world size, model and optimizer, and verify every\n"
+         "          checksum (exit 1 when damaged); CHECKPOINT is a step_N.h5 file or a run dir\n"
+         "  export  write an HF model directory (config.json + model.safetensors) from a checkpoint;\n"
+         "          one process is enough (default --dtype bf16)\n"
          "  --set   override any deck key; the value is parsed as TOML (--set optim.lr=3e-4,\n"
          "          --set 'run.dir=\"runs/a\"'); for string keys an unquoted value is the string\n"
          "  --world the number of training ranks `check` plans for (default: the MPI world)\n";
@@ -33,12 +39,14 @@ CliArgs parse_cli(int argc, const char* const* argv) {
   const std::string first = argv[1];
   if (first == "--help" || first == "-h" || first == "help") return args.command = "help", args;
   if (first == "--version" || first == "version") return args.command = "version", args;
-  if (first != "train" && first != "check" && first != "forward" && first != "receive") fail("unknown command '" + first + "'");
+  if (first != "train" && first != "check" && first != "forward" && first != "receive" && first != "inspect" &&
+      first != "export") fail("unknown command '" + first + "'");
   args.command = first;
   // Options that take one value, per command.
   const auto takes = [&](const std::string& name) {
     return (args.command == "forward" && (name == "--hf" || name == "--tokens" || name == "--out")) ||
-           (args.command == "receive" && name == "--out");
+           (args.command == "receive" && name == "--out") ||
+           (args.command == "export" && (name == "--out" || name == "--dtype"));
   };
 
   for (int i = 2; i < argc; ++i) {
@@ -66,6 +74,14 @@ CliArgs parse_cli(int argc, const char* const* argv) {
     for (const char* need : {"hf", "tokens", "out"})
       if (!args.options.count(need)) fail(std::string("'forward' needs --") + need);
     if (!args.deck.empty() || !args.overrides.empty()) fail("'forward' takes no deck and no --set");
+    return args;
+  }
+  if (args.command == "inspect" || args.command == "export") {
+    if (args.deck.empty()) fail("'" + args.command + "' needs a checkpoint (a step_N.h5 file or a run dir)");
+    if (!args.overrides.empty()) fail("'" + args.command + "' takes no --set");
+    if (args.command == "export" && !args.options.count("out")) fail("'export' needs --out DIR");
+    args.options["checkpoint"] = args.deck;  // the positional argument is the checkpoint, not a deck
+    args.deck.clear();
     return args;
   }
   if (args.deck.empty()) fail("'" + args.command + "' needs a deck (a TOML file)");

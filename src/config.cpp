@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <map>
@@ -139,10 +140,10 @@ const std::vector<KeySpec>& key_table() {
       at_least(key("loss.ce_coef", Type::Float, FIELD(loss.ce_coef)), 0),
 
       at_least(key("ckpt.interval", Type::Int, FIELD(ckpt.interval)), 0),
-      not_implemented(at_least(key("ckpt.keep_last", Type::Int, FIELD(ckpt.keep_last)), 1)),
-      not_implemented(at_least(key("ckpt.keep_interval", Type::Int, FIELD(ckpt.keep_interval)), 0)),
+      at_least(key("ckpt.keep_last", Type::Int, FIELD(ckpt.keep_last)), 1),
+      at_least(key("ckpt.keep_interval", Type::Int, FIELD(ckpt.keep_interval)), 0),
       key("ckpt.resume", Type::String, FIELD(ckpt.resume)),
-      not_implemented(one_of(key("ckpt.on_error", Type::String, FIELD(ckpt.on_error)), {"stop", "continue"})),
+      one_of(key("ckpt.on_error", Type::String, FIELD(ckpt.on_error)), {"stop", "continue"}),
 
       one_of(key("broadcast.backend", Type::String, FIELD(broadcast.backend)), {"none", "nccl", "filesystem"}),
       positive(key("broadcast.interval", Type::Int, FIELD(broadcast.interval))),
@@ -347,9 +348,9 @@ void validate(const Config& c, int world, const std::map<std::string, std::strin
   const auto& a = c.model.arch;
 
 
-  if (c.ckpt.interval > 0) err(fmt("ckpt.interval = %lld is not implemented yet (checkpoints)", (long long)c.ckpt.interval));
-  if (c.ckpt.resume != "latest" && c.ckpt.resume != "none")
-    err("ckpt.resume = \"" + c.ckpt.resume + "\": resuming from a path is not implemented yet");
+  if (c.ckpt.resume != "latest" && c.ckpt.resume != "none" && !std::filesystem::is_regular_file(c.ckpt.resume))
+    err("ckpt.resume = \"" + c.ckpt.resume + "\" is not a file: give \"latest\", \"none\" or the path of a "
+        "checkpoint (<run.dir>/checkpoints/step_<N>.h5)");
 
   if (c.model.hf.empty()) {
     const char* missing = a.vocab_size <= 0 ? "vocab_size" : a.hidden_size <= 0 ? "hidden_size"

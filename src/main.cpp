@@ -11,6 +11,7 @@
 #include <string>
 
 #include "shardlm/broadcast.hpp"
+#include "shardlm/checkpoint.hpp"
 #include "shardlm/cli.hpp"
 #include "shardlm/comm.hpp"
 #include "shardlm/config.hpp"
@@ -108,6 +109,16 @@ int cmd_receive(Runtime& rt, const CliArgs& args) {
   return 0;
 }
 
+// `shardlm inspect CKPT`: what a checkpoint holds, every checksum verified; exit 1 when damaged.
+int cmd_inspect(const CliArgs& args) { return inspect_checkpoint(args.options.at("checkpoint"), MPI_COMM_WORLD, stdout); }
+
+// `shardlm export CKPT --out DIR [--dtype bf16|fp32]`: an HF model directory from a checkpoint.
+int cmd_export(const CliArgs& args) {
+  const std::string dtype = args.options.count("dtype") ? args.options.at("dtype") : "bf16";
+  export_checkpoint(args.options.at("checkpoint"), args.options.at("out"), dtype, MPI_COMM_WORLD);
+  return 0;
+}
+
 int cmd_train(Runtime& rt, const CliArgs& args) {
   Config config;
   if (!load_deck(rt, args, rt.num_trainers, config)) return 1;
@@ -126,8 +137,6 @@ int cmd_train(Runtime& rt, const CliArgs& args) {
   TrainSession session(config, *comm);
   // MFU against dense bf16 peak: 989 TFLOP/s for an H100 SXM (DESIGN.md); none on the CPU.
   const double peak_flops = rt.backend == "cuda" ? 989e12 : 0.0;
-  Metrics metrics(config, comm->rank() == 0, flops_per_token(session.model.layout, config.data.seq_len),
-                  peak_flops);
   if (comm->rank() == 0) {
     const ModelLayout& layout = session.model.layout;
     std::printf("model %s: %lld parameters, %d layers, hidden %lld\n", layout.config.arch.c_str(),
@@ -140,15 +149,40 @@ int cmd_train(Runtime& rt, const CliArgs& args) {
     std::fflush(stdout);
   }
 
-  for (int64_t step = 0; step < config.run.max_steps; ++step) {
+  // init from a checkpoint (ckpt.resume: latest | none | a file); SIGUSR1/SIGTERM stop after a step
+  install_stop_signal_handlers();
+  const ResumePoint start = resume(session, rt.role_comm);
+  Metrics metrics(config, comm->rank() == 0, /*append=*/start.step > 0, flops_per_token(session.model.layout, config.data.seq_len),
+                  peak_flops);
+
+  int exit_code = 0;
+  int64_t tokens_seen = start.tokens_seen;
+  for (int64_t step = start.step; step < config.run.max_steps; ++step) {
     const StepStats stats = session.step(step);  // batch, forward, loss, backward, clip, optimizer
     metrics.log(stats);
+    tokens_seen += stats.tokens;
     if (broadcaster.due(step + 1)) {
       session.pull_state();
       broadcaster.send(session.model, step + 1);
     }
+    const bool stop = stop_requested(rt.role_comm);  // SIGUSR1/SIGTERM on any rank, agreed by all
+    if (stop || checkpoint_due(config.ckpt, step + 1, config.run.max_steps)) {
+      const SaveResult saved = save_checkpoint(session, rt.role_comm, step + 1, tokens_seen);
+      if (!saved.ok && config.ckpt.on_error == "stop") {
+        exit_code = kExitCheckpointFailed;
+        break;
+      }
+    }
+    if (stop) {
+      if (comm->rank() == 0)
+        std::printf("stopped by signal %d after step %lld: exit %d (requeue and resume)\n", stop_signal(),
+                    (long long)step + 1, kExitRequeue);
+      exit_code = kExitRequeue;
+      break;
+    }
   }
   broadcaster.finish();
+  if (exit_code != 0) return exit_code;
   if (!config.run.export_dir.empty()) {
     session.pull_state();
     export_hf(session.model, *comm, config.run.export_dir, config.run.export_dtype == "bf16" ? "BF16" : "F32");
@@ -195,6 +229,8 @@ int main(int argc, char** argv) {
   try {
     rc = args.command == "check" ? cmd_check(rt, args)
          : args.command == "receive" ? cmd_receive(rt, args)
+         : args.command == "inspect" ? cmd_inspect(args)
+         : args.command == "export"  ? cmd_export(args)
                                      : cmd_train(rt, args);
   } catch (const std::exception& e) {
     fatal(e.what());  // one message naming the rank, then MPI_Abort: never a hang

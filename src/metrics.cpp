@@ -16,7 +16,7 @@ std::string clock_text(double seconds) {
 
 }  // namespace
 
-Metrics::Metrics(const Config& config, bool writer, double flops_per_token, double peak_flops)
+Metrics::Metrics(const Config& config, bool writer, bool append, double flops_per_token, double peak_flops)
     : config_(config),
       writer_(writer),
       start_(std::chrono::steady_clock::now()),
@@ -24,7 +24,7 @@ Metrics::Metrics(const Config& config, bool writer, double flops_per_token, doub
       peak_flops_(peak_flops) {
   if (!writer_) return;
   const auto path = std::filesystem::path(config.run.dir) / config.log.jsonl;
-  jsonl_ = std::fopen(path.c_str(), "w");
+  jsonl_ = std::fopen(path.c_str(), append ? "a" : "w");
   SHARDLM_CHECK(jsonl_, "cannot open %s for writing", path.c_str());
 }
 

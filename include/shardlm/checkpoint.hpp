@@ -2,9 +2,10 @@
 // any world size, the resume choice, retention, inspect/export, stop signals.
 //
 // Owns: the checkpoint file layout (docs/checkpoint.md), the per-dataset
-// checksum that does not depend on the world size, the save protocol (write
-// step_N.h5.tmp collectively through MPI-IO, close, fsync, rename, then update
-// `latest`, then retention), the choice of the checkpoint to resume from
+// checksum that does not depend on the world size, the save protocol (all
+// ranks write step_N.h5.tmp: metadata through parallel HDF5, raw data by
+// collective MPI-IO across nodes or O_DIRECT pwrite on one node; close, fsync,
+// rename, then update `latest`, then retention), the choice of the checkpoint to resume from
 // (falling back past damaged ones), the SIGUSR1/SIGTERM stop flag and the exit
 // codes the job scripts act on. Knows the TrainSession's state (parameter and
 // optimizer shards, data position) and MPI; knows nothing about kernels,
@@ -81,7 +82,10 @@ struct SaveResult {
   bool ok = false;
   std::filesystem::path path;       // the finished file (or the one that failed)
   std::string error;                // why it failed (the same text on every rank)
-  double seconds = 0;               // the time the training loop was blocked
+  double seconds = 0;               // the time the training loop was blocked, of which:
+  double checksum_s = 0;            //   directory preparation and checksums
+  double write_s = 0;               //   HDF5 create, metadata, reservation, collective writes, close
+  double sync_s = 0;                //   fsync of the file (one rank per node)
   int64_t bytes = 0;                // file size
 };
 

@@ -19,7 +19,8 @@ namespace shardlm {
 class Metrics {
  public:
   // writer: rank 0 of the trainers; flops_per_token for MFU (0: not reported).
-  Metrics(const Config& config, bool writer, double flops_per_token = 0, double peak_flops = 0);
+  // append: a resumed run adds to metrics.jsonl instead of starting it again.
+  Metrics(const Config& config, bool writer, bool append = false, double flops_per_token = 0, double peak_flops = 0);
   ~Metrics();
   void log(const StepStats& s);
   // Peaks are the largest over the trainer ranks (host, and device when the plan has one).

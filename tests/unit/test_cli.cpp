@@ -185,7 +185,9 @@ TEST_CASE("RL end to end: tiny-rl trains on synthetic rollouts and broadcasts; r
   auto gen = run(std::string(getenv("PYTHON") && *getenv("PYTHON") ? getenv("PYTHON") : "/usr/bin/python3") +
                  " tools/make_rollouts.py inputs/data/tiny.h5 --out " + (dir / "rollouts").string() + " --steps 10");
   REQUIRE_MESSAGE(gen.status == 0, gen.output);
-  const std::string sets = " --set run.max_steps=10 --set data.rollout_dir=" + (dir / "rollouts").string();
+  // Both runs share run.dir: the second must not resume from the first one's final checkpoint.
+  const std::string sets = " --set run.max_steps=10 --set ckpt.resume=none --set data.rollout_dir=" +
+                           (dir / "rollouts").string();
   for (const std::string backend : {"nccl", "filesystem"}) {
     CAPTURE(backend);
     const std::string b = sets + " --set broadcast.backend=" + backend + " --set broadcast.dir=" + (dir / "bc").string();

@@ -1,0 +1,207 @@
+#!/usr/bin/env bash
+# test_checkpoint_faults.sh — checkpoints survive what real jobs do to them,
+# through the shardlm command line on 2 MPI ranks:
+#   kill -9 in the middle of a write, a corrupted or truncated latest, an
+#   unwritable directory, a full disk (when tmpfs can be mounted), a stop signal
+#   (exit 75 and requeue), a checkpoint of another model shape, inspect/export.
+# Prints PASS/FAIL lines; exits non-zero when anything failed. Prints SKIP and
+# exits 0 while `shardlm train` does not take ckpt.interval yet.
+set -u
+cd "$(dirname "$0")/../.."
+BIN=${SHARDLM:-${BUILD:-build}/shardlm}
+MPIRUN=${MPIRUN:-mpirun}
+if [ "$(id -u)" = 0 ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; fi
+export OMP_NUM_THREADS=1 OMP_WAIT_POLICY=passive
+
+if [ ! -x "$BIN" ]; then echo "SKIP checkpoint faults: $BIN is not built"; exit 0; fi
+if ! "$BIN" check inputs/tiny-sft.toml --set ckpt.interval=5 --set ckpt.keep_last=2 >/dev/null 2>&1 ||
+   ! "$BIN" --help 2>&1 | grep -q "inspect"; then
+  echo "SKIP checkpoint faults: this shardlm does not checkpoint from the command line yet (ckpt.interval, inspect)"
+  exit 0
+fi
+
+T=$(mktemp -d /tmp/shardlm-ckfault-XXXXXX)
+mounted=""
+cleanup() {
+  [ -n "$mounted" ] && umount "$mounted" 2>/dev/null
+  [ -n "${KEEP:-}" ] && { echo "logs in $T"; return; }; rm -rf "$T"
+}
+trap cleanup EXIT
+failures=0
+pass() { echo "PASS $*"; }
+fail() { echo "FAIL $*"; failures=$((failures + 1)); }
+check() {  # check DESCRIPTION CONDITION...: PASS when the condition command succeeds
+  local what=$1
+  shift
+  if "$@"; then pass "$what"; else fail "$what"; fi
+}
+has() { grep -qF -- "$2" "$1"; }
+
+# train DIR LOG [--set ...]: 2 ranks, tiny deck, every step logged; returns mpirun's
+# status (124 when it hangs for 3 minutes: a hang is a failure, never a stuck suite).
+train() {
+  local dir=$1 log=$2
+  shift 2
+  timeout --kill-after=10 180 $MPIRUN --oversubscribe --bind-to none -x OMP_NUM_THREADS -x OMP_WAIT_POLICY -x SHARDLM_CKPT_FAULT \
+    -x SHARDLM_CKPT_SKIP_SPACE_CHECK -x SHARDLM_CKPT_FAKE_FREE_BYTES -np 2 "$BIN" train inputs/tiny-sft.toml --set "run.dir=$dir" \
+    --set log.interval=1 "$@" > "$log" 2>&1
+}
+export SHARDLM_CKPT_FAULT="" SHARDLM_CKPT_SKIP_SPACE_CHECK="" SHARDLM_CKPT_FAKE_FREE_BYTES=""
+
+# "step loss" for every step in a run's metrics.jsonl (the last line of each step wins).
+losses() {
+  sed -n 's/.*"step": \([0-9]*\), "loss": \([^,]*\),.*/\1 \2/p' "$1/metrics.jsonl" |
+    awk '{l[$1] = $2} END {for (s in l) print s, l[s]}' | sort -n
+}
+# Every pid in the process tree under $1, $1 included.
+tree_pids() {
+  local p
+  echo "$1"
+  for p in $(ps -o pid= --ppid "$1" 2>/dev/null); do tree_pids "$p"; done
+}
+
+# ---- reference: 20 steps straight
+train "$T/ref" "$T/ref.log" --set run.max_steps=20 --set ckpt.interval=0
+check "20-step reference run (exit 0, final checkpoint)" test $? = 0 -a -f "$T/ref/checkpoints/step_20.h5"
+
+# ---- kill -9 of the whole job in the middle of writing step 10
+B=$T/kill
+SHARDLM_CKPT_FAULT="stall:10@0" setsid $MPIRUN --oversubscribe --bind-to none -x OMP_NUM_THREADS -x OMP_WAIT_POLICY \
+  -x SHARDLM_CKPT_FAULT -np 2 "$BIN" train inputs/tiny-sft.toml --set "run.dir=$B" --set log.interval=1 \
+  --set run.max_steps=20 --set ckpt.interval=5 > "$T/kill.log" 2>&1 &
+job=$!
+for _ in $(seq 1 600); do [ -e "$B/checkpoints/step_10.h5.tmp" ] && break; sleep 0.1; done
+sleep 1  # the stalled rank has written its first tensor; the other waits for it
+pids=$(tree_pids "$job")
+kill -9 $pids 2>/dev/null
+wait "$job" 2>/dev/null
+check "kill -9 mid-write: the partial step_10.h5.tmp is there" test -e "$B/checkpoints/step_10.h5.tmp"
+check "kill -9 mid-write: no step_10.h5" test ! -e "$B/checkpoints/step_10.h5"
+check "kill -9 mid-write: latest still names step_5.h5" test "$(cat "$B/checkpoints/latest" 2>/dev/null)" = "step_5.h5"
+"$BIN" inspect "$B/checkpoints/step_5.h5" > "$T/inspect5.log" 2>&1
+check "kill -9 mid-write: step_5.h5 verifies (inspect exit 0)" test $? = 0
+train "$B" "$T/kill-resume.log" --set run.max_steps=20 --set ckpt.interval=5
+rc=$?
+check "resume after kill -9: exit 0" test $rc = 0
+check "resume after kill -9: resumed from step_5.h5 at step 5" has "$T/kill-resume.log" "resumed from $B/checkpoints/step_5.h5 at step 5"
+check "resume after kill -9: the stale .tmp was removed by the next save" test ! -e "$B/checkpoints/step_10.h5.tmp"
+check "resume after kill -9: the .tmp removal was reported" has "$T/kill-resume.log" "removed $B/checkpoints/step_10.h5.tmp"
+losses "$T/ref" | awk '$1 > 5' > "$T/ref.losses"
+losses "$B" | awk '$1 > 5' > "$T/kill.losses"
+check "resume after kill -9: losses of steps 6-20 bit-identical to the straight run" \
+  test -s "$T/ref.losses" -a "$(wc -l < "$T/kill.losses")" = 15 -a "$(cat "$T/ref.losses")" = "$(cat "$T/kill.losses")"
+
+# ---- corrupted latest: flipped bytes (checksum), then truncated (HDF5 error)
+C=$B/checkpoints
+size=$(stat -c %s "$C/step_20.h5")
+printf '\377\377\377\377\377\377\377\377' | dd of="$C/step_20.h5" bs=1 seek=$((size / 2)) conv=notrunc status=none
+"$BIN" inspect "$C/step_20.h5" > "$T/inspect20.log" 2>&1
+rc=$?
+check "flipped bytes: inspect exits 1" test $rc = 1
+check "flipped bytes: inspect names the dataset with a checksum mismatch" has "$T/inspect20.log" "checksum mismatch"
+train "$B" "$T/corrupt-resume.log" --set run.max_steps=22 --set ckpt.interval=5
+rc=$?
+check "flipped bytes: resume exits 0" test $rc = 0
+check "flipped bytes: the damaged file is reported by name" has "$T/corrupt-resume.log" "checkpoint $C/step_20.h5 is damaged"
+check "flipped bytes: the previous checkpoint is used" has "$T/corrupt-resume.log" "resumed from $C/step_15.h5 at step 15"
+check "flipped bytes: the run finished and latest names step_22.h5" test "$(cat "$C/latest")" = "step_22.h5"
+
+truncate -s $(( $(stat -c %s "$C/step_22.h5") / 2 )) "$C/step_22.h5"
+"$BIN" inspect "$C/step_22.h5" > "$T/inspect22.log" 2>&1
+check "truncated: inspect exits 1 and says DAMAGED" test $? = 1 -a -n "$(grep DAMAGED "$T/inspect22.log")"
+train "$B" "$T/trunc-resume.log" --set run.max_steps=23 --set ckpt.interval=5
+rc=$?
+check "truncated: resume exits 0" test $rc = 0
+check "truncated: reported with the file name and HDF5's reason" has "$T/trunc-resume.log" "checkpoint $C/step_22.h5 is damaged or unreadable: HDF5"
+check "truncated: the previous checkpoint (step_20.h5, rewritten after the damaged one) is used" \
+  has "$T/trunc-resume.log" "resumed from $C/step_20.h5 at step 20"
+
+# ---- a checkpoint of another model shape is refused, listing the mismatches
+train "$B" "$T/mismatch.log" --set run.max_steps=30 --set model.num_layers=3 --set model.hidden_size=128
+rc=$?
+check "another model shape: refused (exit non-zero)" test $rc != 0
+check "another model shape: the message names the file" has "$T/mismatch.log" "does not fit this run"
+check "another model shape: num_layers listed" has "$T/mismatch.log" "model.num_layers: 2 in the checkpoint, 3 in this run"
+check "another model shape: hidden_size listed" has "$T/mismatch.log" "model.hidden_size: 64 in the checkpoint, 128 in this run"
+
+# ---- unwritable checkpoint directory: stop (exit 74) or continue
+D=$T/unwritable
+mkdir -p "$D" && echo "not a directory" > "$D/checkpoints"
+train "$D" "$T/unwritable.log" --set run.max_steps=10 --set ckpt.interval=5
+rc=$?
+check "unwritable dir: exit 74 (ckpt.on_error = stop)" test $rc = 74
+check "unwritable dir: a clear message" has "$T/unwritable.log" "cannot create the checkpoint directory $D/checkpoints"
+check "unwritable dir: the run stopped after step 5" test -z "$(grep 'step      6/10' "$T/unwritable.log")"
+train "$D" "$T/continue.log" --set run.max_steps=10 --set ckpt.interval=5 --set ckpt.on_error=continue
+rc=$?
+check "unwritable dir, on_error = continue: exit 0" test $rc = 0
+check "unwritable dir, on_error = continue: trained to step 10" has "$T/continue.log" "step     10/10"
+check "unwritable dir, on_error = continue: both saves reported FAILED" \
+  test "$(grep -c 'FAILED: cannot create the checkpoint directory' "$T/continue.log")" = 2
+
+# ---- full disk (a 3 MiB tmpfs; needs mount, skipped without it)
+F=$T/full
+mkdir -p "$F"
+if mount -t tmpfs -o size=3m tmpfs "$F" 2>/dev/null; then
+  mounted=$F
+  train "$F/run" "$T/full1.log" --set run.max_steps=5 --set ckpt.interval=5
+  check "full disk: first save fits" test $? = 0 -a -f "$F/run/checkpoints/step_5.h5"
+  # Fill the disk, leaving ~600 kB: less than one checkpoint (1.3 MiB).
+  dd if=/dev/zero of="$F/filler" bs=64k status=none 2>/dev/null
+  truncate -s $(( $(stat -c %s "$F/filler") - 600 * 1024 )) "$F/filler"
+  # Three ways a full disk is met: the space check before writing, the block
+  # reservation (fallocate) after the metadata, and ENOSPC in the raw writes.
+  for how in writes reserve check; do
+    case $how in
+      writes) export SHARDLM_CKPT_SKIP_SPACE_CHECK=1 SHARDLM_CKPT_FAKE_FREE_BYTES= ; expect="FAILED: writing /" ;;
+      reserve) export SHARDLM_CKPT_SKIP_SPACE_CHECK= SHARDLM_CKPT_FAKE_FREE_BYTES=1000000000000 ; expect="FAILED: cannot reserve" ;;
+      check) export SHARDLM_CKPT_SKIP_SPACE_CHECK= SHARDLM_CKPT_FAKE_FREE_BYTES= ; expect="FAILED: not enough free space" ;;
+    esac
+    train "$F/run" "$T/full-$how.log" --set run.max_steps=10 --set ckpt.interval=5
+    rc=$?
+    check "full disk, $how: exit 74 (no hang)" test $rc = 74
+    check "full disk, $how: reported" has "$T/full-$how.log" "checkpoint $F/run/checkpoints/step_10.h5 $expect"
+    check "full disk, $how: no .tmp left behind" test -z "$(ls "$F/run/checkpoints" | grep tmp)"
+    check "full disk, $how: latest still names step_5.h5" test "$(cat "$F/run/checkpoints/latest")" = "step_5.h5"
+    "$BIN" inspect "$F/run/checkpoints/step_5.h5" > /dev/null 2>&1
+    check "full disk, $how: step_5.h5 untouched (verifies)" test $? = 0
+  done
+  export SHARDLM_CKPT_SKIP_SPACE_CHECK= SHARDLM_CKPT_FAKE_FREE_BYTES=
+  umount "$F" && mounted=""
+else
+  echo "SKIP full disk: cannot mount a tmpfs here (the unwritable-directory and injected-error tests cover the path)"
+fi
+
+# ---- stop signal: SIGUSR1 to mpirun (forwarded to the ranks) -> save, exit 75, resume
+S=$T/signal
+setsid $MPIRUN --oversubscribe --bind-to none -x OMP_NUM_THREADS -x OMP_WAIT_POLICY -np 2 "$BIN" train \
+  inputs/tiny-sft.toml --set "run.dir=$S" --set log.interval=1 --set run.max_steps=100000 > "$T/signal.log" 2>&1 &
+job=$!
+for _ in $(seq 1 600); do grep -q "step      3/" "$T/signal.log" 2>/dev/null && break; sleep 0.1; done
+kill -USR1 "$job"
+for _ in $(seq 1 300); do kill -0 "$job" 2>/dev/null || break; sleep 0.1; done
+if kill -0 "$job" 2>/dev/null; then kill -9 $(tree_pids "$job") 2>/dev/null; fi
+wait "$job"
+rc=$?
+check "SIGUSR1: exit 75 (requeue)" test $rc = 75
+stopped=$(sed -n 's/.*stopped by signal [0-9]* after step \([0-9]*\).*/\1/p' "$T/signal.log")
+check "SIGUSR1: the stop was logged with its step" test -n "$stopped"
+check "SIGUSR1: the checkpoint of that step exists and latest names it" \
+  test -n "$stopped" -a -f "$S/checkpoints/step_$stopped.h5" -a "$(cat "$S/checkpoints/latest" 2>/dev/null)" = "step_$stopped.h5"
+train "$S" "$T/signal-resume.log" --set run.max_steps=$(( ${stopped:-0} + 2 ))
+rc=$?
+check "SIGUSR1: the requeued run resumes at that step and finishes" \
+  test $rc = 0 -a -n "$(grep "resumed from $S/checkpoints/step_$stopped.h5 at step $stopped" "$T/signal-resume.log")"
+
+# ---- inspect and export from the command line
+"$BIN" inspect "$T/ref" > "$T/inspect-ref.log" 2>&1
+check "inspect RUN_DIR: exit 0, step 20, world size 2, checksums" \
+  test $? = 0 -a -n "$(grep 'step 20 (steps completed)' "$T/inspect-ref.log")" -a -n "$(grep 'world size at save 2' "$T/inspect-ref.log")" -a -n "$(grep 'checksums: all' "$T/inspect-ref.log")"
+"$BIN" export "$T/ref/checkpoints/step_20.h5" --out "$T/hf" --dtype fp32 > "$T/export.log" 2>&1
+check "export: exit 0, config.json and model.safetensors" test $? = 0 -a -f "$T/hf/config.json" -a -f "$T/hf/model.safetensors"
+
+if [ $failures != 0 ]; then
+  echo "checkpoint fault logs kept in $T.keep"
+  cp -r "$T" "$T.keep" 2>/dev/null
+fi
+[ $failures = 0 ]
