@@ -28,13 +28,6 @@
 #include "shardlm/runtime.hpp"
 #include "shardlm/train.hpp"
 
-#ifndef SHARDLM_VERSION
-#define SHARDLM_VERSION "0.0.0"
-#endif
-#ifndef SHARDLM_GIT_REV
-#define SHARDLM_GIT_REV "unknown"
-#endif
-
 namespace fs = std::filesystem;
 
 namespace shardlm {
@@ -290,7 +283,7 @@ CheckpointInfo read_info(hid_t file, const fs::path& path) {
   info.format = read_i64(file, "format_version");
   if (info.format != kCheckpointFormat)  // sound, but not ours to read: refused, never skipped as damage
     throw CheckpointMismatch(fmt("checkpoint %s is in format %lld; this shardlm (%s) reads format %lld",
-                                 path.c_str(), (long long)info.format, SHARDLM_VERSION,
+                                 path.c_str(), (long long)info.format, shardlm_version(),
                                  (long long)kCheckpointFormat));
   info.step = read_i64(file, "step");
   info.tokens_seen = read_i64(file, "tokens_seen");
@@ -731,7 +724,7 @@ void write_file(TrainSession& s, MPI_Comm comm, const fs::path& tmp, int64_t ste
     attr_i64(file, "step", steps_done);
     attr_i64(file, "tokens_seen", tokens_seen);
     attr_i64(file, "world_size_at_save", comm_size(comm));
-    attr_str(file, "shardlm_version", std::string(SHARDLM_VERSION) + " (" + SHARDLM_GIT_REV + ")");
+    attr_str(file, "shardlm_version", std::string(shardlm_version()) + " (" + shardlm_git_rev() + ")");
     attr_str(file, "saved_at", saved_at);
     attr_str(file, "deck", resolved_deck(s.config));
     attr_i64(file, "bad_steps_in_a_row", s.bad_steps_in_a_row);

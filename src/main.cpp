@@ -22,13 +22,6 @@
 #include "shardlm/runtime.hpp"
 #include "shardlm/train.hpp"
 
-#ifndef SHARDLM_VERSION
-#define SHARDLM_VERSION "0.0.0"
-#endif
-#ifndef SHARDLM_GIT_REV
-#define SHARDLM_GIT_REV "unknown"
-#endif
-
 namespace fs = std::filesystem;
 using namespace shardlm;
 
@@ -57,7 +50,7 @@ void print_banner(const Runtime& rt, const Config& config) {
   if (rt.world_rank != 0) return;
   std::printf("shardlm %s (%s) | %d rank%s: %d trainer%s, %d receiver%s | backend %s (built: %s) | device %s\n"
               "deck %s | run dir %s\n",
-              SHARDLM_VERSION, SHARDLM_GIT_REV, rt.world_size, rt.world_size == 1 ? "" : "s", rt.num_trainers,
+              shardlm_version(), shardlm_git_rev(), rt.world_size, rt.world_size == 1 ? "" : "s", rt.num_trainers,
               rt.num_trainers == 1 ? "" : "s", rt.num_receivers, rt.num_receivers == 1 ? "" : "s",
               rt.backend.c_str(), built_backends(), rt.device_name.c_str(), config.deck_path.c_str(),
               config.run.dir.c_str());
@@ -211,7 +204,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   if (args.command == "help") return std::printf("%s", usage()), 0;
-  if (args.command == "version") return std::printf("shardlm %s (%s) backends: %s\n", SHARDLM_VERSION, SHARDLM_GIT_REV, built_backends()), 0;
+  if (args.command == "version") return std::printf("shardlm %s (%s) backends: %s\n", shardlm_version(), shardlm_git_rev(), built_backends()), 0;
 
   if (args.command == "forward") {
     try {

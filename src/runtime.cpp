@@ -16,7 +16,16 @@ int g_world_size = 0;
 char g_host[256] = "?";
 }  // namespace
 
+#ifndef SHARDLM_VERSION
+#define SHARDLM_VERSION "0.0.0"
+#endif
+#ifndef SHARDLM_GIT_REV
+#define SHARDLM_GIT_REV "unknown"
+#endif
+
 const char* built_backends() { return cuda_built() ? "cpu+cuda" : "cpu"; }
+const char* shardlm_version() { return SHARDLM_VERSION; }
+const char* shardlm_git_rev() { return SHARDLM_GIT_REV; }
 
 Runtime runtime_init(int* argc, char*** argv) {
   int initialized = 0;

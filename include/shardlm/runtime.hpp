@@ -59,5 +59,8 @@ void maybe_inject_fault(const char* point);
 
 // Built-in backends of this binary ("cpu" or "cpu+cuda").
 const char* built_backends();
+// This binary's version (VERSION file) and git revision, set by the Makefile.
+const char* shardlm_version();
+const char* shardlm_git_rev();
 
 }  // namespace shardlm
