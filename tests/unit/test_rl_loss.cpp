@@ -4,6 +4,8 @@
 // thread-count determinism and bad inputs.
 #include <doctest/doctest.h>
 
+#include "fd_util.hpp"
+
 #include <omp.h>
 
 #include <algorithm>
@@ -21,36 +23,10 @@ namespace {
 namespace cpu = shardlm::cpu;
 using cpu::RlChunkStats;
 using cpu::RlLossParams;
-using Vec = std::vector<double>;
+using shardlm_test::Vec;
+using shardlm_test::kExactTol, shardlm_test::kFdEps, shardlm_test::kFdTol;
+using shardlm_test::max_abs, shardlm_test::randn, shardlm_test::rel_err, shardlm_test::sz;
 using FVec = std::vector<float>;
-
-constexpr size_t sz(int64_t n) { return static_cast<size_t>(n); }
-
-constexpr double kFdEps = 1e-6;
-constexpr double kFdTol = 1e-6;
-constexpr double kExactTol = 1e-12;
-
-template <class T = double>
-std::vector<T> randn(size_t n, std::mt19937_64& rng, double sigma = 1.0) {
-  std::normal_distribution<double> dist(0.0, sigma);
-  std::vector<T> x(n);
-  for (auto& e : x) e = T(dist(rng));
-  return x;
-}
-
-double max_abs(const Vec& a) {
-  double m = 0;
-  for (double e : a) m = std::max(m, std::abs(e));
-  return m;
-}
-
-// max |a - b| / max |b|.
-double rel_err(const Vec& a, const Vec& b) {
-  REQUIRE(a.size() == b.size());
-  double d = 0;
-  for (size_t e = 0; e < a.size(); ++e) d = std::max(d, std::abs(a[e] - b[e]));
-  return d / std::max(max_abs(b), 1e-300);
-}
 
 // One chunk's inputs; logits in double, converted for the float kernel.
 struct Chunk {
