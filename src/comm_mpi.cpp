@@ -1,5 +1,6 @@
 // comm_mpi.cpp — Comm over MPI for host buffers.
 #include <climits>
+#include <cstdint>
 #include <cstring>
 #include <vector>
 
@@ -10,9 +11,43 @@ namespace shardlm {
 
 void CommRequest::wait() {
   if (request_ != MPI_REQUEST_NULL) MPI_CHECK(MPI_Wait(&request_, MPI_STATUS_IGNORE));
+  if (owner_) owner_->complete(ticket_);
+  owner_ = nullptr;
 }
 
 namespace {
+
+float bf16_bits_to_float(uint16_t b) {
+  const uint32_t u = uint32_t(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+uint16_t float_to_bf16_bits(float f) {  // round to nearest even, NaN stays NaN
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);
+  return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// MPI has no bf16 type: the elements travel as 16-bit integers and this op sums
+// them in fp32, rounding once per combination (as a ring of bf16 hops would).
+void bf16_sum(void* in, void* inout, int* len, MPI_Datatype*) {
+  const auto* a = static_cast<const uint16_t*>(in);
+  auto* b = static_cast<uint16_t*>(inout);
+  for (int i = 0; i < *len; ++i) b[i] = float_to_bf16_bits(bf16_bits_to_float(a[i]) + bf16_bits_to_float(b[i]));
+}
+
+MPI_Op bf16_sum_op() {
+  static MPI_Op op = [] {
+    MPI_Op o;
+    MPI_CHECK(MPI_Op_create(&bf16_sum, /*commute=*/1, &o));
+    return o;
+  }();
+  return op;
+}
+
+MPI_Datatype mpi_type(DType t) { return t == DType::F32 ? MPI_FLOAT : MPI_UINT16_T; }
 
 int as_count(int64_t n) {
   SHARDLM_CHECK(n >= 0 && n <= INT_MAX, "a collective of %lld elements exceeds MPI's int count", (long long)n);
@@ -29,14 +64,17 @@ class MpiComm final : public Comm {
   int rank() const override { return rank_; }
   int size() const override { return size_; }
 
-  CommRequest all_gather(const float* shard, float* full, int64_t count) override {
+  using Comm::all_gather;
+  using Comm::reduce_scatter;
+  CommRequest all_gather(const void* shard, void* full, int64_t count, DType t) override {
     MPI_Request r;
-    MPI_CHECK(MPI_Iallgather(shard, as_count(count), MPI_FLOAT, full, as_count(count), MPI_FLOAT, comm_, &r));
+    MPI_CHECK(MPI_Iallgather(shard, as_count(count), mpi_type(t), full, as_count(count), mpi_type(t), comm_, &r));
     return CommRequest(r);
   }
-  CommRequest reduce_scatter(const float* full, float* shard, int64_t count) override {
+  CommRequest reduce_scatter(const void* full, void* shard, int64_t count, DType t) override {
     MPI_Request r;
-    MPI_CHECK(MPI_Ireduce_scatter_block(full, shard, as_count(count), MPI_FLOAT, MPI_SUM, comm_, &r));
+    MPI_CHECK(MPI_Ireduce_scatter_block(full, shard, as_count(count), mpi_type(t),
+                                        t == DType::F32 ? MPI_SUM : bf16_sum_op(), comm_, &r));
     return CommRequest(r);
   }
   void all_reduce_sum(double* values, int64_t count) override {
@@ -72,12 +110,14 @@ class SelfComm final : public Comm {
  public:
   int rank() const override { return 0; }
   int size() const override { return 1; }
-  CommRequest all_gather(const float* shard, float* full, int64_t count) override {
-    if (full != shard) std::memcpy(full, shard, sizeof(float) * count);
+  using Comm::all_gather;
+  using Comm::reduce_scatter;
+  CommRequest all_gather(const void* shard, void* full, int64_t count, DType t) override {
+    if (full != shard) std::memcpy(full, shard, dtype_bytes(t) * count);
     return {};
   }
-  CommRequest reduce_scatter(const float* full, float* shard, int64_t count) override {
-    if (full != shard) std::memcpy(shard, full, sizeof(float) * count);
+  CommRequest reduce_scatter(const void* full, void* shard, int64_t count, DType t) override {
+    if (full != shard) std::memcpy(shard, full, dtype_bytes(t) * count);
     return {};
   }
   void all_reduce_sum(double*, int64_t) override {}

@@ -5,6 +5,7 @@
 #include <cstring>
 #include <tuple>
 
+#include "shardlm/cuda.hpp"
 #include "shardlm/error.hpp"
 
 namespace shardlm {
@@ -30,6 +31,13 @@ int param_slot_count(const ModelLayout& layout, bool reshard) {
 // when the tied head writes into it long before the embedding's own backward.
 int grad_slot_count() { return 3; }
 
+// Gradients go straight into the host shards (CPU, one rank) or the device
+// shards (device state, one rank); otherwise through full-unit slots that are
+// reduced (world > 1) and handed over.
+bool grad_slots_needed(int world, const Backend& backend, const EngineOptions& o) {
+  return world > 1 || (!backend.host_resident() && !o.device_state);
+}
+
 }  // namespace
 
 MemoryPlan plan_memory(const ModelConfig& config, int world, const EngineOptions& o, int optim_states,
@@ -43,13 +51,17 @@ MemoryPlan plan_memory(const ModelConfig& config, int world, const EngineOptions
   plan.optim_state = plan.param_shards * optim_states;
   if (world > 1)
     plan.gathered += backend.param_bytes() * param_slot_count(layout, o.reshard_after_forward) * max_padded(layout);
-  if (!o.device_state && (world > 1 || !backend.host_resident()))
+  if (grad_slots_needed(world, backend, o)) {
     plan.gathered += 4 * grad_slot_count() * (max_padded(layout) + max_shard(layout));
+    if (world > 1 && o.reduce_bf16) plan.gathered += 2 * grad_slot_count() * max_padded(layout);
+  }
+  // Several ranks on one GPU: two pinned host buffers of one full fp32 unit each.
+  if (plan.device && world > 1 && o.comm_backend == "mpi") plan.comm_staging = 2 * 4 * max_padded(layout);
   if (o.device_state) plan.device_state = plan.param_shards + plan.grad_shards + plan.optim_state;
-  // A device backend refreshes its bf16 copies through one fp32 staging unit.
-  if (plan.device && !o.device_state) plan.workspace += 4 * max_padded(layout);
   plan.activations = backend.activation_bytes(config, o);
   plan.workspace = backend.workspace_bytes(config, o);
+  // A device backend refreshes its bf16 copies through one fp32 staging unit.
+  if (plan.device && !o.device_state) plan.workspace += 4 * max_padded(layout);
   return plan;
 }
 
@@ -62,7 +74,8 @@ std::string format_memory_plan(const MemoryPlan& p, int world) {
       {"optimizer state", "host", p.optim_state},   {"training state", "GPU", p.device_state},
       {"parameter copies", "GPU", p.param_copies},
       {"gathered units", where, p.gathered},        {"activations", where, p.activations},
-      {"workspace", where, p.workspace},            {"output staging", "host", p.host_workspace}};
+      {"workspace", where, p.workspace},            {"output staging", "host", p.host_workspace},
+      {"comm staging", "host", p.comm_staging}};
   for (const auto& [name, place, bytes] : rows)
     if (bytes > 0) out += fmt("  %-18s %-5s %12.3f MiB\n", name, place, mib(bytes));
   out += fmt("  %-18s %-5s %12.3f MiB\n", "total", "host", mib(p.host_total()));
@@ -80,14 +93,13 @@ Engine::Engine(ShardedModel& model, Comm& comm, const EngineOptions& options, st
   SHARDLM_CHECK(comm.size() == model.world, "the communicator has %d ranks but the model is sharded %d ways",
                 comm.size(), model.world);
   const ModelLayout& layout = model.layout;
-  SHARDLM_CHECK(!sharded_ || backend_->host_resident(),
-                "the %s backend runs on one rank for now: multi-rank GPU runs need the NCCL communicator",
-                backend_->name());
-  SHARDLM_CHECK(!options.device_state || (backend_->supports_device_state() && !sharded_),
-                "device-resident training state needs a GPU backend on one rank");
-  // Gradients go straight into the host shards (CPU), the device shards (device
-  // state), or through full-unit slots that are reduced and handed over.
-  grad_slots_used_ = !options.device_state && (sharded_ || !backend_->host_resident());
+  SHARDLM_CHECK(!options.device_state || backend_->supports_device_state(),
+                "device-resident training state needs a GPU backend");
+  SHARDLM_CHECK(!options.reduce_bf16 || !backend_->host_resident(),
+                "model.reduce_dtype = \"bf16\" needs a GPU backend (the CPU backend is the fp32 reference)");
+  grad_slots_used_ = grad_slots_needed(comm.size(), *backend_, options);
+  reduce_type_ = sharded_ && options.reduce_bf16 ? DType::BF16 : DType::F32;
+  gather_type_ = backend_->param_bytes() == 2 ? DType::BF16 : DType::F32;
   slot_floats_ = max_padded(layout);
   recv_floats_ = max_shard(layout);
   if (sharded_) {
@@ -98,9 +110,16 @@ Engine::Engine(ShardedModel& model, Comm& comm, const EngineOptions& options, st
     grad_slots_.resize(grad_slot_count());
     for (auto& s : grad_slots_) {
       s.full = static_cast<float*>(backend_->allocate(Mem::Gathered, 4 * slot_floats_));
-      s.recv = static_cast<float*>(backend_->allocate(Mem::Gathered, 4 * recv_floats_));
+      s.recv = backend_->allocate(Mem::Gathered, 4 * recv_floats_);
+      if (reduce_type_ == DType::BF16) s.full_bf16 = backend_->allocate(Mem::Gathered, 2 * slot_floats_);
     }
   }
+  // A device backend gathers and reduces device buffers: NCCL, or MPI staged
+  // through host memory; the host Comm keeps the small collectives.
+  if (sharded_ && !backend_->host_resident())
+    device_comm_ = make_device_comm(comm, options.comm_backend, backend_->stream(), 4 * slot_floats_,
+                                    options.comm_timeout_s);
+  unit_comm_ = device_comm_ ? device_comm_.get() : &comm_;
   backend_->attach_shards(layout);
   sync_params();
   backend_->prepare(config_, options);
@@ -121,7 +140,9 @@ Engine::~Engine() {
     s.request.wait();
     backend_->deallocate(Mem::Gathered, s.full, 4 * slot_floats_);
     backend_->deallocate(Mem::Gathered, s.recv, 4 * recv_floats_);
+    if (s.full_bf16) backend_->deallocate(Mem::Gathered, s.full_bf16, 2 * slot_floats_);
   }
+  backend_->synchronize();  // the device Comm's collectives are done before it goes
 }
 
 // ---------------------------------------------------------------- gathering
@@ -133,10 +154,9 @@ void Engine::prefetch(int unit) {
   for (auto& s : param_slots_) {
     if (s.unit != -1) continue;
     s.unit = unit;
-    // The CPU backend gathers fp32 (its param_bytes is 4); device backends join
-    // the comm with their own precision once multi-rank GPU runs exist.
-    s.request = comm_.all_gather(static_cast<const float*>(backend_->param_shard(unit)), static_cast<float*>(s.full),
-                                 model_.layout.units[unit].shard_numel);
+    // In the backend's own precision: fp32 on the CPU, bf16 on GPUs.
+    s.request = unit_comm_->all_gather(backend_->param_shard(unit), s.full, model_.layout.units[unit].shard_numel,
+                                       gather_type_);
     return;
   }
   // No free slot: the unit is gathered when it is needed instead.
@@ -164,8 +184,8 @@ void Engine::release(int unit) {
 // ---------------------------------------------------------------- gradients
 
 float* Engine::grads(int unit) {
-  if (options_.device_state) return backend_->state_grad(unit);
-  if (!grad_slots_used_) return model_.grad[unit].data();  // accumulate straight into the shard
+  if (!grad_slots_used_)  // accumulate straight into the shard
+    return options_.device_state ? backend_->state_grad(unit) : model_.grad[unit].data();
   for (auto& s : grad_slots_)
     if (s.unit == unit) return s.full;
   // Take the oldest slot in turn; a slot whose reduction started is finished first.
@@ -186,7 +206,14 @@ void Engine::reduce_grads(int unit) {
   for (auto& s : grad_slots_)
     if (s.unit == unit) {
       s.reducing = true;
-      if (sharded_) s.request = comm_.reduce_scatter(s.full, s.recv, model_.layout.units[unit].shard_numel);
+      if (!sharded_) return;
+      const Unit& u = model_.layout.units[unit];
+      const void* full = s.full;
+      if (reduce_type_ == DType::BF16) {  // round once here, then half the bytes on the wire
+        backend_->cast_to_bf16(s.full_bf16, s.full, u.padded_numel);
+        full = s.full_bf16;
+      }
+      s.request = unit_comm_->reduce_scatter(full, s.recv, u.shard_numel, reduce_type_);
       return;
     }
 }
@@ -194,8 +221,11 @@ void Engine::reduce_grads(int unit) {
 void Engine::finish_grad(GradSlot& s) {
   s.request.wait();
   // One rank: the whole unit's gradient is the shard's.
-  backend_->add_grad_to_host(model_.grad[s.unit].data(), sharded_ ? s.recv : s.full,
-                             model_.layout.units[s.unit].shard_numel);
+  const void* reduced = sharded_ ? s.recv : s.full;
+  const DType type = sharded_ ? reduce_type_ : DType::F32;
+  const int64_t n = model_.layout.units[s.unit].shard_numel;
+  if (options_.device_state) backend_->accumulate(backend_->state_grad(s.unit), reduced, n, type);
+  else backend_->add_grad_to_host(model_.grad[s.unit].data(), reduced, n, type);
   s.unit = -1;
   s.reducing = false;
 }

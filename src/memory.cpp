@@ -8,8 +8,17 @@
 
 namespace shardlm {
 namespace {
-MemCounters g_counters;
+MemCounters g_counters;  // host
+MemCounters g_device;
+
+void track(MemCounters& m, Mem category, int64_t delta) {
+  const int c = static_cast<int>(category);
+  m.current[c] += delta;
+  m.total_current += delta;
+  m.peak[c] = std::max(m.peak[c], m.current[c]);
+  m.total_peak = std::max(m.total_peak, m.total_current);
 }
+}  // namespace
 
 const char* mem_name(Mem m) {
   switch (m) {
@@ -29,34 +38,20 @@ void* mem_alloc(Mem category, size_t bytes) {
   const size_t rounded = (bytes + 63) / 64 * 64;
   void* p = std::aligned_alloc(64, rounded);
   SHARDLM_CHECK(p, "out of host memory allocating %zu bytes for %s", bytes, mem_name(category));
-  const int c = static_cast<int>(category);
-  g_counters.current[c] += static_cast<int64_t>(bytes);
-  g_counters.total_current += static_cast<int64_t>(bytes);
-  if (g_counters.current[c] > g_counters.peak[c]) g_counters.peak[c] = g_counters.current[c];
-  if (g_counters.total_current > g_counters.total_peak) g_counters.total_peak = g_counters.total_current;
+  track(g_counters, category, static_cast<int64_t>(bytes));
   return p;
 }
 
 void mem_free(Mem category, void* ptr, size_t bytes) {
   std::free(ptr);
-  const int c = static_cast<int>(category);
-  g_counters.current[c] -= static_cast<int64_t>(bytes);
-  g_counters.total_current -= static_cast<int64_t>(bytes);
+  track(g_counters, category, -static_cast<int64_t>(bytes));
 }
 
 MemCounters host_memory() { return g_counters; }
 
-namespace {
-MemCounters g_device;
-}
+void host_mem_track(Mem category, int64_t delta) { track(g_counters, category, delta); }
 
-void device_mem_track(Mem category, int64_t delta) {
-  const int c = static_cast<int>(category);
-  g_device.current[c] += delta;
-  g_device.total_current += delta;
-  g_device.peak[c] = std::max(g_device.peak[c], g_device.current[c]);
-  g_device.total_peak = std::max(g_device.total_peak, g_device.total_current);
-}
+void device_mem_track(Mem category, int64_t delta) { track(g_device, category, delta); }
 
 MemCounters device_memory() { return g_device; }
 

@@ -101,6 +101,23 @@ void select_device(Runtime& rt, const std::string& requested) {
   rt.device_name = cuda_device_name(rt.device);
 }
 
+std::string select_comm(const Runtime& rt, const std::string& requested) {
+  int shared = rt.backend == "cuda" && rt.local_size > cuda_device_count();
+  MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &shared, 1, MPI_INT, MPI_MAX, rt.role_comm));
+  if (rt.backend != "cuda") {
+    SHARDLM_CHECK(requested != "nccl", "comm.backend = \"nccl\" but this run is on the CPU backend (NCCL moves "
+                                       "device memory only); use comm.backend = \"mpi\" or \"auto\"");
+    return "mpi";
+  }
+  if (requested == "nccl")
+    SHARDLM_CHECK(!shared, "comm.backend = \"nccl\" but %d ranks on %s share %d GPU%s, and NCCL refuses two ranks "
+                           "on one GPU: launch one rank per GPU, or set comm.backend = \"mpi\" (staged through host "
+                           "memory)",
+                  rt.local_size, rt.hostname.c_str(), cuda_device_count(), cuda_device_count() == 1 ? "" : "s");
+  if (requested == "auto") return shared ? "mpi" : "nccl";
+  return requested;
+}
+
 void fatal(const std::string& message) {
   if (g_world_rank >= 0)
     std::fprintf(stderr, "shardlm: error on rank %d of %d (%s): %s\n", g_world_rank, g_world_size, g_host,

@@ -25,6 +25,11 @@ EngineOptions engine_options_for(const Config& config) {
   o.checkpoint_activations = config.model.activation_checkpointing == "full";
   // On a GPU the fp32 state lives on the device unless it is offloaded to the host.
   o.device_state = config.device.backend == "cuda" && !config.model.optim_cpu_offload;
+  o.reduce_bf16 = config.model.reduce_dtype == "bf16";
+  // "auto" is resolved by select_comm() at start-up; a session built without it
+  // (tests, tools) on one GPU per rank uses NCCL.
+  o.comm_backend = config.comm.backend == "auto" ? "nccl" : config.comm.backend;
+  o.comm_timeout_s = config.comm.timeout_s;
   return o;
 }
 

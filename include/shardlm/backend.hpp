@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "shardlm/comm.hpp"
 #include "shardlm/memory.hpp"
 #include "shardlm/model.hpp"
 #include "shardlm/rl_loss.hpp"
@@ -28,6 +29,10 @@ struct EngineOptions {
   bool device_state = false;         // masters, gradients and optimizer state on the device
   bool rl = false;                   // RL policy loss instead of cross-entropy
   cpu::RlLossParams rl_params;
+  // Device backends at world > 1: how units are gathered and gradients reduced.
+  bool reduce_bf16 = false;          // model.reduce_dtype = "bf16": reduce-scatter in bf16 (half the bytes)
+  std::string comm_backend = "nccl"; // "nccl" (one GPU per rank) | "mpi" (staged through host memory)
+  double comm_timeout_s = 600;       // NCCL collectives older than this abort the job
 };
 
 // Token arrays of one micro-batch (host memory), each (N).
@@ -62,8 +67,15 @@ class Backend {
   virtual void* allocate(Mem category, size_t bytes) = 0;
   virtual void deallocate(Mem category, void* ptr, size_t bytes) = 0;
   virtual void zero(void* ptr, size_t bytes) = 0;
-  // host_grad (n fp32, host) += src (n fp32, backend memory).
-  virtual void add_grad_to_host(float* host_grad, const float* src, int64_t n) = 0;
+  // host_grad (n fp32, host) += src (n of `type`, backend memory).
+  virtual void add_grad_to_host(float* host_grad, const void* src, int64_t n, DType type) = 0;
+  // dst (n fp32) += src (n of `type`), both in backend memory.
+  virtual void accumulate(float* dst, const void* src, int64_t n, DType type) = 0;
+  // dst (n bf16) <- src (n fp32), both in backend memory (bf16 gradient reduction).
+  virtual void cast_to_bf16(void* dst, const float* src, int64_t n) = 0;
+  // The stream the backend computes on (a cudaStream_t; nullptr on the CPU):
+  // device Comms order their collectives against it.
+  virtual void* stream() { return nullptr; }
 
   // Parameter shards in the backend's own precision and memory, refreshed from
   // the fp32 master shards (after every optimizer step, load or change).

@@ -1,10 +1,12 @@
 // comm.hpp — the collectives sharded training needs, behind one interface.
 //
 // Owns: Comm (all_gather, reduce_scatter, all_reduce, broadcast, barrier; the two
-// big ones asynchronous; all_to_all_v for Muon's owner exchange) and its MPI
-// implementation for host buffers. The NCCL
-// implementation (src/cuda/) takes device buffers only. Knows nothing about the
-// model: it moves counted floats between ranks.
+// big ones asynchronous and typed (fp32 or bf16); all_to_all_v for Muon's owner
+// exchange) and its MPI implementation for host buffers. The device
+// implementations (src/cuda/comm_cuda.cu: NCCL, and MPI staged through pinned host
+// memory for several ranks on one GPU) take device buffers for the two big ones,
+// and host buffers for the small host-side collectives. Knows nothing about the
+// model: it moves counted elements between ranks.
 #pragma once
 
 #include <mpi.h>
@@ -14,16 +16,28 @@
 
 namespace shardlm {
 
-// A collective in flight; wait() completes it (a no-op when already done).
+// Element type of the unit loop's collectives: fp32 (CPU parameters, gradients)
+// or bf16 (GPU parameters; gradients with model.reduce_dtype = "bf16").
+enum class DType { F32, BF16 };
+inline int64_t dtype_bytes(DType t) { return t == DType::F32 ? 4 : 2; }
+
+class Comm;
+
+// A collective in flight; wait() completes it (a no-op when already done). For
+// MPI it waits on the host; for a device Comm it orders the compute stream after
+// the collective (no host synchronisation).
 class CommRequest {
  public:
   CommRequest() = default;
   explicit CommRequest(MPI_Request r) : request_(r) {}
+  CommRequest(Comm* owner, int64_t ticket) : owner_(owner), ticket_(ticket) {}
   void wait();
-  bool pending() const { return request_ != MPI_REQUEST_NULL; }
+  bool pending() const { return request_ != MPI_REQUEST_NULL || owner_ != nullptr; }
 
  private:
   MPI_Request request_ = MPI_REQUEST_NULL;
+  Comm* owner_ = nullptr;  // device Comm that completes ticket_
+  int64_t ticket_ = -1;
 };
 
 class Comm {
@@ -31,10 +45,21 @@ class Comm {
   virtual ~Comm() = default;
   virtual int rank() const = 0;
   virtual int size() const = 0;
+  // True when all_gather and reduce_scatter take device buffers (the device Comms).
+  virtual bool device_buffers() const { return false; }
   // full(size * count) <- every rank's shard(count), in rank order.
-  virtual CommRequest all_gather(const float* shard, float* full, int64_t count) = 0;
+  virtual CommRequest all_gather(const void* shard, void* full, int64_t count, DType type) = 0;
   // shard(count) <- sum over ranks of full[rank * count, (rank + 1) * count).
-  virtual CommRequest reduce_scatter(const float* full, float* shard, int64_t count) = 0;
+  // bf16 sums are formed in fp32 and rounded once per hop (MPI) or as NCCL does.
+  virtual CommRequest reduce_scatter(const void* full, void* shard, int64_t count, DType type) = 0;
+  CommRequest all_gather(const float* shard, float* full, int64_t count) {
+    return all_gather(shard, full, count, DType::F32);
+  }
+  CommRequest reduce_scatter(const float* full, float* shard, int64_t count) {
+    return reduce_scatter(full, shard, count, DType::F32);
+  }
+  // Device Comms: make the compute stream wait for collective `ticket` (CommRequest::wait).
+  virtual void complete(int64_t ticket) { (void)ticket; }
   virtual void all_reduce_sum(double* values, int64_t count) = 0;
   virtual void all_reduce_sum(int64_t* values, int64_t count) = 0;
   virtual void broadcast(void* bytes, int64_t count, int root) = 0;

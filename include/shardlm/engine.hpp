@@ -29,9 +29,10 @@ struct MemoryPlan {
   int64_t param_copies = 0;                                     // device: bf16 shards
   int64_t gathered = 0, activations = 0, workspace = 0;         // device when `device`, else host
   int64_t host_workspace = 0;                                   // host: broadcast / export staging
+  int64_t comm_staging = 0;                                     // host: pinned buffers of the staged MPI device Comm
   int64_t device_state = 0;  // GPU: fp32 masters + gradients + optimizer state (their host shards become mirrors)
   int64_t host_total() const {
-    return param_shards + grad_shards + optim_state + host_workspace +
+    return param_shards + grad_shards + optim_state + host_workspace + comm_staging +
            (device ? 0 : gathered + activations + workspace);
   }
   int64_t device_total() const {
@@ -74,7 +75,8 @@ class Engine {
     int unit = -1;
     bool reducing = false;   // backward of the unit done; its reduction started
     float* full = nullptr;   // (max padded numel) this unit's gradient, all of it
-    float* recv = nullptr;   // (max shard numel) the reduced slice, added into model.grad
+    void* recv = nullptr;    // (max shard numel) the reduced slice (reduce type), added into the grad shard
+    void* full_bf16 = nullptr;  // (max padded numel) bf16 copy of `full` when gradients reduce in bf16
     CommRequest request;
   };
 
@@ -94,6 +96,9 @@ class Engine {
   std::unique_ptr<Backend> backend_;
   const ModelConfig& config_;
   const bool sharded_;                  // world > 1: gather and reduce through comm
+  std::unique_ptr<Comm> device_comm_;   // device backends at world > 1: device-buffer collectives
+  Comm* unit_comm_ = nullptr;           // device_comm_, or comm_ for host buffers
+  DType gather_type_ = DType::F32, reduce_type_ = DType::F32;
   bool grad_slots_used_ = false;        // sharded, or gradients outside host memory
   int64_t slot_floats_ = 0, recv_floats_ = 0;
   std::vector<ParamSlot> param_slots_;

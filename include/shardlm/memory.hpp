@@ -25,6 +25,9 @@ struct MemCounters {
 void* mem_alloc(Mem category, size_t bytes);   // aligned to 64 bytes; throws on failure
 void mem_free(Mem category, void* ptr, size_t bytes);
 MemCounters host_memory();                     // this process's counters
+// Host memory allocated elsewhere (pinned buffers of the CUDA runtime), counted
+// with mem_alloc's.
+void host_mem_track(Mem category, int64_t delta_bytes);
 // Device (GPU) memory, counted the same way by the device backend.
 void device_mem_track(Mem category, int64_t delta_bytes);
 MemCounters device_memory();

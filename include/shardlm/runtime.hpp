@@ -48,6 +48,13 @@ void runtime_finalize(Runtime& rt);
 // and cannot be had.
 void select_device(Runtime& rt, const std::string& requested);
 
+// The unit loop's communicator after select_device ("auto" | "mpi" | "nccl"):
+// the CPU backend uses MPI; GPUs use NCCL when every rank of a node has a GPU of
+// its own, else MPI staged through host memory (NCCL refuses two ranks on one
+// GPU). Collective over the role communicator, so every rank gets the same
+// answer. Throws Error for "nccl" where it cannot work.
+std::string select_comm(const Runtime& rt, const std::string& requested);
+
 // The only exit for an unrecoverable error on one rank: one message naming the
 // rank, host and cause on stderr, then MPI_Abort of the whole job (never a hang).
 [[noreturn]] void fatal(const std::string& message);

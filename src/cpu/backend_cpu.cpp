@@ -17,7 +17,18 @@ class CpuBackend final : public Backend {
   const char* name() const override { return "cpu"; }
   bool host_resident() const override { return true; }
   int64_t param_bytes() const override { return 4; }
-  void add_grad_to_host(float* host_grad, const float* src, int64_t n) override { cpu::accumulate(host_grad, src, n); }
+  void add_grad_to_host(float* host_grad, const void* src, int64_t n, DType type) override {
+    accumulate(host_grad, src, n, type);
+  }
+  // fp32 everywhere: the CPU backend is the reference (model.reduce_dtype = "bf16"
+  // is refused for it at validation).
+  void accumulate(float* dst, const void* src, int64_t n, DType type) override {
+    SHARDLM_CHECK(type == DType::F32, "internal: the CPU backend reduces gradients in fp32 only");
+    cpu::accumulate(dst, static_cast<const float*>(src), n);
+  }
+  void cast_to_bf16(void*, const float*, int64_t) override {
+    SHARDLM_FAIL("internal: the CPU backend reduces gradients in fp32 only");
+  }
   void attach_shards(const ModelLayout& layout) override { shards_.assign(layout.units.size(), nullptr); }
   // The master shard is the parameter: keep a pointer, copy nothing.
   void set_param_shard(int unit, const float* master, int64_t) override { shards_[unit] = master; }

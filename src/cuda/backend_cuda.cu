@@ -28,6 +28,18 @@ __global__ void add_bf16_kernel(bf16* out, const bf16* a, const bf16* b, int64_t
   if (i < n) out[i] = __float2bfloat16(__bfloat162float(a[i]) + __bfloat162float(b[i]));
 }
 
+__global__ void accumulate_bf16_kernel(float* y, const bf16* x, int64_t n) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) y[i] += __bfloat162float(x[i]);
+}
+
+// y (fp32) += x (bf16): a gradient slice reduced in bf16 into its fp32 shard.
+void accumulate_bf16(float* y, const bf16* x, int64_t n, cudaStream_t stream) {
+  if (n == 0) return;
+  accumulate_bf16_kernel<<<unsigned((n + 255) / 256), 256, 0, stream>>>(y, x, n);
+  CUDA_CHECK(cudaGetLastError());
+}
+
 // out = a + b in bf16 (fp32 add, one rounding): the residual stream.
 void add_bf16(bf16* out, const bf16* a, const bf16* b, int64_t n, cudaStream_t stream) {
   if (n == 0) return;
@@ -69,13 +81,29 @@ class CudaBackend final : public Backend {
   }
   void zero(void* ptr, size_t bytes) override { CUDA_CHECK(cudaMemsetAsync(ptr, 0, bytes, stream_)); }
 
-  void add_grad_to_host(float* host_grad, const float* src, int64_t n) override {
+  void add_grad_to_host(float* host_grad, const void* src, int64_t n, DType type) override {
     SHARDLM_CHECK(n <= staging_floats_, "internal: gradient of %lld elements exceeds the staging buffer",
                   (long long)n);
     if (!host_staging_) CUDA_CHECK(cudaMallocHost(&host_staging_, sizeof(float) * staging_floats_));
-    CUDA_CHECK(cudaMemcpyAsync(host_staging_, src, sizeof(float) * n, cudaMemcpyDeviceToHost, stream_));
+    CUDA_CHECK(cudaMemcpyAsync(host_staging_, src, dtype_bytes(type) * n, cudaMemcpyDeviceToHost, stream_));
     CUDA_CHECK(cudaStreamSynchronize(stream_));
-    cpu::accumulate(host_grad, host_staging_, n);
+    if (type == DType::F32) {
+      cpu::accumulate(host_grad, host_staging_, n);
+    } else {
+      const auto* b = reinterpret_cast<const uint16_t*>(host_staging_);
+      for (int64_t i = 0; i < n; ++i) host_grad[i] += bf16_to_f32(b[i]);
+    }
+  }
+  void accumulate(float* dst, const void* src, int64_t n, DType type) override {
+    if (type == DType::F32) cuda::accumulate_f32(dst, static_cast<const float*>(src), n, stream_);
+    else accumulate_bf16(dst, static_cast<const bf16*>(src), n, stream_);
+  }
+  void cast_to_bf16(void* dst, const float* src, int64_t n) override {
+    cuda::cast_f32_to_bf16(static_cast<bf16*>(dst), src, n, stream_);
+  }
+  void* stream() override {
+    init();
+    return stream_;
   }
 
   void attach_shards(const ModelLayout& layout) override {

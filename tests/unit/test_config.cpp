@@ -114,10 +114,25 @@ TEST_CASE("out-of-range values and unknown choices") {
 }
 
 TEST_CASE("features not built yet are refused, never ignored") {
-  CHECK(only_error(parse(kValid, {"comm.timeout_s=30"})) == "--set comm.timeout_s=30: comm.timeout_s is not implemented yet");
-  CHECK(only_error(parse(kValid, {"comm.backend=nccl"})) ==
-        "--set comm.backend=nccl: comm.backend = \"nccl\" is not implemented yet");
+  CHECK(only_error(parse(kValid, {"data.packing=false"})) ==
+        "deck.toml: data.packing = false is not implemented yet (rows are always packed)");
   CHECK(parse(kValid, {"model.optim_cpu_offload=true"}).config.model.optim_cpu_offload);  // built: accepted
+  CHECK(parse(kValid, {"comm.timeout_s=30"}).config.comm.timeout_s == 30.0);
+}
+
+TEST_CASE("device communicator keys: NCCL and bf16 reduction need the CUDA backend") {
+  const DeckResult gpu = parse(kValid, {"device.backend=cuda", "comm.backend=nccl", "model.reduce_dtype=bf16"});
+  for (const auto& e : gpu.errors) MESSAGE(e);
+  CHECK(gpu.ok());
+  CHECK(gpu.config.comm.backend == "nccl");
+  CHECK(gpu.config.model.reduce_dtype == "bf16");
+  CHECK(only_error(parse(kValid, {"device.backend=cpu", "comm.backend=nccl"})) ==
+        "deck.toml: comm.backend = \"nccl\" needs device.backend = \"cuda\" (NCCL moves device memory only; the CPU backend "
+        "uses MPI)");
+  CHECK(only_error(parse(kValid, {"device.backend=cpu", "model.reduce_dtype=bf16"})) ==
+        "deck.toml: model.reduce_dtype = \"bf16\" needs device.backend = \"cuda\" (the CPU backend is the fp32 reference)");
+  CHECK(only_error(parse(kValid, {"comm.timeout_s=0"})) ==
+        "--set comm.timeout_s=0: comm.timeout_s = 0 is out of range: it must be > 0");
 }
 
 TEST_CASE("muon: its keys parse, its AdamW group defaults to lr and weight_decay, other optimizers refuse them") {

@@ -1,0 +1,259 @@
+// comm_cuda.cu — the unit loop's Comm for GPU backends: all-gather and
+// reduce-scatter on device buffers, through NCCL (one GPU per rank) or through
+// MPI staged in pinned host memory (several ranks sharing one GPU, which NCCL
+// refuses). The small collectives (all-reduce of host doubles, broadcast,
+// barrier, all_to_all_v) go to the host Comm it wraps.
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "shardlm/comm.hpp"
+#include "shardlm/cuda.hpp"
+#include "shardlm/cuda_ops.hpp"
+#include "shardlm/error.hpp"
+#include "shardlm/memory.hpp"
+#include "shardlm/runtime.hpp"
+
+#define NCCL_CHECK(call)                                                                                   \
+  do {                                                                                                     \
+    ncclResult_t nccl_status_ = (call);                                                                    \
+    if (nccl_status_ != ncclSuccess)                                                                       \
+      throw ::shardlm::Error(::shardlm::fmt("%s failed at %s:%d: %s", #call, __FILE__, __LINE__,           \
+                                            ncclGetErrorString(nccl_status_)));                            \
+  } while (0)
+
+namespace shardlm {
+namespace {
+
+// The host-side collectives every device Comm forwards unchanged.
+class HostForwarding : public Comm {
+ public:
+  explicit HostForwarding(Comm& host) : host_(host) {}
+  int rank() const override { return host_.rank(); }
+  int size() const override { return host_.size(); }
+  bool device_buffers() const override { return true; }
+  void all_reduce_sum(double* v, int64_t n) override { host_.all_reduce_sum(v, n); }
+  void all_reduce_sum(int64_t* v, int64_t n) override { host_.all_reduce_sum(v, n); }
+  void broadcast(void* bytes, int64_t n, int root) override { host_.broadcast(bytes, n, root); }
+  void barrier() override { host_.barrier(); }
+  void all_to_all_v(const float* send, const int64_t* sc, const int64_t* sd, float* recv, const int64_t* rc,
+                    const int64_t* rd) override {
+    host_.all_to_all_v(send, sc, sd, recv, rc, rd);
+  }
+
+ protected:
+  Comm& host_;
+};
+
+// ------------------------------------------------------------------ NCCL
+
+ncclDataType_t nccl_type(DType t) { return t == DType::F32 ? ncclFloat32 : ncclBfloat16; }
+
+// NCCL on its own stream. Each collective waits for everything queued on the
+// compute stream before it (an event), so a gather into a slot never overtakes
+// the compute that still reads it and a reduction never reads gradients that are
+// not written yet; CommRequest::wait() makes the compute stream wait for the
+// collective's own event. Nothing here synchronises the host.
+//
+// A watchdog thread polls the oldest collectives in flight and NCCL's
+// asynchronous error: an error or a collective older than comm.timeout_s (a
+// dead or stuck peer) ends the job with a message instead of a silent hang.
+class NcclDeviceComm final : public HostForwarding {
+ public:
+  NcclDeviceComm(Comm& host, cudaStream_t compute, double timeout_s)
+      : HostForwarding(host), compute_(compute), timeout_s_(timeout_s) {
+    CUDA_CHECK(cudaGetDevice(&device_));
+    // MPI is the only bootstrap: rank 0's unique id reaches the others by broadcast.
+    ncclUniqueId id;
+    if (host.rank() == 0) NCCL_CHECK(ncclGetUniqueId(&id));
+    host.broadcast(&id, sizeof(id), 0);
+    NCCL_CHECK(ncclCommInitRank(&nccl_, host.size(), id, host.rank()));
+    CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    ready_.resize(kRing);
+    done_.resize(kRing);
+    for (int i = 0; i < kRing; ++i) {
+      CUDA_CHECK(cudaEventCreateWithFlags(&ready_[i], cudaEventDisableTiming));
+      CUDA_CHECK(cudaEventCreateWithFlags(&done_[i], cudaEventDisableTiming));
+    }
+    watchdog_ = std::thread([this] { watch(); });
+  }
+
+  ~NcclDeviceComm() override {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stopping_ = true;
+    }
+    wake_.notify_all();
+    watchdog_.join();
+    cudaStreamSynchronize(stream_);
+    ncclCommDestroy(nccl_);
+    for (int i = 0; i < kRing; ++i) cudaEventDestroy(ready_[i]), cudaEventDestroy(done_[i]);
+    cudaStreamDestroy(stream_);
+  }
+
+  using Comm::all_gather;
+  using Comm::reduce_scatter;
+  CommRequest all_gather(const void* shard, void* full, int64_t count, DType t) override {
+    const int64_t ticket = begin();
+    NCCL_CHECK(ncclAllGather(shard, full, size_t(count), nccl_type(t), nccl_, stream_));
+    return end(ticket, "all-gather", count * dtype_bytes(t));
+  }
+  CommRequest reduce_scatter(const void* full, void* shard, int64_t count, DType t) override {
+    const int64_t ticket = begin();
+    NCCL_CHECK(ncclReduceScatter(full, shard, size_t(count), nccl_type(t), ncclSum, nccl_, stream_));
+    return end(ticket, "reduce-scatter", count * dtype_bytes(t));
+  }
+
+  void complete(int64_t ticket) override {
+    // A ticket older than the ring has had its event recorded again by a later
+    // collective on the same stream, which completes after it: waiting on the
+    // newer one is safe but over-waits, so the engine never holds one that long.
+    SHARDLM_CHECK(ticket >= next_ticket_ - kRing, "internal: NCCL request %lld waited on after %d newer ones",
+                  (long long)ticket, kRing);
+    CUDA_CHECK(cudaStreamWaitEvent(compute_, done_[ticket % kRing], 0));
+  }
+
+ private:
+  static constexpr int kRing = 32;  // collectives in flight at most (the engine holds <= 6)
+
+  int64_t begin() {
+    const int64_t ticket = next_ticket_++;
+    CUDA_CHECK(cudaEventRecord(ready_[ticket % kRing], compute_));
+    CUDA_CHECK(cudaStreamWaitEvent(stream_, ready_[ticket % kRing], 0));
+    return ticket;
+  }
+  CommRequest end(int64_t ticket, const char* what, int64_t bytes) {
+    CUDA_CHECK(cudaEventRecord(done_[ticket % kRing], stream_));
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      in_flight_.push_back({ticket, std::chrono::steady_clock::now(), what, bytes});
+    }
+    wake_.notify_all();
+    return CommRequest(this, ticket);
+  }
+
+  struct InFlight {
+    int64_t ticket;
+    std::chrono::steady_clock::time_point issued;
+    const char* what;
+    int64_t bytes;
+  };
+
+  void watch() {
+    cudaSetDevice(device_);  // the current device is per thread
+    const auto poll = std::chrono::milliseconds(timeout_s_ >= 10 ? 500 : 50);
+    std::unique_lock<std::mutex> lock(mutex_);
+    while (!stopping_) {
+      wake_.wait_for(lock, poll);
+      while (!in_flight_.empty()) {
+        const InFlight f = in_flight_.front();
+        // The slot may carry a newer collective's event by now; that one
+        // completes after this one (same stream), so "done" is still true.
+        const cudaError_t q = cudaEventQuery(done_[f.ticket % kRing]);
+        if (q == cudaSuccess) {
+          in_flight_.pop_front();
+          continue;
+        }
+        if (q != cudaErrorNotReady)
+          fatal(fmt("NCCL %s (%lld bytes) failed on the device: %s", f.what, (long long)f.bytes,
+                    cudaGetErrorString(q)));
+        const double age = std::chrono::duration<double>(std::chrono::steady_clock::now() - f.issued).count();
+        if (age > timeout_s_)
+          fatal(fmt("NCCL %s of %lld bytes has not completed after %.0f s (comm.timeout_s = %g): a rank died or "
+                    "is stuck; aborting the job",
+                    f.what, (long long)f.bytes, age, timeout_s_));
+        break;
+      }
+      ncclResult_t async = ncclSuccess;
+      if (ncclCommGetAsyncError(nccl_, &async) == ncclSuccess && async != ncclSuccess && async != ncclInProgress)
+        fatal(fmt("NCCL reported an asynchronous error: %s", ncclGetErrorString(async)));
+    }
+  }
+
+  cudaStream_t compute_ = nullptr, stream_ = nullptr;
+  double timeout_s_;
+  int device_ = 0;
+  ncclComm_t nccl_ = nullptr;
+  std::vector<cudaEvent_t> ready_, done_;  // (kRing) by ticket % kRing
+  int64_t next_ticket_ = 0;                // issuing thread only
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  std::deque<InFlight> in_flight_;         // guarded by mutex_
+  bool stopping_ = false;                  // guarded by mutex_
+  std::thread watchdog_;
+};
+
+// ------------------------------------------------------------------ MPI, staged
+
+// Device buffers through two pinned host buffers and the host MPI Comm: copy
+// out, MPI collective, copy back, all ordered on the compute stream. Blocking
+// (the host waits for the device before each MPI call), so it overlaps nothing;
+// it exists for runs of several ranks on one GPU and for testing the sharded GPU
+// path anywhere.
+class StagedDeviceComm final : public HostForwarding {
+ public:
+  StagedDeviceComm(Comm& host, cudaStream_t compute, int64_t staging_bytes)
+      : HostForwarding(host), compute_(compute), staging_bytes_(staging_bytes) {
+    CUDA_CHECK(cudaMallocHost(&send_, size_t(staging_bytes)));
+    CUDA_CHECK(cudaMallocHost(&recv_, size_t(staging_bytes)));
+    host_mem_track(Mem::Workspace, 2 * staging_bytes);
+  }
+  ~StagedDeviceComm() override {
+    cudaStreamSynchronize(compute_);
+    cudaFreeHost(send_);
+    cudaFreeHost(recv_);
+    host_mem_track(Mem::Workspace, -2 * staging_bytes_);
+  }
+
+  using Comm::all_gather;
+  using Comm::reduce_scatter;
+  CommRequest all_gather(const void* shard, void* full, int64_t count, DType t) override {
+    const int64_t bytes = count * dtype_bytes(t);
+    stage_out(shard, bytes, bytes * size());
+    host_.all_gather(send_, recv_, count, t).wait();
+    CUDA_CHECK(cudaMemcpyAsync(full, recv_, size_t(bytes * size()), cudaMemcpyHostToDevice, compute_));
+    return {};
+  }
+  CommRequest reduce_scatter(const void* full, void* shard, int64_t count, DType t) override {
+    const int64_t bytes = count * dtype_bytes(t);
+    stage_out(full, bytes * size(), bytes * size());
+    host_.reduce_scatter(send_, recv_, count, t).wait();
+    CUDA_CHECK(cudaMemcpyAsync(shard, recv_, size_t(bytes), cudaMemcpyHostToDevice, compute_));
+    return {};
+  }
+
+ private:
+  // Copy `bytes` of device memory to send_ and wait for it; the wait also
+  // finishes the previous call's copy out of recv_, which MPI overwrites next.
+  void stage_out(const void* src, int64_t bytes, int64_t largest) {
+    SHARDLM_CHECK(largest <= staging_bytes_, "internal: a %lld-byte collective exceeds the %lld-byte staging buffer",
+                  (long long)largest, (long long)staging_bytes_);
+    CUDA_CHECK(cudaMemcpyAsync(send_, src, size_t(bytes), cudaMemcpyDeviceToHost, compute_));
+    CUDA_CHECK(cudaStreamSynchronize(compute_));
+  }
+
+  cudaStream_t compute_;
+  int64_t staging_bytes_;
+  void* send_ = nullptr;  // pinned (staging_bytes)
+  void* recv_ = nullptr;  // pinned (staging_bytes)
+};
+
+}  // namespace
+
+std::unique_ptr<Comm> make_device_comm(Comm& host, const std::string& kind, void* compute_stream,
+                                       int64_t staging_bytes, double timeout_s) {
+  auto stream = static_cast<cudaStream_t>(compute_stream);
+  if (kind == "nccl") return std::make_unique<NcclDeviceComm>(host, stream, timeout_s);
+  SHARDLM_CHECK(kind == "mpi", "comm.backend = \"%s\" is not a device communicator (nccl or mpi)", kind.c_str());
+  return std::make_unique<StagedDeviceComm>(host, stream, staging_bytes);
+}
+
+
+}  // namespace shardlm
