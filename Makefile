@@ -87,6 +87,9 @@ $(BUILD)/test_mpi: $(MPI_OBJS) $(LIB_OBJS)
 $(BUILD)/test_gpu: $(GPU_OBJS) $(LIB_OBJS)
 	$(MPICXX) -o $@ $^ $(LDLIBS)
 
+# The GPU suites call the CUDA runtime directly (device buffers for the communicator tests).
+$(BUILD)/obj/tests/gpu/%.o: CXXFLAGS += -I$(CUDA_HOME)/include
+
 $(BUILD)/obj/%.o: %.cpp
 	@mkdir -p $(dir $@)
 	$(MPICXX) $(CXXFLAGS) -c $< -o $@

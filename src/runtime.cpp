@@ -3,6 +3,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -139,13 +140,17 @@ void mpi_failed(const char* call, int status, const char* file, int line) {
   fatal(fmt("%s failed at %s:%d: %s", call, file, line, text));
 }
 
-void maybe_inject_fault(const char* point) {
+bool fault_armed(const char* point) {
   const char* spec = std::getenv("SHARDLM_FAULT");
-  if (!spec) return;
+  if (!spec) return false;
   const char* at = std::strchr(spec, '@');
   if (!at || std::strncmp(spec, point, static_cast<size_t>(at - spec)) != 0 || std::strlen(point) != size_t(at - spec))
-    return;
-  if (std::atoi(at + 1) == g_world_rank) fatal(fmt("injected fault '%s' (SHARDLM_FAULT=%s)", point, spec));
+    return false;
+  return std::atoi(at + 1) == std::max(g_world_rank, 0);  // a process without MPI is rank 0
+}
+
+void maybe_inject_fault(const char* point) {
+  if (fault_armed(point)) fatal(fmt("injected fault '%s' (SHARDLM_FAULT=%s)", point, std::getenv("SHARDLM_FAULT")));
 }
 
 }  // namespace shardlm

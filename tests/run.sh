@@ -50,15 +50,21 @@ done
 OMP_NUM_THREADS=1 run_suite "mpi-mpmd" 300 \
   $MPIRUN $MPIRUN_FLAGS -np 2 "$BUILD/test_mpi" --test-suite=runtime : -np 1 "$BUILD/test_mpi" --test-suite=runtime
 
-# Script tests: each prints PASS/FAIL lines.
-for t in tests/scripts/*.sh; do
-  [ -e "$t" ] || continue
+# run_script SCRIPT TIMEOUT: a script test prints PASS/FAIL lines; one that
+# fails without printing FAIL counts as one failure.
+run_script() {
+  local t=$1 limit=$2
   echo "== $t"
-  out=$(timeout 600 bash "$t" 2>&1); rc=$?
+  local out rc p f
+  out=$(timeout "$limit" bash "$t" 2>&1); rc=$?
   echo "$out"
   p=$(grep -c '^PASS' <<< "$out"); f=$(grep -c '^FAIL' <<< "$out")
   if [ $rc != 0 ] && [ "$f" = 0 ]; then f=1; fi
   echo "$p $f $t" >> "$results"
+}
+
+for t in tests/scripts/*.sh; do
+  [ -e "$t" ] && run_script "$t" 600
 done
 
 # GPU suites (make test-gpu): kernel-vs-CPU checks; each binary prints PASS/FAIL lines.
@@ -72,6 +78,8 @@ if [ "${SHARDLM_TEST_GPU:-0}" = 1 ]; then
     if [ $rc != 0 ] && [ "$f" = 0 ]; then f=1; fi
     echo "$p $f $t" >> "$results"
   done
+  # Sharded training at world 2 on the GPU and the NCCL watchdog.
+  run_script tests/gpu/test_multirank.sh 900
 fi
 
 passed=$(awk '{p+=$1} END {print p+0}' "$results")

@@ -63,6 +63,10 @@ std::string select_comm(const Runtime& rt, const std::string& requested);
 // Fault injection for the tests that prove a failing rank aborts the job:
 // SHARDLM_FAULT="<point>@<world rank>" makes that rank fail at that point.
 void maybe_inject_fault(const char* point);
+// True when SHARDLM_FAULT names `point` for this rank (faults that are not a
+// plain failure: "nccl_stall" makes the NCCL communicator's first collective wait
+// behind a 30 s kernel, so its watchdog's timeout can be tested).
+bool fault_armed(const char* point);
 
 // Built-in backends of this binary ("cpu" or "cpu+cuda").
 const char* built_backends();

@@ -56,6 +56,13 @@ class HostForwarding : public Comm {
 
 ncclDataType_t nccl_type(DType t) { return t == DType::F32 ? ncclFloat32 : ncclBfloat16; }
 
+// SHARDLM_FAULT=nccl_stall@R: hold the comm stream for `ns` so a collective
+// looks stuck (the watchdog test); bounded, so a missed abort cannot hang a run.
+__global__ void stall_kernel(long long ns) {
+  const long long start = clock64();
+  while (clock64() - start < ns) __nanosleep(1000000);
+}
+
 // NCCL on its own stream. Each collective waits for everything queued on the
 // compute stream before it (an event), so a gather into a slot never overtakes
 // the compute that still reads it and a reduction never reads gradients that are
@@ -127,6 +134,10 @@ class NcclDeviceComm final : public HostForwarding {
     const int64_t ticket = next_ticket_++;
     CUDA_CHECK(cudaEventRecord(ready_[ticket % kRing], compute_));
     CUDA_CHECK(cudaStreamWaitEvent(stream_, ready_[ticket % kRing], 0));
+    if (ticket == 0 && fault_armed("nccl_stall")) {
+      stall_kernel<<<1, 1, 0, stream_>>>(30LL * 2000000000LL);  // ~30 s at 2 GHz
+      CUDA_CHECK(cudaGetLastError());
+    }
     return ticket;
   }
   CommRequest end(int64_t ticket, const char* what, int64_t bytes) {
