@@ -77,6 +77,11 @@ class MpiComm final : public Comm {
                                         t == DType::F32 ? MPI_SUM : bf16_sum_op(), comm_, &r));
     return CommRequest(r);
   }
+  CommRequest broadcast(void* buf, int64_t count, DType t, int root) override {
+    MPI_Request r;
+    MPI_CHECK(MPI_Ibcast(buf, as_count(count), mpi_type(t), root, comm_, &r));
+    return CommRequest(r);
+  }
   void all_reduce_sum(double* values, int64_t count) override {
     MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, values, as_count(count), MPI_DOUBLE, MPI_SUM, comm_));
   }
@@ -120,6 +125,7 @@ class SelfComm final : public Comm {
     if (full != shard) std::memcpy(shard, full, dtype_bytes(t) * count);
     return {};
   }
+  CommRequest broadcast(void*, int64_t, DType, int) override { return {}; }
   void all_reduce_sum(double*, int64_t) override {}
   void all_reduce_sum(int64_t*, int64_t) override {}
   void broadcast(void*, int64_t, int) override {}

@@ -58,6 +58,9 @@ class Comm {
   CommRequest reduce_scatter(const float* full, float* shard, int64_t count) {
     return reduce_scatter(full, shard, count, DType::F32);
   }
+  // buf (count of `type`) from `root` to every rank, in place; device Comms take
+  // device buffers (the RL weight broadcast on GPUs). Asynchronous like the two above.
+  virtual CommRequest broadcast(void* buf, int64_t count, DType type, int root) = 0;
   // Device Comms: make the compute stream wait for collective `ticket` (CommRequest::wait).
   virtual void complete(int64_t ticket) { (void)ticket; }
   virtual void all_reduce_sum(double* values, int64_t count) = 0;

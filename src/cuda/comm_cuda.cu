@@ -6,7 +6,6 @@
 #include <cuda_runtime.h>
 #include <nccl.h>
 
-#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
@@ -42,6 +41,7 @@ class HostForwarding : public Comm {
   void all_reduce_sum(double* v, int64_t n) override { host_.all_reduce_sum(v, n); }
   void all_reduce_sum(int64_t* v, int64_t n) override { host_.all_reduce_sum(v, n); }
   void broadcast(void* bytes, int64_t n, int root) override { host_.broadcast(bytes, n, root); }
+  using Comm::broadcast;
   void barrier() override { host_.barrier(); }
   void all_to_all_v(const float* send, const int64_t* sc, const int64_t* sd, float* recv, const int64_t* rc,
                     const int64_t* rd) override {
@@ -108,15 +108,26 @@ class NcclDeviceComm final : public HostForwarding {
   using Comm::all_gather;
   using Comm::reduce_scatter;
   CommRequest all_gather(const void* shard, void* full, int64_t count, DType t) override {
+    require_device(shard, "all-gather input");
+    require_device(full, "all-gather output");
     const int64_t ticket = begin();
     NCCL_CHECK(ncclAllGather(shard, full, size_t(count), nccl_type(t), nccl_, stream_));
     return end(ticket, "all-gather", count * dtype_bytes(t));
   }
   CommRequest reduce_scatter(const void* full, void* shard, int64_t count, DType t) override {
+    require_device(full, "reduce-scatter input");
+    require_device(shard, "reduce-scatter output");
     const int64_t ticket = begin();
     NCCL_CHECK(ncclReduceScatter(full, shard, size_t(count), nccl_type(t), ncclSum, nccl_, stream_));
     return end(ticket, "reduce-scatter", count * dtype_bytes(t));
   }
+  CommRequest broadcast(void* buf, int64_t count, DType t, int root) override {
+    require_device(buf, "broadcast buffer");
+    const int64_t ticket = begin();
+    NCCL_CHECK(ncclBroadcast(buf, buf, size_t(count), nccl_type(t), root, nccl_, stream_));
+    return end(ticket, "broadcast", count * dtype_bytes(t));
+  }
+  using HostForwarding::broadcast;
 
   void complete(int64_t ticket) override {
     // A ticket older than the ring has had its event recorded again by a later
@@ -129,6 +140,19 @@ class NcclDeviceComm final : public HostForwarding {
 
  private:
   static constexpr int kRing = 32;  // collectives in flight at most (the engine holds <= 6)
+
+  // DESIGN.md rule 4: NCCL is only ever handed device memory. Checked on every
+  // call (one driver query, ~1 us), so a host tensor reaching NCCL, e.g. an
+  // offloaded master shard, is an error that names the buffer, not a fault.
+  static void require_device(const void* p, const char* what) {
+    cudaPointerAttributes a{};
+    const cudaError_t e = cudaPointerGetAttributes(&a, p);
+    if (e != cudaSuccess) cudaGetLastError();
+    SHARDLM_CHECK(e == cudaSuccess && (a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged),
+                  "NCCL was handed host memory for its %s (%p): NCCL only ever gets device buffers; stage host "
+                  "data through a device buffer first",
+                  what, p);
+  }
 
   int64_t begin() {
     const int64_t ticket = next_ticket_++;
@@ -239,6 +263,14 @@ class StagedDeviceComm final : public HostForwarding {
     CUDA_CHECK(cudaMemcpyAsync(shard, recv_, size_t(bytes), cudaMemcpyHostToDevice, compute_));
     return {};
   }
+  CommRequest broadcast(void* buf, int64_t count, DType t, int root) override {
+    const int64_t bytes = count * dtype_bytes(t);
+    stage_out(buf, rank() == root ? bytes : 0, bytes);
+    host_.broadcast(send_, count, t, root).wait();
+    CUDA_CHECK(cudaMemcpyAsync(buf, send_, size_t(bytes), cudaMemcpyHostToDevice, compute_));
+    return {};
+  }
+  using HostForwarding::broadcast;
 
  private:
   // Copy `bytes` of device memory to send_ and wait for it; the wait also

@@ -10,10 +10,12 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "shardlm/comm.hpp"
 #include "shardlm/cuda.hpp"
+#include "shardlm/error.hpp"
 
 using namespace shardlm;
 
@@ -68,6 +70,22 @@ void check_device_comm(const char* kind, double timeout_s) {
       INFO(kind << (gather ? " all-gather " : " reduce-scatter ") << (type == DType::F32 ? "fp32" : "bf16"));
       CHECK(wrong == 0);
     }
+  }
+  // In-place broadcast from rank 0: on one rank the buffer is unchanged.
+  REQUIRE_CUDA(cudaMemcpyAsync(src, pinned, 4 * n, cudaMemcpyHostToDevice, compute));
+  comm->broadcast(src, n, DType::F32, 0).wait();
+  REQUIRE_CUDA(cudaMemcpyAsync(back.data(), src, 4 * n, cudaMemcpyDeviceToHost, compute));
+  REQUIRE_CUDA(cudaStreamSynchronize(compute));
+  CHECK(std::memcmp(back.data(), pinned, 4 * n) == 0);
+  // DESIGN.md rule 4: NCCL is never handed host memory (pinned or pageable).
+  if (std::string(kind) == "nccl") {
+    std::vector<float> pageable(16);
+    CHECK_THROWS_WITH_AS(comm->all_gather(pinned, dst, 16, DType::F32),
+                         doctest::Contains("NCCL was handed host memory for its all-gather input"), Error);
+    CHECK_THROWS_WITH_AS(comm->reduce_scatter(src, pageable.data(), 16, DType::F32),
+                         doctest::Contains("NCCL was handed host memory for its reduce-scatter output"), Error);
+    CHECK_THROWS_WITH_AS(comm->broadcast(pageable.data(), 16, DType::BF16, 0),
+                         doctest::Contains("NCCL was handed host memory for its broadcast buffer"), Error);
   }
   comm.reset();
   cudaFree(src);
