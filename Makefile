@@ -71,7 +71,7 @@ UNIT_OBJS := $(patsubst %.cpp,$(BUILD)/obj/%.o,$(wildcard tests/unit/*.cpp)) $(B
 MPI_OBJS  := $(patsubst %.cpp,$(BUILD)/obj/%.o,$(wildcard tests/mpi/*.cpp)) $(BUILD)/obj/tests/main_mpi.o
 GPU_OBJS  := $(patsubst %.cpp,$(BUILD)/obj/%.o,$(wildcard tests/gpu/*.cpp)) $(BUILD)/obj/tests/main_unit.o
 
-.PHONY: all run run-text test test-gpu test-suites clean deps
+.PHONY: all run run-text test test-gpu test-suites clean deps bench-cpu-adamw
 all: $(BUILD)/shardlm $(BUILD)/test_unit $(BUILD)/test_mpi
 
 $(BUILD)/shardlm: $(BUILD)/obj/src/main.o $(LIB_OBJS)
@@ -89,6 +89,12 @@ $(BUILD)/test_gpu: $(GPU_OBJS) $(LIB_OBJS)
 
 # The GPU suites call the CUDA runtime directly (device buffers for the communicator tests).
 $(BUILD)/obj/tests/gpu/%.o: CXXFLAGS += -I$(CUDA_HOME)/include
+
+# The host AdamW benchmark (tools/bench_cpu_adamw.cpp); not part of `all`.
+bench-cpu-adamw: $(BUILD)/bench_cpu_adamw
+
+$(BUILD)/bench_cpu_adamw: $(BUILD)/obj/tools/bench_cpu_adamw.o $(BUILD)/obj/src/cpu/adamw.o
+	$(MPICXX) -o $@ $^ -fopenmp
 
 $(BUILD)/obj/%.o: %.cpp
 	@mkdir -p $(dir $@)

@@ -1,5 +1,14 @@
 // broadcast.cpp — weight broadcast over the broadcast communicator or the
 // filesystem, and the reference receiver.
+//
+// The communicator path, on the wire (MPI on rt.broadcast_comm unless noted):
+//   start-up:  hello header (does the payload come from GPU memory?); on GPUs
+//              every member then picks the device Comm (select_broadcast_comm)
+//   broadcast: weights header (step, units, bytes); on GPUs, the first time,
+//              the device Comm is made (NCCL's unique id goes by MPI); then per
+//              unit: names and shapes, the bf16 payload (host: MPI; GPU: the
+//              device Comm's broadcast of a device buffer), its checksum
+//   end:       done header
 #include "shardlm/broadcast.hpp"
 
 #include <algorithm>
@@ -8,9 +17,12 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <optional>
 #include <sstream>
 #include <thread>
 
+#include "shardlm/cuda.hpp"
+#include "shardlm/engine.hpp"
 #include "shardlm/hf.hpp"
 #include "shardlm/memory.hpp"
 #include "shardlm/train.hpp"
@@ -21,7 +33,7 @@ namespace fs = std::filesystem;
 namespace {
 
 constexpr uint64_t kMagic = 0x73686172646c6d31ULL;  // "shardlm1"
-enum : int64_t { kWeights = 1, kDone = 2 };
+enum : int64_t { kWeights = 1, kDone = 2, kHello = 3 };
 
 // What the root sends before each broadcast; POD, sent as bytes.
 struct Header {
@@ -30,6 +42,7 @@ struct Header {
   int64_t step = 0;
   int64_t units = 0;
   int64_t bytes = 0;  // bf16 payload of the whole model
+  int64_t device = 0; // kHello: 1 when the units come from GPU memory (receive them on a GPU)
 };
 
 uint64_t mix(uint64_t x) {
@@ -94,9 +107,14 @@ void write_received(const ReceivedModel& m, const ModelLayout& layout, const fs:
 
 int64_t output_workspace_bytes(const Config& config, const ModelLayout& layout) {
   const int64_t unit = max_padded(layout);
-  const int64_t bcast = config.broadcast.backend == "nccl" ? unit * (4 + 2) : 0;
+  const bool gpu = config.device.backend == "cuda";
+  const int64_t bcast = config.broadcast.backend == "nccl" ? unit * (gpu ? 2 : 4 + 2) : 0;
   const int64_t exported = config.run.export_dir.empty() ? 0 : unit * 4;
   return std::max(bcast, exported);  // never at the same time
+}
+
+int64_t broadcast_device_bytes(const Config& config, const ModelLayout& layout) {
+  return config.broadcast.backend == "nccl" && config.device.backend == "cuda" ? 2 * max_padded(layout) : 0;
 }
 
 uint64_t bf16_checksum(const uint16_t* values, int64_t begin, int64_t n) {
@@ -107,19 +125,35 @@ uint64_t bf16_checksum(const uint16_t* values, int64_t begin, int64_t n) {
 
 WeightBroadcaster::WeightBroadcaster(const Config& config, const Runtime& rt, Comm& train_comm)
     : config_(config), rt_(rt), comm_(train_comm), enabled_(config.broadcast.backend != "none") {
-  if (config.broadcast.backend == "nccl")
-    SHARDLM_CHECK(rt.num_receivers > 0,
-                  "broadcast.backend = \"nccl\" but this job has no receiver ranks; launch trainers and receivers "
-                  "together: mpirun -np N shardlm train DECK : -np 1 shardlm receive DECK");
+  if (config.broadcast.backend != "nccl") return;
+  SHARDLM_CHECK(rt.num_receivers > 0,
+                "broadcast.backend = \"nccl\" but this job has no receiver ranks; launch trainers and receivers "
+                "together: mpirun -np N shardlm train DECK : -np 1 shardlm receive DECK");
+  device_ = rt.backend == "cuda";
+  if (comm_.rank() != 0) return;
+  // Said at start-up, so a receiver without a GPU fails now and not at the first broadcast.
+  Header hello;
+  hello.kind = kHello;
+  hello.device = device_;
+  bcast_bytes(&hello, sizeof hello, rt.broadcast_comm);
+  if (!device_) return;
+  device_kind_ = select_broadcast_comm(rt);
+  host_bcast_ = make_mpi_comm(rt.broadcast_comm);
 }
+
+WeightBroadcaster::~WeightBroadcaster() = default;
+
+int64_t WeightBroadcaster::comm_staging_bytes() const { return staging_bytes_; }
 
 bool WeightBroadcaster::due(int64_t steps_done) const {
   return enabled_ && steps_done % config_.broadcast.interval == 0;
 }
 
-void WeightBroadcaster::send(const ShardedModel& model, int64_t steps_done) {
-  if (config_.broadcast.backend == "nccl") send_over_comm(model, steps_done);
-  else if (config_.broadcast.backend == "filesystem") send_to_filesystem(model, steps_done);
+void WeightBroadcaster::send(TrainSession& session, int64_t steps_done) {
+  if (device_) return send_from_device(session.engine, session.model.layout, steps_done);
+  session.pull_state();  // the host paths read the fp32 masters
+  if (config_.broadcast.backend == "nccl") send_over_comm(session.model, steps_done);
+  else if (config_.broadcast.backend == "filesystem") send_to_filesystem(session.model, steps_done);
 }
 
 void WeightBroadcaster::send_over_comm(const ShardedModel& model, int64_t step) {
@@ -147,6 +181,56 @@ void WeightBroadcaster::send_over_comm(const ShardedModel& model, int64_t step) 
     bcast_bytes(bf16.data(), 2 * u.numel, bcomm);
     bcast_bytes(&checksum, sizeof checksum, bcomm);
   }
+}
+
+// DESIGN.md rule 4: what the device Comm broadcasts is the device buffer the
+// unit was gathered into from the backend's bf16 shards, with device-resident
+// state and with optim_cpu_offload alike (the fp32 masters are not read). Rank
+// 0's checksum is of those same bf16 values: one copy of the unit to the host.
+void WeightBroadcaster::send_from_device(Engine& engine, const ModelLayout& layout, int64_t step) {
+  const bool root = comm_.rank() == 0;
+  const MPI_Comm bcomm = rt_.broadcast_comm;
+  Backend& backend = engine.backend();
+  Header h;
+  h.step = step;
+  h.units = static_cast<int64_t>(layout.units.size());
+  for (const auto& u : layout.units) h.bytes += 2 * u.numel;
+  if (root) {
+    bcast_bytes(&h, sizeof h, bcomm);
+    if (!device_bcast_) {  // collective with the receivers, which make theirs on this header
+      device_bcast_ = make_device_comm(*host_bcast_, device_kind_, backend.stream(), 2 * max_padded(layout),
+                                       config_.comm.timeout_s);
+      // The staged Comm's two pinned buffers of one bf16 unit stay until finish().
+      if (device_kind_ == "mpi") staging_bytes_ = 2 * 2 * max_padded(layout);
+      std::printf("broadcast: bf16 units gathered on the GPU, sent over the %s device communicator%s\n",
+                  device_kind_.c_str(),
+                  device_kind_ == "mpi" ? " (staged through host memory: two of its ranks share a GPU)" : "");
+      std::fflush(stdout);
+    }
+  }
+  // Transient memory: one gathered bf16 unit on the device (broadcast_device_bytes)
+  // on every rank, and its host copy on rank 0 (output_workspace_bytes).
+  const int64_t unit_bytes = 2 * max_padded(layout);
+  void* gathered_unit = backend.allocate(Mem::Workspace, size_t(unit_bytes));
+  Buffer<uint16_t> host_copy(Mem::Workspace, root ? max_padded(layout) : 0);
+  for (size_t ui = 0; ui < layout.units.size(); ++ui) {
+    const Unit& u = layout.units[ui];
+    engine.gather_unit_bf16(static_cast<int>(ui), gathered_unit);
+    if (!root) continue;
+    cuda_copy_async(host_copy.data(), gathered_unit, 2 * u.numel, backend.stream());
+    cuda_synchronize(backend.stream());
+    std::string text = describe_unit(u);
+    int64_t text_len = static_cast<int64_t>(text.size());
+    uint64_t checksum = bf16_checksum(host_copy.data(), 0, u.numel);
+    bcast_bytes(&text_len, sizeof text_len, bcomm);
+    bcast_bytes(text.data(), text_len, bcomm);
+    // wait() orders the compute stream after the broadcast, so the next unit's
+    // gather into the same buffer (queued behind it) cannot overwrite it early,
+    // and the two NCCL communicators on this GPU never run at once.
+    device_bcast_->broadcast(gathered_unit, u.numel, DType::BF16, 0).wait();
+    bcast_bytes(&checksum, sizeof checksum, bcomm);
+  }
+  backend.deallocate(Mem::Workspace, gathered_unit, size_t(unit_bytes));  // waits for the stream
 }
 
 void WeightBroadcaster::send_to_filesystem(const ShardedModel& model, int64_t step) {
@@ -208,6 +292,7 @@ void WeightBroadcaster::finish() {
       h.kind = kDone;
       bcast_bytes(&h, sizeof h, rt_.broadcast_comm);
     }
+    device_bcast_.reset();
   } else if (comm_.rank() == 0) {
     std::ofstream(fs::path(config_.broadcast.dir) / "DONE") << "done\n";
   }
@@ -224,7 +309,35 @@ void report(const Runtime& rt, int64_t step, int64_t tensors, int64_t bytes, dou
   std::fflush(stdout);
 }
 
-int64_t receive_over_comm(const ModelLayout& layout, const Runtime& rt, ReceivedModel& model) {
+// The receiving end of the GPU path: the device Comm (made at the first
+// weights header, with rank 0) and one unit's device buffer. The receiver has
+// no backend: it computes nothing, and orders everything on the default stream.
+struct DeviceReceive {
+  std::string kind;                   // "nccl" | "mpi" (select_broadcast_comm)
+  std::unique_ptr<Comm> host, device;
+  void* unit = nullptr;               // (max padded numel) bf16, device
+  int64_t unit_bytes = 0;
+  ~DeviceReceive() {
+    device.reset();
+    cuda_free(Mem::Workspace, unit, unit_bytes);
+  }
+};
+
+int64_t receive_over_comm(const Config& config, const ModelLayout& layout, Runtime& rt, ReceivedModel& model) {
+  Header hello;
+  bcast_bytes(&hello, sizeof hello, rt.broadcast_comm);
+  SHARDLM_CHECK(hello.magic == kMagic && hello.kind == kHello,
+                "receive: the trainer sent a header that is not shardlm's");
+  std::optional<DeviceReceive> dev;
+  if (hello.device) {
+    SHARDLM_CHECK(cuda_device_count() > 0,
+                  "receive: the trainer broadcasts from GPU memory (CUDA backend), but no CUDA device is visible on "
+                  "%s%s: run the receivers on GPU nodes",
+                  rt.hostname.c_str(), cuda_built() ? "" : " (this shardlm was built without CUDA)");
+    select_device(rt, "cuda");
+    dev.emplace();
+    dev->kind = select_broadcast_comm(rt);
+  }
   int64_t received = 0;
   std::vector<uint16_t> data;
   for (;;) {
@@ -236,6 +349,15 @@ int64_t receive_over_comm(const ModelLayout& layout, const Runtime& rt, Received
     SHARDLM_CHECK(h.units == int64_t(layout.units.size()),
                   "receive: the trainer sends %lld units but this deck's model has %zu (same deck on both sides?)",
                   (long long)h.units, layout.units.size());
+    if (dev && !dev->device) {  // rank 0 makes its end on this same header
+      dev->unit_bytes = 2 * max_padded(layout);
+      dev->host = make_mpi_comm(rt.broadcast_comm);
+      dev->device = make_device_comm(*dev->host, dev->kind, nullptr, dev->unit_bytes, config.comm.timeout_s);
+      dev->unit = cuda_malloc(Mem::Workspace, dev->unit_bytes);
+      std::printf("receive[%d]: units arrive in GPU memory (device %d, %s) over the %s device communicator\n",
+                  rt.rank, rt.device, rt.device_name.c_str(), dev->kind.c_str());
+      std::fflush(stdout);
+    }
     const auto t0 = std::chrono::steady_clock::now();
     int64_t tensors = 0;
     for (const auto& u : layout.units) {
@@ -246,7 +368,15 @@ int64_t receive_over_comm(const ModelLayout& layout, const Runtime& rt, Received
       SHARDLM_CHECK(text == describe_unit(u), "receive: unit %s arrived with other names or shapes than the deck's "
                                               "model has:\n%s", u.name.c_str(), text.c_str());
       data.resize(u.numel);
-      bcast_bytes(data.data(), 2 * u.numel, rt.broadcast_comm);
+      if (dev) {
+        // Into device memory, then one copy to the host: the checksum is checked
+        // (and --out written) from exactly the bytes that arrived on the GPU.
+        dev->device->broadcast(dev->unit, u.numel, DType::BF16, 0).wait();
+        cuda_copy_async(data.data(), dev->unit, 2 * u.numel, nullptr);
+        cuda_synchronize(nullptr);
+      } else {
+        bcast_bytes(data.data(), 2 * u.numel, rt.broadcast_comm);
+      }
       uint64_t checksum = 0;
       bcast_bytes(&checksum, sizeof checksum, rt.broadcast_comm);
       SHARDLM_CHECK(checksum == bf16_checksum(data.data(), 0, u.numel),
@@ -316,12 +446,12 @@ int64_t receive_from_filesystem(const Config& config, const ModelLayout& layout,
 
 }  // namespace
 
-int64_t run_receiver(const Config& config, const Runtime& rt, const std::string& out_dir) {
+int64_t run_receiver(const Config& config, Runtime& rt, const std::string& out_dir) {
   SHARDLM_CHECK(config.broadcast.backend != "none",
                 "receive: the deck has broadcast.backend = \"none\"; set \"nccl\" or \"filesystem\"");
   const ModelLayout layout(model_config_for(config), 1);
   ReceivedModel model;
-  const int64_t received = config.broadcast.backend == "nccl" ? receive_over_comm(layout, rt, model)
+  const int64_t received = config.broadcast.backend == "nccl" ? receive_over_comm(config, layout, rt, model)
                                                               : receive_from_filesystem(config, layout, rt, model);
   std::printf("receive[%d]: trainer finished; %lld broadcast%s received\n", rt.rank, (long long)received,
               received == 1 ? "" : "s");

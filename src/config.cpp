@@ -393,8 +393,9 @@ void validate(const Config& c, int world, const std::map<std::string, std::strin
       if (set_keys.count(k))
         err(fmt("%s has no meaning for optim.name = \"%s\" (it sets Muon; see docs/muon.md)", k, c.optim.name.c_str()));
   if (c.optim.name == "muon" && c.device.backend == "cuda" && !c.model.optim_cpu_offload)
-    err("optim.name = \"muon\" with device.backend = \"cuda\" is not implemented yet (the GPU optimizer is AdamW/SGD; "
-        "Muon runs on the CPU backend)");
+    err("optim.name = \"muon\" with device.backend = \"cuda\" needs model.optim_cpu_offload = true (the GPU-resident "
+        "optimizer is AdamW/SGD; offloaded, Muon's momentum and exchange run on the host and its Newton–Schulz in bf16 "
+        "on the GPU: docs/muon.md)");
   if (c.model.reduce_dtype == "bf16" && c.device.backend == "cpu")
     err("model.reduce_dtype = \"bf16\" needs device.backend = \"cuda\" (the CPU backend is the fp32 reference)");
   if (c.comm.backend == "nccl" && c.device.backend == "cpu")

@@ -1,6 +1,7 @@
 // cuda_stub.cpp — the CUDA entry points of a CPU-only build: no devices.
 #include "shardlm/backend.hpp"
 #include "shardlm/cuda.hpp"
+#include "shardlm/cuda_newton_schulz.hpp"
 #include "shardlm/error.hpp"
 
 namespace shardlm {
@@ -13,5 +14,13 @@ std::unique_ptr<Comm> make_device_comm(Comm&, const std::string&, void*, int64_t
   SHARDLM_FAIL("this shardlm was built without CUDA (no device communicator)");
 }
 std::unique_ptr<Backend> make_cuda_backend() { SHARDLM_FAIL("this shardlm was built without CUDA"); }
+void* cuda_malloc(Mem, int64_t) { SHARDLM_FAIL("this shardlm was built without CUDA (no device memory)"); }
+void cuda_free(Mem, void*, int64_t) {}
+void cuda_copy_async(void*, const void*, int64_t, void*) { SHARDLM_FAIL("this shardlm was built without CUDA"); }
+void cuda_synchronize(void*) {}
+NsWorkspaceBytes cuda_newton_schulz_bytes(const NsCapacity&) { return {}; }
+std::unique_ptr<Orthogonalizer> make_cuda_orthogonalizer(const NsCapacity&) {
+  SHARDLM_FAIL("this shardlm was built without CUDA (no GPU Newton–Schulz for Muon)");
+}
 
 }  // namespace shardlm

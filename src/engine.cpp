@@ -38,6 +38,12 @@ bool grad_slots_needed(int world, const Backend& backend, const EngineOptions& o
   return world > 1 || (!backend.host_resident() && !o.device_state);
 }
 
+// model.reduce_dtype = "bf16": gradients cross the wire in bf16 (world > 1) and,
+// with the offload pipeline, cross the host link in bf16 (half the PCIe bytes).
+bool bf16_gradients(int world, const EngineOptions& o) {
+  return o.reduce_bf16 && (world > 1 || o.offload_pipeline);
+}
+
 }  // namespace
 
 MemoryPlan plan_memory(const ModelConfig& config, int world, const EngineOptions& o, int optim_states,
@@ -52,9 +58,11 @@ MemoryPlan plan_memory(const ModelConfig& config, int world, const EngineOptions
   if (world > 1)
     plan.gathered += backend.param_bytes() * param_slot_count(layout, o.reshard_after_forward) * max_padded(layout);
   if (grad_slots_needed(world, backend, o)) {
-    plan.gathered += 4 * grad_slot_count() * (max_padded(layout) + max_shard(layout));
-    if (world > 1 && o.reduce_bf16) plan.gathered += 2 * grad_slot_count() * max_padded(layout);
+    // One rank hands the whole unit over: no reduced slice to receive.
+    plan.gathered += 4 * grad_slot_count() * (max_padded(layout) + (world > 1 ? max_shard(layout) : 0));
+    if (bf16_gradients(world, o)) plan.gathered += 2 * grad_slot_count() * max_padded(layout);
   }
+  if (o.offload_pipeline) plan.host_workspace += OffloadPipeline::host_bytes(layout);
   // Several ranks on one GPU: two pinned host buffers of one full fp32 unit each.
   if (plan.device && world > 1 && o.comm_backend == "mpi") plan.comm_staging = 2 * 4 * max_padded(layout);
   if (o.device_state) plan.device_state = plan.param_shards + plan.grad_shards + plan.optim_state;
@@ -98,7 +106,7 @@ Engine::Engine(ShardedModel& model, Comm& comm, const EngineOptions& options, st
   SHARDLM_CHECK(!options.reduce_bf16 || !backend_->host_resident(),
                 "model.reduce_dtype = \"bf16\" needs a GPU backend (the CPU backend is the fp32 reference)");
   grad_slots_used_ = grad_slots_needed(comm.size(), *backend_, options);
-  reduce_type_ = sharded_ && options.reduce_bf16 ? DType::BF16 : DType::F32;
+  reduce_type_ = bf16_gradients(comm.size(), options) ? DType::BF16 : DType::F32;
   gather_type_ = backend_->param_bytes() == 2 ? DType::BF16 : DType::F32;
   slot_floats_ = max_padded(layout);
   recv_floats_ = max_shard(layout);
@@ -110,7 +118,7 @@ Engine::Engine(ShardedModel& model, Comm& comm, const EngineOptions& options, st
     grad_slots_.resize(grad_slot_count());
     for (auto& s : grad_slots_) {
       s.full = static_cast<float*>(backend_->allocate(Mem::Gathered, 4 * slot_floats_));
-      s.recv = backend_->allocate(Mem::Gathered, 4 * recv_floats_);
+      if (sharded_) s.recv = backend_->allocate(Mem::Gathered, 4 * recv_floats_);
       if (reduce_type_ == DType::BF16) s.full_bf16 = backend_->allocate(Mem::Gathered, 2 * slot_floats_);
     }
   }
@@ -139,7 +147,7 @@ Engine::~Engine() {
   for (auto& s : grad_slots_) {
     s.request.wait();
     backend_->deallocate(Mem::Gathered, s.full, 4 * slot_floats_);
-    backend_->deallocate(Mem::Gathered, s.recv, 4 * recv_floats_);
+    if (s.recv) backend_->deallocate(Mem::Gathered, s.recv, 4 * recv_floats_);
     if (s.full_bf16) backend_->deallocate(Mem::Gathered, s.full_bf16, 2 * slot_floats_);
   }
   backend_->synchronize();  // the device Comm's collectives are done before it goes
@@ -154,6 +162,7 @@ void Engine::prefetch(int unit) {
   for (auto& s : param_slots_) {
     if (s.unit != -1) continue;
     s.unit = unit;
+    if (offload_) offload_->param_ready(unit);
     // In the backend's own precision: fp32 on the CPU, bf16 on GPUs.
     s.request = unit_comm_->all_gather(backend_->param_shard(unit), s.full, model_.layout.units[unit].shard_numel,
                                        gather_type_);
@@ -163,6 +172,7 @@ void Engine::prefetch(int unit) {
 }
 
 const void* Engine::params(int unit) {
+  if (offload_) offload_->param_ready(unit);
   if (!sharded_) return backend_->param_shard(unit);  // one rank: the shard is the whole unit
   prefetch(unit);
   for (auto& s : param_slots_)
@@ -171,6 +181,16 @@ const void* Engine::params(int unit) {
       return s.full;
     }
   SHARDLM_FAIL("internal: no gather slot free for unit %s", model_.layout.units[unit].name.c_str());
+}
+
+void Engine::gather_unit_bf16(int unit, void* device_out) {
+  SHARDLM_CHECK(!backend_->host_resident() && gather_type_ == DType::BF16,
+                "internal: gather_unit_bf16 needs a GPU backend (bf16 device parameter shards)");
+  // optim_cpu_offload: the unit's shard is current only once its update has been uploaded.
+  if (offload_) offload_->param_ready(unit);
+  const Unit& u = model_.layout.units[unit];
+  if (sharded_) unit_comm_->all_gather(backend_->param_shard(unit), device_out, u.shard_numel, DType::BF16).wait();
+  else cuda_copy_async(device_out, backend_->param_shard(unit), 2 * u.shard_numel, backend_->stream());
 }
 
 void Engine::release(int unit) {
@@ -194,6 +214,8 @@ float* Engine::grads(int unit) {
     next_grad_slot_ = (next_grad_slot_ + 1) % static_cast<int>(grad_slots_.size());
     if (s.unit != -1 && !s.reducing) continue;  // held (tied embedding), still being written
     if (s.unit != -1) finish_grad(s);
+    if (s.copy_ticket >= 0) backend_->compute_wait(s.copy_ticket);  // its copy to the host has left the slot
+    s.copy_ticket = -1;
     s.unit = unit;
     backend_->zero(s.full, sizeof(float) * model_.layout.units[unit].padded_numel);
     return s.full;
@@ -206,14 +228,13 @@ void Engine::reduce_grads(int unit) {
   for (auto& s : grad_slots_)
     if (s.unit == unit) {
       s.reducing = true;
-      if (!sharded_) return;
       const Unit& u = model_.layout.units[unit];
       const void* full = s.full;
-      if (reduce_type_ == DType::BF16) {  // round once here, then half the bytes on the wire
+      if (reduce_type_ == DType::BF16) {  // round once here, then half the bytes on the wire (or the link)
         backend_->cast_to_bf16(s.full_bf16, s.full, u.padded_numel);
         full = s.full_bf16;
       }
-      s.request = unit_comm_->reduce_scatter(full, s.recv, u.shard_numel, reduce_type_);
+      if (sharded_) s.request = unit_comm_->reduce_scatter(full, s.recv, u.shard_numel, reduce_type_);
       return;
     }
 }
@@ -221,13 +242,23 @@ void Engine::reduce_grads(int unit) {
 void Engine::finish_grad(GradSlot& s) {
   s.request.wait();
   // One rank: the whole unit's gradient is the shard's.
-  const void* reduced = sharded_ ? s.recv : s.full;
-  const DType type = sharded_ ? reduce_type_ : DType::F32;
+  const void* reduced = sharded_ ? s.recv : reduce_type_ == DType::BF16 ? s.full_bf16 : s.full;
+  const DType type = reduce_type_;
   const int64_t n = model_.layout.units[s.unit].shard_numel;
   if (options_.device_state) backend_->accumulate(backend_->state_grad(s.unit), reduced, n, type);
+  else if (offload_) s.copy_ticket = offload_->grad_ready(s.unit, reduced, n, type);
   else backend_->add_grad_to_host(model_.grad[s.unit].data(), reduced, n, type);
   s.unit = -1;
   s.reducing = false;
+}
+
+// The slots whose reduction was started before `unit`'s: the copy to the host
+// starts now, a unit after the reduction (which has had that unit's compute to
+// finish), so the slot is free again by the time it is reused.
+void Engine::finish_reduced_except(int unit) {
+  if (!offload_) return;
+  for (auto& s : grad_slots_)
+    if (s.unit != -1 && s.unit != unit && s.reducing) finish_grad(s);
 }
 
 void Engine::finish_all_grads() {
@@ -287,6 +318,7 @@ LossStats Engine::forward_backward(const TokenBatch& b, float grad_scale) {
     prefetch(l > 0 ? unit - 1 : 0);
     backend_->layer_backward(l, layout.units[unit], w, grads(unit));
     reduce_grads(unit);
+    finish_reduced_except(unit);
     release(unit);
   }
   backend_->embed_backward(grads(0));

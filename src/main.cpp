@@ -82,7 +82,11 @@ int cmd_check(const Runtime& rt, const CliArgs& args) {
     const bool cuda = config.device.backend == "cuda";
     MemoryPlan plan = plan_memory(arch, world, engine_options_for(config), optimizer_states(config.optim),
                                   cuda ? *make_cuda_backend() : *make_cpu_backend());
-    plan.host_workspace = output_workspace_bytes(config, layout) + optimizer_workspace_bytes(config.optim, layout);
+    plan.host_workspace += output_workspace_bytes(config, layout) + optimizer_workspace_bytes(config.optim, layout);
+    const NsWorkspaceBytes gpu_ns = optimizer_gpu_workspace_bytes(config.optim, layout, cuda);
+    plan.workspace += gpu_ns.device;
+    plan.host_workspace += gpu_ns.pinned_host;
+    plan.workspace += broadcast_device_bytes(config, layout);  // one gathered bf16 unit while broadcasting (GPU)
     std::printf("%s: valid for %d training rank%s\n\n%s\nmodel: %s, %lld parameters (%lld in matmuls)\n%s",
                 args.deck.c_str(), world, world == 1 ? "" : "s", resolved_deck(config).c_str(), arch.arch.c_str(),
                 (long long)layout.parameter_count(), (long long)layout.matmul_parameter_count(),
@@ -155,10 +159,7 @@ int cmd_train(Runtime& rt, const CliArgs& args) {
     const StepStats stats = session.step(step);  // batch, forward, loss, backward, clip, optimizer
     metrics.log(stats);
     tokens_seen += stats.tokens;
-    if (broadcaster.due(step + 1)) {
-      session.pull_state();
-      broadcaster.send(session.model, step + 1);
-    }
+    if (broadcaster.due(step + 1)) broadcaster.send(session, step + 1);  // host paths pull the state themselves
     const bool stop = stop_requested(rt.role_comm);  // SIGUSR1/SIGTERM on any rank, agreed by all
     if (stop || checkpoint_due(config.ckpt, step + 1, config.run.max_steps)) {
       const SaveResult saved = save_checkpoint(session, rt.role_comm, step + 1, tokens_seen);
@@ -187,9 +188,32 @@ int cmd_train(Runtime& rt, const CliArgs& args) {
   MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, peak, 2, MPI_INT64_T, MPI_MAX, rt.role_comm));
   MemoryPlan plan = plan_memory(session.model.layout.config, comm->size(), engine_options_for(config),
                                 session.optimizer.states(), session.engine.backend());
-  plan.host_workspace = output_workspace_bytes(config, session.model.layout) +
+  plan.host_workspace += output_workspace_bytes(config, session.model.layout) +
                         optimizer_workspace_bytes(config.optim, session.model.layout);
+  const NsWorkspaceBytes gpu_ns =
+      optimizer_gpu_workspace_bytes(config.optim, session.model.layout, config.device.backend == "cuda");
+  plan.workspace += gpu_ns.device;
+  plan.host_workspace += gpu_ns.pinned_host;
+  plan.workspace += broadcast_device_bytes(config, session.model.layout);  // one gathered bf16 unit (GPU)
+  plan.comm_staging += broadcaster.comm_staging_bytes();  // rank 0's staged broadcast Comm, if any
   metrics.summary(plan, peak[0], peak[1], session.bad_steps_total);
+  if (session.offload && comm->rank() == 0) {
+    const OffloadPipeline::Timing t = session.offload->timing();
+    const double per = t.updates > 0 ? 1e3 / double(t.updates) : 0.0;
+    std::printf("offload: per update %.1f ms CPU update + upload issue, %.1f ms gradient landing (worker); forward "
+                "waited %.1f ms for updates, backward %.1f ms for the norm; pinned %.2f of %.2f GiB\n",
+                t.update_s * per, t.land_s * per, t.param_wait_s * per, t.norm_wait_s * per,
+                double(t.pinned_bytes) / 1073741824.0, double(t.pin_wanted_bytes) / 1073741824.0);
+  }
+  if (const MuonStep* muon = session.optimizer.muon()) {  // Muon's part of the optimizer time above
+    const MuonTiming& t = muon->timing();
+    double seconds[2] = {t.step_s, t.orthogonalize_s};
+    MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, seconds, 2, MPI_DOUBLE, MPI_MAX, rt.role_comm));
+    if (rt.world_rank == 0 && t.steps > 0)
+      std::printf("muon (steps 2..%lld, slowest rank): step %.1f ms, of which Newton–Schulz %.1f ms (%s)\n",
+                  (long long)t.steps + 1, 1e3 * seconds[0] / double(t.steps), 1e3 * seconds[1] / double(t.steps),
+                  muon->orthogonalizer_name());
+  }
   if (rt.world_rank == 0) std::printf("done: outputs in %s\n", config.run.dir.c_str());
   return 0;
 }

@@ -2,9 +2,11 @@
 #include "shardlm/muon.hpp"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <numeric>
+#include <utility>
 
 #include "shardlm/cpu_ops.hpp"
 #include "shardlm/error.hpp"
@@ -172,6 +174,16 @@ int64_t muon_workspace_numel(const ModelLayout& layout, int world) {
   return most;
 }
 
+NsCapacity muon_ns_capacity(const std::vector<MuonMatrix>& matrices, int rank) {
+  NsCapacity out;
+  for (const MuonMatrix& m : matrices) {
+    if (rank >= 0 && m.owner != rank) continue;
+    out.numel = std::max(out.numel, m.rows * m.cols);
+    out.gram_side = std::max(out.gram_side, std::min(m.rows, m.cols));
+  }
+  return out;
+}
+
 MuonStep::MuonStep(ShardedModel& model, Comm& comm, int ns_steps)
     : model_(&model), comm_(&comm), ns_steps_(ns_steps) {
   SHARDLM_CHECK(comm.rank() == model.rank && comm.size() == model.world,
@@ -196,8 +208,17 @@ MuonStep::MuonStep(ShardedModel& model, Comm& comm, int ns_steps)
   ns_workspace_ = Buffer<float>(Mem::Workspace, max_ns);
 }
 
+void MuonStep::set_orthogonalizer(std::unique_ptr<Orthogonalizer> o) { orthogonalizer_ = std::move(o); }
+
+const char* MuonStep::orthogonalizer_name() const {
+  return orthogonalizer_ ? orthogonalizer_->name() : "host fp32";
+}
+
 void MuonStep::step(double lr, double weight_decay, double mu, float grad_scale,
                     std::vector<Buffer<float>>& momentum) {
+  using clock = std::chrono::steady_clock;
+  const clock::time_point t_step = clock::now();
+  double orthogonalize_s = 0;
   const float lr_f = static_cast<float>(lr), mu_f = static_cast<float>(mu);
   for (size_t ui = 0; ui < plan_.units.size(); ++ui) {
     const MuonUnitPlan& plan = plan_.units[ui];
@@ -229,7 +250,10 @@ void MuonStep::step(double lr, double weight_decay, double mu, float grad_scale,
       for (const MuonPiece& piece : plan.recv)
         if (piece.matrix == k)
           std::memcpy(full + piece.matrix_offset, gathered + piece.buffer_offset, sizeof(float) * piece.count);
-      newton_schulz(full, full, mat.rows, mat.cols, ns_steps_, ns_workspace_.data());
+      const clock::time_point t_ns = clock::now();
+      if (orthogonalizer_) orthogonalizer_->orthogonalize(full, full, mat.rows, mat.cols, ns_steps_);
+      else newton_schulz(full, full, mat.rows, mat.cols, ns_steps_, ns_workspace_.data());
+      orthogonalize_s += std::chrono::duration<double>(clock::now() - t_ns).count();
       const float scale = static_cast<float>(muon_update_scale(mat.rows, mat.cols));
       for (const MuonPiece& piece : plan.recv) {
         if (piece.matrix != k) continue;
@@ -253,6 +277,11 @@ void MuonStep::step(double lr, double weight_decay, double mu, float grad_scale,
         p[so + i] -= lr_f * d[bo + i];
       }
     }
+  }
+  if (steps_seen_++ > 0) {
+    ++timing_.steps;
+    timing_.step_s += std::chrono::duration<double>(clock::now() - t_step).count();
+    timing_.orthogonalize_s += orthogonalize_s;
   }
 }
 

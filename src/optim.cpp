@@ -1,10 +1,13 @@
 // optim.cpp — AdamW, SGD and Muon (AdamW group here, matrices in muon.cpp) on shards, lr schedule, global grad norm.
 #include "shardlm/optim.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
+#include "shardlm/cpu_adamw.hpp"
 #include "shardlm/cpu_ops.hpp"
+#include "shardlm/cuda_newton_schulz.hpp"
 #include "shardlm/error.hpp"
 
 namespace shardlm {
@@ -29,33 +32,6 @@ double lr_at(const SchedSection& s, double peak, int64_t max_steps, int64_t step
 
 namespace {
 
-// AdamW's per-step constants, in the float form the element loop uses.
-struct AdamWConsts {
-  float lr, b1, b2, step_size, inv_bc2_sqrt, eps;
-};
-
-AdamWConsts adamw_consts(const OptimSection& c, double lr, int64_t step) {
-  const double b1 = c.beta1, b2 = c.beta2;
-  const double bc1 = 1.0 - std::pow(b1, static_cast<double>(step));
-  const double bc2 = 1.0 - std::pow(b2, static_cast<double>(step));
-  return {static_cast<float>(lr), static_cast<float>(b1), static_cast<float>(b2), static_cast<float>(lr / bc1),
-          static_cast<float>(1.0 / std::sqrt(bc2)), static_cast<float>(c.eps)};
-}
-
-// n elements: p (params), g (gradients), m, v (moments), all at the segment's start.
-void adamw_update(float* p, const float* g, float* m, float* v, int64_t n, float grad_scale, float wd,
-                  const AdamWConsts& k) {
-#pragma omp parallel for simd schedule(static)
-  for (int64_t i = 0; i < n; ++i) {
-    const float gi = g[i] * grad_scale;
-    float* pi = p + i;
-    m[i] = k.b1 * m[i] + (1.0f - k.b1) * gi;
-    v[i] = k.b2 * v[i] + (1.0f - k.b2) * gi * gi;
-    *pi -= k.lr * wd * *pi;  // decoupled weight decay
-    *pi -= k.step_size * m[i] / (std::sqrt(v[i]) * k.inv_bc2_sqrt + k.eps);
-  }
-}
-
 // buf: the momentum buffer, or nullptr without momentum.
 void sgd_update(float* p, const float* g, float* buf, int64_t n, float grad_scale, float wd, float lr, float mu) {
 #pragma omp parallel for simd schedule(static)
@@ -76,6 +52,18 @@ int optimizer_states(const OptimSection& c) {
 int64_t optimizer_workspace_bytes(const OptimSection& c, const ModelLayout& layout) {
   if (c.name != "muon") return 0;
   return static_cast<int64_t>(sizeof(float)) * muon_workspace_numel(layout, layout.world);
+}
+
+NsWorkspaceBytes optimizer_gpu_workspace_bytes(const OptimSection& c, const ModelLayout& layout, bool cuda) {
+  NsWorkspaceBytes most;
+  if (c.name != "muon" || !cuda) return most;
+  const std::vector<MuonMatrix> matrices = assign_muon_owners(layout, layout.world);
+  for (int r = 0; r < layout.world; ++r) {
+    const NsWorkspaceBytes b = cuda_newton_schulz_bytes(muon_ns_capacity(matrices, r));
+    most.device = std::max(most.device, b.device);
+    most.pinned_host = std::max(most.pinned_host, b.pinned_host);
+  }
+  return most;
 }
 
 Optimizer::Optimizer(const OptimSection& config, ShardedModel& model, Comm& comm) : config_(config), model_(&model) {
@@ -122,29 +110,35 @@ std::string Optimizer::state_name(int i, const Unit& unit, const ParamInfo& para
 }
 
 void Optimizer::step(double lr, float grad_scale) {
-  ++step_;
+  begin_step();
+  for (size_t ui = 0; ui < model_->layout.units.size(); ++ui) step_unit(static_cast<int>(ui), lr, grad_scale);
+  if (config_.name == "muon") muon_->step(lr, config_.weight_decay, config_.muon_momentum, grad_scale, state_[0]);
+}
+
+void Optimizer::step_unit(int ui, double lr, float grad_scale, uint16_t* param_bf16) {
   const bool muon = config_.name == "muon";
+  SHARDLM_CHECK(!muon || !param_bf16, "internal: Muon updates its matrices in a collective step, not per unit");
   // Muon's AdamW group follows the same schedule, scaled to its own peak lr.
   const double adamw_lr = muon && config_.adamw_lr > 0 ? lr * (config_.adamw_lr / config_.lr) : lr;
   const double adamw_wd = muon && config_.adamw_weight_decay >= 0 ? config_.adamw_weight_decay : config_.weight_decay;
-  const AdamWConsts adamw = adamw_consts(config_, adamw_lr, step_);
-  for (size_t ui = 0; ui < model_->layout.units.size(); ++ui) {
-    const Unit& unit = model_->layout.units[ui];
-    float* p = model_->param[ui].data();
-    const float* g = model_->grad[ui].data();
-    for (const auto& seg : segments_[ui]) {
-      const int64_t o = seg.shard_offset, n = seg.count;
-      if (config_.name == "sgd") {
-        const float wd = seg.param->weight_decay() ? static_cast<float>(config_.weight_decay) : 0.0f;
-        float* buf = states() ? state_[0][ui].data() + o : nullptr;
-        sgd_update(p + o, g + o, buf, n, grad_scale, wd, static_cast<float>(lr), static_cast<float>(config_.momentum));
-      } else if (!muon || !is_muon_param(unit, *seg.param)) {  // adamw, or Muon's AdamW group
-        const float wd = seg.param->weight_decay() ? static_cast<float>(adamw_wd) : 0.0f;
-        adamw_update(p + o, g + o, state_[0][ui].data() + o, state_[1][ui].data() + o, n, grad_scale, wd, adamw);
-      }
+  const cpu::AdamWConsts adamw = cpu::adamw_consts(adamw_lr, config_.beta1, config_.beta2, config_.eps, step_);
+  const Unit& unit = model_->layout.units[ui];
+  float* p = model_->param[ui].data();
+  const float* g = model_->grad[ui].data();
+  for (const auto& seg : segments_[ui]) {
+    const int64_t o = seg.shard_offset, n = seg.count;
+    uint16_t* bf16 = param_bf16 ? param_bf16 + o : nullptr;
+    if (config_.name == "sgd") {
+      const float wd = seg.param->weight_decay() ? static_cast<float>(config_.weight_decay) : 0.0f;
+      float* buf = states() ? state_[0][ui].data() + o : nullptr;
+      sgd_update(p + o, g + o, buf, n, grad_scale, wd, static_cast<float>(lr), static_cast<float>(config_.momentum));
+      if (bf16) cpu::cast_f32_to_bf16(cpu::adamw_cpu_isa(), bf16, p + o, n);
+    } else if (!muon || !is_muon_param(unit, *seg.param)) {  // adamw, or Muon's AdamW group
+      const float wd = seg.param->weight_decay() ? static_cast<float>(adamw_wd) : 0.0f;
+      cpu::adamw_step(p + o, bf16, g + o, state_[0][ui].data() + o, state_[1][ui].data() + o, n, grad_scale, wd,
+                      adamw);
     }
   }
-  if (muon) muon_->step(lr, config_.weight_decay, config_.muon_momentum, grad_scale, state_[0]);
 }
 
 double global_grad_norm(const ShardedModel& model, Comm& comm) {

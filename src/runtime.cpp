@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <vector>
 
 #include "shardlm/cuda.hpp"
 
@@ -102,9 +103,33 @@ void select_device(Runtime& rt, const std::string& requested) {
   rt.device_name = cuda_device_name(rt.device);
 }
 
+namespace {
+
+// True on every rank of `comm` when two of its ranks are bound to one GPU (same
+// node, same device ordinal): NCCL refuses two ranks of a communicator on one
+// device. Ranks on the CPU backend bind none. Collective over `comm`.
+bool ranks_share_a_gpu(const Runtime& rt, MPI_Comm comm) {
+  MPI_Comm node;
+  MPI_CHECK(MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node));
+  int node_size = 1;
+  MPI_CHECK(MPI_Comm_size(node, &node_size));
+  const int mine = rt.backend == "cuda" ? rt.device : -1;
+  std::vector<int> devices(static_cast<size_t>(node_size));
+  MPI_CHECK(MPI_Allgather(&mine, 1, MPI_INT, devices.data(), 1, MPI_INT, node));
+  MPI_CHECK(MPI_Comm_free(&node));
+  std::sort(devices.begin(), devices.end());
+  int shared = 0;
+  for (size_t i = 1; i < devices.size(); ++i) shared |= devices[i] >= 0 && devices[i] == devices[i - 1];
+  MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &shared, 1, MPI_INT, MPI_MAX, comm));
+  return shared != 0;
+}
+
+}  // namespace
+
 std::string select_comm(const Runtime& rt, const std::string& requested) {
-  int shared = rt.backend == "cuda" && rt.local_size > cuda_device_count();
-  MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &shared, 1, MPI_INT, MPI_MAX, rt.role_comm));
+  // Only the training ranks count: receivers of an MPMD launch on the same
+  // node may share the trainers' GPUs without making the unit loop's NCCL fail.
+  const bool shared = ranks_share_a_gpu(rt, rt.role_comm);
   if (rt.backend != "cuda") {
     SHARDLM_CHECK(requested != "nccl", "comm.backend = \"nccl\" but this run is on the CPU backend (NCCL moves "
                                        "device memory only); use comm.backend = \"mpi\" or \"auto\"");
@@ -117,6 +142,12 @@ std::string select_comm(const Runtime& rt, const std::string& requested) {
                   rt.local_size, rt.hostname.c_str(), cuda_device_count(), cuda_device_count() == 1 ? "" : "s");
   if (requested == "auto") return shared ? "mpi" : "nccl";
   return requested;
+}
+
+std::string select_broadcast_comm(const Runtime& rt) {
+  SHARDLM_CHECK(rt.broadcast_comm != MPI_COMM_NULL, "internal: select_broadcast_comm on a rank outside the "
+                                                    "broadcast communicator");
+  return ranks_share_a_gpu(rt, rt.broadcast_comm) ? "mpi" : "nccl";
 }
 
 void fatal(const std::string& message) {

@@ -25,6 +25,7 @@ EngineOptions engine_options_for(const Config& config) {
   o.checkpoint_activations = config.model.activation_checkpointing == "full";
   // On a GPU the fp32 state lives on the device unless it is offloaded to the host.
   o.device_state = config.device.backend == "cuda" && !config.model.optim_cpu_offload;
+  o.offload_pipeline = config.device.backend == "cuda" && config.model.optim_cpu_offload && config.optim.name != "muon";
   o.reduce_bf16 = config.model.reduce_dtype == "bf16";
   // "auto" is resolved by select_comm() at start-up; a session built without it
   // (tests, tools) on one GPU per rank uses NCCL.
@@ -89,6 +90,10 @@ TrainSession::TrainSession(const Config& c, Comm& comm_)
       optimizer(c.optim, model, comm_),
       engine(model, comm_, engine_options_for(c),
              c.device.backend == "cuda" ? make_cuda_backend() : make_cpu_backend()) {
+  // Muon on a GPU: Newton–Schulz in bf16 on this rank's device (cuda_newton_schulz.hpp);
+  // the CPU backend keeps the host fp32 one, the reference.
+  if (c.device.backend == "cuda" && optimizer.muon())
+    optimizer.muon()->set_orthogonalizer(make_cuda_orthogonalizer(optimizer.muon()->ns_capacity()));
   if (engine.options().device_state) {
     Backend::OptimSpec spec{c.optim.name, c.optim.beta1, c.optim.beta2, c.optim.eps, c.optim.momentum,
                             optimizer.states()};
@@ -102,12 +107,19 @@ TrainSession::TrainSession(const Config& c, Comm& comm_)
     engine.backend().state_attach(model.layout, segments, spec);
     push_state();
   }
+  // Offload on a GPU: the host-side pipeline (AdamW/SGD; Muon's collective step
+  // keeps the plain host path).
+  if (c.device.backend == "cuda" && c.model.optim_cpu_offload && !optimizer.muon()) {
+    offload = std::make_unique<OffloadPipeline>(model, optimizer, engine.backend());
+    engine.set_offload(offload.get());
+  }
   SHARDLM_CHECK(c.data.seq_len <= arch.max_position_embeddings,
                 "data.seq_len = %lld is larger than the model supports (max_position_embeddings = %lld)",
                 (long long)c.data.seq_len, (long long)arch.max_position_embeddings);
 }
 
 void TrainSession::pull_state() {
+  if (offload) offload->finish();  // the host masters are final once the worker is idle
   if (!engine.options().device_state) return;
   for (size_t u = 0; u < model.layout.units.size(); ++u) {
     std::vector<float*> states;
@@ -117,6 +129,7 @@ void TrainSession::pull_state() {
 }
 
 void TrainSession::push_state() {
+  if (offload) engine.sync_params();  // host masters changed outside the pipeline (a load)
   if (!engine.options().device_state) return;
   for (size_t u = 0; u < model.layout.units.size(); ++u) {
     std::vector<const float*> states;
@@ -161,14 +174,17 @@ StepStats TrainSession::step(int64_t step) {
   s.data_s = seconds_since(t0);
 
   // forward / loss / backward per micro-batch; gradients accumulate in the shards
-  auto t_sync = clock::now();
-  engine.sync_params();  // the backend's parameter copies follow the fp32 masters
-  s.param_sync_s = seconds_since(t_sync);
   const bool device_state = engine.options().device_state;
+  const int64_t micro_batches = s.rl ? static_cast<int64_t>(batches.size()) : data->micro_batches_per_rank(comm.size());
+  auto t_sync = clock::now();
+  // The backend's parameter copies follow the fp32 masters; the offload pipeline
+  // uploads each unit itself after its update.
+  if (!offload) engine.sync_params();
+  s.param_sync_s = seconds_since(t_sync);
   if (device_state) engine.backend().state_zero_grads();
+  else if (offload) offload->begin_step(micro_batches);  // the first micro-batch's gradients overwrite the shards
   else model.zero_grads();
   LossStats sums;
-  const int64_t micro_batches = s.rl ? static_cast<int64_t>(batches.size()) : data->micro_batches_per_rank(comm.size());
   for (int64_t a = 0; a < micro_batches; ++a) {
     auto t_data = clock::now();
     if (!s.rl) data->micro_batch(step, static_cast<int>(a), comm.rank(), comm.size(), micro);
@@ -195,8 +211,8 @@ StepStats TrainSession::step(int64_t step) {
   }
 
   // clip by global norm (one all-reduce over shard norms); NaN/Inf skips the update
-  if (device_state) {
-    double sumsq = engine.backend().state_grad_sumsq();
+  if (device_state || offload) {
+    double sumsq = offload ? offload->grad_sumsq() : engine.backend().state_grad_sumsq();
     comm.all_reduce_sum(&sumsq, 1);
     s.grad_norm = std::sqrt(sumsq);
   } else {
@@ -218,6 +234,8 @@ StepStats TrainSession::step(int64_t step) {
     if (device_state) {
       engine.backend().state_step(s.lr, clip, optimizer.steps_taken() + 1);
       optimizer.set_steps_taken(optimizer.steps_taken() + 1);
+    } else if (offload) {
+      offload->update(s.lr, clip);  // runs on while the next step's forward starts
     } else {
       optimizer.step(s.lr, clip);
     }

@@ -70,7 +70,7 @@ done
 # GPU suites (make test-gpu): kernel-vs-CPU checks; each binary prints PASS/FAIL lines.
 if [ "${SHARDLM_TEST_GPU:-0}" = 1 ]; then
   OMP_NUM_THREADS=$cores run_suite gpu 900 "$BUILD/test_gpu"
-  for t in tests/gpu/build_and_run.sh tests/gpu/build_attention.sh; do
+  for t in tests/gpu/build_and_run.sh tests/gpu/build_attention.sh tests/gpu/build_rl_loss.sh; do
     echo "== $t"
     out=$(timeout 900 bash "$t" --no-timing 2>&1); rc=$?
     echo "$out" | tail -40
@@ -78,8 +78,9 @@ if [ "${SHARDLM_TEST_GPU:-0}" = 1 ]; then
     if [ $rc != 0 ] && [ "$f" = 0 ]; then f=1; fi
     echo "$p $f $t" >> "$results"
   done
-  # Sharded training at world 2 on the GPU and the NCCL watchdog.
+  # Sharded training at world 2 on the GPU and the NCCL watchdog; the offload pipeline.
   run_script tests/gpu/test_multirank.sh 900
+  run_script tests/gpu/test_offload.sh 900
 fi
 
 passed=$(awk '{p+=$1} END {print p+0}' "$results")

@@ -3,6 +3,9 @@
 # tokens/s, TFLOP/s, MFU (vs 989 TFLOP/s H100 dense bf16), step-time breakdown, peak memory.
 #
 #   tools/bench.sh [NAME...]      names: 125m 1b 1b-8k 1b-32k 3b (default: all)
+#                                 1b-muon 1b-muon-ns1 1b-offload-adamw (on request: Muon's share
+#                                 of the step at 1B, docs/muon.md "GPU"); 1b-64k 1b-offload-64k
+#                                 3b-offload 6b-offload 7b (on request: docs/benchmarks.md "Offload")
 #   SHARDLM=path/to/shardlm tools/bench.sh 1b
 #
 # Data: random tokens made on the fly (tools/make_synthetic_data.py, needs h5py).
@@ -17,7 +20,7 @@ export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive}
 run() {
   local name=$1 deck=$2; shift 2
   echo "== $name: $SHARDLM train $deck $*"
-  "$SHARDLM" train "$deck" --set run.dir=runs/bench-$name "$@" 2>&1 | grep -E "^(throughput|step time|memory|shardlm: error)" | sed "s/^/$name: /"
+  "$SHARDLM" train "$deck" --set run.dir=runs/bench-$name "$@" 2>&1 | grep -E "^(throughput|step time|memory|muon|offload|shardlm: error)" | sed "s/^/$name: /"
 }
 names=${*:-"125m 1b 1b-8k 1b-32k 3b"}
 for n in $names; do
@@ -28,6 +31,24 @@ for n in $names; do
     1b-32k) run 1b-32k inputs/bench/llama-1b.toml --set data.seq_len=32768 --set data.global_batch=1 \
               --set model.activation_checkpointing=full --set run.max_steps=5 ;;
     3b) run 3b inputs/bench/llama-3b.toml --set model.activation_checkpointing=full --set run.max_steps=6 ;;
+    # Muon needs the offload (its momentum and exchange run on the host, Newton–Schulz
+    # in bf16 on the GPU); ns1 against the default 5 steps separates the GEMMs from the
+    # transfers; the AdamW run is the same offloaded deck without Muon.
+    1b-muon) run 1b-muon inputs/bench/llama-1b.toml --set optim.name=muon --set model.optim_cpu_offload=true ;;
+    1b-muon-ns1) run 1b-muon-ns1 inputs/bench/llama-1b.toml --set optim.name=muon --set model.optim_cpu_offload=true \
+                   --set optim.ns_steps=1 ;;
+    1b-offload-adamw) run 1b-offload-adamw inputs/bench/llama-1b.toml --set model.optim_cpu_offload=true ;;
+    # optim_cpu_offload: the step at 16K and 64K tokens, 3B on and off, and the
+    # largest Llama-3.1-8B-shaped models that fit one H200 box (141 GB GPU,
+    # 128 GiB host) each way: the plan (shardlm check) says why these sizes.
+    1b-64k) run 1b-64k inputs/bench/llama-1b.toml --set data.global_batch=16 --set run.max_steps=6 ;;
+    1b-offload-64k) run 1b-offload-64k inputs/bench/llama-1b.toml --set model.optim_cpu_offload=true \
+                      --set data.global_batch=16 --set run.max_steps=6 ;;
+    3b-offload) run 3b-offload inputs/bench/llama-3b.toml --set model.activation_checkpointing=full \
+                  --set model.optim_cpu_offload=true --set run.max_steps=6 ;;
+    6b-offload) run 6b-offload inputs/bench/llama-8b.toml --set model.num_layers=24 --set run.max_steps=4 ;;
+    7b) run 7b inputs/bench/llama-8b.toml --set model.num_layers=30 --set model.optim_cpu_offload=false \
+          --set run.max_steps=4 ;;
     *) echo "unknown benchmark '$n'" >&2; exit 2 ;;
   esac
 done

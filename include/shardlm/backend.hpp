@@ -27,6 +27,7 @@ struct EngineOptions {
   bool reshard_after_forward = true; // free gathered units after forward, re-gather in backward
   bool checkpoint_activations = false;  // keep only layer inputs; recompute in backward
   bool device_state = false;         // masters, gradients and optimizer state on the device
+  bool offload_pipeline = false;     // optim_cpu_offload on a GPU through offload.hpp's pipeline
   bool rl = false;                   // RL policy loss instead of cross-entropy
   cpu::RlLossParams rl_params;
   // Device backends at world > 1: how units are gathered and gradients reduced.
@@ -104,6 +105,22 @@ class Backend {
   virtual void state_step(double, float, int64_t) {}    // lr, clip scale, 1-based step count
   // Wait for queued device work (step-time breakdown; a no-op on the CPU).
   virtual void synchronize() {}
+
+  // Asynchronous host <-> device copies for the offload pipeline (GPU backends
+  // with optim_cpu_offload; offload.hpp). Each copy is named by a ticket. A copy
+  // to the host first waits for the work queued on the compute stream so far; a
+  // copy to the device reads host memory that is ready when it is called. Both
+  // run on copy streams of their own, so they overlap compute. Callable from
+  // the offload worker thread (after bind_thread()).
+  virtual bool supports_async_copies() const { return false; }
+  virtual void bind_thread() {}                                  // make this thread use the backend's device
+  virtual bool pin_host(void*, size_t) { return false; }         // page-lock for DMA; false: left pageable
+  virtual void unpin_host(void*) {}
+  virtual int64_t copy_to_host(void*, const void*, size_t) { return -1; }
+  virtual int64_t copy_to_device(void*, const void*, size_t) { return -1; }
+  virtual void host_wait(int64_t) {}                             // the host waits for a copy
+  virtual void compute_wait(int64_t) {}                          // the compute stream waits for a copy
+  virtual void* param_shard_for_upload(int) { return nullptr; }  // the unit's bf16 shard (device)
 
   // Activations and scratch for micro-batches of up to options.max_tokens tokens.
   virtual void prepare(const ModelConfig& config, const EngineOptions& options) = 0;

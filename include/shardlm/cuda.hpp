@@ -1,8 +1,10 @@
 // cuda.hpp — what host code may ask of the CUDA side without seeing CUDA types.
 //
-// Owns: the device queries and the device communicators. In a CPU-only build these
-// report "no CUDA" (src/cuda_stub.cpp); the CUDA build implements them in
-// src/cuda/device.cu. Knows nothing about the deck or the model.
+// Owns: the device queries, the device communicators, and plain device buffers
+// and copies for host code that moves bytes but computes nothing (the RL weight
+// broadcast and its receiver). In a CPU-only build these report "no CUDA"
+// (src/cuda_stub.cpp); the CUDA build implements them in src/cuda/device.cu and
+// src/cuda/comm_cuda.cu. Knows nothing about the deck or the model.
 #pragma once
 
 #include <mpi.h>
@@ -12,6 +14,7 @@
 #include <string>
 
 #include "shardlm/comm.hpp"
+#include "shardlm/memory.hpp"
 
 namespace shardlm {
 
@@ -30,5 +33,16 @@ std::string cuda_device_name(int device);
 //     several ranks sharing one GPU (NCCL refuses two ranks on one device).
 std::unique_ptr<Comm> make_device_comm(Comm& host, const std::string& kind, void* compute_stream,
                                        int64_t staging_bytes, double timeout_s);
+
+// Device memory on the current device, counted in device_memory() under `category`
+// like the backend's. Throws Error when the device is out of memory.
+void* cuda_malloc(Mem category, int64_t bytes);
+void cuda_free(Mem category, void* ptr, int64_t bytes);
+// dst <- src (`bytes`; host or device on either side), queued on `stream` (a
+// cudaStream_t; nullptr: the legacy default stream) after the work already
+// there. cuda_synchronize(stream) waits for it (a copy to the host is only
+// readable after that).
+void cuda_copy_async(void* dst, const void* src, int64_t bytes, void* stream);
+void cuda_synchronize(void* stream);
 
 }  // namespace shardlm

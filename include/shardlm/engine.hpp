@@ -15,6 +15,7 @@
 #include "shardlm/backend.hpp"
 #include "shardlm/comm.hpp"
 #include "shardlm/memory.hpp"
+#include "shardlm/offload.hpp"
 #include "shardlm/shard.hpp"
 
 namespace shardlm {
@@ -62,8 +63,19 @@ class Engine {
   Backend& backend() { return *backend_; }
   const EngineOptions& options() const { return options_; }
   // Refresh the backend's parameter shards from the fp32 masters (a no-op copy
-  // on the CPU backend); the session calls it after every change to model.param.
+  // on the CPU backend); the session calls it after every change to model.param
+  // that the offload pipeline did not make.
   void sync_params();
+  // optim_cpu_offload on a GPU: gradients go to the pipeline as each unit's
+  // reduction finishes, and a unit's shard is read only after its upload.
+  void set_offload(OffloadPipeline* pipeline) { offload_ = pipeline; }
+  // The RL weight broadcast on a GPU backend (broadcast.hpp): unit `unit`'s bf16
+  // parameters gathered from every rank's device shard into `device_out`
+  // (padded_numel bf16, device memory) through the unit loop's device Comm; at
+  // one rank, a device copy of the shard. Collective over the trainer ranks.
+  // Queued on the backend's stream (no host synchronisation). Between steps
+  // only: it reads the shards the last update wrote and holds no gather slot.
+  void gather_unit_bf16(int unit, void* device_out);
 
  private:
   struct ParamSlot {
@@ -72,6 +84,7 @@ class Engine {
     CommRequest request;
   };
   struct GradSlot {
+    int64_t copy_ticket = -1; // offload: the copy of `recv`/`full` to the host; wait before reuse
     int unit = -1;
     bool reducing = false;   // backward of the unit done; its reduction started
     float* full = nullptr;   // (max padded numel) this unit's gradient, all of it
@@ -87,6 +100,7 @@ class Engine {
   void reduce_grads(int unit);          // start reduce-scatter of `unit`'s gradient
   void finish_grad(GradSlot& slot);
   void finish_all_grads();
+  void finish_reduced_except(int unit);  // offload: hand over finished reductions early
   void forward(const TokenBatch& b, bool keep_head);
   const void* lm_head_weights();
 
@@ -97,6 +111,7 @@ class Engine {
   const ModelConfig& config_;
   const bool sharded_;                  // world > 1: gather and reduce through comm
   std::unique_ptr<Comm> device_comm_;   // device backends at world > 1: device-buffer collectives
+  OffloadPipeline* offload_ = nullptr;  // optim_cpu_offload on a GPU (not owned)
   Comm* unit_comm_ = nullptr;           // device_comm_, or comm_ for host buffers
   DType gather_type_ = DType::F32, reduce_type_ = DType::F32;
   bool grad_slots_used_ = false;        // sharded, or gradients outside host memory

@@ -2,7 +2,8 @@
 //
 // Owns: which parameters Muon updates (the attention and MLP projections of the
 // decoder layers), the Newton–Schulz orthogonalisation (host fp32 here; the CUDA
-// backend puts a bf16 one on the owner's GPU behind the same call), the update
+// backend puts a bf16 one on the owner's GPU behind the Orthogonalizer interface,
+// which MuonStep calls in its place), the update
 // scale rule, the owner rank of each matrix, and MuonStep: the exchange that brings
 // each matrix's update direction to its owner and the update's slices back.
 // Knows the layout, the shards and the Comm interface; not MPI, not the deck
@@ -11,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "shardlm/comm.hpp"
@@ -45,6 +47,36 @@ void newton_schulz(float* out, const float* G, int64_t rows, int64_t cols, int s
 // AdamW's, and one lr and weight decay serve both groups (Moonshot, "Muon is
 // scalable for LLM training", 2025).
 double muon_update_scale(int64_t rows, int64_t cols);
+
+// What MuonStep calls in place of the host newton_schulz: the CUDA backend's bf16
+// one on the owner's GPU (cuda_newton_schulz.hpp). Same contract: out (rows, cols)
+// <- `steps` quintic iterations on G / (||G||_F + kNsEps), fp32 row-major in host
+// memory, out may alias G; the matrix must fit the capacity it was made for.
+class Orthogonalizer {
+ public:
+  virtual ~Orthogonalizer() = default;
+  virtual const char* name() const = 0;
+  virtual void orthogonalize(float* out, const float* G, int64_t rows, int64_t cols, int steps) = 0;
+};
+
+// The largest matrix (elements) and the largest Gram side (min(rows, cols)) an
+// orthogonaliser must take: what it sizes its buffers from, once.
+struct NsCapacity {
+  int64_t numel = 0;
+  int64_t gram_side = 0;
+};
+// What an orthogonaliser of some capacity holds beyond MuonStep's host buffers.
+struct NsWorkspaceBytes {
+  int64_t device = 0;       // counted in device_memory()
+  int64_t pinned_host = 0;  // counted in host_memory()
+};
+
+// Where MuonStep's time went, summed over its steps after the first (the first
+// also builds the GEMM plans): the whole step() and the Newton–Schulz calls in it.
+struct MuonTiming {
+  int64_t steps = 0;
+  double step_s = 0, orthogonalize_s = 0;
+};
 
 struct MuonMatrix {
   int unit = -1;                 // index into layout.units
@@ -93,6 +125,10 @@ MuonExchangePlan plan_muon_exchange(const ModelLayout& layout, const std::vector
 // Floats of MuonStep workspace on the rank that needs the most (the memory plan).
 int64_t muon_workspace_numel(const ModelLayout& layout, int world);
 
+// The Newton–Schulz capacity for the matrices `rank` owns; rank < 0: the most any
+// rank needs (the memory plan).
+NsCapacity muon_ns_capacity(const std::vector<MuonMatrix>& matrices, int rank);
+
 // One Muon update of every Muon matrix, unit by unit:
 //   1. on this rank's slices: m = mu m + g, direction d = g + mu m (Nesterov);
 //   2. all_to_all_v: each owner receives the whole d of its matrices;
@@ -109,6 +145,14 @@ class MuonStep {
   const std::vector<MuonMatrix>& matrices() const { return matrices_; }
   const MuonExchangePlan& plan() const { return plan_; }
 
+  // Step 3 through `o` instead of the host newton_schulz (nullptr: back to the
+  // host). `o` must take ns_capacity(). The host workspace stays allocated (the
+  // memory plan counts it either way).
+  void set_orthogonalizer(std::unique_ptr<Orthogonalizer> o);
+  const char* orthogonalizer_name() const;  // "host fp32" or the replacement's name()
+  NsCapacity ns_capacity() const { return muon_ns_capacity(matrices_, model_->rank); }
+  const MuonTiming& timing() const { return timing_; }
+
  private:
   ShardedModel* model_;
   Comm* comm_;
@@ -119,6 +163,9 @@ class MuonStep {
   Buffer<float> gathered_;       // (max over units of its owned matrices' numel): d in, U out
   Buffer<float> matrix_;         // (largest owned matrix) one matrix, contiguous
   Buffer<float> ns_workspace_;   // newton_schulz_workspace_numel of the largest owned matrix
+  std::unique_ptr<Orthogonalizer> orthogonalizer_;  // nullptr: newton_schulz on the host
+  int64_t steps_seen_ = 0;
+  MuonTiming timing_;
 };
 
 }  // namespace shardlm

@@ -32,6 +32,11 @@ int optimizer_states(const OptimSection& config);
 // Host bytes of optimizer workspace per rank beyond the state (Muon's exchange and
 // Newton–Schulz buffers on the rank that needs the most; 0 for AdamW and SGD).
 int64_t optimizer_workspace_bytes(const OptimSection& config, const ModelLayout& layout);
+// Muon on the CUDA backend (`cuda`): the GPU Newton–Schulz's device buffers and
+// pinned host staging, sized for the largest matrix a rank owns, on the rank that
+// needs the most; zeros otherwise and in a CPU-only build. On top of
+// optimizer_workspace_bytes (MuonStep's host buffers are there either way).
+NsWorkspaceBytes optimizer_gpu_workspace_bytes(const OptimSection& config, const ModelLayout& layout, bool cuda);
 
 class Optimizer {
  public:
@@ -61,10 +66,16 @@ class Optimizer {
   // by grad_scale (clipping); increments the step count. Collective over the Comm
   // for Muon.
   void step(double lr, float grad_scale);
+  // The same split per unit for the offload pipeline (AdamW and SGD): begin_step()
+  // counts the step, then step_unit() updates one unit's shard and, given
+  // param_bf16 (shard numel), writes its updated values in bf16 there.
+  void begin_step() { ++step_; }
+  void step_unit(int unit, double lr, float grad_scale, uint16_t* param_bf16 = nullptr);
   int64_t steps_taken() const { return step_; }
   void set_steps_taken(int64_t s) { step_ = s; }
   const std::string& name() const { return config_.name; }
   const MuonStep* muon() const { return muon_.get(); }  // nullptr unless muon
+  MuonStep* muon() { return muon_.get(); }              // e.g. to give it the GPU Newton–Schulz
 
  private:
   void init(Comm* comm);

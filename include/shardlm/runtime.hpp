@@ -49,11 +49,17 @@ void runtime_finalize(Runtime& rt);
 void select_device(Runtime& rt, const std::string& requested);
 
 // The unit loop's communicator after select_device ("auto" | "mpi" | "nccl"):
-// the CPU backend uses MPI; GPUs use NCCL when every rank of a node has a GPU of
-// its own, else MPI staged through host memory (NCCL refuses two ranks on one
-// GPU). Collective over the role communicator, so every rank gets the same
-// answer. Throws Error for "nccl" where it cannot work.
+// the CPU backend uses MPI; GPUs use NCCL when no two training ranks of a node
+// are bound to one GPU, else MPI staged through host memory (NCCL refuses two
+// ranks on one GPU). Collective over the role communicator, so every rank gets
+// the same answer. Throws Error for "nccl" where it cannot work.
 std::string select_comm(const Runtime& rt, const std::string& requested);
+// The device communicator of the GPU weight broadcast, by the same rule over
+// rt.broadcast_comm (trainer rank 0 + the receivers, each after select_device):
+// "nccl" when no two of them share a GPU, else "mpi" (staged through host
+// memory; e.g. a trainer and a receiver on one GPU). Collective over
+// rt.broadcast_comm.
+std::string select_broadcast_comm(const Runtime& rt);
 
 // The only exit for an unrecoverable error on one rank: one message naming the
 // rank, host and cause on stderr, then MPI_Abort of the whole job (never a hang).

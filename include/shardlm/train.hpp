@@ -13,8 +13,10 @@
 
 #include "shardlm/comm.hpp"
 #include "shardlm/config.hpp"
+#include "shardlm/cuda_newton_schulz.hpp"  // the constructor gives Muon the GPU Newton–Schulz on "cuda"
 #include "shardlm/data.hpp"
 #include "shardlm/engine.hpp"
+#include "shardlm/offload.hpp"
 #include "shardlm/optim.hpp"
 #include "shardlm/rollouts.hpp"
 #include "shardlm/shard.hpp"
@@ -56,6 +58,7 @@ struct TrainSession {
   ShardedModel model;
   Optimizer optimizer;
   Engine engine;
+  std::unique_ptr<OffloadPipeline> offload;  // GPU + optim_cpu_offload (AdamW/SGD); null otherwise
   MicroBatch micro;            // reused every micro-batch
   RankRollouts rollouts;       // RL: this step's micro-batches of this rank
   int64_t bad_steps_in_a_row = 0;

@@ -7,7 +7,9 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <array>
 #include <cstring>
+#include <mutex>
 #include <vector>
 
 #include "shardlm/backend.hpp"
@@ -15,6 +17,7 @@
 #include "shardlm/cuda_attention.hpp"
 #include "shardlm/cuda_gemm.hpp"
 #include "shardlm/cuda_ops.hpp"
+#include "shardlm/cuda_rl_loss.hpp"
 #include "shardlm/error.hpp"
 #include "shardlm/hf.hpp"
 
@@ -58,6 +61,12 @@ class CudaBackend final : public Backend {
     gemm_.reset();
     for (auto& [ptr, size] : owned_) cudaFree(ptr);
     if (host_staging_) cudaFreeHost(host_staging_);
+    cudaStreamSynchronize(d2h_);
+    cudaStreamSynchronize(h2d_);
+    for (auto e : copy_ready_) cudaEventDestroy(e);
+    for (auto e : copy_done_) cudaEventDestroy(e);
+    cudaStreamDestroy(d2h_);
+    cudaStreamDestroy(h2d_);
     cudaStreamDestroy(stream_);
   }
 
@@ -105,6 +114,43 @@ class CudaBackend final : public Backend {
     init();
     return stream_;
   }
+
+  // ------------------------------------------------------------ offload copies
+
+  bool supports_async_copies() const override { return true; }
+  void bind_thread() override {
+    init();
+    CUDA_CHECK(cudaSetDevice(device_));
+  }
+  bool pin_host(void* p, size_t bytes) override {
+    // A page shared with a buffer pinned before cannot be registered twice; the
+    // buffer then stays pageable: copies into it are correct, only synchronous.
+    const cudaError_t e = cudaHostRegister(p, bytes, cudaHostRegisterDefault);
+    if (e != cudaSuccess) cudaGetLastError();
+    return e == cudaSuccess;
+  }
+  void unpin_host(void* p) override {
+    if (cudaHostUnregister(p) != cudaSuccess) cudaGetLastError();
+  }
+  int64_t copy_to_host(void* host, const void* src, size_t bytes) override {
+    std::lock_guard<std::mutex> lock(copy_mutex_);
+    const int64_t t = next_copy_++;
+    CUDA_CHECK(cudaEventRecord(copy_ready_[t % kCopyRing], stream_));
+    CUDA_CHECK(cudaStreamWaitEvent(d2h_, copy_ready_[t % kCopyRing], 0));
+    CUDA_CHECK(cudaMemcpyAsync(host, src, bytes, cudaMemcpyDeviceToHost, d2h_));
+    CUDA_CHECK(cudaEventRecord(copy_done_[t % kCopyRing], d2h_));
+    return t;
+  }
+  int64_t copy_to_device(void* dst, const void* host, size_t bytes) override {
+    std::lock_guard<std::mutex> lock(copy_mutex_);
+    const int64_t t = next_copy_++;
+    CUDA_CHECK(cudaMemcpyAsync(dst, host, bytes, cudaMemcpyHostToDevice, h2d_));
+    CUDA_CHECK(cudaEventRecord(copy_done_[t % kCopyRing], h2d_));
+    return t;
+  }
+  void host_wait(int64_t t) override { CUDA_CHECK(cudaEventSynchronize(copy_event(t))); }
+  void compute_wait(int64_t t) override { CUDA_CHECK(cudaStreamWaitEvent(stream_, copy_event(t), 0)); }
+  void* param_shard_for_upload(int unit) override { return shards_[unit]; }
 
   void attach_shards(const ModelLayout& layout) override {
     int64_t largest = 0;
@@ -244,6 +290,8 @@ class CudaBackend final : public Backend {
     if (c.qk_norm) b += 2 * d.N * (d.HD + d.KVD);
     b += 2 * d.N * 2 * d.C + 4 * d.N + 2 * d.chunk * d.V + 4 * d.chunk + 8;  // head
     b += 4 * d.N * 5 + 4 * d.N + 4 * (d.D / 2);                              // batch arrays, doc starts, inv_freq
+    if (o.rl)  // advantages, inference logprobs, temperatures; per-row and summed RL statistics
+      b += 4 * d.N * 3 + static_cast<int64_t>(cuda::rl_loss_row_stats_bytes(d.chunk)) + 8 * cuda::kRlStatsFields;
     b += static_cast<int64_t>(cuda::attention_backward_scratch_bytes(d.N, d.H, d.KV, d.D));
     b += static_cast<int64_t>(scratch_bytes(c, d)) + kGemmWorkspace;
     return b;
@@ -257,7 +305,6 @@ class CudaBackend final : public Backend {
   };
 
   void prepare(const ModelConfig& c, const EngineOptions& o) override {
-    SHARDLM_CHECK(!o.rl, "loss.type = \"rl\" on the CUDA backend is not implemented yet (use device.backend = \"cpu\")");
     config_ = c;
     options_ = o;
     d_ = dims(c, o);
@@ -270,6 +317,12 @@ class CudaBackend final : public Backend {
 
     tokens_ = ints(d.N), targets_ = ints(d.N), positions_ = ints(d.N), seq_ids_ = ints(d.N), doc_start_ = ints(d.N);
     weights_ = floats(Mem::Workspace, d.N);
+    if (o.rl) {
+      advantages_ = floats(Mem::Workspace, d.N), inference_logprobs_ = floats(Mem::Workspace, d.N);
+      temperatures_ = floats(Mem::Workspace, d.N);
+      rl_row_stats_ = static_cast<double*>(own(Mem::Workspace, cuda::rl_loss_row_stats_bytes(d.chunk)));
+      rl_stats_ = static_cast<double*>(own(Mem::Workspace, 8 * cuda::kRlStatsFields));
+    }
     for (int64_t l = 0; l <= L; ++l) residual_.push_back(bf16s(Mem::Activations, d.N * d.C));
     for (int64_t l = 0; l < (o.checkpoint_activations ? 1 : L); ++l) acts_.push_back(make_acts());
     if (o.checkpoint_activations) recompute_out_ = bf16s(Mem::Activations, d.N * d.C);
@@ -302,6 +355,13 @@ class CudaBackend final : public Backend {
     upload(seq_ids_, b.seq_ids, 4 * b.N);
     if (b.targets) upload(targets_, b.targets, 4 * b.N);
     if (b.weights) upload(weights_, b.weights, 4 * b.N);
+    if (options_.rl) {
+      SHARDLM_CHECK(b.targets && b.weights && b.advantages && b.inference_logprobs && b.temperatures,
+                    "internal: an RL micro-batch without targets, weights, advantages, logprobs or temperatures");
+      upload(advantages_, b.advantages, 4 * b.N);
+      upload(inference_logprobs_, b.inference_logprobs, 4 * b.N);
+      upload(temperatures_, b.temperatures, 4 * b.N);
+    }
     cuda::attention_doc_start(doc_start_, seq_ids_, n_, stream_);
   }
 
@@ -319,6 +379,8 @@ class CudaBackend final : public Backend {
     const bf16* x = residual_[config_.num_layers];
     cuda::rmsnorm_forward(xf_, rstdf_, x, bf(norm_weight), n_, d.C, config_.rms_norm_eps, stream_);
     LossStats stats;
+    // RL: the chunks add their sums into rl_stats_, zeroed here (no chunk may run).
+    if (options_.rl) CUDA_CHECK(cudaMemsetAsync(rl_stats_, 0, 8 * cuda::kRlStatsFields, stream_));
     for (int64_t t0 = 0; t0 < n_; t0 += d.chunk) {
       const int64_t n = std::min(d.chunk, n_ - t0);
       int64_t loss_rows = 0;
@@ -329,19 +391,37 @@ class CudaBackend final : public Backend {
         continue;
       }
       cuda::linear_forward(*gemm_, logits_, xf_ + t0 * d.C, bf(lm_head), nullptr, n, d.C, d.V);
-      cuda::cross_entropy_forward_backward(logits_, row_loss_, targets_ + t0, weights_ + t0, grad_scale, n, d.V,
-                                           stream_);
-      cuda::sum_rows(loss_sum_, row_loss_, n, /*accumulate=*/true, stream_);
+      if (options_.rl) {
+        cuda::rl_loss_forward_backward(logits_, rl_row_stats_, rl_stats_, targets_ + t0, weights_ + t0,
+                                       advantages_ + t0, inference_logprobs_ + t0, temperatures_ + t0,
+                                       options_.rl_params, grad_scale, n, d.V, /*accumulate=*/true, stream_);
+      } else {
+        cuda::cross_entropy_forward_backward(logits_, row_loss_, targets_ + t0, weights_ + t0, grad_scale, n, d.V,
+                                             stream_);
+        cuda::sum_rows(loss_sum_, row_loss_, n, /*accumulate=*/true, stream_);
+      }
       cuda::linear_backward(*gemm_, dxf_ + t0 * d.C, lm_head_grad, nullptr, logits_, xf_ + t0 * d.C, bf(lm_head), n,
                             d.C, d.V, scratch_, scratch_bytes_);
     }
     cuda::rmsnorm_backward(d_x_, norm_grad, dxf_, x, bf(norm_weight), rstdf_, nullptr, n_, d.C, scratch_,
                            scratch_bytes_, stream_);
-    // The one host synchronisation of a micro-batch: the loss value.
+    // The one host synchronisation of a micro-batch: the loss value (RL: all its statistics).
     double loss = 0;
-    CUDA_CHECK(cudaMemcpyAsync(&loss, loss_sum_, 8, cudaMemcpyDeviceToHost, stream_));
-    CUDA_CHECK(cudaMemsetAsync(loss_sum_, 0, 8, stream_));
+    std::array<double, cuda::kRlStatsFields> rl{};
+    if (options_.rl) {
+      CUDA_CHECK(cudaMemcpyAsync(rl.data(), rl_stats_, sizeof rl, cudaMemcpyDeviceToHost, stream_));
+    } else {
+      CUDA_CHECK(cudaMemcpyAsync(&loss, loss_sum_, 8, cudaMemcpyDeviceToHost, stream_));
+      CUDA_CHECK(cudaMemsetAsync(loss_sum_, 0, 8, stream_));
+    }
     CUDA_CHECK(cudaStreamSynchronize(stream_));
+    if (options_.rl) {
+      const LossStats device = LossStats::from_array(rl);
+      SHARDLM_CHECK(device.loss_tokens == stats.loss_tokens,
+                    "internal: the RL loss kernel counted %lld loss tokens, the host %lld",
+                    (long long)device.loss_tokens, (long long)stats.loss_tokens);
+      return device;
+    }
     stats.loss = loss;
     return stats;
   }
@@ -408,9 +488,27 @@ class CudaBackend final : public Backend {
  private:
   static constexpr size_t kGemmWorkspace = size_t(32) << 20;
 
+  // A copy's event, checked to be the copy's own: the ring is far larger than the
+  // copies the offload pipeline keeps in flight (units + 2 per step).
+  cudaEvent_t copy_event(int64_t t) {
+    std::lock_guard<std::mutex> lock(copy_mutex_);
+    SHARDLM_CHECK(t >= 0 && t < next_copy_ && t >= next_copy_ - kCopyRing,
+                  "internal: copy %lld waited on after %d newer ones", (long long)t, kCopyRing);
+    return copy_done_[t % kCopyRing];
+  }
+
   void init() {
     if (stream_) return;
+    CUDA_CHECK(cudaGetDevice(&device_));
     CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    CUDA_CHECK(cudaStreamCreateWithFlags(&d2h_, cudaStreamNonBlocking));
+    CUDA_CHECK(cudaStreamCreateWithFlags(&h2d_, cudaStreamNonBlocking));
+    copy_ready_.resize(kCopyRing);
+    copy_done_.resize(kCopyRing);
+    for (int i = 0; i < kCopyRing; ++i) {
+      CUDA_CHECK(cudaEventCreateWithFlags(&copy_ready_[i], cudaEventDisableTiming));
+      CUDA_CHECK(cudaEventCreateWithFlags(&copy_done_[i], cudaEventDisableTiming));
+    }
     gemm_workspace_ = own(Mem::Workspace, kGemmWorkspace);
     gemm_ = std::make_unique<cuda::Gemm>(stream_, gemm_workspace_, kGemmWorkspace);
   }
@@ -486,6 +584,13 @@ class CudaBackend final : public Backend {
   double* sumsq_ = nullptr;
 
   cudaStream_t stream_ = nullptr;
+  int device_ = 0;
+  // Offload copies: their streams and a ring of events named by ticket.
+  static constexpr int kCopyRing = 16384;
+  cudaStream_t d2h_ = nullptr, h2d_ = nullptr;
+  std::vector<cudaEvent_t> copy_ready_, copy_done_;
+  int64_t next_copy_ = 0;
+  std::mutex copy_mutex_;
   void* gemm_workspace_ = nullptr;
   std::unique_ptr<cuda::Gemm> gemm_;
   std::vector<std::pair<void*, size_t>> owned_;
@@ -502,6 +607,7 @@ class CudaBackend final : public Backend {
   std::vector<float> host_weights_;
   int32_t *tokens_ = nullptr, *targets_ = nullptr, *positions_ = nullptr, *seq_ids_ = nullptr, *doc_start_ = nullptr;
   float* weights_ = nullptr;
+  float *advantages_ = nullptr, *inference_logprobs_ = nullptr, *temperatures_ = nullptr;  // RL, (N) each
   float* inv_freq_ = nullptr;
   std::vector<bf16*> residual_;          // (L + 1) x (N, C)
   std::vector<Acts> acts_;
@@ -512,6 +618,8 @@ class CudaBackend final : public Backend {
   bf16 *xf_ = nullptr, *dxf_ = nullptr, *logits_ = nullptr;
   float *rstdf_ = nullptr, *row_loss_ = nullptr;
   double* loss_sum_ = nullptr;
+  double* rl_row_stats_ = nullptr;       // RL: (kRlStatsFields, chunk) per-row statistics of a chunk
+  double* rl_stats_ = nullptr;           // RL: (kRlStatsFields) sums over the micro-batch
   void* delta_ = nullptr;
   size_t delta_bytes_ = 0;
   void* scratch_ = nullptr;

@@ -1,5 +1,7 @@
-// device.cu — device queries.
+// device.cu — device queries, and plain device buffers and copies for host code.
 #include <cuda_runtime.h>
+
+#include <algorithm>
 
 #include "shardlm/cuda.hpp"
 #include "shardlm/error.hpp"
@@ -34,6 +36,30 @@ std::string cuda_device_name(int device) {
   CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
   return prop.name;
 }
+
+void* cuda_malloc(Mem category, int64_t bytes) {
+  void* p = nullptr;
+  const cudaError_t e = cudaMalloc(&p, size_t(std::max<int64_t>(bytes, 256)));
+  SHARDLM_CHECK(e == cudaSuccess, "out of GPU memory allocating %.1f MiB for %s: %s", double(bytes) / 1048576.0,
+                mem_name(category), cudaGetErrorString(e));
+  device_mem_track(category, bytes);
+  return p;
+}
+
+void cuda_free(Mem category, void* ptr, int64_t bytes) {
+  if (!ptr) return;
+  CUDA_CHECK(cudaFree(ptr));  // waits for the device work that may still use it
+  device_mem_track(category, -bytes);
+}
+
+void cuda_copy_async(void* dst, const void* src, int64_t bytes, void* stream) {
+  if (bytes == 0) return;
+  // cudaMemcpyDefault: unified addressing tells host from device, so one call
+  // serves the broadcast's device-to-device and device-to-host copies.
+  CUDA_CHECK(cudaMemcpyAsync(dst, src, size_t(bytes), cudaMemcpyDefault, static_cast<cudaStream_t>(stream)));
+}
+
+void cuda_synchronize(void* stream) { CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(stream))); }
 
 
 }  // namespace shardlm

@@ -3,14 +3,18 @@
 #include <doctest/doctest.h>
 
 #include <hdf5.h>
+#include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <string>
 #include <vector>
 
 #include "../test_util.hpp"
+#include "../unit/run_command.hpp"
 #include "shardlm/comm.hpp"
 #include "shardlm/config.hpp"
 #include "shardlm/cuda.hpp"
@@ -51,6 +55,33 @@ std::vector<double> train_losses(Config c, int steps) {
   for (int i = 0; i < steps; ++i) losses.push_back(s.step(i).loss);
   return losses;
 }
+
+std::vector<StepStats> train_steps(Config c, int steps) {
+  auto comm = make_self_comm();
+  TrainSession s(c, *comm);
+  std::vector<StepStats> out;
+  for (int i = 0; i < steps; ++i) out.push_back(s.step(i));
+  return out;
+}
+
+// Synthetic rollout files for inputs/tiny-rl.toml, made by tools/make_rollouts.py as
+// the CLI test makes them; removed when the test ends.
+struct Rollouts {
+  fs::path dir;
+  explicit Rollouts(int steps)
+      : dir(fs::temp_directory_path() / ("shardlm-gpu-rl-" + std::to_string(getpid()))) {
+    const char* py = std::getenv("PYTHON");
+    const auto r = shardlm_test::run(std::string(py && *py ? py : "/usr/bin/python3") +
+                                         " tools/make_rollouts.py inputs/data/tiny.h5 --out " + dir.string() +
+                                         " --steps " + std::to_string(steps),
+                                     120);
+    REQUIRE_MESSAGE(r.status == 0, r.output);
+  }
+  ~Rollouts() { fs::remove_all(dir); }
+  std::vector<std::string> sets(const char* backend) const {
+    return {std::string("device.backend=") + backend, "broadcast.backend=none", "data.rollout_dir=" + dir.string()};
+  }
+};
 
 }  // namespace
 
@@ -139,6 +170,59 @@ TEST_CASE("optimizer state on the GPU vs offloaded to the host: same losses with
   MESSAGE("device state vs optim_cpu_offload: worst relative loss difference over 30 steps " << worst);
   CHECK(on_device[0] == offload[0]);  // same first forward
   CHECK(worst < 1e-2);
+}
+
+TEST_CASE("tiny-rl deck: 10 GPU steps of the RL loss follow the CPU within bf16 tolerance; deterministic") {
+  GpuSetup gpu;
+  constexpr int kSteps = 10;
+  const Rollouts rollouts(kSteps);
+  const auto cpu = train_steps(deck("inputs/tiny-rl.toml", rollouts.sets("cpu")), kSteps);
+  const auto gpu_steps = train_steps(deck("inputs/tiny-rl.toml", rollouts.sets("cuda")), kSteps);
+  // Thresholds: bf16 activations and weights move logp by ~1e-2 (the logits' bf16
+  // tolerance), so the ratio, the (log r)^2 term and the gradient move by about as
+  // much; a sign or factor error in any term is O(1). The mask flips only for tokens
+  // within ~1e-2 of a threshold: a few of the ~1500 loss tokens of a step.
+  double worst_loss = 0, worst_entropy = 0, worst_kl = 0, worst_norm = 0, worst_mask = 0;
+  for (int i = 0; i < kSteps; ++i) {
+    CAPTURE(i);
+    const StepStats &c = cpu[size_t(i)], &g = gpu_steps[size_t(i)];
+    REQUIRE(g.rl);
+    CHECK(g.loss_tokens == c.loss_tokens);
+    CHECK(std::fabs(g.advantage - c.advantage) <= 1e-12 * (1.0 + std::fabs(c.advantage)));
+    CHECK(!g.skipped);
+    worst_loss = std::max(worst_loss, std::fabs(g.loss - c.loss) / std::fabs(c.loss));
+    worst_entropy = std::max(worst_entropy, std::fabs(g.entropy - c.entropy) / c.entropy);
+    worst_kl = std::max(worst_kl, std::fabs(g.mismatch_kl - c.mismatch_kl) / c.mismatch_kl);
+    worst_norm = std::max(worst_norm, std::fabs(g.grad_norm - c.grad_norm) / c.grad_norm);
+    worst_mask = std::max({worst_mask, std::fabs(g.masked_high - c.masked_high), std::fabs(g.masked_low - c.masked_low)});
+  }
+  MESSAGE("tiny-rl GPU vs CPU over " << kSteps << " steps, worst relative: loss " << worst_loss << ", entropy "
+          << worst_entropy << ", mismatch KL " << worst_kl << ", grad norm " << worst_norm
+          << "; worst masked-fraction difference " << worst_mask << "; step 0 loss " << gpu_steps[0].loss << " vs "
+          << cpu[0].loss << ", masked low " << cpu[0].masked_low << ", high " << cpu[0].masked_high);
+  CHECK(worst_loss < 3e-2);
+  CHECK(worst_entropy < 1e-2);
+  CHECK(worst_kl < 3e-2);
+  CHECK(worst_norm < 3e-2);
+  CHECK(worst_mask < 1e-2);
+  // The deck exercises the mask (else the mask comparison proves little).
+  CHECK(cpu[0].masked_low > 0.05);
+
+  // run.deterministic: two GPU runs give the same bits in every statistic.
+  auto sets = rollouts.sets("cuda");
+  sets.push_back("run.deterministic=true");
+  const auto a = train_steps(deck("inputs/tiny-rl.toml", sets), 4);
+  const auto b = train_steps(deck("inputs/tiny-rl.toml", sets), 4);
+  for (int i = 0; i < 4; ++i) {
+    CAPTURE(i);
+    const StepStats &x = a[size_t(i)], &y = b[size_t(i)];
+    CHECK(x.loss == y.loss);
+    CHECK(x.grad_norm == y.grad_norm);
+    CHECK(x.entropy == y.entropy);
+    CHECK(x.mismatch_kl == y.mismatch_kl);
+    CHECK(x.masked_high == y.masked_high);
+    CHECK(x.masked_low == y.masked_low);
+  }
 }
 
 }  // TEST_SUITE

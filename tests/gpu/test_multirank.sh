@@ -68,12 +68,12 @@ compare np2-offload np2 2e-2 "-np 2 with optim_cpu_offload vs device-resident st
 compare np2-noreshard np2 2e-2 "-np 2 without resharding, with activation checkpointing"
 
 # The resolved deck records the communicator the run chose.
-if grep -q 'backend = "mpi"' "$out/np2/config.toml"; then echo "PASS config.toml records comm.backend = \"mpi\""
+if grep -q "backend = 'mpi'" "$out/np2/config.toml"; then echo "PASS config.toml records comm.backend = \"mpi\""
 else echo "FAIL config.toml does not record the staged MPI communicator"; fi
 # auto on one GPU with two ranks resolves to the staged communicator, and nccl is refused with the reason.
 gpus=$(nvidia-smi -L 2>/dev/null | grep -c GPU)
 if [ "$gpus" -le 1 ]; then
-  train np2-auto 2 && grep -q 'backend = "mpi"' "$out/np2-auto/config.toml" \
+  train np2-auto 2 && grep -q "backend = 'mpi'" "$out/np2-auto/config.toml" \
     && echo "PASS comm.backend = auto with 2 ranks on 1 GPU resolves to mpi" \
     || echo "FAIL comm.backend = auto with 2 ranks on 1 GPU did not resolve to mpi"
   if train np2-nccl 2 comm.backend=nccl > /dev/null; then echo "FAIL comm.backend = nccl on one shared GPU was accepted"
@@ -92,4 +92,60 @@ if [ $rc != 0 ] && [ $rc != 124 ] && grep -q "has not completed after" <<< "$wd"
   echo "PASS a stalled NCCL collective aborts with: $(grep -o 'NCCL [a-z-]* of [0-9]* bytes has not completed[^:]*' <<< "$wd" | head -1)"
 else
   echo "FAIL a stalled NCCL collective did not abort with the watchdog's message (exit $rc):"; tail -3 <<< "$wd"
+fi
+
+# The RL weight broadcast from GPU memory (broadcast.backend = "nccl" on the CUDA
+# backend; docs/rollouts.md, "Weight broadcast"): every trainer rank gathers each
+# unit in bf16 on the device from the backend's parameter shards, rank 0
+# broadcasts that device buffer through the broadcast communicator's device Comm,
+# and `shardlm receive` takes it into device memory, checks its checksum on the
+# host and writes the last weights, which must equal the trainer's bf16 export
+# bit for bit. Trainer rank 0 is on GPU 0 and the receiver (local rank NP) on
+# GPU NP % gpus: where they share one the device Comm is the staged MPI one
+# (always on a one-GPU machine), else NCCL.
+rollouts="$out/rollouts"
+if ! "$PY" tools/make_rollouts.py inputs/data/tiny.h5 --out "$rollouts" --steps 10 > "$out/rollouts.log" 2>&1; then
+  echo "FAIL RL broadcast from the GPU: tools/make_rollouts.py failed:"; tail -3 "$out/rollouts.log"
+else
+  # rl_broadcast NAME NP SETS...: NP trainers + 1 receiver, 10 steps, a broadcast every 5.
+  rl_broadcast() {
+    local name=$1 np=$2
+    shift 2
+    local sets=(--set device.backend=cuda --set run.max_steps=10 --set ckpt.interval=0 --set ckpt.resume=none
+                --set data.rollout_dir="$rollouts" --set broadcast.backend=nccl --set broadcast.interval=5
+                --set log.interval=5 --set run.dir="$out/$name" --set run.export_dir="$out/$name-trainer"
+                --set run.export_dtype=bf16)
+    for s in "$@"; do sets+=(--set "$s"); done
+    local kind=nccl
+    if [ "$gpus" -le 1 ] || [ $((np % gpus)) = 0 ]; then kind=mpi; fi
+    local what="RL broadcast from the GPU, -np $np + 1 receiver${*:+, $*} ($kind device communicator)"
+    if ! $MPIRUN --oversubscribe --bind-to none -x OMP_NUM_THREADS -x OMP_WAIT_POLICY -x NCCL_NVLS_ENABLE \
+        -np "$np" "$BUILD/shardlm" train inputs/tiny-rl.toml "${sets[@]}" : \
+        -np 1 "$BUILD/shardlm" receive inputs/tiny-rl.toml "${sets[@]}" --out "$out/$name-receiver" \
+        > "$out/$name.log" 2>&1; then
+      echo "FAIL $what: the run failed:"; tail -5 "$out/$name.log"
+      return
+    fi
+    # The device path ran (both ends say so, with the communicator), the RL loss
+    # ran on the GPU, and both broadcasts arrived with their checksums verified.
+    local missing="" line
+    for line in "rl | entropy " "broadcast: bf16 units gathered on the GPU, sent over the $kind device communicator" \
+                "receive[0]: units arrive in GPU memory" "over the $kind device communicator" \
+                "receive[0]: step 5: 20 tensors" "receive[0]: step 10: 20 tensors" "2 broadcasts received"; do
+      grep -qF "$line" "$out/$name.log" || missing+=" '$line'"
+    done
+    if [ -n "$missing" ]; then
+      echo "FAIL $what: the log lacks$missing"; tail -5 "$out/$name.log"
+      return
+    fi
+    if cmp "$out/$name-trainer/model.safetensors" "$out/$name-receiver/model.safetensors" > "$out/$name.cmp" 2>&1; then
+      echo "PASS $what: the receiver's weights equal the trainer's bf16 export bit for bit" \
+           "($(stat -c %s "$out/$name-receiver/model.safetensors") bytes)"
+    else
+      echo "FAIL $what: the receiver's weights differ from the trainer's bf16 export: $(head -1 "$out/$name.cmp")"
+    fi
+  }
+  rl_broadcast bcast-np1 1
+  rl_broadcast bcast-offload 1 model.optim_cpu_offload=true
+  rl_broadcast bcast-np2 2
 fi

@@ -157,6 +157,11 @@ TEST_CASE("muon: its keys parse, its AdamW group defaults to lr and weight_decay
         "deck.toml: optim.ns_steps has no meaning for optim.name = \"adamw\" (it sets Muon; see docs/muon.md)");
   CHECK(only_error(parse(kValid, {"optim.name=muon", "optim.ns_steps=0"})) ==
         "--set optim.ns_steps=0: optim.ns_steps = 0 is out of range: it must be between 1 and 20");
+  // On a GPU, Muon runs offloaded (Newton–Schulz on the GPU) and only so.
+  CHECK(only_error(parse(kValid, {"optim.name=muon", "device.backend=cuda"})).find(
+            "optim.name = \"muon\" with device.backend = \"cuda\" needs model.optim_cpu_offload = true") !=
+        std::string::npos);
+  CHECK(parse(kValid, {"optim.name=muon", "device.backend=cuda", "model.optim_cpu_offload=true"}).ok());
 }
 
 TEST_CASE("cross-field checks run before any work") {

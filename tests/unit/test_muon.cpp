@@ -6,11 +6,14 @@
 
 #include <algorithm>
 #include <cmath>
+#include <memory>
 #include <numeric>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "../muon_util.hpp"
 #include "shardlm/comm.hpp"
 #include "shardlm/config.hpp"
 #include "shardlm/memory.hpp"
@@ -19,25 +22,9 @@
 #include "shardlm/shard.hpp"
 
 using namespace shardlm;
+using namespace shardlm_test;
 
 namespace {
-
-using Mat = std::vector<double>;  // row-major
-
-Mat matmul(const Mat& A, const Mat& B, int64_t m, int64_t k, int64_t n) {  // (m, k) (k, n)
-  Mat C(static_cast<size_t>(m * n), 0.0);
-  for (int64_t i = 0; i < m; ++i)
-    for (int64_t p = 0; p < k; ++p)
-      for (int64_t j = 0; j < n; ++j) C[i * n + j] += A[i * k + p] * B[p * n + j];
-  return C;
-}
-
-Mat transpose(const Mat& A, int64_t m, int64_t n) {
-  Mat T(A.size());
-  for (int64_t i = 0; i < m; ++i)
-    for (int64_t j = 0; j < n; ++j) T[j * m + i] = A[i * n + j];
-  return T;
-}
 
 // Keller Jordan's zeropower_via_newtonschulz5, literally (transpose when tall), in double.
 Mat ns_reference(const Mat& G, int64_t rows, int64_t cols, int steps) {
@@ -58,89 +45,6 @@ Mat ns_reference(const Mat& G, int64_t rows, int64_t cols, int steps) {
     for (size_t i = 0; i < X.size(); ++i) X[i] = a * X[i] + BX[i];
   }
   return tall ? transpose(X, r, n) : X;
-}
-
-// Eigenvalues of a symmetric (n, n) matrix by cyclic Jacobi rotations, ascending.
-std::vector<double> jacobi_eigenvalues(Mat A, int64_t n) {
-  for (int sweep = 0; sweep < 100; ++sweep) {
-    double off = 0, total = 0;
-    for (int64_t i = 0; i < n; ++i)
-      for (int64_t j = 0; j < n; ++j) (i == j ? total : off) += A[i * n + j] * A[i * n + j];
-    if (off <= 1e-30 * (total + off)) break;
-    for (int64_t p = 0; p < n; ++p)
-      for (int64_t q = p + 1; q < n; ++q) {
-        const double apq = A[p * n + q];
-        if (std::fabs(apq) < 1e-300) continue;
-        const double theta = (A[q * n + q] - A[p * n + p]) / (2 * apq);
-        const double t = (theta >= 0 ? 1.0 : -1.0) / (std::fabs(theta) + std::sqrt(theta * theta + 1));
-        const double c = 1 / std::sqrt(t * t + 1), s = t * c;
-        for (int64_t k = 0; k < n; ++k) {  // A <- A P
-          const double akp = A[k * n + p], akq = A[k * n + q];
-          A[k * n + p] = c * akp - s * akq;
-          A[k * n + q] = s * akp + c * akq;
-        }
-        for (int64_t k = 0; k < n; ++k) {  // A <- P^T A
-          const double apk = A[p * n + k], aqk = A[q * n + k];
-          A[p * n + k] = c * apk - s * aqk;
-          A[q * n + k] = s * apk + c * aqk;
-        }
-      }
-  }
-  std::vector<double> ev(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) ev[i] = A[i * n + i];
-  std::sort(ev.begin(), ev.end());
-  return ev;
-}
-
-// Singular values of X (rows, cols), ascending: sqrt of the eigenvalues of the smaller Gram matrix.
-std::vector<double> singular_values(const std::vector<float>& Xf, int64_t rows, int64_t cols) {
-  const Mat X(Xf.begin(), Xf.end());
-  const bool tall = rows > cols;
-  const Mat gram = tall ? matmul(transpose(X, rows, cols), X, cols, rows, cols)
-                        : matmul(X, transpose(X, rows, cols), rows, cols, rows);
-  std::vector<double> sv = jacobi_eigenvalues(gram, std::min(rows, cols));
-  for (double& s : sv) s = std::sqrt(std::max(s, 0.0));
-  return sv;
-}
-
-// Orthonormal columns (n, k) by Gram–Schmidt (twice) on Gaussian columns.
-Mat orthonormal_columns(int64_t n, int64_t k, std::mt19937_64& rng) {
-  std::normal_distribution<double> gauss;
-  Mat Q(static_cast<size_t>(n * k));
-  for (double& x : Q) x = gauss(rng);
-  for (int64_t j = 0; j < k; ++j)
-    for (int pass = 0; pass < 2; ++pass) {
-      for (int64_t i = 0; i < j; ++i) {
-        double dot = 0;
-        for (int64_t r = 0; r < n; ++r) dot += Q[r * k + i] * Q[r * k + j];
-        for (int64_t r = 0; r < n; ++r) Q[r * k + j] -= dot * Q[r * k + i];
-      }
-      double norm = 0;
-      for (int64_t r = 0; r < n; ++r) norm += Q[r * k + j] * Q[r * k + j];
-      for (int64_t r = 0; r < n; ++r) Q[r * k + j] /= std::sqrt(norm);
-    }
-  return Q;
-}
-
-double ns_scalar(double x, int steps) {  // what the iteration does to one singular value
-  for (int s = 0; s < steps; ++s) x = 3.4445 * x - 4.7750 * x * x * x + 2.0315 * x * x * x * x * x;
-  return x;
-}
-
-std::vector<float> gaussian_floats(size_t n, std::mt19937_64& rng, float std = 1.0f) {
-  std::normal_distribution<float> gauss(0.0f, std);
-  std::vector<float> v(n);
-  for (float& x : v) x = gauss(rng);
-  return v;
-}
-
-double rel_diff(const std::vector<double>& a, const std::vector<double>& ref) {
-  double d = 0, r = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    d += (a[i] - ref[i]) * (a[i] - ref[i]);
-    r += ref[i] * ref[i];
-  }
-  return std::sqrt(d / std::max(r, 1e-300));
 }
 
 std::vector<float> run_ns(const std::vector<float>& G, int64_t rows, int64_t cols, int steps) {
@@ -516,6 +420,84 @@ TEST_CASE("exchange plans: pairwise consistent, every element reaches its owner 
                   << " floats");
     }
   }
+}
+
+// Delegates to the host newton_schulz and records the shape of every call.
+class RecordingOrthogonalizer final : public Orthogonalizer {
+ public:
+  RecordingOrthogonalizer(const NsCapacity& capacity, std::vector<std::pair<int64_t, int64_t>>& calls)
+      : calls_(calls), workspace_(Mem::Workspace, capacity.numel + 2 * capacity.gram_side * capacity.gram_side) {}
+  const char* name() const override { return "recording"; }
+  void orthogonalize(float* out, const float* G, int64_t rows, int64_t cols, int steps) override {
+    calls_.emplace_back(rows, cols);
+    REQUIRE(newton_schulz_workspace_numel(rows, cols) <= workspace_.size());
+    newton_schulz(out, G, rows, cols, steps, workspace_.data());
+  }
+
+ private:
+  std::vector<std::pair<int64_t, int64_t>>& calls_;
+  Buffer<float> workspace_;  // 64-byte aligned like MuonStep's, so BLAS takes the same path
+};
+
+TEST_CASE("an Orthogonalizer takes the host Newton–Schulz's place: every owned matrix at its shape, same bits") {
+  const ModelConfig c = tiny_arch();
+  OptimSection o;
+  o.name = "muon";
+  o.lr = 0.01;
+  std::vector<std::pair<int64_t, int64_t>> calls;
+  NsCapacity capacity;
+  std::vector<std::pair<int64_t, int64_t>> matrix_shapes;
+  auto train = [&](bool replace) {
+    ShardedModel model(c, 0, 1);
+    model.init_seeded(3, 0.1);
+    Optimizer opt(o, model);
+    CHECK(std::string(opt.muon()->orthogonalizer_name()) == "host fp32");
+    capacity = opt.muon()->ns_capacity();
+    matrix_shapes.clear();
+    for (const auto& m : opt.muon()->matrices()) matrix_shapes.emplace_back(m.rows, m.cols);
+    if (replace) {
+      opt.muon()->set_orthogonalizer(std::make_unique<RecordingOrthogonalizer>(capacity, calls));
+      CHECK(std::string(opt.muon()->orthogonalizer_name()) == "recording");
+    }
+    std::mt19937_64 rng(11);
+    for (int step = 0; step < 2; ++step) {
+      for (size_t ui = 0; ui < model.layout.units.size(); ++ui) {
+        const auto g = gaussian_floats(size_t(model.layout.units[ui].shard_numel), rng, 0.01f);
+        std::copy(g.begin(), g.end(), model.grad[ui].data());
+      }
+      opt.step(o.lr, 1.0f);
+    }
+    if (replace) {
+      opt.muon()->set_orthogonalizer(nullptr);
+      CHECK(std::string(opt.muon()->orthogonalizer_name()) == "host fp32");
+    }
+    std::vector<float> params;
+    for (auto& p : model.param) params.insert(params.end(), p.data(), p.data() + p.size());
+    return params;
+  };
+  const std::vector<float> host = train(false);
+  const std::vector<float> replaced = train(true);
+  CHECK(host == replaced);  // MuonStep hands it the same matrices and uses what it returns
+  REQUIRE(calls.size() == 2 * matrix_shapes.size());  // each matrix once per step, in table order
+  CHECK(matrix_shapes.size() == size_t(7 * c.num_layers));
+  for (size_t i = 0; i < calls.size(); ++i) CHECK(calls[i] == matrix_shapes[i % matrix_shapes.size()]);
+  CHECK(capacity.numel == 176 * 64);  // gate/up (176, 64), down (64, 176)
+  CHECK(capacity.gram_side == 64);
+
+  // The 1B shape: every rank at world 8 owns an MLP matrix (8192 x 2048 elements, Gram side 2048).
+  const ModelLayout layout(llama_1b(), 8);
+  const auto owners = assign_muon_owners(layout, 8);
+  for (int r = 0; r < 8; ++r) {
+    const NsCapacity cap = muon_ns_capacity(owners, r);
+    CHECK(cap.numel == 8192 * 2048);
+    CHECK(cap.gram_side == 2048);
+  }
+  CHECK(muon_ns_capacity(owners, -1).numel == 8192 * 2048);
+  // No GPU Newton–Schulz off the CUDA backend, or for another optimizer.
+  CHECK(optimizer_gpu_workspace_bytes(o, layout, false).device == 0);
+  CHECK(optimizer_gpu_workspace_bytes(o, layout, false).pinned_host == 0);
+  o.name = "adamw";
+  CHECK(optimizer_gpu_workspace_bytes(o, layout, true).device == 0);
 }
 
 }  // TEST_SUITE
