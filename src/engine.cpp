@@ -252,13 +252,15 @@ void Engine::finish_grad(GradSlot& s) {
   s.reducing = false;
 }
 
-// The slots whose reduction was started before `unit`'s: the copy to the host
-// starts now, a unit after the reduction (which has had that unit's compute to
-// finish), so the slot is free again by the time it is reused.
-void Engine::finish_reduced_except(int unit) {
+// Offload: start the copies to the host early, so that they overlap the next
+// units' backward and a slot is free again by the time it is reused. At world 1
+// `unit`'s own gradient is complete once its backward is queued: its copy starts
+// right behind it. At world > 1 a slot is handed over a unit after its
+// reduce-scatter started (the reduction has had that unit's compute to finish).
+void Engine::hand_over_reduced(int unit) {
   if (!offload_) return;
   for (auto& s : grad_slots_)
-    if (s.unit != -1 && s.unit != unit && s.reducing) finish_grad(s);
+    if (s.unit != -1 && s.reducing && (s.unit != unit || !sharded_)) finish_grad(s);
 }
 
 void Engine::finish_all_grads() {
@@ -318,7 +320,7 @@ LossStats Engine::forward_backward(const TokenBatch& b, float grad_scale) {
     prefetch(l > 0 ? unit - 1 : 0);
     backend_->layer_backward(l, layout.units[unit], w, grads(unit));
     reduce_grads(unit);
-    finish_reduced_except(unit);
+    hand_over_reduced(unit);
     release(unit);
   }
   backend_->embed_backward(grads(0));

@@ -121,6 +121,12 @@ class Backend {
   virtual void host_wait(int64_t) {}                             // the host waits for a copy
   virtual void compute_wait(int64_t) {}                          // the compute stream waits for a copy
   virtual void* param_shard_for_upload(int) { return nullptr; }  // the unit's bf16 shard (device)
+  // Bytes and device-timed seconds of the copies the host has waited for, per
+  // direction (the offload summary's achieved link bandwidth).
+  struct CopyTotals {
+    double to_host_bytes = 0, to_host_s = 0, to_device_bytes = 0, to_device_s = 0;
+  };
+  virtual CopyTotals copy_totals() { return {}; }
 
   // Activations and scratch for micro-batches of up to options.max_tokens tokens.
   virtual void prepare(const ModelConfig& config, const EngineOptions& options) = 0;

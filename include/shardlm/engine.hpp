@@ -100,7 +100,7 @@ class Engine {
   void reduce_grads(int unit);          // start reduce-scatter of `unit`'s gradient
   void finish_grad(GradSlot& slot);
   void finish_all_grads();
-  void finish_reduced_except(int unit);  // offload: hand over finished reductions early
+  void hand_over_reduced(int unit);     // offload: start the copies to the host early
   void forward(const TokenBatch& b, bool keep_head);
   const void* lm_head_weights();
 

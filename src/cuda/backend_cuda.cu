@@ -64,6 +64,7 @@ class CudaBackend final : public Backend {
     cudaStreamSynchronize(d2h_);
     cudaStreamSynchronize(h2d_);
     for (auto e : copy_ready_) cudaEventDestroy(e);
+    for (auto e : copy_start_) cudaEventDestroy(e);
     for (auto e : copy_done_) cudaEventDestroy(e);
     cudaStreamDestroy(d2h_);
     cudaStreamDestroy(h2d_);
@@ -135,20 +136,40 @@ class CudaBackend final : public Backend {
   int64_t copy_to_host(void* host, const void* src, size_t bytes) override {
     std::lock_guard<std::mutex> lock(copy_mutex_);
     const int64_t t = next_copy_++;
-    CUDA_CHECK(cudaEventRecord(copy_ready_[t % kCopyRing], stream_));
-    CUDA_CHECK(cudaStreamWaitEvent(d2h_, copy_ready_[t % kCopyRing], 0));
+    const int64_t i = t % kCopyRing;
+    CUDA_CHECK(cudaEventRecord(copy_ready_[i], stream_));
+    CUDA_CHECK(cudaStreamWaitEvent(d2h_, copy_ready_[i], 0));
+    CUDA_CHECK(cudaEventRecord(copy_start_[i], d2h_));  // passes once the compute stream has got there
     CUDA_CHECK(cudaMemcpyAsync(host, src, bytes, cudaMemcpyDeviceToHost, d2h_));
-    CUDA_CHECK(cudaEventRecord(copy_done_[t % kCopyRing], d2h_));
+    CUDA_CHECK(cudaEventRecord(copy_done_[i], d2h_));
+    copy_info_[i] = {bytes, /*to_host=*/true, /*timed=*/false};
     return t;
   }
   int64_t copy_to_device(void* dst, const void* host, size_t bytes) override {
     std::lock_guard<std::mutex> lock(copy_mutex_);
     const int64_t t = next_copy_++;
+    const int64_t i = t % kCopyRing;
+    CUDA_CHECK(cudaEventRecord(copy_start_[i], h2d_));
     CUDA_CHECK(cudaMemcpyAsync(dst, host, bytes, cudaMemcpyHostToDevice, h2d_));
-    CUDA_CHECK(cudaEventRecord(copy_done_[t % kCopyRing], h2d_));
+    CUDA_CHECK(cudaEventRecord(copy_done_[i], h2d_));
+    copy_info_[i] = {bytes, /*to_host=*/false, /*timed=*/false};
     return t;
   }
-  void host_wait(int64_t t) override { CUDA_CHECK(cudaEventSynchronize(copy_event(t))); }
+  void host_wait(int64_t t) override {
+    CUDA_CHECK(cudaEventSynchronize(copy_event(t)));
+    std::lock_guard<std::mutex> lock(copy_mutex_);
+    CopyInfo& c = copy_info_[t % kCopyRing];
+    if (c.timed || t < next_copy_ - kCopyRing) return;
+    float ms = 0;
+    CUDA_CHECK(cudaEventElapsedTime(&ms, copy_start_[t % kCopyRing], copy_done_[t % kCopyRing]));
+    (c.to_host ? copies_.to_host_bytes : copies_.to_device_bytes) += double(c.bytes);
+    (c.to_host ? copies_.to_host_s : copies_.to_device_s) += 1e-3 * ms;
+    c.timed = true;
+  }
+  CopyTotals copy_totals() override {
+    std::lock_guard<std::mutex> lock(copy_mutex_);
+    return copies_;
+  }
   void compute_wait(int64_t t) override { CUDA_CHECK(cudaStreamWaitEvent(stream_, copy_event(t), 0)); }
   void* param_shard_for_upload(int unit) override { return shards_[unit]; }
 
@@ -504,10 +525,13 @@ class CudaBackend final : public Backend {
     CUDA_CHECK(cudaStreamCreateWithFlags(&d2h_, cudaStreamNonBlocking));
     CUDA_CHECK(cudaStreamCreateWithFlags(&h2d_, cudaStreamNonBlocking));
     copy_ready_.resize(kCopyRing);
+    copy_start_.resize(kCopyRing);
     copy_done_.resize(kCopyRing);
+    copy_info_.resize(kCopyRing);
     for (int i = 0; i < kCopyRing; ++i) {
       CUDA_CHECK(cudaEventCreateWithFlags(&copy_ready_[i], cudaEventDisableTiming));
-      CUDA_CHECK(cudaEventCreateWithFlags(&copy_done_[i], cudaEventDisableTiming));
+      CUDA_CHECK(cudaEventCreate(&copy_start_[i]));  // timed: the achieved link bandwidth
+      CUDA_CHECK(cudaEventCreate(&copy_done_[i]));
     }
     gemm_workspace_ = own(Mem::Workspace, kGemmWorkspace);
     gemm_ = std::make_unique<cuda::Gemm>(stream_, gemm_workspace_, kGemmWorkspace);
@@ -588,7 +612,13 @@ class CudaBackend final : public Backend {
   // Offload copies: their streams and a ring of events named by ticket.
   static constexpr int kCopyRing = 16384;
   cudaStream_t d2h_ = nullptr, h2d_ = nullptr;
-  std::vector<cudaEvent_t> copy_ready_, copy_done_;
+  std::vector<cudaEvent_t> copy_ready_, copy_start_, copy_done_;
+  struct CopyInfo {
+    size_t bytes = 0;
+    bool to_host = false, timed = false;
+  };
+  std::vector<CopyInfo> copy_info_;      // (kCopyRing) by ticket
+  CopyTotals copies_;
   int64_t next_copy_ = 0;
   std::mutex copy_mutex_;
   void* gemm_workspace_ = nullptr;

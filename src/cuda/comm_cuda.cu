@@ -34,7 +34,7 @@ namespace {
 // The host-side collectives every device Comm forwards unchanged.
 class HostForwarding : public Comm {
  public:
-  explicit HostForwarding(Comm& host) : host_(host) {}
+  HostForwarding(Comm& host, const char* kind) : host_(host), kind_(kind) {}
   int rank() const override { return host_.rank(); }
   int size() const override { return host_.size(); }
   bool device_buffers() const override { return true; }
@@ -49,7 +49,22 @@ class HostForwarding : public Comm {
   }
 
  protected:
+  // DESIGN.md rule 4: NCCL is only ever handed device memory, and neither is a
+  // device Comm. Checked on every call (one driver query, ~1 us), so a host
+  // tensor reaching one, e.g. an offloaded master shard, is an error that names
+  // the buffer, not a fault (or, staged, a silent extra copy).
+  void require_device(const void* p, const char* what) {
+    cudaPointerAttributes a{};
+    const cudaError_t e = cudaPointerGetAttributes(&a, p);
+    if (e != cudaSuccess) cudaGetLastError();
+    SHARDLM_CHECK(e == cudaSuccess && (a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged),
+                  "%s was handed host memory for its %s (%p): device communicators only ever get device "
+                  "buffers; stage host data through a device buffer first",
+                  kind_, what, p);
+  }
+
   Comm& host_;
+  const char* kind_;  // "NCCL" | "staged MPI": named in errors
 };
 
 // ------------------------------------------------------------------ NCCL
@@ -75,7 +90,7 @@ __global__ void stall_kernel(long long ns) {
 class NcclDeviceComm final : public HostForwarding {
  public:
   NcclDeviceComm(Comm& host, cudaStream_t compute, double timeout_s)
-      : HostForwarding(host), compute_(compute), timeout_s_(timeout_s) {
+      : HostForwarding(host, "NCCL"), compute_(compute), timeout_s_(timeout_s) {
     CUDA_CHECK(cudaGetDevice(&device_));
     // MPI is the only bootstrap: rank 0's unique id reaches the others by broadcast.
     ncclUniqueId id;
@@ -141,18 +156,6 @@ class NcclDeviceComm final : public HostForwarding {
  private:
   static constexpr int kRing = 32;  // collectives in flight at most (the engine holds <= 6)
 
-  // DESIGN.md rule 4: NCCL is only ever handed device memory. Checked on every
-  // call (one driver query, ~1 us), so a host tensor reaching NCCL, e.g. an
-  // offloaded master shard, is an error that names the buffer, not a fault.
-  static void require_device(const void* p, const char* what) {
-    cudaPointerAttributes a{};
-    const cudaError_t e = cudaPointerGetAttributes(&a, p);
-    if (e != cudaSuccess) cudaGetLastError();
-    SHARDLM_CHECK(e == cudaSuccess && (a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged),
-                  "NCCL was handed host memory for its %s (%p): NCCL only ever gets device buffers; stage host "
-                  "data through a device buffer first",
-                  what, p);
-  }
 
   int64_t begin() {
     const int64_t ticket = next_ticket_++;
@@ -235,7 +238,7 @@ class NcclDeviceComm final : public HostForwarding {
 class StagedDeviceComm final : public HostForwarding {
  public:
   StagedDeviceComm(Comm& host, cudaStream_t compute, int64_t staging_bytes)
-      : HostForwarding(host), compute_(compute), staging_bytes_(staging_bytes) {
+      : HostForwarding(host, "staged MPI"), compute_(compute), staging_bytes_(staging_bytes) {
     CUDA_CHECK(cudaMallocHost(&send_, size_t(staging_bytes)));
     CUDA_CHECK(cudaMallocHost(&recv_, size_t(staging_bytes)));
     host_mem_track(Mem::Workspace, 2 * staging_bytes);
@@ -250,6 +253,8 @@ class StagedDeviceComm final : public HostForwarding {
   using Comm::all_gather;
   using Comm::reduce_scatter;
   CommRequest all_gather(const void* shard, void* full, int64_t count, DType t) override {
+    require_device(shard, "all-gather input");
+    require_device(full, "all-gather output");
     const int64_t bytes = count * dtype_bytes(t);
     stage_out(shard, bytes, bytes * size());
     host_.all_gather(send_, recv_, count, t).wait();
@@ -257,6 +262,8 @@ class StagedDeviceComm final : public HostForwarding {
     return {};
   }
   CommRequest reduce_scatter(const void* full, void* shard, int64_t count, DType t) override {
+    require_device(full, "reduce-scatter input");
+    require_device(shard, "reduce-scatter output");
     const int64_t bytes = count * dtype_bytes(t);
     stage_out(full, bytes * size(), bytes * size());
     host_.reduce_scatter(send_, recv_, count, t).wait();
@@ -264,6 +271,7 @@ class StagedDeviceComm final : public HostForwarding {
     return {};
   }
   CommRequest broadcast(void* buf, int64_t count, DType t, int root) override {
+    require_device(buf, "broadcast buffer");
     const int64_t bytes = count * dtype_bytes(t);
     stage_out(buf, rank() == root ? bytes : 0, bytes);
     host_.broadcast(send_, count, t, root).wait();

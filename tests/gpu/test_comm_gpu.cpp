@@ -77,15 +77,18 @@ void check_device_comm(const char* kind, double timeout_s) {
   REQUIRE_CUDA(cudaMemcpyAsync(back.data(), src, 4 * n, cudaMemcpyDeviceToHost, compute));
   REQUIRE_CUDA(cudaStreamSynchronize(compute));
   CHECK(std::memcmp(back.data(), pinned, 4 * n) == 0);
-  // DESIGN.md rule 4: NCCL is never handed host memory (pinned or pageable).
-  if (std::string(kind) == "nccl") {
+  // DESIGN.md rule 4: NCCL, and any device Comm, is never handed host memory
+  // (pinned or pageable).
+  {
+    const std::string name = std::string(kind) == "nccl" ? "NCCL" : "staged MPI";
     std::vector<float> pageable(16);
     CHECK_THROWS_WITH_AS(comm->all_gather(pinned, dst, 16, DType::F32),
-                         doctest::Contains("NCCL was handed host memory for its all-gather input"), Error);
+                         doctest::Contains((name + " was handed host memory for its all-gather input").c_str()), Error);
     CHECK_THROWS_WITH_AS(comm->reduce_scatter(src, pageable.data(), 16, DType::F32),
-                         doctest::Contains("NCCL was handed host memory for its reduce-scatter output"), Error);
+                         doctest::Contains((name + " was handed host memory for its reduce-scatter output").c_str()),
+                         Error);
     CHECK_THROWS_WITH_AS(comm->broadcast(pageable.data(), 16, DType::BF16, 0),
-                         doctest::Contains("NCCL was handed host memory for its broadcast buffer"), Error);
+                         doctest::Contains((name + " was handed host memory for its broadcast buffer").c_str()), Error);
   }
   comm.reset();
   cudaFree(src);
