@@ -53,7 +53,8 @@ MemoryPlan plan_memory(const ModelConfig& config, int world, const EngineOptions
   plan.device = !backend.host_resident();
   for (const auto& u : layout.units) plan.param_shards += 4 * u.shard_numel;
   if (plan.device) plan.param_copies = plan.param_shards / 4 * backend.param_bytes();
-  plan.grad_shards = plan.param_shards;
+  // Device-resident state accumulates gradients on the device only: no host grad shards.
+  plan.grad_shards = o.device_state ? 0 : plan.param_shards;
   plan.optim_state = plan.param_shards * optim_states;
   if (world > 1)
     plan.gathered += backend.param_bytes() * param_slot_count(layout, o.reshard_after_forward) * max_padded(layout);
@@ -65,7 +66,7 @@ MemoryPlan plan_memory(const ModelConfig& config, int world, const EngineOptions
   if (o.offload_pipeline) plan.host_workspace += OffloadPipeline::host_bytes(layout);
   // Several ranks on one GPU: two pinned host buffers of one full fp32 unit each.
   if (plan.device && world > 1 && o.comm_backend == "mpi") plan.comm_staging = 2 * 4 * max_padded(layout);
-  if (o.device_state) plan.device_state = plan.param_shards + plan.grad_shards + plan.optim_state;
+  if (o.device_state) plan.device_state = 2 * plan.param_shards + plan.optim_state;  // masters, grads, moments
   plan.activations = backend.activation_bytes(config, o);
   plan.workspace = backend.workspace_bytes(config, o);
   // A device backend refreshes its bf16 copies through one fp32 staging unit.

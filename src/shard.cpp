@@ -10,15 +10,15 @@
 
 namespace shardlm {
 
-ShardedModel::ShardedModel(const ModelConfig& config, int rank_, int world_)
+ShardedModel::ShardedModel(const ModelConfig& config, int rank_, int world_, bool host_grads)
     : layout(config, world_), rank(rank_), world(world_) {
   for (const auto& u : layout.units) {
     param.emplace_back(Mem::ParamShard, u.shard_numel);
-    grad.emplace_back(Mem::GradShard, u.shard_numel);
+    grad.emplace_back(Mem::GradShard, host_grads ? u.shard_numel : 0);
     // Padding past the last parameter stays zero forever: it is gathered,
     // reduced and "updated" like the rest, and must never become NaN.
     std::memset(param.back().data(), 0, param.back().bytes());
-    std::memset(grad.back().data(), 0, grad.back().bytes());
+    if (host_grads) std::memset(grad.back().data(), 0, grad.back().bytes());
   }
 }
 
@@ -33,7 +33,8 @@ std::vector<ShardSegment> ShardedModel::segments(const Unit& u) const {
 }
 
 void ShardedModel::zero_grads() {
-  for (auto& g : grad) std::memset(g.data(), 0, g.bytes());
+  for (auto& g : grad)
+    if (g.size() > 0) std::memset(g.data(), 0, g.bytes());
 }
 
 void ShardedModel::init_seeded(uint64_t seed, double std) {

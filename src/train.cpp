@@ -48,7 +48,10 @@ DataSpec data_spec(const Config& c, int64_t vocab) {
 }
 
 ShardedModel initial_model(const Config& c, const ModelConfig& arch, const Comm& comm) {
-  ShardedModel model(arch, comm.rank(), comm.size());
+  // Device-resident state accumulates gradients in device shards only; the host
+  // ones would never be read (checkpoints hold no gradients): none are made.
+  const bool host_grads = engine_options_for(c).device_state == false;
+  ShardedModel model(arch, comm.rank(), comm.size(), host_grads);
   if (c.model.hf.empty()) model.init_seeded(static_cast<uint64_t>(c.run.seed), c.model.init_std);
   else model.load_hf(SafetensorsReader(c.model.hf));
   return model;
