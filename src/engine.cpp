@@ -63,7 +63,7 @@ MemoryPlan plan_memory(const ModelConfig& config, int world, const EngineOptions
     plan.gathered += 4 * grad_slot_count() * (max_padded(layout) + (world > 1 ? max_shard(layout) : 0));
     if (bf16_gradients(world, o)) plan.gathered += 2 * grad_slot_count() * max_padded(layout);
   }
-  if (o.offload_pipeline) plan.host_workspace += OffloadPipeline::host_bytes(layout);
+  if (o.offload_pipeline) plan.offload_buffers = OffloadPipeline::host_bytes(layout);
   // Several ranks on one GPU: two pinned host buffers of one full fp32 unit each.
   if (plan.device && world > 1 && o.comm_backend == "mpi") plan.comm_staging = 2 * 4 * max_padded(layout);
   if (o.device_state) plan.device_state = 2 * plan.param_shards + plan.optim_state;  // masters, grads, moments
@@ -84,7 +84,7 @@ std::string format_memory_plan(const MemoryPlan& p, int world) {
       {"parameter copies", "GPU", p.param_copies},
       {"gathered units", where, p.gathered},        {"activations", where, p.activations},
       {"workspace", where, p.workspace},            {"output staging", "host", p.host_workspace},
-      {"comm staging", "host", p.comm_staging}};
+      {"comm staging", "host", p.comm_staging},     {"offload buffers", "host", p.offload_buffers}};
   for (const auto& [name, place, bytes] : rows)
     if (bytes > 0) out += fmt("  %-18s %-5s %12.3f MiB\n", name, place, mib(bytes));
   out += fmt("  %-18s %-5s %12.3f MiB\n", "total", "host", mib(p.host_total()));

@@ -71,6 +71,19 @@ void write_run_dir(const Runtime& rt, const Config& config) {
   MPI_CHECK(MPI_Barrier(rt.role_comm));  // world rank 0 is trainer rank 0
 }
 
+// The whole per-rank plan of a run: the engine's (shards, units, activations)
+// plus what the optimizer, the broadcast and the export add on top.
+MemoryPlan run_memory_plan(const Config& config, const ModelLayout& layout, const Backend& backend) {
+  MemoryPlan plan = plan_memory(layout.config, layout.world, engine_options_for(config),
+                                optimizer_states(config.optim), backend);
+  plan.host_workspace += output_workspace_bytes(config, layout) + optimizer_workspace_bytes(config.optim, layout);
+  const NsWorkspaceBytes gpu_ns = optimizer_gpu_workspace_bytes(config.optim, layout, config.device.backend == "cuda");
+  plan.workspace += gpu_ns.device;
+  plan.host_workspace += gpu_ns.pinned_host;
+  plan.workspace += broadcast_device_bytes(config, layout);  // one gathered bf16 unit while broadcasting (GPU)
+  return plan;
+}
+
 int cmd_check(const Runtime& rt, const CliArgs& args) {
   Config config;
   const int world = args.world > 0 ? args.world : rt.num_trainers;
@@ -79,14 +92,8 @@ int cmd_check(const Runtime& rt, const CliArgs& args) {
     const ModelConfig arch = model_config_for(config);
     const ModelLayout layout(arch, world);
     // The plan of the backend this deck asks for; "auto" plans the CPU backend.
-    const bool cuda = config.device.backend == "cuda";
-    MemoryPlan plan = plan_memory(arch, world, engine_options_for(config), optimizer_states(config.optim),
-                                  cuda ? *make_cuda_backend() : *make_cpu_backend());
-    plan.host_workspace += output_workspace_bytes(config, layout) + optimizer_workspace_bytes(config.optim, layout);
-    const NsWorkspaceBytes gpu_ns = optimizer_gpu_workspace_bytes(config.optim, layout, cuda);
-    plan.workspace += gpu_ns.device;
-    plan.host_workspace += gpu_ns.pinned_host;
-    plan.workspace += broadcast_device_bytes(config, layout);  // one gathered bf16 unit while broadcasting (GPU)
+    const MemoryPlan plan =
+        run_memory_plan(config, layout, config.device.backend == "cuda" ? *make_cuda_backend() : *make_cpu_backend());
     std::printf("%s: valid for %d training rank%s\n\n%s\nmodel: %s, %lld parameters (%lld in matmuls)\n%s",
                 args.deck.c_str(), world, world == 1 ? "" : "s", resolved_deck(config).c_str(), arch.arch.c_str(),
                 (long long)layout.parameter_count(), (long long)layout.matmul_parameter_count(),
@@ -186,30 +193,10 @@ int cmd_train(Runtime& rt, const CliArgs& args) {
 
   int64_t peak[2] = {host_memory().total_peak, device_memory().total_peak};
   MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, peak, 2, MPI_INT64_T, MPI_MAX, rt.role_comm));
-  MemoryPlan plan = plan_memory(session.model.layout.config, comm->size(), engine_options_for(config),
-                                session.optimizer.states(), session.engine.backend());
-  plan.host_workspace += output_workspace_bytes(config, session.model.layout) +
-                        optimizer_workspace_bytes(config.optim, session.model.layout);
-  const NsWorkspaceBytes gpu_ns =
-      optimizer_gpu_workspace_bytes(config.optim, session.model.layout, config.device.backend == "cuda");
-  plan.workspace += gpu_ns.device;
-  plan.host_workspace += gpu_ns.pinned_host;
-  plan.workspace += broadcast_device_bytes(config, session.model.layout);  // one gathered bf16 unit (GPU)
+  MemoryPlan plan = run_memory_plan(config, session.model.layout, session.engine.backend());
   plan.comm_staging += broadcaster.comm_staging_bytes();  // rank 0's staged broadcast Comm, if any
   metrics.summary(plan, peak[0], peak[1], session.bad_steps_total);
-  if (session.offload && comm->rank() == 0) {
-    const OffloadPipeline::Timing t = session.offload->timing();
-    const double per = t.updates > 0 ? 1e3 / double(t.updates) : 0.0;
-    const Backend::CopyTotals c = session.engine.backend().copy_totals();
-    auto gbps = [](double bytes, double s) { return s > 0 ? bytes / s / 1e9 : 0.0; };
-    std::printf("offload: per update %.1f ms CPU update + upload issue, %.1f ms gradient landing (worker); forward "
-                "waited %.1f ms for updates, backward %.1f ms for the norm; pinned %.2f of %.2f GiB; copies to the "
-                "host %.2f GB per update at %.1f GB/s, to the device %.2f GB at %.1f GB/s\n",
-                t.update_s * per, t.land_s * per, t.param_wait_s * per, t.norm_wait_s * per,
-                double(t.pinned_bytes) / 1073741824.0, double(t.pin_wanted_bytes) / 1073741824.0,
-                c.to_host_bytes * per * 1e-12, gbps(c.to_host_bytes, c.to_host_s), c.to_device_bytes * per * 1e-12,
-                gbps(c.to_device_bytes, c.to_device_s));
-  }
+  if (session.offload && comm->rank() == 0) std::printf("%s\n", session.offload->summary().c_str());
   if (const MuonStep* muon = session.optimizer.muon()) {  // Muon's part of the optimizer time above
     const MuonTiming& t = muon->timing();
     double seconds[2] = {t.step_s, t.orthogonalize_s};

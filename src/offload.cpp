@@ -155,6 +155,20 @@ OffloadPipeline::Timing OffloadPipeline::timing() {
   return timing_;
 }
 
+std::string OffloadPipeline::summary() {
+  const Timing t = timing();
+  const Backend::CopyTotals c = backend_.copy_totals();
+  const double per = t.updates > 0 ? 1e3 / double(t.updates) : 0.0;  // ms per update from seconds
+  auto gbps = [](double bytes, double s) { return s > 0 ? bytes / s / 1e9 : 0.0; };
+  return fmt("offload: per update %.1f ms CPU update + upload issue, %.1f ms gradient landing (worker); forward "
+             "waited %.1f ms for updates, backward %.1f ms for the norm; pinned %.2f of %.2f GiB; copies to the "
+             "host %.2f GB per update at %.1f GB/s, to the device %.2f GB at %.1f GB/s",
+             t.update_s * per, t.land_s * per, t.param_wait_s * per, t.norm_wait_s * per,
+             double(t.pinned_bytes) / 1073741824.0, double(t.pin_wanted_bytes) / 1073741824.0,
+             c.to_host_bytes * per * 1e-12, gbps(c.to_host_bytes, c.to_host_s), c.to_device_bytes * per * 1e-12,
+             gbps(c.to_device_bytes, c.to_device_s));
+}
+
 void OffloadPipeline::finish() {
   std::unique_lock<std::mutex> lock(mutex_);
   changed_.wait(lock, [&] { return queue_.empty() && !busy_; });

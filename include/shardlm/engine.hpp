@@ -31,9 +31,10 @@ struct MemoryPlan {
   int64_t gathered = 0, activations = 0, workspace = 0;         // device when `device`, else host
   int64_t host_workspace = 0;                                   // host: broadcast / export staging
   int64_t comm_staging = 0;                                     // host: pinned buffers of the staged MPI device Comm
+  int64_t offload_buffers = 0;                                  // host: the offload pipeline's bf16 shards + landing
   int64_t device_state = 0;  // GPU: fp32 masters + gradients + optimizer state (their host shards become mirrors)
   int64_t host_total() const {
-    return param_shards + grad_shards + optim_state + host_workspace + comm_staging +
+    return param_shards + grad_shards + optim_state + host_workspace + comm_staging + offload_buffers +
            (device ? 0 : gathered + activations + workspace);
   }
   int64_t device_total() const {

@@ -30,6 +30,7 @@
 #include <cstdint>
 #include <deque>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -77,6 +78,9 @@ class OffloadPipeline {
     int64_t pinned_bytes = 0, pin_wanted_bytes = 0;
   };
   Timing timing();
+  // One line for the run summary: the timings per update, what was pinned, and
+  // the copies' bytes and achieved bandwidth (device-timed).
+  std::string summary();
 
  private:
   struct Task {
