@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "shardlm/comm.hpp"
+#include "shardlm/hf.hpp"  // the one bf16 <-> fp32 conversion
 #include "shardlm/runtime.hpp"
 
 namespace shardlm {
@@ -17,25 +18,12 @@ void CommRequest::wait() {
 
 namespace {
 
-float bf16_bits_to_float(uint16_t b) {
-  const uint32_t u = uint32_t(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-uint16_t float_to_bf16_bits(float f) {  // round to nearest even, NaN stays NaN
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);
-  return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
 // MPI has no bf16 type: the elements travel as 16-bit integers and this op sums
 // them in fp32, rounding once per combination (as a ring of bf16 hops would).
 void bf16_sum(void* in, void* inout, int* len, MPI_Datatype*) {
   const auto* a = static_cast<const uint16_t*>(in);
   auto* b = static_cast<uint16_t*>(inout);
-  for (int i = 0; i < *len; ++i) b[i] = float_to_bf16_bits(bf16_bits_to_float(a[i]) + bf16_bits_to_float(b[i]));
+  for (int i = 0; i < *len; ++i) b[i] = f32_to_bf16_rne(bf16_to_f32(a[i]) + bf16_to_f32(b[i]));
 }
 
 MPI_Op bf16_sum_op() {
