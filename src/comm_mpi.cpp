@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "shardlm/comm.hpp"
+#include "shardlm/cpu_ops.hpp"
 #include "shardlm/hf.hpp"  // the one bf16 <-> fp32 conversion
 #include "shardlm/runtime.hpp"
 
@@ -36,6 +37,14 @@ MPI_Op bf16_sum_op() {
 }
 
 MPI_Datatype mpi_type(DType t) { return t == DType::F32 ? MPI_FLOAT : MPI_UINT16_T; }
+
+// n floats from src to dst for all_to_all_v's own block: all threads when the
+// ranges are apart (Muon's exchange moves whole matrices), memmove otherwise.
+void copy_block(float* dst, const float* src, int64_t n) {
+  if (n <= 0 || dst == src) return;
+  if (dst + n <= src || src + n <= dst) cpu::copy(dst, src, n);
+  else std::memmove(dst, src, sizeof(float) * size_t(n));
+}
 
 int as_count(int64_t n) {
   SHARDLM_CHECK(n >= 0 && n <= INT_MAX, "a collective of %lld elements exceeds MPI's int count", (long long)n);
@@ -88,6 +97,13 @@ class MpiComm final : public Comm {
       recv_counts_[p] = as_count(recv_counts[p]);
       recv_displs_[p] = as_count(recv_displs[p]);
     }
+    // This rank's own block (all of it at world 1) is a local copy: on every
+    // thread here rather than one memcpy inside MPI.
+    const int64_t own = send_counts[rank_];
+    SHARDLM_CHECK(own == recv_counts[rank_], "internal: all_to_all_v sends %lld elements to itself but expects %lld",
+                  (long long)own, (long long)recv_counts[rank_]);
+    copy_block(recv + recv_displs[rank_], send + send_displs[rank_], own);
+    send_counts_[rank_] = recv_counts_[rank_] = 0;
     MPI_CHECK(MPI_Alltoallv(send, send_counts_.data(), send_displs_.data(), MPI_FLOAT, recv, recv_counts_.data(),
                             recv_displs_.data(), MPI_FLOAT, comm_));
   }
@@ -120,7 +136,7 @@ class SelfComm final : public Comm {
   void barrier() override {}
   void all_to_all_v(const float* send, const int64_t* send_counts, const int64_t* send_displs, float* recv,
                     const int64_t*, const int64_t* recv_displs) override {
-    if (send_counts[0] > 0) std::memmove(recv + recv_displs[0], send + send_displs[0], sizeof(float) * send_counts[0]);
+    copy_block(recv + recv_displs[0], send + send_displs[0], send_counts[0]);
   }
 };
 

@@ -249,7 +249,7 @@ void MuonStep::step(double lr, double weight_decay, double mu, float grad_scale,
       float* full = matrix_.data();  // (rows, cols)
       for (const MuonPiece& piece : plan.recv)
         if (piece.matrix == k)
-          std::memcpy(full + piece.matrix_offset, gathered + piece.buffer_offset, sizeof(float) * piece.count);
+          cpu::copy(full + piece.matrix_offset, gathered + piece.buffer_offset, piece.count);
       const clock::time_point t_ns = clock::now();
       if (orthogonalizer_) orthogonalizer_->orthogonalize(full, full, mat.rows, mat.cols, ns_steps_);
       else newton_schulz(full, full, mat.rows, mat.cols, ns_steps_, ns_workspace_.data());

@@ -1,7 +1,7 @@
 // cpu_ops.hpp — CPU reference kernels (forward + backward) for the transformer ops.
 //
 // Owns: shardlm::cpu::{gemm, linear, embedding, rmsnorm, rope, swiglu, attention,
-// cross_entropy, add/accumulate/scale/sum_squares}, templated on T (float for the
+// cross_entropy, add/accumulate/scale/copy/sum_squares}, templated on T (float for the
 // CPU backend, double for finite-difference tests). These are the reference the
 // CUDA kernels are checked against.
 // Must not know: MPI, the model (units, parameter names, shards), files, devices.
@@ -168,6 +168,11 @@ void accumulate(T* y, const T* x, int64_t n);
 // x *= alpha.
 template <class T>
 void scale(T* x, T alpha, int64_t n);
+
+// dst = src (n elements, not overlapping), on every thread: one thread's memcpy
+// streams ~10 GB/s, a fraction of the host's bandwidth (Muon's exchange copies).
+template <class T>
+void copy(T* dst, const T* src, int64_t n);
 
 // sum(x^2) in double, summed in fixed blocks then in block order: the same bits at
 // any thread count (for the global gradient norm).

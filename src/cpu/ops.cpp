@@ -469,6 +469,14 @@ void accumulate(T* y, const T* x, int64_t n) {
 }
 
 template <class T>
+void copy(T* dst, const T* src, int64_t n) {
+  constexpr int64_t kChunk = 1 << 16;  // elements per task: whole cache lines, many per thread
+#pragma omp parallel for schedule(static) if (n >= 4 * kChunk)
+  for (int64_t c = 0; c < (n + kChunk - 1) / kChunk; ++c)
+    std::memcpy(dst + c * kChunk, src + c * kChunk, sizeof(T) * std::min(kChunk, n - c * kChunk));
+}
+
+template <class T>
 void scale(T* x, T alpha, int64_t n) {
 #pragma omp parallel for schedule(static) if (n >= kParallelMin)
   for (int64_t e = 0; e < n; ++e) x[e] *= alpha;
@@ -521,7 +529,8 @@ double sum_squares(const T* x, int64_t n) {
   template void add<T>(T*, const T*, const T*, int64_t);                                 \
   template void accumulate<T>(T*, const T*, int64_t);                                    \
   template void scale<T>(T*, T, int64_t);                                                \
-  template double sum_squares<T>(const T*, int64_t);
+  template double sum_squares<T>(const T*, int64_t);                                   \
+  template void copy<T>(T*, const T*, int64_t);
 
 SHARDLM_CPU_OPS_INSTANTIATE(float)
 SHARDLM_CPU_OPS_INSTANTIATE(double)
