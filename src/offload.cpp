@@ -1,6 +1,8 @@
 // offload.cpp — the optim_cpu_offload pipeline; see include/shardlm/offload.hpp.
 #include "shardlm/offload.hpp"
 
+#include <omp.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstring>
@@ -178,6 +180,9 @@ void OffloadPipeline::finish() {
 
 void OffloadPipeline::run() {
   backend_.bind_thread();
+  // The worker's OpenMP team leaves one core to the thread that issues the GPU
+  // work (this thread's setting only: the issuing thread keeps its own).
+  omp_set_num_threads(std::max(1, omp_get_max_threads() - 1));
   for (;;) {
     Task t;
     {
