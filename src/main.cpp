@@ -92,12 +92,22 @@ int cmd_check(const Runtime& rt, const CliArgs& args) {
     const ModelConfig arch = model_config_for(config);
     const ModelLayout layout(arch, world);
     // The plan of the backend this deck asks for; "auto" plans the CPU backend.
-    const MemoryPlan plan =
-        run_memory_plan(config, layout, config.device.backend == "cuda" ? *make_cuda_backend() : *make_cpu_backend());
+    const bool cuda = config.device.backend == "cuda";
+    const MemoryPlan plan = run_memory_plan(config, layout, cuda ? *make_cuda_backend() : *make_cpu_backend());
     std::printf("%s: valid for %d training rank%s\n\n%s\nmodel: %s, %lld parameters (%lld in matmuls)\n%s",
                 args.deck.c_str(), world, world == 1 ? "" : "s", resolved_deck(config).c_str(), arch.arch.c_str(),
                 (long long)layout.parameter_count(), (long long)layout.matmul_parameter_count(),
                 format_memory_plan(plan, world).c_str());
+    if (cuda && config.model.optim_cpu_offload) {  // what the lever buys, against the state on the GPU
+      Config on_gpu = config;
+      on_gpu.model.optim_cpu_offload = false;
+      const MemoryPlan without = run_memory_plan(on_gpu, layout, *make_cuda_backend());
+      const double mib = 1024.0 * 1024.0;
+      std::printf("optim_cpu_offload: %.3f MiB less GPU memory per rank (%.3f MiB with the state on the GPU), "
+                  "%.3f MiB more host memory\n",
+                  double(without.device_total() - plan.device_total()) / mib, double(without.device_total()) / mib,
+                  double(plan.host_total() - without.host_total()) / mib);
+    }
     std::fflush(stdout);
   }
   return 0;

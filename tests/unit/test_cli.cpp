@@ -83,6 +83,33 @@ TEST_CASE("check prints the resolved deck and exits 0; --world drives the batch 
         std::string::npos);
 }
 
+TEST_CASE("check with optim_cpu_offload on the CUDA backend prints the GPU bytes saved and the host bytes used") {
+  auto off = run(shardlm_bin() + " check inputs/bench/llama-1b.toml --set device.backend=cuda");
+  if (off.output.find("built without CUDA") != std::string::npos) {
+    MESSAGE("CPU-only build: the CUDA memory plan is not available; nothing to check");
+    return;
+  }
+  auto on = run(shardlm_bin() + " check inputs/bench/llama-1b.toml --set device.backend=cuda "
+                                "--set model.optim_cpu_offload=true");
+  REQUIRE(off.status == 0);
+  REQUIRE(on.status == 0);
+  auto total = [](const std::string& out, const char* where) {
+    const size_t at = out.find(std::string("total              ") + where);
+    REQUIRE(at != std::string::npos);
+    return std::stod(out.substr(at + 25));
+  };
+  const double saved_gpu = total(off.output, "GPU") - total(on.output, "GPU");
+  const double more_host = total(on.output, "host") - total(off.output, "host");
+  // 1.236e9 parameters: the fp32 masters, gradients and AdamW moments (16 B each)
+  // leave the GPU, less the fp32 gradient slots that carry gradients out.
+  CHECK(saved_gpu > 12.0 * 1.2358e9 / 1048576.0);
+  CHECK(more_host > 0);
+  const std::string line = on.output.substr(on.output.find("optim_cpu_offload: "));
+  CHECK(std::stod(line.substr(19)) == doctest::Approx(saved_gpu).epsilon(1e-6));
+  CHECK(line.find("more host memory") != std::string::npos);
+  CHECK(off.output.find("optim_cpu_offload: ") == std::string::npos);
+}
+
 TEST_CASE("train under mpirun -np 2 with a bad deck: one report, clean exit 1") {
   auto r = run(mpirun(2) + shardlm_bin() + " train inputs/tiny-sft.toml --set optim.lr=-1", 120);
   CHECK(r.status == 1);
