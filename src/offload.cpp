@@ -34,8 +34,12 @@ int64_t OffloadPipeline::host_bytes(const ModelLayout& layout) {
   return 2 * shards + kLandingBuffers * 4 * max_shard_numel(layout);
 }
 
-OffloadPipeline::OffloadPipeline(ShardedModel& model, Optimizer& optimizer, Backend& backend)
-    : model_(model), optimizer_(optimizer), backend_(backend), units_(static_cast<int>(model.layout.units.size())) {
+OffloadPipeline::OffloadPipeline(ShardedModel& model, Optimizer& optimizer, Backend& backend, int cpu_threads)
+    : model_(model),
+      optimizer_(optimizer),
+      backend_(backend),
+      units_(static_cast<int>(model.layout.units.size())),
+      cpu_threads_(cpu_threads) {
   SHARDLM_CHECK(backend.supports_async_copies(), "model.optim_cpu_offload needs a GPU backend (this one is %s)",
                 backend.name());
   // Gradients land straight in the fp32 grad shards (the first micro-batch) or
@@ -180,9 +184,9 @@ void OffloadPipeline::finish() {
 
 void OffloadPipeline::run() {
   backend_.bind_thread();
-  // The worker's OpenMP team leaves one core to the thread that issues the GPU
-  // work (this thread's setting only: the issuing thread keeps its own).
-  omp_set_num_threads(std::max(1, omp_get_max_threads() - 1));
+  // The worker's OpenMP team (this thread's setting only): device.cpu_threads,
+  // else one core fewer than the default, left to the thread that issues GPU work.
+  omp_set_num_threads(cpu_threads_ > 0 ? cpu_threads_ : std::max(1, omp_get_max_threads() - 1));
   for (;;) {
     Task t;
     {

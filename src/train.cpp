@@ -113,7 +113,8 @@ TrainSession::TrainSession(const Config& c, Comm& comm_)
   // Offload on a GPU: the host-side pipeline (AdamW/SGD; Muon's collective step
   // keeps the plain host path).
   if (c.device.backend == "cuda" && c.model.optim_cpu_offload && !optimizer.muon()) {
-    offload = std::make_unique<OffloadPipeline>(model, optimizer, engine.backend());
+    offload = std::make_unique<OffloadPipeline>(model, optimizer, engine.backend(),
+                                                static_cast<int>(c.device.cpu_threads));
     engine.set_offload(offload.get());
   }
   SHARDLM_CHECK(c.data.seq_len <= arch.max_position_embeddings,

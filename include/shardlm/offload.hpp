@@ -43,7 +43,9 @@ namespace shardlm {
 
 class OffloadPipeline {
  public:
-  OffloadPipeline(ShardedModel& model, Optimizer& optimizer, Backend& backend);
+  // cpu_threads: the worker's OpenMP threads (device.cpu_threads); 0 = one fewer
+  // than OpenMP's default, leaving a core to the thread that issues GPU work.
+  OffloadPipeline(ShardedModel& model, Optimizer& optimizer, Backend& backend, int cpu_threads = 0);
   ~OffloadPipeline();
   OffloadPipeline(const OffloadPipeline&) = delete;
   OffloadPipeline& operator=(const OffloadPipeline&) = delete;
@@ -102,6 +104,7 @@ class OffloadPipeline {
   Optimizer& optimizer_;
   Backend& backend_;
   const int units_;
+  const int cpu_threads_;
   std::vector<Buffer<uint16_t>> bf16_;       // [unit] (shard numel) the updated shard in bf16, pinned
   std::vector<Buffer<float>> landing_;       // 2 x (max shard numel) pinned: micro-batches after the first
   std::vector<void*> pinned_;                // host ranges registered with the backend
