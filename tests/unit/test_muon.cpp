@@ -114,17 +114,10 @@ TEST_CASE("Newton–Schulz: each singular value s becomes p^5(s / ||G||_F), insi
   for (auto [rows, cols] : {std::pair<int64_t, int64_t>{24, 64}, {64, 24}}) {
     CAPTURE(rows);
     const int64_t k = std::min(rows, cols);
-    const Mat U = orthonormal_columns(rows, k, rng), V = orthonormal_columns(cols, k, rng);
     std::vector<double> s(static_cast<size_t>(k));
     for (int64_t i = 0; i < k; ++i) s[i] = std::exp(std::log(0.02) * double(k - 1 - i) / double(k - 1));  // 0.02 .. 1
     const double fro = std::sqrt(std::inner_product(s.begin(), s.end(), s.begin(), 0.0));
-    std::vector<float> G(static_cast<size_t>(rows * cols));
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t c = 0; c < cols; ++c) {
-        double x = 0;
-        for (int64_t i = 0; i < k; ++i) x += U[r * k + i] * s[i] * V[c * k + i];
-        G[r * cols + c] = static_cast<float>(x);
-      }
+    const std::vector<float> G = with_spectrum(s, rows, cols, rng);
     const std::vector<double> in = singular_values(G, rows, cols);
     CHECK(in.front() / fro == doctest::Approx(0.02 / fro).epsilon(1e-4));  // the eigen-solver sees the spectrum built
     CHECK(in.front() / fro < 0.02);                                          // well outside the band before ...
