@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "shardlm/backend.hpp"
+#include "shardlm/config.hpp"
 #include "shardlm/cpu_ops.hpp"
 #include "shardlm/hf.hpp"
 #include "shardlm/offload.hpp"
@@ -25,19 +26,11 @@ using namespace shardlm;
 
 namespace {
 
+// The tiny deck's model (inputs/tiny-sft.toml): 3 units, tied embeddings.
 ModelConfig small_arch() {
-  ModelConfig c;
-  c.arch = "llama";
-  c.vocab_size = 96;
-  c.hidden_size = 32;
-  c.intermediate_size = 64;
-  c.num_layers = 2;
-  c.num_heads = 4;
-  c.num_kv_heads = 2;
-  c.head_dim = 8;
-  c.max_position_embeddings = 64;
-  c.tie_word_embeddings = true;
-  return c;
+  const DeckResult deck = parse_deck("inputs/tiny-sft.toml", {}, 1);
+  REQUIRE(deck.ok());
+  return deck.config.model.arch;
 }
 
 // Copies are memcpys done at once; a ticket only names them. Counts the waits
