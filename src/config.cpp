@@ -156,6 +156,7 @@ const std::vector<KeySpec>& key_table() {
 
       one_of(key("device.backend", Type::String, FIELD(device.backend)), {"auto", "cpu", "cuda"}),
       at_least(key("device.cpu_threads", Type::Int, FIELD(device.cpu_threads)), 0),
+      at_least(key("device.memory_limit_gib", Type::Float, FIELD(device.memory_limit_gib)), 0),
 
       one_of(key("comm.backend", Type::String, FIELD(comm.backend)), {"auto", "mpi", "nccl"}),
       positive(key("comm.timeout_s", Type::Float, FIELD(comm.timeout_s))),
@@ -398,6 +399,8 @@ void validate(const Config& c, int world, const std::map<std::string, std::strin
         "on the GPU: docs/muon.md)");
   if (c.model.reduce_dtype == "bf16" && c.device.backend == "cpu")
     err("model.reduce_dtype = \"bf16\" needs device.backend = \"cuda\" (the CPU backend is the fp32 reference)");
+  if (c.device.memory_limit_gib > 0 && c.device.backend == "cpu")
+    err("device.memory_limit_gib caps GPU memory: it needs device.backend = \"cuda\" (or \"auto\" on a GPU machine)");
   if (c.comm.backend == "nccl" && c.device.backend == "cpu")
     err("comm.backend = \"nccl\" needs device.backend = \"cuda\" (NCCL moves device memory only; the CPU backend "
         "uses MPI)");

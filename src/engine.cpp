@@ -32,17 +32,14 @@ int param_slot_count(const ModelLayout& layout, bool reshard) {
 int grad_slot_count() { return 3; }
 
 // Gradients go straight into the host shards (CPU, one rank) or the device
-// shards (device state, one rank); otherwise through full-unit slots that are
-// reduced (world > 1) and handed over.
+// accumulators (device state or the offload pipeline, one rank); otherwise
+// through full-unit slots that are reduced (world > 1) and handed over.
 bool grad_slots_needed(int world, const Backend& backend, const EngineOptions& o) {
-  return world > 1 || (!backend.host_resident() && !o.device_state);
+  return world > 1 || (!backend.host_resident() && !o.device_state && !o.offload_pipeline);
 }
 
-// model.reduce_dtype = "bf16": gradients cross the wire in bf16 (world > 1) and,
-// with the offload pipeline, cross the host link in bf16 (half the PCIe bytes).
-bool bf16_gradients(int world, const EngineOptions& o) {
-  return o.reduce_bf16 && (world > 1 || o.offload_pipeline);
-}
+// model.reduce_dtype = "bf16": gradients cross the wire in bf16 (world > 1).
+bool bf16_gradients(int world, const EngineOptions& o) { return o.reduce_bf16 && world > 1; }
 
 }  // namespace
 
@@ -63,7 +60,10 @@ MemoryPlan plan_memory(const ModelConfig& config, int world, const EngineOptions
     plan.gathered += 4 * grad_slot_count() * (max_padded(layout) + (world > 1 ? max_shard(layout) : 0));
     if (bf16_gradients(world, o)) plan.gathered += 2 * grad_slot_count() * max_padded(layout);
   }
-  if (o.offload_pipeline) plan.offload_buffers = OffloadPipeline::host_bytes(layout);
+  if (o.offload_pipeline) {
+    plan.offload_buffers = OffloadPipeline::host_bytes(layout);
+    plan.device_grads = plan.param_shards;  // fp32 accumulators of the micro-batches
+  }
   // Several ranks on one GPU: two pinned host buffers of one full fp32 unit each.
   if (plan.device && world > 1 && o.comm_backend == "mpi") plan.comm_staging = 2 * 4 * max_padded(layout);
   if (o.device_state) plan.device_state = 2 * plan.param_shards + plan.optim_state;  // masters, grads, moments
@@ -81,7 +81,7 @@ std::string format_memory_plan(const MemoryPlan& p, int world) {
   const std::tuple<const char*, const char*, int64_t> rows[] = {
       {"parameter shards", "host", p.param_shards}, {"gradient shards", "host", p.grad_shards},
       {"optimizer state", "host", p.optim_state},   {"training state", "GPU", p.device_state},
-      {"parameter copies", "GPU", p.param_copies},
+      {"parameter copies", "GPU", p.param_copies},  {"gradient shards", "GPU", p.device_grads},
       {"gathered units", where, p.gathered},        {"activations", where, p.activations},
       {"workspace", where, p.workspace},            {"output staging", "host", p.host_workspace},
       {"comm staging", "host", p.comm_staging},     {"offload buffers", "host", p.offload_buffers}};
@@ -123,6 +123,13 @@ Engine::Engine(ShardedModel& model, Comm& comm, const EngineOptions& options, st
       if (reduce_type_ == DType::BF16) s.full_bf16 = backend_->allocate(Mem::Gathered, 2 * slot_floats_);
     }
   }
+  if (options.offload_pipeline) {
+    SHARDLM_CHECK(backend_->supports_async_copies(), "model.optim_cpu_offload's pipeline needs a GPU backend");
+    for (const auto& u : layout.units) {
+      offload_grads_.push_back(static_cast<float*>(backend_->allocate(Mem::GradShard, 4 * u.shard_numel)));
+      offload_copy_.push_back(-1);
+    }
+  }
   // A device backend gathers and reduces device buffers: NCCL, or MPI staged
   // through host memory; the host Comm keeps the small collectives.
   if (sharded_ && !backend_->host_resident())
@@ -151,6 +158,9 @@ Engine::~Engine() {
     if (s.recv) backend_->deallocate(Mem::Gathered, s.recv, 4 * recv_floats_);
     if (s.full_bf16) backend_->deallocate(Mem::Gathered, s.full_bf16, 2 * slot_floats_);
   }
+  backend_->synchronize();  // the last copies to the host have left the accumulators
+  for (size_t u = 0; u < offload_grads_.size(); ++u)
+    backend_->deallocate(Mem::GradShard, offload_grads_[u], 4 * model_.layout.units[u].shard_numel);
   backend_->synchronize();  // the device Comm's collectives are done before it goes
 }
 
@@ -205,8 +215,10 @@ void Engine::release(int unit) {
 // ---------------------------------------------------------------- gradients
 
 float* Engine::grads(int unit) {
-  if (!grad_slots_used_)  // accumulate straight into the shard
-    return options_.device_state ? backend_->state_grad(unit) : model_.grad[unit].data();
+  if (!grad_slots_used_) {  // accumulate straight into the shard
+    if (options_.device_state) return backend_->state_grad(unit);
+    return options_.offload_pipeline ? offload_grads_[unit] : model_.grad[unit].data();
+  }
   for (auto& s : grad_slots_)
     if (s.unit == unit) return s.full;
   // Take the oldest slot in turn; a slot whose reduction started is finished first.
@@ -215,8 +227,6 @@ float* Engine::grads(int unit) {
     next_grad_slot_ = (next_grad_slot_ + 1) % static_cast<int>(grad_slots_.size());
     if (s.unit != -1 && !s.reducing) continue;  // held (tied embedding), still being written
     if (s.unit != -1) finish_grad(s);
-    if (s.copy_ticket >= 0) backend_->compute_wait(s.copy_ticket);  // its copy to the host has left the slot
-    s.copy_ticket = -1;
     s.unit = unit;
     backend_->zero(s.full, sizeof(float) * model_.layout.units[unit].padded_numel);
     return s.full;
@@ -225,7 +235,10 @@ float* Engine::grads(int unit) {
 }
 
 void Engine::reduce_grads(int unit) {
-  if (!grad_slots_used_) return;
+  if (!grad_slots_used_) {  // one rank: the accumulator is the shard
+    if (offload_ && last_micro_batch_) hand_over(unit);
+    return;
+  }
   for (auto& s : grad_slots_)
     if (s.unit == unit) {
       s.reducing = true;
@@ -246,22 +259,45 @@ void Engine::finish_grad(GradSlot& s) {
   const void* reduced = sharded_ ? s.recv : reduce_type_ == DType::BF16 ? s.full_bf16 : s.full;
   const DType type = reduce_type_;
   const int64_t n = model_.layout.units[s.unit].shard_numel;
-  if (options_.device_state) backend_->accumulate(backend_->state_grad(s.unit), reduced, n, type);
-  else if (offload_) s.copy_ticket = offload_->grad_ready(s.unit, reduced, n, type);
-  else backend_->add_grad_to_host(model_.grad[s.unit].data(), reduced, n, type);
+  if (options_.device_state) {
+    backend_->accumulate(backend_->state_grad(s.unit), reduced, n, type);
+  } else if (options_.offload_pipeline) {
+    backend_->accumulate(offload_grads_[s.unit], reduced, n, type);
+    if (last_micro_batch_) hand_over(s.unit);
+  } else {
+    backend_->add_grad_to_host(model_.grad[s.unit].data(), reduced, n, type);
+  }
   s.unit = -1;
   s.reducing = false;
 }
 
-// Offload: start the copies to the host early, so that they overlap the next
-// units' backward and a slot is free again by the time it is reused. At world 1
-// `unit`'s own gradient is complete once its backward is queued: its copy starts
-// right behind it. At world > 1 a slot is handed over a unit after its
-// reduce-scatter started (the reduction has had that unit's compute to finish).
+// Offload, the step's last micro-batch: `unit`'s accumulated gradient goes to
+// the host behind the work queued so far.
+void Engine::hand_over(int unit) {
+  offload_copy_[unit] = offload_->grad_ready(unit, offload_grads_[unit], model_.layout.units[unit].shard_numel);
+}
+
+// Offload at world > 1: finish a unit's reduction a unit after it started (it
+// has had that unit's compute to finish), so that its copy to the host overlaps
+// the next units' backward instead of waiting for the slot's reuse.
 void Engine::hand_over_reduced(int unit) {
-  if (!offload_) return;
+  if (!offload_ || !last_micro_batch_) return;
   for (auto& s : grad_slots_)
-    if (s.unit != -1 && s.reducing && (s.unit != unit || !sharded_)) finish_grad(s);
+    if (s.unit != -1 && s.reducing && s.unit != unit) finish_grad(s);
+}
+
+// Offload, the step's first micro-batch: the accumulators start from zero once
+// the last step's copies have left them.
+void Engine::begin_offload_micro_batch() {
+  SHARDLM_CHECK(offload_, "internal: model.optim_cpu_offload's engine has no offload pipeline attached");
+  const OffloadPipeline::MicroBatch mb = offload_->next_micro_batch();
+  last_micro_batch_ = mb.last;
+  if (!mb.first) return;
+  for (size_t u = 0; u < offload_grads_.size(); ++u) {
+    if (offload_copy_[u] >= 0) backend_->compute_wait(offload_copy_[u]);
+    offload_copy_[u] = -1;
+    backend_->zero(offload_grads_[u], 4 * size_t(model_.layout.units[u].shard_numel));
+  }
 }
 
 void Engine::finish_all_grads() {
@@ -299,6 +335,7 @@ void Engine::forward(const TokenBatch& b, bool keep_for_backward) {
 LossStats Engine::forward_backward(const TokenBatch& b, float grad_scale) {
   const ModelLayout& layout = model_.layout;
   const int L = layout.num_layers(), head = L + 1;
+  if (options_.offload_pipeline) begin_offload_micro_batch();
   forward(b, /*keep_for_backward=*/true);
 
   // loss: chunked lm-head + CE, whose backward gives d_x at the last layer's output

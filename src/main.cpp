@@ -140,6 +140,7 @@ int cmd_train(Runtime& rt, const CliArgs& args) {
   select_device(rt, config.device.backend);
   config.device.backend = rt.backend;  // "auto" resolved: the session builds that backend
   config.comm.backend = select_comm(rt, config.comm.backend);
+  if (rt.backend == "cuda") set_device_memory_limit(static_cast<int64_t>(config.device.memory_limit_gib * 1073741824.0));
   if (config.device.cpu_threads > 0) omp_set_num_threads(static_cast<int>(config.device.cpu_threads));
   print_banner(rt, config);
   write_run_dir(rt, config);

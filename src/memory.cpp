@@ -10,6 +10,7 @@ namespace shardlm {
 namespace {
 MemCounters g_counters;  // host
 MemCounters g_device;
+int64_t g_device_limit = 0;  // device.memory_limit_gib in bytes; 0: none
 
 void track(MemCounters& m, Mem category, int64_t delta) {
   const int c = static_cast<int>(category);
@@ -52,6 +53,18 @@ MemCounters host_memory() { return g_counters; }
 void host_mem_track(Mem category, int64_t delta) { track(g_counters, category, delta); }
 
 void device_mem_track(Mem category, int64_t delta) { track(g_device, category, delta); }
+
+void set_device_memory_limit(int64_t bytes) { g_device_limit = std::max<int64_t>(bytes, 0); }
+
+void device_mem_admit(Mem category, int64_t bytes) {
+  if (g_device_limit <= 0 || g_device.total_current + bytes <= g_device_limit) return;
+  constexpr double mib = 1024.0 * 1024.0;
+  SHARDLM_FAIL("device.memory_limit_gib = %g: allocating %.1f MiB for %s would hold %.1f MiB of GPU memory, over "
+               "the limit of %.1f MiB (`shardlm check DECK` prints the plan; optim_cpu_offload, activation "
+               "checkpointing or more ranks make it smaller)",
+               double(g_device_limit) / (1024.0 * mib), double(bytes) / mib, mem_name(category),
+               double(g_device.total_current + bytes) / mib, double(g_device_limit) / mib);
+}
 
 MemCounters device_memory() { return g_device; }
 

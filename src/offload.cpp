@@ -15,23 +15,15 @@
 namespace shardlm {
 namespace {
 
-constexpr int kLandingBuffers = 2;  // micro-batches after the first land here, then are added
-
 using Clock = std::chrono::steady_clock;
 double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
-
-int64_t max_shard_numel(const ModelLayout& layout) {
-  int64_t n = 0;
-  for (const auto& u : layout.units) n = std::max(n, u.shard_numel);
-  return n;
-}
 
 }  // namespace
 
 int64_t OffloadPipeline::host_bytes(const ModelLayout& layout) {
   int64_t shards = 0;
   for (const auto& u : layout.units) shards += u.shard_numel;
-  return 2 * shards + kLandingBuffers * 4 * max_shard_numel(layout);
+  return 2 * shards;
 }
 
 OffloadPipeline::OffloadPipeline(ShardedModel& model, Optimizer& optimizer, Backend& backend, int cpu_threads)
@@ -42,9 +34,8 @@ OffloadPipeline::OffloadPipeline(ShardedModel& model, Optimizer& optimizer, Back
       cpu_threads_(cpu_threads) {
   SHARDLM_CHECK(backend.supports_async_copies(), "model.optim_cpu_offload needs a GPU backend (this one is %s)",
                 backend.name());
-  // Gradients land straight in the fp32 grad shards (the first micro-batch) or
-  // in the landing buffers; the bf16 shards go up from pinned memory. Pinning
-  // makes those copies asynchronous DMA that overlaps compute.
+  // Gradients land straight in the fp32 grad shards, the bf16 shards go up from
+  // pinned memory: pinning makes those copies DMA that overlaps compute.
   auto pin = [&](void* p, size_t bytes) {
     timing_.pin_wanted_bytes += static_cast<int64_t>(bytes);
     if (!backend_.pin_host(p, bytes)) return;
@@ -58,13 +49,7 @@ OffloadPipeline::OffloadPipeline(ShardedModel& model, Optimizer& optimizer, Back
     pin(bf16_.back().data(), bf16_.back().bytes());
     pin(model.grad[u].data(), model.grad[u].bytes());
   }
-  for (int i = 0; i < kLandingBuffers; ++i) {
-    landing_.emplace_back(Mem::Workspace, max_shard_numel(model.layout));
-    pin(landing_.back().data(), landing_.back().bytes());
-  }
-  arrivals_.assign(units_, 0);
   waited_.assign(units_, true);
-  landing_free_.assign(kLandingBuffers, true);
   sumsq_.assign(units_, 0.0);
   upload_.assign(units_, -1);
   updating_.assign(units_, false);
@@ -91,28 +76,28 @@ void OffloadPipeline::push(const Task& t) {
 }
 
 void OffloadPipeline::begin_step(int64_t micro_batches) {
+  SHARDLM_CHECK(micro_batches >= 1, "internal: a step of %lld micro-batches", (long long)micro_batches);
   micro_batches_ = micro_batches;
-  std::fill(arrivals_.begin(), arrivals_.end(), 0);
+  micro_batch_ = 0;
+  landed_ = 0;
 }
 
-int64_t OffloadPipeline::grad_ready(int unit, const void* src, int64_t n, DType type) {
+OffloadPipeline::MicroBatch OffloadPipeline::next_micro_batch() {
+  SHARDLM_CHECK(micro_batch_ < micro_batches_, "internal: micro-batch %lld of a %lld-micro-batch step",
+                (long long)micro_batch_ + 1, (long long)micro_batches_);
+  const int64_t a = micro_batch_++;
+  return {a == 0, a + 1 == micro_batches_};
+}
+
+int64_t OffloadPipeline::grad_ready(int unit, const float* src, int64_t n) {
   SHARDLM_CHECK(n == model_.layout.units[unit].shard_numel, "internal: gradient of %lld elements for a %lld shard",
                 (long long)n, (long long)model_.layout.units[unit].shard_numel);
+  SHARDLM_CHECK(micro_batch_ == micro_batches_ && landed_ < units_,
+                "internal: unit %d's gradient handed over before the step's last micro-batch", unit);
+  ++landed_;
   Task t;
   t.unit = unit;
-  t.type = type;
-  t.first = arrivals_[unit] == 0;
-  t.last = ++arrivals_[unit] == micro_batches_;
-  if (t.first && type == DType::F32) {
-    t.ticket = backend_.copy_to_host(model_.grad[unit].data(), src, 4 * size_t(n));
-  } else {
-    std::unique_lock<std::mutex> lock(mutex_);
-    changed_.wait(lock, [&] { return std::find(landing_free_.begin(), landing_free_.end(), true) != landing_free_.end(); });
-    t.landing = static_cast<int>(std::find(landing_free_.begin(), landing_free_.end(), true) - landing_free_.begin());
-    landing_free_[t.landing] = false;
-    lock.unlock();
-    t.ticket = backend_.copy_to_host(landing_[t.landing].data(), src, dtype_bytes(type) * size_t(n));
-  }
+  t.ticket = backend_.copy_to_host(model_.grad[unit].data(), src, 4 * size_t(n));
   push(t);
   return t.ticket;
 }
@@ -166,7 +151,7 @@ std::string OffloadPipeline::summary() {
   const Backend::CopyTotals c = backend_.copy_totals();
   const double per = t.updates > 0 ? 1e3 / double(t.updates) : 0.0;  // ms per update from seconds
   auto gbps = [](double bytes, double s) { return s > 0 ? bytes / s / 1e9 : 0.0; };
-  return fmt("offload: per update %.1f ms CPU update + upload issue, %.1f ms gradient landing (worker); forward "
+  return fmt("offload: per update %.1f ms CPU update + upload issue, %.1f ms gradient landing + sums of squares (worker); forward "
              "waited %.1f ms for updates, backward %.1f ms for the norm; pinned %.2f of %.2f GiB; copies to the "
              "host %.2f GB per update at %.1f GB/s, to the device %.2f GB at %.1f GB/s",
              t.update_s * per, t.land_s * per, t.param_wait_s * per, t.norm_wait_s * per,
@@ -217,30 +202,12 @@ void OffloadPipeline::run() {
   }
 }
 
-// One gradient arrival: wait for its copy, add it into the grad shard unless it
-// landed there itself, and on the step's last micro-batch take the shard's sum
-// of squares (the clip norm needs every unit's before any update).
+// One unit's step gradient has arrived: wait for its copy and take the shard's
+// sum of squares (the clip norm needs every unit's before any update).
 void OffloadPipeline::land(const Task& t) {
   backend_.host_wait(t.ticket);
-  float* grad = model_.grad[t.unit].data();
-  const int64_t n = model_.layout.units[t.unit].shard_numel;
-  if (t.landing >= 0) {
-    const float* f32 = landing_[t.landing].data();
-    const auto* b16 = reinterpret_cast<const uint16_t*>(f32);
-    if (t.type == DType::F32) {
-      cpu::accumulate(grad, f32, n);  // not first: a first fp32 gradient lands in place
-    } else if (t.first) {
-#pragma omp parallel for schedule(static)
-      for (int64_t i = 0; i < n; ++i) grad[i] = bf16_to_f32(b16[i]);
-    } else {
-#pragma omp parallel for schedule(static)
-      for (int64_t i = 0; i < n; ++i) grad[i] += bf16_to_f32(b16[i]);
-    }
-    std::lock_guard<std::mutex> lock(mutex_);
-    landing_free_[t.landing] = true;
-  }
-  if (t.last) {
-    const double s = cpu::sum_squares(grad, n);
+  const double s = cpu::sum_squares(model_.grad[t.unit].data(), model_.layout.units[t.unit].shard_numel);
+  {
     std::lock_guard<std::mutex> lock(mutex_);
     sumsq_[t.unit] = s;
     ++sumsq_done_;

@@ -186,7 +186,7 @@ StepStats TrainSession::step(int64_t step) {
   if (!offload) engine.sync_params();
   s.param_sync_s = seconds_since(t_sync);
   if (device_state) engine.backend().state_zero_grads();
-  else if (offload) offload->begin_step(micro_batches);  // the first micro-batch's gradients overwrite the shards
+  else if (offload) offload->begin_step(micro_batches);  // the engine sums the micro-batches on the device
   else model.zero_grads();
   LossStats sums;
   for (int64_t a = 0; a < micro_batches; ++a) {

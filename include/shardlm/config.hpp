@@ -102,6 +102,7 @@ struct LogSection {
 struct DeviceSection {
   std::string backend = "auto";     // auto | cpu | cuda
   int64_t cpu_threads = 0;          // 0 = OMP_NUM_THREADS or all cores
+  double memory_limit_gib = 0;      // cap on the GPU memory shardlm allocates; 0 = none
 };
 
 struct CommSection {

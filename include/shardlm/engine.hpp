@@ -31,14 +31,15 @@ struct MemoryPlan {
   int64_t gathered = 0, activations = 0, workspace = 0;         // device when `device`, else host
   int64_t host_workspace = 0;                                   // host: broadcast / export staging
   int64_t comm_staging = 0;                                     // host: pinned buffers of the staged MPI device Comm
-  int64_t offload_buffers = 0;                                  // host: the offload pipeline's bf16 shards + landing
+  int64_t offload_buffers = 0;                                  // host: the offload pipeline's bf16 shards
   int64_t device_state = 0;  // GPU: fp32 masters + gradients + optimizer state (their host shards become mirrors)
+  int64_t device_grads = 0;  // GPU: the offload pipeline's fp32 gradient accumulators
   int64_t host_total() const {
     return param_shards + grad_shards + optim_state + host_workspace + comm_staging + offload_buffers +
            (device ? 0 : gathered + activations + workspace);
   }
   int64_t device_total() const {
-    return device ? device_state + param_copies + gathered + activations + workspace : 0;
+    return device ? device_state + device_grads + param_copies + gathered + activations + workspace : 0;
   }
   int64_t total() const { return host_total() + device_total(); }
 };
@@ -67,8 +68,9 @@ class Engine {
   // on the CPU backend); the session calls it after every change to model.param
   // that the offload pipeline did not make.
   void sync_params();
-  // optim_cpu_offload on a GPU: gradients go to the pipeline as each unit's
-  // reduction finishes, and a unit's shard is read only after its upload.
+  // optim_cpu_offload on a GPU: the micro-batches' gradients add up on the
+  // device, the last one's go to the pipeline as each unit's reduction
+  // finishes, and a unit's shard is read only after its upload.
   void set_offload(OffloadPipeline* pipeline) { offload_ = pipeline; }
   // The RL weight broadcast on a GPU backend (broadcast.hpp): unit `unit`'s bf16
   // parameters gathered from every rank's device shard into `device_out`
@@ -85,7 +87,6 @@ class Engine {
     CommRequest request;
   };
   struct GradSlot {
-    int64_t copy_ticket = -1; // offload: the copy of `recv`/`full` to the host; wait before reuse
     int unit = -1;
     bool reducing = false;   // backward of the unit done; its reduction started
     float* full = nullptr;   // (max padded numel) this unit's gradient, all of it
@@ -101,7 +102,9 @@ class Engine {
   void reduce_grads(int unit);          // start reduce-scatter of `unit`'s gradient
   void finish_grad(GradSlot& slot);
   void finish_all_grads();
-  void hand_over_reduced(int unit);     // offload: start the copies to the host early
+  void hand_over(int unit);             // offload: copy `unit`'s step gradient to the host
+  void hand_over_reduced(int unit);     // offload, world > 1: start the copies to the host early
+  void begin_offload_micro_batch();
   void forward(const TokenBatch& b, bool keep_head);
   const void* lm_head_weights();
 
@@ -120,6 +123,9 @@ class Engine {
   std::vector<ParamSlot> param_slots_;
   std::vector<GradSlot> grad_slots_;
   int next_grad_slot_ = 0;
+  std::vector<float*> offload_grads_;   // [unit] offload: fp32 step gradient shards (device), micro-batches summed
+  std::vector<int64_t> offload_copy_;   // [unit] ticket of their last copy to the host, -1: none
+  bool last_micro_batch_ = true;        // offload: this micro-batch is the step's last
 };
 
 }  // namespace shardlm

@@ -30,6 +30,12 @@ MemCounters host_memory();                     // this process's counters
 void host_mem_track(Mem category, int64_t delta_bytes);
 // Device (GPU) memory, counted the same way by the device backend.
 void device_mem_track(Mem category, int64_t delta_bytes);
+// device.memory_limit_gib: a cap on the device memory counted here (0: none), so
+// that a large GPU can stand in for a smaller one. device_mem_admit throws,
+// naming the category and the totals, when `bytes` more would pass it; device
+// allocators call it before allocating.
+void set_device_memory_limit(int64_t bytes);
+void device_mem_admit(Mem category, int64_t bytes);
 MemCounters device_memory();
 void reset_host_peaks();                       // peak := current (per category and total)
 

@@ -78,6 +78,7 @@ class CudaBackend final : public Backend {
   void* allocate(Mem category, size_t bytes) override {
     init();
     void* p = nullptr;
+    device_mem_admit(category, static_cast<int64_t>(bytes));
     const cudaError_t e = cudaMalloc(&p, std::max<size_t>(bytes, 256));
     SHARDLM_CHECK(e == cudaSuccess, "out of GPU memory allocating %.1f MiB for %s: %s", double(bytes) / 1048576.0,
                   mem_name(category), cudaGetErrorString(e));

@@ -39,6 +39,7 @@ std::string cuda_device_name(int device) {
 
 void* cuda_malloc(Mem category, int64_t bytes) {
   void* p = nullptr;
+  device_mem_admit(category, bytes);
   const cudaError_t e = cudaMalloc(&p, size_t(std::max<int64_t>(bytes, 256)));
   SHARDLM_CHECK(e == cudaSuccess, "out of GPU memory allocating %.1f MiB for %s: %s", double(bytes) / 1048576.0,
                 mem_name(category), cudaGetErrorString(e));

@@ -109,6 +109,7 @@ class CudaNewtonSchulz final : public Orthogonalizer {
     try {
       CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
       void* p = nullptr;
+      device_mem_admit(Mem::Workspace, int64_t(layout_.total));
       const cudaError_t e = cudaMalloc(&p, layout_.total);
       SHARDLM_CHECK(e == cudaSuccess, "out of GPU memory allocating %.1f MiB for Muon's Newton–Schulz: %s",
                     double(layout_.total) / 1048576.0, cudaGetErrorString(e));

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "shardlm/config.hpp"
+#include "shardlm/memory.hpp"
 
 using namespace shardlm;
 
@@ -133,6 +134,30 @@ TEST_CASE("device communicator keys: NCCL and bf16 reduction need the CUDA backe
         "deck.toml: model.reduce_dtype = \"bf16\" needs device.backend = \"cuda\" (the CPU backend is the fp32 reference)");
   CHECK(only_error(parse(kValid, {"comm.timeout_s=0"})) ==
         "--set comm.timeout_s=0: comm.timeout_s = 0 is out of range: it must be > 0");
+}
+
+TEST_CASE("device.memory_limit_gib: parsed, refused on the CPU backend, and the cap refuses what passes it") {
+  const DeckResult gpu = parse(kValid, {"device.backend=cuda", "device.memory_limit_gib=79.5"});
+  for (const auto& e : gpu.errors) MESSAGE(e);
+  REQUIRE(gpu.ok());
+  CHECK(gpu.config.device.memory_limit_gib == 79.5);
+  CHECK(only_error(parse(kValid, {"device.backend=cpu", "device.memory_limit_gib=80"})) ==
+        "deck.toml: device.memory_limit_gib caps GPU memory: it needs device.backend = \"cuda\" (or \"auto\" on a "
+        "GPU machine)");
+  CHECK(only_error(parse(kValid, {"device.memory_limit_gib=-1"})) ==
+        "--set device.memory_limit_gib=-1: device.memory_limit_gib = -1 is out of range: it must be >= 0");
+
+  // The cap itself (what the GPU allocators ask before allocating).
+  const int64_t base = device_memory().total_current, mib = 1 << 20;
+  set_device_memory_limit(base + 100 * mib);
+  CHECK_NOTHROW(device_mem_admit(Mem::Activations, 100 * mib));
+  device_mem_track(Mem::Activations, 60 * mib);
+  CHECK_THROWS_WITH(device_mem_admit(Mem::Activations, 41 * mib),
+                    doctest::Contains("allocating 41.0 MiB for activations would hold"));
+  CHECK_NOTHROW(device_mem_admit(Mem::Activations, 40 * mib));
+  device_mem_track(Mem::Activations, -60 * mib);
+  set_device_memory_limit(0);  // none
+  CHECK_NOTHROW(device_mem_admit(Mem::Activations, int64_t(1) << 50));
 }
 
 TEST_CASE("muon: its keys parse, its AdamW group defaults to lr and weight_decay, other optimizers refuse them") {

@@ -1,9 +1,9 @@
 // test_offload.cpp — the host side of the optim_cpu_offload pipeline
 // (src/offload.cpp) without a GPU: a backend whose "device" is host memory and
 // whose copies are memcpys with tickets. What is checked is the pipeline's own
-// logic: micro-batches landing straight in the grad shard or through the two
-// landing buffers (more arrivals than buffers, fp32 and bf16), the sums of
-// squares for the clip, the per-unit update against Optimizer::step on a copy of
+// logic: which micro-batch is the step's first and last, gradients handed over
+// only in the last one and landing in the grad shard, the sums of squares for
+// the clip, the per-unit update against Optimizer::step on a copy of
 // the model (bit for bit), the bf16 shards it uploads, and the ordering waits.
 // tests/gpu/test_offload.sh runs the same pipeline on a GPU inside training.
 #include <doctest/doctest.h>
@@ -94,7 +94,7 @@ uint16_t bf16_bits(float f) { return f32_to_bf16_rne(f); }
 
 TEST_SUITE("offload") {
 
-TEST_CASE("offload pipeline on the host: landing, sums of squares, per-unit update bit for bit, bf16 uploads") {
+TEST_CASE("offload pipeline on the host: micro-batch flags, landing, sums of squares, per-unit update bit for bit, bf16 uploads") {
   const ModelConfig arch = small_arch();
   ShardedModel model(arch, 0, 1), reference(arch, 0, 1);
   model.init_seeded(11, 0.05);
@@ -110,26 +110,26 @@ TEST_CASE("offload pipeline on the host: landing, sums of squares, per-unit upda
 
   std::mt19937 rng(5);
   std::normal_distribution<float> normal(0.0f, 0.1f);
-  for (const DType type : {DType::F32, DType::BF16}) {
-    INFO((type == DType::F32 ? "fp32" : "bf16") << " gradients");
-    const int micro = 3;  // more arrivals than landing buffers
+  const int steps = 2, micro = 3;
+  for (int step = 0; step < steps; ++step) {
+    INFO("step " << step);
     pipeline.begin_step(micro);
-    reference.zero_grads();
-    for (int k = 0; k < micro; ++k)
-      for (int u = units - 1; u >= 0; --u) {  // backward order
-        const int64_t n = model.layout.units[u].shard_numel;
-        std::vector<float> g(n);
-        std::vector<uint16_t> g16(n);
-        for (int64_t i = 0; i < n; ++i) {
-          g[i] = normal(rng);
-          g16[i] = bf16_bits(g[i]);
-          // The reference accumulates exactly what the pipeline is handed.
-          reference.grad[u][i] += type == DType::F32 ? g[i] : bf16_to_f32(g16[i]);
-        }
-        const void* src = type == DType::F32 ? static_cast<const void*>(g.data()) : g16.data();
-        const int64_t ticket = pipeline.grad_ready(u, src, n, type);
-        CHECK(ticket >= 0);
-      }
+    for (int k = 0; k < micro; ++k) {
+      const OffloadPipeline::MicroBatch mb = pipeline.next_micro_batch();
+      CHECK(mb.first == (k == 0));
+      CHECK(mb.last == (k == micro - 1));
+      // Only the last micro-batch hands gradients over (the device summed them).
+      if (!mb.last) CHECK_THROWS_WITH(pipeline.grad_ready(0, nullptr, model.layout.units[0].shard_numel),
+                                      doctest::Contains("before the step's last micro-batch"));
+    }
+    CHECK_THROWS_WITH(pipeline.next_micro_batch(), doctest::Contains("micro-batch 4 of a 3-micro-batch step"));
+    for (int u = units - 1; u >= 0; --u) {  // backward order
+      const int64_t n = model.layout.units[u].shard_numel;
+      std::vector<float> g(n);
+      for (int64_t i = 0; i < n; ++i) g[i] = reference.grad[u][i] = normal(rng);
+      const int64_t ticket = pipeline.grad_ready(u, g.data(), n);
+      CHECK(ticket >= 0);
+    }
     double want = 0;
     for (int u = 0; u < units; ++u) want += cpu::sum_squares(reference.grad[u].data(), model.layout.units[u].shard_numel);
     const double got = pipeline.grad_sumsq();
@@ -157,10 +157,10 @@ TEST_CASE("offload pipeline on the host: landing, sums of squares, per-unit upda
     CHECK(differing == 0);
     CHECK(bf16_wrong == 0);
   }
-  // Every arrival's copy was waited for by the worker; each unit's upload was
+  // Every unit's copy was waited for by the worker; each unit's upload was
   // waited for once per update by the compute stream.
-  CHECK(backend.host_waits >= 2 * 3 * units);
-  CHECK(backend.compute_waits == 2 * units);
+  CHECK(backend.host_waits >= steps * units);
+  CHECK(backend.compute_waits == steps * units);
 }
 
 TEST_CASE("Optimizer::step_unit writes the bf16 copy of every updated element (AdamW and SGD)") {
