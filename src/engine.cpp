@@ -7,6 +7,7 @@
 
 #include "shardlm/cuda.hpp"
 #include "shardlm/error.hpp"
+#include "shardlm/hf.hpp"
 
 namespace shardlm {
 namespace {
@@ -69,8 +70,9 @@ MemoryPlan plan_memory(const ModelConfig& config, int world, const EngineOptions
   if (o.device_state) plan.device_state = 2 * plan.param_shards + plan.optim_state;  // masters, grads, moments
   plan.activations = backend.activation_bytes(config, o);
   plan.workspace = backend.workspace_bytes(config, o);
-  // A device backend refreshes its bf16 copies through one fp32 staging unit.
-  if (plan.device && !o.device_state) plan.workspace += 4 * max_padded(layout);
+  // A device backend refreshes its bf16 copies through one fp32 staging unit
+  // (the offload pipeline casts on the host instead).
+  if (plan.device && !o.device_state && !o.offload_pipeline) plan.workspace += 4 * max_padded(layout);
   return plan;
 }
 
@@ -143,8 +145,22 @@ Engine::Engine(ShardedModel& model, Comm& comm, const EngineOptions& options, st
 
 void Engine::sync_params() {
   if (options_.device_state) return;  // the device update writes the bf16 copies itself
-  for (size_t u = 0; u < model_.layout.units.size(); ++u)
-    backend_->set_param_shard(static_cast<int>(u), model_.param[u].data(), model_.layout.units[u].shard_numel);
+  if (options_.offload_pipeline) backend_->synchronize();  // no queued kernel still reads the old shards
+  for (size_t u = 0; u < model_.layout.units.size(); ++u) {
+    const int64_t n = model_.layout.units[u].shard_numel;
+    const float* master = model_.param[u].data();
+    if (!options_.offload_pipeline) {
+      backend_->set_param_shard(static_cast<int>(u), master, n);
+      continue;
+    }
+    // Offload: cast on the host (the same rounding as the pipeline's uploads) and
+    // copy the bf16 shard up, so the GPU needs no fp32 staging unit.
+    std::vector<uint16_t> bf16(n);
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; ++i) bf16[i] = f32_to_bf16_rne(master[i]);
+    backend_->host_wait(backend_->copy_to_device(backend_->param_shard_for_upload(static_cast<int>(u)), bf16.data(),
+                                                 2 * size_t(n)));
+  }
 }
 
 Engine::~Engine() {

@@ -5,7 +5,9 @@
 #   tools/bench.sh [NAME...]      names: 125m 1b 1b-8k 1b-32k 3b (default: all)
 #                                 1b-muon 1b-muon-ns1 1b-offload-adamw (on request: Muon's share
 #                                 of the step at 1B, docs/muon.md "GPU"); 1b-64k 1b-offload-64k
-#                                 3b-offload 6b-offload 7b (on request: docs/benchmarks.md "Offload")
+#                                 3b-offload 6b-offload 7b 1b-256k 1b-offload-256k (on request:
+#                                 docs/benchmarks.md "Offload"); 4b-80g 5b-80g-over 7b-offload-80g
+#                                 (the largest models under device.memory_limit_gib = 78, an 80 GB H100)
 #   SHARDLM=path/to/shardlm tools/bench.sh 1b
 #
 # Data: random tokens made on the fly (tools/make_synthetic_data.py, needs h5py).
@@ -49,6 +51,21 @@ for n in $names; do
     6b-offload) run 6b-offload inputs/bench/llama-8b.toml --set model.num_layers=24 --set run.max_steps=4 ;;
     7b) run 7b inputs/bench/llama-8b.toml --set model.num_layers=30 --set model.optim_cpu_offload=false \
           --set run.max_steps=4 ;;
+    # 256K tokens per step (64 sequences of 4096): where the offloaded update is a
+    # small part of the step.
+    1b-256k) run 1b-256k inputs/bench/llama-1b.toml --set data.global_batch=64 --set run.max_steps=4 ;;
+    1b-offload-256k) run 1b-offload-256k inputs/bench/llama-1b.toml --set model.optim_cpu_offload=true \
+                       --set data.global_batch=64 --set run.max_steps=4 ;;
+    # An 80 GB H100 stood in for by a GPU memory cap of 78 GiB (the CUDA context,
+    # cuBLAS and NCCL take the rest): the largest Llama-3.1-8B-shaped models at
+    # sequence 4096 with activation checkpointing, without offload (15 layers; 16 is
+    # refused by the cap) and with it (LAYERS, default 26: the host's 128 GiB binds).
+    4b-80g) run 4b-80g inputs/bench/llama-8b.toml --set model.num_layers=15 --set model.optim_cpu_offload=false \
+              --set device.memory_limit_gib=78 --set run.max_steps=4 ;;
+    5b-80g-over) run 5b-80g-over inputs/bench/llama-8b.toml --set model.num_layers=16 --set model.optim_cpu_offload=false \
+                   --set device.memory_limit_gib=78 --set run.max_steps=2 ;;
+    7b-offload-80g) run 7b-offload-80g inputs/bench/llama-8b.toml --set model.num_layers=${LAYERS:-26} \
+                      --set device.memory_limit_gib=78 --set run.max_steps=4 ;;
     *) echo "unknown benchmark '$n'" >&2; exit 2 ;;
   esac
 done
