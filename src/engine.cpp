@@ -290,7 +290,14 @@ void Engine::finish_grad(GradSlot& s) {
 // Offload, the step's last micro-batch: `unit`'s accumulated gradient goes to
 // the host behind the work queued so far.
 void Engine::hand_over(int unit) {
-  offload_copy_[unit] = offload_->grad_ready(unit, offload_grads_[unit], model_.layout.units[unit].shard_numel);
+  const int64_t n = model_.layout.units[unit].shard_numel;
+  backend_->grad_sumsq_queue(unit, offload_grads_[unit], n);  // the clip norm, before the copy
+  offload_copy_[unit] = offload_->grad_ready(unit, offload_grads_[unit], n);
+}
+
+double Engine::offload_grad_sumsq() {
+  SHARDLM_CHECK(options_.offload_pipeline, "internal: offload_grad_sumsq without the offload pipeline");
+  return backend_->grad_sumsq_read(static_cast<int>(model_.layout.units.size()));
 }
 
 // Offload at world > 1: finish a unit's reduction a unit after it started (it

@@ -50,7 +50,7 @@ OffloadPipeline::OffloadPipeline(ShardedModel& model, Optimizer& optimizer, Back
     pin(model.grad[u].data(), model.grad[u].bytes());
   }
   waited_.assign(units_, true);
-  sumsq_.assign(units_, 0.0);
+  grad_copy_.assign(units_, -1);
   upload_.assign(units_, -1);
   updating_.assign(units_, false);
   worker_ = std::thread([this] { run(); });
@@ -95,11 +95,10 @@ int64_t OffloadPipeline::grad_ready(int unit, const float* src, int64_t n) {
   SHARDLM_CHECK(micro_batch_ == micro_batches_ && landed_ < units_,
                 "internal: unit %d's gradient handed over before the step's last micro-batch", unit);
   ++landed_;
-  Task t;
-  t.unit = unit;
-  t.ticket = backend_.copy_to_host(model_.grad[unit].data(), src, 4 * size_t(n));
-  push(t);
-  return t.ticket;
+  const int64_t ticket = backend_.copy_to_host(model_.grad[unit].data(), src, 4 * size_t(n));
+  std::lock_guard<std::mutex> lock(mutex_);
+  grad_copy_[unit] = ticket;
+  return ticket;
 }
 
 void OffloadPipeline::param_ready(int unit) {
@@ -116,18 +115,8 @@ void OffloadPipeline::param_ready(int unit) {
   waited_[unit] = true;
 }
 
-double OffloadPipeline::grad_sumsq() {
-  const auto t0 = Clock::now();
-  std::unique_lock<std::mutex> lock(mutex_);
-  changed_.wait(lock, [&] { return sumsq_done_ == units_; });
-  timing_.norm_wait_s += seconds_since(t0);
-  sumsq_done_ = 0;
-  double total = 0;
-  for (double s : sumsq_) total += s;  // unit order: the same sum every run
-  return total;
-}
-
 void OffloadPipeline::update(double lr, float clip) {
+  SHARDLM_CHECK(landed_ == units_, "internal: update with %d of %d units' gradients handed over", landed_, units_);
   optimizer_.begin_step();
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -135,7 +124,6 @@ void OffloadPipeline::update(double lr, float clip) {
   }
   std::fill(waited_.begin(), waited_.end(), false);
   Task t;
-  t.kind = Task::Update;
   t.lr = lr;
   t.clip = clip;
   push(t);
@@ -151,10 +139,10 @@ std::string OffloadPipeline::summary() {
   const Backend::CopyTotals c = backend_.copy_totals();
   const double per = t.updates > 0 ? 1e3 / double(t.updates) : 0.0;  // ms per update from seconds
   auto gbps = [](double bytes, double s) { return s > 0 ? bytes / s / 1e9 : 0.0; };
-  return fmt("offload: per update %.1f ms CPU update + upload issue, %.1f ms gradient landing + sums of squares (worker); forward "
-             "waited %.1f ms for updates, backward %.1f ms for the norm; pinned %.2f of %.2f GiB; copies to the "
+  return fmt("offload: per update %.1f ms CPU update + upload issue (worker; %.1f ms of it waiting for gradient "
+             "copies); forward waited %.1f ms for updates; pinned %.2f of %.2f GiB; copies to the "
              "host %.2f GB per update at %.1f GB/s, to the device %.2f GB at %.1f GB/s",
-             t.update_s * per, t.land_s * per, t.param_wait_s * per, t.norm_wait_s * per,
+             t.update_s * per, t.grad_wait_s * per, t.param_wait_s * per,
              double(t.pinned_bytes) / 1073741824.0, double(t.pin_wanted_bytes) / 1073741824.0,
              c.to_host_bytes * per * 1e-12, gbps(c.to_host_bytes, c.to_host_s), c.to_device_bytes * per * 1e-12,
              gbps(c.to_device_bytes, c.to_device_s));
@@ -184,43 +172,30 @@ void OffloadPipeline::run() {
     }
     const auto t0 = Clock::now();
     try {
-      if (t.kind == Task::Grad) {
-        land(t);
-      } else {
-        for (int u = 0; u < units_; ++u) update_unit(u, t.lr, t.clip);  // forward order: the embedding first
-      }
+      for (int u = 0; u < units_; ++u) update_unit(u, t.lr, t.clip);  // forward order: the embedding first
     } catch (const std::exception& e) {
       fatal(fmt("optim_cpu_offload worker: %s", e.what()));
     }
     {
       std::lock_guard<std::mutex> lock(mutex_);
       busy_ = false;
-      (t.kind == Task::Grad ? timing_.land_s : timing_.update_s) += seconds_since(t0);
-      timing_.updates += t.kind == Task::Update;
+      timing_.update_s += seconds_since(t0);
+      ++timing_.updates;
     }
     changed_.notify_all();
   }
 }
 
-// One unit's step gradient has arrived: wait for its copy and take the shard's
-// sum of squares (the clip norm needs every unit's before any update).
-void OffloadPipeline::land(const Task& t) {
-  backend_.host_wait(t.ticket);
-  const double s = cpu::sum_squares(model_.grad[t.unit].data(), model_.layout.units[t.unit].shard_numel);
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    sumsq_[t.unit] = s;
-    ++sumsq_done_;
-  }
-  changed_.notify_all();
-}
-
 void OffloadPipeline::update_unit(int unit, double lr, float clip) {
-  int64_t previous = -1;
+  int64_t previous = -1, grad = -1;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     previous = upload_[unit];
+    grad = grad_copy_[unit];
   }
+  const auto t0 = Clock::now();
+  backend_.host_wait(grad);  // the step's gradient has landed in the grad shard
+  const double waited = seconds_since(t0);
   if (previous >= 0) backend_.host_wait(previous);  // the last upload has left bf16_[unit] (long since)
   optimizer_.step_unit(unit, lr, clip, bf16_[unit].data());
   const int64_t ticket = backend_.copy_to_device(backend_.param_shard_for_upload(unit), bf16_[unit].data(),
@@ -229,6 +204,7 @@ void OffloadPipeline::update_unit(int unit, double lr, float clip) {
     std::lock_guard<std::mutex> lock(mutex_);
     upload_[unit] = ticket;
     updating_[unit] = false;
+    timing_.grad_wait_s += waited;
   }
   changed_.notify_all();
 }

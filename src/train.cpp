@@ -216,7 +216,7 @@ StepStats TrainSession::step(int64_t step) {
 
   // clip by global norm (one all-reduce over shard norms); NaN/Inf skips the update
   if (device_state || offload) {
-    double sumsq = offload ? offload->grad_sumsq() : engine.backend().state_grad_sumsq();
+    double sumsq = offload ? engine.offload_grad_sumsq() : engine.backend().state_grad_sumsq();
     comm.all_reduce_sum(&sumsq, 1);
     s.grad_norm = std::sqrt(sumsq);
   } else {

@@ -121,6 +121,12 @@ class Backend {
   virtual void host_wait(int64_t) {}                             // the host waits for a copy
   virtual void compute_wait(int64_t) {}                          // the compute stream waits for a copy
   virtual void* param_shard_for_upload(int) { return nullptr; }  // the unit's bf16 shard (device)
+  // The offload pipeline's clip norm, computed where the gradients are: the sum
+  // of squares of a unit's device fp32 gradient (n elements), queued on the
+  // compute stream; grad_sumsq_read sums units 0..units-1 in unit order (double)
+  // after one synchronisation.
+  virtual void grad_sumsq_queue(int, const float*, int64_t) {}
+  virtual double grad_sumsq_read(int) { return 0; }
   // Bytes and device-timed seconds of the copies the host has waited for, per
   // direction (the offload summary's achieved link bandwidth).
   struct CopyTotals {

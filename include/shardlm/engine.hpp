@@ -72,6 +72,9 @@ class Engine {
   // device, the last one's go to the pipeline as each unit's reduction
   // finishes, and a unit's shard is read only after its upload.
   void set_offload(OffloadPipeline* pipeline) { offload_ = pipeline; }
+  // This rank's sum of squares of the step's gradients (the offload pipeline's
+  // clip norm), summed per unit on the device as each unit was handed over.
+  double offload_grad_sumsq();
   // The RL weight broadcast on a GPU backend (broadcast.hpp): unit `unit`'s bf16
   // parameters gathered from every rank's device shard into `device_out`
   // (padded_numel bf16, device memory) through the unit loop's device Comm; at

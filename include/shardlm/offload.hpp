@@ -2,9 +2,8 @@
 // gradient accumulators stay in host memory, and this pipeline keeps the GPU
 // busy around them.
 //
-// Owns: the worker thread that does the host side of a step (landing each
-// unit's step gradient, its sum of squares for clipping, the per-unit CPU
-// update and its bf16 cast), the pinned bf16 buffers, and the ordering between
+// Owns: the worker thread that does the host side of a step (the per-unit CPU
+// update, each unit's after its step gradient has landed, and its bf16 cast), the pinned bf16 buffers, and the ordering between
 // the compute stream and the copies (Backend's copy tickets). Knows the sharded
 // model, the optimizer and the Backend interface; not CUDA, not MPI (the clip
 // norm's all-reduce is the caller's), not the deck.
@@ -16,7 +15,7 @@
 //                    device; in the last one grad_ready(unit, ...) per unit as
 //                    its backward (and reduction) finishes;
 //                    param_ready(unit) before a unit's shard is read
-//   sumsq = grad_sumsq()                        // waits for the last gradients to land
+//   sumsq = engine.offload_grad_sumsq()         // on the GPU, as each unit was handed over
 //   all-reduce, clip, update(lr, clip)          // returns at once
 //   the next step's forward: param_ready(u) waits, per unit, for that unit's update and upload
 //   finish()                                    // before checkpoints, export, broadcast
@@ -28,7 +27,8 @@
 // skipping) needs the global norm before any unit is updated, so the update
 // cannot start during backward: it runs while the next step's forward starts,
 // unit u's update and upload overlapping the forward of the units before it
-// (the embedding first). The copies and the sums of squares overlap backward.
+// (the embedding first). The copies overlap backward; the norm's sums of squares
+// are taken on the GPU, so the update waits for no host pass over the gradients.
 #pragma once
 
 #include <condition_variable>
@@ -67,9 +67,6 @@ class OffloadPipeline {
   int64_t grad_ready(int unit, const float* src, int64_t n);
   // Before the compute stream reads `unit`'s parameter shard.
   void param_ready(int unit);
-  // Sum over this rank's units of grad^2 (double, in unit order) once the last
-  // micro-batch's gradients have landed.
-  double grad_sumsq();
   // Update every unit with lr and the clip factor (the worker does it, unit by
   // unit in forward order); returns at once. A NaN/Inf step calls nothing.
   void update(double lr, float clip);
@@ -83,9 +80,8 @@ class OffloadPipeline {
   // the worker's updates and landings, and the compute-issuing thread's waits.
   struct Timing {
     double update_s = 0;       // worker: CPU AdamW/SGD + bf16 cast + upload issue
-    double land_s = 0;         // worker: waiting for gradient copies, sums of squares
+    double grad_wait_s = 0;    // worker, within update_s: waiting for the gradient copies to land
     double param_wait_s = 0;   // main: forward waiting for a unit's update
-    double norm_wait_s = 0;    // main: end of backward waiting for the last sums of squares
     int64_t updates = 0;
     int64_t pinned_bytes = 0, pin_wanted_bytes = 0;
   };
@@ -95,15 +91,11 @@ class OffloadPipeline {
   std::string summary();
 
  private:
-  struct Task {
-    enum Kind { Grad, Update } kind = Grad;
-    int unit = -1;
-    int64_t ticket = -1;
+  struct Task {  // one step's update of every unit
     double lr = 0;
     float clip = 1;
   };
   void run();
-  void land(const Task& t);
   void update_unit(int unit, double lr, float clip);
   void push(const Task& t);
 
@@ -122,8 +114,7 @@ class OffloadPipeline {
   std::mutex mutex_;
   std::condition_variable changed_;
   std::deque<Task> queue_;                   // guarded by mutex_
-  std::vector<double> sumsq_;                // [unit] guarded
-  int sumsq_done_ = 0;                       // guarded
+  std::vector<int64_t> grad_copy_;           // [unit] ticket of this step's gradient copy to the host; guarded
   std::vector<int64_t> upload_;              // [unit] ticket of the latest upload, -1: none pending; guarded
   std::vector<bool> updating_;               // [unit] an update was asked for and not yet uploaded; guarded
   bool busy_ = false, stopping_ = false;     // guarded

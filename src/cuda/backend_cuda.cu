@@ -173,6 +173,26 @@ class CudaBackend final : public Backend {
   }
   void compute_wait(int64_t t) override { CUDA_CHECK(cudaStreamWaitEvent(stream_, copy_event(t), 0)); }
   void* param_shard_for_upload(int unit) override { return shards_[unit]; }
+  void grad_sumsq_queue(int unit, const float* grad, int64_t n) override {
+    SHARDLM_CHECK(unit >= 0 && unit < int(shards_.size()), "internal: sum of squares for unit %d", unit);
+    if (!unit_sumsq_) {  // first use: one double per unit, and the reduction's scratch
+      unit_sumsq_ = static_cast<double*>(own(Mem::Workspace, 8 * shards_.size()));
+      if (!sumsq_scratch_) {
+        sumsq_scratch_bytes_ = cuda::sum_squares_scratch_bytes();
+        sumsq_scratch_ = own(Mem::Workspace, sumsq_scratch_bytes_);
+      }
+    }
+    cuda::sum_squares(unit_sumsq_ + unit, grad, n, /*accumulate=*/false, sumsq_scratch_, sumsq_scratch_bytes_, stream_);
+  }
+  double grad_sumsq_read(int units) override {
+    SHARDLM_CHECK(unit_sumsq_ && units <= int(shards_.size()), "internal: no sums of squares queued");
+    std::vector<double> host(units);
+    CUDA_CHECK(cudaMemcpyAsync(host.data(), unit_sumsq_, 8 * size_t(units), cudaMemcpyDeviceToHost, stream_));
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+    double total = 0;
+    for (double s : host) total += s;  // unit order: the same sum every run
+    return total;
+  }
 
   void attach_shards(const ModelLayout& layout) override {
     int64_t largest = 0;
@@ -607,6 +627,7 @@ class CudaBackend final : public Backend {
   void* sumsq_scratch_ = nullptr;
   size_t sumsq_scratch_bytes_ = 0;
   double* sumsq_ = nullptr;
+  double* unit_sumsq_ = nullptr;  // [unit] the offload pipeline's per-unit sums of squares
 
   cudaStream_t stream_ = nullptr;
   int device_ = 0;
