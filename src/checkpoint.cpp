@@ -956,7 +956,7 @@ fs::path checkpoint_path(const fs::path& dir, int64_t step) {
 
 bool checkpoint_due(const CkptSection& ckpt, int64_t steps_done, int64_t max_steps) {
   if (steps_done <= 0) return false;
-  if (steps_done == max_steps) return true;
+  if (steps_done == max_steps) return ckpt.save_final;
   return ckpt.interval > 0 && steps_done % ckpt.interval == 0;
 }
 

@@ -144,6 +144,7 @@ const std::vector<KeySpec>& key_table() {
       at_least(key("ckpt.keep_last", Type::Int, FIELD(ckpt.keep_last)), 1),
       at_least(key("ckpt.keep_interval", Type::Int, FIELD(ckpt.keep_interval)), 0),
       key("ckpt.resume", Type::String, FIELD(ckpt.resume)),
+      key("ckpt.save_final", Type::Bool, FIELD(ckpt.save_final)),
       one_of(key("ckpt.on_error", Type::String, FIELD(ckpt.on_error)), {"stop", "continue"}),
 
       one_of(key("broadcast.backend", Type::String, FIELD(broadcast.backend)), {"none", "nccl", "filesystem"}),

@@ -5,6 +5,7 @@
 // a phase that grows past a screen lives in its own file.
 #include <omp.h>
 
+#include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -150,7 +151,9 @@ int cmd_train(Runtime& rt, const CliArgs& args) {
   WeightBroadcaster broadcaster(config, rt, *comm);
 
   // model, shards, init; data; optimizer; engine
+  const auto t_setup = std::chrono::steady_clock::now();
   TrainSession session(config, *comm);
+  const double setup_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_setup).count();
   // MFU against dense bf16 peak: 989 TFLOP/s for an H100 SXM (DESIGN.md); none on the CPU.
   const double peak_flops = rt.backend == "cuda" ? 989e12 : 0.0;
   if (comm->rank() == 0) {
@@ -162,6 +165,9 @@ int cmd_train(Runtime& rt, const CliArgs& args) {
                   (long long)session.data->documents(), (long long)session.data->total_tokens());
     else
       std::printf("data: RL rollouts from %s/step_<N>.h5\n", config.data.rollout_dir.c_str());
+    // Large models spend real time here (host init, pinning, the state upload).
+    std::printf("setup %.1f s: model, data, optimizer, engine%s\n", setup_s,
+                session.offload ? ", pinning the offload buffers" : "");
     std::fflush(stdout);
   }
 

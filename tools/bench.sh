@@ -9,6 +9,7 @@
 #                                 docs/benchmarks.md "Offload"); 4b-80g 5b-80g-over 7b-offload-80g
 #                                 (the largest models under device.memory_limit_gib = 78, an 80 GB H100)
 #   SHARDLM=path/to/shardlm tools/bench.sh 1b
+#   BENCH_TIMEOUT=120 tools/bench.sh 7b     (kill each run after 120 s)
 #
 # Data: random tokens made on the fly (tools/make_synthetic_data.py, needs h5py).
 # Results go to docs/benchmarks.md by hand, with date, GPU and command.
@@ -22,7 +23,15 @@ export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive}
 run() {
   local name=$1 deck=$2; shift 2
   echo "== $name: $SHARDLM train $deck $*"
-  "$SHARDLM" train "$deck" --set run.dir=runs/bench-$name "$@" 2>&1 | grep -E "^(throughput|step time|memory|muon|offload|shardlm: error)" | sed "s/^/$name: /"
+  # A fresh run each time, no checkpoints (a 7B one is ~80 GB); the whole log in
+  # runs/bench-NAME.log. BENCH_TIMEOUT=S kills the trainer after S seconds with
+  # SIGKILL: SIGTERM would make it save a checkpoint before it stops.
+  rm -rf "runs/bench-$name"
+  ${BENCH_TIMEOUT:+timeout -s KILL $BENCH_TIMEOUT} "$SHARDLM" train "$deck" --set run.dir=runs/bench-$name \
+    --set ckpt.resume=none --set ckpt.interval=0 --set ckpt.save_final=false "$@" > "runs/bench-$name.log" 2>&1 || true
+  grep -E "^(setup|throughput|step time|memory|muon|offload|shardlm: error)" "runs/bench-$name.log" | sed "s/^/$name: /" || true
+  grep -q "^throughput" "runs/bench-$name.log" ||
+    { echo "$name: no result (failed or timed out); the log ends:"; tail -3 "runs/bench-$name.log" | sed "s/^/$name:   /"; }
 }
 names=${*:-"125m 1b 1b-8k 1b-32k 3b"}
 for n in $names; do

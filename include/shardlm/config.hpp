@@ -85,6 +85,7 @@ struct CkptSection {
   int64_t keep_interval = 0;
   std::string resume = "latest";    // latest | none | path
   std::string on_error = "stop";    // stop | continue
+  bool save_final = true;           // false: no checkpoint at run.max_steps (benchmarks)
 };
 
 struct BroadcastSection {

@@ -160,7 +160,7 @@ TEST_CASE("resume tries the file latest names, then older ones newest first") {
   CHECK(resume_candidates(empty.path / "does-not-exist").empty());
 }
 
-TEST_CASE("a checkpoint is due every ckpt.interval steps and at the end") {
+TEST_CASE("a checkpoint is due every ckpt.interval steps and at the end (unless ckpt.save_final = false)") {
   CkptSection ckpt;
   ckpt.interval = 0;
   CHECK_FALSE(checkpoint_due(ckpt, 5, 10));
@@ -171,6 +171,9 @@ TEST_CASE("a checkpoint is due every ckpt.interval steps and at the end") {
   CHECK_FALSE(checkpoint_due(ckpt, 9, 10));
   CHECK(checkpoint_due(ckpt, 10, 10));
   CHECK_FALSE(checkpoint_due(ckpt, 0, 10));
+  ckpt.save_final = false;  // benchmarks: the interval still holds, the end does not
+  CHECK(checkpoint_due(ckpt, 8, 10));
+  CHECK_FALSE(checkpoint_due(ckpt, 10, 10));
   CHECK(checkpoint_path("runs/x/checkpoints", 120) == fs::path("runs/x/checkpoints/step_120.h5"));
 }
 
