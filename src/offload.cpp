@@ -158,8 +158,10 @@ void OffloadPipeline::finish() {
 void OffloadPipeline::run() {
   backend_.bind_thread();
   // The worker's OpenMP team (this thread's setting only): device.cpu_threads,
-  // else one core fewer than the default, left to the thread that issues GPU work.
-  omp_set_num_threads(cpu_threads_ > 0 ? cpu_threads_ : std::max(1, omp_get_max_threads() - 1));
+  // else OpenMP's default, the team that first touched the host shards (NUMA).
+  // The worker runs only between backward and the next forward, while the
+  // GPU-issuing thread mostly waits for it, so they do not compete for cores.
+  omp_set_num_threads(cpu_threads_ > 0 ? cpu_threads_ : omp_get_max_threads());
   for (;;) {
     Task t;
     {

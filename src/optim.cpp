@@ -87,9 +87,9 @@ void Optimizer::init(Comm* comm) {
   for (const auto& u : model_->layout.units) segments_.push_back(model_->segments(u));
   state_.resize(optimizer_states(config_));
   for (auto& s : state_)
-    for (const auto& u : model_->layout.units) {
-      s.emplace_back(Mem::OptimState, u.shard_numel);
-      std::memset(s.back().data(), 0, s.back().bytes());
+    for (size_t u = 0; u < model_->layout.units.size(); ++u) {
+      s.emplace_back(Mem::OptimState, model_->layout.units[u].shard_numel);
+      zero_shard_first_touch(s.back().data(), segments_[u], model_->layout.units[u].shard_numel);
     }
   if (config_.name == "muon") {
     SHARDLM_CHECK(comm != nullptr, "Muon needs a Comm");

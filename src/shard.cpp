@@ -5,6 +5,7 @@
 #include <cstring>
 #include <set>
 
+#include "shardlm/cpu_adamw.hpp"
 #include "shardlm/error.hpp"
 #include "shardlm/hf.hpp"
 
@@ -17,9 +18,20 @@ ShardedModel::ShardedModel(const ModelConfig& config, int rank_, int world_, boo
     grad.emplace_back(Mem::GradShard, host_grads ? u.shard_numel : 0);
     // Padding past the last parameter stays zero forever: it is gathered,
     // reduced and "updated" like the rest, and must never become NaN.
-    std::memset(param.back().data(), 0, param.back().bytes());
-    if (host_grads) std::memset(grad.back().data(), 0, grad.back().bytes());
+    const std::vector<ShardSegment> segs = segments(u);
+    zero_shard_first_touch(param.back().data(), segs, u.shard_numel);
+    if (host_grads) zero_shard_first_touch(grad.back().data(), segs, u.shard_numel);
   }
+}
+
+void zero_shard_first_touch(float* shard, const std::vector<ShardSegment>& segments, int64_t shard_numel) {
+  int64_t cursor = 0;  // segments come in shard order; whatever lies between or after them is padding
+  for (const auto& s : segments) {
+    if (s.shard_offset > cursor) std::memset(shard + cursor, 0, sizeof(float) * size_t(s.shard_offset - cursor));
+    cpu::zero_first_touch(shard + s.shard_offset, s.count);
+    cursor = std::max(cursor, s.shard_offset + s.count);
+  }
+  if (shard_numel > cursor) std::memset(shard + cursor, 0, sizeof(float) * size_t(shard_numel - cursor));
 }
 
 std::vector<ShardSegment> ShardedModel::segments(const Unit& u) const {

@@ -57,6 +57,11 @@ void adamw_step(float* param, uint16_t* param_bf16, const float* grad, float* m,
 // pages by first touch uses the same blocks and schedule.
 constexpr int64_t kAdamWBlock = 1 << 16;
 
+// Zero x[0, n) in adamw_step's blocks and static schedule on `threads` threads
+// (0: OpenMP's default team): the first touch that puts each page on the NUMA
+// node of the thread that adamw_step(n, threads) will stream it on.
+void zero_first_touch(float* x, int64_t n, int threads = 0);
+
 // ---------------------------------------------------------------- ISA choice
 
 enum class CpuIsa { scalar, avx2, avx512 };

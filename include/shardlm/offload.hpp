@@ -48,8 +48,8 @@ namespace shardlm {
 
 class OffloadPipeline {
  public:
-  // cpu_threads: the worker's OpenMP threads (device.cpu_threads); 0 = one fewer
-  // than OpenMP's default, leaving a core to the thread that issues GPU work.
+  // cpu_threads: the worker's OpenMP threads (device.cpu_threads); 0 = OpenMP's
+  // default (the team that first touched the host shards).
   OffloadPipeline(ShardedModel& model, Optimizer& optimizer, Backend& backend, int cpu_threads = 0);
   ~OffloadPipeline();
   OffloadPipeline(const OffloadPipeline&) = delete;

@@ -28,6 +28,13 @@ struct ShardSegment {
   int64_t count;
 };
 
+// Zero a fresh shard (shard_numel fp32) so that its pages are first touched by
+// the threads that will update them: each segment in the CPU AdamW's blocks and
+// static schedule on OpenMP's default team (cpu::zero_first_touch), the padding
+// by this thread. On a host with several NUMA nodes each page then lives on the
+// node of the core that streams it in the update.
+void zero_shard_first_touch(float* shard, const std::vector<ShardSegment>& segments, int64_t shard_numel);
+
 struct ShardedModel {
   ModelLayout layout;
   int rank = 0, world = 1;

@@ -246,6 +246,17 @@ void adamw_step_isa(CpuIsa isa, float* param, uint16_t* param_bf16, const float*
   }
 }
 
+void zero_first_touch(float* x, int64_t n, int threads) {
+  if (n <= 0) return;
+  const int64_t blocks = (n + kAdamWBlock - 1) / kAdamWBlock;
+  const int nthreads = threads > 0 ? threads : omp_get_max_threads();
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (blocks > 1)
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t o = b * kAdamWBlock, len = std::min(kAdamWBlock, n - o);
+    std::memset(x + o, 0, sizeof(float) * size_t(len));
+  }
+}
+
 void adamw_step(float* param, uint16_t* param_bf16, const float* grad, float* m, float* v, int64_t n,
                 float grad_scale, float weight_decay, const AdamWConsts& k, int threads) {
   adamw_step_isa(adamw_cpu_isa(), param, param_bf16, grad, m, v, n, grad_scale, weight_decay, k, threads);

@@ -17,6 +17,7 @@
 
 #include "shardlm/backend.hpp"
 #include "shardlm/config.hpp"
+#include "shardlm/cpu_adamw.hpp"
 #include "shardlm/cpu_ops.hpp"
 #include "shardlm/hf.hpp"
 #include "shardlm/offload.hpp"
@@ -162,6 +163,19 @@ TEST_CASE("offload pipeline on the host: micro-batch flags, landing, per-unit up
   // the compute stream waited once per update for each unit's upload.
   CHECK(backend.host_waits >= steps * units);
   CHECK(backend.compute_waits == steps * units);
+}
+
+TEST_CASE("zero_shard_first_touch zeroes segments, the gaps between them and the padding") {
+  const int64_t numel = 5 * cpu::kAdamWBlock + 123;
+  std::vector<float> shard(numel, std::nanf(""));
+  ParamInfo a, b;
+  // Two segments with a gap between them and padding after: 1.5 blocks, then 3 blocks.
+  const std::vector<ShardSegment> segs = {{&a, 0, 7, cpu::kAdamWBlock + cpu::kAdamWBlock / 2},
+                                          {&b, 0, 2 * cpu::kAdamWBlock, 3 * cpu::kAdamWBlock}};
+  zero_shard_first_touch(shard.data(), segs, numel);
+  int64_t nonzero = 0;
+  for (float x : shard) nonzero += !(x == 0.0f);
+  CHECK(nonzero == 0);
 }
 
 TEST_CASE("Optimizer::step_unit writes the bf16 copy of every updated element (AdamW and SGD)") {
