@@ -18,12 +18,29 @@ namespace {
 using Clock = std::chrono::steady_clock;
 double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
+// Pinned bf16 buffers the updated shards go up from, in turn: the update of
+// one unit fills the next while the last one's upload is still in flight.
+constexpr int kUploadSlots = 2;
+
+int64_t max_shard_numel(const ModelLayout& layout) {
+  int64_t n = 0;
+  for (const auto& u : layout.units) n = std::max(n, u.shard_numel);
+  return n;
+}
+
+// Elements of a shard that hold parameters: the segments are contiguous from the
+// shard's start (parameters are packed in their unit); the rest is padding,
+// which stays zero on the device and is never uploaded.
+int64_t covered_numel(const ShardedModel& model, int unit) {
+  int64_t end = 0;
+  for (const auto& s : model.segments(model.layout.units[unit])) end = std::max(end, s.shard_offset + s.count);
+  return end;
+}
+
 }  // namespace
 
 int64_t OffloadPipeline::host_bytes(const ModelLayout& layout) {
-  int64_t shards = 0;
-  for (const auto& u : layout.units) shards += u.shard_numel;
-  return 2 * shards;
+  return kUploadSlots * 2 * max_shard_numel(layout);
 }
 
 OffloadPipeline::OffloadPipeline(ShardedModel& model, Optimizer& optimizer, Backend& backend, int cpu_threads)
@@ -42,13 +59,12 @@ OffloadPipeline::OffloadPipeline(ShardedModel& model, Optimizer& optimizer, Back
     pinned_.push_back(p);
     timing_.pinned_bytes += static_cast<int64_t>(bytes);
   };
-  for (int u = 0; u < units_; ++u) {
-    const int64_t n = model.layout.units[u].shard_numel;
-    bf16_.emplace_back(Mem::Workspace, n);
-    std::memset(bf16_.back().data(), 0, bf16_.back().bytes());  // the padding no update writes
-    pin(bf16_.back().data(), bf16_.back().bytes());
-    pin(model.grad[u].data(), model.grad[u].bytes());
+  for (int u = 0; u < units_; ++u) pin(model.grad[u].data(), model.grad[u].bytes());
+  for (int i = 0; i < kUploadSlots; ++i) {
+    slots_.emplace_back(Mem::Workspace, max_shard_numel(model.layout));
+    pin(slots_.back().data(), slots_.back().bytes());
   }
+  slot_upload_.assign(kUploadSlots, -1);
   waited_.assign(units_, true);
   grad_copy_.assign(units_, -1);
   upload_.assign(units_, -1);
@@ -189,19 +205,23 @@ void OffloadPipeline::run() {
 }
 
 void OffloadPipeline::update_unit(int unit, double lr, float clip) {
-  int64_t previous = -1, grad = -1;
+  int64_t grad = -1;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    previous = upload_[unit];
     grad = grad_copy_[unit];
   }
   const auto t0 = Clock::now();
   backend_.host_wait(grad);  // the step's gradient has landed in the grad shard
   const double waited = seconds_since(t0);
-  if (previous >= 0) backend_.host_wait(previous);  // the last upload has left bf16_[unit] (long since)
-  optimizer_.step_unit(unit, lr, clip, bf16_[unit].data());
-  const int64_t ticket = backend_.copy_to_device(backend_.param_shard_for_upload(unit), bf16_[unit].data(),
-                                                 bf16_[unit].bytes());
+  // The worker alone uses the slots (no lock): the slot's last upload has left it.
+  const int slot = next_slot_;
+  next_slot_ = (next_slot_ + 1) % kUploadSlots;
+  if (slot_upload_[slot] >= 0) backend_.host_wait(slot_upload_[slot]);
+  uint16_t* bf16 = slots_[slot].data();
+  optimizer_.step_unit(unit, lr, clip, bf16);
+  const int64_t n = covered_numel(model_, unit);
+  const int64_t ticket = n > 0 ? backend_.copy_to_device(backend_.param_shard_for_upload(unit), bf16, 2 * size_t(n)) : -1;
+  slot_upload_[slot] = ticket;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     upload_[unit] = ticket;

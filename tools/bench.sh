@@ -68,12 +68,12 @@ for n in $names; do
     # An 80 GB H100 stood in for by a GPU memory cap of 78 GiB (the CUDA context,
     # cuBLAS and NCCL take the rest): the largest Llama-3.1-8B-shaped models at
     # sequence 4096 with activation checkpointing, without offload (15 layers; 16 is
-    # refused by the cap) and with it (LAYERS, default 26: the host's 128 GiB binds).
+    # refused by the cap) and with it (LAYERS, default 29: the host's 125 GiB binds).
     4b-80g) run 4b-80g inputs/bench/llama-8b.toml --set model.num_layers=15 --set model.optim_cpu_offload=false \
               --set device.memory_limit_gib=78 --set run.max_steps=4 ;;
     5b-80g-over) run 5b-80g-over inputs/bench/llama-8b.toml --set model.num_layers=16 --set model.optim_cpu_offload=false \
                    --set device.memory_limit_gib=78 --set run.max_steps=2 ;;
-    7b-offload-80g) run 7b-offload-80g inputs/bench/llama-8b.toml --set model.num_layers=${LAYERS:-26} \
+    7b-offload-80g) run 7b-offload-80g inputs/bench/llama-8b.toml --set model.num_layers=${LAYERS:-29} \
                       --set device.memory_limit_gib=78 --set run.max_steps=4 ;;
     *) echo "unknown benchmark '$n'" >&2; exit 2 ;;
   esac

@@ -3,8 +3,9 @@
 // busy around them.
 //
 // Owns: the worker thread that does the host side of a step (the per-unit CPU
-// update, each unit's after its step gradient has landed, and its bf16 cast), the pinned bf16 buffers, and the ordering between
-// the compute stream and the copies (Backend's copy tickets). Knows the sharded
+// update, each unit's after its step gradient has landed, and its bf16 cast),
+// the two pinned bf16 buffers the updated shards go up from in turn, and the
+// ordering between the compute stream and the copies (Backend's copy tickets). Knows the sharded
 // model, the optimizer and the Backend interface; not CUDA, not MPI (the clip
 // norm's all-reduce is the caller's), not the deck.
 //
@@ -73,7 +74,7 @@ class OffloadPipeline {
   // Wait until the worker is idle: host masters and moments are final.
   void finish();
 
-  // Host bytes of the pinned bf16 buffers (the memory plan).
+  // Host bytes of the two pinned bf16 upload buffers (the memory plan).
   static int64_t host_bytes(const ModelLayout& layout);
 
   // Where the time goes (seconds, summed over the run), for the run summary:
@@ -104,7 +105,9 @@ class OffloadPipeline {
   Backend& backend_;
   const int units_;
   const int cpu_threads_;
-  std::vector<Buffer<uint16_t>> bf16_;       // [unit] (shard numel) the updated shard in bf16, pinned
+  std::vector<Buffer<uint16_t>> slots_;      // 2 x (largest shard) pinned: updated shards in bf16, in turn
+  std::vector<int64_t> slot_upload_;         // [slot] ticket of the upload that last read it (worker only)
+  int next_slot_ = 0;                        // worker only
   std::vector<void*> pinned_;                // host ranges registered with the backend
 
   int64_t micro_batches_ = 1, micro_batch_ = 0;  // this step's, and how many have started (main thread)
