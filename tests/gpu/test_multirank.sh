@@ -8,49 +8,17 @@
 # runs too. Prints one PASS/FAIL line per check.
 #
 #   bash tests/gpu/test_multirank.sh        (after make test-gpu has built build/shardlm)
-set -u
-cd "$(dirname "$0")/../.."
-BUILD=${BUILD:-build}
-MPIRUN=${MPIRUN:-mpirun}
-if [ "$(id -u)" = 0 ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; fi
-export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive} OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
-export NCCL_NVLS_ENABLE=0
-PY=$(command -v python3 || command -v "${PYTHON:-python3}")
-out=$(mktemp -d /tmp/shardlm-multirank.XXXXXX)
-trap 'rm -rf "$out"' EXIT
+source "$(dirname "$0")/lib.sh" multirank
 steps=30
 
-# train NAME NP SETS...: tiny-sft on the GPU for $steps steps into $out/NAME.
+# train NAME NP SETS...: tiny-sft on the GPU for $steps steps into $out/NAME (lib.sh).
 train() {
-  # run.deterministic: the bit-identical check below compares two runs
   local name=$1 np=$2
   shift 2
-  local sets=(--set device.backend=cuda --set run.deterministic=true --set run.max_steps=$steps --set log.interval=1 --set ckpt.interval=0
-              --set ckpt.resume=none --set run.dir="$out/$name")
-  for s in "$@"; do sets+=(--set "$s"); done
-  if ! $MPIRUN --oversubscribe --bind-to none -x OMP_NUM_THREADS -x OMP_WAIT_POLICY -x NCCL_NVLS_ENABLE -np "$np" \
-      "$BUILD/shardlm" train inputs/tiny-sft.toml "${sets[@]}" > "$out/$name.log" 2>&1; then
-    echo "FAIL $name: the run failed:"; tail -5 "$out/$name.log"
-    return 1
-  fi
+  train_tiny "$name" "$np" "$steps" ckpt.resume=none "$@"
 }
-
-# compare A B TOL WHAT: worst relative loss difference over the steps <= TOL.
-compare() {
-  local a=$1 b=$2 tol=$3 what=$4
-  "$PY" - "$out/$a/metrics.jsonl" "$out/$b/metrics.jsonl" "$tol" "$what" <<'EOF'
-import json, sys
-def losses(p):
-    return [json.loads(l)["loss"] for l in open(p) if l.strip()]
-a, b, tol, what = losses(sys.argv[1]), losses(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
-if len(a) != len(b) or not a:
-    print(f"FAIL {what}: {len(a)} vs {len(b)} logged steps"); sys.exit(0)
-worst = max(abs(x - y) / abs(y) for x, y in zip(a, b))
-status = "PASS" if worst <= tol and a[-1] < a[0] - 2.0 else "FAIL"
-print(f"{status} {what}: worst relative loss difference {worst:.3e} over {len(a)} steps (limit {tol:g}); "
-      f"loss {a[0]:.4f} -> {a[-1]:.4f}")
-EOF
-}
+# compare A B TOL WHAT: every step's loss within TOL, and the run learns (lib.sh).
+compare() { compare_losses "$1" "$2" "$3" 1 "$steps" "$4" descent; }
 
 train np1 1 || exit 1
 train np2 2 comm.backend=mpi || exit 1
