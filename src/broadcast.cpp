@@ -141,7 +141,18 @@ WeightBroadcaster::WeightBroadcaster(const Config& config, const Runtime& rt, Co
   host_bcast_ = make_mpi_comm(rt.broadcast_comm);
 }
 
-WeightBroadcaster::~WeightBroadcaster() = default;
+WeightBroadcaster::~WeightBroadcaster() {
+  try {
+    release_gathered_unit();  // normally finish() did; here only on the way out of an error
+  } catch (...) {
+  }
+}
+
+void WeightBroadcaster::release_gathered_unit() {
+  cuda_free(Mem::Workspace, gathered_unit_, gathered_bytes_);  // waits for the device work still using it
+  gathered_unit_ = nullptr;
+  gathered_bytes_ = 0;
+}
 
 int64_t WeightBroadcaster::comm_staging_bytes() const { return staging_bytes_; }
 
@@ -208,10 +219,15 @@ void WeightBroadcaster::send_from_device(Engine& engine, const ModelLayout& layo
       std::fflush(stdout);
     }
   }
-  // Transient memory: one gathered bf16 unit on the device (broadcast_device_bytes)
-  // on every rank, and its host copy on rank 0 (output_workspace_bytes).
-  const int64_t unit_bytes = 2 * max_padded(layout);
-  void* gathered_unit = backend.allocate(Mem::Workspace, size_t(unit_bytes));
+  // One gathered bf16 unit on the device on every rank (broadcast_device_bytes),
+  // made at the first broadcast and kept until finish(): no allocation, and no
+  // device synchronisation of a free, per broadcast. Its host copy on rank 0 is
+  // transient (output_workspace_bytes).
+  if (!gathered_unit_) {
+    gathered_bytes_ = 2 * max_padded(layout);
+    gathered_unit_ = cuda_malloc(Mem::Workspace, gathered_bytes_);
+  }
+  void* gathered_unit = gathered_unit_;
   Buffer<uint16_t> host_copy(Mem::Workspace, root ? max_padded(layout) : 0);
   for (size_t ui = 0; ui < layout.units.size(); ++ui) {
     const Unit& u = layout.units[ui];
@@ -230,7 +246,6 @@ void WeightBroadcaster::send_from_device(Engine& engine, const ModelLayout& layo
     device_bcast_->broadcast(gathered_unit, u.numel, DType::BF16, 0).wait();
     bcast_bytes(&checksum, sizeof checksum, bcomm);
   }
-  backend.deallocate(Mem::Workspace, gathered_unit, size_t(unit_bytes));  // waits for the stream
 }
 
 void WeightBroadcaster::send_to_filesystem(const ShardedModel& model, int64_t step) {
@@ -293,6 +308,7 @@ void WeightBroadcaster::finish() {
       bcast_bytes(&h, sizeof h, rt_.broadcast_comm);
     }
     device_bcast_.reset();
+    release_gathered_unit();
   } else if (comm_.rank() == 0) {
     std::ofstream(fs::path(config_.broadcast.dir) / "DONE") << "done\n";
   }

@@ -40,8 +40,8 @@ uint64_t bf16_checksum(const uint16_t* values, int64_t begin, int64_t n);
 // copy; CUDA backend: rank 0's host copy of one bf16 unit, which it hashes.
 int64_t output_workspace_bytes(const Config& config, const ModelLayout& layout);
 // Device bytes of the weight broadcast on the CUDA backend, per trainer rank:
-// one gathered bf16 unit, allocated for each broadcast and freed after it (the
-// plan's GPU workspace). 0 elsewhere.
+// one gathered bf16 unit, allocated at the first broadcast and kept until
+// finish() (the plan's GPU workspace). 0 elsewhere.
 int64_t broadcast_device_bytes(const Config& config, const ModelLayout& layout);
 
 class WeightBroadcaster {
@@ -67,6 +67,7 @@ class WeightBroadcaster {
   void send_over_comm(const ShardedModel& model, int64_t step);
   void send_from_device(Engine& engine, const ModelLayout& layout, int64_t step);
   void send_to_filesystem(const ShardedModel& model, int64_t step);
+  void release_gathered_unit();
 
   const Config& config_;
   const Runtime& rt_;
@@ -77,6 +78,8 @@ class WeightBroadcaster {
   std::unique_ptr<Comm> host_bcast_;    // rank 0: MPI over rt.broadcast_comm (the device Comm's host side)
   std::unique_ptr<Comm> device_bcast_;  // rank 0: made at the first broadcast, on the backend's stream
   int64_t staging_bytes_ = 0;           // pinned host bytes device_bcast_ holds (staged kind)
+  void* gathered_unit_ = nullptr;       // GPU path: one gathered bf16 unit (device), first send to finish()
+  int64_t gathered_bytes_ = 0;
 };
 
 // `shardlm receive DECK [--out DIR]`: receive every broadcast, verify checksums,
