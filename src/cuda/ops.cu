@@ -649,9 +649,6 @@ swiglu_backward_kernel(bf16* dgate, int64_t ld_dgate, bf16* dup, int64_t ld_dup,
 
 constexpr int kCeThreads = 512;
 constexpr int kCeBatch = 4;  // 16-byte loads in flight per thread while filling smem
-constexpr size_t kCeSmemTarget = 64 * 1024;
-constexpr size_t kCeSmemMax = 200 * 1024;
-constexpr int kCeMaxCluster = 8;
 
 // One row per cluster of csize CTAs; CTA `rank` holds columns [rank * chunk, ...) of
 // the row in shared memory, so the logits are read from HBM once and written once.
@@ -1330,46 +1327,23 @@ void cross_entropy_forward_backward(bf16* logits, float* loss, const int32_t* ta
                                     const float* weights, float grad_scale, int64_t n,
                                     int64_t V, cudaStream_t stream) {
   const char* op = "cross_entropy_forward_backward";
-  check_size(n, INT_MAX / kCeMaxCluster, "n", op);
+  check_size(n, INT_MAX / kRowClusterMax, "n", op);
   check_size(V, INT_MAX, "V", op);
   if (n == 0) return;
   SHARDLM_CHECK(V > 0, "%s: V must be positive", op);
   const bool vec = V % 8 == 0 && aligned(logits, 16);
-  const int64_t vw = vec ? 8 : 1;
-  // The smallest cluster whose slices fit kCeSmemTarget (several CTAs per SM), else
-  // the largest cluster with up to kCeSmemMax per CTA.
-  int csize = 1;
-  int64_t chunk = 0;
-  for (csize = 1;; csize *= 2) {
-    chunk = div_up(div_up(V, csize), vw) * vw;
-    if (size_t(chunk) * sizeof(bf16) <= kCeSmemTarget || csize == kCeMaxCluster) break;
-  }
-  const size_t smem = size_t(chunk) * sizeof(bf16);
-  SHARDLM_CHECK(smem <= kCeSmemMax, "%s: V = %lld is too large for one cluster (at most %lld)",
-                op, static_cast<long long>(V),
-                static_cast<long long>(kCeSmemMax / sizeof(bf16) * kCeMaxCluster));
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(unsigned(n * csize));
-  cfg.blockDim = dim3(kCeThreads);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = unsigned(csize);
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  const RowClusterSplit split = row_cluster_split(V, vec ? 8 : 1, op);
+  const RowClusterLaunch launch(split, n, kCeThreads, stream);
   if (vec) {
     CUDA_CHECK(cudaFuncSetAttribute(cross_entropy_kernel<8>,
-                                    cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-    CUDA_CHECK(cudaLaunchKernelEx(&cfg, cross_entropy_kernel<8>, logits, loss, targets, weights,
-                                  grad_scale, V, chunk));
+                                    cudaFuncAttributeMaxDynamicSharedMemorySize, int(split.smem)));
+    CUDA_CHECK(cudaLaunchKernelEx(&launch.cfg, cross_entropy_kernel<8>, logits, loss, targets, weights,
+                                  grad_scale, V, split.chunk));
   } else {
     CUDA_CHECK(cudaFuncSetAttribute(cross_entropy_kernel<1>,
-                                    cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-    CUDA_CHECK(cudaLaunchKernelEx(&cfg, cross_entropy_kernel<1>, logits, loss, targets, weights,
-                                  grad_scale, V, chunk));
+                                    cudaFuncAttributeMaxDynamicSharedMemorySize, int(split.smem)));
+    CUDA_CHECK(cudaLaunchKernelEx(&launch.cfg, cross_entropy_kernel<1>, logits, loss, targets, weights,
+                                  grad_scale, V, split.chunk));
   }
   CUDA_CHECK(cudaGetLastError());
 }

@@ -18,13 +18,8 @@ namespace cg = cooperative_groups;
 
 constexpr int kRlThreads = 512;          // per CTA of the loss kernel
 constexpr int kRlLoadBatch = 4;          // 16-byte loads in flight per thread while filling smem
-constexpr size_t kRlSmemTarget = 64 * 1024;  // per CTA: several CTAs per SM
-constexpr size_t kRlSmemMax = 200 * 1024;    // per CTA when even 8 CTAs need more
-constexpr int kRlMaxCluster = 8;         // the portable cluster size limit
 constexpr int kRlSumThreads = 256;       // per block of the chunk-sum kernel
 constexpr unsigned kAllLanes = 0xffffffffu;
-
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // VEC consecutive bf16 of a row moved as one access: 16 bytes (VEC = 8) on the
 // vector path, one element on the scalar path (V not a multiple of 8, or a
@@ -270,8 +265,8 @@ void rl_loss_forward_backward(bf16* logits, double* row_stats, double* stats, co
                               const cpu::RlLossParams& params, float grad_scale, int64_t n,
                               int64_t V, bool accumulate, cudaStream_t stream) {
   const char* op = "rl_loss_forward_backward";
-  SHARDLM_CHECK(n >= 0 && n <= INT_MAX / kRlMaxCluster, "%s: n = %lld is outside [0, %d]", op,
-                static_cast<long long>(n), INT_MAX / kRlMaxCluster);
+  SHARDLM_CHECK(n >= 0 && n <= INT_MAX / kRowClusterMax, "%s: n = %lld is outside [0, %d]", op,
+                static_cast<long long>(n), INT_MAX / kRowClusterMax);
   SHARDLM_CHECK(V > 0 && V <= INT_MAX, "%s: V = %lld is outside [1, %d]", op, static_cast<long long>(V),
                 INT_MAX);
   if (n == 0) {  // no rows: the sums are zero
@@ -279,40 +274,18 @@ void rl_loss_forward_backward(bf16* logits, double* row_stats, double* stats, co
     return;
   }
   const bool vec = V % 8 == 0 && reinterpret_cast<uintptr_t>(logits) % 16 == 0;
-  const int64_t vw = vec ? 8 : 1;
-  // The smallest cluster whose slices fit kRlSmemTarget, else 8 CTAs with larger
-  // slices: the same rule as the cross-entropy, so the same V gives the same split.
-  int csize = 1;
-  int64_t chunk = 0;
-  for (csize = 1;; csize *= 2) {
-    chunk = ceil_div(ceil_div(V, csize), vw) * vw;
-    if (size_t(chunk) * sizeof(bf16) <= kRlSmemTarget || csize == kRlMaxCluster) break;
-  }
-  const size_t smem = size_t(chunk) * sizeof(bf16);
-  SHARDLM_CHECK(smem <= kRlSmemMax, "%s: V = %lld is too large for one cluster (at most %lld)", op,
-                static_cast<long long>(V), static_cast<long long>(kRlSmemMax / sizeof(bf16) * kRlMaxCluster));
-
+  // The cross-entropy's split (cuda_ops.hpp), so the same V gives the same slices.
+  const RowClusterSplit split = row_cluster_split(V, vec ? 8 : 1, op);
+  const RowClusterLaunch launch(split, n, kRlThreads, stream);
   const RlKernelParams p{params.mask_high, params.mask_low, params.kl_coef, params.ce_coef, grad_scale};
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(unsigned(n * csize));
-  cfg.blockDim = dim3(kRlThreads);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = unsigned(csize);
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
   if (vec) {
-    CUDA_CHECK(cudaFuncSetAttribute(rl_loss_kernel<8>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-    CUDA_CHECK(cudaLaunchKernelEx(&cfg, rl_loss_kernel<8>, logits, row_stats, targets, weights, advantages,
-                                  inference_logprobs, temperatures, p, n, V, chunk));
+    CUDA_CHECK(cudaFuncSetAttribute(rl_loss_kernel<8>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(split.smem)));
+    CUDA_CHECK(cudaLaunchKernelEx(&launch.cfg, rl_loss_kernel<8>, logits, row_stats, targets, weights, advantages,
+                                  inference_logprobs, temperatures, p, n, V, split.chunk));
   } else {
-    CUDA_CHECK(cudaFuncSetAttribute(rl_loss_kernel<1>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-    CUDA_CHECK(cudaLaunchKernelEx(&cfg, rl_loss_kernel<1>, logits, row_stats, targets, weights, advantages,
-                                  inference_logprobs, temperatures, p, n, V, chunk));
+    CUDA_CHECK(cudaFuncSetAttribute(rl_loss_kernel<1>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(split.smem)));
+    CUDA_CHECK(cudaLaunchKernelEx(&launch.cfg, rl_loss_kernel<1>, logits, row_stats, targets, weights, advantages,
+                                  inference_logprobs, temperatures, p, n, V, split.chunk));
   }
   CUDA_CHECK(cudaGetLastError());
   rl_stats_sum_kernel<<<kRlStatsFields, kRlSumThreads, 0, stream>>>(stats, row_stats, n, accumulate);
