@@ -166,8 +166,13 @@ int cmd_train(Runtime& rt, const CliArgs& args) {
     else
       std::printf("data: RL rollouts from %s/step_<N>.h5\n", config.data.rollout_dir.c_str());
     // Large models spend real time here (host init, pinning, the state upload).
-    std::printf("setup %.1f s: model, data, optimizer, engine%s\n", setup_s,
-                session.offload ? ", pinning the offload buffers" : "");
+    const char* state = session.offload ? "pinning the offload buffers"
+                        : session.engine.options().device_state ? "the state's upload to the GPU" : nullptr;
+    if (state)
+      std::printf("setup %.1f s: model, data, optimizer, engine; %.1f s of it %s\n", setup_s,
+                  session.state_setup_s, state);
+    else
+      std::printf("setup %.1f s: model, data, optimizer, engine\n", setup_s);
     std::fflush(stdout);
   }
 

@@ -107,15 +107,19 @@ TrainSession::TrainSession(const Config& c, Comm& comm_)
         segments.back().push_back({s.shard_offset, s.count,
                                    s.param->weight_decay() ? static_cast<float>(c.optim.weight_decay) : 0.0f});
     }
+    const auto t0 = std::chrono::steady_clock::now();
     engine.backend().state_attach(model.layout, segments, spec);
     push_state();
+    state_setup_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }
   // Offload on a GPU: the host-side pipeline (AdamW/SGD; Muon's collective step
   // keeps the plain host path).
   if (c.device.backend == "cuda" && c.model.optim_cpu_offload && !optimizer.muon()) {
+    const auto t0 = std::chrono::steady_clock::now();
     offload = std::make_unique<OffloadPipeline>(model, optimizer, engine.backend(),
                                                 static_cast<int>(c.device.cpu_threads));
     engine.set_offload(offload.get());
+    state_setup_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }
   SHARDLM_CHECK(c.data.seq_len <= arch.max_position_embeddings,
                 "data.seq_len = %lld is larger than the model supports (max_position_embeddings = %lld)",

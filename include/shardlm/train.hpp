@@ -63,6 +63,9 @@ struct TrainSession {
   RankRollouts rollouts;       // RL: this step's micro-batches of this rank
   int64_t bad_steps_in_a_row = 0;
   int64_t bad_steps_total = 0;
+  // Seconds the constructor spent placing the training state: uploading it to
+  // the GPU (device-resident state) or pinning the offload buffers.
+  double state_setup_s = 0;
 
   TrainSession(const Config& config, Comm& comm);
   StepStats step(int64_t step);
