@@ -147,6 +147,23 @@ TEST_CASE("train under mpirun -np 2: banner, progress, config.toml and metrics.j
   std::filesystem::remove_all(dir);
 }
 
+TEST_CASE("train: the setup line, and ckpt.save_final = false leaves no checkpoint at run.max_steps") {
+  const auto dir = std::filesystem::temp_directory_path() / ("shardlm-final-" + std::to_string(getpid()));
+  for (const bool save : {true, false}) {
+    INFO("ckpt.save_final = " << save);
+    std::filesystem::remove_all(dir);
+    auto r = run("OMP_NUM_THREADS=1 " + shardlm_bin() + " train inputs/tiny-sft.toml --set run.max_steps=6 " +
+                     "--set log.interval=6 --set ckpt.save_final=" + (save ? "true" : "false") + " --set run.dir=" +
+                     dir.string(),
+                 300);
+    CHECK(r.status == 0);
+    CHECK(r.output.find("setup ") != std::string::npos);
+    CHECK(r.output.find("s: model, data, optimizer, engine") != std::string::npos);
+    CHECK(std::filesystem::exists(dir / "checkpoints" / "step_6.h5") == save);
+  }
+  std::filesystem::remove_all(dir);
+}
+
 TEST_CASE("weight broadcast to a receiver (MPI path): the receiver's weights equal the trainer's export bit for bit") {
   const auto dir = std::filesystem::temp_directory_path() / ("shardlm-bcast-" + std::to_string(getpid()));
   const std::string sets = " --set broadcast.backend=nccl --set broadcast.interval=5 --set run.max_steps=10";
