@@ -223,24 +223,32 @@ struct GpuResult {
   std::vector<double> stats;       // (kFields)
 };
 
+// One case's inputs in device memory.
+struct DeviceInputs {
+  Device<bf16> logits;
+  Device<int32_t> targets;
+  Device<float> weights, adv, lp, temps;
+  DeviceInputs(const Inputs& in, int64_t n, int64_t V)
+      : logits(size_t(n * V)), targets(size_t(n)), weights(size_t(n)), adv(size_t(n)), lp(size_t(n)), temps(size_t(n)) {
+    logits.upload(in.logits);
+    targets.upload(in.targets);
+    weights.upload(in.weights);
+    adv.upload(in.advantages);
+    lp.upload(in.lp_inf);
+    temps.upload(in.temperatures);
+  }
+};
+
 GpuResult run_gpu(const Inputs& in, const Case& c, float grad_scale) {
   const int64_t n = c.n, V = c.V;
-  Device<bf16> logits(static_cast<size_t>(n * V));
-  Device<int32_t> targets(static_cast<size_t>(n));
-  Device<float> weights(static_cast<size_t>(n)), adv(static_cast<size_t>(n)), lp(static_cast<size_t>(n)), temps(static_cast<size_t>(n));
+  DeviceInputs dev(in, n, V);
   Device<double> row_stats(gpu::rl_loss_row_stats_bytes(n) / sizeof(double)), stats(kFields);
-  logits.upload(in.logits);
-  targets.upload(in.targets);
-  weights.upload(in.weights);
-  adv.upload(in.advantages);
-  lp.upload(in.lp_inf);
-  temps.upload(in.temperatures);
   row_stats.poison();
   stats.poison();
-  gpu::rl_loss_forward_backward(logits.ptr, row_stats.ptr, stats.ptr, targets.ptr, weights.ptr, adv.ptr, lp.ptr,
-                                temps.ptr, c.params, grad_scale, n, V, /*accumulate=*/false, nullptr);
+  gpu::rl_loss_forward_backward(dev.logits.ptr, row_stats.ptr, stats.ptr, dev.targets.ptr, dev.weights.ptr, dev.adv.ptr,
+                                dev.lp.ptr, dev.temps.ptr, c.params, grad_scale, n, V, /*accumulate=*/false, nullptr);
   CUDA_CHECK(cudaDeviceSynchronize());
-  return {logits.download(), row_stats.download(), stats.download()};
+  return {dev.logits.download(), row_stats.download(), stats.download()};
 }
 
 template <class T>
@@ -402,23 +410,16 @@ void test_accumulate(Random& rng) {
   const float grad_scale = 1.0f / 512.0f;
   const GpuResult whole = run_gpu(in, c, grad_scale);
 
-  Device<bf16> logits(static_cast<size_t>(n * V));
-  Device<int32_t> targets(static_cast<size_t>(n));
-  Device<float> weights(static_cast<size_t>(n)), adv(static_cast<size_t>(n)), lp(static_cast<size_t>(n)), temps(static_cast<size_t>(n));
+  DeviceInputs dev(in, n, V);
   Device<double> row_stats(static_cast<size_t>(kFields * n)), stats(kFields);
-  logits.upload(in.logits);
-  targets.upload(in.targets);
-  weights.upload(in.weights);
-  adv.upload(in.advantages);
-  lp.upload(in.lp_inf);
-  temps.upload(in.temperatures);
   stats.poison();
-  gpu::rl_loss_forward_backward(logits.ptr, row_stats.ptr, stats.ptr, targets.ptr, weights.ptr, adv.ptr, lp.ptr,
-                                temps.ptr, c.params, grad_scale, k, V, false, nullptr);
-  gpu::rl_loss_forward_backward(logits.ptr + k * V, row_stats.ptr, stats.ptr, targets.ptr + k, weights.ptr + k,
-                                adv.ptr + k, lp.ptr + k, temps.ptr + k, c.params, grad_scale, n - k, V, true, nullptr);
+  gpu::rl_loss_forward_backward(dev.logits.ptr, row_stats.ptr, stats.ptr, dev.targets.ptr, dev.weights.ptr, dev.adv.ptr,
+                                dev.lp.ptr, dev.temps.ptr, c.params, grad_scale, k, V, false, nullptr);
+  gpu::rl_loss_forward_backward(dev.logits.ptr + k * V, row_stats.ptr, stats.ptr, dev.targets.ptr + k,
+                                dev.weights.ptr + k, dev.adv.ptr + k, dev.lp.ptr + k, dev.temps.ptr + k, c.params,
+                                grad_scale, n - k, V, true, nullptr);
   CUDA_CHECK(cudaDeviceSynchronize());
-  const auto split_grad = logits.download();
+  const auto split_grad = dev.logits.download();
   const auto split_stats = stats.download();
   const int64_t d = bitwise_differences(split_grad, whole.dlogits);
   report.check_true("rl_loss split (n=20+28 V=128256) dlogits bitwise equal to one call", d == 0,
@@ -433,12 +434,12 @@ void test_accumulate(Random& rng) {
 
   // n = 0: overwrite zeroes the sums, accumulate leaves them.
   stats.upload(std::vector<double>(kFields, 3.0));
-  gpu::rl_loss_forward_backward(logits.ptr, row_stats.ptr, stats.ptr, targets.ptr, weights.ptr, adv.ptr, lp.ptr,
-                                temps.ptr, c.params, grad_scale, 0, V, true, nullptr);
+  gpu::rl_loss_forward_backward(dev.logits.ptr, row_stats.ptr, stats.ptr, dev.targets.ptr, dev.weights.ptr, dev.adv.ptr,
+                                dev.lp.ptr, dev.temps.ptr, c.params, grad_scale, 0, V, true, nullptr);
   CUDA_CHECK(cudaDeviceSynchronize());
   const auto kept = stats.download();
-  gpu::rl_loss_forward_backward(logits.ptr, row_stats.ptr, stats.ptr, targets.ptr, weights.ptr, adv.ptr, lp.ptr,
-                                temps.ptr, c.params, grad_scale, 0, V, false, nullptr);
+  gpu::rl_loss_forward_backward(dev.logits.ptr, row_stats.ptr, stats.ptr, dev.targets.ptr, dev.weights.ptr, dev.adv.ptr,
+                                dev.lp.ptr, dev.temps.ptr, c.params, grad_scale, 0, V, false, nullptr);
   CUDA_CHECK(cudaDeviceSynchronize());
   const auto zeroed = stats.download();
   bool ok = true;
