@@ -8,16 +8,9 @@
 # toolkit (nvcc, cuBLASLt) and a host g++ with OpenMP: no BLAS, no MPI. The CPU
 # reference (src/cpu/ops.cpp) gets its two CBLAS calls from the naive loops in the
 # test (tests/gpu/cblas_shim). Arguments are passed to the test binary.
-set -euo pipefail
-cd "$(dirname "$0")/../.."
-CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
-NVCC=${NVCC:-$CUDA_HOME/bin/nvcc}
-BUILD_GPU=${BUILD_GPU:-build-gpu}
-mkdir -p "$BUILD_GPU"
+source "$(dirname "$0")/nvcc.sh"
 
-"$NVCC" -std=c++20 -O3 -lineinfo \
-  -gencode=arch=compute_90a,code=sm_90a -gencode=arch=compute_90,code=sm_90 \
-  -Iinclude -Itests/gpu/cblas_shim \
+"$NVCC" "${NVCC_FLAGS[@]}" -Itests/gpu/cblas_shim \
   -Xcompiler -fopenmp,-ffp-contract=off,-Wall,-Wextra \
   tests/gpu/test_cuda_ops.cu src/cuda/ops.cu src/cuda/gemm.cu src/cpu/ops.cpp \
   -o "$BUILD_GPU/test_cuda_ops" \

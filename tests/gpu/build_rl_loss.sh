@@ -5,16 +5,9 @@
 #   bash tests/gpu/build_rl_loss.sh [--seed N] [--no-timing]
 #   BUILD_ONLY=1 bash tests/gpu/build_rl_loss.sh       compile and link only
 #   BUILD_GPU=/tmp/x bash tests/gpu/build_rl_loss.sh   build elsewhere
-set -euo pipefail
-cd "$(dirname "$0")/../.."
-CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
-NVCC=${NVCC:-$CUDA_HOME/bin/nvcc}
-BUILD_GPU=${BUILD_GPU:-build-gpu}
-mkdir -p "$BUILD_GPU"
+source "$(dirname "$0")/nvcc.sh"
 
-"$NVCC" -std=c++20 -O3 -lineinfo \
-  -gencode=arch=compute_90a,code=sm_90a -gencode=arch=compute_90,code=sm_90 \
-  -Iinclude -Xcompiler -fopenmp,-Wall,-Wextra \
+"$NVCC" "${NVCC_FLAGS[@]}" -Xcompiler -fopenmp,-Wall,-Wextra \
   tests/gpu/test_cuda_rl_loss.cu src/cuda/rl_loss.cu src/cpu/rl_loss.cpp \
   -o "$BUILD_GPU/test_cuda_rl_loss" -lgomp
 
