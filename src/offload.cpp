@@ -65,6 +65,7 @@ OffloadPipeline::OffloadPipeline(ShardedModel& model, Optimizer& optimizer, Back
     pin(slots_.back().data(), slots_.back().bytes());
   }
   slot_upload_.assign(kUploadSlots, -1);
+  for (int u = 0; u < units_; ++u) upload_numel_.push_back(covered_numel(model_, u));
   waited_.assign(units_, true);
   grad_copy_.assign(units_, -1);
   upload_.assign(units_, -1);
@@ -219,7 +220,7 @@ void OffloadPipeline::update_unit(int unit, double lr, float clip) {
   if (slot_upload_[slot] >= 0) backend_.host_wait(slot_upload_[slot]);
   uint16_t* bf16 = slots_[slot].data();
   optimizer_.step_unit(unit, lr, clip, bf16);
-  const int64_t n = covered_numel(model_, unit);
+  const int64_t n = upload_numel_[unit];
   const int64_t ticket = n > 0 ? backend_.copy_to_device(backend_.param_shard_for_upload(unit), bf16, 2 * size_t(n)) : -1;
   slot_upload_[slot] = ticket;
   {

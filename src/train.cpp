@@ -114,7 +114,7 @@ TrainSession::TrainSession(const Config& c, Comm& comm_)
   }
   // Offload on a GPU: the host-side pipeline (AdamW/SGD; Muon's collective step
   // keeps the plain host path).
-  if (c.device.backend == "cuda" && c.model.optim_cpu_offload && !optimizer.muon()) {
+  if (engine.options().offload_pipeline) {
     const auto t0 = std::chrono::steady_clock::now();
     offload = std::make_unique<OffloadPipeline>(model, optimizer, engine.backend(),
                                                 static_cast<int>(c.device.cpu_threads));

@@ -108,6 +108,7 @@ class OffloadPipeline {
   std::vector<Buffer<uint16_t>> slots_;      // 2 x (largest shard) pinned: updated shards in bf16, in turn
   std::vector<int64_t> slot_upload_;         // [slot] ticket of the upload that last read it (worker only)
   int next_slot_ = 0;                        // worker only
+  std::vector<int64_t> upload_numel_;        // [unit] elements uploaded: the shard's parameters, not its padding
   std::vector<void*> pinned_;                // host ranges registered with the backend
 
   int64_t micro_batches_ = 1, micro_batch_ = 0;  // this step's, and how many have started (main thread)
