@@ -221,7 +221,8 @@ void OffloadPipeline::update_unit(int unit, double lr, float clip) {
   uint16_t* bf16 = slots_[slot].data();
   optimizer_.step_unit(unit, lr, clip, bf16);
   const int64_t n = upload_numel_[unit];
-  const int64_t ticket = n > 0 ? backend_.copy_to_device(backend_.param_shard_for_upload(unit), bf16, 2 * size_t(n)) : -1;
+  const int64_t ticket =
+      n > 0 ? backend_.copy_to_device(backend_.param_shard_for_upload(unit), bf16, 2 * size_t(n)) : -1;
   slot_upload_[slot] = ticket;
   {
     std::lock_guard<std::mutex> lock(mutex_);

@@ -135,26 +135,10 @@ class CudaBackend final : public Backend {
     if (cudaHostUnregister(p) != cudaSuccess) cudaGetLastError();
   }
   int64_t copy_to_host(void* host, const void* src, size_t bytes) override {
-    std::lock_guard<std::mutex> lock(copy_mutex_);
-    const int64_t t = next_copy_++;
-    const int64_t i = t % kCopyRing;
-    CUDA_CHECK(cudaEventRecord(copy_ready_[i], stream_));
-    CUDA_CHECK(cudaStreamWaitEvent(d2h_, copy_ready_[i], 0));
-    CUDA_CHECK(cudaEventRecord(copy_start_[i], d2h_));  // passes once the compute stream has got there
-    CUDA_CHECK(cudaMemcpyAsync(host, src, bytes, cudaMemcpyDeviceToHost, d2h_));
-    CUDA_CHECK(cudaEventRecord(copy_done_[i], d2h_));
-    copy_info_[i] = {bytes, /*to_host=*/true, /*timed=*/false};
-    return t;
+    return queue_copy(host, src, bytes, /*to_host=*/true);
   }
   int64_t copy_to_device(void* dst, const void* host, size_t bytes) override {
-    std::lock_guard<std::mutex> lock(copy_mutex_);
-    const int64_t t = next_copy_++;
-    const int64_t i = t % kCopyRing;
-    CUDA_CHECK(cudaEventRecord(copy_start_[i], h2d_));
-    CUDA_CHECK(cudaMemcpyAsync(dst, host, bytes, cudaMemcpyHostToDevice, h2d_));
-    CUDA_CHECK(cudaEventRecord(copy_done_[i], h2d_));
-    copy_info_[i] = {bytes, /*to_host=*/false, /*timed=*/false};
-    return t;
+    return queue_copy(dst, host, bytes, /*to_host=*/false);
   }
   void host_wait(int64_t t) override {
     CUDA_CHECK(cudaEventSynchronize(copy_event(t)));
@@ -531,12 +515,41 @@ class CudaBackend final : public Backend {
   static constexpr size_t kGemmWorkspace = size_t(32) << 20;
 
   // A copy's event, checked to be the copy's own: the ring is far larger than the
-  // copies the offload pipeline keeps in flight (units + 2 per step).
+  // copies the offload pipeline keeps in flight (two per unit per step).
   cudaEvent_t copy_event(int64_t t) {
     std::lock_guard<std::mutex> lock(copy_mutex_);
     SHARDLM_CHECK(t >= 0 && t < next_copy_ && t >= next_copy_ - kCopyRing,
                   "internal: copy %lld waited on after %d newer ones", (long long)t, kCopyRing);
     return copy_done_[t % kCopyRing];
+  }
+
+  // One ticketed copy on its direction's stream, between two timed events. A copy
+  // to the host first waits for the work queued on the compute stream so far.
+  int64_t queue_copy(void* dst, const void* src, size_t bytes, bool to_host) {
+    std::lock_guard<std::mutex> lock(copy_mutex_);
+    if (copy_done_.empty()) {  // first copy: the event ring (only the offload pipeline copies this way)
+      copy_ready_.resize(kCopyRing);
+      copy_start_.resize(kCopyRing);
+      copy_done_.resize(kCopyRing);
+      copy_info_.resize(kCopyRing);
+      for (int i = 0; i < kCopyRing; ++i) {
+        CUDA_CHECK(cudaEventCreateWithFlags(&copy_ready_[i], cudaEventDisableTiming));
+        CUDA_CHECK(cudaEventCreate(&copy_start_[i]));  // timed: the achieved link bandwidth
+        CUDA_CHECK(cudaEventCreate(&copy_done_[i]));
+      }
+    }
+    const int64_t t = next_copy_++;
+    const int64_t i = t % kCopyRing;
+    cudaStream_t s = to_host ? d2h_ : h2d_;
+    if (to_host) {
+      CUDA_CHECK(cudaEventRecord(copy_ready_[i], stream_));
+      CUDA_CHECK(cudaStreamWaitEvent(s, copy_ready_[i], 0));
+    }
+    CUDA_CHECK(cudaEventRecord(copy_start_[i], s));  // to the host: passes once the compute stream has got there
+    CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, to_host ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice, s));
+    CUDA_CHECK(cudaEventRecord(copy_done_[i], s));
+    copy_info_[i] = {bytes, to_host, /*timed=*/false};
+    return t;
   }
 
   void init() {
@@ -545,15 +558,6 @@ class CudaBackend final : public Backend {
     CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     CUDA_CHECK(cudaStreamCreateWithFlags(&d2h_, cudaStreamNonBlocking));
     CUDA_CHECK(cudaStreamCreateWithFlags(&h2d_, cudaStreamNonBlocking));
-    copy_ready_.resize(kCopyRing);
-    copy_start_.resize(kCopyRing);
-    copy_done_.resize(kCopyRing);
-    copy_info_.resize(kCopyRing);
-    for (int i = 0; i < kCopyRing; ++i) {
-      CUDA_CHECK(cudaEventCreateWithFlags(&copy_ready_[i], cudaEventDisableTiming));
-      CUDA_CHECK(cudaEventCreate(&copy_start_[i]));  // timed: the achieved link bandwidth
-      CUDA_CHECK(cudaEventCreate(&copy_done_[i]));
-    }
     gemm_workspace_ = own(Mem::Workspace, kGemmWorkspace);
     gemm_ = std::make_unique<cuda::Gemm>(stream_, gemm_workspace_, kGemmWorkspace);
   }
