@@ -5,11 +5,8 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cstring>
 
-#include "shardlm/cpu_ops.hpp"
 #include "shardlm/error.hpp"
-#include "shardlm/hf.hpp"
 #include "shardlm/runtime.hpp"
 
 namespace shardlm {
