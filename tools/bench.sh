@@ -20,6 +20,17 @@ PY=${PYTHON:-python3}
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive}
 [ -f runs/bench-data/random-128k.h5 ] || $PY tools/make_synthetic_data.py runs/bench-data/random-128k.h5 --vocab 128256 --tokens 600000 --doc-len 32769
 [ -f runs/bench-data/random-32k.h5 ] || $PY tools/make_synthetic_data.py runs/bench-data/random-32k.h5 --vocab 32000 --tokens 600000 --doc-len 2049
+# Wait (at most 2 min) until host memory stops coming back: a killed run that had
+# pinned ~100 GB is still being torn down for seconds, and a run started beside
+# that measured 15-27% slow.
+settle_host_memory() {
+  local prev=0 cur i
+  for i in $(seq 120); do
+    cur=$(awk '/MemAvailable/ {print int($2 / 1024)}' /proc/meminfo)
+    [ $((cur - prev)) -lt 256 ] && [ $((prev - cur)) -lt 256 ] && return
+    prev=$cur; sleep 1
+  done
+}
 run() {
   local name=$1 deck=$2; shift 2
   echo "== $name: $SHARDLM train $deck $*"
@@ -27,6 +38,7 @@ run() {
   # runs/bench-NAME.log. BENCH_TIMEOUT=S kills the trainer after S seconds with
   # SIGKILL: SIGTERM would make it save a checkpoint before it stops.
   rm -rf "runs/bench-$name"
+  settle_host_memory
   ${BENCH_TIMEOUT:+timeout -s KILL $BENCH_TIMEOUT} "$SHARDLM" train "$deck" --set run.dir=runs/bench-$name \
     --set ckpt.resume=none --set ckpt.interval=0 --set ckpt.save_final=false "$@" > "runs/bench-$name.log" 2>&1 || true
   grep -E "^(setup|throughput|step time|memory|muon|offload|shardlm: error)" "runs/bench-$name.log" | sed "s/^/$name: /" || true

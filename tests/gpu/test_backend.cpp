@@ -64,16 +64,24 @@ std::vector<StepStats> train_steps(Config c, int steps) {
   return out;
 }
 
+// PYTHON, else the first of /usr/bin/python3 and python3 that imports h5py and numpy (the
+// Makefile's choice, for a test_gpu run outside `make test-gpu`).
+std::string python_with_h5py() {
+  const char* py = std::getenv("PYTHON");
+  if (py && *py) return py;
+  for (const char* p : {"/usr/bin/python3", "python3"})
+    if (shardlm_test::run(std::string(p) + " -c 'import h5py, numpy'", 30).status == 0) return p;
+  return "python3";
+}
+
 // Synthetic rollout files for inputs/tiny-rl.toml, made by tools/make_rollouts.py as
 // the CLI test makes them; removed when the test ends.
 struct Rollouts {
   fs::path dir;
   explicit Rollouts(int steps)
       : dir(fs::temp_directory_path() / ("shardlm-gpu-rl-" + std::to_string(getpid()))) {
-    const char* py = std::getenv("PYTHON");
-    const auto r = shardlm_test::run(std::string(py && *py ? py : "/usr/bin/python3") +
-                                         " tools/make_rollouts.py inputs/data/tiny.h5 --out " + dir.string() +
-                                         " --steps " + std::to_string(steps),
+    const auto r = shardlm_test::run(python_with_h5py() + " tools/make_rollouts.py inputs/data/tiny.h5 --out " +
+                                         dir.string() + " --steps " + std::to_string(steps),
                                      120);
     REQUIRE_MESSAGE(r.status == 0, r.output);
   }
