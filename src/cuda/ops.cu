@@ -1,6 +1,7 @@
 // ops.cu — CUDA kernels and launchers; see include/shardlm/cuda_ops.hpp for the
 // contract and docs/kernels.md for precision, determinism and bytes moved per op.
 #include "shardlm/cuda_ops.hpp"
+#include "kernel_common.cuh"
 
 #include <cooperative_groups.h>
 #include <cub/device/device_radix_sort.cuh>
@@ -14,11 +15,11 @@ namespace shardlm::cuda {
 namespace {
 
 namespace cg = cooperative_groups;
+using namespace dev;  // Pack, f32, to_bf16, block_reduce, SumOp, MaxOp (kernel_common.cuh)
 
 // ---------------------------------------------------------------- common
 
 constexpr int kThreads = 256;        // elementwise kernels
-constexpr unsigned kFullMask = 0xffffffffu;
 
 __host__ __device__ constexpr int64_t div_up(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -43,31 +44,6 @@ void check_size(int64_t v, int64_t max, const char* what, const char* op) {
                 static_cast<long long>(v), static_cast<long long>(max));
 }
 
-// VEC elements of T moved as one access (16 bytes for 8 bf16 or 4 floats).
-template <int BYTES> struct RawType;
-template <> struct RawType<16> { using type = uint4; };
-template <> struct RawType<8> { using type = uint2; };
-template <> struct RawType<4> { using type = uint32_t; };
-template <> struct RawType<2> { using type = uint16_t; };
-
-template <class T, int VEC>
-struct Pack {
-  using Raw = typename RawType<sizeof(T) * VEC>::type;
-  union {
-    Raw raw;
-    T v[VEC];
-  };
-  __device__ __forceinline__ static Pack load(const T* p) {
-    Pack x;
-    x.raw = *reinterpret_cast<const Raw*>(p);
-    return x;
-  }
-  __device__ __forceinline__ void store(T* p) const { *reinterpret_cast<Raw*>(p) = raw; }
-};
-
-__device__ __forceinline__ float f32(bf16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ bf16 to_bf16(float x) { return __float2bfloat16_rn(x); }
-
 // Sum over the G consecutive threads of a group (G a power of two, uniform over the
 // block). Every thread of the group gets the same bits: the xor butterfly adds the
 // same two values on both sides, and across warps every thread adds the warp sums
@@ -85,26 +61,6 @@ __device__ __forceinline__ float group_sum(float v, int G, float* red) {
   for (int w = 1; w < warps_per_group; ++w) t += red[first + w];
   return t;
 }
-
-// Whole-block reduction in a fixed order; every thread returns the same value.
-template <class T, class Op>
-__device__ __forceinline__ T block_reduce(T v, Op op, T* red) {
-  for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(kFullMask, v, o));
-  const int warp = threadIdx.x >> 5;
-  __syncthreads();
-  if ((threadIdx.x & 31) == 0) red[warp] = v;
-  __syncthreads();
-  T t = red[0];
-  for (int w = 1; w < int(blockDim.x >> 5); ++w) t = op(t, red[w]);
-  return t;
-}
-
-struct SumOp {
-  template <class T> __device__ __forceinline__ T operator()(T a, T b) const { return a + b; }
-};
-struct MaxOp {
-  __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); }
-};
 
 // dst[c] += sum over p of partial[p][c], p in order: the second pass of every
 // deterministic column reduction. partial (P, C). Block (32, kFinishSlices): each
@@ -686,28 +642,8 @@ cross_entropy_kernel(bf16* __restrict__ logits, float* __restrict__ loss,
   // Read before the first cluster barrier: no CTA writes the row before it.
   const float x_target = (rank == 0 && tid == 0) ? f32(x[target]) : 0.0f;
 
-  float m = -INFINITY;
-  for (int i0 = tid; i0 < nvec; i0 += kCeBatch * kCeThreads) {
-    P p[kCeBatch];
-#pragma unroll
-    for (int b = 0; b < kCeBatch; ++b) {
-      const int i = i0 + b * kCeThreads;
-      if (i < nvec) p[b] = P::load(x + c0 + int64_t(i) * VEC);
-    }
-#pragma unroll
-    for (int b = 0; b < kCeBatch; ++b) {
-      const int i = i0 + b * kCeThreads;
-      if (i >= nvec) break;
-      sx[i] = p[b];
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) m = fmaxf(m, f32(p[b].v[j]));
-    }
-  }
-  m = block_reduce(m, MaxOp{}, red);
-  if (tid == 0) cta_max = m;
-  cluster.sync();
-  float row_max = -INFINITY;
-  for (int r = 0; r < csize; ++r) row_max = fmaxf(row_max, *cluster.map_shared_rank(&cta_max, r));
+  const float row_max =
+      slice_to_smem_row_max<VEC, kCeThreads, kCeBatch>(x + c0, nvec, sx, red, &cta_max, cluster);
 
   float s = 0.0f;
   for (int i = tid; i < nvec; i += kCeThreads) {
@@ -715,7 +651,7 @@ cross_entropy_kernel(bf16* __restrict__ logits, float* __restrict__ loss,
 #pragma unroll
     for (int j = 0; j < VEC; ++j) s += __expf(f32(p.v[j]) - row_max);
   }
-  s = block_reduce(s, SumOp{}, red);
+  s = block_reduce<kCeThreads>(s, SumOp{}, red);
   if (tid == 0) cta_sum = s;
   cluster.sync();
   float row_sum = 0.0f;

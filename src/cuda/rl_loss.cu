@@ -3,6 +3,7 @@
 // the formula (cpu::rl_loss_forward_backward is the reference) and docs/kernels.md
 // for precision, determinism and bytes moved.
 #include "shardlm/cuda_rl_loss.hpp"
+#include "kernel_common.cuh"
 
 #include <cooperative_groups.h>
 
@@ -15,59 +16,11 @@ namespace shardlm::cuda {
 namespace {
 
 namespace cg = cooperative_groups;
+using namespace dev;  // Pack, f32, to_bf16, block_reduce, SumOp (kernel_common.cuh)
 
 constexpr int kRlThreads = 512;          // per CTA of the loss kernel
 constexpr int kRlLoadBatch = 4;          // 16-byte loads in flight per thread while filling smem
 constexpr int kRlSumThreads = 256;       // per block of the chunk-sum kernel
-constexpr unsigned kAllLanes = 0xffffffffu;
-
-// VEC consecutive bf16 of a row moved as one access: 16 bytes (VEC = 8) on the
-// vector path, one element on the scalar path (V not a multiple of 8, or a
-// misaligned chunk).
-template <int VEC> struct RawBits;
-template <> struct RawBits<8> { using type = uint4; };
-template <> struct RawBits<1> { using type = unsigned short; };
-
-template <int VEC>
-struct BfVec {
-  union {
-    typename RawBits<VEC>::type raw;
-    bf16 v[VEC];
-  };
-};
-
-template <int VEC>
-__device__ __forceinline__ BfVec<VEC> load_vec(const bf16* p) {
-  BfVec<VEC> x;
-  x.raw = *reinterpret_cast<const typename RawBits<VEC>::type*>(p);
-  return x;
-}
-template <int VEC>
-__device__ __forceinline__ void store_vec(bf16* p, const BfVec<VEC>& x) {
-  *reinterpret_cast<typename RawBits<VEC>::type*>(p) = x.raw;
-}
-
-struct AddOp {
-  template <class T> __device__ __forceinline__ T operator()(T a, T b) const { return a + b; }
-};
-struct MaxfOp {
-  __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); }
-};
-
-// The whole block's sum (or max) in one fixed order: an xor butterfly inside each
-// warp (both partners add the same two values, so every lane holds the same
-// bits), then the warp results in warp order. Every thread returns the same value.
-// scratch: THREADS / 32 elements; contains __syncthreads(), call from all threads.
-template <int THREADS, class T, class Op>
-__device__ __forceinline__ T block_reduce_fixed(T v, Op op, T* scratch) {
-  for (int offset = 16; offset > 0; offset >>= 1) v = op(v, __shfl_xor_sync(kAllLanes, v, offset));
-  __syncthreads();  // the previous call's readers are done with scratch
-  if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
-  __syncthreads();
-  T total = scratch[0];
-  for (int w = 1; w < THREADS / 32; ++w) total = op(total, scratch[w]);
-  return total;
-}
 
 struct RlKernelParams {
   double mask_high, mask_low, kl_coef, ce_coef;
@@ -88,7 +41,7 @@ rl_loss_kernel(bf16* __restrict__ logits, double* __restrict__ row_stats,
                const float* __restrict__ advantages, const float* __restrict__ inference_logprobs,
                const float* __restrict__ temperatures, RlKernelParams p, int64_t n, int64_t V,
                int64_t chunk) {
-  using Vec = BfVec<VEC>;
+  using Vec = Pack<bf16, VEC>;
   extern __shared__ __align__(16) unsigned char rl_smem[];
   Vec* slice = reinterpret_cast<Vec*>(rl_smem);  // (chunk / VEC) this CTA's columns
   __shared__ float warp_max[kRlThreads / 32];
@@ -115,7 +68,7 @@ rl_loss_kernel(bf16* __restrict__ logits, double* __restrict__ row_stats,
   if (!valid) {  // the same for the whole cluster: no CTA reaches a cluster barrier
     Vec zero;
     zero.raw = {};
-    for (int i = tid; i < nvec; i += kRlThreads) store_vec<VEC>(x + c0 + int64_t(i) * VEC, zero);
+    for (int i = tid; i < nvec; i += kRlThreads) zero.store(x + c0 + int64_t(i) * VEC);
     if (rank == 0 && tid == 0) {
       const double nan = __longlong_as_double(0x7ff8000000000000ll);
       // A loss row with a bad target or temperature: NaN loss, entropy and KL.
@@ -130,31 +83,11 @@ rl_loss_kernel(bf16* __restrict__ logits, double* __restrict__ row_stats,
     return;
   }
   // Read before the first cluster barrier: no CTA writes the row before the second.
-  const float x_target = tid == 0 ? __bfloat162float(x[y]) : 0.0f;
+  const float x_target = tid == 0 ? f32(x[y]) : 0.0f;
 
-  // Pass 1: HBM -> shared memory, and the slice's max.
-  float m = -INFINITY;
-  for (int i0 = tid; i0 < nvec; i0 += kRlLoadBatch * kRlThreads) {
-    Vec v[kRlLoadBatch];
-#pragma unroll
-    for (int b = 0; b < kRlLoadBatch; ++b) {
-      const int i = i0 + b * kRlThreads;
-      if (i < nvec) v[b] = load_vec<VEC>(x + c0 + int64_t(i) * VEC);
-    }
-#pragma unroll
-    for (int b = 0; b < kRlLoadBatch; ++b) {
-      const int i = i0 + b * kRlThreads;
-      if (i >= nvec) break;
-      slice[i] = v[b];  // each thread reads back only the vectors it stored
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) m = fmaxf(m, __bfloat162float(v[b].v[j]));
-    }
-  }
-  m = block_reduce_fixed<kRlThreads>(m, MaxfOp{}, warp_max);
-  if (tid == 0) cta_max = m;
-  cluster.sync();
-  float row_max = -INFINITY;
-  for (int r = 0; r < csize; ++r) row_max = fmaxf(row_max, *cluster.map_shared_rank(&cta_max, r));
+  // Pass 1: HBM -> shared memory, and the row max.
+  const float row_max =
+      slice_to_smem_row_max<VEC, kRlThreads, kRlLoadBatch>(x + c0, nvec, slice, warp_max, &cta_max, cluster);
 
   // Pass 2: sum of e and of e * d (the entropy): each vector's VEC terms in fp32,
   // the vectors' partials in double (one conversion per vector, not per element:
@@ -171,7 +104,7 @@ rl_loss_kernel(bf16* __restrict__ logits, double* __restrict__ row_stats,
     float vs = 0.0f, vs_ed = 0.0f;
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
-      const float d = (__bfloat162float(v.v[j]) - row_max) * inv_tau;
+      const float d = (f32(v.v[j]) - row_max) * inv_tau;
       const float e = __expf(d);
       vs += e;
       vs_ed = fmaf(e, d, vs_ed);
@@ -179,8 +112,8 @@ rl_loss_kernel(bf16* __restrict__ logits, double* __restrict__ row_stats,
     s += double(vs);
     s_ed += double(vs_ed);
   }
-  s = block_reduce_fixed<kRlThreads>(s, AddOp{}, warp_sum);
-  s_ed = block_reduce_fixed<kRlThreads>(s_ed, AddOp{}, warp_sum);
+  s = block_reduce<kRlThreads>(s, SumOp{}, warp_sum);
+  s_ed = block_reduce<kRlThreads>(s_ed, SumOp{}, warp_sum);
   if (tid == 0) {
     cta_sum = s;
     cta_sum_ed = s_ed;
@@ -231,11 +164,11 @@ rl_loss_kernel(bf16* __restrict__ logits, double* __restrict__ row_stats,
     const int64_t col0 = c0 + int64_t(i) * VEC;
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
-      float d = __fmul_rn(__expf((__bfloat162float(v.v[j]) - row_max) * inv_tau), exp_scale);
+      float d = __fmul_rn(__expf((f32(v.v[j]) - row_max) * inv_tau), exp_scale);
       if (col0 + j == y) d = __fadd_rn(d, target_add);
-      g.v[j] = __float2bfloat16_rn(d);
+      g.v[j] = to_bf16(d);
     }
-    store_vec<VEC>(x + col0, g);
+    g.store(x + col0);
   }
   cluster.sync();  // no CTA may exit while another still reads its cta_max / cta_sum
 }
@@ -249,7 +182,7 @@ rl_stats_sum_kernel(double* __restrict__ stats, const double* __restrict__ row_s
   const double* field = row_stats + int64_t(blockIdx.x) * n;
   double s = 0.0;
   for (int64_t i = threadIdx.x; i < n; i += kRlSumThreads) s += field[i];
-  s = block_reduce_fixed<kRlSumThreads>(s, AddOp{}, warp_sum);
+  s = block_reduce<kRlSumThreads>(s, SumOp{}, warp_sum);
   if (threadIdx.x == 0) stats[blockIdx.x] = accumulate ? stats[blockIdx.x] + s : s;
 }
 

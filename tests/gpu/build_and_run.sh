@@ -3,6 +3,7 @@
 #
 #   bash tests/gpu/build_and_run.sh [--seed N] [--no-timing]
 #   BUILD_GPU=/tmp/x bash tests/gpu/build_and_run.sh    # build elsewhere
+#   BUILD_ONLY=1 bash tests/gpu/build_and_run.sh        # compile and link only
 #
 # One nvcc command (below, also in tests/gpu/README.md); it needs only the CUDA
 # toolkit (nvcc, cuBLASLt) and a host g++ with OpenMP: no BLAS, no MPI. The CPU
@@ -18,5 +19,6 @@ source "$(dirname "$0")/nvcc.sh"
 
 # Passive OpenMP waiting: the CPU reference shares the cores with nothing else here,
 # but busy-waiting threads would slow the host side between GPU calls.
+[ "${BUILD_ONLY:-0}" = 1 ] && exit 0
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive}
 exec "$BUILD_GPU/test_cuda_ops" "$@"
