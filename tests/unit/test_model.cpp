@@ -242,6 +242,13 @@ TEST_CASE("seeded init: every world size builds the same model, element by eleme
     for (size_t u = 0; u < units.size(); ++u)
       CHECK(std::memcmp(units[u].data(), one.param[u].data(), sizeof(float) * one.layout.units[u].numel) == 0);
   }
+  // init_range (the name hashed once per range) is init_value element by element.
+  int64_t checked = 0;
+  for (size_t u = 0; u < one.layout.units.size(); ++u)
+    for (const auto& s : one.segments(one.layout.units[u]))
+      for (int64_t i = 0; i < s.count; i += 97, ++checked)
+        REQUIRE(one.param[u][s.shard_offset + i] == init_value(1234, *s.param, s.param_begin + i, 0.02));
+  CHECK(checked > 1000);
   ShardedModel other(c, 0, 1);
   other.init_seeded(1235, 0.02);
   CHECK(std::memcmp(other.param[0].data(), one.param[0].data(), 64 * sizeof(float)) != 0);
