@@ -101,6 +101,7 @@ const std::vector<KeySpec>& key_table() {
       key("model.tie_word_embeddings", Type::Bool, FIELD(model.arch.tie_word_embeddings)),
       positive(key("model.init_std", Type::Float, FIELD(model.init_std))),
       key("model.optim_cpu_offload", Type::Bool, FIELD(model.optim_cpu_offload)),
+      one_of(key("model.optim_offload_grads", Type::String, FIELD(model.optim_offload_grads)), {"host", "device"}),
       one_of(key("model.activation_checkpointing", Type::String, FIELD(model.activation_checkpointing)),
              {"none", "full"}),
       key("model.reshard_after_forward", Type::Bool, FIELD(model.reshard_after_forward)),
@@ -398,6 +399,16 @@ void validate(const Config& c, int world, const std::map<std::string, std::strin
     err("optim.name = \"muon\" with device.backend = \"cuda\" needs model.optim_cpu_offload = true (the GPU-resident "
         "optimizer is AdamW/SGD; offloaded, Muon's momentum and exchange run on the host and its Newton–Schulz in bf16 "
         "on the GPU: docs/muon.md)");
+  if (c.model.optim_offload_grads == "device") {
+    if (!c.model.optim_cpu_offload)
+      err("model.optim_offload_grads = \"device\" sets where the offloaded optimizer's gradients wait: it needs "
+          "model.optim_cpu_offload = true");
+    else if (c.device.backend == "cpu")
+      err("model.optim_offload_grads = \"device\" keeps gradients in GPU memory: it needs device.backend = \"cuda\"");
+    else if (c.optim.name == "muon")
+      err("model.optim_offload_grads = \"device\" is for AdamW and SGD: Muon's offloaded step reads every gradient "
+          "on the host (docs/muon.md)");
+  }
   if (c.model.reduce_dtype == "bf16" && c.device.backend == "cpu")
     err("model.reduce_dtype = \"bf16\" needs device.backend = \"cuda\" (the CPU backend is the fp32 reference)");
   if (c.device.memory_limit_gib > 0 && c.device.backend == "cpu")

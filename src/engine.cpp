@@ -51,8 +51,9 @@ MemoryPlan plan_memory(const ModelConfig& config, int world, const EngineOptions
   plan.device = !backend.host_resident();
   for (const auto& u : layout.units) plan.param_shards += 4 * u.shard_numel;
   if (plan.device) plan.param_copies = plan.param_shards / 4 * backend.param_bytes();
-  // Device-resident state accumulates gradients on the device only: no host grad shards.
-  plan.grad_shards = o.device_state ? 0 : plan.param_shards;
+  // Device-resident state, and offload with gradients on the device, accumulate
+  // gradients on the device only: no host grad shards.
+  plan.grad_shards = o.device_state || o.offload_device_grads ? 0 : plan.param_shards;
   plan.optim_state = plan.param_shards * optim_states;
   if (world > 1)
     plan.gathered += backend.param_bytes() * param_slot_count(layout, o.reshard_after_forward) * max_padded(layout);
@@ -62,7 +63,7 @@ MemoryPlan plan_memory(const ModelConfig& config, int world, const EngineOptions
     if (bf16_gradients(world, o)) plan.gathered += 2 * grad_slot_count() * max_padded(layout);
   }
   if (o.offload_pipeline) {
-    plan.offload_buffers = OffloadPipeline::host_bytes(layout);
+    plan.offload_buffers = OffloadPipeline::host_bytes(layout, o.offload_device_grads);
     plan.device_grads = plan.param_shards;  // fp32 accumulators of the micro-batches
   }
   // Several ranks on one GPU: two pinned host buffers of one full fp32 unit each.
@@ -309,13 +310,19 @@ void Engine::hand_over_reduced(int unit) {
     if (s.unit != -1 && s.reducing && s.unit != unit) finish_grad(s);
 }
 
-// Offload, the step's first micro-batch: the accumulators start from zero once
-// the last step's copies have left them.
 void Engine::begin_offload_micro_batch() {
   SHARDLM_CHECK(offload_, "internal: model.optim_cpu_offload's engine has no offload pipeline attached");
   const OffloadPipeline::MicroBatch mb = offload_->next_micro_batch();
   last_micro_batch_ = mb.last;
-  if (!mb.first) return;
+  first_micro_batch_ = mb.first;
+}
+
+// Offload, the step's first micro-batch, after its forward: the accumulators
+// start from zero once the last step's copies have left them. Every unit's
+// params() has waited for its update by then, and with the gradients on the
+// device each update waited for its own copy first.
+void Engine::zero_offload_accumulators() {
+  if (!first_micro_batch_) return;
   for (size_t u = 0; u < offload_grads_.size(); ++u) {
     if (offload_copy_[u] >= 0) backend_->compute_wait(offload_copy_[u]);
     offload_copy_[u] = -1;
@@ -366,6 +373,7 @@ LossStats Engine::forward_backward(const TokenBatch& b, float grad_scale) {
   const int64_t norm_off = hu.param("model.norm.weight").offset;
   const void* hw = params(head);
   const void* lm_w = lm_head_weights();
+  if (options_.offload_pipeline) zero_offload_accumulators();
   float* hg = grads(head);
   float* lm_g = config_.tie_word_embeddings ? grads(0) : hg + hu.param("lm_head.weight").offset;
   const LossStats loss =

@@ -36,27 +36,45 @@ int64_t covered_numel(const ShardedModel& model, int unit) {
 
 }  // namespace
 
-int64_t OffloadPipeline::host_bytes(const ModelLayout& layout) {
-  return kUploadSlots * 2 * max_shard_numel(layout);
+// With the gradients on the device, two pinned fp32 landing buffers as well: unit
+// u + 1's gradient lands in one while unit u's update reads the other.
+constexpr int kLandingBuffers = 2;
+
+int64_t OffloadPipeline::host_bytes(const ModelLayout& layout, bool device_grads) {
+  return (kUploadSlots * 2 + (device_grads ? kLandingBuffers * 4 : 0)) * max_shard_numel(layout);
 }
 
-OffloadPipeline::OffloadPipeline(ShardedModel& model, Optimizer& optimizer, Backend& backend, int cpu_threads)
+OffloadPipeline::OffloadPipeline(ShardedModel& model, Optimizer& optimizer, Backend& backend, int cpu_threads,
+                                 bool device_grads)
     : model_(model),
       optimizer_(optimizer),
       backend_(backend),
       units_(static_cast<int>(model.layout.units.size())),
-      cpu_threads_(cpu_threads) {
+      cpu_threads_(cpu_threads),
+      device_grads_(device_grads) {
   SHARDLM_CHECK(backend.supports_async_copies(), "model.optim_cpu_offload needs a GPU backend (this one is %s)",
                 backend.name());
-  // Gradients land straight in the fp32 grad shards, the bf16 shards go up from
-  // pinned memory: pinning makes those copies DMA that overlaps compute.
+  // Gradients land straight in the fp32 grad shards (or the landing buffers), the
+  // bf16 shards go up from pinned memory: pinning makes those copies DMA that
+  // overlaps compute.
   auto pin = [&](void* p, size_t bytes) {
     timing_.pin_wanted_bytes += static_cast<int64_t>(bytes);
     if (!backend_.pin_host(p, bytes)) return;
     pinned_.push_back(p);
     timing_.pinned_bytes += static_cast<int64_t>(bytes);
   };
-  for (int u = 0; u < units_; ++u) pin(model.grad[u].data(), model.grad[u].bytes());
+  if (device_grads_) {
+    for (int i = 0; i < kLandingBuffers; ++i) {
+      landing_.emplace_back(Mem::Workspace, max_shard_numel(model.layout));
+      pin(landing_.back().data(), landing_.back().bytes());
+    }
+  } else {
+    for (int u = 0; u < units_; ++u) {
+      SHARDLM_CHECK(model.grad[u].size() == model.layout.units[u].shard_numel,
+                    "internal: the offload pipeline needs host gradient shards (or optim_offload_grads = device)");
+      pin(model.grad[u].data(), model.grad[u].bytes());
+    }
+  }
   for (int i = 0; i < kUploadSlots; ++i) {
     slots_.emplace_back(Mem::Workspace, max_shard_numel(model.layout));
     pin(slots_.back().data(), slots_.back().bytes());
@@ -65,6 +83,7 @@ OffloadPipeline::OffloadPipeline(ShardedModel& model, Optimizer& optimizer, Back
   for (int u = 0; u < units_; ++u) upload_numel_.push_back(covered_numel(model_, u));
   waited_.assign(units_, true);
   grad_copy_.assign(units_, -1);
+  grad_src_.assign(units_, nullptr);
   upload_.assign(units_, -1);
   updating_.assign(units_, false);
   worker_ = std::thread([this] { run(); });
@@ -109,10 +128,33 @@ int64_t OffloadPipeline::grad_ready(int unit, const float* src, int64_t n) {
   SHARDLM_CHECK(micro_batch_ == micro_batches_ && landed_ < units_,
                 "internal: unit %d's gradient handed over before the step's last micro-batch", unit);
   ++landed_;
+  if (device_grads_) {  // copied by the worker, just before the unit's update
+    std::lock_guard<std::mutex> lock(mutex_);
+    grad_src_[unit] = src;
+    return -1;
+  }
   const int64_t ticket = backend_.copy_to_host(model_.grad[unit].data(), src, 4 * size_t(n));
   std::lock_guard<std::mutex> lock(mutex_);
   grad_copy_[unit] = ticket;
   return ticket;
+}
+
+// Gradients on the device: unit's step gradient into its landing buffer (the
+// worker, one unit ahead of the update; the buffer's last reader was the update
+// of unit - 2, finished). The copy is ordered after the work on the compute
+// stream so far; the next step's forward, already running there, leaves the
+// accumulators alone until every unit's update is done (Engine::forward_backward).
+void OffloadPipeline::issue_grad_copy(int unit) {
+  const float* src = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    src = grad_src_[unit];
+  }
+  SHARDLM_CHECK(src, "internal: unit %d's gradient was not handed over", unit);
+  const int64_t n = model_.layout.units[unit].shard_numel;
+  const int64_t ticket = backend_.copy_to_host(landing_[unit % kLandingBuffers].data(), src, 4 * size_t(n));
+  std::lock_guard<std::mutex> lock(mutex_);
+  grad_copy_[unit] = ticket;
 }
 
 void OffloadPipeline::param_ready(int unit) {
@@ -203,6 +245,10 @@ void OffloadPipeline::run() {
 }
 
 void OffloadPipeline::update_unit(int unit, double lr, float clip) {
+  if (device_grads_) {
+    if (unit == 0) issue_grad_copy(0);
+    if (unit + 1 < units_) issue_grad_copy(unit + 1);
+  }
   int64_t grad = -1;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -216,7 +262,7 @@ void OffloadPipeline::update_unit(int unit, double lr, float clip) {
   next_slot_ = (next_slot_ + 1) % kUploadSlots;
   if (slot_upload_[slot] >= 0) backend_.host_wait(slot_upload_[slot]);
   uint16_t* bf16 = slots_[slot].data();
-  optimizer_.step_unit(unit, lr, clip, bf16);
+  optimizer_.step_unit(unit, lr, clip, bf16, device_grads_ ? landing_[unit % kLandingBuffers].data() : nullptr);
   const int64_t n = upload_numel_[unit];
   const int64_t ticket =
       n > 0 ? backend_.copy_to_device(backend_.param_shard_for_upload(unit), bf16, 2 * size_t(n)) : -1;

@@ -115,7 +115,7 @@ void Optimizer::step(double lr, float grad_scale) {
   if (config_.name == "muon") muon_->step(lr, config_.weight_decay, config_.muon_momentum, grad_scale, state_[0]);
 }
 
-void Optimizer::step_unit(int ui, double lr, float grad_scale, uint16_t* param_bf16) {
+void Optimizer::step_unit(int ui, double lr, float grad_scale, uint16_t* param_bf16, const float* grad) {
   const bool muon = config_.name == "muon";
   SHARDLM_CHECK(!muon || !param_bf16, "internal: Muon updates its matrices in a collective step, not per unit");
   // Muon's AdamW group follows the same schedule, scaled to its own peak lr.
@@ -124,7 +124,7 @@ void Optimizer::step_unit(int ui, double lr, float grad_scale, uint16_t* param_b
   const cpu::AdamWConsts adamw = cpu::adamw_consts(adamw_lr, config_.beta1, config_.beta2, config_.eps, step_);
   const Unit& unit = model_->layout.units[ui];
   float* p = model_->param[ui].data();
-  const float* g = model_->grad[ui].data();
+  const float* g = grad ? grad : model_->grad[ui].data();
   for (const auto& seg : segments_[ui]) {
     const int64_t o = seg.shard_offset, n = seg.count;
     uint16_t* bf16 = param_bf16 ? param_bf16 + o : nullptr;

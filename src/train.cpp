@@ -26,6 +26,7 @@ EngineOptions engine_options_for(const Config& config) {
   // On a GPU the fp32 state lives on the device unless it is offloaded to the host.
   o.device_state = config.device.backend == "cuda" && !config.model.optim_cpu_offload;
   o.offload_pipeline = config.device.backend == "cuda" && config.model.optim_cpu_offload && config.optim.name != "muon";
+  o.offload_device_grads = o.offload_pipeline && config.model.optim_offload_grads == "device";
   o.reduce_bf16 = config.model.reduce_dtype == "bf16";
   // "auto" is resolved by select_comm() at start-up; a session built without it
   // (tests, tools) on one GPU per rank uses NCCL.
@@ -48,9 +49,11 @@ DataSpec data_spec(const Config& c, int64_t vocab) {
 }
 
 ShardedModel initial_model(const Config& c, const ModelConfig& arch, const Comm& comm) {
-  // Device-resident state accumulates gradients in device shards only; the host
-  // ones would never be read (checkpoints hold no gradients): none are made.
-  const bool host_grads = engine_options_for(c).device_state == false;
+  // Device-resident state, and the offload pipeline with optim_offload_grads =
+  // "device", accumulate gradients in device shards only; the host ones would
+  // never be read (checkpoints hold no gradients): none are made.
+  const EngineOptions o = engine_options_for(c);
+  const bool host_grads = !o.device_state && !o.offload_device_grads;
   ShardedModel model(arch, comm.rank(), comm.size(), host_grads);
   if (c.model.hf.empty()) model.init_seeded(static_cast<uint64_t>(c.run.seed), c.model.init_std);
   else model.load_hf(SafetensorsReader(c.model.hf));
@@ -117,7 +120,8 @@ TrainSession::TrainSession(const Config& c, Comm& comm_)
   if (engine.options().offload_pipeline) {
     const auto t0 = std::chrono::steady_clock::now();
     offload = std::make_unique<OffloadPipeline>(model, optimizer, engine.backend(),
-                                                static_cast<int>(c.device.cpu_threads));
+                                                static_cast<int>(c.device.cpu_threads),
+                                                engine.options().offload_device_grads);
     engine.set_offload(offload.get());
     state_setup_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }

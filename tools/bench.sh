@@ -7,7 +7,8 @@
 #                                 of the step at 1B, docs/muon.md "GPU"); 1b-64k 1b-offload-64k
 #                                 3b-offload 6b-offload 7b 1b-256k 1b-offload-256k (on request:
 #                                 docs/benchmarks.md "Offload"); 4b-80g 5b-80g-over 7b-offload-80g
-#                                 (the largest models under device.memory_limit_gib = 78, an 80 GB H100)
+#                                 (the largest models under device.memory_limit_gib = 78, an 80 GB H100);
+#                                 1b-offload-devgrads 10b-offload-80g (model.optim_offload_grads = "device")
 #   SHARDLM=path/to/shardlm tools/bench.sh 1b
 #   BENCH_TIMEOUT=120 tools/bench.sh 7b     (kill each run after 120 s)
 #
@@ -87,6 +88,12 @@ for n in $names; do
                    --set device.memory_limit_gib=78 --set run.max_steps=2 ;;
     7b-offload-80g) run 7b-offload-80g inputs/bench/llama-8b.toml --set model.num_layers=${LAYERS:-29} \
                       --set device.memory_limit_gib=78 --set run.max_steps=4 ;;
+    # model.optim_offload_grads = "device": no host gradient shards (-4 B per
+    # parameter of host), so the host binds later: 40 layers (9.77e9) by the plan.
+    1b-offload-devgrads) run 1b-offload-devgrads inputs/bench/llama-1b.toml --set model.optim_cpu_offload=true \
+                           --set model.optim_offload_grads=device ;;
+    10b-offload-80g) run 10b-offload-80g inputs/bench/llama-8b.toml --set model.num_layers=${LAYERS:-40} \
+                       --set model.optim_offload_grads=device --set device.memory_limit_gib=78 --set run.max_steps=4 ;;
     *) echo "unknown benchmark '$n'" >&2; exit 2 ;;
   esac
 done

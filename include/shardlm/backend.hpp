@@ -28,6 +28,7 @@ struct EngineOptions {
   bool checkpoint_activations = false;  // keep only layer inputs; recompute in backward
   bool device_state = false;         // masters, gradients and optimizer state on the device
   bool offload_pipeline = false;     // optim_cpu_offload on a GPU through offload.hpp's pipeline
+  bool offload_device_grads = false; // model.optim_offload_grads = "device": no host gradient shards
   bool rl = false;                   // RL policy loss instead of cross-entropy
   cpu::RlLossParams rl_params;
   // Device backends at world > 1: how units are gathered and gradients reduced.

@@ -30,6 +30,11 @@ struct ModelSection {
   ModelConfig arch;                 // sizes (from the deck, or from hf/config.json)
   double init_std = 0.02;
   bool optim_cpu_offload = false;
+  // With optim_cpu_offload, where a step's summed gradient waits for its unit's
+  // update: "host" (a pinned host shard per unit, copied during backward) or
+  // "device" (in the GPU accumulator, copied into one of two pinned landing
+  // buffers as the update reaches the unit: 4 B per parameter less host memory).
+  std::string optim_offload_grads = "host";
   std::string activation_checkpointing = "none";  // none | full
   bool reshard_after_forward = true;
   std::string reduce_dtype = "fp32";              // fp32 | bf16

@@ -108,6 +108,7 @@ class Engine {
   void hand_over(int unit);             // offload: copy `unit`'s step gradient to the host
   void hand_over_reduced(int unit);     // offload, world > 1: start the copies to the host early
   void begin_offload_micro_batch();
+  void zero_offload_accumulators();
   void forward(const TokenBatch& b, bool keep_head);
   const void* lm_head_weights();
 
@@ -129,6 +130,7 @@ class Engine {
   std::vector<float*> offload_grads_;   // [unit] offload: fp32 step gradient shards (device), micro-batches summed
   std::vector<int64_t> offload_copy_;   // [unit] ticket of their last copy to the host, -1: none
   bool last_micro_batch_ = true;        // offload: this micro-batch is the step's last
+  bool first_micro_batch_ = true;       // offload: ... and the step's first
 };
 
 }  // namespace shardlm

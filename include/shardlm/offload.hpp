@@ -30,6 +30,10 @@
 // unit u's update and upload overlapping the forward of the units before it
 // (the embedding first). The copies overlap backward; the norm's sums of squares
 // are taken on the GPU, so the update waits for no host pass over the gradients.
+// With device_grads (model.optim_offload_grads = "device") the copies move to the
+// worker instead, one unit ahead of the update, into two landing buffers: no host
+// gradient shards, and the engine zeroes its accumulators only after the next
+// step's first forward (every unit's update, so every copy, is done by then).
 #pragma once
 
 #include <condition_variable>
@@ -50,8 +54,13 @@ namespace shardlm {
 class OffloadPipeline {
  public:
   // cpu_threads: the worker's OpenMP threads (device.cpu_threads); 0 = OpenMP's
-  // default (the team that first touched the host shards).
-  OffloadPipeline(ShardedModel& model, Optimizer& optimizer, Backend& backend, int cpu_threads = 0);
+  // default (the team that first touched the host shards). device_grads
+  // (model.optim_offload_grads = "device"): the model has no host gradient
+  // shards; each unit's step gradient stays in the engine's device accumulator
+  // and is copied into one of two pinned landing buffers one unit ahead of its
+  // update, instead of into its host shard during backward.
+  OffloadPipeline(ShardedModel& model, Optimizer& optimizer, Backend& backend, int cpu_threads = 0,
+                  bool device_grads = false);
   ~OffloadPipeline();
   OffloadPipeline(const OffloadPipeline&) = delete;
   OffloadPipeline& operator=(const OffloadPipeline&) = delete;
@@ -64,7 +73,8 @@ class OffloadPipeline {
   // The engine, in the step's last micro-batch: `unit`'s step gradient (n fp32
   // in device memory, the shard) is complete on the compute stream. Returns the
   // copy's ticket: the device buffer may be written again once the compute
-  // stream has waited for it.
+  // stream has waited for it. With device_grads no copy yet (-1): the buffer is
+  // read until the unit's update is done.
   int64_t grad_ready(int unit, const float* src, int64_t n);
   // Before the compute stream reads `unit`'s parameter shard.
   void param_ready(int unit);
@@ -74,8 +84,9 @@ class OffloadPipeline {
   // Wait until the worker is idle: host masters and moments are final.
   void finish();
 
-  // Host bytes of the two pinned bf16 upload buffers (the memory plan).
-  static int64_t host_bytes(const ModelLayout& layout);
+  // Host bytes of the two pinned bf16 upload buffers, and with device_grads the
+  // two fp32 landing buffers (the memory plan).
+  static int64_t host_bytes(const ModelLayout& layout, bool device_grads = false);
 
   // Where the time goes (seconds, summed over the run), for the run summary:
   // the worker's updates and landings, and the compute-issuing thread's waits.
@@ -98,6 +109,7 @@ class OffloadPipeline {
   };
   void run();
   void update_unit(int unit, double lr, float clip);
+  void issue_grad_copy(int unit);
   void push(const Task& t);
 
   ShardedModel& model_;
@@ -105,6 +117,8 @@ class OffloadPipeline {
   Backend& backend_;
   const int units_;
   const int cpu_threads_;
+  const bool device_grads_;
+  std::vector<Buffer<float>> landing_;       // device_grads: 2 x (largest shard) pinned fp32, in turn
   std::vector<Buffer<uint16_t>> slots_;      // 2 x (largest shard) pinned: updated shards in bf16, in turn
   std::vector<int64_t> slot_upload_;         // [slot] ticket of the upload that last read it (worker only)
   int next_slot_ = 0;                        // worker only
@@ -119,6 +133,7 @@ class OffloadPipeline {
   std::condition_variable changed_;
   std::deque<Task> queue_;                   // guarded by mutex_
   std::vector<int64_t> grad_copy_;           // [unit] ticket of this step's gradient copy to the host; guarded
+  std::vector<const float*> grad_src_;       // device_grads: [unit] its device accumulator; guarded
   std::vector<int64_t> upload_;              // [unit] ticket of the latest upload, -1: none pending; guarded
   std::vector<bool> updating_;               // [unit] an update was asked for and not yet uploaded; guarded
   bool busy_ = false, stopping_ = false;     // guarded

@@ -17,6 +17,13 @@ train_tiny offload-np2 2 20 model.optim_cpu_offload=true comm.backend=mpi || exi
 compare_losses offload device 2e-2 1 20 "offload pipeline vs device-resident state (4 micro-batches per step)"
 compare_losses offload-again offload 0 1 20 "offload pipeline twice: bit-identical losses"
 compare_losses offload-np2 offload 2e-2 1 20 "offload pipeline at -np 2 (staged MPI) vs -np 1"
+# model.optim_offload_grads = "device": the same gradients reach the same update,
+# copied just before it instead of during backward: the same bits.
+train_tiny offload-devgrads 1 20 model.optim_cpu_offload=true model.optim_offload_grads=device || exit 1
+train_tiny offload-devgrads-np2 2 20 model.optim_cpu_offload=true model.optim_offload_grads=device comm.backend=mpi ||
+  exit 1
+compare_losses offload-devgrads offload 0 1 20 "gradients on the device until their update vs host gradient shards"
+compare_losses offload-devgrads-np2 offload-np2 0 1 20 "gradients on the device at -np 2 vs host gradient shards"
 
 # Checkpoints: the straight runs again, saving at step 10; then steps 11..20
 # resumed from that file with the other setting (same max_steps: same schedule).

@@ -108,6 +108,17 @@ TEST_CASE("check with optim_cpu_offload on the CUDA backend prints the GPU bytes
   CHECK(std::stod(line.substr(19)) == doctest::Approx(saved_gpu).epsilon(1e-6));
   CHECK(line.find("more host memory") != std::string::npos);
   CHECK(off.output.find("optim_cpu_offload: ") == std::string::npos);
+
+  // Gradients on the device: no host gradient shards (4 B per parameter), two
+  // pinned fp32 landing buffers of the largest shard (the 128256 x 2048
+  // embedding) instead; the GPU plan is the same.
+  auto dev = run(shardlm_bin() + " check inputs/bench/llama-1b.toml --set device.backend=cuda "
+                                 "--set model.optim_cpu_offload=true --set model.optim_offload_grads=device");
+  REQUIRE(dev.status == 0);
+  CHECK(total(dev.output, "GPU") == total(on.output, "GPU"));
+  CHECK(total(on.output, "host") - total(dev.output, "host") ==
+        doctest::Approx((4.0 * 1.2358e9 - 8.0 * 128256 * 2048) / 1048576.0).epsilon(1e-3));
+  CHECK(dev.output.find("gradient shards    host") == std::string::npos);
 }
 
 TEST_CASE("train under mpirun -np 2 with a bad deck: one report, clean exit 1") {

@@ -136,6 +136,28 @@ TEST_CASE("device communicator keys: NCCL and bf16 reduction need the CUDA backe
         "--set comm.timeout_s=0: comm.timeout_s = 0 is out of range: it must be > 0");
 }
 
+TEST_CASE("model.optim_offload_grads: host or device, device only with the offloaded AdamW/SGD on a GPU") {
+  const DeckResult dev = parse(kValid, {"device.backend=cuda", "model.optim_cpu_offload=true",
+                                        "model.optim_offload_grads=device"});
+  for (const auto& e : dev.errors) MESSAGE(e);
+  REQUIRE(dev.ok());
+  CHECK(dev.config.model.optim_offload_grads == "device");
+  CHECK(parse(kValid, {}).config.model.optim_offload_grads == "host");
+  CHECK(only_error(parse(kValid, {"device.backend=cuda", "model.optim_offload_grads=device"})) ==
+        "deck.toml: model.optim_offload_grads = \"device\" sets where the offloaded optimizer's gradients wait: it needs "
+        "model.optim_cpu_offload = true");
+  CHECK(only_error(parse(kValid, {"device.backend=cpu", "model.optim_cpu_offload=true",
+                                  "model.optim_offload_grads=device"})) ==
+        "deck.toml: model.optim_offload_grads = \"device\" keeps gradients in GPU memory: it needs device.backend = "
+        "\"cuda\"");
+  CHECK(only_error(parse(kValid, {"device.backend=cuda", "model.optim_cpu_offload=true", "optim.name=muon",
+                                  "optim.lr=0.02", "model.optim_offload_grads=device"})) ==
+        "deck.toml: model.optim_offload_grads = \"device\" is for AdamW and SGD: Muon's offloaded step reads every "
+        "gradient on the host (docs/muon.md)");
+  CHECK(only_error(parse(kValid, {"model.optim_offload_grads=gpu"})).find("model.optim_offload_grads") !=
+        std::string::npos);
+}
+
 TEST_CASE("device.memory_limit_gib: parsed, refused on the CPU backend, and the cap refuses what passes it") {
   const DeckResult gpu = parse(kValid, {"device.backend=cuda", "device.memory_limit_gib=79.5"});
   for (const auto& e : gpu.errors) MESSAGE(e);

@@ -93,6 +93,14 @@ class HostCopyBackend final : public Backend {
 
 uint16_t bf16_bits(float f) { return f32_to_bf16_rne(f); }
 
+OptimSection adamw_section() {
+  OptimSection o;
+  o.name = "adamw";
+  o.lr = 1e-2;
+  o.weight_decay = 0.1;
+  return o;
+}
+
 }  // namespace
 
 TEST_SUITE("offload") {
@@ -102,10 +110,7 @@ TEST_CASE("offload pipeline on the host: micro-batch flags, landing, per-unit up
   ShardedModel model(arch, 0, 1), reference(arch, 0, 1);
   model.init_seeded(11, 0.05);
   reference.init_seeded(11, 0.05);
-  OptimSection o;
-  o.name = "adamw";
-  o.lr = 1e-2;
-  o.weight_decay = 0.1;
+  const OptimSection o = adamw_section();
   Optimizer opt(o, model), ref_opt(o, reference);
   HostCopyBackend backend(model.layout);
   OffloadPipeline pipeline(model, opt, backend);
@@ -169,6 +174,61 @@ TEST_CASE("offload pipeline on the host: micro-batch flags, landing, per-unit up
   // the compute stream waited once per update for each unit's upload.
   CHECK(backend.host_waits >= steps * units);
   CHECK(backend.compute_waits == steps * units);
+}
+
+TEST_CASE("offload pipeline, gradients on the device: copied one unit ahead of the update, the same bits") {
+  const ModelConfig arch = small_arch();
+  ShardedModel model(arch, 0, 1, /*host_grads=*/false), reference(arch, 0, 1);
+  model.init_seeded(11, 0.05);
+  reference.init_seeded(11, 0.05);
+  for (const auto& g : model.grad) CHECK(g.size() == 0);  // no host gradient shards
+  const OptimSection o = adamw_section();
+  Optimizer opt(o, model), ref_opt(o, reference);
+  HostCopyBackend backend(model.layout);
+  OffloadPipeline pipeline(model, opt, backend, 0, /*device_grads=*/true);
+  const int units = static_cast<int>(model.layout.units.size());
+  // Host bytes: the upload slots plus two fp32 landing buffers of the largest shard.
+  int64_t largest = 0;
+  for (const auto& u : model.layout.units) largest = std::max(largest, u.shard_numel);
+  CHECK(OffloadPipeline::host_bytes(model.layout, true) - OffloadPipeline::host_bytes(model.layout) == 8 * largest);
+
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal(0.0f, 0.1f);
+  std::vector<std::vector<float>> accum(units);  // the engine's "device" accumulators, read until the update
+  for (int step = 0; step < 3; ++step) {
+    INFO("step " << step);
+    pipeline.begin_step(1);
+    pipeline.next_micro_batch();
+    const int64_t tickets_before = backend.tickets;
+    for (int u = units - 1; u >= 0; --u) {
+      accum[u].resize(model.layout.units[u].shard_numel);
+      for (auto& x : accum[u]) x = normal(rng);
+      std::copy(accum[u].begin(), accum[u].end(), reference.grad[u].data());
+      CHECK(pipeline.grad_ready(u, accum[u].data(), int64_t(accum[u].size())) == -1);
+    }
+    CHECK(backend.tickets == tickets_before);  // nothing crossed during backward
+    const float clip = step == 1 ? 0.25f : 1.0f;
+    pipeline.update(3e-3, clip);
+    for (int u = 0; u < units; ++u) pipeline.param_ready(u);
+    pipeline.finish();
+    CHECK(backend.tickets - tickets_before >= 2 * units);  // each unit's gradient down, its bf16 shard up
+    ref_opt.step(3e-3, clip);
+    int64_t differing = 0, bf16_wrong = 0;
+    for (int u = 0; u < units; ++u) {
+      const int64_t n = model.layout.units[u].shard_numel;
+      differing += std::memcmp(model.param[u].data(), reference.param[u].data(), 4 * n) != 0;
+      for (int s = 0; s < opt.states(); ++s)
+        differing += std::memcmp(opt.state(s)[u].data(), ref_opt.state(s)[u].data(), 4 * n) != 0;
+      for (const auto& sg : model.segments(model.layout.units[u]))
+        for (int64_t i = sg.shard_offset; i < sg.shard_offset + sg.count; ++i)
+          bf16_wrong += backend.shards[u][i] != bf16_bits(model.param[u][i]);
+    }
+    CHECK(differing == 0);
+    CHECK(bf16_wrong == 0);
+  }
+  // A pipeline for host gradients refuses a model without them.
+  Optimizer other(o, model);
+  CHECK_THROWS_WITH(OffloadPipeline(model, other, backend), doctest::Contains("needs host gradient shards"));
 }
 
 TEST_CASE("zero_shard_first_touch zeroes segments, the gaps between them and the padding") {
