@@ -142,57 +142,6 @@ void cross_entropy_forward_backward(bf16* logits, float* loss, const int32_t* ta
                                     const float* weights, float grad_scale, int64_t n,
                                     int64_t V, cudaStream_t stream);
 
-// How the row kernels of a loss over the vocabulary (this cross-entropy and
-// cuda_rl_loss.hpp's RL loss) split a row of V logits: one cluster of `csize`
-// CTAs per row, CTA r holding columns [r * chunk, ...) in `smem` bytes of shared
-// memory. The smallest power-of-two cluster whose bf16 slice fits 64 KiB (several
-// CTAs per SM), else 8 CTAs (the portable cluster limit) with up to 200 KiB each;
-// chunk is a multiple of vec_width. Throws (naming op) when V is too large.
-// (Inline: the RL loss's standalone test build links no ops.cu.)
-struct RowClusterSplit {
-  int csize = 1;
-  int64_t chunk = 0;
-  size_t smem = 0;
-};
-constexpr int kRowClusterMax = 8;
-constexpr size_t kRowClusterSmemTarget = 64 * 1024;
-constexpr size_t kRowClusterSmemMax = 200 * 1024;
-inline RowClusterSplit row_cluster_split(int64_t V, int64_t vec_width, const char* op) {
-  RowClusterSplit s;
-  for (s.csize = 1;; s.csize *= 2) {
-    const int64_t per_cta = (V + s.csize - 1) / s.csize;
-    s.chunk = (per_cta + vec_width - 1) / vec_width * vec_width;
-    if (size_t(s.chunk) * sizeof(bf16) <= kRowClusterSmemTarget || s.csize == kRowClusterMax) break;
-  }
-  s.smem = size_t(s.chunk) * sizeof(bf16);
-  SHARDLM_CHECK(s.smem <= kRowClusterSmemMax, "%s: V = %lld is too large for one cluster (at most %lld)", op,
-                static_cast<long long>(V),
-                static_cast<long long>(kRowClusterSmemMax / sizeof(bf16) * kRowClusterMax));
-  return s;
-}
-
-// The launch configuration of n rows split that way, threads per CTA: pass
-// &launch.cfg to cudaLaunchKernelEx (it points at launch's own attribute, so a
-// RowClusterLaunch stays where it was made).
-struct RowClusterLaunch {
-  RowClusterLaunch(const RowClusterSplit& split, int64_t n, int threads, cudaStream_t stream) {
-    cfg.gridDim = dim3(unsigned(n * split.csize));
-    cfg.blockDim = dim3(unsigned(threads));
-    cfg.dynamicSmemBytes = split.smem;
-    cfg.stream = stream;
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = unsigned(split.csize);
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-  }
-  RowClusterLaunch(const RowClusterLaunch&) = delete;
-  RowClusterLaunch& operator=(const RowClusterLaunch&) = delete;
-  cudaLaunchConfig_t cfg{};
-  cudaLaunchAttribute attr[1]{};
-};
-
 // *out = sum of x (n) in double, in a fixed order (one block): the loss of a chunk.
 // accumulate: *out += the sum instead of overwriting.
 void sum_rows(double* out, const float* x, int64_t n, bool accumulate,

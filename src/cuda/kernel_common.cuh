@@ -1,13 +1,17 @@
-// kernel_common.cuh — device helpers shared by the .cu files of src/cuda (not an
-// installed header): vector packs, the fixed-order block reduction, and the first
-// pass of the row-cluster kernels (cross-entropy, RL policy loss; the split and the
-// launch are RowClusterSplit / RowClusterLaunch in include/shardlm/cuda_ops.hpp).
+// kernel_common.cuh — helpers shared by the .cu files of src/cuda (not an
+// installed header): vector packs, the fixed-order block reduction, and the
+// row-cluster kernels' (cross-entropy, RL policy loss) split of a row, launch
+// configuration and first pass.
 #pragma once
 
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
+#include <cuda_runtime.h>
 
+#include <cstddef>
 #include <cstdint>
+
+#include "shardlm/error.hpp"
 
 namespace shardlm::cuda::dev {
 
@@ -71,6 +75,57 @@ __device__ __forceinline__ T block_reduce(T v, Op op, T* red) {
   }
   return t;
 }
+
+// How the row kernels of a loss over the vocabulary (ops.cu's cross-entropy and
+// rl_loss.cu's RL loss) split a row of V logits: one cluster of `csize`
+// CTAs per row, CTA r holding columns [r * chunk, ...) in `smem` bytes of shared
+// memory. The smallest power-of-two cluster whose bf16 slice fits 64 KiB (several
+// CTAs per SM), else 8 CTAs (the portable cluster limit) with up to 200 KiB each;
+// chunk is a multiple of vec_width. Throws (naming op) when V is too large.
+// (Inline: the RL loss's standalone test build links no ops.cu.)
+struct RowClusterSplit {
+  int csize = 1;
+  int64_t chunk = 0;
+  size_t smem = 0;
+};
+constexpr int kRowClusterMax = 8;
+constexpr size_t kRowClusterSmemTarget = 64 * 1024;
+constexpr size_t kRowClusterSmemMax = 200 * 1024;
+inline RowClusterSplit row_cluster_split(int64_t V, int64_t vec_width, const char* op) {
+  RowClusterSplit s;
+  for (s.csize = 1;; s.csize *= 2) {
+    const int64_t per_cta = (V + s.csize - 1) / s.csize;
+    s.chunk = (per_cta + vec_width - 1) / vec_width * vec_width;
+    if (size_t(s.chunk) * sizeof(bf16) <= kRowClusterSmemTarget || s.csize == kRowClusterMax) break;
+  }
+  s.smem = size_t(s.chunk) * sizeof(bf16);
+  SHARDLM_CHECK(s.smem <= kRowClusterSmemMax, "%s: V = %lld is too large for one cluster (at most %lld)", op,
+                static_cast<long long>(V),
+                static_cast<long long>(kRowClusterSmemMax / sizeof(bf16) * kRowClusterMax));
+  return s;
+}
+
+// The launch configuration of n rows split that way, threads per CTA: pass
+// &launch.cfg to cudaLaunchKernelEx (it points at launch's own attribute, so a
+// RowClusterLaunch stays where it was made).
+struct RowClusterLaunch {
+  RowClusterLaunch(const RowClusterSplit& split, int64_t n, int threads, cudaStream_t stream) {
+    cfg.gridDim = dim3(unsigned(n * split.csize));
+    cfg.blockDim = dim3(unsigned(threads));
+    cfg.dynamicSmemBytes = split.smem;
+    cfg.stream = stream;
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = unsigned(split.csize);
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+  }
+  RowClusterLaunch(const RowClusterLaunch&) = delete;
+  RowClusterLaunch& operator=(const RowClusterLaunch&) = delete;
+  cudaLaunchConfig_t cfg{};
+  cudaLaunchAttribute attr[1]{};
+};
 
 // Pass 1 of a row-cluster kernel (one row per cluster, each CTA a slice of it in
 // shared memory): the slice's nvec packs of VEC bf16 at xs go to slice, BATCH
