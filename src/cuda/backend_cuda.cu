@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "shardlm/backend.hpp"
+#include "shardlm/cuda.hpp"
 #include "shardlm/cpu_ops.hpp"
 #include "shardlm/cuda_attention.hpp"
 #include "shardlm/cuda_gemm.hpp"
@@ -77,13 +78,7 @@ class CudaBackend final : public Backend {
 
   void* allocate(Mem category, size_t bytes) override {
     init();
-    void* p = nullptr;
-    device_mem_admit(category, static_cast<int64_t>(bytes));
-    const cudaError_t e = cudaMalloc(&p, std::max<size_t>(bytes, 256));
-    SHARDLM_CHECK(e == cudaSuccess, "out of GPU memory allocating %.1f MiB for %s: %s", double(bytes) / 1048576.0,
-                  mem_name(category), cudaGetErrorString(e));
-    device_mem_track(category, static_cast<int64_t>(bytes));
-    return p;
+    return cuda_malloc(category, static_cast<int64_t>(bytes));  // admitted against the cap, counted
   }
   void deallocate(Mem category, void* ptr, size_t bytes) override {
     CUDA_CHECK(cudaStreamSynchronize(stream_));
