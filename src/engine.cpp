@@ -175,10 +175,11 @@ Engine::~Engine() {
     if (s.recv) backend_->deallocate(Mem::Gathered, s.recv, 4 * recv_floats_);
     if (s.full_bf16) backend_->deallocate(Mem::Gathered, s.full_bf16, 2 * slot_floats_);
   }
-  backend_->synchronize();  // the last copies to the host have left the accumulators
+  // The device Comm's collectives are done before it goes, and the last copies
+  // to the host have left the offload accumulators.
+  backend_->synchronize();
   for (size_t u = 0; u < offload_grads_.size(); ++u)
     backend_->deallocate(Mem::GradShard, offload_grads_[u], 4 * model_.layout.units[u].shard_numel);
-  backend_->synchronize();  // the device Comm's collectives are done before it goes
 }
 
 // ---------------------------------------------------------------- gathering

@@ -168,11 +168,9 @@ int cmd_train(Runtime& rt, const CliArgs& args) {
     // Large models spend real time here (host init, pinning, the state upload).
     const char* state = session.offload ? "pinning the offload buffers"
                         : session.engine.options().device_state ? "the state's upload to the GPU" : nullptr;
-    if (state)
-      std::printf("setup %.1f s: model, data, optimizer, engine; %.1f s of it %s\n", setup_s,
-                  session.state_setup_s, state);
-    else
-      std::printf("setup %.1f s: model, data, optimizer, engine\n", setup_s);
+    std::printf("setup %.1f s: model, data, optimizer, engine", setup_s);
+    if (state) std::printf("; %.1f s of it %s", session.state_setup_s, state);
+    std::printf("\n");
     std::fflush(stdout);
   }
 

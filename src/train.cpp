@@ -37,6 +37,9 @@ EngineOptions engine_options_for(const Config& config) {
 
 namespace {
 
+using Clock = std::chrono::steady_clock;
+double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
 DataSpec data_spec(const Config& c, int64_t vocab) {
   DataSpec s;
   s.path = c.data.path;
@@ -110,20 +113,20 @@ TrainSession::TrainSession(const Config& c, Comm& comm_)
         segments.back().push_back({s.shard_offset, s.count,
                                    s.param->weight_decay() ? static_cast<float>(c.optim.weight_decay) : 0.0f});
     }
-    const auto t0 = std::chrono::steady_clock::now();
+    const auto t0 = Clock::now();
     engine.backend().state_attach(model.layout, segments, spec);
     push_state();
-    state_setup_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    state_setup_s = seconds_since(t0);
   }
   // Offload on a GPU: the host-side pipeline (AdamW/SGD; Muon's collective step
   // keeps the plain host path).
   if (engine.options().offload_pipeline) {
-    const auto t0 = std::chrono::steady_clock::now();
+    const auto t0 = Clock::now();
     offload = std::make_unique<OffloadPipeline>(model, optimizer, engine.backend(),
                                                 static_cast<int>(c.device.cpu_threads),
                                                 engine.options().offload_device_grads);
     engine.set_offload(offload.get());
-    state_setup_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    state_setup_s = seconds_since(t0);
   }
   SHARDLM_CHECK(c.data.seq_len <= arch.max_position_embeddings,
                 "data.seq_len = %lld is larger than the model supports (max_position_embeddings = %lld)",
@@ -151,7 +154,7 @@ void TrainSession::push_state() {
 }
 
 StepStats TrainSession::step(int64_t step) {
-  const auto t0 = std::chrono::steady_clock::now();
+  const auto t0 = Clock::now();
   StepStats s;
   s.step = step;
   s.rl = config.loss.type == "rl";
@@ -161,12 +164,12 @@ StepStats TrainSession::step(int64_t step) {
   std::vector<TokenBatch> batches;
   int64_t loss_tokens_global = 0;
   if (s.rl) {
-    const auto wait0 = std::chrono::steady_clock::now();
+    const auto wait0 = Clock::now();
     const std::string path = wait_for_rollouts(config.data.rollout_dir, step, config.data.rollout_timeout_s,
                                                [&](const std::string& m) {
                                                  if (comm.rank() == 0) std::printf("%s\n", m.c_str()), std::fflush(stdout);
                                                });
-    s.rollout_wait_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - wait0).count();
+    s.rollout_wait_s = seconds_since(wait0);
     const RolloutBatch file = read_rollouts(path, arch.vocab_size);
     check_rollout_step(file, step, config.data.max_async);
     rollouts = pack_rollouts(file, config.data.seq_len, config.data.micro_batch, comm.rank(), comm.size());
@@ -181,14 +184,12 @@ StepStats TrainSession::step(int64_t step) {
   s.loss_tokens = loss_tokens_global;
   const float grad_scale = loss_tokens_global > 0 ? 1.0f / static_cast<float>(loss_tokens_global) : 0.0f;
 
-  using clock = std::chrono::steady_clock;
-  auto seconds_since = [](clock::time_point t) { return std::chrono::duration<double>(clock::now() - t).count(); };
   s.data_s = seconds_since(t0);
 
   // forward / loss / backward per micro-batch; gradients accumulate in the shards
   const bool device_state = engine.options().device_state;
   const int64_t micro_batches = s.rl ? static_cast<int64_t>(batches.size()) : data->micro_batches_per_rank(comm.size());
-  auto t_sync = clock::now();
+  auto t_sync = Clock::now();
   // The backend's parameter copies follow the fp32 masters; the offload pipeline
   // uploads each unit itself after its update.
   if (!offload) engine.sync_params();
@@ -198,17 +199,17 @@ StepStats TrainSession::step(int64_t step) {
   else model.zero_grads();
   LossStats sums;
   for (int64_t a = 0; a < micro_batches; ++a) {
-    auto t_data = clock::now();
+    auto t_data = Clock::now();
     if (!s.rl) data->micro_batch(step, static_cast<int>(a), comm.rank(), comm.size(), micro);
     s.data_s += seconds_since(t_data);
-    auto t_compute = clock::now();
+    auto t_compute = Clock::now();
     sums += engine.forward_backward(s.rl ? batches[a] : token_batch(micro), grad_scale);
     // The norm below waits for the device anyway; waiting here instead puts the
     // backward's device time in compute_s rather than in optimizer_s.
     if (a + 1 == micro_batches) engine.backend().synchronize();
     s.compute_s += seconds_since(t_compute);
   }
-  auto t_opt = clock::now();
+  auto t_opt = Clock::now();
   auto totals = sums.to_array();
   comm.all_reduce_sum(totals.data(), static_cast<int64_t>(totals.size()));
   sums = LossStats::from_array(totals);
