@@ -18,6 +18,9 @@ double seconds_since(Clock::time_point t) { return std::chrono::duration<double>
 // Pinned bf16 buffers the updated shards go up from, in turn: the update of
 // one unit fills the next while the last one's upload is still in flight.
 constexpr int kUploadSlots = 2;
+// With the gradients on the device, two pinned fp32 landing buffers as well: unit
+// u + 1's gradient lands in one while unit u's update reads the other.
+constexpr int kLandingBuffers = 2;
 
 int64_t max_shard_numel(const ModelLayout& layout) {
   int64_t n = 0;
@@ -35,10 +38,6 @@ int64_t covered_numel(const ShardedModel& model, int unit) {
 }
 
 }  // namespace
-
-// With the gradients on the device, two pinned fp32 landing buffers as well: unit
-// u + 1's gradient lands in one while unit u's update reads the other.
-constexpr int kLandingBuffers = 2;
 
 int64_t OffloadPipeline::host_bytes(const ModelLayout& layout, bool device_grads) {
   return (kUploadSlots * 2 + (device_grads ? kLandingBuffers * 4 : 0)) * max_shard_numel(layout);

@@ -1,13 +1,14 @@
-// offload.hpp — model.optim_cpu_offload on a GPU: the fp32 masters, moments and
-// gradient accumulators stay in host memory, and this pipeline keeps the GPU
-// busy around them.
+// offload.hpp — model.optim_cpu_offload on a GPU: the fp32 masters and moments
+// (and, unless optim_offload_grads = "device", each step's gradient) stay in host
+// memory, and this pipeline keeps the GPU busy around them.
 //
 // Owns: the worker thread that does the host side of a step (the per-unit CPU
 // update, each unit's after its step gradient has landed, and its bf16 cast),
-// the two pinned bf16 buffers the updated shards go up from in turn, and the
-// ordering between the compute stream and the copies (Backend's copy tickets). Knows the sharded
-// model, the optimizer and the Backend interface; not CUDA, not MPI (the clip
-// norm's all-reduce is the caller's), not the deck.
+// the two pinned bf16 buffers the updated shards go up from in turn (and the two
+// fp32 landing buffers with device_grads), and the ordering between the compute
+// stream and the copies (Backend's copy tickets). Knows the sharded model, the
+// optimizer and the Backend interface; not CUDA, not MPI (the clip norm's
+// all-reduce is the caller's), not the deck.
 //
 // A step:
 //   begin_step(micro_batches)
