@@ -21,7 +21,7 @@ NVCC      ?= $(CUDA_HOME)/bin/nvcc
 CUDA      ?= $(if $(wildcard $(NVCC)),1,0)
 CUDA_ARCH ?= -gencode=arch=compute_90a,code=sm_90a -gencode=arch=compute_90,code=sm_90
 # Python interpreter with h5py + numpy, for tools and tool tests.
-PYTHON    ?= $(shell for p in /usr/bin/python3 python3; do $$p -c 'import h5py, numpy' 2>/dev/null && { command -v $$p; break; }; done)
+PYTHON    ?= $(shell tools/find_python.sh)
 
 # Dependencies: pkg-config names, or explicit overrides from modules.
 ifdef HDF5_DIR

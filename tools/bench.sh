@@ -17,7 +17,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SHARDLM=${SHARDLM:-build/shardlm}
-PY=${PYTHON:-python3}
+PY=$(tools/find_python.sh)
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive}
 [ -f runs/bench-data/random-128k.h5 ] || $PY tools/make_synthetic_data.py runs/bench-data/random-128k.h5 --vocab 128256 --tokens 600000 --doc-len 32769
 [ -f runs/bench-data/random-32k.h5 ] || $PY tools/make_synthetic_data.py runs/bench-data/random-32k.h5 --vocab 32000 --tokens 600000 --doc-len 2049

@@ -13,9 +13,7 @@ BUILD=${BUILD:-build}
 MPIRUN=${MPIRUN:-mpirun}
 if [ "$(id -u)" = 0 ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; fi
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive} OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} NCCL_NVLS_ENABLE=0
-# PYTHON, else the first interpreter with h5py and numpy (make_rollouts.py needs them), as the Makefile picks
-PY=${PYTHON:-$(for p in /usr/bin/python3 python3; do $p -c 'import h5py, numpy' 2>/dev/null && { command -v $p; break; }; done)}
-PY=${PY:-python3}
+PY=$(tools/find_python.sh)  # make_rollouts.py needs h5py and numpy
 out=$(mktemp -d "/tmp/shardlm-$1.XXXXXX")
 trap 'rm -rf "$out"' EXIT
 

@@ -64,14 +64,12 @@ std::vector<StepStats> train_steps(Config c, int steps) {
   return out;
 }
 
-// PYTHON, else the first of /usr/bin/python3 and python3 that imports h5py and numpy (the
-// Makefile's choice, for a test_gpu run outside `make test-gpu`).
+// The interpreter tools/find_python.sh picks (PYTHON, else one with h5py and
+// numpy), also for a test_gpu run outside `make test-gpu`.
 std::string python_with_h5py() {
-  const char* py = std::getenv("PYTHON");
-  if (py && *py) return py;
-  for (const char* p : {"/usr/bin/python3", "python3"})
-    if (shardlm_test::run(std::string(p) + " -c 'import h5py, numpy'", 30).status == 0) return p;
-  return "python3";
+  std::string py = shardlm_test::run("tools/find_python.sh", 30).output;
+  while (!py.empty() && (py.back() == '\n' || py.back() == '\r')) py.pop_back();
+  return py;
 }
 
 // Synthetic rollout files for inputs/tiny-rl.toml, made by tools/make_rollouts.py as
