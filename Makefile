@@ -9,7 +9,7 @@
 #
 # On a fresh Debian/Ubuntu machine `make run` and `make test` install what is
 # missing (tools/install-deps.sh). On a cluster, load modules and override:
-#   make MPICXX=... HDF5_DIR=... BLAS_LIBS=... CUDA_HOME=... CUDA=0|1 CUDA_ARCH=...
+#   make MPICXX=... HDF5_DIR=... BLAS_LIBS=... CUDA_HOME=... CUDA=0|1 CUDA_ARCH=... CUDNN=0|1 CUDNN_HOME=...
 
 MPICXX    ?= mpicxx
 MPIRUN    ?= mpirun
@@ -63,6 +63,13 @@ NVCCFLAGS += -std=c++20 $(CUDA_ARCH) -Iinclude $(MPI_CFLAGS) -DOMPI_SKIP_MPICXX 
              -Xcompiler -Wall,-Wextra,-fopenmp -MMD -MP
 LIB_OBJS := $(LIB_SRCS:%.cpp=$(BUILD)/obj/%.o) $(CU_SRCS:%.cu=$(BUILD)/obj/%.o)
 LDLIBS   += -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcublasLt -lcublas -lnccl -lcudart
+# cuDNN's fused attention (src/cuda/sdpa_cudnn.cu) needs only cuDNN 9's headers at
+# build time: the library is opened at run time, so the binary starts without it
+# (and says so). CUDNN=0 builds without; CUDNN_HOME points at another install.
+CUDNN_HOME ?= $(CUDA_HOME)
+CUDNN      ?= $(if $(wildcard $(CUDNN_HOME)/include/cudnn_graph.h),1,0)
+NVCCFLAGS  += -DSHARDLM_CUDNN=$(CUDNN) $(if $(filter 1,$(CUDNN)),-I$(CUDNN_HOME)/include)
+LDLIBS     += -ldl
 else
 LIB_OBJS := $(LIB_SRCS:%.cpp=$(BUILD)/obj/%.o) $(BUILD)/obj/src/cuda_stub.o
 endif

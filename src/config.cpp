@@ -103,7 +103,7 @@ const std::vector<KeySpec>& key_table() {
       key("model.optim_cpu_offload", Type::Bool, FIELD(model.optim_cpu_offload)),
       one_of(key("model.optim_offload_grads", Type::String, FIELD(model.optim_offload_grads)), {"host", "device"}),
       one_of(key("model.activation_checkpointing", Type::String, FIELD(model.activation_checkpointing)),
-             {"none", "full"}),
+             {"none", "full", "selective"}),
       key("model.reshard_after_forward", Type::Bool, FIELD(model.reshard_after_forward)),
       one_of(key("model.reduce_dtype", Type::String, FIELD(model.reduce_dtype)), {"fp32", "bf16"}),
 
@@ -159,6 +159,7 @@ const std::vector<KeySpec>& key_table() {
       one_of(key("device.backend", Type::String, FIELD(device.backend)), {"auto", "cpu", "cuda"}),
       at_least(key("device.cpu_threads", Type::Int, FIELD(device.cpu_threads)), 0),
       at_least(key("device.memory_limit_gib", Type::Float, FIELD(device.memory_limit_gib)), 0),
+      one_of(key("device.attention", Type::String, FIELD(device.attention)), {"auto", "cudnn", "flash"}),
 
       one_of(key("comm.backend", Type::String, FIELD(comm.backend)), {"auto", "mpi", "nccl"}),
       positive(key("comm.timeout_s", Type::Float, FIELD(comm.timeout_s))),
@@ -413,6 +414,12 @@ void validate(const Config& c, int world, const std::map<std::string, std::strin
     err("model.reduce_dtype = \"bf16\" needs device.backend = \"cuda\" (the CPU backend is the fp32 reference)");
   if (c.device.memory_limit_gib > 0 && c.device.backend == "cpu")
     err("device.memory_limit_gib caps GPU memory: it needs device.backend = \"cuda\" (or \"auto\" on a GPU machine)");
+  if (c.device.attention == "cudnn" && c.device.backend == "cpu")
+    err("device.attention = \"cudnn\" is cuDNN's GPU attention: it needs device.backend = \"cuda\" (or \"auto\" on "
+        "a GPU machine)");
+  if (c.device.attention == "cudnn" && c.run.deterministic)
+    err("device.attention = \"cudnn\" with run.deterministic = true: cuDNN's attention backward is not bitwise "
+        "reproducible on Hopper; use device.attention = \"auto\" or \"flash\" (shardlm's deterministic kernels)");
   if (c.comm.backend == "nccl" && c.device.backend == "cpu")
     err("comm.backend = \"nccl\" needs device.backend = \"cuda\" (NCCL moves device memory only; the CPU backend "
         "uses MPI)");

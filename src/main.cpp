@@ -168,6 +168,8 @@ int cmd_train(Runtime& rt, const CliArgs& args) {
     // Large models spend real time here (host init, pinning, the state upload).
     const char* state = session.offload ? "pinning the offload buffers"
                         : session.engine.options().device_state ? "the state's upload to the GPU" : nullptr;
+    const std::string kernels = session.engine.backend().kernels_note();
+    if (!kernels.empty()) std::printf("attention: %s\n", kernels.c_str());
     std::printf("setup %.1f s: model, data, optimizer, engine", setup_s);
     if (state) std::printf("; %.1f s of it %s", session.state_setup_s, state);
     std::printf("\n");

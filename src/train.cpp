@@ -22,7 +22,8 @@ EngineOptions engine_options_for(const Config& config) {
   o.max_tokens = config.data.micro_batch * config.data.seq_len;
   o.chunk_tokens = config.loss.chunk_tokens;
   o.reshard_after_forward = config.model.reshard_after_forward;
-  o.checkpoint_activations = config.model.activation_checkpointing == "full";
+  o.checkpoint_activations = config.model.activation_checkpointing != "none";
+  o.save_attention = config.model.activation_checkpointing == "selective";
   // On a GPU the fp32 state lives on the device unless it is offloaded to the host.
   o.device_state = config.device.backend == "cuda" && !config.model.optim_cpu_offload;
   o.offload_pipeline = config.device.backend == "cuda" && config.model.optim_cpu_offload && config.optim.name != "muon";
@@ -32,6 +33,8 @@ EngineOptions engine_options_for(const Config& config) {
   // (tests, tools) on one GPU per rank uses NCCL.
   o.comm_backend = config.comm.backend == "auto" ? "nccl" : config.comm.backend;
   o.comm_timeout_s = config.comm.timeout_s;
+  o.attention = config.device.attention;
+  o.deterministic = config.run.deterministic;
   return o;
 }
 

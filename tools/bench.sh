@@ -8,7 +8,10 @@
 #                                 3b-offload 6b-offload 7b 1b-256k 1b-offload-256k (on request:
 #                                 docs/benchmarks.md "Offload"); 4b-80g 5b-80g-over 7b-offload-80g
 #                                 (the largest models under device.memory_limit_gib = 78, an 80 GB H100);
-#                                 1b-offload-devgrads 10b-offload-80g (model.optim_offload_grads = "device")
+#                                 1b-offload-devgrads 10b-offload-80g (model.optim_offload_grads = "device");
+#                                 1b-32k-selective 8b-32k-offload 8b-32k-offload-selective 8b-131k-offload
+#                                 (long context on one GPU, docs/benchmarks.md "Attention")
+#   ATTN=flash tools/bench.sh 1b  (device.attention for every run: auto | cudnn | flash)
 #   SHARDLM=path/to/shardlm tools/bench.sh 1b
 #   BENCH_TIMEOUT=120 tools/bench.sh 7b     (kill each run after 120 s)
 #
@@ -41,8 +44,10 @@ run() {
   rm -rf "runs/bench-$name"
   settle_host_memory
   ${BENCH_TIMEOUT:+timeout -s KILL $BENCH_TIMEOUT} "$SHARDLM" train "$deck" --set run.dir=runs/bench-$name \
-    --set ckpt.resume=none --set ckpt.interval=0 --set ckpt.save_final=false "$@" > "runs/bench-$name.log" 2>&1 || true
-  grep -E "^(setup|throughput|step time|memory|muon|offload|shardlm: error)" "runs/bench-$name.log" | sed "s/^/$name: /" || true
+    --set ckpt.resume=none --set ckpt.interval=0 --set ckpt.save_final=false ${ATTN:+--set device.attention=$ATTN} \
+    "$@" > "runs/bench-$name.log" 2>&1 || true
+  grep -E "^(attention|setup|throughput|step time|memory|muon|offload|shardlm: error)" "runs/bench-$name.log" |
+    sed "s/^/$name: /" || true
   grep -q "^throughput" "runs/bench-$name.log" ||
     { echo "$name: no result (failed or timed out); the log ends:"; tail -3 "runs/bench-$name.log" | sed "s/^/$name:   /"; }
 }
@@ -54,6 +59,9 @@ for n in $names; do
     1b-8k) run 1b-8k inputs/bench/llama-1b.toml --set data.seq_len=8192 --set data.global_batch=2 ;;
     1b-32k) run 1b-32k inputs/bench/llama-1b.toml --set data.seq_len=32768 --set data.global_batch=1 \
               --set model.activation_checkpointing=full --set run.max_steps=5 ;;
+    # selective checkpointing keeps each layer's attention output: the recompute skips attention.
+    1b-32k-selective) run 1b-32k-selective inputs/bench/llama-1b.toml --set data.seq_len=32768 --set data.global_batch=1 \
+                        --set model.activation_checkpointing=selective --set run.max_steps=5 ;;
     3b) run 3b inputs/bench/llama-3b.toml --set model.activation_checkpointing=full --set run.max_steps=6 ;;
     # Muon needs the offload (its momentum and exchange run on the host, Newton–Schulz
     # in bf16 on the GPU); ns1 against the default 5 steps separates the GEMMs from the
@@ -94,6 +102,19 @@ for n in $names; do
                            --set model.optim_offload_grads=device ;;
     10b-offload-80g) run 10b-offload-80g inputs/bench/llama-8b.toml --set model.num_layers=${LAYERS:-40} \
                        --set model.optim_offload_grads=device --set device.memory_limit_gib=78 --set run.max_steps=4 ;;
+    # Long context on one H200: the Llama-3.1-8B shape at 32K and 131K tokens, one
+    # document per step, offloaded optimizer without host gradient shards (the host's
+    # 125 GiB binds otherwise).
+    8b-32k-offload) run 8b-32k-offload inputs/bench/llama-8b.toml --set data.seq_len=32768 --set data.global_batch=1 \
+                      --set model.optim_offload_grads=device --set run.max_steps=4 ;;
+    8b-32k-offload-selective) run 8b-32k-offload-selective inputs/bench/llama-8b.toml --set data.seq_len=32768 \
+                                --set data.global_batch=1 --set model.optim_offload_grads=device \
+                                --set model.activation_checkpointing=selective --set run.max_steps=4 ;;
+    8b-131k-offload)
+      [ -f runs/bench-data/random-128k-131k.h5 ] || $PY tools/make_synthetic_data.py runs/bench-data/random-128k-131k.h5 \
+        --vocab 128256 --tokens 600000 --doc-len 131073
+      run 8b-131k-offload inputs/bench/llama-8b.toml --set data.path=runs/bench-data/random-128k-131k.h5 \
+        --set data.seq_len=131072 --set data.global_batch=1 --set model.optim_offload_grads=device --set run.max_steps=3 ;;
     *) echo "unknown benchmark '$n'" >&2; exit 2 ;;
   esac
 done

@@ -26,6 +26,9 @@ struct EngineOptions {
   int64_t chunk_tokens = 1024;       // lm-head + loss chunk
   bool reshard_after_forward = true; // free gathered units after forward, re-gather in backward
   bool checkpoint_activations = false;  // keep only layer inputs; recompute in backward
+  // With checkpoint_activations: keep each layer's attention output and logsumexp
+  // too, so the recompute skips attention (the costliest op at long context).
+  bool save_attention = false;
   bool device_state = false;         // masters, gradients and optimizer state on the device
   bool offload_pipeline = false;     // optim_cpu_offload on a GPU through offload.hpp's pipeline
   bool offload_device_grads = false; // model.optim_offload_grads = "device": no host gradient shards
@@ -35,6 +38,8 @@ struct EngineOptions {
   bool reduce_bf16 = false;          // model.reduce_dtype = "bf16": reduce-scatter in bf16 (half the bytes)
   std::string comm_backend = "nccl"; // "nccl" (one GPU per rank) | "mpi" (staged through host memory)
   double comm_timeout_s = 600;       // NCCL collectives older than this abort the job
+  std::string attention = "auto";    // device.attention: auto | cudnn | flash (GPU backends)
+  bool deterministic = false;        // run.deterministic: only bitwise-reproducible kernels
 };
 
 // Token arrays of one micro-batch (host memory), each (N).
@@ -58,6 +63,9 @@ class Backend {
  public:
   virtual ~Backend() = default;
   virtual const char* name() const = 0;
+  // One line on the kernels a device backend chose (after prepare), e.g. which
+  // attention runs and why; "" when there is nothing to say.
+  virtual std::string kernels_note() const { return ""; }
   // True when the backend computes in host memory (the CPU backend): then the
   // fp32 master shards are the parameters it reads and the gradient shards are
   // where it adds, with no copies.

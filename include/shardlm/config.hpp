@@ -35,7 +35,7 @@ struct ModelSection {
   // "device" (in the GPU accumulator, copied into one of two pinned landing
   // buffers as the update reaches the unit: 4 B per parameter less host memory).
   std::string optim_offload_grads = "host";
-  std::string activation_checkpointing = "none";  // none | full
+  std::string activation_checkpointing = "none";  // none | full | selective (full, keeping attention's output)
   bool reshard_after_forward = true;
   std::string reduce_dtype = "fp32";              // fp32 | bf16
 };
@@ -109,6 +109,7 @@ struct DeviceSection {
   std::string backend = "auto";     // auto | cpu | cuda
   int64_t cpu_threads = 0;          // 0 = OMP_NUM_THREADS or all cores
   double memory_limit_gib = 0;      // cap on the GPU memory shardlm allocates; 0 = none
+  std::string attention = "auto";   // auto | cudnn | flash: cuDNN's fused attention or shardlm's kernels
 };
 
 struct CommSection {

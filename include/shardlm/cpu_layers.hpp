@@ -63,9 +63,11 @@ struct LayerGradScratch {
   static int64_t bytes(const ModelConfig& c, int64_t N);
 };
 
-// x_out (N, C) = layer(x_in (N, C)); fills acts.
+// x_out (N, C) = layer(x_in (N, C)); fills acts. With run_attention = false,
+// acts.att and acts.lse already hold this layer's attention (selective activation
+// checkpointing's recompute) and attention itself is skipped.
 void layer_forward(const ModelConfig& c, const LayerWeights<const float>& w, const TokenInputs& in,
-                   const float* x_in, float* x_out, LayerActs& acts);
+                   const float* x_in, float* x_out, LayerActs& acts, bool run_attention = true);
 
 // d_x (N, C): in, the gradient at the layer's output; out, at its input.
 // Parameter gradients are accumulated into g.

@@ -41,7 +41,7 @@ class CpuBackend final : public Backend {
   int64_t activation_bytes(const ModelConfig& c, const EngineOptions& o) const override {
     const int64_t N = o.max_tokens, L = c.num_layers, C = c.hidden_size;
     return 4 * (L + 1) * N * C + (o.checkpoint_activations ? 1 : L) * cpu::LayerActs::bytes(c, N) +
-           (o.checkpoint_activations ? 4 * N * C : 0);
+           (o.checkpoint_activations ? 4 * N * C : 0) + (o.save_attention ? L * saved_attention_bytes(c, N) : 0);
   }
   int64_t workspace_bytes(const ModelConfig& c, const EngineOptions& o) const override {
     const int64_t N = o.max_tokens;
@@ -58,6 +58,12 @@ class CpuBackend final : public Backend {
     for (int64_t l = 0; l <= L; ++l) residual_.emplace_back(Mem::Activations, N * C);
     for (int64_t l = 0; l < (o.checkpoint_activations ? 1 : L); ++l) acts_.emplace_back(c, N);
     if (o.checkpoint_activations) recompute_out_ = Buffer<float>(Mem::Activations, N * C);
+    saved_att_.clear();
+    saved_lse_.clear();
+    for (int64_t l = 0; l < (o.save_attention ? L : 0); ++l) {
+      saved_att_.emplace_back(Mem::Activations, N * c.num_heads * c.head_dim);
+      saved_lse_.emplace_back(Mem::Activations, N * c.num_heads);
+    }
     d_x_ = Buffer<float>(Mem::Workspace, N * C);
     scratch_ = cpu::LayerGradScratch(c, N);
     head_ = cpu::HeadScratch(c, N, o.chunk_tokens);
@@ -76,6 +82,7 @@ class CpuBackend final : public Backend {
   }
 
   void layer_forward(int l, const Unit& unit, const void* params) override {
+    SavedAttention slot(*this, l);
     cpu::layer_forward(config_, layer_weights(unit, f32(params)), inputs_, residual_[l].data(), residual_[l + 1].data(),
                        acts(l));
   }
@@ -94,8 +101,10 @@ class CpuBackend final : public Backend {
 
   void layer_backward(int l, const Unit& unit, const void* params, float* grads) override {
     const auto weights = layer_weights(unit, f32(params));
-    if (options_.checkpoint_activations)  // recompute this layer's saved tensors
-      cpu::layer_forward(config_, weights, inputs_, residual_[l].data(), recompute_out_.data(), acts(l));
+    SavedAttention slot(*this, l);
+    if (options_.checkpoint_activations)  // recompute this layer's saved tensors (but a saved attention)
+      cpu::layer_forward(config_, weights, inputs_, residual_[l].data(), recompute_out_.data(), acts(l),
+                         /*run_attention=*/!options_.save_attention);
     cpu::layer_backward(config_, weights, layer_weights(unit, grads), inputs_, residual_[l].data(), acts(l),
                         d_x_.data(), scratch_);
   }
@@ -112,6 +121,22 @@ class CpuBackend final : public Backend {
 
  private:
   static const float* f32(const void* p) { return static_cast<const float*>(p); }
+  static int64_t saved_attention_bytes(const ModelConfig& c, int64_t N) {
+    return 4 * N * c.num_heads * (c.head_dim + 1);
+  }
+  // Selective checkpointing: layer l's own attention output and logsumexp are
+  // swapped into the one shared LayerActs for as long as the layer runs.
+  struct SavedAttention {
+    CpuBackend& b;
+    int l;
+    SavedAttention(CpuBackend& backend, int layer) : b(backend), l(layer) { swap(); }
+    ~SavedAttention() { swap(); }
+    void swap() {
+      if (!b.options_.save_attention) return;
+      std::swap(b.acts_[0].att, b.saved_att_[size_t(l)]);
+      std::swap(b.acts_[0].lse, b.saved_lse_[size_t(l)]);
+    }
+  };
   cpu::LayerActs& acts(int l) { return acts_[options_.checkpoint_activations ? 0 : l]; }
 
   std::vector<const float*> shards_;    // per unit: the master shard
@@ -123,6 +148,7 @@ class CpuBackend final : public Backend {
   std::vector<Buffer<float>> residual_;  // (L + 1) x (N, C): x_0 = embeddings .. x_L
   std::vector<cpu::LayerActs> acts_;     // L sets, or 1 with activation checkpointing
   Buffer<float> recompute_out_;          // (N, C) with activation checkpointing
+  std::vector<Buffer<float>> saved_att_, saved_lse_;  // selective: L x (N, H, D) and L x (N, H)
   Buffer<float> d_x_;                    // (N, C) gradient flowing down the residual stream
   cpu::LayerGradScratch scratch_;
   cpu::HeadScratch head_;

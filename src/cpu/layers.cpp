@@ -91,7 +91,7 @@ int64_t HeadScratch::bytes(const ModelConfig& c, int64_t N, int64_t chunk_tokens
 }
 
 void layer_forward(const ModelConfig& c, const LayerWeights<const float>& w, const TokenInputs& in,
-                   const float* x_in, float* x_out, LayerActs& a) {
+                   const float* x_in, float* x_out, LayerActs& a, bool run_attention) {
   const Dims d(c);
   const int64_t N = in.N;
   rmsnorm_forward(a.xn1.data(), a.rstd1.data(), x_in, w.input_norm, N, d.C, c.rms_norm_eps);
@@ -107,7 +107,8 @@ void layer_forward(const ModelConfig& c, const LayerWeights<const float>& w, con
   }
   rope_forward(a.q.data(), in.positions, in.inv_freq, N, d.H, d.D);
   rope_forward(a.k.data(), in.positions, in.inv_freq, N, d.KV, d.D);
-  attention_forward(a.att.data(), a.lse.data(), a.q.data(), a.k.data(), a.v.data(), in.seq_ids, N, d.H, d.KV, d.D);
+  if (run_attention)
+    attention_forward(a.att.data(), a.lse.data(), a.q.data(), a.k.data(), a.v.data(), in.seq_ids, N, d.H, d.KV, d.D);
   // x_out serves as the scratch for the o_proj output before the residual add.
   linear_forward(x_out, a.att.data(), w.wo, kNoBias, N, d.HD, d.C);
   add(a.x_mid.data(), x_in, x_out, N * d.C);

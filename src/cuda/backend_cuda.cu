@@ -19,6 +19,7 @@
 #include "shardlm/cuda_gemm.hpp"
 #include "shardlm/cuda_ops.hpp"
 #include "shardlm/cuda_rl_loss.hpp"
+#include "shardlm/cuda_sdpa.hpp"
 #include "shardlm/error.hpp"
 #include "shardlm/hf.hpp"
 
@@ -59,6 +60,7 @@ class CudaBackend final : public Backend {
   ~CudaBackend() override {
     if (!stream_) return;
     cudaStreamSynchronize(stream_);
+    sdpa_.reset();
     gemm_.reset();
     for (auto& [ptr, size] : owned_) cudaFree(ptr);
     if (host_staging_) cudaFreeHost(host_staging_);
@@ -285,11 +287,14 @@ class CudaBackend final : public Backend {
     if (c.qk_norm) b += 2 * d.N * (d.HD + d.KVD) + 4 * d.N * (d.H + d.KV);
     return b;
   }
+  // A layer's attention output (N, H, D) bf16 and logsumexp (N, H) fp32: what
+  // selective checkpointing keeps per layer (and the shared set then lacks).
+  static int64_t attention_out_bytes(const Dims& d) { return 2 * d.N * d.HD + 4 * d.N * d.H; }
   int64_t activation_bytes(const ModelConfig& c, const EngineOptions& o) const override {
     const Dims d = dims(c, o);
     const int64_t L = c.num_layers;
     return 2 * (L + 1) * d.N * d.C + (o.checkpoint_activations ? 1 : L) * layer_act_bytes(c, d) +
-           (o.checkpoint_activations ? 2 * d.N * d.C : 0);
+           (o.checkpoint_activations ? 2 * d.N * d.C : 0) + (o.save_attention ? (L - 1) * attention_out_bytes(d) : 0);
   }
   size_t scratch_bytes(const ModelConfig& c, const Dims& d) const {
     size_t s = cuda::rmsnorm_backward_scratch_bytes(d.N, d.C);
@@ -305,15 +310,58 @@ class CudaBackend final : public Backend {
     (void)c;
     return s;
   }
+  // Phase-shared memory. Three phases of a step never overlap on the stream:
+  //   head       the logits chunk (head_loss_backward, between forward and backward);
+  //   MLP bwd    dh, and dgate/dup, which swiglu_backward writes over the layer's
+  //              own gate/up activations (it reads each element before writing it);
+  //   attn bwd   d_att, dq, dk, dv and cuDNN's backward buffers, made after the
+  //              MLP's backward has read gate/up for the last time, dead once the
+  //              q/k/v projections' backward has read them.
+  // So the attention phase lives in the layer's gate/up buffer (N, 2I), and so does
+  // the logits chunk under activation checkpointing (the activations are
+  // recomputed in backward, so the shared set is dead during the head); dh and
+  // whatever does not fit there share one region of the workspace.
+  struct Phases {
+    size_t gu_bytes = 0;                                 // one layer's gate/up buffer
+    size_t dq = 0, dk = 0, dv = 0, sdpa = 0, attention = 0;  // offsets in the attention phase; its size
+    bool attention_in_gu = false, logits_in_gu = false;
+    size_t shared = 0;                                   // the shared region's bytes
+  };
+  static size_t aligned(size_t b) { return (b + 255) / 256 * 256; }
+  static Phases phases(const Dims& d, bool sdpa, bool checkpointing) {
+    Phases p;
+    p.gu_bytes = 2 * size_t(d.N * 2 * d.I);
+    p.dq = aligned(2 * size_t(d.N * d.HD));
+    p.dk = p.dq + aligned(2 * size_t(d.N * d.HD));
+    p.dv = p.dk + aligned(2 * size_t(d.N * d.KVD));
+    p.sdpa = p.dv + aligned(2 * size_t(d.N * d.KVD));
+    p.attention = p.sdpa + (sdpa ? cuda::CudnnSdpa::backward_buffer_bytes(d.N, d.H, d.KV, d.D) : 0);
+    const size_t logits = 2 * size_t(d.chunk * d.V);
+    p.attention_in_gu = p.attention <= p.gu_bytes;
+    p.logits_in_gu = checkpointing && logits <= p.gu_bytes;
+    p.shared = std::max({aligned(2 * size_t(d.N * d.I)), p.logits_in_gu ? 0 : aligned(logits),
+                         p.attention_in_gu ? 0 : p.attention});
+    return p;
+  }
+  // cuDNN's attention is planned whenever it may be chosen (choose_attention).
+  static bool sdpa_planned(const EngineOptions& o) { return o.attention != "flash" && !o.deterministic; }
+  // The attention phase's buffers, in `base` (a layer's gate/up or the shared region).
+  void place_attention_phase(char* base) {
+    d_att_ = reinterpret_cast<bf16*>(base), dq_ = reinterpret_cast<bf16*>(base + phases_.dq);
+    dk_ = reinterpret_cast<bf16*>(base + phases_.dk), dv_ = reinterpret_cast<bf16*>(base + phases_.dv);
+    sdpa_backward_buffers_ = base + phases_.sdpa;
+  }
   int64_t workspace_bytes(const ModelConfig& c, const EngineOptions& o) const override {
     const Dims d = dims(c, o);
-    int64_t b = 2 * d.N * (4 * d.C + 2 * d.HD + 2 * d.KVD + 3 * d.I);      // backward scratch
+    int64_t b = 2 * d.N * 4 * d.C;                                           // backward residual-stream gradients
+    b += static_cast<int64_t>(phases(d, sdpa_planned(o), o.checkpoint_activations).shared);  // dh, logits, ...
     if (c.qk_norm) b += 2 * d.N * (d.HD + d.KVD);
-    b += 2 * d.N * 2 * d.C + 4 * d.N + 2 * d.chunk * d.V + 4 * d.chunk + 8;  // head
+    b += 2 * d.N * 2 * d.C + 4 * d.N + 4 * d.chunk + 8;                      // head
     b += 4 * d.N * 5 + 4 * d.N + 4 * (d.D / 2);                              // batch arrays, doc starts, inv_freq
     if (o.rl)  // advantages, inference logprobs, temperatures; per-row and summed RL statistics
       b += 4 * d.N * 3 + static_cast<int64_t>(cuda::rl_loss_row_stats_bytes(d.chunk)) + 8 * cuda::kRlStatsFields;
     b += static_cast<int64_t>(cuda::attention_backward_scratch_bytes(d.N, d.H, d.KV, d.D));
+    if (sdpa_planned(o)) b += static_cast<int64_t>(cuda::CudnnSdpa::persistent_bytes(d.N));
     b += static_cast<int64_t>(scratch_bytes(c, d)) + kGemmWorkspace;
     return b;
   }
@@ -347,20 +395,81 @@ class CudaBackend final : public Backend {
     for (int64_t l = 0; l <= L; ++l) residual_.push_back(bf16s(Mem::Activations, d.N * d.C));
     for (int64_t l = 0; l < (o.checkpoint_activations ? 1 : L); ++l) acts_.push_back(make_acts());
     if (o.checkpoint_activations) recompute_out_ = bf16s(Mem::Activations, d.N * d.C);
+    for (int64_t l = 0; l < (o.save_attention ? L : 0); ++l)
+      saved_att_.push_back(bf16s(Mem::Activations, d.N * d.HD)), saved_lse_.push_back(floats(Mem::Activations, d.N * d.H));
 
     const Mem w = Mem::Workspace;
     d_x_ = bf16s(w, d.N * d.C), d_mid_ = bf16s(w, d.N * d.C), d_xn_ = bf16s(w, d.N * d.C), d_tmp_ = bf16s(w, d.N * d.C);
-    d_att_ = bf16s(w, d.N * d.HD), dq_ = bf16s(w, d.N * d.HD), dk_ = bf16s(w, d.N * d.KVD), dv_ = bf16s(w, d.N * d.KVD);
+    phases_ = phases(d, sdpa_planned(o), o.checkpoint_activations);
+    shared_ = static_cast<char*>(own(w, phases_.shared));
+    dh_ = reinterpret_cast<bf16*>(shared_);
+    logits_ = phases_.logits_in_gu ? acts_[0].gu : reinterpret_cast<bf16*>(shared_);
+    place_attention_phase(phases_.attention_in_gu ? reinterpret_cast<char*>(acts_[0].gu) : shared_);
     if (c.qk_norm) dq_raw_ = bf16s(w, d.N * d.HD), dk_raw_ = bf16s(w, d.N * d.KVD);
-    dgu_ = bf16s(w, d.N * 2 * d.I), dh_ = bf16s(w, d.N * d.I);
     xf_ = bf16s(w, d.N * d.C), dxf_ = bf16s(w, d.N * d.C), rstdf_ = floats(w, d.N);
-    logits_ = bf16s(w, d.chunk * d.V), row_loss_ = floats(w, d.chunk);
+    row_loss_ = floats(w, d.chunk);
     loss_sum_ = static_cast<double*>(own(w, 8));
     delta_bytes_ = cuda::attention_backward_scratch_bytes(d.N, d.H, d.KV, d.D);
     delta_ = own(w, delta_bytes_);
     scratch_bytes_ = scratch_bytes(c, d);
     scratch_ = own(w, scratch_bytes_);
     CUDA_CHECK(cudaMemsetAsync(loss_sum_, 0, 8, stream_));
+    choose_attention(d);
+  }
+
+  std::string kernels_note() const override { return attention_note_; }
+
+  // device.attention: "flash" (shardlm's kernels), "cudnn" (cuDNN's fused SDPA,
+  // an error where it cannot load), "auto" (cuDNN where it loads, else shardlm's,
+  // saying why). run.deterministic keeps shardlm's kernels: cuDNN's backward
+  // accumulates dq with atomics on Hopper, so reruns would differ in the last bits.
+  void choose_attention(const Dims& d) {
+    const std::string own_kernels = fmt("shardlm flash kernels (%s)", cuda::attention_kernel_name(d.D));
+    if (options_.attention == "flash") {
+      attention_note_ = own_kernels + ", as device.attention = \"flash\" asks";
+      return;
+    }
+    if (options_.deterministic) {
+      attention_note_ = own_kernels + ": run.deterministic = true keeps them (cuDNN's backward is not bitwise "
+                                      "reproducible)";
+      return;
+    }
+    std::string why;
+    if (!cuda::cudnn_sdpa_available(&why)) {
+      SHARDLM_CHECK(options_.attention != "cudnn", "device.attention = \"cudnn\", but cuDNN cannot be used: %s",
+                    why.c_str());
+      attention_note_ = own_kernels + "; cuDNN's attention is not used: " + why;
+      return;
+    }
+    void* persistent = own(Mem::Workspace, cuda::CudnnSdpa::persistent_bytes(d.N));
+    sdpa_ = std::make_unique<cuda::CudnnSdpa>(d.N, d.H, d.KV, d.D, persistent, stream_);
+    attention_note_ = "cuDNN fused attention, " + cuda::cudnn_sdpa_version() + "; shardlm's kernels where an "
+                      "engine refuses a shape";
+  }
+
+  // cuDNN's attention when it takes this micro-batch's shape, else shardlm's
+  // kernels (same tensors, same meaning); a refusal is reported once per shape.
+  void attention_forward(Acts& a, int64_t N) {
+    if (sdpa_ && sdpa_->forward(a.att, a.lse, a.q, a.k, a.v)) return;
+    note_sdpa_refusal();
+    cuda::attention_forward(a.att, a.lse, a.q, a.k, a.v, seq_ids_, doc_start_, N, d_.H, d_.KV, d_.D, stream_);
+  }
+  void attention_backward(Acts& a, int64_t N) {
+    if (sdpa_ && sdpa_->backward(dq_, dk_, dv_, d_att_, a.q, a.k, a.v, a.att, a.lse, sdpa_backward_buffers_)) return;
+    note_sdpa_refusal();
+    cuda::attention_backward(dq_, dk_, dv_, d_att_, a.q, a.k, a.v, a.att, a.lse, seq_ids_, doc_start_,
+                             static_cast<float*>(delta_), N, d_.H, d_.KV, d_.D, stream_);
+  }
+  void note_sdpa_refusal() {
+    if (!sdpa_) return;
+    SHARDLM_CHECK(options_.attention != "cudnn",
+                  "device.attention = \"cudnn\", but cuDNN has no engine for this micro-batch's attention: %s; use "
+                  "device.attention = \"auto\" to fall back to shardlm's kernels",
+                  sdpa_->last_plan_note().c_str());
+    if (sdpa_->last_plan_note() == reported_refusal_) return;
+    reported_refusal_ = sdpa_->last_plan_note();
+    std::fprintf(stderr, "shardlm: cuDNN attention refused a shape, shardlm's kernels run it: %s\n",
+                 reported_refusal_.c_str());
   }
 
   // ------------------------------------------------------------ compute
@@ -384,6 +493,7 @@ class CudaBackend final : public Backend {
       upload(temperatures_, b.temperatures, 4 * b.N);
     }
     cuda::attention_doc_start(doc_start_, seq_ids_, n_, stream_);
+    if (sdpa_) sdpa_->set_documents(b.seq_ids, b.N);
   }
 
   void embed_forward(const void* table) override {
@@ -452,21 +562,24 @@ class CudaBackend final : public Backend {
     const LayerWeights<float> g = layer_weights(unit, grads);
     Acts& a = acts(l);
     const bf16* x_in = residual_[l];
-    if (options_.checkpoint_activations) forward_layer(w, x_in, recompute_out_, a);
+    if (options_.checkpoint_activations) forward_layer(w, x_in, recompute_out_, a, /*recompute=*/true);
     const Dims& d = d_;
     const int64_t N = n_;
     // MLP: x_out = x_mid + down(silu(gate) * up)
     cuda::linear_backward(*gemm_, dh_, g.w_down, nullptr, d_x_, a.h, w.w_down, N, d.I, d.C, scratch_, scratch_bytes_);
-    cuda::swiglu_backward(dgu_, 2 * d.I, dgu_ + d.I, 2 * d.I, dh_, d.I, a.gu, 2 * d.I, a.gu + d.I, 2 * d.I, N, d.I,
+    // dgate/dup in place of gate/up (Phases): dgu is a.gu from here on.
+    bf16* dgu = a.gu;
+    cuda::swiglu_backward(dgu, 2 * d.I, dgu + d.I, 2 * d.I, dh_, d.I, a.gu, 2 * d.I, a.gu + d.I, 2 * d.I, N, d.I,
                           stream_);
-    cuda::linear_backward(*gemm_, d_xn_, g.w_gate, nullptr, dgu_, a.xn2, w.w_gate, N, d.C, 2 * d.I, scratch_,
+    cuda::linear_backward(*gemm_, d_xn_, g.w_gate, nullptr, dgu, a.xn2, w.w_gate, N, d.C, 2 * d.I, scratch_,
                           scratch_bytes_);
     cuda::rmsnorm_backward(d_mid_, g.post_norm, d_xn_, a.x_mid, w.post_norm, a.rstd2, d_x_, N, d.C, scratch_,
                            scratch_bytes_, stream_);
-    // attention: x_mid = x_in + o(attn(rope(norm(q)), rope(norm(k)), v))
+    // attention: x_mid = x_in + o(attn(rope(norm(q)), rope(norm(k)), v)); its
+    // gradients go where gate/up were (dead now), when they fit there
+    if (phases_.attention_in_gu) place_attention_phase(reinterpret_cast<char*>(a.gu));
     cuda::linear_backward(*gemm_, d_att_, g.wo, nullptr, d_mid_, a.att, w.wo, N, d.HD, d.C, scratch_, scratch_bytes_);
-    cuda::attention_backward(dq_, dk_, dv_, d_att_, a.q, a.k, a.v, a.att, a.lse, seq_ids_, doc_start_,
-                             static_cast<float*>(delta_), N, d.H, d.KV, d.D, stream_);
+    attention_backward(a, N);
     cuda::rope_backward(dq_, positions_, inv_freq_, N, d.H, d.D, d.HD, stream_);
     cuda::rope_backward(dk_, positions_, inv_freq_, N, d.KV, d.D, d.KVD, stream_);
     const bf16* dq = dq_;
@@ -558,7 +671,12 @@ class CudaBackend final : public Backend {
   }
 
   static const bf16* bf(const void* p) { return static_cast<const bf16*>(p); }
-  Acts& acts(int l) { return acts_[options_.checkpoint_activations ? 0 : l]; }
+  Acts& acts(int l) {
+    if (!options_.checkpoint_activations) return acts_[size_t(l)];
+    Acts& a = acts_[0];
+    if (options_.save_attention) a.att = saved_att_[size_t(l)], a.lse = saved_lse_[size_t(l)];
+    return a;
+  }
 
   void* own(Mem category, size_t bytes) {
     void* p = allocate(category, bytes);
@@ -576,9 +694,10 @@ class CudaBackend final : public Backend {
     const Dims& d = d_;
     const Mem m = Mem::Activations;
     Acts a{};
-    a.rstd1 = floats(m, d.N), a.rstd2 = floats(m, d.N), a.lse = floats(m, d.N * d.H);
+    a.rstd1 = floats(m, d.N), a.rstd2 = floats(m, d.N);
     a.xn1 = bf16s(m, d.N * d.C), a.x_mid = bf16s(m, d.N * d.C), a.xn2 = bf16s(m, d.N * d.C);
-    a.q = bf16s(m, d.N * d.HD), a.k = bf16s(m, d.N * d.KVD), a.v = bf16s(m, d.N * d.KVD), a.att = bf16s(m, d.N * d.HD);
+    a.q = bf16s(m, d.N * d.HD), a.k = bf16s(m, d.N * d.KVD), a.v = bf16s(m, d.N * d.KVD);
+    if (!options_.save_attention) a.att = bf16s(m, d.N * d.HD), a.lse = floats(m, d.N * d.H);  // else per layer
     a.gu = bf16s(m, d.N * 2 * d.I), a.h = bf16s(m, d.N * d.I);
     if (config_.qk_norm) {
       a.q_raw = bf16s(m, d.N * d.HD), a.k_raw = bf16s(m, d.N * d.KVD);
@@ -587,7 +706,10 @@ class CudaBackend final : public Backend {
     return a;
   }
 
-  void forward_layer(const LayerWeights<const bf16>& w, const bf16* x_in, bf16* x_out, Acts& a) {
+  // recompute: activation checkpointing's second forward in backward, which skips
+  // the attention when selective checkpointing kept its output.
+  void forward_layer(const LayerWeights<const bf16>& w, const bf16* x_in, bf16* x_out, Acts& a,
+                     bool recompute = false) {
     const Dims& d = d_;
     const int64_t N = n_;
     const double eps = config_.rms_norm_eps;
@@ -603,7 +725,7 @@ class CudaBackend final : public Backend {
     }
     cuda::rope_forward(a.q, positions_, inv_freq_, N, d.H, d.D, d.HD, stream_);
     cuda::rope_forward(a.k, positions_, inv_freq_, N, d.KV, d.D, d.KVD, stream_);
-    cuda::attention_forward(a.att, a.lse, a.q, a.k, a.v, seq_ids_, doc_start_, N, d.H, d.KV, d.D, stream_);
+    if (!(recompute && options_.save_attention)) attention_forward(a, N);
     // x_out holds the o_proj output until the residual add below overwrites it.
     cuda::linear_forward(*gemm_, x_out, a.att, w.wo, nullptr, N, d.HD, d.C);
     cuda::residual_rmsnorm_forward(a.x_mid, a.xn2, a.rstd2, x_in, x_out, w.post_norm, N, d.C, eps, stream_);
@@ -663,9 +785,13 @@ class CudaBackend final : public Backend {
   std::vector<bf16*> residual_;          // (L + 1) x (N, C)
   std::vector<Acts> acts_;
   bf16* recompute_out_ = nullptr;
+  std::vector<bf16*> saved_att_;         // selective checkpointing: L x (N, H, D)
+  std::vector<float*> saved_lse_;        // L x (N, H)
   bf16 *d_x_ = nullptr, *d_mid_ = nullptr, *d_xn_ = nullptr, *d_tmp_ = nullptr, *d_att_ = nullptr;
   bf16 *dq_ = nullptr, *dk_ = nullptr, *dv_ = nullptr, *dq_raw_ = nullptr, *dk_raw_ = nullptr;
-  bf16 *dgu_ = nullptr, *dh_ = nullptr;
+  bf16* dh_ = nullptr;                   // (N, I), in the shared region
+  Phases phases_;                        // where the phase-shared buffers live
+  char* shared_ = nullptr;
   bf16 *xf_ = nullptr, *dxf_ = nullptr, *logits_ = nullptr;
   float *rstdf_ = nullptr, *row_loss_ = nullptr;
   double* loss_sum_ = nullptr;
@@ -675,6 +801,9 @@ class CudaBackend final : public Backend {
   size_t delta_bytes_ = 0;
   void* scratch_ = nullptr;
   size_t scratch_bytes_ = 0;
+  std::unique_ptr<cuda::CudnnSdpa> sdpa_;  // cuDNN's attention, when chosen (choose_attention)
+  void* sdpa_backward_buffers_ = nullptr;  // its backward buffers, in the shared region
+  std::string attention_note_, reported_refusal_;
 };
 
 }  // namespace

@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "shardlm/cuda_attention.hpp"
+#include "shardlm/cuda_sdpa.hpp"
 
 #define CHECK_CUDA(call)                                                                 \
   do {                                                                                   \
@@ -49,6 +50,10 @@ constexpr double kTolOut = 5e-3, kTolGrad = 1e-2, kTolLse = 1e-4;
 constexpr double kPeakTflops = 800.0;  // bf16 dense, measured on this H100 (KINDS.md)
 
 int g_failures = 0, g_checks = 0;
+// While set, forward()/backward() run cuDNN's attention (cuda_sdpa.hpp) instead of
+// shardlm's kernels; a shape cuDNN refuses is a failure.
+sc::CudnnSdpa* g_sdpa = nullptr;
+void* g_sdpa_buffers = nullptr;  // its backward buffers
 
 struct Problem {
   std::string name;
@@ -64,6 +69,11 @@ struct Inputs {
   std::vector<bf16> q, k, v, dout;
   std::vector<float> qf, kf, vf, doutf;
 };
+
+template <class V>
+bool same_bits(const V& a, const V& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(a[0])) == 0;
+}
 
 struct Outputs {
   std::vector<bf16> out, dq, dk, dv;
@@ -170,11 +180,25 @@ void poison(const Problem& P, const Device& d) {
   CHECK_CUDA(cudaMemset(d.doc_start, 0xFF, size_t(P.N) * 4));
 }
 
+void refused(const char* pass) {
+  ++g_checks;
+  ++g_failures;
+  std::printf("  FAIL: cuDNN refused the %s shape: %s\n", pass, g_sdpa->last_plan_note().c_str());
+}
 void forward(const Problem& P, const Device& d) {
+  if (g_sdpa) {
+    if (!g_sdpa->forward(d.out, d.lse, d.q, d.k, d.v)) refused("forward");
+    return;
+  }
   sc::attention_forward(d.out, d.lse, d.q, d.k, d.v, d.seq_id, d.doc_start, P.N, P.H, P.KV,
                         P.D, 0);
 }
 void backward(const Problem& P, const Device& d) {
+  if (g_sdpa) {
+    if (!g_sdpa->backward(d.dq, d.dk, d.dv, d.dout, d.q, d.k, d.v, d.out, d.lse, g_sdpa_buffers))
+      refused("backward");
+    return;
+  }
   sc::attention_backward(d.dq, d.dk, d.dv, d.dout, d.q, d.k, d.v, d.out, d.lse, d.seq_id,
                          d.doc_start, d.delta, P.N, P.H, P.KV, P.D, 0);
 }
@@ -431,7 +455,9 @@ struct RunOpts {
   bool time_it = false;
   bool determinism = false;
   bool memory = false;
+  bool cudnn = false;  // also run cuDNN's attention on the case (when it loads)
 };
+bool g_cudnn_ok = false;  // cudnn_sdpa_available() at start-up
 
 const char* kernel_label(sc::AttentionKernel k) {
   switch (k) {
@@ -448,13 +474,36 @@ const char* kernel_label(sc::AttentionKernel k) {
 void run_case(const Problem& P, const RunOpts& opt, uint64_t seed) {
   const Inputs in = make_inputs(P, seed);
   Device d = upload(P, in);
-  for (sc::AttentionKernel kern : opt.kernels) {
+  // The kernels to run: shardlm's (each of opt.kernels), then cuDNN's (kernel index -1).
+  std::vector<int> runs;
+  for (size_t r = 0; r < opt.kernels.size(); ++r) runs.push_back(int(r));
+  if (opt.cudnn && g_cudnn_ok) runs.push_back(-1);
+  void* sdpa_workspace = nullptr;
+  std::unique_ptr<sc::CudnnSdpa> sdpa;
+  for (int run : runs) {
+    const bool cudnn = run < 0;
+    const sc::AttentionKernel kern = cudnn ? sc::AttentionKernel::kAuto : opt.kernels[size_t(run)];
     sc::attention_set_kernel(kern);
+    if (cudnn) {
+      CHECK_CUDA(cudaMalloc(&sdpa_workspace, sc::CudnnSdpa::workspace_bytes(P.N, P.H, P.KV, P.D)));
+      sdpa = std::make_unique<sc::CudnnSdpa>(
+          P.N, P.H, P.KV, P.D,
+          static_cast<char*>(sdpa_workspace) + sc::CudnnSdpa::backward_buffer_bytes(P.N, P.H, P.KV, P.D),
+          cudaStream_t(0));
+      g_sdpa_buffers = sdpa_workspace;
+      sdpa->set_documents(in.seq_id.data(), P.N);
+      g_sdpa = sdpa.get();
+    }
+    const char* label = cudnn ? "cudnn" : kernel_label(kern);
     std::printf("%s  N=%lld H=%lld KV=%lld D=%lld docs=%zu  [%s: %s]\n", P.name.c_str(),
                 (long long)P.N, (long long)P.H, (long long)P.KV, (long long)P.D,
-                P.doc_lens.size(), kernel_label(kern), sc::attention_kernel_name(P.D));
+                P.doc_lens.size(), label, cudnn ? sc::cudnn_sdpa_version().c_str() : sc::attention_kernel_name(P.D));
     std::fflush(stdout);
     size_t free_before = 0, free_after = 0, total = 0;
+    if (cudnn) {  // build the plans first: their one-time device memory is cuDNN's, not per call
+      forward(P, d);
+      backward(P, d);
+    }
     CHECK_CUDA(cudaDeviceSynchronize());
     CHECK_CUDA(cudaMemGetInfo(&free_before, &total));
     poison(P, d);
@@ -465,6 +514,7 @@ void run_case(const Problem& P, const RunOpts& opt, uint64_t seed) {
     CHECK_CUDA(cudaMemGetInfo(&free_after, &total));
     const Outputs o = download(P, d);
     check(P, in, o, seed * 31 + uint64_t(kern));
+    if (cudnn) std::printf("  plan %s\n", sdpa->last_plan_note().c_str());
     if (opt.memory) {
       const bool ok = free_after == free_before;
       ++g_checks;
@@ -476,7 +526,24 @@ void run_case(const Problem& P, const RunOpts& opt, uint64_t seed) {
                   double(P.N) * double(P.N) * 4.0 / (1 << 30),
                   ok ? "unchanged" : "CHANGED");
     }
-    if (opt.determinism) {
+    if (cudnn) {
+      // cuDNN's forward must be bitwise reproducible; its backward sums dq with
+      // atomics on Hopper (why run.deterministic keeps shardlm's kernels): reported.
+      poison(P, d);
+      forward(P, d);
+      backward(P, d);
+      CHECK_CUDA(cudaDeviceSynchronize());
+      const Outputs again = download(P, d);
+      const bool fwd_same = same_bits(again.out, o.out) && same_bits(again.lse, o.lse);
+      ++g_checks;
+      if (!fwd_same) ++g_failures;
+      std::printf("  det  %-10s forward rerun %s; backward rerun %s (not required)\n", fwd_same ? "ok" : "FAIL",
+                  fwd_same ? "bitwise equal" : "DIFFERS",
+                  same_bits(again.dq, o.dq) && same_bits(again.dk, o.dk) && same_bits(again.dv, o.dv)
+                      ? "bitwise equal"
+                      : "differs");
+    }
+    if (opt.determinism && !cudnn) {
       poison(P, d);
       forward(P, d);
       backward(P, d);
@@ -492,12 +559,17 @@ void run_case(const Problem& P, const RunOpts& opt, uint64_t seed) {
       const double bwd = median_ms([&] { backward(P, d); });
       CHECK_CUDA(cudaGetLastError());
       const double flops = causal_flops(P);
-      Timing t{P.name, kernel_label(kern), fwd, bwd, flops / (fwd * 1e9), 2.5 * flops / (bwd * 1e9)};
+      Timing t{P.name, label, fwd, bwd, flops / (fwd * 1e9), 2.5 * flops / (bwd * 1e9)};
       std::printf("  time fwd %.3f ms %.1f TFLOP/s | bwd %.3f ms %.1f TFLOP/s\n", fwd,
                   t.fwd_tflops, bwd, t.bwd_tflops);
       g_timings.push_back(t);
     }
     std::fflush(stdout);
+    if (cudnn) {
+      g_sdpa = nullptr;
+      sdpa.reset();
+      CHECK_CUDA(cudaFree(sdpa_workspace));
+    }
   }
   sc::attention_set_kernel(sc::AttentionKernel::kAuto);
   release(d);
@@ -557,13 +629,16 @@ std::vector<int> random_docs(int64_t N, int max_len, uint64_t seed) {
 
 int main(int argc, char** argv) {
   // Groups: tiny (every row checked), race (two tiny cases, for racecheck), big
-  // (1B shape, sampled rows, timing), long (32k tokens), profile (one forward and
-  // backward of the 1B and long shapes, unchecked, for ncu). Default: tiny, big, long.
+  // (1B shape, sampled rows, timing), long (32k tokens), cudnn (cuDNN's attention on
+  // the tiny shapes), cmp (shardlm vs cuDNN at the benchmark shapes, timed), profile
+  // (one forward and backward of the 1B and long shapes, unchecked, for ncu).
+  // Default: tiny, big, long, cudnn.
   std::string only = "all";
   for (int a = 1; a + 1 < argc; ++a)
     if (std::string(argv[a]) == "--only") only = argv[a + 1];
   auto want = [&](const std::string& group) {
-    return only == group || (only == "all" && group != "race" && group != "profile");
+    return only == group ||
+           (only == "all" && group != "race" && group != "profile" && group != "cmp" && group != "cmp131k");
   };
   int dev = 0;
   cudaDeviceProp prop{};
@@ -572,6 +647,9 @@ int main(int argc, char** argv) {
   std::printf("device: %s, %d SMs, cc %d.%d; OpenMP threads %d; group %s\n", prop.name,
               prop.multiProcessorCount, prop.major, prop.minor, omp_get_max_threads(),
               only.c_str());
+  std::string why;
+  g_cudnn_ok = sc::cudnn_sdpa_available(&why);
+  std::printf("cuDNN attention: %s\n", g_cudnn_ok ? sc::cudnn_sdpa_version().c_str() : why.c_str());
   using K = sc::AttentionKernel;
   const std::vector<K> all_mma{K::kAuto, K::kVariant1, K::kVariant2, K::kVariant3, K::kVariant4};
   std::vector<K> all = all_mma;
@@ -606,6 +684,42 @@ int main(int argc, char** argv) {
     run_case({"1B 8 docs x 512", 4096, 32, 8, 64, equal_docs(8, 512), 1.f, 96}, big, ++seed);
     run_case({"D128 1 doc", 4096, 32, 8, 128, {4096}, 1.f, 64}, big, ++seed);
     run_case({"D128 8 docs x 512", 4096, 32, 8, 128, equal_docs(8, 512), 1.f, 64}, big, ++seed);
+  }
+  if (want("cudnn") && g_cudnn_ok) {
+    // cuDNN's attention (cuda_sdpa.hpp) on tiny and odd shapes, every row checked:
+    // documents of 1 token, padding entries (3 documents run as a batch of 4),
+    // MHA and GQA, D 32 / 64 / 128.
+    const RunOpts c{{}, false, false, false, true};
+    run_case({"docs 1,7,130 GQA 4:1 D64", 138, 8, 2, 64, {1, 7, 130}}, c, ++seed);
+    run_case({"docs 1,7,130 MHA D128", 138, 2, 2, 128, {1, 7, 130}}, c, ++seed);
+    run_case({"docs 1,7,130 GQA 4:1 D32", 138, 4, 1, 32, {1, 7, 130}}, c, ++seed);
+    run_case({"one token", 1, 2, 1, 64, {1}}, c, ++seed);
+    run_case({"docs 100,1,50,182 GQA 2:1 D64 sharp q*4", 333, 4, 2, 64, {100, 1, 50, 182}, 4.f}, c, ++seed);
+    run_case({"one doc N=1000 GQA 4:1 D128", 1000, 4, 1, 128, {1000}}, c, ++seed);
+    run_case({"random docs <=40 N=700 D64", 700, 4, 2, 64, random_docs(700, 40, 5)}, c, ++seed);
+    run_case({"random docs <=300 N=1500 D128", 1500, 4, 2, 128, random_docs(1500, 300, 6)}, c, ++seed);
+  }
+  if (want("cmp")) {
+    // The shapes of docs/benchmarks.md's attention table (GQA 32:8): shardlm's
+    // kernels and cuDNN's, checked on sampled rows and timed in the same run.
+    const RunOpts t{{K::kAuto}, true, false, false, true};
+    const RunOpts tm{{K::kAuto}, true, false, true, true};
+    run_case({"N4096 D64", 4096, 32, 8, 64, {4096}, 1.f, 48}, t, ++seed);
+    run_case({"N4096 D128", 4096, 32, 8, 128, {4096}, 1.f, 48}, t, ++seed);
+    run_case({"N4096 D64 8x512", 4096, 32, 8, 64, equal_docs(8, 512), 1.f, 48}, t, ++seed);
+    run_case({"N4096 D128 8x512", 4096, 32, 8, 128, equal_docs(8, 512), 1.f, 48}, t, ++seed);
+    run_case({"N4096 D128 mixed", 4096, 32, 8, 128, random_docs(4096, 1500, 9), 1.f, 48}, t, ++seed);
+    run_case({"N32768 D64", 32768, 32, 8, 64, {32768}, 1.f, 12}, tm, ++seed);
+    run_case({"N32768 D128", 32768, 32, 8, 128, {32768}, 1.f, 12}, tm, ++seed);
+    run_case({"N32768 D128 64x512", 32768, 32, 8, 128, equal_docs(64, 512), 1.f, 12}, t, ++seed);
+    // packing against the same documents run alone: 8 x 512 vs one document of 512
+    run_case({"N512 D128", 512, 32, 8, 128, {512}, 1.f, 48}, t, ++seed);
+  }
+  if (want("cmp") || want("cmp131k")) {
+    // 131K tokens: cuDNN only (shardlm's kernels take 2.4 s a pass here; measured
+    // 274.6 / 187.3 TFLOP/s on the H200, docs/benchmarks.md).
+    const RunOpts tm_cudnn{{}, true, false, true, true};
+    run_case({"N131072 D128", 131072, 32, 8, 128, {131072}, 1.f, 4}, tm_cudnn, ++seed);
   }
   if (want("profile")) {
     for (const Problem& P : {Problem{"1B 1 doc", 4096, 32, 8, 64, {4096}},

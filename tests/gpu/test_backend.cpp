@@ -18,6 +18,7 @@
 #include "shardlm/comm.hpp"
 #include "shardlm/config.hpp"
 #include "shardlm/cuda.hpp"
+#include "shardlm/cuda_sdpa.hpp"
 #include "shardlm/engine.hpp"
 #include "shardlm/h5util.hpp"
 #include "shardlm/hf.hpp"
@@ -159,11 +160,46 @@ TEST_CASE("GPU determinism: two runs give bit-identical losses; checkpointing ch
   GpuSetup gpu;
   const auto a = train_losses(deck("inputs/tiny-sft.toml", {"device.backend=cuda", "run.deterministic=true"}), 10);
   const auto b = train_losses(deck("inputs/tiny-sft.toml", {"device.backend=cuda", "run.deterministic=true"}), 10);
-  const auto c = train_losses(deck("inputs/tiny-sft.toml", {"device.backend=cuda", "model.activation_checkpointing=full"}), 10);
+  const auto c = train_losses(deck("inputs/tiny-sft.toml", {"device.backend=cuda", "run.deterministic=true",
+                                                            "model.activation_checkpointing=full"}), 10);
+  const auto d = train_losses(deck("inputs/tiny-sft.toml", {"device.backend=cuda", "run.deterministic=true",
+                                                            "model.activation_checkpointing=selective"}), 10);
   for (int i = 0; i < 10; ++i) {
     CHECK(a[i] == b[i]);
     CHECK(a[i] == c[i]);
+    CHECK(a[i] == d[i]);
   }
+}
+
+TEST_CASE("cuDNN's attention trains like shardlm's kernels (bf16 tolerance), with and without selective checkpointing") {
+  GpuSetup gpu;
+  std::string why;
+  if (!cuda::cudnn_sdpa_available(&why)) {
+    MESSAGE("cuDNN attention not available here: " << why);
+    CHECK_MESSAGE(std::getenv("SHARDLM_REQUIRE_CUDNN") == nullptr, "SHARDLM_REQUIRE_CUDNN is set but " << why);
+    return;
+  }
+  // Head dim 64 (GQA 2:1), a size cuDNN's engines take; device.attention = "cudnn"
+  // fails rather than falls back, so these runs are cuDNN's.
+  const std::vector<std::string> d64 = {"device.backend=cuda", "model.hidden_size=128", "model.num_heads=2",
+                                        "model.num_kv_heads=1"};
+  auto with = [&](std::vector<std::string> extra) {
+    extra.insert(extra.begin(), d64.begin(), d64.end());
+    return train_losses(deck("inputs/tiny-sft.toml", extra), 30);
+  };
+  const auto flash = with({"device.attention=flash"});
+  const auto cudnn = with({"device.attention=cudnn"});
+  const auto cudnn_sel = with({"device.attention=cudnn", "model.activation_checkpointing=selective"});
+  double worst = 0, worst_sel = 0;
+  for (int i = 0; i < 30; ++i) {
+    worst = std::max(worst, std::fabs(cudnn[i] - flash[i]) / flash[i]);
+    worst_sel = std::max(worst_sel, std::fabs(cudnn_sel[i] - flash[i]) / flash[i]);
+  }
+  MESSAGE("tiny deck over 30 steps: worst relative loss difference cuDNN vs shardlm kernels " << worst
+          << ", cuDNN + selective checkpointing " << worst_sel << "; final " << cudnn.back() << " vs " << flash.back());
+  CHECK(worst < 1e-2);
+  CHECK(worst_sel < 1e-2);
+  CHECK(cudnn.back() < cudnn.front() - 2.0);
 }
 
 TEST_CASE("optimizer state on the GPU vs offloaded to the host: same losses within bf16 tolerance") {

@@ -121,6 +121,29 @@ TEST_CASE("check with optim_cpu_offload on the CUDA backend prints the GPU bytes
   CHECK(dev.output.find("gradient shards    host") == std::string::npos);
 }
 
+TEST_CASE("check on the CUDA backend: cuDNN's attention adds only its persistent 64.5 MiB at 32K tokens") {
+  // Its backward buffers (dq accumulator, row sums, per-head dk/dv: 537 MiB at the
+  // 1B shape and 32768 tokens) live in each layer's gate/up buffer, dead by then.
+  const std::string deck = " check inputs/bench/llama-1b.toml --set device.backend=cuda --set data.seq_len=32768 "
+                           "--set data.global_batch=1 --set model.activation_checkpointing=selective";
+  auto flash = run(shardlm_bin() + deck + " --set device.attention=flash");
+  if (flash.output.find("built without CUDA") != std::string::npos) {
+    MESSAGE("CPU-only build: the CUDA memory plan is not available; nothing to check");
+    return;
+  }
+  auto cudnn = run(shardlm_bin() + deck + " --set device.attention=auto");
+  REQUIRE(flash.status == 0);
+  REQUIRE(cudnn.status == 0);
+  auto gpu_total = [](const std::string& out) {
+    const size_t at = out.find("total              GPU");
+    REQUIRE(at != std::string::npos);
+    return std::stod(out.substr(at + 25));
+  };
+  // persistent_bytes(32768): lengths and three offset arrays, 256-byte aligned, and 64 MiB for the plans
+  const double persistent_mib = (131072.0 + 3 * 131328.0 + 64.0 * 1048576) / 1048576.0;
+  CHECK(gpu_total(cudnn.output) - gpu_total(flash.output) == doctest::Approx(persistent_mib).epsilon(1e-3));
+}
+
 TEST_CASE("train under mpirun -np 2 with a bad deck: one report, clean exit 1") {
   auto r = run(mpirun(2) + shardlm_bin() + " train inputs/tiny-sft.toml --set optim.lr=-1", 120);
   CHECK(r.status == 1);

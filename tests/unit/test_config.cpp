@@ -158,6 +158,30 @@ TEST_CASE("model.optim_offload_grads: host or device, device only with the offlo
         std::string::npos);
 }
 
+TEST_CASE("device.attention: auto by default; cudnn needs the GPU and no run.deterministic; selective checkpointing") {
+  const DeckResult def = parse(kValid, {});
+  REQUIRE(def.ok());
+  CHECK(def.config.device.attention == "auto");
+  const DeckResult cudnn = parse(kValid, {"device.backend=cuda", "device.attention=cudnn"});
+  REQUIRE(cudnn.ok());
+  CHECK(cudnn.config.device.attention == "cudnn");
+  CHECK(parse(kValid, {"device.backend=cuda", "device.attention=flash", "run.deterministic=true"}).ok());
+  CHECK(only_error(parse(kValid, {"device.backend=cpu", "device.attention=cudnn"})) ==
+        "deck.toml: device.attention = \"cudnn\" is cuDNN's GPU attention: it needs device.backend = \"cuda\" (or "
+        "\"auto\" on a GPU machine)");
+  CHECK(only_error(parse(kValid, {"device.backend=cuda", "device.attention=cudnn", "run.deterministic=true"})) ==
+        "deck.toml: device.attention = \"cudnn\" with run.deterministic = true: cuDNN's attention backward is not "
+        "bitwise reproducible on Hopper; use device.attention = \"auto\" or \"flash\" (shardlm's deterministic "
+        "kernels)");
+  const std::string bad = only_error(parse(kValid, {"device.attention=fa3"}));
+  CHECK(bad.find("device.attention") != std::string::npos);
+  CHECK(bad.find("cudnn") != std::string::npos);
+  const DeckResult sel = parse(kValid, {"model.activation_checkpointing=selective"});
+  REQUIRE(sel.ok());
+  CHECK(sel.config.model.activation_checkpointing == "selective");
+  CHECK(only_error(parse(kValid, {"model.activation_checkpointing=some"})).find("selective") != std::string::npos);
+}
+
 TEST_CASE("device.memory_limit_gib: parsed, refused on the CPU backend, and the cap refuses what passes it") {
   const DeckResult gpu = parse(kValid, {"device.backend=cuda", "device.memory_limit_gib=79.5"});
   for (const auto& e : gpu.errors) MESSAGE(e);
