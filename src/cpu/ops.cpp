@@ -27,6 +27,8 @@ constexpr int64_t kReduceBlocks = 256;
 
 // Elementwise loops smaller than this run on one thread (fork cost > work).
 constexpr int64_t kParallelMin = 1 << 14;
+// Rows of C per BLAS call in gemm(): fixed, so the split never depends on the threads.
+constexpr int64_t kGemmRows = 64;
 
 // The run of equal seq_id around token i: [start, i] for queries, [j, end) for keys.
 inline int64_t doc_start(const int32_t* seq_id, int64_t i) {
@@ -76,12 +78,23 @@ void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, T alpha,
   if (M == 0 || N == 0) return;
   const CBLAS_TRANSPOSE ta = trans_a ? CblasTrans : CblasNoTrans;
   const CBLAS_TRANSPOSE tb = trans_b ? CblasTrans : CblasNoTrans;
-  if constexpr (std::is_same_v<T, float>) {
-    cblas_sgemm(CblasRowMajor, ta, tb, int(M), int(N), int(K), alpha, A, int(lda), B,
-                int(ldb), beta, C, int(ldc));
-  } else {
-    cblas_dgemm(CblasRowMajor, ta, tb, int(M), int(N), int(K), alpha, A, int(lda), B,
-                int(ldb), beta, C, int(ldc));
+  // C in blocks of kGemmRows rows, one single-threaded BLAS call each (OpenBLAS
+  // runs single-threaded inside an OpenMP region), so the bits of C do not depend
+  // on the thread count: left to itself, OpenBLAS picks other kernels for one
+  // thread than for several on some CPUs (an AMD EPYC gave different last bits for
+  // 1 and 4 threads, tests/unit/test_cpu_ops.cpp).
+  const int64_t blocks = (M + kGemmRows - 1) / kGemmRows;
+#pragma omp parallel for schedule(static)
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t r0 = b * kGemmRows, rows = std::min(kGemmRows, M - r0);
+    const T* a_block = trans_a ? A + r0 : A + r0 * lda;  // (K, M) storage: columns r0..; else rows r0..
+    if constexpr (std::is_same_v<T, float>) {
+      cblas_sgemm(CblasRowMajor, ta, tb, int(rows), int(N), int(K), alpha, a_block, int(lda), B, int(ldb), beta,
+                  C + r0 * ldc, int(ldc));
+    } else {
+      cblas_dgemm(CblasRowMajor, ta, tb, int(rows), int(N), int(K), alpha, a_block, int(lda), B, int(ldb), beta,
+                  C + r0 * ldc, int(ldc));
+    }
   }
 }
 
