@@ -50,27 +50,35 @@ shardlm_check_checkout() {
   fi
 }
 
-# shardlm_srun [SRUN_OPTION...] -- TRAIN_ARGS...: srun the trainer and wait for it;
-# sets shardlm_rc and shardlm_got_term. `--signal=USR1@T` (no B:) reaches the ranks directly; a signal
-# sent to the batch shell (`--signal=B:USR1@T`, `scancel --batch --signal=USR1`)
-# is forwarded to srun, which passes it on to every rank.
+# shardlm_srun [SRUN_OPTION...] -- TRAIN_ARGS...: srun the trainer and wait for
+# it; sets shardlm_rc and shardlm_got_term. `--signal=USR1@T` (no B:) reaches the
+# ranks directly; a signal sent to the batch shell (`--signal=B:USR1@T`,
+# `scancel --batch --signal=USR1`) is forwarded to srun, which passes it on to
+# every rank.
 shardlm_srun() {
-  shardlm_rc=0
   shardlm_got_term=0
   local -a opts=() extra=()
   while [ $# -gt 0 ] && [ "$1" != -- ]; do opts+=("$1"); shift; done
   [ $# -gt 0 ] && shift
   [ -n "${SHARDLM_SRUN_ARGS:-}" ] && read -r -a extra <<< "$SHARDLM_SRUN_ARGS"
   srun --mpi="$SHARDLM_MPI" "${opts[@]}" "${extra[@]}" "$SHARDLM_BIN" train "$@" &
-  local step=$!
-  trap 'kill -USR1 "$step" 2>/dev/null' USR1
-  trap 'shardlm_got_term=1; kill -TERM "$step" 2>/dev/null' TERM
-  # wait returns early (status > 128) when a trapped signal arrives; wait again
-  # until srun itself has ended.
-  wait "$step" || shardlm_rc=$?
-  while [ "$shardlm_rc" -gt 128 ] && kill -0 "$step" 2>/dev/null; do
-    shardlm_rc=0
-    wait "$step" || shardlm_rc=$?
+  local step=$! rc last=""
+  trap 'shardlm_interrupted=1; kill -USR1 "$step" 2>/dev/null' USR1
+  trap 'shardlm_interrupted=1; shardlm_got_term=1; kill -TERM "$step" 2>/dev/null' TERM
+  # A trapped signal cuts `wait` short (status > 128): wait again for srun's own
+  # status; "not a child" (127) then means the status before was already its own.
+  shardlm_rc=""
+  while [ -z "$shardlm_rc" ]; do
+    shardlm_interrupted=0
+    rc=0
+    wait "$step" || rc=$?
+    if [ "$shardlm_interrupted" = 1 ] && [ "$rc" -gt 128 ]; then
+      last=$rc
+    elif [ "$rc" = 127 ] && [ -n "$last" ]; then
+      shardlm_rc=$last
+    else
+      shardlm_rc=$rc
+    fi
   done
   trap - USR1 TERM
 }

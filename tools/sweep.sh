@@ -319,7 +319,10 @@ cmd_local() {
         else
           status[$t]=stopped
         fi ;;
-      74) status[$t]=failed ;;
+      138|143)
+        # Ended by the signal this runner forwarded before the run could catch it
+        # (still starting up): nothing of it is lost, a rerun starts it again.
+        if [ $local_stopping = 1 ]; then status[$t]=stopped; else status[$t]=failed; fi ;;
       *) status[$t]=failed ;;
     esac
     echo "task $t: ${status[$t]} (exit $rc)$([ "${status[$t]}" = requeued ] && echo ': stopped after a checkpoint, starting it again to resume')" >&2

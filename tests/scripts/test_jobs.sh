@@ -14,7 +14,18 @@ rm -f /tmp/bashn.$$
 # be executable. Run from the checkout's root, as sbatch would.
 fake=$(mktemp -d)
 trap 'rm -rf "$fake"' EXIT
-printf '#!/bin/sh\necho srun "$@"\nexit ${FAKE_RC:-0}\n' > "$fake/srun"
+cat > "$fake/srun" <<'EOF'
+#!/bin/bash
+echo srun "$@"
+if [ "${FAKE_WAIT:-0}" = 1 ]; then   # run until a signal, like a training step
+  trap 'echo "srun got USR1"; exit 75' USR1
+  trap 'echo "srun got TERM"; exit 75' TERM
+  echo ready > "$FAKE_READY"
+  sleep 60 & wait
+  exit 1
+fi
+exit ${FAKE_RC:-0}
+EOF
 printf '#!/bin/sh\necho scontrol "$@"\nexit ${FAKE_SCONTROL_RC:-0}\n' > "$fake/scontrol"
 printf '#!/bin/sh\nexit 0\n' > "$fake/shardlm"
 chmod +x "$fake/srun" "$fake/scontrol" "$fake/shardlm"
@@ -53,6 +64,26 @@ if [ $rc = 75 ] && grep -q 'scontrol requeue 41 failed' <<< "$out"; then
   echo "PASS exit 75 with a refused requeue -> fails with 75"; else echo "FAIL refused requeue: rc=$rc $out"; fi
 out=$(job FAKE_RC=75 SLURM_ARRAY_TASK_ID=0 SLURM_ARRAY_JOB_ID=77 bash jobs/sweep.sbatch inputs/tiny-sft.toml jobs/sweep-example.txt); rc=$?
 if [ $rc = 0 ] && grep -q '^scontrol requeue 41$' <<< "$out"; then echo "PASS sweep task: exit 75 -> requeues itself"; else echo "FAIL sweep 75: rc=$rc $out"; fi
+# Signals to the batch shell: USR1 is forwarded to srun and the job requeues;
+# TERM (scancel, preemption) is forwarded too, but the job is not requeued.
+for sig in USR1 TERM; do
+  rm -f "$fake/ready"
+  env PATH="$fake:$PATH" SHARDLM_BIN="$fake/shardlm" SLURM_JOB_ID=41 FAKE_WAIT=1 FAKE_READY="$fake/ready" \
+    bash jobs/slurm-node.sbatch inputs/tiny-sft.toml > "$fake/out.$sig" 2>&1 &
+  pid=$!
+  for i in $(seq 1 100); do [ -f "$fake/ready" ] && break; sleep 0.1; done
+  kill -"$sig" "$pid"
+  rc=0; wait "$pid" || rc=$?
+  out=$(cat "$fake/out.$sig")
+  if [ $sig = USR1 ] && [ $rc = 0 ] && grep -q '^srun got USR1$' <<< "$out" && grep -q '^scontrol requeue 41$' <<< "$out"; then
+    echo "PASS batch-shell USR1 -> forwarded to srun, requeued"
+  elif [ $sig = TERM ] && [ $rc = 75 ] && grep -q '^srun got TERM$' <<< "$out" && ! grep -q '^scontrol' <<< "$out" &&
+       grep -q 'stopped by SIGTERM after a checkpoint (exit 75); not requeued' <<< "$out"; then
+    echo "PASS batch-shell TERM -> forwarded to srun, exit 75, not requeued"
+  else
+    echo "FAIL batch-shell $sig: rc=$rc $out"
+  fi
+done
 out=$(env PATH="$fake:$PATH" SHARDLM_BIN=/nonexistent/shardlm bash jobs/slurm-node.sbatch inputs/tiny-sft.toml 2>&1); rc=$?
 if [ $rc = 2 ] && grep -q '/nonexistent/shardlm not found' <<< "$out" && ! grep -q '^srun' <<< "$out"; then
   echo "PASS missing binary -> clear error before srun"; else echo "FAIL missing binary: rc=$rc $out"; fi
