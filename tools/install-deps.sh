@@ -2,6 +2,9 @@
 # install-deps.sh — install what shardlm needs on Debian/Ubuntu; do nothing when
 # everything is already there (so `make run` / `make test` can call it always).
 #
+# Slurm (slurm-wlm, munge) is installed for the Slurm test suite only where no
+# Slurm is there yet; a cluster's own Slurm is left alone.
+#
 # On clusters, dependencies come from modules: set SHARDLM_NO_INSTALL=1 (or just
 # load the modules; when everything is found nothing is installed) and point the
 # Makefile at them (MPICXX=, HDF5_DIR=, BLAS_LIBS=, ...).
@@ -32,6 +35,16 @@ have_pc nlohmann_json || [ -f /usr/include/nlohmann/json.hpp ] || need nlohmann-
 /usr/bin/python3 -c 'import h5py, numpy' >/dev/null 2>&1 || need python3-h5py python3-numpy
 # The real-text deck's corpus (inputs/text-sft.toml, tools/make_text_data.sh).
 { command -v bible >/dev/null 2>&1 && [ -f /usr/lib/bible.data ]; } || need bible-kjv
+# Slurm: tests/scripts/test_slurm.sh starts a single-node cluster of its own
+# (slurmctld, slurmd, munged; the packages' system services are not used) and
+# submits jobs/*.sbatch to it; srun --mpi=pmix loads libpmix.so from libpmix-dev.
+# A machine with sbatch but no slurmctld is a cluster's login or compute node: its
+# site Slurm stays as it is (the suite then skips), nothing is installed over it.
+if ! have_cmd sbatch || have_cmd slurmctld; then
+  { have_cmd slurmctld && have_cmd slurmd && have_cmd sbatch && have_cmd srun; } || need slurm-wlm
+  { have_cmd munged && have_cmd mungekey; } || need munge
+  ls /usr/lib/*/pmix2/lib/libpmix.so >/dev/null 2>&1 || need libpmix-dev
+fi
 
 if [ ${#missing[@]} -eq 0 ]; then
   exit 0
