@@ -23,12 +23,17 @@ def main():
         ap.error("need vocab >= 2 and tokens >= doc-len >= 2")
     rng = np.random.default_rng(a.seed)
     docs = a.tokens // a.doc_len
-    tokens = rng.integers(0, a.vocab, size=docs * a.doc_len, dtype=np.int32)
-    offsets = np.arange(0, docs * a.doc_len + 1, a.doc_len, dtype=np.int64)
+    total = docs * a.doc_len
+    offsets = np.arange(0, total + 1, a.doc_len, dtype=np.int64)
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     tmp = a.out + ".tmp"
     with h5py.File(tmp, "w") as f:
-        f["tokens"] = tokens
+        # Written in blocks: a 12 GB file needs 256 MB of memory, not 12 GB.
+        tokens = f.create_dataset("tokens", shape=(total,), dtype=np.int32)
+        block = 1 << 26
+        for start in range(0, total, block):
+            n = min(block, total - start)
+            tokens[start:start + n] = rng.integers(0, a.vocab, size=n, dtype=np.int32)
         f["offsets"] = offsets
         f.attrs["vocab_size"] = np.int64(a.vocab)
         f.attrs["tokenizer"] = "random"
