@@ -943,9 +943,17 @@ TokenDataset::TokenDataset(const DataSpec& spec) : spec_(spec), impl_(std::make_
   m.stage_tokens.resize(static_cast<size_t>(spec.seq_len + 1));
   m.stage_mask.resize(static_cast<size_t>(spec.seq_len + 1));
   m.spare.tokens.reserve(static_cast<size_t>(spec.micro_batch * spec.seq_len));
-  // Epoch 0's packing now: rows_in_epoch is known at start-up and the first
-  // step does not pay for it.
-  for (const auto& s : m.sources) (void)s->rows_in_epoch(0);
+  // Both epochs' orders and row tables are reserved now (memory is planned:
+  // later epochs reuse them), and epoch 0 is packed so the first step does
+  // not pay for it.
+  for (const auto& s : m.sources) {
+    const int64_t rows_bound = s->file.documents + s->file.pairs / spec.seq_len + 1;
+    for (int slot = 0; slot < (spec.shuffle ? 2 : 1); ++slot) {
+      if (spec.shuffle) s->cache[slot].order.reserve(static_cast<size_t>(s->file.documents));
+      s->cache[slot].starts.reserve(static_cast<size_t>(rows_bound / kRowsPerStart + 1));
+    }
+    (void)s->rows_in_epoch(0);
+  }
   m.retrack();
   if (spec.prefetch) m.worker = std::thread([this] { impl_->run_worker(); });
 }

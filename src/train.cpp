@@ -170,6 +170,7 @@ StepStats TrainSession::step(int64_t step) {
   // step's global loss-token count, known without communication
   std::vector<TokenBatch> batches;
   int64_t loss_tokens_global = 0;
+  double counts_reduce_s = 0;
   if (s.rl) {
     const auto wait0 = Clock::now();
     const std::string path = wait_for_rollouts(config.data.rollout_dir, step, config.data.rollout_timeout_s,
@@ -188,14 +189,18 @@ StepStats TrainSession::step(int64_t step) {
     // step ahead by the prefetch); one all-reduce gives the step's totals.
     const StepCounts mine = data->rank_step_counts(step, comm.rank(), comm.size());
     int64_t totals[2] = {mine.loss_tokens, mine.tokens};
+    // A collective: the wait for the slowest rank is not data time.
+    const auto t_reduce = Clock::now();
     comm.all_reduce_sum(totals, 2);
+    counts_reduce_s = seconds_since(t_reduce);
     loss_tokens_global = totals[0];
     s.tokens = totals[1];
   }
   s.loss_tokens = loss_tokens_global;
   const float grad_scale = loss_tokens_global > 0 ? 1.0f / static_cast<float>(loss_tokens_global) : 0.0f;
 
-  s.data_s = seconds_since(t0);
+  s.data_s = seconds_since(t0) - counts_reduce_s;
+  s.compute_s = counts_reduce_s;
 
   // forward / loss / backward per micro-batch; gradients accumulate in the shards
   const bool device_state = engine.options().device_state;

@@ -108,7 +108,7 @@ void write_tokens(const std::string& path, const std::vector<int32_t>& tokens,
 
 DataSpec spec_for(const std::string& path, int64_t seq_len, int64_t micro_batch, int64_t global_batch,
                   uint64_t seed = 7, bool shuffle = true) {
-  return DataSpec{.paths = {path}, .seq_len = seq_len, .micro_batch = micro_batch,
+  return DataSpec{.paths = {path}, .weights = {}, .seq_len = seq_len, .micro_batch = micro_batch,
                   .global_batch = global_batch, .seed = seed, .vocab_size = 100, .shuffle = shuffle};
 }
 
@@ -479,7 +479,7 @@ TEST_CASE("file attributes vocab_size and tokenizer are read") {
 }
 
 TEST_CASE("the committed tiny dataset loads") {
-  DataSpec spec{.paths = {"inputs/data/tiny.h5"}, .seq_len = 64, .micro_batch = 2, .global_batch = 8,
+  DataSpec spec{.paths = {"inputs/data/tiny.h5"}, .weights = {}, .seq_len = 64, .micro_batch = 2, .global_batch = 8,
                 .seed = 1, .vocab_size = 258};
   TokenDataset data(spec);
   CHECK(data.tokenizer() == "byte");
