@@ -233,6 +233,39 @@ TEST_CASE("train with [eval] and two mixed files: eval loss in the progress line
   std::filesystem::remove_all(dir);
 }
 
+TEST_CASE("a run on two mixed files resumed from a checkpoint continues with the same losses") {
+  const auto dir = std::filesystem::temp_directory_path() / ("shardlm-mix-" + std::to_string(getpid()));
+  std::filesystem::remove_all(dir);
+  const std::string deck = shardlm_bin() + " train inputs/tiny-sft.toml --set run.max_steps=6 --set log.interval=1 " +
+                           "--set 'data.path=[\"inputs/data/tiny.h5\", \"inputs/data/tiny.h5\"]' " +
+                           "--set 'data.weights=[3, 1]' --set ckpt.keep_last=5 ";
+  auto whole = run("OMP_NUM_THREADS=1 " + deck + "--set ckpt.interval=3 --set run.dir=" + (dir / "whole").string(), 300);
+  REQUIRE(whole.status == 0);
+  auto resumed = run("OMP_NUM_THREADS=1 " + deck + "--set ckpt.resume=" + (dir / "whole/checkpoints/step_3.h5").string() +
+                         " --set run.dir=" + (dir / "resumed").string(),
+                     300);
+  INFO(resumed.output);
+  REQUIRE(resumed.status == 0);
+  // the loss of step N as metrics.jsonl printed it (9 significant digits)
+  auto loss_at = [](const std::filesystem::path& file, int step) {
+    std::ifstream in(file);
+    std::string line;
+    const std::string key = "{\"step\": " + std::to_string(step) + ", \"loss\": ";
+    while (std::getline(in, line))
+      if (line.rfind(key, 0) == 0) return line.substr(key.size(), line.find(',', key.size()) - key.size());
+    return std::string("missing");
+  };
+  for (int step = 4; step <= 6; ++step) {
+    CAPTURE(step);
+    CHECK(loss_at(dir / "resumed/metrics.jsonl", step) == loss_at(dir / "whole/metrics.jsonl", step));
+    CHECK(loss_at(dir / "whole/metrics.jsonl", step) != "missing");
+  }
+  auto inspect = run(shardlm_bin() + " inspect " + (dir / "whole/checkpoints/step_3.h5").string());
+  CHECK(inspect.output.find("data: step 3 starts at row 24; seq_len 64, seed 1234, 60 documents, shuffle on") !=
+        std::string::npos);
+  std::filesystem::remove_all(dir);
+}
+
 TEST_CASE("weight broadcast to a receiver (MPI path): the receiver's weights equal the trainer's export bit for bit") {
   const auto dir = std::filesystem::temp_directory_path() / ("shardlm-bcast-" + std::to_string(getpid()));
   const std::string sets = " --set broadcast.backend=nccl --set broadcast.interval=5 --set run.max_steps=10";
