@@ -49,7 +49,7 @@ MPI_CFLAGS  ?= $(shell $(MPICXX) --showme:compile 2>/dev/null)
 CXXFLAGS ?= $(OPT) -g
 CXXFLAGS += -std=c++20 -Wall -Wextra -fopenmp -MMD -MP -Iinclude -DOMPI_SKIP_MPICXX -DMPICH_SKIP_MPICXX \
             $(HDF5_CFLAGS) $(TOML_CFLAGS) $(BLAS_CFLAGS) $(JSON_CFLAGS)
-LDLIBS   += $(HDF5_LIBS) $(TOML_LIBS) $(BLAS_LIBS) -fopenmp
+LDLIBS   += $(HDF5_LIBS) $(TOML_LIBS) $(BLAS_LIBS) -lz -fopenmp
 
 VERSION := $(shell cat VERSION 2>/dev/null || echo 0.0.0)
 GIT_REV := $(shell git rev-parse --short HEAD 2>/dev/null || echo unknown)

@@ -22,7 +22,7 @@
 namespace shardlm {
 namespace {
 
-enum class Type { Bool, Int, Float, String };
+enum class Type { Bool, Int, Float, String, Strings, Floats };
 
 const char* type_name(Type t) {
   switch (t) {
@@ -30,6 +30,8 @@ const char* type_name(Type t) {
     case Type::Int: return "an integer";
     case Type::Float: return "a number";
     case Type::String: return "a string";
+    case Type::Strings: return "a string or an array of strings";
+    case Type::Floats: return "an array of numbers";
   }
   return "?";
 }
@@ -107,7 +109,9 @@ const std::vector<KeySpec>& key_table() {
       key("model.reshard_after_forward", Type::Bool, FIELD(model.reshard_after_forward)),
       one_of(key("model.reduce_dtype", Type::String, FIELD(model.reduce_dtype)), {"fp32", "bf16"}),
 
-      key("data.path", Type::String, FIELD(data.path)),
+      key("data.path", Type::Strings, FIELD(data.path)),
+      at_least(key("data.weights", Type::Floats, FIELD(data.weights)), 0),
+      key("data.shuffle", Type::Bool, FIELD(data.shuffle)),
       at_least(key("data.seq_len", Type::Int, FIELD(data.seq_len)), 2),
       positive(key("data.micro_batch", Type::Int, FIELD(data.micro_batch))),
       positive(key("data.global_batch", Type::Int, FIELD(data.global_batch))),
@@ -115,6 +119,11 @@ const std::vector<KeySpec>& key_table() {
       key("data.rollout_dir", Type::String, FIELD(data.rollout_dir)),
       at_least(key("data.max_async", Type::Int, FIELD(data.max_async)), 0),
       positive(key("data.rollout_timeout_s", Type::Float, FIELD(data.rollout_timeout_s))),
+
+      key("eval.path", Type::String, FIELD(eval.path)),
+      at_least(key("eval.interval", Type::Int, FIELD(eval.interval)), 0),
+      at_least(key("eval.rows", Type::Int, FIELD(eval.rows)), 0),
+      key("eval.at_end", Type::Bool, FIELD(eval.at_end)),
 
       one_of(key("optim.name", Type::String, FIELD(optim.name)), {"adamw", "sgd", "muon"}),
       positive(key("optim.lr", Type::Float, FIELD(optim.lr))),
@@ -303,6 +312,40 @@ std::string assign(Config& config, const KeySpec& k, const toml::node& value, co
       *static_cast<std::string*>(field) = s;
       return "";
     }
+    case Type::Strings: {  // one string, or an array of them ("" = none)
+      auto& out = *static_cast<std::vector<std::string>*>(field);
+      out.clear();
+      if (auto v = value.as_string()) {
+        if (!v->get().empty()) out.push_back(v->get());
+        return "";
+      }
+      const toml::array* items = value.as_array();
+      if (!items) return head + " has the wrong type: expected " + type_name(k.type);
+      for (size_t i = 0; i < items->size(); ++i) {
+        auto item = items->get(i)->as_string();
+        if (!item || item->get().empty())
+          return head + fmt(": entry %zu is not a non-empty string", i);
+        out.push_back(item->get());
+      }
+      return "";
+    }
+    case Type::Floats: {  // an array of numbers within the key's range
+      auto& out = *static_cast<std::vector<double>*>(field);
+      out.clear();
+      const toml::array* items = value.as_array();
+      if (!items) return head + " has the wrong type: expected " + type_name(k.type);
+      for (size_t i = 0; i < items->size(); ++i) {
+        const toml::node* item = items->get(i);
+        double number;
+        if (auto n = item->as_integer()) number = static_cast<double>(n->get());
+        else if (auto f = item->as_floating_point()) number = f->get();
+        else return head + fmt(": entry %zu is not a number", i);
+        if (number < k.min || std::isnan(number) || number > k.max)
+          return head + fmt(": entry %zu is out of range: it must be ", i) + describe_range(k);
+        out.push_back(number);
+      }
+      return "";
+    }
   }
   return "";
 }
@@ -331,7 +374,8 @@ std::string apply_override(toml::table& root, const std::string& text, Locator& 
   toml::table holder;
   // Unquoted strings are taken as they are; so is any value of an unknown key,
   // whose error ("unknown key ... did you mean") says more than a parse error.
-  if ((!spec && !value) || (spec && spec->type == Type::String && (!value || !value->is_string()))) {
+  if ((!spec && !value) || (spec && spec->type == Type::String && (!value || !value->is_string())) ||
+      (spec && spec->type == Type::Strings && (!value || !(value->is_string() || value->is_array())))) {
     holder.insert_or_assign("v", raw);
     value = holder.get("v");
   }
@@ -426,6 +470,19 @@ void validate(const Config& c, int world, const std::map<std::string, std::strin
   if (c.broadcast.backend == "filesystem" && c.broadcast.dir.empty())
     err("broadcast.backend = \"filesystem\" needs broadcast.dir (where step_<N>/ directories are written)");
   if (!c.data.packing) err("data.packing = false is not implemented yet (rows are always packed)");
+  if (!c.data.weights.empty() && c.data.weights.size() != c.data.path.size())
+    err(fmt("data.weights has %zu entr%s but data.path lists %zu file%s: give one weight per file", c.data.weights.size(),
+            c.data.weights.size() == 1 ? "y" : "ies", c.data.path.size(), c.data.path.size() == 1 ? "" : "s"));
+  else if (!c.data.weights.empty() &&
+           std::all_of(c.data.weights.begin(), c.data.weights.end(), [](double w) { return w == 0; }))
+    err("data.weights are all 0: at least one file needs a positive weight");
+  if (c.eval.path.empty()) {  // a non-default eval key means an evaluation was wanted
+    const char* set = c.eval.interval != 0 ? "eval.interval" : c.eval.rows != 0 ? "eval.rows"
+                    : !c.eval.at_end ? "eval.at_end" : nullptr;
+    if (set) err(fmt("%s is set but eval.path is not: give the token file to evaluate on (docs/data.md)", set));
+  }
+  if (!c.eval.path.empty() && c.eval.interval == 0 && !c.eval.at_end)
+    err("eval.path is set but the loss is never evaluated: set eval.interval > 0 or eval.at_end = true");
   if (c.run.dir.empty()) err("run.dir is empty: give the directory where the run writes its outputs");
 }
 
@@ -565,6 +622,26 @@ std::string resolved_deck(const Config& config) {
       case Type::Int: out << *static_cast<int64_t*>(field); break;
       case Type::Float: out << float_text(*static_cast<double*>(field)); break;
       case Type::String: out << toml::value<std::string>(*static_cast<std::string*>(field)); break;
+      case Type::Strings: {
+        const auto& items = *static_cast<std::vector<std::string>*>(field);
+        if (items.size() == 1) {
+          out << toml::value<std::string>(items[0]);
+        } else if (items.empty()) {
+          out << "\"\"";
+        } else {
+          out << "[";
+          for (size_t i = 0; i < items.size(); ++i) out << (i ? ", " : "") << toml::value<std::string>(items[i]);
+          out << "]";
+        }
+        break;
+      }
+      case Type::Floats: {
+        const auto& items = *static_cast<std::vector<double>*>(field);
+        out << "[";
+        for (size_t i = 0; i < items.size(); ++i) out << (i ? ", " : "") << float_text(items[i]);
+        out << "]";
+        break;
+      }
     }
     out << "\n";
   }

@@ -87,7 +87,8 @@ std::string format_memory_plan(const MemoryPlan& p, int world) {
       {"parameter copies", "GPU", p.param_copies},  {"gradient shards", "GPU", p.device_grads},
       {"gathered units", where, p.gathered},        {"activations", where, p.activations},
       {"workspace", where, p.workspace},            {"output staging", "host", p.host_workspace},
-      {"comm staging", "host", p.comm_staging},     {"offload buffers", "host", p.offload_buffers}};
+      {"comm staging", "host", p.comm_staging},     {"offload buffers", "host", p.offload_buffers},
+      {"data reader", "host", p.data_reader}};
   for (const auto& [name, place, bytes] : rows)
     if (bytes > 0) out += fmt("  %-18s %-5s %12.3f MiB\n", name, place, mib(bytes));
   out += fmt("  %-18s %-5s %12.3f MiB\n", "total", "host", mib(p.host_total()));
@@ -397,6 +398,18 @@ LossStats Engine::forward_backward(const TokenBatch& b, float grad_scale) {
   reduce_grads(0);
   release(0);
   finish_all_grads();
+  return loss;
+}
+
+LossStats Engine::forward_loss(const TokenBatch& b) {
+  const int head = model_.layout.num_layers() + 1;
+  forward(b, /*keep_for_backward=*/false);
+  const void* hw = params(head);
+  const void* lm_w = lm_head_weights();
+  const LossStats loss =
+      backend_->head_loss(param_at(*backend_, hw, model_.layout.head().param("model.norm.weight").offset), lm_w);
+  release(head);
+  release(0);
   return loss;
 }
 

@@ -85,6 +85,23 @@ MemoryPlan run_memory_plan(const Config& config, const ModelLayout& layout, cons
   return plan;
 }
 
+// What the token readers of a deck hold per rank (data.hpp's DataMemory): the
+// files' document index, two epochs' orders, the prefetched micro-batch.
+// Opens the files for their sizes; a file that cannot be opened is named and
+// left out of the plan (the run itself will report it).
+int64_t data_reader_bytes(const Config& config, int64_t vocab_size, std::string* note) {
+  int64_t bytes = 0;
+  try {
+    if (config.loss.type == "sft") {
+      bytes += TokenDataset(data_spec_for(config, vocab_size)).memory().total();
+    }
+    if (!config.eval.path.empty()) bytes += EvalSet(config, vocab_size).data().memory().total();
+  } catch (const Error& e) {
+    if (note) *note = fmt("data reader: not planned: %s\n", e.what());
+  }
+  return bytes;
+}
+
 int cmd_check(const Runtime& rt, const CliArgs& args) {
   Config config;
   const int world = args.world > 0 ? args.world : rt.num_trainers;
@@ -94,11 +111,14 @@ int cmd_check(const Runtime& rt, const CliArgs& args) {
     const ModelLayout layout(arch, world);
     // The plan of the backend this deck asks for; "auto" plans the CPU backend.
     const bool cuda = config.device.backend == "cuda";
-    const MemoryPlan plan = run_memory_plan(config, layout, cuda ? *make_cuda_backend() : *make_cpu_backend());
+    MemoryPlan plan = run_memory_plan(config, layout, cuda ? *make_cuda_backend() : *make_cpu_backend());
+    std::string data_note;
+    plan.data_reader = data_reader_bytes(config, arch.vocab_size, &data_note);
     std::printf("%s: valid for %d training rank%s\n\n%s\nmodel: %s, %lld parameters (%lld in matmuls)\n%s",
                 args.deck.c_str(), world, world == 1 ? "" : "s", resolved_deck(config).c_str(), arch.arch.c_str(),
                 (long long)layout.parameter_count(), (long long)layout.matmul_parameter_count(),
                 format_memory_plan(plan, world).c_str());
+    std::printf("%s", data_note.c_str());
     if (cuda && config.model.optim_cpu_offload) {  // what the lever buys, against the state on the GPU
       Config on_gpu = config;
       on_gpu.model.optim_cpu_offload = false;
@@ -160,11 +180,20 @@ int cmd_train(Runtime& rt, const CliArgs& args) {
     const ModelLayout& layout = session.model.layout;
     std::printf("model %s: %lld parameters, %d layers, hidden %lld\n", layout.config.arch.c_str(),
                 (long long)layout.parameter_count(), layout.num_layers(), (long long)layout.config.hidden_size);
-    if (session.data)
-      std::printf("data %s: %lld documents, %lld tokens\n", config.data.path.c_str(),
-                  (long long)session.data->documents(), (long long)session.data->total_tokens());
-    else
+    if (session.data) {
+      const TokenDataset& d = *session.data;
+      std::printf("data %s%s: %lld documents, %lld tokens, tokens %s; reader %.1f MiB per rank\n",
+                  config.data.path[0].c_str(), d.sources() > 1 ? fmt(" and %lld more files", (long long)d.sources() - 1).c_str() : "",
+                  (long long)d.documents(), (long long)d.total_tokens(), d.storage().c_str(),
+                  double(d.memory().total()) / 1048576.0);
+    } else {
       std::printf("data: RL rollouts from %s/step_<N>.h5\n", config.data.rollout_dir.c_str());
+    }
+    if (session.eval)
+      std::printf("eval %s: %lld rows of %lld, every %s%s\n", config.eval.path.c_str(), (long long)session.eval->rows(),
+                  (long long)config.data.seq_len,
+                  config.eval.interval > 0 ? fmt("%lld steps", (long long)config.eval.interval).c_str() : "run",
+                  config.eval.at_end ? " and at the end" : "");
     // Large models spend real time here (host init, pinning, the state upload).
     const char* state = session.offload ? "pinning the offload buffers"
                         : session.engine.options().device_state ? "the state's upload to the GPU" : nullptr;
@@ -185,7 +214,8 @@ int cmd_train(Runtime& rt, const CliArgs& args) {
   int exit_code = 0;
   int64_t tokens_seen = start.tokens_seen;
   for (int64_t step = start.step; step < config.run.max_steps; ++step) {
-    const StepStats stats = session.step(step);  // batch, forward, loss, backward, clip, optimizer
+    StepStats stats = session.step(step);  // batch, forward, loss, backward, clip, optimizer
+    if (session.eval_due(step + 1)) session.evaluate(stats);  // held-out loss, forward only
     metrics.log(stats);
     tokens_seen += stats.tokens;
     if (broadcaster.due(step + 1)) broadcaster.send(session, step + 1);  // host paths pull the state themselves
@@ -217,6 +247,9 @@ int cmd_train(Runtime& rt, const CliArgs& args) {
   MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, peak, 2, MPI_INT64_T, MPI_MAX, rt.role_comm));
   MemoryPlan plan = run_memory_plan(config, session.model.layout, session.engine.backend());
   plan.comm_staging += broadcaster.comm_staging_bytes();  // rank 0's staged broadcast Comm, if any
+  // The readers as they are: two epochs' orders, the buffers, the session's micro-batch.
+  if (session.data) plan.data_reader += session.data->memory().total();
+  if (session.eval) plan.data_reader += session.eval->data().memory().total();
   metrics.summary(plan, peak[0], peak[1], session.bad_steps_total);
   if (session.offload && comm->rank() == 0) std::printf("%s\n", session.offload->summary().c_str());
   if (const MuonStep* muon = session.optimizer.muon()) {  // Muon's part of the optimizer time above

@@ -44,7 +44,12 @@ void Metrics::log(const StepStats& s) {
     sum_opt_s_ += s.optimizer_s, sum_sync_s_ += s.param_sync_s, sum_tokens_ += s.tokens, ++sum_steps_;
   }
   const int64_t step1 = s.step + 1;
-  if (!writer_ || (step1 % config_.log.interval != 0 && step1 != config_.run.max_steps)) return;
+  if (s.evaluated) {
+    ++evaluations_, last_eval_loss_ = s.eval_loss, last_eval_step_ = step1;
+    if (evaluations_ == 1 || s.eval_loss < best_eval_loss_) best_eval_loss_ = s.eval_loss, best_eval_step_ = step1;
+  }
+  // An evaluated step is always shown: the eval loss is rarer than the progress line.
+  if (!writer_ || (step1 % config_.log.interval != 0 && step1 != config_.run.max_steps && !s.evaluated)) return;
 
   const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
   const double tok_s = window_time_s_ > 0 ? static_cast<double>(window_tokens_) / window_time_s_ : 0.0;
@@ -52,8 +57,9 @@ void Metrics::log(const StepStats& s) {
                                            static_cast<double>(config_.run.max_steps - step1)
                                      : 0.0;
   const int64_t peak = host_memory().total_peak;
-  std::printf("step %6lld/%lld | loss %.4f | grad norm %.4f | lr %.3e | %.0f tok/s | elapsed %s | eta %s%s\n",
-              (long long)step1, (long long)config_.run.max_steps, s.loss, s.grad_norm, s.lr, tok_s,
+  const std::string eval_text = s.evaluated ? fmt(" | eval loss %.4f", s.eval_loss) : "";
+  std::printf("step %6lld/%lld | loss %.4f%s | grad norm %.4f | lr %.3e | %.0f tok/s | elapsed %s | eta %s%s\n",
+              (long long)step1, (long long)config_.run.max_steps, s.loss, eval_text.c_str(), s.grad_norm, s.lr, tok_s,
               clock_text(elapsed).c_str(), clock_text(eta).c_str(), s.skipped ? " | SKIPPED (NaN/Inf)" : "");
   if (s.rl)
     std::printf("        rl | entropy %.4f | mismatch kl %.3e | masked high %.3f low %.3f | mean advantage %+.4f | "
@@ -65,6 +71,9 @@ void Metrics::log(const StepStats& s) {
     rl_fields = fmt(", \"entropy\": %.9g, \"mismatch_kl\": %.9g, \"masked_high\": %.9g, \"masked_low\": %.9g, "
                     "\"mean_advantage\": %.9g, \"rollout_wait_s\": %.6g",
                     s.entropy, s.mismatch_kl, s.masked_high, s.masked_low, s.advantage, s.rollout_wait_s);
+  if (s.evaluated)
+    rl_fields += fmt(", \"eval_loss\": %.9g, \"eval_loss_tokens\": %lld, \"eval_time_s\": %.6g", s.eval_loss,
+                     (long long)s.eval_loss_tokens, s.eval_s);
   std::fprintf(jsonl_,
                "{\"step\": %lld, \"loss\": %.9g, \"grad_norm\": %.9g, \"lr\": %.9g, \"tokens\": %lld, "
                "\"loss_tokens\": %lld, \"tokens_per_s\": %.6g, \"step_time_s\": %.6g, \"mem_peak_bytes\": %lld, "
@@ -98,6 +107,10 @@ void Metrics::summary(const MemoryPlan& plan, int64_t host_peak, int64_t device_
                 "optimizer %.1f, parameter sync %.1f\n",
                 sum_step_s_ * ms, sum_data_s_ * ms, sum_compute_s_ * ms, sum_opt_s_ * ms, sum_sync_s_ * ms);
   }
+  if (evaluations_ > 0)
+    std::printf("eval: loss %.4f after step %lld; best %.4f after step %lld (%lld evaluations of %s)\n",
+                last_eval_loss_, (long long)last_eval_step_, best_eval_loss_, (long long)best_eval_step_,
+                (long long)evaluations_, config_.eval.path.c_str());
   line("host", host_peak, plan.host_total());
   if (plan.device) line("GPU", device_peak, plan.device_total());
   std::fflush(stdout);

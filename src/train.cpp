@@ -43,16 +43,6 @@ namespace {
 using Clock = std::chrono::steady_clock;
 double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
-DataSpec data_spec(const Config& c, int64_t vocab) {
-  DataSpec s;
-  s.path = c.data.path;
-  s.seq_len = c.data.seq_len;
-  s.micro_batch = c.data.micro_batch;
-  s.global_batch = c.data.global_batch;
-  s.seed = static_cast<uint64_t>(c.run.seed);
-  s.vocab_size = vocab;
-  return s;
-}
 
 ShardedModel initial_model(const Config& c, const ModelConfig& arch, const Comm& comm) {
   // Device-resident state, and the offload pipeline with optim_offload_grads =
@@ -67,6 +57,19 @@ ShardedModel initial_model(const Config& c, const ModelConfig& arch, const Comm&
 }
 
 }  // namespace
+
+DataSpec data_spec_for(const Config& c, int64_t vocab) {
+  DataSpec s;
+  s.paths = c.data.path;
+  s.weights = c.data.weights;
+  s.shuffle = c.data.shuffle;
+  s.seq_len = c.data.seq_len;
+  s.micro_batch = c.data.micro_batch;
+  s.global_batch = c.data.global_batch;
+  s.seed = static_cast<uint64_t>(c.run.seed);
+  s.vocab_size = vocab;
+  return s;
+}
 
 double flops_per_token(const ModelLayout& layout, int64_t seq_len) {
   const ModelConfig& c = layout.config;
@@ -97,7 +100,8 @@ TrainSession::TrainSession(const Config& c, Comm& comm_)
     : config(c),
       comm(comm_),
       arch(model_config_for(c)),
-      data(c.loss.type == "sft" ? std::optional<TokenDataset>(data_spec(c, arch.vocab_size)) : std::nullopt),
+      data(c.loss.type == "sft" ? std::optional<TokenDataset>(data_spec_for(c, arch.vocab_size)) : std::nullopt),
+      eval(c.eval.path.empty() ? std::nullopt : std::optional<EvalSet>(std::in_place, c, arch.vocab_size)),
       model(initial_model(c, arch, comm_)),
       optimizer(c.optim, model, comm_),
       engine(model, comm_, engine_options_for(c),
@@ -166,6 +170,7 @@ StepStats TrainSession::step(int64_t step) {
   // step's global loss-token count, known without communication
   std::vector<TokenBatch> batches;
   int64_t loss_tokens_global = 0;
+  double counts_reduce_s = 0;
   if (s.rl) {
     const auto wait0 = Clock::now();
     const std::string path = wait_for_rollouts(config.data.rollout_dir, step, config.data.rollout_timeout_s,
@@ -180,14 +185,22 @@ StepStats TrainSession::step(int64_t step) {
     loss_tokens_global = rollouts.loss_tokens_global;
     s.tokens = rollouts.tokens_global;
   } else {
-    const StepCounts counts = data->step_counts(step);
-    loss_tokens_global = counts.loss_tokens;
-    s.tokens = counts.tokens;
+    // Each rank counts its own rows (their loss_mask is read with them, one
+    // step ahead by the prefetch); one all-reduce gives the step's totals.
+    const StepCounts mine = data->rank_step_counts(step, comm.rank(), comm.size());
+    int64_t totals[2] = {mine.loss_tokens, mine.tokens};
+    // A collective: the wait for the slowest rank is not data time.
+    const auto t_reduce = Clock::now();
+    comm.all_reduce_sum(totals, 2);
+    counts_reduce_s = seconds_since(t_reduce);
+    loss_tokens_global = totals[0];
+    s.tokens = totals[1];
   }
   s.loss_tokens = loss_tokens_global;
   const float grad_scale = loss_tokens_global > 0 ? 1.0f / static_cast<float>(loss_tokens_global) : 0.0f;
 
-  s.data_s = seconds_since(t0);
+  s.data_s = seconds_since(t0) - counts_reduce_s;
+  s.compute_s = counts_reduce_s;
 
   // forward / loss / backward per micro-batch; gradients accumulate in the shards
   const bool device_state = engine.options().device_state;
@@ -260,6 +273,20 @@ StepStats TrainSession::step(int64_t step) {
   s.optimizer_s = seconds_since(t_opt);
   s.step_time_s = seconds_since(t0);
   return s;
+}
+
+bool TrainSession::eval_due(int64_t steps_done) const {
+  if (!eval) return false;
+  const int64_t interval = config.eval.interval;
+  return (interval > 0 && steps_done % interval == 0) || (config.eval.at_end && steps_done == config.run.max_steps);
+}
+
+void TrainSession::evaluate(StepStats& stats) {
+  const EvalResult r = eval->evaluate(engine, comm);
+  stats.evaluated = true;
+  stats.eval_loss = r.loss;
+  stats.eval_loss_tokens = r.loss_tokens;
+  stats.eval_s = r.seconds;
 }
 
 }  // namespace shardlm

@@ -15,16 +15,24 @@ with one object per line:
     {"messages": [{"role": "user", "content": "..."}, ...]}
                                                       loss on assistant turns only
 
+Large sets: documents are streamed to disk as they are tokenized (memory
+stays at one block of tokens); --compression gzip writes chunked, compressed
+datasets; --eval-output with --eval-fraction or --eval-docs holds documents
+out into a second file (a seeded, reproducible choice).
+
 Output layout and the chat template: docs/data.md. Exit status: 0 written,
 1 bad input (every problem is reported as FILE:LINE: reason, nothing is
 written), 2 bad command line.
 """
 
 import argparse
+import hashlib
 import json
 import os
 import re
+import struct
 import sys
+import tempfile
 
 try:
     import h5py
@@ -35,6 +43,7 @@ except ImportError as missing:  # pragma: no cover - depends on the interpreter
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
 MAX_REPORTED_ERRORS = 50
+COPY_BLOCK = 1 << 24  # elements moved at a time from the staging files into HDF5
 
 
 class InputError(Exception):
@@ -94,13 +103,14 @@ class HFTokenizer:
 
 
 class Builder:
-    """Collects documents as (ids, loss mask) pieces."""
+    """Turns records into documents (ids, loss mask) and hands each to `sink`."""
 
-    def __init__(self, tokenizer, prepend_bos, append_eos):
+    def __init__(self, tokenizer, prepend_bos, append_eos, sink):
         self.tok = tokenizer
         self.prepend_bos = prepend_bos
         self.append_eos = append_eos
-        self.docs = []  # (ids int32, mask uint8)
+        self.sink = sink  # sink(ids int32, mask uint8)
+        self.documents = 0
         self.skipped_short = 0
 
     def special(self, which, where):
@@ -120,7 +130,8 @@ class Builder:
         if len(ids) < 2:  # nothing to predict; the reader would skip it anyway
             self.skipped_short += 1
             return
-        self.docs.append((ids, mask))
+        self.documents += 1
+        self.sink(ids, mask)
 
     def text(self, text, where):
         pieces = [(self.tok.encode(text), 1)]
@@ -198,7 +209,7 @@ def parse_record(record, where, builder):
 def read_jsonl(path, builder, errors, max_docs):
     with open(path, "rb") as f:
         for line_number, raw in enumerate(f, start=1):
-            if max_docs is not None and len(builder.docs) >= max_docs:
+            if max_docs is not None and builder.documents >= max_docs:
                 return
             where = f"{path}:{line_number}"
             try:
@@ -231,34 +242,137 @@ def read_text(path, split, builder, errors, max_docs):
     else:
         documents = [content.strip()]
     for document in documents:
-        if max_docs is not None and len(builder.docs) >= max_docs:
+        if max_docs is not None and builder.documents >= max_docs:
             return
         if document:
             builder.text(document, path)
 
 
-def write_h5(path, builder):
-    ids = np.concatenate([d[0] for d in builder.docs])
-    mask = np.concatenate([d[1] for d in builder.docs])
-    offsets = np.zeros(len(builder.docs) + 1, dtype=np.int64)
-    offsets[1:] = np.cumsum([len(d[0]) for d in builder.docs])
-    max_id = int(ids.max())
-    vocab_size = max(int(builder.tok.vocab_size), max_id + 1)
-    # A document's first token is never a target, so its mask value is moot.
-    is_target = np.ones(len(ids), dtype=bool)
-    is_target[offsets[:-1]] = False
-    write_mask = bool(np.any(mask[is_target] == 0))
-    tmp = path + ".tmp"
-    # track_times=False: the same inputs give byte-identical files.
-    with h5py.File(tmp, "w") as f:
-        f.create_dataset("tokens", data=ids.astype(np.int32), track_times=False)
-        f.create_dataset("offsets", data=offsets, track_times=False)
-        if write_mask:
-            f.create_dataset("loss_mask", data=mask.astype(np.uint8), track_times=False)
-        f.attrs["vocab_size"] = np.int64(vocab_size)
-        f.attrs["tokenizer"] = builder.tok.name
-    os.replace(tmp, path)
-    return len(ids), int(mask[is_target].sum()), vocab_size
+class TokenFileWriter:
+    """Streams documents to staging files beside OUT, then writes OUT.tmp
+    (tokens, offsets, loss_mask when any target has no loss) and renames it.
+    Memory: the offsets (8 bytes per document) and one copy block."""
+
+    def __init__(self, path, compression, level, chunk_tokens):
+        self.path = path
+        self.compression = compression
+        self.level = level
+        self.chunk_tokens = chunk_tokens
+        folder = os.path.dirname(os.path.abspath(path))
+        self.tokens_file = tempfile.NamedTemporaryFile(dir=folder, prefix=".tokens.", delete=False)
+        self.mask_file = tempfile.NamedTemporaryFile(dir=folder, prefix=".mask.", delete=False)
+        self.offsets = [0]
+        self.max_id = -1
+        self.loss_targets = 0
+        self.mask_needed = False  # some target carries no loss
+
+    def add(self, ids, mask):
+        self.tokens_file.write(ids.astype("<i4").tobytes())
+        self.mask_file.write(mask.astype(np.uint8).tobytes())
+        self.offsets.append(self.offsets[-1] + len(ids))
+        self.max_id = max(self.max_id, int(ids.max()))
+        targets = mask[1:]  # a document's first token is never a target
+        self.loss_targets += int(targets.sum())
+        self.mask_needed = self.mask_needed or bool(np.any(targets == 0))
+
+    @property
+    def documents(self):
+        return len(self.offsets) - 1
+
+    @property
+    def tokens(self):
+        return self.offsets[-1]
+
+    def discard(self):
+        for f in (self.tokens_file, self.mask_file):
+            f.close()
+            if os.path.exists(f.name):
+                os.unlink(f.name)
+
+    def _dataset(self, f, name, source, dtype, count):
+        options = {"track_times": False}  # the same inputs give byte-identical files
+        if self.compression == "gzip" and count > 0:
+            options.update(chunks=(min(self.chunk_tokens, count),), compression="gzip",
+                           compression_opts=self.level, shuffle=dtype.itemsize > 1)
+        dset = f.create_dataset(name, shape=(count,), dtype=dtype, **options)
+        if count == 0:
+            return
+        staged = np.memmap(source, dtype=dtype, mode="r", shape=(count,))
+        block = COPY_BLOCK
+        if self.compression == "gzip":  # whole chunks per write
+            block = max(self.chunk_tokens, block // self.chunk_tokens * self.chunk_tokens)
+        for start in range(0, count, block):
+            dset[start:start + block] = staged[start:start + block]
+        del staged
+
+    def finish(self, tokenizer_name, tokenizer_vocab_size):
+        for f in (self.tokens_file, self.mask_file):
+            f.close()
+        vocab_size = max(int(tokenizer_vocab_size), self.max_id + 1)
+        tmp = self.path + ".tmp"
+        try:
+            with h5py.File(tmp, "w") as f:
+                self._dataset(f, "tokens", self.tokens_file.name, np.dtype("<i4"), self.tokens)
+                f.create_dataset("offsets", data=np.asarray(self.offsets, dtype=np.int64), track_times=False)
+                if self.mask_needed:
+                    self._dataset(f, "loss_mask", self.mask_file.name, np.dtype(np.uint8), self.tokens)
+                f.attrs["vocab_size"] = np.int64(vocab_size)
+                f.attrs["tokenizer"] = tokenizer_name
+            os.replace(tmp, self.path)
+        finally:
+            self.discard()
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        return vocab_size
+
+
+def document_draw(seed, index):
+    """A uniform number in [0, 1) for (seed, document index): the held-out choice."""
+    digest = hashlib.blake2b(struct.pack("<qq", seed, index), digest_size=8).digest()
+    return int.from_bytes(digest, "little") / 2.0 ** 64
+
+
+class Splitter:
+    """Sends each document to the training writer or holds it out for eval.
+
+    --eval-fraction F: document i is held out when its draw (seed, i) < F.
+    --eval-docs N: exactly N documents (or all if fewer), a uniform seeded
+    choice kept as a reservoir (Algorithm R); the ones it lets go go to
+    training. Held-out documents keep their input order."""
+
+    def __init__(self, train, held_out, fraction, count, seed):
+        self.train = train
+        self.held_out = held_out  # the eval file's writer (--eval-fraction streams into it)
+        self.fraction = fraction
+        self.count = count
+        self.seed = seed
+        self.index = 0
+        self.held = []  # --eval-docs: the reservoir, (index, ids, mask)
+
+    def add(self, ids, mask):
+        i = self.index
+        self.index += 1
+        if self.fraction is not None:
+            if document_draw(self.seed, i) < self.fraction:
+                self.held_out.add(ids, mask)
+            else:
+                self.train.add(ids, mask)
+            return
+        if len(self.held) < self.count:
+            self.held.append((i, ids, mask))
+            return
+        slot = int(document_draw(self.seed, i) * (i + 1))  # uniform in [0, i]
+        if slot < self.count:
+            _, out_ids, out_mask = self.held[slot]
+            self.held[slot] = (i, ids, mask)
+            self.train.add(out_ids, out_mask)
+        else:
+            self.train.add(ids, mask)
+
+    def finish(self):
+        for _, ids, mask in sorted(self.held, key=lambda item: item[0]):
+            self.held_out.add(ids, mask)
+        self.held = []
 
 
 def main(argv=None):
@@ -278,17 +392,55 @@ def main(argv=None):
     parser.add_argument("--append-eos", action="store_true",
                         help="end text and prompt/completion documents with EOS (which carries loss)")
     parser.add_argument("--max-docs", type=int, help="stop after this many documents")
+    parser.add_argument("--compression", choices=("none", "gzip"), default="none",
+                        help="none: contiguous datasets (default; fastest to read); gzip: chunked, "
+                             "byte-shuffled and deflated")
+    parser.add_argument("--compression-level", type=int, default=4, help="gzip level 1..9 (default 4)")
+    parser.add_argument("--chunk-tokens", type=int, default=65536,
+                        help="elements per chunk with --compression gzip (default 65536)")
+    parser.add_argument("--eval-output", help="HDF5 file for the held-out documents")
+    parser.add_argument("--eval-fraction", type=float, help="hold out about this fraction of documents")
+    parser.add_argument("--eval-docs", type=int, help="hold out exactly this many documents")
+    parser.add_argument("--split-seed", type=int, default=0, help="seed of the held-out choice (default 0)")
     args = parser.parse_args(argv)
     if args.max_docs is not None and args.max_docs < 1:
         parser.error("--max-docs must be at least 1")
+    if not 1 <= args.compression_level <= 9:
+        parser.error("--compression-level must be between 1 and 9")
+    if args.chunk_tokens < 1:
+        parser.error("--chunk-tokens must be at least 1")
+    if (args.eval_fraction is None) == (args.eval_docs is None):
+        if args.eval_output:
+            parser.error("--eval-output needs one of --eval-fraction or --eval-docs")
+    elif not args.eval_output:
+        parser.error("--eval-fraction and --eval-docs need --eval-output")
+    if args.eval_fraction is not None and not 0 < args.eval_fraction < 1:
+        parser.error("--eval-fraction must be between 0 and 1 (exclusive)")
+    if args.eval_docs is not None and args.eval_docs < 1:
+        parser.error("--eval-docs must be at least 1")
+    if args.eval_output and os.path.abspath(args.eval_output) == os.path.abspath(args.output):
+        parser.error("--eval-output must differ from --output")
 
     try:
         tokenizer = ByteTokenizer() if args.tokenizer == "byte" else \
             HFTokenizer(args.tokenizer, args.bos_token, args.eos_token)
-        builder = Builder(tokenizer, args.prepend_bos, args.append_eos)
     except InputError as e:
         print(f"make_dataset.py: {e}", file=sys.stderr)
         return 1
+    train = TokenFileWriter(args.output, args.compression, args.compression_level, args.chunk_tokens)
+    held_out = TokenFileWriter(args.eval_output, args.compression, args.compression_level, args.chunk_tokens) \
+        if args.eval_output else None
+    splitter = Splitter(train, held_out, args.eval_fraction, args.eval_docs, args.split_seed) if held_out else None
+    builder = Builder(tokenizer, args.prepend_bos, args.append_eos, splitter.add if splitter else train.add)
+    try:
+        return run(args, tokenizer, builder, train, splitter)
+    finally:
+        train.discard()
+        if held_out:
+            held_out.discard()
+
+
+def run(args, tokenizer, builder, train, splitter):
 
     errors = []
     for path in args.inputs:
@@ -306,8 +458,15 @@ def main(argv=None):
         except InputError as e:  # e.g. a tokenizer without the EOS a line needs
             errors.append(str(e))
 
-    if not errors and not builder.docs:
+    if not errors and builder.documents == 0:
         errors.append("no document with at least 2 tokens in the inputs; nothing to write")
+    if splitter:
+        splitter.finish()
+    if not errors and splitter and splitter.held_out.documents == 0:
+        errors.append(f"no document was held out for {args.eval_output} ({builder.documents} documents, "
+                      f"--eval-fraction {args.eval_fraction}); raise the fraction or use --eval-docs")
+    if not errors and splitter and train.documents == 0:
+        errors.append(f"every document was held out for {args.eval_output}; nothing is left to train on")
     if errors:
         for message in errors[:MAX_REPORTED_ERRORS]:
             print(message, file=sys.stderr)
@@ -316,10 +475,15 @@ def main(argv=None):
         print(f"make_dataset.py: {len(errors)} error(s); {args.output} not written", file=sys.stderr)
         return 1
 
-    n_tokens, n_loss, vocab_size = write_h5(args.output, builder)
     skipped = f", {builder.skipped_short} skipped (< 2 tokens)" if builder.skipped_short else ""
-    print(f"wrote {args.output}: {len(builder.docs)} documents{skipped}, {n_tokens} tokens, "
-          f"{n_loss} loss targets, vocab_size {vocab_size}, tokenizer {tokenizer.name}")
+    storage = f"gzip {args.compression_level}, chunks of {args.chunk_tokens}" if args.compression == "gzip" \
+        else "contiguous"
+    outputs = [(args.output, train)] + ([(args.eval_output, splitter.held_out)] if splitter else [])
+    for path, writer in outputs:
+        documents, tokens, loss = writer.documents, writer.tokens, writer.loss_targets
+        vocab_size = writer.finish(tokenizer.name, tokenizer.vocab_size)
+        print(f"wrote {path}: {documents} documents{skipped if writer is train else ''}, {tokens} tokens, "
+              f"{loss} loss targets, vocab_size {vocab_size}, tokenizer {tokenizer.name}, {storage}")
     return 0
 
 

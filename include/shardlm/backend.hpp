@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "shardlm/comm.hpp"
+#include "shardlm/error.hpp"
 #include "shardlm/memory.hpp"
 #include "shardlm/model.hpp"
 #include "shardlm/rl_loss.hpp"
@@ -161,6 +162,12 @@ class Backend {
   virtual void embed_backward(float* table_grad) = 0;
   // Forward only: logits (N, V) into host memory.
   virtual void head_logits(const void* norm_weight, const void* lm_head, float* logits) = 0;
+  // Forward only: the cross-entropy sums of the micro-batch (loss, loss_tokens)
+  // as head_loss_backward computes them for SFT, without gradients; also on a
+  // backend prepared for the RL loss (an eval file's loss during RL training).
+  virtual LossStats head_loss(const void*, const void*) {
+    SHARDLM_FAIL("the %s backend has no forward-only loss", name());
+  }
 };
 
 // `p` advanced by `elements` parameters of the backend's precision.

@@ -41,7 +41,9 @@ struct ModelSection {
 };
 
 struct DataSection {
-  std::string path;
+  std::vector<std::string> path;    // SFT token files; several are mixed by `weights`
+  std::vector<double> weights;      // one per path; empty = in proportion to each file's targets
+  bool shuffle = true;              // false: file order in every epoch
   int64_t seq_len = 2048;
   int64_t micro_batch = 1;          // rows per micro-batch per rank
   int64_t global_batch = 1;         // rows per optimizer step, all ranks together
@@ -49,6 +51,14 @@ struct DataSection {
   std::string rollout_dir;
   int64_t max_async = 0;
   double rollout_timeout_s = 600.0;
+};
+
+// A held-out token file whose loss is computed (forward only) during and after training.
+struct EvalSection {
+  std::string path;                 // token file like data.path; "" = no evaluation
+  int64_t interval = 0;             // every this many steps; 0 = only at the end
+  int64_t rows = 0;                 // rows of seq_len from the start of the file; 0 = the whole file
+  bool at_end = true;               // evaluate after the last step
 };
 
 struct OptimSection {
@@ -122,6 +132,7 @@ struct Config {
   RunSection run;
   ModelSection model;
   DataSection data;
+  EvalSection eval;
   OptimSection optim;
   SchedSection sched;
   LossSection loss;

@@ -107,4 +107,9 @@ RlChunkStats head_loss_backward(const ModelConfig& c, const float* norm_w, const
 void head_logits(const ModelConfig& c, const float* norm_w, const float* lm_head, const float* x, int64_t N,
                  float* logits, HeadScratch& s);
 
+// Forward only: the cross-entropy sums of head_loss_backward (the same chunks
+// and arithmetic, so the same loss bit for bit), no gradients.
+RlChunkStats head_loss(const ModelConfig& c, const float* norm_w, const float* lm_head, const float* x,
+                       const int32_t* targets, const float* weights, int64_t N, HeadScratch& s);
+
 }  // namespace shardlm::cpu

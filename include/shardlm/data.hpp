@@ -1,15 +1,17 @@
-// data.hpp — the SFT token-data pipeline: HDF5 token files, packing documents
-// into rows, the deterministic shuffled order, micro-batches and the sampler
-// position a checkpoint stores.
+// data.hpp — the SFT token-data pipeline: HDF5 token files read on demand,
+// packing documents into rows, the deterministic shuffled order, mixing
+// several files by weight, micro-batches (prefetched one ahead) and the
+// sampler position a checkpoint stores.
 //
 // Owns: DataSpec, MicroBatch, StepCounts, DataPosition, TokenDataset.
 // Knows nothing about MPI, devices or the model: every rank builds the same
-// stream of rows from (file, seed, seq_len) and takes its share by
+// stream of rows from (files, weights, seed, seq_len) and takes its share by
 // (rank, world), so the result is the same at any world size. File format and
 // rules: docs/data.md.
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <string>
 #include <vector>
@@ -17,13 +19,15 @@
 namespace shardlm {
 
 struct DataSpec {
-  std::string path;          // HDF5 token file (tools/make_dataset.py)
+  std::vector<std::string> paths;  // HDF5 token files (tools/make_dataset.py); several are mixed
+  std::vector<double> weights;     // one per path (empty: in proportion to each file's targets)
   int64_t seq_len = 0;       // positions per row
   int64_t micro_batch = 0;   // rows per micro-batch
   int64_t global_batch = 0;  // rows per optimizer step, over all ranks
-  uint64_t seed = 0;         // document order = f(seed, epoch)
+  uint64_t seed = 0;         // document order = f(seed, epoch); the mix = f(seed, row)
   int64_t vocab_size = 0;    // the model's; every token id must be < this
-  bool shuffle = true;       // false: file order every epoch (tests, curricula)
+  bool shuffle = true;       // false: file order every epoch (eval, tests, curricula)
+  bool prefetch = true;      // read the next micro-batch on a background thread
 };
 
 // One micro-batch, row-major; every vector holds rows*seq_len entries.
@@ -38,12 +42,18 @@ struct MicroBatch {
   int64_t loss_tokens = 0;         // positions with weight > 0 in this micro-batch
 };
 
-// Counts over one step's global batch: every rank computes them from the data
-// alone, so the loss can be normalised by loss_tokens without an all-reduce.
+// Counts over a set of rows (a step's global batch, or one rank's share of it).
 struct StepCounts {
   int64_t loss_tokens = 0;  // positions with weight > 0
   int64_t tokens = 0;       // non-padding positions (for tokens/s)
-  int64_t positions = 0;    // global_batch * seq_len, padding included
+  int64_t positions = 0;    // rows * seq_len, padding included
+};
+
+// Where one file of the mix stands: how many of its rows came before the step.
+struct SourcePosition {
+  int64_t documents = 0;      // documents with >= 2 tokens in the file
+  int64_t rows_consumed = 0;  // rows of this file's own stream already used
+  bool operator==(const SourcePosition&) const = default;
 };
 
 // Where the sampler stands. Rows of the stream are consumed in order; `step`
@@ -54,80 +64,84 @@ struct DataPosition {
   int64_t rows_consumed = 0;
   int64_t seq_len = 0;
   uint64_t seed = 0;
-  int64_t documents = 0;  // documents with >= 2 tokens in the file
+  int64_t documents = 0;  // documents with >= 2 tokens, all files together
   bool shuffle = true;
+  std::vector<SourcePosition> sources{};  // one per data.path entry (empty: RL, no files)
 
   std::vector<int64_t> to_vector() const;  // for the checkpoint's /data dataset
   static DataPosition from_vector(std::span<const int64_t> values);
   bool operator==(const DataPosition&) const = default;
 };
 
+// Host memory a reader holds, by part (the memory plan's "data" rows).
+struct DataMemory {
+  int64_t index = 0;     // document offsets (8 B per document) and the kept-document map
+  int64_t order = 0;     // two epochs' document permutations (4 B per document each) and row tables
+  int64_t buffers = 0;   // prefetched micro-batch, read staging, chunk caches, mix tables
+  int64_t total() const { return index + order + buffers; }
+};
+
 class TokenDataset {
  public:
-  // Reads and validates the whole file into host memory (tokens 4 B, offsets
-  // 8 B per document, loss_mask 1 B per token). Throws shardlm::Error naming
-  // the file and what is wrong.
+  // Opens and validates every file: dtypes, shapes, offsets and storage. Only
+  // the document index (offsets) is read into memory; token ids and loss_mask
+  // are read per micro-batch (and checked as they are read). Throws
+  // shardlm::Error naming the file and what is wrong.
   explicit TokenDataset(const DataSpec& spec);
+  ~TokenDataset();
+  TokenDataset(const TokenDataset&) = delete;
+  TokenDataset& operator=(const TokenDataset&) = delete;
 
   // A = global_batch / (micro_batch * world); throws if it does not divide.
   int64_t micro_batches_per_rank(int world) const;
 
   // Micro-batch number (accum_index * world + rank) of `step`'s global batch.
-  // `out` is resized once and then reused without allocating.
+  // `out` is resized once and then reused without allocating. After each call
+  // the next micro-batch in training order (accum_index + 1, else the next
+  // step's first) is read on a background thread, so a run that asks for them
+  // in that order never waits for the file.
   void micro_batch(int64_t step, int accum_index, int rank, int world, MicroBatch& out);
   MicroBatch micro_batch(int64_t step, int accum_index, int rank, int world);
 
+  // Counts over `step`'s whole global batch (reads every row's loss_mask).
   StepCounts step_counts(int64_t step);
+  // Counts over the rows of `step` that `rank` of `world` takes: summed over
+  // the ranks (one all-reduce) they are step_counts(step). Prefetched with the
+  // step's first micro-batch.
+  StepCounts rank_step_counts(int64_t step, int rank, int world);
+
+  // `rows` consecutive rows of the stream from `first_row` into `out`, padded
+  // with empty rows up to micro_batch rows (eval reads a file in order this way).
+  void read_rows(int64_t first_row, int64_t rows, MicroBatch& out);
 
   // The position at the start of `step` (save it after finishing step-1).
-  DataPosition position(int64_t step) const;
+  DataPosition position(int64_t step);
   // Continue from a saved position: `pos.step` will read the rows it would
-  // have read when saved, even if global_batch has changed since.
+  // have read when saved, even if global_batch or data.weights changed since.
   void restore(const DataPosition& pos);
 
-  // Inspection (tests, `shardlm check`, logs).
-  int64_t documents() const { return static_cast<int64_t>(doc_first_token_.size()); }
-  int64_t total_tokens() const { return static_cast<int64_t>(tokens_.size()); }
-  int64_t file_vocab_size() const { return file_vocab_size_; }  // 0 when absent
-  const std::string& tokenizer() const { return tokenizer_; }    // "" when absent
+  // Inspection (tests, `shardlm check`, logs). Totals are over all files.
+  int64_t documents() const;
+  int64_t total_tokens() const;
+  int64_t sources() const;
+  int64_t file_vocab_size() const;     // the first file's; 0 when absent
+  const std::string& tokenizer() const;  // the first file's; "" when absent
+  std::string storage() const;  // the first file's tokens: "contiguous", "chunked (N elements), shuffle, deflate"
+  // The first file's (the only one unless data.path lists several):
   int64_t rows_in_epoch(int64_t epoch);
-  std::vector<int64_t> document_order(int64_t epoch) const;  // indices into documents()
+  std::vector<int64_t> document_order(int64_t epoch) const;  // indices into its documents
   const DataSpec& spec() const { return spec_; }
+  // What this reader holds now and at most (two epochs' orders, all buffers).
+  DataMemory memory() const;
+
+  struct Impl;
 
  private:
-  // A contiguous run of (input, target) pairs of one document inside a row:
-  // inputs tokens_[first .. first+pairs), targets one token further.
-  struct Segment {
-    int64_t first;
-    int64_t pairs;
-  };
-  struct EpochPacking {
-    int64_t epoch = -1;
-    std::vector<Segment> segments;
-    std::vector<int64_t> row_begin;  // row r = segments[row_begin[r] .. row_begin[r+1])
-    int64_t rows() const { return static_cast<int64_t>(row_begin.size()) - 1; }
-  };
-
-  void pack_epoch(int64_t epoch, EpochPacking& out) const;
-  const EpochPacking& packing(int64_t epoch);
-  // Global stream row -> (epoch, row within epoch).
-  void locate_row(int64_t stream_row, int64_t& epoch, int64_t& row);
-  int64_t first_row_of_step(int64_t step) const;
-  // Writes row `stream_row` into out[slot]; seq_id continues from `next_seq_id`.
-  void fill_row(int64_t stream_row, int64_t slot, int32_t& next_seq_id, MicroBatch& out);
+  void wait_idle();
+  void schedule_after(int64_t step, int accum_index, int rank, int world);
 
   DataSpec spec_;
-  std::vector<int32_t> tokens_;          // (total_tokens)
-  std::vector<uint8_t> loss_mask_;       // (total_tokens) or empty = all 1
-  std::vector<int64_t> doc_first_token_; // documents with >= 2 tokens, file order
-  std::vector<int64_t> doc_pairs_;       // tokens - 1 for each of them
-  int64_t file_vocab_size_ = 0;
-  std::string tokenizer_;
-
-  DataPosition anchor_;                  // step anchor_.step starts at anchor_.rows_consumed
-  std::vector<int64_t> epoch_row_begin_; // stream row where epoch e starts; grows lazily
-  EpochPacking cache_[2];                // the two most recently used epochs
-  int next_cache_slot_ = 0;
+  std::unique_ptr<Impl> impl_;
 };
 
 }  // namespace shardlm

@@ -34,8 +34,9 @@ struct MemoryPlan {
   int64_t offload_buffers = 0;                                  // host: the offload pipeline's bf16 shards
   int64_t device_state = 0;  // GPU: fp32 masters + gradients + optimizer state (their host shards become mirrors)
   int64_t device_grads = 0;  // GPU: the offload pipeline's fp32 gradient accumulators
+  int64_t data_reader = 0;   // host: token readers of data.path and eval.path (data.hpp's DataMemory)
   int64_t host_total() const {
-    return param_shards + grad_shards + optim_state + host_workspace + comm_staging + offload_buffers +
+    return param_shards + grad_shards + optim_state + host_workspace + comm_staging + offload_buffers + data_reader +
            (device ? 0 : gathered + activations + workspace);
   }
   int64_t device_total() const {
@@ -57,6 +58,11 @@ class Engine {
   // Forward, loss and backward; gradients (scaled by grad_scale) are added into
   // model.grad. Returns this rank's loss sums (SFT: sum of weight * NLL).
   LossStats forward_backward(const TokenBatch& batch, float grad_scale);
+
+  // Forward only: the micro-batch's cross-entropy sums (loss = sum of weight *
+  // NLL, loss_tokens), computed as forward_backward computes the SFT loss.
+  // Collective over the ranks like forward_backward; gradients are untouched.
+  LossStats forward_loss(const TokenBatch& batch);
 
   // Forward only: logits (N, V) for every position.
   void forward_logits(const TokenBatch& batch, float* logits);

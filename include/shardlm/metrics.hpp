@@ -41,6 +41,9 @@ class Metrics {
   // Sums over steps after the first (which pays for warm-up), for the breakdown.
   double sum_step_s_ = 0, sum_data_s_ = 0, sum_compute_s_ = 0, sum_opt_s_ = 0, sum_sync_s_ = 0;
   int64_t sum_tokens_ = 0, sum_steps_ = 0;
+  // [eval]: the last and the best held-out loss.
+  int64_t evaluations_ = 0, last_eval_step_ = 0, best_eval_step_ = 0;
+  double last_eval_loss_ = 0, best_eval_loss_ = 0;
 };
 
 }  // namespace shardlm

@@ -16,6 +16,7 @@
 #include "shardlm/cuda_newton_schulz.hpp"  // the constructor gives Muon the GPU Newton–Schulz on "cuda"
 #include "shardlm/data.hpp"
 #include "shardlm/engine.hpp"
+#include "shardlm/eval.hpp"
 #include "shardlm/offload.hpp"
 #include "shardlm/optim.hpp"
 #include "shardlm/rollouts.hpp"
@@ -40,6 +41,11 @@ struct StepStats {
   // with the collectives and gradient transfers inside it, clip + optimizer,
   // refreshing the backend's parameter copies.
   double data_s = 0, compute_s = 0, optimizer_s = 0, param_sync_s = 0;
+  // [eval] after this step (TrainSession::evaluate): the held-out loss.
+  bool evaluated = false;
+  double eval_loss = 0;        // mean NLL over the eval rows' loss tokens
+  int64_t eval_loss_tokens = 0;
+  double eval_s = 0;
 };
 
 // Training FLOPs per token: 6 N + 12 L H Q T (N = weights used in matmuls, lm-head
@@ -49,12 +55,15 @@ double flops_per_token(const ModelLayout& layout, int64_t seq_len);
 // The model's architecture for a deck: model.hf's config.json, else the deck's sizes.
 ModelConfig model_config_for(const Config& config);
 EngineOptions engine_options_for(const Config& config);
+// The training reader's spec for a deck ([data] and run.seed), the model's vocabulary.
+DataSpec data_spec_for(const Config& config, int64_t vocab_size);
 
 struct TrainSession {
   Config config;
   Comm& comm;
   ModelConfig arch;            // model.hf's config.json or the deck's sizes
   std::optional<TokenDataset> data;  // SFT token file (RL reads rollout files instead)
+  std::optional<EvalSet> eval;       // eval.path, when set (SFT and RL)
   ShardedModel model;
   Optimizer optimizer;
   Engine engine;
@@ -69,6 +78,10 @@ struct TrainSession {
 
   TrainSession(const Config& config, Comm& comm);
   StepStats step(int64_t step);
+  // [eval]: whether the held-out loss is due after `steps_done` steps, and
+  // computing it into the step's stats (collective over the trainer ranks).
+  bool eval_due(int64_t steps_done) const;
+  void evaluate(StepStats& stats);
 
   // With device-resident state (GPU, no optim_cpu_offload) the host shards are a
   // mirror: pull_state() refreshes them (before a checkpoint, export or

@@ -114,6 +114,13 @@ class CpuBackend final : public Backend {
                             config_.hidden_size);
   }
 
+  LossStats head_loss(const void* norm_weight, const void* lm_head) override {
+    const int L = static_cast<int>(config_.num_layers);
+    SHARDLM_CHECK(batch_.targets && batch_.weights, "internal: a forward-only loss without targets or weights");
+    return cpu::head_loss(config_, f32(norm_weight), f32(lm_head), residual_[L].data(), batch_.targets, batch_.weights,
+                          batch_.N, head_);
+  }
+
   void head_logits(const void* norm_weight, const void* lm_head, float* logits) override {
     const int L = static_cast<int>(config_.num_layers);
     cpu::head_logits(config_, f32(norm_weight), f32(lm_head), residual_[L].data(), batch_.N, logits, head_);

@@ -188,6 +188,24 @@ RlChunkStats head_loss_backward(const ModelConfig& c, const float* norm_w, const
   return stats;
 }
 
+RlChunkStats head_loss(const ModelConfig& c, const float* norm_w, const float* lm_head, const float* x,
+                       const int32_t* targets, const float* weights, int64_t N, HeadScratch& s) {
+  const int64_t C = c.hidden_size, V = c.vocab_size;
+  rmsnorm_forward(s.xf.data(), s.rstd.data(), x, norm_w, N, C, c.rms_norm_eps);
+  RlChunkStats stats;
+  for (int64_t t0 = 0; t0 < N; t0 += s.chunk) {
+    const int64_t n = std::min(s.chunk, N - t0);
+    bool any_loss = false;
+    for (int64_t i = 0; i < n && !any_loss; ++i) any_loss = targets[t0 + i] >= 0 && weights[t0 + i] != 0.0f;
+    if (!any_loss) continue;
+    linear_forward(s.logits.data(), s.xf.data() + t0 * C, lm_head, kNoBias, n, C, V);
+    // grad_scale 0: the loss of the training path; the logits become zeros, unused.
+    stats.loss += cross_entropy_forward_backward(s.logits.data(), targets + t0, weights + t0, 0.0f, n, V);
+    for (int64_t i = 0; i < n; ++i) stats.loss_tokens += targets[t0 + i] >= 0 && weights[t0 + i] > 0.0f;
+  }
+  return stats;
+}
+
 void head_logits(const ModelConfig& c, const float* norm_w, const float* lm_head, const float* x, int64_t N,
                  float* logits, HeadScratch& s) {
   rmsnorm_forward(s.xf.data(), s.rstd.data(), x, norm_w, N, c.hidden_size, c.rms_norm_eps);

@@ -477,6 +477,7 @@ class CudaBackend final : public Backend {
   void load_batch(const TokenBatch& b) override {
     SHARDLM_CHECK(b.N <= d_.N, "micro-batch of %lld tokens exceeds the planned %lld", (long long)b.N, (long long)d_.N);
     n_ = b.N;
+    has_rl_inputs_ = b.advantages != nullptr;
     host_targets_.assign(b.targets ? b.targets : b.tokens, (b.targets ? b.targets : b.tokens) + b.N);
     host_weights_.assign(b.N, 0.0f);
     if (b.weights) std::memcpy(host_weights_.data(), b.weights, 4 * b.N);
@@ -485,7 +486,7 @@ class CudaBackend final : public Backend {
     upload(seq_ids_, b.seq_ids, 4 * b.N);
     if (b.targets) upload(targets_, b.targets, 4 * b.N);
     if (b.weights) upload(weights_, b.weights, 4 * b.N);
-    if (options_.rl) {
+    if (options_.rl && b.advantages) {  // an eval micro-batch of an RL run has none: head_loss only
       SHARDLM_CHECK(b.targets && b.weights && b.advantages && b.inference_logprobs && b.temperatures,
                     "internal: an RL micro-batch without targets, weights, advantages, logprobs or temperatures");
       upload(advantages_, b.advantages, 4 * b.N);
@@ -507,6 +508,7 @@ class CudaBackend final : public Backend {
   LossStats head_loss_backward(const void* norm_weight, const void* lm_head, float* norm_grad, float* lm_head_grad,
                                float grad_scale) override {
     const Dims& d = d_;
+    SHARDLM_CHECK(!options_.rl || has_rl_inputs_, "internal: an RL micro-batch without advantages, logprobs or temperatures");
     const bf16* x = residual_[config_.num_layers];
     cuda::rmsnorm_forward(xf_, rstdf_, x, bf(norm_weight), n_, d.C, config_.rms_norm_eps, stream_);
     LossStats stats;
@@ -603,6 +605,31 @@ class CudaBackend final : public Backend {
 
   void embed_backward(float* table_grad) override {
     cuda::embedding_backward(table_grad, d_x_, tokens_, n_, d_.V, d_.C, scratch_, scratch_bytes_, stream_);
+  }
+
+  // Forward only: head_loss_backward's cross-entropy chunks without the
+  // backward GEMMs (grad_scale 0 leaves zeros in the scratch logits).
+  LossStats head_loss(const void* norm_weight, const void* lm_head) override {
+    const Dims& d = d_;
+    cuda::rmsnorm_forward(xf_, rstdf_, residual_[config_.num_layers], bf(norm_weight), n_, d.C, config_.rms_norm_eps,
+                          stream_);
+    LossStats stats;
+    for (int64_t t0 = 0; t0 < n_; t0 += d.chunk) {
+      const int64_t n = std::min(d.chunk, n_ - t0);
+      int64_t loss_rows = 0;
+      for (int64_t i = t0; i < t0 + n; ++i) loss_rows += host_targets_[i] >= 0 && host_weights_[i] > 0.0f;
+      stats.loss_tokens += loss_rows;
+      if (loss_rows == 0) continue;
+      cuda::linear_forward(*gemm_, logits_, xf_ + t0 * d.C, bf(lm_head), nullptr, n, d.C, d.V);
+      cuda::cross_entropy_forward_backward(logits_, row_loss_, targets_ + t0, weights_ + t0, 0.0f, n, d.V, stream_);
+      cuda::sum_rows(loss_sum_, row_loss_, n, /*accumulate=*/true, stream_);
+    }
+    double loss = 0;
+    CUDA_CHECK(cudaMemcpyAsync(&loss, loss_sum_, 8, cudaMemcpyDeviceToHost, stream_));
+    CUDA_CHECK(cudaMemsetAsync(loss_sum_, 0, 8, stream_));
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+    stats.loss = loss;
+    return stats;
   }
 
   void head_logits(const void* norm_weight, const void* lm_head, float* logits) override {
@@ -776,6 +803,7 @@ class CudaBackend final : public Backend {
   EngineOptions options_;
   Dims d_{};
   int64_t n_ = 0;                        // tokens of the current micro-batch
+  bool has_rl_inputs_ = false;           // the loaded micro-batch carries advantages (RL training)
   std::vector<int32_t> host_targets_;
   std::vector<float> host_weights_;
   int32_t *tokens_ = nullptr, *targets_ = nullptr, *positions_ = nullptr, *seq_ids_ = nullptr, *doc_start_ = nullptr;

@@ -52,6 +52,7 @@ Run train_on(MPI_Comm mpi, const Config& config, int steps) {
     run.total_peak_bytes = after.total_peak - before.total_current;
     run.plan = plan_memory(session.model.layout.config, comm->size(), engine_options_for(config),
                            session.optimizer.states(), session.engine.backend());
+    if (session.data) run.plan.data_reader = session.data->memory().total();  // the token reader (Mem::Data)
     run.params = gather_all_params(session.model, *comm);
   }
   MPI_Barrier(MPI_COMM_WORLD);
@@ -154,6 +155,42 @@ TEST_CASE("reshard_after_forward = false gives the same losses") {
   const Run a = train_on(MPI_COMM_WORLD, tiny_deck(base, world), 4);
   const Run b = train_on(MPI_COMM_WORLD, tiny_deck(keep, world), 4);
   for (int s = 0; s < 4; ++s) CHECK(a.losses[s] == b.losses[s]);  // same arithmetic, bit for bit
+}
+
+
+TEST_CASE("the eval loss is the same at every world size, an uneven last round included") {
+  int world = 1, rank = 0;
+  MPI_Comm_size(MPI_COMM_WORLD, &world);
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  // eval.rows = 36: 18 micro-batches of 2 rows, which 4 ranks cannot share evenly (some run an empty one).
+  const Config config = tiny_deck({"data.global_batch=" + std::to_string(4 * world), "data.shuffle=false",
+                                   "eval.path=inputs/data/tiny.h5", "eval.rows=36"},
+                                  world);
+  auto all = make_mpi_comm(MPI_COMM_WORLD);
+  TrainSession session(config, *all);
+  StepStats here;
+  session.evaluate(here);
+  double reference = 0;
+  int64_t reference_tokens = 0;
+  MPI_Comm self = MPI_COMM_NULL;
+  MPI_Comm_split(MPI_COMM_WORLD, rank == 0 ? 0 : MPI_UNDEFINED, 0, &self);
+  if (self != MPI_COMM_NULL) {
+    auto one = make_mpi_comm(self);
+    TrainSession alone(tiny_deck({"data.global_batch=4", "data.shuffle=false", "eval.path=inputs/data/tiny.h5",
+                                  "eval.rows=36"},
+                                 1),
+                       *one);
+    StepStats s;
+    alone.evaluate(s);
+    reference = s.eval_loss, reference_tokens = s.eval_loss_tokens;
+    MPI_Comm_free(&self);
+  }
+  MPI_Bcast(&reference, 1, MPI_DOUBLE, 0, MPI_COMM_WORLD);
+  MPI_Bcast(&reference_tokens, 1, MPI_INT64_T, 0, MPI_COMM_WORLD);
+  MESSAGE("world " << world << ": eval loss " << here.eval_loss << ", one rank " << reference);
+  CHECK(here.eval_loss_tokens == reference_tokens);
+  CHECK(here.eval_loss == doctest::Approx(reference).epsilon(1e-6));
+  CHECK(here.eval_loss > 5.0);  // about log(258) at the seeded init
 }
 
 }  // TEST_SUITE

@@ -137,6 +137,52 @@ check_h5 "tokenizer.json ids, specials from tokenizer_config.json, attributes" "
 PYTHONPATH="$WORK/stub" expect_run "unknown --eos-token" 1 "token '<eos>' (from --eos-token" \
   -o "$WORK/x.h5" --tokenizer "$WORK/model/tokenizer.json" --eos-token "<eos>" "$WORK/hf.jsonl"
 
+
+# --------------------------------------- several inputs, compression, held-out split
+for i in 1 2 3; do
+  for j in $(seq 1 12); do printf 'Paragraph %d of file %d, with some words to compress.\n\n' "$j" "$i"; done > "$WORK/part$i.txt"
+done
+PARTS=("$WORK/part1.txt" "$WORK/part2.txt" "$WORK/part3.txt")
+expect_run "several inputs in one file" 0 "36 documents" -o "$WORK/all.h5" --split paragraphs "${PARTS[@]}"
+expect_run "gzip output" 0 "gzip 4, chunks of 64" -o "$WORK/all_gz.h5" --split paragraphs --compression gzip \
+  --chunk-tokens 64 "${PARTS[@]}"
+check_h5 "gzip output is chunked, shuffled and deflated with the same contents" "$WORK/all_gz.h5" \
+  "f['tokens'].chunks == (64,) and f['tokens'].compression == 'gzip' and f['tokens'].shuffle \
+   and (f['tokens'][:] == h5py.File('$WORK/all.h5', 'r')['tokens'][:]).all() \
+   and (f['offsets'][:] == h5py.File('$WORK/all.h5', 'r')['offsets'][:]).all()"
+expect_run "held out by count" 0 "wrote $WORK/eval.h5: 5 documents" -o "$WORK/train.h5" --eval-output "$WORK/eval.h5" \
+  --eval-docs 5 --split paragraphs "${PARTS[@]}"
+# The union of both files' documents is every document, each once.
+check_h5 "train + eval documents are the inputs' documents" "$WORK/train.h5" "
+sorted(bytes(t[o[i]:o[i+1]].astype(np.uint8)) for g in (f, h5py.File('$WORK/eval.h5', 'r'))
+       for t, o in [(g['tokens'][:], g['offsets'][:])] for i in range(len(o) - 1)) == \
+sorted(bytes(t[o[i]:o[i+1]].astype(np.uint8)) for g in [h5py.File('$WORK/all.h5', 'r')]
+       for t, o in [(g['tokens'][:], g['offsets'][:])] for i in range(len(o) - 1)) \
+and len(f['offsets']) - 1 == 31"
+cp "$WORK/eval.h5" "$WORK/eval_first.h5"
+"$PYTHON" "$TOOL" -o "$WORK/train.h5" --eval-output "$WORK/eval.h5" --eval-docs 5 --split paragraphs "${PARTS[@]}" >/dev/null
+cmp -s "$WORK/eval.h5" "$WORK/eval_first.h5" && pass "the held-out choice is the same every run" \
+  || fail "the held-out choice is the same every run"
+"$PYTHON" "$TOOL" -o "$WORK/train7.h5" --eval-output "$WORK/eval7.h5" --eval-docs 5 --split-seed 7 --split paragraphs \
+  "${PARTS[@]}" >/dev/null
+cmp -s "$WORK/eval7.h5" "$WORK/eval_first.h5" && fail "another --split-seed holds out other documents" \
+  || pass "another --split-seed holds out other documents"
+expect_run "held out by fraction" 0 "wrote $WORK/evalf.h5:" -o "$WORK/trainf.h5" --eval-output "$WORK/evalf.h5" \
+  --eval-fraction 0.25 --split paragraphs "${PARTS[@]}"
+check_h5 "a fraction of 0.25 holds out between 3 and 18 of 36" "$WORK/evalf.h5" \
+  "3 <= len(f['offsets']) - 1 <= 18 and len(f['offsets']) - 1 + len(h5py.File('$WORK/trainf.h5', 'r')['offsets']) - 1 == 36"
+expect_run "--eval-output needs a size" 2 "--eval-output needs one of --eval-fraction or --eval-docs" \
+  -o "$WORK/x.h5" --eval-output "$WORK/y.h5" "$WORK/notes.txt"
+expect_run "--eval-fraction range" 2 "--eval-fraction must be between 0 and 1" \
+  -o "$WORK/x.h5" --eval-output "$WORK/y.h5" --eval-fraction 1.5 "$WORK/notes.txt"
+expect_run "--eval-docs without --eval-output" 2 "--eval-fraction and --eval-docs need --eval-output" \
+  -o "$WORK/x.h5" --eval-docs 3 "$WORK/notes.txt"
+expect_run "everything held out" 1 "nothing is left to train on" \
+  -o "$WORK/x.h5" --eval-output "$WORK/y.h5" --eval-docs 50 --split paragraphs "$WORK/notes.txt"
+[[ ! -e "$WORK/x.h5" && ! -e "$WORK/y.h5" ]] && pass "nothing written when the split fails" \
+  || fail "nothing written when the split fails"
+ls -a "$WORK" | grep -q '^\.tokens\.\|^\.mask\.' && fail "staging files removed" || pass "staging files removed"
+
 expect_run "bad --max-docs" 2 "--max-docs must be at least 1" -o "$WORK/x.h5" --max-docs 0 "$WORK/notes.txt"
 
 echo "test_make_dataset: $failed failed"

@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <string>
 
 #include "shardlm/cli.hpp"
@@ -195,6 +196,73 @@ TEST_CASE("train: the setup line, and ckpt.save_final = false leaves no checkpoi
     CHECK(r.output.find("s: model, data, optimizer, engine") != std::string::npos);
     CHECK(std::filesystem::exists(dir / "checkpoints" / "step_6.h5") == save);
   }
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("train with [eval] and two mixed files: eval loss in the progress line, metrics.jsonl and the summary") {
+  const auto dir = std::filesystem::temp_directory_path() / ("shardlm-eval-" + std::to_string(getpid()));
+  std::filesystem::remove_all(dir);
+  auto r = run("OMP_NUM_THREADS=1 " + shardlm_bin() + " train inputs/tiny-sft.toml --set run.max_steps=6 " +
+                   "--set log.interval=4 --set ckpt.save_final=false --set eval.path=inputs/data/tiny.h5 " +
+                   "--set eval.interval=3 --set eval.rows=8 " +
+                   "--set 'data.path=[\"inputs/data/tiny.h5\", \"inputs/data/tiny.h5\"]' --set 'data.weights=[1, 2]' " +
+                   "--set run.dir=" + dir.string(),
+               300);
+  INFO(r.output);
+  CHECK(r.status == 0);
+  CHECK(r.output.find("data inputs/data/tiny.h5 and 1 more files: 60 documents, 11546 tokens, tokens contiguous") !=
+        std::string::npos);
+  CHECK(r.output.find("eval inputs/data/tiny.h5: 8 rows of 64, every 3 steps and at the end") != std::string::npos);
+  CHECK(r.output.find("step      3/6 | loss ") != std::string::npos);  // not a log step: shown for its eval
+  CHECK(r.output.find(" | eval loss ") != std::string::npos);
+  CHECK(r.output.find("eval: loss ") != std::string::npos);
+  CHECK(r.output.find("(2 evaluations of inputs/data/tiny.h5)") != std::string::npos);
+  CHECK(r.output.find("data reader") == std::string::npos);  // the plan's rows are printed by check
+  std::ifstream jsonl(dir / "metrics.jsonl");
+  std::string line;
+  int with_eval = 0;
+  while (std::getline(jsonl, line)) with_eval += line.find("\"eval_loss\": ") != std::string::npos;
+  CHECK(with_eval == 2);  // steps 3 and 6
+  auto check = run(shardlm_bin() + " check inputs/tiny-sft.toml --set eval.path=inputs/data/tiny.h5");
+  CHECK(check.status == 0);
+  CHECK(check.output.find("data reader        host ") != std::string::npos);
+  auto missing = run(shardlm_bin() + " check inputs/tiny-sft.toml --set data.path=/nonexistent/x.h5");
+  CHECK(missing.status == 0);  // the deck is valid; the plan names what it could not open
+  CHECK(missing.output.find("data reader: not planned: data file '/nonexistent/x.h5' does not exist") !=
+        std::string::npos);
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("a run on two mixed files resumed from a checkpoint continues with the same losses") {
+  const auto dir = std::filesystem::temp_directory_path() / ("shardlm-mix-" + std::to_string(getpid()));
+  std::filesystem::remove_all(dir);
+  const std::string deck = shardlm_bin() + " train inputs/tiny-sft.toml --set run.max_steps=6 --set log.interval=1 " +
+                           "--set 'data.path=[\"inputs/data/tiny.h5\", \"inputs/data/tiny.h5\"]' " +
+                           "--set 'data.weights=[3, 1]' --set ckpt.keep_last=5 ";
+  auto whole = run("OMP_NUM_THREADS=1 " + deck + "--set ckpt.interval=3 --set run.dir=" + (dir / "whole").string(), 300);
+  REQUIRE(whole.status == 0);
+  auto resumed = run("OMP_NUM_THREADS=1 " + deck + "--set ckpt.resume=" + (dir / "whole/checkpoints/step_3.h5").string() +
+                         " --set run.dir=" + (dir / "resumed").string(),
+                     300);
+  INFO(resumed.output);
+  REQUIRE(resumed.status == 0);
+  // the loss of step N as metrics.jsonl printed it (9 significant digits)
+  auto loss_at = [](const std::filesystem::path& file, int step) {
+    std::ifstream in(file);
+    std::string line;
+    const std::string key = "{\"step\": " + std::to_string(step) + ", \"loss\": ";
+    while (std::getline(in, line))
+      if (line.rfind(key, 0) == 0) return line.substr(key.size(), line.find(',', key.size()) - key.size());
+    return std::string("missing");
+  };
+  for (int step = 4; step <= 6; ++step) {
+    CAPTURE(step);
+    CHECK(loss_at(dir / "resumed/metrics.jsonl", step) == loss_at(dir / "whole/metrics.jsonl", step));
+    CHECK(loss_at(dir / "whole/metrics.jsonl", step) != "missing");
+  }
+  auto inspect = run(shardlm_bin() + " inspect " + (dir / "whole/checkpoints/step_3.h5").string());
+  CHECK(inspect.output.find("data: step 3 starts at row 24; seq_len 64, seed 1234, 60 documents, shuffle on") !=
+        std::string::npos);
   std::filesystem::remove_all(dir);
 }
 

@@ -303,6 +303,63 @@ TEST_CASE("the resolved deck parses back to the same config") {
   CHECK(again.substr(again.find('\n')) == echo.substr(echo.find('\n')));  // all but the header line
 }
 
+
+TEST_CASE("data.path lists several files, data.weights one per file, data.shuffle; each checked") {
+  const DeckResult two = parse(kValid, {"data.path=[\"a.h5\", \"b.h5\"]", "data.weights=[3, 1.5]", "data.shuffle=false"});
+  REQUIRE(two.ok());
+  CHECK(two.config.data.path == std::vector<std::string>{"a.h5", "b.h5"});
+  CHECK(two.config.data.weights == std::vector<double>{3.0, 1.5});
+  CHECK_FALSE(two.config.data.shuffle);
+  CHECK(parse(kValid).config.data.shuffle);  // default
+  CHECK(parse(kValid, {"data.path=other.h5"}).config.data.path == std::vector<std::string>{"other.h5"});
+  // the echo writes a list back as a list, and it parses to the same
+  const std::string echo = resolved_deck(two.config);
+  CHECK(echo.find("path = ['a.h5', 'b.h5']") != std::string::npos);
+  CHECK(echo.find("weights = [3.0, 1.5]") != std::string::npos);
+  CHECK(echo.find("shuffle = false") != std::string::npos);
+  const DeckResult back = parse_deck_text(echo, "config.toml", {}, 1);
+  REQUIRE(back.ok());
+  CHECK(back.config.data.path == two.config.data.path);
+  CHECK(back.config.data.weights == two.config.data.weights);
+
+  CHECK(only_error(parse(kValid, {"data.path=[\"a.h5\", \"b.h5\"]", "data.weights=[1.0]"})) ==
+        "deck.toml: data.weights has 1 entry but data.path lists 2 files: give one weight per file");
+  CHECK(only_error(parse(kValid, {"data.weights=[0.5, 0.5]"})) ==
+        "deck.toml: data.weights has 2 entries but data.path lists 1 file: give one weight per file");
+  CHECK(only_error(parse(kValid, {"data.path=[\"a.h5\", \"b.h5\"]", "data.weights=[0, 0]"})) ==
+        "deck.toml: data.weights are all 0: at least one file needs a positive weight");
+  CHECK(only_error(parse(kValid, {"data.path=[\"a.h5\", \"b.h5\"]", "data.weights=[1, -2]"})) ==
+        "--set data.weights=[1, -2]: data.weights = an array: entry 1 is out of range: it must be >= 0");
+  CHECK(only_error(parse(kValid, {"data.weights=0.5"})) ==
+        "--set data.weights=0.5: data.weights = 0.5 has the wrong type: expected an array of numbers");
+  CHECK(only_error(parse(kValid, {"data.path=[\"a.h5\", 3]"})) ==
+        "--set data.path=[\"a.h5\", 3]: data.path = an array: entry 1 is not a non-empty string");
+  CHECK(only_error(parse(kValid, {"data.shuffle=\"no\""})) ==
+        "--set data.shuffle=\"no\": data.shuffle = \"no\" has the wrong type: expected a boolean (true or false)");
+  const std::string deck_list = std::string(kValid) + "[eval]\npath = \"inputs/data/tiny.h5\"\n";
+  CHECK(parse(deck_list).ok());
+}
+
+TEST_CASE("[eval]: path, interval, rows, at_end; keys without a path and a path never used are refused") {
+  const DeckResult r = parse(kValid, {"eval.path=held.h5", "eval.interval=5", "eval.rows=16"});
+  REQUIRE(r.ok());
+  CHECK(r.config.eval.path == "held.h5");
+  CHECK(r.config.eval.interval == 5);
+  CHECK(r.config.eval.rows == 16);
+  CHECK(r.config.eval.at_end);  // default
+  CHECK(parse(kValid).config.eval.path.empty());
+  CHECK(only_error(parse(kValid, {"eval.interval=5"})) ==
+        "deck.toml: eval.interval is set but eval.path is not: give the token file to evaluate on (docs/data.md)");
+  CHECK(only_error(parse(kValid, {"eval.rows=4"})) ==
+        "deck.toml: eval.rows is set but eval.path is not: give the token file to evaluate on (docs/data.md)");
+  CHECK(only_error(parse(kValid, {"eval.path=held.h5", "eval.at_end=false"})) ==
+        "deck.toml: eval.path is set but the loss is never evaluated: set eval.interval > 0 or eval.at_end = true");
+  CHECK(only_error(parse(kValid, {"eval.interval=-1", "eval.path=held.h5"})) ==
+        "--set eval.interval=-1: eval.interval = -1 is out of range: it must be >= 0");
+  CHECK(only_error(parse(kValid, {"eval.path=held.h5", "eval.rowz=3"})) ==
+        "--set eval.rowz=3: unknown key 'eval.rowz' (did you mean 'eval.rows'?)");
+}
+
 TEST_CASE("every key the project relies on exists") {
   const auto keys = known_keys();
   for (const char* k : {"run.dir", "run.name", "run.seed", "run.max_steps", "run.deterministic", "optim.name",

@@ -284,6 +284,70 @@ TEST_CASE("training the tiny deck lowers the loss; export then reload gives iden
   CHECK(std::memcmp(a.data(), c.data(), a.size() * sizeof(float)) == 0);
 }
 
+TEST_CASE("eval: the held-out loss equals the training loss of the same rows and a host log-softmax of the logits") {
+  auto comm = make_self_comm();
+  // eval.path is the training file in file order and eval.rows one global batch: step 0's rows.
+  TrainSession session(tiny_deck({"data.shuffle=false", "eval.path=inputs/data/tiny.h5", "eval.rows=8"}), *comm);
+  REQUIRE(session.eval);
+  CHECK(session.eval->rows() == 8);
+  StepStats before;
+  session.evaluate(before);
+  CHECK(before.evaluated);
+
+  // The same loss from the logits, summed in double on the host.
+  double nll = 0;
+  int64_t tokens = 0;
+  std::vector<float> logits;
+  for (int a = 0; a < 4; ++a) {
+    session.data->micro_batch(0, a, 0, 1, session.micro);
+    const TokenBatch b = token_batch(session.micro);
+    logits.resize(b.N * 258);
+    session.engine.forward_logits(b, logits.data());
+    for (int64_t i = 0; i < b.N; ++i) {
+      if (b.targets[i] < 0 || b.weights[i] == 0) continue;
+      const float* row = logits.data() + i * 258;
+      double max = row[0], sum = 0;
+      for (int v = 1; v < 258; ++v) max = std::max(max, double(row[v]));
+      for (int v = 0; v < 258; ++v) sum += std::exp(double(row[v]) - max);
+      nll += b.weights[i] * (std::log(sum) + max - row[b.targets[i]]);
+      ++tokens;
+    }
+  }
+  CHECK(before.eval_loss_tokens == tokens);
+  CHECK(before.eval_loss == doctest::Approx(nll / double(tokens)).epsilon(1e-5));
+
+  const StepStats trained = session.step(0);
+  CHECK(trained.loss_tokens == before.eval_loss_tokens);
+  CHECK(trained.loss == before.eval_loss);  // same rows, weights and arithmetic: bit for bit
+  StepStats after;
+  session.evaluate(after);
+  CHECK(after.eval_loss < before.eval_loss);  // a step on exactly these rows lowers their loss
+  CHECK(session.eval_due(50));                // at_end: after run.max_steps
+  CHECK_FALSE(session.eval_due(10));
+
+  // The whole file by default; an RL deck evaluates the same file with the same loss.
+  TrainSession whole(tiny_deck({"eval.path=inputs/data/tiny.h5", "eval.interval=10"}), *comm);
+  DataSpec in_order = data_spec_for(whole.config, 258);
+  in_order.shuffle = false;
+  CHECK(whole.eval->rows() == TokenDataset(in_order).rows_in_epoch(0));
+  CHECK(whole.eval_due(10));
+  CHECK(whole.eval_due(20));
+  CHECK_FALSE(whole.eval_due(15));
+  DeckResult rl = parse_deck("inputs/tiny-rl.toml", {"data.seq_len=64", "eval.path=inputs/data/tiny.h5",
+                                                     "eval.rows=8", "model.max_position_embeddings=256",
+                                                     "broadcast.backend=none"}, 1);
+  for (const auto& e : rl.errors) MESSAGE(e);
+  REQUIRE(rl.ok());
+  TrainSession rl_session(rl.config, *comm);
+  StepStats rl_eval;
+  rl_session.evaluate(rl_eval);
+  CHECK(rl_eval.eval_loss == before.eval_loss);
+
+  CHECK_THROWS_WITH_AS(TrainSession(tiny_deck({"eval.path=inputs/data/tiny.h5", "eval.rows=100000"}), *comm),
+                       doctest::Contains("eval.rows = 100000 but eval.path 'inputs/data/tiny.h5' packs into"),
+                       Error);
+}
+
 TEST_CASE("a NaN loss skips the update, is counted, and max_bad_steps in a row aborts naming the step") {
   auto comm = make_self_comm();
   TrainSession session(tiny_deck({"run.max_bad_steps=3"}), *comm);
