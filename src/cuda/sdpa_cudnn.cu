@@ -415,9 +415,11 @@ Common declare_common(GraphBuilder& g, const Shape& s) {
   return c;
 }
 
-// Scores of padding rows and columns (past a document's length), then of the
-// future (col > row), set to -inf. `order_causal_after` lets backward subtract lse
-// between the two masks, as the engines' backward pattern has it.
+// The two masks: scores of padding rows and columns (past a document's length),
+// and of the future (col > row), set to -inf. Separate functions because backward
+// subtracts lse between them, and because the engines match each pattern with its
+// own types (the padding mask's indices computed in int32, the causal mask's in
+// fp32, as cuDNN's own frontend writes them); the graphs fail to match otherwise.
 const Desc& padding_mask(GraphBuilder& g, const Shape& s, const Common& c, const Desc& scores) {
   const Dims sd = s.score_dim(), ss = s.score_stride();
   const Desc& row = g.virt(CUDNN_DATA_INT32, sd, ss);
