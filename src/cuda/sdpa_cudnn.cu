@@ -419,7 +419,7 @@ Common declare_common(GraphBuilder& g, const Shape& s) {
 // and of the future (col > row), set to -inf. Separate functions because backward
 // subtracts lse between them, and because the engines match each pattern with its
 // own types (the padding mask's indices computed in int32, the causal mask's in
-// fp32, as cuDNN's own frontend writes them); the graphs fail to match otherwise.
+// fp32, as cuDNN's own frontend writes them: the form its engines are known to take).
 const Desc& padding_mask(GraphBuilder& g, const Shape& s, const Common& c, const Desc& scores) {
   const Dims sd = s.score_dim(), ss = s.score_stride();
   const Desc& row = g.virt(CUDNN_DATA_INT32, sd, ss);
