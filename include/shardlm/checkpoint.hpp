@@ -1,17 +1,22 @@
-// checkpoint.hpp — HDF5 checkpoints: collective sharded save, verified load at
-// any world size, the resume choice, retention, inspect/export, stop signals.
+// checkpoint.hpp — HDF5 checkpoints: the collective sharded save, the verified
+// load at any world size, the resume choice, inspect and export. What other
+// files call; the pieces live in their own headers:
+//   checkpoint_layout.hpp    the file layout: groups, datasets, attributes, names
+//   checkpoint_io.hpp        how bytes move: MPI-IO or POSIX/O_DIRECT, durability
+//   checkpoint_checksum.hpp  the world-size-independent per-dataset checksum
+//   checkpoint_agree.hpp     every collective phase ends agreed by all ranks
+//   checkpoint_retention.hpp file names, retention, the order resume tries files
+//   checkpoint_signals.hpp   SIGUSR1/SIGTERM stop flag and the exit codes
 //
-// Owns: the checkpoint file layout (docs/checkpoint.md), the per-dataset
-// checksum that does not depend on the world size, the save protocol (all
-// ranks write step_N.h5.tmp: metadata through parallel HDF5, raw data by
-// collective MPI-IO across nodes or O_DIRECT pwrite on one node; close, fsync,
-// rename, then update `latest`, then retention), the choice of the checkpoint to resume from
-// (falling back past damaged ones), the SIGUSR1/SIGTERM stop flag and the exit
-// codes the job scripts act on. Knows the TrainSession's state (parameter and
-// optimizer shards, data position) and MPI; knows nothing about kernels,
-// devices or the engine. Every rank of the trainer communicator calls the
-// collective functions; any failure on any rank is agreed on, so all ranks
-// return or throw together (never a hang).
+// Owns: the save protocol (all ranks write step_N.h5.tmp: metadata through
+// parallel HDF5, raw data by collective MPI-IO across nodes or O_DIRECT pwrite
+// on one node; close, fsync, rename, then update `latest`, then retention),
+// the load with its mismatch report, the resume fallback past damaged files,
+// inspect and export. Knows the TrainSession's state (parameter and optimizer
+// shards, data position) and MPI; knows nothing about kernels, devices or the
+// engine. Every rank of the trainer communicator calls the collective
+// functions; any failure on any rank is agreed on, so all ranks return or
+// throw together (never a hang).
 #pragma once
 
 #include <mpi.h>
@@ -22,6 +27,9 @@
 #include <string>
 #include <vector>
 
+#include "shardlm/checkpoint_checksum.hpp"
+#include "shardlm/checkpoint_retention.hpp"
+#include "shardlm/checkpoint_signals.hpp"
 #include "shardlm/config.hpp"
 #include "shardlm/data.hpp"
 #include "shardlm/error.hpp"
@@ -32,9 +40,6 @@ namespace shardlm {
 struct TrainSession;
 
 constexpr int64_t kCheckpointFormat = 1;
-// Exit codes of `shardlm train` (sysexits.h): the job scripts requeue on 75.
-constexpr int kExitRequeue = 75;           // EX_TEMPFAIL: stopped by SIGUSR1/SIGTERM, checkpoint saved
-constexpr int kExitCheckpointFailed = 74;  // EX_IOERR: a save failed and ckpt.on_error = "stop"
 
 // A checkpoint that cannot be trusted: HDF5 could not read it, or a checksum
 // does not match. resume() falls back to the previous checkpoint on this.
@@ -69,14 +74,6 @@ struct CheckpointInfo {
 // Reads the attributes of `file` (serial HDF5, any process). Throws
 // CheckpointDamaged naming the file when HDF5 cannot read it.
 CheckpointInfo read_checkpoint_info(const std::filesystem::path& file);
-
-// <run.dir>/checkpoints and <dir>/step_<N>.h5.
-std::filesystem::path checkpoint_dir(const Config& config);
-std::filesystem::path checkpoint_path(const std::filesystem::path& dir, int64_t step);
-
-// True when a checkpoint is due after `steps_done` steps: every ckpt.interval
-// steps, and at the end of the run (steps_done == max_steps).
-bool checkpoint_due(const CkptSection& ckpt, int64_t steps_done, int64_t max_steps);
 
 struct SaveResult {
   bool ok = false;
@@ -115,13 +112,6 @@ struct ResumePoint {
 };
 ResumePoint resume(TrainSession& session, MPI_Comm trainers);
 
-// SIGUSR1 and SIGTERM set a flag (nothing else happens in the handler).
-void install_stop_signal_handlers();
-// Collective: true on every rank when any rank has seen a stop signal.
-bool stop_requested(MPI_Comm trainers);
-int stop_signal();                  // the signal seen (0 = none), for the log
-void clear_stop_request();          // tests
-
 // `shardlm inspect FILE`: rank 0 prints what the file holds and verifies every
 // checksum; returns 0 when sound, 1 when damaged (same value on every rank).
 int inspect_checkpoint(const std::filesystem::path& file, MPI_Comm comm, std::FILE* out);
@@ -139,23 +129,5 @@ struct Box {
   std::vector<int64_t> start, count;
 };
 std::vector<Box> flat_range_boxes(const std::vector<int64_t>& shape, int64_t begin, int64_t count);
-
-// Sum over i of mix(first_index + i, bits(values[i])) mod 2^64: partial sums of
-// any partition of a dataset add up to the checksum of the whole.
-uint64_t checksum_f32(const float* values, int64_t first_index, int64_t count);
-uint64_t checksum_i64(const int64_t* values, int64_t first_index, int64_t count);
-
-// Steps of the checkpoints retention deletes after saving `current`, given the
-// steps present: the newest keep_last with step <= current are kept, every
-// multiple of keep_interval (> 0) is kept, `current` is kept, and files with a
-// larger step (another timeline, from before a resume from an older one) are
-// left alone.
-std::vector<int64_t> checkpoints_to_delete(const std::vector<int64_t>& present, int64_t current, int64_t keep_last,
-                                           int64_t keep_interval);
-
-// The files resume "latest" tries, in order: the one `latest` names, then the
-// step files older than it, newest first; without a usable `latest`, every
-// step file newest first (`note` then says why).
-std::vector<std::filesystem::path> resume_candidates(const std::filesystem::path& dir, std::string* note = nullptr);
 
 }  // namespace shardlm

@@ -1,0 +1,26 @@
+// checkpoint_signals.hpp — the stop request a job scheduler sends, and the exit
+// codes the job scripts act on.
+//
+// Owns: the signal handlers (SIGUSR1, SIGTERM set a flag; nothing else happens
+// in a handler), the agreement of all trainer ranks on that flag at the end of
+// a step, and the exit codes of `shardlm train`. Knows MPI (one all-reduce);
+// knows nothing about checkpoint files, the model or the training loop: the
+// loop asks stop_requested() and saves.
+#pragma once
+
+#include <mpi.h>
+
+namespace shardlm {
+
+// Exit codes of `shardlm train` (sysexits.h): the job scripts requeue on 75.
+constexpr int kExitRequeue = 75;           // EX_TEMPFAIL: stopped by SIGUSR1/SIGTERM, checkpoint saved
+constexpr int kExitCheckpointFailed = 74;  // EX_IOERR: a save failed and ckpt.on_error = "stop"
+
+// SIGUSR1 and SIGTERM set a flag (nothing else happens in the handler).
+void install_stop_signal_handlers();
+// Collective: true on every rank when any rank has seen a stop signal.
+bool stop_requested(MPI_Comm trainers);
+int stop_signal();                  // the signal seen (0 = none), for the log
+void clear_stop_request();          // tests
+
+}  // namespace shardlm
