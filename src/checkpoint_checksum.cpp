@@ -35,4 +35,11 @@ uint64_t checksum_i64(const int64_t* values, int64_t first_index, int64_t count)
   return sum;
 }
 
+uint64_t checksum_text(const std::string& text) {
+  uint64_t sum = 0;
+  for (size_t i = 0; i < text.size(); ++i)
+    sum += mix(static_cast<uint64_t>(i), static_cast<uint64_t>(static_cast<unsigned char>(text[i])));
+  return sum;
+}
+
 }  // namespace shardlm

@@ -43,22 +43,6 @@ std::string verify_dataset(hid_t file, const std::string& path, int64_t* element
   return "";
 }
 
-// Paths (relative to `group`) of every dataset below it.
-std::vector<std::string> datasets_under(hid_t file, const char* group) {
-  std::vector<std::string> links, out;
-  h5::Handle g(H5_CHECK(H5Gopen2(file, group, H5P_DEFAULT)), H5Gclose);
-  auto collect = [](hid_t, const char* name, const H5L_info_t*, void* data) -> herr_t {
-    static_cast<std::vector<std::string>*>(data)->push_back(name);
-    return 0;
-  };
-  H5_CHECK(H5Lvisit(g, H5_INDEX_NAME, H5_ITER_INC, collect, &links));
-  for (const auto& name : links) {
-    h5::Handle obj(H5_CHECK(H5Oopen(g, name.c_str(), H5P_DEFAULT)), H5Oclose);
-    if (H5Iget_type(obj) == H5I_DATASET) out.push_back(name);
-  }
-  return out;
-}
-
 }  // namespace
 
 fs::path ckpt::resolve_checkpoint(const fs::path& p) {
@@ -74,7 +58,11 @@ int inspect_checkpoint(const fs::path& given, MPI_Comm comm, std::FILE* out) {
   int rc = 0;
   if (comm_rank(comm) == 0) {
     fs::path path = given;
-    try {
+    std::error_code ec;
+    if (!fs::exists(given, ec)) {
+      std::fprintf(out, "shardlm inspect: %s: no such file or directory\n", given.c_str());
+      rc = 2;
+    } else try {
       path = resolve_checkpoint(given);
       const CheckpointInfo info = read_checkpoint_info(path);
       const ModelConfig& a = info.arch;
@@ -98,28 +86,17 @@ int inspect_checkpoint(const fs::path& given, MPI_Comm comm, std::FILE* out) {
                    (unsigned long long)info.data.seed, (long long)info.data.documents,
                    info.data.shuffle ? "on" : "off");
       std::fflush(out);
-      // Every dataset the layout implies must be there, and every dataset must verify.
+      // What the file's own attributes say it must hold, by name (a renamed or
+      // deleted dataset is damage), and every dataset there verified.
       h5::Handle file = open_serial(path);
-      const ModelLayout layout(info.arch, 1);
-      // Every optimizer dataset in the file (Muon keeps one state on its matrices,
-      // two elsewhere, so the layout alone cannot name them), at least one per
-      // parameter when the optimizer has state.
-      const std::vector<std::string> optim_datasets = datasets_under(file, "optim");
-      std::vector<std::string> expected{"/data/position"}, problems;
-      for (const auto& [unit, p] : layout.all_params()) {
-        expected.push_back("/model/" + p->name);
-        const std::string prefix = p->name + "/";
-        const bool has_state = std::any_of(optim_datasets.begin(), optim_datasets.end(),
-                                           [&](const std::string& n) { return n.rfind(prefix, 0) == 0; });
-        if (!info.optimizer_states.empty() && !has_state) problems.push_back("/optim/" + p->name + ": missing");
-      }
-      for (const auto& n : optim_datasets) expected.push_back("/optim/" + n);
+      std::vector<std::string> problems = layout_problems(file, info);
+      std::vector<std::string> expected = expected_datasets(info);
       int64_t elements = 0;
       const auto t0 = std::chrono::steady_clock::now();
       for (const auto& name : expected) {
         std::string why;
         try {
-          why = link_exists(file, name) ? verify_dataset(file, name, &elements) : "missing";
+          if (link_exists(file, name)) why = verify_dataset(file, name, &elements);  // missing: listed above
         } catch (const std::exception& e) {
           why = e.what();
         }
@@ -131,7 +108,8 @@ int inspect_checkpoint(const fs::path& given, MPI_Comm comm, std::FILE* out) {
                      mib(static_cast<double>(elements) * 4).c_str(), secs);
       } else {
         rc = 1;
-        std::fprintf(out, "  checksums: %zu of %zu datasets do not verify:\n", problems.size(), expected.size());
+        std::fprintf(out, "  datasets: %zu problem%s (of %zu expected):\n", problems.size(),
+                     problems.size() == 1 ? "" : "s", expected.size());
         for (const auto& p : problems) std::fprintf(out, "    %s\n", p.c_str());
         std::fprintf(out, "DAMAGED: %s\n", path.c_str());
       }

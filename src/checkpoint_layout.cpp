@@ -2,10 +2,13 @@
 // save (checkpoint_layout.hpp).
 #include "shardlm/checkpoint_layout.hpp"
 
+#include <algorithm>
 #include <cstring>
 #include <ctime>
 #include <set>
 
+#include "shardlm/checkpoint_checksum.hpp"
+#include "shardlm/muon.hpp"
 #include "shardlm/runtime.hpp"
 #include "shardlm/train.hpp"
 
@@ -172,10 +175,11 @@ CheckpointInfo read_info(hid_t file, const fs::path& path) {
   CheckpointInfo info;
   info.path = path;
   info.format = read_i64(file, "format_version");
-  if (info.format != kCheckpointFormat)  // sound, but not ours to read: refused, never skipped as damage
-    throw CheckpointMismatch(fmt("checkpoint %s is in format %lld; this shardlm (%s) reads format %lld",
+  if (info.format < kOldestReadableFormat || info.format > kCheckpointFormat)  // not ours: refused, not damage
+    throw CheckpointMismatch(fmt("checkpoint %s is in format %lld; this shardlm (%s) reads formats %lld to %lld",
                                  path.c_str(), (long long)info.format, shardlm_version(),
-                                 (long long)kCheckpointFormat));
+                                 (long long)kOldestReadableFormat, (long long)kCheckpointFormat));
+  verify_attributes(file, info.format);
   info.step = read_i64(file, "step");
   info.tokens_seen = read_i64(file, "tokens_seen");
   info.world_size_at_save = read_i64(file, "world_size_at_save");
@@ -201,6 +205,98 @@ CheckpointInfo read_info(hid_t file, const fs::path& path) {
     info.seed = static_cast<uint64_t>(read_i64(g, "seed"));
   }
   return info;
+}
+
+namespace {
+
+// "name=value" of one attribute, exact: integers in decimal, floats in hex, strings as they are.
+herr_t append_attribute(hid_t obj, const char* name, const H5A_info_t*, void* data) {
+  auto& lines = *static_cast<std::vector<std::string>*>(data);
+  if (std::strcmp(name, "attributes_checksum") == 0) return 0;
+  try {
+    h5::Handle attr(H5_CHECK(H5Aopen(obj, name, H5P_DEFAULT)), H5Aclose);
+    h5::Handle type(H5_CHECK(H5Aget_type(attr)), H5Tclose);
+    std::string value;
+    switch (H5Tget_class(type)) {
+      case H5T_INTEGER:
+        value = H5Tget_sign(type) == H5T_SGN_NONE ? "u" + std::to_string(read_u64(obj, name))
+                                                   : "i" + std::to_string(read_i64(obj, name));
+        break;
+      case H5T_FLOAT: value = fmt("f%a", read_f64(obj, name)); break;
+      case H5T_STRING: value = "s" + read_str(obj, name); break;
+      default: value = "?" + h5::dtype_name(type);
+    }
+    lines.push_back(std::string(name) + "=" + value);
+  } catch (const std::exception&) {
+    return -1;  // H5Aiterate2 fails, and H5_CHECK says where
+  }
+  return 0;
+}
+
+}  // namespace
+
+std::string attributes_text(hid_t file) {
+  std::string text;
+  for (const char* group : {"/", "/model", "/optim", "/data", "/rng"}) {
+    std::vector<std::string> lines;
+    h5::Handle g(H5_CHECK(H5Gopen2(file, group, H5P_DEFAULT)), H5Gclose);
+    H5_CHECK(H5Aiterate2(g, H5_INDEX_NAME, H5_ITER_INC, nullptr, append_attribute, &lines));
+    std::sort(lines.begin(), lines.end());
+    for (const auto& l : lines) text += std::string(group) + ":" + l + "\n";
+  }
+  return text;
+}
+
+void verify_attributes(hid_t file, int64_t format) {
+  if (format < 2) return;  // written before attributes carried a checksum
+  const uint64_t stored = read_u64(file, "attributes_checksum");
+  const uint64_t computed = checksum_text(attributes_text(file));
+  SHARDLM_CHECK(stored == computed,
+                "the root and group attributes do not match attributes_checksum (stored %016llx, computed %016llx): "
+                "an attribute (step, tokens_seen, steps_taken, the deck, ...) was changed or damaged after the save",
+                (unsigned long long)stored, (unsigned long long)computed);
+}
+
+std::vector<std::string> expected_datasets(const CheckpointInfo& info) {
+  const ModelLayout layout(info.arch, 1);
+  std::vector<std::string> out;
+  for (const auto& [unit, p] : layout.all_params()) out.push_back("/model/" + p->name);
+  // The same rule as Optimizer::state_name(i, unit, param), from the file's attributes.
+  for (size_t k = 0; k < info.optimizer_states.size(); ++k)
+    for (const auto& [unit, p] : layout.all_params()) {
+      std::string state = info.optimizer_states[k];
+      if (info.optimizer == "muon" && is_muon_param(*unit, *p)) state = k == 0 ? "momentum_buffer" : "";
+      if (!state.empty()) out.push_back("/optim/" + p->name + "/" + state);
+    }
+  out.push_back("/data/position");
+  return out;
+}
+
+std::vector<std::string> datasets_under(hid_t file, const char* group) {
+  std::vector<std::string> links, out;
+  h5::Handle g(H5_CHECK(H5Gopen2(file, group, H5P_DEFAULT)), H5Gclose);
+  auto collect = [](hid_t, const char* name, const H5L_info_t*, void* data) -> herr_t {
+    static_cast<std::vector<std::string>*>(data)->push_back(name);
+    return 0;
+  };
+  H5_CHECK(H5Lvisit(g, H5_INDEX_NAME, H5_ITER_INC, collect, &links));
+  for (const auto& name : links) {
+    h5::Handle obj(H5_CHECK(H5Oopen(g, name.c_str(), H5P_DEFAULT)), H5Oclose);
+    if (H5Iget_type(obj) == H5I_DATASET) out.push_back(std::string("/") + group + "/" + name);
+  }
+  return out;
+}
+
+std::vector<std::string> layout_problems(hid_t file, const CheckpointInfo& info) {
+  const std::vector<std::string> expected = expected_datasets(info);
+  std::vector<std::string> present = datasets_under(file, "model"), problems;
+  for (const auto& n : datasets_under(file, "optim")) present.push_back(n);
+  const std::set<std::string> want(expected.begin(), expected.end()), have(present.begin(), present.end());
+  for (const auto& n : expected)
+    if (!have.count(n) && !(n == "/data/position" && link_exists(file, n))) problems.push_back(n + ": missing");
+  for (const auto& n : present)
+    if (!want.count(n)) problems.push_back(n + ": not expected by the file's own layout (a renamed dataset?)");
+  return problems;
 }
 
 std::vector<int64_t> dataset_shape(hid_t dset) {
@@ -327,6 +423,9 @@ std::vector<h5::Handle> write_metadata(hid_t file, TrainSession& s, const std::v
   dsets.emplace_back(
       H5_CHECK(H5Dcreate2(file, "/data/position", H5T_STD_I64LE, space, H5P_DEFAULT, dcpl, H5P_DEFAULT)), H5Dclose);
   attr_u64(dsets.back(), "checksum", m.position_sum);
+  // Last: the checksum of every attribute written above (read back, so the
+  // writer and the reader hash the same text).
+  attr_u64(file, "attributes_checksum", checksum_text(attributes_text(file)));
   return dsets;
 }
 

@@ -1,6 +1,7 @@
 // checkpoint_load.cpp — the collective, verified load at any world size, the
 // report of everything that does not fit this run, and resume's fallback past
 // damaged files.
+#include <algorithm>
 #include <set>
 #include <type_traits>
 
@@ -108,6 +109,14 @@ CheckpointInfo load_checkpoint(TrainSession& s, MPI_Comm comm, const fs::path& p
       h5::Handle fapl = mpio_fapl(comm);
       file = h5::Handle(H5_CHECK(H5Fopen(path.c_str(), H5F_ACC_RDONLY, fapl)), H5Fclose);
       info = read_info(file, path);
+      // Complete by its own account: a dataset missing or renamed is damage
+      // (the previous file is tried), not a mismatch with this run.
+      if (const auto missing = layout_problems(file, info); !missing.empty()) {
+        const size_t shown = std::min<size_t>(missing.size(), 5);
+        SHARDLM_FAIL("%zu dataset problem%s: %s%s", missing.size(), missing.size() == 1 ? "" : "s",
+                     join(std::vector<std::string>(missing.begin(), missing.begin() + shown), "; ").c_str(),
+                     missing.size() > shown ? "; ..." : "");
+      }
       h5::Handle d(H5_CHECK(H5Dopen2(file, "/data/position", H5P_DEFAULT)), H5Dclose);
       const auto shape = dataset_shape(d);
       SHARDLM_CHECK(shape.size() == 1 && shape[0] > 0 && shape[0] <= 8 + 2 * 4096, "/data/position has shape %s",
@@ -117,6 +126,10 @@ CheckpointInfo load_checkpoint(TrainSession& s, MPI_Comm comm, const fs::path& p
       const uint64_t want = read_u64(d, "checksum");
       if (checksum_i64(position.data(), 0, shape[0]) != want)
         SHARDLM_FAIL("checksum mismatch in /data/position");
+      const DataPosition saved = DataPosition::from_vector(position);
+      SHARDLM_CHECK(saved.step == info.step && info.optimizer_steps >= 0 && info.optimizer_steps <= info.step,
+                    "the counters disagree: step %lld, /data/position's step %lld, /optim steps_taken %lld",
+                    (long long)info.step, (long long)saved.step, (long long)info.optimizer_steps);
     } catch (const CheckpointDamaged&) {
       throw;
     } catch (const CheckpointMismatch&) {
@@ -203,8 +216,9 @@ CheckpointInfo load_checkpoint(TrainSession& s, MPI_Comm comm, const fs::path& p
 
 CheckpointInfo read_checkpoint_info(const fs::path& path) {
   h5::silence_error_stack();  // failures become one shardlm::Error line
+  std::error_code ec;
+  SHARDLM_CHECK(fs::exists(path, ec), "checkpoint %s: no such file", path.c_str());  // not damage: nothing is there
   try {
-    SHARDLM_CHECK(fs::exists(path), "no such file");
     h5::Handle file = open_serial(path);
     CheckpointInfo info = read_info(file, path);
     h5::Handle d(H5_CHECK(H5Dopen2(file, "/data/position", H5P_DEFAULT)), H5Dclose);

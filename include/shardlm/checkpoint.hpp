@@ -39,7 +39,10 @@ namespace shardlm {
 
 struct TrainSession;
 
-constexpr int64_t kCheckpointFormat = 1;
+// Format 2 adds `attributes_checksum` (root and group attributes); format 1
+// files (without it) are still read.
+constexpr int64_t kCheckpointFormat = 2;
+constexpr int64_t kOldestReadableFormat = 1;
 
 // A checkpoint that cannot be trusted: HDF5 could not read it, or a checksum
 // does not match. resume() falls back to the previous checkpoint on this.
@@ -112,8 +115,10 @@ struct ResumePoint {
 };
 ResumePoint resume(TrainSession& session, MPI_Comm trainers);
 
-// `shardlm inspect FILE`: rank 0 prints what the file holds and verifies every
-// checksum; returns 0 when sound, 1 when damaged (same value on every rank).
+// `shardlm inspect FILE`: rank 0 prints what the file holds, checks that every
+// dataset its own layout requires is there (and nothing else), verifies every
+// checksum and the attributes' checksum; returns 0 when sound, 1 when damaged,
+// 2 when there is no such file (same value on every rank).
 int inspect_checkpoint(const std::filesystem::path& file, MPI_Comm comm, std::FILE* out);
 // `shardlm export FILE --out DIR --dtype bf16|fp32`: rank 0 streams /model into
 // DIR/config.json + DIR/model.safetensors (memory: one 64 MiB chunk), verifying

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 namespace shardlm {
 
@@ -15,5 +16,7 @@ namespace shardlm {
 // any partition of a dataset add up to the checksum of the whole.
 uint64_t checksum_f32(const float* values, int64_t first_index, int64_t count);
 uint64_t checksum_i64(const int64_t* values, int64_t first_index, int64_t count);
+// The same sum over the bytes of `text` (the root and group attributes' canonical text).
+uint64_t checksum_text(const std::string& text);
 
 }  // namespace shardlm

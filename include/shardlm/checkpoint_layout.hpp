@@ -51,6 +51,28 @@ std::string read_str(hid_t obj, const char* name);
 // CheckpointMismatch for another format version; HDF5 errors as Error.
 CheckpointInfo read_info(hid_t file, const std::filesystem::path& path);
 
+// The canonical text of every root attribute but `attributes_checksum`, and of
+// the /model, /optim, /data and /rng attributes ("group:name=value" lines,
+// sorted by name; floats in hex, so exact); its checksum_text is the file's
+// `attributes_checksum`.
+std::string attributes_text(hid_t file);
+// Throws (naming both values) when format >= 2 and attributes_checksum does not
+// match attributes_text: an attribute was changed or damaged after the save.
+void verify_attributes(hid_t file, int64_t format);
+
+// Every dataset a file with these attributes must hold, by name: /model/<name>
+// for each parameter of info.arch's layout, /optim/<name>/<state> for each
+// state the optimizer keeps on it (Muon: momentum_buffer on its matrices,
+// AdamW's two elsewhere), /data/position. The file's own attributes decide, so
+// a missing or renamed dataset is damage, not a mismatch with the run.
+std::vector<std::string> expected_datasets(const CheckpointInfo& info);
+// Paths (absolute, "/optim/x/exp_avg") of every dataset below `group`.
+std::vector<std::string> datasets_under(hid_t file, const char* group);
+// The expected datasets that are missing and the datasets of /model and /optim
+// that are not expected, as "PATH: missing" / "PATH: not expected by the
+// file's own layout (a renamed dataset?)"; empty when the file is complete.
+std::vector<std::string> layout_problems(hid_t file, const CheckpointInfo& info);
+
 // ---- datasets
 std::vector<int64_t> dataset_shape(hid_t dset);
 int64_t numel_of(const std::vector<int64_t>& shape);

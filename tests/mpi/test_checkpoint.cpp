@@ -18,6 +18,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -353,8 +354,8 @@ TEST_CASE("a checkpoint of another model shape or optimizer is refused, listing 
     h5::Handle f(H5Fopen((dir.ckpt() / "step_2.h5").c_str(), H5F_ACC_RDWR, H5P_DEFAULT), H5Fclose);
     REQUIRE(f.get() >= 0);
     h5::Handle a(H5Aopen(f, "format_version", H5P_DEFAULT), H5Aclose);
-    const int64_t two = 2;
-    REQUIRE(H5Awrite(a, H5T_NATIVE_INT64, &two) >= 0);
+    const int64_t newer = kCheckpointFormat + 1;
+    REQUIRE(H5Awrite(a, H5T_NATIVE_INT64, &newer) >= 0);
   }
   MPI_Barrier(MPI_COMM_WORLD);
   TrainSession same(tiny(dir.path, {}, world_size()), *comm);
@@ -364,7 +365,7 @@ TEST_CASE("a checkpoint of another model shape or optimizer is refused, listing 
   } catch (const CheckpointMismatch& e) {
     message = e.what();
   }
-  CHECK(contains(message, "step_2.h5 is in format 2; this shardlm"));
+  CHECK(contains(message, fmt("step_2.h5 is in format %lld; this shardlm", (long long)kCheckpointFormat + 1)));
 }
 
 TEST_CASE("a damaged latest checkpoint is reported by name and the previous one is used") {
@@ -405,6 +406,62 @@ TEST_CASE("a damaged latest checkpoint is reported by name and the previous one 
     const auto resumed = train(s, 3, 6).losses;  // and the trajectory is the saved one
     for (int i = 0; i < 3; ++i) CHECK(resumed[i] == original[3 + i]);
   }
+  // Damage HDF5 reads without complaint: the file's own layout (by name) and
+  // the attributes' checksum catch it; inspect says DAMAGED, resume falls back.
+  auto tampered = [&](const char* what, const std::function<void(hid_t)>& edit, const std::string& inspect_says,
+                      const std::string& resume_says) {
+    const std::string label = what;
+    if (world_rank() == 0) {
+      {
+        h5::Handle f(H5Fopen(step6.c_str(), H5F_ACC_RDWR, H5P_DEFAULT), H5Fclose);
+        REQUIRE(f.get() >= 0);
+        edit(f);
+      }
+      int rc = 0;
+      const std::string out = capture_inspect(step6, &rc);
+      INFO(label << ": " << out);
+      CHECK(rc == 1);
+      CHECK(contains(out, inspect_says));
+      CHECK(contains(out, "DAMAGED"));
+    }
+    MPI_Barrier(MPI_COMM_WORLD);
+    TrainSession s(config, *comm);
+    const ResumePoint p = resume(s, MPI_COMM_WORLD);
+    CHECK(p.path == step3);
+    CHECK(p.step == 3);
+    REQUIRE(p.skipped.size() == 1);
+    MESSAGE(label << ": " << p.skipped[0]);
+    CHECK(contains(p.skipped[0], step6.string() + " is damaged or unreadable"));
+    CHECK(contains(p.skipped[0], resume_says));
+  };
+  const std::string sq = "/optim/model.layers.1.mlp.down_proj.weight/exp_avg_sq";
+  SUBCASE("a renamed dataset (one flipped byte in its name)") {
+    tampered("renamed", [&](hid_t f) {
+      REQUIRE(H5Lmove(f, sq.c_str(), f, "/optim/model.layers.1.mlp.down_proj.weight/exp_a\x89g_sq", H5P_DEFAULT,
+                      H5P_DEFAULT) >= 0);
+    }, sq + ": missing", sq + ": missing");
+  }
+  SUBCASE("a deleted dataset") {
+    tampered("deleted", [&](hid_t f) { REQUIRE(H5Ldelete(f, "/model/model.norm.weight", H5P_DEFAULT) >= 0); },
+             "/model/model.norm.weight: missing", "/model/model.norm.weight: missing");
+  }
+  SUBCASE("a root attribute changed: step = 999") {
+    tampered("step=999", [&](hid_t f) {
+      h5::Handle a(H5Aopen(f, "step", H5P_DEFAULT), H5Aclose);
+      const int64_t v = 999;
+      REQUIRE(H5Awrite(a, H5T_NATIVE_INT64, &v) >= 0);
+    }, "do not match attributes_checksum", "do not match attributes_checksum");
+  }
+  SUBCASE("a group attribute changed: steps_taken = 0") {
+    tampered("steps_taken=0", [&](hid_t f) {
+      h5::Handle g(H5Gopen2(f, "optim", H5P_DEFAULT), H5Gclose);
+      REQUIRE(g.get() >= 0);
+      h5::Handle a(H5Aopen(g, "steps_taken", H5P_DEFAULT), H5Aclose);
+      REQUIRE(a.get() >= 0);
+      const int64_t v = 0;
+      REQUIRE(H5Awrite(a, H5T_NATIVE_INT64, &v) >= 0);
+    }, "do not match attributes_checksum", "do not match attributes_checksum");
+  }
   SUBCASE("truncated file: HDF5 error") {
     if (world_rank() == 0) fs::resize_file(step6, fs::file_size(step6) / 2);
     MPI_Barrier(MPI_COMM_WORLD);
@@ -442,6 +499,15 @@ TEST_CASE("a damaged latest checkpoint is reported by name and the previous one 
     TrainSession s(by_path, *comm);
     CHECK_THROWS_AS(resume(s, MPI_COMM_WORLD), CheckpointDamaged);
   }
+}
+
+TEST_CASE("inspect of a path that does not exist says so (exit 2), not DAMAGED") {
+  if (world_rank() != 0) return;
+  int rc = 0;
+  const std::string out = capture_inspect("/tmp/shardlm-no-such-checkpoint-here.h5", &rc);
+  CHECK(rc == 2);
+  CHECK(contains(out, "/tmp/shardlm-no-such-checkpoint-here.h5: no such file or directory"));
+  CHECK(!contains(out, "DAMAGED"));
 }
 
 TEST_CASE("retention keeps keep_last and every keep_interval-th; stale .tmp files go; latest names the newest") {
