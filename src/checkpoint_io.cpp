@@ -106,6 +106,10 @@ RawFile::~RawFile() {
   std::free(staging_);
 }
 
+void RawFile::sync() {
+  SHARDLM_CHECK(::fsync(buffered_) == 0, "fsync of %s failed: %s", path_.c_str(), std::strerror(errno));
+}
+
 void RawFile::all(int fd, char* p, int64_t n, int64_t off, bool write) {
   while (n > 0) {
     const size_t chunk = static_cast<size_t>(std::min<int64_t>(n, int64_t(1) << 30));

@@ -15,6 +15,7 @@
 #include "shardlm/checkpoint_agree.hpp"
 #include "shardlm/checkpoint_io.hpp"
 #include "shardlm/checkpoint_layout.hpp"
+#include "shardlm/checkpoint_save.hpp"
 #include "shardlm/runtime.hpp"
 #include "shardlm/train.hpp"
 
@@ -24,34 +25,91 @@ namespace shardlm {
 
 using namespace ckpt;
 
-namespace {
 
-// ------------------------------------------------------------ fault injection
-//
-// SHARDLM_CKPT_FAULT="<what>[:<step>]@<rank>": rank <rank> of the trainers, while
-// writing step <step>'s checkpoint (any step when absent), after the first
-// tensor: write = an I/O error, kill = SIGKILL itself, stall = sleep until killed.
-// The fault tests use it to stop a save half-way, deterministically.
-void maybe_inject_save_fault(int rank, int64_t step) {
+SaveFault ckpt::save_fault_spec(int rank, int64_t step) {
+  SaveFault fault;
   const char* spec = std::getenv("SHARDLM_CKPT_FAULT");
-  if (!spec || !*spec) return;
+  if (!spec || !*spec) return fault;
   const std::string s = spec;
   const size_t at = s.find('@');
-  if (at == std::string::npos || std::atoi(s.c_str() + at + 1) != rank) return;
+  if (at == std::string::npos || std::atoi(s.c_str() + at + 1) != rank) return fault;
   std::string what = s.substr(0, at);
   if (const size_t colon = what.find(':'); colon != std::string::npos) {
-    if (std::atoll(what.c_str() + colon + 1) != step) return;
+    if (std::atoll(what.c_str() + colon + 1) != step) return fault;
     what.resize(colon);
   }
-  if (what == "write") SHARDLM_FAIL("injected write error (SHARDLM_CKPT_FAULT=%s): No space left on device", spec);
-  if (what == "kill") raise(SIGKILL);
-  if (what == "stall")
+  fault.what = what;
+  fault.spec = s;
+  const char* ms = std::getenv("SHARDLM_CKPT_SLOW_MS");  // tests: a shorter stretch
+  if (ms && *ms) fault.slow_ms = std::atoi(ms);
+  return fault;
+}
+
+void ckpt::maybe_inject_save_fault(const SaveFault& fault, size_t tensor) {
+  if (fault.what.empty()) return;
+  if (fault.what == "slow") std::this_thread::sleep_for(std::chrono::milliseconds(fault.slow_ms));
+  if (tensor != 0) return;
+  if (fault.what == "write")
+    SHARDLM_FAIL("injected write error (SHARDLM_CKPT_FAULT=%s): No space left on device", fault.spec.c_str());
+  if (fault.what == "kill") raise(SIGKILL);
+  if (fault.what == "stall")
     for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
+}
+
+int64_t ckpt::bytes_needed_for(int64_t data_bytes, size_t tensors) {
+  return data_bytes + static_cast<int64_t>(tensors) * 4096 + (1 << 20);
+}
+
+int64_t ckpt::publish(MPI_Comm comm, const fs::path& tmp, const fs::path& final_path, int64_t steps_done,
+                      const CkptSection& ckpt, double* sync_s) {
+  const int rank = comm_rank(comm);
+  const fs::path dir = final_path.parent_path();
+  const auto t0 = std::chrono::steady_clock::now();
+  // Durable before visible: every node flushes its part, then rank 0 renames.
+  const bool leader = node_leader(comm);
+  agreed(comm, [&] {
+    if (leader) sync_path(tmp, false);
+  });
+  if (sync_s) *sync_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  int64_t bytes = 0;
+  agreed(comm, [&] {
+    if (rank != 0) return;
+    bytes = static_cast<int64_t>(fs::file_size(tmp));
+    std::error_code ec;
+    fs::rename(tmp, final_path, ec);
+    SHARDLM_CHECK(!ec, "cannot rename %s to %s: %s", tmp.c_str(), final_path.c_str(), ec.message().c_str());
+    sync_path(dir, true);
+    write_atomically(dir, "latest", final_path.filename().string() + "\n");
+  });
+  if (rank == 0) apply_retention(dir, steps_done, ckpt);
+  MPI_CHECK(MPI_Bcast(&bytes, 1, MPI_INT64_T, 0, comm));
+  return bytes;
+}
+
+void ckpt::print_save_result(const SaveResult& r, const fs::path& dir) {
+  const double mb_s = r.write_s > 0 ? static_cast<double>(r.bytes) / 1e6 / r.write_s : 0.0;
+  if (r.ok && r.background)
+    std::printf("checkpoint: saved %s (%s): loop blocked %.0f ms (snapshot %.0f ms, metadata %.0f ms, finish %.0f ms); "
+                "background write %.2f s, %.0f MB/s (async)\n",
+                r.path.c_str(), mib(static_cast<double>(r.bytes)).c_str(), 1e3 * r.seconds, 1e3 * r.snapshot_s,
+                1e3 * r.metadata_s, 1e3 * r.finish_s, r.write_s, mb_s);
+  else if (r.ok)
+    std::printf("checkpoint: saved %s (%s): loop blocked %.0f ms; write %.2f s, %.0f MB/s (sync; checksums %.2f s, "
+                "fsync %.2f s)\n",
+                r.path.c_str(), mib(static_cast<double>(r.bytes)).c_str(), 1e3 * r.seconds, r.write_s, mb_s,
+                r.checksum_s, r.sync_s);
+  else
+    std::fprintf(stderr,
+                 "shardlm: checkpoint %s FAILED: %s\n"
+                 "shardlm: older checkpoints in %s are untouched; `latest` still names the previous one\n",
+                 r.path.c_str(), r.error.c_str(), dir.c_str());
+  std::fflush(stdout);
+  std::fflush(stderr);
 }
 
 // Rank 0, before writing: the directory exists, partial files of crashed
 // saves are gone, and the file fits on the disk.
-void prepare_dir(const fs::path& dir, int64_t bytes_needed, int64_t keep_last) {
+void ckpt::prepare_dir(const fs::path& dir, int64_t bytes_needed, int64_t keep_last) {
   std::error_code ec;
   fs::create_directories(dir, ec);
   SHARDLM_CHECK(!ec && fs::is_directory(dir), "cannot create the checkpoint directory %s: %s", dir.c_str(),
@@ -83,6 +141,8 @@ void prepare_dir(const fs::path& dir, int64_t bytes_needed, int64_t keep_last) {
                   (long long)keep_last);
   }
 }
+
+namespace {
 
 // The collective write. Order matters for failures: parallel HDF5 cannot close
 // a file whose metadata flush failed on some ranks without hanging, so all
@@ -119,6 +179,7 @@ void write_file(TrainSession& s, MPI_Comm comm, const fs::path& tmp, const std::
   h5::Handle dxpl = transfer_plist(mode);
   std::unique_ptr<RawFile> raw;
   if (mode == RawMode::Direct) agreed(comm, [&] { raw = std::make_unique<RawFile>(tmp, true); });
+  const SaveFault fault = save_fault_spec(rank, meta.steps_done);
   for (size_t i = 0; i < tensors.size(); ++i) {
     agreed(comm, [&] {
       const Tensor& t = tensors[i];
@@ -129,7 +190,7 @@ void write_file(TrainSession& s, MPI_Comm comm, const fs::path& tmp, const std::
         else transfer<float>(dsets[i], t.param->shape, r.begin, r.count, base,
                              rounds_for(t.param->numel, s.model.layout.units[t.unit].shard_numel), dxpl,
                              H5T_NATIVE_FLOAT, true);
-        if (i == 0) maybe_inject_save_fault(rank, meta.steps_done);
+        maybe_inject_save_fault(fault, i);
       } catch (const std::exception& e) {
         SHARDLM_FAIL("writing %s failed on rank %d: %s (%s)", t.path.c_str(), rank, e.what(),
                      free_space_text(tmp.parent_path()).c_str());
@@ -167,7 +228,7 @@ SaveResult save_checkpoint(TrainSession& s, MPI_Comm comm, int64_t steps_done, i
     s.pull_state();  // device-resident state (GPU): refresh the host shards we write from
     int64_t data_bytes = 0;
     for (const auto& t : tensors) data_bytes += t.param->numel * 4;
-    const int64_t bytes_needed = data_bytes + static_cast<int64_t>(tensors.size()) * 4096 + (1 << 20);
+    const int64_t bytes_needed = bytes_needed_for(data_bytes, tensors.size());
     agreed(comm, [&] {
       if (rank == 0) prepare_dir(dir, bytes_needed, s.config.ckpt.keep_last);
     });
@@ -199,22 +260,7 @@ SaveResult save_checkpoint(TrainSession& s, MPI_Comm comm, int64_t steps_done, i
     const auto t_synced = std::chrono::steady_clock::now();
     result.write_s = std::chrono::duration<double>(t_synced - t_written).count();
 
-    // Durable before visible: every node flushes its part, then rank 0 renames.
-    const bool leader = node_leader(comm);
-    agreed(comm, [&] {
-      if (leader) sync_path(tmp, false);
-    });
-    result.sync_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_synced).count();
-    agreed(comm, [&] {
-      if (rank != 0) return;
-      result.bytes = static_cast<int64_t>(fs::file_size(tmp));
-      std::error_code ec;
-      fs::rename(tmp, result.path, ec);
-      SHARDLM_CHECK(!ec, "cannot rename %s to %s: %s", tmp.c_str(), result.path.c_str(), ec.message().c_str());
-      sync_path(dir, true);
-      write_atomically(dir, "latest", result.path.filename().string() + "\n");
-    });
-    if (rank == 0) apply_retention(dir, steps_done, s.config.ckpt);
+    result.bytes = publish(comm, tmp, result.path, steps_done, s.config.ckpt, &result.sync_s);
     result.ok = true;
   } catch (const std::exception& e) {
     result.ok = false;
@@ -224,22 +270,8 @@ SaveResult save_checkpoint(TrainSession& s, MPI_Comm comm, int64_t steps_done, i
       fs::remove(tmp, ec);
     }
   }
-  MPI_CHECK(MPI_Bcast(&result.bytes, 1, MPI_INT64_T, 0, comm));
   result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  if (rank == 0) {
-    if (result.ok)
-      std::printf("checkpoint: saved %s (%s) in %.2f s, %.0f MiB/s (checksums %.2f s, write %.2f s, fsync %.2f s)\n",
-                  result.path.c_str(), mib(static_cast<double>(result.bytes)).c_str(), result.seconds,
-                  static_cast<double>(result.bytes) / 1048576.0 / std::max(result.seconds, 1e-9), result.checksum_s,
-                  result.write_s, result.sync_s);
-    else
-      std::fprintf(stderr,
-                   "shardlm: checkpoint %s FAILED: %s\n"
-                   "shardlm: older checkpoints in %s are untouched; `latest` still names the previous one\n",
-                   result.path.c_str(), result.error.c_str(), dir.c_str());
-    std::fflush(stdout);
-    std::fflush(stderr);
-  }
+  if (rank == 0) print_save_result(result, dir);
   return result;
 }
 

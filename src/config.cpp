@@ -155,6 +155,8 @@ const std::vector<KeySpec>& key_table() {
       at_least(key("ckpt.keep_interval", Type::Int, FIELD(ckpt.keep_interval)), 0),
       key("ckpt.resume", Type::String, FIELD(ckpt.resume)),
       key("ckpt.save_final", Type::Bool, FIELD(ckpt.save_final)),
+      key("ckpt.async", Type::Bool, FIELD(ckpt.async)),
+      at_least(key("ckpt.async_host_gib", Type::Float, FIELD(ckpt.async_host_gib)), 0),
       one_of(key("ckpt.on_error", Type::String, FIELD(ckpt.on_error)), {"stop", "continue"}),
 
       one_of(key("broadcast.backend", Type::String, FIELD(broadcast.backend)), {"none", "nccl", "filesystem"}),

@@ -13,6 +13,7 @@
 
 #include "shardlm/broadcast.hpp"
 #include "shardlm/checkpoint.hpp"
+#include "shardlm/checkpoint_async.hpp"
 #include "shardlm/cli.hpp"
 #include "shardlm/comm.hpp"
 #include "shardlm/config.hpp"
@@ -82,6 +83,7 @@ MemoryPlan run_memory_plan(const Config& config, const ModelLayout& layout, cons
   plan.workspace += gpu_ns.device;
   plan.host_workspace += gpu_ns.pinned_host;
   plan.workspace += broadcast_device_bytes(config, layout);  // one gathered bf16 unit while broadcasting (GPU)
+  plan.checkpoint_snapshot = checkpoint_snapshot_bytes(config, layout);  // ckpt.async on host state
   return plan;
 }
 
@@ -211,6 +213,12 @@ int cmd_train(Runtime& rt, const CliArgs& args) {
   Metrics metrics(config, comm->rank() == 0, /*append=*/start.step > 0, flops_per_token(session.model.layout, config.data.seq_len),
                   peak_flops);
 
+  // Saves go through the Checkpointer: with ckpt.async a save copies the state
+  // and a background writer finishes the file while training goes on.
+  Checkpointer checkpointer(session, rt.role_comm);
+  auto stops_run = [&](const std::optional<SaveResult>& r) {  // a failed save under ckpt.on_error = "stop"
+    return r && !r->ok && config.ckpt.on_error == "stop";
+  };
   int exit_code = 0;
   int64_t tokens_seen = start.tokens_seen;
   for (int64_t step = start.step; step < config.run.max_steps; ++step) {
@@ -219,15 +227,24 @@ int cmd_train(Runtime& rt, const CliArgs& args) {
     metrics.log(stats);
     tokens_seen += stats.tokens;
     if (broadcaster.due(step + 1)) broadcaster.send(session, step + 1);  // host paths pull the state themselves
+    if (stops_run(checkpointer.poll())) {  // a background save finished: reported here, failed or not
+      exit_code = kExitCheckpointFailed;
+      break;
+    }
     const bool stop = stop_requested(rt.role_comm);  // SIGUSR1/SIGTERM on any rank, agreed by all
     if (stop || checkpoint_due(config.ckpt, step + 1, config.run.max_steps)) {
-      const SaveResult saved = save_checkpoint(session, rt.role_comm, step + 1, tokens_seen);
-      if (!saved.ok && config.ckpt.on_error == "stop") {
+      std::optional<SaveResult> previous;  // the save still in flight, waited for first
+      const SaveResult saved = checkpointer.save(step + 1, tokens_seen, &previous);
+      if (stops_run(previous) || stops_run(saved)) {
         exit_code = kExitCheckpointFailed;
         break;
       }
     }
     if (stop) {
+      if (stops_run(checkpointer.wait())) {
+        exit_code = kExitCheckpointFailed;
+        break;
+      }
       if (comm->rank() == 0)
         std::printf("stopped by signal %d after step %lld: exit %d (requeue and resume)\n", stop_signal(),
                     (long long)step + 1, kExitRequeue);
@@ -235,6 +252,7 @@ int cmd_train(Runtime& rt, const CliArgs& args) {
       break;
     }
   }
+  if (stops_run(checkpointer.wait()) && exit_code == 0) exit_code = kExitCheckpointFailed;  // the last save
   broadcaster.finish();
   if (exit_code != 0) return exit_code;
   if (!config.run.export_dir.empty()) {

@@ -30,6 +30,7 @@ const char* mem_name(Mem m) {
     case Mem::Activations: return "activations";
     case Mem::Workspace: return "workspace";
     case Mem::Data: return "data";
+    case Mem::Snapshot: return "checkpoint snapshot";
     case Mem::kCount: break;
   }
   return "?";

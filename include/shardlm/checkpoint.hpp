@@ -80,12 +80,15 @@ CheckpointInfo read_checkpoint_info(const std::filesystem::path& file);
 
 struct SaveResult {
   bool ok = false;
+  bool background = false;          // written by the background writer (ckpt.async)
   std::filesystem::path path;       // the finished file (or the one that failed)
   std::string error;                // why it failed (the same text on every rank)
-  double seconds = 0;               // the time the training loop was blocked, of which:
-  double checksum_s = 0;            //   directory preparation and checksums
-  double write_s = 0;               //   HDF5 create, metadata, reservation, collective writes, close
-  double sync_s = 0;                //   fsync of the file (one rank per node)
+  double seconds = 0;               // the time the training loop was blocked by this save
+  double checksum_s = 0;            // sync: directory preparation and checksums
+  double write_s = 0;               // sync: HDF5 create, metadata, writes, close; async: the background
+                                    //   writer's time (checksums, writes, fsync; slowest rank)
+  double sync_s = 0;                // fsync of the file (one rank per node) before the rename
+  double snapshot_s = 0, metadata_s = 0, finish_s = 0;  // async: the blocked parts
   int64_t bytes = 0;                // file size
 };
 

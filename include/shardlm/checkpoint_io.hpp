@@ -100,6 +100,8 @@ class RawFile {
 
   void write(int64_t offset, const void* src, int64_t bytes) { move(offset, const_cast<void*>(src), bytes, true); }
   void read(int64_t offset, void* dst, int64_t bytes) { move(offset, dst, bytes, false); }
+  // fsync: what this process wrote (and any other on this node) is on the disk.
+  void sync();
 
  private:
   void all(int fd, char* p, int64_t n, int64_t off, bool write);

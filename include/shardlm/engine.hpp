@@ -35,8 +35,10 @@ struct MemoryPlan {
   int64_t device_state = 0;  // GPU: fp32 masters + gradients + optimizer state (their host shards become mirrors)
   int64_t device_grads = 0;  // GPU: the offload pipeline's fp32 gradient accumulators
   int64_t data_reader = 0;   // host: token readers of data.path and eval.path (data.hpp's DataMemory)
+  int64_t checkpoint_snapshot = 0;  // host: the async checkpoint's copy of the state (ckpt.async)
   int64_t host_total() const {
     return param_shards + grad_shards + optim_state + host_workspace + comm_staging + offload_buffers + data_reader +
+           checkpoint_snapshot +
            (device ? 0 : gathered + activations + workspace);
   }
   int64_t device_total() const {

@@ -13,7 +13,7 @@
 
 namespace shardlm {
 
-enum class Mem { ParamShard, GradShard, OptimState, Gathered, Activations, Workspace, Data, kCount };
+enum class Mem { ParamShard, GradShard, OptimState, Gathered, Activations, Workspace, Data, Snapshot, kCount };
 constexpr int kMemCategories = static_cast<int>(Mem::kCount);
 const char* mem_name(Mem m);
 

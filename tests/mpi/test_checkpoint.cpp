@@ -18,12 +18,17 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <optional>
+#include <sstream>
+#include <thread>
 #include <functional>
 #include <string>
 #include <vector>
 
 #include "../unit/run_command.hpp"
 #include "shardlm/checkpoint.hpp"
+#include "shardlm/checkpoint_async.hpp"
+#include "shardlm/checkpoint_layout.hpp"
 #include "shardlm/comm.hpp"
 #include "shardlm/config.hpp"
 #include "shardlm/h5util.hpp"
@@ -580,6 +585,140 @@ TEST_CASE("an unwritable checkpoint directory fails the save with a clear messag
   CHECK_FALSE(r.ok);
   MESSAGE(r.error);
   CHECK(contains(r.error, "cannot create the checkpoint directory " + dir.ckpt().string()));
+}
+
+// Every dataset's bits and every attribute of a checkpoint as text, but for
+// saved_at and the deck (its run.dir and ckpt.async differ between the runs compared).
+std::string file_contents(const fs::path& file) {
+  h5::Handle f(H5Fopen(file.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose);
+  REQUIRE(f.get() >= 0);
+  std::string out;
+  std::istringstream attrs(ckpt::attributes_text(f));
+  for (std::string line; std::getline(attrs, line);)
+    if (line.rfind("/:saved_at=", 0) != 0 && line.rfind("dir = ", 0) != 0 && line.rfind("async", 0) != 0)
+      out += line + "\n";
+  std::vector<std::string> names = ckpt::datasets_under(f, "model");
+  for (const auto& n : ckpt::datasets_under(f, "optim")) names.push_back(n);
+  names.push_back("/data/position");
+  for (const auto& n : names) {
+    h5::Handle d(H5Dopen2(f, n.c_str(), H5P_DEFAULT), H5Dclose);
+    REQUIRE(d.get() >= 0);
+    h5::Handle type(H5Dget_type(d), H5Tclose);
+    const size_t bytes = static_cast<size_t>(H5Dget_storage_size(d));
+    std::string data(bytes, '\0');
+    REQUIRE(H5Dread(d, type, H5S_ALL, H5S_ALL, H5P_DEFAULT, data.data()) >= 0);
+    out += n + " checksum " + std::to_string(ckpt::read_u64(d, "checksum")) + " bytes " + std::to_string(bytes) +
+           " sum " + std::to_string(checksum_text(data)) + "\n";
+  }
+  return out;
+}
+
+TEST_CASE("ckpt.async: the background save writes the same file as the synchronous one; resumes match") {
+  SharedDir dir;
+  auto comm = make_mpi_comm(MPI_COMM_WORLD);
+  // A slow writer (20 ms per tensor) so that training runs on during the write
+  // and changes the live state the snapshot must not see.
+  setenv("SHARDLM_CKPT_SLOW_MS", "20", 1);
+  std::vector<double> straight;
+  {
+    TrainSession a(tiny(dir.path / "straight", {"ckpt.async=false"}, world_size()), *comm);
+    straight = train(a, 0, 10).losses;
+  }
+  {
+    TrainSession b(tiny(dir.path / "sync", {"ckpt.async=false"}, world_size()), *comm);
+    const int64_t tokens = train(b, 0, 5).tokens;
+    REQUIRE(save_checkpoint(b, MPI_COMM_WORLD, 5, tokens).ok);
+  }
+  const fs::path sync_file = dir.path / "sync/checkpoints/step_5.h5";
+  // Whole snapshot, then a pool smaller than the state (staged in pieces).
+  for (const char* bound : {"ckpt.async_host_gib=0", "ckpt.async_host_gib=0.00001"}) {
+    const std::string bound_text = bound;
+    CAPTURE(bound_text);
+    const std::string run = std::string("async-") + (std::string(bound).back() == '0' ? "whole" : "staged");
+    const Config config = tiny(dir.path / run, {"ckpt.async=true", bound}, world_size());
+    {
+      TrainSession c(config, *comm);
+      Checkpointer checkpointer(c, MPI_COMM_WORLD);
+      const int64_t tokens = train(c, 0, 5).tokens;
+      if (world_rank() == 0) setenv("SHARDLM_CKPT_FAULT", "slow:5@0", 1);  // read by save(), on this thread
+      const SaveResult pending = checkpointer.save(5, tokens);
+      unsetenv("SHARDLM_CKPT_FAULT");
+      REQUIRE(pending.ok);
+      CHECK(pending.background);
+      CHECK(checkpointer.in_flight());
+      int steps_during_write = 0;
+      std::optional<SaveResult> done;
+      for (int64_t step = 5; step < 10; ++step) {
+        c.step(step);
+        if (!done) done = checkpointer.poll();
+        if (!done) ++steps_during_write;
+      }
+      if (!done) done = checkpointer.wait();
+      REQUIRE(done);
+      CHECK(done->ok);
+      CHECK(done->background);
+      CHECK(done->bytes > 0);
+      CHECK_FALSE(checkpointer.in_flight());
+      MESSAGE(run << ": " << steps_during_write << " steps trained while the file was written; loop blocked "
+                  << 1e3 * done->seconds << " ms, background write " << done->write_s << " s");
+      if (run == "async-whole") CHECK(steps_during_write >= 1);  // staged: the pool held one piece at a time
+    }
+    const fs::path async_file = dir.path / run / "checkpoints/step_5.h5";
+    CHECK(read_text(dir.path / run / "checkpoints/latest") == "step_5.h5\n");
+    if (world_rank() == 0) {
+      const std::string a = file_contents(async_file), b = file_contents(sync_file);
+      CHECK(a.size() > 1000);
+      CHECK(a == b);
+      int rc = -1;
+      capture_inspect(async_file, &rc);
+      CHECK(rc == 0);
+    }
+    TrainSession d(config, *comm);
+    const ResumePoint p = resume(d, MPI_COMM_WORLD);
+    CHECK(p.step == 5);
+    const std::vector<double> resumed = train(d, 5, 10).losses;
+    int identical = 0;
+    for (int i = 0; i < 5; ++i) identical += resumed[i] == straight[5 + i];
+    CHECK(identical == 5);
+  }
+  unsetenv("SHARDLM_CKPT_SLOW_MS");
+}
+
+TEST_CASE("ckpt.async: a failed background write is reported at the next poll; nothing older is touched") {
+  SharedDir dir;
+  auto comm = make_mpi_comm(MPI_COMM_WORLD);
+  TrainSession s(tiny(dir.path, {"ckpt.async=true"}, world_size()), *comm);
+  Checkpointer checkpointer(s, MPI_COMM_WORLD);
+  train(s, 0, 2);
+  REQUIRE(checkpointer.save(2, 0).ok);
+  REQUIRE(checkpointer.wait()->ok);
+  train(s, 2, 4);
+  if (world_rank() == world_size() - 1) setenv("SHARDLM_CKPT_FAULT", ("write:4@" + std::to_string(world_size() - 1)).c_str(), 1);
+  const SaveResult pending = checkpointer.save(4, 0);
+  CHECK(pending.ok);  // the blocking part went well; the write fails in the background
+  std::optional<SaveResult> done;
+  for (int i = 0; i < 600 && !done; ++i) {
+    done = checkpointer.poll();
+    if (!done) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  unsetenv("SHARDLM_CKPT_FAULT");
+  REQUIRE(done);
+  CHECK_FALSE(done->ok);
+  MESSAGE(done->error);
+  CHECK(contains(done->error, fmt("failed on rank %d: injected write error", world_size() - 1)));
+  CHECK(contains(done->error, "No space left on device"));
+  CHECK_FALSE(fs::exists(dir.ckpt() / "step_4.h5.tmp"));
+  CHECK_FALSE(fs::exists(dir.ckpt() / "step_4.h5"));
+  CHECK(read_text(dir.ckpt() / "latest") == "step_2.h5\n");
+  if (world_rank() == 0) {
+    int rc = -1;
+    capture_inspect(dir.ckpt() / "step_2.h5", &rc);
+    CHECK(rc == 0);
+  }
+  // And the next save works.
+  CHECK(checkpointer.save(5, 0).ok);
+  CHECK(checkpointer.wait()->ok);
+  CHECK(read_text(dir.ckpt() / "latest") == "step_5.h5\n");
 }
 
 TEST_CASE("a stop signal on one rank is seen by every rank at the end of the step") {
