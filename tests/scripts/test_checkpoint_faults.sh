@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # test_checkpoint_faults.sh — checkpoints survive what real jobs do to them,
 # through the shardlm command line on 2 MPI ranks:
-#   kill -9 in the middle of a write, a corrupted or truncated latest, an
+#   kill -9 in the middle of a write (synchronous, and a background write while
+#   training goes on), a corrupted or truncated latest, an
 #   unwritable directory, a full disk (when tmpfs can be mounted), a stop signal
 #   (exit 75 and requeue), a checkpoint of another model shape, inspect/export.
 # Prints PASS/FAIL lines; exits non-zero when anything failed. Prints SKIP and
@@ -64,11 +65,11 @@ tree_pids() {
 train "$T/ref" "$T/ref.log" --set run.max_steps=20 --set ckpt.interval=0
 check "20-step reference run (exit 0, final checkpoint)" test $? = 0 -a -f "$T/ref/checkpoints/step_20.h5"
 
-# ---- kill -9 of the whole job in the middle of writing step 10
+# ---- kill -9 of the whole job in the middle of writing step 10 (a synchronous save)
 B=$T/kill
 SHARDLM_CKPT_FAULT="stall:10@0" setsid $MPIRUN --oversubscribe --bind-to none -x OMP_NUM_THREADS -x OMP_WAIT_POLICY \
   -x SHARDLM_CKPT_FAULT -np 2 "$BIN" train inputs/tiny-sft.toml --set "run.dir=$B" --set log.interval=1 \
-  --set run.max_steps=20 --set ckpt.interval=5 > "$T/kill.log" 2>&1 &
+  --set run.max_steps=20 --set ckpt.interval=5 --set ckpt.async=false > "$T/kill.log" 2>&1 &
 job=$!
 for _ in $(seq 1 600); do [ -e "$B/checkpoints/step_10.h5.tmp" ] && break; sleep 0.1; done
 sleep 1  # the stalled rank has written its first tensor; the other waits for it
@@ -90,6 +91,34 @@ losses "$T/ref" | awk '$1 > 5' > "$T/ref.losses"
 losses "$B" | awk '$1 > 5' > "$T/kill.losses"
 check "resume after kill -9: losses of steps 6-20 bit-identical to the straight run" \
   test -s "$T/ref.losses" -a "$(wc -l < "$T/kill.losses")" = 15 -a "$(cat "$T/ref.losses")" = "$(cat "$T/kill.losses")"
+
+# ---- kill -9 during a background write (ckpt.async): training goes on meanwhile
+A=$T/killasync
+SHARDLM_CKPT_FAULT="slow:10@0" SHARDLM_CKPT_SLOW_MS=200 setsid $MPIRUN --oversubscribe --bind-to none -x OMP_NUM_THREADS \
+  -x OMP_WAIT_POLICY -x SHARDLM_CKPT_FAULT -x SHARDLM_CKPT_SLOW_MS -np 2 "$BIN" train inputs/tiny-sft.toml \
+  --set "run.dir=$A" --set log.interval=1 --set run.max_steps=20 --set ckpt.interval=5 > "$T/killasync.log" 2>&1 &
+job=$!
+for _ in $(seq 1 900); do
+  [ -e "$A/checkpoints/step_10.h5.tmp" ] && grep -q "step     13/20" "$T/killasync.log" && break
+  sleep 0.1
+done
+check "async kill -9: steps 11-13 trained while step_10.h5.tmp was being written" \
+  test -e "$A/checkpoints/step_10.h5.tmp" -a -n "$(grep 'step     13/20' "$T/killasync.log")"
+kill -9 $(tree_pids "$job") 2>/dev/null
+wait "$job" 2>/dev/null
+check "async kill -9: no step_10.h5" test ! -e "$A/checkpoints/step_10.h5"
+check "async kill -9: latest still names step_5.h5" test "$(cat "$A/checkpoints/latest" 2>/dev/null)" = "step_5.h5"
+train "$A" "$T/killasync-resume.log" --set run.max_steps=20 --set ckpt.interval=5
+rc=$?
+check "async kill -9: resume exits 0 from step_5.h5" \
+  test $rc = 0 -a -n "$(grep "resumed from $A/checkpoints/step_5.h5 at step 5" "$T/killasync-resume.log")"
+check "async saves log the loop-blocked time and the background write" \
+  has "$T/killasync-resume.log" "checkpoint: saved $A/checkpoints/step_20.h5"
+check "async saves: the line says loop blocked ... background write ... MB/s (async)" \
+  test -n "$(grep -E 'loop blocked [0-9]+ ms .*background write [0-9.]+ s, [0-9]+ MB/s \(async\)' "$T/killasync-resume.log")"
+losses "$A" | awk '$1 > 5' > "$T/killasync.losses"
+check "async kill -9: losses of steps 6-20 bit-identical to the straight run" \
+  test "$(wc -l < "$T/killasync.losses")" = 15 -a "$(cat "$T/ref.losses")" = "$(cat "$T/killasync.losses")"
 
 # ---- corrupted latest: flipped bytes (checksum), then truncated (HDF5 error)
 C=$B/checkpoints
@@ -151,13 +180,17 @@ if mount -t tmpfs -o size=3m tmpfs "$F" 2>/dev/null; then
   truncate -s $(( $(stat -c %s "$F/filler") - 600 * 1024 )) "$F/filler"
   # Three ways a full disk is met: the space check before writing, the block
   # reservation (fallocate) after the metadata, and ENOSPC in the raw writes.
-  for how in writes reserve check; do
+  # "writes" meets ENOSPC in the background writer (ckpt.async, the default), "writes-sync" in a synchronous save.
+  for how in writes writes-sync reserve check; do
+    sync_set=ckpt.async=true
     case $how in
       writes) export SHARDLM_CKPT_SKIP_SPACE_CHECK=1 SHARDLM_CKPT_FAKE_FREE_BYTES= ; expect="FAILED: writing /" ;;
+      writes-sync) export SHARDLM_CKPT_SKIP_SPACE_CHECK=1 SHARDLM_CKPT_FAKE_FREE_BYTES= ; expect="FAILED: writing /"
+        sync_set=ckpt.async=false ;;
       reserve) export SHARDLM_CKPT_SKIP_SPACE_CHECK= SHARDLM_CKPT_FAKE_FREE_BYTES=1000000000000 ; expect="FAILED: cannot reserve" ;;
       check) export SHARDLM_CKPT_SKIP_SPACE_CHECK= SHARDLM_CKPT_FAKE_FREE_BYTES= ; expect="FAILED: not enough free space" ;;
     esac
-    train "$F/run" "$T/full-$how.log" --set run.max_steps=10 --set ckpt.interval=5
+    train "$F/run" "$T/full-$how.log" --set run.max_steps=10 --set ckpt.interval=5 --set $sync_set
     rc=$?
     check "full disk, $how: exit 74 (no hang)" test $rc = 74
     check "full disk, $how: reported" has "$T/full-$how.log" "checkpoint $F/run/checkpoints/step_10.h5 $expect"
