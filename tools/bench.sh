@@ -11,6 +11,9 @@
 #                                 1b-offload-devgrads 10b-offload-80g (model.optim_offload_grads = "device");
 #                                 1b-32k-selective 8b-32k-offload 8b-32k-offload-selective 8b-131k-offload
 #                                 (long context on one GPU, docs/benchmarks.md "Attention")
+#                                 ckpt-1b ckpt-1b-offload (on request: checkpoints every 2 and every 40
+#                                 steps, sync vs ckpt.async, against dd on the same disk;
+#                                 docs/benchmarks.md "Asynchronous checkpoints"; ~6 min each)
 #   ATTN=flash tools/bench.sh 1b  (device.attention for every run: auto | cudnn | flash)
 #   SHARDLM=path/to/shardlm tools/bench.sh 1b
 #   BENCH_TIMEOUT=120 tools/bench.sh 7b     (kill each run after 120 s)
@@ -50,6 +53,50 @@ run() {
     sed "s/^/$name: /" || true
   grep -q "^throughput" "runs/bench-$name.log" ||
     { echo "$name: no result (failed or timed out); the log ends:"; tail -3 "runs/bench-$name.log" | sed "s/^/$name:   /"; }
+}
+# Checkpoints while training (ckpt-*): the 1B deck saving every INTERVAL steps,
+# ckpt.async off and on; per save the trainer's own line (loop blocked ms, write s,
+# MB/s), then the mean step time of the steps right after each save (up to 3,
+# fewer than the interval) against the other steps (step 1 left out: warm-up). keep_last = 1: one 14 GiB file plus the one
+# being written.
+ckpt_run() {
+  local name=$1 interval=$2 steps=$3; shift 3
+  echo "== $name: $SHARDLM train inputs/bench/llama-1b.toml (ckpt.interval=$interval, run.max_steps=$steps) $*"
+  rm -rf "runs/bench-$name"
+  settle_host_memory
+  ${BENCH_TIMEOUT:+timeout -s KILL $BENCH_TIMEOUT} "$SHARDLM" train inputs/bench/llama-1b.toml \
+    --set run.dir=runs/bench-$name --set ckpt.resume=none --set ckpt.interval=$interval --set ckpt.keep_last=1 \
+    --set run.max_steps=$steps "$@" > "runs/bench-$name.log" 2>&1 || true
+  grep -E "^(checkpoint: saved|checkpoint: async|shardlm: checkpoint|throughput|memory|shardlm: error)" \
+    "runs/bench-$name.log" | sed "s/^/$name: /" || true
+  $PY - "runs/bench-$name" "$interval" "$name" <<'PYEOF'
+import json, re, sys
+run, interval, name = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+rows = {}
+for line in open(run + "/metrics.jsonl"):
+    r = json.loads(line)
+    if "step" in r and "step_time_s" in r: rows[r["step"]] = r["step_time_s"]
+w = max(1, min(3, interval - 1))  # the steps right after a save: up to 3, never all of them
+is_near = lambda s: s > interval and (s - 1) % interval < w
+near = [t for s, t in rows.items() if is_near(s)]
+other = [t for s, t in rows.items() if s > 1 and not is_near(s)]
+blocked = [float(m) for m in re.findall(r"loop blocked (\d+) ms", open(run + ".log").read())]
+mean = lambda v: sum(v) / len(v) if v else float("nan")
+print(f"{name}: {len(blocked)} saves, loop blocked per save: mean {mean(blocked):.0f} ms, max {max(blocked, default=0):.0f} ms;"
+      f" step time: {mean(near) * 1e3:.1f} ms in the {w} step(s) after each save ({len(near)}),"
+      f" {mean(other) * 1e3:.1f} ms in the others ({len(other)}), {100 * (mean(near) / mean(other) - 1):+.1f}%")
+PYEOF
+}
+# dd of one checkpoint's size (the newest one of the last ckpt run) on the same disk.
+ckpt_dd() {
+  local file bytes count
+  file=$(ls -t runs/bench-ckpt-*/checkpoints/step_*.h5 2>/dev/null | head -1)
+  [ -n "$file" ] || { echo "dd: no checkpoint to size it by"; return; }
+  bytes=$(stat -c %s "$file"); count=$(( (bytes + (16 << 20) - 1) / (16 << 20) ))
+  echo "== dd: $count x 16 MiB ($bytes bytes, the size of $file) in runs/"
+  dd if=/dev/zero of=runs/bench-dd bs=16M count=$count oflag=direct 2>&1 | tail -1 | sed 's/^/dd O_DIRECT: /'
+  dd if=/dev/zero of=runs/bench-dd bs=16M count=$count conv=fdatasync 2>&1 | tail -1 | sed 's/^/dd buffered + fdatasync: /'
+  rm -f runs/bench-dd
 }
 names=${*:-"125m 1b 1b-8k 1b-32k 3b"}
 for n in $names; do
@@ -115,6 +162,13 @@ for n in $names; do
         --vocab 128256 --tokens 600000 --doc-len 131073
       run 8b-131k-offload inputs/bench/llama-8b.toml --set data.path=runs/bench-data/random-128k-131k.h5 \
         --set data.seq_len=131072 --set data.global_batch=1 --set model.optim_offload_grads=device --set run.max_steps=3 ;;
+    ckpt-1b|ckpt-1b-offload)
+      extra=(); [ $n = ckpt-1b-offload ] && extra=(--set model.optim_cpu_offload=true)
+      ckpt_run $n-sync-i2 2 10 --set ckpt.async=false "${extra[@]}"
+      ckpt_run $n-async-i2 2 10 --set ckpt.async=true "${extra[@]}"
+      ckpt_run $n-async-i40 40 120 --set ckpt.async=true "${extra[@]}"
+      ckpt_dd
+      rm -rf runs/bench-$n-* ;;
     *) echo "unknown benchmark '$n'" >&2; exit 2 ;;
   esac
 done
