@@ -193,7 +193,42 @@ struct Checkpointer::Writer {
 
 Checkpointer::Checkpointer(TrainSession& session, MPI_Comm trainers)
     : session_(session), comm_(trainers), async_(session.config.ckpt.async) {
-  if (!async_ || !session.engine.options().device_state) return;
+  if (!async_) return;
+  const int rank = comm_rank(comm_);
+  if (!session.engine.options().device_state) {
+    // Host state: the snapshot pool, allocated and touched now (start-up), not
+    // at the first save, whose blocked time would otherwise include faulting
+    // in every page of it.
+    const auto t0 = Clock::now();
+    int64_t floats = checkpoint_snapshot_bytes(session.config, session.model.layout) / 4;
+    int64_t largest = 0;
+    for (const auto& u : session.model.layout.units) largest = std::max(largest, u.shard_numel);
+    // Never more than half of what the host has available, per rank on this node.
+    MPI_Comm node = MPI_COMM_NULL;
+    MPI_CHECK(MPI_Comm_split_type(comm_, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &node));
+    const int local_ranks = comm_size(node);
+    MPI_CHECK(MPI_Comm_free(&node));
+    const int64_t room = host_memory_available() / 2 / std::max(local_ranks, 1) / 4;
+    if (room > 0 && floats > room) {
+      if (rank == 0)
+        std::printf("checkpoint: the async snapshot (%s per rank) does not fit in half of the host's available "
+                    "memory; it takes %s and saves are staged: the loop waits for the write of the rest\n",
+                    mib(4.0 * static_cast<double>(floats)).c_str(),
+                    mib(4.0 * static_cast<double>(std::max(room, largest))).c_str());
+      floats = room;
+    }
+    pool_ = std::make_unique<Pool>(std::max(floats, largest));
+    float* p = pool_->arena.data();
+    const int64_t n = pool_->capacity;
+#pragma omp parallel for schedule(static)
+    for (int64_t c = 0; c < n; c += (1 << 18)) std::memset(p + c, 0, 4 * std::min<int64_t>(n - c, 1 << 18));
+    if (rank == 0 && n > (int64_t(1) << 26)) {  // worth a line from 256 MiB
+      std::printf("checkpoint: async snapshot pool of %s per rank ready in %.1f s\n",
+                  mib(4.0 * static_cast<double>(n)).c_str(), seconds_since(t0));
+      std::fflush(stdout);
+    }
+    return;
+  }
   // Device-resident state: the host mirror is the snapshot. Pinned, the
   // download runs at the link's speed, and nothing else writes the mirror
   // while a save is in flight (the next save, export and the end of the run
@@ -210,7 +245,7 @@ Checkpointer::Checkpointer(TrainSession& session, MPI_Comm trainers)
   for (auto& b : session.model.param) pin(b);
   for (int k = 0; k < session.optimizer.states(); ++k)
     for (auto& b : session.optimizer.state(k)) pin(b);
-  if (comm_rank(comm_) == 0) {
+  if (rank == 0) {
     std::printf("checkpoint: async saves snapshot into the host mirror of the GPU state: pinned %s of %s in %.1f s\n",
                 mib(static_cast<double>(pinned_bytes)).c_str(), mib(static_cast<double>(wanted)).c_str(),
                 seconds_since(t0));
@@ -338,26 +373,6 @@ SaveResult Checkpointer::start(int64_t steps_done, int64_t tokens_seen) {
       w->pieces.back().tensors.push_back(i);
     }
     const bool mirror = s.engine.options().device_state;
-    if (!mirror && !pool_) {
-      int64_t floats = checkpoint_snapshot_bytes(s.config, s.model.layout) / 4;
-      // Never plan past what the host has: half of MemAvailable per rank on this node.
-      MPI_Comm node = MPI_COMM_NULL;
-      MPI_CHECK(MPI_Comm_split_type(comm_, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &node));
-      const int local_ranks = comm_size(node);
-      MPI_CHECK(MPI_Comm_free(&node));
-      int64_t largest = 0;
-      for (const auto& p : w->pieces) largest = std::max(largest, p.numel);
-      const int64_t room = host_memory_available() / 2 / std::max(local_ranks, 1) / 4;
-      if (room > 0 && floats > room) {
-        if (rank == 0)
-          std::printf("checkpoint: the async snapshot (%s per rank) does not fit in half of the host's available "
-                      "memory; it takes %s and saves are staged: the loop waits for the write of the rest\n",
-                      mib(4.0 * static_cast<double>(floats)).c_str(),
-                      mib(4.0 * static_cast<double>(std::max(room, largest))).c_str());
-        floats = std::max(room, largest);
-      }
-      pool_ = std::make_unique<Pool>(std::max(floats, largest));
-    }
     w->pool = mirror ? nullptr : pool_.get();
     if (mirror)
       for (auto& p : w->pieces) p.data = const_cast<float*>(p.live);

@@ -89,10 +89,10 @@ int64_t ckpt::publish(MPI_Comm comm, const fs::path& tmp, const fs::path& final_
 void ckpt::print_save_result(const SaveResult& r, const fs::path& dir) {
   const double mb_s = r.write_s > 0 ? static_cast<double>(r.bytes) / 1e6 / r.write_s : 0.0;
   if (r.ok && r.background)
-    std::printf("checkpoint: saved %s (%s): loop blocked %.0f ms (snapshot %.0f ms, metadata %.0f ms, finish %.0f ms); "
-                "background write %.2f s, %.0f MB/s (async)\n",
+    std::printf("checkpoint: saved %s (%s): loop blocked %.0f ms (snapshot %.0f ms, metadata %.0f ms, finish %.0f ms "
+                "with fsync %.0f ms); background write %.2f s, %.0f MB/s (async)\n",
                 r.path.c_str(), mib(static_cast<double>(r.bytes)).c_str(), 1e3 * r.seconds, 1e3 * r.snapshot_s,
-                1e3 * r.metadata_s, 1e3 * r.finish_s, r.write_s, mb_s);
+                1e3 * r.metadata_s, 1e3 * r.finish_s, 1e3 * r.sync_s, r.write_s, mb_s);
   else if (r.ok)
     std::printf("checkpoint: saved %s (%s): loop blocked %.0f ms; write %.2f s, %.0f MB/s (sync; checksums %.2f s, "
                 "fsync %.2f s)\n",
