@@ -121,6 +121,18 @@ int cmd_check(const Runtime& rt, const CliArgs& args) {
                 (long long)layout.parameter_count(), (long long)layout.matmul_parameter_count(),
                 format_memory_plan(plan, world).c_str());
     std::printf("%s", data_note.c_str());
+    if (config.ckpt.async) {  // what a background save holds and, staged, costs
+      const double mib = 1024.0 * 1024.0;
+      const int64_t state = checkpoint_state_bytes(config, layout);
+      if (cuda && !config.model.optim_cpu_offload)
+        std::printf("ckpt.async: the snapshot is the host mirror of the GPU state (pinned at start-up): no more host "
+                    "memory\n");
+      else if (plan.checkpoint_snapshot < state)
+        std::printf("ckpt.async: the snapshot pool holds %.3f of the %.3f MiB state per rank: each save is staged "
+                    "and blocks the loop for the write of the other %.3f MiB (~%.1f s at 1 GB/s)\n",
+                    double(plan.checkpoint_snapshot) / mib, double(state) / mib,
+                    double(state - plan.checkpoint_snapshot) / mib, double(state - plan.checkpoint_snapshot) / 1e9);
+    }
     if (cuda && config.model.optim_cpu_offload) {  // what the lever buys, against the state on the GPU
       Config on_gpu = config;
       on_gpu.model.optim_cpu_offload = false;

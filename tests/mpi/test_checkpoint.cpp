@@ -707,6 +707,7 @@ TEST_CASE("ckpt.async: a failed background write is reported at the next poll; n
   MESSAGE(done->error);
   CHECK(contains(done->error, fmt("failed on rank %d: injected write error", world_size() - 1)));
   CHECK(contains(done->error, "No space left on device"));
+  MPI_Barrier(MPI_COMM_WORLD);  // rank 0 removes the .tmp after the failure is agreed
   CHECK_FALSE(fs::exists(dir.ckpt() / "step_4.h5.tmp"));
   CHECK_FALSE(fs::exists(dir.ckpt() / "step_4.h5"));
   CHECK(read_text(dir.ckpt() / "latest") == "step_2.h5\n");

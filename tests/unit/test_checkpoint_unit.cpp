@@ -1,6 +1,7 @@
 // test_checkpoint_unit.cpp — the checkpoint's pieces that need no MPI: flat
 // ranges as hyperslab boxes, the world-size-independent checksum, retention,
-// the order resume tries files in, and when a checkpoint is due.
+// the order resume tries files in, when a checkpoint is due, and the
+// async snapshot in `shardlm check`'s plan.
 #include <doctest/doctest.h>
 
 #include <unistd.h>
@@ -12,6 +13,7 @@
 #include <random>
 #include <vector>
 
+#include "run_command.hpp"
 #include "shardlm/checkpoint.hpp"
 
 using namespace shardlm;
@@ -178,3 +180,26 @@ TEST_CASE("a checkpoint is due every ckpt.interval steps and at the end (unless 
 }
 
 }  // TEST_SUITE
+
+TEST_CASE("shardlm check plans the async snapshot: the whole state, or a bounded pool and what a staged save costs") {
+  auto mib_of = [](const std::string& out, const std::string& row) {
+    const size_t at = out.find(row);
+    REQUIRE(at != std::string::npos);
+    return std::stod(out.substr(at + 25));
+  };
+  const auto whole = run(shardlm_bin() + " check inputs/tiny-sft.toml", 300);
+  REQUIRE(whole.status == 0);
+  // AdamW: parameters + two moments, one copy of each (world 1).
+  CHECK(mib_of(whole.output, "ckpt snapshot      host") ==
+        doctest::Approx(3 * mib_of(whole.output, "parameter shards   host")).epsilon(1e-6));
+  CHECK(whole.output.find("is staged") == std::string::npos);
+  const auto off = run(shardlm_bin() + " check inputs/tiny-sft.toml --set ckpt.async=false", 300);
+  REQUIRE(off.status == 0);
+  CHECK(off.output.find("ckpt snapshot") == std::string::npos);
+  // 0.0001 GiB (0.098 MiB) is less than the state and more than the largest
+  // shard (the 258 x 64 embedding, 0.063 MiB): staged.
+  const auto bounded = run(shardlm_bin() + " check inputs/tiny-sft.toml --set ckpt.async_host_gib=0.0001", 300);
+  REQUIRE(bounded.status == 0);
+  CHECK(mib_of(bounded.output, "ckpt snapshot      host") == doctest::Approx(0.0001 * 1024).epsilon(1e-3));
+  CHECK(bounded.output.find("each save is staged and blocks the loop for the write of the other") != std::string::npos);
+}
