@@ -1312,7 +1312,21 @@ ResumePoint resume(TrainSession& s, MPI_Comm comm) {
 
 namespace {
 volatile std::sig_atomic_t g_stop_signal = 0;
-extern "C" void on_stop_signal(int sig) { g_stop_signal = sig; }
+extern "C" void on_stop_signal(int sig) {
+  if (sig == SIGINT && g_stop_signal != 0) {  // a second interrupt: stop at once, as an unhandled SIGINT does
+    static const char now[] = "\nshardlm: second interrupt: stopping now, without a checkpoint\n";
+    (void)!write(STDERR_FILENO, now, sizeof now - 1);
+    signal(SIGINT, SIG_DFL);
+    raise(SIGINT);
+    return;
+  }
+  if (sig == SIGINT) {  // someone at a terminal: say what happens next
+    static const char later[] = "\nshardlm: interrupt: saving a checkpoint after this step, then exit 75 "
+                                "(interrupt again to stop at once)\n";
+    (void)!write(STDERR_FILENO, later, sizeof later - 1);
+  }
+  g_stop_signal = sig;
+}
 }  // namespace
 
 void install_stop_signal_handlers() {
@@ -1322,6 +1336,7 @@ void install_stop_signal_handlers() {
   sa.sa_flags = SA_RESTART;  // MPI's and HDF5's system calls carry on
   sigaction(SIGUSR1, &sa, nullptr);
   sigaction(SIGTERM, &sa, nullptr);
+  sigaction(SIGINT, &sa, nullptr);
 }
 
 bool stop_requested(MPI_Comm comm) {
@@ -1380,6 +1395,7 @@ std::vector<std::string> datasets_under(hid_t file, const char* group) {
 }
 
 fs::path resolve_checkpoint(const fs::path& p) {
+  SHARDLM_CHECK(fs::exists(p), "%s: no such file or directory", p.c_str());
   if (!fs::is_directory(p)) return p;
   const fs::path dir = fs::is_directory(p / "checkpoints") ? p / "checkpoints" : p;
   const auto c = resume_candidates(dir);
@@ -1462,8 +1478,9 @@ int inspect_checkpoint(const fs::path& given, MPI_Comm comm, std::FILE* out) {
         std::fprintf(out, "DAMAGED: %s\n", path.c_str());
       }
     } catch (const std::exception& e) {
-      rc = 1;
-      std::fprintf(out, "DAMAGED: %s\n", e.what());
+      const bool there = fs::exists(given);  // a path that is not there is a mistake, not a damaged checkpoint
+      rc = there ? 1 : 2;
+      std::fprintf(out, "%s%s\n", there ? "DAMAGED: " : "", e.what());
     }
     std::fflush(out);
   }
@@ -1511,8 +1528,9 @@ void export_checkpoint(const fs::path& given, const fs::path& out_dir, const std
     }
     writer.finish();
     write_hf_config(out_dir, info.arch, dtype == "BF16" ? "bfloat16" : "float32");
-    std::printf("export: %s (step %lld) -> %s (config.json, model.safetensors, %s)\n", path.c_str(),
-                (long long)info.step, out_dir.c_str(), dtype == "BF16" ? "bf16" : "fp32");
+    const std::string tokenizer = copy_tokenizer_files(parse_deck_text(info.deck, path, {}, 0).config.model.hf, out_dir);
+    std::printf("export: %s (step %lld) -> %s (config.json, model.safetensors, %s; %s)\n", path.c_str(),
+                (long long)info.step, out_dir.c_str(), dtype == "BF16" ? "bf16" : "fp32", tokenizer.c_str());
     std::fflush(stdout);
   });
 }

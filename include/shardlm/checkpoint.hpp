@@ -115,7 +115,8 @@ struct ResumePoint {
 };
 ResumePoint resume(TrainSession& session, MPI_Comm trainers);
 
-// SIGUSR1 and SIGTERM set a flag (nothing else happens in the handler).
+// SIGUSR1, SIGTERM and SIGINT set a flag; a second SIGINT ends the process at once
+// (the handler only writes one line to stderr and sets the flag).
 void install_stop_signal_handlers();
 // Collective: true on every rank when any rank has seen a stop signal.
 bool stop_requested(MPI_Comm trainers);
