@@ -108,7 +108,8 @@ Metrics::Metrics(const Config& config, bool writer, const RunStart& start, doubl
   }
   write_row(json_row(row));
   if (config.log.tensorboard)
-    tensorboard_ = std::make_unique<TensorBoardWriter>(fs::path(config.run.dir) / "tensorboard", start.step);
+    // TensorBoard keeps an earlier file's events before the START step: the rows up to the checkpoint.
+    tensorboard_ = std::make_unique<TensorBoardWriter>(fs::path(config.run.dir) / "tensorboard", start.step + 1);
 }
 
 Metrics::~Metrics() {

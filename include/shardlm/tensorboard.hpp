@@ -35,8 +35,9 @@ class TensorBoardWriter {
  public:
   // Creates `dir` and dir/events.out.tfevents.<unix time>.<host>.<pid> (a new
   // file per start; TensorBoard reads them in name order as one run), writes the
-  // file_version event and a SessionLog START at `start_step`: TensorBoard then
-  // discards what earlier files logged at or past that step (a resume's overlap).
+  // file_version event and a SessionLog START at `start_step` (the first step
+  // this start logs): TensorBoard then discards what earlier files logged at or
+  // past that step (the rows of a timeline a resume abandons).
   TensorBoardWriter(const std::filesystem::path& dir, int64_t start_step);
   ~TensorBoardWriter();
   TensorBoardWriter(const TensorBoardWriter&) = delete;
