@@ -140,15 +140,26 @@ RunStart describe_start(const Runtime& rt, const Config& config, const ResumePoi
   const std::string deck = resolved_deck(config);
   r.deck_file = keep_start_deck(config.run.dir, start.step, deck);
   if (!start.path.empty()) {
-    r.deck_changes = deck_changes(read_checkpoint_info(start.path).deck, deck, start.path.filename().string());
+    const std::string saved_deck = read_checkpoint_info(start.path).deck;
+    r.deck_changes = deck_changes(saved_deck, deck, start.path.filename().string());
     if (r.deck_changes.empty()) std::printf("resume: the deck is the one %s was saved with\n", start.path.filename().c_str());
     else
       std::printf("resume: %zu deck key%s differ%s from the deck %s was saved with:\n", r.deck_changes.size(),
                   r.deck_changes.size() == 1 ? "" : "s", r.deck_changes.size() == 1 ? "s" : "",
                   start.path.filename().c_str());
-    for (const auto& c : r.deck_changes)
+    bool schedule_changed = false;
+    for (const auto& c : r.deck_changes) {
       std::printf("  %s: %s -> %s\n", c.key.c_str(), c.before.empty() ? "(absent)" : c.before.c_str(),
                   c.after.empty() ? "(absent)" : c.after.c_str());
+      schedule_changed |= c.key.rfind("sched.", 0) == 0 || c.key == "run.max_steps" || c.key == "optim.lr";
+    }
+    if (schedule_changed) {  // the schedule is a function of these: say what the next step gets
+      const Config before = parse_deck_text(saved_deck, start.path.string(), {}, 0).config;
+      std::printf("  the lr schedule follows this deck: step %lld trains at lr %.4e (%.4e with the checkpoint's "
+                  "deck)\n", (long long)start.step + 1,
+                  lr_at(config.sched, config.optim.lr, config.run.max_steps, start.step),
+                  lr_at(before.sched, before.optim.lr, before.run.max_steps, start.step));
+    }
     std::fflush(stdout);
   }
   return r;

@@ -111,6 +111,8 @@ check "... run.max_steps" has "$T/c2.log" "  run.max_steps: 12 -> 16"
 check "... optim.lr" has "$T/c2.log" "  optim.lr: 0.003 -> 0.002"
 check "... ckpt.save_final" has "$T/c2.log" "  ckpt.save_final: false -> true"
 check "... optim.adamw_lr, which follows optim.lr" has "$T/c2.log" "  optim.adamw_lr: 0.003 -> 0.002"
+check "... and what the changed schedule gives the next step" \
+  has "$T/c2.log" "  the lr schedule follows this deck: step 11 trains at lr 1.1000e-03 (4.8087e-04 with the checkpoint's deck)"
 check "the throughput line counts this start's steps" has "$T/c2.log" "throughput (steps 12..16): "
 check "the summary names the steps" has "$T/c2.log" "summary: 6 steps (11..16) in "
 check "the deck echo lists the keys set" grep -qxF "  optim.lr = 0.002" "$T/c2.log"
