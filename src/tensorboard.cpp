@@ -4,7 +4,7 @@
 // type) followed by a varint (type 0), 8 little-endian bytes (type 1), a varint
 // length and the bytes (type 2), or 4 little-endian bytes (type 5).
 //   Event:        1 wall_time double, 2 step int64, 3 file_version string,
-//                 5 summary Summary, 6 session_log SessionLog
+//                 5 summary Summary, 7 session_log SessionLog (6 is log_message)
 //   Summary:      1 value repeated Summary.Value
 //   Summary.Value 1 tag string, 2 simple_value float
 //   SessionLog:   1 status enum (START = 1)
@@ -99,7 +99,7 @@ std::string encode_session_start_event(double wall_time, int64_t step) {
   put_key(session_log, 1, 0);
   put_varint(session_log, 1);  // SessionLog.START
   std::string e = event_head(wall_time, step);
-  put_bytes(e, 6, session_log);
+  put_bytes(e, 7, session_log);
   return e;
 }
 

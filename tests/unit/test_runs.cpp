@@ -124,7 +124,7 @@ DecodedEvent decode_event(const std::string& e) {
     if (field == 1) out.wall_time = r.fixed<double>();
     else if (field == 2) out.step = int64_t(r.varint());
     else if (field == 3) out.file_version = r.bytes();
-    else if (field == 6) {
+    else if (field == 7) {  // session_log
       const std::string log = r.bytes();
       Reader l{log};
       REQUIRE(l.varint() == (1u << 3 | 0));
@@ -385,6 +385,16 @@ TEST_CASE("TensorBoard: CRC32C, and an event file read back: version, session st
   CHECK(crc32c("", 0) == 0u);
   const uint32_t c = crc32c("abc", 3);
   CHECK(masked_crc32c("abc", 3) == ((c >> 15 | c << 17) + 0xa282ead8u));
+
+  // Bytes spelled out from event.proto / summary.proto (Event: 1 wall_time, 2 step,
+  // 3 file_version, 5 summary, 7 session_log; SessionLog: 1 status, START = 1;
+  // Summary: 1 value; Value: 1 tag, 2 simple_value), independent of the writer.
+  using namespace std::string_literals;
+  CHECK(encode_session_start_event(0.0, 3) == "\x09\0\0\0\0\0\0\0\0\x10\x03\x3a\x02\x08\x01"s);
+  CHECK(encode_scalars_event(1.0, 300, {{"a", 1.0f}}) ==
+        "\x09\0\0\0\0\0\0\xf0\x3f\x10\xac\x02\x2a\x0a\x0a\x08\x0a\x01" "a" "\x15\0\0\x80\x3f"s);
+  CHECK(encode_file_version_event(0.0) == "\x09\0\0\0\0\0\0\0\0\x10\x00\x1a\x0d" "brain.Event:2"s);
+  CHECK(tfrecord("ab").size() == 8 + 4 + 2 + 4);
 
   TempDir t("tb");
   Config cfg;
