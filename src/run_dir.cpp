@@ -38,17 +38,19 @@ std::string first_line_of(const char* file) {
 
 std::string boot_id() { return first_line_of("/proc/sys/kernel/random/boot_id"); }
 
-// Field 22 of /proc/<pid>/stat (start time after boot, clock ticks); 0 when unreadable.
-long long process_start(long pid) {
+// Field `n` (3 = state, 22 = start time after boot in clock ticks) of
+// /proc/<pid>/stat; "" when unreadable.
+std::string stat_field(long pid, int n) {
   const std::string stat = first_line_of(fmt("/proc/%ld/stat", pid).c_str());
   const size_t paren = stat.rfind(')');  // the command name may hold spaces and parentheses
-  if (paren == std::string::npos) return 0;
+  if (paren == std::string::npos) return "";
   std::istringstream fields(stat.substr(paren + 2));
   std::string field;
-  for (int i = 3; i <= 22 && fields >> field; ++i)
-    if (i == 22) return std::atoll(field.c_str());
-  return 0;
+  for (int i = 3; i <= n && fields >> field; ++i)
+    if (i == n) return field;
+  return "";
 }
+long long process_start(long pid) { return std::atoll(stat_field(pid, 22).c_str()); }
 
 std::string utc_text(std::time_t t) {
   std::tm tm{};
@@ -87,18 +89,21 @@ std::string describe(const LockHolder& h) {
   return text;
 }
 
-// "" while the holder may still run; else why its lock is stale. On this host
-// the process itself is asked (a live one that holds no flock is on a filesystem
-// without flocks); `touched` is the file's mtime, the holder's last heartbeat.
-std::string stale_reason(const LockHolder& h, std::time_t touched) {
+// "" while the holder may still run; else why its lock is stale. `flocked`:
+// this process got the file's flock, which a live holder on this host keeps
+// for its whole run; without flocks (some parallel filesystems) the process
+// itself is asked. `touched` is the file's mtime, the holder's last heartbeat.
+std::string stale_reason(const LockHolder& h, std::time_t touched, bool flocked) {
   const std::string me = this_host();
   if (h.host == me) {
     const std::string boot = boot_id();
     if (!h.boot_id.empty() && !boot.empty() && h.boot_id != boot) return "the host has rebooted since";
     const bool exists = h.pid > 0 && (kill(static_cast<pid_t>(h.pid), 0) == 0 || errno == EPERM);
     if (!exists) return "that process is no longer running";
+    if (stat_field(h.pid, 3) == "Z") return "that process has exited (a zombie no one has reaped)";
     const long long start = process_start(h.pid);
     if (h.proc_start != 0 && start != 0 && start != h.proc_start) return "that pid now belongs to another process";
+    if (flocked) return "no process holds its flock any more";
     return "";
   }
   // Another host: its processes cannot be asked. A job step runs once at a time,
@@ -165,7 +170,7 @@ RunDirLock::RunDirLock(const fs::path& dir, const std::string& run_name, const s
     }
     if (!blank(text)) {
       const LockHolder holder = parse_lock_holder(text);
-      const std::string why = stale_reason(holder, by_fd.st_mtime);
+      const std::string why = stale_reason(holder, by_fd.st_mtime, flocked);
       if (why.empty()) {
         ::close(fd);
         const bool here = holder.host == this_host();

@@ -115,10 +115,15 @@ def lock_is_live(path):
         return False
     if holder.get("host") == socket.gethostname():
         try:
-            os.kill(int(holder.get("pid", "0")), 0)
-            return True
+            pid = int(holder.get("pid", "0"))
+            os.kill(pid, 0)
         except (OSError, ValueError):
             return False
+        try:  # an exited process nobody has reaped yet still has its pid
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except (OSError, IndexError):
+            return True
     return time.time() - touched < STALE_LOCK_S
 
 

@@ -13,6 +13,7 @@
 
 #include "shardlm/cli.hpp"
 #include "shardlm/error.hpp"
+#include "shardlm/run_dir.hpp"
 #include "run_command.hpp"
 
 using namespace shardlm;
@@ -349,22 +350,20 @@ TEST_CASE("an MPMD launch whose receivers cannot start fails at once with exit 1
 
 TEST_CASE("run.lock under mpirun -np 2: rank 0's refusal ends every rank with exit 73 and one message") {
   const auto dir = std::filesystem::temp_directory_path() / ("shardlm-locked-" + std::to_string(getpid()));
-  std::filesystem::create_directories(dir);
   char host[256] = {0};
   gethostname(host, sizeof host - 1);
-  std::FILE* f = std::fopen((dir / "run.lock").c_str(), "w");  // held by this (live) test process
-  REQUIRE(f);
-  std::fprintf(f, "host=%s\npid=%d\nstarted=2026-12-01 10:00:00 UTC\nrun_name=holder\ndeck=a.toml\n", host, (int)getpid());
-  std::fclose(f);
-  auto r = run("OMP_NUM_THREADS=1 " + mpirun(2) + shardlm_bin() + " train inputs/tiny-sft.toml --set run.dir=" +
-                   dir.string(),
-               120);
-  CHECK(r.status == 73);
-  const std::string held = "is held by pid " + std::to_string(getpid()) + " on host " + host +
-                           ", started 2026-12-01 10:00:00 UTC (run 'holder', deck a.toml)";
-  CHECK(r.output.find(held) != std::string::npos);
-  CHECK(r.output.find(held) == r.output.rfind(held));  // said once, by rank 0
-  CHECK_FALSE(std::filesystem::exists(dir / "config.toml"));
+  {
+    const RunDirLock holder(dir, "holder", "a.toml");  // this test process holds the directory
+    auto r = run("OMP_NUM_THREADS=1 " + mpirun(2) + shardlm_bin() + " train inputs/tiny-sft.toml --set run.dir=" +
+                     dir.string(),
+                 120);
+    CHECK(r.status == 73);
+    const std::string held = "is held by pid " + std::to_string(getpid()) + " on host " + host + ", started ";
+    CHECK(r.output.find(held) != std::string::npos);
+    CHECK(r.output.find(held) == r.output.rfind(held));  // said once, by rank 0
+    CHECK(r.output.find(" UTC (run 'holder', deck a.toml)") != std::string::npos);
+    CHECK_FALSE(std::filesystem::exists(dir / "config.toml"));
+  }
   std::filesystem::remove_all(dir);
 }
 

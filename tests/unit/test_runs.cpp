@@ -213,6 +213,31 @@ TEST_CASE("run.lock: a stale lock from a dead process on this host is taken over
   CHECK(parse_lock_holder(read_text(t.path / "run.lock")).pid == getpid());
 }
 
+TEST_CASE("run.lock: a holder that is a zombie, or a live pid that holds no flock, is stale on this host") {
+  TempDir t("zombie");
+  const pid_t child = fork();
+  if (child == 0) _exit(0);
+  // Not reaped yet: the pid still exists (kill(pid, 0) succeeds) but the process has
+  // exited, as a rank killed with -9 stays when no init process reaps it.
+  for (int i = 0; i < 500; ++i) {
+    std::ifstream stat("/proc/" + std::to_string(child) + "/stat");
+    std::string line;
+    std::getline(stat, line);
+    if (line.find(") Z ") != std::string::npos) break;
+    usleep(10000);
+  }
+  write_text(t.path / "run.lock", "host=" + host_name() + "\npid=" + std::to_string(child) + "\nstarted=x\n");
+  {
+    RunDirLock lock(t.path, "new", "new.toml");
+    CHECK(lock.takeover_note().find("a zombie") != std::string::npos);
+  }
+  waitpid(child, nullptr, 0);
+  // A live process (this one) named in a file whose flock nobody holds: not a live run's lock.
+  write_text(t.path / "run.lock", "host=" + host_name() + "\npid=" + std::to_string(getpid()) + "\nstarted=x\n");
+  RunDirLock lock(t.path, "new", "new.toml");
+  CHECK(lock.takeover_note().find("no process holds its flock any more") != std::string::npos);
+}
+
 TEST_CASE("run.lock: another host's lock is refused while touched, taken when stale or by the same Slurm step") {
   TempDir t("remote");
   const fs::path file = t.path / "run.lock";
