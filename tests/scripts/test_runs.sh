@@ -21,6 +21,7 @@ jobs_started=()
 cleanup() {
   local p
   for p in "${jobs_started[@]}"; do kill -9 "$p" 2>/dev/null; done
+  umount "$T/full" 2>/dev/null
   [ -n "${KEEP:-}" ] && { echo "logs in $T"; return; }; rm -rf "$T"
 }
 trap cleanup EXIT
@@ -159,6 +160,19 @@ SHARDLM_CKPT_FAULT="write:2@0" train "$G-mid" "$T/g2.log" --set run.max_steps=4 
   --set ckpt.interval=2 --set ckpt.on_error=continue
 rc=$?
 check "a failed save mid-run, then a good final one: exit 0 (got $rc)" test $rc = 0 -a -f "$G-mid/checkpoints/step_4.h5"
+
+# ---- a full disk under metrics.jsonl: an error naming the file, never a silent success
+if mkdir -p "$T/full" && mount -t tmpfs -o size=64k tmpfs "$T/full" 2>/dev/null; then
+  dd if=/dev/zero of="$T/full/filler" bs=4k count=64 2>/dev/null  # fills it
+  train "$T/fulldisk" "$T/fulldisk.log" --set run.max_steps=3 --set sched.warmup=0 --set "log.jsonl=$T/full/metrics.jsonl"
+  rc=$?
+  umount "$T/full"
+  check "metrics.jsonl on a full disk: the run fails (exit $rc)" test $rc != 0 -a $rc != 124
+  check "... naming the file and the reason" has "$T/fulldisk.log" "cannot write $T/full/metrics.jsonl: No space left on device"
+  check "... before any step trains" test "$(grep -c '^step ' "$T/fulldisk.log")" = 0
+else
+  echo "SKIP metrics.jsonl on a full disk: cannot mount a tmpfs here (the unit suite writes to /dev/full instead)"
+fi
 
 # ---- summarize_runs.py and plot_runs.py on real runs
 D=$T/d
