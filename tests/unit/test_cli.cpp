@@ -287,6 +287,11 @@ TEST_CASE("weight broadcast to a receiver (MPI path): the receiver's weights equ
   CHECK(r.output.find("receive[0]: step 5: 20 tensors") != std::string::npos);
   CHECK(r.output.find("receive[0]: step 10: 20 tensors") != std::string::npos);
   CHECK(r.output.find("2 broadcasts received") != std::string::npos);
+  // a seeded model has no tokenizer files to carry, and both outputs say so
+  CHECK(r.output.find("receive[0]: last weights written to " + (dir / "receiver").string() +
+                      " (no tokenizer files: the weights did not come from an HF directory") != std::string::npos);
+  CHECK(r.output.find("exported the final weights to " + (dir / "trainer").string() + " (no tokenizer files") !=
+        std::string::npos);
   auto same = run("cmp " + (dir / "trainer/model.safetensors").string() + " " +
                   (dir / "receiver/model.safetensors").string());
   CHECK_MESSAGE(same.status == 0, same.output);
