@@ -20,6 +20,7 @@
 #include <optional>
 #include <sstream>
 #include <thread>
+#include <utility>
 
 #include "shardlm/cuda.hpp"
 #include "shardlm/engine.hpp"
@@ -276,6 +277,8 @@ void WeightBroadcaster::send_to_filesystem(const ShardedModel& model, int64_t st
   if (comm_.rank() == 0) {
     fs::create_directories(dir);
     write_hf_config(dir, layout.config, "bfloat16");
+    const std::string tokenizer = copy_tokenizer_files(config_.model.hf, dir);  // servable as it is
+    if (!std::exchange(tokenizer_noted_, true)) std::printf("broadcast: %s\n", tokenizer.c_str());
     writer = std::make_unique<SafetensorsWriter>(file, specs, metadata);
   }
   comm_.barrier();
@@ -473,7 +476,8 @@ int64_t run_receiver(const Config& config, Runtime& rt, const std::string& out_d
               received == 1 ? "" : "s");
   if (!out_dir.empty() && received > 0 && rt.rank == 0) {
     write_received(model, layout, out_dir);
-    std::printf("receive[%d]: last weights written to %s\n", rt.rank, out_dir.c_str());
+    std::printf("receive[%d]: last weights written to %s (%s)\n", rt.rank, out_dir.c_str(),
+                copy_tokenizer_files(config.model.hf, out_dir).c_str());
   }
   std::fflush(stdout);
   return received;

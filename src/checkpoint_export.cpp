@@ -7,6 +7,7 @@
 #include "shardlm/checkpoint_inspect.hpp"
 #include "shardlm/checkpoint_io.hpp"
 #include "shardlm/checkpoint_layout.hpp"
+#include "shardlm/config.hpp"
 #include "shardlm/hf.hpp"
 #include "shardlm/model.hpp"
 
@@ -66,8 +67,9 @@ void export_checkpoint(const fs::path& given, const fs::path& out_dir, const std
     }
     writer.finish();
     write_hf_config(out_dir, info.arch, dtype == "BF16" ? "bfloat16" : "float32");
-    std::printf("export: %s (step %lld) -> %s (config.json, model.safetensors, %s)\n", path.c_str(),
-                (long long)info.step, out_dir.c_str(), dtype == "BF16" ? "bf16" : "fp32");
+    const std::string tokenizer = copy_tokenizer_files(parse_deck_text(info.deck, path, {}, 0).config.model.hf, out_dir);
+    std::printf("export: %s (step %lld) -> %s (config.json, model.safetensors, %s; %s)\n", path.c_str(),
+                (long long)info.step, out_dir.c_str(), dtype == "BF16" ? "bf16" : "fp32", tokenizer.c_str());
     std::fflush(stdout);
   });
 }

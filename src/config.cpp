@@ -142,6 +142,7 @@ const std::vector<KeySpec>& key_table() {
       at_least(key("sched.warmup", Type::Int, FIELD(sched.warmup)), 0),
       at_least(key("sched.decay", Type::Int, FIELD(sched.decay)), 0),
       at_least(key("sched.min_lr", Type::Float, FIELD(sched.min_lr)), 0),
+      within(key("sched.min_lr_ratio", Type::Float, FIELD(sched.min_lr_ratio)), 0, 1),
 
       one_of(key("loss.type", Type::String, FIELD(loss.type)), {"sft", "rl"}),
       positive(key("loss.chunk_tokens", Type::Int, FIELD(loss.chunk_tokens))),
@@ -166,6 +167,7 @@ const std::vector<KeySpec>& key_table() {
 
       positive(key("log.interval", Type::Int, FIELD(log.interval))),
       key("log.jsonl", Type::String, FIELD(log.jsonl)),
+      key("log.tensorboard", Type::Bool, FIELD(log.tensorboard)),
 
       one_of(key("device.backend", Type::String, FIELD(device.backend)), {"auto", "cpu", "cuda"}),
       at_least(key("device.cpu_threads", Type::Int, FIELD(device.cpu_threads)), 0),
@@ -434,8 +436,12 @@ void validate(const Config& c, int world, const std::map<std::string, std::strin
   if (c.sched.warmup > c.run.max_steps)
     err(fmt("sched.warmup = %lld is longer than run.max_steps = %lld", (long long)c.sched.warmup,
             (long long)c.run.max_steps));
-  if (c.sched.min_lr > c.optim.lr)
-    err(fmt("sched.min_lr = %g is larger than optim.lr = %g", c.sched.min_lr, c.optim.lr));
+  if (c.sched.min_lr > 0 && c.sched.min_lr_ratio > 0)
+    err(fmt("sched.min_lr = %g and sched.min_lr_ratio = %g both set the end of the decay: give one (min_lr_ratio, "
+            "a fraction of optim.lr, follows the peak in an lr sweep)", c.sched.min_lr, c.sched.min_lr_ratio));
+  else if (c.sched.min_lr > c.optim.lr)
+    err(fmt("sched.min_lr = %g is larger than optim.lr = %g (min_lr is absolute; sched.min_lr_ratio gives the floor "
+            "as a fraction of optim.lr)", c.sched.min_lr, c.optim.lr));
   if (c.optim.name == "sgd" && set_keys.count("optim.beta1"))
     err("optim.beta1 has no meaning for optim.name = \"sgd\" (use optim.momentum)");
   if (c.optim.name != "muon")

@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <string>
 
 #include "shardlm/broadcast.hpp"
@@ -19,8 +20,11 @@
 #include "shardlm/config.hpp"
 #include "shardlm/engine.hpp"
 #include "shardlm/forward.hpp"
+#include "shardlm/hf.hpp"
 #include "shardlm/memory.hpp"
 #include "shardlm/metrics.hpp"
+#include "shardlm/run_dir.hpp"
+#include "shardlm/run_start.hpp"
 #include "shardlm/runtime.hpp"
 #include "shardlm/train.hpp"
 
@@ -29,10 +33,31 @@ using namespace shardlm;
 
 namespace {
 
+// What keeps this rank from starting in its part of an MPMD launch ("" = nothing).
+// Checked with the deck, so the whole job stops together with exit 1 and one
+// message, never a rank's abort that the others would read as a stop signal.
+std::string launch_problem(const Runtime& rt, const std::string& command, const Config& c) {
+  if (command == "receive" && rt.role != Role::Receive)
+    return "`shardlm receive` must run as the second app of an MPMD launch "
+           "(mpirun -np N shardlm train DECK : -np 1 shardlm receive DECK)";
+  if (command == "train" && rt.role != Role::Train)
+    return fmt("this rank is in app %d of the MPMD launch, which receives: run `shardlm receive` there, "
+               "`shardlm train` in the first app", rt.appnum);
+  if (command == "receive" && c.broadcast.backend == "none")
+    return "receive: the deck has broadcast.backend = \"none\"; set \"nccl\" or \"filesystem\"";
+  if (command == "train" && rt.num_receivers > 0 && c.broadcast.backend == "none")
+    return fmt("this job has %d receiver rank%s but broadcast.backend = \"none\": set \"nccl\" or \"filesystem\", "
+               "or launch the trainers alone", rt.num_receivers, rt.num_receivers == 1 ? "" : "s");
+  return "";
+}
+
 // Every rank parses the deck; the job agrees on whether it is valid, and the
 // lowest rank that found errors prints them. Returns false when the deck is bad.
 bool load_deck(const Runtime& rt, const CliArgs& args, int world, Config& config) {
   DeckResult deck = parse_deck(args.deck, args.overrides, world);
+  if (deck.ok())
+    if (const std::string problem = launch_problem(rt, args.command, deck.config); !problem.empty())
+      deck.errors.push_back(problem);
   int bad = deck.ok() ? 0 : 1, any_bad = 0, first_bad = rt.world_size;
   int my_index = bad ? rt.world_rank : rt.world_size;
   MPI_CHECK(MPI_Allreduce(&bad, &any_bad, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD));
@@ -57,20 +82,6 @@ void print_banner(const Runtime& rt, const Config& config) {
               rt.backend.c_str(), built_backends(), rt.device_name.c_str(), config.deck_path.c_str(),
               config.run.dir.c_str());
   std::fflush(stdout);
-}
-
-// <run.dir>/config.toml: the deck exactly as this run resolved it.
-void write_run_dir(const Runtime& rt, const Config& config) {
-  if (rt.world_rank == 0) {
-    std::error_code ec;
-    fs::create_directories(config.run.dir, ec);
-    SHARDLM_CHECK(!ec, "cannot create run.dir '%s': %s", config.run.dir.c_str(), ec.message().c_str());
-    const fs::path path = fs::path(config.run.dir) / "config.toml";
-    std::ofstream out(path);
-    out << resolved_deck(config);
-    SHARDLM_CHECK(out.good(), "cannot write %s", path.c_str());
-  }
-  MPI_CHECK(MPI_Barrier(rt.role_comm));  // world rank 0 is trainer rank 0
 }
 
 // The whole per-rank plan of a run: the engine's (shards, units, activations)
@@ -151,8 +162,6 @@ int cmd_check(const Runtime& rt, const CliArgs& args) {
 int cmd_receive(Runtime& rt, const CliArgs& args) {
   Config config;
   if (!load_deck(rt, args, rt.num_trainers, config)) return 1;
-  SHARDLM_CHECK(rt.role == Role::Receive, "`shardlm receive` must run as the second app of an MPMD launch "
-                                          "(mpirun -np N shardlm train DECK : -np 1 shardlm receive DECK)");
   const auto out = args.options.count("out") ? args.options.at("out") : std::string();
   run_receiver(config, rt, out);
   return 0;
@@ -178,9 +187,10 @@ int cmd_train(Runtime& rt, const CliArgs& args) {
   if (rt.backend == "cuda") set_device_memory_limit(static_cast<int64_t>(config.device.memory_limit_gib * 1073741824.0));
   if (config.device.cpu_threads > 0) omp_set_num_threads(static_cast<int>(config.device.cpu_threads));
   print_banner(rt, config);
-  write_run_dir(rt, config);
-  SHARDLM_CHECK(rt.role == Role::Train, "this rank is in app %d of the MPMD launch, which receives: run "
-                                        "`shardlm receive` there, `shardlm train` in the first app", rt.appnum);
+  bool in_use = false;
+  const std::unique_ptr<RunDirLock> run_dir_lock = open_run_dir(rt, config, &in_use);  // held until return
+  if (in_use) return kExitRunDirInUse;
+  print_deck_echo(rt, config);
   auto comm = make_mpi_comm(rt.role_comm);
   WeightBroadcaster broadcaster(config, rt, *comm);
 
@@ -219,11 +229,19 @@ int cmd_train(Runtime& rt, const CliArgs& args) {
     std::fflush(stdout);
   }
 
-  // init from a checkpoint (ckpt.resume: latest | none | a file); SIGUSR1/SIGTERM stop after a step
+  // init from a checkpoint (ckpt.resume: latest | none | a file); SIGUSR1/SIGTERM/SIGINT stop after a step
   install_stop_signal_handlers();
   const ResumePoint start = resume(session, rt.role_comm);
-  Metrics metrics(config, comm->rank() == 0, /*append=*/start.step > 0, flops_per_token(session.model.layout, config.data.seq_len),
-                  peak_flops);
+  if (start.step > 0 && start.step >= config.run.max_steps) {  // a finished run started again: say so, train nothing
+    if (comm->rank() == 0)
+      std::printf("run already complete: %s is at step %lld and run.max_steps = %lld; nothing to train (raise "
+                  "run.max_steps to go on, or set ckpt.resume = \"none\" to start over)\n",
+                  start.path.c_str(), (long long)start.step, (long long)config.run.max_steps);
+    broadcaster.finish();
+    return 0;
+  }
+  Metrics metrics(config, comm->rank() == 0, describe_start(rt, config, start),
+                  flops_per_token(session.model.layout, config.data.seq_len), peak_flops);
 
   // Saves go through the Checkpointer: with ckpt.async a save copies the state
   // and a background writer finishes the file while training goes on.
@@ -232,21 +250,24 @@ int cmd_train(Runtime& rt, const CliArgs& args) {
     return r && !r->ok && config.ckpt.on_error == "stop";
   };
   int exit_code = 0;
-  int64_t tokens_seen = start.tokens_seen;
+  int64_t tokens_seen = start.tokens_seen, steps_done = start.step;
+  bool final_save_failed = false;  // with ckpt.on_error = "continue": the run's end state is not on disk
   for (int64_t step = start.step; step < config.run.max_steps; ++step) {
     StepStats stats = session.step(step);  // batch, forward, loss, backward, clip, optimizer
     if (session.eval_due(step + 1)) session.evaluate(stats);  // held-out loss, forward only
     metrics.log(stats);
     tokens_seen += stats.tokens;
+    steps_done = step + 1;
     if (broadcaster.due(step + 1)) broadcaster.send(session, step + 1);  // host paths pull the state themselves
     if (stops_run(checkpointer.poll())) {  // a background save finished: reported here, failed or not
       exit_code = kExitCheckpointFailed;
       break;
     }
-    const bool stop = stop_requested(rt.role_comm);  // SIGUSR1/SIGTERM on any rank, agreed by all
+    const bool stop = stop_requested(rt.role_comm);  // SIGUSR1/SIGTERM/SIGINT on any rank, agreed by all
     if (stop || checkpoint_due(config.ckpt, step + 1, config.run.max_steps)) {
       std::optional<SaveResult> previous;  // the save still in flight, waited for first
       const SaveResult saved = checkpointer.save(step + 1, tokens_seen, &previous);
+      final_save_failed = !saved.ok && step + 1 == config.run.max_steps;
       if (stops_run(previous) || stops_run(saved)) {
         exit_code = kExitCheckpointFailed;
         break;
@@ -264,13 +285,21 @@ int cmd_train(Runtime& rt, const CliArgs& args) {
       break;
     }
   }
-  if (stops_run(checkpointer.wait()) && exit_code == 0) exit_code = kExitCheckpointFailed;  // the last save
+  // The last save, if it was still being written: at run.max_steps that is the final one.
+  const std::optional<SaveResult> last = checkpointer.wait();
+  if (last && !last->ok && steps_done == config.run.max_steps) final_save_failed = true;
+  if (stops_run(last) && exit_code == 0) exit_code = kExitCheckpointFailed;
   broadcaster.finish();
-  if (exit_code != 0) return exit_code;
+  if (exit_code != 0) {
+    metrics.end(exit_code == kExitRequeue ? "stopped" : "checkpoint_failed", exit_code, steps_done);
+    return exit_code;
+  }
   if (!config.run.export_dir.empty()) {
     session.pull_state();
     export_hf(session.model, *comm, config.run.export_dir, config.run.export_dtype == "bf16" ? "BF16" : "F32");
-    if (comm->rank() == 0) std::printf("exported the final weights to %s\n", config.run.export_dir.c_str());
+    if (comm->rank() == 0)
+      std::printf("exported the final weights to %s (%s)\n", config.run.export_dir.c_str(),
+                  copy_tokenizer_files(config.model.hf, config.run.export_dir).c_str());
   }
 
   int64_t peak[2] = {host_memory().total_peak, device_memory().total_peak};
@@ -287,10 +316,20 @@ int cmd_train(Runtime& rt, const CliArgs& args) {
     double seconds[2] = {t.step_s, t.orthogonalize_s};
     MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, seconds, 2, MPI_DOUBLE, MPI_MAX, rt.role_comm));
     if (rt.world_rank == 0 && t.steps > 0)
-      std::printf("muon (steps 2..%lld, slowest rank): step %.1f ms, of which Newton–Schulz %.1f ms (%s)\n",
-                  (long long)t.steps + 1, 1e3 * seconds[0] / double(t.steps), 1e3 * seconds[1] / double(t.steps),
+      std::printf("muon (steps %lld..%lld, slowest rank): step %.1f ms, of which Newton–Schulz %.1f ms (%s)\n",
+                  (long long)start.step + 2, (long long)start.step + t.steps + 1, 1e3 * seconds[0] / double(t.steps),
+                  1e3 * seconds[1] / double(t.steps),
                   muon->orthogonalizer_name());
   }
+  if (final_save_failed) {  // ckpt.on_error = "continue" trained on, but the end must be on disk
+    if (rt.world_rank == 0)
+      std::fprintf(stderr, "shardlm: the checkpoint at step %lld could not be saved (the reason is above); with "
+                           "ckpt.on_error = \"continue\" training went on, but the run's final state is not on disk: "
+                           "exit %d\n", (long long)steps_done, kExitCheckpointFailed);
+    metrics.end("checkpoint_failed", kExitCheckpointFailed, steps_done);
+    return kExitCheckpointFailed;
+  }
+  metrics.end("done", 0, steps_done);
   if (rt.world_rank == 0) std::printf("done: outputs in %s\n", config.run.dir.c_str());
   return 0;
 }

@@ -13,6 +13,8 @@
 namespace shardlm {
 
 double lr_at(const SchedSection& s, double peak, int64_t max_steps, int64_t step) {
+  // The floor: sched.min_lr_ratio of this group's peak, else the absolute sched.min_lr.
+  const double min_lr = s.min_lr_ratio > 0 ? s.min_lr_ratio * peak : s.min_lr;
   if (s.warmup > 0 && step < s.warmup) return peak * static_cast<double>(step + 1) / static_cast<double>(s.warmup);
   if (s.name == "constant") return peak;
   const int64_t after = step - s.warmup;
@@ -21,13 +23,13 @@ double lr_at(const SchedSection& s, double peak, int64_t max_steps, int64_t step
     const int64_t start = max_steps - decay;
     if (step < start || decay <= 0) return peak;
     const double frac = std::min(1.0, static_cast<double>(step - start + 1) / static_cast<double>(decay));
-    return peak + (s.min_lr - peak) * frac;
+    return peak + (min_lr - peak) * frac;
   }
   // cosine from peak (first step after warmup) to min_lr (last step)
   const int64_t span = max_steps - s.warmup - 1;
   if (span <= 0) return peak;
   const double frac = std::min(1.0, static_cast<double>(after) / static_cast<double>(span));
-  return s.min_lr + 0.5 * (peak - s.min_lr) * (1.0 + std::cos(M_PI * frac));
+  return min_lr + 0.5 * (peak - min_lr) * (1.0 + std::cos(M_PI * frac));
 }
 
 namespace {

@@ -33,6 +33,7 @@ have_pc tomlplusplus || [ -f /usr/include/toml++/toml.h ] || need libtomlplusplu
 [ -n "${BLAS_LIBS:-}" ] || ls /usr/lib/*/openblas-openmp/pkgconfig/openblas.pc >/dev/null 2>&1 || need libopenblas-openmp-dev
 have_pc nlohmann_json || [ -f /usr/include/nlohmann/json.hpp ] || need nlohmann-json3-dev
 /usr/bin/python3 -c 'import h5py, numpy' >/dev/null 2>&1 || need python3-h5py python3-numpy
+/usr/bin/python3 -c 'import matplotlib' >/dev/null 2>&1 || need python3-matplotlib  # tools/plot_runs.py
 # The real-text deck's corpus (inputs/text-sft.toml, tools/make_text_data.sh).
 { command -v bible >/dev/null 2>&1 && [ -f /usr/lib/bible.data ]; } || need bible-kjv
 # Slurm: tests/scripts/test_slurm.sh starts a single-node cluster of its own

@@ -80,6 +80,7 @@ class WeightBroadcaster {
   int64_t staging_bytes_ = 0;           // pinned host bytes device_bcast_ holds (staged kind)
   void* gathered_unit_ = nullptr;       // GPU path: one gathered bf16 unit (device), first send to finish()
   int64_t gathered_bytes_ = 0;
+  bool tokenizer_noted_ = false;        // rank 0: the filesystem path said where the tokenizer files came from
 };
 
 // `shardlm receive DECK [--out DIR]`: receive every broadcast, verify checksums,

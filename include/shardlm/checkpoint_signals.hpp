@@ -1,8 +1,8 @@
 // checkpoint_signals.hpp — the stop request a job scheduler sends, and the exit
 // codes the job scripts act on.
 //
-// Owns: the signal handlers (SIGUSR1, SIGTERM set a flag; nothing else happens
-// in a handler), the agreement of all trainer ranks on that flag at the end of
+// Owns: the signal handlers (SIGUSR1, SIGTERM, SIGINT set a flag; a second SIGINT
+// ends the process; nothing else happens in a handler), the agreement of all trainer ranks on that flag at the end of
 // a step, and the exit codes of `shardlm train`. Knows MPI (one all-reduce);
 // knows nothing about checkpoint files, the model or the training loop: the
 // loop asks stop_requested() and saves.
@@ -13,10 +13,11 @@
 namespace shardlm {
 
 // Exit codes of `shardlm train` (sysexits.h): the job scripts requeue on 75.
-constexpr int kExitRequeue = 75;           // EX_TEMPFAIL: stopped by SIGUSR1/SIGTERM, checkpoint saved
+constexpr int kExitRequeue = 75;           // EX_TEMPFAIL: stopped by SIGUSR1/SIGTERM/SIGINT, checkpoint saved
 constexpr int kExitCheckpointFailed = 74;  // EX_IOERR: a save failed and ckpt.on_error = "stop"
 
-// SIGUSR1 and SIGTERM set a flag (nothing else happens in the handler).
+// SIGUSR1, SIGTERM and SIGINT set a flag; a second SIGINT ends the process at once
+// (the handler only writes one line to stderr and sets the flag).
 void install_stop_signal_handlers();
 // Collective: true on every rank when any rank has seen a stop signal.
 bool stop_requested(MPI_Comm trainers);

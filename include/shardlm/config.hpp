@@ -82,7 +82,8 @@ struct SchedSection {
   std::string name = "constant";    // constant | linear | cosine
   int64_t warmup = 0;               // steps of linear warmup from 0
   int64_t decay = 0;                // linear: steps of the final decay (0 = to max_steps)
-  double min_lr = 0.0;
+  double min_lr = 0.0;              // absolute floor of linear / cosine decay
+  double min_lr_ratio = 0.0;        // the floor as a fraction of each group's peak lr (not with min_lr)
 };
 
 struct LossSection {
@@ -115,6 +116,7 @@ struct BroadcastSection {
 struct LogSection {
   int64_t interval = 1;
   std::string jsonl = "metrics.jsonl";  // relative to run.dir
+  bool tensorboard = false;         // <run.dir>/tensorboard/events.out.tfevents.*
 };
 
 struct DeviceSection {

@@ -23,8 +23,9 @@
 namespace shardlm {
 
 // lr at `step` (0-based): linear warmup from 0 over sched.warmup steps, then
-// constant | linear (decay to min_lr over the last sched.decay steps, all of the
-// rest when 0) | cosine (to min_lr at max_steps).
+// constant | linear (decay to the floor over the last sched.decay steps, all of
+// the rest when 0) | cosine (to the floor at max_steps). The floor is
+// sched.min_lr_ratio * peak_lr when that is set (each group's own peak), else sched.min_lr.
 double lr_at(const SchedSection& sched, double peak_lr, int64_t max_steps, int64_t step);
 
 // fp32 arrays per parameter element that `config` keeps (AdamW 2, SGD 0 or 1, Muon 2).

@@ -39,8 +39,9 @@ train_tiny() {
 compare_losses() {
   "$PY" - "$out/$1/metrics.jsonl" "$out/$2/metrics.jsonl" "$3" "$4" "$5" "$6" "${7:-}" <<'PYEOF'
 import json, sys
-def losses(p):
-    return {json.loads(l)["step"]: json.loads(l)["loss"] for l in open(p) if l.strip()}
+def losses(p):  # step rows only (event rows carry "event"; the last row of a step wins)
+    rows = [json.loads(l) for l in open(p) if l.strip()]
+    return {r["step"]: r["loss"] for r in rows if "event" not in r}
 a, b, tol = losses(sys.argv[1]), losses(sys.argv[2]), float(sys.argv[3])
 first, last, what, descent = int(sys.argv[4]), int(sys.argv[5]), sys.argv[6], sys.argv[7] == "descent"
 steps = sorted(s for s in a if first <= s <= last)

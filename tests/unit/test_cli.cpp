@@ -3,6 +3,7 @@
 #include <doctest/doctest.h>
 
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <cstdio>
 #include <cstdlib>
@@ -12,6 +13,7 @@
 
 #include "shardlm/cli.hpp"
 #include "shardlm/error.hpp"
+#include "shardlm/run_dir.hpp"
 #include "run_command.hpp"
 
 using namespace shardlm;
@@ -172,10 +174,17 @@ TEST_CASE("train under mpirun -np 2: banner, progress, config.toml and metrics.j
   REQUIRE(f);
   char line[4096];
   int lines = 0;
-  std::string last;
-  while (std::fgets(line, sizeof line, f)) ++lines, last = line;
+  std::string first, last_step, last;
+  while (std::fgets(line, sizeof line, f)) {
+    ++lines, last = line;
+    if (lines == 1) first = line;
+    if (last.rfind("{\"step\": ", 0) == 0) last_step = line;
+  }
   std::fclose(f);
-  CHECK(lines == 2);
+  CHECK(lines == 4);  // start, steps 5 and 10, end
+  CHECK(first.rfind("{\"event\": \"start\", \"step\": 0, \"run_name\": \"tiny-sft\"", 0) == 0);
+  CHECK(last.rfind("{\"event\": \"end\", \"step\": 10, \"status\": \"done\", \"exit_code\": 0,", 0) == 0);
+  last = last_step;
   for (const char* key : {"\"step\": 10", "\"loss\": ", "\"grad_norm\": ", "\"lr\": ", "\"tokens\": ",
                           "\"tokens_per_s\": ", "\"step_time_s\": ", "\"mem_peak_bytes\": "})
     CHECK_MESSAGE(last.find(key) != std::string::npos, key);
@@ -278,6 +287,11 @@ TEST_CASE("weight broadcast to a receiver (MPI path): the receiver's weights equ
   CHECK(r.output.find("receive[0]: step 5: 20 tensors") != std::string::npos);
   CHECK(r.output.find("receive[0]: step 10: 20 tensors") != std::string::npos);
   CHECK(r.output.find("2 broadcasts received") != std::string::npos);
+  // a seeded model has no tokenizer files to carry, and both outputs say so
+  CHECK(r.output.find("receive[0]: last weights written to " + (dir / "receiver").string() +
+                      " (no tokenizer files: the weights did not come from an HF directory") != std::string::npos);
+  CHECK(r.output.find("exported the final weights to " + (dir / "trainer").string() + " (no tokenizer files") !=
+        std::string::npos);
   auto same = run("cmp " + (dir / "trainer/model.safetensors").string() + " " +
                   (dir / "receiver/model.safetensors").string());
   CHECK_MESSAGE(same.status == 0, same.output);
@@ -309,7 +323,7 @@ TEST_CASE("a receiver that dies makes the trainers abort with a message, not han
   const std::string sets = " --set broadcast.backend=nccl --set broadcast.interval=2 --set run.max_steps=50";
   auto r = run("SHARDLM_FAULT=receive@2 OMP_NUM_THREADS=1 " + mpirun(2) + "-x SHARDLM_FAULT " + shardlm_bin() +
                    " train inputs/tiny-sft.toml" + sets + " --set run.dir=" +
-                   (std::filesystem::temp_directory_path() / "shardlm-deadrecv").string() + " : -np 1 " +
+                   (std::filesystem::temp_directory_path() / ("shardlm-deadrecv-" + std::to_string(getpid()))).string() + " : -np 1 " +
                    shardlm_bin() + " receive inputs/tiny-sft.toml" + sets,
                120);
   CHECK(r.status != 0);
@@ -324,6 +338,38 @@ TEST_CASE("receive refuses a deck without a broadcast backend; train refuses ncc
   auto fsb = run(shardlm_bin() + " check inputs/tiny-sft.toml --set broadcast.backend=filesystem");
   CHECK(fsb.status == 1);
   CHECK(fsb.output.find("needs broadcast.dir") != std::string::npos);
+}
+
+TEST_CASE("an MPMD launch whose receivers cannot start fails at once with exit 1, never the requeue code") {
+  const auto dir = std::filesystem::temp_directory_path() / ("shardlm-norecv-" + std::to_string(getpid()));
+  auto r = run("OMP_NUM_THREADS=1 " + mpirun(1) + shardlm_bin() + " train inputs/tiny-sft.toml --set run.dir=" +
+                   dir.string() + " : -np 1 " + shardlm_bin() + " receive inputs/tiny-sft.toml",
+               120);
+  CHECK(r.status == 1);
+  CHECK(r.output.find("this job has 1 receiver rank but broadcast.backend = \"none\"") != std::string::npos);
+  CHECK(r.output.find("stopped by signal") == std::string::npos);
+  CHECK(r.output.find("exit 75") == std::string::npos);
+  CHECK_FALSE(std::filesystem::exists(dir / "checkpoints"));
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("run.lock under mpirun -np 2: rank 0's refusal ends every rank with exit 73 and one message") {
+  const auto dir = std::filesystem::temp_directory_path() / ("shardlm-locked-" + std::to_string(getpid()));
+  char host[256] = {0};
+  gethostname(host, sizeof host - 1);
+  {
+    const RunDirLock holder(dir, "holder", "a.toml");  // this test process holds the directory
+    auto r = run("OMP_NUM_THREADS=1 " + mpirun(2) + shardlm_bin() + " train inputs/tiny-sft.toml --set run.dir=" +
+                     dir.string(),
+                 120);
+    CHECK(r.status == 73);
+    const std::string held = "is held by pid " + std::to_string(getpid()) + " on host " + host + ", started ";
+    CHECK(r.output.find(held) != std::string::npos);
+    CHECK(r.output.find(held) == r.output.rfind(held));  // said once, by rank 0
+    CHECK(r.output.find(" UTC (run 'holder', deck a.toml)") != std::string::npos);
+    CHECK_FALSE(std::filesystem::exists(dir / "config.toml"));
+  }
+  std::filesystem::remove_all(dir);
 }
 
 TEST_CASE("RL end to end: tiny-rl trains on synthetic rollouts and broadcasts; receiver == export, bit for bit") {
@@ -350,10 +396,11 @@ TEST_CASE("RL end to end: tiny-rl trains on synthetic rollouts and broadcasts; r
                     (dir / ("receiver-" + backend) / "model.safetensors").string());
     CHECK_MESSAGE(same.status == 0, same.output);
   }
-  // metrics.jsonl carries the RL fields
+  // metrics.jsonl carries the RL fields (its first step row, after the start row)
   std::FILE* f = std::fopen((dir / "run/metrics.jsonl").c_str(), "r");
   REQUIRE(f);
   char line[4096] = {0};
+  REQUIRE(std::fgets(line, sizeof line, f));
   REQUIRE(std::fgets(line, sizeof line, f));
   std::fclose(f);
   for (const char* key : {"\"entropy\": ", "\"mismatch_kl\": ", "\"masked_high\": ", "\"masked_low\": ",
@@ -378,7 +425,7 @@ TEST_CASE("RL: a rollout file that never comes is a clear error after data.rollo
 TEST_CASE("a fatal error on one rank aborts the whole job with one message, never a hang") {
   auto r = run("SHARDLM_FAULT=startup@1 " + mpirun(2) + "-x SHARDLM_FAULT " + shardlm_bin() +
                    " train inputs/tiny-sft.toml --set run.dir=" +
-                   (std::filesystem::temp_directory_path() / "shardlm-abort").string(),
+                   (std::filesystem::temp_directory_path() / ("shardlm-abort-" + std::to_string(getpid()))).string(),
                60);
   CHECK(r.status != 0);
   CHECK(r.status != 124);  // 124: the timeout fired, i.e. the job hung

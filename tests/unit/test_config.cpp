@@ -242,7 +242,14 @@ TEST_CASE("cross-field checks run before any work") {
   CHECK(only_error(parse(kValid, {"model.num_kv_heads=3"})) ==
         "deck.toml: model.num_heads = 4 is not a multiple of model.num_kv_heads = 3");
   CHECK(only_error(parse(kValid, {"sched.warmup=20"})) == "deck.toml: sched.warmup = 20 is longer than run.max_steps = 10");
-  CHECK(only_error(parse(kValid, {"sched.min_lr=1"})) == "deck.toml: sched.min_lr = 1 is larger than optim.lr = 0.0003");
+  CHECK(only_error(parse(kValid, {"sched.min_lr=1"})) ==
+        "deck.toml: sched.min_lr = 1 is larger than optim.lr = 0.0003 (min_lr is absolute; sched.min_lr_ratio gives the "
+        "floor as a fraction of optim.lr)");
+  CHECK(only_error(parse(kValid, {"sched.min_lr=1e-5", "sched.min_lr_ratio=0.1"})) ==
+        "deck.toml: sched.min_lr = 1e-05 and sched.min_lr_ratio = 0.1 both set the end of the decay: give one "
+        "(min_lr_ratio, a fraction of optim.lr, follows the peak in an lr sweep)");
+  CHECK(only_error(parse(kValid, {"sched.min_lr_ratio=1.5"})) ==
+        "--set sched.min_lr_ratio=1.5: sched.min_lr_ratio = 1.5 is out of range: it must be between 0 and 1");
   CHECK(only_error(parse(kValid, {"data.path="})) ==
         "deck.toml: data.path is not set: SFT needs a token file (see docs/data.md)");
   CHECK(only_error(parse(kValid, {"model.max_position_embeddings=32"})) ==
