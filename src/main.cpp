@@ -3,10 +3,15 @@
 // runtime -> config -> (model, shards, init) -> for step: batch, forward,
 // loss, backward, clip, optimizer, metrics, checkpoint. Each phase is one call;
 // a phase that grows past a screen lives in its own file.
+#include <fcntl.h>
 #include <omp.h>
+#include <unistd.h>
 
+#include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -16,6 +21,7 @@
 #include "shardlm/cli.hpp"
 #include "shardlm/comm.hpp"
 #include "shardlm/config.hpp"
+#include "shardlm/cuda.hpp"
 #include "shardlm/engine.hpp"
 #include "shardlm/forward.hpp"
 #include "shardlm/memory.hpp"
@@ -58,16 +64,53 @@ void print_banner(const Runtime& rt, const Config& config) {
   std::fflush(stdout);
 }
 
-// <run.dir>/config.toml: the deck exactly as this run resolved it.
+// `dir` exists (made if not) and a file can be created in it: found at start,
+// with the path and the reason, rather than as MPI-IO's "MPI_ERR_OTHER" at the
+// first checkpoint.
+void require_writable_dir(const fs::path& dir, const char* what) {
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  SHARDLM_CHECK(!ec, "cannot create %s %s: %s", what, dir.c_str(), ec.message().c_str());
+  SHARDLM_CHECK(fs::is_directory(dir), "%s %s is not a directory (a file of that name is in the way)", what,
+                dir.c_str());
+  const fs::path probe = dir / ".shardlm-write-test";
+  const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  SHARDLM_CHECK(fd >= 0, "cannot write in %s %s: %s", what, dir.c_str(), std::strerror(errno));
+  ::close(fd);
+  ::unlink(probe.c_str());
+}
+
+// `text` as `path`, whole or not at all: written to PATH.tmp, flushed, renamed.
+// A failure (a full disk) names the reason and leaves neither file behind.
+void write_file_whole(const fs::path& path, const std::string& text) {
+  const fs::path tmp = path.string() + ".tmp";
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  SHARDLM_CHECK(fd >= 0, "cannot create %s: %s", tmp.c_str(), std::strerror(errno));
+  const char* p = text.data();
+  size_t left = text.size();
+  int error = 0;
+  while (left > 0 && !error) {
+    const ssize_t n = ::write(fd, p, left);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) error = n < 0 ? errno : ENOSPC;
+    else p += n, left -= size_t(n);
+  }
+  if (!error && ::fsync(fd) != 0 && errno != EINVAL) error = errno;  // EINVAL: a file that cannot be synced
+  if (::close(fd) != 0 && !error) error = errno;
+  if (!error && std::rename(tmp.c_str(), path.c_str()) != 0) error = errno;
+  if (error) {
+    ::unlink(tmp.c_str());
+    SHARDLM_FAIL("cannot write %s: %s", path.c_str(), std::strerror(error));
+  }
+}
+
+// <run.dir>/config.toml: the deck exactly as this run resolved it; run.dir and
+// its checkpoints/ directory are writable.
 void write_run_dir(const Runtime& rt, const Config& config) {
   if (rt.world_rank == 0) {
-    std::error_code ec;
-    fs::create_directories(config.run.dir, ec);
-    SHARDLM_CHECK(!ec, "cannot create run.dir '%s': %s", config.run.dir.c_str(), ec.message().c_str());
-    const fs::path path = fs::path(config.run.dir) / "config.toml";
-    std::ofstream out(path);
-    out << resolved_deck(config);
-    SHARDLM_CHECK(out.good(), "cannot write %s", path.c_str());
+    require_writable_dir(config.run.dir, "run.dir");
+    write_file_whole(fs::path(config.run.dir) / "config.toml", resolved_deck(config));
+    require_writable_dir(checkpoint_dir(config), "the checkpoint directory");
   }
   MPI_CHECK(MPI_Barrier(rt.role_comm));  // world rank 0 is trainer rank 0
 }
@@ -102,6 +145,26 @@ int64_t data_reader_bytes(const Config& config, int64_t vocab_size, std::string*
   return bytes;
 }
 
+// The plan of this run against this node's memory, before anything large is
+// built: every process of the node holds its host plan at once, and the ranks
+// bound to one GPU share its memory (or device.memory_limit_gib when lower).
+void refuse_plan_over_machine(const Runtime& rt, const Config& config) {
+  const ModelLayout layout(model_config_for(config), rt.num_trainers);
+  const bool cuda = rt.backend == "cuda";
+  const MemoryPlan plan = run_memory_plan(config, layout, cuda ? *make_cuda_backend() : *make_cpu_backend());
+  int64_t gpu_bytes = 0;
+  int ranks_per_gpu = 1;
+  if (cuda) {
+    gpu_bytes = cuda_device_memory_bytes(rt.device);
+    if (config.device.memory_limit_gib > 0)
+      gpu_bytes = std::min<int64_t>(gpu_bytes, static_cast<int64_t>(config.device.memory_limit_gib * 1073741824.0));
+    const int ndev = std::max(cuda_device_count(), 1);
+    ranks_per_gpu = (rt.local_size + ndev - 1) / ndev;
+  }
+  const std::string e = plan_fit_error(plan, rt.local_size, machine_host_memory(), ranks_per_gpu, gpu_bytes);
+  SHARDLM_CHECK(e.empty(), "%s: %s", config.deck_path.c_str(), e.c_str());
+}
+
 int cmd_check(const Runtime& rt, const CliArgs& args) {
   Config config;
   const int world = args.world > 0 ? args.world : rt.num_trainers;
@@ -109,6 +172,23 @@ int cmd_check(const Runtime& rt, const CliArgs& args) {
   if (rt.world_rank == 0) {
     const ModelConfig arch = model_config_for(config);
     const ModelLayout layout(arch, world);
+    // The data as train opens it, before the deck is called valid: the token
+    // files, or the rollout directory and its first file.
+    std::string data_lines;
+    if (config.loss.type == "sft") {
+      for (const std::string& path : config.data.path) {
+        validate_token_file(path, arch.vocab_size);
+        data_lines += fmt("data: %s is a token file for vocab_size %lld\n", path.c_str(), (long long)arch.vocab_size);
+      }
+    } else {
+      validate_rollout_dir(config.data.rollout_dir);
+      const std::string first = rollout_path(config.data.rollout_dir, 0);
+      if (std::filesystem::exists(first)) read_rollouts(first, arch.vocab_size);
+      data_lines += fmt("data: rollouts from %s/step_<N>.h5 (%s)\n", config.data.rollout_dir.c_str(),
+                  std::filesystem::exists(first) ? "step_0.h5 read and valid"
+                  : std::filesystem::is_directory(config.data.rollout_dir) ? "step_0.h5 not there yet"
+                                                                          : "the directory does not exist yet");
+    }
     // The plan of the backend this deck asks for; "auto" plans the CPU backend.
     const bool cuda = config.device.backend == "cuda";
     MemoryPlan plan = run_memory_plan(config, layout, cuda ? *make_cuda_backend() : *make_cpu_backend());
@@ -118,7 +198,12 @@ int cmd_check(const Runtime& rt, const CliArgs& args) {
                 args.deck.c_str(), world, world == 1 ? "" : "s", resolved_deck(config).c_str(), arch.arch.c_str(),
                 (long long)layout.parameter_count(), (long long)layout.matmul_parameter_count(),
                 format_memory_plan(plan, world).c_str());
-    std::printf("%s", data_note.c_str());
+    std::printf("%s%s", data_note.c_str(), data_lines.c_str());
+    // One rank against this machine: the nodes that run the deck may differ.
+    const MachineMemory host = machine_host_memory();
+    const std::string fit = plan_fit_error(plan, 1, host, 1, 0);
+    std::printf("this machine: %.2f GiB of host memory (%s); %s\n", double(host.bytes) / 1073741824.0, host.source,
+                fit.empty() ? "one rank's plan fits" : ("one rank's plan does not fit: " + fit).c_str());
     if (cuda && config.model.optim_cpu_offload) {  // what the lever buys, against the state on the GPU
       Config on_gpu = config;
       on_gpu.model.optim_cpu_offload = false;
@@ -163,6 +248,7 @@ int cmd_train(Runtime& rt, const CliArgs& args) {
   config.comm.backend = select_comm(rt, config.comm.backend);
   if (rt.backend == "cuda") set_device_memory_limit(static_cast<int64_t>(config.device.memory_limit_gib * 1073741824.0));
   if (config.device.cpu_threads > 0) omp_set_num_threads(static_cast<int>(config.device.cpu_threads));
+  refuse_plan_over_machine(rt, config);
   print_banner(rt, config);
   write_run_dir(rt, config);
   SHARDLM_CHECK(rt.role == Role::Train, "this rank is in app %d of the MPMD launch, which receives: run "
