@@ -243,6 +243,7 @@ int cmd_train(Runtime& rt, const CliArgs& args) {
   Config config;
   if (!load_deck(rt, args, rt.num_trainers, config)) return 1;
   maybe_inject_fault("startup");
+  set_collective_timeout(config.comm.timeout_s);  // the MPI Comm's watchdog (NCCL has its own)
   select_device(rt, config.device.backend);
   config.device.backend = rt.backend;  // "auto" resolved: the session builds that backend
   config.comm.backend = select_comm(rt, config.comm.backend);

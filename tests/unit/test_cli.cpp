@@ -476,6 +476,36 @@ TEST_CASE("an unwritable checkpoint directory and a full disk at start name the 
   std::filesystem::remove_all(dir);
 }
 
+TEST_CASE("a stopped rank: the MPI watchdog aborts after comm.timeout_s naming the collective and the rank") {
+  // Rank 2 of 3 freezes (SIGSTOP) at its first all-reduce; ranks 0 and 1 wait in it.
+  const auto dir = std::filesystem::temp_directory_path() / ("shardlm-stopped-" + std::to_string(getpid()));
+  auto r = run("SHARDLM_FAULT=mpi_stop@2 OMP_NUM_THREADS=1 " + mpirun(3) + "-x SHARDLM_FAULT " + shardlm_bin() +
+               " train inputs/tiny-sft.toml --set data.global_batch=12 --set data.micro_batch=1 --set comm.timeout_s=3"
+               " --set run.dir=" + dir.string());
+  CHECK(r.status != 0);
+  CHECK(r.status != 124);  // the hang guard did not fire: the watchdog did
+  CHECK_MESSAGE(r.output.find("collective all_reduce_sum (#") != std::string::npos, r.output);
+  CHECK(r.output.find("has not completed after 3.") != std::string::npos);
+  CHECK(r.output.find("(comm.timeout_s = 3): rank 2 did not arrive (stopped, dead, or stuck outside any collective); "
+                      "waiting in it: ranks 0, 1") != std::string::npos);
+  // One report for the job, by the lowest waiting rank.
+  CHECK(r.output.find("has not completed") == r.output.rfind("has not completed"));
+  CHECK(r.output.find("shardlm: error on rank 0 of 3") != std::string::npos);
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("a killed rank ends the job in seconds with a line naming it") {
+  const auto dir = std::filesystem::temp_directory_path() / ("shardlm-killed-" + std::to_string(getpid()));
+  auto r = run("SHARDLM_FAULT=mpi_kill@2 OMP_NUM_THREADS=1 " + mpirun(3) + "-x SHARDLM_FAULT " + shardlm_bin() +
+               " train inputs/tiny-sft.toml --set data.global_batch=12 --set data.micro_batch=1 --set run.dir=" +
+               dir.string());
+  CHECK(r.status != 0);
+  CHECK(r.status != 124);
+  // The launcher sees the death first and names the rank (Open MPI: "process rank 2 ... exited on signal 9").
+  CHECK_MESSAGE(r.output.find("rank 2") != std::string::npos, r.output);
+  std::filesystem::remove_all(dir);
+}
+
 TEST_CASE("a fatal error on one rank aborts the whole job with one message, never a hang") {
   auto r = run("SHARDLM_FAULT=startup@1 " + mpirun(2) + "-x SHARDLM_FAULT " + shardlm_bin() +
                    " train inputs/tiny-sft.toml --set run.dir=" +
