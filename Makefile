@@ -158,7 +158,7 @@ test-gpu: deps
 # The sanitizer build: the unit suite and tiny runs at -np 1 and 2 must be clean
 # (any ASan or UBSan report fails them). About 10 minutes on 2 cores, build included.
 test-sanitize: deps
-	@$(MAKE) --no-print-directory SANITIZE=1 BUILD=build-sanitize all
+	@$(MAKE) --no-print-directory SANITIZE=1 BUILD=build-sanitize build-sanitize/shardlm build-sanitize/test_unit
 	@MPIRUN="$(MPIRUN)" PYTHON="$(PYTHON)" BUILD=build-sanitize bash tests/sanitize.sh
 
 clean:
