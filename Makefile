@@ -5,6 +5,8 @@
 #   make run-text   train inputs/text-sft.toml (real text) under mpirun -np 2
 #   make test       all CPU test suites; ends with "N passed, N failed"
 #   make test-gpu   the same plus the GPU suites (CUDA build, needs a GPU)
+#   make test-sanitize  ASan + UBSan build in build-sanitize/ (SANITIZE=1): the
+#                   unit suite and tiny runs at -np 1 and 2 (docs/testing.md)
 #   make clean
 #
 # On a fresh Debian/Ubuntu machine `make run` and `make test` install what is
@@ -14,6 +16,14 @@
 MPICXX    ?= mpicxx
 MPIRUN    ?= mpirun
 PKG_CONFIG ?= pkg-config
+# SANITIZE=1: AddressSanitizer + UndefinedBehaviorSanitizer, CPU backend, its own build dir.
+SANITIZE  ?= 0
+ifeq ($(SANITIZE),1)
+BUILD     ?= build-sanitize
+OPT       ?= -O1
+CUDA      := 0
+SANITIZE_FLAGS := -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer
+endif
 BUILD     ?= build
 OPT       ?= -O2
 CUDA_HOME ?= /usr/local/cuda
@@ -50,6 +60,8 @@ CXXFLAGS ?= $(OPT) -g
 CXXFLAGS += -std=c++20 -Wall -Wextra -fopenmp -MMD -MP -Iinclude -DOMPI_SKIP_MPICXX -DMPICH_SKIP_MPICXX \
             $(HDF5_CFLAGS) $(TOML_CFLAGS) $(BLAS_CFLAGS) $(JSON_CFLAGS)
 LDLIBS   += $(HDF5_LIBS) $(TOML_LIBS) $(BLAS_LIBS) -lz -fopenmp
+CXXFLAGS += $(SANITIZE_FLAGS)
+LDLIBS   += $(SANITIZE_FLAGS)
 
 VERSION := $(shell cat VERSION 2>/dev/null || echo 0.0.0)
 GIT_REV := $(shell git rev-parse --short HEAD 2>/dev/null || echo unknown)
@@ -78,7 +90,7 @@ UNIT_OBJS := $(patsubst %.cpp,$(BUILD)/obj/%.o,$(wildcard tests/unit/*.cpp)) $(B
 MPI_OBJS  := $(patsubst %.cpp,$(BUILD)/obj/%.o,$(wildcard tests/mpi/*.cpp)) $(BUILD)/obj/tests/main_mpi.o
 GPU_OBJS  := $(patsubst %.cpp,$(BUILD)/obj/%.o,$(wildcard tests/gpu/*.cpp)) $(BUILD)/obj/tests/main_unit.o
 
-.PHONY: all run run-text test test-gpu test-suites clean deps bench-cpu-adamw
+.PHONY: all run run-text test test-gpu test-sanitize test-suites clean deps bench-cpu-adamw
 all: $(BUILD)/shardlm $(BUILD)/test_unit $(BUILD)/test_mpi
 
 $(BUILD)/shardlm: $(BUILD)/obj/src/main.o $(LIB_OBJS)
@@ -142,6 +154,12 @@ test: deps
 test-gpu: deps
 	@$(MAKE) --no-print-directory all $(BUILD)/test_gpu CUDA=1
 	@MPIRUN="$(MPIRUN)" PYTHON="$(PYTHON)" BUILD="$(BUILD)" SHARDLM_TEST_GPU=1 bash tests/run.sh
+
+# The sanitizer build: the unit suite and tiny runs at -np 1 and 2 must be clean
+# (any ASan or UBSan report fails them). About 10 minutes on 2 cores, build included.
+test-sanitize: deps
+	@$(MAKE) --no-print-directory SANITIZE=1 BUILD=build-sanitize build-sanitize/shardlm build-sanitize/test_unit
+	@MPIRUN="$(MPIRUN)" PYTHON="$(PYTHON)" BUILD=build-sanitize bash tests/sanitize.sh
 
 clean:
 	rm -rf $(BUILD)

@@ -13,10 +13,12 @@
 #include <fstream>
 #include <functional>
 #include <map>
+#include <set>
 #include <sstream>
 
 #include <toml++/toml.h>
 
+#include "shardlm/checked_math.hpp"
 #include "shardlm/error.hpp"
 
 namespace shardlm {
@@ -59,6 +61,9 @@ KeySpec key(std::string path, Type type, F field) {
 KeySpec at_least(KeySpec k, double min) { k.min = min; return k; }
 KeySpec positive(KeySpec k) { k.min = 0; k.min_exclusive = true; return k; }
 KeySpec within(KeySpec k, double min, double max) { k.min = min; k.max = max; return k; }
+KeySpec up_to(KeySpec k, double max) { k.max = max; return k; }
+// Timeouts: a year. Longer ones overflow the clocks' nanosecond counts long before they help anyone.
+constexpr double kMaxSeconds = 3.2e7;
 KeySpec one_of(KeySpec k, std::vector<std::string> choices, std::vector<std::string> not_yet = {}) {
   k.choices = std::move(choices);
   k.not_yet = std::move(not_yet);
@@ -82,26 +87,30 @@ const std::vector<KeySpec>& key_table() {
 
       key("model.hf", Type::String, FIELD(model.hf)),
       one_of(key("model.arch", Type::String, FIELD(model.arch.arch)), {"llama", "qwen2", "qwen3"}),
-      positive(key("model.vocab_size", Type::Int, FIELD(model.arch.vocab_size))),
-      positive(key("model.hidden_size", Type::Int, FIELD(model.arch.hidden_size))),
-      positive(key("model.intermediate_size", Type::Int, FIELD(model.arch.intermediate_size))),
-      positive(key("model.num_layers", Type::Int, FIELD(model.arch.num_layers))),
-      positive(key("model.num_heads", Type::Int, FIELD(model.arch.num_heads))),
-      positive(key("model.num_kv_heads", Type::Int, FIELD(model.arch.num_kv_heads))),
-      positive(key("model.head_dim", Type::Int, FIELD(model.arch.head_dim))),
-      positive(key("model.max_position_embeddings", Type::Int, FIELD(model.arch.max_position_embeddings))),
-      positive(key("model.rms_norm_eps", Type::Float, FIELD(model.arch.rms_norm_eps))),
-      positive(key("model.rope_theta", Type::Float, FIELD(model.arch.rope_theta))),
+      up_to(positive(key("model.vocab_size", Type::Int, FIELD(model.arch.vocab_size))), kMaxVocabSize),
+      up_to(positive(key("model.hidden_size", Type::Int, FIELD(model.arch.hidden_size))), kMaxHiddenSize),
+      up_to(positive(key("model.intermediate_size", Type::Int, FIELD(model.arch.intermediate_size))),
+            kMaxIntermediateSize),
+      up_to(positive(key("model.num_layers", Type::Int, FIELD(model.arch.num_layers))), kMaxLayers),
+      up_to(positive(key("model.num_heads", Type::Int, FIELD(model.arch.num_heads))), kMaxHeads),
+      up_to(positive(key("model.num_kv_heads", Type::Int, FIELD(model.arch.num_kv_heads))), kMaxHeads),
+      up_to(positive(key("model.head_dim", Type::Int, FIELD(model.arch.head_dim))), kMaxHeadDim),
+      up_to(positive(key("model.max_position_embeddings", Type::Int, FIELD(model.arch.max_position_embeddings))),
+            kMaxPositions),
+      up_to(positive(key("model.rms_norm_eps", Type::Float, FIELD(model.arch.rms_norm_eps))), 1),
+      up_to(positive(key("model.rope_theta", Type::Float, FIELD(model.arch.rope_theta))), 1e15),
       one_of(key("model.rope_scaling", Type::String, FIELD(model.arch.rope_scaling.type)), {"none", "llama3"}),
-      positive(key("model.rope_factor", Type::Float, FIELD(model.arch.rope_scaling.factor))),
-      positive(key("model.rope_low_freq_factor", Type::Float, FIELD(model.arch.rope_scaling.low_freq_factor))),
-      positive(key("model.rope_high_freq_factor", Type::Float, FIELD(model.arch.rope_scaling.high_freq_factor))),
-      positive(key("model.rope_original_max_position_embeddings", Type::Int,
-                   FIELD(model.arch.rope_scaling.original_max_position_embeddings))),
+      up_to(positive(key("model.rope_factor", Type::Float, FIELD(model.arch.rope_scaling.factor))), 1e6),
+      up_to(positive(key("model.rope_low_freq_factor", Type::Float, FIELD(model.arch.rope_scaling.low_freq_factor))), 1e6),
+      up_to(positive(key("model.rope_high_freq_factor", Type::Float, FIELD(model.arch.rope_scaling.high_freq_factor))),
+            1e6),
+      up_to(positive(key("model.rope_original_max_position_embeddings", Type::Int,
+                         FIELD(model.arch.rope_scaling.original_max_position_embeddings))),
+            kMaxPositions),
       key("model.attention_bias", Type::Bool, FIELD(model.arch.attention_bias)),
       key("model.qk_norm", Type::Bool, FIELD(model.arch.qk_norm)),
       key("model.tie_word_embeddings", Type::Bool, FIELD(model.arch.tie_word_embeddings)),
-      positive(key("model.init_std", Type::Float, FIELD(model.init_std))),
+      up_to(positive(key("model.init_std", Type::Float, FIELD(model.init_std))), 100),
       key("model.optim_cpu_offload", Type::Bool, FIELD(model.optim_cpu_offload)),
       one_of(key("model.optim_offload_grads", Type::String, FIELD(model.optim_offload_grads)), {"host", "device"}),
       one_of(key("model.activation_checkpointing", Type::String, FIELD(model.activation_checkpointing)),
@@ -110,15 +119,15 @@ const std::vector<KeySpec>& key_table() {
       one_of(key("model.reduce_dtype", Type::String, FIELD(model.reduce_dtype)), {"fp32", "bf16"}),
 
       key("data.path", Type::Strings, FIELD(data.path)),
-      at_least(key("data.weights", Type::Floats, FIELD(data.weights)), 0),
+      within(key("data.weights", Type::Floats, FIELD(data.weights)), 0, 1e6),
       key("data.shuffle", Type::Bool, FIELD(data.shuffle)),
-      at_least(key("data.seq_len", Type::Int, FIELD(data.seq_len)), 2),
-      positive(key("data.micro_batch", Type::Int, FIELD(data.micro_batch))),
-      positive(key("data.global_batch", Type::Int, FIELD(data.global_batch))),
+      within(key("data.seq_len", Type::Int, FIELD(data.seq_len)), 2, kMaxSeqLen),
+      up_to(positive(key("data.micro_batch", Type::Int, FIELD(data.micro_batch))), kMaxTokensPerMicroBatch),
+      up_to(positive(key("data.global_batch", Type::Int, FIELD(data.global_batch))), 2147483647),
       key("data.packing", Type::Bool, FIELD(data.packing)),
       key("data.rollout_dir", Type::String, FIELD(data.rollout_dir)),
       at_least(key("data.max_async", Type::Int, FIELD(data.max_async)), 0),
-      positive(key("data.rollout_timeout_s", Type::Float, FIELD(data.rollout_timeout_s))),
+      up_to(positive(key("data.rollout_timeout_s", Type::Float, FIELD(data.rollout_timeout_s))), kMaxSeconds),
 
       key("eval.path", Type::String, FIELD(eval.path)),
       at_least(key("eval.interval", Type::Int, FIELD(eval.interval)), 0),
@@ -126,30 +135,30 @@ const std::vector<KeySpec>& key_table() {
       key("eval.at_end", Type::Bool, FIELD(eval.at_end)),
 
       one_of(key("optim.name", Type::String, FIELD(optim.name)), {"adamw", "sgd", "muon"}),
-      positive(key("optim.lr", Type::Float, FIELD(optim.lr))),
+      up_to(positive(key("optim.lr", Type::Float, FIELD(optim.lr))), 1000),
       within(key("optim.beta1", Type::Float, FIELD(optim.beta1)), 0, 0.999999),
       within(key("optim.beta2", Type::Float, FIELD(optim.beta2)), 0, 0.999999),
-      positive(key("optim.eps", Type::Float, FIELD(optim.eps))),
-      at_least(key("optim.weight_decay", Type::Float, FIELD(optim.weight_decay)), 0),
+      up_to(positive(key("optim.eps", Type::Float, FIELD(optim.eps))), 1),
+      within(key("optim.weight_decay", Type::Float, FIELD(optim.weight_decay)), 0, 1000),
       within(key("optim.momentum", Type::Float, FIELD(optim.momentum)), 0, 0.999999),
-      at_least(key("optim.max_norm", Type::Float, FIELD(optim.max_norm)), 0),
+      within(key("optim.max_norm", Type::Float, FIELD(optim.max_norm)), 0, 1e12),
       within(key("optim.muon_momentum", Type::Float, FIELD(optim.muon_momentum)), 0, 0.999999),
       within(key("optim.ns_steps", Type::Int, FIELD(optim.ns_steps)), 1, 20),
-      positive(key("optim.adamw_lr", Type::Float, FIELD(optim.adamw_lr))),
-      at_least(key("optim.adamw_weight_decay", Type::Float, FIELD(optim.adamw_weight_decay)), 0),
+      up_to(positive(key("optim.adamw_lr", Type::Float, FIELD(optim.adamw_lr))), 1000),
+      within(key("optim.adamw_weight_decay", Type::Float, FIELD(optim.adamw_weight_decay)), 0, 1000),
 
       one_of(key("sched.name", Type::String, FIELD(sched.name)), {"constant", "linear", "cosine"}),
       at_least(key("sched.warmup", Type::Int, FIELD(sched.warmup)), 0),
       at_least(key("sched.decay", Type::Int, FIELD(sched.decay)), 0),
-      at_least(key("sched.min_lr", Type::Float, FIELD(sched.min_lr)), 0),
+      within(key("sched.min_lr", Type::Float, FIELD(sched.min_lr)), 0, 1000),
       within(key("sched.min_lr_ratio", Type::Float, FIELD(sched.min_lr_ratio)), 0, 1),
 
       one_of(key("loss.type", Type::String, FIELD(loss.type)), {"sft", "rl"}),
-      positive(key("loss.chunk_tokens", Type::Int, FIELD(loss.chunk_tokens))),
-      at_least(key("loss.mask_high", Type::Float, FIELD(loss.mask_high)), 0),
-      at_least(key("loss.mask_low", Type::Float, FIELD(loss.mask_low)), 0),
-      at_least(key("loss.kl_coef", Type::Float, FIELD(loss.kl_coef)), 0),
-      at_least(key("loss.ce_coef", Type::Float, FIELD(loss.ce_coef)), 0),
+      up_to(positive(key("loss.chunk_tokens", Type::Int, FIELD(loss.chunk_tokens))), kMaxTokensPerMicroBatch),
+      within(key("loss.mask_high", Type::Float, FIELD(loss.mask_high)), 0, 1000),
+      within(key("loss.mask_low", Type::Float, FIELD(loss.mask_low)), 0, 1000),
+      within(key("loss.kl_coef", Type::Float, FIELD(loss.kl_coef)), 0, 1e6),
+      within(key("loss.ce_coef", Type::Float, FIELD(loss.ce_coef)), 0, 1e6),
 
       at_least(key("ckpt.interval", Type::Int, FIELD(ckpt.interval)), 0),
       at_least(key("ckpt.keep_last", Type::Int, FIELD(ckpt.keep_last)), 1),
@@ -170,12 +179,12 @@ const std::vector<KeySpec>& key_table() {
       key("log.tensorboard", Type::Bool, FIELD(log.tensorboard)),
 
       one_of(key("device.backend", Type::String, FIELD(device.backend)), {"auto", "cpu", "cuda"}),
-      at_least(key("device.cpu_threads", Type::Int, FIELD(device.cpu_threads)), 0),
-      at_least(key("device.memory_limit_gib", Type::Float, FIELD(device.memory_limit_gib)), 0),
+      within(key("device.cpu_threads", Type::Int, FIELD(device.cpu_threads)), 0, 4096),
+      within(key("device.memory_limit_gib", Type::Float, FIELD(device.memory_limit_gib)), 0, 1e6),
       one_of(key("device.attention", Type::String, FIELD(device.attention)), {"auto", "cudnn", "flash"}),
 
       one_of(key("comm.backend", Type::String, FIELD(comm.backend)), {"auto", "mpi", "nccl"}),
-      positive(key("comm.timeout_s", Type::Float, FIELD(comm.timeout_s))),
+      up_to(positive(key("comm.timeout_s", Type::Float, FIELD(comm.timeout_s))), kMaxSeconds),
   };
   return table;
 }
@@ -268,11 +277,22 @@ std::string show(const toml::node& node) {
   return os.str();
 }
 
+// A bound as a user writes it: integers in full (16777216, not 1.67772e+07).
+std::string number_text(double v) {
+  if (v == std::floor(v) && std::fabs(v) < 1e15) return fmt("%lld", (long long)v);
+  return fmt("%g", v);
+}
+
 std::string describe_range(const KeySpec& k) {
-  if (k.min_exclusive) return fmt("> %g", k.min);
-  if (std::isfinite(k.min) && std::isfinite(k.max)) return fmt("between %g and %g", k.min, k.max);
-  if (std::isfinite(k.min)) return fmt(">= %g", k.min);
-  return fmt("<= %g", k.max);
+  // An integer > 0 is an integer >= 1.
+  const bool exclusive = k.min_exclusive && k.type != Type::Int;
+  const double min = k.min_exclusive && k.type == Type::Int ? k.min + 1 : k.min;
+  const std::string kind = k.type == Type::Float || k.type == Type::Floats ? "a finite number " : "";
+  if (std::isfinite(min) && std::isfinite(k.max))
+    return exclusive ? kind + "> " + number_text(min) + " and <= " + number_text(k.max)
+                     : kind + "between " + number_text(min) + " and " + number_text(k.max);
+  if (std::isfinite(min)) return kind + (exclusive ? "> " : ">= ") + number_text(min);
+  return kind + "<= " + number_text(k.max);
 }
 
 std::string quoted_list(const std::vector<std::string>& items) {
@@ -298,8 +318,9 @@ std::string assign(Config& config, const KeySpec& k, const toml::node& value, co
       if (auto i = value.as_integer()) number = static_cast<double>(i->get());
       else if (auto f = value.as_floating_point(); f && k.type == Type::Float) number = f->get();
       else return head + " has the wrong type: expected " + type_name(k.type);
-      bool low = k.min_exclusive ? !(number > k.min) : !(number >= k.min);
-      if (low || number > k.max || std::isnan(number))
+      // inf and nan fail every comparison but the one that must fail for them.
+      const bool low = k.min_exclusive ? !(number > k.min) : !(number >= k.min);
+      if (low || !(number <= k.max) || !std::isfinite(number))
         return head + " is out of range: it must be " + describe_range(k);
       if (k.type == Type::Int) *static_cast<int64_t*>(field) = value.as_integer()->get();
       else *static_cast<double*>(field) = number;
@@ -344,7 +365,7 @@ std::string assign(Config& config, const KeySpec& k, const toml::node& value, co
         if (auto n = item->as_integer()) number = static_cast<double>(n->get());
         else if (auto f = item->as_floating_point()) number = f->get();
         else return head + fmt(": entry %zu is not a number", i);
-        if (number < k.min || std::isnan(number) || number > k.max)
+        if (!(number >= k.min) || !(number <= k.max) || !std::isfinite(number))
           return head + fmt(": entry %zu is out of range: it must be ", i) + describe_range(k);
         out.push_back(number);
       }
@@ -395,33 +416,60 @@ std::string apply_override(toml::table& root, const std::string& text, Locator& 
   return "";
 }
 
-void validate(const Config& c, int world, const std::map<std::string, std::string>& set_keys,
-              std::vector<std::string>& errors) {
+// "" when `path` means something for this deck's optimizer; else why not
+// ("has no meaning for ..."). validate() refuses such keys when given, and the
+// resolved deck writes them as comments, so that it parses back.
+std::string unused_by_optimizer(const Config& c, const std::string& path) {
+  const std::string& name = c.optim.name;
+  if (name == "sgd" && (path == "optim.beta1" || path == "optim.beta2" || path == "optim.eps"))
+    return "has no meaning for optim.name = \"sgd\" (use optim.momentum)";
+  if (name != "sgd" && path == "optim.momentum")
+    return fmt("is SGD's; it has no meaning for optim.name = \"%s\" (AdamW's is optim.beta1%s)", name.c_str(),
+               name == "muon" ? ", Muon's optim.muon_momentum" : "");
+  if (name != "muon" && (path == "optim.muon_momentum" || path == "optim.ns_steps" || path == "optim.adamw_lr" ||
+                         path == "optim.adamw_weight_decay"))
+    return fmt("has no meaning for optim.name = \"%s\" (it sets Muon; see docs/muon.md)", name.c_str());
+  return "";
+}
+
+// The cross-field rules, on the resolved values; `given` holds every key the
+// deck or a --set gave (the rest are defaults or filled in from others).
+void validate(const Config& c, int world, const std::set<std::string>& given, std::vector<std::string>& errors) {
   auto err = [&](const std::string& m) { errors.push_back(c.deck_path + ": " + m); };
   const auto& a = c.model.arch;
-
 
   if (c.ckpt.resume != "latest" && c.ckpt.resume != "none" && !std::filesystem::is_regular_file(c.ckpt.resume))
     err("ckpt.resume = \"" + c.ckpt.resume + "\" is not a file: give \"latest\", \"none\" or the path of a "
         "checkpoint (<run.dir>/checkpoints/step_<N>.h5)");
 
+  const auto tokens = checked_product({c.data.micro_batch, c.data.seq_len});
+  if (!tokens || *tokens > kMaxTokensPerMicroBatch)
+    err(fmt("data.micro_batch x data.seq_len = %lld x %lld tokens per micro-batch is more than %lld (positions are "
+            "int32): lower data.micro_batch and raise data.global_batch's accumulation instead",
+            (long long)c.data.micro_batch, (long long)c.data.seq_len, (long long)kMaxTokensPerMicroBatch));
   if (c.model.hf.empty()) {
     const char* missing = a.vocab_size <= 0 ? "vocab_size" : a.hidden_size <= 0 ? "hidden_size"
                         : a.intermediate_size <= 0 ? "intermediate_size" : a.num_layers <= 0 ? "num_layers"
                         : a.num_heads <= 0 ? "num_heads" : nullptr;
+    const bool head_dim_given = given.count("model.head_dim") != 0;
     if (missing)
       err(fmt("model.%s is not set: without model.hf the deck must give the model's sizes "
               "(vocab_size, hidden_size, intermediate_size, num_layers, num_heads)", missing));
-    else if (a.num_kv_heads > 0 && a.num_heads % a.num_kv_heads != 0)
+    else if (a.num_heads % a.num_kv_heads != 0)
       err(fmt("model.num_heads = %lld is not a multiple of model.num_kv_heads = %lld",
               (long long)a.num_heads, (long long)a.num_kv_heads));
-    else if (a.head_dim == 0 && a.hidden_size % a.num_heads != 0)
+    else if (!head_dim_given && a.hidden_size % a.num_heads != 0)
       err(fmt("model.hidden_size = %lld is not a multiple of model.num_heads = %lld; set model.head_dim",
               (long long)a.hidden_size, (long long)a.num_heads));
-    if (a.head_dim % 2 != 0) err(fmt("model.head_dim = %lld must be even (RoPE rotates pairs)", (long long)a.head_dim));
-    if (a.max_position_embeddings > 0 && c.data.seq_len > a.max_position_embeddings)
+    else if (a.head_dim % 2 != 0)
+      err(head_dim_given ? fmt("model.head_dim = %lld must be even (RoPE rotates pairs)", (long long)a.head_dim)
+                         : fmt("model.hidden_size / model.num_heads = %lld (the head_dim) must be even (RoPE rotates "
+                               "pairs); set model.head_dim", (long long)a.head_dim));
+    else if (a.max_position_embeddings > 0 && c.data.seq_len > a.max_position_embeddings)
       err(fmt("data.seq_len = %lld is larger than model.max_position_embeddings = %lld",
               (long long)c.data.seq_len, (long long)a.max_position_embeddings));
+    else if (tokens && *tokens <= kMaxTokensPerMicroBatch)
+      if (std::string e = model_scale_error(a, *tokens, c.loss.chunk_tokens); !e.empty()) err("model: " + e);
   }
   if (c.loss.type == "sft" && c.data.path.empty())
     err("data.path is not set: SFT needs a token file (see docs/data.md)");
@@ -429,10 +477,11 @@ void validate(const Config& c, int world, const std::map<std::string, std::strin
     err("loss.type = \"rl\" needs data.rollout_dir (where step_<N>.h5 rollout files appear; docs/rollouts.md)");
   if (c.loss.type == "rl" && !c.data.path.empty())
     err("data.path is for SFT token files; with loss.type = \"rl\" the batches come from data.rollout_dir");
-  if (c.loss.type == "sft" && world > 0 && c.data.global_batch % (c.data.micro_batch * world) != 0)
-    err(fmt("data.global_batch = %lld must be a multiple of data.micro_batch x training ranks = %lld x %d = %lld",
+  const auto rows_per_round = checked_product({c.data.micro_batch, world});  // one micro-batch on every rank
+  if (c.loss.type == "sft" && world > 0 && (!rows_per_round || c.data.global_batch % *rows_per_round != 0))
+    err(fmt("data.global_batch = %lld must be a multiple of data.micro_batch x training ranks = %lld x %d = %s",
             (long long)c.data.global_batch, (long long)c.data.micro_batch, world,
-            (long long)(c.data.micro_batch * world)));
+            rows_per_round ? std::to_string(*rows_per_round).c_str() : "more than 2^63"));
   if (c.sched.warmup > c.run.max_steps)
     err(fmt("sched.warmup = %lld is longer than run.max_steps = %lld", (long long)c.sched.warmup,
             (long long)c.run.max_steps));
@@ -442,12 +491,9 @@ void validate(const Config& c, int world, const std::map<std::string, std::strin
   else if (c.sched.min_lr > c.optim.lr)
     err(fmt("sched.min_lr = %g is larger than optim.lr = %g (min_lr is absolute; sched.min_lr_ratio gives the floor "
             "as a fraction of optim.lr)", c.sched.min_lr, c.optim.lr));
-  if (c.optim.name == "sgd" && set_keys.count("optim.beta1"))
-    err("optim.beta1 has no meaning for optim.name = \"sgd\" (use optim.momentum)");
-  if (c.optim.name != "muon")
-    for (const char* k : {"optim.muon_momentum", "optim.ns_steps", "optim.adamw_lr", "optim.adamw_weight_decay"})
-      if (set_keys.count(k))
-        err(fmt("%s has no meaning for optim.name = \"%s\" (it sets Muon; see docs/muon.md)", k, c.optim.name.c_str()));
+  for (const auto& k : key_table())
+    if (given.count(k.path))
+      if (std::string why = unused_by_optimizer(c, k.path); !why.empty()) err(k.path + " " + why);
   if (c.optim.name == "muon" && c.device.backend == "cuda" && !c.model.optim_cpu_offload)
     err("optim.name = \"muon\" with device.backend = \"cuda\" needs model.optim_cpu_offload = true (the GPU-resident "
         "optimizer is AdamW/SGD; offloaded, Muon's momentum and exchange run on the host and its Newton–Schulz in bf16 "
@@ -523,6 +569,7 @@ DeckResult parse_deck_text(const std::string& text, const std::string& source_na
     if (auto e = apply_override(root, text_override, where); !e.empty()) errors.push_back(e);
 
   const std::vector<std::string> sections = section_names(), keys = known_keys();
+  std::set<std::string> given;  // keys the deck or a --set gave
   for (auto&& [section_key, section_node] : root) {
     const std::string section(section_key.str());
     if (std::find(sections.begin(), sections.end(), section) == sections.end()) {
@@ -557,6 +604,7 @@ DeckResult parse_deck_text(const std::string& text, const std::string& source_na
         continue;
       }
       if (auto e = assign(config, *spec, value, loc); !e.empty()) errors.push_back(e);
+      else given.insert(path);
     }
   }
   // Report in deck order (the TOML tree iterates keys alphabetically).
@@ -575,9 +623,10 @@ DeckResult parse_deck_text(const std::string& text, const std::string& source_na
       config.model.arch.max_position_embeddings = config.data.seq_len;
     // Muon's AdamW group defaults to the matrices' lr and weight decay (the update
     // scale rule makes one setting fit both); resolved here so the echoed deck is concrete.
-    if (config.optim.adamw_lr <= 0) config.optim.adamw_lr = config.optim.lr;
-    if (config.optim.adamw_weight_decay < 0) config.optim.adamw_weight_decay = config.optim.weight_decay;
-    validate(config, world, where.overridden, errors);
+    if (config.optim.name == "muon" && config.optim.adamw_lr <= 0) config.optim.adamw_lr = config.optim.lr;
+    if (config.optim.name == "muon" && config.optim.adamw_weight_decay < 0)
+      config.optim.adamw_weight_decay = config.optim.weight_decay;
+    validate(config, world, given, errors);
   }
   return result;
 }
@@ -623,6 +672,8 @@ std::string resolved_deck(const Config& config) {
     if (!k.implemented) continue;  // the echo must parse again as a deck
     const std::string s = k.path.substr(0, k.path.find('.')), name = k.path.substr(k.path.find('.') + 1);
     if (s != current) out << "\n[" << s << "]\n", current = s;
+    const std::string unused = unused_by_optimizer(config, k.path);
+    if (!unused.empty()) out << "# ";  // given, it would be refused: shown, not set
     out << name << " = ";
     void* field = k.ref(copy);
     switch (k.type) {
@@ -651,6 +702,7 @@ std::string resolved_deck(const Config& config) {
         break;
       }
     }
+    if (!unused.empty()) out << "  # " << k.path << " " << unused;
     out << "\n";
   }
   return out.str();

@@ -10,6 +10,7 @@ bool cuda_built() { return false; }
 int cuda_device_count() { return 0; }
 void cuda_set_device(int) { SHARDLM_FAIL("this shardlm was built without CUDA"); }
 std::string cuda_device_name(int) { return "none"; }
+int64_t cuda_device_memory_bytes(int) { return 0; }
 std::unique_ptr<Comm> make_device_comm(Comm&, const std::string&, void*, int64_t, double) {
   SHARDLM_FAIL("this shardlm was built without CUDA (no device communicator)");
 }

@@ -399,7 +399,10 @@ void open_token_file(TokenFile& f, const std::string& path, int64_t vocab_size) 
   f.vocab_size = vocab_size;
   std::error_code ec;
   SHARDLM_CHECK(std::filesystem::exists(path, ec), "data file '%s' does not exist", p);
-  SHARDLM_CHECK(std::filesystem::is_regular_file(path, ec), "data file '%s' is not a regular file", p);
+  SHARDLM_CHECK(!std::filesystem::is_directory(path, ec), "data file '%s' is a directory; data.path names HDF5 token "
+                "files", p);
+  SHARDLM_CHECK(std::filesystem::is_regular_file(path, ec), "data file '%s' is not a regular file (a device, pipe or "
+                "socket); data.path names HDF5 token files", p);
   h5::silence_error_stack();
   const htri_t is_hdf5 = H5Fis_hdf5(p);
   H5Eclear2(H5E_DEFAULT);
@@ -455,6 +458,9 @@ void open_token_file(TokenFile& f, const std::string& path, int64_t vocab_size) 
   if (f.has_loss_mask)
     SHARDLM_CHECK(f.loss_mask.length == n_tokens, "data file '%s': 'loss_mask' has %ld elements but 'tokens' has %ld",
                   p, f.loss_mask.length, n_tokens);
+  SHARDLM_CHECK(!has_attribute(file, "vocab_size") || f.vocab_attribute > 0,
+                "data file '%s': attribute vocab_size = %lld; it must be the tokenizer's vocabulary size (> 0)", p,
+                (long long)f.vocab_attribute);
   SHARDLM_CHECK(f.vocab_attribute <= vocab_size,
                 "data file '%s' was tokenized for a vocabulary of %ld ids (attribute vocab_size%s%s) "
                 "but the model has vocab_size %ld; use a file made with the model's tokenizer",
@@ -480,6 +486,15 @@ void open_token_file(TokenFile& f, const std::string& path, int64_t vocab_size) 
                 "parts in data.path)",
                 p, f.documents);
 }
+
+}  // namespace
+
+void validate_token_file(const std::string& path, int64_t model_vocab_size) {
+  TokenFile file;
+  open_token_file(file, path, model_vocab_size);
+}
+
+namespace {
 
 // ---------------------------------------------------------------- packing
 

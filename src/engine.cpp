@@ -46,6 +46,9 @@ bool bf16_gradients(int world, const EngineOptions& o) { return o.reduce_bf16 &&
 
 MemoryPlan plan_memory(const ModelConfig& config, int world, const EngineOptions& o, int optim_states,
                        const Backend& backend) {
+  // Every product below stays in int64 for sizes that pass this.
+  if (std::string e = model_scale_error(config, o.max_tokens, o.chunk_tokens); !e.empty())
+    SHARDLM_FAIL("memory plan: %s", e.c_str());
   const ModelLayout layout(config, world);
   MemoryPlan plan;
   plan.device = !backend.host_resident();
@@ -94,6 +97,27 @@ std::string format_memory_plan(const MemoryPlan& p, int world) {
   out += fmt("  %-18s %-5s %12.3f MiB\n", "total", "host", mib(p.host_total()));
   if (p.device) out += fmt("  %-18s %-5s %12.3f MiB\n", "total", "GPU", mib(p.device_total()));
   return out;
+}
+
+std::string plan_fit_error(const MemoryPlan& p, int ranks_on_node, const MachineMemory& host, int ranks_per_gpu,
+                           int64_t gpu_bytes) {
+  const double gib = 1024.0 * 1024.0 * 1024.0;
+  const char* levers = "more ranks over more nodes (the shards shrink with the world), model.activation_checkpointing = "
+                       "\"full\", a smaller data.micro_batch or data.seq_len; `shardlm check DECK --world N` prints the "
+                       "plan";
+  const double host_need = double(p.host_total()) * ranks_on_node;
+  if (host.bytes > 0 && host_need > double(host.bytes))
+    return fmt("the memory plan needs %.2f GiB of host memory per rank x %d rank%s on this node = %.2f GiB, more than "
+               "the %.2f GiB this machine has (%s): %s",
+               double(p.host_total()) / gib, ranks_on_node, ranks_on_node == 1 ? "" : "s", host_need / gib,
+               double(host.bytes) / gib, host.source, levers);
+  const double device_need = double(p.device_total()) * ranks_per_gpu;
+  if (gpu_bytes > 0 && device_need > double(gpu_bytes))
+    return fmt("the memory plan needs %.2f GiB of GPU memory per rank x %d rank%s on the GPU = %.2f GiB, more than its "
+               "%.2f GiB: model.optim_cpu_offload = true, %s",
+               double(p.device_total()) / gib, ranks_per_gpu, ranks_per_gpu == 1 ? "" : "s", device_need / gib,
+               double(gpu_bytes) / gib, levers);
+  return "";
 }
 
 Engine::Engine(ShardedModel& model, Comm& comm, const EngineOptions& options, std::unique_ptr<Backend> backend)

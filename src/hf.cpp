@@ -112,7 +112,9 @@ struct ConfigReader {
 
   double to_double(const json& v, const std::string& key) const {
     if (!v.is_number()) fail(fmt("'%s' must be a number, got %s", key.c_str(), show(v).c_str()));
-    return v.get<double>();
+    const double d = v.get<double>();
+    if (!std::isfinite(d)) fail(fmt("'%s' must be a finite number, got %s", key.c_str(), show(v).c_str()));
+    return d;
   }
 
   int64_t required_int(const std::string& key) const {
@@ -121,7 +123,8 @@ struct ConfigReader {
     return to_int(*v, key);
   }
 
-  int64_t positive_int(const std::string& key, std::optional<int64_t> fallback = std::nullopt) const {
+  // A size: 1 .. max (model_config.hpp's limits), named by its config.json key.
+  int64_t positive_int(const std::string& key, int64_t max, std::optional<int64_t> fallback = std::nullopt) const {
     const json* v = find(root, key);
     int64_t n;
     if (v) {
@@ -131,6 +134,8 @@ struct ConfigReader {
       n = *fallback;
     }
     if (n <= 0) fail(fmt("'%s' must be positive, got %lld", key.c_str(), (long long)n));
+    if (n > max)
+      fail(fmt("'%s' = %lld is out of range: shardlm accepts 1 to %lld", key.c_str(), (long long)n, (long long)max));
     return n;
   }
 
@@ -213,6 +218,9 @@ RopeDesc parse_rope_dict(const ConfigReader& cr, const std::string& key, const j
     if (!omax) omax = ConfigReader::find(cr.root, "original_max_position_embeddings");  // 5.x may keep it outside
     if (!omax) cr.fail(fmt("'%s' has rope_type llama3 but no 'original_max_position_embeddings'", where.c_str()));
     out.scaling.original_max_position_embeddings = cr.to_int(*omax, where + ".original_max_position_embeddings");
+    if (out.scaling.original_max_position_embeddings > kMaxPositions)
+      cr.fail(fmt("'%s.original_max_position_embeddings' = %lld is out of range: shardlm accepts 1 to %lld",
+                  where.c_str(), (long long)out.scaling.original_max_position_embeddings, (long long)kMaxPositions));
     if (!(out.scaling.factor > 0) || !(out.scaling.low_freq_factor > 0) || !(out.scaling.high_freq_factor > 0) ||
         out.scaling.original_max_position_embeddings <= 0)
       cr.fail(fmt("'%s': llama3 factor, low_freq_factor, high_freq_factor and original_max_position_embeddings must be "
@@ -303,17 +311,17 @@ ModelConfig read_hf_config(const fs::path& dir) {
 
   ModelConfig c;
   c.arch = model_type;
-  c.vocab_size = cr.positive_int("vocab_size");
-  c.hidden_size = cr.positive_int("hidden_size");
-  c.intermediate_size = cr.positive_int("intermediate_size");
-  c.num_layers = cr.positive_int("num_hidden_layers");
-  c.num_heads = cr.positive_int("num_attention_heads");
-  c.num_kv_heads = cr.positive_int("num_key_value_heads", c.num_heads);
+  c.vocab_size = cr.positive_int("vocab_size", kMaxVocabSize);
+  c.hidden_size = cr.positive_int("hidden_size", kMaxHiddenSize);
+  c.intermediate_size = cr.positive_int("intermediate_size", kMaxIntermediateSize);
+  c.num_layers = cr.positive_int("num_hidden_layers", kMaxLayers);
+  c.num_heads = cr.positive_int("num_attention_heads", kMaxHeads);
+  c.num_kv_heads = cr.positive_int("num_key_value_heads", kMaxHeads, c.num_heads);
   if (!ConfigReader::find(root, "head_dim") && c.hidden_size % c.num_heads != 0)
     cr.fail(fmt("no 'head_dim' and hidden_size %lld is not divisible by num_attention_heads %lld",
                 (long long)c.hidden_size, (long long)c.num_heads));
-  c.head_dim = cr.positive_int("head_dim", c.hidden_size / c.num_heads);
-  c.max_position_embeddings = cr.positive_int("max_position_embeddings");
+  c.head_dim = cr.positive_int("head_dim", kMaxHeadDim, c.hidden_size / c.num_heads);
+  c.max_position_embeddings = cr.positive_int("max_position_embeddings", kMaxPositions);
   if (c.num_heads % c.num_kv_heads != 0)
     cr.fail(fmt("num_attention_heads %lld is not divisible by num_key_value_heads %lld", (long long)c.num_heads,
                 (long long)c.num_kv_heads));
@@ -368,6 +376,8 @@ ModelConfig read_hf_config(const fs::path& dir) {
   if (!(*theta > 0)) cr.fail(fmt("'rope_theta' must be positive, got %g", *theta));
   c.rope_theta = *theta;
   c.rope_scaling = scaling;
+  // Every size is in range; their product (the parameter count) must be too.
+  if (const std::string e = model_size_error(c); !e.empty()) cr.fail(e);
   return c;
 }
 
@@ -539,6 +549,33 @@ void pwrite_all(int fd, const void* buf, int64_t bytes, int64_t offset, const st
 }
 
 constexpr int64_t kMaxHeaderBytes = 100 * 1000 * 1000;  // the reference implementation's limit
+
+// The safetensors rule: the tensors' data_offsets tile the data region
+// [0, data_bytes) exactly, no overlap, no hole, nothing after the last one. A
+// header whose q_proj points into the embedding's bytes would otherwise load
+// and train with wrong weights.
+template <class Span>
+void check_spans_tile_data(std::vector<Span>& spans, int64_t data_bytes, const std::string& file) {
+  std::sort(spans.begin(), spans.end(),
+            [](const Span& a, const Span& b) { return a.begin != b.begin ? a.begin < b.begin : a.end < b.end; });
+  int64_t covered = 0;  // data bytes [0, covered) belong to the tensors seen so far
+  const Span* previous = nullptr;
+  for (const Span& s : spans) {
+    if (s.begin < covered)
+      SHARDLM_FAIL("%s: tensor '%s' has data_offsets [%lld, %lld], which overlap tensor '%s' [%lld, %lld]: the header "
+                   "is corrupt (every tensor needs bytes of its own)", file.c_str(), s.name.c_str(), (long long)s.begin,
+                   (long long)s.end, previous->name.c_str(), (long long)previous->begin, (long long)previous->end);
+    if (s.begin > covered)
+      SHARDLM_FAIL("%s: data bytes [%lld, %lld) belong to no tensor (before tensor '%s'): the header is corrupt or the "
+                   "file is not safetensors", file.c_str(), (long long)covered, (long long)s.begin, s.name.c_str());
+    covered = s.end;
+    previous = &s;
+  }
+  if (covered != data_bytes)
+    SHARDLM_FAIL("%s: the tensors' data ends at byte %lld of the data but the file holds %lld data bytes%s: the header "
+                 "is corrupt or the file has trailing bytes", file.c_str(), (long long)covered, (long long)data_bytes,
+                 previous ? fmt(" (last tensor '%s')", previous->name.c_str()).c_str() : "");
+}
 constexpr int64_t kConvertChunkElems = int64_t(1) << 16;  // staging buffer for bf16/f16 conversion
 
 }  // namespace
@@ -627,6 +664,8 @@ SafetensorsReader::SafetensorsReader(const fs::path& dir) : dir_(dir) {
       const int64_t data_start = 8 + static_cast<int64_t>(header_len);
 
       std::set<std::string> seen_here;
+      struct Span { int64_t begin, end; std::string name; };
+      std::vector<Span> spans;  // every tensor's data_offsets: they must tile the data exactly
       for (const auto& [name, t] : h.items()) {
         if (name == "__metadata__") continue;
         const char* n = name.c_str();
@@ -662,6 +701,7 @@ SafetensorsReader::SafetensorsReader(const fs::path& dir) : dir_(dir) {
                       file.c_str(), n, (long long)(data_start + end), (long long)size);
         info.data_offset_bytes = data_start + begin;
         seen_here.insert(name);
+        spans.push_back({begin, end, name});
 
         if (weight_map) {
           auto it = weight_map->find(name);
@@ -673,6 +713,7 @@ SafetensorsReader::SafetensorsReader(const fs::path& dir) : dir_(dir) {
         tensors_.emplace(name, std::move(info));
         tensor_file_.emplace(name, file_index);
       }
+      check_spans_tile_data(spans, size - data_start, file);
       if (weight_map) {
         for (const auto& [name, f] : *weight_map)
           SHARDLM_CHECK(f != path.filename().string() || seen_here.count(name),

@@ -3,10 +3,15 @@
 // runtime -> config -> (model, shards, init) -> for step: batch, forward,
 // loss, backward, clip, optimizer, metrics, checkpoint. Each phase is one call;
 // a phase that grows past a screen lives in its own file.
+#include <fcntl.h>
 #include <omp.h>
+#include <unistd.h>
 
+#include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <memory>
@@ -18,6 +23,7 @@
 #include "shardlm/cli.hpp"
 #include "shardlm/comm.hpp"
 #include "shardlm/config.hpp"
+#include "shardlm/cuda.hpp"
 #include "shardlm/engine.hpp"
 #include "shardlm/forward.hpp"
 #include "shardlm/hf.hpp"
@@ -115,6 +121,26 @@ int64_t data_reader_bytes(const Config& config, int64_t vocab_size, std::string*
   return bytes;
 }
 
+// The plan of this run against this node's memory, before anything large is
+// built: every process of the node holds its host plan at once, and the ranks
+// bound to one GPU share its memory (or device.memory_limit_gib when lower).
+void refuse_plan_over_machine(const Runtime& rt, const Config& config) {
+  const ModelLayout layout(model_config_for(config), rt.num_trainers);
+  const bool cuda = rt.backend == "cuda";
+  const MemoryPlan plan = run_memory_plan(config, layout, cuda ? *make_cuda_backend() : *make_cpu_backend());
+  int64_t gpu_bytes = 0;
+  int ranks_per_gpu = 1;
+  if (cuda) {
+    gpu_bytes = cuda_device_memory_bytes(rt.device);
+    if (config.device.memory_limit_gib > 0)
+      gpu_bytes = std::min<int64_t>(gpu_bytes, static_cast<int64_t>(config.device.memory_limit_gib * 1073741824.0));
+    const int ndev = std::max(cuda_device_count(), 1);
+    ranks_per_gpu = (rt.local_size + ndev - 1) / ndev;
+  }
+  const std::string e = plan_fit_error(plan, rt.local_size, machine_host_memory(), ranks_per_gpu, gpu_bytes);
+  SHARDLM_CHECK(e.empty(), "%s: %s", config.deck_path.c_str(), e.c_str());
+}
+
 int cmd_check(const Runtime& rt, const CliArgs& args) {
   Config config;
   const int world = args.world > 0 ? args.world : rt.num_trainers;
@@ -122,6 +148,23 @@ int cmd_check(const Runtime& rt, const CliArgs& args) {
   if (rt.world_rank == 0) {
     const ModelConfig arch = model_config_for(config);
     const ModelLayout layout(arch, world);
+    // The data as train opens it, before the deck is called valid: the token
+    // files, or the rollout directory and its first file.
+    std::string data_lines;
+    if (config.loss.type == "sft") {
+      for (const std::string& path : config.data.path) {
+        validate_token_file(path, arch.vocab_size);
+        data_lines += fmt("data: %s is a token file for vocab_size %lld\n", path.c_str(), (long long)arch.vocab_size);
+      }
+    } else {
+      validate_rollout_dir(config.data.rollout_dir);
+      const std::string first = rollout_path(config.data.rollout_dir, 0);
+      if (std::filesystem::exists(first)) read_rollouts(first, arch.vocab_size);
+      data_lines += fmt("data: rollouts from %s/step_<N>.h5 (%s)\n", config.data.rollout_dir.c_str(),
+                  std::filesystem::exists(first) ? "step_0.h5 read and valid"
+                  : std::filesystem::is_directory(config.data.rollout_dir) ? "step_0.h5 not there yet"
+                                                                          : "the directory does not exist yet");
+    }
     // The plan of the backend this deck asks for; "auto" plans the CPU backend.
     const bool cuda = config.device.backend == "cuda";
     MemoryPlan plan = run_memory_plan(config, layout, cuda ? *make_cuda_backend() : *make_cpu_backend());
@@ -131,7 +174,7 @@ int cmd_check(const Runtime& rt, const CliArgs& args) {
                 args.deck.c_str(), world, world == 1 ? "" : "s", resolved_deck(config).c_str(), arch.arch.c_str(),
                 (long long)layout.parameter_count(), (long long)layout.matmul_parameter_count(),
                 format_memory_plan(plan, world).c_str());
-    std::printf("%s", data_note.c_str());
+    std::printf("%s%s", data_note.c_str(), data_lines.c_str());
     if (config.ckpt.async) {  // what a background save holds and, staged, costs
       const double mib = 1024.0 * 1024.0;
       const int64_t state = checkpoint_state_bytes(config, layout);
@@ -144,6 +187,11 @@ int cmd_check(const Runtime& rt, const CliArgs& args) {
                     double(plan.checkpoint_snapshot) / mib, double(state) / mib,
                     double(state - plan.checkpoint_snapshot) / mib, double(state - plan.checkpoint_snapshot) / 1e9);
     }
+    // One rank against this machine: the nodes that run the deck may differ.
+    const MachineMemory host = machine_host_memory();
+    const std::string fit = plan_fit_error(plan, 1, host, 1, 0);
+    std::printf("this machine: %.2f GiB of host memory (%s); %s\n", double(host.bytes) / 1073741824.0, host.source,
+                fit.empty() ? "one rank's plan fits" : ("one rank's plan does not fit: " + fit).c_str());
     if (cuda && config.model.optim_cpu_offload) {  // what the lever buys, against the state on the GPU
       Config on_gpu = config;
       on_gpu.model.optim_cpu_offload = false;
@@ -181,11 +229,13 @@ int cmd_train(Runtime& rt, const CliArgs& args) {
   Config config;
   if (!load_deck(rt, args, rt.num_trainers, config)) return 1;
   maybe_inject_fault("startup");
+  set_collective_timeout(config.comm.timeout_s);  // the MPI Comm's watchdog (NCCL has its own)
   select_device(rt, config.device.backend);
   config.device.backend = rt.backend;  // "auto" resolved: the session builds that backend
   config.comm.backend = select_comm(rt, config.comm.backend);
   if (rt.backend == "cuda") set_device_memory_limit(static_cast<int64_t>(config.device.memory_limit_gib * 1073741824.0));
   if (config.device.cpu_threads > 0) omp_set_num_threads(static_cast<int>(config.device.cpu_threads));
+  refuse_plan_over_machine(rt, config);
   print_banner(rt, config);
   bool in_use = false;
   const std::unique_ptr<RunDirLock> run_dir_lock = open_run_dir(rt, config, &in_use);  // held until return

@@ -1,8 +1,12 @@
 // memory.cpp — aligned host allocation with per-category counters.
 #include "shardlm/memory.hpp"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdlib>
+#include <fstream>
+#include <string>
 
 #include "shardlm/error.hpp"
 
@@ -68,6 +72,30 @@ void device_mem_admit(Mem category, int64_t bytes) {
 }
 
 MemCounters device_memory() { return g_device; }
+
+namespace {
+// A cgroup limit file's value in bytes; 0 for "max", absent or unreadable.
+int64_t cgroup_limit(const char* path) {
+  std::ifstream in(path);
+  std::string text;
+  if (!(in >> text) || text == "max") return 0;
+  char* end = nullptr;
+  const long long v = std::strtoll(text.c_str(), &end, 10);
+  return end && *end == '\0' && v > 0 ? v : 0;
+}
+}  // namespace
+
+MachineMemory machine_host_memory() {
+  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
+  MachineMemory m{pages > 0 && page > 0 ? int64_t(pages) * page : 0, "MemTotal"};
+  // v2, then v1 (whose "no limit" is a huge number, larger than MemTotal).
+  for (const char* path : {"/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"})
+    if (const int64_t limit = cgroup_limit(path); limit > 0 && (m.bytes == 0 || limit < m.bytes)) {
+      m = {limit, "cgroup memory limit"};
+      break;
+    }
+  return m;
+}
 
 void reset_host_peaks() {
   g_counters.peak = g_counters.current;

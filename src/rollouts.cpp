@@ -246,11 +246,19 @@ RolloutBatch read_rollouts(const std::string& path_text, int64_t vocab_size) {
 
 // ------------------------------------------------------------------- waiting
 
+void validate_rollout_dir(const std::string& dir) {
+  std::error_code ec;
+  SHARDLM_CHECK(!fs::exists(dir, ec) || fs::is_directory(dir, ec),
+                "data.rollout_dir = '%s' is not a directory: it names the directory where step_<N>.h5 rollout files "
+                "appear", dir.c_str());
+}
+
 std::string wait_for_rollouts(const std::string& dir, int64_t step, double timeout_s,
                               const std::function<void(const std::string&)>& progress,
                               double progress_interval_s) {
   using clock = std::chrono::steady_clock;
   const std::string path = rollout_path(dir, step);
+  validate_rollout_dir(dir);
   const auto start = clock::now();
   double next_progress_s = progress_interval_s;
   for (;;) {

@@ -1,8 +1,15 @@
 // run_start.cpp — the run directory and the record of a start, for cmd_train.
 #include "shardlm/run_start.hpp"
 
-#include <cstdio>
+#include <fcntl.h>
+#include <unistd.h>
 
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+
+#include "shardlm/checkpoint_retention.hpp"
 #include "shardlm/optim.hpp"
 
 namespace shardlm {
@@ -17,6 +24,22 @@ std::string bcast_text(std::string text, MPI_Comm comm) {
   return text;
 }
 
+// `dir` exists (made if not) and a file can be created in it: found at start,
+// with the path and the reason, rather than as MPI-IO's "MPI_ERR_OTHER" at the
+// first checkpoint.
+void require_writable_dir(const std::filesystem::path& dir, const char* what) {
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  SHARDLM_CHECK(!ec, "cannot create %s %s: %s", what, dir.c_str(), ec.message().c_str());
+  SHARDLM_CHECK(std::filesystem::is_directory(dir), "%s %s is not a directory (a file of that name is in the way)",
+                what, dir.c_str());
+  const std::filesystem::path probe = dir / ".shardlm-write-test";
+  const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  SHARDLM_CHECK(fd >= 0, "cannot write in %s %s: %s", what, dir.c_str(), std::strerror(errno));
+  ::close(fd);
+  ::unlink(probe.c_str());
+}
+
 }  // namespace
 
 std::unique_ptr<RunDirLock> open_run_dir(const Runtime& rt, const Config& config, bool* in_use) {
@@ -27,6 +50,7 @@ std::unique_ptr<RunDirLock> open_run_dir(const Runtime& rt, const Config& config
       lock = std::make_unique<RunDirLock>(config.run.dir, config.run.name, config.deck_path);
       if (!lock->takeover_note().empty()) std::printf("run dir: %s\n", lock->takeover_note().c_str());
       write_file_atomically(config.run.dir, "config.toml", resolved_deck(config));
+      require_writable_dir(checkpoint_dir(config), "the checkpoint directory");
     } catch (const RunDirInUse& e) {
       refusal = e.what();
       std::fprintf(stderr, "shardlm: %s\n", refusal.c_str());

@@ -11,8 +11,16 @@
 namespace shardlm {
 
 ModelConfig model_config_for(const Config& config) {
-  if (config.model.hf.empty()) return config.model.arch;
-  return read_hf_config(config.model.hf);
+  if (config.model.hf.empty()) return config.model.arch;  // validated with the deck
+  const ModelConfig arch = read_hf_config(config.model.hf);
+  // The deck's cross-field rules on the model that config.json describes.
+  const std::string where = config.model.hf + "/config.json";
+  SHARDLM_CHECK(config.data.seq_len <= arch.max_position_embeddings,
+                "data.seq_len = %lld is larger than %s's max_position_embeddings = %lld", (long long)config.data.seq_len,
+                where.c_str(), (long long)arch.max_position_embeddings);
+  const std::string e = model_scale_error(arch, config.data.micro_batch * config.data.seq_len, config.loss.chunk_tokens);
+  SHARDLM_CHECK(e.empty(), "%s: %s", where.c_str(), e.c_str());
+  return arch;
 }
 
 EngineOptions engine_options_for(const Config& config) {

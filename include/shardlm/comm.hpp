@@ -22,23 +22,35 @@ enum class DType { F32, BF16 };
 inline int64_t dtype_bytes(DType t) { return t == DType::F32 ? 4 : 2; }
 
 class Comm;
+class CollectiveWatch;
 
 // A collective in flight; wait() completes it (a no-op when already done). For
-// MPI it waits on the host; for a device Comm it orders the compute stream after
-// the collective (no host synchronisation).
+// MPI it waits on the host (watched: see set_collective_timeout); for a device
+// Comm it orders the compute stream after the collective (no host synchronisation).
 class CommRequest {
  public:
   CommRequest() = default;
-  explicit CommRequest(MPI_Request r) : request_(r) {}
+  explicit CommRequest(MPI_Request r, CollectiveWatch* watch = nullptr, const char* what = "", int64_t seq = 0)
+      : request_(r), watch_(watch), what_(what), seq_(seq) {}
   CommRequest(Comm* owner, int64_t ticket) : owner_(owner), ticket_(ticket) {}
   void wait();
   bool pending() const { return request_ != MPI_REQUEST_NULL || owner_ != nullptr; }
 
  private:
   MPI_Request request_ = MPI_REQUEST_NULL;
+  CollectiveWatch* watch_ = nullptr;  // the MPI Comm's watchdog, and what it waits for
+  const char* what_ = "";
+  int64_t seq_ = 0;
   Comm* owner_ = nullptr;  // device Comm that completes ticket_
   int64_t ticket_ = -1;
 };
+
+// comm.timeout_s for the MPI Comm's host collectives (0, the default: wait as
+// long as MPI does). A collective not complete after this long asks the other
+// ranks of its communicator which collective they wait in, then aborts the job
+// with one line naming the collective and the ranks that did not arrive (a
+// stopped, dead or stuck rank); NCCL has its own watchdog (cuda.hpp).
+void set_collective_timeout(double seconds);
 
 class Comm {
  public:

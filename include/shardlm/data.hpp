@@ -81,6 +81,13 @@ struct DataMemory {
   int64_t total() const { return index + order + buffers; }
 };
 
+// What `shardlm check` asks of each data.path file, by the code TokenDataset
+// opens it with: a regular HDF5 file with 'tokens' and 'offsets' whose
+// document index is sound and whose vocab_size attribute (when present) is
+// > 0 and <= the model's. Throws shardlm::Error naming the file. The token ids
+// are checked as train reads them.
+void validate_token_file(const std::string& path, int64_t model_vocab_size);
+
 class TokenDataset {
  public:
   // Opens and validates every file: dtypes, shapes, offsets and storage. Only

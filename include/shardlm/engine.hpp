@@ -49,6 +49,12 @@ struct MemoryPlan {
 MemoryPlan plan_memory(const ModelConfig& config, int world, const EngineOptions& options, int optim_states,
                        const Backend& backend);
 std::string format_memory_plan(const MemoryPlan& plan, int world);
+// The plan against the machine, before anything large is built: "" when
+// `ranks_on_node` ranks' host plans fit `host` and `ranks_per_gpu` ranks'
+// device plans fit `gpu_bytes` (0: not checked); else a sentence with the
+// numbers and what makes the plan smaller.
+std::string plan_fit_error(const MemoryPlan& plan, int ranks_on_node, const MachineMemory& host, int ranks_per_gpu,
+                           int64_t gpu_bytes);
 
 class Engine {
  public:

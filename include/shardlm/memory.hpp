@@ -39,6 +39,15 @@ void device_mem_admit(Mem category, int64_t bytes);
 MemCounters device_memory();
 void reset_host_peaks();                       // peak := current (per category and total)
 
+// The memory this machine gives its processes: physical memory, or the
+// cgroup's limit when that is lower (containers, Slurm's --mem). `source` says
+// which ("MemTotal", "cgroup memory.max").
+struct MachineMemory {
+  int64_t bytes = 0;
+  const char* source = "";
+};
+MachineMemory machine_host_memory();
+
 template <class T>
 class Buffer {
  public:

@@ -43,12 +43,15 @@ struct Unit {
 
 // Shards start on this many elements (256 B of fp32, 128 B of bf16).
 constexpr int64_t kShardAlign = 64;
+// The most ranks a model is sharded over (`check --world` accepts as many).
+constexpr int kMaxWorld = 1000000;
 
 struct ModelLayout {
   ModelConfig config;
   int world = 1;
   std::vector<Unit> units;       // embed, layers.0 .. layers.{L-1}, head
 
+  // Throws Error naming the size when model_size_error(config) is not empty.
   ModelLayout(const ModelConfig& config, int world);
   const Unit& embed() const { return units.front(); }
   const Unit& head() const { return units.back(); }

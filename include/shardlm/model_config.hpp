@@ -1,8 +1,9 @@
 // model_config.hpp — the architecture of a decoder-only model (Llama/Qwen family).
 //
-// Owns: ModelConfig, the sizes and options every other part reads. Filled from
-// the deck ([model] section) or from a Hugging Face config.json (hf.hpp). Knows
-// nothing about parameters, shards, devices or MPI.
+// Owns: ModelConfig, the sizes and options every other part reads, and the
+// largest sizes accepted (checked by model_size_error, defined in model.cpp).
+// Filled from the deck ([model] section) or from a Hugging Face config.json
+// (hf.hpp). Knows nothing about shards, devices or MPI.
 #pragma once
 
 #include <cstdint>
@@ -38,5 +39,33 @@ struct ModelConfig {
   int64_t bos_token_id = -1;
   int64_t eos_token_id = -1;
 };
+
+// The largest sizes shardlm accepts, from a deck or a config.json. Each is far
+// past any released model's (the largest have a vocabulary of 262144, hidden
+// 16384, intermediate 53248, 126 layers, 128 heads of 256), and together they
+// keep every size product of the layout and the memory plan inside int64, so
+// a typo such as 2^62 is refused by name before anything is built.
+constexpr int64_t kMaxVocabSize = int64_t(1) << 24;         // 16777216
+constexpr int64_t kMaxHiddenSize = int64_t(1) << 20;        // 1048576
+constexpr int64_t kMaxIntermediateSize = int64_t(1) << 22;  // 4194304
+constexpr int64_t kMaxLayers = int64_t(1) << 14;            // 16384
+constexpr int64_t kMaxHeads = int64_t(1) << 14;             // num_heads, num_kv_heads
+constexpr int64_t kMaxHeadDim = int64_t(1) << 14;
+constexpr int64_t kMaxPositions = 2147483647;               // positions are int32
+constexpr int64_t kMaxParameters = int64_t(1) << 45;        // 35e12, with tied weights once
+constexpr int64_t kMaxSeqLen = int64_t(1) << 24;            // data.seq_len
+constexpr int64_t kMaxTokensPerMicroBatch = 2147483647;     // micro_batch x seq_len: int32 positions, BLAS ints
+// Floats of one rank's activations (tokens x layers x layer widths): 2^56, so
+// the plan's byte counts (x 4 B, x a few buffers) stay below 2^62.
+constexpr int64_t kMaxActivationFloats = int64_t(1) << 56;
+
+// The first size of `c` out of the ranges above, or whose parameter count
+// passes kMaxParameters, as a sentence naming it ("num_layers = ... is more
+// than ..."); "" when all fit. Counted with checked arithmetic.
+std::string model_size_error(const ModelConfig& c);
+// model_size_error, then the activations of `tokens_per_micro_batch` tokens
+// (and a logits chunk of `chunk_tokens` x vocab_size) against
+// kMaxActivationFloats; "" when they fit.
+std::string model_scale_error(const ModelConfig& c, int64_t tokens_per_micro_batch, int64_t chunk_tokens);
 
 }  // namespace shardlm

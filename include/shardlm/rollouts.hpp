@@ -44,6 +44,10 @@ struct RolloutBatch {
 // "<dir>/step_<step>.h5".
 std::string rollout_path(const std::string& dir, int64_t step);
 
+// Throws Error when `dir` exists and is not a directory (absent is fine: the
+// inference side may create it). wait_for_rollouts and `shardlm check` call it.
+void validate_rollout_dir(const std::string& dir);
+
 // Reads and validates the whole file. Throws shardlm::Error naming the file and
 // what is wrong (missing file or dataset, wrong dtype or rank, lengths that do
 // not match, a token id outside [0, vocab_size), a NaN/inf or positive inference

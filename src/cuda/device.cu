@@ -37,6 +37,12 @@ std::string cuda_device_name(int device) {
   return prop.name;
 }
 
+int64_t cuda_device_memory_bytes(int device) {
+  cudaDeviceProp prop{};
+  CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
+  return static_cast<int64_t>(prop.totalGlobalMem);
+}
+
 void* cuda_malloc(Mem category, int64_t bytes) {
   void* p = nullptr;
   device_mem_admit(category, bytes);

@@ -14,6 +14,7 @@
 #include "shardlm/cli.hpp"
 #include "shardlm/error.hpp"
 #include "shardlm/run_dir.hpp"
+#include "shardlm/h5util.hpp"
 #include "run_command.hpp"
 
 using namespace shardlm;
@@ -148,7 +149,7 @@ TEST_CASE("check on the CUDA backend: cuDNN's attention adds only its persistent
 }
 
 TEST_CASE("train under mpirun -np 2 with a bad deck: one report, clean exit 1") {
-  auto r = run(mpirun(2) + shardlm_bin() + " train inputs/tiny-sft.toml --set optim.lr=-1", 120);
+  auto r = run(mpirun(2) + shardlm_bin() + " train inputs/tiny-sft.toml --set optim.lr=-1");
   CHECK(r.status == 1);
   CHECK(r.output.find("optim.lr = -1 is out of range") != std::string::npos);
   // printed once, not once per rank
@@ -332,7 +333,7 @@ TEST_CASE("a receiver that dies makes the trainers abort with a message, not han
 }
 
 TEST_CASE("receive refuses a deck without a broadcast backend; train refuses nccl broadcast without receivers") {
-  auto r = run(mpirun(1) + shardlm_bin() + " train inputs/tiny-sft.toml --set broadcast.backend=nccl", 60);
+  auto r = run(mpirun(1) + shardlm_bin() + " train inputs/tiny-sft.toml --set broadcast.backend=nccl");
   CHECK(r.status != 0);
   CHECK(r.output.find("this job has no receiver ranks") != std::string::npos);
   auto fsb = run(shardlm_bin() + " check inputs/tiny-sft.toml --set broadcast.backend=filesystem");
@@ -422,11 +423,140 @@ TEST_CASE("RL: a rollout file that never comes is a clear error after data.rollo
   std::filesystem::remove_all(dir);
 }
 
+TEST_CASE("check opens data.path as train does: missing, a directory, /dev/zero, not HDF5, vocab_size") {
+  const auto dir = std::filesystem::temp_directory_path() / ("shardlm-checkdata-" + std::to_string(getpid()));
+  std::filesystem::create_directories(dir);
+  auto check = [&](const std::string& sets) { return run(shardlm_bin() + " check inputs/tiny-sft.toml " + sets); };
+  auto refused = [&](const std::string& sets, const std::string& message) {
+    const auto r = check(sets);
+    CHECK(r.status == 1);
+    CHECK_MESSAGE(r.output.find(message) != std::string::npos, r.output);
+    CHECK(r.output.find("valid for") == std::string::npos);
+  };
+  const auto ok = check("");
+  CHECK(ok.status == 0);
+  CHECK(ok.output.find("data: inputs/data/tiny.h5 is a token file for vocab_size 258") != std::string::npos);
+  refused("--set data.path=" + (dir / "none.h5").string(), "data file '" + (dir / "none.h5").string() + "' does not exist");
+  refused("--set data.path=" + dir.string(), "data file '" + dir.string() + "' is a directory");
+  refused("--set data.path=/dev/zero", "data file '/dev/zero' is not a regular file (a device, pipe or socket)");
+  refused("--set data.path=inputs/tiny-sft.toml", "data file 'inputs/tiny-sft.toml' is not an HDF5 file");
+  refused("--set model.vocab_size=100",
+          "data file 'inputs/data/tiny.h5' was tokenized for a vocabulary of 258 ids (attribute vocab_size, tokenizer");
+  {  // a vocab_size attribute of -1
+    const std::string bad = (dir / "vocab.h5").string();
+    h5::Handle file(H5_CHECK(H5Fcreate(bad.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT)), H5Fclose);
+    for (const char* name : {"tokens", "offsets"}) {
+      const hsize_t n = 2;
+      h5::Handle space(H5_CHECK(H5Screate_simple(1, &n, nullptr)), H5Sclose);
+      h5::Handle dset(H5_CHECK(H5Dcreate2(file, name, name[0] == 't' ? H5T_STD_I32LE : H5T_STD_I64LE, space,
+                                          H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT)), H5Dclose);
+    }
+    h5::Handle scalar(H5_CHECK(H5Screate(H5S_SCALAR)), H5Sclose);
+    h5::Handle attr(H5_CHECK(H5Acreate2(file, "vocab_size", H5T_STD_I64LE, scalar, H5P_DEFAULT, H5P_DEFAULT)), H5Aclose);
+    const int64_t minus_one = -1;
+    H5_CHECK(H5Awrite(attr, H5T_NATIVE_INT64, &minus_one));
+  }
+  refused("--set data.path=" + (dir / "vocab.h5").string(),
+          "data file '" + (dir / "vocab.h5").string() + "': attribute vocab_size = -1; it must be the tokenizer's "
+          "vocabulary size (> 0)");
+  // RL: the rollout directory, and step_0.h5 when it is there.
+  std::FILE* f = std::fopen((dir / "file").c_str(), "w");
+  REQUIRE(f);
+  std::fclose(f);
+  const auto rl_file = run(shardlm_bin() + " check inputs/tiny-rl.toml --set data.rollout_dir=" + (dir / "file").string());
+  CHECK(rl_file.status == 1);
+  CHECK(rl_file.output.find("data.rollout_dir = '" + (dir / "file").string() + "' is not a directory") !=
+        std::string::npos);
+  const auto rl_later = run(shardlm_bin() + " check inputs/tiny-rl.toml --set data.rollout_dir=" + (dir / "later").string());
+  CHECK(rl_later.status == 0);
+  CHECK(rl_later.output.find("the directory does not exist yet") != std::string::npos);
+  std::filesystem::create_directories(dir / "rollouts");
+  std::filesystem::copy_file("inputs/tiny-sft.toml", dir / "rollouts" / "step_0.h5");
+  const auto rl_bad = run(shardlm_bin() + " check inputs/tiny-rl.toml --set data.rollout_dir=" + (dir / "rollouts").string());
+  CHECK(rl_bad.status == 1);
+  CHECK(rl_bad.output.find((dir / "rollouts" / "step_0.h5").string()) != std::string::npos);
+  std::filesystem::remove_all(dir);
+}
+
+// A 3.8e12-parameter model: every size in range, 61 TB of host memory per rank.
+const char* kHugeModel = " --set model.num_layers=1000 --set model.hidden_size=16384 --set model.intermediate_size=65536"
+                         " --set model.num_heads=128 --set model.num_kv_heads=8";
+
+TEST_CASE("the memory plan is compared with the machine: check notes it, train refuses before building anything") {
+  const auto c = run(shardlm_bin() + " check inputs/tiny-sft.toml" + kHugeModel);
+  CHECK(c.status == 0);  // the nodes that run it may be larger than this one
+  CHECK(c.output.find("this machine: ") != std::string::npos);
+  CHECK(c.output.find("one rank's plan does not fit: the memory plan needs ") != std::string::npos);
+  CHECK(run(shardlm_bin() + " check inputs/tiny-sft.toml").output.find("one rank's plan fits") != std::string::npos);
+
+  const auto dir = std::filesystem::temp_directory_path() / ("shardlm-huge-" + std::to_string(getpid()));
+  const auto t = run(shardlm_bin() + " train inputs/tiny-sft.toml" + kHugeModel + " --set run.dir=" + dir.string());
+  CHECK(t.status == 1);
+  CHECK_MESSAGE(t.output.find("inputs/tiny-sft.toml: the memory plan needs ") != std::string::npos, t.output);
+  CHECK(t.output.find("GiB of host memory per rank x 1 rank on this node = ") != std::string::npos);
+  CHECK(t.output.find("model.activation_checkpointing") != std::string::npos);
+  CHECK(!std::filesystem::exists(dir));  // refused before the run dir was made
+}
+
+TEST_CASE("an unwritable checkpoint directory and a full disk at start name the path and the reason") {
+  const auto dir = std::filesystem::temp_directory_path() / ("shardlm-unwritable-" + std::to_string(getpid()));
+  std::filesystem::create_directories(dir);
+  const std::string train = shardlm_bin() + " train inputs/tiny-sft.toml --set run.max_steps=5 --set run.dir=";
+  // As root, mode bits do not stop a write: /sys refuses root too.
+  std::filesystem::create_directory_symlink("/sys", dir / "checkpoints");
+  const auto r = run(train + dir.string());
+  CHECK(r.status == 1);
+  CHECK_MESSAGE(r.output.find("cannot write in the checkpoint directory " + (dir / "checkpoints").string() + ": ") !=
+                    std::string::npos, r.output);
+  CHECK(r.output.find("MPI_ERR") == std::string::npos);
+  std::filesystem::remove_all(dir);
+
+  // A full disk: the file being written is /dev/full, which fails every write with ENOSPC.
+  std::filesystem::create_directories(dir);
+  std::filesystem::create_symlink("/dev/full", dir / "config.toml.tmp");
+  const auto full = run(train + dir.string());
+  CHECK(full.status == 1);
+  CHECK_MESSAGE(full.output.find("cannot write " + (dir / "config.toml").string() + ": No space left on device") !=
+                    std::string::npos, full.output);
+  CHECK(!std::filesystem::exists(dir / "config.toml"));  // no 0-byte config.toml left
+  CHECK(!std::filesystem::exists(std::filesystem::symlink_status(dir / "config.toml.tmp")));
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("a stopped rank: the MPI watchdog aborts after comm.timeout_s naming the collective and the rank") {
+  // Rank 2 of 3 freezes (SIGSTOP) at its first all-reduce; ranks 0 and 1 wait in it.
+  const auto dir = std::filesystem::temp_directory_path() / ("shardlm-stopped-" + std::to_string(getpid()));
+  auto r = run("SHARDLM_FAULT=mpi_stop@2 OMP_NUM_THREADS=1 " + mpirun(3) + "-x SHARDLM_FAULT " + shardlm_bin() +
+               " train inputs/tiny-sft.toml --set data.global_batch=12 --set data.micro_batch=1 --set comm.timeout_s=3"
+               " --set run.dir=" + dir.string());
+  CHECK(r.status != 0);
+  CHECK(r.status != 124);  // the hang guard did not fire: the watchdog did
+  CHECK_MESSAGE(r.output.find("collective all_reduce_sum (#") != std::string::npos, r.output);
+  CHECK(r.output.find("has not completed after 3.") != std::string::npos);
+  CHECK(r.output.find("(comm.timeout_s = 3): rank 2 did not arrive (stopped, dead, or stuck outside any collective); "
+                      "waiting in it: ranks 0, 1") != std::string::npos);
+  // One report for the job, by the lowest waiting rank.
+  CHECK(r.output.find("has not completed") == r.output.rfind("has not completed"));
+  CHECK(r.output.find("shardlm: error on rank 0 of 3") != std::string::npos);
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("a killed rank ends the job in seconds with a line naming it") {
+  const auto dir = std::filesystem::temp_directory_path() / ("shardlm-killed-" + std::to_string(getpid()));
+  auto r = run("SHARDLM_FAULT=mpi_kill@2 OMP_NUM_THREADS=1 " + mpirun(3) + "-x SHARDLM_FAULT " + shardlm_bin() +
+               " train inputs/tiny-sft.toml --set data.global_batch=12 --set data.micro_batch=1 --set run.dir=" +
+               dir.string());
+  CHECK(r.status != 0);
+  CHECK(r.status != 124);
+  // The launcher sees the death first and names the rank (Open MPI: "process rank 2 ... exited on signal 9").
+  CHECK_MESSAGE(r.output.find("rank 2") != std::string::npos, r.output);
+  std::filesystem::remove_all(dir);
+}
+
 TEST_CASE("a fatal error on one rank aborts the whole job with one message, never a hang") {
   auto r = run("SHARDLM_FAULT=startup@1 " + mpirun(2) + "-x SHARDLM_FAULT " + shardlm_bin() +
                    " train inputs/tiny-sft.toml --set run.dir=" +
-                   (std::filesystem::temp_directory_path() / ("shardlm-abort-" + std::to_string(getpid()))).string(),
-               60);
+                   (std::filesystem::temp_directory_path() / ("shardlm-abort-" + std::to_string(getpid()))).string());
   CHECK(r.status != 0);
   CHECK(r.status != 124);  // 124: the timeout fired, i.e. the job hung
   CHECK(r.output.find("shardlm: error on rank 1 of 2") != std::string::npos);

@@ -105,11 +105,11 @@ TEST_CASE("wrong types name the key, the value and what is accepted") {
 
 TEST_CASE("out-of-range values and unknown choices") {
   CHECK(only_error(parse(kValid, {"optim.lr=-1"})) ==
-        "--set optim.lr=-1: optim.lr = -1 is out of range: it must be > 0");
+        "--set optim.lr=-1: optim.lr = -1 is out of range: it must be a finite number > 0 and <= 1000");
   CHECK(only_error(parse(kValid, {"optim.beta2=1.5"})) ==
-        "--set optim.beta2=1.5: optim.beta2 = 1.5 is out of range: it must be between 0 and 0.999999");
+        "--set optim.beta2=1.5: optim.beta2 = 1.5 is out of range: it must be a finite number between 0 and 0.999999");
   CHECK(only_error(parse(kValid, {"data.seq_len=1"})) ==
-        "--set data.seq_len=1: data.seq_len = 1 is out of range: it must be >= 2");
+        "--set data.seq_len=1: data.seq_len = 1 is out of range: it must be between 2 and 16777216");
   CHECK(only_error(parse(kValid, {"optim.name=adam"})) ==
         "--set optim.name=adam: optim.name = \"adam\" is not accepted: it must be one of \"adamw\", \"sgd\", \"muon\"");
 }
@@ -133,7 +133,7 @@ TEST_CASE("device communicator keys: NCCL and bf16 reduction need the CUDA backe
   CHECK(only_error(parse(kValid, {"device.backend=cpu", "model.reduce_dtype=bf16"})) ==
         "deck.toml: model.reduce_dtype = \"bf16\" needs device.backend = \"cuda\" (the CPU backend is the fp32 reference)");
   CHECK(only_error(parse(kValid, {"comm.timeout_s=0"})) ==
-        "--set comm.timeout_s=0: comm.timeout_s = 0 is out of range: it must be > 0");
+        "--set comm.timeout_s=0: comm.timeout_s = 0 is out of range: it must be a finite number > 0 and <= 32000000");
 }
 
 TEST_CASE("model.optim_offload_grads: host or device, device only with the offloaded AdamW/SGD on a GPU") {
@@ -191,7 +191,7 @@ TEST_CASE("device.memory_limit_gib: parsed, refused on the CPU backend, and the 
         "deck.toml: device.memory_limit_gib caps GPU memory: it needs device.backend = \"cuda\" (or \"auto\" on a "
         "GPU machine)");
   CHECK(only_error(parse(kValid, {"device.memory_limit_gib=-1"})) ==
-        "--set device.memory_limit_gib=-1: device.memory_limit_gib = -1 is out of range: it must be >= 0");
+        "--set device.memory_limit_gib=-1: device.memory_limit_gib = -1 is out of range: it must be a finite number between 0 and 1000000");
 
   // The cap itself (what the GPU allocators ask before allocating).
   const int64_t base = device_memory().total_current, mib = 1 << 20;
@@ -254,6 +254,76 @@ TEST_CASE("cross-field checks run before any work") {
         "deck.toml: data.path is not set: SFT needs a token file (see docs/data.md)");
   CHECK(only_error(parse(kValid, {"model.max_position_embeddings=32"})) ==
         "deck.toml: data.seq_len = 64 is larger than model.max_position_embeddings = 32");
+}
+
+TEST_CASE("sizes past their bounds are refused by key with the accepted range, never wrapped") {
+  // micro_batch x world used to wrap to 0 and divide by it (SIGFPE).
+  CHECK(only_error(parse(kValid, {"data.micro_batch=4611686018427387904"}, 4)) ==
+        "--set data.micro_batch=4611686018427387904: data.micro_batch = 4611686018427387904 is out of range: it must "
+        "be between 1 and 2147483647");
+  CHECK(only_error(parse(kValid, {"model.hidden_size=4611686018427387904"})) ==
+        "--set model.hidden_size=4611686018427387904: model.hidden_size = 4611686018427387904 is out of range: it "
+        "must be between 1 and 1048576");
+  CHECK(only_error(parse(kValid, {"data.seq_len=4611686018427387904"})) ==
+        "--set data.seq_len=4611686018427387904: data.seq_len = 4611686018427387904 is out of range: it must be "
+        "between 2 and 16777216");
+  CHECK(only_error(parse(kValid, {"model.num_layers=1000000000"})) ==
+        "--set model.num_layers=1000000000: model.num_layers = 1000000000 is out of range: it must be between 1 and "
+        "16384");
+  CHECK(only_error(parse(kValid, {"device.cpu_threads=1099511627776"})).find(
+            "device.cpu_threads = 1099511627776 is out of range: it must be between 0 and 4096") != std::string::npos);
+  // Each in range, the product not: the parameter count and the tokens per micro-batch.
+  const std::string params = only_error(parse(kValid, {"model.vocab_size=16777216", "model.hidden_size=1048576",
+                                                       "model.num_heads=128"}));
+  CHECK(params.find("deck.toml: model: the model would have ") == 0);
+  CHECK(params.find(" parameters (vocab_size 16777216, hidden_size 1048576, intermediate_size 176, num_layers 2, "
+                    "num_heads 128 x head_dim 8192): more than the 35184372088832 shardlm accepts") != std::string::npos);
+  CHECK(only_error(parse(kValid, {"data.micro_batch=1048576", "data.seq_len=4096", "data.global_batch=1048576",
+                                  "model.max_position_embeddings=4096"})) ==
+        "deck.toml: data.micro_batch x data.seq_len = 1048576 x 4096 tokens per micro-batch is more than 2147483647 "
+        "(positions are int32): lower data.micro_batch and raise data.global_batch's accumulation instead");
+  const std::string acts = only_error(parse(kValid, {"data.micro_batch=65536", "data.seq_len=16384", "data.global_batch=65536",
+                                                     "model.max_position_embeddings=16384", "model.num_layers=4096",
+                                                     "model.hidden_size=16384", "model.intermediate_size=65536"}));
+  CHECK(acts.find("deck.toml: model: 1073741824 tokens per micro-batch through 4096 layers of hidden_size 16384") == 0);
+  CHECK(acts.find("more than 2^56 activation floats per rank") != std::string::npos);
+}
+
+TEST_CASE("floats must be finite and in range: inf, nan and 1e308 name the key and the range") {
+  const std::string deck = std::string(kValid) + "[optim]\nlr = inf\n";
+  CHECK(only_error(parse(deck)) == "deck.toml:19:1: optim.lr = inf is out of range: it must be a finite number > 0 and "
+                                   "<= 1000");
+  CHECK(only_error(parse(kValid, {"optim.lr=nan"})) ==
+        "--set optim.lr=nan: optim.lr = nan is out of range: it must be a finite number > 0 and <= 1000");
+  CHECK(only_error(parse(kValid, {"optim.max_norm=1e308"})) ==
+        "--set optim.max_norm=1e308: optim.max_norm = 1e+308 is out of range: it must be a finite number between 0 "
+        "and 1000000000000");
+  CHECK(only_error(parse(kValid, {"comm.timeout_s=inf"})).find("comm.timeout_s = inf is out of range") !=
+        std::string::npos);
+  CHECK(only_error(parse(kValid, {"optim.weight_decay=-inf"})).find("optim.weight_decay = -inf is out of range") !=
+        std::string::npos);
+  CHECK(parse(kValid, {"optim.lr=1000", "optim.max_norm=1e12"}).ok());  // the bounds themselves are accepted
+}
+
+TEST_CASE("cross-field checks see what the deck gave, not what was filled in from it") {
+  // head_dim is derived from hidden / heads only after the divisibility check.
+  CHECK(only_error(parse(kValid, {"model.hidden_size=66"})) ==
+        "deck.toml: model.hidden_size = 66 is not a multiple of model.num_heads = 4; set model.head_dim");
+  CHECK(parse(kValid, {"model.hidden_size=66", "model.head_dim=16"}).ok());  // Qwen3-style: head_dim given
+  CHECK(only_error(parse(kValid, {"model.hidden_size=72", "model.num_heads=8", "model.num_kv_heads=8"})) ==
+        "deck.toml: model.hidden_size / model.num_heads = 9 (the head_dim) must be even (RoPE rotates pairs); set "
+        "model.head_dim");
+  // Optimizer-specific keys are refused from the deck as from --set.
+  const std::string sgd = std::string(kValid) + "[optim]\nname = \"sgd\"\nbeta1 = 0.8\n";
+  CHECK(only_error(parse(sgd)) == "deck.toml: optim.beta1 has no meaning for optim.name = \"sgd\" (use optim.momentum)");
+  const std::string adamw = std::string(kValid) + "[optim]\nns_steps = 3\nmomentum = 0.9\n";
+  const DeckResult r = parse(adamw);
+  REQUIRE(r.errors.size() == 2);
+  CHECK(r.errors[0] == "deck.toml: optim.momentum is SGD's; it has no meaning for optim.name = \"adamw\" (AdamW's is "
+                       "optim.beta1)");
+  CHECK(r.errors[1] == "deck.toml: optim.ns_steps has no meaning for optim.name = \"adamw\" (it sets Muon; see "
+                       "docs/muon.md)");
+  CHECK(parse(kValid, {"optim.name=sgd", "optim.momentum=0.9"}).ok());
 }
 
 TEST_CASE("a deck without model sizes says which one is missing") {

@@ -620,6 +620,23 @@ TEST_CASE("read_hf_config refuses bad configs with the file, key and value") {
     CHECK(config_error(llama_config_with("intermediate_size", "8192.5"))
               .find("'intermediate_size' must be an integer, got 8192.5") != std::string::npos);
   }
+  SUBCASE("sizes past shardlm's bounds, and a parameter count that would overflow") {
+    // 10^9 layers used to build a name per parameter until the OOM killer came.
+    CHECK(config_error(llama_config_with("num_hidden_layers", "1000000000"))
+              .find("config.json: 'num_hidden_layers' = 1000000000 is out of range: shardlm accepts 1 to 16384") !=
+          std::string::npos);
+    CHECK(config_error(llama_config_with("hidden_size", "4611686018427387904"))
+              .find("'hidden_size' = 4611686018427387904 is out of range: shardlm accepts 1 to 1048576") !=
+          std::string::npos);
+    nlohmann::json big = nlohmann::json::parse(kLlama32Config);
+    big["vocab_size"] = 16777216;
+    big["hidden_size"] = 1048576;
+    big["head_dim"] = 64;
+    big["tie_word_embeddings"] = false;
+    const std::string msg = config_error(big.dump());
+    CHECK(msg.find("config.json: the model would have ") != std::string::npos);
+    CHECK(msg.find("more than the 35184372088832 shardlm accepts") != std::string::npos);
+  }
   SUBCASE("heads not divisible by kv heads") {
     CHECK(config_error(llama_config_with("num_key_value_heads", "5"))
               .find("num_attention_heads 32 is not divisible by num_key_value_heads 5") != std::string::npos);
@@ -875,6 +892,32 @@ TEST_CASE("SafetensorsReader refuses damaged files and unknown names with clear 
     write_raw_safetensors(file, R"({"a":{"dtype":"Q4","shape":[1],"data_offsets":[0,1]}})", std::string(1, '\0'));
     CHECK(error_of([&] { shardlm::SafetensorsReader r(d.path); }).find("tensor 'a' has unknown dtype 'Q4'") !=
           std::string::npos);
+  }
+  // data_offsets must tile the data exactly (the safetensors rule): an overlap
+  // used to load q_proj from the embedding's bytes and train on it.
+  SUBCASE("overlapping data_offsets") {
+    write_raw_safetensors(file,
+                          R"({"embed":{"dtype":"F32","shape":[4],"data_offsets":[0,16]},)"
+                          R"("q_proj":{"dtype":"F32","shape":[2],"data_offsets":[8,16]}})",
+                          std::string(16, '\0'));
+    CHECK(error_of([&] { shardlm::SafetensorsReader r(d.path); }) ==
+          file_s + ": tensor 'q_proj' has data_offsets [8, 16], which overlap tensor 'embed' [0, 16]: the header is "
+                   "corrupt (every tensor needs bytes of its own)");
+  }
+  SUBCASE("data_offsets leaving a hole") {
+    write_raw_safetensors(file,
+                          R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},)"
+                          R"("b":{"dtype":"F32","shape":[1],"data_offsets":[8,12]}})",
+                          std::string(12, '\0'));
+    CHECK(error_of([&] { shardlm::SafetensorsReader r(d.path); }) ==
+          file_s + ": data bytes [4, 8) belong to no tensor (before tensor 'b'): the header is corrupt or the file is "
+                   "not safetensors");
+  }
+  SUBCASE("bytes after the last tensor") {
+    write_raw_safetensors(file, R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})", std::string(10, '\0'));
+    CHECK(error_of([&] { shardlm::SafetensorsReader r(d.path); }) ==
+          file_s + ": the tensors' data ends at byte 4 of the data but the file holds 10 data bytes (last tensor 'a'): "
+                   "the header is corrupt or the file has trailing bytes");
   }
   SUBCASE("unsupported dtype I64: listed, but not readable as fp32") {
     write_raw_safetensors(file, R"({"ids":{"dtype":"I64","shape":[2],"data_offsets":[0,16]}})", std::string(16, '\0'));

@@ -400,7 +400,8 @@ TEST_CASE("bad inputs get clear errors") {
   SUBCASE("seq_len longer than the HF model supports") {
     CHECK_THROWS_WITH_AS(
         TrainSession(tiny_deck({"model.hf=tests/fixtures/llama-gqa-tied", "data.seq_len=512"}), *comm),
-        doctest::Contains("data.seq_len = 512 is larger than the model supports (max_position_embeddings = 256)"),
+        doctest::Contains("data.seq_len = 512 is larger than tests/fixtures/llama-gqa-tied/config.json's "
+                          "max_position_embeddings = 256"),
         Error);
   }
   SUBCASE("a data file that does not exist") {
