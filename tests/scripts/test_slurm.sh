@@ -371,7 +371,7 @@ first_dir=runs/local-stop/lr=1e-3
 second_dir=runs/local-stop/lr=3e-3,weight_decay=0.1
 # Both running tasks are training (a signal during start-up is handled too, but
 # then there is no checkpoint to see).
-rows() { cat "$1/metrics.jsonl" 2>/dev/null | grep -c '"step"'; }
+rows() { cat "$1/metrics.jsonl" 2>/dev/null | grep -c '^{"step"'; }  # step rows (event rows start with "event")
 both_training() { [ "$(rows "$first_dir")" -ge 3 ] && [ "$(rows "$second_dir")" -ge 1 ]; }
 if wait_for 300 both_training; then
   kill -TERM "$runner"
