@@ -253,6 +253,6 @@ check "shardlm export of a seeded model says it had none" has "$T/export3.log" "
 "$BIN" inspect "$T/no-such-checkpoint.h5" > "$T/inspect.log" 2>&1
 rc=$?
 check "inspect of a path that is not there: exit 2, 'no such file', not DAMAGED ($rc)" \
-  test $rc = 2 -a "$(cat "$T/inspect.log")" = "$T/no-such-checkpoint.h5: no such file or directory"
+  test $rc = 2 -a "$(cat "$T/inspect.log")" = "shardlm inspect: $T/no-such-checkpoint.h5: no such file or directory"
 
 [ $failures = 0 ]
