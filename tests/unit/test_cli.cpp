@@ -88,12 +88,14 @@ TEST_CASE("check prints the resolved deck and exits 0; --world drives the batch 
 }
 
 TEST_CASE("check with optim_cpu_offload on the CUDA backend prints the GPU bytes saved and the host bytes used") {
-  auto off = run(shardlm_bin() + " check inputs/bench/llama-1b.toml --set device.backend=cuda");
+  auto off = run(shardlm_bin() + " check inputs/bench/llama-1b.toml --set data.path=inputs/data/tiny.h5 "
+                                 "--set device.backend=cuda");
   if (off.output.find("built without CUDA") != std::string::npos) {
     MESSAGE("CPU-only build: the CUDA memory plan is not available; nothing to check");
     return;
   }
-  auto on = run(shardlm_bin() + " check inputs/bench/llama-1b.toml --set device.backend=cuda "
+  auto on = run(shardlm_bin() + " check inputs/bench/llama-1b.toml --set data.path=inputs/data/tiny.h5 "
+                                 "--set device.backend=cuda "
                                 "--set model.optim_cpu_offload=true");
   REQUIRE(off.status == 0);
   REQUIRE(on.status == 0);
@@ -116,7 +118,8 @@ TEST_CASE("check with optim_cpu_offload on the CUDA backend prints the GPU bytes
   // Gradients on the device: no host gradient shards (4 B per parameter), two
   // pinned fp32 landing buffers of the largest shard (the 128256 x 2048
   // embedding) instead; the GPU plan is the same.
-  auto dev = run(shardlm_bin() + " check inputs/bench/llama-1b.toml --set device.backend=cuda "
+  auto dev = run(shardlm_bin() + " check inputs/bench/llama-1b.toml --set data.path=inputs/data/tiny.h5 "
+                                 "--set device.backend=cuda "
                                  "--set model.optim_cpu_offload=true --set model.optim_offload_grads=device");
   REQUIRE(dev.status == 0);
   CHECK(total(dev.output, "GPU") == total(on.output, "GPU"));
@@ -128,7 +131,8 @@ TEST_CASE("check with optim_cpu_offload on the CUDA backend prints the GPU bytes
 TEST_CASE("check on the CUDA backend: cuDNN's attention adds only its persistent 64.5 MiB at 32K tokens") {
   // Its backward buffers (dq accumulator, row sums, per-head dk/dv: 537 MiB at the
   // 1B shape and 32768 tokens) live in each layer's gate/up buffer, dead by then.
-  const std::string deck = " check inputs/bench/llama-1b.toml --set device.backend=cuda --set data.seq_len=32768 "
+  const std::string deck = " check inputs/bench/llama-1b.toml --set data.path=inputs/data/tiny.h5 "
+                                 "--set device.backend=cuda --set data.seq_len=32768 "
                            "--set data.global_batch=1 --set model.activation_checkpointing=selective";
   auto flash = run(shardlm_bin() + deck + " --set device.attention=flash");
   if (flash.output.find("built without CUDA") != std::string::npos) {
@@ -237,9 +241,8 @@ TEST_CASE("train with [eval] and two mixed files: eval loss in the progress line
   CHECK(check.status == 0);
   CHECK(check.output.find("data reader        host ") != std::string::npos);
   auto missing = run(shardlm_bin() + " check inputs/tiny-sft.toml --set data.path=/nonexistent/x.h5");
-  CHECK(missing.status == 0);  // the deck is valid; the plan names what it could not open
-  CHECK(missing.output.find("data reader: not planned: data file '/nonexistent/x.h5' does not exist") !=
-        std::string::npos);
+  CHECK(missing.status == 1);  // check opens the data as train does (#17)
+  CHECK(missing.output.find("data file '/nonexistent/x.h5' does not exist") != std::string::npos);
   std::filesystem::remove_all(dir);
 }
 
@@ -445,11 +448,16 @@ TEST_CASE("check opens data.path as train does: missing, a directory, /dev/zero,
   {  // a vocab_size attribute of -1
     const std::string bad = (dir / "vocab.h5").string();
     h5::Handle file(H5_CHECK(H5Fcreate(bad.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT)), H5Fclose);
+    const int32_t tokens[2] = {1, 2};
+    const int64_t offsets[2] = {0, 2};
     for (const char* name : {"tokens", "offsets"}) {
+      const bool t = name[0] == 't';
       const hsize_t n = 2;
       h5::Handle space(H5_CHECK(H5Screate_simple(1, &n, nullptr)), H5Sclose);
-      h5::Handle dset(H5_CHECK(H5Dcreate2(file, name, name[0] == 't' ? H5T_STD_I32LE : H5T_STD_I64LE, space,
-                                          H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT)), H5Dclose);
+      h5::Handle dset(H5_CHECK(H5Dcreate2(file, name, t ? H5T_STD_I32LE : H5T_STD_I64LE, space, H5P_DEFAULT,
+                                          H5P_DEFAULT, H5P_DEFAULT)), H5Dclose);
+      H5_CHECK(H5Dwrite(dset, t ? H5T_NATIVE_INT32 : H5T_NATIVE_INT64, H5S_ALL, H5S_ALL, H5P_DEFAULT,
+                        t ? static_cast<const void*>(tokens) : static_cast<const void*>(offsets)));
     }
     h5::Handle scalar(H5_CHECK(H5Screate(H5S_SCALAR)), H5Sclose);
     h5::Handle attr(H5_CHECK(H5Acreate2(file, "vocab_size", H5T_STD_I64LE, scalar, H5P_DEFAULT, H5P_DEFAULT)), H5Aclose);

@@ -406,7 +406,8 @@ TEST_CASE("data.path lists several files, data.weights one per file, data.shuffl
   CHECK(only_error(parse(kValid, {"data.path=[\"a.h5\", \"b.h5\"]", "data.weights=[0, 0]"})) ==
         "deck.toml: data.weights are all 0: at least one file needs a positive weight");
   CHECK(only_error(parse(kValid, {"data.path=[\"a.h5\", \"b.h5\"]", "data.weights=[1, -2]"})) ==
-        "--set data.weights=[1, -2]: data.weights = an array: entry 1 is out of range: it must be >= 0");
+        "--set data.weights=[1, -2]: data.weights = an array: entry 1 is out of range: it must be a finite number between 0 "
+        "and 1000000");
   CHECK(only_error(parse(kValid, {"data.weights=0.5"})) ==
         "--set data.weights=0.5: data.weights = 0.5 has the wrong type: expected an array of numbers");
   CHECK(only_error(parse(kValid, {"data.path=[\"a.h5\", 3]"})) ==
