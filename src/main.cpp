@@ -238,8 +238,11 @@ int cmd_train(Runtime& rt, const CliArgs& args) {
   refuse_plan_over_machine(rt, config);
   print_banner(rt, config);
   bool in_use = false;
-  const std::unique_ptr<RunDirLock> run_dir_lock = open_run_dir(rt, config, &in_use);  // held until return
+  bool checkpoints_refused = false;
+  const std::unique_ptr<RunDirLock> run_dir_lock =
+      open_run_dir(rt, config, &in_use, &checkpoints_refused);  // held until return
   if (in_use) return kExitRunDirInUse;
+  if (checkpoints_refused) return kExitCheckpointFailed;
   print_deck_echo(rt, config);
   auto comm = make_mpi_comm(rt.role_comm);
   WeightBroadcaster broadcaster(config, rt, *comm);

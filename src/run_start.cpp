@@ -24,33 +24,44 @@ std::string bcast_text(std::string text, MPI_Comm comm) {
   return text;
 }
 
-// `dir` exists (made if not) and a file can be created in it: found at start,
-// with the path and the reason, rather than as MPI-IO's "MPI_ERR_OTHER" at the
-// first checkpoint.
-void require_writable_dir(const std::filesystem::path& dir, const char* what) {
+// "" when `dir` exists (made if not) and a file can be created in it; else why
+// not, with the path and the reason: found at start rather than as MPI-IO's
+// "MPI_ERR_OTHER" at the first checkpoint.
+std::string writable_dir_problem(const std::filesystem::path& dir, const char* what) {
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
-  SHARDLM_CHECK(!ec, "cannot create %s %s: %s", what, dir.c_str(), ec.message().c_str());
-  SHARDLM_CHECK(std::filesystem::is_directory(dir), "%s %s is not a directory (a file of that name is in the way)",
-                what, dir.c_str());
+  if (ec) return fmt("cannot create %s %s: %s", what, dir.c_str(), ec.message().c_str());
+  if (!std::filesystem::is_directory(dir))
+    return fmt("cannot create %s %s: a file of that name is in the way", what, dir.c_str());
   const std::filesystem::path probe = dir / ".shardlm-write-test";
   const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  SHARDLM_CHECK(fd >= 0, "cannot write in %s %s: %s", what, dir.c_str(), std::strerror(errno));
+  if (fd < 0) return fmt("cannot write in %s %s: %s", what, dir.c_str(), std::strerror(errno));
   ::close(fd);
   ::unlink(probe.c_str());
+  return "";
 }
 
 }  // namespace
 
-std::unique_ptr<RunDirLock> open_run_dir(const Runtime& rt, const Config& config, bool* in_use) {
+std::unique_ptr<RunDirLock> open_run_dir(const Runtime& rt, const Config& config, bool* in_use,
+                                         bool* checkpoints_refused) {
   std::unique_ptr<RunDirLock> lock;
   std::string refusal;
+  int checkpoints_ok = 1;
   if (rt.world_rank == 0) {  // world rank 0 is trainer rank 0
     try {
       lock = std::make_unique<RunDirLock>(config.run.dir, config.run.name, config.deck_path);
       if (!lock->takeover_note().empty()) std::printf("run dir: %s\n", lock->takeover_note().c_str());
       write_file_atomically(config.run.dir, "config.toml", resolved_deck(config));
-      require_writable_dir(checkpoint_dir(config), "the checkpoint directory");
+      const std::string problem = writable_dir_problem(checkpoint_dir(config), "the checkpoint directory");
+      if (!problem.empty()) {
+        const bool stop = config.ckpt.on_error == "stop";
+        checkpoints_ok = stop ? 0 : 1;
+        std::fprintf(stderr, "shardlm: %s: %s\n", problem.c_str(),
+                     stop ? "every save would fail; ckpt.on_error = \"stop\": exit 74 before the first step"
+                          : "every save will fail; ckpt.on_error = \"continue\": training anyway");
+        std::fflush(stderr);
+      }
     } catch (const RunDirInUse& e) {
       refusal = e.what();
       std::fprintf(stderr, "shardlm: %s\n", refusal.c_str());
@@ -60,6 +71,8 @@ std::unique_ptr<RunDirLock> open_run_dir(const Runtime& rt, const Config& config
     }
   }
   *in_use = !bcast_text(refusal, rt.role_comm).empty();
+  MPI_CHECK(MPI_Bcast(&checkpoints_ok, 1, MPI_INT, 0, rt.role_comm));
+  *checkpoints_refused = !checkpoints_ok;
   return lock;
 }
 

@@ -22,7 +22,12 @@ namespace shardlm {
 // Collective over rt.role_comm (the trainers). The lock on rank 0, null elsewhere.
 // *in_use is set on every rank when another run holds the directory (rank 0 has
 // said so; with receivers in the job it aborts it, since they would wait forever).
-std::unique_ptr<RunDirLock> open_run_dir(const Runtime& rt, const Config& config, bool* in_use);
+// *checkpoints_refused is set on every rank when the checkpoint directory cannot
+// be written and ckpt.on_error = "stop" (rank 0 has named the path and the
+// reason; the run exits 74 before its first step, as at a failed save); with
+// "continue" rank 0 warns and the run trains on.
+std::unique_ptr<RunDirLock> open_run_dir(const Runtime& rt, const Config& config, bool* in_use,
+                                         bool* checkpoints_refused);
 
 // Rank 0: "deck: N keys set" and one line per key that is not at its default.
 void print_deck_echo(const Runtime& rt, const Config& config);

@@ -513,9 +513,11 @@ TEST_CASE("an unwritable checkpoint directory and a full disk at start name the 
   // As root, mode bits do not stop a write: /sys refuses root too.
   std::filesystem::create_directory_symlink("/sys", dir / "checkpoints");
   const auto r = run(train + dir.string());
-  CHECK(r.status == 1);
+  CHECK(r.status == 74);  // ckpt.on_error = "stop": as at a failed save, before the first step
   CHECK_MESSAGE(r.output.find("cannot write in the checkpoint directory " + (dir / "checkpoints").string() + ": ") !=
                     std::string::npos, r.output);
+  CHECK(r.output.find("exit 74 before the first step") != std::string::npos);
+  CHECK(r.output.find("step ") == std::string::npos);
   CHECK(r.output.find("MPI_ERR") == std::string::npos);
   std::filesystem::remove_all(dir);
 
