@@ -249,7 +249,7 @@ TEST_CASE("cross-field checks run before any work") {
         "deck.toml: sched.min_lr = 1e-05 and sched.min_lr_ratio = 0.1 both set the end of the decay: give one "
         "(min_lr_ratio, a fraction of optim.lr, follows the peak in an lr sweep)");
   CHECK(only_error(parse(kValid, {"sched.min_lr_ratio=1.5"})) ==
-        "--set sched.min_lr_ratio=1.5: sched.min_lr_ratio = 1.5 is out of range: it must be between 0 and 1");
+        "--set sched.min_lr_ratio=1.5: sched.min_lr_ratio = 1.5 is out of range: it must be a finite number between 0 and 1");
   CHECK(only_error(parse(kValid, {"data.path="})) ==
         "deck.toml: data.path is not set: SFT needs a token file (see docs/data.md)");
   CHECK(only_error(parse(kValid, {"model.max_position_embeddings=32"})) ==
