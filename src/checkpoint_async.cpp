@@ -60,13 +60,25 @@ int64_t checkpoint_state_bytes(const Config& config, const ModelLayout& layout) 
   return shard * (1 + optimizer_states(config.optim));
 }
 
+bool saves_async(const Config& config) {
+  return config.ckpt.async && (config.ckpt.interval > 0 || config.ckpt.save_final);
+}
+
 int64_t checkpoint_snapshot_bytes(const Config& config, const ModelLayout& layout) {
-  if (!config.ckpt.async || device_resident(config)) return 0;
+  if (!saves_async(config) || device_resident(config)) return 0;
   const int64_t state = checkpoint_state_bytes(config, layout);
   if (config.ckpt.async_host_gib <= 0) return state;
   int64_t largest = 0;  // a piece is one unit's shard of one array: the pool holds at least one
   for (const auto& u : layout.units) largest = std::max(largest, 4 * u.shard_numel);
   return std::min(state, std::max(largest, static_cast<int64_t>(config.ckpt.async_host_gib * 1073741824.0)));
+}
+
+int64_t checkpoint_snapshot_floor(const Config& config, const ModelLayout& layout) {
+  const int64_t snapshot = checkpoint_snapshot_bytes(config, layout);
+  if (snapshot == 0 || config.ckpt.async_host_gib > 0) return snapshot;
+  int64_t largest = 0;
+  for (const auto& u : layout.units) largest = std::max(largest, 4 * u.shard_numel);
+  return std::min(snapshot, largest);
 }
 
 // One unit's shard of one array (the parameters or one optimizer state): what
@@ -192,7 +204,7 @@ struct Checkpointer::Writer {
 };
 
 Checkpointer::Checkpointer(TrainSession& session, MPI_Comm trainers)
-    : session_(session), comm_(trainers), async_(session.config.ckpt.async) {
+    : session_(session), comm_(trainers), async_(saves_async(session.config)) {
   if (!async_) return;
   const int rank = comm_rank(comm_);
   if (!session.engine.options().device_state) {

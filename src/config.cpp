@@ -115,6 +115,7 @@ const std::vector<KeySpec>& key_table() {
       one_of(key("model.optim_offload_grads", Type::String, FIELD(model.optim_offload_grads)), {"host", "device"}),
       one_of(key("model.activation_checkpointing", Type::String, FIELD(model.activation_checkpointing)),
              {"none", "full", "selective"}),
+      up_to(positive(key("model.selective_layers", Type::Int, FIELD(model.selective_layers))), kMaxLayers),
       key("model.reshard_after_forward", Type::Bool, FIELD(model.reshard_after_forward)),
       one_of(key("model.reduce_dtype", Type::String, FIELD(model.reduce_dtype)), {"fp32", "bf16"}),
 
@@ -508,6 +509,13 @@ void validate(const Config& c, int world, const std::set<std::string>& given, st
       err("model.optim_offload_grads = \"device\" is for AdamW and SGD: Muon's offloaded step reads every gradient "
           "on the host (docs/muon.md)");
   }
+  if (given.count("model.selective_layers") && c.model.activation_checkpointing != "selective")
+    err(fmt("model.selective_layers = %lld says how many layers keep their attention output under "
+            "model.activation_checkpointing = \"selective\"; it is \"%s\" here", (long long)c.model.selective_layers,
+            c.model.activation_checkpointing.c_str()));
+  else if (c.model.hf.empty() && a.num_layers > 0 && c.model.selective_layers > a.num_layers)
+    err(fmt("model.selective_layers = %lld is more than model.num_layers = %lld", (long long)c.model.selective_layers,
+            (long long)a.num_layers));
   if (c.model.reduce_dtype == "bf16" && c.device.backend == "cpu")
     err("model.reduce_dtype = \"bf16\" needs device.backend = \"cuda\" (the CPU backend is the fp32 reference)");
   if (c.device.memory_limit_gib > 0 && c.device.backend == "cpu")

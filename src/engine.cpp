@@ -105,11 +105,12 @@ std::string plan_fit_error(const MemoryPlan& p, int ranks_on_node, const Machine
   const char* levers = "more ranks over more nodes (the shards shrink with the world), model.activation_checkpointing = "
                        "\"full\", a smaller data.micro_batch or data.seq_len; `shardlm check DECK --world N` prints the "
                        "plan";
-  const double host_need = double(p.host_total()) * ranks_on_node;
+  // An async snapshot pool sized by default shrinks to the room there is (and stages saves).
+  const double host_need = double(p.host_total() - p.checkpoint_snapshot_flexible) * ranks_on_node;
   if (host.bytes > 0 && host_need > double(host.bytes))
     return fmt("the memory plan needs %.2f GiB of host memory per rank x %d rank%s on this node = %.2f GiB, more than "
                "the %.2f GiB this machine has (%s): %s",
-               double(p.host_total()) / gib, ranks_on_node, ranks_on_node == 1 ? "" : "s", host_need / gib,
+               double(p.host_total() - p.checkpoint_snapshot_flexible) / gib, ranks_on_node, ranks_on_node == 1 ? "" : "s", host_need / gib,
                double(host.bytes) / gib, host.source, levers);
   const double device_need = double(p.device_total()) * ranks_per_gpu;
   if (gpu_bytes > 0 && device_need > double(gpu_bytes))

@@ -101,6 +101,7 @@ MemoryPlan run_memory_plan(const Config& config, const ModelLayout& layout, cons
   plan.host_workspace += gpu_ns.pinned_host;
   plan.workspace += broadcast_device_bytes(config, layout);  // one gathered bf16 unit while broadcasting (GPU)
   plan.checkpoint_snapshot = checkpoint_snapshot_bytes(config, layout);  // ckpt.async on host state
+  plan.checkpoint_snapshot_flexible = plan.checkpoint_snapshot - checkpoint_snapshot_floor(config, layout);
   return plan;
 }
 
@@ -175,7 +176,7 @@ int cmd_check(const Runtime& rt, const CliArgs& args) {
                 (long long)layout.parameter_count(), (long long)layout.matmul_parameter_count(),
                 format_memory_plan(plan, world).c_str());
     std::printf("%s%s", data_note.c_str(), data_lines.c_str());
-    if (config.ckpt.async) {  // what a background save holds and, staged, costs
+    if (saves_async(config)) {  // what a background save holds and, staged, costs
       const double mib = 1024.0 * 1024.0;
       const int64_t state = checkpoint_state_bytes(config, layout);
       if (cuda && !config.model.optim_cpu_offload)
@@ -192,6 +193,18 @@ int cmd_check(const Runtime& rt, const CliArgs& args) {
     const std::string fit = plan_fit_error(plan, 1, host, 1, 0);
     std::printf("this machine: %.2f GiB of host memory (%s); %s\n", double(host.bytes) / 1073741824.0, host.source,
                 fit.empty() ? "one rank's plan fits" : ("one rank's plan does not fit: " + fit).c_str());
+    if (plan.checkpoint_snapshot_flexible > 0 && host.bytes > 0) {
+      // The default pool takes at most half of what the host has left (checkpoint_async.cpp).
+      const int64_t left = host.bytes - (plan.host_total() - plan.checkpoint_snapshot);
+      const int64_t pool = std::max(plan.checkpoint_snapshot - plan.checkpoint_snapshot_flexible, left / 2);
+      if (pool < plan.checkpoint_snapshot)
+        std::printf("ckpt.async: here the snapshot pool would take %.3f of the %.3f MiB state (half of what the rest "
+                    "of the plan leaves): each save staged, the loop waiting for the write of the other %.3f MiB "
+                    "(~%.1f s at 1 GB/s); ckpt.async_host_gib bounds it, ckpt.async = false saves synchronously\n",
+                    double(pool) / 1048576.0, double(plan.checkpoint_snapshot) / 1048576.0,
+                    double(plan.checkpoint_snapshot - pool) / 1048576.0,
+                    double(plan.checkpoint_snapshot - pool) / 1e9);
+    }
     if (cuda && config.model.optim_cpu_offload) {  // what the lever buys, against the state on the GPU
       Config on_gpu = config;
       on_gpu.model.optim_cpu_offload = false;

@@ -18,6 +18,9 @@ ModelConfig model_config_for(const Config& config) {
   SHARDLM_CHECK(config.data.seq_len <= arch.max_position_embeddings,
                 "data.seq_len = %lld is larger than %s's max_position_embeddings = %lld", (long long)config.data.seq_len,
                 where.c_str(), (long long)arch.max_position_embeddings);
+  SHARDLM_CHECK(config.model.selective_layers <= arch.num_layers,
+                "model.selective_layers = %lld is more than %s's num_hidden_layers = %lld",
+                (long long)config.model.selective_layers, where.c_str(), (long long)arch.num_layers);
   const std::string e = model_scale_error(arch, config.data.micro_batch * config.data.seq_len, config.loss.chunk_tokens);
   SHARDLM_CHECK(e.empty(), "%s: %s", where.c_str(), e.c_str());
   return arch;
@@ -32,6 +35,7 @@ EngineOptions engine_options_for(const Config& config) {
   o.reshard_after_forward = config.model.reshard_after_forward;
   o.checkpoint_activations = config.model.activation_checkpointing != "none";
   o.save_attention = config.model.activation_checkpointing == "selective";
+  o.save_attention_layers = config.model.selective_layers;
   // On a GPU the fp32 state lives on the device unless it is offloaded to the host.
   o.device_state = config.device.backend == "cuda" && !config.model.optim_cpu_offload;
   o.offload_pipeline = config.device.backend == "cuda" && config.model.optim_cpu_offload && config.optim.name != "muon";

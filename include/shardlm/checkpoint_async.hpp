@@ -40,11 +40,18 @@
 
 namespace shardlm {
 
+// ckpt.async, and a save is due some time: with ckpt.interval = 0 and
+// ckpt.save_final = false only a stop signal saves, synchronously, and no
+// snapshot memory is held for it.
+bool saves_async(const Config& config);
 // Host bytes per rank the async snapshot pool holds (the memory plan's
 // "ckpt snapshot" row): 0 with ckpt.async = false or device-resident state
 // (the host mirror is the snapshot); else the rank's state (parameters and
 // optimizer state), bounded by ckpt.async_host_gib when that is > 0.
 int64_t checkpoint_snapshot_bytes(const Config& config, const ModelLayout& layout);
+// The least the pool can be: one unit's shard of one array with ckpt.async_host_gib
+// = 0 (the pool then shrinks to the host's room at start-up), else the bound given.
+int64_t checkpoint_snapshot_floor(const Config& config, const ModelLayout& layout);
 // Bytes of state one rank checkpoints (fp32 parameters + optimizer state shards).
 int64_t checkpoint_state_bytes(const Config& config, const ModelLayout& layout);
 

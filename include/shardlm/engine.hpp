@@ -36,6 +36,9 @@ struct MemoryPlan {
   int64_t device_grads = 0;  // GPU: the offload pipeline's fp32 gradient accumulators
   int64_t data_reader = 0;   // host: token readers of data.path and eval.path (data.hpp's DataMemory)
   int64_t checkpoint_snapshot = 0;  // host: the async checkpoint's copy of the state (ckpt.async)
+  // Of which the pool gives up on a host without room (ckpt.async_host_gib = 0:
+  // it then takes half of what is left and stages saves); the plan fits without it.
+  int64_t checkpoint_snapshot_flexible = 0;
   int64_t host_total() const {
     return param_shards + grad_shards + optim_state + host_workspace + comm_staging + offload_buffers + data_reader +
            checkpoint_snapshot +

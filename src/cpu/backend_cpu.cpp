@@ -41,7 +41,7 @@ class CpuBackend final : public Backend {
   int64_t activation_bytes(const ModelConfig& c, const EngineOptions& o) const override {
     const int64_t N = o.max_tokens, L = c.num_layers, C = c.hidden_size;
     return 4 * (L + 1) * N * C + (o.checkpoint_activations ? 1 : L) * cpu::LayerActs::bytes(c, N) +
-           (o.checkpoint_activations ? 4 * N * C : 0) + (o.save_attention ? L * saved_attention_bytes(c, N) : 0);
+           (o.checkpoint_activations ? 4 * N * C : 0) + o.attention_layers_kept(L) * saved_attention_bytes(c, N);
   }
   int64_t workspace_bytes(const ModelConfig& c, const EngineOptions& o) const override {
     const int64_t N = o.max_tokens;
@@ -60,7 +60,7 @@ class CpuBackend final : public Backend {
     if (o.checkpoint_activations) recompute_out_ = Buffer<float>(Mem::Activations, N * C);
     saved_att_.clear();
     saved_lse_.clear();
-    for (int64_t l = 0; l < (o.save_attention ? L : 0); ++l) {
+    for (int64_t l = 0; l < o.attention_layers_kept(L); ++l) {
       saved_att_.emplace_back(Mem::Activations, N * c.num_heads * c.head_dim);
       saved_lse_.emplace_back(Mem::Activations, N * c.num_heads);
     }
@@ -104,7 +104,7 @@ class CpuBackend final : public Backend {
     SavedAttention slot(*this, l);
     if (options_.checkpoint_activations)  // recompute this layer's saved tensors (but a saved attention)
       cpu::layer_forward(config_, weights, inputs_, residual_[l].data(), recompute_out_.data(), acts(l),
-                         /*run_attention=*/!options_.save_attention);
+                         /*run_attention=*/!keeps_attention(l));
     cpu::layer_backward(config_, weights, layer_weights(unit, grads), inputs_, residual_[l].data(), acts(l),
                         d_x_.data(), scratch_);
   }
@@ -139,11 +139,12 @@ class CpuBackend final : public Backend {
     SavedAttention(CpuBackend& backend, int layer) : b(backend), l(layer) { swap(); }
     ~SavedAttention() { swap(); }
     void swap() {
-      if (!b.options_.save_attention) return;
+      if (!b.keeps_attention(l)) return;
       std::swap(b.acts_[0].att, b.saved_att_[size_t(l)]);
       std::swap(b.acts_[0].lse, b.saved_lse_[size_t(l)]);
     }
   };
+  bool keeps_attention(int l) const { return l < int(saved_att_.size()); }
   cpu::LayerActs& acts(int l) { return acts_[options_.checkpoint_activations ? 0 : l]; }
 
   std::vector<const float*> shards_;    // per unit: the master shard
@@ -155,7 +156,7 @@ class CpuBackend final : public Backend {
   std::vector<Buffer<float>> residual_;  // (L + 1) x (N, C): x_0 = embeddings .. x_L
   std::vector<cpu::LayerActs> acts_;     // L sets, or 1 with activation checkpointing
   Buffer<float> recompute_out_;          // (N, C) with activation checkpointing
-  std::vector<Buffer<float>> saved_att_, saved_lse_;  // selective: L x (N, H, D) and L x (N, H)
+  std::vector<Buffer<float>> saved_att_, saved_lse_;  // selective: K x (N, H, D) and K x (N, H), layers [0, K)
   Buffer<float> d_x_;                    // (N, C) gradient flowing down the residual stream
   cpu::LayerGradScratch scratch_;
   cpu::HeadScratch head_;

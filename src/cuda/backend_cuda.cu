@@ -293,8 +293,10 @@ class CudaBackend final : public Backend {
   int64_t activation_bytes(const ModelConfig& c, const EngineOptions& o) const override {
     const Dims d = dims(c, o);
     const int64_t L = c.num_layers;
+    // Selective: K layers' own attention outputs; with all L kept the shared set has none.
+    const int64_t kept = o.attention_layers_kept(L);
     return 2 * (L + 1) * d.N * d.C + (o.checkpoint_activations ? 1 : L) * layer_act_bytes(c, d) +
-           (o.checkpoint_activations ? 2 * d.N * d.C : 0) + (o.save_attention ? (L - 1) * attention_out_bytes(d) : 0);
+           (o.checkpoint_activations ? 2 * d.N * d.C : 0) + (kept - (kept == L ? 1 : 0)) * attention_out_bytes(d);
   }
   size_t scratch_bytes(const ModelConfig& c, const Dims& d) const {
     size_t s = cuda::rmsnorm_backward_scratch_bytes(d.N, d.C);
@@ -395,7 +397,8 @@ class CudaBackend final : public Backend {
     for (int64_t l = 0; l <= L; ++l) residual_.push_back(bf16s(Mem::Activations, d.N * d.C));
     for (int64_t l = 0; l < (o.checkpoint_activations ? 1 : L); ++l) acts_.push_back(make_acts());
     if (o.checkpoint_activations) recompute_out_ = bf16s(Mem::Activations, d.N * d.C);
-    for (int64_t l = 0; l < (o.save_attention ? L : 0); ++l)
+    if (o.checkpoint_activations) shared_att_ = acts_[0].att, shared_lse_ = acts_[0].lse;
+    for (int64_t l = 0; l < o.attention_layers_kept(L); ++l)
       saved_att_.push_back(bf16s(Mem::Activations, d.N * d.HD)), saved_lse_.push_back(floats(Mem::Activations, d.N * d.H));
 
     const Mem w = Mem::Workspace;
@@ -564,7 +567,7 @@ class CudaBackend final : public Backend {
     const LayerWeights<float> g = layer_weights(unit, grads);
     Acts& a = acts(l);
     const bf16* x_in = residual_[l];
-    if (options_.checkpoint_activations) forward_layer(w, x_in, recompute_out_, a, /*recompute=*/true);
+    if (options_.checkpoint_activations) forward_layer(w, x_in, recompute_out_, a, /*skip_attention=*/keeps_attention(l));
     const Dims& d = d_;
     const int64_t N = n_;
     // MLP: x_out = x_mid + down(silu(gate) * up)
@@ -701,9 +704,13 @@ class CudaBackend final : public Backend {
   Acts& acts(int l) {
     if (!options_.checkpoint_activations) return acts_[size_t(l)];
     Acts& a = acts_[0];
-    if (options_.save_attention) a.att = saved_att_[size_t(l)], a.lse = saved_lse_[size_t(l)];
+    const bool kept = keeps_attention(l);
+    a.att = kept ? saved_att_[size_t(l)] : shared_att_, a.lse = kept ? saved_lse_[size_t(l)] : shared_lse_;
     return a;
   }
+
+  // Selective checkpointing: layer l's attention output outlives the forward.
+  bool keeps_attention(int64_t l) const { return l < int64_t(saved_att_.size()); }
 
   void* own(Mem category, size_t bytes) {
     void* p = allocate(category, bytes);
@@ -724,7 +731,9 @@ class CudaBackend final : public Backend {
     a.rstd1 = floats(m, d.N), a.rstd2 = floats(m, d.N);
     a.xn1 = bf16s(m, d.N * d.C), a.x_mid = bf16s(m, d.N * d.C), a.xn2 = bf16s(m, d.N * d.C);
     a.q = bf16s(m, d.N * d.HD), a.k = bf16s(m, d.N * d.KVD), a.v = bf16s(m, d.N * d.KVD);
-    if (!options_.save_attention) a.att = bf16s(m, d.N * d.HD), a.lse = floats(m, d.N * d.H);  // else per layer
+    // Kept per layer instead when every layer keeps its attention (selective).
+    if (options_.attention_layers_kept(config_.num_layers) < config_.num_layers)
+      a.att = bf16s(m, d.N * d.HD), a.lse = floats(m, d.N * d.H);
     a.gu = bf16s(m, d.N * 2 * d.I), a.h = bf16s(m, d.N * d.I);
     if (config_.qk_norm) {
       a.q_raw = bf16s(m, d.N * d.HD), a.k_raw = bf16s(m, d.N * d.KVD);
@@ -733,10 +742,10 @@ class CudaBackend final : public Backend {
     return a;
   }
 
-  // recompute: activation checkpointing's second forward in backward, which skips
-  // the attention when selective checkpointing kept its output.
+  // skip_attention: activation checkpointing's second forward in backward, for a
+  // layer whose attention output selective checkpointing kept.
   void forward_layer(const LayerWeights<const bf16>& w, const bf16* x_in, bf16* x_out, Acts& a,
-                     bool recompute = false) {
+                     bool skip_attention = false) {
     const Dims& d = d_;
     const int64_t N = n_;
     const double eps = config_.rms_norm_eps;
@@ -752,7 +761,7 @@ class CudaBackend final : public Backend {
     }
     cuda::rope_forward(a.q, positions_, inv_freq_, N, d.H, d.D, d.HD, stream_);
     cuda::rope_forward(a.k, positions_, inv_freq_, N, d.KV, d.D, d.KVD, stream_);
-    if (!(recompute && options_.save_attention)) attention_forward(a, N);
+    if (!skip_attention) attention_forward(a, N);
     // x_out holds the o_proj output until the residual add below overwrites it.
     cuda::linear_forward(*gemm_, x_out, a.att, w.wo, nullptr, N, d.HD, d.C);
     cuda::residual_rmsnorm_forward(a.x_mid, a.xn2, a.rstd2, x_in, x_out, w.post_norm, N, d.C, eps, stream_);
@@ -813,8 +822,10 @@ class CudaBackend final : public Backend {
   std::vector<bf16*> residual_;          // (L + 1) x (N, C)
   std::vector<Acts> acts_;
   bf16* recompute_out_ = nullptr;
-  std::vector<bf16*> saved_att_;         // selective checkpointing: L x (N, H, D)
-  std::vector<float*> saved_lse_;        // L x (N, H)
+  std::vector<bf16*> saved_att_;         // selective checkpointing: K x (N, H, D) for layers [0, K)
+  std::vector<float*> saved_lse_;        // K x (N, H)
+  bf16* shared_att_ = nullptr;           // checkpointing: the other layers' attention output, lse
+  float* shared_lse_ = nullptr;
   bf16 *d_x_ = nullptr, *d_mid_ = nullptr, *d_xn_ = nullptr, *d_tmp_ = nullptr, *d_att_ = nullptr;
   bf16 *dq_ = nullptr, *dk_ = nullptr, *dv_ = nullptr, *dq_raw_ = nullptr, *dk_raw_ = nullptr;
   bf16* dh_ = nullptr;                   // (N, I), in the shared region

@@ -456,6 +456,9 @@ struct RunOpts {
   bool determinism = false;
   bool memory = false;
   bool cudnn = false;  // also run cuDNN's attention on the case (when it loads)
+  // false: a timing case only. The float64 reference of dk/dv needs every query's
+  // softmax, O(N^2 H D): at 131K tokens hours of this host's cores.
+  bool check_outputs = true;
 };
 bool g_cudnn_ok = false;  // cudnn_sdpa_available() at start-up
 
@@ -513,7 +516,8 @@ void run_case(const Problem& P, const RunOpts& opt, uint64_t seed) {
     CHECK_CUDA(cudaDeviceSynchronize());
     CHECK_CUDA(cudaMemGetInfo(&free_after, &total));
     const Outputs o = download(P, d);
-    check(P, in, o, seed * 31 + uint64_t(kern));
+    if (opt.check_outputs) check(P, in, o, seed * 31 + uint64_t(kern));
+    else std::printf("  not checked against the reference (a timing case; the same graph is checked at 32K)\n");
     if (cudnn) std::printf("  plan %s\n", sdpa->last_plan_note().c_str());
     if (opt.memory) {
       const bool ok = free_after == free_before;
@@ -718,7 +722,8 @@ int main(int argc, char** argv) {
   if (want("cmp") || want("cmp131k")) {
     // 131K tokens: cuDNN only (shardlm's kernels take 2.4 s a pass here; measured
     // 274.6 / 187.3 TFLOP/s on the H200, docs/benchmarks.md).
-    const RunOpts tm_cudnn{{}, true, false, true, true};
+    RunOpts tm_cudnn{{}, true, false, true, true};
+    tm_cudnn.check_outputs = !want("cmp131k");  // cmp131k: the timing alone
     run_case({"N131072 D128", 131072, 32, 8, 128, {131072}, 1.f, 4}, tm_cudnn, ++seed);
   }
   if (want("profile")) {

@@ -164,10 +164,14 @@ TEST_CASE("GPU determinism: two runs give bit-identical losses; checkpointing ch
                                                             "model.activation_checkpointing=full"}), 10);
   const auto d = train_losses(deck("inputs/tiny-sft.toml", {"device.backend=cuda", "run.deterministic=true",
                                                             "model.activation_checkpointing=selective"}), 10);
+  const auto e = train_losses(deck("inputs/tiny-sft.toml", {"device.backend=cuda", "run.deterministic=true",
+                                                            "model.activation_checkpointing=selective",
+                                                            "model.selective_layers=1"}), 10);
   for (int i = 0; i < 10; ++i) {
     CHECK(a[i] == b[i]);
     CHECK(a[i] == c[i]);
     CHECK(a[i] == d[i]);
+    CHECK(a[i] == e[i]);
   }
 }
 

@@ -144,6 +144,18 @@ TEST_CASE("selective checkpointing: the losses of full, attention not recomputed
                                     << ", selective " << sel_run.activation_peak_bytes);
   CHECK(sel_run.activation_peak_bytes > full_run.activation_peak_bytes);
   CHECK(sel_run.activation_peak_bytes < none_run.activation_peak_bytes);
+
+  // model.selective_layers = 1 of the tiny deck's 2: layer 0 keeps its attention,
+  // layer 1 recomputes it. Same bits again, and the memory of one kept layer:
+  // half of what keeping both adds over full (4·N·H·(D + 1) bytes per layer).
+  auto one = selective;
+  one.push_back("model.selective_layers=1");
+  const Run one_run = train_on(MPI_COMM_WORLD, tiny_deck(one, world), 4);
+  for (int s = 0; s < 4; ++s) CHECK(one_run.losses[s] == full_run.losses[s]);
+  MESSAGE("activation bytes: selective_layers = 1: " << one_run.activation_peak_bytes);
+  CHECK(2 * (one_run.activation_peak_bytes - full_run.activation_peak_bytes) ==
+        sel_run.activation_peak_bytes - full_run.activation_peak_bytes);
+  CHECK(one_run.activation_peak_bytes > full_run.activation_peak_bytes);
 }
 
 TEST_CASE("reshard_after_forward = false gives the same losses") {

@@ -15,6 +15,7 @@
 
 #include "run_command.hpp"
 #include "shardlm/checkpoint.hpp"
+#include "shardlm/engine.hpp"
 
 using namespace shardlm;
 using shardlm_test::run;
@@ -204,4 +205,22 @@ TEST_CASE("shardlm check plans the async snapshot: the whole state, or a bounded
   REQUIRE(bounded.status == 0);
   CHECK(mib_of(bounded.output, "ckpt snapshot      host") == doctest::Approx(0.0005 * 1024).epsilon(2e-3));
   CHECK(bounded.output.find("each save is staged and blocks the loop for the write of the other") != std::string::npos);
+  // No save due (the benchmarks' ckpt.interval = 0, save_final = false): a stop
+  // signal's save is synchronous and no pool is held for it.
+  const auto none_due = run(shardlm_bin() + " check inputs/tiny-sft.toml --set ckpt.interval=0 --set ckpt.save_final=false", 300);
+  REQUIRE(none_due.status == 0);
+  CHECK(none_due.output.find("ckpt snapshot") == std::string::npos);
+}
+
+TEST_CASE("the default async snapshot pool never makes a plan too large for the host: it shrinks and stages") {
+  const int64_t gib = int64_t(1) << 30;
+  MemoryPlan p;
+  p.param_shards = 4 * gib, p.optim_state = 8 * gib;
+  p.checkpoint_snapshot = 12 * gib;                              // the whole state
+  p.checkpoint_snapshot_flexible = 12 * gib - gib / 4;          // down to one shard of 256 MiB
+  const MachineMemory host{20 * gib, "test"};
+  CHECK(plan_fit_error(p, 1, host, 1, 0).empty());              // 12.25 GiB of 20 without the pool's room
+  CHECK(plan_fit_error(p, 2, host, 1, 0).find("12.25 GiB of host memory per rank x 2 ranks") != std::string::npos);
+  p.checkpoint_snapshot_flexible = 0;                           // ckpt.async_host_gib given: counted whole
+  CHECK(plan_fit_error(p, 1, host, 1, 0).find("24.00 GiB of host memory per rank x 1 rank") != std::string::npos);
 }

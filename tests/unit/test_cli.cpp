@@ -152,6 +152,29 @@ TEST_CASE("check on the CUDA backend: cuDNN's attention adds only its persistent
   CHECK(gpu_total(cudnn.output) - gpu_total(flash.output) == doctest::Approx(persistent_mib).epsilon(1e-3));
 }
 
+TEST_CASE("check on the CUDA backend: model.selective_layers keeps K layers' attention, each N·H·(2·D + 4) bytes") {
+  const std::string deck = " check inputs/bench/llama-1b.toml --set data.path=inputs/data/tiny.h5 "
+                           "--set device.backend=cuda --set data.seq_len=32768 --set data.global_batch=1 "
+                           "--set model.activation_checkpointing=selective";
+  auto all = run(shardlm_bin() + deck);
+  if (all.output.find("built without CUDA") != std::string::npos) {
+    MESSAGE("CPU-only build: the CUDA memory plan is not available; nothing to check");
+    return;
+  }
+  auto half = run(shardlm_bin() + deck + " --set model.selective_layers=8");
+  REQUIRE(all.status == 0);
+  REQUIRE(half.status == 0);
+  auto gpu_total = [](const std::string& out) {
+    const size_t at = out.find("total              GPU");
+    REQUIRE(at != std::string::npos);
+    return std::stod(out.substr(at + 25));
+  };
+  // All 16 layers keep theirs (the shared set then holds none: 15 more than full);
+  // 8 keep theirs and the shared set holds one for the other 8: 7 layers' worth less.
+  const double layer_mib = (2.0 * 32768 * 2048 + 4.0 * 32768 * 32) / 1048576.0;
+  CHECK(gpu_total(all.output) - gpu_total(half.output) == doctest::Approx(7 * layer_mib).epsilon(1e-3));
+}
+
 TEST_CASE("train under mpirun -np 2 with a bad deck: one report, clean exit 1") {
   auto r = run(mpirun(2) + shardlm_bin() + " train inputs/tiny-sft.toml --set optim.lr=-1");
   CHECK(r.status == 1);
