@@ -19,6 +19,7 @@
 #include "shardlm/checkpoint_agree.hpp"
 #include "shardlm/checkpoint_io.hpp"
 #include "shardlm/checkpoint_layout.hpp"
+#include "shardlm/checkpoint_retention.hpp"
 #include "shardlm/checkpoint_save.hpp"
 #include "shardlm/optim.hpp"
 #include "shardlm/runtime.hpp"
@@ -266,6 +267,7 @@ Checkpointer::Checkpointer(TrainSession& session, MPI_Comm trainers)
 }
 
 Checkpointer::~Checkpointer() {
+  join_retention();
   if (writer_) {
     writer_->abort.store(true);
     writer_->cv.notify_all();
@@ -276,9 +278,14 @@ Checkpointer::~Checkpointer() {
 
 bool Checkpointer::in_flight() const { return writer_ != nullptr; }
 
+void Checkpointer::join_retention() {
+  if (retention_.joinable()) retention_.join();
+}
+
 SaveResult Checkpointer::save(int64_t steps_done, int64_t tokens_seen, std::optional<SaveResult>* previous) {
   std::optional<SaveResult> before = wait();  // at most one save in flight
   if (previous) *previous = before;
+  join_retention();  // the free-space check counts what retention removed
   if (!async_) return save_checkpoint(session_, comm_, steps_done, tokens_seen);
   return start(steps_done, tokens_seen);
 }
@@ -459,8 +466,13 @@ SaveResult Checkpointer::finish() {
       }
       file.close();
     });
-    result.bytes = publish(comm_, w.tmp, result.path, w.steps_done, session_.config.ckpt, &result.sync_s);
+    result.bytes = publish(comm_, w.tmp, result.path, w.steps_done, session_.config.ckpt, &result.sync_s,
+                           /*retention=*/false);
     result.ok = true;
+    if (rank == 0)  // the new file is `latest`: removing older ones need not hold the loop
+      retention_ = std::thread([dir, step = w.steps_done, ckpt = session_.config.ckpt] {
+        apply_retention(dir, step, ckpt);
+      });
   } catch (const std::exception& e) {
     result.ok = false;
     result.error = e.what();

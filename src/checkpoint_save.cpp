@@ -61,7 +61,7 @@ int64_t ckpt::bytes_needed_for(int64_t data_bytes, size_t tensors) {
 }
 
 int64_t ckpt::publish(MPI_Comm comm, const fs::path& tmp, const fs::path& final_path, int64_t steps_done,
-                      const CkptSection& ckpt, double* sync_s) {
+                      const CkptSection& ckpt, double* sync_s, bool retention) {
   const int rank = comm_rank(comm);
   const fs::path dir = final_path.parent_path();
   const auto t0 = std::chrono::steady_clock::now();
@@ -81,7 +81,7 @@ int64_t ckpt::publish(MPI_Comm comm, const fs::path& tmp, const fs::path& final_
     sync_path(dir, true);
     write_atomically(dir, "latest", final_path.filename().string() + "\n");
   });
-  if (rank == 0) apply_retention(dir, steps_done, ckpt);
+  if (rank == 0 && retention) apply_retention(dir, steps_done, ckpt);
   MPI_CHECK(MPI_Bcast(&bytes, 1, MPI_INT64_T, 0, comm));
   return bytes;
 }

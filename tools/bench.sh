@@ -10,10 +10,11 @@
 #                                 (the largest models under device.memory_limit_gib = 78, an 80 GB H100);
 #                                 1b-offload-devgrads 10b-offload-80g (model.optim_offload_grads = "device");
 #                                 1b-32k-selective 8b-32k-offload 8b-32k-offload-selective 8b-131k-offload
+#                                 8b-131k-offload-selective (LAYERS=K: model.selective_layers)
 #                                 (long context on one GPU, docs/benchmarks.md "Attention")
-#                                 ckpt-1b ckpt-1b-offload (on request: checkpoints every 2 and every 40
-#                                 steps, sync vs ckpt.async, against dd on the same disk;
-#                                 docs/benchmarks.md "Asynchronous checkpoints"; ~6 min each)
+#                                 ckpt-1b ckpt-1b-offload (on request: checkpoints every 2 steps sync,
+#                                 every 80 / 40 steps async, against dd on the same disk;
+#                                 docs/benchmarks.md "Asynchronous checkpoints"; ~3 min each)
 #   ATTN=flash tools/bench.sh 1b  (device.attention for every run: auto | cudnn | flash)
 #   SHARDLM=path/to/shardlm tools/bench.sh 1b
 #   BENCH_TIMEOUT=120 tools/bench.sh 7b     (kill each run after 120 s)
@@ -96,7 +97,9 @@ ckpt_dd() {
   echo "== dd: $count x 16 MiB ($bytes bytes, the size of $file) in runs/"
   dd if=/dev/zero of=runs/bench-dd bs=16M count=$count oflag=direct 2>&1 | tail -1 | sed 's/^/dd O_DIRECT: /'
   dd if=/dev/zero of=runs/bench-dd bs=16M count=$count conv=fdatasync 2>&1 | tail -1 | sed 's/^/dd buffered + fdatasync: /'
+  local t0=$(date +%s.%N)
   rm -f runs/bench-dd
+  echo "rm of that file: $(awk "BEGIN {printf \"%.2f\", $(date +%s.%N) - $t0}") s"
 }
 names=${*:-"125m 1b 1b-8k 1b-32k 3b"}
 for n in $names; do
@@ -162,12 +165,26 @@ for n in $names; do
         --vocab 128256 --tokens 600000 --doc-len 131073
       run 8b-131k-offload inputs/bench/llama-8b.toml --set data.path=runs/bench-data/random-128k-131k.h5 \
         --set data.seq_len=131072 --set data.global_batch=1 --set model.optim_offload_grads=device --set run.max_steps=3 ;;
+    # Selective checkpointing at 131K: 1 GiB of attention output a layer; LAYERS of
+    # the 32 keep theirs (default all: 139,190 MiB planned on the 143,771 MiB H200).
+    8b-131k-offload-selective)
+      [ -f runs/bench-data/random-128k-131k.h5 ] || $PY tools/make_synthetic_data.py runs/bench-data/random-128k-131k.h5 \
+        --vocab 128256 --tokens 600000 --doc-len 131073
+      run 8b-131k-offload-selective inputs/bench/llama-8b.toml --set data.path=runs/bench-data/random-128k-131k.h5 \
+        --set data.seq_len=131072 --set data.global_batch=1 --set model.optim_offload_grads=device --set run.max_steps=3 \
+        --set model.activation_checkpointing=selective ${LAYERS:+--set model.selective_layers=$LAYERS} ;;
+    # Saves every 2 steps synchronously (the loop waits for each), then async saves
+    # spaced wider than one background write (12-15 s on the H200 machine's disk:
+    # 80 steps of 0.26 s with device state, 40 of 0.62 s offloaded), so none waits
+    # for the one before; the last is the end of the run, which waits for its write.
     ckpt-1b|ckpt-1b-offload)
-      extra=(); [ $n = ckpt-1b-offload ] && extra=(--set model.optim_cpu_offload=true)
-      ckpt_run $n-sync-i2 2 10 --set ckpt.async=false "${extra[@]}"
-      ckpt_run $n-async-i2 2 10 --set ckpt.async=true "${extra[@]}"
-      ckpt_run $n-async-i40 40 120 --set ckpt.async=true "${extra[@]}"
-      ckpt_dd
+      extra=(); interval=80
+      [ $n = ckpt-1b-offload ] && extra=(--set model.optim_cpu_offload=true) && interval=40
+      # CKPT_ONLY=async: the async run alone. Its last save is the run's end, a whole
+      # interval after the one before (else that one's write is waited for there).
+      [ "${CKPT_ONLY:-}" = async ] || ckpt_run $n-sync-i2 2 6 --set ckpt.async=false "${extra[@]}"
+      ckpt_run $n-async-i$interval $interval $((interval * 3)) --set ckpt.async=true "${extra[@]}"
+      [ "${CKPT_ONLY:-}" = async ] || ckpt_dd
       rm -rf runs/bench-$n-* ;;
     *) echo "unknown benchmark '$n'" >&2; exit 2 ;;
   esac

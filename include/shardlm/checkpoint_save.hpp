@@ -44,9 +44,10 @@ int64_t bytes_needed_for(int64_t data_bytes, size_t tensors);
 
 // Collective: every node flushes its part of `tmp` (one rank per node), rank 0
 // renames it to `final_path`, fsyncs the directory, updates `latest` and
-// applies retention. Returns the file size (on every rank).
+// applies retention (unless `retention` is false: the caller does, later).
+// Returns the file size (on every rank).
 int64_t publish(MPI_Comm comm, const std::filesystem::path& tmp, const std::filesystem::path& final_path,
-                int64_t steps_done, const CkptSection& ckpt, double* sync_s);
+                int64_t steps_done, const CkptSection& ckpt, double* sync_s, bool retention = true);
 
 // Rank 0: the line a save prints (saved: loop blocked, write time and speed;
 // or FAILED with the reason and what is untouched).
