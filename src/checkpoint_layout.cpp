@@ -76,22 +76,7 @@ std::string read_str(hid_t obj, const char* name) {
   h5::Handle attr = open_attr(obj, name);
   h5::Handle type(H5_CHECK(H5Aget_type(attr)), H5Tclose);
   SHARDLM_CHECK(H5Tget_class(type) == H5T_STRING, "attribute '%s' is not a string", name);
-  h5::Handle mem(H5_CHECK(H5Tcopy(H5T_C_S1)), H5Tclose);
-  H5_CHECK(H5Tset_cset(mem, H5Tget_cset(type)));  // HDF5 does not convert between ASCII and UTF-8
-  if (H5_CHECK(H5Tis_variable_str(type)) > 0) {
-    H5_CHECK(H5Tset_size(mem, H5T_VARIABLE));
-    char* text = nullptr;
-    H5_CHECK(H5Aread(attr, mem, &text));
-    std::string out = text ? text : "";
-    H5free_memory(text);
-    return out;
-  }
-  const size_t size = H5Tget_size(type);
-  H5_CHECK(H5Tset_size(mem, size + 1));
-  std::string out(size + 1, '\0');
-  H5_CHECK(H5Aread(attr, mem, out.data()));
-  out.resize(std::strlen(out.c_str()));
-  return out;
+  return h5::read_string_attribute_value(attr, type);
 }
 
 namespace {

@@ -70,22 +70,7 @@ std::string read_string_attribute(hid_t file, const std::string& path, const cha
   SHARDLM_CHECK(H5Tget_class(type) == H5T_STRING && H5Sget_simple_extent_npoints(space) == 1,
                 "data file '%s': attribute '%s' must be one string, found %s", path.c_str(),
                 name, h5::dtype_name(type).c_str());
-  h5::Handle mem_type(H5_CHECK(H5Tcopy(H5T_C_S1)), H5Tclose);
-  H5_CHECK(H5Tset_cset(mem_type, H5Tget_cset(type)));
-  if (H5_CHECK(H5Tis_variable_str(type)) > 0) {  // h5py writes str attributes this way
-    H5_CHECK(H5Tset_size(mem_type, H5T_VARIABLE));
-    char* text = nullptr;
-    H5_CHECK(H5Aread(attr, mem_type, &text));
-    std::string value = text ? text : "";
-    H5free_memory(text);
-    return value;
-  }
-  const size_t size = H5Tget_size(type);
-  H5_CHECK(H5Tset_size(mem_type, size + 1));  // room for the terminator
-  std::string value(size + 1, '\0');
-  H5_CHECK(H5Aread(attr, mem_type, value.data()));
-  value.resize(value.find('\0'));
-  return value;
+  return h5::read_string_attribute_value(attr, type);
 }
 
 // ------------------------------------------------------------ document order

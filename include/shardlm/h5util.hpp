@@ -102,3 +102,29 @@ inline std::string dtype_name(hid_t type) {
 }  // namespace shardlm::h5
 
 #define H5_CHECK(call) ::shardlm::h5::check((call), #call, __FILE__, __LINE__)
+
+namespace shardlm::h5 {
+
+// The text of an open string attribute of type `type` (the caller has checked
+// its class): variable length (h5py's str) or fixed (null-padded or terminated),
+// read in the attribute's own character set (HDF5 does not convert ASCII/UTF-8).
+inline std::string read_string_attribute_value(hid_t attr, hid_t type) {
+  Handle mem(H5_CHECK(H5Tcopy(H5T_C_S1)), H5Tclose);
+  H5_CHECK(H5Tset_cset(mem, H5Tget_cset(type)));
+  if (H5_CHECK(H5Tis_variable_str(type)) > 0) {
+    H5_CHECK(H5Tset_size(mem, H5T_VARIABLE));
+    char* text = nullptr;
+    H5_CHECK(H5Aread(attr, mem, &text));
+    std::string out = text ? text : "";
+    H5free_memory(text);
+    return out;
+  }
+  const size_t size = H5Tget_size(type);
+  H5_CHECK(H5Tset_size(mem, size + 1));  // room for the terminator
+  std::string out(size + 1, '\0');
+  H5_CHECK(H5Aread(attr, mem, out.data()));
+  out.resize(out.find('\0'));
+  return out;
+}
+
+}  // namespace shardlm::h5

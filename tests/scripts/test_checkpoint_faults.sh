@@ -28,15 +28,7 @@ cleanup() {
   [ -n "${KEEP:-}" ] && { echo "logs in $T"; return; }; rm -rf "$T"
 }
 trap cleanup EXIT
-failures=0
-pass() { echo "PASS $*"; }
-fail() { echo "FAIL $*"; failures=$((failures + 1)); }
-check() {  # check DESCRIPTION CONDITION...: PASS when the condition command succeeds
-  local what=$1
-  shift
-  if "$@"; then pass "$what"; else fail "$what"; fi
-}
-has() { grep -qF -- "$2" "$1"; }
+source tests/scripts/lib/checks.sh  # failures, pass, fail, check, has
 
 # train DIR LOG [--set ...]: 2 ranks, tiny deck, every step logged; returns mpirun's
 # status (124 when it hangs for 3 minutes: a hang is a failure, never a stuck suite).

@@ -25,15 +25,7 @@ cleanup() {
   [ -n "${KEEP:-}" ] && { echo "logs in $T"; return; }; rm -rf "$T"
 }
 trap cleanup EXIT
-failures=0
-pass() { echo "PASS $*"; }
-fail() { echo "FAIL $*"; failures=$((failures + 1)); }
-check() {  # check DESCRIPTION CONDITION...: PASS when the condition command succeeds
-  local what=$1
-  shift
-  if "$@"; then pass "$what"; else fail "$what"; fi
-}
-has() { grep -qF -- "$2" "$1"; }
+source tests/scripts/lib/checks.sh  # failures, pass, fail, check, has
 # wait_for SECONDS COMMAND...: poll until the command succeeds (a guard against hangs, not a timing)
 wait_for() {
   local limit=$1 i

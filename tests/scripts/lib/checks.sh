@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# checks.sh — the PASS/FAIL vocabulary the command-line test scripts share
+# (test_runs.sh, test_checkpoint_faults.sh):
+#   source tests/scripts/lib/checks.sh      (from the repository root; tests/run.sh runs
+#                                          tests/scripts/*.sh, not this folder)
+#   pass WHAT | fail WHAT              print one line; fail counts into $failures
+#   check WHAT COMMAND...              PASS when COMMAND succeeds, else FAIL
+#   has FILE TEXT                      FILE contains TEXT (fixed string)
+# The script ends with: exit $((failures > 0)).
+failures=0
+pass() { echo "PASS $*"; }
+fail() { echo "FAIL $*"; failures=$((failures + 1)); }
+check() {
+  local what=$1
+  shift
+  if "$@"; then pass "$what"; else fail "$what"; fi
+}
+has() { grep -qF -- "$2" "$1"; }
