@@ -115,7 +115,7 @@ const std::vector<KeySpec>& key_table() {
       one_of(key("model.optim_offload_grads", Type::String, FIELD(model.optim_offload_grads)), {"host", "device"}),
       one_of(key("model.activation_checkpointing", Type::String, FIELD(model.activation_checkpointing)),
              {"none", "full", "selective"}),
-      up_to(positive(key("model.selective_layers", Type::Int, FIELD(model.selective_layers))), kMaxLayers),
+      within(key("model.selective_layers", Type::Int, FIELD(model.selective_layers)), 0, kMaxLayers),
       key("model.reshard_after_forward", Type::Bool, FIELD(model.reshard_after_forward)),
       one_of(key("model.reduce_dtype", Type::String, FIELD(model.reduce_dtype)), {"fp32", "bf16"}),
 
@@ -417,10 +417,11 @@ std::string apply_override(toml::table& root, const std::string& text, Locator& 
   return "";
 }
 
-// "" when `path` means something for this deck's optimizer; else why not
-// ("has no meaning for ..."). validate() refuses such keys when given, and the
-// resolved deck writes them as comments, so that it parses back.
-std::string unused_by_optimizer(const Config& c, const std::string& path) {
+// "" when `path` means something with the rest of this deck (its optimizer, its
+// checkpointing mode); else why not ("has no meaning for ..."). validate() refuses
+// such keys when given, and the resolved deck writes them as comments, so that it
+// parses back.
+std::string meaningless_with_the_rest(const Config& c, const std::string& path) {
   const std::string& name = c.optim.name;
   if (name == "sgd" && (path == "optim.beta1" || path == "optim.beta2" || path == "optim.eps"))
     return "has no meaning for optim.name = \"sgd\" (use optim.momentum)";
@@ -430,6 +431,9 @@ std::string unused_by_optimizer(const Config& c, const std::string& path) {
   if (name != "muon" && (path == "optim.muon_momentum" || path == "optim.ns_steps" || path == "optim.adamw_lr" ||
                          path == "optim.adamw_weight_decay"))
     return fmt("has no meaning for optim.name = \"%s\" (it sets Muon; see docs/muon.md)", name.c_str());
+  if (path == "model.selective_layers" && c.model.activation_checkpointing != "selective")
+    return fmt("says how many layers keep their attention output under model.activation_checkpointing = "
+               "\"selective\"; it is \"%s\" here", c.model.activation_checkpointing.c_str());
   return "";
 }
 
@@ -494,7 +498,7 @@ void validate(const Config& c, int world, const std::set<std::string>& given, st
             "as a fraction of optim.lr)", c.sched.min_lr, c.optim.lr));
   for (const auto& k : key_table())
     if (given.count(k.path))
-      if (std::string why = unused_by_optimizer(c, k.path); !why.empty()) err(k.path + " " + why);
+      if (std::string why = meaningless_with_the_rest(c, k.path); !why.empty()) err(k.path + " " + why);
   if (c.optim.name == "muon" && c.device.backend == "cuda" && !c.model.optim_cpu_offload)
     err("optim.name = \"muon\" with device.backend = \"cuda\" needs model.optim_cpu_offload = true (the GPU-resident "
         "optimizer is AdamW/SGD; offloaded, Muon's momentum and exchange run on the host and its Newton–Schulz in bf16 "
@@ -509,11 +513,7 @@ void validate(const Config& c, int world, const std::set<std::string>& given, st
       err("model.optim_offload_grads = \"device\" is for AdamW and SGD: Muon's offloaded step reads every gradient "
           "on the host (docs/muon.md)");
   }
-  if (given.count("model.selective_layers") && c.model.activation_checkpointing != "selective")
-    err(fmt("model.selective_layers = %lld says how many layers keep their attention output under "
-            "model.activation_checkpointing = \"selective\"; it is \"%s\" here", (long long)c.model.selective_layers,
-            c.model.activation_checkpointing.c_str()));
-  else if (c.model.hf.empty() && a.num_layers > 0 && c.model.selective_layers > a.num_layers)
+  if (c.model.hf.empty() && a.num_layers > 0 && c.model.selective_layers > a.num_layers)
     err(fmt("model.selective_layers = %lld is more than model.num_layers = %lld", (long long)c.model.selective_layers,
             (long long)a.num_layers));
   if (c.model.reduce_dtype == "bf16" && c.device.backend == "cpu")
@@ -680,7 +680,7 @@ std::string resolved_deck(const Config& config) {
     if (!k.implemented) continue;  // the echo must parse again as a deck
     const std::string s = k.path.substr(0, k.path.find('.')), name = k.path.substr(k.path.find('.') + 1);
     if (s != current) out << "\n[" << s << "]\n", current = s;
-    const std::string unused = unused_by_optimizer(config, k.path);
+    const std::string unused = meaningless_with_the_rest(config, k.path);
     if (!unused.empty()) out << "# ";  // given, it would be refused: shown, not set
     out << name << " = ";
     void* field = k.ref(copy);

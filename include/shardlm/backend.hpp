@@ -31,12 +31,12 @@ struct EngineOptions {
   // With checkpoint_activations: keep each layer's attention output and logsumexp
   // too, so the recompute skips attention (the costliest op at long context).
   bool save_attention = false;
-  // How many layers, from the first, keep it (-1: all). Fewer trade the recompute
+  // How many layers, from the first, keep it (0: all). Fewer trade the recompute
   // of the others' attention for N·H·(2·D + 4) bytes per layer kept.
-  int64_t save_attention_layers = -1;
+  int64_t save_attention_layers = 0;
   int64_t attention_layers_kept(int64_t num_layers) const {
     if (!save_attention) return 0;
-    return save_attention_layers < 0 ? num_layers : std::min(save_attention_layers, num_layers);
+    return save_attention_layers <= 0 ? num_layers : std::min(save_attention_layers, num_layers);
   }
   bool device_state = false;         // masters, gradients and optimizer state on the device
   bool offload_pipeline = false;     // optim_cpu_offload on a GPU through offload.hpp's pipeline

@@ -36,7 +36,7 @@ struct ModelSection {
   // buffers as the update reaches the unit: 4 B per parameter less host memory).
   std::string optim_offload_grads = "host";
   std::string activation_checkpointing = "none";  // none | full | selective (full, keeping attention's output)
-  int64_t selective_layers = -1;    // with "selective": layers [0, n) keep attention's output; -1 = every layer
+  int64_t selective_layers = 0;     // with "selective": layers [0, n) keep attention's output; 0 = every layer
   bool reshard_after_forward = true;
   std::string reduce_dtype = "fp32";              // fp32 | bf16
 };

@@ -180,17 +180,18 @@ TEST_CASE("device.attention: auto by default; cudnn needs the GPU and no run.det
   REQUIRE(sel.ok());
   CHECK(sel.config.model.activation_checkpointing == "selective");
   CHECK(only_error(parse(kValid, {"model.activation_checkpointing=some"})).find("selective") != std::string::npos);
-  CHECK(sel.config.model.selective_layers == -1);  // every layer
+  CHECK(sel.config.model.selective_layers == 0);  // every layer
   const DeckResult part = parse(kValid, {"model.activation_checkpointing=selective", "model.selective_layers=1"});
   REQUIRE(part.ok());
   CHECK(part.config.model.selective_layers == 1);
   CHECK(only_error(parse(kValid, {"model.activation_checkpointing=full", "model.selective_layers=1"})) ==
-        "deck.toml: model.selective_layers = 1 says how many layers keep their attention output under "
+        "deck.toml: model.selective_layers says how many layers keep their attention output under "
         "model.activation_checkpointing = \"selective\"; it is \"full\" here");
   CHECK(only_error(parse(kValid, {"model.activation_checkpointing=selective", "model.selective_layers=3"})) ==
         "deck.toml: model.selective_layers = 3 is more than model.num_layers = 2");
-  CHECK(only_error(parse(kValid, {"model.activation_checkpointing=selective", "model.selective_layers=0"}))
-            .find("model.selective_layers = 0 is out of range") != std::string::npos);
+  CHECK(parse(kValid, {"model.activation_checkpointing=selective", "model.selective_layers=0"}).ok());  // every layer
+  CHECK(only_error(parse(kValid, {"model.activation_checkpointing=selective", "model.selective_layers=-1"}))
+            .find("model.selective_layers = -1 is out of range") != std::string::npos);
 }
 
 TEST_CASE("device.memory_limit_gib: parsed, refused on the CPU backend, and the cap refuses what passes it") {
