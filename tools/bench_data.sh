@@ -6,7 +6,8 @@
 #
 #   tools/bench_data.sh [TOKENS [STEPS [REPEATS]]]     (defaults 3e9, 400, 3)
 #
-# Env: BIN (build/shardlm), IN_MEMORY_BIN (none), NP (4), WORK
+# Env: BIN (build/shardlm), IN_MEMORY_BIN (none), IN_MEMORY_DECK (the tiny deck as
+# that build reads it: a deck of its day, same model and schedule), NP (4), WORK
 # (/tmp/shardlm-bench-data; big.h5 is made once there and kept until
 # KEEP=0 removes it at the end), PYTHON (with h5py and numpy).
 # Prints one line per run: tok/s, per-rank peak RSS (from /usr/bin/time), the
@@ -29,12 +30,12 @@ fi
 [[ -f "$WORK/small.h5" ]] || "$PYTHON" tools/make_synthetic_data.py "$WORK/small.h5" --vocab 258 --tokens 20000000 \
   --doc-len 1000 >/dev/null
 
-# run NAME BINARY FILE: one training run; prints its numbers on one line.
+# run NAME BINARY FILE [DECK]: one training run; prints its numbers on one line.
 run() {
-  local name=$1 bin=$2 file=$3 out
+  local name=$1 bin=$2 file=$3 deck=${4:-inputs/tiny-sft.toml} out
   rm -rf "$WORK/run-$name"
   out=$(OMP_NUM_THREADS=1 OMP_WAIT_POLICY=passive mpirun --allow-run-as-root --oversubscribe -np "$NP" \
-          /usr/bin/time -f "rss_kib %M" "$bin" train inputs/tiny-sft.toml --set data.path="$file" \
+          /usr/bin/time -f "rss_kib %M" "$bin" train "$deck" --set data.path="$file" \
           --set run.max_steps="$STEPS" --set log.interval="$STEPS" --set ckpt.save_final=false \
           --set run.dir="$WORK/run-$name" --set device.cpu_threads=1 2>&1)
   local toks rss plan data_ms
@@ -48,7 +49,8 @@ run() {
 for r in $(seq 1 "$REPEATS"); do
   run "big-$r" "$BIN" "$WORK/big.h5"
   run "small-$r" "$BIN" "$WORK/small.h5"
-  [[ -n "${IN_MEMORY_BIN:-}" ]] && run "small-in-memory-$r" "$IN_MEMORY_BIN" "$WORK/small.h5"
+  [[ -n "${IN_MEMORY_BIN:-}" ]] && run "small-in-memory-$r" "$IN_MEMORY_BIN" "$WORK/small.h5" \
+    "${IN_MEMORY_DECK:-inputs/tiny-sft.toml}"
 done
 "$BIN" check inputs/tiny-sft.toml --world "$NP" --set data.path="$WORK/big.h5" | sed -n '/memory plan/,$p'
 [[ "${KEEP:-1}" == 0 ]] && rm -f "$WORK/big.h5" "$WORK/small.h5"
