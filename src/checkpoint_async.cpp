@@ -53,6 +53,13 @@ int64_t host_memory_available() {
   return 0;
 }
 
+// A piece is one unit's shard of one array: the pool holds at least the largest.
+int64_t largest_piece_bytes(const ModelLayout& layout) {
+  int64_t largest = 0;
+  for (const auto& u : layout.units) largest = std::max(largest, 4 * u.shard_numel);
+  return largest;
+}
+
 }  // namespace
 
 int64_t checkpoint_state_bytes(const Config& config, const ModelLayout& layout) {
@@ -69,17 +76,14 @@ int64_t checkpoint_snapshot_bytes(const Config& config, const ModelLayout& layou
   if (!saves_async(config) || device_resident(config)) return 0;
   const int64_t state = checkpoint_state_bytes(config, layout);
   if (config.ckpt.async_host_gib <= 0) return state;
-  int64_t largest = 0;  // a piece is one unit's shard of one array: the pool holds at least one
-  for (const auto& u : layout.units) largest = std::max(largest, 4 * u.shard_numel);
-  return std::min(state, std::max(largest, static_cast<int64_t>(config.ckpt.async_host_gib * 1073741824.0)));
+  return std::min(state, std::max(largest_piece_bytes(layout),
+                                  static_cast<int64_t>(config.ckpt.async_host_gib * 1073741824.0)));
 }
 
 int64_t checkpoint_snapshot_floor(const Config& config, const ModelLayout& layout) {
   const int64_t snapshot = checkpoint_snapshot_bytes(config, layout);
   if (snapshot == 0 || config.ckpt.async_host_gib > 0) return snapshot;
-  int64_t largest = 0;
-  for (const auto& u : layout.units) largest = std::max(largest, 4 * u.shard_numel);
-  return std::min(snapshot, largest);
+  return std::min(snapshot, largest_piece_bytes(layout));
 }
 
 // One unit's shard of one array (the parameters or one optimizer state): what
@@ -214,8 +218,7 @@ Checkpointer::Checkpointer(TrainSession& session, MPI_Comm trainers)
     // in every page of it.
     const auto t0 = Clock::now();
     int64_t floats = checkpoint_snapshot_bytes(session.config, session.model.layout) / 4;
-    int64_t largest = 0;
-    for (const auto& u : session.model.layout.units) largest = std::max(largest, u.shard_numel);
+    const int64_t largest = largest_piece_bytes(session.model.layout) / 4;
     // Never more than half of what the host has available, per rank on this node.
     MPI_Comm node = MPI_COMM_NULL;
     MPI_CHECK(MPI_Comm_split_type(comm_, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &node));

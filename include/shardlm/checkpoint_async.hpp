@@ -33,8 +33,8 @@
 
 #include <cstdint>
 #include <memory>
-#include <thread>
 #include <optional>
+#include <thread>
 
 #include "shardlm/checkpoint.hpp"
 #include "shardlm/model.hpp"
@@ -85,7 +85,6 @@ class Checkpointer {
   SaveResult start(int64_t steps_done, int64_t tokens_seen);
   SaveResult finish();
   void join_retention();
-
 
   TrainSession& session_;
   MPI_Comm comm_;
