@@ -19,6 +19,21 @@ using namespace ckpt;
 
 namespace {
 
+// Runs `read` on checkpoint `path`: a failure already named (damage, or a
+// mismatch with this run) passes through; any other becomes damage of the file.
+template <class Read>
+auto as_damage(const fs::path& path, Read&& read) -> decltype(read()) {
+  try {
+    return read();
+  } catch (const CheckpointDamaged&) {
+    throw;
+  } catch (const CheckpointMismatch&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw_damaged(path, e.what());
+  }
+}
+
 std::vector<std::string> mismatches_of(TrainSession& s, hid_t file, const CheckpointInfo& info,
                                        const std::vector<Tensor>& tensors) {
   std::vector<std::string> out;
@@ -105,7 +120,7 @@ CheckpointInfo load_checkpoint(TrainSession& s, MPI_Comm comm, const fs::path& p
     if (rank == 0 && !fs::exists(path)) SHARDLM_FAIL("checkpoint %s does not exist", path.c_str());
   });
   agreed(comm, [&] {
-    try {
+    as_damage(path, [&] {
       h5::Handle fapl = mpio_fapl(comm);
       file = h5::Handle(H5_CHECK(H5Fopen(path.c_str(), H5F_ACC_RDONLY, fapl)), H5Fclose);
       info = read_info(file, path);
@@ -130,13 +145,7 @@ CheckpointInfo load_checkpoint(TrainSession& s, MPI_Comm comm, const fs::path& p
       SHARDLM_CHECK(saved.step == info.step && info.optimizer_steps >= 0 && info.optimizer_steps <= info.step,
                     "the counters disagree: step %lld, /data/position's step %lld, /optim steps_taken %lld",
                     (long long)info.step, (long long)saved.step, (long long)info.optimizer_steps);
-    } catch (const CheckpointDamaged&) {
-      throw;
-    } catch (const CheckpointMismatch&) {
-      throw;
-    } catch (const std::exception& e) {
-      throw_damaged(path, e.what());
-    }
+    });
   });
 
   agreed(comm, [&] {
@@ -218,7 +227,7 @@ CheckpointInfo read_checkpoint_info(const fs::path& path) {
   h5::silence_error_stack();  // failures become one shardlm::Error line
   std::error_code ec;
   SHARDLM_CHECK(fs::exists(path, ec), "checkpoint %s: no such file", path.c_str());  // not damage: nothing is there
-  try {
+  return as_damage(path, [&] {
     h5::Handle file = open_serial(path);
     CheckpointInfo info = read_info(file, path);
     h5::Handle d(H5_CHECK(H5Dopen2(file, "/data/position", H5P_DEFAULT)), H5Dclose);
@@ -226,13 +235,7 @@ CheckpointInfo read_checkpoint_info(const fs::path& path) {
     H5_CHECK(H5Dread(d, H5T_NATIVE_INT64, H5S_ALL, H5S_ALL, H5P_DEFAULT, position.data()));
     info.data = DataPosition::from_vector(position);
     return info;
-  } catch (const CheckpointDamaged&) {
-    throw;
-  } catch (const CheckpointMismatch&) {
-    throw;
-  } catch (const std::exception& e) {
-    throw_damaged(path, e.what());
-  }
+  });
 }
 
 // ------------------------------------------------------------ resume

@@ -226,12 +226,7 @@ struct StoredArray {
 // signedness `is_signed`, and finds where its elements are.
 StoredArray open_array(hid_t file, int fd, int64_t userblock, const std::string& path, const char* name,
                        const char* expected, size_t bytes, bool is_signed, hid_t mem_type) {
-  hid_t id = H5Dopen2(file, name, H5P_DEFAULT);
-  if (id < 0) {
-    H5Eclear2(H5E_DEFAULT);
-    SHARDLM_FAIL("data file '%s': '%s' exists but is not a dataset", path.c_str(), name);
-  }
-  h5::Handle dset(id, H5Dclose);
+  h5::Handle dset = h5::open_dataset(file, name, fmt("data file '%s'", path.c_str()));
   h5::Handle type(H5_CHECK(H5Dget_type(dset)), H5Tclose);
   SHARDLM_CHECK(is_integer(type, bytes, is_signed), "data file '%s': dataset '%s' has dtype %s, expected %s",
                 path.c_str(), name, h5::dtype_name(type).c_str(), expected);

@@ -47,12 +47,7 @@ std::vector<T> read_1d(hid_t file, const std::string& path, const char* name, Ki
     SHARDLM_CHECK(!required, "rollout file '%s' has no dataset '%s' (%s)", path.c_str(), name, kFormatHint);
     return {};
   }
-  hid_t id = H5Dopen2(file, name, H5P_DEFAULT);
-  if (id < 0) {
-    H5Eclear2(H5E_DEFAULT);
-    SHARDLM_FAIL("rollout file '%s': '%s' exists but is not a dataset", path.c_str(), name);
-  }
-  h5::Handle dset(id, H5Dclose);
+  h5::Handle dset = h5::open_dataset(file, name, fmt("rollout file '%s'", path.c_str()));
   h5::Handle type(H5_CHECK(H5Dget_type(dset)), H5Tclose);
   SHARDLM_CHECK(has_type(type, kind, sizeof(T)), "rollout file '%s': dataset '%s' has dtype %s, expected %s",
                 path.c_str(), name, h5::dtype_name(type).c_str(), expected);

@@ -78,6 +78,17 @@ class Handle {
   Closer close_ = nullptr;
 };
 
+// Opens dataset `name` of `file`, known to exist as a link; `what` names the file
+// in the message when the link is something else ("data file 'x.h5'").
+inline Handle open_dataset(hid_t file, const char* name, const std::string& what) {
+  hid_t id = H5Dopen2(file, name, H5P_DEFAULT);
+  if (id < 0) {
+    H5Eclear2(H5E_DEFAULT);
+    throw Error(fmt("%s: '%s' exists but is not a dataset", what.c_str(), name));
+  }
+  return Handle(id, H5Dclose);
+}
+
 // numpy-style name of an HDF5 datatype for messages: "int32", "uint8",
 // "float64", "string", "compound", ...
 inline std::string dtype_name(hid_t type) {
