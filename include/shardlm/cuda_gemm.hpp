@@ -48,16 +48,18 @@ class Gemm {
   Gemm(const Gemm&) = delete;
   Gemm& operator=(const Gemm&) = delete;
 
-  // C (M, N) = alpha op(A) op(B) + beta C [+ bias broadcast over rows], row-major.
+  // C (M, N) = alpha op(A) op(B) + beta C_in [+ bias broadcast over rows], row-major.
   //   A: (M, K) with row stride lda, or (K, M) when trans_a; B: (K, N) / (N, K).
   //   C: (M, N) with row stride ldc, bf16 or fp32 (`out`); with beta == 0 it is only
-  //   written. bias (N) bf16 or nullptr: added in the epilogue (bf16 C only).
+  //   written. C_in: a matrix laid out like C that is read in its place (nullptr: C
+  //   itself), so a residual is added in the epilogue and rounded once with the
+  //   product. bias (N) bf16 or nullptr: added in the epilogue (bf16 C only).
   // The first call of a shape (sizes, strides, types, epilogue, pointer alignments)
   // builds its descriptors and asks the heuristic for an algorithm; later calls
   // reuse them (only the bias pointer is set per call).
   void matmul(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const bf16* A,
               int64_t lda, const bf16* B, int64_t ldb, void* C, int64_t ldc, GemmOut out,
-              float alpha, float beta, const bf16* bias = nullptr);
+              float alpha, float beta, const bf16* bias = nullptr, const void* C_in = nullptr);
 
   cudaStream_t stream() const { return stream_; }
   size_t plans_cached() const { return plans_.size(); }  // distinct shapes seen
@@ -86,17 +88,22 @@ class Gemm {
 };
 
 // torch.nn.Linear on the GPU, mirroring cpu::linear_forward / linear_backward:
-//   out (N, OC) bf16 overwritten = inp (N, IC) W^T + bias; W (OC, IC); bias (OC) or
-//   nullptr (added in the GEMM epilogue, no extra pass).
+//   out (N, OC) bf16 overwritten = inp (N, IC) W^T + bias [+ residual]; W (OC, IC);
+//   bias (OC) or nullptr; residual (N, OC) bf16 or nullptr (it may be `out`). Both
+//   are added in the GEMM epilogue: no extra pass, one rounding to bf16.
 void linear_forward(Gemm& gemm, bf16* out, const bf16* inp, const bf16* weight,
-                    const bf16* bias, int64_t N, int64_t IC, int64_t OC);
+                    const bf16* bias, int64_t N, int64_t IC, int64_t OC,
+                    const bf16* residual = nullptr);
 
-//   dinp (N, IC) bf16 overwritten (nullptr: skip); dweight (OC, IC) fp32 +=;
-//   dbias (OC) fp32 += (nullptr: no bias; deterministic column sum through scratch
-//   of linear_backward_scratch_bytes(N, OC)); dout (N, OC) bf16.
+//   dinp (N, IC) bf16 = dout W (nullptr: skip), overwritten, or with Dinp::Accumulate
+//   added to what dinp holds in the GEMM epilogue (the sum of several projections'
+//   input gradients without a separate add); dweight (OC, IC) fp32 +=; dbias (OC)
+//   fp32 += (nullptr: no bias; deterministic column sum through scratch of
+//   linear_backward_scratch_bytes(N, OC)); dout (N, OC) bf16.
+enum class Dinp { Overwrite, Accumulate };
 size_t linear_backward_scratch_bytes(int64_t N, int64_t OC);
 void linear_backward(Gemm& gemm, bf16* dinp, float* dweight, float* dbias, const bf16* dout,
                      const bf16* inp, const bf16* weight, int64_t N, int64_t IC, int64_t OC,
-                     void* scratch, size_t scratch_bytes);
+                     void* scratch, size_t scratch_bytes, Dinp dinp_mode = Dinp::Overwrite);
 
 }  // namespace shardlm::cuda

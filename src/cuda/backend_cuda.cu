@@ -28,11 +28,6 @@ namespace {
 
 using cuda::bf16;
 
-__global__ void add_bf16_kernel(bf16* out, const bf16* a, const bf16* b, int64_t n) {
-  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i < n) out[i] = __float2bfloat16(__bfloat162float(a[i]) + __bfloat162float(b[i]));
-}
-
 __global__ void accumulate_bf16_kernel(float* y, const bf16* x, int64_t n) {
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i < n) y[i] += __bfloat162float(x[i]);
@@ -42,13 +37,6 @@ __global__ void accumulate_bf16_kernel(float* y, const bf16* x, int64_t n) {
 void accumulate_bf16(float* y, const bf16* x, int64_t n, cudaStream_t stream) {
   if (n == 0) return;
   accumulate_bf16_kernel<<<unsigned((n + 255) / 256), 256, 0, stream>>>(y, x, n);
-  CUDA_CHECK(cudaGetLastError());
-}
-
-// out = a + b in bf16 (fp32 add, one rounding): the residual stream.
-void add_bf16(bf16* out, const bf16* a, const bf16* b, int64_t n, cudaStream_t stream) {
-  if (n == 0) return;
-  add_bf16_kernel<<<unsigned((n + 255) / 256), 256, 0, stream>>>(out, a, b, n);
   CUDA_CHECK(cudaGetLastError());
 }
 
@@ -355,7 +343,7 @@ class CudaBackend final : public Backend {
   }
   int64_t workspace_bytes(const ModelConfig& c, const EngineOptions& o) const override {
     const Dims d = dims(c, o);
-    int64_t b = 2 * d.N * 4 * d.C;                                           // backward residual-stream gradients
+    int64_t b = 2 * d.N * 3 * d.C;                                           // backward residual-stream gradients
     b += static_cast<int64_t>(phases(d, sdpa_planned(o), o.checkpoint_activations).shared);  // dh, logits, ...
     if (c.qk_norm) b += 2 * d.N * (d.HD + d.KVD);
     b += 2 * d.N * 2 * d.C + 4 * d.N + 4 * d.chunk + 8;                      // head
@@ -402,7 +390,7 @@ class CudaBackend final : public Backend {
       saved_att_.push_back(bf16s(Mem::Activations, d.N * d.HD)), saved_lse_.push_back(floats(Mem::Activations, d.N * d.H));
 
     const Mem w = Mem::Workspace;
-    d_x_ = bf16s(w, d.N * d.C), d_mid_ = bf16s(w, d.N * d.C), d_xn_ = bf16s(w, d.N * d.C), d_tmp_ = bf16s(w, d.N * d.C);
+    d_x_ = bf16s(w, d.N * d.C), d_mid_ = bf16s(w, d.N * d.C), d_xn_ = bf16s(w, d.N * d.C);
     phases_ = phases(d, sdpa_planned(o), o.checkpoint_activations);
     shared_ = static_cast<char*>(own(w, phases_.shared));
     dh_ = reinterpret_cast<bf16*>(shared_);
@@ -598,10 +586,11 @@ class CudaBackend final : public Backend {
       dk = dk_raw_;
     }
     cuda::linear_backward(*gemm_, d_xn_, g.wq, g.bq, dq, a.xn1, w.wq, N, d.C, d.HD, scratch_, scratch_bytes_);
-    cuda::linear_backward(*gemm_, d_tmp_, g.wk, g.bk, dk, a.xn1, w.wk, N, d.C, d.KVD, scratch_, scratch_bytes_);
-    add_bf16(d_xn_, d_xn_, d_tmp_, N * d.C, stream_);
-    cuda::linear_backward(*gemm_, d_tmp_, g.wv, g.bv, dv_, a.xn1, w.wv, N, d.C, d.KVD, scratch_, scratch_bytes_);
-    add_bf16(d_xn_, d_xn_, d_tmp_, N * d.C, stream_);
+    // k's and v's input gradients are added to q's in their GEMMs' epilogues.
+    cuda::linear_backward(*gemm_, d_xn_, g.wk, g.bk, dk, a.xn1, w.wk, N, d.C, d.KVD, scratch_, scratch_bytes_,
+                          cuda::Dinp::Accumulate);
+    cuda::linear_backward(*gemm_, d_xn_, g.wv, g.bv, dv_, a.xn1, w.wv, N, d.C, d.KVD, scratch_, scratch_bytes_,
+                          cuda::Dinp::Accumulate);
     cuda::rmsnorm_backward(d_x_, g.input_norm, d_xn_, x_in, w.input_norm, a.rstd1, d_mid_, N, d.C, scratch_,
                            scratch_bytes_, stream_);
   }
@@ -767,8 +756,7 @@ class CudaBackend final : public Backend {
     cuda::residual_rmsnorm_forward(a.x_mid, a.xn2, a.rstd2, x_in, x_out, w.post_norm, N, d.C, eps, stream_);
     cuda::linear_forward(*gemm_, a.gu, a.xn2, w.w_gate, nullptr, N, d.C, 2 * d.I);
     cuda::swiglu_forward(a.h, d.I, a.gu, 2 * d.I, a.gu + d.I, 2 * d.I, N, d.I, stream_);
-    cuda::linear_forward(*gemm_, x_out, a.h, w.w_down, nullptr, N, d.I, d.C);
-    add_bf16(x_out, x_out, a.x_mid, N * d.C, stream_);
+    cuda::linear_forward(*gemm_, x_out, a.h, w.w_down, nullptr, N, d.I, d.C, /*residual=*/a.x_mid);
   }
 
   struct UnitState {
@@ -826,7 +814,7 @@ class CudaBackend final : public Backend {
   std::vector<float*> saved_lse_;        // K x (N, H)
   bf16* shared_att_ = nullptr;           // checkpointing: the other layers' attention output, lse
   float* shared_lse_ = nullptr;
-  bf16 *d_x_ = nullptr, *d_mid_ = nullptr, *d_xn_ = nullptr, *d_tmp_ = nullptr, *d_att_ = nullptr;
+  bf16 *d_x_ = nullptr, *d_mid_ = nullptr, *d_xn_ = nullptr, *d_att_ = nullptr;
   bf16 *dq_ = nullptr, *dk_ = nullptr, *dv_ = nullptr, *dq_raw_ = nullptr, *dk_raw_ = nullptr;
   bf16* dh_ = nullptr;                   // (N, I), in the shared region
   Phases phases_;                        // where the phase-shared buffers live

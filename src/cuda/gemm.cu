@@ -111,7 +111,7 @@ Gemm::Plan& Gemm::plan(const Key& key, const void* bias) {
 
 void Gemm::matmul(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const bf16* A,
                   int64_t lda, const bf16* B, int64_t ldb, void* C, int64_t ldc, GemmOut out,
-                  float alpha, float beta, const bf16* bias) {
+                  float alpha, float beta, const bf16* bias, const void* C_in) {
   SHARDLM_CHECK(M >= 0 && N >= 0 && K >= 0, "gemm: negative size M %lld N %lld K %lld",
                 static_cast<long long>(M), static_cast<long long>(N), static_cast<long long>(K));
   SHARDLM_CHECK(lda >= std::max<int64_t>(1, trans_a ? M : K), "gemm: lda %lld too small",
@@ -124,37 +124,39 @@ void Gemm::matmul(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, c
                 "gemm: the bias epilogue is only used with a bf16 output");
   if (M == 0 || N == 0) return;
   const size_t esize = out == GemmOut::BF16 ? sizeof(bf16) : sizeof(float);
+  if (C_in == nullptr || beta == 0.0f) C_in = C;
   if (K == 0) {  // C = beta C: only the cases training meets
-    SHARDLM_CHECK(bias == nullptr && (beta == 0.0f || beta == 1.0f),
-                  "gemm: K = 0 supports only beta 0 or 1 without bias");
+    SHARDLM_CHECK(bias == nullptr && (beta == 0.0f || beta == 1.0f) && C_in == C,
+                  "gemm: K = 0 supports only beta 0 or 1 without bias or a separate C_in");
     if (beta == 0.0f)
       CUDA_CHECK(cudaMemset2DAsync(C, size_t(ldc) * esize, 0, size_t(N) * esize, size_t(M), stream_));
     return;
   }
   const Key key{trans_a, trans_b, M, N, K, lda, ldb, ldc, out, bias != nullptr,
-                alignment_of(A), alignment_of(B), alignment_of(C), alignment_of(bias)};
+                alignment_of(A), alignment_of(B), std::min(alignment_of(C), alignment_of(C_in)),
+                alignment_of(bias)};
   Plan& p = plan(key, bias);
   if (bias) set_desc(p.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, static_cast<const void*>(bias));
-  CUBLAS_CHECK(cublasLtMatmul(handle_, p.op, &alpha, B, p.a, A, p.b, &beta, C, p.c, C, p.c,
+  CUBLAS_CHECK(cublasLtMatmul(handle_, p.op, &alpha, B, p.a, A, p.b, &beta, C_in, p.c, C, p.c,
                               &p.algo, workspace_, workspace_bytes_, stream_));
 }
 
 void linear_forward(Gemm& gemm, bf16* out, const bf16* inp, const bf16* weight,
-                    const bf16* bias, int64_t N, int64_t IC, int64_t OC) {
-  // out (N, OC) = inp (N, IC) @ weight (OC, IC)^T + bias
-  gemm.matmul(false, true, N, OC, IC, inp, IC, weight, IC, out, OC, GemmOut::BF16, 1.0f, 0.0f,
-              bias);
+                    const bf16* bias, int64_t N, int64_t IC, int64_t OC, const bf16* residual) {
+  // out (N, OC) = inp (N, IC) @ weight (OC, IC)^T + bias [+ residual]
+  gemm.matmul(false, true, N, OC, IC, inp, IC, weight, IC, out, OC, GemmOut::BF16, 1.0f,
+              residual ? 1.0f : 0.0f, bias, residual);
 }
 
 size_t linear_backward_scratch_bytes(int64_t N, int64_t OC) { return bias_grad_scratch_bytes(N, OC); }
 
 void linear_backward(Gemm& gemm, bf16* dinp, float* dweight, float* dbias, const bf16* dout,
                      const bf16* inp, const bf16* weight, int64_t N, int64_t IC, int64_t OC,
-                     void* scratch, size_t scratch_bytes) {
-  // dinp (N, IC) = dout (N, OC) @ weight (OC, IC)
+                     void* scratch, size_t scratch_bytes, Dinp dinp_mode) {
+  // dinp (N, IC) [+]= dout (N, OC) @ weight (OC, IC)
   if (dinp != nullptr)
     gemm.matmul(false, false, N, IC, OC, dout, OC, weight, IC, dinp, IC, GemmOut::BF16, 1.0f,
-                0.0f);
+                dinp_mode == Dinp::Accumulate ? 1.0f : 0.0f);
   // dweight (OC, IC) += dout^T (OC, N) @ inp (N, IC): the sum over tokens is GEMM's K,
   // accumulated in fp32 straight into the fp32 gradient buffer.
   gemm.matmul(true, false, OC, IC, N, dout, OC, inp, IC, dweight, IC, GemmOut::F32, 1.0f, 1.0f);

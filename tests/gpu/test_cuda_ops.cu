@@ -998,6 +998,24 @@ void test_linear(gpu::Gemm& gemm, Rng& rng, const char* tag, int64_t N, int64_t 
     for (const bf16& v : out) unwritten += std::isnan(__bfloat162float(v)) ? 1 : 0;
     report.check_true("linear_forward " + dims + " every element written", unwritten == 0);
   }
+  // A residual added in the epilogue: from another buffer, and in place (out holds it).
+  {
+    const auto R = round_bf16(rng.normal(N * OC, 1.0));
+    DeviceBuffer<bf16> d_res(N * OC);
+    d_res.upload(to_bf16(R));
+    auto ref = ref_gemm_rows(false, true, OC, IC, inp, IC, W, IC, rows_n, &bias);
+    const auto r = pick_rows(R, OC, OC, rows_n);
+    for (size_t i = 0; i < ref.size(); ++i) ref[i] += r[i];
+    d_out.poison();
+    gpu::linear_forward(gemm, d_out.ptr, d_inp.ptr, d_W.ptr, d_bias.ptr, N, IC, OC, d_res.ptr);
+    sync();
+    report.check("linear_forward " + dims + " +bias +residual", rel_err(pick_rows(d_out.download(), OC, OC, rows_n), ref, &nf),
+                 kTolBf16Out, nf);
+    gpu::linear_forward(gemm, d_res.ptr, d_inp.ptr, d_W.ptr, d_bias.ptr, N, IC, OC, d_res.ptr);
+    sync();
+    report.check("linear_forward " + dims + " +bias +residual in place",
+                 rel_err(pick_rows(d_res.download(), OC, OC, rows_n), ref, &nf), kTolBf16Out, nf);
+  }
 
   const size_t sb = gpu::linear_backward_scratch_bytes(N, OC);
   DeviceBuffer<char> scratch(static_cast<int64_t>(std::max<size_t>(sb, 1)));
@@ -1032,6 +1050,21 @@ void test_linear(gpu::Gemm& gemm, Rng& rng, const char* tag, int64_t N, int64_t 
       ref[size_t(o)] = db0[size_t(o)] + s;
     }
     report.check("linear_backward " + dims + " dbias +=", rel_err(db[0], ref, &nf), kTolF32Acc, nf);
+  }
+  // Dinp::Accumulate: the input gradient added to what dinp holds (k's and v's onto q's).
+  {
+    const auto D0 = round_bf16(rng.normal(N * IC, 1.0));
+    d_dinp.upload(to_bf16(D0));
+    d_dW.upload(dW0);
+    d_db.upload(db0);
+    gpu::linear_backward(gemm, d_dinp.ptr, d_dW.ptr, d_db.ptr, d_dout.ptr, d_inp.ptr, d_W.ptr, N, IC, OC, scratch.ptr, sb,
+                         gpu::Dinp::Accumulate);
+    sync();
+    auto ref = ref_gemm_rows(false, false, IC, OC, dout, OC, W, IC, rows_n, nullptr);
+    const auto d0 = pick_rows(D0, IC, IC, rows_n);
+    for (size_t i = 0; i < ref.size(); ++i) ref[i] += d0[i];
+    report.check("linear_backward " + dims + " dinp +=", rel_err(pick_rows(d_dinp.download(), IC, IC, rows_n), ref, &nf),
+                 kTolBf16Out, nf);
   }
   check_bitwise("linear_backward " + dims + " deterministic dinp", dinp[0], dinp[1]);
   check_bitwise("linear_backward " + dims + " deterministic dweight", dW[0], dW[1]);
