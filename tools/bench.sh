@@ -3,6 +3,7 @@
 # tokens/s, TFLOP/s, MFU (vs 989 TFLOP/s H100 dense bf16), step-time breakdown, peak memory.
 #
 #   tools/bench.sh [NAME...]      names: 125m 1b 1b-8k 1b-32k 3b (default: all)
+#                                 1b-mb2 1b-mb4 (on request: 1b's step as 2 / 1 micro-batches)
 #                                 1b-muon 1b-muon-ns1 1b-offload-adamw (on request: Muon's share
 #                                 of the step at 1B, docs/muon.md "GPU"); 1b-64k 1b-offload-64k
 #                                 3b-offload 6b-offload 7b 1b-256k 1b-offload-256k (on request:
@@ -106,6 +107,10 @@ for n in $names; do
   case $n in
     125m) run 125m inputs/bench/llama-125m.toml ;;
     1b) run 1b inputs/bench/llama-1b.toml ;;
+    # The same 16K tokens a step as micro-batches of 2 and 4 sequences: fewer, larger
+    # GEMMs and half / a quarter of the fp32 gradient accumulations.
+    1b-mb2) run 1b-mb2 inputs/bench/llama-1b.toml --set data.micro_batch=2 ;;
+    1b-mb4) run 1b-mb4 inputs/bench/llama-1b.toml --set data.micro_batch=4 ;;
     1b-8k) run 1b-8k inputs/bench/llama-1b.toml --set data.seq_len=8192 --set data.global_batch=2 ;;
     1b-32k) run 1b-32k inputs/bench/llama-1b.toml --set data.seq_len=32768 --set data.global_batch=1 \
               --set model.activation_checkpointing=full --set run.max_steps=5 ;;
