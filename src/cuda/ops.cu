@@ -397,19 +397,34 @@ rmsnorm_backward_kernel(bf16* dinp, float* __restrict__ partial, const bf16* __r
 
   const int64_t r0 = int64_t(blockIdx.x) * rows_per_block;
   const int64_t r1 = min(rows, r0 + rows_per_block);
+  // The next row's x, dy (and dresidual) are loaded before this row's reduction, so
+  // two rows' loads are in flight across its barriers (one left the kernel at half
+  // the bandwidth). The arithmetic and its order are unchanged.
+  P x[KMAX], dy[KMAX], dr[KMAX];
+  auto load_row = [&](int64_t row, P* xs, P* dys, P* drs) {
+#pragma unroll
+    for (int k = 0; k < KMAX; ++k) {
+      const int c = (k * G + lane) * VEC;
+      xs[k].raw = {};
+      dys[k].raw = {};
+      drs[k].raw = {};
+      if (row >= r1 || k >= K || c >= C) continue;
+      xs[k] = P::load(inp + row * C + c);
+      dys[k] = P::load(dout + row * C + c);
+      if constexpr (kResidual) drs[k] = P::load(dresidual + row * C + c);
+    }
+  };
+  load_row(r0 + group, x, dy, dr);
   for (int64_t base = r0; base < r1; base += rows_per_iter) {
     const int64_t row = base + group;
     const bool active = row < r1;
-    P x[KMAX], dy[KMAX];
+    P xn[KMAX], dyn[KMAX], drn[KMAX];
+    load_row(row + rows_per_iter, xn, dyn, drn);
     float dot = 0.0f;
 #pragma unroll
     for (int k = 0; k < KMAX; ++k) {
       const int c = (k * G + lane) * VEC;
-      x[k].raw = {};
-      dy[k].raw = {};
       if (!active || k >= K || c >= C) continue;
-      x[k] = P::load(inp + row * C + c);
-      dy[k] = P::load(dout + row * C + c);
 #pragma unroll
       for (int j = 0; j < VEC; ++j) dot += (w[k][j] * f32(dy[k].v[j])) * f32(x[k].v[j]);
     }
@@ -421,19 +436,19 @@ rmsnorm_backward_kernel(bf16* dinp, float* __restrict__ partial, const bf16* __r
       const int c = (k * G + lane) * VEC;
       if (!active || k >= K || c >= C) continue;
       const int64_t off = row * C + c;
-      P dr;
-      if constexpr (kResidual) dr = P::load(dresidual + off);
       P dx;
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
         const float xf = f32(x[k].v[j]), dyf = f32(dy[k].v[j]);
         float g = s * (w[k][j] * dyf) - xf * coef;
-        if constexpr (kResidual) g += f32(dr.v[j]);
+        if constexpr (kResidual) g += f32(dr[k].v[j]);
         dx.v[j] = to_bf16(g);
         acc[k][j] += dyf * (xf * s);
       }
       dx.store(dinp + off);
     }
+#pragma unroll
+    for (int k = 0; k < KMAX; ++k) x[k] = xn[k], dy[k] = dyn[k], dr[k] = drn[k];
   }
 
 #pragma unroll
