@@ -14,7 +14,8 @@ ran something, the idle time and its largest gaps (with the kernels on each side
 and the kernels grouped by name with their time, launches and share.
 
 Names are shortened: template arguments and parameter lists dropped; cuBLASLt's
-nvjet kernels and cuDNN's generated SDPA kernels keep their tile names.
+nvjet kernels keep their tile names, cuDNN's generated SDPA kernels become
+"cuDNN SDPA fprop" / "cuDNN SDPA bprop".
 """
 import collections
 import csv
