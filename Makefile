@@ -57,7 +57,7 @@ JSON_CFLAGS ?= $(shell $(PKG_CONFIG) --cflags nlohmann_json 2>/dev/null)
 MPI_CFLAGS  ?= $(shell $(MPICXX) --showme:compile 2>/dev/null)
 
 CXXFLAGS ?= $(OPT) -g
-CXXFLAGS += -std=c++20 -Wall -Wextra -fopenmp -MMD -MP -Iinclude -DOMPI_SKIP_MPICXX -DMPICH_SKIP_MPICXX \
+CXXFLAGS += -std=c++20 -Wall -Wextra -fopenmp -MMD -MP -Iinclude -Isrc -DOMPI_SKIP_MPICXX -DMPICH_SKIP_MPICXX \
             $(HDF5_CFLAGS) $(TOML_CFLAGS) $(BLAS_CFLAGS) $(JSON_CFLAGS)
 LDLIBS   += $(HDF5_LIBS) $(TOML_LIBS) $(BLAS_LIBS) -lz -fopenmp
 CXXFLAGS += $(SANITIZE_FLAGS)
@@ -67,11 +67,11 @@ VERSION := $(shell cat VERSION 2>/dev/null || echo 0.0.0)
 GIT_REV := $(shell git rev-parse --short HEAD 2>/dev/null || echo unknown)
 CXXFLAGS += -DSHARDLM_VERSION='"$(VERSION)"' -DSHARDLM_GIT_REV='"$(GIT_REV)"'
 
-LIB_SRCS := $(filter-out src/main.cpp src/cuda_stub.cpp,$(wildcard src/*.cpp)) $(wildcard src/cpu/*.cpp)
+LIB_SRCS := $(filter-out src/cuda/stub.cpp,$(wildcard src/*/*.cpp))
 CU_SRCS  := $(wildcard src/cuda/*.cu)
 ifeq ($(CUDA),1)
 NVCCFLAGS ?= $(OPT) -lineinfo
-NVCCFLAGS += -std=c++20 $(CUDA_ARCH) -Iinclude $(MPI_CFLAGS) -DOMPI_SKIP_MPICXX -ccbin $(firstword $(CXX)) \
+NVCCFLAGS += -std=c++20 $(CUDA_ARCH) -Iinclude -Isrc $(MPI_CFLAGS) -DOMPI_SKIP_MPICXX -ccbin $(firstword $(CXX)) \
              -Xcompiler -Wall,-Wextra,-fopenmp -MMD -MP
 LIB_OBJS := $(LIB_SRCS:%.cpp=$(BUILD)/obj/%.o) $(CU_SRCS:%.cu=$(BUILD)/obj/%.o)
 LDLIBS   += -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcublasLt -lcublas -lnccl -lcudart
@@ -83,7 +83,7 @@ CUDNN      ?= $(if $(wildcard $(CUDNN_HOME)/include/cudnn_graph.h),1,0)
 NVCCFLAGS  += -DSHARDLM_CUDNN=$(CUDNN) $(if $(filter 1,$(CUDNN)),-I$(CUDNN_HOME)/include)
 LDLIBS     += -ldl
 else
-LIB_OBJS := $(LIB_SRCS:%.cpp=$(BUILD)/obj/%.o) $(BUILD)/obj/src/cuda_stub.o
+LIB_OBJS := $(LIB_SRCS:%.cpp=$(BUILD)/obj/%.o) $(BUILD)/obj/src/cuda/stub.o
 endif
 
 UNIT_OBJS := $(patsubst %.cpp,$(BUILD)/obj/%.o,$(wildcard tests/unit/*.cpp)) $(BUILD)/obj/tests/main_unit.o

@@ -17,22 +17,22 @@
 #include <memory>
 #include <string>
 
-#include "shardlm/broadcast.hpp"
-#include "shardlm/checkpoint.hpp"
-#include "shardlm/checkpoint_async.hpp"
-#include "shardlm/cli.hpp"
+#include "comm/broadcast.hpp"
+#include "checkpoint/checkpoint.hpp"
+#include "checkpoint/async.hpp"
+#include "config/cli.hpp"
 #include "shardlm/comm.hpp"
 #include "shardlm/config.hpp"
 #include "shardlm/cuda.hpp"
-#include "shardlm/engine.hpp"
-#include "shardlm/forward.hpp"
-#include "shardlm/hf.hpp"
+#include "train/engine.hpp"
+#include "train/forward.hpp"
+#include "model/hf.hpp"
 #include "shardlm/memory.hpp"
-#include "shardlm/metrics.hpp"
-#include "shardlm/run_dir.hpp"
-#include "shardlm/run_start.hpp"
+#include "run/metrics.hpp"
+#include "run/run_dir.hpp"
+#include "run/run_start.hpp"
 #include "shardlm/runtime.hpp"
-#include "shardlm/train.hpp"
+#include "train/train.hpp"
 
 namespace fs = std::filesystem;
 using namespace shardlm;

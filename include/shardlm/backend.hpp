@@ -19,7 +19,7 @@
 #include "shardlm/error.hpp"
 #include "shardlm/memory.hpp"
 #include "shardlm/model.hpp"
-#include "shardlm/rl_loss.hpp"
+#include "shardlm/loss.hpp"
 
 namespace shardlm {
 
@@ -42,7 +42,7 @@ struct EngineOptions {
   bool offload_pipeline = false;     // optim_cpu_offload on a GPU through offload.hpp's pipeline
   bool offload_device_grads = false; // model.optim_offload_grads = "device": no host gradient shards
   bool rl = false;                   // RL policy loss instead of cross-entropy
-  cpu::RlLossParams rl_params;
+  RlLossParams rl_params;
   // Device backends at world > 1: how units are gathered and gradients reduced.
   bool reduce_bf16 = false;          // model.reduce_dtype = "bf16": reduce-scatter in bf16 (half the bytes)
   std::string comm_backend = "nccl"; // "nccl" (one GPU per rank) | "mpi" (staged through host memory)
@@ -64,9 +64,6 @@ struct TokenBatch {
   const float* inference_logprobs = nullptr;
   const float* temperatures = nullptr;
 };
-
-// What the loss of one micro-batch adds up to (SFT fills loss and loss_tokens).
-using LossStats = cpu::RlChunkStats;
 
 class Backend {
  public:

@@ -3,7 +3,7 @@
 // Owns: the device queries, the device communicators, and plain device buffers
 // and copies for host code that moves bytes but computes nothing (the RL weight
 // broadcast and its receiver). In a CPU-only build these report "no CUDA"
-// (src/cuda_stub.cpp); the CUDA build implements them in src/cuda/device.cu and
+// (src/cuda/stub.cpp); the CUDA build implements them in src/cuda/device.cu and
 // src/cuda/comm_cuda.cu. Knows nothing about the deck or the model.
 #pragma once
 

@@ -14,14 +14,14 @@
 
 #include "shardlm/backend.hpp"
 #include "shardlm/cuda.hpp"
-#include "shardlm/cpu_ops.hpp"
-#include "shardlm/cuda_attention.hpp"
-#include "shardlm/cuda_gemm.hpp"
-#include "shardlm/cuda_ops.hpp"
-#include "shardlm/cuda_rl_loss.hpp"
-#include "shardlm/cuda_sdpa.hpp"
+#include "cpu/ops.hpp"
+#include "cuda/attention.hpp"
+#include "cuda/gemm.hpp"
+#include "cuda/ops.hpp"
+#include "cuda/rl_loss.hpp"
+#include "cuda/sdpa.hpp"
 #include "shardlm/error.hpp"
-#include "shardlm/hf.hpp"
+#include "shardlm/dtype.hpp"
 
 namespace shardlm {
 namespace {

@@ -26,14 +26,14 @@
 #include <vector>
 
 #include "../unit/run_command.hpp"
-#include "shardlm/checkpoint.hpp"
-#include "shardlm/checkpoint_async.hpp"
-#include "shardlm/checkpoint_layout.hpp"
+#include "checkpoint/checkpoint.hpp"
+#include "checkpoint/async.hpp"
+#include "checkpoint/layout.hpp"
 #include "shardlm/comm.hpp"
 #include "shardlm/config.hpp"
 #include "shardlm/h5util.hpp"
-#include "shardlm/hf.hpp"
-#include "shardlm/train.hpp"
+#include "model/hf.hpp"
+#include "train/train.hpp"
 
 using namespace shardlm;
 namespace fs = std::filesystem;

@@ -16,12 +16,12 @@
 #include "../test_util.hpp"
 #include "shardlm/comm.hpp"
 #include "shardlm/config.hpp"
-#include "shardlm/engine.hpp"
-#include "shardlm/forward.hpp"
+#include "train/engine.hpp"
+#include "train/forward.hpp"
 #include "shardlm/h5util.hpp"
-#include "shardlm/hf.hpp"
-#include "shardlm/shard.hpp"
-#include "shardlm/train.hpp"
+#include "model/hf.hpp"
+#include "train/shard.hpp"
+#include "train/train.hpp"
 
 using namespace shardlm;
 using shardlm_test::read_h5;

@@ -1,5 +1,5 @@
 // test_offload.cpp — the host side of the optim_cpu_offload pipeline
-// (src/offload.cpp) without a GPU: a backend whose "device" is host memory and
+// (src/train/offload.cpp) without a GPU: a backend whose "device" is host memory and
 // whose copies are memcpys with tickets. What is checked is the pipeline's own
 // logic: which micro-batch is the step's first and last, gradients handed over
 // only in the last one and landing in the grad shard, the update refused until
@@ -18,12 +18,12 @@
 
 #include "shardlm/backend.hpp"
 #include "shardlm/config.hpp"
-#include "shardlm/cpu_adamw.hpp"
-#include "shardlm/cpu_ops.hpp"
-#include "shardlm/hf.hpp"
-#include "shardlm/offload.hpp"
-#include "shardlm/optim.hpp"
-#include "shardlm/shard.hpp"
+#include "cpu/adamw.hpp"
+#include "cpu/ops.hpp"
+#include "model/hf.hpp"
+#include "train/offload.hpp"
+#include "train/optim.hpp"
+#include "train/shard.hpp"
 
 using namespace shardlm;
 
