@@ -285,12 +285,11 @@ int cmd_train(Runtime& rt, const CliArgs& args) {
                   config.eval.interval > 0 ? fmt("%lld steps", (long long)config.eval.interval).c_str() : "run",
                   config.eval.at_end ? " and at the end" : "");
     // Large models spend real time here (host init, pinning, the state upload).
-    const char* state = session.offload ? "pinning the offload buffers"
-                        : session.engine.options().device_state ? "the state's upload to the GPU" : nullptr;
+    const char* state = session.state->setup_what();
     const std::string kernels = session.engine.backend().kernels_note();
     if (!kernels.empty()) std::printf("attention: %s\n", kernels.c_str());
     std::printf("setup %.1f s: model, data, optimizer, engine", setup_s);
-    if (state) std::printf("; %.1f s of it %s", session.state_setup_s, state);
+    if (state) std::printf("; %.1f s of it %s", session.state->setup_s, state);
     std::printf("\n");
     std::fflush(stdout);
   }
@@ -376,7 +375,8 @@ int cmd_train(Runtime& rt, const CliArgs& args) {
   if (session.data) plan.data_reader += session.data->memory().total();
   if (session.eval) plan.data_reader += session.eval->data().memory().total();
   metrics.summary(plan, peak[0], peak[1], session.bad_steps_total);
-  if (session.offload && comm->rank() == 0) std::printf("%s\n", session.offload->summary().c_str());
+  if (const std::string line = session.state->summary(); !line.empty() && comm->rank() == 0)
+    std::printf("%s\n", line.c_str());
   if (const MuonStep* muon = session.optimizer.muon()) {  // Muon's part of the optimizer time above
     const MuonTiming& t = muon->timing();
     double seconds[2] = {t.step_s, t.orthogonalize_s};

@@ -212,7 +212,7 @@ Checkpointer::Checkpointer(TrainSession& session, MPI_Comm trainers)
     : session_(session), comm_(trainers), async_(saves_async(session.config)) {
   if (!async_) return;
   const int rank = comm_rank(comm_);
-  if (!session.engine.options().device_state) {
+  if (session.state->placement() != StatePlacement::Device) {
     // Host state: the snapshot pool, allocated and touched now (start-up), not
     // at the first save, whose blocked time would otherwise include faulting
     // in every page of it.
@@ -250,17 +250,8 @@ Checkpointer::Checkpointer(TrainSession& session, MPI_Comm trainers)
   // while a save is in flight (the next save, export and the end of the run
   // wait for it; the GPU broadcast reads device memory).
   const auto t0 = Clock::now();
-  int64_t pinned_bytes = 0, wanted = 0;
-  auto pin = [&](Buffer<float>& b) {
-    wanted += static_cast<int64_t>(b.bytes());
-    if (b.bytes() > 0 && session.engine.backend().pin_host(b.data(), b.bytes())) {
-      pinned_.push_back(b.data());
-      pinned_bytes += static_cast<int64_t>(b.bytes());
-    }
-  };
-  for (auto& b : session.model.param) pin(b);
-  for (int k = 0; k < session.optimizer.states(); ++k)
-    for (auto& b : session.optimizer.state(k)) pin(b);
+  const TrainingState::Pinned pinned = session.state->pin_host_shards();
+  const int64_t pinned_bytes = pinned.bytes, wanted = pinned.wanted_bytes;
   if (rank == 0) {
     std::printf("checkpoint: async saves snapshot into the host mirror of the GPU state: pinned %s of %s in %.1f s\n",
                 mib(static_cast<double>(pinned_bytes)).c_str(), mib(static_cast<double>(wanted)).c_str(),
@@ -276,7 +267,6 @@ Checkpointer::~Checkpointer() {
     writer_->cv.notify_all();
     if (writer_->thread.joinable()) writer_->thread.join();
   }
-  for (void* p : pinned_) session_.engine.backend().unpin_host(p);
 }
 
 bool Checkpointer::in_flight() const { return writer_ != nullptr; }
@@ -394,7 +384,7 @@ SaveResult Checkpointer::start(int64_t steps_done, int64_t tokens_seen) {
         w->pieces.push_back({live, nullptr, (*t.shards)[t.unit].size(), {}});
       w->pieces.back().tensors.push_back(i);
     }
-    const bool mirror = s.engine.options().device_state;
+    const bool mirror = s.state->placement() == StatePlacement::Device;
     w->pool = mirror ? nullptr : pool_.get();
     if (mirror)
       for (auto& p : w->pieces) p.data = const_cast<float*>(p.live);

@@ -92,7 +92,6 @@ class Checkpointer {
   std::unique_ptr<Writer> writer_;
   struct Pool;                      // the snapshot pool (host state)
   std::unique_ptr<Pool> pool_;
-  std::vector<void*> pinned_;       // mirror buffers registered with the backend
   // Rank 0, async: the older files retention removes, after `latest` names the
   // new one. Unlinking a 14 GiB file took seconds on the H200 machine's disk.
   std::thread retention_;

@@ -2,6 +2,7 @@
 #include "shardlm/backend.hpp"
 #include "shardlm/cuda.hpp"
 #include "cuda/newton_schulz.hpp"
+#include "train/state.hpp"
 #include "shardlm/error.hpp"
 
 namespace shardlm {
@@ -22,6 +23,13 @@ void cuda_synchronize(void*) {}
 NsWorkspaceBytes cuda_newton_schulz_bytes(const NsCapacity&) { return {}; }
 std::unique_ptr<Orthogonalizer> make_cuda_orthogonalizer(const NsCapacity&) {
   SHARDLM_FAIL("this shardlm was built without CUDA (no GPU Newton–Schulz for Muon)");
+}
+
+std::unique_ptr<OffloadDevice> make_cuda_offload_device(void*, int) {
+  SHARDLM_FAIL("this shardlm was built without CUDA (model.optim_cpu_offload's pipeline needs a GPU)");
+}
+std::unique_ptr<TrainingState> make_cuda_device_state(ShardedModel&, Optimizer&, const OptimSection&, Backend&) {
+  SHARDLM_FAIL("this shardlm was built without CUDA (device-resident training state needs a GPU backend)");
 }
 
 }  // namespace shardlm

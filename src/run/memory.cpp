@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <string>
+#include <tuple>
 
 #include "shardlm/error.hpp"
 
@@ -100,6 +101,47 @@ MachineMemory machine_host_memory() {
 void reset_host_peaks() {
   g_counters.peak = g_counters.current;
   g_counters.total_peak = g_counters.total_current;
+}
+
+std::string format_memory_plan(const MemoryPlan& p, int world) {
+  auto mib = [](int64_t b) { return static_cast<double>(b) / (1024.0 * 1024.0); };
+  const char* where = p.device ? "GPU" : "host";
+  std::string out = fmt("memory plan per rank (world %d)\n", world);
+  const std::tuple<const char*, const char*, int64_t> rows[] = {
+      {"parameter shards", "host", p.param_shards}, {"gradient shards", "host", p.grad_shards},
+      {"optimizer state", "host", p.optim_state},   {"training state", "GPU", p.device_state},
+      {"parameter copies", "GPU", p.param_copies},  {"gradient shards", "GPU", p.device_grads},
+      {"gathered units", where, p.gathered},        {"activations", where, p.activations},
+      {"workspace", where, p.workspace},            {"output staging", "host", p.host_workspace},
+      {"comm staging", "host", p.comm_staging},     {"offload buffers", "host", p.offload_buffers},
+      {"data reader", "host", p.data_reader},       {"ckpt snapshot", "host", p.checkpoint_snapshot}};
+  for (const auto& [name, place, bytes] : rows)
+    if (bytes > 0) out += fmt("  %-18s %-5s %12.3f MiB\n", name, place, mib(bytes));
+  out += fmt("  %-18s %-5s %12.3f MiB\n", "total", "host", mib(p.host_total()));
+  if (p.device) out += fmt("  %-18s %-5s %12.3f MiB\n", "total", "GPU", mib(p.device_total()));
+  return out;
+}
+
+std::string plan_fit_error(const MemoryPlan& p, int ranks_on_node, const MachineMemory& host, int ranks_per_gpu,
+                           int64_t gpu_bytes) {
+  const double gib = 1024.0 * 1024.0 * 1024.0;
+  const char* levers = "more ranks over more nodes (the shards shrink with the world), model.activation_checkpointing = "
+                       "\"full\", a smaller data.micro_batch or data.seq_len; `shardlm check DECK --world N` prints the "
+                       "plan";
+  // An async snapshot pool sized by default shrinks to the room there is (and stages saves).
+  const double host_need = double(p.host_total() - p.checkpoint_snapshot_flexible) * ranks_on_node;
+  if (host.bytes > 0 && host_need > double(host.bytes))
+    return fmt("the memory plan needs %.2f GiB of host memory per rank x %d rank%s on this node = %.2f GiB, more than "
+               "the %.2f GiB this machine has (%s): %s",
+               double(p.host_total() - p.checkpoint_snapshot_flexible) / gib, ranks_on_node, ranks_on_node == 1 ? "" : "s", host_need / gib,
+               double(host.bytes) / gib, host.source, levers);
+  const double device_need = double(p.device_total()) * ranks_per_gpu;
+  if (gpu_bytes > 0 && device_need > double(gpu_bytes))
+    return fmt("the memory plan needs %.2f GiB of GPU memory per rank x %d rank%s on the GPU = %.2f GiB, more than its "
+               "%.2f GiB: model.optim_cpu_offload = true, %s",
+               double(p.device_total()) / gib, ranks_per_gpu, ranks_per_gpu == 1 ? "" : "s", device_need / gib,
+               double(gpu_bytes) / gib, levers);
+  return "";
 }
 
 }  // namespace shardlm

@@ -7,7 +7,6 @@
 
 #include "shardlm/cuda.hpp"
 #include "shardlm/error.hpp"
-#include "shardlm/dtype.hpp"
 
 namespace shardlm {
 namespace {
@@ -35,8 +34,8 @@ int grad_slot_count() { return 3; }
 // Gradients go straight into the host shards (CPU, one rank) or the device
 // accumulators (device state or the offload pipeline, one rank); otherwise
 // through full-unit slots that are reduced (world > 1) and handed over.
-bool grad_slots_needed(int world, const Backend& backend, const EngineOptions& o) {
-  return world > 1 || (!backend.host_resident() && !o.device_state && !o.offload_pipeline);
+bool grad_slots_needed(int world, const Backend& backend, StatePlacement state) {
+  return world > 1 || (!backend.host_resident() && state == StatePlacement::Host);
 }
 
 // model.reduce_dtype = "bf16": gradients cross the wire in bf16 (world > 1).
@@ -52,73 +51,21 @@ MemoryPlan plan_memory(const ModelConfig& config, int world, const EngineOptions
   const ModelLayout layout(config, world);
   MemoryPlan plan;
   plan.device = !backend.host_resident();
-  for (const auto& u : layout.units) plan.param_shards += 4 * u.shard_numel;
-  if (plan.device) plan.param_copies = plan.param_shards / 4 * backend.param_bytes();
-  // Device-resident state, and offload with gradients on the device, accumulate
-  // gradients on the device only: no host grad shards.
-  plan.grad_shards = o.device_state || o.offload_device_grads ? 0 : plan.param_shards;
-  plan.optim_state = plan.param_shards * optim_states;
+  plan_state_memory(plan, o.state, o.offload_device_grads, layout, optim_states, backend);
+  if (plan.device)  // the backend's own copy of every shard
+    for (const auto& u : layout.units) plan.param_copies += u.shard_numel * backend.param_bytes();
   if (world > 1)
     plan.gathered += backend.param_bytes() * param_slot_count(layout, o.reshard_after_forward) * max_padded(layout);
-  if (grad_slots_needed(world, backend, o)) {
+  if (grad_slots_needed(world, backend, o.state)) {
     // One rank hands the whole unit over: no reduced slice to receive.
     plan.gathered += 4 * grad_slot_count() * (max_padded(layout) + (world > 1 ? max_shard(layout) : 0));
     if (bf16_gradients(world, o)) plan.gathered += 2 * grad_slot_count() * max_padded(layout);
   }
-  if (o.offload_pipeline) {
-    plan.offload_buffers = OffloadPipeline::host_bytes(layout, o.offload_device_grads);
-    plan.device_grads = plan.param_shards;  // fp32 accumulators of the micro-batches
-  }
   // Several ranks on one GPU: two pinned host buffers of one full fp32 unit each.
   if (plan.device && world > 1 && o.comm_backend == "mpi") plan.comm_staging = 2 * 4 * max_padded(layout);
-  if (o.device_state) plan.device_state = 2 * plan.param_shards + plan.optim_state;  // masters, grads, moments
   plan.activations = backend.activation_bytes(config, o);
-  plan.workspace = backend.workspace_bytes(config, o);
-  // A device backend refreshes its bf16 copies through one fp32 staging unit
-  // (the offload pipeline casts on the host instead).
-  if (plan.device && !o.device_state && !o.offload_pipeline) plan.workspace += 4 * max_padded(layout);
+  plan.workspace += backend.workspace_bytes(config, o);
   return plan;
-}
-
-std::string format_memory_plan(const MemoryPlan& p, int world) {
-  auto mib = [](int64_t b) { return static_cast<double>(b) / (1024.0 * 1024.0); };
-  const char* where = p.device ? "GPU" : "host";
-  std::string out = fmt("memory plan per rank (world %d)\n", world);
-  const std::tuple<const char*, const char*, int64_t> rows[] = {
-      {"parameter shards", "host", p.param_shards}, {"gradient shards", "host", p.grad_shards},
-      {"optimizer state", "host", p.optim_state},   {"training state", "GPU", p.device_state},
-      {"parameter copies", "GPU", p.param_copies},  {"gradient shards", "GPU", p.device_grads},
-      {"gathered units", where, p.gathered},        {"activations", where, p.activations},
-      {"workspace", where, p.workspace},            {"output staging", "host", p.host_workspace},
-      {"comm staging", "host", p.comm_staging},     {"offload buffers", "host", p.offload_buffers},
-      {"data reader", "host", p.data_reader},       {"ckpt snapshot", "host", p.checkpoint_snapshot}};
-  for (const auto& [name, place, bytes] : rows)
-    if (bytes > 0) out += fmt("  %-18s %-5s %12.3f MiB\n", name, place, mib(bytes));
-  out += fmt("  %-18s %-5s %12.3f MiB\n", "total", "host", mib(p.host_total()));
-  if (p.device) out += fmt("  %-18s %-5s %12.3f MiB\n", "total", "GPU", mib(p.device_total()));
-  return out;
-}
-
-std::string plan_fit_error(const MemoryPlan& p, int ranks_on_node, const MachineMemory& host, int ranks_per_gpu,
-                           int64_t gpu_bytes) {
-  const double gib = 1024.0 * 1024.0 * 1024.0;
-  const char* levers = "more ranks over more nodes (the shards shrink with the world), model.activation_checkpointing = "
-                       "\"full\", a smaller data.micro_batch or data.seq_len; `shardlm check DECK --world N` prints the "
-                       "plan";
-  // An async snapshot pool sized by default shrinks to the room there is (and stages saves).
-  const double host_need = double(p.host_total() - p.checkpoint_snapshot_flexible) * ranks_on_node;
-  if (host.bytes > 0 && host_need > double(host.bytes))
-    return fmt("the memory plan needs %.2f GiB of host memory per rank x %d rank%s on this node = %.2f GiB, more than "
-               "the %.2f GiB this machine has (%s): %s",
-               double(p.host_total() - p.checkpoint_snapshot_flexible) / gib, ranks_on_node, ranks_on_node == 1 ? "" : "s", host_need / gib,
-               double(host.bytes) / gib, host.source, levers);
-  const double device_need = double(p.device_total()) * ranks_per_gpu;
-  if (gpu_bytes > 0 && device_need > double(gpu_bytes))
-    return fmt("the memory plan needs %.2f GiB of GPU memory per rank x %d rank%s on the GPU = %.2f GiB, more than its "
-               "%.2f GiB: model.optim_cpu_offload = true, %s",
-               double(p.device_total()) / gib, ranks_per_gpu, ranks_per_gpu == 1 ? "" : "s", device_need / gib,
-               double(gpu_bytes) / gib, levers);
-  return "";
 }
 
 Engine::Engine(ShardedModel& model, Comm& comm, const EngineOptions& options, std::unique_ptr<Backend> backend)
@@ -131,11 +78,9 @@ Engine::Engine(ShardedModel& model, Comm& comm, const EngineOptions& options, st
   SHARDLM_CHECK(comm.size() == model.world, "the communicator has %d ranks but the model is sharded %d ways",
                 comm.size(), model.world);
   const ModelLayout& layout = model.layout;
-  SHARDLM_CHECK(!options.device_state || backend_->supports_device_state(),
-                "device-resident training state needs a GPU backend");
   SHARDLM_CHECK(!options.reduce_bf16 || !backend_->host_resident(),
                 "model.reduce_dtype = \"bf16\" needs a GPU backend (the CPU backend is the fp32 reference)");
-  grad_slots_used_ = grad_slots_needed(comm.size(), *backend_, options);
+  grad_slots_used_ = grad_slots_needed(comm.size(), *backend_, options.state);
   reduce_type_ = bf16_gradients(comm.size(), options) ? DType::BF16 : DType::F32;
   gather_type_ = backend_->param_bytes() == 2 ? DType::BF16 : DType::F32;
   slot_floats_ = max_padded(layout);
@@ -152,13 +97,6 @@ Engine::Engine(ShardedModel& model, Comm& comm, const EngineOptions& options, st
       if (reduce_type_ == DType::BF16) s.full_bf16 = backend_->allocate(Mem::Gathered, 2 * slot_floats_);
     }
   }
-  if (options.offload_pipeline) {
-    SHARDLM_CHECK(backend_->supports_async_copies(), "model.optim_cpu_offload's pipeline needs a GPU backend");
-    for (const auto& u : layout.units) {
-      offload_grads_.push_back(static_cast<float*>(backend_->allocate(Mem::GradShard, 4 * u.shard_numel)));
-      offload_copy_.push_back(-1);
-    }
-  }
   // A device backend gathers and reduces device buffers: NCCL, or MPI staged
   // through host memory; the host Comm keeps the small collectives.
   if (sharded_ && !backend_->host_resident())
@@ -166,28 +104,22 @@ Engine::Engine(ShardedModel& model, Comm& comm, const EngineOptions& options, st
                                     options.comm_timeout_s);
   unit_comm_ = device_comm_ ? device_comm_.get() : &comm_;
   backend_->attach_shards(layout);
-  sync_params();
   backend_->prepare(config_, options);
 }
 
-void Engine::sync_params() {
-  if (options_.device_state) return;  // the device update writes the bf16 copies itself
-  if (options_.offload_pipeline) backend_->synchronize();  // no queued kernel still reads the old shards
-  for (size_t u = 0; u < model_.layout.units.size(); ++u) {
-    const int64_t n = model_.layout.units[u].shard_numel;
-    const float* master = model_.param[u].data();
-    if (!options_.offload_pipeline) {
-      backend_->set_param_shard(static_cast<int>(u), master, n);
-      continue;
-    }
-    // Offload: cast on the host (the same rounding as the pipeline's uploads) and
-    // copy the bf16 shard up, so the GPU needs no fp32 staging unit.
-    std::vector<uint16_t> bf16(n);
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < n; ++i) bf16[i] = f32_to_bf16_rne(master[i]);
-    backend_->host_wait(backend_->copy_to_device(backend_->param_shard_for_upload(static_cast<int>(u)), bf16.data(),
-                                                 2 * size_t(n)));
-  }
+void Engine::set_state(TrainingState& state) {
+  SHARDLM_CHECK(!grad_slots_used_ || grad_slots_needed(comm_.size(), *backend_, state.placement()),
+                "internal: the engine was planned for the %s state, not %s", placement_name(options_.state),
+                state.name());
+  state_ = &state;
+  own_state_.reset();
+}
+
+TrainingState& Engine::state() {
+  // Used on its own (forward passes, tests), the engine keeps its gradients in
+  // the model's host shards, as the host placement does.
+  if (!state_) own_state_ = make_host_state(model_, nullptr, *backend_), state_ = own_state_.get();
+  return *state_;
 }
 
 Engine::~Engine() {
@@ -201,11 +133,8 @@ Engine::~Engine() {
     if (s.recv) backend_->deallocate(Mem::Gathered, s.recv, 4 * recv_floats_);
     if (s.full_bf16) backend_->deallocate(Mem::Gathered, s.full_bf16, 2 * slot_floats_);
   }
-  // The device Comm's collectives are done before it goes, and the last copies
-  // to the host have left the offload accumulators.
+  // The device Comm's collectives are done before it goes.
   backend_->synchronize();
-  for (size_t u = 0; u < offload_grads_.size(); ++u)
-    backend_->deallocate(Mem::GradShard, offload_grads_[u], 4 * model_.layout.units[u].shard_numel);
 }
 
 // ---------------------------------------------------------------- gathering
@@ -217,7 +146,7 @@ void Engine::prefetch(int unit) {
   for (auto& s : param_slots_) {
     if (s.unit != -1) continue;
     s.unit = unit;
-    if (offload_) offload_->param_ready(unit);
+    state_->param_ready(unit);
     // In the backend's own precision: fp32 on the CPU, bf16 on GPUs.
     s.request = unit_comm_->all_gather(backend_->param_shard(unit), s.full, model_.layout.units[unit].shard_numel,
                                        gather_type_);
@@ -227,7 +156,7 @@ void Engine::prefetch(int unit) {
 }
 
 const void* Engine::params(int unit) {
-  if (offload_) offload_->param_ready(unit);
+  state_->param_ready(unit);
   if (!sharded_) return backend_->param_shard(unit);  // one rank: the shard is the whole unit
   prefetch(unit);
   for (auto& s : param_slots_)
@@ -242,7 +171,7 @@ void Engine::gather_unit_bf16(int unit, void* device_out) {
   SHARDLM_CHECK(!backend_->host_resident() && gather_type_ == DType::BF16,
                 "internal: gather_unit_bf16 needs a GPU backend (bf16 device parameter shards)");
   // optim_cpu_offload: the unit's shard is current only once its update has been uploaded.
-  if (offload_) offload_->param_ready(unit);
+  state().param_ready(unit);
   const Unit& u = model_.layout.units[unit];
   if (sharded_) unit_comm_->all_gather(backend_->param_shard(unit), device_out, u.shard_numel, DType::BF16).wait();
   else cuda_copy_async(device_out, backend_->param_shard(unit), 2 * u.shard_numel, backend_->stream());
@@ -259,10 +188,7 @@ void Engine::release(int unit) {
 // ---------------------------------------------------------------- gradients
 
 float* Engine::grads(int unit) {
-  if (!grad_slots_used_) {  // accumulate straight into the shard
-    if (options_.device_state) return backend_->state_grad(unit);
-    return options_.offload_pipeline ? offload_grads_[unit] : model_.grad[unit].data();
-  }
+  if (!grad_slots_used_) return state_->direct_grad(unit);  // accumulate straight into the shard
   for (auto& s : grad_slots_)
     if (s.unit == unit) return s.full;
   // Take the oldest slot in turn; a slot whose reduction started is finished first.
@@ -280,7 +206,7 @@ float* Engine::grads(int unit) {
 
 void Engine::reduce_grads(int unit) {
   if (!grad_slots_used_) {  // one rank: the accumulator is the shard
-    if (offload_ && last_micro_batch_) hand_over(unit);
+    state_->unit_done(unit);
     return;
   }
   for (auto& s : grad_slots_)
@@ -303,58 +229,19 @@ void Engine::finish_grad(GradSlot& s) {
   const void* reduced = sharded_ ? s.recv : reduce_type_ == DType::BF16 ? s.full_bf16 : s.full;
   const DType type = reduce_type_;
   const int64_t n = model_.layout.units[s.unit].shard_numel;
-  if (options_.device_state) {
-    backend_->accumulate(backend_->state_grad(s.unit), reduced, n, type);
-  } else if (options_.offload_pipeline) {
-    backend_->accumulate(offload_grads_[s.unit], reduced, n, type);
-    if (last_micro_batch_) hand_over(s.unit);
-  } else {
-    backend_->add_grad_to_host(model_.grad[s.unit].data(), reduced, n, type);
-  }
+  state_->add_reduced(s.unit, reduced, n, type);
+  state_->unit_done(s.unit);
   s.unit = -1;
   s.reducing = false;
-}
-
-// Offload, the step's last micro-batch: `unit`'s accumulated gradient goes to
-// the host behind the work queued so far.
-void Engine::hand_over(int unit) {
-  const int64_t n = model_.layout.units[unit].shard_numel;
-  backend_->grad_sumsq_queue(unit, offload_grads_[unit], n);  // the clip norm, before the copy
-  offload_copy_[unit] = offload_->grad_ready(unit, offload_grads_[unit], n);
-}
-
-double Engine::offload_grad_sumsq() {
-  SHARDLM_CHECK(options_.offload_pipeline, "internal: offload_grad_sumsq without the offload pipeline");
-  return backend_->grad_sumsq_read(static_cast<int>(model_.layout.units.size()));
 }
 
 // Offload at world > 1: finish a unit's reduction a unit after it started (it
 // has had that unit's compute to finish), so that its copy to the host overlaps
 // the next units' backward instead of waiting for the slot's reuse.
-void Engine::hand_over_reduced(int unit) {
-  if (!offload_ || !last_micro_batch_) return;
+void Engine::finish_reductions_early(int unit) {
+  if (!state_->finishes_reductions_early()) return;
   for (auto& s : grad_slots_)
     if (s.unit != -1 && s.reducing && s.unit != unit) finish_grad(s);
-}
-
-void Engine::begin_offload_micro_batch() {
-  SHARDLM_CHECK(offload_, "internal: model.optim_cpu_offload's engine has no offload pipeline attached");
-  const OffloadPipeline::MicroBatch mb = offload_->next_micro_batch();
-  last_micro_batch_ = mb.last;
-  first_micro_batch_ = mb.first;
-}
-
-// Offload, the step's first micro-batch, after its forward: the accumulators
-// start from zero once the last step's copies have left them. Every unit's
-// params() has waited for its update by then, and with the gradients on the
-// device each update waited for its own copy first.
-void Engine::zero_offload_accumulators() {
-  if (!first_micro_batch_) return;
-  for (size_t u = 0; u < offload_grads_.size(); ++u) {
-    if (offload_copy_[u] >= 0) backend_->compute_wait(offload_copy_[u]);
-    offload_copy_[u] = -1;
-    backend_->zero(offload_grads_[u], 4 * size_t(model_.layout.units[u].shard_numel));
-  }
 }
 
 void Engine::finish_all_grads() {
@@ -392,7 +279,8 @@ void Engine::forward(const TokenBatch& b, bool keep_for_backward) {
 LossStats Engine::forward_backward(const TokenBatch& b, float grad_scale) {
   const ModelLayout& layout = model_.layout;
   const int L = layout.num_layers(), head = L + 1;
-  if (options_.offload_pipeline) begin_offload_micro_batch();
+  state();  // the engine's own host state when none was set
+  state_->begin_micro_batch();
   forward(b, /*keep_for_backward=*/true);
 
   // loss: chunked lm-head + CE, whose backward gives d_x at the last layer's output
@@ -400,7 +288,7 @@ LossStats Engine::forward_backward(const TokenBatch& b, float grad_scale) {
   const int64_t norm_off = hu.param("model.norm.weight").offset;
   const void* hw = params(head);
   const void* lm_w = lm_head_weights();
-  if (options_.offload_pipeline) zero_offload_accumulators();
+  state_->after_forward();
   float* hg = grads(head);
   float* lm_g = config_.tie_word_embeddings ? grads(0) : hg + hu.param("lm_head.weight").offset;
   const LossStats loss =
@@ -416,7 +304,7 @@ LossStats Engine::forward_backward(const TokenBatch& b, float grad_scale) {
     prefetch(l > 0 ? unit - 1 : 0);
     backend_->layer_backward(l, layout.units[unit], w, grads(unit));
     reduce_grads(unit);
-    hand_over_reduced(unit);
+    finish_reductions_early(unit);
     release(unit);
   }
   backend_->embed_backward(grads(0));
@@ -428,6 +316,7 @@ LossStats Engine::forward_backward(const TokenBatch& b, float grad_scale) {
 
 LossStats Engine::forward_loss(const TokenBatch& b) {
   const int head = model_.layout.num_layers() + 1;
+  state();
   forward(b, /*keep_for_backward=*/false);
   const void* hw = params(head);
   const void* lm_w = lm_head_weights();
@@ -440,6 +329,7 @@ LossStats Engine::forward_loss(const TokenBatch& b) {
 
 void Engine::forward_logits(const TokenBatch& b, float* logits) {
   const int head = model_.layout.num_layers() + 1;
+  state();
   forward(b, /*keep_for_backward=*/false);
   const void* hw = params(head);
   const void* lm_w = lm_head_weights();

@@ -3,9 +3,11 @@
 // Owns: the unit loop of DESIGN.md's solver (gather u with u+1's gather in
 // flight; compute; release; backward in reverse with each unit's gradients
 // reduce-scattered into the gradient shards as soon as it is done), the
-// gathered-unit and gradient buffers, the activations, and their sizes (the
-// memory plan). The arithmetic goes to a Backend, the collectives to a Comm;
-// knows nothing about the deck, the data file or the optimizer.
+// gathered-unit and gradient-slot buffers, the activations, and their sizes (the
+// memory plan). The arithmetic goes to a Backend, the collectives to a Comm,
+// each unit's reduced gradient to the TrainingState (train/state.hpp), which
+// also says when a unit's parameters may be read; knows nothing about the deck,
+// the data file, the optimizer or where the training state lives.
 #pragma once
 
 #include <cstdint>
@@ -15,49 +17,16 @@
 #include "shardlm/backend.hpp"
 #include "shardlm/comm.hpp"
 #include "shardlm/memory.hpp"
-#include "train/offload.hpp"
 #include "train/shard.hpp"
+#include "train/state.hpp"
 
 namespace shardlm {
 
-// Bytes per rank the engine and the shards will allocate (host, fp32 CPU backend).
-struct MemoryPlan {
-  // The fp32 master, gradient and optimizer shards live in host memory today on
-  // every backend; a device backend adds its bf16 parameter copies, gradient
-  // slots, activations and workspace in device memory.
-  bool device = false;
-  int64_t param_shards = 0, grad_shards = 0, optim_state = 0;  // host
-  int64_t param_copies = 0;                                     // device: bf16 shards
-  int64_t gathered = 0, activations = 0, workspace = 0;         // device when `device`, else host
-  int64_t host_workspace = 0;                                   // host: broadcast / export staging
-  int64_t comm_staging = 0;                                     // host: pinned buffers of the staged MPI device Comm
-  int64_t offload_buffers = 0;                                  // host: the offload pipeline's bf16 shards
-  int64_t device_state = 0;  // GPU: fp32 masters + gradients + optimizer state (their host shards become mirrors)
-  int64_t device_grads = 0;  // GPU: the offload pipeline's fp32 gradient accumulators
-  int64_t data_reader = 0;   // host: token readers of data.path and eval.path (data.hpp's DataMemory)
-  int64_t checkpoint_snapshot = 0;  // host: the async checkpoint's copy of the state (ckpt.async)
-  // Of which the pool gives up on a host without room (ckpt.async_host_gib = 0:
-  // it then takes half of what is left and stages saves); the plan fits without it.
-  int64_t checkpoint_snapshot_flexible = 0;
-  int64_t host_total() const {
-    return param_shards + grad_shards + optim_state + host_workspace + comm_staging + offload_buffers + data_reader +
-           checkpoint_snapshot +
-           (device ? 0 : gathered + activations + workspace);
-  }
-  int64_t device_total() const {
-    return device ? device_state + device_grads + param_copies + gathered + activations + workspace : 0;
-  }
-  int64_t total() const { return host_total() + device_total(); }
-};
+// The engine's rows of a rank's memory plan (gathered units, gradient slots,
+// the backend's copies, activations, workspace) plus the training state's
+// (train/state.hpp's plan_state_memory), for `config` at `world` ranks.
 MemoryPlan plan_memory(const ModelConfig& config, int world, const EngineOptions& options, int optim_states,
                        const Backend& backend);
-std::string format_memory_plan(const MemoryPlan& plan, int world);
-// The plan against the machine, before anything large is built: "" when
-// `ranks_on_node` ranks' host plans fit `host` and `ranks_per_gpu` ranks'
-// device plans fit `gpu_bytes` (0: not checked); else a sentence with the
-// numbers and what makes the plan smaller.
-std::string plan_fit_error(const MemoryPlan& plan, int ranks_on_node, const MachineMemory& host, int ranks_per_gpu,
-                           int64_t gpu_bytes);
 
 class Engine {
  public:
@@ -66,8 +35,14 @@ class Engine {
          std::unique_ptr<Backend> backend = make_cpu_backend());
   ~Engine();
 
+  // Where gradients go and when parameters may be read: the session's training
+  // state (not owned). Without one the engine keeps its gradients in the
+  // model's host shards (forward passes, tests).
+  void set_state(TrainingState& state);
+  TrainingState& state();
+
   // Forward, loss and backward; gradients (scaled by grad_scale) are added into
-  // model.grad. Returns this rank's loss sums (SFT: sum of weight * NLL).
+  // the state's gradient shards. Returns this rank's loss sums (SFT: sum of weight * NLL).
   LossStats forward_backward(const TokenBatch& batch, float grad_scale);
 
   // Forward only: the micro-batch's cross-entropy sums (loss = sum of weight *
@@ -81,17 +56,6 @@ class Engine {
   const Backend& backend() const { return *backend_; }
   Backend& backend() { return *backend_; }
   const EngineOptions& options() const { return options_; }
-  // Refresh the backend's parameter shards from the fp32 masters (a no-op copy
-  // on the CPU backend); the session calls it after every change to model.param
-  // that the offload pipeline did not make.
-  void sync_params();
-  // optim_cpu_offload on a GPU: the micro-batches' gradients add up on the
-  // device, the last one's go to the pipeline as each unit's reduction
-  // finishes, and a unit's shard is read only after its upload.
-  void set_offload(OffloadPipeline* pipeline) { offload_ = pipeline; }
-  // This rank's sum of squares of the step's gradients (the offload pipeline's
-  // clip norm), summed per unit on the device as each unit was handed over.
-  double offload_grad_sumsq();
   // The RL weight broadcast on a GPU backend (broadcast.hpp): unit `unit`'s bf16
   // parameters gathered from every rank's device shard into `device_out`
   // (padded_numel bf16, device memory) through the unit loop's device Comm; at
@@ -122,10 +86,7 @@ class Engine {
   void reduce_grads(int unit);          // start reduce-scatter of `unit`'s gradient
   void finish_grad(GradSlot& slot);
   void finish_all_grads();
-  void hand_over(int unit);             // offload: copy `unit`'s step gradient to the host
-  void hand_over_reduced(int unit);     // offload, world > 1: start the copies to the host early
-  void begin_offload_micro_batch();
-  void zero_offload_accumulators();
+  void finish_reductions_early(int unit);  // the state moves each reduced gradient on early (offload)
   void forward(const TokenBatch& b, bool keep_head);
   const void* lm_head_weights();
 
@@ -136,7 +97,8 @@ class Engine {
   const ModelConfig& config_;
   const bool sharded_;                  // world > 1: gather and reduce through comm
   std::unique_ptr<Comm> device_comm_;   // device backends at world > 1: device-buffer collectives
-  OffloadPipeline* offload_ = nullptr;  // optim_cpu_offload on a GPU (not owned)
+  TrainingState* state_ = nullptr;      // where gradients go (not owned), or own_state_
+  std::unique_ptr<TrainingState> own_state_;
   Comm* unit_comm_ = nullptr;           // device_comm_, or comm_ for host buffers
   DType gather_type_ = DType::F32, reduce_type_ = DType::F32;
   bool grad_slots_used_ = false;        // sharded, or gradients outside host memory
@@ -144,10 +106,6 @@ class Engine {
   std::vector<ParamSlot> param_slots_;
   std::vector<GradSlot> grad_slots_;
   int next_grad_slot_ = 0;
-  std::vector<float*> offload_grads_;   // [unit] offload: fp32 step gradient shards (device), micro-batches summed
-  std::vector<int64_t> offload_copy_;   // [unit] ticket of their last copy to the host, -1: none
-  bool last_micro_batch_ = true;        // offload: this micro-batch is the step's last
-  bool first_micro_batch_ = true;       // offload: ... and the step's first
 };
 
 }  // namespace shardlm

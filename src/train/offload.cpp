@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <chrono>
 
+#include "shardlm/cuda.hpp"
+#include "shardlm/dtype.hpp"
 #include "shardlm/error.hpp"
 #include "shardlm/runtime.hpp"
 
@@ -43,22 +45,23 @@ int64_t OffloadPipeline::host_bytes(const ModelLayout& layout, bool device_grads
   return (kUploadSlots * 2 + (device_grads ? kLandingBuffers * 4 : 0)) * max_shard_numel(layout);
 }
 
-OffloadPipeline::OffloadPipeline(ShardedModel& model, Optimizer& optimizer, Backend& backend, int cpu_threads,
-                                 bool device_grads)
+OffloadPipeline::OffloadPipeline(ShardedModel& model, Optimizer& optimizer, OffloadDevice& device,
+                                 std::vector<void*> device_shards, int cpu_threads, bool device_grads)
     : model_(model),
       optimizer_(optimizer),
-      backend_(backend),
+      device_(device),
+      device_shards_(std::move(device_shards)),
       units_(static_cast<int>(model.layout.units.size())),
       cpu_threads_(cpu_threads),
       device_grads_(device_grads) {
-  SHARDLM_CHECK(backend.supports_async_copies(), "model.optim_cpu_offload needs a GPU backend (this one is %s)",
-                backend.name());
+  SHARDLM_CHECK(int(device_shards_.size()) == units_, "internal: %zu device shards for %d units",
+                device_shards_.size(), units_);
   // Gradients land straight in the fp32 grad shards (or the landing buffers), the
   // bf16 shards go up from pinned memory: pinning makes those copies DMA that
   // overlaps compute.
   auto pin = [&](void* p, size_t bytes) {
     timing_.pin_wanted_bytes += static_cast<int64_t>(bytes);
-    if (!backend_.pin_host(p, bytes)) return;
+    if (!device_.pin_host(p, bytes)) return;
     pinned_.push_back(p);
     timing_.pinned_bytes += static_cast<int64_t>(bytes);
   };
@@ -95,8 +98,8 @@ OffloadPipeline::~OffloadPipeline() {
   }
   changed_.notify_all();
   worker_.join();
-  backend_.synchronize();
-  for (void* p : pinned_) backend_.unpin_host(p);
+  device_.synchronize();
+  for (void* p : pinned_) device_.unpin_host(p);
 }
 
 void OffloadPipeline::push(const Task& t) {
@@ -132,7 +135,7 @@ int64_t OffloadPipeline::grad_ready(int unit, const float* src, int64_t n) {
     grad_src_[unit] = src;
     return -1;
   }
-  const int64_t ticket = backend_.copy_to_host(model_.grad[unit].data(), src, 4 * size_t(n));
+  const int64_t ticket = device_.copy_to_host(model_.grad[unit].data(), src, 4 * size_t(n));
   std::lock_guard<std::mutex> lock(mutex_);
   grad_copy_[unit] = ticket;
   return ticket;
@@ -151,7 +154,7 @@ void OffloadPipeline::issue_grad_copy(int unit) {
   }
   SHARDLM_CHECK(src, "internal: unit %d's gradient was not handed over", unit);
   const int64_t n = model_.layout.units[unit].shard_numel;
-  const int64_t ticket = backend_.copy_to_host(landing_[unit % kLandingBuffers].data(), src, 4 * size_t(n));
+  const int64_t ticket = device_.copy_to_host(landing_[unit % kLandingBuffers].data(), src, 4 * size_t(n));
   std::lock_guard<std::mutex> lock(mutex_);
   grad_copy_[unit] = ticket;
 }
@@ -166,7 +169,7 @@ void OffloadPipeline::param_ready(int unit) {
     ticket = upload_[unit];
     timing_.param_wait_s += seconds_since(t0);
   }
-  if (ticket >= 0) backend_.compute_wait(ticket);
+  if (ticket >= 0) device_.compute_wait(ticket);
   waited_[unit] = true;
 }
 
@@ -191,7 +194,7 @@ OffloadPipeline::Timing OffloadPipeline::timing() {
 
 std::string OffloadPipeline::summary() {
   const Timing t = timing();
-  const Backend::CopyTotals c = backend_.copy_totals();
+  const OffloadDevice::Totals c = device_.totals();
   const double per = t.updates > 0 ? 1e3 / double(t.updates) : 0.0;  // ms per update from seconds
   auto gbps = [](double bytes, double s) { return s > 0 ? bytes / s / 1e9 : 0.0; };
   return fmt("offload: per update %.1f ms CPU update + upload issue (worker; %.1f ms of it waiting for gradient "
@@ -211,7 +214,7 @@ void OffloadPipeline::finish() {
 // ---------------------------------------------------------------- worker
 
 void OffloadPipeline::run() {
-  backend_.bind_thread();
+  device_.bind_thread();
   // The worker's OpenMP team (this thread's setting only): device.cpu_threads,
   // else OpenMP's default, the team that first touched the host shards (NUMA).
   // The worker runs only between backward and the next forward, while the
@@ -254,17 +257,17 @@ void OffloadPipeline::update_unit(int unit, double lr, float clip) {
     grad = grad_copy_[unit];
   }
   const auto t0 = Clock::now();
-  backend_.host_wait(grad);  // the step's gradient has landed in the grad shard
+  device_.host_wait(grad);  // the step's gradient has landed in the grad shard
   const double waited = seconds_since(t0);
   // The worker alone uses the slots (no lock): the slot's last upload has left it.
   const int slot = next_slot_;
   next_slot_ = (next_slot_ + 1) % kUploadSlots;
-  if (slot_upload_[slot] >= 0) backend_.host_wait(slot_upload_[slot]);
+  if (slot_upload_[slot] >= 0) device_.host_wait(slot_upload_[slot]);
   uint16_t* bf16 = slots_[slot].data();
   optimizer_.step_unit(unit, lr, clip, bf16, device_grads_ ? landing_[unit % kLandingBuffers].data() : nullptr);
   const int64_t n = upload_numel_[unit];
   const int64_t ticket =
-      n > 0 ? backend_.copy_to_device(backend_.param_shard_for_upload(unit), bf16, 2 * size_t(n)) : -1;
+      n > 0 ? device_.copy_to_device(device_shards_[unit], bf16, 2 * size_t(n)) : -1;
   slot_upload_[slot] = ticket;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -273,6 +276,82 @@ void OffloadPipeline::update_unit(int unit, double lr, float clip) {
     timing_.grad_wait_s += waited;
   }
   changed_.notify_all();
+}
+
+// ---------------------------------------------------------------- the state
+
+OffloadState::OffloadState(ShardedModel& model, Optimizer& optimizer, Backend& backend, int cpu_threads,
+                           bool device_grads)
+    : model_(model), backend_(backend) {
+  const int units = static_cast<int>(model.layout.units.size());
+  device_ = make_cuda_offload_device(backend.stream(), units);
+  std::vector<void*> shards;
+  for (int u = 0; u < units; ++u) {
+    const int64_t n = model.layout.units[u].shard_numel;
+    accumulators_.push_back(static_cast<float*>(backend.allocate(Mem::GradShard, 4 * n)));
+    accumulator_copy_.push_back(-1);
+    shards.push_back(backend.param_shard_mut(u));
+  }
+  pipeline_ = std::make_unique<OffloadPipeline>(model, optimizer, *device_, std::move(shards), cpu_threads, device_grads);
+  push();
+}
+
+OffloadState::~OffloadState() {
+  pipeline_.reset();  // the worker is done with the accumulators and the copies
+  // The device Comm's collectives are done before it goes, and the last copies
+  // to the host have left the accumulators.
+  backend_.synchronize();
+  for (size_t u = 0; u < accumulators_.size(); ++u)
+    backend_.deallocate(Mem::GradShard, accumulators_[u], 4 * model_.layout.units[u].shard_numel);
+}
+
+void OffloadState::begin_micro_batch() {
+  const OffloadPipeline::MicroBatch mb = pipeline_->next_micro_batch();
+  last_micro_batch_ = mb.last;
+  first_micro_batch_ = mb.first;
+}
+
+// The step's first micro-batch, after its forward: the accumulators start from
+// zero once the last step's copies have left them. Every unit's param_ready()
+// has waited for its update by then, and with the gradients on the device each
+// update waited for its own copy first.
+void OffloadState::after_forward() {
+  if (!first_micro_batch_) return;
+  for (size_t u = 0; u < accumulators_.size(); ++u) {
+    if (accumulator_copy_[u] >= 0) device_->compute_wait(accumulator_copy_[u]);
+    accumulator_copy_[u] = -1;
+    backend_.zero(accumulators_[u], 4 * size_t(model_.layout.units[u].shard_numel));
+  }
+}
+
+void OffloadState::add_reduced(int unit, const void* reduced, int64_t n, DType type) {
+  backend_.accumulate(accumulators_[unit], reduced, n, type);
+}
+
+// The step's last micro-batch: `unit`'s accumulated gradient goes to the host
+// behind the work queued so far.
+void OffloadState::unit_done(int unit) {
+  if (!last_micro_batch_) return;
+  const int64_t n = model_.layout.units[unit].shard_numel;
+  device_->queue_sumsq(unit, accumulators_[unit], n);  // the clip norm, before the copy
+  accumulator_copy_[unit] = pipeline_->grad_ready(unit, accumulators_[unit], n);
+}
+
+double OffloadState::grad_sumsq() { return device_->read_sumsq(static_cast<int>(accumulators_.size())); }
+
+// The host masters changed outside the pipeline (start-up, a load): cast them on
+// the host (the same rounding as the pipeline's uploads) and copy the bf16 shards
+// up, so the GPU needs no fp32 staging unit.
+void OffloadState::push() {
+  device_->synchronize();  // no queued kernel still reads the old shards
+  for (size_t u = 0; u < model_.layout.units.size(); ++u) {
+    const int64_t n = model_.layout.units[u].shard_numel;
+    const float* master = model_.param[u].data();
+    std::vector<uint16_t> bf16(n);
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; ++i) bf16[i] = f32_to_bf16_rne(master[i]);
+    device_->host_wait(device_->copy_to_device(backend_.param_shard_mut(static_cast<int>(u)), bf16.data(), 2 * size_t(n)));
+  }
 }
 
 }  // namespace shardlm

@@ -1,26 +1,30 @@
-// offload.hpp — model.optim_cpu_offload on a GPU: the fp32 masters and moments
-// (and, unless optim_offload_grads = "device", each step's gradient) stay in host
-// memory, and this pipeline keeps the GPU busy around them.
+// offload.hpp — the offload placement of the training state (train/state.hpp):
+// model.optim_cpu_offload on a GPU. The fp32 masters and moments (and, unless
+// optim_offload_grads = "device", each step's gradient) stay in host memory, and
+// a pipeline keeps the GPU busy around them.
 //
-// Owns: the worker thread that does the host side of a step (the per-unit CPU
-// update, each unit's after its step gradient has landed, and its bf16 cast),
-// the two pinned bf16 buffers the updated shards go up from in turn (and the two
-// fp32 landing buffers with device_grads), and the ordering between the compute
-// stream and the copies (Backend's copy tickets). Knows the sharded model, the
-// optimizer and the Backend interface; not CUDA, not MPI (the clip norm's
-// all-reduce is the caller's), not the deck.
+// Owns: OffloadState (the device accumulators that sum the micro-batches'
+// gradients, the hand-over of each unit's step gradient as its backward
+// finishes, the clip norm's per-unit sums of squares, the engine's hooks) and
+// OffloadPipeline, the worker thread that does the host side of a step (the
+// per-unit CPU update, each unit's after its step gradient has landed, and its
+// bf16 cast), the two pinned bf16 buffers the updated shards go up from in turn
+// (and the two fp32 landing buffers with device_grads), and the ordering
+// between the compute stream and the copies (OffloadDevice's tickets). Knows
+// the sharded model, the optimizer, the Backend and OffloadDevice interfaces;
+// not CUDA, not MPI (the clip norm's all-reduce is the step's), not the deck.
 //
-// A step:
+// A step (the engine and the step drive OffloadState, which drives the pipeline):
 //   begin_step(micro_batches)
-//   per micro-batch: engine.forward_backward()  -> next_micro_batch() first;
-//                    the engine accumulates the micro-batches' gradients on the
-//                    device; in the last one grad_ready(unit, ...) per unit as
-//                    its backward (and reduction) finishes;
-//                    param_ready(unit) before a unit's shard is read
-//   sumsq = engine.offload_grad_sumsq()         // on the GPU, as each unit was handed over
+//   per micro-batch: engine.forward_backward()  -> begin_micro_batch(): first / last?;
+//                    the micro-batches' gradients add up in the device
+//                    accumulators; in the last one unit_done(unit) hands each
+//                    unit over (grad_ready) as its backward (and reduction)
+//                    finishes; param_ready(unit) before a unit's shard is read
+//   sumsq = grad_sumsq()                        // on the GPU, as each unit was handed over
 //   all-reduce, clip, update(lr, clip)          // returns at once
 //   the next step's forward: param_ready(u) waits, per unit, for that unit's update and upload
-//   finish()                                    // before checkpoints, export, broadcast
+//   pull() = finish()                           // before checkpoints, export, broadcast
 //
 // Gradients cross the link once per step: the micro-batches are summed on the
 // device (4 bytes per parameter shard of GPU memory), because one fp32 copy of
@@ -40,15 +44,18 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "shardlm/backend.hpp"
+#include "shardlm/offload_device.hpp"
 #include "shardlm/memory.hpp"
 #include "train/optim.hpp"
 #include "train/shard.hpp"
+#include "train/state.hpp"
 
 namespace shardlm {
 
@@ -60,8 +67,10 @@ class OffloadPipeline {
   // shards; each unit's step gradient stays in the engine's device accumulator
   // and is copied into one of two pinned landing buffers one unit ahead of its
   // update, instead of into its host shard during backward.
-  OffloadPipeline(ShardedModel& model, Optimizer& optimizer, Backend& backend, int cpu_threads = 0,
-                  bool device_grads = false);
+  // device_shards: each unit's bf16 parameter shard in device memory, where
+  // its updates go up to.
+  OffloadPipeline(ShardedModel& model, Optimizer& optimizer, OffloadDevice& device, std::vector<void*> device_shards,
+                  int cpu_threads = 0, bool device_grads = false);
   ~OffloadPipeline();
   OffloadPipeline(const OffloadPipeline&) = delete;
   OffloadPipeline& operator=(const OffloadPipeline&) = delete;
@@ -115,7 +124,8 @@ class OffloadPipeline {
 
   ShardedModel& model_;
   Optimizer& optimizer_;
-  Backend& backend_;
+  OffloadDevice& device_;
+  const std::vector<void*> device_shards_;   // [unit] the bf16 shard on the device
   const int units_;
   const int cpu_threads_;
   const bool device_grads_;
@@ -140,6 +150,39 @@ class OffloadPipeline {
   bool busy_ = false, stopping_ = false;     // guarded
   Timing timing_;                            // guarded
   std::thread worker_;
+};
+
+// The offload placement: the pipeline above, the device accumulators it takes
+// each unit's step gradient from, and the engine's hooks.
+class OffloadState final : public TrainingState {
+ public:
+  OffloadState(ShardedModel& model, Optimizer& optimizer, Backend& backend, int cpu_threads, bool device_grads);
+  ~OffloadState() override;
+
+  StatePlacement placement() const override { return StatePlacement::Offload; }
+  const char* setup_what() const override { return "pinning the offload buffers"; }
+  void begin_step(int64_t micro_batches) override { pipeline_->begin_step(micro_batches); }
+  void begin_micro_batch() override;
+  void after_forward() override;
+  void param_ready(int unit) override { pipeline_->param_ready(unit); }
+  float* direct_grad(int unit) override { return accumulators_[unit]; }
+  void add_reduced(int unit, const void* reduced, int64_t n, DType type) override;
+  void unit_done(int unit) override;
+  bool finishes_reductions_early() const override { return last_micro_batch_; }
+  double grad_sumsq() override;
+  void update(double lr, float clip) override { pipeline_->update(lr, clip); }
+  void pull() override { pipeline_->finish(); }  // the host masters are final once the worker is idle
+  void push() override;
+  std::string summary() override { return pipeline_->summary(); }
+
+ private:
+  ShardedModel& model_;
+  Backend& backend_;
+  std::unique_ptr<OffloadDevice> device_;
+  std::vector<float*> accumulators_;     // [unit] fp32 step gradient shards (device), micro-batches summed
+  std::vector<int64_t> accumulator_copy_;  // [unit] ticket of their last copy to the host, -1: none
+  std::unique_ptr<OffloadPipeline> pipeline_;
+  bool first_micro_batch_ = true, last_micro_batch_ = true;  // of the micro-batch under way
 };
 
 }  // namespace shardlm

@@ -6,6 +6,7 @@
 #include <cmath>
 
 #include "shardlm/error.hpp"
+#include "cuda/newton_schulz.hpp"
 #include "model/hf.hpp"
 
 namespace shardlm {
@@ -36,10 +37,8 @@ EngineOptions engine_options_for(const Config& config) {
   o.checkpoint_activations = config.model.activation_checkpointing != "none";
   o.save_attention = config.model.activation_checkpointing == "selective";
   o.save_attention_layers = config.model.selective_layers;
-  // On a GPU the fp32 state lives on the device unless it is offloaded to the host.
-  o.device_state = config.device.backend == "cuda" && !config.model.optim_cpu_offload;
-  o.offload_pipeline = config.device.backend == "cuda" && config.model.optim_cpu_offload && config.optim.name != "muon";
-  o.offload_device_grads = o.offload_pipeline && config.model.optim_offload_grads == "device";
+  o.state = state_placement_for(config);
+  o.offload_device_grads = offload_grads_on_device(config);
   o.reduce_bf16 = config.model.reduce_dtype == "bf16";
   // "auto" is resolved by select_comm() at start-up; a session built without it
   // (tests, tools) on one GPU per rank uses NCCL.
@@ -55,14 +54,8 @@ namespace {
 using Clock = std::chrono::steady_clock;
 double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
-
 ShardedModel initial_model(const Config& c, const ModelConfig& arch, const Comm& comm) {
-  // Device-resident state, and the offload pipeline with optim_offload_grads =
-  // "device", accumulate gradients in device shards only; the host ones would
-  // never be read (checkpoints hold no gradients): none are made.
-  const EngineOptions o = engine_options_for(c);
-  const bool host_grads = !o.device_state && !o.offload_device_grads;
-  ShardedModel model(arch, comm.rank(), comm.size(), host_grads);
+  ShardedModel model(arch, comm.rank(), comm.size(), host_grad_shards(state_placement_for(c), offload_grads_on_device(c)));
   if (c.model.hf.empty()) model.init_seeded(static_cast<uint64_t>(c.run.seed), c.model.init_std);
   else model.load_hf(SafetensorsReader(c.model.hf));
   return model;
@@ -70,42 +63,10 @@ ShardedModel initial_model(const Config& c, const ModelConfig& arch, const Comm&
 
 }  // namespace
 
-DataSpec data_spec_for(const Config& c, int64_t vocab) {
-  DataSpec s;
-  s.paths = c.data.path;
-  s.weights = c.data.weights;
-  s.shuffle = c.data.shuffle;
-  s.seq_len = c.data.seq_len;
-  s.micro_batch = c.data.micro_batch;
-  s.global_batch = c.data.global_batch;
-  s.seed = static_cast<uint64_t>(c.run.seed);
-  s.vocab_size = vocab;
-  return s;
-}
-
 double flops_per_token(const ModelLayout& layout, int64_t seq_len) {
   const ModelConfig& c = layout.config;
   return 6.0 * static_cast<double>(layout.matmul_parameter_count()) +
          12.0 * static_cast<double>(c.num_layers * c.num_heads * c.head_dim) * static_cast<double>(seq_len);
-}
-
-TokenBatch token_batch(const MicroBatch& mb) {
-  TokenBatch b;
-  b.N = mb.rows * mb.seq_len;
-  b.tokens = mb.tokens.data();
-  b.targets = mb.targets.data();
-  b.weights = mb.weights.data();
-  b.positions = mb.positions.data();
-  b.seq_ids = mb.seq_ids.data();
-  return b;
-}
-
-TokenBatch token_batch(const RlMicroBatch& mb) {
-  TokenBatch b = token_batch(mb.batch);
-  b.advantages = mb.advantages.data();
-  b.inference_logprobs = mb.inference_logprobs.data();
-  b.temperatures = mb.temperatures.data();
-  return b;
 }
 
 TrainSession::TrainSession(const Config& c, Comm& comm_)
@@ -117,174 +78,92 @@ TrainSession::TrainSession(const Config& c, Comm& comm_)
       model(initial_model(c, arch, comm_)),
       optimizer(c.optim, model, comm_),
       engine(model, comm_, engine_options_for(c),
-             c.device.backend == "cuda" ? make_cuda_backend() : make_cpu_backend()) {
-  // Muon on a GPU: Newton–Schulz in bf16 on this rank's device (cuda_newton_schulz.hpp);
+             c.device.backend == "cuda" ? make_cuda_backend() : make_cpu_backend()),
+      source(data ? make_token_source(*data, comm_) : make_rollout_source(c, arch.vocab_size, comm_)) {
+  // Muon on a GPU: Newton–Schulz in bf16 on this rank's device (cuda/newton_schulz.hpp);
   // the CPU backend keeps the host fp32 one, the reference.
   if (c.device.backend == "cuda" && optimizer.muon())
     optimizer.muon()->set_orthogonalizer(make_cuda_orthogonalizer(optimizer.muon()->ns_capacity()));
-  if (engine.options().device_state) {
-    Backend::OptimSpec spec{c.optim.name, c.optim.beta1, c.optim.beta2, c.optim.eps, c.optim.momentum,
-                            optimizer.states()};
-    std::vector<std::vector<Backend::Segment>> segments;
-    for (const auto& u : model.layout.units) {
-      segments.emplace_back();
-      for (const auto& s : model.segments(u))
-        segments.back().push_back({s.shard_offset, s.count,
-                                   s.param->weight_decay() ? static_cast<float>(c.optim.weight_decay) : 0.0f});
-    }
-    const auto t0 = Clock::now();
-    engine.backend().state_attach(model.layout, segments, spec);
-    push_state();
-    state_setup_s = seconds_since(t0);
-  }
-  // Offload on a GPU: the host-side pipeline (AdamW/SGD; Muon's collective step
-  // keeps the plain host path).
-  if (engine.options().offload_pipeline) {
-    const auto t0 = Clock::now();
-    offload = std::make_unique<OffloadPipeline>(model, optimizer, engine.backend(),
-                                                static_cast<int>(c.device.cpu_threads),
-                                                engine.options().offload_device_grads);
-    engine.set_offload(offload.get());
-    state_setup_s = seconds_since(t0);
-  }
+  const auto t0 = Clock::now();
+  state = make_training_state(engine.options().state, engine.options().offload_device_grads, model, optimizer,
+                              c.optim, engine.backend(), static_cast<int>(c.device.cpu_threads));
+  state->setup_s = seconds_since(t0);
+  engine.set_state(*state);
   SHARDLM_CHECK(c.data.seq_len <= arch.max_position_embeddings,
                 "data.seq_len = %lld is larger than the model supports (max_position_embeddings = %lld)",
                 (long long)c.data.seq_len, (long long)arch.max_position_embeddings);
 }
 
-void TrainSession::pull_state() {
-  if (offload) offload->finish();  // the host masters are final once the worker is idle
-  if (!engine.options().device_state) return;
-  for (size_t u = 0; u < model.layout.units.size(); ++u) {
-    std::vector<float*> states;
-    for (int i = 0; i < optimizer.states(); ++i) states.push_back(optimizer.state(i)[u].data());
-    engine.backend().state_download(static_cast<int>(u), model.param[u].data(), states);
-  }
-}
-
-void TrainSession::push_state() {
-  if (offload) engine.sync_params();  // host masters changed outside the pipeline (a load)
-  if (!engine.options().device_state) return;
-  for (size_t u = 0; u < model.layout.units.size(); ++u) {
-    std::vector<const float*> states;
-    for (int i = 0; i < optimizer.states(); ++i) states.push_back(optimizer.state(i)[u].data());
-    engine.backend().state_upload(static_cast<int>(u), model.param[u].data(), states);
-  }
-}
-
+// batch, forward / loss / backward per micro-batch, clip, update: one path for
+// every placement of the state and every source of tokens.
 StepStats TrainSession::step(int64_t step) {
   const auto t0 = Clock::now();
   StepStats s;
   s.step = step;
-  s.rl = config.loss.type == "rl";
+  s.rl = source->rl();
+  // batch: this rank's micro-batches; losses are divided by the step's global loss-token count
+  const StepPlan batch = source->begin(step);
+  s.tokens = batch.tokens_global, s.loss_tokens = batch.loss_tokens_global, s.rollout_wait_s = batch.rollout_wait_s;
+  s.data_s = seconds_since(t0) - batch.collective_s;
+  s.compute_s = batch.collective_s;  // a collective's wait for the slowest rank is not data time
+  const float grad_scale = batch.loss_tokens_global > 0 ? 1.0f / static_cast<float>(batch.loss_tokens_global) : 0.0f;
 
-  // batch: this rank's micro-batches of the step; losses are divided by the
-  // step's global loss-token count, known without communication
-  std::vector<TokenBatch> batches;
-  int64_t loss_tokens_global = 0;
-  double counts_reduce_s = 0;
-  if (s.rl) {
-    const auto wait0 = Clock::now();
-    const std::string path = wait_for_rollouts(config.data.rollout_dir, step, config.data.rollout_timeout_s,
-                                               [&](const std::string& m) {
-                                                 if (comm.rank() == 0) std::printf("%s\n", m.c_str()), std::fflush(stdout);
-                                               });
-    s.rollout_wait_s = seconds_since(wait0);
-    const RolloutBatch file = read_rollouts(path, arch.vocab_size);
-    check_rollout_step(file, step, config.data.max_async);
-    rollouts = pack_rollouts(file, config.data.seq_len, config.data.micro_batch, comm.rank(), comm.size());
-    for (const auto& mb : rollouts.micro_batches) batches.push_back(token_batch(mb));
-    loss_tokens_global = rollouts.loss_tokens_global;
-    s.tokens = rollouts.tokens_global;
-  } else {
-    // Each rank counts its own rows (their loss_mask is read with them, one
-    // step ahead by the prefetch); one all-reduce gives the step's totals.
-    const StepCounts mine = data->rank_step_counts(step, comm.rank(), comm.size());
-    int64_t totals[2] = {mine.loss_tokens, mine.tokens};
-    // A collective: the wait for the slowest rank is not data time.
-    const auto t_reduce = Clock::now();
-    comm.all_reduce_sum(totals, 2);
-    counts_reduce_s = seconds_since(t_reduce);
-    loss_tokens_global = totals[0];
-    s.tokens = totals[1];
-  }
-  s.loss_tokens = loss_tokens_global;
-  const float grad_scale = loss_tokens_global > 0 ? 1.0f / static_cast<float>(loss_tokens_global) : 0.0f;
-
-  s.data_s = seconds_since(t0) - counts_reduce_s;
-  s.compute_s = counts_reduce_s;
-
-  // forward / loss / backward per micro-batch; gradients accumulate in the shards
-  const bool device_state = engine.options().device_state;
-  const int64_t micro_batches = s.rl ? static_cast<int64_t>(batches.size()) : data->micro_batches_per_rank(comm.size());
-  auto t_sync = Clock::now();
-  // The backend's parameter copies follow the fp32 masters; the offload pipeline
-  // uploads each unit itself after its update.
-  if (!offload) engine.sync_params();
+  const auto t_sync = Clock::now();
+  state->begin_step(batch.micro_batches);  // gradients from zero, the backend's parameter copies current
   s.param_sync_s = seconds_since(t_sync);
-  if (device_state) engine.backend().state_zero_grads();
-  else if (offload) offload->begin_step(micro_batches);  // the engine sums the micro-batches on the device
-  else model.zero_grads();
   LossStats sums;
-  for (int64_t a = 0; a < micro_batches; ++a) {
-    auto t_data = Clock::now();
-    if (!s.rl) data->micro_batch(step, static_cast<int>(a), comm.rank(), comm.size(), micro);
+  for (int64_t a = 0; a < batch.micro_batches; ++a) {
+    const auto t_data = Clock::now();
+    const TokenBatch micro = source->micro_batch(step, a);
     s.data_s += seconds_since(t_data);
-    auto t_compute = Clock::now();
-    sums += engine.forward_backward(s.rl ? batches[a] : token_batch(micro), grad_scale);
+    const auto t_compute = Clock::now();
+    sums += engine.forward_backward(micro, grad_scale);
     // The norm below waits for the device anyway; waiting here instead puts the
     // backward's device time in compute_s rather than in optimizer_s.
-    if (a + 1 == micro_batches) engine.backend().synchronize();
+    if (a + 1 == batch.micro_batches) engine.backend().synchronize();
     s.compute_s += seconds_since(t_compute);
   }
-  auto t_opt = Clock::now();
+  const auto t_opt = Clock::now();
+  record_loss(s, sums, batch.loss_tokens_global);
+  double sumsq = state->grad_sumsq();  // clip by the global norm: one all-reduce over the ranks' sums
+  comm.all_reduce_sum(&sumsq, 1);
+  s.grad_norm = std::sqrt(sumsq);
+  s.lr = lr_at(config.sched, config.optim.lr, config.run.max_steps, step);
+  apply_update(s);  // on the device, the host, or the CPU per unit overlapping the next forward
+  engine.backend().synchronize();
+  s.optimizer_s = seconds_since(t_opt);
+  s.step_time_s = seconds_since(t0);
+  return s;
+}
+
+void TrainSession::record_loss(StepStats& s, LossStats sums, int64_t loss_tokens_global) {
   auto totals = sums.to_array();
   comm.all_reduce_sum(totals.data(), static_cast<int64_t>(totals.size()));
   sums = LossStats::from_array(totals);
   const double denom = loss_tokens_global > 0 ? static_cast<double>(loss_tokens_global) : 1.0;
   s.loss = sums.loss / denom;
-  if (s.rl) {
-    s.entropy = sums.entropy_sum / denom;
-    s.mismatch_kl = sums.mismatch_kl_sum / denom;
-    s.masked_high = static_cast<double>(sums.masked_high) / denom;
-    s.masked_low = static_cast<double>(sums.masked_low) / denom;
-    s.advantage = sums.advantage_sum / denom;
-  }
+  // The RL statistics (zero sums under the SFT loss).
+  s.entropy = sums.entropy_sum / denom;
+  s.mismatch_kl = sums.mismatch_kl_sum / denom;
+  s.masked_high = static_cast<double>(sums.masked_high) / denom;
+  s.masked_low = static_cast<double>(sums.masked_low) / denom;
+  s.advantage = sums.advantage_sum / denom;
+}
 
-  // clip by global norm (one all-reduce over shard norms); NaN/Inf skips the update
-  if (device_state || offload) {
-    double sumsq = offload ? engine.offload_grad_sumsq() : engine.backend().state_grad_sumsq();
-    comm.all_reduce_sum(&sumsq, 1);
-    s.grad_norm = std::sqrt(sumsq);
-  } else {
-    s.grad_norm = global_grad_norm(model, comm);
-  }
-  s.lr = lr_at(config.sched, config.optim.lr, config.run.max_steps, step);
-  if (!std::isfinite(s.grad_norm) || !std::isfinite(s.loss)) {
+void TrainSession::apply_update(StepStats& s) {
+  if (!std::isfinite(s.grad_norm) || !std::isfinite(s.loss)) {  // NaN/Inf: no update
     s.skipped = true;
     ++bad_steps_total;
     SHARDLM_CHECK(++bad_steps_in_a_row < config.run.max_bad_steps,
                   "step %lld: loss or gradient is NaN/Inf for %lld steps in a row (run.max_bad_steps = %lld); "
                   "lower optim.lr or check the data",
-                  (long long)step + 1, (long long)bad_steps_in_a_row, (long long)config.run.max_bad_steps);
-  } else {
-    bad_steps_in_a_row = 0;
-    const double max_norm = config.optim.max_norm;
-    const float clip = (max_norm > 0 && s.grad_norm > max_norm) ? static_cast<float>(max_norm / (s.grad_norm + 1e-6)) : 1.0f;
-    // optimizer step on shards (on the device when the state lives there)
-    if (device_state) {
-      engine.backend().state_step(s.lr, clip, optimizer.steps_taken() + 1);
-      optimizer.set_steps_taken(optimizer.steps_taken() + 1);
-    } else if (offload) {
-      offload->update(s.lr, clip);  // runs on while the next step's forward starts
-    } else {
-      optimizer.step(s.lr, clip);
-    }
+                  (long long)s.step + 1, (long long)bad_steps_in_a_row, (long long)config.run.max_bad_steps);
+    return;
   }
-  engine.backend().synchronize();
-  s.optimizer_s = seconds_since(t_opt);
-  s.step_time_s = seconds_since(t0);
-  return s;
+  bad_steps_in_a_row = 0;
+  const double max_norm = config.optim.max_norm;
+  const float clip = (max_norm > 0 && s.grad_norm > max_norm) ? static_cast<float>(max_norm / (s.grad_norm + 1e-6)) : 1.0f;
+  state->update(s.lr, clip);
 }
 
 bool TrainSession::eval_due(int64_t steps_done) const {

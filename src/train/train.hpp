@@ -1,9 +1,12 @@
 // train.hpp — everything one training run holds, and one optimizer step.
 //
-// Owns: TrainSession (data, sharded model, optimizer, engine: all state in one
-// place) and step(), the phases of one step in order: batch, forward / loss /
-// backward per micro-batch, global-norm clipping, optimizer. Knows the Comm it
-// is given (the trainer ranks), not MPI_COMM_WORLD, so tests can run it on
+// Owns: TrainSession (the step source, sharded model, optimizer, engine and
+// training state: all state in one place, each variant chosen once when it is
+// built) and step(), the phases of one step in order: batch, forward / loss /
+// backward per micro-batch, global-norm clipping, update. The step has one path:
+// where the state lives (train/state.hpp) and where the tokens come from
+// (train/step_source.hpp) are objects, not branches. Knows the Comm it is given
+// (the trainer ranks), not MPI_COMM_WORLD, so tests can run it on
 // sub-communicators of any size.
 #pragma once
 
@@ -13,14 +16,13 @@
 
 #include "shardlm/comm.hpp"
 #include "shardlm/config.hpp"
-#include "cuda/newton_schulz.hpp"  // the constructor gives Muon the GPU Newton–Schulz on "cuda"
 #include "data/data.hpp"
 #include "train/engine.hpp"
 #include "train/eval.hpp"
-#include "train/offload.hpp"
 #include "train/optim.hpp"
-#include "data/rollouts.hpp"
 #include "train/shard.hpp"
+#include "train/state.hpp"
+#include "train/step_source.hpp"
 
 namespace shardlm {
 
@@ -55,26 +57,20 @@ double flops_per_token(const ModelLayout& layout, int64_t seq_len);
 // The model's architecture for a deck: model.hf's config.json, else the deck's sizes.
 ModelConfig model_config_for(const Config& config);
 EngineOptions engine_options_for(const Config& config);
-// The training reader's spec for a deck ([data] and run.seed), the model's vocabulary.
-DataSpec data_spec_for(const Config& config, int64_t vocab_size);
 
 struct TrainSession {
   Config config;
   Comm& comm;
   ModelConfig arch;            // model.hf's config.json or the deck's sizes
-  std::optional<TokenDataset> data;  // SFT token file (RL reads rollout files instead)
+  std::optional<TokenDataset> data;  // SFT token files (RL reads rollout files instead): its position is checkpointed
   std::optional<EvalSet> eval;       // eval.path, when set (SFT and RL)
   ShardedModel model;
   Optimizer optimizer;
   Engine engine;
-  std::unique_ptr<OffloadPipeline> offload;  // GPU + optim_cpu_offload (AdamW/SGD); null otherwise
-  MicroBatch micro;            // reused every micro-batch
-  RankRollouts rollouts;       // RL: this step's micro-batches of this rank
+  std::unique_ptr<StepSource> source;   // token files | rollouts
+  std::unique_ptr<TrainingState> state; // host | device | offload
   int64_t bad_steps_in_a_row = 0;
   int64_t bad_steps_total = 0;
-  // Seconds the constructor spent placing the training state: uploading it to
-  // the GPU (device-resident state) or pinning the offload buffers.
-  double state_setup_s = 0;
 
   TrainSession(const Config& config, Comm& comm);
   StepStats step(int64_t step);
@@ -83,14 +79,18 @@ struct TrainSession {
   bool eval_due(int64_t steps_done) const;
   void evaluate(StepStats& stats);
 
-  // With device-resident state (GPU, no optim_cpu_offload) the host shards are a
-  // mirror: pull_state() refreshes them (before a checkpoint, export or
-  // broadcast), push_state() sends host values back (after a checkpoint load).
-  // Both are no-ops when the host shards are the state.
-  void pull_state();
-  void push_state();
-};
+  // The host shards (model.param, optimizer.state) as the checkpoint, the
+  // export and the host broadcast read them: pull_state() makes them current
+  // (a device mirror refreshed, the offload worker idle), push_state() makes
+  // the state follow them after a checkpoint load.
+  void pull_state() { state->pull(); }
+  void push_state() { state->push(); }
 
-TokenBatch token_batch(const MicroBatch& mb);
+ private:
+  // The loss sums of the step's micro-batches, over all ranks, as means.
+  void record_loss(StepStats& s, LossStats sums, int64_t loss_tokens_global);
+  // Clip by the global norm and update, or skip a NaN/Inf step.
+  void apply_update(StepStats& s);
+};
 
 }  // namespace shardlm
