@@ -93,11 +93,12 @@ class Buffer {
 // Where the fp32 training state lives (train/state.hpp), chosen once per run.
 enum class StatePlacement { Host, Device, Offload };
 
-// Bytes per rank the engine and the shards will allocate (host, fp32 CPU backend).
+// Bytes per rank a run will allocate, by row: the training state's (train/state.hpp:
+// host fp32 shards in every placement, being the state, its device mirror or the
+// CPU optimizer's; device state or accumulators on a GPU) and the engine's (the
+// backend's parameter copies, gathered units, gradient slots, activations,
+// workspace: in device memory on a GPU backend, host memory on the CPU).
 struct MemoryPlan {
-  // The fp32 master, gradient and optimizer shards live in host memory today on
-  // every backend; a device backend adds its bf16 parameter copies, gradient
-  // slots, activations and workspace in device memory.
   bool device = false;
   int64_t param_shards = 0, grad_shards = 0, optim_state = 0;  // host
   int64_t param_copies = 0;                                     // device: bf16 shards
