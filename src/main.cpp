@@ -18,8 +18,6 @@
 #include "config/cli.hpp"
 #include "shardlm/comm.hpp"
 #include "shardlm/config.hpp"
-#include "shardlm/cuda.hpp"
-#include "train/engine.hpp"
 #include "train/forward.hpp"
 #include "model/hf.hpp"
 #include "shardlm/memory.hpp"
