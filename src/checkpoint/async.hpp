@@ -103,7 +103,7 @@ class Checkpointer {
   // ok = true, background = true, pending until poll() or wait() completes
   // it, or ok = false when this blocking part failed (nothing in flight then).
   SaveResult save(int64_t steps_done, int64_t tokens_seen, std::optional<SaveResult>* previous = nullptr);
-  // Collective, at the end of every step: when a background save has finished
+  // Collective (after_step calls it first): when a background save has finished
   // on every rank, completes it and returns its result (printed on rank 0);
   // otherwise nothing. One all-reduce while a save is in flight, none otherwise.
   std::optional<SaveResult> poll();
@@ -133,7 +133,7 @@ class Checkpointer {
   // What after_step decided last, for finish().
   int64_t steps_done_ = 0;
   StepEnd end_;
-  bool final_save_failed_ = false;  // the save at run.max_steps failed (ckpt.on_error = "continue")
+  bool final_save_failed_ = false;  // the save at run.max_steps failed (finish() reports it under "continue")
 };
 
 }  // namespace shardlm

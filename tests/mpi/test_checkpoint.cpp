@@ -1,6 +1,7 @@
 // test_checkpoint.cpp — HDF5 checkpoints through MPI: bit-exact resume at the
 // same world size, resume at other world sizes, damaged and mismatched files,
-// retention, failed saves, stop signals, and that standard tools read the file.
+// retention, failed saves, stop signals, the Checkpointer's decision at the end
+// of a step (ckpt.on_error, exits 74 and 75), and that standard tools read the file.
 //
 // Sessions are built on communicators of the job's first n ranks, so one job
 // at -np 4 saves on 2 ranks and resumes on 3 or 4 (and on 1, and back).
