@@ -288,12 +288,12 @@ std::optional<SaveResult> Checkpointer::poll() {
   int all_done = writer_->done.load() ? 1 : 0;
   MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &all_done, 1, MPI_INT, MPI_MIN, comm_));
   if (!all_done) return std::nullopt;
-  return finish();
+  return complete();
 }
 
 std::optional<SaveResult> Checkpointer::wait() {
   if (!writer_) return std::nullopt;
-  return finish();
+  return complete();
 }
 
 SaveResult Checkpointer::start(int64_t steps_done, int64_t tokens_seen) {
@@ -322,7 +322,7 @@ SaveResult Checkpointer::start(int64_t steps_done, int64_t tokens_seen) {
       if (rank == 0) prepare_dir(dir, bytes_needed_for(data_bytes, tensors.size()), s.config.ckpt.keep_last);
     });
     // The metadata now, with the checksums still 0: the same objects as a
-    // synchronous save, so finish() overwrites each checksum in place.
+    // synchronous save, so complete() overwrites each checksum in place.
     const std::vector<int64_t> position =
         s.data ? s.data->position(steps_done).to_vector() : DataPosition{steps_done}.to_vector();
     const std::vector<uint64_t> zeros(tensors.size(), 0);
@@ -406,7 +406,7 @@ SaveResult Checkpointer::start(int64_t steps_done, int64_t tokens_seen) {
       }
     }
     writer->result.snapshot_s = pull_s + seconds_since(t_snap);
-    writer->result.ok = true;  // pending: finish() decides
+    writer->result.ok = true;  // pending: complete() decides
     writer->result.seconds = seconds_since(t0);
     return writer->result;
   } catch (const std::exception& e) {
@@ -429,7 +429,7 @@ SaveResult Checkpointer::start(int64_t steps_done, int64_t tokens_seen) {
   }
 }
 
-SaveResult Checkpointer::finish() {
+SaveResult Checkpointer::complete() {
   const auto t0 = Clock::now();
   Writer& w = *writer_;
   w.thread.join();

@@ -1,8 +1,11 @@
-// checkpoint_async.hpp — checkpoints that do not stop training (ckpt.async).
+// checkpoint/async.hpp — the Checkpointer: what the training loop asks at the
+// end of every step, and checkpoints that do not stop training (ckpt.async).
 //
-// Owns: the Checkpointer the training loop saves through, and with
-// ckpt.async = true the snapshot of the state, the background writer thread
-// and the completion of its file. The step that saves copies what it must keep
+// Owns: the decision at the end of a step (save when due or signalled, what a
+// failed save means under ckpt.on_error, the exit code the job script acts on:
+// step_end.cpp) and the saves themselves: with ckpt.async = true the snapshot
+// of the state, the background writer thread and the completion of its file.
+// The step that saves copies what it must keep
 // (device-resident state: to the host mirror, pinned, at the link's speed;
 // host state, CPU backend or optim_cpu_offload: into a bounded snapshot pool,
 // staged in pieces when the pool is smaller than the state), creates the file
@@ -25,8 +28,9 @@
 // At most one save is in flight: the next save, a stop signal and the end of
 // the run wait for it. A failed background write is reported at the end of
 // the step that notices it, with the same SaveResult (and ckpt.on_error) as a
-// failed synchronous save. Knows the TrainSession's shards and the backend's
-// pin_host; knows nothing about kernels.
+// failed synchronous save. Knows the TrainSession's shards, the backend's
+// pin_host and the stop signal; knows nothing about kernels, metrics or the
+// reports (the loop prints those).
 #pragma once
 
 #include <mpi.h>
@@ -56,6 +60,23 @@ int64_t checkpoint_snapshot_floor(const Config& config, const ModelLayout& layou
 // Bytes of state one rank checkpoints (fp32 parameters + optimizer state shards).
 int64_t checkpoint_state_bytes(const Config& config, const ModelLayout& layout);
 
+// What the loop does after a step, as the Checkpointer decides it.
+struct StepEnd {
+  bool stop = false;  // leave the loop now
+  int exit_code = 0;  // with stop: kExitRequeue (a stop signal, the state saved) or
+                      // kExitCheckpointFailed (a save failed under ckpt.on_error = "stop")
+};
+
+// How the run ends once the last save is written (or failed): Checkpointer::finish.
+struct RunEnd {
+  bool stopped = false;            // the loop stopped early, or the last save failed under "stop":
+                                   // no export, no end-of-run report
+  bool final_save_failed = false;  // ckpt.on_error = "continue" trained on to run.max_steps, but the
+                                   // save of the run's end failed: the report, then exit 74
+  int exit_code = 0;               // what `shardlm train` returns: 0 | kExitRequeue | kExitCheckpointFailed
+  const char* status() const;      // metrics' end row: "done" | "stopped" | "checkpoint_failed"
+};
+
 class Checkpointer {
  public:
   // Collective over `trainers`. With ckpt.async and device-resident state,
@@ -65,13 +86,24 @@ class Checkpointer {
   Checkpointer(const Checkpointer&) = delete;
   Checkpointer& operator=(const Checkpointer&) = delete;
 
+  // Collective, once at the end of every step, `steps_done` steps done: the
+  // loop's one question. Completes a background save that has finished (poll),
+  // agrees on a stop signal, saves when one is due (ckpt.interval,
+  // ckpt.save_final) or signalled, applies ckpt.on_error to any save that
+  // failed, and after a signal waits for the save and says "stopped by signal".
+  StepEnd after_step(int64_t steps_done, int64_t tokens_seen);
+  // Collective, after the loop: waits for the save still in flight (at
+  // run.max_steps, the final one) and says how the run ends.
+  RunEnd finish();
+
+  // The parts after_step uses, for callers that drive saves themselves (tests).
   // Collective. Saves the state after `steps_done` steps. Sync: the whole save
   // (save_checkpoint). Async: waits for a save in flight first (returning its
   // result through `previous`), then snapshot + metadata; the result is
   // ok = true, background = true, pending until poll() or wait() completes
   // it, or ok = false when this blocking part failed (nothing in flight then).
   SaveResult save(int64_t steps_done, int64_t tokens_seen, std::optional<SaveResult>* previous = nullptr);
-  // Collective, at the end of every step: when a background save has finished
+  // Collective (after_step calls it first): when a background save has finished
   // on every rank, completes it and returns its result (printed on rank 0);
   // otherwise nothing. One all-reduce while a save is in flight, none otherwise.
   std::optional<SaveResult> poll();
@@ -83,8 +115,10 @@ class Checkpointer {
 
  private:
   SaveResult start(int64_t steps_done, int64_t tokens_seen);
-  SaveResult finish();
+  SaveResult complete();  // the background save in flight, written: checksums, rename, `latest`
   void join_retention();
+  StepEnd decide(int64_t steps_done, int64_t tokens_seen);
+  bool stops_run(const std::optional<SaveResult>& result) const;  // failed, and ckpt.on_error = "stop"
 
   TrainSession& session_;
   MPI_Comm comm_;
@@ -95,6 +129,10 @@ class Checkpointer {
   // Rank 0, async: the older files retention removes, after `latest` names the
   // new one. Unlinking a 14 GiB file took seconds on the H200 machine's disk.
   std::thread retention_;
+  // What after_step decided last, for finish().
+  int64_t steps_done_ = 0;
+  StepEnd end_;
+  bool final_save_failed_ = false;  // the save at run.max_steps failed (finish() reports it under "continue")
 };
 
 }  // namespace shardlm

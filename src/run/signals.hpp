@@ -5,7 +5,7 @@
 // ends the process; nothing else happens in a handler), the agreement of all trainer ranks on that flag at the end of
 // a step, and the exit codes of `shardlm train`. Knows MPI (one all-reduce);
 // knows nothing about checkpoint files, the model or the training loop: the
-// loop asks stop_requested() and saves.
+// Checkpointer asks stop_requested() at the end of every step and saves.
 #pragma once
 
 #include <mpi.h>
