@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# gpu_ab.sh — two builds of shardlm on the same GPU in one call: the 1B deck's
+# step losses with run.deterministic = true (must be bit-identical for a change
+# that keeps the numbers), then its speed, alternating A B A B so drift in the
+# machine's clocks falls on both.
+#
+#   tools/gpu_ab.sh BUILD_A BUILD_B [STEPS]     e.g. build/shardlm-base build/shardlm
+#
+# Data: runs/bench-data/random-128k.h5 (tools/bench.sh makes it). Prints one
+# "identical" or "DIFFER" line for the losses and one throughput line per run.
+set -u
+cd "$(dirname "$0")/.."
+a=${1:?BUILD_A}; b=${2:?BUILD_B}; steps=${3:-8}
+deck=inputs/bench/llama-1b.toml
+export OMP_WAIT_POLICY=passive
+common=(--set ckpt.resume=none --set ckpt.interval=0 --set ckpt.save_final=false --set log.interval=1)
+losses() { /usr/bin/env python3 -c '
+import json, sys
+for l in open(sys.argv[1]):
+    r = json.loads(l, parse_float=str)
+    if "loss" in r and "step" in r: print(r["step"], r["loss"], r["grad_norm"])' "$1"; }
+for which in a b; do
+  bin=${!which}
+  "$bin" train $deck "${common[@]}" --set run.dir=runs/ab-det-$which --set run.deterministic=true \
+    --set run.max_steps=6 > runs/ab-det-$which.log 2>&1 || { echo "$which: deterministic run failed"; tail -5 runs/ab-det-$which.log; }
+  losses runs/ab-det-$which/metrics.jsonl > runs/ab-det-$which.txt
+done
+echo "deterministic 1B losses, A:"; cat runs/ab-det-a.txt
+if [ -s runs/ab-det-a.txt ] && cmp -s runs/ab-det-a.txt runs/ab-det-b.txt; then echo "deterministic losses: identical";
+else echo "deterministic losses: DIFFER"; diff runs/ab-det-a.txt runs/ab-det-b.txt | head; fi
+for round in 1 2; do
+  for which in a b; do
+    bin=${!which}
+    "$bin" train $deck "${common[@]}" --set run.dir=runs/ab-speed-$which --set run.max_steps=$steps \
+      > runs/ab-speed-$which-$round.log 2>&1
+    echo "round $round $which: $(grep -E '^throughput' runs/ab-speed-$which-$round.log)"
+  done
+done
