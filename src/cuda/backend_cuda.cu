@@ -18,6 +18,7 @@
 #include "cuda/attention.hpp"
 #include "cuda/gemm.hpp"
 #include "cuda/ops.hpp"
+#include "cuda/optim_kernels.hpp"
 #include "cuda/rl_loss.hpp"
 #include "cuda/sdpa.hpp"
 #include "shardlm/error.hpp"

@@ -26,6 +26,7 @@
 #include "cpu/ops.hpp"
 #include "cuda/gemm.hpp"
 #include "cuda/ops.hpp"
+#include "cuda/optim_kernels.hpp"
 
 namespace {
 
