@@ -14,7 +14,7 @@
 // scalar, AVX2 and AVX-512 give the same bits, and the result is the same bits at
 // any thread count. adamw.cpp turns FMA contraction off for itself (GCC's C++
 // default contracts whenever the target has FMA). The CUDA adamw_step
-// (cuda_ops.hpp) spells the same operations with __f*_rn intrinsics.
+// (cuda/optim_kernels.hpp) spells the same operations with __f*_rn intrinsics.
 #pragma once
 
 #include <cmath>

@@ -38,35 +38,21 @@ class CpuBackend final : public Backend {
   void deallocate(Mem category, void* ptr, size_t bytes) override { mem_free(category, ptr, bytes); }
   void zero(void* ptr, size_t bytes) override { std::memset(ptr, 0, bytes); }
 
+  // The plan sums the table prepare() allocates from (a planner's, never allocated).
   int64_t activation_bytes(const ModelConfig& c, const EngineOptions& o) const override {
-    const int64_t N = o.max_tokens, L = c.num_layers, C = c.hidden_size;
-    return 4 * (L + 1) * N * C + (o.checkpoint_activations ? 1 : L) * cpu::LayerActs::bytes(c, N) +
-           (o.checkpoint_activations ? 4 * N * C : 0) + o.attention_layers_kept(L) * saved_attention_bytes(c, N);
+    CpuBackend planner;
+    return cpu::rows_bytes(planner.buffer_table(c, o), Mem::Activations);
   }
   int64_t workspace_bytes(const ModelConfig& c, const EngineOptions& o) const override {
-    const int64_t N = o.max_tokens;
-    return 4 * N * c.hidden_size + cpu::LayerGradScratch::bytes(c, N) + cpu::HeadScratch::bytes(c, N, o.chunk_tokens);
+    CpuBackend planner;
+    return cpu::rows_bytes(planner.buffer_table(c, o), Mem::Workspace);
   }
 
   void prepare(const ModelConfig& c, const EngineOptions& o) override {
     config_ = c;
     options_ = o;
-    const int64_t N = o.max_tokens, C = c.hidden_size, L = c.num_layers;
     inv_freq_ = cpu::rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling);
-    residual_.clear();
-    acts_.clear();
-    for (int64_t l = 0; l <= L; ++l) residual_.emplace_back(Mem::Activations, N * C);
-    for (int64_t l = 0; l < (o.checkpoint_activations ? 1 : L); ++l) acts_.emplace_back(c, N);
-    if (o.checkpoint_activations) recompute_out_ = Buffer<float>(Mem::Activations, N * C);
-    saved_att_.clear();
-    saved_lse_.clear();
-    for (int64_t l = 0; l < o.attention_layers_kept(L); ++l) {
-      saved_att_.emplace_back(Mem::Activations, N * c.num_heads * c.head_dim);
-      saved_lse_.emplace_back(Mem::Activations, N * c.num_heads);
-    }
-    d_x_ = Buffer<float>(Mem::Workspace, N * C);
-    scratch_ = cpu::LayerGradScratch(c, N);
-    head_ = cpu::HeadScratch(c, N, o.chunk_tokens);
+    cpu::allocate_rows(buffer_table(c, o));
   }
 
   void load_batch(const TokenBatch& b) override {
@@ -128,8 +114,32 @@ class CpuBackend final : public Backend {
 
  private:
   static const float* f32(const void* p) { return static_cast<const float*>(p); }
-  static int64_t saved_attention_bytes(const ModelConfig& c, int64_t N) {
-    return 4 * N * c.num_heads * (c.head_dim + 1);
+  // Every buffer of this backend, one row each: where it goes, its fp32 element
+  // count, its plan row. Sizes the vectors of buffers so the rows can point into them.
+  std::vector<cpu::BufferRow> buffer_table(const ModelConfig& c, const EngineOptions& o) {
+    const int64_t N = o.max_tokens, C = c.hidden_size, L = c.num_layers;
+    const int64_t kept = o.attention_layers_kept(L);
+    const Mem act = Mem::Activations;
+    std::vector<cpu::BufferRow> rows;
+    residual_.clear();
+    residual_.resize(size_t(L + 1));
+    for (auto& x : residual_) rows.push_back({"residual", &x, N * C, act});
+    acts_.clear();
+    acts_.resize(size_t(o.checkpoint_activations ? 1 : L));
+    for (auto& a : acts_) a.add_rows(c, N, rows);
+    if (o.checkpoint_activations) rows.push_back({"recompute_out", &recompute_out_, N * C, act});
+    saved_att_.clear();
+    saved_lse_.clear();
+    saved_att_.resize(size_t(kept));
+    saved_lse_.resize(size_t(kept));
+    for (int64_t l = 0; l < kept; ++l) {
+      rows.push_back({"saved_att", &saved_att_[size_t(l)], N * c.num_heads * c.head_dim, act});
+      rows.push_back({"saved_lse", &saved_lse_[size_t(l)], N * c.num_heads, act});
+    }
+    rows.push_back({"d_x", &d_x_, N * C, Mem::Workspace});
+    scratch_.add_rows(c, N, rows);
+    head_.add_rows(c, N, o.chunk_tokens, rows);
+    return rows;
   }
   // Selective checkpointing: layer l's own attention output and logsumexp are
   // swapped into the one shared LayerActs for as long as the layer runs.

@@ -22,72 +22,67 @@ struct Dims {
 
 }  // namespace
 
-LayerActs::LayerActs(const ModelConfig& c, int64_t N) {
+void LayerActs::add_rows(const ModelConfig& c, int64_t N, std::vector<BufferRow>& rows) {
   const Dims d(c);
   const Mem m = Mem::Activations;
-  rstd1 = Buffer<float>(m, N);
-  xn1 = Buffer<float>(m, N * d.C);
+  rows.push_back({"rstd1", &rstd1, N, m});
+  rows.push_back({"xn1", &xn1, N * d.C, m});
   if (c.qk_norm) {
-    q_raw = Buffer<float>(m, N * d.HD);
-    k_raw = Buffer<float>(m, N * d.KVD);
-    q_rstd = Buffer<float>(m, N * d.H);
-    k_rstd = Buffer<float>(m, N * d.KV);
+    rows.push_back({"q_raw", &q_raw, N * d.HD, m});
+    rows.push_back({"k_raw", &k_raw, N * d.KVD, m});
+    rows.push_back({"q_rstd", &q_rstd, N * d.H, m});
+    rows.push_back({"k_rstd", &k_rstd, N * d.KV, m});
   }
-  q = Buffer<float>(m, N * d.HD);
-  k = Buffer<float>(m, N * d.KVD);
-  v = Buffer<float>(m, N * d.KVD);
-  att = Buffer<float>(m, N * d.HD);
-  lse = Buffer<float>(m, N * d.H);
-  x_mid = Buffer<float>(m, N * d.C);
-  rstd2 = Buffer<float>(m, N);
-  xn2 = Buffer<float>(m, N * d.C);
-  gate = Buffer<float>(m, N * d.I);
-  up = Buffer<float>(m, N * d.I);
-  h = Buffer<float>(m, N * d.I);
+  rows.push_back({"q", &q, N * d.HD, m});
+  rows.push_back({"k", &k, N * d.KVD, m});
+  rows.push_back({"v", &v, N * d.KVD, m});
+  rows.push_back({"att", &att, N * d.HD, m});
+  rows.push_back({"lse", &lse, N * d.H, m});
+  rows.push_back({"x_mid", &x_mid, N * d.C, m});
+  rows.push_back({"rstd2", &rstd2, N, m});
+  rows.push_back({"xn2", &xn2, N * d.C, m});
+  rows.push_back({"gate", &gate, N * d.I, m});
+  rows.push_back({"up", &up, N * d.I, m});
+  rows.push_back({"h", &h, N * d.I, m});
 }
 
-int64_t LayerActs::bytes(const ModelConfig& c, int64_t N) {
-  const Dims d(c);
-  int64_t floats = N * (2 + 3 * d.C + 2 * d.HD + 2 * d.KVD + d.H + 3 * d.I);
-  if (c.qk_norm) floats += N * (d.HD + d.KVD + d.H + d.KV);
-  return floats * 4;
-}
-
-LayerGradScratch::LayerGradScratch(const ModelConfig& c, int64_t N) {
+void LayerGradScratch::add_rows(const ModelConfig& c, int64_t N, std::vector<BufferRow>& rows) {
   const Dims d(c);
   const Mem m = Mem::Workspace;
-  d_mid = Buffer<float>(m, N * d.C);
-  d_xn = Buffer<float>(m, N * d.C);
-  d_tmp = Buffer<float>(m, N * d.C);
-  d_att = Buffer<float>(m, N * d.HD);
-  dq = Buffer<float>(m, N * d.HD);
-  dk = Buffer<float>(m, N * d.KVD);
-  dv = Buffer<float>(m, N * d.KVD);
+  rows.push_back({"d_mid", &d_mid, N * d.C, m});
+  rows.push_back({"d_xn", &d_xn, N * d.C, m});
+  rows.push_back({"d_tmp", &d_tmp, N * d.C, m});
+  rows.push_back({"d_att", &d_att, N * d.HD, m});
+  rows.push_back({"dq", &dq, N * d.HD, m});
+  rows.push_back({"dk", &dk, N * d.KVD, m});
+  rows.push_back({"dv", &dv, N * d.KVD, m});
   if (c.qk_norm) {
-    dq_raw = Buffer<float>(m, N * d.HD);
-    dk_raw = Buffer<float>(m, N * d.KVD);
+    rows.push_back({"dq_raw", &dq_raw, N * d.HD, m});
+    rows.push_back({"dk_raw", &dk_raw, N * d.KVD, m});
   }
-  dh = Buffer<float>(m, N * d.I);
-  dgate = Buffer<float>(m, N * d.I);
-  dup = Buffer<float>(m, N * d.I);
+  rows.push_back({"dh", &dh, N * d.I, m});
+  rows.push_back({"dgate", &dgate, N * d.I, m});
+  rows.push_back({"dup", &dup, N * d.I, m});
 }
 
-int64_t LayerGradScratch::bytes(const ModelConfig& c, int64_t N) {
-  const Dims d(c);
-  int64_t floats = N * (3 * d.C + 2 * d.HD + 2 * d.KVD + 3 * d.I);
-  if (c.qk_norm) floats += N * (d.HD + d.KVD);
-  return floats * 4;
+void HeadScratch::add_rows(const ModelConfig& c, int64_t N, int64_t chunk_tokens, std::vector<BufferRow>& rows) {
+  chunk = std::min(chunk_tokens, N);
+  const Mem m = Mem::Workspace;
+  rows.push_back({"head.xf", &xf, N * c.hidden_size, m});
+  rows.push_back({"head.rstd", &rstd, N, m});
+  rows.push_back({"head.dxf", &dxf, N * c.hidden_size, m});
+  rows.push_back({"head.logits", &logits, chunk * c.vocab_size, m});
 }
 
-HeadScratch::HeadScratch(const ModelConfig& c, int64_t N, int64_t chunk_tokens) : chunk(std::min(chunk_tokens, N)) {
-  xf = Buffer<float>(Mem::Workspace, N * c.hidden_size);
-  rstd = Buffer<float>(Mem::Workspace, N);
-  dxf = Buffer<float>(Mem::Workspace, N * c.hidden_size);
-  logits = Buffer<float>(Mem::Workspace, chunk * c.vocab_size);
+void allocate_rows(const std::vector<BufferRow>& rows) {
+  for (const BufferRow& r : rows) *r.slot = Buffer<float>(r.category, r.numel);
 }
 
-int64_t HeadScratch::bytes(const ModelConfig& c, int64_t N, int64_t chunk_tokens) {
-  return 4 * (N * (2 * c.hidden_size + 1) + std::min(chunk_tokens, N) * c.vocab_size);
+int64_t rows_bytes(const std::vector<BufferRow>& rows, Mem category) {
+  int64_t bytes = 0;
+  for (const BufferRow& r : rows)
+    if (r.category == category) bytes += r.numel * int64_t(sizeof(float));
+  return bytes;
 }
 
 void layer_forward(const ModelConfig& c, const LayerWeights<const float>& w, const TokenInputs& in,

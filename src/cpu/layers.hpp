@@ -1,7 +1,8 @@
 // cpu_layers.hpp — one decoder layer and the lm-head loss on the CPU backend,
 // composed from the kernels in cpu_ops.hpp.
 //
-// Owns: the saved-activation layout of a layer (LayerActs), layer forward and
+// Owns: the saved-activation layout of a layer (LayerActs) and the rows it and the
+// backward and head scratch add to the CPU backend's buffer table, layer forward and
 // backward on gathered weights, the chunked lm-head + cross-entropy. Knows
 // nothing about units, shards or MPI: the engine hands it weight and gradient
 // views into gathered buffers.
@@ -24,6 +25,19 @@ struct TokenInputs {
   const double* inv_freq = nullptr;    // (head_dim / 2)
 };
 
+// One buffer of the CPU backend's table: the Buffer it fills, its fp32 element
+// count, and the row of the memory plan (Mem::Activations or Mem::Workspace) it is
+// counted in. The backend allocates from its table (allocate_rows) and sums the same
+// table for the plan (rows_bytes), so the plan cannot drift from what is allocated.
+struct BufferRow {
+  const char* name;
+  Buffer<float>* slot;
+  int64_t numel;
+  Mem category;
+};
+void allocate_rows(const std::vector<BufferRow>& rows);
+int64_t rows_bytes(const std::vector<BufferRow>& rows, Mem category);
+
 // What a layer's backward needs from its forward. With activation checkpointing
 // the engine keeps one LayerActs and recomputes it per layer in backward.
 struct LayerActs {
@@ -44,9 +58,8 @@ struct LayerActs {
   Buffer<float> gate;    // (N, I)
   Buffer<float> up;      // (N, I)
   Buffer<float> h;       // (N, I) silu(gate) * up
-  LayerActs() = default;
-  LayerActs(const ModelConfig& c, int64_t N);
-  static int64_t bytes(const ModelConfig& c, int64_t N);
+  // Appends a row per buffer above (the qk_norm ones only with qk_norm).
+  void add_rows(const ModelConfig& c, int64_t N, std::vector<BufferRow>& rows);
 };
 
 // Scratch for one layer's backward (and the head), reused by every layer.
@@ -58,9 +71,7 @@ struct LayerGradScratch {
   Buffer<float> dq, dk, dv;          // (N, H|KV, D)
   Buffer<float> dq_raw, dk_raw;      // (N, H|KV, D) (qk_norm only)
   Buffer<float> dh, dgate, dup;      // (N, I)
-  LayerGradScratch() = default;
-  LayerGradScratch(const ModelConfig& c, int64_t N);
-  static int64_t bytes(const ModelConfig& c, int64_t N);
+  void add_rows(const ModelConfig& c, int64_t N, std::vector<BufferRow>& rows);
 };
 
 // x_out (N, C) = layer(x_in (N, C)); fills acts. With run_attention = false,
@@ -83,9 +94,8 @@ struct HeadScratch {
   Buffer<float> dxf;     // (N, C)
   Buffer<float> logits;  // (chunk, V)
   int64_t chunk = 0;
-  HeadScratch() = default;
-  HeadScratch(const ModelConfig& c, int64_t N, int64_t chunk);
-  static int64_t bytes(const ModelConfig& c, int64_t N, int64_t chunk);
+  // Sets chunk = min(chunk_tokens, N) and appends a row per buffer above.
+  void add_rows(const ModelConfig& c, int64_t N, int64_t chunk_tokens, std::vector<BufferRow>& rows);
 };
 
 // Returns sum of weight * NLL; writes d_x (N, C) = gradient at the final hidden

@@ -34,15 +34,8 @@
 #include <cstdint>
 #include <string>
 
+#include "cuda/check.hpp"
 #include "shardlm/error.hpp"
-
-#define ATTN_CUDA_CHECK(call)                                                              \
-  do {                                                                                     \
-    cudaError_t attn_status_ = (call);                                                     \
-    if (attn_status_ != cudaSuccess)                                                       \
-      throw ::shardlm::Error(::shardlm::fmt("%s failed at %s:%d: %s", #call, __FILE__,    \
-                                            __LINE__, cudaGetErrorString(attn_status_)));  \
-  } while (0)
 
 namespace shardlm::cuda {
 
@@ -1020,7 +1013,7 @@ template <class Kernel>
 void set_smem(Kernel kernel, size_t bytes) {
   // Raising the dynamic shared-memory limit is per function; done once each.
   if (bytes > 48 * 1024)
-    ATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          int(bytes)));
 }
 
@@ -1150,7 +1143,7 @@ void check_shape(int64_t N, int64_t H, int64_t KV, int64_t D) {
 void attention_doc_start(int32_t* doc_start, const int32_t* seq_id, int64_t N,
                          cudaStream_t stream) {
   doc_start_kernel<<<1, kScanThreads, 0, stream>>>(doc_start, seq_id, int(N));
-  ATTN_CUDA_CHECK(cudaGetLastError());
+  CUDA_CHECK(cudaGetLastError());
 }
 
 void attention_forward(__nv_bfloat16* out, float* lse, const __nv_bfloat16* q,
@@ -1171,7 +1164,7 @@ void attention_forward(__nv_bfloat16* out, float* lse, const __nv_bfloat16* q,
     else if (D == 64) dispatch_fwd<64>(variant, p, stream);
     else dispatch_fwd<128>(variant, p, stream);
   }
-  ATTN_CUDA_CHECK(cudaGetLastError());
+  CUDA_CHECK(cudaGetLastError());
 }
 
 size_t attention_backward_scratch_bytes(int64_t N, int64_t H, int64_t /*KV*/, int64_t /*D*/) {
@@ -1189,14 +1182,14 @@ void attention_backward(__nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat16* dv,
   attention_doc_start(doc_start_scratch, seq_id, N, stream);
   delta_kernel<<<row_blocks(N * H), kRowWarps * 32, 0, stream>>>(delta_scratch, dout, out,
                                                                  N * H, int(D));
-  ATTN_CUDA_CHECK(cudaGetLastError());
+  CUDA_CHECK(cudaGetLastError());
   const float scale = float(1.0 / std::sqrt(double(D)));
   const int variant = variant_for(D);
   if (variant < 0) {
     generic_dq_kernel<<<row_blocks(N * H), kRowWarps * 32, 0, stream>>>(
         dq, dout, q, k, v, lse, delta_scratch, doc_start_scratch, int(N), int(H), int(KV),
         int(D), scale);
-    ATTN_CUDA_CHECK(cudaGetLastError());
+    CUDA_CHECK(cudaGetLastError());
     generic_dkdv_kernel<<<row_blocks(N * KV), kRowWarps * 32, 0, stream>>>(
         dk, dv, dout, q, k, v, lse, delta_scratch, doc_start_scratch, int(N), int(H),
         int(KV), int(D), scale);
@@ -1208,7 +1201,7 @@ void attention_backward(__nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat16* dv,
     else if (D == 64) dispatch_bwd<64>(variant, p, stream);
     else dispatch_bwd<128>(variant, p, stream);
   }
-  ATTN_CUDA_CHECK(cudaGetLastError());
+  CUDA_CHECK(cudaGetLastError());
 }
 
 void attention_set_kernel(AttentionKernel kernel) { g_kernel = kernel; }

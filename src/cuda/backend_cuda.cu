@@ -1,14 +1,17 @@
 // backend_cuda.cu — the CUDA backend: bf16 parameters and activations, fp32
-// gradients, statistics and losses; cuBLASLt GEMMs (cuda_gemm.hpp), the kernels
-// of cuda_ops.hpp and the flash attention of cuda_attention.hpp, all on one
-// stream. The fp32 master shards stay with the host (ShardedModel); this
-// backend keeps a bf16 copy per unit shard, refreshed after each update, and
-// hands gradients back to the host shards unit by unit.
+// gradients, statistics and losses; cuBLASLt GEMMs (gemm.hpp), the layer kernels of
+// ops.hpp, the flash attention of attention.hpp (or cuDNN's, sdpa.hpp) and the
+// optimizer kernels of optim_kernels.hpp, all on one compute stream. It keeps a bf16 copy
+// of every unit shard for the all-gathers, which the training state (train/state.hpp)
+// writes: the device update (cuda/device_state.cu), the offload pipeline's uploads, or
+// set_param_shard from the host masters. Every buffer of the step comes from one table
+// (buffer_table) that both allocates and counts the memory plan.
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <array>
 #include <cstring>
+#include <functional>
 #include <vector>
 
 #include "shardlm/backend.hpp"
@@ -122,22 +125,14 @@ class CudaBackend final : public Backend {
     return {o.max_tokens, c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim,
             c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.vocab_size, std::min(o.chunk_tokens, o.max_tokens)};
   }
-  // Bytes of one layer's saved activations (bf16 tensors, fp32 statistics).
-  static int64_t layer_act_bytes(const ModelConfig& c, const Dims& d) {
-    int64_t b = 2 * d.N * (3 * d.C + 2 * d.HD + 2 * d.KVD + 3 * d.I) + 4 * d.N * (2 + d.H);
-    if (c.qk_norm) b += 2 * d.N * (d.HD + d.KVD) + 4 * d.N * (d.H + d.KV);
-    return b;
-  }
-  // A layer's attention output (N, H, D) bf16 and logsumexp (N, H) fp32: what
-  // selective checkpointing keeps per layer (and the shared set then lacks).
-  static int64_t attention_out_bytes(const Dims& d) { return 2 * d.N * d.HD + 4 * d.N * d.H; }
+  // The plan sums the table prepare() allocates from (a planner's, never allocated).
   int64_t activation_bytes(const ModelConfig& c, const EngineOptions& o) const override {
-    const Dims d = dims(c, o);
-    const int64_t L = c.num_layers;
-    // Selective: K layers' own attention outputs; with all L kept the shared set has none.
-    const int64_t kept = o.attention_layers_kept(L);
-    return 2 * (L + 1) * d.N * d.C + (o.checkpoint_activations ? 1 : L) * layer_act_bytes(c, d) +
-           (o.checkpoint_activations ? 2 * d.N * d.C : 0) + (kept - (kept == L ? 1 : 0)) * attention_out_bytes(d);
+    CudaBackend planner;
+    return table_bytes(planner.buffer_table(c, o), Mem::Activations);
+  }
+  int64_t workspace_bytes(const ModelConfig& c, const EngineOptions& o) const override {
+    CudaBackend planner;
+    return table_bytes(planner.buffer_table(c, o), Mem::Workspace);
   }
   size_t scratch_bytes(const ModelConfig& c, const Dims& d) const {
     size_t s = cuda::rmsnorm_backward_scratch_bytes(d.N, d.C);
@@ -194,21 +189,6 @@ class CudaBackend final : public Backend {
     dk_ = reinterpret_cast<bf16*>(base + phases_.dk), dv_ = reinterpret_cast<bf16*>(base + phases_.dv);
     sdpa_backward_buffers_ = base + phases_.sdpa;
   }
-  int64_t workspace_bytes(const ModelConfig& c, const EngineOptions& o) const override {
-    const Dims d = dims(c, o);
-    int64_t b = 2 * d.N * 3 * d.C;                                           // backward residual-stream gradients
-    b += static_cast<int64_t>(phases(d, sdpa_planned(o), o.checkpoint_activations).shared);  // dh, logits, ...
-    if (c.qk_norm) b += 2 * d.N * (d.HD + d.KVD);
-    b += 2 * d.N * 2 * d.C + 4 * d.N + 4 * d.chunk + 8;                      // head
-    b += 4 * d.N * 5 + 4 * d.N + 4 * (d.D / 2);                              // batch arrays, doc starts, inv_freq
-    if (o.rl)  // advantages, inference logprobs, temperatures; per-row and summed RL statistics
-      b += 4 * d.N * 3 + static_cast<int64_t>(cuda::rl_loss_row_stats_bytes(d.chunk)) + 8 * cuda::kRlStatsFields;
-    b += static_cast<int64_t>(cuda::attention_backward_scratch_bytes(d.N, d.H, d.KV, d.D));
-    if (sdpa_planned(o)) b += static_cast<int64_t>(cuda::CudnnSdpa::persistent_bytes(d.N));
-    b += static_cast<int64_t>(scratch_bytes(c, d)) + kGemmWorkspace;
-    return b;
-  }
-
   // ------------------------------------------------------------ buffers
 
   struct Acts {
@@ -216,49 +196,134 @@ class CudaBackend final : public Backend {
     bf16 *xn1, *q_raw, *k_raw, *q, *k, *v, *att, *x_mid, *xn2, *gu, *h;
   };
 
-  void prepare(const ModelConfig& c, const EngineOptions& o) override {
-    config_ = c;
-    options_ = o;
+  // One buffer of this backend: its name, the plan row it is counted in, its
+  // element count and bytes per element (from the pointer's type), and where
+  // prepare() puts its address. A row without `point` is planned here and
+  // allocated elsewhere (its comment says where).
+  struct BufferRow {
+    const char* name;
+    Mem category;
+    int64_t count;
+    int64_t elem_bytes;
+    std::function<void(void*)> point;
+    int64_t bytes() const { return count * elem_bytes; }
+  };
+  template <class T>
+  static BufferRow row(const char* name, Mem category, int64_t count, T** slot) {
+    return {name, category, count, int64_t(sizeof(T)), [slot](void* p) { *slot = static_cast<T*>(p); }};
+  }
+  // A buffer whose size a kernel's *_bytes() function gives in bytes.
+  template <class T>
+  static BufferRow bytes_row(const char* name, Mem category, size_t bytes, T** slot) {
+    return {name, category, int64_t(bytes), 1, [slot](void* p) { *slot = static_cast<T*>(p); }};
+  }
+  static int64_t table_bytes(const std::vector<BufferRow>& rows, Mem category) {
+    int64_t bytes = 0;
+    for (const BufferRow& r : rows)
+      if (r.category == category) bytes += r.bytes();
+    return bytes;
+  }
+
+  // Every buffer prepare() makes, in the order it makes them (llm.c's
+  // fill_in_activation_sizes + malloc_and_point_activations in one list): the
+  // saved activations (Mem::Activations) and the batch, backward, head and kernel
+  // scratch (Mem::Workspace). Sizes the vectors of buffers so the rows can point
+  // into them, and records d_, phases_, delta_bytes_ and scratch_bytes_.
+  std::vector<BufferRow> buffer_table(const ModelConfig& c, const EngineOptions& o) {
     d_ = dims(c, o);
     const Dims& d = d_;
     const int64_t L = c.num_layers;
+    const int64_t kept = o.attention_layers_kept(L);
+    const Mem act = Mem::Activations, w = Mem::Workspace;
+    std::vector<BufferRow> rows;
+    rows.push_back(row("inv_freq", w, d.D / 2, &inv_freq_));  // cpu::rope_inv_freq as float, (D/2)
+    rows.push_back(row("tokens", w, d.N, &tokens_));
+    rows.push_back(row("targets", w, d.N, &targets_));
+    rows.push_back(row("positions", w, d.N, &positions_));
+    rows.push_back(row("seq_ids", w, d.N, &seq_ids_));
+    rows.push_back(row("doc_start", w, d.N, &doc_start_));
+    rows.push_back(row("weights", w, d.N, &weights_));
+    if (o.rl) {
+      rows.push_back(row("advantages", w, d.N, &advantages_));
+      rows.push_back(row("inference_logprobs", w, d.N, &inference_logprobs_));
+      rows.push_back(row("temperatures", w, d.N, &temperatures_));
+      rows.push_back(bytes_row("rl_row_stats", w, cuda::rl_loss_row_stats_bytes(d.chunk), &rl_row_stats_));
+      rows.push_back(row("rl_stats", w, cuda::kRlStatsFields, &rl_stats_));
+    }
+
+    residual_.assign(size_t(L + 1), nullptr);
+    for (auto& x : residual_) rows.push_back(row("residual", act, d.N * d.C, &x));
+    acts_.assign(size_t(o.checkpoint_activations ? 1 : L), Acts{});
+    for (Acts& a : acts_) {
+      rows.push_back(row("rstd1", act, d.N, &a.rstd1));
+      rows.push_back(row("rstd2", act, d.N, &a.rstd2));
+      rows.push_back(row("xn1", act, d.N * d.C, &a.xn1));
+      rows.push_back(row("x_mid", act, d.N * d.C, &a.x_mid));
+      rows.push_back(row("xn2", act, d.N * d.C, &a.xn2));
+      rows.push_back(row("q", act, d.N * d.HD, &a.q));
+      rows.push_back(row("k", act, d.N * d.KVD, &a.k));
+      rows.push_back(row("v", act, d.N * d.KVD, &a.v));
+      if (kept < L) {  // kept per layer instead when every layer keeps its attention (selective)
+        rows.push_back(row("att", act, d.N * d.HD, &a.att));
+        rows.push_back(row("lse", act, d.N * d.H, &a.lse));
+      }
+      rows.push_back(row("gu", act, d.N * 2 * d.I, &a.gu));
+      rows.push_back(row("h", act, d.N * d.I, &a.h));
+      if (c.qk_norm) {
+        rows.push_back(row("q_raw", act, d.N * d.HD, &a.q_raw));
+        rows.push_back(row("k_raw", act, d.N * d.KVD, &a.k_raw));
+        rows.push_back(row("q_rstd", act, d.N * d.H, &a.q_rstd));
+        rows.push_back(row("k_rstd", act, d.N * d.KV, &a.k_rstd));
+      }
+    }
+    if (o.checkpoint_activations) rows.push_back(row("recompute_out", act, d.N * d.C, &recompute_out_));
+    saved_att_.assign(size_t(kept), nullptr);
+    saved_lse_.assign(size_t(kept), nullptr);
+    for (int64_t l = 0; l < kept; ++l) {
+      rows.push_back(row("saved_att", act, d.N * d.HD, &saved_att_[size_t(l)]));
+      rows.push_back(row("saved_lse", act, d.N * d.H, &saved_lse_[size_t(l)]));
+    }
+
+    rows.push_back(row("d_x", w, d.N * d.C, &d_x_));  // backward residual-stream gradients
+    rows.push_back(row("d_mid", w, d.N * d.C, &d_mid_));
+    rows.push_back(row("d_xn", w, d.N * d.C, &d_xn_));
+    phases_ = phases(d, sdpa_planned(o), o.checkpoint_activations);
+    rows.push_back(bytes_row("phase_shared", w, phases_.shared, &shared_));  // dh, logits, attention backward
+    if (c.qk_norm) {
+      rows.push_back(row("dq_raw", w, d.N * d.HD, &dq_raw_));
+      rows.push_back(row("dk_raw", w, d.N * d.KVD, &dk_raw_));
+    }
+    rows.push_back(row("head.xf", w, d.N * d.C, &xf_));
+    rows.push_back(row("head.dxf", w, d.N * d.C, &dxf_));
+    rows.push_back(row("head.rstd", w, d.N, &rstdf_));
+    rows.push_back(row("head.row_loss", w, d.chunk, &row_loss_));
+    rows.push_back(row("head.loss_sum", w, 1, &loss_sum_));
+    delta_bytes_ = cuda::attention_backward_scratch_bytes(d.N, d.H, d.KV, d.D);
+    rows.push_back(bytes_row("attention_delta", w, delta_bytes_, &delta_));
+    scratch_bytes_ = scratch_bytes(c, d);
+    rows.push_back(bytes_row("kernel_scratch", w, scratch_bytes_, &scratch_));
+    // Allocated by choose_attention when cuDNN's attention loads; planned whenever it may be chosen.
+    if (sdpa_planned(o))
+      rows.push_back({"cudnn_sdpa_persistent", w, int64_t(cuda::CudnnSdpa::persistent_bytes(d.N)), 1, nullptr});
+    // Allocated by init() with the stream, at the backend's first allocation.
+    rows.push_back({"gemm_workspace", w, int64_t(kGemmWorkspace), 1, nullptr});
+    return rows;
+  }
+
+  void prepare(const ModelConfig& c, const EngineOptions& o) override {
+    config_ = c;
+    options_ = o;
+    for (const BufferRow& r : buffer_table(c, o))
+      if (r.point) r.point(own(r.category, size_t(r.bytes())));
     const std::vector<double> inv = cpu::rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling);
     std::vector<float> inv_f(inv.begin(), inv.end());
-    inv_freq_ = static_cast<float*>(own(Mem::Workspace, 4 * inv_f.size()));
     CUDA_CHECK(cudaMemcpy(inv_freq_, inv_f.data(), 4 * inv_f.size(), cudaMemcpyHostToDevice));
-
-    tokens_ = ints(d.N), targets_ = ints(d.N), positions_ = ints(d.N), seq_ids_ = ints(d.N), doc_start_ = ints(d.N);
-    weights_ = floats(Mem::Workspace, d.N);
-    if (o.rl) {
-      advantages_ = floats(Mem::Workspace, d.N), inference_logprobs_ = floats(Mem::Workspace, d.N);
-      temperatures_ = floats(Mem::Workspace, d.N);
-      rl_row_stats_ = static_cast<double*>(own(Mem::Workspace, cuda::rl_loss_row_stats_bytes(d.chunk)));
-      rl_stats_ = static_cast<double*>(own(Mem::Workspace, 8 * cuda::kRlStatsFields));
-    }
-    for (int64_t l = 0; l <= L; ++l) residual_.push_back(bf16s(Mem::Activations, d.N * d.C));
-    for (int64_t l = 0; l < (o.checkpoint_activations ? 1 : L); ++l) acts_.push_back(make_acts());
-    if (o.checkpoint_activations) recompute_out_ = bf16s(Mem::Activations, d.N * d.C);
     if (o.checkpoint_activations) shared_att_ = acts_[0].att, shared_lse_ = acts_[0].lse;
-    for (int64_t l = 0; l < o.attention_layers_kept(L); ++l)
-      saved_att_.push_back(bf16s(Mem::Activations, d.N * d.HD)), saved_lse_.push_back(floats(Mem::Activations, d.N * d.H));
-
-    const Mem w = Mem::Workspace;
-    d_x_ = bf16s(w, d.N * d.C), d_mid_ = bf16s(w, d.N * d.C), d_xn_ = bf16s(w, d.N * d.C);
-    phases_ = phases(d, sdpa_planned(o), o.checkpoint_activations);
-    shared_ = static_cast<char*>(own(w, phases_.shared));
     dh_ = reinterpret_cast<bf16*>(shared_);
     logits_ = phases_.logits_in_gu ? acts_[0].gu : reinterpret_cast<bf16*>(shared_);
     place_attention_phase(phases_.attention_in_gu ? reinterpret_cast<char*>(acts_[0].gu) : shared_);
-    if (c.qk_norm) dq_raw_ = bf16s(w, d.N * d.HD), dk_raw_ = bf16s(w, d.N * d.KVD);
-    xf_ = bf16s(w, d.N * d.C), dxf_ = bf16s(w, d.N * d.C), rstdf_ = floats(w, d.N);
-    row_loss_ = floats(w, d.chunk);
-    loss_sum_ = static_cast<double*>(own(w, 8));
-    delta_bytes_ = cuda::attention_backward_scratch_bytes(d.N, d.H, d.KV, d.D);
-    delta_ = own(w, delta_bytes_);
-    scratch_bytes_ = scratch_bytes(c, d);
-    scratch_ = own(w, scratch_bytes_);
     CUDA_CHECK(cudaMemsetAsync(loss_sum_, 0, 8, stream_));
-    choose_attention(d);
+    choose_attention(d_);
   }
 
   std::string kernels_note() const override { return attention_note_; }
@@ -518,29 +583,8 @@ class CudaBackend final : public Backend {
     owned_.emplace_back(p, bytes);
     return p;
   }
-  bf16* bf16s(Mem m, int64_t n) { return static_cast<bf16*>(own(m, 2 * n)); }
-  float* floats(Mem m, int64_t n) { return static_cast<float*>(own(m, 4 * n)); }
-  int32_t* ints(int64_t n) { return static_cast<int32_t*>(own(Mem::Workspace, 4 * n)); }
   void upload(void* dst, const void* src, size_t bytes) {
     CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_));
-  }
-
-  Acts make_acts() {
-    const Dims& d = d_;
-    const Mem m = Mem::Activations;
-    Acts a{};
-    a.rstd1 = floats(m, d.N), a.rstd2 = floats(m, d.N);
-    a.xn1 = bf16s(m, d.N * d.C), a.x_mid = bf16s(m, d.N * d.C), a.xn2 = bf16s(m, d.N * d.C);
-    a.q = bf16s(m, d.N * d.HD), a.k = bf16s(m, d.N * d.KVD), a.v = bf16s(m, d.N * d.KVD);
-    // Kept per layer instead when every layer keeps its attention (selective).
-    if (options_.attention_layers_kept(config_.num_layers) < config_.num_layers)
-      a.att = bf16s(m, d.N * d.HD), a.lse = floats(m, d.N * d.H);
-    a.gu = bf16s(m, d.N * 2 * d.I), a.h = bf16s(m, d.N * d.I);
-    if (config_.qk_norm) {
-      a.q_raw = bf16s(m, d.N * d.HD), a.k_raw = bf16s(m, d.N * d.KVD);
-      a.q_rstd = floats(m, d.N * d.H), a.k_rstd = floats(m, d.N * d.KV);
-    }
-    return a;
   }
 
   // skip_attention: activation checkpointing's second forward in backward, for a

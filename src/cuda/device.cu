@@ -3,19 +3,27 @@
 
 #include <algorithm>
 
+#include "cuda/check.hpp"
 #include "shardlm/cuda.hpp"
 #include "shardlm/error.hpp"
 #include "shardlm/runtime.hpp"
 
-#define CUDA_CHECK(call)                                                                       \
-  do {                                                                                         \
-    cudaError_t cuda_status_ = (call);                                                         \
-    if (cuda_status_ != cudaSuccess)                                                           \
-      ::shardlm::fatal(::shardlm::fmt("%s failed at %s:%d: %s", #call, __FILE__, __LINE__,     \
-                                      cudaGetErrorString(cuda_status_)));                      \
-  } while (0)
-
 namespace shardlm {
+namespace {
+
+// CUDA_CHECK's failure, reported by fatal() (the message, then MPI_Abort) where a
+// throw could not be: runtime_init calls cuda_set_device and cuda_device_name
+// before main() has its handler, and destructors call cuda_free.
+template <class F>
+void or_fatal(F&& checked_calls) {
+  try {
+    checked_calls();
+  } catch (const Error& e) {
+    fatal(e.what());
+  }
+}
+
+}  // namespace
 
 bool cuda_built() { return true; }
 
@@ -29,11 +37,13 @@ int cuda_device_count() {
   return n;
 }
 
-void cuda_set_device(int device) { CUDA_CHECK(cudaSetDevice(device)); }
+void cuda_set_device(int device) {
+  or_fatal([&] { CUDA_CHECK(cudaSetDevice(device)); });
+}
 
 std::string cuda_device_name(int device) {
   cudaDeviceProp prop{};
-  CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
+  or_fatal([&] { CUDA_CHECK(cudaGetDeviceProperties(&prop, device)); });
   return prop.name;
 }
 
@@ -55,7 +65,7 @@ void* cuda_malloc(Mem category, int64_t bytes) {
 
 void cuda_free(Mem category, void* ptr, int64_t bytes) {
   if (!ptr) return;
-  CUDA_CHECK(cudaFree(ptr));  // waits for the device work that may still use it
+  or_fatal([&] { CUDA_CHECK(cudaFree(ptr)); });  // waits for the device work that may still use it
   device_mem_track(category, -bytes);
 }
 

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "cuda/ops.hpp"
+#include "cuda/optim_kernels.hpp"
 #include "shardlm/cuda.hpp"
 #include "shardlm/error.hpp"
 #include "train/state.hpp"

@@ -76,13 +76,13 @@ __device__ __forceinline__ T block_reduce(T v, Op op, T* red) {
   return t;
 }
 
-// How the row kernels of a loss over the vocabulary (ops.cu's cross-entropy and
+// How the row kernels of a loss over the vocabulary (cross_entropy.cu's cross-entropy and
 // rl_loss.cu's RL loss) split a row of V logits: one cluster of `csize`
 // CTAs per row, CTA r holding columns [r * chunk, ...) in `smem` bytes of shared
 // memory. The smallest power-of-two cluster whose bf16 slice fits 64 KiB (several
 // CTAs per SM), else 8 CTAs (the portable cluster limit) with up to 200 KiB each;
 // chunk is a multiple of vec_width. Throws (naming op) when V is too large.
-// (Inline: the RL loss's standalone test build links no ops.cu.)
+// (Inline: the RL loss's standalone test build links no cross_entropy.cu.)
 struct RowClusterSplit {
   int csize = 1;
   int64_t chunk = 0;

@@ -1,12 +1,13 @@
-// cuda_ops.hpp — the CUDA kernels of the GPU backend (everything but attention and
-// the GEMMs) and their host launchers.
+// ops.hpp — the CUDA layer ops of the GPU backend (everything but attention, the
+// GEMMs and the optimizer update) and their host launchers.
 //
-// Owns: shardlm::cuda::{embedding, rmsnorm (+ fused residual add), rope, swiglu,
-// cross_entropy, adamw/sgd on flat shards, cast/accumulate/scale/sum_squares,
-// bias_grad} and the CUDA_CHECK macro. Each op mirrors its CPU reference in
-// cpu_ops.hpp (same argument order, same overwrite/accumulate rules) and is checked
-// against it by tests/gpu/test_cuda_ops.cu; docs/kernels.md gives each op's
-// tolerance, determinism story and bytes moved.
+// Owns: shardlm::cuda::{embedding (embedding.cu), rmsnorm (+ fused residual add;
+// rmsnorm.cu), rope, swiglu, cast/accumulate/scale (elementwise.cu), cross_entropy
+// and sum_rows (cross_entropy.cu), sum_squares and bias_grad (reduce.cu)}. Each op
+// mirrors its CPU reference in cpu/ops.hpp (same argument order, same
+// overwrite/accumulate rules) and is checked against it by tests/gpu/test_cuda_ops.cu;
+// docs/kernels.md gives each op's tolerance, determinism story and bytes moved. The
+// AdamW/SGD update is in optim_kernels.hpp, CUDA_CHECK in check.hpp.
 // Must not know: MPI, NCCL, the model (units, parameter names), the deck, files.
 // Included only by .cu files and the GPU tests (it exposes CUDA types).
 //
@@ -34,20 +35,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "cuda/check.hpp"
 #include "shardlm/error.hpp"
-
-// Throws shardlm::Error naming the call, file and line. After every kernel launch:
-// CUDA_CHECK(cudaGetLastError()).
-#ifndef CUDA_CHECK
-#define CUDA_CHECK(call)                                                                   \
-  do {                                                                                     \
-    const cudaError_t cuda_status_ = (call);                                               \
-    if (cuda_status_ != cudaSuccess)                                                       \
-      throw ::shardlm::Error(::shardlm::fmt("CUDA error: %s failed at %s:%d: %s", #call,   \
-                                            __FILE__, __LINE__,                            \
-                                            cudaGetErrorString(cuda_status_)));            \
-  } while (0)
-#endif
 
 namespace shardlm::cuda {
 
@@ -146,65 +135,6 @@ void cross_entropy_forward_backward(bf16* logits, float* loss, const int32_t* ta
 // accumulate: *out += the sum instead of overwriting.
 void sum_rows(double* out, const float* x, int64_t n, bool accumulate,
               cudaStream_t stream);
-
-// ---------------------------------------------------------------- optimizer
-
-// One segment of a flat shard: elements [offset, offset + count) share a weight
-// decay (0 for norms and biases). A table is sorted by offset, non-overlapping, at
-// most kMaxOptimSegments entries; elements in no segment (padding) are left as they
-// are. Built once at start-up and copied to the device.
-struct OptimSegment {
-  int64_t offset;
-  int64_t count;
-  float weight_decay;
-  float reserved = 0.0f;
-};
-inline constexpr int kMaxOptimSegments = 256;
-
-// AdamW exactly as Optimizer::step (src/train/optim.cpp), in fp32 with the same operation
-// order and no fused multiply-adds, so a step matches the CPU one to the last bit:
-//   g = grad * grad_scale; m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g g;
-//   p -= lr wd p; p -= (lr / bc1) m / (sqrt(v) / sqrt(bc2) + eps).
-struct AdamWConfig {
-  double lr = 0, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0;
-  int64_t step = 1;        // 1-based step count for the bias corrections
-  float grad_scale = 1.0f; // clipping factor (and any other gradient scale)
-};
-struct SgdConfig {
-  double lr = 0, momentum = 0, weight_decay = 0;
-  float grad_scale = 1.0f;
-};
-
-// Every update takes an optional device_scale (a device float, e.g. from clip_scale):
-// the gradient is also multiplied by *device_scale, and a non-finite *device_scale
-// skips the update (parameters and state untouched), so clipping and the NaN skip
-// need no host synchronisation. nullptr: grad_scale alone.
-// param_bf16 (n) or nullptr: the updated parameters rounded to bf16, written in the
-// same pass (the bf16 shard the next all-gather reads).
-void adamw_step(float* param, bf16* param_bf16, const float* grad, float* m, float* v,
-                int64_t n, const AdamWConfig& config, const float* device_scale,
-                cudaStream_t stream);
-// A whole unit shard (n elements) in one launch, weight decay per segment
-// (config.weight_decay is ignored). segments: device table of num_segments.
-void adamw_step_segments(float* param, bf16* param_bf16, const float* grad, float* m,
-                         float* v, int64_t n, const OptimSegment* segments,
-                         int num_segments, const AdamWConfig& config,
-                         const float* device_scale, cudaStream_t stream);
-// SGD as Optimizer::step: d = g * grad_scale + wd * p; with momentum
-// buf = mu * buf + d, d = buf; p -= lr * d. momentum_buf nullptr when momentum == 0.
-void sgd_step(float* param, bf16* param_bf16, const float* grad, float* momentum_buf,
-              int64_t n, const SgdConfig& config, const float* device_scale,
-              cudaStream_t stream);
-void sgd_step_segments(float* param, bf16* param_bf16, const float* grad,
-                       float* momentum_buf, int64_t n, const OptimSegment* segments,
-                       int num_segments, const SgdConfig& config,
-                       const float* device_scale, cudaStream_t stream);
-
-// *scale_out = the clipping factor train.cpp computes on the host, from a device sum
-// of squares: norm = sqrt(*sumsq); max_norm > 0 && norm > max_norm ?
-// max_norm / (norm + 1e-6) : 1; NaN when the norm is not finite (the update skips).
-void clip_scale(float* scale_out, const double* sumsq, double max_norm,
-                cudaStream_t stream);
 
 // ---------------------------------------------------------------- helpers
 

@@ -207,7 +207,7 @@ void rl_loss_forward_backward(bf16* logits, double* row_stats, double* stats, co
     return;
   }
   const bool vec = V % 8 == 0 && reinterpret_cast<uintptr_t>(logits) % 16 == 0;
-  // The cross-entropy's split (cuda_ops.hpp), so the same V gives the same slices.
+  // The cross-entropy's split (cross_entropy.cu), so the same V gives the same slices.
   const RowClusterSplit split = row_cluster_split(V, vec ? 8 : 1, op);
   const RowClusterLaunch launch(split, n, kRlThreads, stream);
   const RlKernelParams p{params.mask_high, params.mask_low, params.kl_coef, params.ce_coef, grad_scale};

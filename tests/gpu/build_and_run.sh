@@ -13,7 +13,8 @@ source "$(dirname "$0")/nvcc.sh"
 
 "$NVCC" "${NVCC_FLAGS[@]}" -Itests/gpu/cblas_shim \
   -Xcompiler -fopenmp,-ffp-contract=off,-Wall,-Wextra \
-  tests/gpu/test_cuda_ops.cu src/cuda/ops.cu src/cuda/gemm.cu src/cpu/ops.cpp \
+  tests/gpu/test_cuda_ops.cu src/cuda/embedding.cu src/cuda/rmsnorm.cu src/cuda/elementwise.cu src/cuda/cross_entropy.cu \
+  src/cuda/reduce.cu src/cuda/optim_kernels.cu src/cuda/gemm.cu src/cpu/ops.cpp \
   -o "$BUILD_GPU/test_cuda_ops" \
   -L"$CUDA_HOME/lib64" -Xlinker -rpath,"$CUDA_HOME/lib64" -lcublasLt -lcublas -lgomp
 

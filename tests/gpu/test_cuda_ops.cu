@@ -1,4 +1,4 @@
-// test_cuda_ops.cu — the CUDA kernels (cuda_ops.hpp) and the cuBLASLt GEMMs
+// test_cuda_ops.cu — the CUDA kernels (cuda/ops.hpp, cuda/optim_kernels.hpp) and the cuBLASLt GEMMs
 // (cuda_gemm.hpp) against the CPU reference kernels (cpu_ops.hpp, in fp32 on the same
 // bf16-rounded inputs) on fresh random inputs, at tiny odd sizes and at the
 // Llama-3.2-1B shapes; determinism (two runs, bitwise equal); then timings of every
@@ -26,6 +26,7 @@
 #include "cpu/ops.hpp"
 #include "cuda/gemm.hpp"
 #include "cuda/ops.hpp"
+#include "cuda/optim_kernels.hpp"
 
 namespace {
 

@@ -1,0 +1,320 @@
+// rmsnorm.cu — RMSNorm forward (alone and fused with the residual add) and backward,
+// its weight gradient reduced in a fixed order; the contract is in ops.hpp, precision
+// and bytes moved in docs/kernels.md.
+#include "cuda/ops.hpp"
+#include "cuda/ops_common.cuh"
+#include "kernel_common.cuh"
+
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <initializer_list>
+
+namespace shardlm::cuda {
+
+namespace {
+
+using namespace dev;  // Pack, f32, block_reduce (kernel_common.cuh); kThreads, grid_for (ops_common.cuh)
+
+// Sum over the G consecutive threads of a group (G a power of two, uniform over the
+// block). Every thread of the group gets the same bits: the xor butterfly adds the
+// same two values on both sides, and across warps every thread adds the warp sums
+// in warp order. Contains __syncthreads() when G > 32: call from all threads.
+__device__ __forceinline__ float group_sum(float v, int G, float* red) {
+  for (int o = min(G, 32) >> 1; o > 0; o >>= 1) v += __shfl_xor_sync(kFullMask, v, o);
+  if (G <= 32) return v;
+  const int warp = threadIdx.x >> 5;
+  const int warps_per_group = G >> 5;
+  const int first = (warp / warps_per_group) * warps_per_group;
+  __syncthreads();  // red may still be read from the previous call
+  if ((threadIdx.x & 31) == 0) red[warp] = v;
+  __syncthreads();
+  float t = red[first];
+  for (int w = 1; w < warps_per_group; ++w) t += red[first + w];
+  return t;
+}
+
+// ---------------------------------------------------------------- RMSNorm
+
+// A row is handled by a group of G threads (a power of two, up to the block), each
+// owning K vectors of VEC columns: column (k * G + lane) * VEC + j.
+constexpr int kNormThreads = 256;
+// Row chunks of the dweight reduction. 1024 (more blocks in flight) measured slower
+// at the 1B shape: 41.8 against 34.4 us a call, its partials' extra traffic included.
+constexpr int kNormMaxPartials = 256;
+
+struct NormGeom {
+  int vec, G, K, kmax;  // kmax: the kernel instantiation's register arrays (K <= kmax)
+  int rows_per_iter() const { return kNormThreads / G; }
+};
+
+// The smallest group that keeps K at 2 vectors per thread (8 bf16 each), so a
+// 256-thread block holds 256 * 2 * 8 columns in registers; wider rows take K up to 4.
+// K = 2 keeps the backward at ~100 registers (K = 4 needs ~180: one block per SM).
+NormGeom norm_geom(int64_t C, bool vec_ok, const char* op) {
+  NormGeom g{};
+  g.vec = vec_ok ? 8 : 1;
+  const int prefer = vec_ok ? 2 : 4, limit = 4;
+  const int64_t nvec = div_up(C, g.vec);
+  g.G = 1;
+  while (g.G < kNormThreads && int64_t(g.G) * prefer < nvec) g.G *= 2;
+  g.K = int(div_up(nvec, g.G));
+  SHARDLM_CHECK(g.K <= limit, "%s: C = %lld is too large (at most %d, or %d when C is not a "
+                "multiple of 8)", op, static_cast<long long>(C), kNormThreads * 4 * 8,
+                kNormThreads * 4);
+  g.kmax = vec_ok ? (g.K <= 2 ? 2 : 4) : 4;
+  return g;
+}
+
+bool norm_vec_ok(int64_t C, std::initializer_list<const void*> ptrs) {
+  if (C % 8 != 0) return false;
+  for (const void* p : ptrs)
+    if (p && !aligned(p, 16)) return false;
+  return true;
+}
+
+template <int VEC, int KMAX, bool kResidual>
+__global__ void __launch_bounds__(kNormThreads)
+rmsnorm_forward_kernel(bf16* residual_out, bf16* normed, float* __restrict__ rstd,
+                       const bf16* a, const bf16* b, const bf16* __restrict__ weight,
+                       int64_t rows, int C, float eps, int G, int K) {
+  using P = Pack<bf16, VEC>;
+  __shared__ float red[kNormThreads / 32];
+  const int group = threadIdx.x / G, lane = threadIdx.x % G;
+  const int64_t row = int64_t(blockIdx.x) * (kNormThreads / G) + group;
+  const bool active = row < rows;
+  P xs[KMAX];
+  float ss = 0.0f;
+#pragma unroll
+  for (int k = 0; k < KMAX; ++k) {
+    const int c = (k * G + lane) * VEC;
+    if (!active || k >= K || c >= C) continue;
+    const int64_t off = row * C + c;
+    if constexpr (kResidual) {
+      const P pa = P::load(a + off), pb = P::load(b + off);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) xs[k].v[j] = to_bf16(f32(pa.v[j]) + f32(pb.v[j]));
+      xs[k].store(residual_out + off);
+    } else {
+      xs[k] = P::load(a + off);
+    }
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      const float x = f32(xs[k].v[j]);
+      ss += x * x;
+    }
+  }
+  ss = group_sum(ss, G, red);
+  const float s = 1.0f / sqrtf(ss / float(C) + eps);  // as HF: rsqrt(variance + eps)
+  if (!active) return;
+  if (lane == 0) rstd[row] = s;
+#pragma unroll
+  for (int k = 0; k < KMAX; ++k) {
+    const int c = (k * G + lane) * VEC;
+    if (k >= K || c >= C) continue;
+    const P w = P::load(weight + c);
+    P y;
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) y.v[j] = to_bf16(f32(w.v[j]) * (f32(xs[k].v[j]) * s));
+    y.store(normed + row * C + c);
+  }
+}
+
+// dx = s * (w * dy) - x * (sum(w * dy * x) / C) * s^3 (+ dresidual), one group per
+// row; the dweight terms dy * x * s are summed per thread over the block's rows in
+// row order, then over the block's groups in group order, into partial[block].
+template <int VEC, int KMAX, bool kResidual>
+__global__ void __launch_bounds__(kNormThreads)
+rmsnorm_backward_kernel(bf16* dinp, float* __restrict__ partial, const bf16* __restrict__ dout,
+                        const bf16* __restrict__ inp, const bf16* __restrict__ weight,
+                        const float* __restrict__ rstd, const bf16* dresidual, int64_t rows,
+                        int C, int G, int K, int64_t rows_per_block) {
+  using P = Pack<bf16, VEC>;
+  extern __shared__ float group_acc[];  // (rows_per_iter, C)
+  __shared__ float red[kNormThreads / 32];
+  const int rows_per_iter = kNormThreads / G;
+  const int group = threadIdx.x / G, lane = threadIdx.x % G;
+
+  float w[KMAX][VEC], acc[KMAX][VEC];
+#pragma unroll
+  for (int k = 0; k < KMAX; ++k) {
+    const int c = (k * G + lane) * VEC;
+    P wp;
+    wp.raw = {};
+    if (k < K && c < C) wp = P::load(weight + c);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      w[k][j] = f32(wp.v[j]);
+      acc[k][j] = 0.0f;
+    }
+  }
+
+  const int64_t r0 = int64_t(blockIdx.x) * rows_per_block;
+  const int64_t r1 = min(rows, r0 + rows_per_block);
+  // The next row's x, dy (and dresidual) are loaded before this row's reduction, so
+  // two rows' loads are in flight across its barriers (one left the kernel at half
+  // the bandwidth). The arithmetic and its order are unchanged.
+  P x[KMAX], dy[KMAX], dr[KMAX];
+  auto load_row = [&](int64_t row, P* xs, P* dys, P* drs) {
+#pragma unroll
+    for (int k = 0; k < KMAX; ++k) {
+      const int c = (k * G + lane) * VEC;
+      xs[k].raw = {};
+      dys[k].raw = {};
+      drs[k].raw = {};
+      if (row >= r1 || k >= K || c >= C) continue;
+      xs[k] = P::load(inp + row * C + c);
+      dys[k] = P::load(dout + row * C + c);
+      if constexpr (kResidual) drs[k] = P::load(dresidual + row * C + c);
+    }
+  };
+  load_row(r0 + group, x, dy, dr);
+  for (int64_t base = r0; base < r1; base += rows_per_iter) {
+    const int64_t row = base + group;
+    const bool active = row < r1;
+    P xn[KMAX], dyn[KMAX], drn[KMAX];
+    load_row(row + rows_per_iter, xn, dyn, drn);
+    float dot = 0.0f;
+#pragma unroll
+    for (int k = 0; k < KMAX; ++k) {
+      const int c = (k * G + lane) * VEC;
+      if (!active || k >= K || c >= C) continue;
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) dot += (w[k][j] * f32(dy[k].v[j])) * f32(x[k].v[j]);
+    }
+    const float s = active ? rstd[row] : 0.0f;
+    dot = group_sum(dot, G, red);
+    const float coef = (dot / float(C)) * s * s * s;
+#pragma unroll
+    for (int k = 0; k < KMAX; ++k) {
+      const int c = (k * G + lane) * VEC;
+      if (!active || k >= K || c >= C) continue;
+      const int64_t off = row * C + c;
+      P dx;
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        const float xf = f32(x[k].v[j]), dyf = f32(dy[k].v[j]);
+        float g = s * (w[k][j] * dyf) - xf * coef;
+        if constexpr (kResidual) g += f32(dr[k].v[j]);
+        dx.v[j] = to_bf16(g);
+        acc[k][j] += dyf * (xf * s);
+      }
+      dx.store(dinp + off);
+    }
+#pragma unroll
+    for (int k = 0; k < KMAX; ++k) x[k] = xn[k], dy[k] = dyn[k], dr[k] = drn[k];
+  }
+
+#pragma unroll
+  for (int k = 0; k < KMAX; ++k) {
+    const int c = (k * G + lane) * VEC;
+    if (k >= K || c >= C) continue;
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) group_acc[group * C + c + j] = acc[k][j];
+  }
+  __syncthreads();
+  for (int c = threadIdx.x; c < C; c += kNormThreads) {
+    float t = group_acc[c];
+    for (int g = 1; g < rows_per_iter; ++g) t += group_acc[g * C + c];
+    partial[int64_t(blockIdx.x) * C + c] = t;
+  }
+}
+
+int64_t norm_rows_per_block(int64_t rows, const NormGeom& g) {
+  const int64_t rpi = g.rows_per_iter();
+  return rpi * std::max<int64_t>(1, div_up(rows, rpi * kNormMaxPartials));
+}
+
+template <bool kResidual>
+void launch_rmsnorm_forward(bf16* residual_out, bf16* normed, float* rstd, const bf16* a,
+                            const bf16* b, const bf16* weight, int64_t rows, int64_t C,
+                            double eps, cudaStream_t stream, const char* op) {
+  check_size(rows, INT64_MAX / 8, "rows", op);
+  check_size(C, INT_MAX, "C", op);
+  if (rows == 0 || C == 0) return;
+  const bool vec = norm_vec_ok(C, {residual_out, normed, a, b, weight});
+  const NormGeom g = norm_geom(C, vec, op);
+  const unsigned blocks = grid_for(rows, g.rows_per_iter());
+  const float eps_f = static_cast<float>(eps);
+#define SHARDLM_RMS_FWD(VEC, KMAX)                                                           \
+  rmsnorm_forward_kernel<VEC, KMAX, kResidual><<<blocks, kNormThreads, 0, stream>>>(          \
+      residual_out, normed, rstd, a, b, weight, rows, int(C), eps_f, g.G, g.K)
+  if (g.vec == 1) SHARDLM_RMS_FWD(1, 4);  // unaligned or C % 8 != 0: scalar loads
+  else if (g.kmax == 2) SHARDLM_RMS_FWD(8, 2);
+  else SHARDLM_RMS_FWD(8, 4);
+#undef SHARDLM_RMS_FWD
+  CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace
+
+// ================================================================ launchers
+
+void rmsnorm_forward(bf16* out, float* rstd, const bf16* inp, const bf16* weight,
+                     int64_t rows, int64_t C, double eps, cudaStream_t stream) {
+  launch_rmsnorm_forward<false>(nullptr, out, rstd, inp, nullptr, weight, rows, C, eps, stream,
+                                "rmsnorm_forward");
+}
+
+void residual_rmsnorm_forward(bf16* residual_out, bf16* normed, float* rstd, const bf16* a,
+                              const bf16* b, const bf16* weight, int64_t rows, int64_t C,
+                              double eps, cudaStream_t stream) {
+  launch_rmsnorm_forward<true>(residual_out, normed, rstd, a, b, weight, rows, C, eps, stream,
+                               "residual_rmsnorm_forward");
+}
+
+size_t rmsnorm_backward_scratch_bytes(int64_t rows, int64_t C) {
+  const char* op = "rmsnorm_backward";
+  check_size(rows, INT64_MAX / 8, "rows", op);
+  check_size(C, INT_MAX, "C", op);
+  if (rows == 0 || C == 0) return 0;
+  // Either path may be taken (it depends on pointer alignment): the larger need.
+  size_t bytes = 0;
+  for (bool vec : {true, false}) {
+    if (vec && C % 8 != 0) continue;
+    if (!vec && C > kNormThreads * 4) continue;
+    const NormGeom g = norm_geom(C, vec, op);
+    const int64_t P = div_up(rows, norm_rows_per_block(rows, g));
+    bytes = std::max(bytes, size_t(P * C) * sizeof(float));
+  }
+  return bytes;
+}
+
+void rmsnorm_backward(bf16* dinp, float* dweight, const bf16* dout, const bf16* inp,
+                      const bf16* weight, const float* rstd, const bf16* dresidual,
+                      int64_t rows, int64_t C, void* scratch, size_t scratch_bytes,
+                      cudaStream_t stream) {
+  const char* op = "rmsnorm_backward";
+  check_size(rows, INT64_MAX / 8, "rows", op);
+  check_size(C, INT_MAX, "C", op);
+  if (rows == 0 || C == 0) return;
+  const bool vec = norm_vec_ok(C, {dinp, dout, inp, weight, dresidual});
+  const NormGeom g = norm_geom(C, vec, op);
+  const int64_t rows_per_block = norm_rows_per_block(rows, g);
+  const int64_t P = div_up(rows, rows_per_block);
+  const size_t need = size_t(P * C) * sizeof(float);
+  SHARDLM_CHECK(scratch != nullptr && scratch_bytes >= need,
+                "%s: scratch of %zu bytes is smaller than the %zu needed", op, scratch_bytes, need);
+  auto* partial = static_cast<float*>(scratch);
+  const size_t smem = size_t(g.rows_per_iter()) * C * sizeof(float);
+  const unsigned blocks = unsigned(P);
+#define SHARDLM_RMS_BWD(VEC, KMAX, RES)                                                      \
+  rmsnorm_backward_kernel<VEC, KMAX, RES><<<blocks, kNormThreads, smem, stream>>>(           \
+      dinp, partial, dout, inp, weight, rstd, dresidual, rows, int(C), g.G, g.K, rows_per_block)
+  const bool res = dresidual != nullptr;
+  if (g.vec == 1) {  // unaligned or C % 8 != 0: scalar loads
+    if (res) SHARDLM_RMS_BWD(1, 4, true);
+    else SHARDLM_RMS_BWD(1, 4, false);
+  } else if (g.kmax == 2) {
+    if (res) SHARDLM_RMS_BWD(8, 2, true);
+    else SHARDLM_RMS_BWD(8, 2, false);
+  } else {
+    if (res) SHARDLM_RMS_BWD(8, 4, true);
+    else SHARDLM_RMS_BWD(8, 4, false);
+  }
+#undef SHARDLM_RMS_BWD
+  CUDA_CHECK(cudaGetLastError());
+  launch_column_finish(dweight, partial, P, int(C), stream);
+}
+
+}  // namespace shardlm::cuda
