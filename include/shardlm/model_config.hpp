@@ -69,9 +69,10 @@ constexpr int64_t kMaxActivationFloats = int64_t(1) << 56;
 // attribute in a checkpoint's /model group and its name in messages;
 // config.json calls it `hf_key`. Accepted: 1 .. max.
 struct ModelSizeField {
+  using Member = int64_t ModelConfig::*;
   const char* name;
   const char* hf_key;
-  int64_t ModelConfig::*member;
+  Member member;
   int64_t max;
   // May be left out of a deck or config.json: num_kv_heads (= num_heads, no
   // grouped-query attention) and head_dim (= hidden_size / num_heads).
