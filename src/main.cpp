@@ -19,7 +19,7 @@
 #include "shardlm/comm.hpp"
 #include "shardlm/config.hpp"
 #include "train/forward.hpp"
-#include "model/hf.hpp"
+#include "model/tokenizer_files.hpp"
 #include "shardlm/memory.hpp"
 #include "run/metrics.hpp"
 #include "run/plan.hpp"

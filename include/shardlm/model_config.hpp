@@ -1,12 +1,18 @@
 // model_config.hpp — the architecture of a decoder-only model (Llama/Qwen family).
 //
-// Owns: ModelConfig, the sizes and options every other part reads, and the
-// largest sizes accepted (checked by model_size_error, defined in model.cpp).
+// Owns: ModelConfig, the sizes and options every other part reads; the table
+// of the sizes that shape the weights (model_size_fields: each one's deck key,
+// checkpoint attribute, config.json key and bound), which the deck, config.json
+// read and write, the checkpoint's attributes, the load-mismatch report and
+// `inspect` all walk; and the one check of the sizes' rules
+// (check_model_sizes), all defined in src/model/model_config.cpp.
 // Filled from the deck ([model] section) or from a Hugging Face config.json
-// (hf.hpp). Knows nothing about shards, devices or MPI.
+// (model/hf_config.hpp). Knows nothing about shards, devices or MPI.
 #pragma once
 
 #include <cstdint>
+#include <optional>
+#include <span>
 #include <string>
 
 namespace shardlm {
@@ -59,9 +65,50 @@ constexpr int64_t kMaxTokensPerMicroBatch = 2147483647;     // micro_batch x seq
 // the plan's byte counts (x 4 B, x a few buffers) stay below 2^62.
 constexpr int64_t kMaxActivationFloats = int64_t(1) << 56;
 
-// The first size of `c` out of the ranges above, or whose parameter count
-// passes kMaxParameters, as a sentence naming it ("num_layers = ... is more
-// than ..."); "" when all fit. Counted with checked arithmetic.
+// One size that shapes the weights. `name` is its deck key (model.<name>), its
+// attribute in a checkpoint's /model group and its name in messages;
+// config.json calls it `hf_key`. Accepted: 1 .. max.
+struct ModelSizeField {
+  using Member = int64_t ModelConfig::*;
+  const char* name;
+  const char* hf_key;
+  Member member;
+  int64_t max;
+  // May be left out of a deck or config.json: num_kv_heads (= num_heads, no
+  // grouped-query attention) and head_dim (= hidden_size / num_heads).
+  bool derived = false;
+};
+
+// vocab_size, hidden_size, intermediate_size, num_layers, num_heads,
+// num_kv_heads, head_dim: in this order everywhere they are written
+// (config.json, checkpoint attributes, reports). max_position_embeddings is
+// not among them: it bounds the positions, not the weights (no parameter
+// count, no load comparison), and each schema gives it its own default.
+std::span<const ModelSizeField> model_size_fields();
+
+// What check_model_sizes found first; each caller words it in its own schema's
+// names (the deck's, config.json's, the layout's).
+struct ModelSizeProblem {
+  enum class Rule {
+    None,
+    HeadsNotMultipleOfKvHeads,  // num_heads % num_kv_heads != 0 (both > 0)
+    OutOfRange,                 // `field`'s `value` is outside 1 .. field->max
+    TooManyParameters,          // `parameters` (nullopt: past int64) > kMaxParameters
+  } rule = Rule::None;
+  const ModelSizeField* field = nullptr;
+  int64_t value = 0;
+  std::optional<int64_t> parameters;
+};
+
+// The sizes' rules, in this order: num_heads a multiple of num_kv_heads (when
+// both are positive), every size in its range (table order), the parameter
+// count (with tied weights once) at most kMaxParameters, counted with checked
+// arithmetic.
+ModelSizeProblem check_model_sizes(const ModelConfig& c);
+
+// check_model_sizes's first problem as a sentence in the table's names
+// ("num_layers = ... is out of range: shardlm accepts 1 to ..."); "" when the
+// sizes keep every rule.
 std::string model_size_error(const ModelConfig& c);
 // model_size_error, then the activations of `tokens_per_micro_batch` tokens
 // (and a logits chunk of `chunk_tokens` x vocab_size) against

@@ -2,13 +2,15 @@
 // a Hugging Face directory (config.json + model.safetensors), checksums
 // verified on the way. Serial HDF5 on rank 0; knows nothing about the training
 // state.
-#include "checkpoint/checkpoint.hpp"
 #include "checkpoint/agree.hpp"
+#include "checkpoint/checkpoint.hpp"
 #include "checkpoint/inspect.hpp"
 #include "checkpoint/io.hpp"
 #include "checkpoint/layout.hpp"
+#include "model/hf_config.hpp"
+#include "model/safetensors.hpp"
+#include "model/tokenizer_files.hpp"
 #include "shardlm/config.hpp"
-#include "model/hf.hpp"
 #include "shardlm/model.hpp"
 
 namespace fs = std::filesystem;

@@ -9,6 +9,7 @@
 
 #include "checkpoint/checksum.hpp"
 #include "train/muon.hpp"
+#include "shardlm/model_config.hpp"
 #include "shardlm/runtime.hpp"
 #include "train/train.hpp"
 
@@ -85,13 +86,7 @@ namespace {
 // (export, inspect) without the deck or model.hf.
 void write_arch(hid_t g, const ModelConfig& a, int64_t parameter_count, int64_t tensors) {
   attr_str(g, "arch", a.arch);
-  attr_i64(g, "vocab_size", a.vocab_size);
-  attr_i64(g, "hidden_size", a.hidden_size);
-  attr_i64(g, "intermediate_size", a.intermediate_size);
-  attr_i64(g, "num_layers", a.num_layers);
-  attr_i64(g, "num_heads", a.num_heads);
-  attr_i64(g, "num_kv_heads", a.num_kv_heads);
-  attr_i64(g, "head_dim", a.head_dim);
+  for (const ModelSizeField& f : model_size_fields()) attr_i64(g, f.name, a.*f.member);
   attr_i64(g, "max_position_embeddings", a.max_position_embeddings);
   attr_f64(g, "rms_norm_eps", a.rms_norm_eps);
   attr_f64(g, "rope_theta", a.rope_theta);
@@ -112,13 +107,7 @@ void write_arch(hid_t g, const ModelConfig& a, int64_t parameter_count, int64_t 
 ModelConfig read_arch(hid_t g) {
   ModelConfig a;
   a.arch = read_str(g, "arch");
-  a.vocab_size = read_i64(g, "vocab_size");
-  a.hidden_size = read_i64(g, "hidden_size");
-  a.intermediate_size = read_i64(g, "intermediate_size");
-  a.num_layers = read_i64(g, "num_layers");
-  a.num_heads = read_i64(g, "num_heads");
-  a.num_kv_heads = read_i64(g, "num_kv_heads");
-  a.head_dim = read_i64(g, "head_dim");
+  for (const ModelSizeField& f : model_size_fields()) a.*f.member = read_i64(g, f.name);
   a.max_position_embeddings = read_i64(g, "max_position_embeddings");
   a.rms_norm_eps = read_f64(g, "rms_norm_eps");
   a.rope_theta = read_f64(g, "rope_theta");

@@ -9,6 +9,7 @@
 #include "checkpoint/agree.hpp"
 #include "checkpoint/io.hpp"
 #include "checkpoint/layout.hpp"
+#include "shardlm/model_config.hpp"
 #include "train/train.hpp"
 
 namespace fs = std::filesystem;
@@ -47,13 +48,7 @@ std::vector<std::string> mismatches_of(TrainSession& s, hid_t file, const Checkp
     out.push_back(fmt("model.%s: %s in the checkpoint, %s in this run", key, a.c_str(), b.c_str()));
   };
   cmp("arch", theirs.arch, mine.arch);
-  cmp("vocab_size", theirs.vocab_size, mine.vocab_size);
-  cmp("hidden_size", theirs.hidden_size, mine.hidden_size);
-  cmp("intermediate_size", theirs.intermediate_size, mine.intermediate_size);
-  cmp("num_layers", theirs.num_layers, mine.num_layers);
-  cmp("num_heads", theirs.num_heads, mine.num_heads);
-  cmp("num_kv_heads", theirs.num_kv_heads, mine.num_kv_heads);
-  cmp("head_dim", theirs.head_dim, mine.head_dim);
+  for (const ModelSizeField& f : model_size_fields()) cmp(f.name, theirs.*f.member, mine.*f.member);
   cmp("attention_bias", static_cast<int>(theirs.attention_bias), static_cast<int>(mine.attention_bias));
   cmp("qk_norm", static_cast<int>(theirs.qk_norm), static_cast<int>(mine.qk_norm));
   cmp("tie_word_embeddings", static_cast<int>(theirs.tie_word_embeddings), static_cast<int>(mine.tie_word_embeddings));

@@ -22,10 +22,13 @@
 #include <thread>
 #include <utility>
 
+#include "model/hf_config.hpp"
+#include "model/safetensors.hpp"
+#include "model/tokenizer_files.hpp"
 #include "shardlm/cuda.hpp"
-#include "train/engine.hpp"
-#include "model/hf.hpp"
+#include "shardlm/dtype.hpp"
 #include "shardlm/memory.hpp"
+#include "train/engine.hpp"
 #include "train/train.hpp"
 
 namespace shardlm {

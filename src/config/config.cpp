@@ -74,8 +74,19 @@ KeySpec one_of(KeySpec k, std::vector<std::string> choices, std::vector<std::str
 
 #define FIELD(expr) [](Config& c) -> auto& { return c.expr; }
 
+// The [model] keys of the sizes that shape the weights: one row of
+// model_config.hpp's table each, after model.arch.
+std::vector<KeySpec> with_model_sizes(std::vector<KeySpec> table) {
+  auto at = std::find_if(table.begin(), table.end(), [](const KeySpec& k) { return k.path == "model.arch"; }) + 1;
+  for (const ModelSizeField& f : model_size_fields()) {
+    auto field = [member = f.member](Config& c) -> int64_t& { return c.model.arch.*member; };
+    at = table.insert(at, up_to(positive(key(std::string("model.") + f.name, Type::Int, field)), f.max)) + 1;
+  }
+  return table;
+}
+
 const std::vector<KeySpec>& key_table() {
-  static const std::vector<KeySpec> table = {
+  static const std::vector<KeySpec> table = with_model_sizes({
       key("run.name", Type::String, FIELD(run.name)),
       key("run.dir", Type::String, FIELD(run.dir)),
       at_least(key("run.seed", Type::Int, FIELD(run.seed)), 0),
@@ -87,14 +98,6 @@ const std::vector<KeySpec>& key_table() {
 
       key("model.hf", Type::String, FIELD(model.hf)),
       one_of(key("model.arch", Type::String, FIELD(model.arch.arch)), {"llama", "qwen2", "qwen3"}),
-      up_to(positive(key("model.vocab_size", Type::Int, FIELD(model.arch.vocab_size))), kMaxVocabSize),
-      up_to(positive(key("model.hidden_size", Type::Int, FIELD(model.arch.hidden_size))), kMaxHiddenSize),
-      up_to(positive(key("model.intermediate_size", Type::Int, FIELD(model.arch.intermediate_size))),
-            kMaxIntermediateSize),
-      up_to(positive(key("model.num_layers", Type::Int, FIELD(model.arch.num_layers))), kMaxLayers),
-      up_to(positive(key("model.num_heads", Type::Int, FIELD(model.arch.num_heads))), kMaxHeads),
-      up_to(positive(key("model.num_kv_heads", Type::Int, FIELD(model.arch.num_kv_heads))), kMaxHeads),
-      up_to(positive(key("model.head_dim", Type::Int, FIELD(model.arch.head_dim))), kMaxHeadDim),
       up_to(positive(key("model.max_position_embeddings", Type::Int, FIELD(model.arch.max_position_embeddings))),
             kMaxPositions),
       up_to(positive(key("model.rms_norm_eps", Type::Float, FIELD(model.arch.rms_norm_eps))), 1),
@@ -186,7 +189,7 @@ const std::vector<KeySpec>& key_table() {
 
       one_of(key("comm.backend", Type::String, FIELD(comm.backend)), {"auto", "mpi", "nccl"}),
       up_to(positive(key("comm.timeout_s", Type::Float, FIELD(comm.timeout_s))), kMaxSeconds),
-  };
+  });
   return table;
 }
 #undef FIELD
@@ -453,14 +456,18 @@ void validate(const Config& c, int world, const std::set<std::string>& given, st
             "int32): lower data.micro_batch and raise data.global_batch's accumulation instead",
             (long long)c.data.micro_batch, (long long)c.data.seq_len, (long long)kMaxTokensPerMicroBatch));
   if (c.model.hf.empty()) {
-    const char* missing = a.vocab_size <= 0 ? "vocab_size" : a.hidden_size <= 0 ? "hidden_size"
-                        : a.intermediate_size <= 0 ? "intermediate_size" : a.num_layers <= 0 ? "num_layers"
-                        : a.num_heads <= 0 ? "num_heads" : nullptr;
+    const char* missing = nullptr;
+    std::string required;  // the sizes with no default: "vocab_size, hidden_size, ..."
+    for (const ModelSizeField& f : model_size_fields()) {
+      if (f.derived) continue;
+      if (!missing && a.*f.member <= 0) missing = f.name;
+      required += (required.empty() ? "" : ", ") + std::string(f.name);
+    }
     const bool head_dim_given = given.count("model.head_dim") != 0;
     if (missing)
-      err(fmt("model.%s is not set: without model.hf the deck must give the model's sizes "
-              "(vocab_size, hidden_size, intermediate_size, num_layers, num_heads)", missing));
-    else if (a.num_heads % a.num_kv_heads != 0)
+      err(fmt("model.%s is not set: without model.hf the deck must give the model's sizes (%s)", missing,
+              required.c_str()));
+    else if (check_model_sizes(a).rule == ModelSizeProblem::Rule::HeadsNotMultipleOfKvHeads)
       err(fmt("model.num_heads = %lld is not a multiple of model.num_kv_heads = %lld",
               (long long)a.num_heads, (long long)a.num_kv_heads));
     else if (!head_dim_given && a.hidden_size % a.num_heads != 0)

@@ -1,619 +1,40 @@
-// data.cpp — token files read on demand, the per-epoch packing, mixing files
-// by weight, and cutting the row stream into steps and micro-batches, with the
-// next micro-batch read on a background thread. Rules: docs/data.md.
+// data.cpp — the SFT reader: cutting the row stream into steps and
+// micro-batches (which rows a rank takes), filling rows from the packed files,
+// the counts a step's loss is normalised by, the saved position, and the next
+// micro-batch read on a background thread. The token files are
+// data/token_file.hpp's, each file's order and packing data/order.hpp's, the
+// mix data/mixing.hpp's. Rules: docs/data.md.
 //
-// Threading: HDF5 here is not thread-safe (the parallel build never is), so
-// HDF5 is called only while opening a file, on the caller's thread. What the
-// prefetch thread reads it reads with pread(2) at byte offsets found at open
-// (contiguous datasets, or each chunk's address), inflating deflate chunks
-// with zlib itself. The caller's thread and the prefetch thread never work at
-// once: every public call first waits until the thread is idle.
+// Threading: HDF5 is not thread-safe (the parallel build never is), so it is
+// called only while opening a file, on the caller's thread; the prefetch thread
+// reads with pread(2) (data/token_file.hpp). The caller's thread and the
+// prefetch thread never work at once: every public call first waits until the
+// thread is idle.
 #include "data/data.hpp"
 
-#include <fcntl.h>
-#include <unistd.h>
-#include <zlib.h>
-
-#include <algorithm>
-#include <bit>
-#include <cerrno>
 #include <climits>
-#include <cmath>
 #include <condition_variable>
-#include <cstring>
 #include <exception>
-#include <filesystem>
 #include <mutex>
+#include <optional>
 #include <thread>
 
+#include "data/mixing.hpp"
+#include "data/order.hpp"
+#include "data/token_file.hpp"
 #include "shardlm/error.hpp"
-#include "shardlm/h5util.hpp"
 #include "shardlm/memory.hpp"
 
 namespace shardlm {
+
+using data::FileMix;
+using data::PackedFile;
+using data::TokenFile;
 
 namespace {
 
 constexpr int64_t kPositionFormat = 2;
 constexpr size_t kPositionFormat1Values = 7;
-constexpr int64_t kRowsPerStart = 256;    // packing: one saved row start per this many rows
-constexpr int64_t kRowsPerMixBlock = 1024;  // mixing: per-file counts saved every this many rows
-
-// ---------------------------------------------------------------- HDF5 checks
-
-bool is_integer(hid_t type, size_t bytes, bool is_signed) {
-  return H5Tget_class(type) == H5T_INTEGER && H5Tget_size(type) == bytes &&
-         (H5Tget_sign(type) == H5T_SGN_2) == is_signed;
-}
-
-bool has_link(hid_t file, const char* name) { return H5_CHECK(H5Lexists(file, name, H5P_DEFAULT)) > 0; }
-
-bool has_attribute(hid_t file, const char* name) { return H5_CHECK(H5Aexists(file, name)) > 0; }
-
-int64_t read_int_attribute(hid_t file, const std::string& path, const char* name) {
-  h5::Handle attr(H5_CHECK(H5Aopen(file, name, H5P_DEFAULT)), H5Aclose);
-  h5::Handle type(H5_CHECK(H5Aget_type(attr)), H5Tclose);
-  h5::Handle space(H5_CHECK(H5Aget_space(attr)), H5Sclose);
-  SHARDLM_CHECK(H5Tget_class(type) == H5T_INTEGER && H5Sget_simple_extent_npoints(space) == 1,
-                "data file '%s': attribute '%s' must be one integer, found %s with %ld values",
-                path.c_str(), name, h5::dtype_name(type).c_str(),
-                static_cast<long>(H5Sget_simple_extent_npoints(space)));
-  int64_t value = 0;
-  H5_CHECK(H5Aread(attr, H5T_NATIVE_INT64, &value));
-  return value;
-}
-
-std::string read_string_attribute(hid_t file, const std::string& path, const char* name) {
-  h5::Handle attr(H5_CHECK(H5Aopen(file, name, H5P_DEFAULT)), H5Aclose);
-  h5::Handle type(H5_CHECK(H5Aget_type(attr)), H5Tclose);
-  h5::Handle space(H5_CHECK(H5Aget_space(attr)), H5Sclose);
-  SHARDLM_CHECK(H5Tget_class(type) == H5T_STRING && H5Sget_simple_extent_npoints(space) == 1,
-                "data file '%s': attribute '%s' must be one string, found %s", path.c_str(),
-                name, h5::dtype_name(type).c_str());
-  return h5::read_string_attribute_value(attr, type);
-}
-
-// ------------------------------------------------------------ document order
-
-// splitmix64 (Steele, Lea, Flood 2014): a fixed, portable generator, so the
-// order is the same with every compiler and standard library.
-uint64_t splitmix64_next(uint64_t& state) {
-  uint64_t z = (state += 0x9E3779B97F4A7C15ull);
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
-
-uint64_t mix64(uint64_t x) { return splitmix64_next(x); }
-
-// Uniform in [0, bound) without modulo bias: reject the lowest 2^64 mod bound values.
-uint64_t uniform_below(uint64_t& state, uint64_t bound) {
-  const uint64_t threshold = (0 - bound) % bound;
-  for (;;) {
-    const uint64_t r = splitmix64_next(state);
-    if (r >= threshold) return r % bound;
-  }
-}
-
-// ------------------------------------------------------------- stored arrays
-
-// One filter of a chunked dataset's pipeline, in the order it was applied on write.
-struct Filter {
-  H5Z_filter_t id = 0;
-};
-
-// Where one 1-D dataset's elements lie in its file, and reading a range of
-// them with pread(2) (no HDF5 call: safe on the prefetch thread).
-struct StoredArray {
-  std::string file, name;  // for messages
-  int fd = -1;
-  size_t elem = 0;          // bytes per element
-  bool swap_bytes = false;  // stored big-endian
-  int64_t length = 0;
-  enum class Layout { Contiguous, Chunked, Resident } layout = Layout::Contiguous;
-  int64_t offset = 0;                  // contiguous: byte offset of element 0 in the file
-  std::vector<char> resident;          // compact datasets (at most 64 KiB) are read whole
-  int64_t chunk_elems = 0;             // chunked: elements per chunk
-  std::vector<int64_t> chunk_address;  // byte offset in the file, per chunk in logical order
-  std::vector<int64_t> chunk_stored;   // stored (filtered) bytes per chunk
-  std::vector<uint32_t> chunk_skipped; // filter mask per chunk: bit i set = filter i not applied
-  std::vector<Filter> filters;
-  int64_t cached_chunk = -1;           // the chunk in `plain` (filtered datasets)
-  std::vector<char> plain, stored, scratch;
-
-  bool filtered() const { return layout == Layout::Chunked && !filters.empty(); }
-  int64_t buffer_bytes() const {
-    return static_cast<int64_t>(resident.capacity() + plain.capacity() + stored.capacity() + scratch.capacity() +
-                                chunk_address.capacity() * 8 + chunk_stored.capacity() * 8 +
-                                chunk_skipped.capacity() * 4);
-  }
-  std::string describe() const {
-    if (layout == Layout::Contiguous) return "contiguous";
-    if (layout == Layout::Resident) return "compact";
-    std::string out = fmt("chunked (%lld elements)", static_cast<long long>(chunk_elems));
-    for (const Filter& f : filters)
-      out += f.id == H5Z_FILTER_DEFLATE ? ", deflate" : f.id == H5Z_FILTER_SHUFFLE ? ", shuffle" : ", fletcher32";
-    return out;
-  }
-
-  void pread_all(void* out, size_t bytes, int64_t at) const {
-    char* dst = static_cast<char*>(out);
-    while (bytes > 0) {
-      const ssize_t got = ::pread(fd, dst, bytes, static_cast<off_t>(at));
-      if (got < 0 && errno == EINTR) continue;
-      SHARDLM_CHECK(got >= 0, "data file '%s': reading '%s' at byte %lld failed: %s", file.c_str(), name.c_str(),
-                    static_cast<long long>(at), std::strerror(errno));
-      SHARDLM_CHECK(got > 0, "data file '%s' ends at byte %lld, inside dataset '%s' (truncated file?)", file.c_str(),
-                    static_cast<long long>(at), name.c_str());
-      dst += got, bytes -= static_cast<size_t>(got), at += got;
-    }
-  }
-
-  // Brings chunk c into `plain`, undoing its filters in reverse order.
-  void load_chunk(int64_t c) {
-    if (cached_chunk == c) return;
-    const size_t plain_bytes = static_cast<size_t>(chunk_elems) * elem;
-    stored.resize(static_cast<size_t>(chunk_stored[c]));
-    pread_all(stored.data(), stored.size(), chunk_address[c]);
-    std::vector<char>* in = &stored;
-    std::vector<char>* out = &scratch;
-    for (int i = static_cast<int>(filters.size()) - 1; i >= 0; --i) {
-      if (chunk_skipped[c] & (1u << i)) continue;
-      const H5Z_filter_t id = filters[static_cast<size_t>(i)].id;
-      if (id == H5Z_FILTER_FLETCHER32) {  // a 4-byte checksum appended to the chunk
-        SHARDLM_CHECK(in->size() >= 4, "data file '%s': chunk %lld of '%s' is too short for its checksum",
-                      file.c_str(), static_cast<long long>(c), name.c_str());
-        in->resize(in->size() - 4);
-        continue;
-      }
-      out->resize(plain_bytes);
-      if (id == H5Z_FILTER_DEFLATE) {
-        uLongf produced = static_cast<uLongf>(plain_bytes);
-        const int rc = ::uncompress(reinterpret_cast<Bytef*>(out->data()), &produced,
-                                    reinterpret_cast<const Bytef*>(in->data()), static_cast<uLong>(in->size()));
-        SHARDLM_CHECK(rc == Z_OK && produced == plain_bytes,
-                      "data file '%s': chunk %lld of '%s' does not inflate to %zu bytes (zlib %d, %lu bytes)",
-                      file.c_str(), static_cast<long long>(c), name.c_str(), plain_bytes, rc,
-                      static_cast<unsigned long>(produced));
-      } else {  // H5Z_FILTER_SHUFFLE: byte b of element i was stored at b * n + i
-        SHARDLM_CHECK(in->size() == plain_bytes, "data file '%s': chunk %lld of '%s' holds %zu bytes, expected %zu",
-                      file.c_str(), static_cast<long long>(c), name.c_str(), in->size(), plain_bytes);
-        const size_t n = plain_bytes / elem;
-        for (size_t b = 0; b < elem; ++b)
-          for (size_t i = 0; i < n; ++i) (*out)[i * elem + b] = (*in)[b * n + i];
-      }
-      std::swap(in, out);
-    }
-    SHARDLM_CHECK(in->size() == plain_bytes, "data file '%s': chunk %lld of '%s' holds %zu bytes, expected %zu",
-                  file.c_str(), static_cast<long long>(c), name.c_str(), in->size(), plain_bytes);
-    if (in != &plain) plain.swap(*in);
-    cached_chunk = c;
-  }
-
-  // Elements [first, first + count) into `out`, in the stored byte order.
-  void read(int64_t first, int64_t count, void* out) {
-    char* dst = static_cast<char*>(out);
-    if (layout == Layout::Resident) {
-      std::memcpy(dst, resident.data() + first * elem, static_cast<size_t>(count) * elem);
-      return;
-    }
-    if (layout == Layout::Contiguous) {
-      pread_all(dst, static_cast<size_t>(count) * elem, offset + first * static_cast<int64_t>(elem));
-      return;
-    }
-    while (count > 0) {
-      const int64_t c = first / chunk_elems, within = first % chunk_elems;
-      const int64_t take = std::min(count, chunk_elems - within);
-      if (filters.empty()) {
-        pread_all(dst, static_cast<size_t>(take) * elem, chunk_address[c] + within * static_cast<int64_t>(elem));
-      } else {
-        load_chunk(c);
-        std::memcpy(dst, plain.data() + within * elem, static_cast<size_t>(take) * elem);
-      }
-      dst += take * static_cast<int64_t>(elem), first += take, count -= take;
-    }
-  }
-
-  void read_swapped(int64_t first, int64_t count, void* out) {
-    read(first, count, out);
-    if (!swap_bytes || elem == 1) return;
-    char* p = static_cast<char*>(out);
-    for (int64_t i = 0; i < count; ++i) std::reverse(p + i * elem, p + (i + 1) * elem);
-  }
-};
-
-// Opens dataset `name`, checks it is 1-D with an integer type of `bytes` and
-// signedness `is_signed`, and finds where its elements are.
-StoredArray open_array(hid_t file, int fd, int64_t userblock, const std::string& path, const char* name,
-                       const char* expected, size_t bytes, bool is_signed, hid_t mem_type) {
-  h5::Handle dset = h5::open_dataset(file, name, fmt("data file '%s'", path.c_str()));
-  h5::Handle type(H5_CHECK(H5Dget_type(dset)), H5Tclose);
-  SHARDLM_CHECK(is_integer(type, bytes, is_signed), "data file '%s': dataset '%s' has dtype %s, expected %s",
-                path.c_str(), name, h5::dtype_name(type).c_str(), expected);
-  h5::Handle space(H5_CHECK(H5Dget_space(dset)), H5Sclose);
-  const int rank = H5_CHECK(H5Sget_simple_extent_ndims(space));
-  SHARDLM_CHECK(rank == 1, "data file '%s': dataset '%s' has rank %d, expected a 1-D array", path.c_str(), name,
-                rank);
-  hsize_t length = 0;
-  H5_CHECK(H5Sget_simple_extent_dims(space, &length, nullptr));
-
-  StoredArray a;
-  a.file = path;
-  a.name = name;
-  a.fd = fd;
-  a.elem = bytes;
-  a.length = static_cast<int64_t>(length);
-  a.swap_bytes = bytes > 1 && (H5Tget_order(type) == H5T_ORDER_BE) != (std::endian::native == std::endian::big);
-  if (length == 0) {
-    a.layout = StoredArray::Layout::Resident;
-    return a;
-  }
-  h5::Handle dcpl(H5_CHECK(H5Dget_create_plist(dset)), H5Pclose);
-  const H5D_layout_t layout = H5Pget_layout(dcpl);
-  SHARDLM_CHECK(H5Pget_external_count(dcpl) == 0,
-                "data file '%s': dataset '%s' keeps its data in external files; rewrite it with "
-                "tools/make_dataset.py (contiguous or chunked storage)",
-                path.c_str(), name);
-  if (layout == H5D_COMPACT) {  // at most 64 KiB, in the object header: read it now
-    a.layout = StoredArray::Layout::Resident;
-    a.resident.resize(static_cast<size_t>(length) * bytes);
-    H5_CHECK(H5Dread(dset, mem_type, H5S_ALL, H5S_ALL, H5P_DEFAULT, a.resident.data()));
-    a.swap_bytes = false;  // HDF5 converted it to native order
-    return a;
-  }
-  if (layout == H5D_CONTIGUOUS) {
-    const haddr_t address = H5Dget_offset(dset);
-    SHARDLM_CHECK(address != HADDR_UNDEF,
-                  "data file '%s': dataset '%s' has %lld elements but none were ever written", path.c_str(), name,
-                  static_cast<long long>(length));
-    a.layout = StoredArray::Layout::Contiguous;
-    a.offset = static_cast<int64_t>(address) + userblock;
-    return a;
-  }
-  SHARDLM_CHECK(layout == H5D_CHUNKED,
-                "data file '%s': dataset '%s' has a storage layout shardlm cannot read (virtual?); accepted: "
-                "contiguous, chunked, compact",
-                path.c_str(), name);
-  a.layout = StoredArray::Layout::Chunked;
-  hsize_t chunk = 0;
-  H5_CHECK(H5Pget_chunk(dcpl, 1, &chunk));
-  a.chunk_elems = static_cast<int64_t>(chunk);
-  const int n_filters = H5_CHECK(H5Pget_nfilters(dcpl));
-  for (int i = 0; i < n_filters; ++i) {
-    unsigned flags = 0;
-    size_t n_values = 0;
-    char filter_name[64] = {0};
-    unsigned filter_config = 0;
-    const H5Z_filter_t filter = H5Pget_filter2(dcpl, static_cast<unsigned>(i), &flags, &n_values, nullptr,
-                                               sizeof filter_name, filter_name, &filter_config);
-    SHARDLM_CHECK(filter == H5Z_FILTER_DEFLATE || filter == H5Z_FILTER_SHUFFLE || filter == H5Z_FILTER_FLETCHER32,
-                  "data file '%s': dataset '%s' is compressed with filter %d (%s), which shardlm does not read; "
-                  "accepted: gzip (deflate), shuffle, fletcher32 (tools/make_dataset.py --compression gzip)",
-                  path.c_str(), name, static_cast<int>(filter), filter_name[0] ? filter_name : "unnamed");
-    a.filters.push_back({filter});
-  }
-  const int64_t n_chunks = (a.length + a.chunk_elems - 1) / a.chunk_elems;
-  hsize_t allocated = 0;
-  H5_CHECK(H5Dget_num_chunks(dset, space, &allocated));
-  SHARDLM_CHECK(static_cast<int64_t>(allocated) == n_chunks,
-                "data file '%s': dataset '%s' has %lld of its %lld chunks written; a dataset with unwritten "
-                "chunks cannot be a token file",
-                path.c_str(), name, static_cast<long long>(allocated), static_cast<long long>(n_chunks));
-  a.chunk_address.assign(static_cast<size_t>(n_chunks), -1);
-  a.chunk_stored.assign(static_cast<size_t>(n_chunks), 0);
-  a.chunk_skipped.assign(static_cast<size_t>(n_chunks), 0);
-  for (hsize_t i = 0; i < allocated; ++i) {
-    hsize_t coord = 0, size = 0;
-    unsigned skipped = 0;
-    haddr_t address = HADDR_UNDEF;
-    H5_CHECK(H5Dget_chunk_info(dset, space, i, &coord, &skipped, &address, &size));
-    const int64_t c = static_cast<int64_t>(coord) / a.chunk_elems;
-    SHARDLM_CHECK(c >= 0 && c < n_chunks && address != HADDR_UNDEF,
-                  "data file '%s': dataset '%s' chunk %llu is not where its index says", path.c_str(), name,
-                  static_cast<unsigned long long>(i));
-    a.chunk_address[c] = static_cast<int64_t>(address) + userblock;
-    a.chunk_stored[c] = static_cast<int64_t>(size);
-    a.chunk_skipped[c] = skipped;
-  }
-  if (a.filtered()) {  // one chunk cached: room reserved now, so reading allocates nothing
-    size_t largest = 0;
-    for (int64_t s : a.chunk_stored) largest = std::max(largest, static_cast<size_t>(s));
-    const size_t plain_bytes = static_cast<size_t>(a.chunk_elems) * bytes;
-    a.stored.reserve(std::max(largest, plain_bytes));
-    a.plain.reserve(std::max(largest, plain_bytes));
-    a.scratch.reserve(std::max(largest, plain_bytes));
-  }
-  return a;
-}
-
-// ---------------------------------------------------------------- token files
-
-// One token file: its document index in memory, tokens and loss_mask on disk.
-struct TokenFile {
-  std::string path;
-  int fd = -1;
-  StoredArray tokens, loss_mask;
-  bool has_loss_mask = false;
-  std::vector<int64_t> offsets;  // (file documents + 1)
-  std::vector<int64_t> kept;     // kept document -> file document; empty when every document is kept
-  int64_t documents = 0;         // documents with >= 2 tokens
-  int64_t pairs = 0;             // (input, target) pairs over them
-  int64_t vocab_attribute = 0;
-  std::string tokenizer;
-  int64_t vocab_size = 0;        // the model's
-
-  TokenFile() = default;
-  TokenFile(const TokenFile&) = delete;
-  TokenFile& operator=(const TokenFile&) = delete;
-  ~TokenFile() {
-    if (fd >= 0) ::close(fd);
-  }
-
-  int64_t doc_file_index(int64_t k) const { return kept.empty() ? k : kept[static_cast<size_t>(k)]; }
-  int64_t doc_first(int64_t k) const { return offsets[static_cast<size_t>(doc_file_index(k))]; }
-  int64_t doc_pairs(int64_t k) const {
-    const auto d = static_cast<size_t>(doc_file_index(k));
-    return offsets[d + 1] - offsets[d] - 1;
-  }
-  int64_t index_bytes() const { return static_cast<int64_t>(offsets.capacity() * 8 + kept.capacity() * 8); }
-
-  // tokens[first .. first+count) into out, each checked against the vocabulary.
-  void read_tokens(int64_t first, int64_t count, int32_t* out) {
-    tokens.read_swapped(first, count, out);
-    for (int64_t i = 0; i < count; ++i)
-      SHARDLM_CHECK(out[i] >= 0 && out[i] < vocab_size,
-                    "data file '%s': tokens[%lld] = %d is outside the model's vocabulary [0, %lld)", path.c_str(),
-                    static_cast<long long>(first + i), out[i], static_cast<long long>(vocab_size));
-  }
-  void read_loss_mask(int64_t first, int64_t count, uint8_t* out) {
-    loss_mask.read(first, count, out);
-    for (int64_t i = 0; i < count; ++i)
-      SHARDLM_CHECK(out[i] <= 1, "data file '%s': loss_mask[%lld] = %d; values must be 0 or 1", path.c_str(),
-                    static_cast<long long>(first + i), out[i]);
-  }
-};
-
-void open_token_file(TokenFile& f, const std::string& path, int64_t vocab_size) {
-  const char* p = path.c_str();
-  f.path = path;
-  f.vocab_size = vocab_size;
-  std::error_code ec;
-  SHARDLM_CHECK(std::filesystem::exists(path, ec), "data file '%s' does not exist", p);
-  SHARDLM_CHECK(!std::filesystem::is_directory(path, ec), "data file '%s' is a directory; data.path names HDF5 token "
-                "files", p);
-  SHARDLM_CHECK(std::filesystem::is_regular_file(path, ec), "data file '%s' is not a regular file (a device, pipe or "
-                "socket); data.path names HDF5 token files", p);
-  h5::silence_error_stack();
-  const htri_t is_hdf5 = H5Fis_hdf5(p);
-  H5Eclear2(H5E_DEFAULT);
-  SHARDLM_CHECK(is_hdf5 > 0, "data file '%s' is not an HDF5 file (make one with tools/make_dataset.py)", p);
-
-  // Read-only and without file locking: every rank opens the file at once, and
-  // parallel file systems often do not support flock. No MPI-IO: each rank
-  // reads the file with the serial driver, so this works without MPI_Init too.
-  h5::Handle fapl(H5_CHECK(H5Pcreate(H5P_FILE_ACCESS)), H5Pclose);
-  H5_CHECK(H5Pset_file_locking(fapl, false, true));
-  h5::Handle file(H5_CHECK(H5Fopen(p, H5F_ACC_RDONLY, fapl)), H5Fclose);
-  hsize_t userblock = 0;
-  {
-    h5::Handle fcpl(H5_CHECK(H5Fget_create_plist(file)), H5Pclose);
-    H5_CHECK(H5Pget_userblock(fcpl, &userblock));
-  }
-  f.fd = ::open(p, O_RDONLY | O_CLOEXEC);
-  SHARDLM_CHECK(f.fd >= 0, "data file '%s' cannot be opened for reading: %s", p, std::strerror(errno));
-
-  for (const char* name : {"tokens", "offsets"})
-    SHARDLM_CHECK(has_link(file, name),
-                  "data file '%s' has no dataset '%s' (expected 'tokens' int32 and 'offsets' int64; "
-                  "see docs/data.md)",
-                  p, name);
-  const auto ub = static_cast<int64_t>(userblock);
-  f.tokens = open_array(file, f.fd, ub, path, "tokens", "int32", 4, true, H5T_NATIVE_INT32);
-  {  // the document index is read whole: 8 bytes per document
-    StoredArray offsets = open_array(file, f.fd, ub, path, "offsets", "int64", 8, true, H5T_NATIVE_INT64);
-    f.offsets.resize(static_cast<size_t>(offsets.length));
-    if (offsets.length > 0) offsets.read_swapped(0, offsets.length, f.offsets.data());
-  }
-  f.has_loss_mask = has_link(file, "loss_mask");
-  if (f.has_loss_mask) f.loss_mask = open_array(file, f.fd, ub, path, "loss_mask", "uint8", 1, false, H5T_NATIVE_UINT8);
-  if (has_attribute(file, "vocab_size")) f.vocab_attribute = read_int_attribute(file, path, "vocab_size");
-  if (has_attribute(file, "tokenizer")) f.tokenizer = read_string_attribute(file, path, "tokenizer");
-
-  const std::vector<int64_t>& offsets = f.offsets;
-  const int64_t n_tokens = f.tokens.length;
-  SHARDLM_CHECK(!offsets.empty(),
-                "data file '%s': dataset 'offsets' is empty; it must hold at least [0, len(tokens)]", p);
-  SHARDLM_CHECK(offsets[0] == 0, "data file '%s': offsets[0] = %ld, expected 0", p, offsets[0]);
-  int64_t short_documents = 0;
-  for (size_t i = 1; i < offsets.size(); ++i) {
-    SHARDLM_CHECK(offsets[i] >= offsets[i - 1],
-                  "data file '%s': offsets decrease at index %zu (offsets[%zu] = %ld > offsets[%zu] = %ld)", p, i,
-                  i - 1, offsets[i - 1], i, offsets[i]);
-    short_documents += offsets[i] - offsets[i - 1] < 2;
-  }
-  SHARDLM_CHECK(offsets.back() == n_tokens,
-                "data file '%s': offsets ends at %ld but 'tokens' has %ld elements; the last offset "
-                "must be len(tokens)",
-                p, offsets.back(), n_tokens);
-  if (f.has_loss_mask)
-    SHARDLM_CHECK(f.loss_mask.length == n_tokens, "data file '%s': 'loss_mask' has %ld elements but 'tokens' has %ld",
-                  p, f.loss_mask.length, n_tokens);
-  SHARDLM_CHECK(!has_attribute(file, "vocab_size") || f.vocab_attribute > 0,
-                "data file '%s': attribute vocab_size = %lld; it must be the tokenizer's vocabulary size (> 0)", p,
-                (long long)f.vocab_attribute);
-  SHARDLM_CHECK(f.vocab_attribute <= vocab_size,
-                "data file '%s' was tokenized for a vocabulary of %ld ids (attribute vocab_size%s%s) "
-                "but the model has vocab_size %ld; use a file made with the model's tokenizer",
-                p, f.vocab_attribute, f.tokenizer.empty() ? "" : ", tokenizer ", f.tokenizer.c_str(), vocab_size);
-
-  const auto file_documents = static_cast<int64_t>(offsets.size()) - 1;
-  f.documents = file_documents - short_documents;
-  int64_t pairs = 0;
-  if (short_documents > 0) f.kept.reserve(static_cast<size_t>(f.documents));
-  for (int64_t d = 0; d < file_documents; ++d) {
-    const int64_t n = offsets[d + 1] - offsets[d];
-    if (n < 2) continue;  // a single token has nothing to predict
-    if (short_documents > 0) f.kept.push_back(d);
-    pairs += n - 1;
-  }
-  f.pairs = pairs;
-  SHARDLM_CHECK(f.documents > 0,
-                "data file '%s' has no document with at least 2 tokens (%ld documents, %ld tokens); "
-                "there is nothing to train on",
-                p, file_documents, n_tokens);
-  SHARDLM_CHECK(f.documents <= static_cast<int64_t>(UINT32_MAX),
-                "data file '%s' has %ld documents; at most 2^32-1 are supported in one file (split it and list the "
-                "parts in data.path)",
-                p, f.documents);
-}
-
-}  // namespace
-
-void validate_token_file(const std::string& path, int64_t model_vocab_size) {
-  TokenFile file;
-  open_token_file(file, path, model_vocab_size);
-}
-
-namespace {
-
-// ---------------------------------------------------------------- packing
-
-// Where a row starts in an epoch's document order: document `index` of the
-// order, `consumed` of its pairs already placed in earlier rows.
-struct RowStart {
-  int64_t index = 0;
-  int64_t consumed = 0;
-};
-
-struct EpochPacking {
-  int64_t epoch = -1;
-  std::vector<uint32_t> order;   // (documents) permutation; empty without shuffling
-  std::vector<RowStart> starts;  // start of rows 0, R, 2R, ... (R = kRowsPerStart)
-  int64_t rows = 0;
-  int64_t cursor_row = -1;       // the row after the last one walked, and where it starts
-  RowStart cursor;
-};
-
-// One file of the mix: the file, its shuffle seed and its epochs' packings.
-struct Source {
-  TokenFile file;
-  uint64_t seed = 0;
-  bool shuffle = true;
-  int64_t seq_len = 0;
-  EpochPacking cache[2];           // the two most recently used epochs
-  int next_slot = 0;
-  std::vector<int64_t> epoch_row_begin{0};  // row of this file's stream where epoch e starts
-
-  int64_t doc_at(const EpochPacking& p, int64_t i) const {
-    return p.order.empty() ? i : static_cast<int64_t>(p.order[static_cast<size_t>(i)]);
-  }
-
-  void fill_order(int64_t epoch, std::vector<uint32_t>& order) const {
-    order.clear();
-    if (!shuffle) return;
-    order.resize(static_cast<size_t>(file.documents));
-    for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<uint32_t>(i);
-    // Fisher-Yates driven by splitmix64 seeded from (seed, epoch).
-    uint64_t state = mix64(seed ^ mix64(static_cast<uint64_t>(epoch) + 0xD1B54A32D192ED03ull));
-    for (size_t i = order.size(); i > 1; --i) {
-      const uint64_t j = uniform_below(state, i);
-      std::swap(order[i - 1], order[j]);
-    }
-  }
-
-  // Greedy packing of one row from `s`. A document of p <= seq_len pairs is
-  // never split: if it does not fit in the row, the rest of the row is padding
-  // and it starts the next row. A document of p > seq_len pairs fills the rest
-  // of the row with its first piece and continues in the next rows. Calls
-  // emit(first_token, pairs) per piece; returns where the next row starts.
-  template <class Emit>
-  RowStart walk_row(const EpochPacking& p, RowStart s, Emit&& emit) const {
-    int64_t used = 0;
-    while (s.index < file.documents) {
-      const int64_t d = doc_at(p, s.index);
-      const int64_t pairs = file.doc_pairs(d);
-      if (s.consumed == 0 && pairs <= seq_len && used + pairs > seq_len) break;
-      const int64_t take = std::min(pairs - s.consumed, seq_len - used);
-      emit(file.doc_first(d) + s.consumed, take);
-      used += take;
-      s.consumed += take;
-      if (s.consumed == pairs) ++s.index, s.consumed = 0;
-      if (used == seq_len) break;
-    }
-    return s;
-  }
-
-  void pack(int64_t epoch, EpochPacking& p) const {
-    p.epoch = epoch;
-    fill_order(epoch, p.order);
-    p.starts.clear();
-    p.rows = 0;
-    RowStart s;
-    while (s.index < file.documents) {
-      if (p.rows % kRowsPerStart == 0) p.starts.push_back(s);
-      s = walk_row(p, s, [](int64_t, int64_t) {});
-      ++p.rows;
-    }
-    p.cursor_row = -1;
-  }
-
-  EpochPacking& packing(int64_t epoch) {
-    if (!shuffle) {  // every epoch is the file order: one packing serves all
-      if (cache[0].epoch < 0) pack(0, cache[0]);
-      return cache[0];
-    }
-    for (EpochPacking& cached : cache)
-      if (cached.epoch == epoch) return cached;
-    EpochPacking& slot = cache[next_slot];
-    next_slot ^= 1;
-    pack(epoch, slot);
-    return slot;
-  }
-
-  int64_t rows_in_epoch(int64_t epoch) { return packing(epoch).rows; }
-
-  // This file's stream row -> (epoch, row within the epoch).
-  void locate(int64_t row_in_stream, int64_t& epoch, int64_t& row) {
-    while (epoch_row_begin.back() <= row_in_stream) {
-      const auto next_epoch = static_cast<int64_t>(epoch_row_begin.size()) - 1;
-      epoch_row_begin.push_back(epoch_row_begin.back() + rows_in_epoch(next_epoch));
-    }
-    const auto it = std::upper_bound(epoch_row_begin.begin(), epoch_row_begin.end(), row_in_stream);
-    epoch = (it - epoch_row_begin.begin()) - 1;
-    row = row_in_stream - epoch_row_begin[static_cast<size_t>(epoch)];
-  }
-
-  // Calls emit(first_token, pairs) for each piece of row `row_in_stream`.
-  template <class Emit>
-  void walk_stream_row(int64_t row_in_stream, Emit&& emit) {
-    int64_t epoch = 0, row = 0;
-    locate(row_in_stream, epoch, row);
-    EpochPacking& p = packing(epoch);
-    RowStart s;
-    if (p.cursor_row == row) {
-      s = p.cursor;
-    } else {  // replay from the nearest saved row start
-      s = p.starts[static_cast<size_t>(row / kRowsPerStart)];
-      for (int64_t r = row / kRowsPerStart * kRowsPerStart; r < row; ++r) s = walk_row(p, s, [](int64_t, int64_t) {});
-    }
-    p.cursor = walk_row(p, s, emit);
-    p.cursor_row = row + 1;
-  }
-
-  // The most the packing caches hold: two epochs' orders and row starts.
-  int64_t order_bytes_bound() const {
-    const int64_t rows_bound = file.documents + file.pairs / seq_len + 1;
-    const int64_t starts = (rows_bound / kRowsPerStart + 1) * static_cast<int64_t>(sizeof(RowStart));
-    const int64_t orders = shuffle ? file.documents * 4 : 0;
-    return (shuffle ? 2 : 1) * (orders + starts);
-  }
-  int64_t order_bytes() const {
-    int64_t total = 0;
-    for (const EpochPacking& p : cache)
-      total += static_cast<int64_t>(p.order.capacity() * 4 + p.starts.capacity() * sizeof(RowStart));
-    return total + static_cast<int64_t>(epoch_row_begin.capacity() * 8);
-  }
-};
 
 }  // namespace
 
@@ -654,16 +75,9 @@ DataPosition DataPosition::from_vector(std::span<const int64_t> values) {
 
 struct TokenDataset::Impl {
   DataSpec spec;
-  std::vector<std::unique_ptr<Source>> sources;
-
-  // The mix: stream row i comes from file k with probability weight_k, drawn
-  // from (seed, i); its row in file k's stream is the number of earlier rows
-  // that came from k. Counted from the anchor (a restored position) on.
-  std::vector<uint64_t> thresholds;    // cumulative weights scaled to 2^53
-  int64_t anchor_step = 0, anchor_row = 0;
-  std::vector<int64_t> anchor_counts;  // (files) rows of each file before anchor_row
-  std::vector<int64_t> block_counts;   // (blocks + 1, files): rows of each file in [anchor_row, anchor_row + b*B)
-
+  std::vector<std::unique_ptr<PackedFile>> sources;
+  std::optional<FileMix> mix;          // set once the files are open
+  int64_t anchor_step = 0;             // the restored position's step; its first row is mix->anchor_row()
   std::vector<int32_t> stage_tokens;   // (seq_len + 1) one piece's tokens
   std::vector<uint8_t> stage_mask;     // (seq_len + 1) and its loss_mask
 
@@ -686,66 +100,17 @@ struct TokenDataset::Impl {
 
   int64_t files() const { return static_cast<int64_t>(sources.size()); }
 
-  int64_t source_of(int64_t row) const {
-    if (sources.size() == 1) return 0;
-    const uint64_t draw = mix64(spec.seed ^ mix64(static_cast<uint64_t>(row) + 0xA24BAED4963EE407ull)) >> 11;
-    for (size_t k = 0; k + 1 < thresholds.size(); ++k)
-      if (draw < thresholds[k]) return static_cast<int64_t>(k);
-    return static_cast<int64_t>(thresholds.size()) - 1;
-  }
-
-  // The mix's per-file counts at the start of every block up to the one holding `row`.
-  void extend_blocks(int64_t row) {
-    SHARDLM_CHECK(row >= anchor_row, "internal: data row %lld before the restored row %lld", (long long)row,
-                  (long long)anchor_row);
-    const int64_t K = files();
-    const int64_t block = (row - anchor_row) / kRowsPerMixBlock;
-    while (static_cast<int64_t>(block_counts.size()) / K <= block) {
-      const int64_t b = static_cast<int64_t>(block_counts.size()) / K - 1;
-      for (int64_t k = 0; k < K; ++k) block_counts.push_back(block_counts[b * K + k]);
-      for (int64_t r = anchor_row + b * kRowsPerMixBlock; r < anchor_row + (b + 1) * kRowsPerMixBlock; ++r)
-        ++block_counts[(b + 1) * K + source_of(r)];
-    }
-  }
-
-  // Rows of each file in the stream before `row`.
-  std::vector<int64_t> rows_of_each_file_before(int64_t row) {
-    if (sources.size() == 1) return {row};
-    extend_blocks(row);
-    const int64_t K = files();
-    const int64_t block = (row - anchor_row) / kRowsPerMixBlock;
-    std::vector<int64_t> out(sources.size());
-    for (int64_t k = 0; k < K; ++k) out[k] = anchor_counts[k] + block_counts[block * K + k];
-    for (int64_t r = anchor_row + block * kRowsPerMixBlock; r < row; ++r) ++out[source_of(r)];
-    return out;
-  }
-
-  // Stream row -> (file, row of that file's stream).
-  void locate(int64_t row, int64_t& file, int64_t& file_row) {
-    if (sources.size() == 1) {
-      file = 0, file_row = row;
-      return;
-    }
-    extend_blocks(row);
-    const int64_t K = files();
-    const int64_t block = (row - anchor_row) / kRowsPerMixBlock;
-    file = source_of(row);
-    int64_t count = block_counts[block * K + file];
-    for (int64_t r = anchor_row + block * kRowsPerMixBlock; r < row; ++r) count += source_of(r) == file;
-    file_row = anchor_counts[file] + count;
-  }
-
   int64_t first_row_of_step(int64_t step) const {
     SHARDLM_CHECK(step >= anchor_step, "data: step %ld comes before the restored position (step %ld)", step,
                   anchor_step);
-    return anchor_row + (step - anchor_step) * spec.global_batch;
+    return mix->anchor_row() + (step - anchor_step) * spec.global_batch;
   }
 
   // Writes stream row `row` into out[slot]; seq_id continues from `next_seq_id`.
   void fill_row(int64_t row, int64_t slot, int32_t& next_seq_id, MicroBatch& out) {
     int64_t k = 0, file_row = 0;
-    locate(row, k, file_row);
-    Source& src = *sources[static_cast<size_t>(k)];
+    mix->locate(row, k, file_row);
+    PackedFile& src = *sources[static_cast<size_t>(k)];
     TokenFile& file = src.file;
     const int64_t seq_len = spec.seq_len;
     const int64_t base = slot * seq_len;
@@ -811,8 +176,8 @@ struct TokenDataset::Impl {
 
   void count_row(int64_t row, StepCounts& c) {
     int64_t k = 0, file_row = 0;
-    locate(row, k, file_row);
-    Source& src = *sources[static_cast<size_t>(k)];
+    mix->locate(row, k, file_row);
+    PackedFile& src = *sources[static_cast<size_t>(k)];
     src.walk_stream_row(file_row, [&](int64_t first, int64_t pairs) {
       c.tokens += pairs;
       if (!src.file.has_loss_mask) {
@@ -847,9 +212,7 @@ struct TokenDataset::Impl {
     // The caller's micro-batch and the prefetched one: 5 arrays of 4 bytes per position.
     const int64_t micro_batch_bytes = 20 * spec.micro_batch * spec.seq_len;
     m.buffers += (spec.prefetch ? 2 : 1) * micro_batch_bytes +
-                 static_cast<int64_t>(stage_tokens.capacity() * 4 + stage_mask.capacity() +
-                                      block_counts.capacity() * 8 + thresholds.capacity() * 8 +
-                                      anchor_counts.capacity() * 8);
+                 static_cast<int64_t>(stage_tokens.capacity() * 4 + stage_mask.capacity()) + mix->buffer_bytes();
     return m;
   }
 
@@ -907,8 +270,8 @@ TokenDataset::TokenDataset(const DataSpec& spec) : spec_(spec), impl_(std::make_
   Impl& m = *impl_;
   m.spec = spec;
   for (size_t k = 0; k < spec.paths.size(); ++k) {
-    auto src = std::make_unique<Source>();
-    open_token_file(src->file, spec.paths[k], spec.vocab_size);
+    auto src = std::make_unique<PackedFile>();
+    data::open_token_file(src->file, spec.paths[k], spec.vocab_size);
     // File k shuffles with seed + k: the first (or only) file's order is the
     // seed's, as with a single data.path.
     src->seed = spec.seed + k;
@@ -916,39 +279,13 @@ TokenDataset::TokenDataset(const DataSpec& spec) : spec_(spec), impl_(std::make_
     src->seq_len = spec.seq_len;
     m.sources.push_back(std::move(src));
   }
-  if (spec.paths.size() > 1) {
-    std::vector<double> w = spec.weights;
-    if (w.empty())  // in proportion to each file's targets, as if they were one file
-      for (const auto& s : m.sources) w.push_back(static_cast<double>(s->file.pairs));
-    double total = 0;
-    for (size_t k = 0; k < w.size(); ++k) {
-      SHARDLM_CHECK(w[k] >= 0 && std::isfinite(w[k]), "data.weights[%zu] = %g: weights must be >= 0", k, w[k]);
-      total += w[k];
-    }
-    SHARDLM_CHECK(total > 0, "data.weights are all 0: at least one file must have a positive weight");
-    double cumulative = 0;
-    for (size_t k = 0; k < w.size(); ++k) {
-      cumulative += w[k];
-      const double scaled = cumulative / total * 9007199254740992.0;  // 2^53
-      m.thresholds.push_back(k + 1 == w.size() ? (uint64_t(1) << 53) : static_cast<uint64_t>(scaled));
-    }
-  }
-  m.anchor_counts.assign(spec.paths.size(), 0);
-  m.block_counts.assign(spec.paths.size(), 0);
+  std::vector<int64_t> pairs;
+  for (const auto& s : m.sources) pairs.push_back(s->file.pairs);
+  m.mix.emplace(spec.weights, pairs, spec.seed);
   m.stage_tokens.resize(static_cast<size_t>(spec.seq_len + 1));
   m.stage_mask.resize(static_cast<size_t>(spec.seq_len + 1));
   m.spare.tokens.reserve(static_cast<size_t>(spec.micro_batch * spec.seq_len));
-  // Both epochs' orders and row tables are reserved now (memory is planned:
-  // later epochs reuse them), and epoch 0 is packed so the first step does
-  // not pay for it.
-  for (const auto& s : m.sources) {
-    const int64_t rows_bound = s->file.documents + s->file.pairs / spec.seq_len + 1;
-    for (int slot = 0; slot < (spec.shuffle ? 2 : 1); ++slot) {
-      if (spec.shuffle) s->cache[slot].order.reserve(static_cast<size_t>(s->file.documents));
-      s->cache[slot].starts.reserve(static_cast<size_t>(rows_bound / kRowsPerStart + 1));
-    }
-    (void)s->rows_in_epoch(0);
-  }
+  for (const auto& s : m.sources) s->plan();
   m.retrack();
   if (spec.prefetch) m.worker = std::thread([this] { impl_->run_worker(); });
 }
@@ -1066,7 +403,7 @@ DataPosition TokenDataset::position(int64_t step) {
   pos.seed = spec_.seed;
   pos.documents = documents();
   pos.shuffle = spec_.shuffle;
-  const std::vector<int64_t> rows = m.rows_of_each_file_before(pos.rows_consumed);
+  const std::vector<int64_t> rows = m.mix->rows_of_each_file_before(pos.rows_consumed);
   for (size_t k = 0; k < m.sources.size(); ++k) pos.sources.push_back({m.sources[k]->file.documents, rows[k]});
   return pos;
 }
@@ -1098,9 +435,9 @@ void TokenDataset::restore(const DataPosition& pos) {
                 "would point at other rows",
                 pos.step, changed.c_str());
   m.anchor_step = pos.step;
-  m.anchor_row = pos.rows_consumed;
-  for (size_t k = 0; k < m.sources.size(); ++k) m.anchor_counts[k] = pos.sources[k].rows_consumed;
-  m.block_counts.assign(m.sources.size(), 0);
+  std::vector<int64_t> rows_before;
+  for (const SourcePosition& s : pos.sources) rows_before.push_back(s.rows_consumed);
+  m.mix->restore(pos.rows_consumed, rows_before);
   m.job_ready = false;  // anything prefetched was read from the old anchor
 }
 
@@ -1130,7 +467,7 @@ int64_t TokenDataset::rows_in_epoch(int64_t epoch) {
 }
 
 std::vector<int64_t> TokenDataset::document_order(int64_t epoch) const {
-  const Source& s = *impl_->sources[0];
+  const PackedFile& s = *impl_->sources[0];
   std::vector<uint32_t> order;
   s.fill_order(epoch, order);
   std::vector<int64_t> out(static_cast<size_t>(s.file.documents));
@@ -1141,3 +478,4 @@ std::vector<int64_t> TokenDataset::document_order(int64_t epoch) const {
 DataMemory TokenDataset::memory() const { return impl_->memory(/*bound=*/true); }
 
 }  // namespace shardlm
+

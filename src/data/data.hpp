@@ -3,7 +3,11 @@
 // several files by weight, micro-batches (prefetched one ahead) and the
 // sampler position a checkpoint stores.
 //
-// Owns: DataSpec, MicroBatch, StepCounts, DataPosition, TokenDataset.
+// Owns: DataSpec, MicroBatch, StepCounts, DataPosition, TokenDataset (the
+// public reader). Its parts, private to src/data: data/token_file.hpp (the
+// HDF5 format), data/order.hpp (each file's epoch order and packing into rows),
+// data/mixing.hpp (files by weight); data.cpp cuts the stream into steps and
+// micro-batches and runs the prefetch thread.
 // Knows nothing about MPI, devices or the model: every rank builds the same
 // stream of rows from (files, weights, seed, seq_len) and takes its share by
 // (rank, world), so the result is the same at any world size. File format and

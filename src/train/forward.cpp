@@ -6,7 +6,8 @@
 #include "shardlm/comm.hpp"
 #include "train/engine.hpp"
 #include "shardlm/h5util.hpp"
-#include "model/hf.hpp"
+#include "model/hf_config.hpp"
+#include "model/safetensors.hpp"
 #include "train/shard.hpp"
 
 namespace shardlm {

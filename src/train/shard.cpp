@@ -7,7 +7,8 @@
 
 #include "cpu/adamw.hpp"
 #include "shardlm/error.hpp"
-#include "model/hf.hpp"
+#include "model/hf_config.hpp"
+#include "model/safetensors.hpp"
 
 namespace shardlm {
 

@@ -7,7 +7,8 @@
 
 #include "shardlm/error.hpp"
 #include "cuda/newton_schulz.hpp"
-#include "model/hf.hpp"
+#include "model/hf_config.hpp"
+#include "model/safetensors.hpp"
 
 namespace shardlm {
 

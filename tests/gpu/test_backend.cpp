@@ -15,14 +15,15 @@
 
 #include "../test_util.hpp"
 #include "../unit/run_command.hpp"
+#include "cuda/sdpa.hpp"
+#include "model/hf_config.hpp"
+#include "model/safetensors.hpp"
 #include "shardlm/comm.hpp"
 #include "shardlm/config.hpp"
 #include "shardlm/cuda.hpp"
-#include "cuda/sdpa.hpp"
-#include "train/engine.hpp"
 #include "shardlm/h5util.hpp"
-#include "model/hf.hpp"
 #include "shardlm/memory.hpp"
+#include "train/engine.hpp"
 #include "train/shard.hpp"
 #include "train/train.hpp"
 

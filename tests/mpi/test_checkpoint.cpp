@@ -27,13 +27,15 @@
 #include <vector>
 
 #include "../unit/run_command.hpp"
-#include "checkpoint/checkpoint.hpp"
 #include "checkpoint/async.hpp"
+#include "checkpoint/checkpoint.hpp"
 #include "checkpoint/layout.hpp"
+#include "model/hf_config.hpp"
+#include "model/safetensors.hpp"
 #include "shardlm/comm.hpp"
 #include "shardlm/config.hpp"
+#include "shardlm/dtype.hpp"
 #include "shardlm/h5util.hpp"
-#include "model/hf.hpp"
 #include "train/train.hpp"
 
 using namespace shardlm;

@@ -10,8 +10,8 @@
 #include <vector>
 
 #include "shardlm/comm.hpp"
+#include "shardlm/dtype.hpp"
 #include "shardlm/error.hpp"
-#include "model/hf.hpp"
 #include "shardlm/runtime.hpp"
 
 using namespace shardlm;

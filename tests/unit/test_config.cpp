@@ -247,6 +247,39 @@ TEST_CASE("muon: its keys parse, its AdamW group defaults to lr and weight_decay
   CHECK(parse(kValid, {"optim.name=muon", "device.backend=cuda", "model.optim_cpu_offload=true"}).ok());
 }
 
+TEST_CASE("the model's size table: one row per size, one check of their rules") {
+  // The names every schema uses: the deck and checkpoint attributes, config.json.
+  std::vector<std::string> names, hf_keys;
+  for (const ModelSizeField& f : model_size_fields()) names.push_back(f.name), hf_keys.push_back(f.hf_key);
+  CHECK(names == std::vector<std::string>{"vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                                          "num_kv_heads", "head_dim"});
+  CHECK(hf_keys == std::vector<std::string>{"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                            "num_attention_heads", "num_key_value_heads", "head_dim"});
+  ModelConfig c;
+  c.vocab_size = 258, c.hidden_size = 64, c.intermediate_size = 176, c.num_layers = 2;
+  c.num_heads = 4, c.num_kv_heads = 2, c.head_dim = 16;
+  CHECK(check_model_sizes(c).rule == ModelSizeProblem::Rule::None);
+  CHECK(model_size_error(c).empty());
+  ModelConfig bad = c;
+  bad.num_kv_heads = 3;
+  CHECK(check_model_sizes(bad).rule == ModelSizeProblem::Rule::HeadsNotMultipleOfKvHeads);
+  CHECK(model_size_error(bad) == "num_heads = 4 is not a multiple of num_kv_heads = 3");
+  bad = c;
+  bad.num_layers = kMaxLayers + 1;
+  const ModelSizeProblem range = check_model_sizes(bad);
+  CHECK(range.rule == ModelSizeProblem::Rule::OutOfRange);
+  REQUIRE(range.field != nullptr);
+  CHECK(std::string(range.field->name) == "num_layers");
+  CHECK(range.value == kMaxLayers + 1);
+  CHECK(model_size_error(bad) == "num_layers = 16385 is out of range: shardlm accepts 1 to 16384");
+  bad = c;
+  bad.num_kv_heads = 0;  // not a divisor question: out of range first
+  CHECK(model_size_error(bad) == "num_kv_heads = 0 is out of range: shardlm accepts 1 to 16384");
+  bad = c;
+  bad.vocab_size = kMaxVocabSize, bad.hidden_size = kMaxHiddenSize, bad.num_layers = kMaxLayers;
+  CHECK(check_model_sizes(bad).rule == ModelSizeProblem::Rule::TooManyParameters);
+}
+
 TEST_CASE("cross-field checks run before any work") {
   CHECK(only_error(parse(kValid, {}, 3)) ==
         "deck.toml: data.global_batch = 8 must be a multiple of data.micro_batch x training ranks = 2 x 3 = 6");

@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "cpu/adamw.hpp"
-#include "model/hf.hpp"
+#include "shardlm/dtype.hpp"
 
 namespace {
 
@@ -228,7 +228,7 @@ TEST_CASE("bf16 conversion: round to nearest even, overflow to inf, NaN quiet wi
     CAPTURE(c);
     CHECK(reference[c] == cases[c].second);
   }
-  // The project's scalar converter (hf.cpp) agrees with the definition too.
+  // The project's scalar converter (shardlm/dtype.hpp) agrees with the definition too.
   int64_t hf_mismatches = 0;
   for (size_t i = 0; i < in.size(); ++i) hf_mismatches += shardlm::f32_to_bf16_rne(in[i]) != reference[i];
   CHECK(hf_mismatches == 0);

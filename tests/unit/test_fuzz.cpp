@@ -20,12 +20,12 @@
 #include <string>
 #include <vector>
 
-#include "shardlm/config.hpp"
-#include "train/engine.hpp"
-#include "shardlm/error.hpp"
-#include "model/hf.hpp"
-#include "train/train.hpp"
+#include "model/safetensors.hpp"
 #include "run_command.hpp"
+#include "shardlm/config.hpp"
+#include "shardlm/error.hpp"
+#include "train/engine.hpp"
+#include "train/train.hpp"
 
 using namespace shardlm;
 namespace fs = std::filesystem;

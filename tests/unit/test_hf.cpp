@@ -1,4 +1,5 @@
-// test_hf.cpp — config.json and safetensors I/O (hf.hpp): round trips, ranged
+// test_hf.cpp — config.json and safetensors I/O (model/hf_config.hpp,
+// model/safetensors.hpp): round trips, ranged
 // reads, sharded directories, the numeric conversions, and every refusal with
 // the text of its message.
 #include <doctest/doctest.h>
@@ -19,8 +20,10 @@
 
 #include <nlohmann/json.hpp>
 
+#include "model/hf_config.hpp"
+#include "model/safetensors.hpp"
+#include "shardlm/dtype.hpp"
 #include "shardlm/error.hpp"
-#include "model/hf.hpp"
 
 namespace {
 

@@ -12,14 +12,15 @@
 #include <string>
 #include <vector>
 
-#include "run_command.hpp"
 #include "../test_util.hpp"
+#include "model/hf_config.hpp"
+#include "model/safetensors.hpp"
+#include "run_command.hpp"
 #include "shardlm/comm.hpp"
 #include "shardlm/config.hpp"
+#include "shardlm/h5util.hpp"
 #include "train/engine.hpp"
 #include "train/forward.hpp"
-#include "shardlm/h5util.hpp"
-#include "model/hf.hpp"
 #include "train/shard.hpp"
 #include "train/train.hpp"
 

@@ -16,11 +16,11 @@
 #include <string>
 #include <vector>
 
-#include "shardlm/offload_device.hpp"
-#include "shardlm/config.hpp"
 #include "cpu/adamw.hpp"
 #include "cpu/ops.hpp"
-#include "model/hf.hpp"
+#include "shardlm/config.hpp"
+#include "shardlm/dtype.hpp"
+#include "shardlm/offload_device.hpp"
 #include "train/offload.hpp"
 #include "train/optim.hpp"
 #include "train/shard.hpp"

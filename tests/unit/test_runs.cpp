@@ -22,11 +22,11 @@
 
 #include <nlohmann/json.hpp>
 
-#include "model/hf.hpp"
+#include "model/tokenizer_files.hpp"
 #include "run/metrics.hpp"
-#include "train/optim.hpp"
 #include "run/run_dir.hpp"
 #include "run/tensorboard.hpp"
+#include "train/optim.hpp"
 
 using namespace shardlm;
 namespace fs = std::filesystem;

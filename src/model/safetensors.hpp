@@ -1,14 +1,15 @@
-// hf.hpp — Hugging Face model-directory I/O: config.json and safetensors.
+// safetensors.hpp — safetensors files, read and written in element ranges.
 //
-// Owns: reading and writing config.json (read_hf_config / write_hf_config), the
-// safetensors reader (ranged reads of any element range of any tensor, so a rank
-// reads only its shard) and writer (atomic: FILE.tmp then rename); the scalar
-// conversions it uses are shardlm/dtype.hpp's.
-// Knows nothing about parameters, units, shards, devices or MPI: the model owns
-// the tensor names and shapes; this file only moves named fp32 ranges.
+// Owns: the safetensors reader (ranged reads of any element range of any
+// tensor, so a rank reads only its shard; the header validated: offsets tile
+// the data exactly) and writer (streaming, shared by several processes, atomic:
+// FILE.tmp then rename); the scalar conversions it uses are shardlm/dtype.hpp's.
+// Knows nothing about parameters, units, shards, devices, MPI or config.json:
+// the model owns the tensor names and shapes; this file only moves named fp32
+// ranges.
 //
-// Host byte order is little-endian (as the safetensors format is); hf.cpp
-// checks this at compile time.
+// Host byte order is little-endian (as the safetensors format is);
+// safetensors.cpp checks this at compile time.
 #pragma once
 
 #include <cstdint>
@@ -17,42 +18,7 @@
 #include <string>
 #include <vector>
 
-#include "shardlm/dtype.hpp"
-#include "shardlm/model_config.hpp"
-
 namespace shardlm {
-
-// ---- config.json -----------------------------------------------------------
-
-// Reads DIR/config.json of a LlamaForCausalLM, Qwen2ForCausalLM or
-// Qwen3ForCausalLM model, in transformers 4.x (rope_theta + rope_scaling) or 5.x
-// (rope_parameters) form. Throws Error naming the file, key and value for
-// anything shardlm cannot run exactly (other architectures, RoPE types other
-// than default/llama3, MLP biases, activations other than silu, sliding-window
-// attention, quantized weights, missing or non-positive sizes).
-ModelConfig read_hf_config(const std::filesystem::path& dir);
-
-// Writes DIR/config.json (DIR must exist) that transformers 4.x and 5.x and
-// vLLM load: rope in the 4.x form (rope_theta + rope_scaling), which 5.x still
-// reads. torch_dtype: "float32" | "bfloat16" | "float16". Throws Error for a
-// ModelConfig that the named architecture cannot express (Qwen2 without q/k/v
-// biases, Qwen3 without q/k norms, q/k norms on Llama or Qwen2). Written as
-// config.json.tmp, then renamed.
-void write_hf_config(const std::filesystem::path& dir, const ModelConfig& config,
-                     const std::string& torch_dtype);
-
-// ---- the files served beside the weights -----------------------------------
-
-// What vLLM or transformers need beside config.json and the weights to serve a
-// model: tokenizer.json, tokenizer_config.json, special_tokens_map.json,
-// generation_config.json, chat_template.jinja, chat_template.json, and the slow
-// tokenizers' tokenizer.model, vocab.json, merges.txt, added_tokens.json.
-const std::vector<std::string>& tokenizer_file_names();
-// Copies those that `src_dir` (the model.hf a run loaded; "" = none) holds into
-// `dst_dir` (each as .tmp, then renamed) and returns one sentence for the log:
-// which files came from where, or why there were none. Throws Error naming the
-// file when a copy fails.
-std::string copy_tokenizer_files(const std::filesystem::path& src_dir, const std::filesystem::path& dst_dir);
 
 // ---- safetensors reading ---------------------------------------------------
 
