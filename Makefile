@@ -57,7 +57,7 @@ JSON_CFLAGS ?= $(shell $(PKG_CONFIG) --cflags nlohmann_json 2>/dev/null)
 MPI_CFLAGS  ?= $(shell $(MPICXX) --showme:compile 2>/dev/null)
 
 CXXFLAGS ?= $(OPT) -g
-CXXFLAGS += -std=c++20 -Wall -Wextra -fopenmp -MMD -MP -Iinclude -DOMPI_SKIP_MPICXX -DMPICH_SKIP_MPICXX \
+CXXFLAGS += -std=c++20 -Wall -Wextra -fopenmp -MMD -MP -Iinclude -Isrc -DOMPI_SKIP_MPICXX -DMPICH_SKIP_MPICXX \
             $(HDF5_CFLAGS) $(TOML_CFLAGS) $(BLAS_CFLAGS) $(JSON_CFLAGS)
 LDLIBS   += $(HDF5_LIBS) $(TOML_LIBS) $(BLAS_LIBS) -lz -fopenmp
 CXXFLAGS += $(SANITIZE_FLAGS)
@@ -67,7 +67,8 @@ VERSION := $(shell cat VERSION 2>/dev/null || echo 0.0.0)
 GIT_REV := $(shell git rev-parse --short HEAD 2>/dev/null || echo unknown)
 CXXFLAGS += -DSHARDLM_VERSION='"$(VERSION)"' -DSHARDLM_GIT_REV='"$(GIT_REV)"'
 
-LIB_SRCS := $(filter-out src/main.cpp src/cuda_stub.cpp,$(wildcard src/*.cpp)) $(wildcard src/cpu/*.cpp)
+LIB_SRCS := $(filter-out src/main.cpp src/cuda_stub.cpp,$(wildcard src/*.cpp)) $(wildcard src/cpu/*.cpp) \
+            $(wildcard src/data/*.cpp)
 CU_SRCS  := $(wildcard src/cuda/*.cu)
 ifeq ($(CUDA),1)
 NVCCFLAGS ?= $(OPT) -lineinfo
