@@ -195,9 +195,9 @@ class ChatTemplate:
 
     # ------------------------------------------------------------------ rendering
 
-    def render(self, messages, tools=None, add_generation_prompt=False, spans=None, **extra):
+    def render(self, messages, tools=None, add_generation_prompt=False, spans=None, where=None, **extra):
         """The chat as text. With `spans` a list, generation blocks append their
-        (start, end) character spans to it."""
+        (start, end) character spans to it. `where` prefixes an error."""
         context = dict(self.special)
         context.update(messages=messages, tools=tools, documents=None,
                        add_generation_prompt=add_generation_prompt, **extra)
@@ -209,7 +209,7 @@ class ChatTemplate:
                 pieces.append(piece)
                 self.tracker.rendered_chars += len(piece)
         except jinja2.exceptions.TemplateError as e:
-            raise ChatError(f"the chat template ({self.where}) failed: {e}") from None
+            raise ChatError(f"{where + ': ' if where else ''}the chat template ({self.where}) failed: {e}") from None
         finally:
             self.tracker.spans = None
         return "".join(pieces)
@@ -252,9 +252,9 @@ class ChatTemplate:
         check_messages(messages, where)
         if self.has_generation_blocks:
             spans = []
-            text = self.render(messages, tools=tools, spans=spans)
+            text = self.render(messages, tools=tools, spans=spans, where=where)
             return text, [s for s in spans if s[1] > s[0]]
-        text = self.render(messages, tools=tools)
+        text = self.render(messages, tools=tools, where=where)
         end_tokens = self.end_of_turn_tokens()
         spans = []
         searched_from = 0
@@ -319,5 +319,5 @@ class ChatTemplate:
     def encode_prompt(self, messages, tools=None, where="prompt"):
         """(text, ids) of messages followed by the generation prompt (RL prompts)."""
         check_messages(messages, where)
-        text = self.render(messages, tools=tools, add_generation_prompt=True)
+        text = self.render(messages, tools=tools, add_generation_prompt=True, where=where)
         return text, self.tokenizer.encode(text)

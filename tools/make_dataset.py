@@ -329,7 +329,7 @@ class TokenFileWriter:
             dset[start:start + block] = staged[start:start + block]
         del staged
 
-    def finish(self, tokenizer_name, tokenizer_vocab_size):
+    def finish(self, tokenizer_name, tokenizer_vocab_size, chat_template=None):
         for f in (self.tokens_file, self.mask_file):
             f.close()
         vocab_size = max(int(tokenizer_vocab_size), self.max_id + 1)
@@ -342,6 +342,8 @@ class TokenFileWriter:
                     self._dataset(f, "loss_mask", self.mask_file.name, np.dtype(np.uint8), self.tokens)
                 f.attrs["vocab_size"] = np.int64(vocab_size)
                 f.attrs["tokenizer"] = tokenizer_name
+                if chat_template is not None:
+                    f.attrs["chat_template"] = chat_template
             os.replace(tmp, self.path)
         finally:
             self.discard()
@@ -534,7 +536,8 @@ def run(args, tokenizer, sink, train, splitter):
     outputs = [(args.output, train)] + ([(args.eval_output, splitter.held_out)] if splitter else [])
     for path, writer in outputs:
         documents, tokens, loss = writer.documents, writer.tokens, writer.loss_targets
-        vocab_size = writer.finish(tokenizer.name, tokenizer.vocab_size)
+        template = getattr(tokenizer, "template", None)
+        vocab_size = writer.finish(tokenizer.name, tokenizer.vocab_size, template.source if template else None)
         print(f"wrote {path}: {documents} documents{skipped if writer is train else ''}, {tokens} tokens, "
               f"{loss} loss targets, vocab_size {vocab_size}, tokenizer {tokenizer.name}, {storage}")
     return 0
