@@ -5,7 +5,7 @@ Run it with an interpreter that has h5py and numpy, e.g. /usr/bin/python3:
 
     /usr/bin/python3 tools/make_dataset.py -o data.h5 --split paragraphs notes.txt
     /usr/bin/python3 tools/make_dataset.py -o sft.h5 --append-eos train.jsonl
-    /usr/bin/python3 tools/make_dataset.py -o sft.h5 --tokenizer /models/qwen/tokenizer.json train.jsonl
+    /usr/bin/python3 tools/make_dataset.py -o sft.h5 --tokenizer /models/Qwen3-8B chats.jsonl
 
 Inputs: text files (each file, or with --split paragraphs each blank-line
 separated paragraph, is one document) and JSONL files (.jsonl, .ndjson, .json)
@@ -14,6 +14,9 @@ with one object per line:
     {"prompt": "...", "completion": "..."}            loss on completion tokens only
     {"messages": [{"role": "user", "content": "..."}, ...]}
                                                       loss on assistant turns only
+With --tokenizer a tokenizer.json (or its model folder; read by tools/hf_tokenizer.py)
+chats are rendered with the model's own chat template when one comes with it
+(tools/chat_template.py), else in shardlm's format.
 
 Large sets: documents are streamed to disk as they are tokenized (memory
 stays at one block of tokens); --compression gzip writes chunked, compressed
