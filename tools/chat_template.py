@@ -24,6 +24,7 @@ Which tokens carry loss, in the rendered text:
 
 import json
 import os
+import unicodedata
 from datetime import datetime
 
 try:
@@ -301,6 +302,15 @@ class ChatTemplate:
     def encode_chat(self, messages, tools=None, where="chat"):
         """(ids, mask): the rendered chat's tokens and 1 where they carry loss."""
         text, spans = self.assistant_spans(messages, tools, where)
+        if self.tokenizer.nfc:
+            normalized = unicodedata.normalize("NFC", text)
+            if normalized != text:
+                # Tokenize the normalized text (what the tokenizer would see anyway) so that
+                # every token has its own offsets; the spans' ends are at the template's own
+                # text (headers, special tokens), where the normalized prefix is a prefix.
+                spans = [(len(unicodedata.normalize("NFC", text[:a])), len(unicodedata.normalize("NFC", text[:b])))
+                         for a, b in spans]
+                text = normalized
         ids, ends = self.tokenizer.encode_with_offsets(text)
         mask = [0] * len(ids)
         k = 0

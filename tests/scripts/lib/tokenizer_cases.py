@@ -105,6 +105,9 @@ def chats(name):
                              {"role": "user", "content": "Tell me a joke"},
                              {"role": "assistant", "content": "No."}], None,
          ["How can I help?" + end, think + "No." + end]),
+        ("combining marks content", [{"role": "user", "content": "Cafe\u0301?"},
+                                     {"role": "assistant", "content": "cafe\u0301 Z\u0324\u0354 ok"}], None,
+         [think + ("caf\u00e9" if qwen else "cafe\u0301") + " Z\u0324\u0354 ok" + end]),
         ("whitespace and emoji content", [{"role": "user", "content": "  spaced \n\n out  "},
                                           {"role": "assistant", "content": "\n 🤗 done \n"}], None, None),
     ]
