@@ -106,8 +106,11 @@ def chats(name):
                              {"role": "assistant", "content": "No."}], None,
          ["How can I help?" + end, think + "No." + end]),
         ("combining marks content", [{"role": "user", "content": "Cafe\u0301?"},
-                                     {"role": "assistant", "content": "cafe\u0301 Z\u0324\u0354 ok"}], None,
-         [think + ("caf\u00e9" if qwen else "cafe\u0301") + " Z\u0324\u0354 ok" + end]),
+                                     {"role": "assistant", "content": "cafe\u0301 Z\u0324\u0354 ok"},
+                                     {"role": "user", "content": "again"},
+                                     {"role": "assistant", "content": "e\u0301"}], None,
+         [("caf\u00e9" if qwen else "cafe\u0301") + " Z\u0324\u0354 ok" + end,
+          think + ("\u00e9" if qwen else "e\u0301") + end]),
         ("whitespace and emoji content", [{"role": "user", "content": "  spaced \n\n out  "},
                                           {"role": "assistant", "content": "\n 🤗 done \n"}], None, None),
     ]
