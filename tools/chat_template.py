@@ -277,24 +277,22 @@ class ChatTemplate:
                                     f"renders before it is not where the whole chat has it, so its "
                                     f"loss cannot be placed")
                 start = at + len(header)
-            end = None
-            try:
-                turn = self.render(messages[:i + 1], tools=tools)
-            except ChatError:
-                turn = None
-            limit = len(turn) if turn is not None and text.startswith(turn) else len(text)
             best = None
             for token in end_tokens:
-                at = text.find(token, start, limit if limit > start else len(text))
+                at = text.find(token, start)
                 if at >= 0 and (best is None or at < best):
                     best = at + len(token)
             if best is not None:
                 end = best
-            elif turn is not None and text.startswith(turn):
+            else:  # a template that writes no end-of-turn token: the turn ends where its rendering does
+                try:
+                    turn = self.render(messages[:i + 1], tools=tools)
+                except ChatError:
+                    turn = None
+                if turn is None or not text.startswith(turn) or len(turn) < start:
+                    raise ChatError(f"{where}: messages[{i}] (assistant): no end-of-turn token "
+                                    f"({', '.join(end_tokens) or 'none known'}) after it in the rendered chat")
                 end = len(turn)
-            else:
-                raise ChatError(f"{where}: messages[{i}] (assistant): no end-of-turn token "
-                                f"({', '.join(end_tokens) or 'none known'}) after it in the rendered chat")
             spans.append((start, end))
             searched_from = end
         return text, spans

@@ -366,6 +366,17 @@ class Tokenizer:
             for match in self.split_pattern.finditer(part):
                 piece = match.group()
                 piece_ids = self._piece_ids(piece)
+                if len(piece_ids) == 1:
+                    ids.append(piece_ids[0])
+                    ends.append(position + match.end())
+                    continue
+                if piece.isascii():  # characters are bytes
+                    at = position + match.start()
+                    for token_id in piece_ids:
+                        at += len(self.id_bytes[token_id])
+                        ids.append(token_id)
+                        ends.append(at)
+                    continue
                 # Walk the piece's bytes to find where each token ends in characters.
                 char_ends = []
                 for k, ch in enumerate(piece):
