@@ -161,6 +161,15 @@ printf '{%% for m in messages %%}{{ m.content }}{%% if m.role == "tool" %%}{{ ra
 expect_run "a template's raise_exception is reported with the line" 1 \
   "chat.jsonl:3: the chat template ($WORK/badtemplate/chat_template.jinja) failed: no tools here" \
   "$PYTHON" "$ROOT/tools/make_dataset.py" -o "$WORK/x.h5" --tokenizer "$WORK/badtemplate" "$WORK/chat.jsonl"
+"$PYTHON" - "$QWEN3/tokenizer.json" "$WORK/fallback.json" <<'EOF'
+import json, sys
+spec = json.load(open(sys.argv[1]))
+spec["model"]["byte_fallback"] = True  # what SentencePiece-style BPE (Llama 2) files say
+json.dump(spec, open(sys.argv[2], "w"))
+EOF
+expect_run "SentencePiece-style BPE (byte_fallback) is refused by name" 1 \
+  "fallback.json: BPE with byte_fallback (SentencePiece-style, Llama 2) is not supported" \
+  "$PYTHON" "$ROOT/tools/make_dataset.py" -o "$WORK/x.h5" --tokenizer "$WORK/fallback.json" "$WORK/chat.jsonl"
 [[ ! -e "$WORK/x.h5" ]] && pass "nothing written on error" || fail "nothing written on error"
 
 # ------------------------------------------- RL prompt files
