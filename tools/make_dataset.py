@@ -266,6 +266,8 @@ def run_job(job):
             if record is None:
                 return ("blank",)
             document = parse_record(record, where, WORKER_BUILDER)
+            if document is not None and "completion" in record and not WORKER_BUILDER.append_eos:
+                return ("doc", document[0], document[1], "no-eos")
         else:
             document = WORKER_BUILDER.text(payload, where)
     except InputError as e:
@@ -499,13 +501,14 @@ def run(args, tokenizer, sink, train, splitter):
     pool = multiprocessing.get_context("fork").Pool(workers) if workers > 1 else None
     results = pool.imap(run_job, jobs(paths, kinds, args.split), chunksize=64) if pool else \
         map(run_job, jobs(paths, kinds, args.split))
-    documents = skipped_short = 0
+    documents = skipped_short = without_eos = 0
     try:
         for result in results:
             if args.max_docs is not None and documents >= args.max_docs:
                 break
             if result[0] == "doc":
                 documents += 1
+                without_eos += len(result) > 3
                 sink(result[1], result[2])
             elif result[0] == "short":
                 skipped_short += 1
@@ -533,6 +536,10 @@ def run(args, tokenizer, sink, train, splitter):
         print(f"make_dataset.py: {len(errors)} error(s); {args.output} not written", file=sys.stderr)
         return 1
 
+    if without_eos:
+        print(f"make_dataset.py: note: {without_eos} prompt/completion documents end without EOS, so the model "
+              f"is not taught to stop; add --append-eos, or give them as chats ({{\"messages\": [...]}}), "
+              f"which the model's chat template ends as it serves them", file=sys.stderr)
     skipped = f", {skipped_short} skipped (< 2 tokens)" if skipped_short else ""
     storage = f"gzip {args.compression_level}, chunks of {args.chunk_tokens}" if args.compression == "gzip" \
         else "contiguous"

@@ -124,6 +124,9 @@ cat > "$WORK/model/tokenizer.json" <<'JSON'
 JSON
 echo '{"bos_token": "<s>", "eos_token": {"content": "</s>"}}' > "$WORK/model/tokenizer_config.json"
 printf '{"prompt": "Q", "completion": "A"}\n{"text": "hi"}\n' > "$WORK/hf.jsonl"
+expect_run "prompt/completion without --append-eos: a note says no EOS ends them" 0 \
+  "note: 1 prompt/completion documents end without EOS" \
+  -o "$WORK/hf.h5" --tokenizer "$WORK/model/tokenizer.json" "$WORK/hf.jsonl"
 expect_run "tokenizer.json path" 0 "2 documents" \
   -o "$WORK/hf.h5" --tokenizer "$WORK/model/tokenizer.json" --prepend-bos --append-eos "$WORK/hf.jsonl"
 check_h5 "tokenizer.json ids, specials from tokenizer_config.json, attributes" "$WORK/hf.h5" \
