@@ -6,8 +6,11 @@ environment with trim_blocks and lstrip_blocks, the loopcontrols extension,
 `{% generation %} ... {% endgeneration %}` blocks (they mark what the assistant
 writes), a `tojson` filter that is json.dumps with ensure_ascii=False, and the
 globals `raise_exception(message)` and `strftime_now(format)`. The template
-sees `messages`, `tools`, `add_generation_prompt` and the tokenizer's special
-tokens (`bos_token`, `eos_token`, ...) as strings.
+sees `messages`, `tools`, `add_generation_prompt`, the tokenizer's special
+tokens (`bos_token`, `eos_token`, ...) as strings, and the variables a caller
+sets in `variables` (what apply_chat_template's extra keyword arguments are,
+e.g. Qwen3's `enable_thinking`). `strftime_now` reads SOURCE_DATE_EPOCH when it
+is set, so a template that writes today's date makes the same data every day.
 
 Which tokens carry loss, in the rendered text:
 - a template with generation blocks: what they enclose;
@@ -25,7 +28,7 @@ Which tokens carry loss, in the rendered text:
 import json
 import os
 import unicodedata
-from datetime import datetime
+from datetime import datetime, timezone
 
 try:
     import jinja2
@@ -80,7 +83,26 @@ def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=F
 
 
 def _strftime_now(fmt):
-    return datetime.now().strftime(fmt)
+    # Templates that write today's date (Llama 3.2) make data that changes by the day;
+    # SOURCE_DATE_EPOCH (the reproducible-builds convention) pins it.
+    epoch = os.environ.get("SOURCE_DATE_EPOCH")
+    when = datetime.fromtimestamp(int(epoch), timezone.utc) if epoch else datetime.now()
+    return when.strftime(fmt)
+
+
+def parse_template_variables(items):
+    """["enable_thinking=false", "name=\"x\""] -> {"enable_thinking": False, "name": "x"}; a
+    value that is not JSON is taken as a string. Raises ChatError."""
+    variables = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key.isidentifier():
+            raise ChatError(f"--template-var {item!r}: expected NAME=VALUE (VALUE as JSON, e.g. enable_thinking=false)")
+        try:
+            variables[key] = json.loads(value)
+        except json.JSONDecodeError:
+            variables[key] = value
+    return variables
 
 
 def find_chat_template(folder):
@@ -170,6 +192,7 @@ class ChatTemplate:
         if isinstance(extra, list):
             self.special["additional_special_tokens"] = [token_text(t) for t in extra]
         self._end_of_turn = None
+        self.variables = {}  # extra template variables (--template-var), e.g. enable_thinking
 
     @classmethod
     def from_folder(cls, folder, tokenizer, source_path=None):
@@ -200,6 +223,7 @@ class ChatTemplate:
         """The chat as text. With `spans` a list, generation blocks append their
         (start, end) character spans to it. `where` prefixes an error."""
         context = dict(self.special)
+        context.update(self.variables)
         context.update(messages=messages, tools=tools, documents=None,
                        add_generation_prompt=add_generation_prompt, **extra)
         pieces = []
@@ -267,8 +291,27 @@ class ChatTemplate:
                 prompt = self.render(messages[:i], tools=tools, add_generation_prompt=True)
             except ChatError:
                 prompt = None
+            common = 0
+            if prompt is not None and not text.startswith(prompt):
+                # The prompt may differ from the chat after the assistant's header (Qwen3 with
+                # enable_thinking=false prompts with an empty think block that history does
+                # not keep): where both still agree past the earlier messages is the start.
+                try:
+                    before = self.render(messages[:i], tools=tools)
+                except ChatError:
+                    before = None
+                if before is not None and text.startswith(before):
+                    # Back to the end of a line or of an added token, so that a header is
+                    # never cut in the middle ("<|" of two different tokens).
+                    common = len(os.path.commonprefix([text, prompt]))
+                    while common > len(before) and text[common - 1] != "\n" and not any(
+                            text.endswith(token, 0, common) for token in self.tokenizer.added):
+                        common -= 1
+                    common = common if common > len(before) else 0
             if prompt is not None and text.startswith(prompt) and len(prompt) >= searched_from:
                 start = len(prompt)
+            elif common >= searched_from and common > 0:
+                start = common
             else:
                 header = self.generation_prompt() or (prompt if i == 0 else "")
                 at = text.find(header, searched_from) if header else -1

@@ -47,7 +47,7 @@ except ImportError as missing:  # pragma: no cover - depends on the interpreter
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from hf_tokenizer import Tokenizer, TokenizerError, load_tokenizer_config, token_text  # noqa: E402
-from chat_template import ChatError, ChatTemplate, check_messages  # noqa: E402
+from chat_template import ChatError, ChatTemplate, check_messages, parse_template_variables  # noqa: E402
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
 MAX_REPORTED_ERRORS = 50
@@ -75,7 +75,7 @@ class HFTokenizer:
     shardlm's own tools/hf_tokenizer.py, with the chat template that comes with it
     (chat_template.jinja, chat_template.json or tokenizer_config.json beside it)."""
 
-    def __init__(self, path, bos_token, eos_token, chat_template="auto"):
+    def __init__(self, path, bos_token, eos_token, chat_template="auto", template_vars=None):
         try:
             self.tokenizer = Tokenizer.load(path)
             folder = os.path.dirname(self.tokenizer.path)
@@ -84,6 +84,10 @@ class HFTokenizer:
             if chat_template != "none":
                 self.template = ChatTemplate.from_folder(
                     folder, self.tokenizer, None if chat_template == "auto" else chat_template)
+            if self.template is not None:
+                self.template.variables = parse_template_variables(template_vars)
+            elif template_vars:
+                raise ChatError(f"{path}: --template-var is given but there is no chat template")
         except (TokenizerError, ChatError) as e:
             raise InputError(str(e)) from None
         self.name = self.tokenizer.path
@@ -422,6 +426,9 @@ def main(argv=None):
                         help="chats: 'auto' (default) renders them with the tokenizer's own chat template "
                              "when it has one, else in shardlm's format; 'none' always shardlm's format; "
                              "or a Jinja template file")
+    parser.add_argument("--template-var", action="append", metavar="NAME=VALUE",
+                        help="a variable for the chat template, VALUE as JSON (e.g. enable_thinking=false "
+                             "for Qwen3); repeatable")
     parser.add_argument("--workers", type=int,
                         help="tokenizing processes (default: the cores, at most 32, for a tokenizer.json; "
                              "1 for byte)")
@@ -464,7 +471,7 @@ def main(argv=None):
 
     try:
         tokenizer = ByteTokenizer() if args.tokenizer == "byte" else \
-            HFTokenizer(args.tokenizer, args.bos_token, args.eos_token, args.chat_template)
+            HFTokenizer(args.tokenizer, args.bos_token, args.eos_token, args.chat_template, args.template_var)
     except InputError as e:
         print(f"make_dataset.py: {e}", file=sys.stderr)
         return 1

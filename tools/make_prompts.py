@@ -84,11 +84,14 @@ def main(argv=None):
     parser.add_argument("--chat-template", default="auto",
                         help="'auto' (default): the tokenizer's own template; 'none': shardlm's chat format; "
                              "or a Jinja template file")
+    parser.add_argument("--template-var", action="append", metavar="NAME=VALUE",
+                        help="a variable for the chat template, VALUE as JSON (e.g. enable_thinking=false "
+                             "for Qwen3); repeatable")
     parser.add_argument("--eos-token", help="EOS token string (default: from tokenizer_config.json)")
     args = parser.parse_args(argv)
     try:
         tokenizer = ByteTokenizer() if args.tokenizer == "byte" else \
-            HFTokenizer(args.tokenizer, None, args.eos_token, args.chat_template)
+            HFTokenizer(args.tokenizer, None, args.eos_token, args.chat_template, args.template_var)
     except InputError as e:
         print(f"make_prompts.py: {e}", file=sys.stderr)
         return 1

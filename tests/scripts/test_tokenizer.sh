@@ -142,6 +142,42 @@ print(repr(text))
 sys.exit(0 if text == '<|system|>\nBe brief.<|im_end|><|user|>\n2+2?<|im_end|><|assistant|>\n4<|im_end|>' else 1)
 "
 
+# ------------------------------------------- template variables, today's date
+check_py "--template-var enable_thinking=false: Qwen3's empty think block is prompt, not loss" "
+import sys
+from hf_tokenizer import Tokenizer
+from chat_template import ChatTemplate, parse_template_variables
+tok = Tokenizer.load('$QWEN3'); t = ChatTemplate.from_folder('$QWEN3', tok)
+t.variables = parse_template_variables(['enable_thinking=false'])
+chat = [{'role': 'user', 'content': 'Hi'}, {'role': 'assistant', 'content': 'Hello'},
+        {'role': 'user', 'content': 'Bye'}, {'role': 'assistant', 'content': 'Bye'}]
+ids, mask = t.encode_chat(chat)
+runs, cur = [], []
+for i, m in zip(ids, mask):
+    if m: cur.append(i)
+    elif cur: runs.append(tok.decode(cur)); cur = []
+runs += [tok.decode(cur)] if cur else []
+prompt, _ = t.encode_prompt(chat[:3])
+print(runs, repr(prompt[-40:]))
+sys.exit(0 if runs == ['Hello<|im_end|>', 'Bye<|im_end|>'] and t.variables == {'enable_thinking': False}
+         and prompt.endswith('<|im_start|>assistant\n<think>\n\n</think>\n\n') else 1)
+"
+mkdir -p "$WORK/dated"
+cp "$QWEN3/tokenizer.json" "$WORK/dated/"
+printf '{{ "Today: " + strftime_now("%%d %%b %%Y") }}{%% for m in messages %%}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%% endfor %%}' \
+  > "$WORK/dated/chat_template.jinja"
+printf '{"prompt": "x"}\n' > "$WORK/one.jsonl"
+SOURCE_DATE_EPOCH=1700000000 expect_run "SOURCE_DATE_EPOCH pins strftime_now (a dated template makes the same file)" 0 \
+  "1 prompts" "$PYTHON" "$ROOT/tools/make_prompts.py" -o "$WORK/dated.h5" --tokenizer "$WORK/dated" "$WORK/one.jsonl"
+check_py "the dated prompt says 14 Nov 2023" "
+import sys, h5py
+with h5py.File('$WORK/dated.h5') as f: text = f['prompt'][0].decode()
+print(repr(text)); sys.exit(0 if text.startswith('Today: 14 Nov 2023<|im_start|>user') else 1)
+"
+expect_run "--template-var without a template is an error" 1 "--template-var is given but there is no chat template" \
+  "$PYTHON" "$ROOT/tools/make_dataset.py" -o "$WORK/x.h5" --tokenizer "$WORK/marked/tokenizer.json" \
+  --chat-template none --template-var enable_thinking=false "$WORK/chat.jsonl"
+
 # ------------------------------------------- errors
 printf '{"messages": [{"role": "user", "content": "a"}, {"role": "narrator", "content": "b"}, {"role": "assistant", "content": "c"}]}\n' > "$WORK/role.jsonl"
 expect_run "a chat with an unknown role names the line, message and role" 1 \
