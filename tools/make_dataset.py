@@ -430,7 +430,7 @@ def main(argv=None):
                         help="a variable for the chat template, VALUE as JSON (e.g. enable_thinking=false "
                              "for Qwen3); repeatable")
     parser.add_argument("--workers", type=int,
-                        help="tokenizing processes (default: the cores, at most 32, for a tokenizer.json; "
+                        help="tokenizing processes (default: the cores this process may use, at most 32, for a tokenizer.json; "
                              "1 for byte)")
     parser.add_argument("--bos-token", help="BOS token string for a tokenizer.json tokenizer")
     parser.add_argument("--eos-token", help="EOS token string for a tokenizer.json tokenizer")
@@ -504,7 +504,8 @@ def run(args, tokenizer, sink, train, splitter):
 
     # Documents are tokenized by a pool of forked processes (they share the
     # tokenizer built above) and come back in input order.
-    workers = args.workers or (1 if args.tokenizer == "byte" else min(os.cpu_count() or 1, 32))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    workers = args.workers or (1 if args.tokenizer == "byte" else min(cores, 32))
     pool = multiprocessing.get_context("fork").Pool(workers) if workers > 1 else None
     results = pool.imap(run_job, jobs(paths, kinds, args.split), chunksize=64) if pool else \
         map(run_job, jobs(paths, kinds, args.split))

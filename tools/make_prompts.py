@@ -58,9 +58,19 @@ def render_prompt(record, where, tokenizer):
     if template is None:
         if tools is not None:
             raise InputError(f"{where}: 'tools' needs the model's chat template, and this tokenizer has none")
-        # shardlm's own chat format (docs/data.md), then the assistant's header.
-        text = "".join(f"<|{m['role']}|>\n{m['content']}" for m in messages) + "<|assistant|>\n"
-        return text, [int(i) for i in tokenizer.encode(text)]
+        # shardlm's own chat format (docs/data.md): each turn "<|role|>\n", its content and
+        # EOS; then the assistant's header.
+        if tokenizer.eos_id is None:
+            raise InputError(f"{where}: shardlm's chat format ends turns with EOS and the tokenizer has "
+                             f"none; name one with --eos-token")
+        eos_text = tokenizer.tokenizer.id_to_token(tokenizer.eos_id) if hasattr(tokenizer, "tokenizer") else ""
+        ids, text = [], ""
+        for m in messages:
+            turn = f"<|{m['role']}|>\n{m['content']}"
+            ids += [int(i) for i in tokenizer.encode(turn)] + [tokenizer.eos_id]
+            text += turn + eos_text
+        ids += [int(i) for i in tokenizer.encode("<|assistant|>\n")]
+        return text + "<|assistant|>\n", ids
     try:
         return template.encode_prompt(messages, tools, where)
     except ChatError as e:

@@ -236,6 +236,17 @@ ok = texts[0] == '<|im_start|>user\nWhat is 6*7?<|im_end|>\n<|im_start|>assistan
 print(texts, answers, meta, stop)
 sys.exit(0 if ok else 1)
 "
+printf '{"prompt": "Q?", "answer": "A"}\n{"messages": [{"role": "user", "content": "Hi"}]}\n' > "$WORK/byteprompts.jsonl"
+expect_run "make_prompts.py with the byte tokenizer" 0 "2 prompts" \
+  "$PYTHON" "$ROOT/tools/make_prompts.py" -o "$WORK/byteprompts.h5" "$WORK/byteprompts.jsonl"
+check_py "byte prompts: raw text, or shardlm's chat format with EOS 257 after each turn" "
+import sys, h5py
+with h5py.File('$WORK/byteprompts.h5') as f:
+    ids = list(f['tokens'][:]); off = list(f['offsets'][:]); stop = list(f.attrs['stop_token_ids']); vocab = int(f.attrs['vocab_size'])
+want = list(b'Q?') + list(b'<|user|>\\nHi') + [257] + list(b'<|assistant|>\\n')
+print(ids, off, stop)
+sys.exit(0 if ids == want and off == [0, 2, len(want)] and stop == [257] and vocab == 258 else 1)
+"
 printf '{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}\n{"prompt": "x", "answer": 5}\n' > "$WORK/badprompts.jsonl"
 out=$("$PYTHON" "$ROOT/tools/make_prompts.py" -o "$WORK/bp.h5" --tokenizer "$QWEN3" "$WORK/badprompts.jsonl" 2>&1); rc=$?
 [[ $rc -eq 1 && "$out" == *"badprompts.jsonl:1: the last message is the assistant's"* \
