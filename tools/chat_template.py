@@ -15,9 +15,12 @@ is set, so a template that writes today's date makes the same data every day.
 Which tokens carry loss, in the rendered text:
 - a template with generation blocks: what they enclose;
 - any other template: for assistant message i, from the end of the prompt the
-  template renders for messages[:i] with add_generation_prompt (it must be a
-  prefix of the whole chat's text; for a chat that opens with the assistant,
-  after the first generation prompt found in the text) up to and including the
+  template renders for messages[:i] with add_generation_prompt when it is a
+  prefix of the whole chat's text; else, where the two part after the header
+  (Qwen3 with enable_thinking=false prompts with an empty think block that
+  earlier turns do not keep), from the last line end or added token they
+  share; else (a chat that opens with the assistant) after the first
+  generation prompt found in the text. Up to and including the
   template's end-of-turn token: the first special token the template writes
   after an assistant's content (probed once; `<|eot_id|>`, `<|im_end|>`) or the
   tokenizer's EOS, whichever comes first. What follows it (a newline) is the
