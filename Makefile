@@ -67,12 +67,11 @@ VERSION := $(shell cat VERSION 2>/dev/null || echo 0.0.0)
 GIT_REV := $(shell git rev-parse --short HEAD 2>/dev/null || echo unknown)
 CXXFLAGS += -DSHARDLM_VERSION='"$(VERSION)"' -DSHARDLM_GIT_REV='"$(GIT_REV)"'
 
-LIB_SRCS := $(filter-out src/main.cpp src/cuda_stub.cpp,$(wildcard src/*.cpp)) $(wildcard src/cpu/*.cpp) \
-            $(wildcard src/data/*.cpp)
+LIB_SRCS := $(filter-out src/cuda/stub.cpp,$(wildcard src/*/*.cpp))
 CU_SRCS  := $(wildcard src/cuda/*.cu)
 ifeq ($(CUDA),1)
 NVCCFLAGS ?= $(OPT) -lineinfo
-NVCCFLAGS += -std=c++20 $(CUDA_ARCH) -Iinclude $(MPI_CFLAGS) -DOMPI_SKIP_MPICXX -ccbin $(firstword $(CXX)) \
+NVCCFLAGS += -std=c++20 $(CUDA_ARCH) -Iinclude -Isrc $(MPI_CFLAGS) -DOMPI_SKIP_MPICXX -ccbin $(firstword $(CXX)) \
              -Xcompiler -Wall,-Wextra,-fopenmp -MMD -MP
 LIB_OBJS := $(LIB_SRCS:%.cpp=$(BUILD)/obj/%.o) $(CU_SRCS:%.cu=$(BUILD)/obj/%.o)
 LDLIBS   += -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcublasLt -lcublas -lnccl -lcudart
@@ -84,7 +83,7 @@ CUDNN      ?= $(if $(wildcard $(CUDNN_HOME)/include/cudnn_graph.h),1,0)
 NVCCFLAGS  += -DSHARDLM_CUDNN=$(CUDNN) $(if $(filter 1,$(CUDNN)),-I$(CUDNN_HOME)/include)
 LDLIBS     += -ldl
 else
-LIB_OBJS := $(LIB_SRCS:%.cpp=$(BUILD)/obj/%.o) $(BUILD)/obj/src/cuda_stub.o
+LIB_OBJS := $(LIB_SRCS:%.cpp=$(BUILD)/obj/%.o) $(BUILD)/obj/src/cuda/stub.o
 endif
 
 UNIT_OBJS := $(patsubst %.cpp,$(BUILD)/obj/%.o,$(wildcard tests/unit/*.cpp)) $(BUILD)/obj/tests/main_unit.o

@@ -27,7 +27,7 @@
 #include <string>
 #include <vector>
 
-#include "shardlm/cpu_adamw.hpp"
+#include "cpu/adamw.hpp"
 
 namespace cpu = shardlm::cpu;
 

@@ -1,12 +1,14 @@
 // backend.hpp — where the model's arithmetic runs: the one interface between
-// the engine's unit loop and a device (CPU fp32 now; CUDA bf16 next).
+// the engine's unit loop and a device (the CPU fp32 reference; CUDA bf16).
 //
 // Owns: the compute of one micro-batch over gathered units (embedding, decoder
 // layers, lm-head + loss, and their backward) with the activations and scratch
-// it needs, plus the memory the engine asks it for (gathered units, full-unit
-// gradients). Knows nothing about ranks, shards or collectives: the engine
-// gathers a unit, hands its parameters here, and reduce-scatters the gradients
-// it gets back.
+// it needs, the parameter shards in its own precision, and the memory the
+// engine asks it for (gathered units, full-unit gradients). Knows nothing about
+// ranks, shards or collectives (the engine gathers a unit, hands its parameters
+// here, and reduce-scatters the gradients it gets back), nor about where the
+// training state lives (train/state.hpp owns the masters, gradient shards and
+// the optimizer).
 #pragma once
 
 #include <algorithm>
@@ -19,7 +21,7 @@
 #include "shardlm/error.hpp"
 #include "shardlm/memory.hpp"
 #include "shardlm/model.hpp"
-#include "shardlm/rl_loss.hpp"
+#include "shardlm/loss.hpp"
 
 namespace shardlm {
 
@@ -38,11 +40,12 @@ struct EngineOptions {
     if (!save_attention) return 0;
     return save_attention_layers <= 0 ? num_layers : std::min(save_attention_layers, num_layers);
   }
-  bool device_state = false;         // masters, gradients and optimizer state on the device
-  bool offload_pipeline = false;     // optim_cpu_offload on a GPU through offload.hpp's pipeline
+  // Where the training state lives (train/state.hpp): the memory plan's rows
+  // and whether gradients need the engine's slots at one rank depend on it.
+  StatePlacement state = StatePlacement::Host;
   bool offload_device_grads = false; // model.optim_offload_grads = "device": no host gradient shards
   bool rl = false;                   // RL policy loss instead of cross-entropy
-  cpu::RlLossParams rl_params;
+  RlLossParams rl_params;
   // Device backends at world > 1: how units are gathered and gradients reduced.
   bool reduce_bf16 = false;          // model.reduce_dtype = "bf16": reduce-scatter in bf16 (half the bytes)
   std::string comm_backend = "nccl"; // "nccl" (one GPU per rank) | "mpi" (staged through host memory)
@@ -64,9 +67,6 @@ struct TokenBatch {
   const float* inference_logprobs = nullptr;
   const float* temperatures = nullptr;
 };
-
-// What the loss of one micro-batch adds up to (SFT fills loss and loss_tokens).
-using LossStats = cpu::RlChunkStats;
 
 class Backend {
  public:
@@ -102,55 +102,11 @@ class Backend {
   virtual void set_param_shard(int unit, const float* master, int64_t n) = 0;
   virtual const void* param_shard(int unit) const = 0;
 
-  // Device-resident training state (GPU backends without optim_cpu_offload):
-  // fp32 masters, gradients and optimizer moments live in device memory and the
-  // update runs there; the host shards become a mirror, refreshed on request
-  // (checkpoint, export, broadcast). Units of the layout, in order.
-  struct OptimSpec {
-    std::string name;              // adamw | sgd
-    double beta1 = 0.9, beta2 = 0.95, eps = 1e-8, momentum = 0;
-    int states = 0;                // fp32 arrays per element (AdamW 2, SGD 0 or 1)
-  };
-  struct Segment { int64_t offset, count; float weight_decay; };  // within a unit shard
-  virtual bool supports_device_state() const { return false; }
-  virtual void state_attach(const ModelLayout&, const std::vector<std::vector<Segment>>&, const OptimSpec&) {}
-  // host -> device and back: the unit's master shard and optimizer states.
-  virtual void state_upload(int, const float*, const std::vector<const float*>&) {}
-  virtual void state_download(int, float*, const std::vector<float*>&) {}
-  virtual float* state_grad(int) { return nullptr; }   // the unit's fp32 gradient shard
-  virtual void state_zero_grads() {}
-  virtual double state_grad_sumsq() { return 0; }      // one host synchronisation
-  virtual void state_step(double, float, int64_t) {}    // lr, clip scale, 1-based step count
   // Wait for queued device work (step-time breakdown; a no-op on the CPU).
   virtual void synchronize() {}
-
-  // Asynchronous host <-> device copies for the offload pipeline (GPU backends
-  // with optim_cpu_offload; offload.hpp). Each copy is named by a ticket. A copy
-  // to the host first waits for the work queued on the compute stream so far; a
-  // copy to the device reads host memory that is ready when it is called. Both
-  // run on copy streams of their own, so they overlap compute. Callable from
-  // the offload worker thread (after bind_thread()).
-  virtual bool supports_async_copies() const { return false; }
-  virtual void bind_thread() {}                                  // make this thread use the backend's device
-  virtual bool pin_host(void*, size_t) { return false; }         // page-lock for DMA; false: left pageable
-  virtual void unpin_host(void*) {}
-  virtual int64_t copy_to_host(void*, const void*, size_t) { return -1; }
-  virtual int64_t copy_to_device(void*, const void*, size_t) { return -1; }
-  virtual void host_wait(int64_t) {}                             // the host waits for a copy
-  virtual void compute_wait(int64_t) {}                          // the compute stream waits for a copy
-  virtual void* param_shard_for_upload(int) { return nullptr; }  // the unit's bf16 shard (device)
-  // The offload pipeline's clip norm, computed where the gradients are: the sum
-  // of squares of a unit's device fp32 gradient (n elements), queued on the
-  // compute stream; grad_sumsq_read sums units 0..units-1 in unit order (double)
-  // after one synchronisation.
-  virtual void grad_sumsq_queue(int, const float*, int64_t) {}
-  virtual double grad_sumsq_read(int) { return 0; }
-  // Bytes and device-timed seconds of the copies the host has waited for, per
-  // direction (the offload summary's achieved link bandwidth).
-  struct CopyTotals {
-    double to_host_bytes = 0, to_host_s = 0, to_device_bytes = 0, to_device_s = 0;
-  };
-  virtual CopyTotals copy_totals() { return {}; }
+  // The bf16 shard's device memory, for the training state's own writes (the
+  // device update, the offload pipeline's uploads); the CPU backend has none.
+  virtual void* param_shard_mut(int /*unit*/) { return nullptr; }
 
   // Activations and scratch for micro-batches of up to options.max_tokens tokens.
   virtual void prepare(const ModelConfig& config, const EngineOptions& options) = 0;

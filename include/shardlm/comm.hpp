@@ -14,12 +14,12 @@
 #include <cstdint>
 #include <memory>
 
+#include "shardlm/dtype.hpp"
+
 namespace shardlm {
 
 // Element type of the unit loop's collectives: fp32 (CPU parameters, gradients)
 // or bf16 (GPU parameters; gradients with model.reduce_dtype = "bf16").
-enum class DType { F32, BF16 };
-inline int64_t dtype_bytes(DType t) { return t == DType::F32 ? 4 : 2; }
 
 class Comm;
 class CollectiveWatch;

@@ -3,7 +3,7 @@
 // Owns: the device queries, the device communicators, and plain device buffers
 // and copies for host code that moves bytes but computes nothing (the RL weight
 // broadcast and its receiver). In a CPU-only build these report "no CUDA"
-// (src/cuda_stub.cpp); the CUDA build implements them in src/cuda/device.cu and
+// (src/cuda/stub.cpp); the CUDA build implements them in src/cuda/device.cu and
 // src/cuda/comm_cuda.cu. Knows nothing about the deck or the model.
 #pragma once
 
@@ -15,6 +15,7 @@
 
 #include "shardlm/comm.hpp"
 #include "shardlm/memory.hpp"
+#include "shardlm/offload_device.hpp"
 
 namespace shardlm {
 
@@ -46,4 +47,7 @@ void cuda_free(Mem category, void* ptr, int64_t bytes);
 void cuda_copy_async(void* dst, const void* src, int64_t bytes, void* stream);
 void cuda_synchronize(void* stream);
 
+// The offload pipeline's copies and sums of squares beside `compute_stream` (a
+// cudaStream_t) on the current device, for a model of `units` units.
+std::unique_ptr<OffloadDevice> make_cuda_offload_device(void* compute_stream, int units);
 }  // namespace shardlm

@@ -2,13 +2,16 @@
 //
 // Owns: Buffer<T> (64-byte aligned, move-only, tagged with what it holds) and the
 // per-category counters (current and peak bytes) that the memory plan is checked
-// against and that the end-of-run report prints. The hot loop allocates nothing:
-// buffers are made at start-up from the plan's sizes. Knows nothing about models.
+// against and that the end-of-run report prints; the MemoryPlan those are checked
+// against (its rows come from the engine and the training state). The hot loop
+// allocates nothing: buffers are made at start-up from the plan's sizes. Knows
+// nothing about models.
 #pragma once
 
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <utility>
 
 namespace shardlm {
@@ -86,5 +89,46 @@ class Buffer {
   Mem category_ = Mem::Workspace;
   int64_t count_ = 0;
 };
+
+// Where the fp32 training state lives (train/state.hpp), chosen once per run.
+enum class StatePlacement { Host, Device, Offload };
+
+// Bytes per rank a run will allocate, by row: the training state's (train/state.hpp:
+// host fp32 shards in every placement, being the state, its device mirror or the
+// CPU optimizer's; device state or accumulators on a GPU) and the engine's (the
+// backend's parameter copies, gathered units, gradient slots, activations,
+// workspace: in device memory on a GPU backend, host memory on the CPU).
+struct MemoryPlan {
+  bool device = false;
+  int64_t param_shards = 0, grad_shards = 0, optim_state = 0;  // host
+  int64_t param_copies = 0;                                     // device: bf16 shards
+  int64_t gathered = 0, activations = 0, workspace = 0;         // device when `device`, else host
+  int64_t host_workspace = 0;                                   // host: broadcast / export staging
+  int64_t comm_staging = 0;                                     // host: pinned buffers of the staged MPI device Comm
+  int64_t offload_buffers = 0;                                  // host: the offload pipeline's bf16 shards
+  int64_t device_state = 0;  // GPU: fp32 masters + gradients + optimizer state (their host shards become mirrors)
+  int64_t device_grads = 0;  // GPU: the offload pipeline's fp32 gradient accumulators
+  int64_t data_reader = 0;   // host: token readers of data.path and eval.path (data.hpp's DataMemory)
+  int64_t checkpoint_snapshot = 0;  // host: the async checkpoint's copy of the state (ckpt.async)
+  // Of which the pool gives up on a host without room (ckpt.async_host_gib = 0:
+  // it then takes half of what is left and stages saves); the plan fits without it.
+  int64_t checkpoint_snapshot_flexible = 0;
+  int64_t host_total() const {
+    return param_shards + grad_shards + optim_state + host_workspace + comm_staging + offload_buffers + data_reader +
+           checkpoint_snapshot +
+           (device ? 0 : gathered + activations + workspace);
+  }
+  int64_t device_total() const {
+    return device ? device_state + device_grads + param_copies + gathered + activations + workspace : 0;
+  }
+  int64_t total() const { return host_total() + device_total(); }
+};
+std::string format_memory_plan(const MemoryPlan& plan, int world);
+// The plan against the machine, before anything large is built: "" when
+// `ranks_on_node` ranks' host plans fit `host` and `ranks_per_gpu` ranks'
+// device plans fit `gpu_bytes` (0: not checked); else a sentence with the
+// numbers and what makes the plan smaller.
+std::string plan_fit_error(const MemoryPlan& plan, int ranks_on_node, const MachineMemory& host, int ranks_per_gpu,
+                           int64_t gpu_bytes);
 
 }  // namespace shardlm

@@ -1,5 +1,5 @@
-// adamw.cpp — the host AdamW; see include/shardlm/cpu_adamw.hpp for the contract.
-#include "shardlm/cpu_adamw.hpp"
+// adamw.cpp — the host AdamW; see src/cpu/adamw.hpp for the contract.
+#include "cpu/adamw.hpp"
 
 #include <omp.h>
 

@@ -5,8 +5,8 @@
 #include <vector>
 
 #include "shardlm/backend.hpp"
-#include "shardlm/cpu_layers.hpp"
-#include "shardlm/cpu_ops.hpp"
+#include "cpu/layers.hpp"
+#include "cpu/ops.hpp"
 #include "shardlm/error.hpp"
 
 namespace shardlm {

@@ -1,10 +1,10 @@
 // layers.cpp — decoder layer and lm-head loss on the CPU backend (fp32).
-#include "shardlm/cpu_layers.hpp"
+#include "cpu/layers.hpp"
 
 #include <algorithm>
 #include <cstring>
 
-#include "shardlm/cpu_ops.hpp"
+#include "cpu/ops.hpp"
 
 namespace shardlm::cpu {
 namespace {

@@ -1,5 +1,5 @@
-// ops.cpp — CPU reference kernels; see include/shardlm/cpu_ops.hpp for the contract.
-#include "shardlm/cpu_ops.hpp"
+// ops.cpp — CPU reference kernels; see src/cpu/ops.hpp for the contract.
+#include "cpu/ops.hpp"
 
 #include <cblas.h>
 

@@ -1,6 +1,6 @@
-// rl_loss.cpp — RL policy loss on lm-head logits; see include/shardlm/rl_loss.hpp
+// rl_loss.cpp — RL policy loss on lm-head logits; see src/cpu/rl_loss.hpp
 // for the formula and the contract.
-#include "shardlm/rl_loss.hpp"
+#include "cpu/rl_loss.hpp"
 
 #include <algorithm>
 #include <cmath>

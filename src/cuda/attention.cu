@@ -1,5 +1,5 @@
 // attention.cu — causal GQA packed-document flash attention, forward and backward.
-// Contract: include/shardlm/cuda_attention.hpp. Reference: shardlm::cpu::attention_*.
+// Contract: src/cuda/attention.hpp. Reference: shardlm::cpu::attention_*.
 //
 // Kernels (all deterministic, none uses atomics):
 //   doc_start_kernel   one block scans seq_id: doc_start[i] = first token of i's run.
@@ -27,7 +27,7 @@
 //   A (16x16, row): a0 = (g, 2t..2t+1), a1 = (g+8, 2t..), a2 = (g, 2t+8..), a3 = (g+8, 2t+8..)
 //   B (16x8,  col): b0 = (k 2t..2t+1, n g), b1 = (k 2t+8..2t+9, n g)
 //   C (16x8):       c0,c1 = (g, 2t..2t+1), c2,c3 = (g+8, 2t..2t+1)
-#include "shardlm/cuda_attention.hpp"
+#include "cuda/attention.hpp"
 
 #include <climits>
 #include <cmath>

@@ -9,19 +9,18 @@
 #include <algorithm>
 #include <array>
 #include <cstring>
-#include <mutex>
 #include <vector>
 
 #include "shardlm/backend.hpp"
 #include "shardlm/cuda.hpp"
-#include "shardlm/cpu_ops.hpp"
-#include "shardlm/cuda_attention.hpp"
-#include "shardlm/cuda_gemm.hpp"
-#include "shardlm/cuda_ops.hpp"
-#include "shardlm/cuda_rl_loss.hpp"
-#include "shardlm/cuda_sdpa.hpp"
+#include "cpu/ops.hpp"
+#include "cuda/attention.hpp"
+#include "cuda/gemm.hpp"
+#include "cuda/ops.hpp"
+#include "cuda/rl_loss.hpp"
+#include "cuda/sdpa.hpp"
 #include "shardlm/error.hpp"
-#include "shardlm/hf.hpp"
+#include "shardlm/dtype.hpp"
 
 namespace shardlm {
 namespace {
@@ -52,13 +51,6 @@ class CudaBackend final : public Backend {
     gemm_.reset();
     for (auto& [ptr, size] : owned_) cudaFree(ptr);
     if (host_staging_) cudaFreeHost(host_staging_);
-    cudaStreamSynchronize(d2h_);
-    cudaStreamSynchronize(h2d_);
-    for (auto e : copy_ready_) cudaEventDestroy(e);
-    for (auto e : copy_start_) cudaEventDestroy(e);
-    for (auto e : copy_done_) cudaEventDestroy(e);
-    cudaStreamDestroy(d2h_);
-    cudaStreamDestroy(h2d_);
     cudaStreamDestroy(stream_);
   }
 
@@ -102,67 +94,6 @@ class CudaBackend final : public Backend {
     return stream_;
   }
 
-  // ------------------------------------------------------------ offload copies
-
-  bool supports_async_copies() const override { return true; }
-  void bind_thread() override {
-    init();
-    CUDA_CHECK(cudaSetDevice(device_));
-  }
-  bool pin_host(void* p, size_t bytes) override {
-    // A page shared with a buffer pinned before cannot be registered twice; the
-    // buffer then stays pageable: copies into it are correct, only synchronous.
-    const cudaError_t e = cudaHostRegister(p, bytes, cudaHostRegisterDefault);
-    if (e != cudaSuccess) cudaGetLastError();
-    return e == cudaSuccess;
-  }
-  void unpin_host(void* p) override {
-    if (cudaHostUnregister(p) != cudaSuccess) cudaGetLastError();
-  }
-  int64_t copy_to_host(void* host, const void* src, size_t bytes) override {
-    return queue_copy(host, src, bytes, /*to_host=*/true);
-  }
-  int64_t copy_to_device(void* dst, const void* host, size_t bytes) override {
-    return queue_copy(dst, host, bytes, /*to_host=*/false);
-  }
-  void host_wait(int64_t t) override {
-    CUDA_CHECK(cudaEventSynchronize(copy_event(t)));
-    std::lock_guard<std::mutex> lock(copy_mutex_);
-    CopyInfo& c = copy_info_[t % kCopyRing];
-    if (c.timed || t < next_copy_ - kCopyRing) return;
-    float ms = 0;
-    CUDA_CHECK(cudaEventElapsedTime(&ms, copy_start_[t % kCopyRing], copy_done_[t % kCopyRing]));
-    (c.to_host ? copies_.to_host_bytes : copies_.to_device_bytes) += double(c.bytes);
-    (c.to_host ? copies_.to_host_s : copies_.to_device_s) += 1e-3 * ms;
-    c.timed = true;
-  }
-  CopyTotals copy_totals() override {
-    std::lock_guard<std::mutex> lock(copy_mutex_);
-    return copies_;
-  }
-  void compute_wait(int64_t t) override { CUDA_CHECK(cudaStreamWaitEvent(stream_, copy_event(t), 0)); }
-  void* param_shard_for_upload(int unit) override { return shards_[unit]; }
-  void grad_sumsq_queue(int unit, const float* grad, int64_t n) override {
-    SHARDLM_CHECK(unit >= 0 && unit < int(shards_.size()), "internal: sum of squares for unit %d", unit);
-    if (!unit_sumsq_) {  // first use: one double per unit, and the reduction's scratch
-      unit_sumsq_ = static_cast<double*>(own(Mem::Workspace, 8 * shards_.size()));
-      if (!sumsq_scratch_) {
-        sumsq_scratch_bytes_ = cuda::sum_squares_scratch_bytes();
-        sumsq_scratch_ = own(Mem::Workspace, sumsq_scratch_bytes_);
-      }
-    }
-    cuda::sum_squares(unit_sumsq_ + unit, grad, n, /*accumulate=*/false, sumsq_scratch_, sumsq_scratch_bytes_, stream_);
-  }
-  double grad_sumsq_read(int units) override {
-    SHARDLM_CHECK(unit_sumsq_ && units <= int(shards_.size()), "internal: no sums of squares queued");
-    std::vector<double> host(units);
-    CUDA_CHECK(cudaMemcpyAsync(host.data(), unit_sumsq_, 8 * size_t(units), cudaMemcpyDeviceToHost, stream_));
-    CUDA_CHECK(cudaStreamSynchronize(stream_));
-    double total = 0;
-    for (double s : host) total += s;  // unit order: the same sum every run
-    return total;
-  }
-
   void attach_shards(const ModelLayout& layout) override {
     int64_t largest = 0;
     for (const auto& u : layout.units) largest = std::max(largest, u.padded_numel);
@@ -177,87 +108,9 @@ class CudaBackend final : public Backend {
   }
   const void* param_shard(int unit) const override { return shards_[unit]; }
 
-  // ------------------------------------------------------------ device-resident state
-
-  bool supports_device_state() const override { return true; }
+  void* param_shard_mut(int unit) override { return shards_[unit]; }
   void synchronize() override {
     if (stream_) CUDA_CHECK(cudaStreamSynchronize(stream_));
-  }
-
-  void state_attach(const ModelLayout& layout, const std::vector<std::vector<Segment>>& segments,
-                    const OptimSpec& spec) override {
-    spec_ = spec;
-    SHARDLM_CHECK(spec.name == "adamw" || spec.name == "sgd", "optim.name = \"%s\" has no GPU update yet",
-                  spec.name.c_str());
-    for (size_t u = 0; u < layout.units.size(); ++u) {
-      const int64_t n = layout.units[u].shard_numel;
-      UnitState st;
-      st.n = n;
-      st.param = static_cast<float*>(own(Mem::ParamShard, 4 * n));
-      st.grad = static_cast<float*>(own(Mem::GradShard, 4 * n));
-      for (int i = 0; i < spec.states; ++i) st.states.push_back(static_cast<float*>(own(Mem::OptimState, 4 * n)));
-      std::vector<cuda::OptimSegment> table;
-      for (const auto& seg : segments[u]) table.push_back({seg.offset, seg.count, seg.weight_decay});
-      SHARDLM_CHECK(int(table.size()) <= cuda::kMaxOptimSegments, "unit %s has too many parameters for one update",
-                    layout.units[u].name.c_str());
-      st.segments = static_cast<cuda::OptimSegment*>(own(Mem::OptimState, sizeof(cuda::OptimSegment) * std::max<size_t>(1, table.size())));
-      st.num_segments = static_cast<int>(table.size());
-      CUDA_CHECK(cudaMemcpy(st.segments, table.data(), sizeof(cuda::OptimSegment) * table.size(), cudaMemcpyHostToDevice));
-      units_.push_back(st);
-    }
-    sumsq_scratch_bytes_ = cuda::sum_squares_scratch_bytes();
-    sumsq_scratch_ = own(Mem::Workspace, sumsq_scratch_bytes_);
-    sumsq_ = static_cast<double*>(own(Mem::Workspace, 8));
-  }
-
-  void state_upload(int unit, const float* param, const std::vector<const float*>& states) override {
-    UnitState& st = units_[unit];
-    CUDA_CHECK(cudaMemcpyAsync(st.param, param, 4 * st.n, cudaMemcpyHostToDevice, stream_));
-    for (size_t i = 0; i < st.states.size(); ++i)
-      CUDA_CHECK(cudaMemcpyAsync(st.states[i], states[i], 4 * st.n, cudaMemcpyHostToDevice, stream_));
-    cuda::cast_f32_to_bf16(shards_[unit], st.param, st.n, stream_);
-    CUDA_CHECK(cudaStreamSynchronize(stream_));  // the host buffers may change after we return
-  }
-
-  void state_download(int unit, float* param, const std::vector<float*>& states) override {
-    UnitState& st = units_[unit];
-    CUDA_CHECK(cudaMemcpyAsync(param, st.param, 4 * st.n, cudaMemcpyDeviceToHost, stream_));
-    for (size_t i = 0; i < st.states.size(); ++i)
-      CUDA_CHECK(cudaMemcpyAsync(states[i], st.states[i], 4 * st.n, cudaMemcpyDeviceToHost, stream_));
-    CUDA_CHECK(cudaStreamSynchronize(stream_));
-  }
-
-  float* state_grad(int unit) override { return units_[unit].grad; }
-
-  void state_zero_grads() override {
-    for (auto& st : units_) CUDA_CHECK(cudaMemsetAsync(st.grad, 0, 4 * st.n, stream_));
-  }
-
-  double state_grad_sumsq() override {
-    for (size_t u = 0; u < units_.size(); ++u)
-      cuda::sum_squares(sumsq_, units_[u].grad, units_[u].n, /*accumulate=*/u > 0, sumsq_scratch_,
-                        sumsq_scratch_bytes_, stream_);
-    double host = 0;
-    CUDA_CHECK(cudaMemcpyAsync(&host, sumsq_, 8, cudaMemcpyDeviceToHost, stream_));
-    CUDA_CHECK(cudaStreamSynchronize(stream_));
-    return host;
-  }
-
-  void state_step(double lr, float clip, int64_t step) override {
-    for (size_t u = 0; u < units_.size(); ++u) {
-      UnitState& st = units_[u];
-      if (spec_.name == "adamw") {
-        cuda::AdamWConfig c;
-        c.lr = lr, c.beta1 = spec_.beta1, c.beta2 = spec_.beta2, c.eps = spec_.eps, c.step = step, c.grad_scale = clip;
-        cuda::adamw_step_segments(st.param, shards_[u], st.grad, st.states[0], st.states[1], st.n, st.segments,
-                                  st.num_segments, c, nullptr, stream_);
-      } else {
-        cuda::SgdConfig c;
-        c.lr = lr, c.momentum = spec_.momentum, c.grad_scale = clip;
-        cuda::sgd_step_segments(st.param, shards_[u], st.grad, st.states.empty() ? nullptr : st.states[0], st.n,
-                                st.segments, st.num_segments, c, nullptr, stream_);
-      }
-    }
   }
 
   // ------------------------------------------------------------ sizes
@@ -641,50 +494,9 @@ class CudaBackend final : public Backend {
  private:
   static constexpr size_t kGemmWorkspace = size_t(32) << 20;
 
-  // A copy's event, checked to be the copy's own: the ring is far larger than the
-  // copies the offload pipeline keeps in flight (two per unit per step).
-  cudaEvent_t copy_event(int64_t t) {
-    std::lock_guard<std::mutex> lock(copy_mutex_);
-    SHARDLM_CHECK(t >= 0 && t < next_copy_ && t >= next_copy_ - kCopyRing,
-                  "internal: copy %lld waited on after %d newer ones", (long long)t, kCopyRing);
-    return copy_done_[t % kCopyRing];
-  }
-
-  // One ticketed copy on its direction's stream, between two timed events. A copy
-  // to the host first waits for the work queued on the compute stream so far.
-  int64_t queue_copy(void* dst, const void* src, size_t bytes, bool to_host) {
-    std::lock_guard<std::mutex> lock(copy_mutex_);
-    if (copy_done_.empty()) {  // first copy: the event ring (only the offload pipeline copies this way)
-      copy_ready_.resize(kCopyRing);
-      copy_start_.resize(kCopyRing);
-      copy_done_.resize(kCopyRing);
-      copy_info_.resize(kCopyRing);
-      for (int i = 0; i < kCopyRing; ++i) {
-        CUDA_CHECK(cudaEventCreateWithFlags(&copy_ready_[i], cudaEventDisableTiming));
-        CUDA_CHECK(cudaEventCreate(&copy_start_[i]));  // timed: the achieved link bandwidth
-        CUDA_CHECK(cudaEventCreate(&copy_done_[i]));
-      }
-    }
-    const int64_t t = next_copy_++;
-    const int64_t i = t % kCopyRing;
-    cudaStream_t s = to_host ? d2h_ : h2d_;
-    if (to_host) {
-      CUDA_CHECK(cudaEventRecord(copy_ready_[i], stream_));
-      CUDA_CHECK(cudaStreamWaitEvent(s, copy_ready_[i], 0));
-    }
-    CUDA_CHECK(cudaEventRecord(copy_start_[i], s));  // to the host: passes once the compute stream has got there
-    CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, to_host ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice, s));
-    CUDA_CHECK(cudaEventRecord(copy_done_[i], s));
-    copy_info_[i] = {bytes, to_host, /*timed=*/false};
-    return t;
-  }
-
   void init() {
     if (stream_) return;
-    CUDA_CHECK(cudaGetDevice(&device_));
     CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-    CUDA_CHECK(cudaStreamCreateWithFlags(&d2h_, cudaStreamNonBlocking));
-    CUDA_CHECK(cudaStreamCreateWithFlags(&h2d_, cudaStreamNonBlocking));
     gemm_workspace_ = own(Mem::Workspace, kGemmWorkspace);
     gemm_ = std::make_unique<cuda::Gemm>(stream_, gemm_workspace_, kGemmWorkspace);
   }
@@ -759,35 +571,7 @@ class CudaBackend final : public Backend {
     cuda::linear_forward(*gemm_, x_out, a.h, w.w_down, nullptr, N, d.I, d.C, /*residual=*/a.x_mid);
   }
 
-  struct UnitState {
-    int64_t n = 0;
-    float* param = nullptr;               // fp32 master shard
-    float* grad = nullptr;                // fp32 gradient shard
-    std::vector<float*> states;           // AdamW exp_avg, exp_avg_sq | SGD momentum
-    cuda::OptimSegment* segments = nullptr;
-    int num_segments = 0;
-  };
-  OptimSpec spec_;
-  std::vector<UnitState> units_;
-  void* sumsq_scratch_ = nullptr;
-  size_t sumsq_scratch_bytes_ = 0;
-  double* sumsq_ = nullptr;
-  double* unit_sumsq_ = nullptr;  // [unit] the offload pipeline's per-unit sums of squares
-
   cudaStream_t stream_ = nullptr;
-  int device_ = 0;
-  // Offload copies: their streams and a ring of events named by ticket.
-  static constexpr int kCopyRing = 16384;
-  cudaStream_t d2h_ = nullptr, h2d_ = nullptr;
-  std::vector<cudaEvent_t> copy_ready_, copy_start_, copy_done_;
-  struct CopyInfo {
-    size_t bytes = 0;
-    bool to_host = false, timed = false;
-  };
-  std::vector<CopyInfo> copy_info_;      // (kCopyRing) by ticket
-  CopyTotals copies_;
-  int64_t next_copy_ = 0;
-  std::mutex copy_mutex_;
   void* gemm_workspace_ = nullptr;
   std::unique_ptr<cuda::Gemm> gemm_;
   std::vector<std::pair<void*, size_t>> owned_;

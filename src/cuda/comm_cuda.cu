@@ -15,7 +15,7 @@
 
 #include "shardlm/comm.hpp"
 #include "shardlm/cuda.hpp"
-#include "shardlm/cuda_ops.hpp"
+#include "cuda/ops.hpp"
 #include "shardlm/error.hpp"
 #include "shardlm/memory.hpp"
 #include "shardlm/runtime.hpp"

@@ -1,6 +1,6 @@
 // gemm.cu — cuBLASLt GEMMs with row-major semantics and cached plans; the linear
-// layer. See include/shardlm/cuda_gemm.hpp.
-#include "shardlm/cuda_gemm.hpp"
+// layer. See src/cuda/gemm.hpp.
+#include "cuda/gemm.hpp"
 
 #include <algorithm>
 #include <cstring>

@@ -1,6 +1,6 @@
 // newton_schulz.cu — Muon's Newton–Schulz in bf16 on the GPU behind muon.hpp's
-// Orthogonalizer. See include/shardlm/cuda_newton_schulz.hpp for the contract and
-// the precision choice; the host fp32 twin is newton_schulz() in src/muon.cpp.
+// Orthogonalizer. See src/cuda/newton_schulz.hpp for the contract and
+// the precision choice; the host fp32 twin is newton_schulz() in src/train/muon.cpp.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -10,9 +10,9 @@
 #include <memory>
 #include <utility>
 
-#include "shardlm/cuda_gemm.hpp"
-#include "shardlm/cuda_newton_schulz.hpp"
-#include "shardlm/cuda_ops.hpp"
+#include "cuda/gemm.hpp"
+#include "cuda/newton_schulz.hpp"
+#include "cuda/ops.hpp"
 #include "shardlm/error.hpp"
 #include "shardlm/memory.hpp"
 

@@ -1,6 +1,6 @@
-// ops.cu — CUDA kernels and launchers; see include/shardlm/cuda_ops.hpp for the
+// ops.cu — CUDA kernels and launchers; see src/cuda/ops.hpp for the
 // contract and docs/kernels.md for precision, determinism and bytes moved per op.
-#include "shardlm/cuda_ops.hpp"
+#include "cuda/ops.hpp"
 #include "kernel_common.cuh"
 
 #include <cooperative_groups.h>

@@ -1,8 +1,8 @@
 // rl_loss.cu — the RL policy loss kernel and its launcher; see
-// include/shardlm/cuda_rl_loss.hpp for the contract, include/shardlm/rl_loss.hpp for
+// src/cuda/rl_loss.hpp for the contract, src/cpu/rl_loss.hpp for
 // the formula (cpu::rl_loss_forward_backward is the reference) and docs/kernels.md
 // for precision, determinism and bytes moved.
-#include "shardlm/cuda_rl_loss.hpp"
+#include "cuda/rl_loss.hpp"
 #include "kernel_common.cuh"
 
 #include <cooperative_groups.h>

@@ -18,7 +18,7 @@
 // Plans are specialised on (batch entries, longest document); both are rounded up
 // to powers of two (padding entries have length 0) so a run builds a handful of
 // plans, each once.
-#include "shardlm/cuda_sdpa.hpp"
+#include "cuda/sdpa.hpp"
 
 #include <algorithm>
 #include <array>
@@ -30,7 +30,7 @@
 #include <string>
 #include <type_traits>
 
-#include "shardlm/cuda_ops.hpp"
+#include "cuda/ops.hpp"
 #include "shardlm/error.hpp"
 
 #if SHARDLM_CUDNN

@@ -11,4 +11,4 @@ NVCC=${NVCC:-$CUDA_HOME/bin/nvcc}
 BUILD_GPU=${BUILD_GPU:-build-gpu}
 mkdir -p "$BUILD_GPU"
 NVCC_FLAGS=(-std=c++20 -O3 -lineinfo -gencode=arch=compute_90a,code=sm_90a -gencode=arch=compute_90,code=sm_90
-            -Iinclude)
+            -Iinclude -Isrc)

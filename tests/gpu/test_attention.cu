@@ -26,8 +26,8 @@
 #include <string>
 #include <vector>
 
-#include "shardlm/cuda_attention.hpp"
-#include "shardlm/cuda_sdpa.hpp"
+#include "cuda/attention.hpp"
+#include "cuda/sdpa.hpp"
 
 #define CHECK_CUDA(call)                                                                 \
   do {                                                                                   \

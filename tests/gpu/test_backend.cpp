@@ -18,13 +18,13 @@
 #include "shardlm/comm.hpp"
 #include "shardlm/config.hpp"
 #include "shardlm/cuda.hpp"
-#include "shardlm/cuda_sdpa.hpp"
-#include "shardlm/engine.hpp"
+#include "cuda/sdpa.hpp"
+#include "train/engine.hpp"
 #include "shardlm/h5util.hpp"
-#include "shardlm/hf.hpp"
+#include "model/hf.hpp"
 #include "shardlm/memory.hpp"
-#include "shardlm/shard.hpp"
-#include "shardlm/train.hpp"
+#include "train/shard.hpp"
+#include "train/train.hpp"
 
 using namespace shardlm;
 using shardlm_test::read_h5;

@@ -23,9 +23,9 @@
 #include <tuple>
 #include <vector>
 
-#include "shardlm/cpu_ops.hpp"
-#include "shardlm/cuda_gemm.hpp"
-#include "shardlm/cuda_ops.hpp"
+#include "cpu/ops.hpp"
+#include "cuda/gemm.hpp"
+#include "cuda/ops.hpp"
 
 namespace {
 
@@ -676,7 +676,7 @@ void test_cross_entropy(Rng& rng, const char* tag, int64_t n, int64_t V, int64_t
 
 // ---------------------------------------------------------------- optimizer
 
-// Optimizer::step (src/optim.cpp) for one shard, segment by segment, verbatim.
+// Optimizer::step (src/train/optim.cpp) for one shard, segment by segment, verbatim.
 void cpu_adamw(float* p, float* m, float* v, const float* g, const std::vector<gpu::OptimSegment>& segs,
                const gpu::AdamWConfig& c, float grad_scale) {
   const double b1 = c.beta1, b2 = c.beta2;

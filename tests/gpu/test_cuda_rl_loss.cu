@@ -23,8 +23,8 @@
 #include <string>
 #include <vector>
 
-#include "shardlm/cuda_rl_loss.hpp"
-#include "shardlm/rl_loss.hpp"
+#include "cuda/rl_loss.hpp"
+#include "cpu/rl_loss.hpp"
 
 namespace {
 

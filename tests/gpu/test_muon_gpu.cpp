@@ -16,10 +16,10 @@
 #include "shardlm/comm.hpp"
 #include "shardlm/config.hpp"
 #include "shardlm/cuda.hpp"
-#include "shardlm/cuda_newton_schulz.hpp"
+#include "cuda/newton_schulz.hpp"
 #include "shardlm/memory.hpp"
-#include "shardlm/muon.hpp"
-#include "shardlm/train.hpp"
+#include "train/muon.hpp"
+#include "train/train.hpp"
 
 using namespace shardlm;
 using namespace shardlm_test;

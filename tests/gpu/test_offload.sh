@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # test_offload.sh — model.optim_cpu_offload on the GPU (the offload pipeline of
-# src/offload.cpp) against device-resident state, run by `make test-gpu`:
+# src/train/offload.cpp) against device-resident state, run by `make test-gpu`:
 # losses with gradient accumulation (tiny-sft has 4 micro-batches per step), at
 # -np 2 on one GPU, and checkpoints crossing the two: saved with offload and
 # resumed without, and the reverse, continue the straight run's trajectory.

@@ -1,6 +1,7 @@
 // test_checkpoint.cpp — HDF5 checkpoints through MPI: bit-exact resume at the
 // same world size, resume at other world sizes, damaged and mismatched files,
-// retention, failed saves, stop signals, and that standard tools read the file.
+// retention, failed saves, stop signals, the Checkpointer's decision at the end
+// of a step (ckpt.on_error, exits 74 and 75), and that standard tools read the file.
 //
 // Sessions are built on communicators of the job's first n ranks, so one job
 // at -np 4 saves on 2 ranks and resumes on 3 or 4 (and on 1, and back).
@@ -26,14 +27,14 @@
 #include <vector>
 
 #include "../unit/run_command.hpp"
-#include "shardlm/checkpoint.hpp"
-#include "shardlm/checkpoint_async.hpp"
-#include "shardlm/checkpoint_layout.hpp"
+#include "checkpoint/checkpoint.hpp"
+#include "checkpoint/async.hpp"
+#include "checkpoint/layout.hpp"
 #include "shardlm/comm.hpp"
 #include "shardlm/config.hpp"
 #include "shardlm/h5util.hpp"
-#include "shardlm/hf.hpp"
-#include "shardlm/train.hpp"
+#include "model/hf.hpp"
+#include "train/train.hpp"
 
 using namespace shardlm;
 namespace fs = std::filesystem;
@@ -736,6 +737,142 @@ TEST_CASE("a stop signal on one rank is seen by every rank at the end of the ste
   clear_stop_request();
   signal(SIGUSR1, SIG_DFL);
   signal(SIGTERM, SIG_DFL);
+}
+
+// One row of the Checkpointer's decision table: run.max_steps = 4,
+// ckpt.interval = 2, ckpt.save_final = true, so step 3 saves only when
+// signalled, step 2 is a due save and step 4 the final one.
+struct DecisionRow {
+  bool async;
+  const char* on_error;  // "stop" | "continue" | "*" (either: nothing failed, or nothing saved)
+  int64_t step;
+  bool signalled, save_fails;
+  // Expected: what after_step(step) says, then what finish() says.
+  bool step_stop;
+  int step_exit;
+  bool run_stopped, final_save_failed;
+  int run_exit;
+};
+
+// Sync: a failed save is known in after_step. Async: the blocking part goes
+// well and the write fails in the background, known when the save is waited
+// for: by the stop signal, or by finish().
+constexpr DecisionRow kDecisions[] = {
+    // async on_error   step sig fail | stop exit | stopped final exit
+    {false, "*",        3, false, false, false, 0,  false, false, 0},   // nothing due
+    {false, "*",        3, false, true,  false, 0,  false, false, 0},   // nothing saved, nothing fails
+    {false, "*",        3, true,  false, true,  75, true,  false, 75},  // signalled: saved, requeue
+    {false, "stop",     3, true,  true,  true,  74, true,  false, 74},
+    {false, "continue", 3, true,  true,  true,  75, true,  false, 75},  // the requeued job resumes an older one
+    {false, "*",        2, false, false, false, 0,  false, false, 0},
+    {false, "stop",     2, false, true,  true,  74, true,  false, 74},
+    {false, "continue", 2, false, true,  false, 0,  false, false, 0},   // trains on; the final save matters
+    {false, "stop",     2, true,  true,  true,  74, true,  false, 74},
+    {false, "continue", 2, true,  true,  true,  75, true,  false, 75},
+    {false, "*",        4, false, false, false, 0,  false, false, 0},
+    {false, "stop",     4, false, true,  true,  74, true,  false, 74},
+    {false, "continue", 4, false, true,  false, 0,  false, true,  74},  // the report, then exit 74
+    {false, "*",        4, true,  false, true,  75, true,  false, 75},
+    {false, "stop",     4, true,  true,  true,  74, true,  false, 74},
+    {false, "continue", 4, true,  true,  true,  75, true,  false, 75},
+    {true,  "*",        3, false, false, false, 0,  false, false, 0},
+    {true,  "*",        3, true,  false, true,  75, true,  false, 75},
+    {true,  "stop",     3, true,  true,  true,  74, true,  false, 74},  // the signal waits for the write
+    {true,  "continue", 3, true,  true,  true,  75, true,  false, 75},
+    {true,  "*",        2, false, false, false, 0,  false, false, 0},
+    {true,  "stop",     2, false, true,  false, 0,  true,  false, 74},  // pending at the step; finish() finds it
+    {true,  "continue", 2, false, true,  false, 0,  false, false, 0},
+    {true,  "*",        4, false, false, false, 0,  false, false, 0},
+    {true,  "stop",     4, false, true,  false, 0,  true,  false, 74},
+    {true,  "continue", 4, false, true,  false, 0,  false, true,  74},
+    {true,  "*",        4, true,  false, true,  75, true,  false, 75},
+    {true,  "stop",     4, true,  true,  true,  74, true,  false, 74},
+    {true,  "continue", 4, true,  true,  true,  75, true,  false, 75},
+};
+
+TEST_CASE("the Checkpointer decides: save when due or signalled, ckpt.on_error, exit 74 or 75, the final save") {
+  SharedDir dir;
+  auto comm = make_mpi_comm(MPI_COMM_WORLD);
+  install_stop_signal_handlers();
+  const int last = world_size() - 1;
+  int rows = 0;
+  for (const bool async : {false, true}) {
+    for (const std::string on_error : {"stop", "continue"}) {
+      const std::string run = std::string(async ? "async-" : "sync-") + on_error;
+      TrainSession s(tiny(dir.path / run,
+                          {async ? "ckpt.async=true" : "ckpt.async=false", "ckpt.on_error=" + on_error,
+                           "run.max_steps=4", "sched.warmup=1", "ckpt.interval=2", "ckpt.save_final=true"},
+                          world_size()),
+                     *comm);
+      for (const DecisionRow& row : kDecisions) {
+        if (row.async != async || (std::string(row.on_error) != "*" && row.on_error != on_error)) continue;
+        CAPTURE(run);
+        CAPTURE(row.step);
+        CAPTURE(row.signalled);
+        CAPTURE(row.save_fails);
+        MPI_Barrier(MPI_COMM_WORLD);  // each row starts with no checkpoint
+        if (world_rank() == 0) fs::remove_all(dir.path / run / "checkpoints");
+        MPI_Barrier(MPI_COMM_WORLD);
+        Checkpointer checkpointer(s, MPI_COMM_WORLD);
+        clear_stop_request();
+        if (row.signalled && world_rank() == last) raise(SIGUSR1);
+        if (row.save_fails && world_rank() == last)
+          setenv("SHARDLM_CKPT_FAULT", fmt("write:%lld@%d", (long long)row.step, last).c_str(), 1);
+        const StepEnd end = checkpointer.after_step(row.step, 0);
+        unsetenv("SHARDLM_CKPT_FAULT");  // read when the save starts
+        CHECK(end.stop == row.step_stop);
+        CHECK(end.exit_code == row.step_exit);
+        const RunEnd run_end = checkpointer.finish();
+        CHECK_FALSE(checkpointer.in_flight());
+        CHECK(run_end.stopped == row.run_stopped);
+        CHECK(run_end.final_save_failed == row.final_save_failed);
+        CHECK(run_end.exit_code == row.run_exit);
+        CHECK(std::string(run_end.status()) ==
+              (row.run_exit == 0 ? "done" : row.run_exit == 75 ? "stopped" : "checkpoint_failed"));
+        // A save that went well is on disk and named by `latest` once finish() returns.
+        const bool saved = !row.save_fails && (row.signalled || row.step % 2 == 0);
+        MPI_Barrier(MPI_COMM_WORLD);
+        CHECK(fs::exists(dir.path / run / "checkpoints" / fmt("step_%lld.h5", (long long)row.step)) == saved);
+        if (saved) CHECK(read_text(dir.path / run / "checkpoints/latest") == fmt("step_%lld.h5\n", (long long)row.step));
+        ++rows;
+      }
+    }
+  }
+  clear_stop_request();
+  signal(SIGUSR1, SIG_DFL);
+  signal(SIGTERM, SIG_DFL);
+  signal(SIGINT, SIG_DFL);
+  // Each row runs once per on_error it matches ("*": twice).
+  CHECK(rows == 40);
+}
+
+TEST_CASE("the Checkpointer: a background save that failed stops the run at the step that finds it (on_error = stop)") {
+  SharedDir dir;
+  auto comm = make_mpi_comm(MPI_COMM_WORLD);
+  const int last = world_size() - 1;
+  for (const std::string on_error : {"stop", "continue"}) {
+    CAPTURE(on_error);
+    TrainSession s(tiny(dir.path / on_error,
+                        {"ckpt.async=true", "ckpt.on_error=" + on_error, "run.max_steps=100", "ckpt.interval=2"},
+                        world_size()),
+                   *comm);
+    Checkpointer checkpointer(s, MPI_COMM_WORLD);
+    if (world_rank() == last) setenv("SHARDLM_CKPT_FAULT", fmt("write:2@%d", last).c_str(), 1);
+    REQUIRE_FALSE(checkpointer.after_step(2, 0).stop);  // the write fails in the background
+    unsetenv("SHARDLM_CKPT_FAULT");
+    // Step 3 saves nothing: each end of step polls until the failure is known on every rank.
+    StepEnd end;
+    for (int i = 0; i < 600 && checkpointer.in_flight(); ++i) {
+      end = checkpointer.after_step(3, 0);
+      if (checkpointer.in_flight()) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    REQUIRE_FALSE(checkpointer.in_flight());
+    CHECK(end.stop == (on_error == "stop"));
+    CHECK(end.exit_code == (on_error == "stop" ? 74 : 0));
+    const RunEnd run_end = checkpointer.finish();
+    CHECK(run_end.exit_code == (on_error == "stop" ? 74 : 0));
+    CHECK_FALSE(run_end.final_save_failed);  // step 2 was not the run's end
+  }
 }
 
 TEST_CASE("h5dump, h5py and export read the checkpoint with its real shapes and values") {

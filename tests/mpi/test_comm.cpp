@@ -1,4 +1,4 @@
-// test_comm.cpp — the MPI Comm's typed collectives (src/comm_mpi.cpp) under
+// test_comm.cpp — the MPI Comm's typed collectives (src/comm/mpi.cpp) under
 // mpirun -np 1/2/3/4: bf16 all-gathers and broadcasts move bits exactly, and the
 // bf16 reduce-scatter (a custom MPI_Op: fp32 sums, one rounding per combination)
 // really sums; select_comm refuses NCCL on the CPU backend.
@@ -11,7 +11,7 @@
 
 #include "shardlm/comm.hpp"
 #include "shardlm/error.hpp"
-#include "shardlm/hf.hpp"
+#include "model/hf.hpp"
 #include "shardlm/runtime.hpp"
 
 using namespace shardlm;

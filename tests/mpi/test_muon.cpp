@@ -14,11 +14,11 @@
 #include <memory>
 #include <vector>
 
-#include "shardlm/checkpoint.hpp"
+#include "checkpoint/checkpoint.hpp"
 #include "shardlm/comm.hpp"
 #include "shardlm/config.hpp"
-#include "shardlm/muon.hpp"
-#include "shardlm/train.hpp"
+#include "train/muon.hpp"
+#include "train/train.hpp"
 
 using namespace shardlm;
 

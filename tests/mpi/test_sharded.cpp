@@ -13,7 +13,7 @@
 #include "shardlm/comm.hpp"
 #include "shardlm/config.hpp"
 #include "shardlm/memory.hpp"
-#include "shardlm/train.hpp"
+#include "train/train.hpp"
 
 using namespace shardlm;
 

@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "shardlm/data.hpp"
+#include "data/data.hpp"
 #include "shardlm/error.hpp"
 #include "shardlm/h5util.hpp"
 

@@ -14,8 +14,8 @@
 #include <vector>
 
 #include "run_command.hpp"
-#include "shardlm/checkpoint.hpp"
-#include "shardlm/engine.hpp"
+#include "checkpoint/checkpoint.hpp"
+#include "train/engine.hpp"
 
 using namespace shardlm;
 using shardlm_test::run;

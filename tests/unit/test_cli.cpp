@@ -11,9 +11,9 @@
 #include <fstream>
 #include <string>
 
-#include "shardlm/cli.hpp"
+#include "config/cli.hpp"
 #include "shardlm/error.hpp"
-#include "shardlm/run_dir.hpp"
+#include "run/run_dir.hpp"
 #include "shardlm/h5util.hpp"
 #include "run_command.hpp"
 

@@ -15,8 +15,8 @@
 #include <string>
 #include <vector>
 
-#include "shardlm/cpu_adamw.hpp"
-#include "shardlm/hf.hpp"
+#include "cpu/adamw.hpp"
+#include "model/hf.hpp"
 
 namespace {
 

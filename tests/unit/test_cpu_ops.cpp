@@ -14,7 +14,7 @@
 #include <random>
 #include <vector>
 
-#include "shardlm/cpu_ops.hpp"
+#include "cpu/ops.hpp"
 #include "shardlm/error.hpp"
 
 namespace {

@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "reference_data.hpp"
-#include "shardlm/data.hpp"
+#include "data/data.hpp"
 #include "shardlm/error.hpp"
 #include "shardlm/h5util.hpp"
 

@@ -21,10 +21,10 @@
 #include <vector>
 
 #include "shardlm/config.hpp"
-#include "shardlm/engine.hpp"
+#include "train/engine.hpp"
 #include "shardlm/error.hpp"
-#include "shardlm/hf.hpp"
-#include "shardlm/train.hpp"
+#include "model/hf.hpp"
+#include "train/train.hpp"
 #include "run_command.hpp"
 
 using namespace shardlm;

@@ -20,7 +20,7 @@
 #include <nlohmann/json.hpp>
 
 #include "shardlm/error.hpp"
-#include "shardlm/hf.hpp"
+#include "model/hf.hpp"
 
 namespace {
 

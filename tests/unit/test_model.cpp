@@ -16,12 +16,12 @@
 #include "../test_util.hpp"
 #include "shardlm/comm.hpp"
 #include "shardlm/config.hpp"
-#include "shardlm/engine.hpp"
-#include "shardlm/forward.hpp"
+#include "train/engine.hpp"
+#include "train/forward.hpp"
 #include "shardlm/h5util.hpp"
-#include "shardlm/hf.hpp"
-#include "shardlm/shard.hpp"
-#include "shardlm/train.hpp"
+#include "model/hf.hpp"
+#include "train/shard.hpp"
+#include "train/train.hpp"
 
 using namespace shardlm;
 using shardlm_test::read_h5;
@@ -275,8 +275,9 @@ TEST_CASE("training the tiny deck lowers the loss; export then reload gives iden
   CHECK(fs::exists(tmp.path / "hf" / "model.safetensors"));
   ShardedModel reloaded(read_hf_config(tmp.path / "hf"), 0, 1);
   reloaded.load_hf(SafetensorsReader(tmp.path / "hf"));
-  session.data->micro_batch(0, 0, 0, 1, session.micro);
-  const TokenBatch b = token_batch(session.micro);
+  MicroBatch micro;
+  session.data->micro_batch(0, 0, 0, 1, micro);
+  const TokenBatch b = token_batch(micro);
   std::vector<float> a(b.N * 258), c(b.N * 258);
   session.engine.forward_logits(b, a.data());
   Engine engine2(reloaded, *comm, engine_options_for(session.config));
@@ -298,9 +299,10 @@ TEST_CASE("eval: the held-out loss equals the training loss of the same rows and
   double nll = 0;
   int64_t tokens = 0;
   std::vector<float> logits;
+  MicroBatch micro;
   for (int a = 0; a < 4; ++a) {
-    session.data->micro_batch(0, a, 0, 1, session.micro);
-    const TokenBatch b = token_batch(session.micro);
+    session.data->micro_batch(0, a, 0, 1, micro);
+    const TokenBatch b = token_batch(micro);
     logits.resize(b.N * 258);
     session.engine.forward_logits(b, logits.data());
     for (int64_t i = 0; i < b.N; ++i) {

@@ -17,9 +17,9 @@
 #include "shardlm/comm.hpp"
 #include "shardlm/config.hpp"
 #include "shardlm/memory.hpp"
-#include "shardlm/muon.hpp"
-#include "shardlm/optim.hpp"
-#include "shardlm/shard.hpp"
+#include "train/muon.hpp"
+#include "train/optim.hpp"
+#include "train/shard.hpp"
 
 using namespace shardlm;
 using namespace shardlm_test;

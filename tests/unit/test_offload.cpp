@@ -1,6 +1,6 @@
 // test_offload.cpp — the host side of the optim_cpu_offload pipeline
-// (src/offload.cpp) without a GPU: a backend whose "device" is host memory and
-// whose copies are memcpys with tickets. What is checked is the pipeline's own
+// (src/train/offload.cpp) without a GPU: an OffloadDevice whose "device" is host memory
+// and whose copies are memcpys with tickets. What is checked is the pipeline's own
 // logic: which micro-batch is the step's first and last, gradients handed over
 // only in the last one and landing in the grad shard, the update refused until
 // every unit is handed over, the per-unit update against Optimizer::step on a copy of
@@ -16,14 +16,14 @@
 #include <string>
 #include <vector>
 
-#include "shardlm/backend.hpp"
+#include "shardlm/offload_device.hpp"
 #include "shardlm/config.hpp"
-#include "shardlm/cpu_adamw.hpp"
-#include "shardlm/cpu_ops.hpp"
-#include "shardlm/hf.hpp"
-#include "shardlm/offload.hpp"
-#include "shardlm/optim.hpp"
-#include "shardlm/shard.hpp"
+#include "cpu/adamw.hpp"
+#include "cpu/ops.hpp"
+#include "model/hf.hpp"
+#include "train/offload.hpp"
+#include "train/optim.hpp"
+#include "train/shard.hpp"
 
 using namespace shardlm;
 
@@ -38,39 +38,25 @@ ModelConfig small_arch() {
 
 // Copies are memcpys done at once; a ticket only names them. Counts the waits
 // so the test can see the pipeline order the "compute stream" after uploads.
-class HostCopyBackend final : public Backend {
+class HostCopies final : public OffloadDevice {
  public:
-  explicit HostCopyBackend(const ModelLayout& layout) {
+  explicit HostCopies(const ModelLayout& layout) {
     for (const auto& u : layout.units) shards.emplace_back(u.shard_numel, 0xffff);
   }
   std::vector<std::vector<uint16_t>> shards;  // [unit] the "device" bf16 shards
   int64_t tickets = 0, host_waits = 0, compute_waits = 0;
   std::mutex m;
 
-  const char* name() const override { return "host-copy"; }
-  bool host_resident() const override { return false; }
-  int64_t param_bytes() const override { return 2; }
-  void* allocate(Mem, size_t) override { return nullptr; }
-  void deallocate(Mem, void*, size_t) override {}
-  void zero(void*, size_t) override {}
-  void add_grad_to_host(float*, const void*, int64_t, DType) override {}
-  void accumulate(float*, const void*, int64_t, DType) override {}
-  void cast_to_bf16(void*, const float*, int64_t) override {}
-  void attach_shards(const ModelLayout&) override {}
-  void set_param_shard(int, const float*, int64_t) override {}
-  const void* param_shard(int unit) const override { return shards[unit].data(); }
-  void prepare(const ModelConfig&, const EngineOptions&) override {}
-  int64_t activation_bytes(const ModelConfig&, const EngineOptions&) const override { return 0; }
-  int64_t workspace_bytes(const ModelConfig&, const EngineOptions&) const override { return 0; }
-  void load_batch(const TokenBatch&) override {}
-  void embed_forward(const void*) override {}
-  void layer_forward(int, const Unit&, const void*) override {}
-  LossStats head_loss_backward(const void*, const void*, float*, float*, float) override { return {}; }
-  void layer_backward(int, const Unit&, const void*, float*) override {}
-  void embed_backward(float*) override {}
-  void head_logits(const void*, const void*, float*) override {}
+  // Where the pipeline uploads each unit's updated bf16 shard.
+  std::vector<void*> device_shards() {
+    std::vector<void*> out;
+    for (auto& s : shards) out.push_back(s.data());
+    return out;
+  }
 
-  bool supports_async_copies() const override { return true; }
+  void bind_thread() override {}
+  bool pin_host(void*, size_t) override { return false; }
+  void unpin_host(void*) override {}
   int64_t copy_to_host(void* host, const void* src, size_t bytes) override { return copy(host, src, bytes); }
   int64_t copy_to_device(void* dst, const void* host, size_t bytes) override { return copy(dst, host, bytes); }
   void host_wait(int64_t) override {
@@ -81,7 +67,10 @@ class HostCopyBackend final : public Backend {
     std::lock_guard<std::mutex> lock(m);
     ++compute_waits;
   }
-  void* param_shard_for_upload(int unit) override { return shards[unit].data(); }
+  void synchronize() override {}
+  void queue_sumsq(int, const float*, int64_t) override {}
+  double read_sumsq(int) override { return 0; }
+  Totals totals() override { return {}; }
 
  private:
   int64_t copy(void* dst, const void* src, size_t bytes) {
@@ -112,8 +101,8 @@ TEST_CASE("offload pipeline on the host: micro-batch flags, landing, per-unit up
   reference.init_seeded(11, 0.05);
   const OptimSection o = adamw_section();
   Optimizer opt(o, model), ref_opt(o, reference);
-  HostCopyBackend backend(model.layout);
-  OffloadPipeline pipeline(model, opt, backend);
+  HostCopies device(model.layout);
+  OffloadPipeline pipeline(model, opt, device, device.device_shards());
   const int units = static_cast<int>(model.layout.units.size());
 
   std::mt19937 rng(5);
@@ -161,10 +150,10 @@ TEST_CASE("offload pipeline on the host: micro-batch flags, landing, per-unit up
       int64_t covered = 0;
       for (const auto& sg : seg) {
         for (int64_t i = sg.shard_offset; i < sg.shard_offset + sg.count; ++i)
-          bf16_wrong += backend.shards[u][i] != bf16_bits(model.param[u][i]);
+          bf16_wrong += device.shards[u][i] != bf16_bits(model.param[u][i]);
         covered = std::max(covered, sg.shard_offset + sg.count);
       }
-      for (int64_t i = covered; i < n; ++i) padding_written += backend.shards[u][i] != 0xffff;
+      for (int64_t i = covered; i < n; ++i) padding_written += device.shards[u][i] != 0xffff;
     }
     CHECK(differing == 0);
     CHECK(bf16_wrong == 0);
@@ -172,8 +161,8 @@ TEST_CASE("offload pipeline on the host: micro-batch flags, landing, per-unit up
   }
   // The worker waited for every unit's gradient copy (and its previous upload);
   // the compute stream waited once per update for each unit's upload.
-  CHECK(backend.host_waits >= steps * units);
-  CHECK(backend.compute_waits == steps * units);
+  CHECK(device.host_waits >= steps * units);
+  CHECK(device.compute_waits == steps * units);
 }
 
 TEST_CASE("offload pipeline, gradients on the device: copied one unit ahead of the update, the same bits") {
@@ -184,8 +173,8 @@ TEST_CASE("offload pipeline, gradients on the device: copied one unit ahead of t
   for (const auto& g : model.grad) CHECK(g.size() == 0);  // no host gradient shards
   const OptimSection o = adamw_section();
   Optimizer opt(o, model), ref_opt(o, reference);
-  HostCopyBackend backend(model.layout);
-  OffloadPipeline pipeline(model, opt, backend, 0, /*device_grads=*/true);
+  HostCopies device(model.layout);
+  OffloadPipeline pipeline(model, opt, device, device.device_shards(), 0, /*device_grads=*/true);
   const int units = static_cast<int>(model.layout.units.size());
   // Host bytes: the upload slots plus two fp32 landing buffers of the largest shard.
   int64_t largest = 0;
@@ -199,19 +188,19 @@ TEST_CASE("offload pipeline, gradients on the device: copied one unit ahead of t
     INFO("step " << step);
     pipeline.begin_step(1);
     pipeline.next_micro_batch();
-    const int64_t tickets_before = backend.tickets;
+    const int64_t tickets_before = device.tickets;
     for (int u = units - 1; u >= 0; --u) {
       accum[u].resize(model.layout.units[u].shard_numel);
       for (auto& x : accum[u]) x = normal(rng);
       std::copy(accum[u].begin(), accum[u].end(), reference.grad[u].data());
       CHECK(pipeline.grad_ready(u, accum[u].data(), int64_t(accum[u].size())) == -1);
     }
-    CHECK(backend.tickets == tickets_before);  // nothing crossed during backward
+    CHECK(device.tickets == tickets_before);  // nothing crossed during backward
     const float clip = step == 1 ? 0.25f : 1.0f;
     pipeline.update(3e-3, clip);
     for (int u = 0; u < units; ++u) pipeline.param_ready(u);
     pipeline.finish();
-    CHECK(backend.tickets - tickets_before >= 2 * units);  // each unit's gradient down, its bf16 shard up
+    CHECK(device.tickets - tickets_before >= 2 * units);  // each unit's gradient down, its bf16 shard up
     ref_opt.step(3e-3, clip);
     int64_t differing = 0, bf16_wrong = 0;
     for (int u = 0; u < units; ++u) {
@@ -221,14 +210,14 @@ TEST_CASE("offload pipeline, gradients on the device: copied one unit ahead of t
         differing += std::memcmp(opt.state(s)[u].data(), ref_opt.state(s)[u].data(), 4 * n) != 0;
       for (const auto& sg : model.segments(model.layout.units[u]))
         for (int64_t i = sg.shard_offset; i < sg.shard_offset + sg.count; ++i)
-          bf16_wrong += backend.shards[u][i] != bf16_bits(model.param[u][i]);
+          bf16_wrong += device.shards[u][i] != bf16_bits(model.param[u][i]);
     }
     CHECK(differing == 0);
     CHECK(bf16_wrong == 0);
   }
   // A pipeline for host gradients refuses a model without them.
   Optimizer other(o, model);
-  CHECK_THROWS_WITH(OffloadPipeline(model, other, backend), doctest::Contains("needs host gradient shards"));
+  CHECK_THROWS_WITH(OffloadPipeline(model, other, device, device.device_shards()), doctest::Contains("needs host gradient shards"));
 }
 
 TEST_CASE("zero_shard_first_touch zeroes segments, the gaps between them and the padding") {

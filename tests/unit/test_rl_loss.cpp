@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "shardlm/error.hpp"
-#include "shardlm/rl_loss.hpp"
+#include "cpu/rl_loss.hpp"
 
 namespace {
 

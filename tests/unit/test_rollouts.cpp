@@ -26,7 +26,7 @@
 #include "run_command.hpp"
 #include "shardlm/error.hpp"
 #include "shardlm/h5util.hpp"
-#include "shardlm/rollouts.hpp"
+#include "data/rollouts.hpp"
 
 namespace fs = std::filesystem;
 

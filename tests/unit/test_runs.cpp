@@ -22,11 +22,11 @@
 
 #include <nlohmann/json.hpp>
 
-#include "shardlm/hf.hpp"
-#include "shardlm/metrics.hpp"
-#include "shardlm/optim.hpp"
-#include "shardlm/run_dir.hpp"
-#include "shardlm/tensorboard.hpp"
+#include "model/hf.hpp"
+#include "run/metrics.hpp"
+#include "train/optim.hpp"
+#include "run/run_dir.hpp"
+#include "run/tensorboard.hpp"
 
 using namespace shardlm;
 namespace fs = std::filesystem;

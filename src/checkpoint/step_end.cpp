@@ -1,0 +1,72 @@
+// checkpoint/step_end.cpp — the Checkpointer's decisions (async.hpp): at the
+// end of every step, whether to save and whether the run stops; at the end of
+// the run, how it ends. The exit codes are what the job scripts act on
+// (run/signals.hpp): 75 requeues, 74 reports a lost checkpoint.
+//
+// Every branch below is taken on every rank alike: poll, the stop signal and a
+// save's outcome are agreed over the trainers before they are returned, so the
+// ranks leave the loop at the same step (never one rank in a collective alone).
+#include <cstdio>
+#include <optional>
+
+#include "checkpoint/agree.hpp"  // comm_rank
+#include "checkpoint/async.hpp"
+#include "checkpoint/retention.hpp"
+#include "run/signals.hpp"
+#include "shardlm/runtime.hpp"
+#include "train/train.hpp"
+
+namespace shardlm {
+
+namespace {
+constexpr StepEnd kGoOn{};
+constexpr StepEnd kStopRequeue{true, kExitRequeue};
+constexpr StepEnd kStopSaveFailed{true, kExitCheckpointFailed};
+}  // namespace
+
+const char* RunEnd::status() const {
+  return exit_code == 0 ? "done" : exit_code == kExitRequeue ? "stopped" : "checkpoint_failed";
+}
+
+bool Checkpointer::stops_run(const std::optional<SaveResult>& result) const {
+  return result && !result->ok && session_.config.ckpt.on_error == "stop";
+}
+
+StepEnd Checkpointer::after_step(int64_t steps_done, int64_t tokens_seen) {
+  steps_done_ = steps_done;
+  end_ = decide(steps_done, tokens_seen);
+  return end_;
+}
+
+StepEnd Checkpointer::decide(int64_t steps_done, int64_t tokens_seen) {
+  const Config& config = session_.config;
+  if (stops_run(poll())) return kStopSaveFailed;  // a background save finished: reported here, failed or not
+  const bool stop = stop_requested(comm_);        // SIGUSR1/SIGTERM/SIGINT on any rank, agreed by all
+  if (stop || checkpoint_due(config.ckpt, steps_done, config.run.max_steps)) {
+    std::optional<SaveResult> previous;  // the save still in flight, waited for first
+    const SaveResult saved = save(steps_done, tokens_seen, &previous);
+    final_save_failed_ = !saved.ok && steps_done == config.run.max_steps;
+    if (stops_run(previous) || stops_run(saved)) return kStopSaveFailed;
+  }
+  if (!stop) return kGoOn;
+  // A signalled stop leaves only once its save is on disk: the requeued job resumes from it.
+  if (stops_run(wait())) return kStopSaveFailed;
+  if (ckpt::comm_rank(comm_) == 0)
+    std::printf("stopped by signal %d after step %lld: exit %d (requeue and resume)\n", stop_signal(),
+                (long long)steps_done, kExitRequeue);
+  return kStopRequeue;
+}
+
+RunEnd Checkpointer::finish() {
+  // The last save, if it was still being written: at run.max_steps that is the final one.
+  const std::optional<SaveResult> last = wait();
+  if (last && !last->ok && steps_done_ == session_.config.run.max_steps) final_save_failed_ = true;
+  if (stops_run(last) && !end_.stop) end_ = kStopSaveFailed;
+  RunEnd run;
+  run.stopped = end_.stop;
+  run.final_save_failed = !end_.stop && final_save_failed_;
+  run.exit_code = end_.stop ? end_.exit_code : run.final_save_failed ? kExitCheckpointFailed : 0;
+  return run;
+}
+
+}  // namespace shardlm

@@ -1,0 +1,486 @@
+// broadcast.cpp — weight broadcast over the broadcast communicator or the
+// filesystem, and the reference receiver.
+//
+// The communicator path, on the wire (MPI on rt.broadcast_comm unless noted):
+//   start-up:  hello header (does the payload come from GPU memory?); on GPUs
+//              every member then picks the device Comm (select_broadcast_comm)
+//   broadcast: weights header (step, units, bytes); on GPUs, the first time,
+//              the device Comm is made (NCCL's unique id goes by MPI); then per
+//              unit: names and shapes, the bf16 payload (host: MPI; GPU: the
+//              device Comm's broadcast of a device buffer), its checksum
+//   end:       done header
+#include "comm/broadcast.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <climits>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <optional>
+#include <sstream>
+#include <thread>
+#include <utility>
+
+#include "shardlm/cuda.hpp"
+#include "train/engine.hpp"
+#include "model/hf.hpp"
+#include "shardlm/memory.hpp"
+#include "train/train.hpp"
+
+namespace shardlm {
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr uint64_t kMagic = 0x73686172646c6d31ULL;  // "shardlm1"
+enum : int64_t { kWeights = 1, kDone = 2, kHello = 3 };
+
+// What the root sends before each broadcast; POD, sent as bytes.
+struct Header {
+  uint64_t magic = kMagic;
+  int64_t kind = kWeights;
+  int64_t step = 0;
+  int64_t units = 0;
+  int64_t bytes = 0;  // bf16 payload of the whole model
+  int64_t device = 0; // kHello: 1 when the units come from GPU memory (receive them on a GPU)
+};
+
+uint64_t mix(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
+// MPI counts are int: big payloads go in chunks.
+void bcast_bytes(void* data, int64_t bytes, MPI_Comm comm) {
+  auto* p = static_cast<char*>(data);
+  for (int64_t done = 0; done < bytes;) {
+    const int n = static_cast<int>(std::min<int64_t>(bytes - done, INT_MAX / 2));
+    MPI_CHECK(MPI_Bcast(p + done, n, MPI_BYTE, 0, comm));
+    done += n;
+  }
+}
+
+int64_t max_padded(const ModelLayout& l) {
+  int64_t n = 0;
+  for (const auto& u : l.units) n = std::max(n, u.padded_numel);
+  return n;
+}
+
+std::string describe_unit(const Unit& u) {
+  std::string text;
+  for (const auto& p : u.params) {
+    text += p.name + " ";
+    for (size_t i = 0; i < p.shape.size(); ++i) text += (i ? "," : "") + std::to_string(p.shape[i]);
+    text += "\n";
+  }
+  return text;
+}
+
+fs::path step_dir(const std::string& dir, int64_t step) { return fs::path(dir) / ("step_" + std::to_string(step)); }
+
+std::string hex(uint64_t v) { return fmt("%016llx", (unsigned long long)v); }
+
+// The weights a receiver holds: bf16 values per parameter, in layout order.
+struct ReceivedModel {
+  std::map<std::string, std::vector<uint16_t>> tensors;
+};
+
+void write_received(const ReceivedModel& m, const ModelLayout& layout, const fs::path& out) {
+  fs::create_directories(out);
+  write_hf_config(out, layout.config, "bfloat16");
+  std::vector<TensorSpec> specs;
+  for (const auto& [unit, p] : layout.all_params()) specs.push_back({p->name, p->shape, "BF16"});
+  SafetensorsWriter writer(out / "model.safetensors", specs);
+  std::vector<float> f32;
+  for (const auto& [unit, p] : layout.all_params()) {
+    const auto& v = m.tensors.at(p->name);
+    f32.resize(v.size());
+    for (size_t i = 0; i < v.size(); ++i) f32[i] = bf16_to_f32(v[i]);  // exact; RNE back is the identity
+    writer.write(p->name, 0, p->numel, f32.data());
+  }
+  writer.finish();
+}
+
+}  // namespace
+
+int64_t output_workspace_bytes(const Config& config, const ModelLayout& layout) {
+  const int64_t unit = max_padded(layout);
+  const bool gpu = config.device.backend == "cuda";
+  const int64_t bcast = config.broadcast.backend == "nccl" ? unit * (gpu ? 2 : 4 + 2) : 0;
+  const int64_t exported = config.run.export_dir.empty() ? 0 : unit * 4;
+  return std::max(bcast, exported);  // never at the same time
+}
+
+int64_t broadcast_device_bytes(const Config& config, const ModelLayout& layout) {
+  return config.broadcast.backend == "nccl" && config.device.backend == "cuda" ? 2 * max_padded(layout) : 0;
+}
+
+uint64_t bf16_checksum(const uint16_t* values, int64_t begin, int64_t n) {
+  uint64_t sum = 0;
+  for (int64_t i = 0; i < n; ++i) sum += mix((static_cast<uint64_t>(begin + i) << 16) ^ values[i]);
+  return sum;
+}
+
+WeightBroadcaster::WeightBroadcaster(const Config& config, const Runtime& rt, Comm& train_comm)
+    : config_(config), rt_(rt), comm_(train_comm), enabled_(config.broadcast.backend != "none") {
+  if (config.broadcast.backend != "nccl") return;
+  SHARDLM_CHECK(rt.num_receivers > 0,
+                "broadcast.backend = \"nccl\" but this job has no receiver ranks; launch trainers and receivers "
+                "together: mpirun -np N shardlm train DECK : -np 1 shardlm receive DECK");
+  device_ = rt.backend == "cuda";
+  if (comm_.rank() != 0) return;
+  // Said at start-up, so a receiver without a GPU fails now and not at the first broadcast.
+  Header hello;
+  hello.kind = kHello;
+  hello.device = device_;
+  bcast_bytes(&hello, sizeof hello, rt.broadcast_comm);
+  if (!device_) return;
+  device_kind_ = select_broadcast_comm(rt);
+  host_bcast_ = make_mpi_comm(rt.broadcast_comm);
+}
+
+WeightBroadcaster::~WeightBroadcaster() {
+  try {
+    release_gathered_unit();  // normally finish() did; here only on the way out of an error
+  } catch (...) {
+  }
+}
+
+void WeightBroadcaster::release_gathered_unit() {
+  cuda_free(Mem::Workspace, gathered_unit_, gathered_bytes_);  // waits for the device work still using it
+  gathered_unit_ = nullptr;
+  gathered_bytes_ = 0;
+}
+
+int64_t WeightBroadcaster::comm_staging_bytes() const { return staging_bytes_; }
+
+bool WeightBroadcaster::due(int64_t steps_done) const {
+  return enabled_ && steps_done % config_.broadcast.interval == 0;
+}
+
+void WeightBroadcaster::send(TrainSession& session, int64_t steps_done) {
+  if (device_) return send_from_device(session.engine, session.model.layout, steps_done);
+  session.pull_state();  // the host paths read the fp32 masters
+  if (config_.broadcast.backend == "nccl") send_over_comm(session.model, steps_done);
+  else if (config_.broadcast.backend == "filesystem") send_to_filesystem(session.model, steps_done);
+}
+
+void WeightBroadcaster::send_over_comm(const ShardedModel& model, int64_t step) {
+  const ModelLayout& layout = model.layout;
+  const bool root = comm_.rank() == 0;
+  const MPI_Comm bcomm = rt_.broadcast_comm;
+  Header h;
+  h.step = step;
+  h.units = static_cast<int64_t>(layout.units.size());
+  for (const auto& u : layout.units) h.bytes += 2 * u.numel;
+  if (root) bcast_bytes(&h, sizeof h, bcomm);
+  // Transient memory: one gathered unit (fp32 here) and its bf16 copy.
+  Buffer<float> full(Mem::Workspace, max_padded(layout));
+  Buffer<uint16_t> bf16(Mem::Workspace, max_padded(layout));
+  for (size_t ui = 0; ui < layout.units.size(); ++ui) {
+    const Unit& u = layout.units[ui];
+    comm_.all_gather(model.param[ui].data(), full.data(), u.shard_numel).wait();
+    if (!root) continue;
+    for (int64_t i = 0; i < u.numel; ++i) bf16[i] = f32_to_bf16_rne(full[i]);
+    std::string text = describe_unit(u);
+    int64_t text_len = static_cast<int64_t>(text.size());
+    uint64_t checksum = bf16_checksum(bf16.data(), 0, u.numel);
+    bcast_bytes(&text_len, sizeof text_len, bcomm);
+    bcast_bytes(text.data(), text_len, bcomm);
+    bcast_bytes(bf16.data(), 2 * u.numel, bcomm);
+    bcast_bytes(&checksum, sizeof checksum, bcomm);
+  }
+}
+
+// DESIGN.md rule 4: what the device Comm broadcasts is the device buffer the
+// unit was gathered into from the backend's bf16 shards, with device-resident
+// state and with optim_cpu_offload alike (the fp32 masters are not read). Rank
+// 0's checksum is of those same bf16 values: one copy of the unit to the host.
+void WeightBroadcaster::send_from_device(Engine& engine, const ModelLayout& layout, int64_t step) {
+  const bool root = comm_.rank() == 0;
+  const MPI_Comm bcomm = rt_.broadcast_comm;
+  Backend& backend = engine.backend();
+  Header h;
+  h.step = step;
+  h.units = static_cast<int64_t>(layout.units.size());
+  for (const auto& u : layout.units) h.bytes += 2 * u.numel;
+  if (root) {
+    bcast_bytes(&h, sizeof h, bcomm);
+    if (!device_bcast_) {  // collective with the receivers, which make theirs on this header
+      device_bcast_ = make_device_comm(*host_bcast_, device_kind_, backend.stream(), 2 * max_padded(layout),
+                                       config_.comm.timeout_s);
+      // The staged Comm's two pinned buffers of one bf16 unit stay until finish().
+      if (device_kind_ == "mpi") staging_bytes_ = 2 * 2 * max_padded(layout);
+      std::printf("broadcast: bf16 units gathered on the GPU, sent over the %s device communicator%s\n",
+                  device_kind_.c_str(),
+                  device_kind_ == "mpi" ? " (staged through host memory: two of its ranks share a GPU)" : "");
+      std::fflush(stdout);
+    }
+  }
+  // One gathered bf16 unit on the device on every rank (broadcast_device_bytes),
+  // made at the first broadcast and kept until finish(): no allocation, and no
+  // device synchronisation of a free, per broadcast. Its host copy on rank 0 is
+  // transient (output_workspace_bytes).
+  if (!gathered_unit_) {
+    gathered_bytes_ = 2 * max_padded(layout);
+    gathered_unit_ = cuda_malloc(Mem::Workspace, gathered_bytes_);
+  }
+  void* gathered_unit = gathered_unit_;
+  Buffer<uint16_t> host_copy(Mem::Workspace, root ? max_padded(layout) : 0);
+  for (size_t ui = 0; ui < layout.units.size(); ++ui) {
+    const Unit& u = layout.units[ui];
+    engine.gather_unit_bf16(static_cast<int>(ui), gathered_unit);
+    if (!root) continue;
+    cuda_copy_async(host_copy.data(), gathered_unit, 2 * u.numel, backend.stream());
+    cuda_synchronize(backend.stream());
+    std::string text = describe_unit(u);
+    int64_t text_len = static_cast<int64_t>(text.size());
+    uint64_t checksum = bf16_checksum(host_copy.data(), 0, u.numel);
+    bcast_bytes(&text_len, sizeof text_len, bcomm);
+    bcast_bytes(text.data(), text_len, bcomm);
+    // wait() orders the compute stream after the broadcast, so the next unit's
+    // gather into the same buffer (queued behind it) cannot overwrite it early,
+    // and the two NCCL communicators on this GPU never run at once.
+    device_bcast_->broadcast(gathered_unit, u.numel, DType::BF16, 0).wait();
+    bcast_bytes(&checksum, sizeof checksum, bcomm);
+  }
+}
+
+void WeightBroadcaster::send_to_filesystem(const ShardedModel& model, int64_t step) {
+  const ModelLayout& layout = model.layout;
+  const fs::path dir = step_dir(config_.broadcast.dir, step), file = dir / "model.safetensors";
+  // Checksums first: each rank hashes its own slices, one all-reduce adds them.
+  const auto params = layout.all_params();
+  std::vector<int64_t> sums(params.size(), 0);
+  std::map<std::string, size_t> index;
+  for (size_t i = 0; i < params.size(); ++i) index[params[i].param->name] = i;
+  std::vector<uint16_t> bf16;
+  for (size_t ui = 0; ui < layout.units.size(); ++ui)
+    for (const auto& s : model.segments(layout.units[ui])) {
+      bf16.resize(s.count);
+      for (int64_t i = 0; i < s.count; ++i) bf16[i] = f32_to_bf16_rne(model.param[ui][s.shard_offset + i]);
+      sums[index[s.param->name]] += static_cast<int64_t>(bf16_checksum(bf16.data(), s.param_begin, s.count));
+    }
+  comm_.all_reduce_sum(sums.data(), static_cast<int64_t>(sums.size()));
+  std::map<std::string, std::string> metadata{{"shardlm_step", std::to_string(step)}};
+  std::vector<TensorSpec> specs;
+  for (size_t i = 0; i < params.size(); ++i) {
+    specs.push_back({params[i].param->name, params[i].param->shape, "BF16"});
+    metadata["shardlm_checksum." + params[i].param->name] = hex(static_cast<uint64_t>(sums[i]));
+  }
+
+  // Rank 0 lays out the file; every rank writes the bytes it owns; rank 0 publishes.
+  std::unique_ptr<SafetensorsWriter> writer;
+  if (comm_.rank() == 0) {
+    fs::create_directories(dir);
+    write_hf_config(dir, layout.config, "bfloat16");
+    const std::string tokenizer = copy_tokenizer_files(config_.model.hf, dir);  // servable as it is
+    if (!std::exchange(tokenizer_noted_, true)) std::printf("broadcast: %s\n", tokenizer.c_str());
+    writer = std::make_unique<SafetensorsWriter>(file, specs, metadata);
+  }
+  comm_.barrier();
+  if (comm_.rank() != 0)
+    writer = std::make_unique<SafetensorsWriter>(file, specs, metadata, SafetensorsWriter::Open::Existing);
+  for (size_t ui = 0; ui < layout.units.size(); ++ui)
+    for (const auto& s : model.segments(layout.units[ui]))
+      writer->write(s.param->name, s.param_begin, s.count, model.param[ui].data() + s.shard_offset);
+  if (comm_.rank() != 0) writer->close_part();
+  comm_.barrier();
+  if (comm_.rank() != 0) return;
+  writer->finish(/*check_complete=*/false);
+  std::ofstream(dir / "STABLE") << step << "\n";
+  // Keep the newest broadcast.keep steps.
+  std::vector<std::pair<int64_t, fs::path>> steps;
+  for (const auto& e : fs::directory_iterator(config_.broadcast.dir)) {
+    const std::string name = e.path().filename().string();
+    if (e.is_directory() && name.rfind("step_", 0) == 0) steps.emplace_back(std::atoll(name.c_str() + 5), e.path());
+  }
+  std::sort(steps.begin(), steps.end());
+  for (size_t i = 0; i + config_.broadcast.keep < steps.size(); ++i) fs::remove_all(steps[i].second);
+}
+
+void WeightBroadcaster::finish() {
+  if (!enabled_) return;
+  if (config_.broadcast.backend == "nccl") {
+    if (comm_.rank() == 0) {
+      Header h;
+      h.kind = kDone;
+      bcast_bytes(&h, sizeof h, rt_.broadcast_comm);
+    }
+    device_bcast_.reset();
+    release_gathered_unit();
+  } else if (comm_.rank() == 0) {
+    std::ofstream(fs::path(config_.broadcast.dir) / "DONE") << "done\n";
+  }
+}
+
+// ---------------------------------------------------------------- receiver
+
+namespace {
+
+void report(const Runtime& rt, int64_t step, int64_t tensors, int64_t bytes, double seconds) {
+  std::printf("receive[%d]: step %lld: %lld tensors, %.2f MiB in %.1f ms (%.2f GB/s), checksums ok\n", rt.rank,
+              (long long)step, (long long)tensors, double(bytes) / 1048576.0, seconds * 1e3,
+              seconds > 0 ? double(bytes) / seconds / 1e9 : 0.0);
+  std::fflush(stdout);
+}
+
+// The receiving end of the GPU path: the device Comm (made at the first
+// weights header, with rank 0) and one unit's device buffer. The receiver has
+// no backend: it computes nothing, and orders everything on the default stream.
+struct DeviceReceive {
+  std::string kind;                   // "nccl" | "mpi" (select_broadcast_comm)
+  std::unique_ptr<Comm> host, device;
+  void* unit = nullptr;               // (max padded numel) bf16, device
+  int64_t unit_bytes = 0;
+  ~DeviceReceive() {
+    device.reset();
+    cuda_free(Mem::Workspace, unit, unit_bytes);
+  }
+};
+
+int64_t receive_over_comm(const Config& config, const ModelLayout& layout, Runtime& rt, ReceivedModel& model) {
+  Header hello;
+  bcast_bytes(&hello, sizeof hello, rt.broadcast_comm);
+  SHARDLM_CHECK(hello.magic == kMagic && hello.kind == kHello,
+                "receive: the trainer sent a header that is not shardlm's");
+  std::optional<DeviceReceive> dev;
+  if (hello.device) {
+    SHARDLM_CHECK(cuda_device_count() > 0,
+                  "receive: the trainer broadcasts from GPU memory (CUDA backend), but no CUDA device is visible on "
+                  "%s%s: run the receivers on GPU nodes",
+                  rt.hostname.c_str(), cuda_built() ? "" : " (this shardlm was built without CUDA)");
+    select_device(rt, "cuda");
+    dev.emplace();
+    dev->kind = select_broadcast_comm(rt);
+  }
+  int64_t received = 0;
+  std::vector<uint16_t> data;
+  for (;;) {
+    Header h;
+    bcast_bytes(&h, sizeof h, rt.broadcast_comm);
+    maybe_inject_fault("receive");
+    SHARDLM_CHECK(h.magic == kMagic, "receive: the trainer sent a header that is not shardlm's");
+    if (h.kind == kDone) return received;
+    SHARDLM_CHECK(h.units == int64_t(layout.units.size()),
+                  "receive: the trainer sends %lld units but this deck's model has %zu (same deck on both sides?)",
+                  (long long)h.units, layout.units.size());
+    if (dev && !dev->device) {  // rank 0 makes its end on this same header
+      dev->unit_bytes = 2 * max_padded(layout);
+      dev->host = make_mpi_comm(rt.broadcast_comm);
+      dev->device = make_device_comm(*dev->host, dev->kind, nullptr, dev->unit_bytes, config.comm.timeout_s);
+      dev->unit = cuda_malloc(Mem::Workspace, dev->unit_bytes);
+      std::printf("receive[%d]: units arrive in GPU memory (device %d, %s) over the %s device communicator\n",
+                  rt.rank, rt.device, rt.device_name.c_str(), dev->kind.c_str());
+      std::fflush(stdout);
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    int64_t tensors = 0;
+    for (const auto& u : layout.units) {
+      int64_t text_len = 0;
+      bcast_bytes(&text_len, sizeof text_len, rt.broadcast_comm);
+      std::string text(static_cast<size_t>(text_len), '\0');
+      bcast_bytes(text.data(), text_len, rt.broadcast_comm);
+      SHARDLM_CHECK(text == describe_unit(u), "receive: unit %s arrived with other names or shapes than the deck's "
+                                              "model has:\n%s", u.name.c_str(), text.c_str());
+      data.resize(u.numel);
+      if (dev) {
+        // Into device memory, then one copy to the host: the checksum is checked
+        // (and --out written) from exactly the bytes that arrived on the GPU.
+        dev->device->broadcast(dev->unit, u.numel, DType::BF16, 0).wait();
+        cuda_copy_async(data.data(), dev->unit, 2 * u.numel, nullptr);
+        cuda_synchronize(nullptr);
+      } else {
+        bcast_bytes(data.data(), 2 * u.numel, rt.broadcast_comm);
+      }
+      uint64_t checksum = 0;
+      bcast_bytes(&checksum, sizeof checksum, rt.broadcast_comm);
+      SHARDLM_CHECK(checksum == bf16_checksum(data.data(), 0, u.numel),
+                    "receive: step %lld, unit %s: checksum mismatch (data damaged in transfer)", (long long)h.step,
+                    u.name.c_str());
+      for (const auto& p : u.params) {
+        model.tensors[p.name].assign(data.begin() + p.offset, data.begin() + p.offset + p.numel);
+        ++tensors;
+      }
+    }
+    ++received;
+    report(rt, h.step, tensors, h.bytes, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+}
+
+int64_t receive_from_filesystem(const Config& config, const ModelLayout& layout, const Runtime& rt,
+                                ReceivedModel& model) {
+  int64_t received = 0, last = -1;
+  const fs::path root = config.broadcast.dir;
+  for (;;) {
+    const bool done = fs::exists(root / "DONE");  // read before scanning: nothing new follows DONE
+    std::vector<int64_t> ready;
+    if (fs::exists(root))
+      for (const auto& e : fs::directory_iterator(root)) {
+        const std::string name = e.path().filename().string();
+        if (name.rfind("step_", 0) == 0 && fs::exists(e.path() / "STABLE")) {
+          const int64_t s = std::atoll(name.c_str() + 5);
+          if (s > last) ready.push_back(s);
+        }
+      }
+    std::sort(ready.begin(), ready.end());
+    for (int64_t s : ready) {
+      const auto t0 = std::chrono::steady_clock::now();
+      const fs::path dir = step_dir(config.broadcast.dir, s);
+      SafetensorsReader reader(dir);
+      std::ifstream meta_probe(dir / "model.safetensors", std::ios::binary);
+      uint64_t header_len = 0;
+      meta_probe.read(reinterpret_cast<char*>(&header_len), 8);
+      std::string header(header_len, '\0');
+      meta_probe.read(header.data(), static_cast<std::streamsize>(header_len));
+      int64_t bytes = 0;
+      std::vector<float> f32;
+      for (const auto& [unit, p] : layout.all_params()) {
+        SHARDLM_CHECK(reader.has(p->name) && reader.info(p->name).shape == p->shape,
+                      "receive: %s lacks '%s' with the deck's shape", dir.c_str(), p->name.c_str());
+        f32.resize(p->numel);
+        reader.read_f32(p->name, 0, p->numel, f32.data());
+        auto& v = model.tensors[p->name];
+        v.resize(p->numel);
+        for (int64_t i = 0; i < p->numel; ++i) v[i] = f32_to_bf16_rne(f32[i]);
+        const std::string key = "\"shardlm_checksum." + p->name + "\":\"";
+        const size_t at = header.find(key);
+        SHARDLM_CHECK(at != std::string::npos, "receive: %s has no checksum for '%s'", dir.c_str(), p->name.c_str());
+        SHARDLM_CHECK(header.compare(at + key.size(), 16, hex(bf16_checksum(v.data(), 0, p->numel))) == 0,
+                      "receive: %s: checksum mismatch for '%s'", dir.c_str(), p->name.c_str());
+        bytes += 2 * p->numel;
+      }
+      last = s;
+      ++received;
+      report(rt, s, int64_t(layout.all_params().size()), bytes,
+             std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    }
+    if (done && ready.empty()) return received;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+}
+
+}  // namespace
+
+int64_t run_receiver(const Config& config, Runtime& rt, const std::string& out_dir) {
+  SHARDLM_CHECK(config.broadcast.backend != "none",
+                "receive: the deck has broadcast.backend = \"none\"; set \"nccl\" or \"filesystem\"");
+  const ModelLayout layout(model_config_for(config), 1);
+  ReceivedModel model;
+  const int64_t received = config.broadcast.backend == "nccl" ? receive_over_comm(config, layout, rt, model)
+                                                              : receive_from_filesystem(config, layout, rt, model);
+  std::printf("receive[%d]: trainer finished; %lld broadcast%s received\n", rt.rank, (long long)received,
+              received == 1 ? "" : "s");
+  if (!out_dir.empty() && received > 0 && rt.rank == 0) {
+    write_received(model, layout, out_dir);
+    std::printf("receive[%d]: last weights written to %s (%s)\n", rt.rank, out_dir.c_str(),
+                copy_tokenizer_files(config.model.hf, out_dir).c_str());
+  }
+  std::fflush(stdout);
+  return received;
+}
+
+}  // namespace shardlm

@@ -1,0 +1,94 @@
+// broadcast.hpp — trainer → inference weight broadcast, and its reference receiver.
+//
+// Owns: sending the current weights every broadcast.interval steps, either over
+// the broadcast communicator (trainer rank 0 + the receivers of an MPMD launch;
+// host MPI on the CPU backend, a device communicator on GPUs: NCCL, or MPI
+// staged through host memory where two of its ranks share a GPU) or through the
+// filesystem (<broadcast.dir>/step_<N>/model.safetensors + config.json +
+// STABLE), and `shardlm receive`, which checks what arrives. Transient memory on
+// the trainer is one gathered unit (on GPUs: on the device, gathered in bf16
+// from the backend's parameter shards). Knows the sharded model, the engine's
+// gather and Comm, not the kernels.
+#pragma once
+
+#include <mpi.h>
+
+#include <cstdint>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "shardlm/comm.hpp"
+#include "shardlm/config.hpp"
+#include "shardlm/runtime.hpp"
+#include "train/shard.hpp"
+
+namespace shardlm {
+
+class Engine;
+struct TrainSession;
+
+// Order-independent checksum of bf16 values at flat indices [begin, begin + n):
+// a sum (mod 2^64) of one mixed word per element, so ranks can hash their own
+// slices and add the partial sums. Used by both broadcast paths.
+uint64_t bf16_checksum(const uint16_t* values, int64_t begin, int64_t n);
+
+// Host bytes the weight broadcast or the final export hold at most on a trainer
+// rank: part of the memory plan. CPU backend: one gathered fp32 unit + its bf16
+// copy; CUDA backend: rank 0's host copy of one bf16 unit, which it hashes.
+int64_t output_workspace_bytes(const Config& config, const ModelLayout& layout);
+// Device bytes of the weight broadcast on the CUDA backend, per trainer rank:
+// one gathered bf16 unit, allocated at the first broadcast and kept until
+// finish() (the plan's GPU workspace). 0 elsewhere.
+int64_t broadcast_device_bytes(const Config& config, const ModelLayout& layout);
+
+class WeightBroadcaster {
+ public:
+  // Trainer rank 0 tells the receivers here, at start-up, whether the units
+  // come from GPU memory, and picks the device communicator with them.
+  WeightBroadcaster(const Config& config, const Runtime& rt, Comm& train_comm);
+  ~WeightBroadcaster();
+  bool due(int64_t steps_done) const;
+  // Collective over the trainers: every rank takes part in the gathers. The
+  // host paths (CPU backend, filesystem) refresh and read the fp32 masters
+  // (session.pull_state()); the GPU communicator path reads the backend's bf16
+  // device shards through session.engine and never touches the masters.
+  void send(TrainSession& session, int64_t steps_done);
+  // Tells the receivers that training is over (they exit 0) and releases the
+  // device communicator (before the backend's stream it is ordered on goes).
+  void finish();
+  // Pinned host bytes of the staged device communicator on this rank (the
+  // memory plan's comm staging): trainer rank 0 when it shares a GPU with a receiver.
+  int64_t comm_staging_bytes() const;
+
+ private:
+  void send_over_comm(const ShardedModel& model, int64_t step);
+  void send_from_device(Engine& engine, const ModelLayout& layout, int64_t step);
+  void send_to_filesystem(const ShardedModel& model, int64_t step);
+  void release_gathered_unit();
+
+  const Config& config_;
+  const Runtime& rt_;
+  Comm& comm_;
+  bool enabled_ = false;
+  bool device_ = false;              // broadcast.backend = "nccl" on the CUDA backend
+  std::string device_kind_;          // rank 0: "nccl" | "mpi" (select_broadcast_comm)
+  std::unique_ptr<Comm> host_bcast_;    // rank 0: MPI over rt.broadcast_comm (the device Comm's host side)
+  std::unique_ptr<Comm> device_bcast_;  // rank 0: made at the first broadcast, on the backend's stream
+  int64_t staging_bytes_ = 0;           // pinned host bytes device_bcast_ holds (staged kind)
+  void* gathered_unit_ = nullptr;       // GPU path: one gathered bf16 unit (device), first send to finish()
+  int64_t gathered_bytes_ = 0;
+  bool tokenizer_noted_ = false;        // rank 0: the filesystem path said where the tokenizer files came from
+};
+
+// `shardlm receive DECK [--out DIR]`: receive every broadcast, verify checksums,
+// report step, bytes, latency and bandwidth; on the trainer's end write the
+// last weights to `out_dir` (if given) as an HF directory (bf16). When the
+// trainer broadcasts from GPU memory the receiver binds its GPU (select_device)
+// and receives each unit into device memory. Returns the number of broadcasts
+// received.
+int64_t run_receiver(const Config& config, Runtime& rt, const std::string& out_dir);
+
+}  // namespace shardlm

@@ -1,0 +1,115 @@
+// cpu_layers.hpp — one decoder layer and the lm-head loss on the CPU backend,
+// composed from the kernels in cpu_ops.hpp.
+//
+// Owns: the saved-activation layout of a layer (LayerActs), layer forward and
+// backward on gathered weights, the chunked lm-head + cross-entropy. Knows
+// nothing about units, shards or MPI: the engine hands it weight and gradient
+// views into gathered buffers.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "shardlm/memory.hpp"
+#include "shardlm/model.hpp"
+#include "cpu/rl_loss.hpp"
+
+namespace shardlm::cpu {
+
+// Token-level inputs of a micro-batch, shared by every layer. N = rows * seq_len.
+struct TokenInputs {
+  int64_t N = 0;
+  const int32_t* positions = nullptr;  // (N)
+  const int32_t* seq_ids = nullptr;    // (N) attention joins equal, adjacent ids only
+  const double* inv_freq = nullptr;    // (head_dim / 2)
+};
+
+// What a layer's backward needs from its forward. With activation checkpointing
+// the engine keeps one LayerActs and recomputes it per layer in backward.
+struct LayerActs {
+  Buffer<float> rstd1;   // (N)
+  Buffer<float> xn1;     // (N, C) input_layernorm output
+  Buffer<float> q_raw;   // (N, H, D) q before q_norm (qk_norm only)
+  Buffer<float> k_raw;   // (N, KV, D)
+  Buffer<float> q_rstd;  // (N * H)
+  Buffer<float> k_rstd;  // (N * KV)
+  Buffer<float> q;       // (N, H, D) after norm and RoPE
+  Buffer<float> k;       // (N, KV, D)
+  Buffer<float> v;       // (N, KV, D)
+  Buffer<float> att;     // (N, H, D)
+  Buffer<float> lse;     // (N, H)
+  Buffer<float> x_mid;   // (N, C) residual after attention
+  Buffer<float> rstd2;   // (N)
+  Buffer<float> xn2;     // (N, C)
+  Buffer<float> gate;    // (N, I)
+  Buffer<float> up;      // (N, I)
+  Buffer<float> h;       // (N, I) silu(gate) * up
+  LayerActs() = default;
+  LayerActs(const ModelConfig& c, int64_t N);
+  static int64_t bytes(const ModelConfig& c, int64_t N);
+};
+
+// Scratch for one layer's backward (and the head), reused by every layer.
+struct LayerGradScratch {
+  Buffer<float> d_mid;   // (N, C)
+  Buffer<float> d_xn;    // (N, C)
+  Buffer<float> d_tmp;   // (N, C)
+  Buffer<float> d_att;   // (N, H, D)
+  Buffer<float> dq, dk, dv;          // (N, H|KV, D)
+  Buffer<float> dq_raw, dk_raw;      // (N, H|KV, D) (qk_norm only)
+  Buffer<float> dh, dgate, dup;      // (N, I)
+  LayerGradScratch() = default;
+  LayerGradScratch(const ModelConfig& c, int64_t N);
+  static int64_t bytes(const ModelConfig& c, int64_t N);
+};
+
+// x_out (N, C) = layer(x_in (N, C)); fills acts. With run_attention = false,
+// acts.att and acts.lse already hold this layer's attention (selective activation
+// checkpointing's recompute) and attention itself is skipped.
+void layer_forward(const ModelConfig& c, const LayerWeights<const float>& w, const TokenInputs& in,
+                   const float* x_in, float* x_out, LayerActs& acts, bool run_attention = true);
+
+// d_x (N, C): in, the gradient at the layer's output; out, at its input.
+// Parameter gradients are accumulated into g.
+void layer_backward(const ModelConfig& c, const LayerWeights<const float>& w, const LayerWeights<float>& g,
+                    const TokenInputs& in, const float* x_in, const LayerActs& acts, float* d_x,
+                    LayerGradScratch& s);
+
+// Final norm + lm-head + cross-entropy, forward and backward in one pass over
+// token chunks, so (chunk, V) logits are the most ever held.
+struct HeadScratch {
+  Buffer<float> xf;      // (N, C) normed final hidden state
+  Buffer<float> rstd;    // (N)
+  Buffer<float> dxf;     // (N, C)
+  Buffer<float> logits;  // (chunk, V)
+  int64_t chunk = 0;
+  HeadScratch() = default;
+  HeadScratch(const ModelConfig& c, int64_t N, int64_t chunk);
+  static int64_t bytes(const ModelConfig& c, int64_t N, int64_t chunk);
+};
+
+// Returns sum of weight * NLL; writes d_x (N, C) = gradient at the final hidden
+// state with every token's loss scaled by grad_scale; accumulates g_norm (C) and
+// g_lm (V, C). `lm_head` is the embedding when tied.
+// With `rl` set, the RL policy loss replaces cross-entropy (rl_loss.hpp).
+struct RlInputs {
+  const float* advantages;          // (N)
+  const float* inference_logprobs;  // (N)
+  const float* temperatures;        // (N)
+  RlLossParams params;
+};
+RlChunkStats head_loss_backward(const ModelConfig& c, const float* norm_w, const float* lm_head, float* g_norm,
+                                float* g_lm, const float* x, const int32_t* targets, const float* weights,
+                                float grad_scale, int64_t N, float* d_x, HeadScratch& s,
+                                const RlInputs* rl = nullptr);
+
+// Logits (N, V) for the forward command and tests.
+void head_logits(const ModelConfig& c, const float* norm_w, const float* lm_head, const float* x, int64_t N,
+                 float* logits, HeadScratch& s);
+
+// Forward only: the cross-entropy sums of head_loss_backward (the same chunks
+// and arithmetic, so the same loss bit for bit), no gradients.
+RlChunkStats head_loss(const ModelConfig& c, const float* norm_w, const float* lm_head, const float* x,
+                       const int32_t* targets, const float* weights, int64_t N, HeadScratch& s);
+
+}  // namespace shardlm::cpu

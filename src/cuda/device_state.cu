@@ -1,0 +1,186 @@
+// device_state.cu — the device placement of the training state (train/state.hpp):
+// fp32 master shards, gradient shards and optimizer moments in device memory,
+// one fused AdamW/SGD kernel per unit on the backend's compute stream, which
+// also writes the unit's bf16 parameter shard. The host shards (model.param,
+// optimizer.state) are a mirror, refreshed by pull() and read back by push().
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <memory>
+#include <vector>
+
+#include "cuda/ops.hpp"
+#include "shardlm/cuda.hpp"
+#include "shardlm/error.hpp"
+#include "train/state.hpp"
+
+namespace shardlm {
+namespace {
+
+using cuda::bf16;
+
+class CudaDeviceState final : public TrainingState {
+ public:
+  CudaDeviceState(ShardedModel& model, Optimizer& optimizer, const OptimSection& optim, Backend& backend)
+      : model_(model), optimizer_(optimizer), optim_(optim), backend_(backend),
+        stream_(static_cast<cudaStream_t>(backend.stream())) {
+    SHARDLM_CHECK(optim.name == "adamw" || optim.name == "sgd", "optim.name = \"%s\" has no GPU update yet",
+                  optim.name.c_str());
+    const ModelLayout& layout = model.layout;
+    const int states = optimizer.states();
+    for (size_t u = 0; u < layout.units.size(); ++u) {
+      const int64_t n = layout.units[u].shard_numel;
+      UnitState st;
+      st.n = n;
+      st.param = static_cast<float*>(own(Mem::ParamShard, 4 * n));
+      st.grad = static_cast<float*>(own(Mem::GradShard, 4 * n));
+      for (int i = 0; i < states; ++i) st.states.push_back(static_cast<float*>(own(Mem::OptimState, 4 * n)));
+      std::vector<cuda::OptimSegment> table;
+      for (const auto& s : model.segments(layout.units[u]))
+        table.push_back({s.shard_offset, s.count, s.param->weight_decay() ? static_cast<float>(optim.weight_decay) : 0.0f});
+      SHARDLM_CHECK(int(table.size()) <= cuda::kMaxOptimSegments, "unit %s has too many parameters for one update",
+                    layout.units[u].name.c_str());
+      st.segments = static_cast<cuda::OptimSegment*>(
+          own(Mem::OptimState, sizeof(cuda::OptimSegment) * std::max<size_t>(1, table.size())));
+      st.num_segments = static_cast<int>(table.size());
+      CUDA_CHECK(cudaMemcpy(st.segments, table.data(), sizeof(cuda::OptimSegment) * table.size(),
+                            cudaMemcpyHostToDevice));
+      units_.push_back(st);
+    }
+    sumsq_scratch_bytes_ = cuda::sum_squares_scratch_bytes();
+    sumsq_scratch_ = own(Mem::Workspace, sumsq_scratch_bytes_);
+    sumsq_ = static_cast<double*>(own(Mem::Workspace, 8));
+  }
+  ~CudaDeviceState() override {
+    cudaStreamSynchronize(stream_);
+    for (void* p : pinned_)
+      if (cudaHostUnregister(p) != cudaSuccess) cudaGetLastError();
+    for (auto& [category, ptr, bytes] : owned_) cuda_free(category, ptr, int64_t(bytes));
+  }
+
+  StatePlacement placement() const override { return StatePlacement::Device; }
+  const char* setup_what() const override { return "the state's upload to the GPU"; }
+
+  void begin_step(int64_t) override {
+    for (auto& st : units_) CUDA_CHECK(cudaMemsetAsync(st.grad, 0, 4 * st.n, stream_));
+  }
+  float* direct_grad(int unit) override { return units_[unit].grad; }
+  void add_reduced(int unit, const void* reduced, int64_t n, DType type) override {
+    backend_.accumulate(units_[unit].grad, reduced, n, type);
+  }
+
+  double grad_sumsq() override {
+    for (size_t u = 0; u < units_.size(); ++u)
+      cuda::sum_squares(sumsq_, units_[u].grad, units_[u].n, /*accumulate=*/u > 0, sumsq_scratch_,
+                        sumsq_scratch_bytes_, stream_);
+    double host = 0;
+    CUDA_CHECK(cudaMemcpyAsync(&host, sumsq_, 8, cudaMemcpyDeviceToHost, stream_));
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+    return host;
+  }
+
+  void update(double lr, float clip) override {
+    const int64_t step = optimizer_.steps_taken() + 1;
+    for (size_t u = 0; u < units_.size(); ++u) {
+      UnitState& st = units_[u];
+      bf16* shard = static_cast<bf16*>(backend_.param_shard_mut(static_cast<int>(u)));
+      if (optim_.name == "adamw") {
+        cuda::AdamWConfig c;
+        c.lr = lr, c.beta1 = optim_.beta1, c.beta2 = optim_.beta2, c.eps = optim_.eps, c.step = step, c.grad_scale = clip;
+        cuda::adamw_step_segments(st.param, shard, st.grad, st.states[0], st.states[1], st.n, st.segments,
+                                  st.num_segments, c, nullptr, stream_);
+      } else {
+        cuda::SgdConfig c;
+        c.lr = lr, c.momentum = optim_.momentum, c.grad_scale = clip;
+        cuda::sgd_step_segments(st.param, shard, st.grad, st.states.empty() ? nullptr : st.states[0], st.n,
+                                st.segments, st.num_segments, c, nullptr, stream_);
+      }
+    }
+    optimizer_.set_steps_taken(step);
+  }
+
+  void pull() override {
+    for (size_t u = 0; u < units_.size(); ++u) {
+      UnitState& st = units_[u];
+      CUDA_CHECK(cudaMemcpyAsync(model_.param[u].data(), st.param, 4 * st.n, cudaMemcpyDeviceToHost, stream_));
+      for (size_t i = 0; i < st.states.size(); ++i)
+        CUDA_CHECK(cudaMemcpyAsync(optimizer_.state(int(i))[u].data(), st.states[i], 4 * st.n,
+                                   cudaMemcpyDeviceToHost, stream_));
+      CUDA_CHECK(cudaStreamSynchronize(stream_));
+    }
+  }
+
+  // A page shared with a buffer pinned before cannot be registered twice; the
+  // buffer then stays pageable: downloads into it are correct, only slower.
+  Pinned pin_host_shards() override {
+    Pinned out;
+    auto pin = [&](Buffer<float>& b) {
+      out.wanted_bytes += static_cast<int64_t>(b.bytes());
+      if (b.bytes() == 0) return;
+      if (cudaHostRegister(b.data(), b.bytes(), cudaHostRegisterDefault) != cudaSuccess) {
+        cudaGetLastError();
+        return;
+      }
+      pinned_.push_back(b.data());
+      out.bytes += static_cast<int64_t>(b.bytes());
+    };
+    for (auto& b : model_.param) pin(b);
+    for (int k = 0; k < optimizer_.states(); ++k)
+      for (auto& b : optimizer_.state(k)) pin(b);
+    return out;
+  }
+
+  void push() override {
+    for (size_t u = 0; u < units_.size(); ++u) {
+      UnitState& st = units_[u];
+      CUDA_CHECK(cudaMemcpyAsync(st.param, model_.param[u].data(), 4 * st.n, cudaMemcpyHostToDevice, stream_));
+      for (size_t i = 0; i < st.states.size(); ++i)
+        CUDA_CHECK(cudaMemcpyAsync(st.states[i], optimizer_.state(int(i))[u].data(), 4 * st.n,
+                                   cudaMemcpyHostToDevice, stream_));
+      cuda::cast_f32_to_bf16(static_cast<bf16*>(backend_.param_shard_mut(static_cast<int>(u))), st.param, st.n,
+                             stream_);
+      CUDA_CHECK(cudaStreamSynchronize(stream_));  // the host buffers may change after we return
+    }
+  }
+
+ private:
+  struct UnitState {
+    int64_t n = 0;
+    float* param = nullptr;               // fp32 master shard
+    float* grad = nullptr;                // fp32 gradient shard
+    std::vector<float*> states;           // AdamW exp_avg, exp_avg_sq | SGD momentum
+    cuda::OptimSegment* segments = nullptr;
+    int num_segments = 0;
+  };
+  struct Owned {
+    Mem category;
+    void* ptr;
+    size_t bytes;
+  };
+  void* own(Mem category, size_t bytes) {
+    void* p = cuda_malloc(category, static_cast<int64_t>(bytes));  // admitted against the cap, counted
+    owned_.push_back({category, p, bytes});
+    return p;
+  }
+
+  ShardedModel& model_;
+  Optimizer& optimizer_;
+  const OptimSection optim_;
+  Backend& backend_;
+  cudaStream_t stream_;                  // the backend's compute stream (not owned)
+  std::vector<UnitState> units_;
+  std::vector<Owned> owned_;
+  std::vector<void*> pinned_;            // host shards page-locked by pin_host_shards
+  void* sumsq_scratch_ = nullptr;
+  size_t sumsq_scratch_bytes_ = 0;
+  double* sumsq_ = nullptr;
+};
+
+}  // namespace
+
+std::unique_ptr<TrainingState> make_cuda_device_state(ShardedModel& model, Optimizer& optimizer,
+                                                      const OptimSection& optim, Backend& backend) {
+  return std::make_unique<CudaDeviceState>(model, optimizer, optim, backend);
+}
+
+}  // namespace shardlm

@@ -1,0 +1,232 @@
+// cuda_ops.hpp — the CUDA kernels of the GPU backend (everything but attention and
+// the GEMMs) and their host launchers.
+//
+// Owns: shardlm::cuda::{embedding, rmsnorm (+ fused residual add), rope, swiglu,
+// cross_entropy, adamw/sgd on flat shards, cast/accumulate/scale/sum_squares,
+// bias_grad} and the CUDA_CHECK macro. Each op mirrors its CPU reference in
+// cpu_ops.hpp (same argument order, same overwrite/accumulate rules) and is checked
+// against it by tests/gpu/test_cuda_ops.cu; docs/kernels.md gives each op's
+// tolerance, determinism story and bytes moved.
+// Must not know: MPI, NCCL, the model (units, parameter names), the deck, files.
+// Included only by .cu files and the GPU tests (it exposes CUDA types).
+//
+// Conventions (every function):
+//   - Async on the given stream; no host synchronisation, no allocation. Ops that
+//     need scratch take (scratch, scratch_bytes) and have a *_scratch_bytes()
+//     function; scratch may be reused freely between calls on the same stream.
+//   - Precision: activations and gathered parameters bf16 in memory, all math in
+//     fp32 (saved statistics rstd and per-row losses in fp32); parameter gradients,
+//     master weights and optimizer state fp32.
+//   - Activation gradients are OVERWRITTEN; parameter gradients (dweight, dtable,
+//     dbias) are ACCUMULATED (+=), as on the CPU.
+//   - Deterministic: no atomics anywhere. Every reduction runs in a fixed order
+//     (per-block partials in fixed blocks, then an ordered pass) that depends only
+//     on the sizes, so the same inputs give the same bits run to run.
+//   - Vectorised 16-byte accesses when the pointers are 16-byte aligned and the
+//     row lengths are multiples of 8 elements; a scalar path otherwise (correct,
+//     slower). Buffers from cudaMalloc at multiple-of-8 offsets take the fast path.
+//   - Sizes are int64; a size the kernels cannot take throws shardlm::Error.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "shardlm/error.hpp"
+
+// Throws shardlm::Error naming the call, file and line. After every kernel launch:
+// CUDA_CHECK(cudaGetLastError()).
+#ifndef CUDA_CHECK
+#define CUDA_CHECK(call)                                                                   \
+  do {                                                                                     \
+    const cudaError_t cuda_status_ = (call);                                               \
+    if (cuda_status_ != cudaSuccess)                                                       \
+      throw ::shardlm::Error(::shardlm::fmt("CUDA error: %s failed at %s:%d: %s", #call,   \
+                                            __FILE__, __LINE__,                            \
+                                            cudaGetErrorString(cuda_status_)));            \
+  } while (0)
+#endif
+
+namespace shardlm::cuda {
+
+using bf16 = __nv_bfloat16;
+
+// ---------------------------------------------------------------- embedding
+
+// out[t] = table[ids[t]].  out (N, C) overwritten; ids (N) int32; table (V, C).
+// An id outside [0, V) cannot throw on the device: its row is written as NaN so the
+// loss shows it (the data loader validates ids on the host).
+void embedding_forward(bf16* out, const int32_t* ids, const bf16* table, int64_t N,
+                       int64_t V, int64_t C, cudaStream_t stream);
+
+// dtable[ids[t]] += dout[t].  dtable (V, C) fp32 +=; dout (N, C) bf16; ids (N).
+// Deterministic: tokens are stably sorted by id (CUB radix sort), each id's rows are
+// summed in token order in fixed tiles of 32 sorted tokens, and runs that cross a
+// tile are finished by an ordered second pass. Ids outside [0, V) are skipped.
+size_t embedding_backward_scratch_bytes(int64_t N, int64_t C);
+void embedding_backward(float* dtable, const bf16* dout, const int32_t* ids, int64_t N,
+                        int64_t V, int64_t C, void* scratch, size_t scratch_bytes,
+                        cudaStream_t stream);
+
+// ---------------------------------------------------------------- RMSNorm
+
+// HF LlamaRMSNorm: out = weight * (inp * rstd), rstd = 1 / sqrt(mean(inp^2) + eps).
+//   out (rows, C) overwritten (may alias inp); rstd (rows) fp32 saved for backward;
+//   inp (rows, C); weight (C). Qwen3 q/k norm: rows = N * heads, C = head_dim.
+//   C <= 8192 (C <= 1024 when C is not a multiple of 8).
+void rmsnorm_forward(bf16* out, float* rstd, const bf16* inp, const bf16* weight,
+                     int64_t rows, int64_t C, double eps, cudaStream_t stream);
+
+// Fused residual add + norm: residual_out = bf16(a + b); normed = rmsnorm of the
+// rounded residual_out (what an unfused add then norm computes).
+//   residual_out may alias a or b; normed must not alias a, b or residual_out.
+void residual_rmsnorm_forward(bf16* residual_out, bf16* normed, float* rstd,
+                              const bf16* a, const bf16* b, const bf16* weight,
+                              int64_t rows, int64_t C, double eps, cudaStream_t stream);
+
+// dinp = norm backward (+ dresidual when not nullptr: the residual stream's gradient
+// is added in the same pass, rounded to bf16 once).
+//   dinp (rows, C) overwritten; may alias dresidual, not dout or inp.
+//   dweight (C) fp32 += sum_rows dout * inp * rstd, deterministic through per-block
+//   partials in scratch and an ordered column pass.
+size_t rmsnorm_backward_scratch_bytes(int64_t rows, int64_t C);
+void rmsnorm_backward(bf16* dinp, float* dweight, const bf16* dout, const bf16* inp,
+                      const bf16* weight, const float* rstd, const bf16* dresidual,
+                      int64_t rows, int64_t C, void* scratch, size_t scratch_bytes,
+                      cudaStream_t stream);
+
+// ---------------------------------------------------------------- RoPE
+
+// In-place rotation of x (N, heads, D), HF rotate_half convention (pairs (i, i+D/2)),
+// angle = float(pos) * inv_freq[i] in fp32 as HF; cos/sin in fp32.
+//   positions (N) int32; inv_freq (D/2) fp32 on the device: cpu::rope_inv_freq
+//   (Llama-3 scaling included) rounded to float, copied once at start-up.
+//   row_stride: elements between consecutive tokens (0 means heads * D). A fused
+//   q|k|v buffer (N, (H + 2 KV) * D) rotates q and k in one call with
+//   heads = H + KV and row_stride = (H + 2 KV) * D.
+void rope_forward(bf16* x, const int32_t* positions, const float* inv_freq, int64_t N,
+                  int64_t heads, int64_t D, int64_t row_stride, cudaStream_t stream);
+// The inverse rotation (the transpose), in place on the gradient dx.
+void rope_backward(bf16* dx, const int32_t* positions, const float* inv_freq, int64_t N,
+                   int64_t heads, int64_t D, int64_t row_stride, cudaStream_t stream);
+
+// ---------------------------------------------------------------- SwiGLU
+
+// h = silu(gate) * up on (rows, I) matrices with row strides (elements), so gate and
+// up may be the two halves of one (rows, 2I) GEMM output: gate = gu, up = gu + I,
+// ld_gate = ld_up = 2I.
+void swiglu_forward(bf16* h, int64_t ld_h, const bf16* gate, int64_t ld_gate,
+                    const bf16* up, int64_t ld_up, int64_t rows, int64_t I,
+                    cudaStream_t stream);
+// dgate, dup overwritten (dgate may alias gate and dup may alias up: each element is
+// read before it is written by the same thread, so the fused buffer can take its own
+// gradient in place).
+void swiglu_backward(bf16* dgate, int64_t ld_dgate, bf16* dup, int64_t ld_dup,
+                     const bf16* dh, int64_t ld_dh, const bf16* gate, int64_t ld_gate,
+                     const bf16* up, int64_t ld_up, int64_t rows, int64_t I,
+                     cudaStream_t stream);
+
+// ---------------------------------------------------------------- cross-entropy
+
+// Fused forward + backward on a chunk of logits (n, V), in place, one row per thread
+// block cluster (the row is held in the cluster's shared memory, so HBM sees one read
+// and one write of the logits).
+//   logits in, dlogits = weight * grad_scale * (softmax - onehot(target)) out (bf16);
+//   loss (n) fp32 overwritten: weight * (logsumexp - logit[target]);
+//   targets (n) int32; weights (n) fp32 or nullptr (= 1).
+// A row with target < 0 or weight == 0 gets loss 0 and a zero gradient. A target
+// >= V (the CPU throws) gets loss NaN and a zero gradient. V <= 409600.
+void cross_entropy_forward_backward(bf16* logits, float* loss, const int32_t* targets,
+                                    const float* weights, float grad_scale, int64_t n,
+                                    int64_t V, cudaStream_t stream);
+
+// *out = sum of x (n) in double, in a fixed order (one block): the loss of a chunk.
+// accumulate: *out += the sum instead of overwriting.
+void sum_rows(double* out, const float* x, int64_t n, bool accumulate,
+              cudaStream_t stream);
+
+// ---------------------------------------------------------------- optimizer
+
+// One segment of a flat shard: elements [offset, offset + count) share a weight
+// decay (0 for norms and biases). A table is sorted by offset, non-overlapping, at
+// most kMaxOptimSegments entries; elements in no segment (padding) are left as they
+// are. Built once at start-up and copied to the device.
+struct OptimSegment {
+  int64_t offset;
+  int64_t count;
+  float weight_decay;
+  float reserved = 0.0f;
+};
+inline constexpr int kMaxOptimSegments = 256;
+
+// AdamW exactly as Optimizer::step (src/train/optim.cpp), in fp32 with the same operation
+// order and no fused multiply-adds, so a step matches the CPU one to the last bit:
+//   g = grad * grad_scale; m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g g;
+//   p -= lr wd p; p -= (lr / bc1) m / (sqrt(v) / sqrt(bc2) + eps).
+struct AdamWConfig {
+  double lr = 0, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0;
+  int64_t step = 1;        // 1-based step count for the bias corrections
+  float grad_scale = 1.0f; // clipping factor (and any other gradient scale)
+};
+struct SgdConfig {
+  double lr = 0, momentum = 0, weight_decay = 0;
+  float grad_scale = 1.0f;
+};
+
+// Every update takes an optional device_scale (a device float, e.g. from clip_scale):
+// the gradient is also multiplied by *device_scale, and a non-finite *device_scale
+// skips the update (parameters and state untouched), so clipping and the NaN skip
+// need no host synchronisation. nullptr: grad_scale alone.
+// param_bf16 (n) or nullptr: the updated parameters rounded to bf16, written in the
+// same pass (the bf16 shard the next all-gather reads).
+void adamw_step(float* param, bf16* param_bf16, const float* grad, float* m, float* v,
+                int64_t n, const AdamWConfig& config, const float* device_scale,
+                cudaStream_t stream);
+// A whole unit shard (n elements) in one launch, weight decay per segment
+// (config.weight_decay is ignored). segments: device table of num_segments.
+void adamw_step_segments(float* param, bf16* param_bf16, const float* grad, float* m,
+                         float* v, int64_t n, const OptimSegment* segments,
+                         int num_segments, const AdamWConfig& config,
+                         const float* device_scale, cudaStream_t stream);
+// SGD as Optimizer::step: d = g * grad_scale + wd * p; with momentum
+// buf = mu * buf + d, d = buf; p -= lr * d. momentum_buf nullptr when momentum == 0.
+void sgd_step(float* param, bf16* param_bf16, const float* grad, float* momentum_buf,
+              int64_t n, const SgdConfig& config, const float* device_scale,
+              cudaStream_t stream);
+void sgd_step_segments(float* param, bf16* param_bf16, const float* grad,
+                       float* momentum_buf, int64_t n, const OptimSegment* segments,
+                       int num_segments, const SgdConfig& config,
+                       const float* device_scale, cudaStream_t stream);
+
+// *scale_out = the clipping factor train.cpp computes on the host, from a device sum
+// of squares: norm = sqrt(*sumsq); max_norm > 0 && norm > max_norm ?
+// max_norm / (norm + 1e-6) : 1; NaN when the norm is not finite (the update skips).
+void clip_scale(float* scale_out, const double* sumsq, double max_norm,
+                cudaStream_t stream);
+
+// ---------------------------------------------------------------- helpers
+
+// out = bf16(in), round to nearest even.
+void cast_f32_to_bf16(bf16* out, const float* in, int64_t n, cudaStream_t stream);
+// y += x.
+void accumulate_f32(float* y, const float* x, int64_t n, cudaStream_t stream);
+// x *= alpha.
+void scale_f32(float* x, float alpha, int64_t n, cudaStream_t stream);
+
+// *out = sum(x^2) in double (accumulate: *out += it), deterministic: a fixed grid
+// of kSumSquaresBlocks blocks writes partials to scratch, one block adds them in
+// order. For the global gradient norm (sum over units, then one all-reduce).
+inline constexpr int kSumSquaresBlocks = 1024;
+size_t sum_squares_scratch_bytes();
+void sum_squares(double* out, const float* x, int64_t n, bool accumulate, void* scratch,
+                 size_t scratch_bytes, cudaStream_t stream);
+
+// dbias (OC) fp32 += sum over rows of dout (N, OC) bf16: the bias gradient of a
+// linear layer, deterministic (row-chunk partials in scratch, then an ordered pass).
+size_t bias_grad_scratch_bytes(int64_t N, int64_t OC);
+void bias_grad(float* dbias, const bf16* dout, int64_t N, int64_t OC, void* scratch,
+               size_t scratch_bytes, cudaStream_t stream);
+
+}  // namespace shardlm::cuda

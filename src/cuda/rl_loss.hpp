@@ -1,0 +1,54 @@
+// cuda_rl_loss.hpp — the RL policy loss on the GPU: fused forward + backward on a
+// chunk of bf16 lm-head logits, in place (the RL counterpart of
+// cuda::cross_entropy_forward_backward), and its statistics.
+//
+// Owns: shardlm::cuda::{rl_loss_forward_backward, rl_loss_row_stats_bytes}. The
+// formula, the mask and the statistics are exactly those of src/cpu/rl_loss.hpp
+// (cpu::rl_loss_forward_backward is the reference; tests/gpu/test_cuda_rl_loss.cu
+// checks this kernel against it; docs/kernels.md gives tolerance and determinism).
+// Must not know: MPI, NCCL, the model, rollouts (per-token arrays come expanded),
+// the deck, files. Included only by .cu files and the GPU tests (CUDA types).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "cuda/ops.hpp"
+#include "cpu/rl_loss.hpp"
+
+namespace shardlm::cuda {
+
+// Fields of the per-row and summed statistics, in cpu::RlChunkStats::to_array order:
+// loss, loss_tokens, masked_high, masked_low, entropy, mismatch_kl, advantage.
+inline constexpr int kRlStatsFields = cpu::RlChunkStats::kFields;
+
+// Bytes of row_stats for a chunk of n rows: (kRlStatsFields, n) doubles.
+size_t rl_loss_row_stats_bytes(int64_t n);
+
+// Fused forward + backward on a chunk of logits (n, V), in place, one row per
+// thread block cluster (the row stays in the cluster's shared memory: HBM sees one
+// read and one write of the logits), all math in fp32 with double sums as the CPU.
+//   logits (n, V) bf16 in, dlogits = grad_scale * dloss/dlogits out (bf16);
+//   row_stats (kRlStatsFields, n) double, overwritten: each row's contribution to
+//     every field (0 on rows without loss), field-major (row_stats[f * n + row]);
+//   stats (kRlStatsFields) double on the device: the sums over the chunk's rows,
+//     overwritten, or added to when accumulate (several chunks of a micro-batch
+//     sum on the device; RlChunkStats::from_array on the host reads them);
+//   targets (n) int32, < 0 = no target; weights (n) fp32 or nullptr (= 1), <= 0 =
+//     no loss; advantages, inference_logprobs, temperatures (n) fp32, read on loss
+//     rows only. All device pointers.
+// A loss row whose target is >= V or whose temperature is not positive and finite
+// (the CPU throws; the data loader validates both on the host) gets a zero gradient
+// and NaN loss, entropy and mismatch KL, so the run's NaN check reports it.
+// Deterministic: every sum runs in a fixed order that depends only on n and V
+// (threads, then a fixed block tree, then cluster ranks in rank order; the chunk
+// sums in one block per field in a fixed order). No atomics. V <= 409600.
+void rl_loss_forward_backward(bf16* logits, double* row_stats, double* stats, const int32_t* targets,
+                              const float* weights, const float* advantages,
+                              const float* inference_logprobs, const float* temperatures,
+                              const cpu::RlLossParams& params, float grad_scale, int64_t n,
+                              int64_t V, bool accumulate, cudaStream_t stream);
+
+}  // namespace shardlm::cuda

@@ -1,0 +1,35 @@
+// cuda_stub.cpp — the CUDA entry points of a CPU-only build: no devices.
+#include "shardlm/backend.hpp"
+#include "shardlm/cuda.hpp"
+#include "cuda/newton_schulz.hpp"
+#include "train/state.hpp"
+#include "shardlm/error.hpp"
+
+namespace shardlm {
+
+bool cuda_built() { return false; }
+int cuda_device_count() { return 0; }
+void cuda_set_device(int) { SHARDLM_FAIL("this shardlm was built without CUDA"); }
+std::string cuda_device_name(int) { return "none"; }
+int64_t cuda_device_memory_bytes(int) { return 0; }
+std::unique_ptr<Comm> make_device_comm(Comm&, const std::string&, void*, int64_t, double) {
+  SHARDLM_FAIL("this shardlm was built without CUDA (no device communicator)");
+}
+std::unique_ptr<Backend> make_cuda_backend() { SHARDLM_FAIL("this shardlm was built without CUDA"); }
+void* cuda_malloc(Mem, int64_t) { SHARDLM_FAIL("this shardlm was built without CUDA (no device memory)"); }
+void cuda_free(Mem, void*, int64_t) {}
+void cuda_copy_async(void*, const void*, int64_t, void*) { SHARDLM_FAIL("this shardlm was built without CUDA"); }
+void cuda_synchronize(void*) {}
+NsWorkspaceBytes cuda_newton_schulz_bytes(const NsCapacity&) { return {}; }
+std::unique_ptr<Orthogonalizer> make_cuda_orthogonalizer(const NsCapacity&) {
+  SHARDLM_FAIL("this shardlm was built without CUDA (no GPU Newton–Schulz for Muon)");
+}
+
+std::unique_ptr<OffloadDevice> make_cuda_offload_device(void*, int) {
+  SHARDLM_FAIL("this shardlm was built without CUDA (model.optim_cpu_offload's pipeline needs a GPU)");
+}
+std::unique_ptr<TrainingState> make_cuda_device_state(ShardedModel&, Optimizer&, const OptimSection&, Backend&) {
+  SHARDLM_FAIL("this shardlm was built without CUDA (device-resident training state needs a GPU backend)");
+}
+
+}  // namespace shardlm

@@ -1,0 +1,454 @@
+// rollouts.cpp — reading and validating rollout files, waiting for them, and
+// packing their samples into rank-balanced micro-batches. Rules: docs/rollouts.md.
+#include "data/rollouts.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <climits>
+#include <cmath>
+#include <filesystem>
+#include <set>
+#include <thread>
+#include <utility>
+
+#include "shardlm/error.hpp"
+#include "shardlm/h5util.hpp"
+
+namespace shardlm {
+
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr const char* kFormatHint =
+    "a rollout file needs 'tokens' int32, 'offsets' int64, 'loss_mask' uint8, 'advantages' float32 and "
+    "'inference_logprobs' float32; see docs/rollouts.md";
+
+// ---------------------------------------------------------------- HDF5 reading
+
+enum class Kind { Int, UInt, Float };
+
+bool has_type(hid_t type, Kind kind, size_t bytes) {
+  const H5T_class_t cls = H5Tget_class(type);
+  if (H5Tget_size(type) != bytes) return false;
+  if (kind == Kind::Float) return cls == H5T_FLOAT;
+  return cls == H5T_INTEGER && (H5Tget_sign(type) == H5T_SGN_2) == (kind == Kind::Int);
+}
+
+bool has_link(hid_t file, const char* name) { return H5_CHECK(H5Lexists(file, name, H5P_DEFAULT)) > 0; }
+
+// Reads 1-D dataset `name` whole after checking its type and rank; an optional
+// dataset that is absent gives an empty vector and *present = false.
+template <class T>
+std::vector<T> read_1d(hid_t file, const std::string& path, const char* name, Kind kind, const char* expected,
+                       hid_t mem_type, bool required, bool* present = nullptr) {
+  if (present) *present = false;
+  if (!has_link(file, name)) {
+    SHARDLM_CHECK(!required, "rollout file '%s' has no dataset '%s' (%s)", path.c_str(), name, kFormatHint);
+    return {};
+  }
+  h5::Handle dset = h5::open_dataset(file, name, fmt("rollout file '%s'", path.c_str()));
+  h5::Handle type(H5_CHECK(H5Dget_type(dset)), H5Tclose);
+  SHARDLM_CHECK(has_type(type, kind, sizeof(T)), "rollout file '%s': dataset '%s' has dtype %s, expected %s",
+                path.c_str(), name, h5::dtype_name(type).c_str(), expected);
+  h5::Handle space(H5_CHECK(H5Dget_space(dset)), H5Sclose);
+  const int rank = H5_CHECK(H5Sget_simple_extent_ndims(space));
+  SHARDLM_CHECK(rank == 1, "rollout file '%s': dataset '%s' has rank %d, expected a 1-D array", path.c_str(),
+                name, rank);
+  hsize_t length = 0;
+  H5_CHECK(H5Sget_simple_extent_dims(space, &length, nullptr));
+  std::vector<T> values(length);
+  if (length > 0) H5_CHECK(H5Dread(dset, mem_type, H5S_ALL, H5S_ALL, H5P_DEFAULT, values.data()));
+  if (present) *present = true;
+  return values;
+}
+
+int64_t read_int_attribute(hid_t file, const std::string& path, const char* name, const char* meaning) {
+  SHARDLM_CHECK(H5_CHECK(H5Aexists(file, name)) > 0, "rollout file '%s' has no root attribute '%s' (int64: %s)",
+                path.c_str(), name, meaning);
+  h5::Handle attr(H5_CHECK(H5Aopen(file, name, H5P_DEFAULT)), H5Aclose);
+  h5::Handle type(H5_CHECK(H5Aget_type(attr)), H5Tclose);
+  h5::Handle space(H5_CHECK(H5Aget_space(attr)), H5Sclose);
+  SHARDLM_CHECK(H5Tget_class(type) == H5T_INTEGER && H5Sget_simple_extent_npoints(space) == 1,
+                "rollout file '%s': attribute '%s' must be one integer, found %s with %lld values", path.c_str(),
+                name, h5::dtype_name(type).c_str(), static_cast<long long>(H5Sget_simple_extent_npoints(space)));
+  int64_t value = 0;
+  H5_CHECK(H5Aread(attr, H5T_NATIVE_INT64, &value));
+  return value;
+}
+
+// "sample 3, token 5" for flat token index t.
+std::string where_token(const std::vector<int64_t>& offsets, int64_t t) {
+  const auto it = std::upper_bound(offsets.begin(), offsets.end(), t);
+  const int64_t s = (it - offsets.begin()) - 1;
+  return fmt("sample %lld, token %lld", static_cast<long long>(s), static_cast<long long>(t - offsets[s]));
+}
+
+std::string describe(float v) {
+  if (std::isnan(v)) return "NaN";
+  if (std::isinf(v)) return v > 0 ? "inf" : "-inf";
+  return fmt("%g", double(v));
+}
+
+}  // namespace
+
+// ------------------------------------------------------------------- reading
+
+std::string rollout_path(const std::string& dir, int64_t step) {
+  return (fs::path(dir) / fmt("step_%lld.h5", static_cast<long long>(step))).string();
+}
+
+RolloutBatch read_rollouts(const std::string& path_text, int64_t vocab_size) {
+  const char* path = path_text.c_str();
+  SHARDLM_CHECK(vocab_size >= 1, "rollouts: vocab_size = %lld, the model's vocabulary size must be set",
+                static_cast<long long>(vocab_size));
+  std::error_code ec;
+  SHARDLM_CHECK(fs::exists(path_text, ec), "rollout file '%s' does not exist", path);
+  SHARDLM_CHECK(fs::is_regular_file(path_text, ec), "rollout file '%s' is not a regular file", path);
+  SHARDLM_CHECK(fs::file_size(path_text, ec) > 0,
+                "rollout file '%s' is empty (0 bytes); writers must write step_<N>.h5.tmp and rename it to "
+                "step_<N>.h5 only when it is complete",
+                path);
+  h5::silence_error_stack();
+  const htri_t is_hdf5 = H5Fis_hdf5(path);
+  H5Eclear2(H5E_DEFAULT);
+  SHARDLM_CHECK(is_hdf5 > 0, "rollout file '%s' is not an HDF5 file (see docs/rollouts.md)", path);
+
+  // Read-only, no file locking, serial driver: every rank reads it at once.
+  h5::Handle fapl(H5_CHECK(H5Pcreate(H5P_FILE_ACCESS)), H5Pclose);
+  H5_CHECK(H5Pset_file_locking(fapl, false, true));
+  h5::Handle file(H5_CHECK(H5Fopen(path, H5F_ACC_RDONLY, fapl)), H5Fclose);
+
+  RolloutBatch b;
+  b.path = path_text;
+  // Presence of every required dataset first, so a file missing several names the first in this order.
+  for (const char* name : {"tokens", "offsets", "loss_mask", "advantages", "inference_logprobs"})
+    SHARDLM_CHECK(has_link(file, name), "rollout file '%s' has no dataset '%s' (%s)", path, name, kFormatHint);
+  b.tokens = read_1d<int32_t>(file, path_text, "tokens", Kind::Int, "int32", H5T_NATIVE_INT32, true);
+  b.offsets = read_1d<int64_t>(file, path_text, "offsets", Kind::Int, "int64", H5T_NATIVE_INT64, true);
+  b.loss_mask = read_1d<uint8_t>(file, path_text, "loss_mask", Kind::UInt, "uint8", H5T_NATIVE_UINT8, true);
+  b.advantages = read_1d<float>(file, path_text, "advantages", Kind::Float, "float32", H5T_NATIVE_FLOAT, true);
+  b.inference_logprobs =
+      read_1d<float>(file, path_text, "inference_logprobs", Kind::Float, "float32", H5T_NATIVE_FLOAT, true);
+  bool has_temperature = false, has_loss_weight = false;
+  b.temperature = read_1d<float>(file, path_text, "temperature", Kind::Float, "float32", H5T_NATIVE_FLOAT,
+                                 false, &has_temperature);
+  b.loss_weight = read_1d<float>(file, path_text, "loss_weight", Kind::Float, "float32", H5T_NATIVE_FLOAT,
+                                 false, &has_loss_weight);
+  b.step = read_int_attribute(file, path_text, "step", "the trainer step these rollouts are for");
+  b.policy_step =
+      read_int_attribute(file, path_text, "policy_step", "the trainer step whose weights generated them");
+
+  // offsets and sample count
+  const auto n_tokens = static_cast<int64_t>(b.tokens.size());
+  const std::vector<int64_t>& off = b.offsets;
+  SHARDLM_CHECK(!off.empty(), "rollout file '%s': dataset 'offsets' is empty; it must hold at least "
+                "[0, len(tokens)]", path);
+  SHARDLM_CHECK(off[0] == 0, "rollout file '%s': offsets[0] = %lld, expected 0", path,
+                static_cast<long long>(off[0]));
+  for (size_t i = 1; i < off.size(); ++i)
+    SHARDLM_CHECK(off[i] >= off[i - 1],
+                  "rollout file '%s': offsets decrease at index %zu (offsets[%zu] = %lld > offsets[%zu] = %lld)",
+                  path, i, i - 1, static_cast<long long>(off[i - 1]), i, static_cast<long long>(off[i]));
+  SHARDLM_CHECK(off.back() == n_tokens,
+                "rollout file '%s': offsets ends at %lld but 'tokens' has %lld elements; the last offset must "
+                "be len(tokens)",
+                path, static_cast<long long>(off.back()), static_cast<long long>(n_tokens));
+  const int64_t n_samples = b.samples();
+  SHARDLM_CHECK(n_samples > 0 && n_tokens > 0, "rollout file '%s' holds no samples (%lld samples, %lld tokens)",
+                path, static_cast<long long>(n_samples), static_cast<long long>(n_tokens));
+
+  // lengths
+  auto check_length = [&](const char* name, size_t got, int64_t want, const char* per) {
+    SHARDLM_CHECK(static_cast<int64_t>(got) == want,
+                  "rollout file '%s': '%s' has %zu elements, expected %lld (one per %s)", path, name, got,
+                  static_cast<long long>(want), per);
+  };
+  check_length("loss_mask", b.loss_mask.size(), n_tokens, "token");
+  check_length("inference_logprobs", b.inference_logprobs.size(), n_tokens, "token");
+  if (has_temperature) check_length("temperature", b.temperature.size(), n_samples, "sample");
+  if (has_loss_weight) check_length("loss_weight", b.loss_weight.size(), n_tokens, "token");
+  const auto n_adv = static_cast<int64_t>(b.advantages.size());
+  SHARDLM_CHECK(n_adv == n_tokens || n_adv == n_samples,
+                "rollout file '%s': 'advantages' has %lld elements, expected %lld (one per token) or %lld (one "
+                "per sample)",
+                path, static_cast<long long>(n_adv), static_cast<long long>(n_tokens),
+                static_cast<long long>(n_samples));
+  // With n_tokens == n_samples every sample is one token: both readings agree.
+  b.advantages_per_sample = n_adv == n_samples && n_adv != n_tokens;
+
+  // values everywhere
+  for (int64_t t = 0; t < n_tokens; ++t)
+    SHARDLM_CHECK(b.tokens[t] >= 0 && b.tokens[t] < vocab_size,
+                  "rollout file '%s': tokens[%lld] = %d (%s) is outside the model's vocabulary [0, %lld)", path,
+                  static_cast<long long>(t), b.tokens[t], where_token(off, t).c_str(),
+                  static_cast<long long>(vocab_size));
+  for (int64_t t = 0; t < n_tokens; ++t)
+    SHARDLM_CHECK(b.loss_mask[t] <= 1, "rollout file '%s': loss_mask[%lld] = %d (%s); values must be 0 or 1", path,
+                  static_cast<long long>(t), b.loss_mask[t], where_token(off, t).c_str());
+  if (has_temperature) {
+    for (int64_t s = 0; s < n_samples; ++s)
+      SHARDLM_CHECK(std::isfinite(b.temperature[s]) && b.temperature[s] > 0.0f,
+                    "rollout file '%s': temperature[%lld] = %s; temperatures must be positive and finite "
+                    "(the sampling temperature of the sample)",
+                    path, static_cast<long long>(s), describe(b.temperature[s]).c_str());
+  } else {
+    b.temperature.assign(n_samples, 1.0f);
+  }
+  if (has_loss_weight) {
+    for (int64_t t = 0; t < n_tokens; ++t)
+      SHARDLM_CHECK(std::isfinite(b.loss_weight[t]) && b.loss_weight[t] >= 0.0f,
+                    "rollout file '%s': loss_weight[%lld] = %s (%s); weights must be finite and >= 0", path,
+                    static_cast<long long>(t), describe(b.loss_weight[t]).c_str(), where_token(off, t).c_str());
+  } else {
+    b.loss_weight.assign(n_tokens, 1.0f);
+  }
+  if (b.advantages_per_sample) {
+    for (int64_t s = 0; s < n_samples; ++s)
+      SHARDLM_CHECK(std::isfinite(b.advantages[s]), "rollout file '%s': advantages[%lld] (sample %lld) is %s",
+                    path, static_cast<long long>(s), static_cast<long long>(s), describe(b.advantages[s]).c_str());
+    std::vector<float> per_token(n_tokens);
+    for (int64_t s = 0; s < n_samples; ++s)
+      std::fill(per_token.begin() + off[s], per_token.begin() + off[s + 1], b.advantages[s]);
+    b.advantages = std::move(per_token);
+  }
+
+  // values at loss tokens (other positions are never read and may hold anything)
+  for (int64_t s = 0; s < n_samples; ++s) {
+    for (int64_t t = off[s] + 1; t < off[s + 1]; ++t) {
+      if (b.loss_mask[t] == 0 || !(b.loss_weight[t] > 0.0f)) continue;
+      ++b.loss_tokens;
+      const float lp = b.inference_logprobs[t];
+      SHARDLM_CHECK(std::isfinite(lp),
+                    "rollout file '%s': inference_logprobs[%lld] (%s) is %s at a token that carries loss", path,
+                    static_cast<long long>(t), where_token(off, t).c_str(), describe(lp).c_str());
+      SHARDLM_CHECK(lp <= 0.0f,
+                    "rollout file '%s': inference_logprobs[%lld] (%s) = %g is positive; log-probabilities must "
+                    "be <= 0 (were probabilities written instead of their logs?)",
+                    path, static_cast<long long>(t), where_token(off, t).c_str(), double(lp));
+      if (!b.advantages_per_sample)
+        SHARDLM_CHECK(std::isfinite(b.advantages[t]),
+                      "rollout file '%s': advantages[%lld] (%s) is %s at a token that carries loss", path,
+                      static_cast<long long>(t), where_token(off, t).c_str(), describe(b.advantages[t]).c_str());
+    }
+  }
+  SHARDLM_CHECK(b.loss_tokens > 0,
+                "rollout file '%s': no token carries loss (loss_mask * loss_weight is 0 at every token after the "
+                "first of its sample); there is nothing to train on",
+                path);
+  return b;
+}
+
+// ------------------------------------------------------------------- waiting
+
+void validate_rollout_dir(const std::string& dir) {
+  std::error_code ec;
+  SHARDLM_CHECK(!fs::exists(dir, ec) || fs::is_directory(dir, ec),
+                "data.rollout_dir = '%s' is not a directory: it names the directory where step_<N>.h5 rollout files "
+                "appear", dir.c_str());
+}
+
+std::string wait_for_rollouts(const std::string& dir, int64_t step, double timeout_s,
+                              const std::function<void(const std::string&)>& progress,
+                              double progress_interval_s) {
+  using clock = std::chrono::steady_clock;
+  const std::string path = rollout_path(dir, step);
+  validate_rollout_dir(dir);
+  const auto start = clock::now();
+  double next_progress_s = progress_interval_s;
+  for (;;) {
+    std::error_code ec;
+    if (fs::exists(path, ec)) return path;
+    const double waited_s = std::chrono::duration<double>(clock::now() - start).count();
+    if (waited_s >= timeout_s)
+      SHARDLM_FAIL("no rollouts for step %lld in %s after %g s (is the inference server running?)",
+                   static_cast<long long>(step), dir.c_str(), timeout_s);
+    if (progress && progress_interval_s > 0 && waited_s >= next_progress_s) {
+      progress(fmt("waiting for rollouts for step %lld: %s not there after %.0f s (timeout %g s)",
+                   static_cast<long long>(step), path.c_str(), waited_s, timeout_s));
+      while (next_progress_s <= waited_s) next_progress_s += progress_interval_s;
+    }
+    const double sleep_s = std::min(0.1, std::max(0.0, timeout_s - waited_s));
+    std::this_thread::sleep_for(std::chrono::duration<double>(sleep_s));
+  }
+}
+
+void check_rollout_step(const RolloutBatch& b, int64_t step, int64_t max_async) {
+  const char* path = b.path.c_str();
+  SHARDLM_CHECK(b.step == step,
+                "rollout file '%s' has attribute step = %lld but was read for step %lld; the file name and its "
+                "step attribute must agree",
+                path, static_cast<long long>(b.step), static_cast<long long>(step));
+  SHARDLM_CHECK(b.policy_step <= step,
+                "rollout file '%s': policy_step = %lld is after step %lld; rollouts cannot come from weights the "
+                "trainer has not made yet",
+                path, static_cast<long long>(b.policy_step), static_cast<long long>(step));
+  SHARDLM_CHECK(step - b.policy_step <= max_async,
+                "rollout file '%s' was generated with the weights of step %lld, %lld steps behind step %lld, but "
+                "data.max_async = %lld allows at most %lld; raise data.max_async or let the inference server "
+                "catch up",
+                path, static_cast<long long>(b.policy_step), static_cast<long long>(step - b.policy_step),
+                static_cast<long long>(step), static_cast<long long>(max_async),
+                static_cast<long long>(max_async));
+}
+
+// ------------------------------------------------------------------- packing
+
+std::vector<int> assign_samples_to_ranks(const RolloutBatch& b, int world) {
+  SHARDLM_CHECK(world >= 1, "rollouts: world size %d must be at least 1", world);
+  const int64_t n = b.samples();
+  std::vector<int64_t> order(n);
+  for (int64_t s = 0; s < n; ++s) order[s] = s;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t x, int64_t y) { return b.sample_pairs(x) > b.sample_pairs(y); });
+  std::vector<int> rank_of(n, -1);
+  std::vector<int64_t> filled(world, 0);
+  for (int64_t s : order) {
+    if (b.sample_pairs(s) == 0) continue;
+    const int r = static_cast<int>(std::min_element(filled.begin(), filled.end()) - filled.begin());
+    rank_of[s] = r;
+    filled[r] += b.sample_pairs(s);
+  }
+  return rank_of;
+}
+
+namespace {
+
+// Best-fit decreasing: rows[i] lists the samples of row i in placement order.
+// Samples arrive longest first; each goes into the row with the least room that
+// still fits it (the lowest row index among equals), else a new row.
+std::vector<std::vector<int64_t>> pack_rows(const RolloutBatch& b, const std::vector<int64_t>& samples,
+                                            int64_t seq_len) {
+  std::vector<std::vector<int64_t>> rows;
+  std::set<std::pair<int64_t, int64_t>> room;  // (free positions, row)
+  for (int64_t s : samples) {
+    const int64_t need = b.sample_pairs(s);
+    auto it = room.lower_bound({need, -1});
+    int64_t row = 0, free = 0;
+    if (it == room.end()) {
+      row = static_cast<int64_t>(rows.size());
+      rows.emplace_back();
+      free = seq_len;
+    } else {
+      row = it->second;
+      free = it->first;
+      room.erase(it);
+    }
+    rows[row].push_back(s);
+    if (free - need > 0) room.insert({free - need, row});
+  }
+  return rows;
+}
+
+void resize_micro_batch(RlMicroBatch& m, int64_t rows, int64_t seq_len) {
+  const auto numel = static_cast<size_t>(rows * seq_len);
+  m.batch.rows = rows;
+  m.batch.seq_len = seq_len;
+  m.batch.loss_tokens = 0;
+  m.batch.tokens.assign(numel, 0);
+  m.batch.targets.assign(numel, -1);
+  m.batch.weights.assign(numel, 0.0f);
+  m.batch.positions.assign(numel, 0);
+  m.batch.seq_ids.assign(numel, 0);
+  m.advantages.assign(numel, 0.0f);
+  m.inference_logprobs.assign(numel, 0.0f);
+  m.temperatures.assign(numel, 1.0f);
+  m.sample_ids.assign(numel, -1);
+}
+
+// Writes the samples of one row into slot `slot` of m; seq_id continues from next_seq_id.
+void fill_row(const RolloutBatch& b, const std::vector<int64_t>& samples, int64_t slot, int32_t& next_seq_id,
+              RlMicroBatch& m) {
+  const int64_t seq_len = m.batch.seq_len;
+  const int64_t base = slot * seq_len;
+  int64_t used = 0;
+  for (int64_t s : samples) {
+    const int64_t first = b.offsets[s];
+    const int64_t pairs = b.sample_pairs(s);
+    for (int64_t j = 0; j < pairs; ++j) {
+      const int64_t at = base + used + j;
+      const int64_t target = first + j + 1;
+      const float weight = b.loss_mask[target] ? b.loss_weight[target] : 0.0f;
+      m.batch.tokens[at] = b.tokens[target - 1];
+      m.batch.targets[at] = b.tokens[target];
+      m.batch.weights[at] = weight;
+      m.batch.positions[at] = static_cast<int32_t>(j);
+      m.batch.seq_ids[at] = next_seq_id;
+      m.batch.loss_tokens += weight > 0.0f;
+      m.advantages[at] = b.advantages[target];
+      m.inference_logprobs[at] = b.inference_logprobs[target];
+      m.temperatures[at] = b.temperature[s];
+      m.sample_ids[at] = static_cast<int32_t>(s);
+    }
+    used += pairs;
+    ++next_seq_id;
+  }
+  if (used < seq_len) {  // padding: one sequence of its own that nothing attends into
+    for (int64_t at = base + used; at < base + seq_len; ++at) m.batch.seq_ids[at] = next_seq_id;
+    ++next_seq_id;
+  }
+}
+
+}  // namespace
+
+RankRollouts pack_rollouts(const RolloutBatch& b, int64_t seq_len, int64_t micro_batch, int rank, int world) {
+  SHARDLM_CHECK(seq_len >= 2, "data.seq_len = %lld: a row needs at least 2 positions",
+                static_cast<long long>(seq_len));
+  SHARDLM_CHECK(micro_batch >= 1, "data.micro_batch = %lld: must be at least 1", static_cast<long long>(micro_batch));
+  SHARDLM_CHECK(micro_batch * seq_len <= INT32_MAX, "data.micro_batch * data.seq_len = %lld positions exceeds 2^31-1",
+                static_cast<long long>(micro_batch * seq_len));
+  SHARDLM_CHECK(world >= 1 && rank >= 0 && rank < world, "rollouts: rank %d is outside a world of %d", rank, world);
+  for (int64_t s = 0; s < b.samples(); ++s)
+    SHARDLM_CHECK(b.sample_pairs(s) <= seq_len,
+                  "rollout file '%s': sample %lld has %lld tokens, more than data.seq_len + 1 = %lld (a row holds "
+                  "seq_len input/target pairs); raise data.seq_len or cap the generation length",
+                  b.path.c_str(), static_cast<long long>(s), static_cast<long long>(b.sample_tokens(s)),
+                  static_cast<long long>(seq_len + 1));
+
+  const std::vector<int> rank_of = assign_samples_to_ranks(b, world);
+  // Samples of each rank, longest first (the assignment order), then every
+  // rank's rows: all ranks pack, so each knows the largest micro-batch count.
+  std::vector<int64_t> order(b.samples());
+  for (int64_t s = 0; s < b.samples(); ++s) order[s] = s;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t x, int64_t y) { return b.sample_pairs(x) > b.sample_pairs(y); });
+  std::vector<std::vector<int64_t>> samples_of(world);
+  for (int64_t s : order)
+    if (rank_of[s] >= 0) samples_of[rank_of[s]].push_back(s);
+
+  RankRollouts out;
+  int64_t max_micro_batches = 0;
+  std::vector<std::vector<int64_t>> my_rows;
+  for (int r = 0; r < world; ++r) {
+    std::vector<std::vector<int64_t>> rows = pack_rows(b, samples_of[r], seq_len);
+    const auto n_rows = static_cast<int64_t>(rows.size());
+    max_micro_batches = std::max(max_micro_batches, (n_rows + micro_batch - 1) / micro_batch);
+    int64_t tokens = 0;
+    for (int64_t s : samples_of[r]) tokens += b.sample_pairs(s);
+    out.tokens_global += tokens;
+    if (r == rank) {
+      my_rows = std::move(rows);
+      out.tokens = tokens;
+      out.samples = static_cast<int64_t>(samples_of[r].size());
+    }
+  }
+  out.loss_tokens_global = b.loss_tokens;
+
+  const auto n_rows = static_cast<int64_t>(my_rows.size());
+  out.real_micro_batches = (n_rows + micro_batch - 1) / micro_batch;
+  out.micro_batches.resize(max_micro_batches);
+  for (int64_t i = 0; i < max_micro_batches; ++i) {
+    RlMicroBatch& m = out.micro_batches[i];
+    resize_micro_batch(m, micro_batch, seq_len);
+    int32_t next_seq_id = 0;
+    static const std::vector<int64_t> kEmptyRow;
+    for (int64_t slot = 0; slot < micro_batch; ++slot) {
+      const int64_t row = i * micro_batch + slot;
+      fill_row(b, row < n_rows ? my_rows[row] : kEmptyRow, slot, next_seq_id, m);
+    }
+    out.loss_tokens += m.batch.loss_tokens;
+  }
+  return out;
+}
+
+}  // namespace shardlm

@@ -1,0 +1,107 @@
+// rollouts.hpp — RL rollout files: reading and validating
+// <data.rollout_dir>/step_<N>.h5, waiting for the inference side to publish it,
+// and packing its samples into micro-batches balanced across ranks.
+//
+// Owns: RolloutBatch, read_rollouts, rollout_path, wait_for_rollouts,
+// check_rollout_step, RlMicroBatch, RankRollouts, assign_samples_to_ranks,
+// pack_rollouts. Knows nothing about MPI (rank and world are plain ints: every
+// rank reads the whole file and packs the same assignment, so no communication
+// is needed), devices, the model or the loss. File format: docs/rollouts.md.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "data/data.hpp"
+
+namespace shardlm {
+
+// One step's rollouts as read from the file, validated, with defaults filled in.
+// T = tokens of all samples, S = samples.
+struct RolloutBatch {
+  std::string path;
+  int64_t step = 0;         // root attribute: the trainer step these are for
+  int64_t policy_step = 0;  // root attribute: the trainer step whose weights generated them
+  std::vector<int32_t> tokens;             // (T)
+  std::vector<int64_t> offsets;            // (S+1) sample s = tokens[offsets[s] .. offsets[s+1])
+  std::vector<uint8_t> loss_mask;          // (T) 1 = completion token that carries loss
+  std::vector<float> advantages;           // (T) per token; a per-sample dataset is expanded
+  bool advantages_per_sample = false;      // how the file stored them
+  std::vector<float> inference_logprobs;   // (T) log p_inference(token t | tokens < t)
+  std::vector<float> temperature;          // (S) 1 where the file has none
+  std::vector<float> loss_weight;          // (T) 1 where the file has none
+  int64_t loss_tokens = 0;  // targets with loss_mask 1 and loss_weight > 0 (a sample's
+                            // first token is never a target): the step's loss divisor
+
+  int64_t samples() const { return static_cast<int64_t>(offsets.size()) - 1; }
+  int64_t sample_tokens(int64_t s) const { return offsets[s + 1] - offsets[s]; }
+  // (input, target) positions sample s fills in a row: tokens - 1, or 0.
+  int64_t sample_pairs(int64_t s) const { return sample_tokens(s) > 1 ? sample_tokens(s) - 1 : 0; }
+};
+
+// "<dir>/step_<step>.h5".
+std::string rollout_path(const std::string& dir, int64_t step);
+
+// Throws Error when `dir` exists and is not a directory (absent is fine: the
+// inference side may create it). wait_for_rollouts and `shardlm check` call it.
+void validate_rollout_dir(const std::string& dir);
+
+// Reads and validates the whole file. Throws shardlm::Error naming the file and
+// what is wrong (missing file or dataset, wrong dtype or rank, lengths that do
+// not match, a token id outside [0, vocab_size), a NaN/inf or positive inference
+// logprob at a loss token, no samples, no loss token, ...; docs/rollouts.md).
+RolloutBatch read_rollouts(const std::string& path, int64_t vocab_size);
+
+// Waits until rollout_path(dir, step) exists. Writers create step_<N>.h5.tmp and
+// rename it when complete, so the final name appearing means the file is whole.
+// Polls every 0.1 s; calls progress(message) every progress_interval_s while
+// waiting (nullptr: silent). Returns the path. Throws shardlm::Error
+// "no rollouts for step N in DIR after T s (is the inference server running?)"
+// once timeout_s have passed.
+std::string wait_for_rollouts(const std::string& dir, int64_t step, double timeout_s,
+                              const std::function<void(const std::string&)>& progress,
+                              double progress_interval_s = 10.0);
+
+// The file belongs to `step` (its step attribute) and its policy lag is allowed:
+// step - max_async <= policy_step <= step (data.max_async). Throws otherwise.
+void check_rollout_step(const RolloutBatch& batch, int64_t step, int64_t max_async);
+
+// An RL micro-batch: the SFT fields plus the per-position RL inputs of the loss.
+// Every vector holds rows * seq_len entries; position j of a sample holds input
+// x_j and target x_{j+1}, and the RL values below are those of the TARGET token.
+struct RlMicroBatch {
+  MicroBatch batch;  // tokens, targets (-1 padding), weights = loss_mask * loss_weight
+                     // of the target (0 padding), positions, seq_ids, loss_tokens
+  std::vector<float> advantages;          // (rows, seq_len) A of the target; 0 padding
+  std::vector<float> inference_logprobs;  // (rows, seq_len) logprob of the target; 0 padding
+  std::vector<float> temperatures;        // (rows, seq_len) the sample's; 1 padding
+  std::vector<int32_t> sample_ids;        // (rows, seq_len) index of the sample in the file; -1 padding
+};
+
+// One rank's share of a step.
+struct RankRollouts {
+  // Equally many on every rank (the collectives need it): ranks with fewer real
+  // micro-batches get empty ones at the end (all padding, weight 0).
+  std::vector<RlMicroBatch> micro_batches;
+  int64_t real_micro_batches = 0;  // the first ones, holding this rank's samples
+  int64_t samples = 0, tokens = 0, loss_tokens = 0;  // this rank's (tokens = filled positions)
+  int64_t tokens_global = 0;       // filled positions over all ranks
+  int64_t loss_tokens_global = 0;  // = batch.loss_tokens: the loss divisor, no all-reduce
+};
+
+// Deterministic greedy balance by filled positions: samples sorted by
+// sample_pairs descending (file order on ties), each given to the rank with the
+// fewest positions so far (the lowest rank on ties). Samples with fewer than 2
+// tokens have nothing to predict and get -1. Returns the rank of each sample.
+std::vector<int> assign_samples_to_ranks(const RolloutBatch& batch, int world);
+
+// Rank `rank`'s micro-batches of `micro_batch` rows of `seq_len` positions.
+// Within a rank, samples are packed best-fit decreasing (each into the fullest
+// row it still fits, else a new row); a sample is never split. A sample with
+// more than seq_len + 1 tokens is an error naming it.
+RankRollouts pack_rollouts(const RolloutBatch& batch, int64_t seq_len, int64_t micro_batch, int rank,
+                           int world);
+
+}  // namespace shardlm

@@ -1,0 +1,192 @@
+// run/report.cpp — `shardlm check`'s report, the setup lines and the
+// end-of-run report (report.hpp).
+#include "run/report.hpp"
+
+#include <mpi.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <filesystem>
+
+#include "data/data.hpp"
+#include "data/rollouts.hpp"
+#include "run/plan.hpp"
+#include "shardlm/backend.hpp"
+#include "shardlm/memory.hpp"
+#include "train/engine.hpp"
+#include "train/eval.hpp"
+#include "train/muon.hpp"
+#include "train/optim.hpp"
+#include "train/train.hpp"
+
+namespace shardlm {
+
+namespace {
+
+constexpr double kMiB = 1024.0 * 1024.0;
+
+// What the reports read from a TrainSession, read here and nowhere else in
+// this file: when the session's members move, only this changes.
+struct SessionView {
+  int rank;                          // in the trainers' communicator
+  const ModelLayout& layout;
+  const Backend& backend;
+  const TokenDataset* data;          // the SFT reader; null in RL
+  const EvalSet* eval;               // eval.path's reader; null without one
+  TrainingState& state;              // host | device | offload: its summary line
+  const char* state_setup;           // what placing the state at start-up did; null: nothing worth a line
+  double state_setup_s;
+  const MuonStep* muon;              // null unless optim.name = "muon"
+  int64_t bad_steps_total;
+};
+
+SessionView view(TrainSession& s) {
+  return {
+      .rank = s.comm.rank(),
+      .layout = s.model.layout,
+      .backend = s.engine.backend(),
+      .data = s.data ? &*s.data : nullptr,
+      .eval = s.eval ? &*s.eval : nullptr,
+      .state = *s.state,
+      // Large models spend real time here (host init, pinning, the state upload).
+      .state_setup = s.state->setup_what(),
+      .state_setup_s = s.state->setup_s,
+      .muon = s.optimizer.muon(),
+      .bad_steps_total = s.bad_steps_total,
+  };
+}
+
+// The data as train opens it, before the deck is called valid: the token
+// files, or the rollout directory and its first file. Throws on a bad one.
+std::string check_data(const Config& config, int64_t vocab_size) {
+  std::string lines;
+  if (config.loss.type == "sft") {
+    for (const std::string& path : config.data.path) {
+      validate_token_file(path, vocab_size);
+      lines += fmt("data: %s is a token file for vocab_size %lld\n", path.c_str(), (long long)vocab_size);
+    }
+    return lines;
+  }
+  validate_rollout_dir(config.data.rollout_dir);
+  const std::string first = rollout_path(config.data.rollout_dir, 0);
+  if (std::filesystem::exists(first)) read_rollouts(first, vocab_size);
+  lines += fmt("data: rollouts from %s/step_<N>.h5 (%s)\n", config.data.rollout_dir.c_str(),
+               std::filesystem::exists(first) ? "step_0.h5 read and valid"
+               : std::filesystem::is_directory(config.data.rollout_dir) ? "step_0.h5 not there yet"
+                                                                       : "the directory does not exist yet");
+  return lines;
+}
+
+}  // namespace
+
+void check_report(const Config& config, const std::string& deck, int world) {
+  const ModelConfig arch = model_config_for(config);
+  const ModelLayout layout(arch, world);
+  const std::string data_lines = check_data(config, arch.vocab_size);
+  // The plan of the backend this deck asks for; "auto" plans the CPU backend.
+  const bool cuda = config.device.backend == "cuda";
+  MemoryPlan plan = run_memory_plan(config, layout, cuda ? *make_cuda_backend() : *make_cpu_backend());
+  std::string data_note;
+  plan.data_reader = data_reader_bytes(config, arch.vocab_size, &data_note);
+  std::printf("%s: valid for %d training rank%s\n\n%s\nmodel: %s, %lld parameters (%lld in matmuls)\n%s",
+              deck.c_str(), world, world == 1 ? "" : "s", resolved_deck(config).c_str(), arch.arch.c_str(),
+              (long long)layout.parameter_count(), (long long)layout.matmul_parameter_count(),
+              format_memory_plan(plan, world).c_str());
+  std::printf("%s%s", data_note.c_str(), data_lines.c_str());
+  if (saves_async(config)) {  // what a background save holds and, staged, costs
+    const int64_t state = checkpoint_state_bytes(config, layout);
+    if (cuda && !config.model.optim_cpu_offload)
+      std::printf("ckpt.async: the snapshot is the host mirror of the GPU state (pinned at start-up): no more host "
+                  "memory\n");
+    else if (plan.checkpoint_snapshot < state)
+      std::printf("ckpt.async: the snapshot pool holds %.3f of the %.3f MiB state per rank: each save is staged "
+                  "and blocks the loop for the write of the other %.3f MiB (~%.1f s at 1 GB/s)\n",
+                  double(plan.checkpoint_snapshot) / kMiB, double(state) / kMiB,
+                  double(state - plan.checkpoint_snapshot) / kMiB, double(state - plan.checkpoint_snapshot) / 1e9);
+  }
+  // One rank against this machine: the nodes that run the deck may differ.
+  const MachineMemory host = machine_host_memory();
+  const std::string fit = plan_fit_error(plan, 1, host, 1, 0);
+  std::printf("this machine: %.2f GiB of host memory (%s); %s\n", double(host.bytes) / 1073741824.0, host.source,
+              fit.empty() ? "one rank's plan fits" : ("one rank's plan does not fit: " + fit).c_str());
+  if (plan.checkpoint_snapshot_flexible > 0 && host.bytes > 0) {
+    // The default pool takes at most half of what the host has left (checkpoint/async.cpp).
+    const int64_t left = host.bytes - (plan.host_total() - plan.checkpoint_snapshot);
+    const int64_t pool = std::max(plan.checkpoint_snapshot - plan.checkpoint_snapshot_flexible, left / 2);
+    if (pool < plan.checkpoint_snapshot)
+      std::printf("ckpt.async: here the snapshot pool would take %.3f of the %.3f MiB state (half of what the rest "
+                  "of the plan leaves): each save staged, the loop waiting for the write of the other %.3f MiB "
+                  "(~%.1f s at 1 GB/s); ckpt.async_host_gib bounds it, ckpt.async = false saves synchronously\n",
+                  double(pool) / kMiB, double(plan.checkpoint_snapshot) / kMiB,
+                  double(plan.checkpoint_snapshot - pool) / kMiB, double(plan.checkpoint_snapshot - pool) / 1e9);
+  }
+  if (cuda && config.model.optim_cpu_offload) {  // what the lever buys, against the state on the GPU
+    Config on_gpu = config;
+    on_gpu.model.optim_cpu_offload = false;
+    const MemoryPlan without = run_memory_plan(on_gpu, layout, *make_cuda_backend());
+    std::printf("optim_cpu_offload: %.3f MiB less GPU memory per rank (%.3f MiB with the state on the GPU), "
+                "%.3f MiB more host memory\n",
+                double(without.device_total() - plan.device_total()) / kMiB, double(without.device_total()) / kMiB,
+                double(plan.host_total() - without.host_total()) / kMiB);
+  }
+  std::fflush(stdout);
+}
+
+void setup_report(const Config& config, TrainSession& session, double setup_s) {
+  const SessionView s = view(session);
+  if (s.rank != 0) return;
+  const ModelLayout& layout = s.layout;
+  std::printf("model %s: %lld parameters, %d layers, hidden %lld\n", layout.config.arch.c_str(),
+              (long long)layout.parameter_count(), layout.num_layers(), (long long)layout.config.hidden_size);
+  if (s.data) {
+    const TokenDataset& d = *s.data;
+    std::printf("data %s%s: %lld documents, %lld tokens, tokens %s; reader %.1f MiB per rank\n",
+                config.data.path[0].c_str(),
+                d.sources() > 1 ? fmt(" and %lld more files", (long long)d.sources() - 1).c_str() : "",
+                (long long)d.documents(), (long long)d.total_tokens(), d.storage().c_str(),
+                double(d.memory().total()) / 1048576.0);
+  } else {
+    std::printf("data: RL rollouts from %s/step_<N>.h5\n", config.data.rollout_dir.c_str());
+  }
+  if (s.eval)
+    std::printf("eval %s: %lld rows of %lld, every %s%s\n", config.eval.path.c_str(), (long long)s.eval->rows(),
+                (long long)config.data.seq_len,
+                config.eval.interval > 0 ? fmt("%lld steps", (long long)config.eval.interval).c_str() : "run",
+                config.eval.at_end ? " and at the end" : "");
+  const std::string kernels = s.backend.kernels_note();
+  if (!kernels.empty()) std::printf("attention: %s\n", kernels.c_str());
+  std::printf("setup %.1f s: model, data, optimizer, engine", setup_s);
+  if (s.state_setup) std::printf("; %.1f s of it %s", s.state_setup_s, s.state_setup);
+  std::printf("\n");
+  std::fflush(stdout);
+}
+
+void end_of_run_report(const Runtime& rt, const Config& config, TrainSession& session,
+                       const WeightBroadcaster& broadcaster, Metrics& metrics, int64_t start_step, const RunEnd& end,
+                       int64_t steps_done) {
+  const SessionView s = view(session);
+  int64_t peak[2] = {host_memory().total_peak, device_memory().total_peak};
+  MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, peak, 2, MPI_INT64_T, MPI_MAX, rt.role_comm));
+  MemoryPlan plan = run_memory_plan(config, s.layout, s.backend);
+  plan.comm_staging += broadcaster.comm_staging_bytes();  // rank 0's staged broadcast Comm, if any
+  // The readers as they are: two epochs' orders, the buffers, the session's micro-batch.
+  if (s.data) plan.data_reader += s.data->memory().total();
+  if (s.eval) plan.data_reader += s.eval->data().memory().total();
+  metrics.summary(plan, peak[0], peak[1], s.bad_steps_total);
+  if (const std::string line = s.state.summary(); !line.empty() && s.rank == 0) std::printf("%s\n", line.c_str());
+  if (s.muon) {  // Muon's part of the optimizer time above
+    const MuonTiming& t = s.muon->timing();
+    double seconds[2] = {t.step_s, t.orthogonalize_s};
+    MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, seconds, 2, MPI_DOUBLE, MPI_MAX, rt.role_comm));
+    if (rt.world_rank == 0 && t.steps > 0)
+      std::printf("muon (steps %lld..%lld, slowest rank): step %.1f ms, of which Newton–Schulz %.1f ms (%s)\n",
+                  (long long)start_step + 2, (long long)start_step + t.steps + 1, 1e3 * seconds[0] / double(t.steps),
+                  1e3 * seconds[1] / double(t.steps), s.muon->orthogonalizer_name());
+  }
+  if (end.final_save_failed && rt.world_rank == 0)  // ckpt.on_error = "continue" trained on, but the end must be on disk
+    std::fprintf(stderr, "shardlm: the checkpoint at step %lld could not be saved (the reason is above); with "
+                         "ckpt.on_error = \"continue\" training went on, but the run's final state is not on disk: "
+                         "exit %d\n", (long long)steps_done, kExitCheckpointFailed);
+}
+
+}  // namespace shardlm

@@ -1,0 +1,318 @@
+// run_dir.cpp — run.lock, the decks of every start, deck comparison.
+#include "run/run_dir.hpp"
+
+#include <fcntl.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <csignal>
+#include <cstdlib>
+#include <cstring>
+#include <ctime>
+#include <fstream>
+#include <map>
+#include <sstream>
+
+#include <toml++/toml.h>
+
+namespace shardlm {
+namespace fs = std::filesystem;
+
+namespace {
+
+std::string this_host() {
+  char name[256] = {0};
+  if (gethostname(name, sizeof name - 1) != 0) return "?";
+  return name;
+}
+
+std::string first_line_of(const char* file) {
+  std::ifstream in(file);
+  std::string line;
+  std::getline(in, line);
+  return line;
+}
+
+std::string boot_id() { return first_line_of("/proc/sys/kernel/random/boot_id"); }
+
+// Field `n` (3 = state, 22 = start time after boot in clock ticks) of
+// /proc/<pid>/stat; "" when unreadable.
+std::string stat_field(long pid, int n) {
+  const std::string stat = first_line_of(fmt("/proc/%ld/stat", pid).c_str());
+  const size_t paren = stat.rfind(')');  // the command name may hold spaces and parentheses
+  if (paren == std::string::npos) return "";
+  std::istringstream fields(stat.substr(paren + 2));
+  std::string field;
+  for (int i = 3; i <= n && fields >> field; ++i)
+    if (i == n) return field;
+  return "";
+}
+long long process_start(long pid) { return std::atoll(stat_field(pid, 22).c_str()); }
+
+std::string utc_text(std::time_t t) {
+  std::tm tm{};
+  gmtime_r(&t, &tm);
+  char text[64];
+  std::strftime(text, sizeof text, "%Y-%m-%d %H:%M:%S UTC", &tm);
+  return text;
+}
+
+std::string slurm_step() {
+  const char* job = std::getenv("SLURM_JOB_ID");
+  if (!job || !*job) return "";
+  const char* step = std::getenv("SLURM_STEP_ID");
+  return std::string(job) + "." + (step && *step ? step : "batch");
+}
+
+std::string read_all(int fd) {
+  std::string text;
+  char buffer[4096];
+  for (off_t at = 0;;) {
+    const ssize_t n = pread(fd, buffer, sizeof buffer, at);
+    if (n <= 0) break;
+    text.append(buffer, static_cast<size_t>(n));
+    at += n;
+  }
+  return text;
+}
+
+bool blank(const std::string& s) { return s.find_first_not_of(" \t\r\n") == std::string::npos; }
+
+std::string describe(const LockHolder& h) {
+  std::string text = fmt("pid %ld on host %s, started %s", h.pid, h.host.c_str(), h.started.c_str());
+  if (!h.run_name.empty() || !h.deck.empty())
+    text += fmt(" (run '%s', deck %s)", h.run_name.c_str(), h.deck.c_str());
+  if (!h.slurm_job.empty()) text += ", Slurm job step " + h.slurm_job;
+  return text;
+}
+
+// "" while the holder may still run; else why its lock is stale. `flocked`:
+// this process got the file's flock, which a live holder on this host keeps
+// for its whole run; without flocks (some parallel filesystems) the process
+// itself is asked. `touched` is the file's mtime, the holder's last heartbeat.
+std::string stale_reason(const LockHolder& h, std::time_t touched, bool flocked) {
+  const std::string me = this_host();
+  if (h.host == me) {
+    const std::string boot = boot_id();
+    if (!h.boot_id.empty() && !boot.empty() && h.boot_id != boot) return "the host has rebooted since";
+    const bool exists = h.pid > 0 && (kill(static_cast<pid_t>(h.pid), 0) == 0 || errno == EPERM);
+    if (!exists) return "that process is no longer running";
+    if (stat_field(h.pid, 3) == "Z") return "that process has exited (a zombie no one has reaped)";
+    const long long start = process_start(h.pid);
+    if (h.proc_start != 0 && start != 0 && start != h.proc_start) return "that pid now belongs to another process";
+    if (flocked) return "no process holds its flock any more";
+    return "";
+  }
+  // Another host: its processes cannot be asked. A job step runs once at a time,
+  // so the same Slurm job step (a requeued job) can take its lock back at once.
+  if (!h.slurm_job.empty() && h.slurm_job == slurm_step())
+    return "it is this Slurm job step's own lock (" + h.slurm_job + "), from before a requeue";
+  const long long age = static_cast<long long>(std::time(nullptr) - touched);
+  if (age > RunDirLock::kStaleAfterS)
+    return fmt("its holder on another host has not touched it for %lld s (a live run touches it every %d s)", age,
+               RunDirLock::kHeartbeatS);
+  return "";
+}
+
+}  // namespace
+
+LockHolder parse_lock_holder(const std::string& text) {
+  LockHolder h;
+  std::istringstream in(text);
+  std::string line;
+  while (std::getline(in, line)) {
+    const size_t eq = line.find('=');
+    if (eq == std::string::npos) continue;
+    const std::string key = line.substr(0, eq), value = line.substr(eq + 1);
+    if (key == "host") h.host = value;
+    else if (key == "pid") h.pid = std::atol(value.c_str());
+    else if (key == "proc_start") h.proc_start = std::atoll(value.c_str());
+    else if (key == "boot_id") h.boot_id = value;
+    else if (key == "started") h.started = value;
+    else if (key == "run_name") h.run_name = value;
+    else if (key == "deck") h.deck = value;
+    else if (key == "slurm_job_step") h.slurm_job = value;
+  }
+  return h;
+}
+
+RunDirLock::RunDirLock(const fs::path& dir, const std::string& run_name, const std::string& deck) {
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  SHARDLM_CHECK(!ec, "cannot create run.dir '%s': %s", dir.c_str(), ec.message().c_str());
+  path_ = dir / "run.lock";
+  for (int attempt = 0;; ++attempt) {
+    const int fd = ::open(path_.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    SHARDLM_CHECK(fd >= 0, "cannot open %s: %s", path_.c_str(), std::strerror(errno));
+    // EWOULDBLOCK: a process on this host (or, where the filesystem shares flocks,
+    // on any host) holds it. Other errors: no flock on this filesystem; the file's
+    // text decides alone.
+    const bool flocked = ::flock(fd, LOCK_EX | LOCK_NB) == 0;
+    const int flock_errno = errno;
+    const std::string text = read_all(fd);
+    if (!flocked && flock_errno == EWOULDBLOCK) {
+      ::close(fd);
+      throw RunDirInUse(fmt("run.dir %s is in use: %s is held by %s. Give this run its own run.dir "
+                            "(--set run.dir=...), or wait for that run to end",
+                            dir.c_str(), path_.c_str(), describe(parse_lock_holder(text)).c_str()));
+    }
+    // The holder before us may have removed the file between our open and flock:
+    // then we hold a lock on a deleted file; open the path again.
+    struct stat by_fd {}, by_path {};
+    if (fstat(fd, &by_fd) != 0 || stat(path_.c_str(), &by_path) != 0 || by_fd.st_ino != by_path.st_ino ||
+        by_fd.st_dev != by_path.st_dev) {
+      ::close(fd);
+      SHARDLM_CHECK(attempt < 10, "cannot take %s: it keeps being replaced by another process", path_.c_str());
+      continue;
+    }
+    if (!blank(text)) {
+      const LockHolder holder = parse_lock_holder(text);
+      const std::string why = stale_reason(holder, by_fd.st_mtime, flocked);
+      if (why.empty()) {
+        ::close(fd);
+        const bool here = holder.host == this_host();
+        throw RunDirInUse(fmt("run.dir %s is in use: %s is held by %s%s. Give this run its own run.dir "
+                              "(--set run.dir=...), or wait for that run to end%s",
+                              dir.c_str(), path_.c_str(), describe(holder).c_str(),
+                              here ? "" : fmt("; touched %lld s ago", (long long)(std::time(nullptr) - by_fd.st_mtime)).c_str(),
+                              here ? "" : fmt(" (a lock from another host untouched for %d s is taken over)",
+                                              kStaleAfterS).c_str()));
+      }
+      takeover_note_ = fmt("took over %s, left by %s: %s", path_.c_str(), describe(holder).c_str(), why.c_str());
+    }
+    const std::string mine = fmt("host=%s\npid=%ld\nproc_start=%lld\nboot_id=%s\nstarted=%s\nrun_name=%s\ndeck=%s\n"
+                                 "slurm_job_step=%s\n",
+                                 this_host().c_str(), (long)getpid(), process_start(getpid()), boot_id().c_str(),
+                                 utc_text(std::time(nullptr)).c_str(), run_name.c_str(), deck.c_str(),
+                                 slurm_step().c_str());
+    const bool written = ftruncate(fd, 0) == 0 && pwrite(fd, mine.data(), mine.size(), 0) == ssize_t(mine.size()) &&
+                         fsync(fd) == 0;
+    if (!written) {
+      const int e = errno;
+      ::close(fd);
+      SHARDLM_FAIL("cannot write %s: %s", path_.c_str(), std::strerror(e));
+    }
+    fd_ = fd;
+    break;
+  }
+  // The heartbeat lets a run on another host tell a live lock from one whose holder died.
+  heartbeat_ = std::thread([this] {
+    std::unique_lock<std::mutex> lock(mutex_);
+    while (!wake_.wait_for(lock, std::chrono::seconds(kHeartbeatS), [this] { return stopping_; }))
+      futimens(fd_, nullptr);
+  });
+}
+
+RunDirLock::~RunDirLock() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stopping_ = true;
+  }
+  wake_.notify_all();
+  if (heartbeat_.joinable()) heartbeat_.join();
+  // Remove the file only while it is still ours (never a lock another run took over).
+  struct stat by_fd {}, by_path {};
+  if (fstat(fd_, &by_fd) == 0 && stat(path_.c_str(), &by_path) == 0 && by_fd.st_ino == by_path.st_ino &&
+      by_fd.st_dev == by_path.st_dev)
+    ::unlink(path_.c_str());
+  ::close(fd_);
+}
+
+// ---------------------------------------------------------------- decks
+
+namespace {
+
+struct DeckEntry {
+  std::string value;
+  uint32_t line = 0;
+};
+
+// The shortest text that reads back as `v` (0.1, not 0.10000000000000001).
+std::string shortest(double v) {
+  std::string out;
+  for (int digits = 6; digits <= 17; ++digits) {
+    out = fmt("%.*g", digits, v);
+    if (std::strtod(out.c_str(), nullptr) == v) break;
+  }
+  return out;
+}
+
+std::map<std::string, DeckEntry> flatten(const std::string& text, const std::string& name) {
+  toml::table root;
+  try {
+    root = toml::parse(text, name);
+  } catch (const toml::parse_error& e) {
+    SHARDLM_FAIL("%s does not parse as TOML (line %u): %s", name.c_str(), e.source().begin.line,
+                 std::string(e.description()).c_str());
+  }
+  std::map<std::string, DeckEntry> out;
+  for (auto&& [section, node] : root) {
+    const toml::table* table = node.as_table();
+    if (!table) continue;
+    for (auto&& [key, value] : *table) {
+      std::ostringstream shown;
+      if (auto s = value.as_string()) shown << '"' << s->get() << '"';
+      else if (auto f = value.as_floating_point()) shown << shortest(f->get());
+      else value.visit([&](auto&& v) { shown << v; });
+      out[std::string(section.str()) + "." + std::string(key.str())] = {shown.str(), key.source().begin.line};
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+std::vector<DeckChange> deck_changes(const std::string& before, const std::string& after,
+                                     const std::string& before_name) {
+  const auto old_keys = flatten(before, before_name), new_keys = flatten(after, "this run's deck");
+  std::vector<std::pair<uint32_t, DeckChange>> found;
+  for (const auto& [key, entry] : new_keys) {
+    const auto it = old_keys.find(key);
+    if (it == old_keys.end() || it->second.value != entry.value)
+      found.push_back({entry.line, {key, it == old_keys.end() ? "" : it->second.value, entry.value}});
+  }
+  for (const auto& [key, entry] : old_keys)
+    if (!new_keys.count(key)) found.push_back({UINT32_MAX, {key, entry.value, ""}});
+  std::stable_sort(found.begin(), found.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+  std::vector<DeckChange> out;
+  for (auto& f : found) out.push_back(std::move(f.second));
+  return out;
+}
+
+void write_file_atomically(const fs::path& dir, const std::string& name, const std::string& text) {
+  const fs::path file = dir / name, tmp = dir / (name + ".tmp");
+  std::FILE* out = std::fopen(tmp.c_str(), "w");
+  SHARDLM_CHECK(out, "cannot write %s: %s", file.c_str(), std::strerror(errno));
+  const bool ok = std::fwrite(text.data(), 1, text.size(), out) == text.size() && std::fflush(out) == 0 &&
+                  fsync(fileno(out)) == 0;
+  const int write_errno = errno;
+  const bool closed = std::fclose(out) == 0;
+  if (!ok || !closed) {
+    std::remove(tmp.c_str());
+    SHARDLM_FAIL("cannot write %s: %s", file.c_str(), std::strerror(ok ? errno : write_errno));
+  }
+  if (std::rename(tmp.c_str(), file.c_str()) != 0) {
+    const int e = errno;
+    std::remove(tmp.c_str());
+    SHARDLM_FAIL("cannot rename %s to %s: %s", tmp.c_str(), file.c_str(), std::strerror(e));
+  }
+}
+
+std::string keep_start_deck(const fs::path& dir, int64_t step, const std::string& text) {
+  for (int copy = 1;; ++copy) {
+    const std::string name = fmt("config-step%lld%s.toml", (long long)step, copy == 1 ? "" : fmt("-%d", copy).c_str());
+    std::ifstream in(dir / name, std::ios::binary);
+    if (!in) {
+      write_file_atomically(dir, name, text);
+      return name;
+    }
+    std::ostringstream existing;
+    existing << in.rdbuf();
+    if (existing.str() == text) return name;
+  }
+}
+
+}  // namespace shardlm

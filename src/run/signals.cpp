@@ -1,0 +1,51 @@
+// checkpoint_signals.cpp — the stop flag and its agreement (checkpoint_signals.hpp).
+#include "run/signals.hpp"
+
+#include <unistd.h>
+
+#include <csignal>
+
+#include "shardlm/runtime.hpp"  // MPI_CHECK
+
+namespace shardlm {
+
+namespace {
+volatile std::sig_atomic_t g_stop_signal = 0;
+extern "C" void on_stop_signal(int sig) {
+  if (sig == SIGINT && g_stop_signal != 0) {  // a second interrupt: stop at once, as an unhandled SIGINT does
+    static const char now[] = "\nshardlm: second interrupt: stopping now, without a checkpoint\n";
+    (void)!write(STDERR_FILENO, now, sizeof now - 1);
+    signal(SIGINT, SIG_DFL);
+    raise(SIGINT);
+    return;
+  }
+  if (sig == SIGINT) {  // someone at a terminal: say what happens next
+    static const char later[] = "\nshardlm: interrupt: saving a checkpoint after this step, then exit 75 "
+                                "(interrupt again to stop at once)\n";
+    (void)!write(STDERR_FILENO, later, sizeof later - 1);
+  }
+  g_stop_signal = sig;
+}
+}  // namespace
+
+void install_stop_signal_handlers() {
+  struct sigaction sa {};
+  sa.sa_handler = on_stop_signal;
+  sigemptyset(&sa.sa_mask);
+  sa.sa_flags = SA_RESTART;  // MPI's and HDF5's system calls carry on
+  sigaction(SIGUSR1, &sa, nullptr);
+  sigaction(SIGTERM, &sa, nullptr);
+  sigaction(SIGINT, &sa, nullptr);
+}
+
+bool stop_requested(MPI_Comm comm) {
+  int mine = g_stop_signal, any = 0;
+  MPI_CHECK(MPI_Allreduce(&mine, &any, 1, MPI_INT, MPI_MAX, comm));
+  if (any && !g_stop_signal) g_stop_signal = any;
+  return any != 0;
+}
+
+int stop_signal() { return g_stop_signal; }
+void clear_stop_request() { g_stop_signal = 0; }
+
+}  // namespace shardlm

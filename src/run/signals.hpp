@@ -1,0 +1,27 @@
+// checkpoint_signals.hpp — the stop request a job scheduler sends, and the exit
+// codes the job scripts act on.
+//
+// Owns: the signal handlers (SIGUSR1, SIGTERM, SIGINT set a flag; a second SIGINT
+// ends the process; nothing else happens in a handler), the agreement of all trainer ranks on that flag at the end of
+// a step, and the exit codes of `shardlm train`. Knows MPI (one all-reduce);
+// knows nothing about checkpoint files, the model or the training loop: the
+// Checkpointer asks stop_requested() at the end of every step and saves.
+#pragma once
+
+#include <mpi.h>
+
+namespace shardlm {
+
+// Exit codes of `shardlm train` (sysexits.h): the job scripts requeue on 75.
+constexpr int kExitRequeue = 75;           // EX_TEMPFAIL: stopped by SIGUSR1/SIGTERM/SIGINT, checkpoint saved
+constexpr int kExitCheckpointFailed = 74;  // EX_IOERR: a save failed and ckpt.on_error = "stop"
+
+// SIGUSR1, SIGTERM and SIGINT set a flag; a second SIGINT ends the process at once
+// (the handler only writes one line to stderr and sets the flag).
+void install_stop_signal_handlers();
+// Collective: true on every rank when any rank has seen a stop signal.
+bool stop_requested(MPI_Comm trainers);
+int stop_signal();                  // the signal seen (0 = none), for the log
+void clear_stop_request();          // tests
+
+}  // namespace shardlm

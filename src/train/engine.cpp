@@ -1,0 +1,342 @@
+// engine.cpp — the sharded unit loop: gather, compute, release, reduce-scatter.
+#include "train/engine.hpp"
+
+#include <algorithm>
+#include <cstring>
+#include <tuple>
+
+#include "shardlm/cuda.hpp"
+#include "shardlm/error.hpp"
+
+namespace shardlm {
+namespace {
+
+int64_t max_padded(const ModelLayout& layout) {
+  int64_t n = 0;
+  for (const auto& u : layout.units) n = std::max(n, u.padded_numel);
+  return n;
+}
+int64_t max_shard(const ModelLayout& layout) {
+  int64_t n = 0;
+  for (const auto& u : layout.units) n = std::max(n, u.shard_numel);
+  return n;
+}
+
+// Gathered parameter slots: current + prefetch, plus the embedding that a tied
+// head re-gathers; every unit when nothing is resharded after forward.
+int param_slot_count(const ModelLayout& layout, bool reshard) {
+  return reshard ? 3 : static_cast<int>(layout.units.size());
+}
+// Gradient slots: one being computed, one being reduced, plus the embedding's
+// when the tied head writes into it long before the embedding's own backward.
+int grad_slot_count() { return 3; }
+
+// Gradients go straight into the host shards (CPU, one rank) or the device
+// accumulators (device state or the offload pipeline, one rank); otherwise
+// through full-unit slots that are reduced (world > 1) and handed over.
+bool grad_slots_needed(int world, const Backend& backend, StatePlacement state) {
+  return world > 1 || (!backend.host_resident() && state == StatePlacement::Host);
+}
+
+// model.reduce_dtype = "bf16": gradients cross the wire in bf16 (world > 1).
+bool bf16_gradients(int world, const EngineOptions& o) { return o.reduce_bf16 && world > 1; }
+
+}  // namespace
+
+MemoryPlan plan_memory(const ModelConfig& config, int world, const EngineOptions& o, int optim_states,
+                       const Backend& backend) {
+  // Every product below stays in int64 for sizes that pass this.
+  if (std::string e = model_scale_error(config, o.max_tokens, o.chunk_tokens); !e.empty())
+    SHARDLM_FAIL("memory plan: %s", e.c_str());
+  const ModelLayout layout(config, world);
+  MemoryPlan plan;
+  plan.device = !backend.host_resident();
+  plan_state_memory(plan, o.state, o.offload_device_grads, layout, optim_states, backend);
+  if (plan.device)  // the backend's own copy of every shard
+    for (const auto& u : layout.units) plan.param_copies += u.shard_numel * backend.param_bytes();
+  if (world > 1)
+    plan.gathered += backend.param_bytes() * param_slot_count(layout, o.reshard_after_forward) * max_padded(layout);
+  if (grad_slots_needed(world, backend, o.state)) {
+    // One rank hands the whole unit over: no reduced slice to receive.
+    plan.gathered += 4 * grad_slot_count() * (max_padded(layout) + (world > 1 ? max_shard(layout) : 0));
+    if (bf16_gradients(world, o)) plan.gathered += 2 * grad_slot_count() * max_padded(layout);
+  }
+  // Several ranks on one GPU: two pinned host buffers of one full fp32 unit each.
+  if (plan.device && world > 1 && o.comm_backend == "mpi") plan.comm_staging = 2 * 4 * max_padded(layout);
+  plan.activations = backend.activation_bytes(config, o);
+  plan.workspace += backend.workspace_bytes(config, o);
+  return plan;
+}
+
+Engine::Engine(ShardedModel& model, Comm& comm, const EngineOptions& options, std::unique_ptr<Backend> backend)
+    : model_(model),
+      comm_(comm),
+      options_(options),
+      backend_(std::move(backend)),
+      config_(model.layout.config),
+      sharded_(comm.size() > 1) {
+  SHARDLM_CHECK(comm.size() == model.world, "the communicator has %d ranks but the model is sharded %d ways",
+                comm.size(), model.world);
+  const ModelLayout& layout = model.layout;
+  SHARDLM_CHECK(!options.reduce_bf16 || !backend_->host_resident(),
+                "model.reduce_dtype = \"bf16\" needs a GPU backend (the CPU backend is the fp32 reference)");
+  grad_slots_used_ = grad_slots_needed(comm.size(), *backend_, options.state);
+  reduce_type_ = bf16_gradients(comm.size(), options) ? DType::BF16 : DType::F32;
+  gather_type_ = backend_->param_bytes() == 2 ? DType::BF16 : DType::F32;
+  slot_floats_ = max_padded(layout);
+  recv_floats_ = max_shard(layout);
+  if (sharded_) {
+    param_slots_.resize(param_slot_count(layout, options.reshard_after_forward));
+    for (auto& s : param_slots_) s.full = backend_->allocate(Mem::Gathered, backend_->param_bytes() * slot_floats_);
+  }
+  if (grad_slots_used_) {
+    grad_slots_.resize(grad_slot_count());
+    for (auto& s : grad_slots_) {
+      s.full = static_cast<float*>(backend_->allocate(Mem::Gathered, 4 * slot_floats_));
+      if (sharded_) s.recv = backend_->allocate(Mem::Gathered, 4 * recv_floats_);
+      if (reduce_type_ == DType::BF16) s.full_bf16 = backend_->allocate(Mem::Gathered, 2 * slot_floats_);
+    }
+  }
+  // A device backend gathers and reduces device buffers: NCCL, or MPI staged
+  // through host memory; the host Comm keeps the small collectives.
+  if (sharded_ && !backend_->host_resident())
+    device_comm_ = make_device_comm(comm, options.comm_backend, backend_->stream(), 4 * slot_floats_,
+                                    options.comm_timeout_s);
+  unit_comm_ = device_comm_ ? device_comm_.get() : &comm_;
+  backend_->attach_shards(layout);
+  backend_->prepare(config_, options);
+}
+
+void Engine::set_state(TrainingState& state) {
+  SHARDLM_CHECK(!grad_slots_used_ || grad_slots_needed(comm_.size(), *backend_, state.placement()),
+                "internal: the engine was planned for the %s state, not %s", placement_name(options_.state),
+                state.name());
+  state_ = &state;
+  own_state_.reset();
+}
+
+TrainingState& Engine::state() {
+  // Used on its own (forward passes, tests), the engine keeps its gradients in
+  // the model's host shards, as the host placement does.
+  if (!state_) own_state_ = make_host_state(model_, nullptr, *backend_), state_ = own_state_.get();
+  return *state_;
+}
+
+Engine::~Engine() {
+  for (auto& s : param_slots_) {
+    s.request.wait();
+    backend_->deallocate(Mem::Gathered, s.full, backend_->param_bytes() * slot_floats_);
+  }
+  for (auto& s : grad_slots_) {
+    s.request.wait();
+    backend_->deallocate(Mem::Gathered, s.full, 4 * slot_floats_);
+    if (s.recv) backend_->deallocate(Mem::Gathered, s.recv, 4 * recv_floats_);
+    if (s.full_bf16) backend_->deallocate(Mem::Gathered, s.full_bf16, 2 * slot_floats_);
+  }
+  // The device Comm's collectives are done before it goes.
+  backend_->synchronize();
+}
+
+// ---------------------------------------------------------------- gathering
+
+void Engine::prefetch(int unit) {
+  if (!sharded_) return;
+  for (auto& s : param_slots_)
+    if (s.unit == unit) return;
+  for (auto& s : param_slots_) {
+    if (s.unit != -1) continue;
+    s.unit = unit;
+    state_->param_ready(unit);
+    // In the backend's own precision: fp32 on the CPU, bf16 on GPUs.
+    s.request = unit_comm_->all_gather(backend_->param_shard(unit), s.full, model_.layout.units[unit].shard_numel,
+                                       gather_type_);
+    return;
+  }
+  // No free slot: the unit is gathered when it is needed instead.
+}
+
+const void* Engine::params(int unit) {
+  state_->param_ready(unit);
+  if (!sharded_) return backend_->param_shard(unit);  // one rank: the shard is the whole unit
+  prefetch(unit);
+  for (auto& s : param_slots_)
+    if (s.unit == unit) {
+      s.request.wait();
+      return s.full;
+    }
+  SHARDLM_FAIL("internal: no gather slot free for unit %s", model_.layout.units[unit].name.c_str());
+}
+
+void Engine::gather_unit_bf16(int unit, void* device_out) {
+  SHARDLM_CHECK(!backend_->host_resident() && gather_type_ == DType::BF16,
+                "internal: gather_unit_bf16 needs a GPU backend (bf16 device parameter shards)");
+  // optim_cpu_offload: the unit's shard is current only once its update has been uploaded.
+  state().param_ready(unit);
+  const Unit& u = model_.layout.units[unit];
+  if (sharded_) unit_comm_->all_gather(backend_->param_shard(unit), device_out, u.shard_numel, DType::BF16).wait();
+  else cuda_copy_async(device_out, backend_->param_shard(unit), 2 * u.shard_numel, backend_->stream());
+}
+
+void Engine::release(int unit) {
+  for (auto& s : param_slots_)
+    if (s.unit == unit) {
+      s.request.wait();
+      s.unit = -1;
+    }
+}
+
+// ---------------------------------------------------------------- gradients
+
+float* Engine::grads(int unit) {
+  if (!grad_slots_used_) return state_->direct_grad(unit);  // accumulate straight into the shard
+  for (auto& s : grad_slots_)
+    if (s.unit == unit) return s.full;
+  // Take the oldest slot in turn; a slot whose reduction started is finished first.
+  for (size_t tries = 0; tries < grad_slots_.size(); ++tries) {
+    GradSlot& s = grad_slots_[next_grad_slot_];
+    next_grad_slot_ = (next_grad_slot_ + 1) % static_cast<int>(grad_slots_.size());
+    if (s.unit != -1 && !s.reducing) continue;  // held (tied embedding), still being written
+    if (s.unit != -1) finish_grad(s);
+    s.unit = unit;
+    backend_->zero(s.full, sizeof(float) * model_.layout.units[unit].padded_numel);
+    return s.full;
+  }
+  SHARDLM_FAIL("internal: no gradient slot free for unit %s", model_.layout.units[unit].name.c_str());
+}
+
+void Engine::reduce_grads(int unit) {
+  if (!grad_slots_used_) {  // one rank: the accumulator is the shard
+    state_->unit_done(unit);
+    return;
+  }
+  for (auto& s : grad_slots_)
+    if (s.unit == unit) {
+      s.reducing = true;
+      const Unit& u = model_.layout.units[unit];
+      const void* full = s.full;
+      if (reduce_type_ == DType::BF16) {  // round once here, then half the bytes on the wire (or the link)
+        backend_->cast_to_bf16(s.full_bf16, s.full, u.padded_numel);
+        full = s.full_bf16;
+      }
+      if (sharded_) s.request = unit_comm_->reduce_scatter(full, s.recv, u.shard_numel, reduce_type_);
+      return;
+    }
+}
+
+void Engine::finish_grad(GradSlot& s) {
+  s.request.wait();
+  // One rank: the whole unit's gradient is the shard's.
+  const void* reduced = sharded_ ? s.recv : reduce_type_ == DType::BF16 ? s.full_bf16 : s.full;
+  const DType type = reduce_type_;
+  const int64_t n = model_.layout.units[s.unit].shard_numel;
+  state_->add_reduced(s.unit, reduced, n, type);
+  state_->unit_done(s.unit);
+  s.unit = -1;
+  s.reducing = false;
+}
+
+// Offload at world > 1: finish a unit's reduction a unit after it started (it
+// has had that unit's compute to finish), so that its copy to the host overlaps
+// the next units' backward instead of waiting for the slot's reuse.
+void Engine::finish_reductions_early(int unit) {
+  if (!state_->finishes_reductions_early()) return;
+  for (auto& s : grad_slots_)
+    if (s.unit != -1 && s.reducing && s.unit != unit) finish_grad(s);
+}
+
+void Engine::finish_all_grads() {
+  if (!grad_slots_used_) return;
+  // In unit order, so the accumulation into each shard is the same every run.
+  for (auto& s : grad_slots_)
+    if (s.unit != -1) finish_grad(s);
+}
+
+// ---------------------------------------------------------------- forward / backward
+
+const void* Engine::lm_head_weights() {
+  const int head = static_cast<int>(model_.layout.units.size()) - 1;
+  if (config_.tie_word_embeddings) return params(0);
+  return param_at(*backend_, params(head), model_.layout.head().param("lm_head.weight").offset);
+}
+
+// forward: for u in units: gather(u) [prefetch u+1]; compute; release(u)
+void Engine::forward(const TokenBatch& b, bool keep_for_backward) {
+  const ModelLayout& layout = model_.layout;
+  const bool release_after = !keep_for_backward || options_.reshard_after_forward;
+  backend_->load_batch(b);
+  prefetch(1);  // the first layer's gather overlaps the embedding lookup
+  backend_->embed_forward(params(0));
+  if (release_after) release(0);
+  for (int l = 0; l < layout.num_layers(); ++l) {
+    const int unit = 1 + l;
+    const void* w = params(unit);
+    prefetch(unit + 1);
+    backend_->layer_forward(l, layout.units[unit], w);
+    if (release_after) release(unit);
+  }
+}
+
+LossStats Engine::forward_backward(const TokenBatch& b, float grad_scale) {
+  const ModelLayout& layout = model_.layout;
+  const int L = layout.num_layers(), head = L + 1;
+  state();  // the engine's own host state when none was set
+  state_->begin_micro_batch();
+  forward(b, /*keep_for_backward=*/true);
+
+  // loss: chunked lm-head + CE, whose backward gives d_x at the last layer's output
+  const Unit& hu = layout.head();
+  const int64_t norm_off = hu.param("model.norm.weight").offset;
+  const void* hw = params(head);
+  const void* lm_w = lm_head_weights();
+  state_->after_forward();
+  float* hg = grads(head);
+  float* lm_g = config_.tie_word_embeddings ? grads(0) : hg + hu.param("lm_head.weight").offset;
+  const LossStats loss =
+      backend_->head_loss_backward(param_at(*backend_, hw, norm_off), lm_w, hg + norm_off, lm_g, grad_scale);
+  reduce_grads(head);
+  release(head);
+  if (config_.tie_word_embeddings && options_.reshard_after_forward) release(0);
+
+  // backward: for u reversed: gather(u); grads; reduce_scatter -> grad shard; release(u)
+  for (int l = L - 1; l >= 0; --l) {
+    const int unit = 1 + l;
+    const void* w = params(unit);
+    prefetch(l > 0 ? unit - 1 : 0);
+    backend_->layer_backward(l, layout.units[unit], w, grads(unit));
+    reduce_grads(unit);
+    finish_reductions_early(unit);
+    release(unit);
+  }
+  backend_->embed_backward(grads(0));
+  reduce_grads(0);
+  release(0);
+  finish_all_grads();
+  return loss;
+}
+
+LossStats Engine::forward_loss(const TokenBatch& b) {
+  const int head = model_.layout.num_layers() + 1;
+  state();
+  forward(b, /*keep_for_backward=*/false);
+  const void* hw = params(head);
+  const void* lm_w = lm_head_weights();
+  const LossStats loss =
+      backend_->head_loss(param_at(*backend_, hw, model_.layout.head().param("model.norm.weight").offset), lm_w);
+  release(head);
+  release(0);
+  return loss;
+}
+
+void Engine::forward_logits(const TokenBatch& b, float* logits) {
+  const int head = model_.layout.num_layers() + 1;
+  state();
+  forward(b, /*keep_for_backward=*/false);
+  const void* hw = params(head);
+  const void* lm_w = lm_head_weights();
+  backend_->head_logits(param_at(*backend_, hw, model_.layout.head().param("model.norm.weight").offset), lm_w,
+                        logits);
+  release(head);
+  release(0);
+}
+
+}  // namespace shardlm

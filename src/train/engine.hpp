@@ -1,0 +1,111 @@
+// engine.hpp — forward and backward of one micro-batch over sharded units.
+//
+// Owns: the unit loop of DESIGN.md's solver (gather u with u+1's gather in
+// flight; compute; release; backward in reverse with each unit's gradients
+// reduce-scattered into the gradient shards as soon as it is done), the
+// gathered-unit and gradient-slot buffers, the activations, and their sizes (the
+// memory plan). The arithmetic goes to a Backend, the collectives to a Comm,
+// each unit's reduced gradient to the TrainingState (train/state.hpp), which
+// also says when a unit's parameters may be read; knows nothing about the deck,
+// the data file, the optimizer or where the training state lives.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "shardlm/backend.hpp"
+#include "shardlm/comm.hpp"
+#include "shardlm/memory.hpp"
+#include "train/shard.hpp"
+#include "train/state.hpp"
+
+namespace shardlm {
+
+// The engine's rows of a rank's memory plan (gathered units, gradient slots,
+// the backend's copies, activations, workspace) plus the training state's
+// (train/state.hpp's plan_state_memory), for `config` at `world` ranks.
+MemoryPlan plan_memory(const ModelConfig& config, int world, const EngineOptions& options, int optim_states,
+                       const Backend& backend);
+
+class Engine {
+ public:
+  // The backend is the engine's own; the model and comm are borrowed.
+  Engine(ShardedModel& model, Comm& comm, const EngineOptions& options,
+         std::unique_ptr<Backend> backend = make_cpu_backend());
+  ~Engine();
+
+  // Where gradients go and when parameters may be read: the session's training
+  // state (not owned). Without one the engine keeps its gradients in the
+  // model's host shards (forward passes, tests).
+  void set_state(TrainingState& state);
+  TrainingState& state();
+
+  // Forward, loss and backward; gradients (scaled by grad_scale) are added into
+  // the state's gradient shards. Returns this rank's loss sums (SFT: sum of weight * NLL).
+  LossStats forward_backward(const TokenBatch& batch, float grad_scale);
+
+  // Forward only: the micro-batch's cross-entropy sums (loss = sum of weight *
+  // NLL, loss_tokens), computed as forward_backward computes the SFT loss.
+  // Collective over the ranks like forward_backward; gradients are untouched.
+  LossStats forward_loss(const TokenBatch& batch);
+
+  // Forward only: logits (N, V) for every position.
+  void forward_logits(const TokenBatch& batch, float* logits);
+
+  const Backend& backend() const { return *backend_; }
+  Backend& backend() { return *backend_; }
+  const EngineOptions& options() const { return options_; }
+  // The RL weight broadcast on a GPU backend (broadcast.hpp): unit `unit`'s bf16
+  // parameters gathered from every rank's device shard into `device_out`
+  // (padded_numel bf16, device memory) through the unit loop's device Comm; at
+  // one rank, a device copy of the shard. Collective over the trainer ranks.
+  // Queued on the backend's stream (no host synchronisation). Between steps
+  // only: it reads the shards the last update wrote and holds no gather slot.
+  void gather_unit_bf16(int unit, void* device_out);
+
+ private:
+  struct ParamSlot {
+    int unit = -1;
+    void* full = nullptr;    // (max padded numel) backend memory, backend precision
+    CommRequest request;
+  };
+  struct GradSlot {
+    int unit = -1;
+    bool reducing = false;   // backward of the unit done; its reduction started
+    float* full = nullptr;   // (max padded numel) this unit's gradient, all of it
+    void* recv = nullptr;    // (max shard numel) the reduced slice (reduce type), added into the grad shard
+    void* full_bf16 = nullptr;  // (max padded numel) bf16 copy of `full` when gradients reduce in bf16
+    CommRequest request;
+  };
+
+  const void* params(int unit);         // gathered weights of `unit` (waits)
+  void prefetch(int unit);              // start gathering `unit` if a slot is free
+  void release(int unit);
+  float* grads(int unit);               // a zeroed full gradient buffer for `unit`
+  void reduce_grads(int unit);          // start reduce-scatter of `unit`'s gradient
+  void finish_grad(GradSlot& slot);
+  void finish_all_grads();
+  void finish_reductions_early(int unit);  // the state moves each reduced gradient on early (offload)
+  void forward(const TokenBatch& b, bool keep_head);
+  const void* lm_head_weights();
+
+  ShardedModel& model_;
+  Comm& comm_;
+  EngineOptions options_;
+  std::unique_ptr<Backend> backend_;
+  const ModelConfig& config_;
+  const bool sharded_;                  // world > 1: gather and reduce through comm
+  std::unique_ptr<Comm> device_comm_;   // device backends at world > 1: device-buffer collectives
+  TrainingState* state_ = nullptr;      // where gradients go (not owned), or own_state_
+  std::unique_ptr<TrainingState> own_state_;
+  Comm* unit_comm_ = nullptr;           // device_comm_, or comm_ for host buffers
+  DType gather_type_ = DType::F32, reduce_type_ = DType::F32;
+  bool grad_slots_used_ = false;        // sharded, or gradients outside host memory
+  int64_t slot_floats_ = 0, recv_floats_ = 0;
+  std::vector<ParamSlot> param_slots_;
+  std::vector<GradSlot> grad_slots_;
+  int next_grad_slot_ = 0;
+};
+
+}  // namespace shardlm

@@ -1,0 +1,188 @@
+// offload.hpp — the offload placement of the training state (train/state.hpp):
+// model.optim_cpu_offload on a GPU. The fp32 masters and moments (and, unless
+// optim_offload_grads = "device", each step's gradient) stay in host memory, and
+// a pipeline keeps the GPU busy around them.
+//
+// Owns: OffloadState (the device accumulators that sum the micro-batches'
+// gradients, the hand-over of each unit's step gradient as its backward
+// finishes, the clip norm's per-unit sums of squares, the engine's hooks) and
+// OffloadPipeline, the worker thread that does the host side of a step (the
+// per-unit CPU update, each unit's after its step gradient has landed, and its
+// bf16 cast), the two pinned bf16 buffers the updated shards go up from in turn
+// (and the two fp32 landing buffers with device_grads), and the ordering
+// between the compute stream and the copies (OffloadDevice's tickets). Knows
+// the sharded model, the optimizer, the Backend and OffloadDevice interfaces;
+// not CUDA, not MPI (the clip norm's all-reduce is the step's), not the deck.
+//
+// A step (the engine and the step drive OffloadState, which drives the pipeline):
+//   begin_step(micro_batches)
+//   per micro-batch: engine.forward_backward()  -> begin_micro_batch(): first / last?;
+//                    the micro-batches' gradients add up in the device
+//                    accumulators; in the last one unit_done(unit) hands each
+//                    unit over (grad_ready) as its backward (and reduction)
+//                    finishes; param_ready(unit) before a unit's shard is read
+//   sumsq = grad_sumsq()                        // on the GPU, as each unit was handed over
+//   all-reduce, clip, update(lr, clip)          // returns at once
+//   the next step's forward: param_ready(u) waits, per unit, for that unit's update and upload
+//   pull() = finish()                           // before checkpoints, export, broadcast
+//
+// Gradients cross the link once per step: the micro-batches are summed on the
+// device (4 bytes per parameter shard of GPU memory), because one fp32 copy of
+// every gradient per micro-batch moves more bytes than a micro-batch computes
+// in time (docs/benchmarks.md, "Offload"). Exact clipping (and NaN/Inf step
+// skipping) needs the global norm before any unit is updated, so the update
+// cannot start during backward: it runs while the next step's forward starts,
+// unit u's update and upload overlapping the forward of the units before it
+// (the embedding first). The copies overlap backward; the norm's sums of squares
+// are taken on the GPU, so the update waits for no host pass over the gradients.
+// With device_grads (model.optim_offload_grads = "device") the copies move to the
+// worker instead, one unit ahead of the update, into two landing buffers: no host
+// gradient shards, and the engine zeroes its accumulators only after the next
+// step's first forward (every unit's update, so every copy, is done by then).
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "shardlm/backend.hpp"
+#include "shardlm/offload_device.hpp"
+#include "shardlm/memory.hpp"
+#include "train/optim.hpp"
+#include "train/shard.hpp"
+#include "train/state.hpp"
+
+namespace shardlm {
+
+class OffloadPipeline {
+ public:
+  // cpu_threads: the worker's OpenMP threads (device.cpu_threads); 0 = OpenMP's
+  // default (the team that first touched the host shards). device_grads
+  // (model.optim_offload_grads = "device"): the model has no host gradient
+  // shards; each unit's step gradient stays in the engine's device accumulator
+  // and is copied into one of two pinned landing buffers one unit ahead of its
+  // update, instead of into its host shard during backward.
+  // device_shards: each unit's bf16 parameter shard in device memory, where
+  // its updates go up to.
+  OffloadPipeline(ShardedModel& model, Optimizer& optimizer, OffloadDevice& device, std::vector<void*> device_shards,
+                  int cpu_threads = 0, bool device_grads = false);
+  ~OffloadPipeline();
+  OffloadPipeline(const OffloadPipeline&) = delete;
+  OffloadPipeline& operator=(const OffloadPipeline&) = delete;
+
+  void begin_step(int64_t micro_batches);
+  // The engine, at the start of each micro-batch: is it the step's first (zero
+  // the device accumulators) or last (hand each unit over as it finishes)?
+  struct MicroBatch { bool first, last; };
+  MicroBatch next_micro_batch();
+  // The engine, in the step's last micro-batch: `unit`'s step gradient (n fp32
+  // in device memory, the shard) is complete on the compute stream. Returns the
+  // copy's ticket: the device buffer may be written again once the compute
+  // stream has waited for it. With device_grads no copy yet (-1): the buffer is
+  // read until the unit's update is done.
+  int64_t grad_ready(int unit, const float* src, int64_t n);
+  // Before the compute stream reads `unit`'s parameter shard.
+  void param_ready(int unit);
+  // Update every unit with lr and the clip factor (the worker does it, unit by
+  // unit in forward order); returns at once. A NaN/Inf step calls nothing.
+  void update(double lr, float clip);
+  // Wait until the worker is idle: host masters and moments are final.
+  void finish();
+
+  // Host bytes of the two pinned bf16 upload buffers, and with device_grads the
+  // two fp32 landing buffers (the memory plan).
+  static int64_t host_bytes(const ModelLayout& layout, bool device_grads = false);
+
+  // Where the time goes (seconds, summed over the run), for the run summary:
+  // the worker's updates and landings, and the compute-issuing thread's waits.
+  struct Timing {
+    double update_s = 0;       // worker: CPU AdamW/SGD + bf16 cast + upload issue
+    double grad_wait_s = 0;    // worker, within update_s: waiting for the gradient copies to land
+    double param_wait_s = 0;   // main: forward waiting for a unit's update
+    int64_t updates = 0;
+    int64_t pinned_bytes = 0, pin_wanted_bytes = 0;
+  };
+  Timing timing();
+  // One line for the run summary: the timings per update, what was pinned, and
+  // the copies' bytes and achieved bandwidth (device-timed).
+  std::string summary();
+
+ private:
+  struct Task {  // one step's update of every unit
+    double lr = 0;
+    float clip = 1;
+  };
+  void run();
+  void update_unit(int unit, double lr, float clip);
+  void issue_grad_copy(int unit);
+  void push(const Task& t);
+
+  ShardedModel& model_;
+  Optimizer& optimizer_;
+  OffloadDevice& device_;
+  const std::vector<void*> device_shards_;   // [unit] the bf16 shard on the device
+  const int units_;
+  const int cpu_threads_;
+  const bool device_grads_;
+  std::vector<Buffer<float>> landing_;       // device_grads: 2 x (largest shard) pinned fp32, in turn
+  std::vector<Buffer<uint16_t>> slots_;      // 2 x (largest shard) pinned: updated shards in bf16, in turn
+  std::vector<int64_t> slot_upload_;         // [slot] ticket of the upload that last read it (worker only)
+  int next_slot_ = 0;                        // worker only
+  std::vector<int64_t> upload_numel_;        // [unit] elements uploaded: the shard's parameters, not its padding
+  std::vector<void*> pinned_;                // host ranges registered with the backend
+
+  int64_t micro_batches_ = 1, micro_batch_ = 0;  // this step's, and how many have started (main thread)
+  int landed_ = 0;                           // units handed over this step (main thread)
+  std::vector<bool> waited_;                 // [unit] compute waited for this step's upload (main thread)
+
+  std::mutex mutex_;
+  std::condition_variable changed_;
+  std::deque<Task> queue_;                   // guarded by mutex_
+  std::vector<int64_t> grad_copy_;           // [unit] ticket of this step's gradient copy to the host; guarded
+  std::vector<const float*> grad_src_;       // device_grads: [unit] its device accumulator; guarded
+  std::vector<int64_t> upload_;              // [unit] ticket of the latest upload, -1: none pending; guarded
+  std::vector<bool> updating_;               // [unit] an update was asked for and not yet uploaded; guarded
+  bool busy_ = false, stopping_ = false;     // guarded
+  Timing timing_;                            // guarded
+  std::thread worker_;
+};
+
+// The offload placement: the pipeline above, the device accumulators it takes
+// each unit's step gradient from, and the engine's hooks.
+class OffloadState final : public TrainingState {
+ public:
+  OffloadState(ShardedModel& model, Optimizer& optimizer, Backend& backend, int cpu_threads, bool device_grads);
+  ~OffloadState() override;
+
+  StatePlacement placement() const override { return StatePlacement::Offload; }
+  const char* setup_what() const override { return "pinning the offload buffers"; }
+  void begin_step(int64_t micro_batches) override { pipeline_->begin_step(micro_batches); }
+  void begin_micro_batch() override;
+  void after_forward() override;
+  void param_ready(int unit) override { pipeline_->param_ready(unit); }
+  float* direct_grad(int unit) override { return accumulators_[unit]; }
+  void add_reduced(int unit, const void* reduced, int64_t n, DType type) override;
+  void unit_done(int unit) override;
+  bool finishes_reductions_early() const override { return last_micro_batch_; }
+  double grad_sumsq() override;
+  void update(double lr, float clip) override { pipeline_->update(lr, clip); }
+  void pull() override { pipeline_->finish(); }  // the host masters are final once the worker is idle
+  void push() override;
+  std::string summary() override { return pipeline_->summary(); }
+
+ private:
+  ShardedModel& model_;
+  Backend& backend_;
+  std::unique_ptr<OffloadDevice> device_;
+  std::vector<float*> accumulators_;     // [unit] fp32 step gradient shards (device), micro-batches summed
+  std::vector<int64_t> accumulator_copy_;  // [unit] ticket of their last copy to the host, -1: none
+  std::unique_ptr<OffloadPipeline> pipeline_;
+  bool first_micro_batch_ = true, last_micro_batch_ = true;  // of the micro-batch under way
+};
+
+}  // namespace shardlm

@@ -1,0 +1,131 @@
+// state.cpp — the host placement of the training state, the choice of placement,
+// and each placement's rows of the memory plan; see src/train/state.hpp.
+#include "train/state.hpp"
+
+#include <algorithm>
+
+#include "cpu/ops.hpp"
+#include "shardlm/error.hpp"
+#include "train/offload.hpp"
+
+namespace shardlm {
+
+const char* placement_name(StatePlacement p) {
+  switch (p) {
+    case StatePlacement::Host: return "host";
+    case StatePlacement::Device: return "device";
+    case StatePlacement::Offload: return "offload";
+  }
+  return "?";
+}
+
+StatePlacement state_placement_for(const Config& c) {
+  if (c.device.backend != "cuda") return StatePlacement::Host;
+  if (!c.model.optim_cpu_offload) return StatePlacement::Device;
+  return c.optim.name == "muon" ? StatePlacement::Host : StatePlacement::Offload;
+}
+
+bool offload_grads_on_device(const Config& c) {
+  return state_placement_for(c) == StatePlacement::Offload && c.model.optim_offload_grads == "device";
+}
+
+// Device-resident state, and the offload pipeline with optim_offload_grads =
+// "device", accumulate gradients in device shards only; the host ones would
+// never be read (checkpoints hold no gradients): none are made.
+bool host_grad_shards(StatePlacement placement, bool offload_device_grads) {
+  return placement == StatePlacement::Host || (placement == StatePlacement::Offload && !offload_device_grads);
+}
+
+void plan_state_memory(MemoryPlan& plan, StatePlacement placement, bool offload_device_grads,
+                       const ModelLayout& layout, int optim_states, const Backend& backend) {
+  int64_t shards = 0, largest = 0;
+  for (const auto& u : layout.units) shards += 4 * u.shard_numel, largest = std::max(largest, u.padded_numel);
+  // The host shards exist in every placement: they are the state, or its mirror
+  // for checkpoints (device), or the CPU optimizer's (offload).
+  plan.param_shards += shards;
+  plan.grad_shards += host_grad_shards(placement, offload_device_grads) ? shards : 0;
+  plan.optim_state += shards * optim_states;
+  switch (placement) {
+    case StatePlacement::Host:
+      // A device backend refreshes its bf16 copies through one fp32 staging unit.
+      if (!backend.host_resident()) plan.workspace += 4 * largest;
+      break;
+    case StatePlacement::Device:
+      plan.device_state += 2 * shards + shards * optim_states;  // masters, grads, moments
+      break;
+    case StatePlacement::Offload:
+      plan.offload_buffers += OffloadPipeline::host_bytes(layout, offload_device_grads);
+      plan.device_grads += shards;  // fp32 accumulators of the micro-batches
+      break;
+  }
+}
+
+namespace {
+
+// The CPU reference, and Muon under optim_cpu_offload on a GPU: masters,
+// gradients and moments are the host shards; Optimizer::step updates them.
+class HostState final : public TrainingState {
+ public:
+  HostState(ShardedModel& model, Optimizer* optimizer, Backend& backend)
+      : model_(model), optimizer_(optimizer), backend_(backend) {
+    sync_params();
+  }
+  StatePlacement placement() const override { return StatePlacement::Host; }
+
+  void begin_step(int64_t) override {
+    sync_params();  // the backend's parameter copies follow the fp32 masters
+    model_.zero_grads();
+  }
+  // A backend that computes in host memory adds into the shard itself.
+  float* direct_grad(int unit) override { return backend_.host_resident() ? model_.grad[unit].data() : nullptr; }
+  void add_reduced(int unit, const void* reduced, int64_t n, DType type) override {
+    backend_.add_grad_to_host(model_.grad[unit].data(), reduced, n, type);
+  }
+  double grad_sumsq() override {
+    double sumsq = 0.0;
+    for (size_t u = 0; u < model_.layout.units.size(); ++u)
+      sumsq += cpu::sum_squares(model_.grad[u].data(), model_.layout.units[u].shard_numel);
+    return sumsq;
+  }
+  void update(double lr, float clip) override {
+    SHARDLM_CHECK(optimizer_, "internal: an engine's own host state has no optimizer to update with");
+    optimizer_->step(lr, clip);
+  }
+  void push() override { sync_params(); }
+
+ private:
+  // Refresh the backend's parameter shards from the fp32 masters (on the CPU
+  // backend a pointer, no copy).
+  void sync_params() {
+    for (size_t u = 0; u < model_.layout.units.size(); ++u)
+      backend_.set_param_shard(static_cast<int>(u), model_.param[u].data(), model_.layout.units[u].shard_numel);
+  }
+
+  ShardedModel& model_;
+  Optimizer* optimizer_;  // null for an engine used without a session (forward passes, tests)
+  Backend& backend_;
+};
+
+}  // namespace
+
+std::unique_ptr<TrainingState> make_host_state(ShardedModel& model, Optimizer* optimizer, Backend& backend) {
+  return std::make_unique<HostState>(model, optimizer, backend);
+}
+
+std::unique_ptr<TrainingState> make_training_state(StatePlacement placement, bool offload_device_grads,
+                                                   ShardedModel& model, Optimizer& optimizer,
+                                                   const OptimSection& optim, Backend& backend, int cpu_threads) {
+  switch (placement) {
+    case StatePlacement::Host: return make_host_state(model, &optimizer, backend);
+    case StatePlacement::Device: {
+      auto state = make_cuda_device_state(model, optimizer, optim, backend);
+      state->push();
+      return state;
+    }
+    case StatePlacement::Offload:
+      return std::make_unique<OffloadState>(model, optimizer, backend, cpu_threads, offload_device_grads);
+  }
+  SHARDLM_FAIL("internal: no training state for placement %d", static_cast<int>(placement));
+}
+
+}  // namespace shardlm

@@ -1,0 +1,118 @@
+// state.hpp — where the training state lives: the fp32 master shards, the step's
+// gradient shards and the optimizer's moments, chosen once at start-up.
+//
+//   host     the CPU reference: everything in host memory, Optimizer::step; with a
+//            GPU backend (Muon under optim_cpu_offload) the engine hands each
+//            reduced gradient down to the host and the bf16 copies are refreshed
+//            before every step.
+//   device   GPU backends without optim_cpu_offload: masters, gradients and
+//            moments in device memory, one fused update per unit on the compute
+//            stream; the host shards are a mirror (pull / push).
+//   offload  GPU backends with optim_cpu_offload (AdamW, SGD): masters and
+//            moments in pinned host memory, gradients summed on the device and
+//            handed over unit by unit, a CPU update per unit that overlaps the
+//            next step's forward (train/offload.hpp).
+//
+// Owns, per placement: the gradient buffers and their zeroing, the sum of squares
+// for the clip norm, the update, pull / push for checkpoints, export and the
+// broadcast, and its rows of the memory plan. The engine asks it where a unit's
+// gradient goes and when a unit's parameters may be read; the step asks it for
+// the norm and the update. Knows the Backend interface, not CUDA, not MPI (the
+// norm's all-reduce is the step's), not the deck beyond the choice itself.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "shardlm/backend.hpp"
+#include "shardlm/config.hpp"
+#include "shardlm/dtype.hpp"
+#include "shardlm/memory.hpp"
+#include "train/optim.hpp"
+#include "train/shard.hpp"
+
+namespace shardlm {
+
+const char* placement_name(StatePlacement p);
+
+// The deck's choice: a GPU keeps the state on the device unless
+// model.optim_cpu_offload moves it to the host (AdamW and SGD through the offload
+// pipeline; Muon's collective step keeps the plain host path).
+StatePlacement state_placement_for(const Config& config);
+// model.optim_offload_grads = "device" under the offload pipeline: no host
+// gradient shards, the step's gradient stays in the device accumulators.
+bool offload_grads_on_device(const Config& config);
+// Whether the model keeps fp32 gradient shards in host memory.
+bool host_grad_shards(StatePlacement placement, bool offload_device_grads);
+
+// The state's rows of a rank's memory plan (param, grad, optimizer shards on the
+// host; device state, device gradients, offload buffers) for `layout`.
+void plan_state_memory(MemoryPlan& plan, StatePlacement placement, bool offload_device_grads,
+                       const ModelLayout& layout, int optim_states, const Backend& backend);
+
+class TrainingState {
+ public:
+  virtual ~TrainingState() = default;
+  virtual StatePlacement placement() const = 0;
+  const char* name() const { return placement_name(placement()); }
+
+  // ---- one step, as the engine and the step drive it
+  // Before the step's first micro-batch: gradients start from zero and the
+  // backend's parameter copies follow the masters.
+  virtual void begin_step(int64_t micro_batches) = 0;
+  // The engine, at the start of each micro-batch, and after its forward.
+  virtual void begin_micro_batch() {}
+  virtual void after_forward() {}
+  // Before the compute stream reads `unit`'s parameter shard.
+  virtual void param_ready(int /*unit*/) {}
+  // Where one rank's backward may add `unit`'s whole gradient directly (backend
+  // memory, shard_numel fp32); nullptr: through the engine's gradient slots.
+  virtual float* direct_grad(int unit) = 0;
+  // `unit`'s reduced gradient (n elements of `type` in backend memory) is added
+  // into its gradient shard.
+  virtual void add_reduced(int unit, const void* reduced, int64_t n, DType type) = 0;
+  // `unit`'s gradient of this micro-batch is complete in its shard (after
+  // add_reduced, or after the backward wrote it directly).
+  virtual void unit_done(int /*unit*/) {}
+  // Whether the engine should finish each unit's reduction a unit after it
+  // started (so the state can move it on early) rather than when the slot is reused.
+  virtual bool finishes_reductions_early() const { return false; }
+  // This rank's sum of squares of the step's gradient (one host synchronisation).
+  virtual double grad_sumsq() = 0;
+  // Update with lr and the clip factor; counts the optimizer step. May return
+  // before the update is done (offload): param_ready waits per unit.
+  virtual void update(double lr, float clip) = 0;
+
+  // ---- outside the step
+  // The host shards (model.param, optimizer.state) hold the current state:
+  // before a checkpoint, an export or a host broadcast.
+  virtual void pull() {}
+  // The host shards changed (a checkpoint load): the state follows them.
+  virtual void push() = 0;
+  // Page-lock the host shards for DMA where pull() copies into them (the device
+  // mirror, which async checkpoints snapshot from); unpinned when the state goes.
+  struct Pinned { int64_t bytes = 0, wanted_bytes = 0; };
+  virtual Pinned pin_host_shards() { return {}; }
+  // One line for the run summary ("" when there is nothing to say).
+  virtual std::string summary() { return ""; }
+  // Seconds the constructor spent placing the state (uploading it, pinning
+  // buffers), and what it was doing, for the setup line; nullptr when nothing.
+  double setup_s = 0;
+  virtual const char* setup_what() const { return nullptr; }
+};
+
+// The state for `placement` over the session's model and optimizer; the
+// backend's parameter copies are made current before it returns.
+std::unique_ptr<TrainingState> make_training_state(StatePlacement placement, bool offload_device_grads,
+                                                   ShardedModel& model, Optimizer& optimizer,
+                                                   const OptimSection& optim, Backend& backend, int cpu_threads);
+// The host placement without an optimizer: what an Engine used on its own
+// (forward passes, tests) puts its gradients into.
+std::unique_ptr<TrainingState> make_host_state(ShardedModel& model, Optimizer* optimizer, Backend& backend);
+// The device placement's implementation (src/cuda/device_state.cu; a CPU-only
+// build refuses it).
+std::unique_ptr<TrainingState> make_cuda_device_state(ShardedModel& model, Optimizer& optimizer,
+                                                      const OptimSection& optim, Backend& backend);
+
+}  // namespace shardlm

@@ -1,0 +1,122 @@
+// step_source.cpp — SFT token files and RL rollout files as sources of steps;
+// see src/train/step_source.hpp.
+#include "train/step_source.hpp"
+
+#include <chrono>
+#include <cstdio>
+#include <string>
+
+namespace shardlm {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+TokenBatch token_batch(const RlMicroBatch& mb) {
+  TokenBatch b = token_batch(mb.batch);
+  b.advantages = mb.advantages.data();
+  b.inference_logprobs = mb.inference_logprobs.data();
+  b.temperatures = mb.temperatures.data();
+  return b;
+}
+
+class TokenSource final : public StepSource {
+ public:
+  TokenSource(TokenDataset& data, Comm& comm) : data_(data), comm_(comm) {}
+  bool rl() const override { return false; }
+
+  StepPlan begin(int64_t step) override {
+    // Each rank counts its own rows (their loss_mask is read with them, one
+    // step ahead by the prefetch); one all-reduce gives the step's totals.
+    const StepCounts mine = data_.rank_step_counts(step, comm_.rank(), comm_.size());
+    int64_t totals[2] = {mine.loss_tokens, mine.tokens};
+    const auto t_reduce = Clock::now();
+    comm_.all_reduce_sum(totals, 2);
+    StepPlan plan;
+    plan.collective_s = seconds_since(t_reduce);
+    plan.loss_tokens_global = totals[0];
+    plan.tokens_global = totals[1];
+    plan.micro_batches = data_.micro_batches_per_rank(comm_.size());
+    return plan;
+  }
+
+  TokenBatch micro_batch(int64_t step, int64_t index) override {
+    data_.micro_batch(step, static_cast<int>(index), comm_.rank(), comm_.size(), micro_);
+    return token_batch(micro_);
+  }
+
+ private:
+  TokenDataset& data_;
+  Comm& comm_;
+  MicroBatch micro_;  // reused every micro-batch
+};
+
+class RolloutSource final : public StepSource {
+ public:
+  RolloutSource(const Config& config, int64_t vocab_size, Comm& comm)
+      : data_(config.data), vocab_size_(vocab_size), comm_(comm) {}
+  bool rl() const override { return true; }
+
+  // Every rank reads the whole file and packs the same assignment: the counts
+  // need no communication.
+  StepPlan begin(int64_t step) override {
+    StepPlan plan;
+    const auto wait0 = Clock::now();
+    const std::string path = wait_for_rollouts(data_.rollout_dir, step, data_.rollout_timeout_s,
+                                               [&](const std::string& m) {
+                                                 if (comm_.rank() == 0) std::printf("%s\n", m.c_str()), std::fflush(stdout);
+                                               });
+    plan.rollout_wait_s = seconds_since(wait0);
+    const RolloutBatch file = read_rollouts(path, vocab_size_);
+    check_rollout_step(file, step, data_.max_async);
+    rollouts_ = pack_rollouts(file, data_.seq_len, data_.micro_batch, comm_.rank(), comm_.size());
+    plan.micro_batches = static_cast<int64_t>(rollouts_.micro_batches.size());
+    plan.loss_tokens_global = rollouts_.loss_tokens_global;
+    plan.tokens_global = rollouts_.tokens_global;
+    return plan;
+  }
+
+  TokenBatch micro_batch(int64_t, int64_t index) override { return token_batch(rollouts_.micro_batches[index]); }
+
+ private:
+  const DataSection data_;
+  const int64_t vocab_size_;
+  Comm& comm_;
+  RankRollouts rollouts_;  // this step's micro-batches of this rank
+};
+
+}  // namespace
+
+DataSpec data_spec_for(const Config& c, int64_t vocab) {
+  DataSpec s;
+  s.paths = c.data.path;
+  s.weights = c.data.weights;
+  s.shuffle = c.data.shuffle;
+  s.seq_len = c.data.seq_len;
+  s.micro_batch = c.data.micro_batch;
+  s.global_batch = c.data.global_batch;
+  s.seed = static_cast<uint64_t>(c.run.seed);
+  s.vocab_size = vocab;
+  return s;
+}
+
+TokenBatch token_batch(const MicroBatch& mb) {
+  TokenBatch b;
+  b.N = mb.rows * mb.seq_len;
+  b.tokens = mb.tokens.data();
+  b.targets = mb.targets.data();
+  b.weights = mb.weights.data();
+  b.positions = mb.positions.data();
+  b.seq_ids = mb.seq_ids.data();
+  return b;
+}
+
+std::unique_ptr<StepSource> make_token_source(TokenDataset& data, Comm& comm) {
+  return std::make_unique<TokenSource>(data, comm);
+}
+
+std::unique_ptr<StepSource> make_rollout_source(const Config& config, int64_t vocab_size, Comm& comm) {
+  return std::make_unique<RolloutSource>(config, vocab_size, comm);
+}
+
+}  // namespace shardlm

@@ -1,0 +1,183 @@
+// train.cpp — the session's state and one optimizer step.
+#include "train/train.hpp"
+
+#include <chrono>
+#include <cstdio>
+#include <cmath>
+
+#include "shardlm/error.hpp"
+#include "cuda/newton_schulz.hpp"
+#include "model/hf.hpp"
+
+namespace shardlm {
+
+ModelConfig model_config_for(const Config& config) {
+  if (config.model.hf.empty()) return config.model.arch;  // validated with the deck
+  const ModelConfig arch = read_hf_config(config.model.hf);
+  // The deck's cross-field rules on the model that config.json describes.
+  const std::string where = config.model.hf + "/config.json";
+  SHARDLM_CHECK(config.data.seq_len <= arch.max_position_embeddings,
+                "data.seq_len = %lld is larger than %s's max_position_embeddings = %lld", (long long)config.data.seq_len,
+                where.c_str(), (long long)arch.max_position_embeddings);
+  SHARDLM_CHECK(config.model.selective_layers <= arch.num_layers,
+                "model.selective_layers = %lld is more than %s's num_hidden_layers = %lld",
+                (long long)config.model.selective_layers, where.c_str(), (long long)arch.num_layers);
+  const std::string e = model_scale_error(arch, config.data.micro_batch * config.data.seq_len, config.loss.chunk_tokens);
+  SHARDLM_CHECK(e.empty(), "%s: %s", where.c_str(), e.c_str());
+  return arch;
+}
+
+EngineOptions engine_options_for(const Config& config) {
+  EngineOptions o;
+  o.rl = config.loss.type == "rl";
+  o.rl_params = {config.loss.mask_high, config.loss.mask_low, config.loss.kl_coef, config.loss.ce_coef};
+  o.max_tokens = config.data.micro_batch * config.data.seq_len;
+  o.chunk_tokens = config.loss.chunk_tokens;
+  o.reshard_after_forward = config.model.reshard_after_forward;
+  o.checkpoint_activations = config.model.activation_checkpointing != "none";
+  o.save_attention = config.model.activation_checkpointing == "selective";
+  o.save_attention_layers = config.model.selective_layers;
+  o.state = state_placement_for(config);
+  o.offload_device_grads = offload_grads_on_device(config);
+  o.reduce_bf16 = config.model.reduce_dtype == "bf16";
+  // "auto" is resolved by select_comm() at start-up; a session built without it
+  // (tests, tools) on one GPU per rank uses NCCL.
+  o.comm_backend = config.comm.backend == "auto" ? "nccl" : config.comm.backend;
+  o.comm_timeout_s = config.comm.timeout_s;
+  o.attention = config.device.attention;
+  o.deterministic = config.run.deterministic;
+  return o;
+}
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+ShardedModel initial_model(const Config& c, const ModelConfig& arch, const Comm& comm) {
+  ShardedModel model(arch, comm.rank(), comm.size(), host_grad_shards(state_placement_for(c), offload_grads_on_device(c)));
+  if (c.model.hf.empty()) model.init_seeded(static_cast<uint64_t>(c.run.seed), c.model.init_std);
+  else model.load_hf(SafetensorsReader(c.model.hf));
+  return model;
+}
+
+}  // namespace
+
+double flops_per_token(const ModelLayout& layout, int64_t seq_len) {
+  const ModelConfig& c = layout.config;
+  return 6.0 * static_cast<double>(layout.matmul_parameter_count()) +
+         12.0 * static_cast<double>(c.num_layers * c.num_heads * c.head_dim) * static_cast<double>(seq_len);
+}
+
+TrainSession::TrainSession(const Config& c, Comm& comm_)
+    : config(c),
+      comm(comm_),
+      arch(model_config_for(c)),
+      data(c.loss.type == "sft" ? std::optional<TokenDataset>(data_spec_for(c, arch.vocab_size)) : std::nullopt),
+      eval(c.eval.path.empty() ? std::nullopt : std::optional<EvalSet>(std::in_place, c, arch.vocab_size)),
+      model(initial_model(c, arch, comm_)),
+      optimizer(c.optim, model, comm_),
+      engine(model, comm_, engine_options_for(c),
+             c.device.backend == "cuda" ? make_cuda_backend() : make_cpu_backend()),
+      source(data ? make_token_source(*data, comm_) : make_rollout_source(c, arch.vocab_size, comm_)) {
+  // Muon on a GPU: Newton–Schulz in bf16 on this rank's device (cuda/newton_schulz.hpp);
+  // the CPU backend keeps the host fp32 one, the reference.
+  if (c.device.backend == "cuda" && optimizer.muon())
+    optimizer.muon()->set_orthogonalizer(make_cuda_orthogonalizer(optimizer.muon()->ns_capacity()));
+  const auto t0 = Clock::now();
+  state = make_training_state(engine.options().state, engine.options().offload_device_grads, model, optimizer,
+                              c.optim, engine.backend(), static_cast<int>(c.device.cpu_threads));
+  state->setup_s = seconds_since(t0);
+  engine.set_state(*state);
+  SHARDLM_CHECK(c.data.seq_len <= arch.max_position_embeddings,
+                "data.seq_len = %lld is larger than the model supports (max_position_embeddings = %lld)",
+                (long long)c.data.seq_len, (long long)arch.max_position_embeddings);
+}
+
+// batch, forward / loss / backward per micro-batch, clip, update: one path for
+// every placement of the state and every source of tokens.
+StepStats TrainSession::step(int64_t step) {
+  const auto t0 = Clock::now();
+  StepStats s;
+  s.step = step;
+  s.rl = source->rl();
+  // batch: this rank's micro-batches; losses are divided by the step's global loss-token count
+  const StepPlan batch = source->begin(step);
+  s.tokens = batch.tokens_global, s.loss_tokens = batch.loss_tokens_global, s.rollout_wait_s = batch.rollout_wait_s;
+  s.data_s = seconds_since(t0) - batch.collective_s;
+  s.compute_s = batch.collective_s;  // a collective's wait for the slowest rank is not data time
+  const float grad_scale = batch.loss_tokens_global > 0 ? 1.0f / static_cast<float>(batch.loss_tokens_global) : 0.0f;
+
+  const auto t_sync = Clock::now();
+  state->begin_step(batch.micro_batches);  // gradients from zero, the backend's parameter copies current
+  s.param_sync_s = seconds_since(t_sync);
+  LossStats sums;
+  for (int64_t a = 0; a < batch.micro_batches; ++a) {
+    const auto t_data = Clock::now();
+    const TokenBatch micro = source->micro_batch(step, a);
+    s.data_s += seconds_since(t_data);
+    const auto t_compute = Clock::now();
+    sums += engine.forward_backward(micro, grad_scale);
+    // The norm below waits for the device anyway; waiting here instead puts the
+    // backward's device time in compute_s rather than in optimizer_s.
+    if (a + 1 == batch.micro_batches) engine.backend().synchronize();
+    s.compute_s += seconds_since(t_compute);
+  }
+  const auto t_opt = Clock::now();
+  record_loss(s, sums, batch.loss_tokens_global);
+  double sumsq = state->grad_sumsq();  // clip by the global norm: one all-reduce over the ranks' sums
+  comm.all_reduce_sum(&sumsq, 1);
+  s.grad_norm = std::sqrt(sumsq);
+  s.lr = lr_at(config.sched, config.optim.lr, config.run.max_steps, step);
+  apply_update(s);  // on the device, the host, or the CPU per unit overlapping the next forward
+  engine.backend().synchronize();
+  s.optimizer_s = seconds_since(t_opt);
+  s.step_time_s = seconds_since(t0);
+  return s;
+}
+
+void TrainSession::record_loss(StepStats& s, LossStats sums, int64_t loss_tokens_global) {
+  auto totals = sums.to_array();
+  comm.all_reduce_sum(totals.data(), static_cast<int64_t>(totals.size()));
+  sums = LossStats::from_array(totals);
+  const double denom = loss_tokens_global > 0 ? static_cast<double>(loss_tokens_global) : 1.0;
+  s.loss = sums.loss / denom;
+  // The RL statistics (zero sums under the SFT loss).
+  s.entropy = sums.entropy_sum / denom;
+  s.mismatch_kl = sums.mismatch_kl_sum / denom;
+  s.masked_high = static_cast<double>(sums.masked_high) / denom;
+  s.masked_low = static_cast<double>(sums.masked_low) / denom;
+  s.advantage = sums.advantage_sum / denom;
+}
+
+void TrainSession::apply_update(StepStats& s) {
+  if (!std::isfinite(s.grad_norm) || !std::isfinite(s.loss)) {  // NaN/Inf: no update
+    s.skipped = true;
+    ++bad_steps_total;
+    SHARDLM_CHECK(++bad_steps_in_a_row < config.run.max_bad_steps,
+                  "step %lld: loss or gradient is NaN/Inf for %lld steps in a row (run.max_bad_steps = %lld); "
+                  "lower optim.lr or check the data",
+                  (long long)s.step + 1, (long long)bad_steps_in_a_row, (long long)config.run.max_bad_steps);
+    return;
+  }
+  bad_steps_in_a_row = 0;
+  const double max_norm = config.optim.max_norm;
+  const float clip = (max_norm > 0 && s.grad_norm > max_norm) ? static_cast<float>(max_norm / (s.grad_norm + 1e-6)) : 1.0f;
+  state->update(s.lr, clip);
+}
+
+bool TrainSession::eval_due(int64_t steps_done) const {
+  if (!eval) return false;
+  const int64_t interval = config.eval.interval;
+  return (interval > 0 && steps_done % interval == 0) || (config.eval.at_end && steps_done == config.run.max_steps);
+}
+
+void TrainSession::evaluate(StepStats& stats) {
+  const EvalResult r = eval->evaluate(engine, comm);
+  stats.evaluated = true;
+  stats.eval_loss = r.loss;
+  stats.eval_loss_tokens = r.loss_tokens;
+  stats.eval_s = r.seconds;
+}
+
+}  // namespace shardlm

@@ -1,0 +1,96 @@
+// train.hpp — everything one training run holds, and one optimizer step.
+//
+// Owns: TrainSession (the step source, sharded model, optimizer, engine and
+// training state: all state in one place, each variant chosen once when it is
+// built) and step(), the phases of one step in order: batch, forward / loss /
+// backward per micro-batch, global-norm clipping, update. The step has one path:
+// where the state lives (train/state.hpp) and where the tokens come from
+// (train/step_source.hpp) are objects, not branches. Knows the Comm it is given
+// (the trainer ranks), not MPI_COMM_WORLD, so tests can run it on
+// sub-communicators of any size.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+
+#include "shardlm/comm.hpp"
+#include "shardlm/config.hpp"
+#include "data/data.hpp"
+#include "train/engine.hpp"
+#include "train/eval.hpp"
+#include "train/optim.hpp"
+#include "train/shard.hpp"
+#include "train/state.hpp"
+#include "train/step_source.hpp"
+
+namespace shardlm {
+
+struct StepStats {
+  int64_t step = 0;            // 0-based
+  double loss = 0;             // mean NLL over the step's loss tokens (all ranks)
+  double grad_norm = 0;        // before clipping
+  double lr = 0;
+  int64_t tokens = 0;          // non-padding tokens in the step (all ranks)
+  int64_t loss_tokens = 0;
+  bool skipped = false;        // NaN/Inf: no update
+  double step_time_s = 0;
+  // RL (loss.type = "rl"), means over the step's loss tokens:
+  bool rl = false;
+  double entropy = 0, mismatch_kl = 0, masked_high = 0, masked_low = 0, advantage = 0;
+  double rollout_wait_s = 0;   // time spent waiting for the rollout file
+  // Where the step's time went (seconds): batch assembly, forward/loss/backward
+  // with the collectives and gradient transfers inside it, clip + optimizer,
+  // refreshing the backend's parameter copies.
+  double data_s = 0, compute_s = 0, optimizer_s = 0, param_sync_s = 0;
+  // [eval] after this step (TrainSession::evaluate): the held-out loss.
+  bool evaluated = false;
+  double eval_loss = 0;        // mean NLL over the eval rows' loss tokens
+  int64_t eval_loss_tokens = 0;
+  double eval_s = 0;
+};
+
+// Training FLOPs per token: 6 N + 12 L H Q T (N = weights used in matmuls, lm-head
+// included; L layers, H heads, Q head dim, T sequence length), as DESIGN.md counts MFU.
+double flops_per_token(const ModelLayout& layout, int64_t seq_len);
+
+// The model's architecture for a deck: model.hf's config.json, else the deck's sizes.
+ModelConfig model_config_for(const Config& config);
+EngineOptions engine_options_for(const Config& config);
+
+struct TrainSession {
+  Config config;
+  Comm& comm;
+  ModelConfig arch;            // model.hf's config.json or the deck's sizes
+  std::optional<TokenDataset> data;  // SFT token files (RL reads rollout files instead): its position is checkpointed
+  std::optional<EvalSet> eval;       // eval.path, when set (SFT and RL)
+  ShardedModel model;
+  Optimizer optimizer;
+  Engine engine;
+  std::unique_ptr<StepSource> source;   // token files | rollouts
+  std::unique_ptr<TrainingState> state; // host | device | offload
+  int64_t bad_steps_in_a_row = 0;
+  int64_t bad_steps_total = 0;
+
+  TrainSession(const Config& config, Comm& comm);
+  StepStats step(int64_t step);
+  // [eval]: whether the held-out loss is due after `steps_done` steps, and
+  // computing it into the step's stats (collective over the trainer ranks).
+  bool eval_due(int64_t steps_done) const;
+  void evaluate(StepStats& stats);
+
+  // The host shards (model.param, optimizer.state) as the checkpoint, the
+  // export and the host broadcast read them: pull_state() makes them current
+  // (a device mirror refreshed, the offload worker idle), push_state() makes
+  // the state follow them after a checkpoint load.
+  void pull_state() { state->pull(); }
+  void push_state() { state->push(); }
+
+ private:
+  // The loss sums of the step's micro-batches, over all ranks, as means.
+  void record_loss(StepStats& s, LossStats sums, int64_t loss_tokens_global);
+  // Clip by the global norm and update, or skip a NaN/Inf step.
+  void apply_update(StepStats& s);
+};
+
+}  // namespace shardlm
