@@ -34,6 +34,11 @@ have_pc tomlplusplus || [ -f /usr/include/toml++/toml.h ] || need libtomlplusplu
 have_pc nlohmann_json || [ -f /usr/include/nlohmann/json.hpp ] || need nlohmann-json3-dev
 /usr/bin/python3 -c 'import h5py, numpy' >/dev/null 2>&1 || need python3-h5py python3-numpy
 /usr/bin/python3 -c 'import matplotlib' >/dev/null 2>&1 || need python3-matplotlib  # tools/plot_runs.py
+# Real tokenizers and chat templates (tools/hf_tokenizer.py, tools/chat_template.py).
+/usr/bin/python3 -c 'import regex' >/dev/null 2>&1 || need python3-regex
+/usr/bin/python3 -c 'import jinja2' >/dev/null 2>&1 || need python3-jinja2
+# The tokenizer test's references (tools/install-node-deps.sh: npm ci into tools/node).
+{ have_cmd node && have_cmd npm; } || need nodejs npm
 # The real-text deck's corpus (inputs/text-sft.toml, tools/make_text_data.sh).
 { command -v bible >/dev/null 2>&1 && [ -f /usr/lib/bible.data ]; } || need bible-kjv
 # Slurm: tests/scripts/test_slurm.sh starts a single-node cluster of its own

@@ -5,7 +5,7 @@ Run it with an interpreter that has h5py and numpy, e.g. /usr/bin/python3:
 
     /usr/bin/python3 tools/make_dataset.py -o data.h5 --split paragraphs notes.txt
     /usr/bin/python3 tools/make_dataset.py -o sft.h5 --append-eos train.jsonl
-    /usr/bin/python3 tools/make_dataset.py -o sft.h5 --tokenizer /models/qwen/tokenizer.json train.jsonl
+    /usr/bin/python3 tools/make_dataset.py -o sft.h5 --tokenizer /models/Qwen3-8B chats.jsonl
 
 Inputs: text files (each file, or with --split paragraphs each blank-line
 separated paragraph, is one document) and JSONL files (.jsonl, .ndjson, .json)
@@ -14,6 +14,9 @@ with one object per line:
     {"prompt": "...", "completion": "..."}            loss on completion tokens only
     {"messages": [{"role": "user", "content": "..."}, ...]}
                                                       loss on assistant turns only
+With --tokenizer a tokenizer.json (or its model folder; read by tools/hf_tokenizer.py)
+chats are rendered with the model's own chat template when one comes with it
+(tools/chat_template.py), else in shardlm's format.
 
 Large sets: documents are streamed to disk as they are tokenized (memory
 stays at one block of tokens); --compression gzip writes chunked, compressed
@@ -32,6 +35,7 @@ import os
 import re
 import struct
 import sys
+import multiprocessing
 import tempfile
 
 try:
@@ -40,6 +44,10 @@ try:
 except ImportError as missing:  # pragma: no cover - depends on the interpreter
     sys.exit(f"make_dataset.py: {missing}; run it with an interpreter that has h5py and numpy "
              f"(e.g. /usr/bin/python3 tools/make_dataset.py ...)")
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from hf_tokenizer import Tokenizer, TokenizerError, load_tokenizer_config, token_text  # noqa: E402
+from chat_template import ChatError, ChatTemplate, check_messages, parse_template_variables  # noqa: E402
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
 MAX_REPORTED_ERRORS = 50
@@ -63,33 +71,32 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A Hugging Face tokenizer.json through the `tokenizers` package."""
+    """A Hugging Face tokenizer.json (or the model folder that holds one) read by
+    shardlm's own tools/hf_tokenizer.py, with the chat template that comes with it
+    (chat_template.jinja, chat_template.json or tokenizer_config.json beside it)."""
 
-    def __init__(self, path, bos_token, eos_token):
-        if not os.path.isfile(path):
-            raise InputError(f"{path}: tokenizer file does not exist")
+    def __init__(self, path, bos_token, eos_token, chat_template="auto", template_vars=None):
         try:
-            from tokenizers import Tokenizer
-        except ImportError:
-            raise InputError(
-                f"{path}: --tokenizer needs the Hugging Face 'tokenizers' package, which "
-                f"{sys.executable} cannot import; install it (pip install tokenizers) "
-                f"or use --tokenizer byte") from None
-        self.name = path
-        self.tokenizer = Tokenizer.from_file(path)
-        self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
-        config = {}
-        config_path = os.path.join(os.path.dirname(path), "tokenizer_config.json")
-        if os.path.isfile(config_path):
-            with open(config_path, encoding="utf-8") as f:
-                config = json.load(f)
-        self.bos_id = self._special_id(bos_token, config.get("bos_token"), "--bos-token", path)
-        self.eos_id = self._special_id(eos_token, config.get("eos_token"), "--eos-token", path)
+            self.tokenizer = Tokenizer.load(path)
+            folder = os.path.dirname(self.tokenizer.path)
+            config = load_tokenizer_config(folder)
+            self.template = None
+            if chat_template != "none":
+                self.template = ChatTemplate.from_folder(
+                    folder, self.tokenizer, None if chat_template == "auto" else chat_template)
+            if self.template is not None:
+                self.template.variables = parse_template_variables(template_vars)
+            elif template_vars:
+                raise ChatError(f"{path}: --template-var is given but there is no chat template")
+        except (TokenizerError, ChatError) as e:
+            raise InputError(str(e)) from None
+        self.name = self.tokenizer.path
+        self.vocab_size = self.tokenizer.vocab_size
+        self.bos_id = self._special_id(bos_token, token_text(config.get("bos_token")), "--bos-token", path)
+        self.eos_id = self._special_id(eos_token, token_text(config.get("eos_token")), "--eos-token", path)
 
     def _special_id(self, flag_value, config_value, flag, path):
-        token = flag_value
-        if token is None:  # tokenizer_config.json holds "tok" or {"content": "tok", ...}
-            token = config_value.get("content") if isinstance(config_value, dict) else config_value
+        token = flag_value if flag_value is not None else config_value
         if token is None:
             return None
         token_id = self.tokenizer.token_to_id(token)
@@ -99,19 +106,18 @@ class HFTokenizer:
         return token_id
 
     def encode(self, text):
-        return np.asarray(self.tokenizer.encode(text, add_special_tokens=False).ids, dtype=np.int32)
+        return np.asarray(self.tokenizer.encode(text), dtype=np.int32)
 
 
 class Builder:
-    """Turns records into documents (ids, loss mask) and hands each to `sink`."""
+    """Turns records into documents: (ids int32, loss mask uint8), or None for a
+    document with fewer than 2 tokens."""
 
-    def __init__(self, tokenizer, prepend_bos, append_eos, sink):
+    def __init__(self, tokenizer, prepend_bos, append_eos):
         self.tok = tokenizer
+        self.template = getattr(tokenizer, "template", None)
         self.prepend_bos = prepend_bos
         self.append_eos = append_eos
-        self.sink = sink  # sink(ids int32, mask uint8)
-        self.documents = 0
-        self.skipped_short = 0
 
     def special(self, which, where):
         token_id = self.tok.bos_id if which == "BOS" else self.tok.eos_id
@@ -120,34 +126,42 @@ class Builder:
                              f"--{which.lower()}-token")
         return np.asarray([token_id], dtype=np.int32)
 
-    def add(self, pieces, where):
-        """pieces: list of (ids, loss 0/1). Adds BOS/EOS as asked."""
+    def document(self, pieces, where):
+        """pieces: list of (ids, loss 0/1 or a per-token mask). Adds BOS as asked."""
         if self.prepend_bos:
-            pieces = [(self.special("BOS", where), 0)] + pieces
+            bos = self.special("BOS", where)
+            if not (pieces and len(pieces[0][0]) and pieces[0][0][0] == bos[0]):  # a template may write it
+                pieces = [(bos, 0)] + pieces
         ids = np.concatenate([p for p, _ in pieces]) if pieces else np.zeros(0, np.int32)
-        mask = np.concatenate([np.full(len(p), loss, np.uint8) for p, loss in pieces]) \
-            if pieces else np.zeros(0, np.uint8)
+        mask = np.concatenate([np.full(len(p), loss, np.uint8) if np.isscalar(loss) else
+                               np.asarray(loss, np.uint8) for p, loss in pieces]) if pieces else np.zeros(0, np.uint8)
         if len(ids) < 2:  # nothing to predict; the reader would skip it anyway
-            self.skipped_short += 1
-            return
-        self.documents += 1
-        self.sink(ids, mask)
+            return None
+        return ids.astype(np.int32), mask
 
     def text(self, text, where):
         pieces = [(self.tok.encode(text), 1)]
         if self.append_eos:
             pieces.append((self.special("EOS", where), 1))
-        self.add(pieces, where)
+        return self.document(pieces, where)
 
     def prompt_completion(self, prompt, completion, where):
         pieces = [(self.tok.encode(prompt), 0), (self.tok.encode(completion), 1)]
         if self.append_eos:
             pieces.append((self.special("EOS", where), 1))
-        self.add(pieces, where)
+        return self.document(pieces, where)
 
-    def chat(self, messages, where):
-        # Template: each turn is "<|role|>\n" (no loss), the content, then EOS
-        # as end of turn; content and EOS carry loss on assistant turns only.
+    def chat(self, messages, tools, where):
+        if self.template is not None:
+            try:
+                ids, mask = self.template.encode_chat(messages, tools, where)
+            except ChatError as e:
+                raise InputError(str(e)) from None
+            return self.document([(np.asarray(ids, np.int32), mask)], where)
+        if tools is not None:
+            raise InputError(f"{where}: 'tools' needs the model's chat template, and this tokenizer has none")
+        # shardlm's own format: each turn is "<|role|>\n" (no loss), the content,
+        # then EOS as end of turn; content and EOS carry loss on assistant turns only.
         eos = self.special("EOS", where)
         pieces = []
         for message in messages:
@@ -155,7 +169,7 @@ class Builder:
             pieces.append((self.tok.encode(f"<|{message['role']}|>\n"), 0))
             pieces.append((self.tok.encode(message["content"]), loss))
             pieces.append((eos, loss))
-        self.add(pieces, where)
+        return self.document(pieces, where)
 
 
 def type_name(value):
@@ -164,7 +178,7 @@ def type_name(value):
 
 
 def parse_record(record, where, builder):
-    """Checks one JSONL object and adds its document; raises InputError."""
+    """Checks one JSONL object and returns its document; raises InputError."""
     if not isinstance(record, dict):
         raise InputError(f"{where}: expected a JSON object, got {type_name(record)}")
     kinds = [k for k in ("text", "prompt", "completion", "messages") if k in record]
@@ -173,18 +187,17 @@ def parse_record(record, where, builder):
         if others:
             raise InputError(f"{where}: has both 'messages' and {others[0]!r}; use one form per line")
         messages = record["messages"]
-        if not isinstance(messages, list) or not messages:
-            raise InputError(f"{where}: 'messages' must be a non-empty array of "
-                             f"{{\"role\": ..., \"content\": ...}} objects")
-        for i, message in enumerate(messages):
-            if not (isinstance(message, dict) and isinstance(message.get("role"), str)
-                    and isinstance(message.get("content"), str)):
-                raise InputError(f"{where}: messages[{i}] must be an object with string "
-                                 f"'role' and 'content'")
+        try:
+            check_messages(messages, where)
+        except ChatError as e:
+            raise InputError(str(e)) from None
         if not any(m["role"] == "assistant" for m in messages):
             raise InputError(f"{where}: 'messages' has no assistant turn, so nothing would carry loss")
-        builder.chat(messages, where)
-    elif "prompt" in record or "completion" in record:
+        tools = record.get("tools")
+        if tools is not None and not isinstance(tools, list):
+            raise InputError(f"{where}: 'tools' must be an array of tool schemas")
+        return builder.chat(messages, tools, where)
+    if "prompt" in record or "completion" in record:
         if "text" in record:
             raise InputError(f"{where}: has both 'text' and prompt/completion; use one form per line")
         for key in ("prompt", "completion"):
@@ -195,57 +208,77 @@ def parse_record(record, where, builder):
                 raise InputError(f"{where}: {key!r} must be a string, got {type_name(record[key])}")
         if not record["completion"]:
             raise InputError(f"{where}: 'completion' is empty, so nothing would carry loss")
-        builder.prompt_completion(record["prompt"], record["completion"], where)
-    elif "text" in record:
+        return builder.prompt_completion(record["prompt"], record["completion"], where)
+    if "text" in record:
         if not isinstance(record["text"], str):
             raise InputError(f"{where}: 'text' must be a string, got {type_name(record['text'])}")
-        builder.text(record["text"], where)
-    else:
-        found = ", ".join(repr(k) for k in record) or "none"
-        raise InputError(f"{where}: expected 'text', 'prompt' and 'completion', or 'messages'; "
-                         f"found keys: {found}")
+        return builder.text(record["text"], where)
+    found = ", ".join(repr(k) for k in record) or "none"
+    raise InputError(f"{where}: expected 'text', 'prompt' and 'completion', or 'messages'; "
+                     f"found keys: {found}")
 
 
-def read_jsonl(path, builder, errors, max_docs):
-    with open(path, "rb") as f:
-        for line_number, raw in enumerate(f, start=1):
-            if max_docs is not None and builder.documents >= max_docs:
-                return
-            where = f"{path}:{line_number}"
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                errors.append(f"{where}: not valid UTF-8 ({e.reason} at byte {e.start})")
-                continue
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                errors.append(f"{where}: invalid JSON: {e.msg} (column {e.colno})")
-                continue
-            try:
-                parse_record(record, where, builder)
-            except InputError as e:
-                errors.append(str(e))
-
-
-def read_text(path, split, builder, errors, max_docs):
+def read_json_line(raw, where):
+    """The JSON value of one JSONL line, None for a blank line; raises InputError."""
     try:
-        with open(path, encoding="utf-8") as f:
-            content = f.read()
+        line = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        errors.append(f"{path}: not valid UTF-8 ({e.reason} at byte {e.start})")
-        return
-    if split == "paragraphs":
-        documents = [p.strip() for p in re.split(r"\n[ \t]*\n", content)]
-    else:
-        documents = [content.strip()]
-    for document in documents:
-        if max_docs is not None and builder.documents >= max_docs:
-            return
-        if document:
-            builder.text(document, path)
+        raise InputError(f"{where}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
+    if not line.strip():
+        return None
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as e:
+        raise InputError(f"{where}: invalid JSON: {e.msg} (column {e.colno})") from None
+
+
+def jobs(paths, kinds, split):
+    """(kind, where, payload) in input order: one per JSONL line, one per text document."""
+    for path, kind in zip(paths, kinds):
+        if kind == "jsonl":
+            with open(path, "rb") as f:
+                for line_number, raw in enumerate(f, start=1):
+                    yield ("line", f"{path}:{line_number}", raw)
+            continue
+        try:
+            with open(path, encoding="utf-8") as f:
+                content = f.read()
+        except UnicodeDecodeError as e:
+            yield ("error", path, f"{path}: not valid UTF-8 ({e.reason} at byte {e.start})")
+            continue
+        if split == "paragraphs":
+            documents = [p.strip() for p in re.split(r"\n[ \t]*\n", content)]
+        else:
+            documents = [content.strip()]
+        for document in documents:
+            if document:
+                yield ("text", path, document)
+
+
+# The builder a worker process uses (set before the pool forks, so workers share it).
+WORKER_BUILDER = None
+
+
+def run_job(job):
+    """One job to ("doc", ids, mask), ("short",), ("blank",) or ("error", message)."""
+    kind, where, payload = job
+    try:
+        if kind == "error":
+            raise InputError(payload)
+        if kind == "line":
+            record = read_json_line(payload, where)
+            if record is None:
+                return ("blank",)
+            document = parse_record(record, where, WORKER_BUILDER)
+            if document is not None and "completion" in record and not WORKER_BUILDER.append_eos:
+                return ("doc", document[0], document[1], "no-eos")
+        else:
+            document = WORKER_BUILDER.text(payload, where)
+    except InputError as e:
+        return ("error", str(e))
+    if document is None:
+        return ("short",)
+    return ("doc", document[0], document[1])
 
 
 class TokenFileWriter:
@@ -305,7 +338,7 @@ class TokenFileWriter:
             dset[start:start + block] = staged[start:start + block]
         del staged
 
-    def finish(self, tokenizer_name, tokenizer_vocab_size):
+    def finish(self, tokenizer_name, tokenizer_vocab_size, chat_template=None):
         for f in (self.tokens_file, self.mask_file):
             f.close()
         vocab_size = max(int(tokenizer_vocab_size), self.max_id + 1)
@@ -318,6 +351,8 @@ class TokenFileWriter:
                     self._dataset(f, "loss_mask", self.mask_file.name, np.dtype(np.uint8), self.tokens)
                 f.attrs["vocab_size"] = np.int64(vocab_size)
                 f.attrs["tokenizer"] = tokenizer_name
+                if chat_template is not None:
+                    f.attrs["chat_template"] = chat_template
             os.replace(tmp, self.path)
         finally:
             self.discard()
@@ -385,7 +420,18 @@ def main(argv=None):
     parser.add_argument("--split", choices=("file", "paragraphs"), default="file",
                         help="text inputs: one document per file, or per blank-line separated paragraph")
     parser.add_argument("--tokenizer", default="byte",
-                        help="'byte' (default; ids 0..255 bytes, 256 BOS, 257 EOS) or a tokenizer.json")
+                        help="'byte' (default; ids 0..255 bytes, 256 BOS, 257 EOS), a tokenizer.json, "
+                             "or the model folder holding one")
+    parser.add_argument("--chat-template", default="auto",
+                        help="chats: 'auto' (default) renders them with the tokenizer's own chat template "
+                             "when it has one, else in shardlm's format; 'none' always shardlm's format; "
+                             "or a Jinja template file")
+    parser.add_argument("--template-var", action="append", metavar="NAME=VALUE",
+                        help="a variable for the chat template, VALUE as JSON (e.g. enable_thinking=false "
+                             "for Qwen3); repeatable")
+    parser.add_argument("--workers", type=int,
+                        help="tokenizing processes (default: the cores this process may use, at most 32, for a tokenizer.json; "
+                             "1 for byte)")
     parser.add_argument("--bos-token", help="BOS token string for a tokenizer.json tokenizer")
     parser.add_argument("--eos-token", help="EOS token string for a tokenizer.json tokenizer")
     parser.add_argument("--prepend-bos", action="store_true", help="start every document with BOS")
@@ -420,10 +466,12 @@ def main(argv=None):
         parser.error("--eval-docs must be at least 1")
     if args.eval_output and os.path.abspath(args.eval_output) == os.path.abspath(args.output):
         parser.error("--eval-output must differ from --output")
+    if args.workers is not None and args.workers < 1:
+        parser.error("--workers must be at least 1")
 
     try:
         tokenizer = ByteTokenizer() if args.tokenizer == "byte" else \
-            HFTokenizer(args.tokenizer, args.bos_token, args.eos_token)
+            HFTokenizer(args.tokenizer, args.bos_token, args.eos_token, args.chat_template, args.template_var)
     except InputError as e:
         print(f"make_dataset.py: {e}", file=sys.stderr)
         return 1
@@ -431,18 +479,19 @@ def main(argv=None):
     held_out = TokenFileWriter(args.eval_output, args.compression, args.compression_level, args.chunk_tokens) \
         if args.eval_output else None
     splitter = Splitter(train, held_out, args.eval_fraction, args.eval_docs, args.split_seed) if held_out else None
-    builder = Builder(tokenizer, args.prepend_bos, args.append_eos, splitter.add if splitter else train.add)
+    global WORKER_BUILDER
+    WORKER_BUILDER = Builder(tokenizer, args.prepend_bos, args.append_eos)
     try:
-        return run(args, tokenizer, builder, train, splitter)
+        return run(args, tokenizer, splitter.add if splitter else train.add, train, splitter)
     finally:
         train.discard()
         if held_out:
             held_out.discard()
 
 
-def run(args, tokenizer, builder, train, splitter):
-
+def run(args, tokenizer, sink, train, splitter):
     errors = []
+    paths, kinds = [], []
     for path in args.inputs:
         if not os.path.isfile(path):
             errors.append(f"{path}: input file does not exist")
@@ -450,20 +499,40 @@ def run(args, tokenizer, builder, train, splitter):
         kind = args.format
         if kind == "auto":
             kind = "jsonl" if path.lower().endswith(JSONL_SUFFIXES) else "text"
-        try:
-            if kind == "jsonl":
-                read_jsonl(path, builder, errors, args.max_docs)
-            else:
-                read_text(path, args.split, builder, errors, args.max_docs)
-        except InputError as e:  # e.g. a tokenizer without the EOS a line needs
-            errors.append(str(e))
+        paths.append(path)
+        kinds.append(kind)
 
-    if not errors and builder.documents == 0:
+    # Documents are tokenized by a pool of forked processes (they share the
+    # tokenizer built above) and come back in input order.
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    workers = args.workers or (1 if args.tokenizer == "byte" else min(cores, 32))
+    pool = multiprocessing.get_context("fork").Pool(workers) if workers > 1 else None
+    results = pool.imap(run_job, jobs(paths, kinds, args.split), chunksize=64) if pool else \
+        map(run_job, jobs(paths, kinds, args.split))
+    documents = skipped_short = without_eos = 0
+    try:
+        for result in results:
+            if args.max_docs is not None and documents >= args.max_docs:
+                break
+            if result[0] == "doc":
+                documents += 1
+                without_eos += len(result) > 3
+                sink(result[1], result[2])
+            elif result[0] == "short":
+                skipped_short += 1
+            elif result[0] == "error":
+                errors.append(result[1])
+    finally:
+        if pool:
+            pool.terminate()
+            pool.join()
+
+    if not errors and documents == 0:
         errors.append("no document with at least 2 tokens in the inputs; nothing to write")
     if splitter:
         splitter.finish()
     if not errors and splitter and splitter.held_out.documents == 0:
-        errors.append(f"no document was held out for {args.eval_output} ({builder.documents} documents, "
+        errors.append(f"no document was held out for {args.eval_output} ({documents} documents, "
                       f"--eval-fraction {args.eval_fraction}); raise the fraction or use --eval-docs")
     if not errors and splitter and train.documents == 0:
         errors.append(f"every document was held out for {args.eval_output}; nothing is left to train on")
@@ -475,13 +544,18 @@ def run(args, tokenizer, builder, train, splitter):
         print(f"make_dataset.py: {len(errors)} error(s); {args.output} not written", file=sys.stderr)
         return 1
 
-    skipped = f", {builder.skipped_short} skipped (< 2 tokens)" if builder.skipped_short else ""
+    if without_eos:
+        print(f"make_dataset.py: note: {without_eos} prompt/completion documents end without EOS, so the model "
+              f"is not taught to stop; add --append-eos, or give them as chats ({{\"messages\": [...]}}), "
+              f"which the model's chat template ends as it serves them", file=sys.stderr)
+    skipped = f", {skipped_short} skipped (< 2 tokens)" if skipped_short else ""
     storage = f"gzip {args.compression_level}, chunks of {args.chunk_tokens}" if args.compression == "gzip" \
         else "contiguous"
     outputs = [(args.output, train)] + ([(args.eval_output, splitter.held_out)] if splitter else [])
     for path, writer in outputs:
         documents, tokens, loss = writer.documents, writer.tokens, writer.loss_targets
-        vocab_size = writer.finish(tokenizer.name, tokenizer.vocab_size)
+        template = getattr(tokenizer, "template", None)
+        vocab_size = writer.finish(tokenizer.name, tokenizer.vocab_size, template.source if template else None)
         print(f"wrote {path}: {documents} documents{skipped if writer is train else ''}, {tokens} tokens, "
               f"{loss} loss targets, vocab_size {vocab_size}, tokenizer {tokenizer.name}, {storage}")
     return 0

@@ -106,35 +106,33 @@ expect_run "whole file is one document" 0 "1 documents" -o "$WORK/one.h5" "$WORK
 expect_run "missing input" 1 "nope.txt: input file does not exist" -o "$WORK/x.h5" "$WORK/nope.txt"
 expect_run "missing tokenizer file" 1 "tokenizer file does not exist" \
   -o "$WORK/x.h5" --tokenizer "$WORK/none.json" "$WORK/notes.txt"
-if ! "$PYTHON" -c "import tokenizers" 2>/dev/null; then
-  echo '{}' > "$WORK/tokenizer.json"
-  expect_run "tokenizers package missing" 1 "needs the Hugging Face 'tokenizers' package" \
-    -o "$WORK/x.h5" --tokenizer "$WORK/tokenizer.json" "$WORK/notes.txt"
-fi
-# The tokenizer.json path, with a stand-in `tokenizers` module (character
-# vocabulary) so the wiring is tested where the real package is not installed.
-mkdir -p "$WORK/stub/tokenizers" "$WORK/model"
-cat > "$WORK/stub/tokenizers/__init__.py" <<'PY'
-import json
-class _Encoding:
-    def __init__(self, ids): self.ids = ids
-class Tokenizer:
-    @staticmethod
-    def from_file(path):
-        t = Tokenizer(); t.vocab = json.load(open(path))["vocab"]; return t
-    def get_vocab_size(self, with_added_tokens=True): return len(self.vocab)
-    def token_to_id(self, token): return self.vocab.get(token)
-    def encode(self, text, add_special_tokens=True): return _Encoding([self.vocab[c] for c in text])
-PY
-echo '{"vocab": {"<s>": 0, "</s>": 1, "h": 2, "i": 3, "Q": 4, "A": 5}}' > "$WORK/model/tokenizer.json"
+echo '{"model": {"vocab": ' > "$WORK/tokenizer.json"
+expect_run "corrupt tokenizer.json" 1 "tokenizer.json: invalid JSON: Expecting value (line 2, column 1)" \
+  -o "$WORK/x.h5" --tokenizer "$WORK/tokenizer.json" "$WORK/notes.txt"
+mkdir -p "$WORK/empty_model"
+expect_run "model folder without tokenizer.json" 1 "$WORK/empty_model: folder has no tokenizer.json" \
+  -o "$WORK/x.h5" --tokenizer "$WORK/empty_model" "$WORK/notes.txt"
+# The tokenizer.json path with a hand-made byte-level BPE file (one piece per
+# character, no merges); tools/hf_tokenizer.py reads it (tests/scripts/test_tokenizer.sh
+# checks the real Llama 3 and Qwen3 files).
+mkdir -p "$WORK/model"
+cat > "$WORK/model/tokenizer.json" <<'JSON'
+{"added_tokens": [{"id": 0, "content": "<s>", "special": true}, {"id": 1, "content": "</s>", "special": true}],
+ "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "use_regex": true},
+ "decoder": {"type": "ByteLevel"},
+ "model": {"type": "BPE", "vocab": {"<s>": 0, "</s>": 1, "h": 2, "i": 3, "Q": 4, "A": 5}, "merges": []}}
+JSON
 echo '{"bos_token": "<s>", "eos_token": {"content": "</s>"}}' > "$WORK/model/tokenizer_config.json"
 printf '{"prompt": "Q", "completion": "A"}\n{"text": "hi"}\n' > "$WORK/hf.jsonl"
-PYTHONPATH="$WORK/stub" expect_run "tokenizer.json path" 0 "2 documents" \
+expect_run "prompt/completion without --append-eos: a note says no EOS ends them" 0 \
+  "note: 1 prompt/completion documents end without EOS" \
+  -o "$WORK/hf.h5" --tokenizer "$WORK/model/tokenizer.json" "$WORK/hf.jsonl"
+expect_run "tokenizer.json path" 0 "2 documents" \
   -o "$WORK/hf.h5" --tokenizer "$WORK/model/tokenizer.json" --prepend-bos --append-eos "$WORK/hf.jsonl"
 check_h5 "tokenizer.json ids, specials from tokenizer_config.json, attributes" "$WORK/hf.h5" \
   "list(f['tokens'][:]) == [0, 4, 5, 1, 0, 2, 3, 1] and list(f['loss_mask'][:4]) == [0, 0, 1, 1] \
    and int(f.attrs['vocab_size']) == 6 and f.attrs['tokenizer'].endswith('model/tokenizer.json')"
-PYTHONPATH="$WORK/stub" expect_run "unknown --eos-token" 1 "token '<eos>' (from --eos-token" \
+expect_run "unknown --eos-token" 1 "token '<eos>' (from --eos-token" \
   -o "$WORK/x.h5" --tokenizer "$WORK/model/tokenizer.json" --eos-token "<eos>" "$WORK/hf.jsonl"
 
 
