@@ -108,9 +108,9 @@ Engine::Engine(ShardedModel& model, Comm& comm, const EngineOptions& options, st
 }
 
 void Engine::set_state(TrainingState& state) {
-  SHARDLM_CHECK(!grad_slots_used_ || grad_slots_needed(comm_.size(), *backend_, state.placement()),
-                "internal: the engine was planned for the %s state, not %s", placement_name(options_.state),
-                state.name());
+  // The gradient slots (and the plan) were sized for options.state.
+  SHARDLM_CHECK(state.placement() == options_.state, "internal: the engine was planned for the %s state, not %s",
+                placement_name(options_.state), state.name());
   state_ = &state;
   own_state_.reset();
 }
