@@ -333,7 +333,7 @@ int cmd_train(Runtime& rt, const CliArgs& args) {
       exit_code = kExitCheckpointFailed;
       break;
     }
-    const bool stop = stop_requested(rt.role_comm);  // SIGUSR1/SIGTERM/SIGINT on any rank, agreed by all
+    const bool stop = stop_requested(*comm);  // SIGUSR1/SIGTERM/SIGINT on any rank, agreed by all (watched)
     if (stop || checkpoint_due(config.ckpt, step + 1, config.run.max_steps)) {
       std::optional<SaveResult> previous;  // the save still in flight, waited for first
       const SaveResult saved = checkpointer.save(step + 1, tokens_seen, &previous);
