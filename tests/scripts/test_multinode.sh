@@ -53,12 +53,13 @@ if [ "$(id -u)" = 0 ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_RO
 # $tmp/netns (the network namespaces' inodes), so that the teardown, run from the
 # EXIT trap or from the reaper, needs nothing but the temp dir.
 marked_processes() {   # pids (other than this shell) with the marker, or in one of our namespaces
-  local p ns=" $(tr '\n' ' ' < "$tmp/netns" 2>/dev/null) "
+  local p link
   for p in /proc/[0-9]*; do
     p=${p#/proc/}
-    [ "$p" = "$$" ] || [ "$p" = "${reaper_pid:-}" ] || [ "$p" = "$BASHPID" ] && continue
+    [ "$p" -le 1 ] || [ "$p" = "$$" ] || [ "$p" = "${reaper_pid:-}" ] || [ "$p" = "$BASHPID" ] && continue
     if grep -qzxF "SHARDLM_MN_TEST_DIR=$tmp" "/proc/$p/environ" 2>/dev/null; then echo "$p"; continue; fi
-    case $ns in *" $(readlink "/proc/$p/ns/net" 2>/dev/null) "*) echo "$p" ;; esac
+    # A process whose namespace cannot be read (gone, or protected) is not ours.
+    link=$(readlink "/proc/$p/ns/net" 2>/dev/null) && [ -n "$link" ] && grep -qxF "$link" "$tmp/netns" 2>/dev/null && echo "$p"
   done
   return 0
 }
@@ -101,6 +102,7 @@ trap 'exit 130' INT TERM
 : > "$tmp/pids"; : > "$tmp/netns"
 # The reaper: if this shell dies without its EXIT trap (SIGKILL), take it all down.
 ( trap '' INT TERM HUP
+  unset SHARDLM_MN_TEST_DIR   # its own sleeps are not stragglers
   while kill -0 $$ 2>/dev/null; do sleep 1; done
   hard_stop; [ "${SHARDLM_TEST_KEEP:-0}" = 1 ] || rm -rf "$tmp" ) </dev/null >/dev/null 2>&1 &
 reaper_pid=$!
@@ -535,14 +537,14 @@ fi
 jcut=$(submit $(cpu_opts 2 2) $mn $deck "${w4_deck[@]}" --set ckpt.interval=20 "${faults[@]}" --set run.dir=runs/mn-cut)
 log=$(log_of shardlm-mn "$jcut")
 cut_ok=0
-after_save_20() { job_done "$jcut" || { grep -q 'saved runs/mn-cut/checkpoints/step_20.h5' "$log" && running_at_step "$jcut" runs/mn-cut 25; }; }
+after_save_20() { job_done "$jcut" || { grep -qs 'saved runs/mn-cut/checkpoints/step_20.h5' "$log" && running_at_step "$jcut" runs/mn-cut 25; }; }
 if wait_for 300 after_save_20 && ! job_done "$jcut"; then
   cut_node=$(job_nodes "$jcut" | awk '{print $2}')
   first_node=$(job_nodes "$jcut" | awk '{print $1}')
   cut_step=$(last_step runs/mn-cut)
   t_cut=$SECONDS
   in_ns "$fabric" ip link set "$cut_node" down && cut_ok=1
-  wait_for $(( timeout_s + 60 )) grep -q 'did not arrive' "$log"; t_msg=$(( SECONDS - t_cut ))
+  wait_for $(( timeout_s + 60 )) grep -qs 'did not arrive' "$log"; t_msg=$(( SECONDS - t_cut ))
   wait_for $(( timeout_s + 90 )) grep -q '^=== slurm-multinode.sbatch: shardlm train failed' "$log"; t_end=$(( SECONDS - t_cut ))
   in_ns "$fabric" ip link set "$cut_node" up
 fi
@@ -573,7 +575,10 @@ fi
 
 # ------------------------------------------------------------------ teardown
 stop_cluster
-left=$(marked_processes | wc -w)
+# The list is made before anything counts it, so that no helper of the count is in it.
+left_pids=$(marked_processes)
+for p in $left_pids; do echo "  left running: $p $(tr '\0' ' ' < "/proc/$p/cmdline" 2>/dev/null)"; done
+left=$(wc -w <<< "$left_pids")
 ns_left=0
 for p in /proc/[0-9]*; do grep -qxF "$(readlink "$p/ns/net" 2>/dev/null)" "$tmp/netns" 2>/dev/null && ns_left=$(( ns_left + 1 )); done
 check "cluster stopped: no daemon, job process or namespace holder left ($left processes, $ns_left in our namespaces), the bridge and veths gone" \
