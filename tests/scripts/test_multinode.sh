@@ -314,6 +314,16 @@ same_losses() {   # same_losses RUN REF STEPS [FROM]: RUN has STEPS steps from F
   return 1
 }
 submit() { sbatch --parsable "$@" | cut -d';' -f1; }
+# check_job ID LOG WHAT COMMAND...: check, and on a FAIL show what the job said and Slurm's reason.
+check_job() {
+  local id=$1 log=$2 before=$failures
+  shift 2
+  check "$@"
+  if [ "$failures" != "$before" ]; then
+    echo "  --- job $id ($(scontrol -o show job "$id" 2>/dev/null | grep -o 'JobState=[^ ]* Reason=[^ ]*' | head -1)), the end of $log:"
+    grep -v '^step ' "$log" 2>/dev/null | tail -n 15 | sed 's/^/  | /'
+  fi
+}
 ckpt_step() { local n=${1#step_}; n=${n%.h5}; [[ $n =~ ^[0-9]+$ ]] && echo "$n" || echo -1; }   # step_20.h5 -> 20
 # placement LOG: the trainer's "placement:" line, without its prefix
 placement() { grep -m1 '^placement: ' "$1" | sed 's/^placement: //'; }
@@ -392,7 +402,7 @@ straight_case() {
   local name=$1 id=$2 nnodes=$3 per=$4 run=$5 ref=$6 steps=$7 log nodes
   log=$(log_of shardlm-mn "$id")
   nodes=$(job_nodes "$id")
-  check "$name: COMPLETED, exit 0 ($(state "$id")), on $nnodes nodes ($nodes)" \
+  check_job "$id" "$log" "$name: COMPLETED, exit 0 ($(state "$id")), on $nnodes nodes ($nodes)" \
     bash -c "[ '$(state "$id")' = 'COMPLETED restarts 0 exit 0:0' ] && [ $(wc -w <<< "$nodes") = $nnodes ]"
   check "$name: the losses of all $steps steps equal the single-node run's at world $(( nnodes * per )), bit for bit" \
     same_losses "$run" "$ref" "$steps"
@@ -413,7 +423,7 @@ check "2 nodes x 2 tasks: every checkpoint written by both nodes' ranks into one
   tail -n 20 "$tmp/inspect50.txt"
 
 log=$(log_of shardlm-mn "$jres")
-check "resume at another node count: step 50 of the 2-node run resumed on 4 nodes ($(state "$jres"), $(job_nodes "$jres"))" \
+check_job "$jres" "$log" "resume at another node count: step 50 of the 2-node run resumed on 4 nodes ($(state "$jres"), $(job_nodes "$jres"))" \
   bash -c "[ '$(state "$jres")' = 'COMPLETED restarts 0 exit 0:0' ] && grep -q 'resumed from .*step_50.h5' '$log' &&
            grep -q '^placement: 4 ranks on 4 nodes' '$log'"
 check "resume at another node count: steps 51-$long_steps equal the single-node run's bit for bit" \
@@ -424,7 +434,7 @@ rl_nodes=$(job_nodes "$jrl")
 got=$(placement "$log")
 # shellcheck disable=SC2086
 want=$(expected_placement 1 $rl_nodes)
-check "RL across nodes: COMPLETED ($(state "$jrl")) on 3 nodes, trainers on the first two, the receiver on the third ($got)" \
+check_job "$jrl" "$log" "RL across nodes: COMPLETED ($(state "$jrl")) on 3 nodes, trainers on the first two, the receiver on the third ($got)" \
   bash -c "[ '$(state "$jrl")' = 'COMPLETED restarts 0 exit 0:0' ] && [ '$got' = '$want' ] &&
            grep -q '^shardlm .* | 3 ranks: 2 trainers, 1 receiver' '$log'"
 check "RL across nodes: the trainers' losses equal the single-node MPMD run's bit for bit" same_losses runs/mn-rl runs/ref-rl 10
@@ -497,7 +507,7 @@ wait_done "$jsig" 300 || fail "signalled job $jsig did not finish"
 log=$(log_of shardlm-mn "$jsig")
 sig_stop=$(grep -m1 -o 'resumed from .*step_[0-9]*\.h5' "$log" | grep -o '[0-9]*\.h5$' | grep -o '^[0-9]*')
 if [ $sig_sent = 1 ] && [ -n "$sig_stop" ]; then
-  check "SIGUSR1: checkpointed at step $sig_stop, exit 75, requeued, resumed, COMPLETED ($(state "$jsig"))" \
+  check_job "$jsig" "$log" "SIGUSR1: checkpointed at step $sig_stop, exit 75, requeued, resumed, COMPLETED ($(state "$jsig"))" \
     bash -c "[ '$(state "$jsig")' = 'COMPLETED restarts 1 exit 0:0' ] && grep -q '^stopped by signal 10' '$log' &&
              grep -q 'stopped after a checkpoint (exit 75): requeueing job $jsig' '$log' &&
              grep -q 'resumed from .*step_$sig_stop.h5' '$log' && [ \$(grep -c '^=== slurm-multinode.sbatch: job $jsig start' '$log') = 2 ]"
@@ -520,7 +530,7 @@ if [ $kill_ok = 1 ]; then
              [ -n '$latest' ] && [ $(ckpt_step "$latest") -ge 20 ] && [ $(ckpt_step "$latest") -le $kill_step ]"
   scontrol requeue "$jkill"
   wait_for 300 restarted "$jkill" 1; wait_done "$jkill" 300
-  check "node killed: scontrol requeue resumes from $latest and completes ($(state "$jkill"))" \
+  check_job "$jkill" "$log" "node killed: scontrol requeue resumes from $latest and completes ($(state "$jkill"))" \
     bash -c "[ '$(state "$jkill")' = 'COMPLETED restarts 1 exit 0:0' ] && grep -q 'resumed from .*$latest' '$log'"
   check "node killed: after the resume, the losses of all $long_steps steps equal the single-node run's" \
     same_losses runs/mn-kill runs/ref4 $long_steps
@@ -551,7 +561,7 @@ fi
 if [ $cut_ok = 1 ]; then
   msg=$(grep -m1 'did not arrive' "$log")
   # the watchdog's grace: min(10, max(1, timeout/5)) s to hear from every rank; srun's KillWait (10 s here) + 2
-  check "network cut: $cut_node's link down after step $cut_step; the watchdog aborted ${t_msg}s later, the job script ended ${t_end}s later (comm.timeout_s = $timeout_s + grace + Slurm's KillWait)" \
+  check_job "$jcut" "$log" "network cut: $cut_node's link down after step $cut_step; the watchdog aborted ${t_msg}s later, the job script ended ${t_end}s later (comm.timeout_s = $timeout_s + grace + Slurm's KillWait)" \
     bash -c "[ $t_msg -ge $timeout_s ] && [ $t_msg -le $(( timeout_s + 15 )) ] && [ $t_end -le $(( timeout_s + 15 + 12 + 15 )) ]"
   check "network cut: the message names the ranks and node that did not arrive and those waiting ($msg)" \
     bash -c "grep -q 'ranks 2, 3 on $cut_node did not arrive' <<< '$msg' && grep -q 'waiting in it: ranks 0, 1 on $first_node' <<< '$msg' &&
@@ -565,7 +575,7 @@ if [ $cut_ok = 1 ]; then
   wait_for 120 node_idle || echo "  $cut_node did not come back idle: $(sinfo -h -n "$cut_node")"
   scontrol requeue "$jcut"
   wait_for 300 restarted "$jcut" 1; wait_done "$jcut" 300
-  check "network cut: with the link back, scontrol requeue resumes from $latest and completes ($(state "$jcut"))" \
+  check_job "$jcut" "$log" "network cut: with the link back, scontrol requeue resumes from $latest and completes ($(state "$jcut"))" \
     bash -c "[ '$(state "$jcut")' = 'COMPLETED restarts 1 exit 0:0' ] && grep -q 'resumed from .*$latest' '$log'"
   check "network cut: after the resume, the losses of all $long_steps steps equal the single-node run's" \
     same_losses runs/mn-cut runs/ref4 $long_steps
