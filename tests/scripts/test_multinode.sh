@@ -32,7 +32,7 @@ fail() { echo "FAIL multinode: $*"; failures=$((failures + 1)); }
 skip() { echo "SKIP multinode: $*"; exit 0; }
 t_start=$SECONDS
 
-for cmd in munged mungekey slurmctld slurmd sbatch srun scontrol scancel squeue sinfo ip unshare nsenter mpirun; do
+for cmd in munged mungekey slurmctld slurmd sbatch srun scontrol scancel squeue sinfo ip bridge unshare nsenter mpirun; do
   command -v "$cmd" >/dev/null 2>&1 || skip "$cmd not installed (tools/install-deps.sh installs slurm-wlm and munge)"
 done
 [ "$(id -u)" = 0 ] || skip "network namespaces and slurmd need root; not root here"
@@ -122,6 +122,15 @@ for i in $(seq 1 50); do
   if ! ip -4 addr show | grep -q " $cand\." && ! ip -4 route show | grep -q "^$cand\."; then net=$cand; break; fi
 done
 [ -n "$net" ] || { fail "no free 10.x.y.0/24 subnet found"; exit 1; }
+# A second NIC on every node, on a network that does not connect them (a bridge
+# with isolated ports: a management network, or a miscabled one), as on nodes
+# with several NICs: the jobs must tell Open MPI which network to use.
+net2=""
+for i in $(seq 1 50); do
+  cand="172.$(( RANDOM % 16 + 16 )).$(( RANDOM % 250 + 1 ))"
+  if ! ip -4 addr show | grep -q " $cand\." && ! ip -4 route show | grep -q "^$cand\."; then net2=$cand; break; fi
+done
+[ -n "$net2" ] || { fail "no free 172.16-31.x.0/24 subnet found"; exit 1; }
 machine_host=$(hostname)
 host_if=smn$$            # the one interface in this machine's namespace (IFNAMSIZ: 15)
 ctl_addr=$net.1
@@ -144,7 +153,8 @@ new_ns() {
 in_ns() { local pid=$1; shift; nsenter -t "$pid" -n -u "$@"; }
 
 fabric=$(new_ns fabric)
-in_ns "$fabric" sh -c 'ip link set lo up && ip link add br0 type bridge && ip link set br0 up' ||
+in_ns "$fabric" sh -c 'ip link set lo up && ip link add br0 type bridge && ip link set br0 up &&
+                       ip link add br1 type bridge && ip link set br1 up' ||
   { fail "could not make a bridge in a network namespace"; exit 1; }
 ip link add "$host_if" type veth peer name uplink netns "$fabric" &&
   ip addr add "$ctl_addr/24" dev "$host_if" && ip link set "$host_if" up &&
@@ -157,8 +167,11 @@ for i in "${!nodes[@]}"; do
   node_addr[$n]=$net.$(( 11 + i ))
   in_ns "$fabric" ip link add "$n" type veth peer name eth0 netns "${node_pid[$n]}" &&
     in_ns "$fabric" sh -c "ip link set $n master br0 && ip link set $n up" &&
-    in_ns "${node_pid[$n]}" sh -c "ip link set lo up && ip addr add ${node_addr[$n]}/24 dev eth0 && ip link set eth0 up" ||
-    { fail "could not wire node $n (${node_addr[$n]})"; exit 1; }
+    in_ns "${node_pid[$n]}" sh -c "ip link set lo up && ip addr add ${node_addr[$n]}/24 dev eth0 && ip link set eth0 up" &&
+    in_ns "$fabric" ip link add "m$n" type veth peer name eth1 netns "${node_pid[$n]}" &&
+    in_ns "$fabric" sh -c "ip link set m$n master br1 && ip link set m$n up && bridge link set dev m$n isolated on" &&
+    in_ns "${node_pid[$n]}" sh -c "ip addr add $net2.$(( 11 + i ))/24 dev eth1 && ip link set eth1 up" ||
+    { fail "could not wire node $n (${node_addr[$n]}, $net2.$(( 11 + i )))"; exit 1; }
 done
 if [ "$(hostname)" != "$machine_host" ]; then fail "this machine's hostname changed ($machine_host -> $(hostname))"; exit 1; fi
 if [ "$(in_ns "${node_pid[mn2]}" hostname)" != mn2 ]; then fail "node mn2's UTS namespace has hostname '$(in_ns "${node_pid[mn2]}" hostname)'"; exit 1; fi
@@ -246,7 +259,7 @@ done
 if [ $up = 0 ]; then fail "slurmctld + ${#nodes[@]} slurmd did not bring the nodes up within 60 s ($(sinfo -h 2>&1))"; dump_logs; exit 1; fi
 if ! srun --mpi=list 2>&1 | grep -q pmix; then fail "srun has no pmix plugin"; srun --mpi=list; exit 1; fi
 hosts=$(srun -N ${#nodes[@]} --ntasks-per-node=1 hostname 2>&1 | sort | paste -sd' ')
-check "cluster up: ${#nodes[@]} nodes on $net.0/24, each with its own hostname ($hosts; ctld port $ctld_port)" \
+check "cluster up: ${#nodes[@]} nodes on $net.0/24 (and a second NIC each on $net2.0/24, isolated), each with its own hostname ($hosts; ctld port $ctld_port)" \
   test "$hosts" = "${nodes[*]}"
 [ "$hosts" = "${nodes[*]}" ] || { dump_logs; exit 1; }
 
@@ -374,6 +387,11 @@ else
 fi
 
 # ------------------------------------------------------------------ phase 1: straight jobs
+# Every node has two NICs and only eth0's network connects them: without this,
+# Open MPI's TCP transport also tries eth1 and the job hangs in MPI start-up
+# ("Open MPI failed to TCP connect to a peer MPI process"). sbatch passes the
+# submitting shell's environment to every job, as a user would set it.
+export OMPI_MCA_btl_tcp_if_include=$net.0/24
 # Slurm (sched/builtin) starts them in submission order as nodes free up. The
 # sweep goes first, onto an idle cluster: each task takes a whole node (2 CPUs),
 # so its three tasks run at once on three nodes.
@@ -396,6 +414,30 @@ for id in "$sweep" "$j2x1" "$j2x2" "$j4x1" "$j4x2" "$jres" "$jrl"; do
 done
 for id in "$sweep" "$j2x1" "$j2x2" "$j4x1" "$j4x2" "$jres" "$jrl"; do wait_done "$id" 300 || fail "job $id did not finish"; done
 
+# Open MPI 4.1.4 (Debian 12's) sometimes fails a TCP connect between two nodes
+# while the ranks wire up on a loaded machine ("connect() to ... failed:
+# Operation now in progress (115)", then a crash; open-mpi/ompi#10734, its
+# error path fixed upstream after 4.1.4). A job that died so before its first
+# step is requeued once, with a NOTE; anything else, or a second time, fails.
+declare -A restarts_expected
+retry_wireup_failure() {   # retry_wireup_failure ID LOG
+  local id=$1 log=$2
+  [ "$(job_field "$id" JobState)" = FAILED ] && grep -q 'Open MPI failed to TCP connect' "$log" 2>/dev/null &&
+    ! grep -q '^step ' "$log" || return 0
+  echo "NOTE multinode: job $id died in Open MPI's TCP wire-up before its first step; requeued once"
+  restarts_expected[$id]=1
+  scontrol requeue "$id" && wait_done "$id" 300
+}
+for id in "$j2x1" "$j2x2" "$j4x1" "$j4x2" "$jrl"; do
+  case $id in "$jrl") retry_wireup_failure "$id" "logs/shardlm-rl-$id.out" ;; *) retry_wireup_failure "$id" "logs/shardlm-mn-$id.out" ;; esac
+done
+if [ "${restarts_expected[$j2x2]:-0}" = 1 ] && [ "$(job_field "$jres" JobState)" != COMPLETED ]; then
+  scancel "$jres" 2>/dev/null; wait_done "$jres" 60   # its dependency failed before the retry
+  jres=$(submit $(cpu_opts 4 1) $mn $deck "${w4[@]}" --set run.dir=runs/mn-resume4 --set ckpt.resume=runs/mn-2x2/checkpoints/step_50.h5)
+  wait_done "$jres" 300
+fi
+retry_wireup_failure "$jres" "logs/shardlm-mn-$jres.out"
+
 log_of() { echo "logs/$1-$2.out"; }
 # straight_case NAME ID NODES TASKS_PER_NODE RUN REF STEPS
 straight_case() {
@@ -403,7 +445,7 @@ straight_case() {
   log=$(log_of shardlm-mn "$id")
   nodes=$(job_nodes "$id")
   check_job "$id" "$log" "$name: COMPLETED, exit 0 ($(state "$id")), on $nnodes nodes ($nodes)" \
-    bash -c "[ '$(state "$id")' = 'COMPLETED restarts 0 exit 0:0' ] && [ $(wc -w <<< "$nodes") = $nnodes ]"
+    bash -c "[ '$(state "$id")' = 'COMPLETED restarts ${restarts_expected[$id]:-0} exit 0:0' ] && [ $(wc -w <<< "$nodes") = $nnodes ]"
   check "$name: the losses of all $steps steps equal the single-node run's at world $(( nnodes * per )), bit for bit" \
     same_losses "$run" "$ref" "$steps"
   # shellcheck disable=SC2086
@@ -424,7 +466,7 @@ check "2 nodes x 2 tasks: every checkpoint written by both nodes' ranks into one
 
 log=$(log_of shardlm-mn "$jres")
 check_job "$jres" "$log" "resume at another node count: step 50 of the 2-node run resumed on 4 nodes ($(state "$jres"), $(job_nodes "$jres"))" \
-  bash -c "[ '$(state "$jres")' = 'COMPLETED restarts 0 exit 0:0' ] && grep -q 'resumed from .*step_50.h5' '$log' &&
+  bash -c "[ '$(state "$jres")' = 'COMPLETED restarts ${restarts_expected[$jres]:-0} exit 0:0' ] && grep -q 'resumed from .*step_50.h5' '$log' &&
            grep -q '^placement: 4 ranks on 4 nodes' '$log'"
 check "resume at another node count: steps 51-$long_steps equal the single-node run's bit for bit" \
   same_losses runs/mn-resume4 runs/ref4 $(( long_steps - 50 )) 51
@@ -435,7 +477,7 @@ got=$(placement "$log")
 # shellcheck disable=SC2086
 want=$(expected_placement 1 $rl_nodes)
 check_job "$jrl" "$log" "RL across nodes: COMPLETED ($(state "$jrl")) on 3 nodes, trainers on the first two, the receiver on the third ($got)" \
-  bash -c "[ '$(state "$jrl")' = 'COMPLETED restarts 0 exit 0:0' ] && [ '$got' = '$want' ] &&
+  bash -c "[ '$(state "$jrl")' = 'COMPLETED restarts ${restarts_expected[$jrl]:-0} exit 0:0' ] && [ '$got' = '$want' ] &&
            grep -q '^shardlm .* | 3 ranks: 2 trainers, 1 receiver' '$log'"
 check "RL across nodes: the trainers' losses equal the single-node MPMD run's bit for bit" same_losses runs/mn-rl runs/ref-rl 10
 ref_recv=$(grep -c 'receive\[0\]: step .* checksums ok' "$tmp/ref-rl.log")
@@ -540,15 +582,22 @@ fi
 
 # The network of the job's second node cut: no process dies, so nothing but
 # shardlm's collective watchdog notices; Slurm then waits KillWait for the
-# unreachable node's tasks. Checkpoints every 20 steps, and the cut goes in 5
+# unreachable node's tasks. Checkpoints every 30 steps, and the cut goes in 2
 # steps after one finished: the watchdog covers the step's collectives, not
 # the checkpoint writes' (MPI-IO), which Slurm's SlurmdTimeout has to end.
 # The link comes back once the job script has ended, and a requeue resumes.
-jcut=$(submit $(cpu_opts 2 2) $mn $deck "${w4_deck[@]}" --set ckpt.interval=20 "${faults[@]}" --set run.dir=runs/mn-cut)
+jcut=$(submit $(cpu_opts 2 2) $mn $deck "${w4_deck[@]}" --set ckpt.interval=30 "${faults[@]}" --set run.dir=runs/mn-cut)
 log=$(log_of shardlm-mn "$jcut")
 cut_ok=0
-after_save_20() { job_done "$jcut" || { grep -qs 'saved runs/mn-cut/checkpoints/step_20.h5' "$log" && running_at_step "$jcut" runs/mn-cut 25; }; }
-if wait_for 300 after_save_20 && ! job_done "$jcut"; then
+# Polled with file reads only (scontrol and squeue take a second on a loaded
+# machine, and the run goes on meanwhile); the queue is looked at every 15th time.
+polls=0
+after_save_30() {
+  polls=$(( polls + 1 ))
+  { grep -qs 'saved runs/mn-cut/checkpoints/step_30.h5' "$log" && [ "$(last_step runs/mn-cut)" -ge 32 ]; } ||
+    { [ $(( polls % 15 )) = 0 ] && job_done "$jcut"; }
+}
+if wait_for 300 after_save_30 && ! job_done "$jcut"; then
   cut_node=$(job_nodes "$jcut" | awk '{print $2}')
   first_node=$(job_nodes "$jcut" | awk '{print $1}')
   cut_step=$(last_step runs/mn-cut)
@@ -561,6 +610,7 @@ fi
 if [ $cut_ok = 1 ]; then
   msg=$(grep -m1 'did not arrive' "$log")
   # the watchdog's grace: min(10, max(1, timeout/5)) s to hear from every rank; srun's KillWait (10 s here) + 2
+  [ "$cut_step" -lt 58 ] || echo "  the cut came late, at step $cut_step: the next checkpoint write (step 60) is not watched (see docs/slurm.md)"
   check_job "$jcut" "$log" "network cut: $cut_node's link down after step $cut_step; the watchdog aborted ${t_msg}s later, the job script ended ${t_end}s later (comm.timeout_s = $timeout_s + grace + Slurm's KillWait)" \
     bash -c "[ $t_msg -ge $timeout_s ] && [ $t_msg -le $(( timeout_s + 15 )) ] && [ $t_end -le $(( timeout_s + 15 + 12 + 15 )) ]"
   check "network cut: the message names the ranks and node that did not arrive and those waiting ($msg)" \
@@ -570,7 +620,7 @@ if [ $cut_ok = 1 ]; then
   latest=$(cat runs/mn-cut/checkpoints/latest 2>/dev/null)
   check "network cut: the job FAILED, not requeued ($(state "$jcut")); the last checkpoint ($latest) is intact" \
     bash -c "[ '$(state "$jcut" | cut -d' ' -f1-3)' = 'FAILED restarts 0' ] && build/shardlm inspect runs/mn-cut > '$tmp/inspect-cut.txt' 2>&1 &&
-             tail -1 '$tmp/inspect-cut.txt' | grep -qx OK && [ $(ckpt_step "$latest") -ge 20 ] && [ $(ckpt_step "$latest") -le $cut_step ]"
+             tail -1 '$tmp/inspect-cut.txt' | grep -qx OK && [ $(ckpt_step "$latest") -ge 30 ] && [ $(ckpt_step "$latest") -le $cut_step ]"
   node_idle() { sinfo -h -n "$cut_node" -o %T | grep -q '^idle$'; }
   wait_for 120 node_idle || echo "  $cut_node did not come back idle: $(sinfo -h -n "$cut_node")"
   scontrol requeue "$jcut"
