@@ -56,12 +56,19 @@ shardlm_check_checkout() {
 # `scancel --batch --signal=USR1`) is forwarded to srun, which passes it on to
 # every rank.
 shardlm_srun() {
-  shardlm_got_term=0
   local -a opts=() extra=()
   while [ $# -gt 0 ] && [ "$1" != -- ]; do opts+=("$1"); shift; done
   [ $# -gt 0 ] && shift
   [ -n "${SHARDLM_SRUN_ARGS:-}" ] && read -r -a extra <<< "$SHARDLM_SRUN_ARGS"
-  srun --mpi="$SHARDLM_MPI" "${opts[@]}" "${extra[@]}" "$SHARDLM_BIN" train "$@" &
+  shardlm_step srun --mpi="$SHARDLM_MPI" "${opts[@]}" "${extra[@]}" "$SHARDLM_BIN" train "$@"
+}
+
+# shardlm_step COMMAND...: run the job step COMMAND (an srun) in the background with
+# the batch shell's USR1 and TERM forwarded to it, and wait for it; sets
+# shardlm_rc and shardlm_got_term. shardlm_srun and slurm-rl.sbatch's MPMD step use it.
+shardlm_step() {
+  shardlm_got_term=0
+  "$@" &
   local step=$! rc last=""
   trap 'shardlm_interrupted=1; kill -USR1 "$step" 2>/dev/null' USR1
   trap 'shardlm_interrupted=1; shardlm_got_term=1; kill -TERM "$step" 2>/dev/null' TERM

@@ -37,9 +37,12 @@ namespace {
 // Checked with the deck, so the whole job stops together with exit 1 and one
 // message, never a rank's abort that the others would read as a stop signal.
 std::string launch_problem(const Runtime& rt, const std::string& command, const Config& c) {
-  if (command == "receive" && rt.role != Role::Receive)
-    return "`shardlm receive` must run as the second app of an MPMD launch "
-           "(mpirun -np N shardlm train DECK : -np 1 shardlm receive DECK)";
+  if (command == "receive" && rt.num_trainers == 0)
+    return "`shardlm receive` needs trainer ranks in the same job: run it as the second app of an MPMD launch "
+           "(mpirun -np N shardlm train DECK : -np 1 shardlm receive DECK; under Slurm jobs/slurm-rl.sbatch)";
+  if (!rt.trainers_first)
+    return "the `shardlm train` ranks must come first in an MPMD launch (world ranks 0..N-1), the receivers "
+           "after them (srun --multi-prog: train on tasks 0-(N-1), receive on the rest)";
   if (command == "train" && rt.role != Role::Train)
     return fmt("this rank is in app %d of the MPMD launch, which receives: run `shardlm receive` there, "
                "`shardlm train` in the first app", rt.appnum);
@@ -81,6 +84,7 @@ void print_banner(const Runtime& rt, const Config& config) {
               rt.num_trainers == 1 ? "" : "s", rt.num_receivers, rt.num_receivers == 1 ? "" : "s",
               rt.backend.c_str(), built_backends(), rt.device_name.c_str(), config.deck_path.c_str(),
               config.run.dir.c_str());
+  std::printf("placement: %s\n", placement_summary(rt).c_str());
   std::fflush(stdout);
 }
 
@@ -214,7 +218,7 @@ int main(int argc, char** argv) {
     }
   }
 
-  Runtime rt = runtime_init(&argc, &argv);
+  Runtime rt = runtime_init(&argc, &argv, args.command == "receive" ? Role::Receive : Role::Train);
   int rc = 1;
   try {
     rc = args.command == "check" ? cmd_check(rt, args)

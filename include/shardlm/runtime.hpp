@@ -26,11 +26,13 @@ enum class Role { Train, Receive };
 struct Runtime {
   int world_rank = 0, world_size = 1;   // MPI_COMM_WORLD
   int local_rank = 0, local_size = 1;   // ranks on this node (MPI_COMM_TYPE_SHARED)
+  int num_nodes = 1;                    // nodes of the job: MPI_COMM_TYPE_SHARED groups of MPI_COMM_WORLD
   int appnum = 0;                       // MPI_APPNUM: 0 trains, 1 receives
   Role role = Role::Train;
   MPI_Comm role_comm = MPI_COMM_NULL;   // the ranks of this role; for trainers, the training ranks
   int rank = 0, size = 1;               // within role_comm
   int num_trainers = 1, num_receivers = 0;
+  bool trainers_first = true;           // the trainers are world ranks 0..num_trainers-1 (else a launch error)
   MPI_Comm broadcast_comm = MPI_COMM_NULL;  // trainer rank 0 + every receiver; NULL elsewhere
   std::string hostname;
   std::string backend = "cpu";          // "cpu" | "cuda", after select_device()
@@ -39,8 +41,11 @@ struct Runtime {
 };
 
 // MPI_Init and everything derived from MPI_COMM_WORLD. Works as a singleton,
-// under mpirun and under srun --mpi=pmix.
-Runtime runtime_init(int* argc, char*** argv);
+// under mpirun and under srun --mpi=pmix. `role` is what this process's
+// subcommand does; a process of app 1 or later of an mpirun MPMD launch
+// (MPI_APPNUM) receives as well. Slurm's PMIx gives every task MPI_APPNUM 0, so
+// under `srun --multi-prog` the subcommand alone decides.
+Runtime runtime_init(int* argc, char*** argv, Role role = Role::Train);
 void runtime_finalize(Runtime& rt);
 
 // Decide the backend ("auto" | "cpu" | "cuda") and bind the GPU from the local
@@ -60,6 +65,14 @@ std::string select_comm(const Runtime& rt, const std::string& requested);
 // memory; e.g. a trainer and a receiver on one GPU). Collective over
 // rt.broadcast_comm.
 std::string select_broadcast_comm(const Runtime& rt);
+
+// The host of a world rank, as that rank named itself at runtime_init ("?" before
+// it or out of range): error messages name the node of a rank.
+const char* world_rank_host(int world_rank);
+// Where the ranks run, as each reported it at runtime_init (host, local rank,
+// local size, node count), one line for the job's log:
+// "4 ranks on 2 nodes | mn1: ranks 0,1 local 0,1 | mn2: ranks 2,3 local 0,1".
+std::string placement_summary(const Runtime& rt);
 
 // The only exit for an unrecoverable error on one rank: one message naming the
 // rank, host and cause on stderr, then MPI_Abort of the whole job (never a hang).

@@ -41,7 +41,7 @@ StepEnd Checkpointer::after_step(int64_t steps_done, int64_t tokens_seen) {
 StepEnd Checkpointer::decide(int64_t steps_done, int64_t tokens_seen) {
   const Config& config = session_.config;
   if (stops_run(poll())) return kStopSaveFailed;  // a background save finished: reported here, failed or not
-  const bool stop = stop_requested(comm_);        // SIGUSR1/SIGTERM/SIGINT on any rank, agreed by all
+  const bool stop = stop_requested(session_.comm);  // SIGUSR1/SIGTERM/SIGINT on any rank, agreed by all (watched)
   if (stop || checkpoint_due(config.ckpt, steps_done, config.run.max_steps)) {
     std::optional<SaveResult> previous;  // the save still in flight, waited for first
     const SaveResult saved = save(steps_done, tokens_seen, &previous);

@@ -142,14 +142,16 @@ class CollectiveWatch {
         }
         break;
       }
-    std::string missing, waiting, elsewhere;
+    std::vector<int> missing_ranks, waiting_ranks;
+    std::string elsewhere;
     for (int r = 0; r < size_; ++r) {
-      const std::string name = std::to_string(world_rank_[size_t(r)]);
-      if (!answered[size_t(r)]) missing += (missing.empty() ? "" : ", ") + name;
-      else if (answer[size_t(r)].seq == seq) waiting += (waiting.empty() ? "" : ", ") + name;
-      else elsewhere += fmt("%s%s in %s #%lld", elsewhere.empty() ? "" : ", ", name.c_str(), answer[size_t(r)].what,
-                            (long long)answer[size_t(r)].seq);
+      const int world = world_rank_[size_t(r)];
+      if (!answered[size_t(r)]) missing_ranks.push_back(world);
+      else if (answer[size_t(r)].seq == seq) waiting_ranks.push_back(world);
+      else elsewhere += fmt("%s%d on %s in %s #%lld", elsewhere.empty() ? "" : ", ", world, world_rank_host(world),
+                            answer[size_t(r)].what, (long long)answer[size_t(r)].seq);
     }
+    const std::string missing = ranks_on_nodes(missing_ranks), waiting = ranks_on_nodes(waiting_ranks);
     std::string message = fmt("collective %s (#%lld of a communicator of %d ranks) has not completed after %.1f s "
                               "(comm.timeout_s = %g): ", what, (long long)seq, size_, waited_s, g_collective_timeout_s);
     if (!missing.empty())
@@ -158,6 +160,19 @@ class CollectiveWatch {
     if (!elsewhere.empty()) message += "waiting in another collective (a mismatch): rank " + elsewhere + "; ";
     message += "waiting in it: rank" + std::string(waiting.find(',') == std::string::npos ? " " : "s ") + waiting;
     fatal(message);
+  }
+
+  // "2, 3 on mn2, 5 on mn3": world ranks with the node each runs on (from
+  // runtime_init), a node named once after its run of ranks.
+  static std::string ranks_on_nodes(const std::vector<int>& world_ranks) {
+    std::string text;
+    for (size_t i = 0; i < world_ranks.size(); ++i) {
+      const char* host = world_rank_host(world_ranks[i]);
+      text += (i ? ", " : "") + std::to_string(world_ranks[i]);
+      if (i + 1 == world_ranks.size() || std::strcmp(host, world_rank_host(world_ranks[i + 1])) != 0)
+        text += fmt(" on %s", host);
+    }
+    return text;
   }
 
   MPI_Comm comm_;

@@ -16,6 +16,14 @@ namespace {
 int g_world_rank = -1;
 int g_world_size = 0;
 char g_host[256] = "?";
+
+// What each world rank reported about itself at runtime_init (every rank holds
+// the whole table): messages name a rank's node, the banner shows the placement.
+struct RankPlacement {
+  char host[64];
+  int local_rank, local_size, num_nodes;
+};
+std::vector<RankPlacement> g_placement;
 }  // namespace
 
 #ifndef SHARDLM_VERSION
@@ -29,7 +37,7 @@ const char* built_backends() { return cuda_built() ? "cpu+cuda" : "cpu"; }
 const char* shardlm_version() { return SHARDLM_VERSION; }
 const char* shardlm_git_rev() { return SHARDLM_GIT_REV; }
 
-Runtime runtime_init(int* argc, char*** argv) {
+Runtime runtime_init(int* argc, char*** argv, Role role) {
   int initialized = 0;
   MPI_Initialized(&initialized);
   if (!initialized) {
@@ -56,12 +64,21 @@ Runtime runtime_init(int* argc, char*** argv) {
   MPI_CHECK(MPI_Comm_rank(node_comm, &rt.local_rank));
   MPI_CHECK(MPI_Comm_size(node_comm, &rt.local_size));
   MPI_CHECK(MPI_Comm_free(&node_comm));
+  const int node_leader = rt.local_rank == 0;
+  MPI_CHECK(MPI_Allreduce(&node_leader, &rt.num_nodes, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD));
+  RankPlacement mine{};
+  std::snprintf(mine.host, sizeof mine.host, "%s", g_host);
+  mine.local_rank = rt.local_rank;
+  mine.local_size = rt.local_size;
+  mine.num_nodes = rt.num_nodes;
+  g_placement.resize(static_cast<size_t>(rt.world_size));
+  MPI_CHECK(MPI_Allgather(&mine, sizeof mine, MPI_BYTE, g_placement.data(), sizeof mine, MPI_BYTE, MPI_COMM_WORLD));
 
   int* appnum = nullptr;
   int has_appnum = 0;
   MPI_CHECK(MPI_Comm_get_attr(MPI_COMM_WORLD, MPI_APPNUM, &appnum, &has_appnum));
   rt.appnum = (has_appnum && appnum) ? *appnum : 0;
-  rt.role = rt.appnum == 0 ? Role::Train : Role::Receive;
+  rt.role = rt.appnum == 0 && role == Role::Train ? Role::Train : Role::Receive;
 
   MPI_CHECK(MPI_Comm_split(MPI_COMM_WORLD, rt.role == Role::Train ? 0 : 1, rt.world_rank, &rt.role_comm));
   MPI_Comm_set_errhandler(rt.role_comm, MPI_ERRORS_RETURN);
@@ -70,12 +87,47 @@ Runtime runtime_init(int* argc, char*** argv) {
   int is_trainer = rt.role == Role::Train;
   MPI_CHECK(MPI_Allreduce(&is_trainer, &rt.num_trainers, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD));
   rt.num_receivers = rt.world_size - rt.num_trainers;
+  // Trainer rank 0 must be world rank 0 (it owns the run dir and the banner): under
+  // srun --multi-prog the order is the user's, so it is checked (main's launch check).
+  int last_trainer = is_trainer ? rt.world_rank : -1, first_receiver = is_trainer ? rt.world_size : rt.world_rank;
+  MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &last_trainer, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD));
+  MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &first_receiver, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD));
+  rt.trainers_first = last_trainer < first_receiver;
 
   // The broadcast communicator: trainer rank 0 first (rank 0 in it), then receivers.
   const bool joins = rt.role == Role::Receive || rt.rank == 0;
   MPI_CHECK(MPI_Comm_split(MPI_COMM_WORLD, joins ? 0 : MPI_UNDEFINED, rt.world_rank, &rt.broadcast_comm));
   if (rt.num_receivers == 0 && rt.broadcast_comm != MPI_COMM_NULL) MPI_CHECK(MPI_Comm_free(&rt.broadcast_comm));
   return rt;
+}
+
+const char* world_rank_host(int world_rank) {
+  if (world_rank < 0 || static_cast<size_t>(world_rank) >= g_placement.size()) return "?";
+  return g_placement[size_t(world_rank)].host;
+}
+
+std::string placement_summary(const Runtime& rt) {
+  std::vector<std::string> hosts;  // in order of first appearance
+  std::vector<std::string> ranks, locals;
+  int fewest = rt.num_nodes, most = rt.num_nodes;
+  for (size_t r = 0; r < g_placement.size(); ++r) {
+    const RankPlacement& p = g_placement[r];
+    fewest = std::min(fewest, p.num_nodes);
+    most = std::max(most, p.num_nodes);
+    size_t h = std::find(hosts.begin(), hosts.end(), p.host) - hosts.begin();
+    if (h == hosts.size()) hosts.emplace_back(p.host), ranks.emplace_back(), locals.emplace_back();
+    ranks[h] += (ranks[h].empty() ? "" : ",") + std::to_string(r);
+    locals[h] += (locals[h].empty() ? "" : ",") + std::to_string(p.local_rank);
+  }
+  std::string line = fmt("%d rank%s on %d node%s", rt.world_size, rt.world_size == 1 ? "" : "s", rt.num_nodes,
+                         rt.num_nodes == 1 ? "" : "s");
+  if (fewest != most) line += fmt(" (the ranks count %d to %d nodes)", fewest, most);
+  if (hosts.size() != size_t(most)) line += fmt(" (%zu host names)", hosts.size());
+  const size_t shown = std::min<size_t>(hosts.size(), 16);
+  for (size_t h = 0; h < shown; ++h)
+    line += fmt(" | %s: ranks %s local %s", hosts[h].c_str(), ranks[h].c_str(), locals[h].c_str());
+  if (shown < hosts.size()) line += fmt(" | %zu more nodes", hosts.size() - shown);
+  return line;
 }
 
 void runtime_finalize(Runtime& rt) {

@@ -5,6 +5,7 @@
 
 #include <csignal>
 
+#include "shardlm/comm.hpp"
 #include "shardlm/runtime.hpp"  // MPI_CHECK
 
 namespace shardlm {
@@ -41,6 +42,19 @@ void install_stop_signal_handlers() {
 bool stop_requested(MPI_Comm comm) {
   int mine = g_stop_signal, any = 0;
   MPI_CHECK(MPI_Allreduce(&mine, &any, 1, MPI_INT, MPI_MAX, comm));
+  if (any && !g_stop_signal) g_stop_signal = any;
+  return any != 0;
+}
+
+bool stop_requested(Comm& trainers) {
+  // One count per stop signal, ascending, so that the result is the MPI version's MAX.
+  constexpr int kSignals[3] = {SIGINT, SIGUSR1, SIGTERM};
+  int64_t seen[3];
+  for (int i = 0; i < 3; ++i) seen[i] = g_stop_signal == kSignals[i] ? 1 : 0;
+  trainers.all_reduce_sum(seen, 3);
+  int any = 0;
+  for (int i = 0; i < 3; ++i)
+    if (seen[i] > 0) any = kSignals[i];
   if (any && !g_stop_signal) g_stop_signal = any;
   return any != 0;
 }

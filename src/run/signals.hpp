@@ -12,6 +12,8 @@
 
 namespace shardlm {
 
+class Comm;
+
 // Exit codes of `shardlm train` (sysexits.h): the job scripts requeue on 75.
 constexpr int kExitRequeue = 75;           // EX_TEMPFAIL: stopped by SIGUSR1/SIGTERM/SIGINT, checkpoint saved
 constexpr int kExitCheckpointFailed = 74;  // EX_IOERR: a save failed and ckpt.on_error = "stop"
@@ -21,6 +23,10 @@ constexpr int kExitCheckpointFailed = 74;  // EX_IOERR: a save failed and ckpt.o
 void install_stop_signal_handlers();
 // Collective: true on every rank when any rank has seen a stop signal.
 bool stop_requested(MPI_Comm trainers);
+// The same through the trainers' Comm, whose all-reduce is watched (comm.timeout_s):
+// the training loop asks every step, and a rank that never arrives (its node cut
+// off) must end the job, not hang it in a plain MPI_Allreduce.
+bool stop_requested(Comm& trainers);
 int stop_signal();                  // the signal seen (0 = none), for the log
 void clear_stop_request();          // tests
 

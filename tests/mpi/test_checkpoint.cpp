@@ -737,6 +737,20 @@ TEST_CASE("a stop signal on one rank is seen by every rank at the end of the ste
   CHECK(stop_requested(MPI_COMM_WORLD));
   CHECK(stop_signal() == SIGTERM);
   clear_stop_request();
+  // Through the Comm (the training loop's, watched): the same answer, the highest signal seen.
+  auto comm = make_mpi_comm(MPI_COMM_WORLD);
+  CHECK_FALSE(stop_requested(*comm));
+  if (world_rank() == world_size() - 1) raise(SIGUSR1);
+  CHECK(stop_requested(*comm));
+  CHECK(stop_signal() == SIGUSR1);
+  clear_stop_request();
+  if (world_rank() == world_size() - 1) raise(SIGUSR1);
+  if (world_rank() == 0) raise(SIGTERM);
+  CHECK(stop_requested(*comm));
+  // A rank keeps the signal it saw itself; the others take the highest (SIGTERM).
+  const bool saw_only_usr1 = world_size() > 1 && world_rank() == world_size() - 1;
+  CHECK(stop_signal() == (saw_only_usr1 ? SIGUSR1 : SIGTERM));
+  clear_stop_request();
   signal(SIGUSR1, SIG_DFL);
   signal(SIGTERM, SIG_DFL);
 }

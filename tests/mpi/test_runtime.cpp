@@ -5,6 +5,7 @@
 #include <mpi.h>
 
 #include <algorithm>
+#include <string>
 #include <vector>
 
 #include "shardlm/runtime.hpp"
@@ -39,6 +40,48 @@ TEST_CASE("local ranks: one node here, so local rank = rank, and they are 0..loc
   for (int i = 0; i < rt.world_size; ++i) CHECK(locals[i] == i);
   MPI_Comm_free(&rt.role_comm);
   if (rt.broadcast_comm != MPI_COMM_NULL) MPI_Comm_free(&rt.broadcast_comm);
+}
+
+TEST_CASE("one node: every rank counts 1 node, and the placement line names this host with ranks and local ranks") {
+  Runtime rt = runtime_init(nullptr, nullptr);
+  CHECK(rt.num_nodes == 1);
+  CHECK(std::string(world_rank_host(rt.world_size - 1)) == rt.hostname);
+  CHECK(std::string(world_rank_host(rt.world_size)) == "?");
+  std::string ranks, locals;
+  for (int r = 0; r < rt.world_size; ++r) {
+    ranks += (r ? "," : "") + std::to_string(r);
+    locals += (r ? "," : "") + std::to_string(r);
+  }
+  const std::string expected = std::to_string(rt.world_size) + (rt.world_size == 1 ? " rank" : " ranks") +
+                               " on 1 node | " + rt.hostname + ": ranks " + ranks + " local " + locals;
+  CHECK(placement_summary(rt) == expected);
+  MPI_Comm_free(&rt.role_comm);
+  if (rt.broadcast_comm != MPI_COMM_NULL) MPI_Comm_free(&rt.broadcast_comm);
+}
+
+TEST_CASE("a receiving subcommand makes a receiver; the trainers come first") {
+  // Under srun every task has MPI_APPNUM 0: the subcommand decides. Here the last
+  // world rank asks to receive (at one rank: nobody trains, which main refuses).
+  const int world = [] { int s = 0; MPI_Comm_size(MPI_COMM_WORLD, &s); return s; }();
+  const int me = [] { int r = 0; MPI_Comm_rank(MPI_COMM_WORLD, &r); return r; }();
+  int* appnum = nullptr;
+  int flag = 0;
+  MPI_Comm_get_attr(MPI_COMM_WORLD, MPI_APPNUM, &appnum, &flag);
+  const bool launcher_receives = flag && appnum && *appnum != 0;
+  int any_launched_receiver = launcher_receives;  // the same on every rank: runtime_init is collective
+  MPI_Allreduce(MPI_IN_PLACE, &any_launched_receiver, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+  Runtime rt = runtime_init(nullptr, nullptr, me == world - 1 ? Role::Receive : Role::Train);
+  CHECK((rt.role == Role::Receive) == (me == world - 1 || launcher_receives));
+  CHECK(rt.trainers_first);
+  CHECK(rt.num_receivers >= 1);
+  MPI_Comm_free(&rt.role_comm);
+  if (rt.broadcast_comm != MPI_COMM_NULL) MPI_Comm_free(&rt.broadcast_comm);
+  if (world > 1 && !any_launched_receiver) {  // world rank 0 receiving: the order is wrong
+    Runtime bad = runtime_init(nullptr, nullptr, me == 0 ? Role::Receive : Role::Train);
+    CHECK(!bad.trainers_first);
+    MPI_Comm_free(&bad.role_comm);
+    if (bad.broadcast_comm != MPI_COMM_NULL) MPI_Comm_free(&bad.broadcast_comm);
+  }
 }
 
 TEST_CASE("roles follow MPI_APPNUM; trainer and broadcast communicators are right") {

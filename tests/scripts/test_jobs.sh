@@ -56,6 +56,29 @@ for script in jobs/slurm-node.sbatch jobs/slurm-multinode.sbatch; do
   out=$(job FAKE_RC=3 bash "$script" inputs/tiny-sft.toml); rc=$?
   if [ $rc = 3 ] && ! grep -q scontrol <<< "$out"; then echo "PASS $script: exit 3 -> fails with 3"; else echo "FAIL $script exit 3: rc=$rc $out"; fi
 done
+out=$(job FAKE_RC=0 bash jobs/slurm-multinode.sbatch inputs/tiny-sft.toml); rc=$?
+if grep -q '^srun --mpi=pmix --cpu-bind=cores --kill-on-bad-exit=1 .*/shardlm train' <<< "$out"; then
+  echo "PASS slurm-multinode.sbatch: a task that dies ends the step (--kill-on-bad-exit=1)"; else echo "FAIL multinode kill-on-bad-exit: $out"; fi
+
+# The RL script: the trainers first, the receivers last, one srun --multi-prog step.
+out=$(job FAKE_RC=0 SLURM_NTASKS=4 SHARDLM_RECEIVERS=2 bash jobs/slurm-rl.sbatch inputs/tiny-rl.toml --set run.max_steps=3); rc=$?
+if [ $rc = 0 ] && grep -q '^srun --mpi=pmix --cpu-bind=cores --kill-on-bad-exit=1 --multi-prog ' <<< "$out" &&
+   grep -qx "      0-1 $fake/shardlm train inputs/tiny-rl.toml --set run.max_steps=3" <<< "$out" &&
+   grep -qx "      2-3 $fake/shardlm receive inputs/tiny-rl.toml --set run.max_steps=3" <<< "$out"; then
+  echo "PASS slurm-rl.sbatch: tasks 0-1 train, 2-3 receive, srun --multi-prog"; else echo "FAIL slurm-rl multi-prog: rc=$rc $out"; fi
+out=$(job FAKE_RC=0 SLURM_NTASKS=3 bash jobs/slurm-rl.sbatch inputs/tiny-rl.toml); rc=$?
+if [ $rc = 0 ] && grep -qx "      0-1 $fake/shardlm train inputs/tiny-rl.toml" <<< "$out" &&
+   grep -qx "      2 $fake/shardlm receive inputs/tiny-rl.toml" <<< "$out"; then
+  echo "PASS slurm-rl.sbatch: one receiver by default, the last task"; else echo "FAIL slurm-rl default: rc=$rc $out"; fi
+out=$(job FAKE_RC=75 SLURM_NTASKS=3 bash jobs/slurm-rl.sbatch inputs/tiny-rl.toml); rc=$?
+if [ $rc = 0 ] && grep -q '^scontrol requeue 41$' <<< "$out"; then echo "PASS slurm-rl.sbatch: exit 75 -> scontrol requeue"; else echo "FAIL slurm-rl 75: rc=$rc $out"; fi
+out=$(job SLURM_NTASKS=1 bash jobs/slurm-rl.sbatch inputs/tiny-rl.toml); rc=$?
+if [ $rc = 2 ] && grep -q 'cannot hold SHARDLM_RECEIVERS=1 receivers and at least one trainer' <<< "$out" && ! grep -q '^srun' <<< "$out"; then
+  echo "PASS slurm-rl.sbatch: no room for a trainer -> clear error before srun"; else echo "FAIL slurm-rl one task: rc=$rc $out"; fi
+out=$(job SLURM_NTASKS=3 bash jobs/slurm-rl.sbatch inputs/tiny-rl.toml --set 'run.name=a b'); rc=$?
+if [ $rc = 2 ] && grep -q "argument 'run.name=a b' holds a space" <<< "$out" && ! grep -q '^srun' <<< "$out"; then
+  echo "PASS slurm-rl.sbatch: an argument multi-prog cannot pass -> clear error"; else echo "FAIL slurm-rl space: rc=$rc $out"; fi
+
 out=$(job FAKE_RC=75 SLURM_RESTART_COUNT=2 SHARDLM_MAX_REQUEUES=2 bash jobs/slurm-node.sbatch inputs/tiny-sft.toml); rc=$?
 if [ $rc = 75 ] && ! grep -q '^scontrol' <<< "$out" && grep -q 'already requeued 2 times (SHARDLM_MAX_REQUEUES=2)' <<< "$out"; then
   echo "PASS exit 75 past SHARDLM_MAX_REQUEUES -> fails with 75"; else echo "FAIL max requeues: rc=$rc $out"; fi

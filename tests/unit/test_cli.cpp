@@ -566,8 +566,11 @@ TEST_CASE("a stopped rank: the MPI watchdog aborts after comm.timeout_s naming t
   CHECK(r.status != 124);  // the hang guard did not fire: the watchdog did
   CHECK_MESSAGE(r.output.find("collective all_reduce_sum (#") != std::string::npos, r.output);
   CHECK(r.output.find("has not completed after 3.") != std::string::npos);
-  CHECK(r.output.find("(comm.timeout_s = 3): rank 2 did not arrive (stopped, dead, or stuck outside any collective); "
-                      "waiting in it: ranks 0, 1") != std::string::npos);
+  char host[256] = {0};
+  gethostname(host, sizeof host - 1);  // the node of every rank, named in the message
+  CHECK_MESSAGE(r.output.find(std::string("(comm.timeout_s = 3): rank 2 on ") + host + " did not arrive (stopped, dead, "
+                              "or stuck outside any collective); waiting in it: ranks 0, 1 on " + host) !=
+                    std::string::npos, r.output);
   // One report for the job, by the lowest waiting rank.
   CHECK(r.output.find("has not completed") == r.output.rfind("has not completed"));
   CHECK(r.output.find("shardlm: error on rank 0 of 3") != std::string::npos);
