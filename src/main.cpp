@@ -93,11 +93,13 @@ int cmd_check(const Runtime& rt, const CliArgs& args) {
 }
 
 int cmd_receive(Runtime& rt, const CliArgs& args) {
+  // Slurm (--signal=USR1@T) and mpirun signal every task: the receiver takes
+  // the same stop signals as the trainers and exits with their decision.
+  install_stop_signal_handlers();
   Config config;
   if (!load_deck(rt, args, rt.num_trainers, config)) return 1;
   const auto out = args.options.count("out") ? args.options.at("out") : std::string();
-  run_receiver(config, rt, out);
-  return 0;
+  return run_receiver(config, rt, out);
 }
 
 // `shardlm inspect CKPT`: what a checkpoint holds, every checksum verified; exit 1 when damaged.
@@ -157,7 +159,7 @@ int cmd_train(Runtime& rt, const CliArgs& args) {
       std::printf("run already complete: %s is at step %lld and run.max_steps = %lld; nothing to train (raise "
                   "run.max_steps to go on, or set ckpt.resume = \"none\" to start over)\n",
                   start.path.c_str(), (long long)start.step, (long long)config.run.max_steps);
-    broadcaster.finish();
+    broadcaster.finish(0);
     return 0;
   }
   Metrics metrics(config, comm->rank() == 0, describe_start(rt, config, start),
@@ -180,7 +182,7 @@ int cmd_train(Runtime& rt, const CliArgs& args) {
     if (end.stop) break;  // signalled (exit 75), or a failed save under ckpt.on_error = "stop" (exit 74)
   }
   const RunEnd run_end = checkpointer.finish();  // the last save, waited for
-  broadcaster.finish();
+  broadcaster.finish(run_end.exit_code);
   if (!run_end.stopped) {
     if (!config.run.export_dir.empty()) export_final_weights(config, session, *comm);
     end_of_run_report(rt, config, session, broadcaster, metrics, start.step, run_end, steps_done);
