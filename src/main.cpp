@@ -122,6 +122,10 @@ void export_final_weights(const Config& config, TrainSession& session, Comm& com
 }
 
 int cmd_train(Runtime& rt, const CliArgs& args) {
+  // SIGUSR1/SIGTERM/SIGINT set a flag from the very start: a stop during setup
+  // (the run-dir lock, the session build: minutes at 8B) ends the run cleanly
+  // below, with run.lock released, instead of killing the process.
+  install_stop_signal_handlers();
   Config config;
   if (!load_deck(rt, args, rt.num_trainers, config)) return 1;
   maybe_inject_fault("startup");
@@ -152,7 +156,6 @@ int cmd_train(Runtime& rt, const CliArgs& args) {
   const double peak_flops = rt.backend == "cuda" ? 989e12 : 0.0;
 
   // init from a checkpoint (ckpt.resume: latest | none | a file); SIGUSR1/SIGTERM/SIGINT stop after a step
-  install_stop_signal_handlers();
   const ResumePoint start = resume(session, rt.role_comm);
   if (start.step > 0 && start.step >= config.run.max_steps) {  // a finished run started again: say so, train nothing
     if (comm->rank() == 0)
@@ -161,6 +164,14 @@ int cmd_train(Runtime& rt, const CliArgs& args) {
                   start.path.c_str(), (long long)start.step, (long long)config.run.max_steps);
     broadcaster.finish(0);
     return 0;
+  }
+  if (stop_requested(rt.role_comm)) {  // signalled during setup: no step ran, the state on disk is already current
+    if (comm->rank() == 0)
+      std::printf("stopped by signal %d during setup, before the first step: exit %d (requeue; nothing to save%s)\n",
+                  stop_signal(), kExitRequeue,
+                  start.step > 0 ? fmt(", %s is where the next start resumes", start.path.c_str()).c_str() : "");
+    broadcaster.finish(kExitRequeue);
+    return kExitRequeue;
   }
   Metrics metrics(config, comm->rank() == 0, describe_start(rt, config, start),
                   flops_per_token(session.model.layout, config.data.seq_len), peak_flops);

@@ -64,4 +64,22 @@ finish $!
 check "... the requeued job resumes at that step and finishes: exit 0 (got $rc)" \
   test $rc = 0 -a -n "$(grep "resumed from $R/checkpoints/step_${stopped:-x}.h5 at step ${stopped:-x}" "$T/rl2.log")"
 
+# ---- a signal during setup: after the banner (the deck is read), while the run
+# dir is locked and the session is built (a bigger model makes that take a while)
+P=$T/setup
+big=(--set model.hidden_size=1024 --set model.intermediate_size=4096 --set model.num_layers=12 --set model.num_heads=8
+     --set model.num_kv_heads=8)
+"$BIN" train inputs/tiny-sft.toml --set "run.dir=$P" "${big[@]}" --set run.max_steps=3 --set sched.warmup=1 > "$T/setup.log" 2>&1 &
+job=$!
+wait_for 120 grep -q "^deck .* | run dir " "$T/setup.log"
+kill -USR1 "$job"
+finish "$job"
+check "SIGUSR1 during setup: exit 75, requeue (got $rc)" test $rc = 75
+check "... says so: nothing trained, nothing to save" \
+  has "$T/setup.log" "stopped by signal 10 during setup, before the first step: exit 75 (requeue; nothing to save)"
+check "... no step ran" bash -c "! grep -q 'step      1/' '$T/setup.log'"
+check "... run.lock is released" test ! -e "$P/run.lock"
+timeout 300 "$BIN" train inputs/tiny-sft.toml --set "run.dir=$P" --set run.max_steps=2 --set sched.warmup=1 > "$T/setup2.log" 2>&1
+check "... the requeued run starts at once and finishes: exit 0 (got $?)" has "$T/setup2.log" "done: outputs in $P"
+
 exit $((failures > 0))
