@@ -49,7 +49,7 @@ rl=(inputs/tiny-rl.toml --set "run.dir=$R" --set "data.rollout_dir=$R/rollouts" 
 "${MPI[@]}" -np 1 "$BIN" train "${rl[@]}" --set run.max_steps=400 : -np 1 "$BIN" receive "${rl[@]}" \
   > "$T/rl.log" 2>&1 &
 job=$!
-wait_for 120 grep -q "step      3/" "$T/rl.log"
+wait_for 120 grep -qs "step      3/" "$T/rl.log"
 kill -USR1 "$job"
 finish "$job"
 check "RL MPMD, SIGUSR1 to mpirun: exit 75, requeue (got $rc)" test $rc = 75
@@ -71,7 +71,7 @@ big=(--set model.hidden_size=1024 --set model.intermediate_size=4096 --set model
      --set model.num_kv_heads=8)
 "$BIN" train inputs/tiny-sft.toml --set "run.dir=$P" "${big[@]}" --set run.max_steps=3 --set sched.warmup=1 > "$T/setup.log" 2>&1 &
 job=$!
-wait_for 120 grep -q "^deck .* | run dir " "$T/setup.log"
+wait_for 120 grep -qs "^deck .* | run dir " "$T/setup.log"
 kill -USR1 "$job"
 finish "$job"
 check "SIGUSR1 during setup: exit 75, requeue (got $rc)" test $rc = 75
