@@ -61,7 +61,8 @@ shardlm_srun() {
   while [ $# -gt 0 ] && [ "$1" != -- ]; do opts+=("$1"); shift; done
   [ $# -gt 0 ] && shift
   [ -n "${SHARDLM_SRUN_ARGS:-}" ] && read -r -a extra <<< "$SHARDLM_SRUN_ARGS"
-  srun --mpi="$SHARDLM_MPI" "${opts[@]}" "${extra[@]}" "$SHARDLM_BIN" train "$@" &
+  # ${a[@]+"${a[@]}"}: an empty array under set -u breaks bash < 4.4 as "${a[@]}"
+  srun --mpi="$SHARDLM_MPI" ${opts[@]+"${opts[@]}"} ${extra[@]+"${extra[@]}"} "$SHARDLM_BIN" train "$@" &
   local step=$! rc last=""
   trap 'shardlm_interrupted=1; kill -USR1 "$step" 2>/dev/null' USR1
   trap 'shardlm_interrupted=1; shardlm_got_term=1; kill -TERM "$step" 2>/dev/null' TERM
