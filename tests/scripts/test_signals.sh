@@ -19,14 +19,7 @@ if [ ! -x "$BIN" ]; then echo "FAIL signals: $BIN is not built"; exit 1; fi
 T=$(mktemp -d /tmp/shardlm-signals-XXXXXX)
 cleanup() { [ -n "${KEEP:-}" ] && { echo "logs in $T"; return; }; rm -rf "$T"; }
 trap cleanup EXIT
-source tests/scripts/lib/checks.sh  # failures, pass, fail, check, has
-# wait_for SECONDS COMMAND...: poll until the command succeeds (a guard against hangs, not a timing)
-wait_for() {
-  local limit=$1 i
-  shift
-  for ((i = 0; i < limit * 10; i++)); do "$@" && return 0; sleep 0.1; done
-  return 1
-}
+source tests/scripts/lib/checks.sh  # failures, pass, fail, check, has, wait_for
 # Every pid in the process tree under $1, $1 included.
 tree_pids() {
   local p
