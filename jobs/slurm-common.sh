@@ -60,7 +60,8 @@ shardlm_srun() {
   while [ $# -gt 0 ] && [ "$1" != -- ]; do opts+=("$1"); shift; done
   [ $# -gt 0 ] && shift
   [ -n "${SHARDLM_SRUN_ARGS:-}" ] && read -r -a extra <<< "$SHARDLM_SRUN_ARGS"
-  shardlm_step srun --mpi="$SHARDLM_MPI" "${opts[@]}" "${extra[@]}" "$SHARDLM_BIN" train "$@"
+  # ${a[@]+"${a[@]}"}: an empty array under set -u breaks bash < 4.4 as "${a[@]}"
+  shardlm_step srun --mpi="$SHARDLM_MPI" ${opts[@]+"${opts[@]}"} ${extra[@]+"${extra[@]}"} "$SHARDLM_BIN" train "$@"
 }
 
 # shardlm_step COMMAND...: run the job step COMMAND (an srun) in the background with

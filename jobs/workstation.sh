@@ -22,4 +22,4 @@ if [ "$(id -u)" = 0 ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_RO
 extra=()
 [ "$np" -gt "$cores" ] && extra+=(--oversubscribe)
 set -x
-exec mpirun -np "$np" "${extra[@]}" --bind-to none -x OMP_NUM_THREADS build/shardlm train "$deck" "$@"
+exec mpirun -np "$np" ${extra[@]+"${extra[@]}"} --bind-to none -x OMP_NUM_THREADS build/shardlm train "$deck" "$@"

@@ -97,11 +97,13 @@ int cmd_check(const Runtime& rt, const CliArgs& args) {
 }
 
 int cmd_receive(Runtime& rt, const CliArgs& args) {
+  // Slurm (--signal=USR1@T) and mpirun signal every task: the receiver takes
+  // the same stop signals as the trainers and exits with their decision.
+  install_stop_signal_handlers();
   Config config;
   if (!load_deck(rt, args, rt.num_trainers, config)) return 1;
   const auto out = args.options.count("out") ? args.options.at("out") : std::string();
-  run_receiver(config, rt, out);
-  return 0;
+  return run_receiver(config, rt, out);
 }
 
 // `shardlm inspect CKPT`: what a checkpoint holds, every checksum verified; exit 1 when damaged.
@@ -124,6 +126,10 @@ void export_final_weights(const Config& config, TrainSession& session, Comm& com
 }
 
 int cmd_train(Runtime& rt, const CliArgs& args) {
+  // SIGUSR1/SIGTERM/SIGINT set a flag from the very start: a stop during setup
+  // (the run-dir lock, the session build: minutes at 8B) ends the run cleanly
+  // below, with run.lock released, instead of killing the process.
+  install_stop_signal_handlers();
   Config config;
   if (!load_deck(rt, args, rt.num_trainers, config)) return 1;
   maybe_inject_fault("startup");
@@ -154,15 +160,22 @@ int cmd_train(Runtime& rt, const CliArgs& args) {
   const double peak_flops = rt.backend == "cuda" ? 989e12 : 0.0;
 
   // init from a checkpoint (ckpt.resume: latest | none | a file); SIGUSR1/SIGTERM/SIGINT stop after a step
-  install_stop_signal_handlers();
   const ResumePoint start = resume(session, rt.role_comm);
   if (start.step > 0 && start.step >= config.run.max_steps) {  // a finished run started again: say so, train nothing
     if (comm->rank() == 0)
       std::printf("run already complete: %s is at step %lld and run.max_steps = %lld; nothing to train (raise "
                   "run.max_steps to go on, or set ckpt.resume = \"none\" to start over)\n",
                   start.path.c_str(), (long long)start.step, (long long)config.run.max_steps);
-    broadcaster.finish();
+    broadcaster.finish(0);
     return 0;
+  }
+  if (stop_requested(rt.role_comm)) {  // signalled during setup: no step ran, the state on disk is already current
+    if (comm->rank() == 0)
+      std::printf("stopped by signal %d during setup, before the first step: exit %d (requeue; nothing to save%s)\n",
+                  stop_signal(), kExitRequeue,
+                  start.step > 0 ? fmt(", %s is where the next start resumes", start.path.c_str()).c_str() : "");
+    broadcaster.finish(kExitRequeue);
+    return kExitRequeue;
   }
   Metrics metrics(config, comm->rank() == 0, describe_start(rt, config, start),
                   flops_per_token(session.model.layout, config.data.seq_len), peak_flops);
@@ -184,7 +197,7 @@ int cmd_train(Runtime& rt, const CliArgs& args) {
     if (end.stop) break;  // signalled (exit 75), or a failed save under ckpt.on_error = "stop" (exit 74)
   }
   const RunEnd run_end = checkpointer.finish();  // the last save, waited for
-  broadcaster.finish();
+  broadcaster.finish(run_end.exit_code);
   if (!run_end.stopped) {
     if (!config.run.export_dir.empty()) export_final_weights(config, session, *comm);
     end_of_run_report(rt, config, session, broadcaster, metrics, start.step, run_end, steps_done);

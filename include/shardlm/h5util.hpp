@@ -2,7 +2,8 @@
 //
 // Owns: H5_CHECK (every HDF5 call goes through it: call text, file:line and the
 // innermost message of HDF5's error stack in one shardlm::Error), h5::Handle
-// (RAII for hid_t), h5::silence_error_stack(), h5::dtype_name(). Knows nothing
+// (RAII for hid_t), h5::silence_error_stack(), h5::dtype_name(),
+// h5::check_declared_size() (a header's size checked before it is allocated). Knows nothing
 // about MPI, datasets' meaning or shardlm types other than Error.
 #pragma once
 
@@ -136,6 +137,25 @@ inline std::string read_string_attribute_value(hid_t attr, hid_t type) {
   H5_CHECK(H5Aread(attr, mem, out.data()));
   out.resize(out.find('\0'));
   return out;
+}
+
+// A file's header is data: a damaged or forged one may declare 2^40 elements
+// in a file of 4 KB. Before a reader allocates for a dataset it asks this:
+// `elements` of `elem_bytes` must fit in the `file_bytes` the file really has,
+// or in 1032 times that when the dataset is filtered (chunked and compressed:
+// 1032:1 is deflate's largest ratio). Refused with a message naming `what`
+// (the file, "rollout file 'x.h5'") and the dataset.
+constexpr int64_t kMaxFilterRatio = 1032;
+inline void check_declared_size(hid_t dset, const char* name, int64_t elements, size_t elem_bytes,
+                                int64_t file_bytes, const std::string& what) {
+  Handle dcpl(H5_CHECK(H5Dget_create_plist(dset)), H5Pclose);
+  const bool filtered = H5Pget_layout(dcpl) == H5D_CHUNKED && H5_CHECK(H5Pget_nfilters(dcpl)) > 0;
+  const int64_t limit = file_bytes * (filtered ? kMaxFilterRatio : 1);
+  if (elements < 0 || (elements > 0 && elements > limit / static_cast<int64_t>(elem_bytes)))
+    throw Error(fmt("%s: dataset '%s' declares %lld elements (%.4g bytes) but the file has %lld bytes%s: a damaged "
+                    "or forged header; nothing was read or allocated for it",
+                    what.c_str(), name, static_cast<long long>(elements), double(elements) * double(elem_bytes),
+                    static_cast<long long>(file_bytes), filtered ? " (compressed: at most 1032 times that)" : ""));
 }
 
 }  // namespace shardlm::h5

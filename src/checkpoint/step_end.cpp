@@ -42,18 +42,36 @@ StepEnd Checkpointer::decide(int64_t steps_done, int64_t tokens_seen) {
   const Config& config = session_.config;
   if (stops_run(poll())) return kStopSaveFailed;  // a background save finished: reported here, failed or not
   const bool stop = stop_requested(session_.comm);  // SIGUSR1/SIGTERM/SIGINT on any rank, agreed by all (watched)
+  const bool last_step = steps_done == config.run.max_steps;
+  bool save_failed = false;  // this step's save (sync: known now; async: once waited for)
   if (stop || checkpoint_due(config.ckpt, steps_done, config.run.max_steps)) {
     std::optional<SaveResult> previous;  // the save still in flight, waited for first
     const SaveResult saved = save(steps_done, tokens_seen, &previous);
-    final_save_failed_ = !saved.ok && steps_done == config.run.max_steps;
+    save_failed = !saved.ok;
+    final_save_failed_ = save_failed && last_step;
     if (stops_run(previous) || stops_run(saved)) return kStopSaveFailed;
   }
   if (!stop) return kGoOn;
   // A signalled stop leaves only once its save is on disk: the requeued job resumes from it.
-  if (stops_run(wait())) return kStopSaveFailed;
-  if (ckpt::comm_rank(comm_) == 0)
+  const std::optional<SaveResult> written = wait();
+  if (stops_run(written)) return kStopSaveFailed;
+  if (written && !written->ok) save_failed = true;
+  const bool rank0 = ckpt::comm_rank(comm_) == 0;
+  if (last_step) {  // nothing left to train: the run completes (exit 0, or 74 if its final save failed)
+    final_save_failed_ = final_save_failed_ || save_failed;
+    if (rank0)
+      std::printf("stop signal %d on the last step (%lld): the run completes, nothing to requeue\n", stop_signal(),
+                  (long long)steps_done);
+    return kGoOn;
+  }
+  if (rank0 && !save_failed)
     std::printf("stopped by signal %d after step %lld: exit %d (requeue and resume)\n", stop_signal(),
                 (long long)steps_done, kExitRequeue);
+  if (rank0 && save_failed)  // ckpt.on_error = "continue": the stop still requeues, from an older checkpoint
+    std::printf("stopped by signal %d after step %lld: exit %d, but the checkpoint of step %lld failed "
+                "(ckpt.on_error = \"continue\"): a requeued job resumes from the last good checkpoint (or "
+                "the start) and trains the steps after it again\n",
+                stop_signal(), (long long)steps_done, kExitRequeue, (long long)steps_done);
   return kStopRequeue;
 }
 

@@ -8,7 +8,8 @@
 //              the device Comm is made (NCCL's unique id goes by MPI); then per
 //              unit: names and shapes, the bf16 payload (host: MPI; GPU: the
 //              device Comm's broadcast of a device buffer), its checksum
-//   end:       done header
+//   end:       done header, with the trainers' exit code (the receivers exit
+//              with it: 75 when a stop signal ended the run, so the job requeues)
 #include "comm/broadcast.hpp"
 
 #include <algorithm>
@@ -28,6 +29,7 @@
 #include "shardlm/cuda.hpp"
 #include "shardlm/dtype.hpp"
 #include "shardlm/memory.hpp"
+#include "run/signals.hpp"  // kExitRequeue
 #include "train/engine.hpp"
 #include "train/train.hpp"
 
@@ -47,6 +49,7 @@ struct Header {
   int64_t units = 0;
   int64_t bytes = 0;  // bf16 payload of the whole model
   int64_t device = 0; // kHello: 1 when the units come from GPU memory (receive them on a GPU)
+  int64_t exit_code = 0;  // kDone: the trainers' exit code (75: stopped by a signal), the receivers' too
 };
 
 uint64_t mix(uint64_t x) {
@@ -305,18 +308,19 @@ void WeightBroadcaster::send_to_filesystem(const ShardedModel& model, int64_t st
   for (size_t i = 0; i + config_.broadcast.keep < steps.size(); ++i) fs::remove_all(steps[i].second);
 }
 
-void WeightBroadcaster::finish() {
+void WeightBroadcaster::finish(int exit_code) {
   if (!enabled_) return;
   if (config_.broadcast.backend == "nccl") {
     if (comm_.rank() == 0) {
       Header h;
       h.kind = kDone;
+      h.exit_code = exit_code;
       bcast_bytes(&h, sizeof h, rt_.broadcast_comm);
     }
     device_bcast_.reset();
     release_gathered_unit();
   } else if (comm_.rank() == 0) {
-    std::ofstream(fs::path(config_.broadcast.dir) / "DONE") << "done\n";
+    std::ofstream(fs::path(config_.broadcast.dir) / "DONE") << "done\n" << exit_code << "\n";
   }
 }
 
@@ -345,7 +349,8 @@ struct DeviceReceive {
   }
 };
 
-int64_t receive_over_comm(const Config& config, const ModelLayout& layout, Runtime& rt, ReceivedModel& model) {
+int64_t receive_over_comm(const Config& config, const ModelLayout& layout, Runtime& rt, ReceivedModel& model,
+                          int* exit_code) {
   Header hello;
   bcast_bytes(&hello, sizeof hello, rt.broadcast_comm);
   SHARDLM_CHECK(hello.magic == kMagic && hello.kind == kHello,
@@ -367,7 +372,10 @@ int64_t receive_over_comm(const Config& config, const ModelLayout& layout, Runti
     bcast_bytes(&h, sizeof h, rt.broadcast_comm);
     maybe_inject_fault("receive");
     SHARDLM_CHECK(h.magic == kMagic, "receive: the trainer sent a header that is not shardlm's");
-    if (h.kind == kDone) return received;
+    if (h.kind == kDone) {
+      *exit_code = static_cast<int>(h.exit_code);
+      return received;
+    }
     SHARDLM_CHECK(h.units == int64_t(layout.units.size()),
                   "receive: the trainer sends %lld units but this deck's model has %zu (same deck on both sides?)",
                   (long long)h.units, layout.units.size());
@@ -414,8 +422,17 @@ int64_t receive_over_comm(const Config& config, const ModelLayout& layout, Runti
   }
 }
 
+// DONE holds "done" and the trainers' exit code (no code: an older trainer, 0).
+int done_exit_code(const fs::path& done) {
+  std::ifstream in(done);
+  std::string word;
+  int code = 0;
+  in >> word >> code;
+  return code;
+}
+
 int64_t receive_from_filesystem(const Config& config, const ModelLayout& layout, const Runtime& rt,
-                                ReceivedModel& model) {
+                                ReceivedModel& model, int* exit_code) {
   int64_t received = 0, last = -1;
   const fs::path root = config.broadcast.dir;
   for (;;) {
@@ -461,29 +478,37 @@ int64_t receive_from_filesystem(const Config& config, const ModelLayout& layout,
       report(rt, s, int64_t(layout.all_params().size()), bytes,
              std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     }
-    if (done && ready.empty()) return received;
+    if (done && ready.empty()) {
+      *exit_code = done_exit_code(root / "DONE");
+      return received;
+    }
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
 }
 
 }  // namespace
 
-int64_t run_receiver(const Config& config, Runtime& rt, const std::string& out_dir) {
+int run_receiver(const Config& config, Runtime& rt, const std::string& out_dir) {
   SHARDLM_CHECK(config.broadcast.backend != "none",
                 "receive: the deck has broadcast.backend = \"none\"; set \"nccl\" or \"filesystem\"");
   const ModelLayout layout(model_config_for(config), 1);
   ReceivedModel model;
-  const int64_t received = config.broadcast.backend == "nccl" ? receive_over_comm(config, layout, rt, model)
-                                                              : receive_from_filesystem(config, layout, rt, model);
+  int exit_code = 0;
+  const int64_t received = config.broadcast.backend == "nccl"
+                               ? receive_over_comm(config, layout, rt, model, &exit_code)
+                               : receive_from_filesystem(config, layout, rt, model, &exit_code);
   std::printf("receive[%d]: trainer finished; %lld broadcast%s received\n", rt.rank, (long long)received,
               received == 1 ? "" : "s");
+  if (exit_code != 0)
+    std::printf("receive[%d]: the trainers ended with exit %d%s; so does this receiver\n", rt.rank, exit_code,
+                exit_code == kExitRequeue ? " (stopped by a signal: requeue and resume)" : "");
   if (!out_dir.empty() && received > 0 && rt.rank == 0) {
     write_received(model, layout, out_dir);
     std::printf("receive[%d]: last weights written to %s (%s)\n", rt.rank, out_dir.c_str(),
                 copy_tokenizer_files(config.model.hf, out_dir).c_str());
   }
   std::fflush(stdout);
-  return received;
+  return exit_code;
 }
 
 }  // namespace shardlm

@@ -56,9 +56,10 @@ class WeightBroadcaster {
   // (session.pull_state()); the GPU communicator path reads the backend's bf16
   // device shards through session.engine and never touches the masters.
   void send(TrainSession& session, int64_t steps_done);
-  // Tells the receivers that training is over (they exit 0) and releases the
-  // device communicator (before the backend's stream it is ordered on goes).
-  void finish();
+  // Tells the receivers that training is over and how it ended (they exit with
+  // the trainers' exit code: 75 after a stop signal, so an MPMD job requeues)
+  // and releases the device communicator (before the backend's stream it is ordered on goes).
+  void finish(int exit_code);
   // Pinned host bytes of the staged device communicator on this rank (the
   // memory plan's comm staging): trainer rank 0 when it shares a GPU with a receiver.
   int64_t comm_staging_bytes() const;
@@ -87,8 +88,10 @@ class WeightBroadcaster {
 // report step, bytes, latency and bandwidth; on the trainer's end write the
 // last weights to `out_dir` (if given) as an HF directory (bf16). When the
 // trainer broadcasts from GPU memory the receiver binds its GPU (select_device)
-// and receives each unit into device memory. Returns the number of broadcasts
-// received.
-int64_t run_receiver(const Config& config, Runtime& rt, const std::string& out_dir);
+// and receives each unit into device memory. Returns the trainers' exit code
+// (0, or 75 when a stop signal ended the run): the receiver holds the stop
+// handlers too, so a signal does not kill it, and leaves the decision to the
+// trainers, who send it with the end of the broadcasts.
+int run_receiver(const Config& config, Runtime& rt, const std::string& out_dir);
 
 }  // namespace shardlm

@@ -57,6 +57,9 @@ std::vector<T> read_1d(hid_t file, const std::string& path, const char* name, Ki
                 name, rank);
   hsize_t length = 0;
   H5_CHECK(H5Sget_simple_extent_dims(space, &length, nullptr));
+  std::error_code ec;
+  h5::check_declared_size(dset, name, static_cast<int64_t>(length), sizeof(T),
+                          static_cast<int64_t>(fs::file_size(path, ec)), fmt("rollout file '%s'", path.c_str()));
   std::vector<T> values(length);
   if (length > 0) H5_CHECK(H5Dread(dset, mem_type, H5S_ALL, H5S_ALL, H5P_DEFAULT, values.data()));
   if (present) *present = true;

@@ -3,6 +3,7 @@
 #include "data/token_file.hpp"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 #include <zlib.h>
 
@@ -167,6 +168,10 @@ StoredArray open_array(hid_t file, int fd, int64_t userblock, const std::string&
                 rank);
   hsize_t length = 0;
   H5_CHECK(H5Sget_simple_extent_dims(space, &length, nullptr));
+  struct stat st {};
+  SHARDLM_CHECK(::fstat(fd, &st) == 0, "data file '%s': fstat failed: %s", path.c_str(), std::strerror(errno));
+  const std::string what = fmt("data file '%s'", path.c_str());
+  h5::check_declared_size(dset, name, static_cast<int64_t>(length), bytes, static_cast<int64_t>(st.st_size), what);
 
   StoredArray a;
   a.file = path;
@@ -209,6 +214,14 @@ StoredArray open_array(hid_t file, int fd, int64_t userblock, const std::string&
   hsize_t chunk = 0;
   H5_CHECK(H5Pget_chunk(dcpl, 1, &chunk));
   a.chunk_elems = static_cast<int64_t>(chunk);
+  // One plain chunk is allocated to inflate into: no larger than the dataset
+  // (already checked against the file) or 64 MiB, whichever is more.
+  constexpr int64_t kMaxChunkBytes = int64_t(64) << 20;
+  SHARDLM_CHECK(a.chunk_elems >= 1 && (a.chunk_elems <= a.length ||
+                                       a.chunk_elems <= kMaxChunkBytes / static_cast<int64_t>(bytes)),
+                "data file '%s': dataset '%s' declares chunks of %lld elements for %lld elements: a damaged or "
+                "forged header; nothing was allocated for it",
+                path.c_str(), name, static_cast<long long>(a.chunk_elems), static_cast<long long>(a.length));
   const int n_filters = H5_CHECK(H5Pget_nfilters(dcpl));
   for (int i = 0; i < n_filters; ++i) {
     unsigned flags = 0;

@@ -788,9 +788,9 @@ constexpr DecisionRow kDecisions[] = {
     {false, "*",        4, false, false, false, 0,  false, false, 0},
     {false, "stop",     4, false, true,  true,  74, true,  false, 74},
     {false, "continue", 4, false, true,  false, 0,  false, true,  74},  // the report, then exit 74
-    {false, "*",        4, true,  false, true,  75, true,  false, 75},
+    {false, "*",        4, true,  false, false, 0,  false, false, 0},   // signalled on the last step: completes
     {false, "stop",     4, true,  true,  true,  74, true,  false, 74},
-    {false, "continue", 4, true,  true,  true,  75, true,  false, 75},
+    {false, "continue", 4, true,  true,  false, 0,  false, true,  74},  // as unsignalled: the report, exit 74
     {true,  "*",        3, false, false, false, 0,  false, false, 0},
     {true,  "*",        3, true,  false, true,  75, true,  false, 75},
     {true,  "stop",     3, true,  true,  true,  74, true,  false, 74},  // the signal waits for the write
@@ -801,10 +801,26 @@ constexpr DecisionRow kDecisions[] = {
     {true,  "*",        4, false, false, false, 0,  false, false, 0},
     {true,  "stop",     4, false, true,  false, 0,  true,  false, 74},
     {true,  "continue", 4, false, true,  false, 0,  false, true,  74},
-    {true,  "*",        4, true,  false, true,  75, true,  false, 75},
+    {true,  "*",        4, true,  false, false, 0,  false, false, 0},
     {true,  "stop",     4, true,  true,  true,  74, true,  false, 74},
-    {true,  "continue", 4, true,  true,  true,  75, true,  false, 75},
+    {true,  "continue", 4, true,  true,  false, 0,  false, true,  74},
 };
+
+// What rank 0 prints to stdout while `body` runs (the other ranks run it as is).
+template <class F>
+std::string rank0_stdout(const fs::path& file, F body) {
+  if (world_rank() != 0) return body(), std::string();
+  std::fflush(stdout);
+  const int saved = dup(STDOUT_FILENO);
+  FILE* f = std::fopen(file.c_str(), "w");
+  dup2(fileno(f), STDOUT_FILENO);
+  body();
+  std::fflush(stdout);
+  dup2(saved, STDOUT_FILENO);
+  close(saved);
+  std::fclose(f);
+  return read_text(file);
+}
 
 TEST_CASE("the Checkpointer decides: save when due or signalled, ckpt.on_error, exit 74 or 75, the final save") {
   SharedDir dir;
@@ -834,8 +850,15 @@ TEST_CASE("the Checkpointer decides: save when due or signalled, ckpt.on_error, 
         if (row.signalled && world_rank() == last) raise(SIGUSR1);
         if (row.save_fails && world_rank() == last)
           setenv("SHARDLM_CKPT_FAULT", fmt("write:%lld@%d", (long long)row.step, last).c_str(), 1);
-        const StepEnd end = checkpointer.after_step(row.step, 0);
+        StepEnd end;
+        const std::string said = rank0_stdout(dir.path / "said.txt", [&] { end = checkpointer.after_step(row.step, 0); });
         unsetenv("SHARDLM_CKPT_FAULT");  // read when the save starts
+        // A stop whose save failed under "continue" says so, not "requeue and resume".
+        if (world_rank() == 0 && row.step_exit == 75) {
+          const bool lost = row.save_fails;
+          CHECK((said.find("(requeue and resume)") != std::string::npos) == !lost);
+          CHECK((said.find("but the checkpoint of step") != std::string::npos) == lost);
+        }
         CHECK(end.stop == row.step_stop);
         CHECK(end.exit_code == row.step_exit);
         const RunEnd run_end = checkpointer.finish();

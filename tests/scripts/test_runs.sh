@@ -25,14 +25,7 @@ cleanup() {
   [ -n "${KEEP:-}" ] && { echo "logs in $T"; return; }; rm -rf "$T"
 }
 trap cleanup EXIT
-source tests/scripts/lib/checks.sh  # failures, pass, fail, check, has
-# wait_for SECONDS COMMAND...: poll until the command succeeds (a guard against hangs, not a timing)
-wait_for() {
-  local limit=$1 i
-  shift
-  for ((i = 0; i < limit * 10; i++)); do "$@" && return 0; sleep 0.1; done
-  return 1
-}
+source tests/scripts/lib/checks.sh  # failures, pass, fail, check, has, wait_for
 logged() { grep -qF "\"step\": $2," "$1/metrics.jsonl" 2>/dev/null; }
 # train DIR LOG [--set ...]: a singleton on the tiny deck, every step logged
 train() {

@@ -7,10 +7,16 @@
 // in this process; data files and checkpoints (byte flips of a valid file,
 // truncations) run through the shardlm binary, as a user would meet them, so
 // that a crash or hang inside HDF5 is counted instead of ending the suite.
+// Headers that declare a huge size (a rollout file's 'tokens', a token file's
+// 'offsets': 2^28 elements in a file of KBs) must be refused with a message
+// in a child that may not grow by more than 512 MiB.
 // Each kind prints "fuzz <kind>: N cases: X accepted, Y refused with a
 // message, 0 crashes, 0 hangs".
 #include <doctest/doctest.h>
 
+#include <hdf5.h>
+#include <sys/resource.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <filesystem>
@@ -20,6 +26,8 @@
 #include <string>
 #include <vector>
 
+#include "data/rollouts.hpp"
+#include "data/token_file.hpp"
 #include "model/safetensors.hpp"
 #include "run_command.hpp"
 #include "shardlm/config.hpp"
@@ -186,6 +194,109 @@ TEST_CASE("fuzz safetensors headers: hostile shapes, dtypes and offsets; byte fl
   }
   fs::remove_all(dir);
   c.report("safetensors");
+}
+
+// ---- headers that declare a huge size (#27 item 8)
+
+// A file of 1-D contiguous datasets of `n` elements each (name, HDF5 type),
+// then every 8-byte little-endian `n` in it rewritten to `declared`: the
+// dataspaces now declare `declared` elements in a file of a few KB. `n` is
+// chosen so that it occurs only in the dataspaces.
+void write_forged(const fs::path& path, const std::vector<std::pair<const char*, hid_t>>& datasets, uint64_t n,
+                  uint64_t declared, const std::vector<std::pair<const char*, std::vector<int64_t>>>& exact = {}) {
+  const hid_t file = H5Fcreate(path.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT);
+  const std::vector<char> zeros(n * 8, 0);
+  for (const auto& [name, type] : datasets) {
+    const hsize_t dims = n;
+    const hid_t space = H5Screate_simple(1, &dims, nullptr);
+    const hid_t d = H5Dcreate2(file, name, type, space, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT);
+    H5Dwrite(d, type, H5S_ALL, H5S_ALL, H5P_DEFAULT, zeros.data());
+    H5Dclose(d), H5Sclose(space);
+  }
+  for (const auto& [name, values] : exact) {  // small datasets written as they are (not forged)
+    const hsize_t dims = values.size();
+    const hid_t space = H5Screate_simple(1, &dims, nullptr);
+    const hid_t d = H5Dcreate2(file, name, H5T_STD_I64LE, space, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT);
+    H5Dwrite(d, H5T_NATIVE_INT64, H5S_ALL, H5S_ALL, H5P_DEFAULT, values.data());
+    H5Dclose(d), H5Sclose(space);
+  }
+  H5Fclose(file);
+  std::string bytes = read_file(path);
+  const std::string from(reinterpret_cast<const char*>(&n), 8), to(reinterpret_cast<const char*>(&declared), 8);
+  int patched = 0;
+  for (size_t at = bytes.find(from); at != std::string::npos; at = bytes.find(from, at + 8)) {
+    bytes.replace(at, 8, to);
+    ++patched;
+  }
+  REQUIRE(patched >= 2);  // dims and maxdims of at least one dataspace
+  write_file(path, bytes);
+}
+
+// Runs `read` in a child whose address space may grow by 512 MiB only: a
+// reader that allocates what the header declares fails with bad_alloc there.
+// Returns what the child ended with: "refused: <message>", "bad_alloc",
+// "accepted" or "crashed".
+template <class F>
+std::string read_bounded(const fs::path& dir, F read) {
+  const fs::path out = dir / "child.txt";
+  const pid_t pid = fork();
+  if (pid == 0) {
+    long vm_kb = 0;
+    std::ifstream status("/proc/self/status");
+    for (std::string line; std::getline(status, line);)
+      if (line.rfind("VmSize:", 0) == 0) vm_kb = std::atol(line.c_str() + 7);
+    const rlim_t limit = static_cast<rlim_t>(vm_kb) * 1024 + (rlim_t(512) << 20);
+    const rlimit lim{limit, limit};
+    setrlimit(RLIMIT_AS, &lim);
+    std::string said;
+    try {
+      read();
+      said = "accepted";
+    } catch (const std::bad_alloc&) {
+      said = "bad_alloc";
+    } catch (const std::exception& e) {
+      said = std::string("refused: ") + e.what();
+    }
+    write_file(out, said);
+    _exit(0);
+  }
+  int status = 0;
+  waitpid(pid, &status, 0);
+  return WIFEXITED(status) && WEXITSTATUS(status) == 0 ? read_file(out) : std::string("crashed");
+}
+
+TEST_CASE("fuzz headers: a rollout file or token file declaring 2^28 elements is refused before allocating") {
+  const fs::path dir = fs::temp_directory_path() / fmt("shardlm-fuzz-sizes-%d", static_cast<int>(getpid()));
+  fs::create_directories(dir);
+  constexpr uint64_t n = 4099, huge = uint64_t(1) << 28;
+  // Rollouts: 'tokens' (int32) declares 2^28 elements, 1 GiB, in a file of ~40 KB.
+  const fs::path rollout = dir / "step_0.h5";
+  write_forged(rollout, {{"tokens", H5T_STD_I32LE}, {"loss_mask", H5T_STD_U8LE}, {"advantages", H5T_IEEE_F32LE},
+                         {"inference_logprobs", H5T_IEEE_F32LE}},
+               n, huge, {{"offsets", {0, int64_t(n)}}});
+  std::string said = read_bounded(dir, [&] { read_rollouts(rollout.string(), 258); });
+  CAPTURE(said);
+  CHECK(said.find("refused: rollout file '" + rollout.string() + "': dataset 'tokens' declares 268435456 elements") == 0);
+  CHECK(said.find("a damaged or forged header") != std::string::npos);
+  // Token file: 'offsets' (int64) declares 2^28 elements, 2 GiB; 'tokens' is real.
+  const fs::path tokens = dir / "tokens.h5";
+  write_forged(tokens, {{"offsets", H5T_STD_I64LE}}, n, huge);
+  {  // 'tokens' added after the forging, so its length is not rewritten
+    const hid_t file = H5Fopen(tokens.c_str(), H5F_ACC_RDWR, H5P_DEFAULT);
+    const hsize_t dims = 16;
+    const std::vector<int32_t> values(16, 1);
+    const hid_t space = H5Screate_simple(1, &dims, nullptr);
+    const hid_t d = H5Dcreate2(file, "tokens", H5T_STD_I32LE, space, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT);
+    H5Dwrite(d, H5T_NATIVE_INT32, H5S_ALL, H5S_ALL, H5P_DEFAULT, values.data());
+    H5Dclose(d), H5Sclose(space), H5Fclose(file);
+  }
+  said = read_bounded(dir, [&] {
+    data::TokenFile f;
+    data::open_token_file(f, tokens.string(), 258);
+  });
+  CAPTURE(said);
+  CHECK(said.find("refused: data file '" + tokens.string() + "': dataset 'offsets' declares 268435456 elements") == 0);
+  fs::remove_all(dir);
 }
 
 TEST_CASE("fuzz data files and checkpoints through the binary: byte flips and truncations") {
