@@ -143,14 +143,4 @@ void Optimizer::step_unit(int ui, double lr, float grad_scale, uint16_t* param_b
   }
 }
 
-double global_grad_norm(const ShardedModel& model, Comm& comm) {
-  double sumsq = 0.0;
-  for (size_t ui = 0; ui < model.layout.units.size(); ++ui)
-    sumsq += cpu::sum_squares(model.grad[ui].data(), model.layout.units[ui].shard_numel);
-  comm.all_reduce_sum(&sumsq, 1);
-  return std::sqrt(sumsq);
-}
-
-bool grads_finite(double global_norm) { return std::isfinite(global_norm); }
-
 }  // namespace shardlm

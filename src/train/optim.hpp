@@ -5,8 +5,8 @@
 // AdamW for the rest), each updating only this rank's shard, segment by segment
 // so every parameter gets its own rule; the optimizer state, laid out like the
 // parameter shards so checkpoints write it with the parameters' hyperslab code;
-// the lr schedule; the global gradient norm. Knows nothing about kernels, MPI or
-// files (the norm's all-reduce and Muon's exchange go through Comm).
+// the lr schedule (the clip norm is the training state's, train/state.hpp).
+// Knows nothing about kernels, MPI or files (Muon's exchange goes through Comm).
 #pragma once
 
 #include <cstdint>
@@ -90,10 +90,5 @@ class Optimizer {
   std::vector<std::vector<Buffer<float>>> state_;     // [state][unit] (shard_numel)
   int64_t step_ = 0;
 };
-
-// sqrt(sum over all ranks and units of grad^2): one all-reduce of one double.
-double global_grad_norm(const ShardedModel& model, Comm& comm);
-// True if any gradient element on any rank is NaN or Inf (one all-reduce).
-bool grads_finite(double global_norm);
 
 }  // namespace shardlm
