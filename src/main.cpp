@@ -27,6 +27,7 @@
 #include "run/run_dir.hpp"
 #include "run/run_start.hpp"
 #include "shardlm/runtime.hpp"
+#include "shardlm/watchdog.hpp"
 #include "train/train.hpp"
 
 using namespace shardlm;
@@ -102,6 +103,7 @@ int cmd_receive(Runtime& rt, const CliArgs& args) {
   install_stop_signal_handlers();
   Config config;
   if (!load_deck(rt, args, rt.num_trainers, config)) return 1;
+  start_watchdog(config.comm.timeout_s);  // the filesystem path's reads and fsyncs are watched like the trainers'
   const auto out = args.options.count("out") ? args.options.at("out") : std::string();
   return run_receiver(config, rt, out);
 }
@@ -134,6 +136,7 @@ int cmd_train(Runtime& rt, const CliArgs& args) {
   if (!load_deck(rt, args, rt.num_trainers, config)) return 1;
   maybe_inject_fault("startup");
   set_collective_timeout(config.comm.timeout_s);  // the MPI Comm's watchdog (NCCL has its own)
+  start_watchdog(config.comm.timeout_s);          // and everything else that can hang: I/O, HDF5, the writer
   select_device(rt, config.device.backend);
   config.device.backend = rt.backend;  // "auto" resolved: the session builds that backend
   config.comm.backend = select_comm(rt, config.comm.backend);

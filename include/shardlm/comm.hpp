@@ -51,6 +51,14 @@ class CommRequest {
 // with one line naming the collective and the ranks that did not arrive (a
 // stopped, dead or stuck rank); NCCL has its own watchdog (cuda.hpp).
 void set_collective_timeout(double seconds);
+// Waits for a collective started on `comm` outside a Comm (the checkpoint's
+// agreements: MPI_Iallreduce and the like) under the same watch as the Comm's
+// collectives on that communicator. `what` names it in the message.
+void wait_collective(MPI_Comm comm, MPI_Request* request, const char* what);
+// Answers the queries other ranks sent this one while it is busy outside any
+// collective, in `busy_in` (an Activity that is making progress: watchdog.hpp).
+// The asker keeps waiting for a busy rank instead of ending the job. Main thread only.
+void answer_collective_queries(const char* busy_in);
 
 class Comm {
  public:

@@ -76,7 +76,8 @@ std::string placement_summary(const Runtime& rt);
 
 // The only exit for an unrecoverable error on one rank: one message naming the
 // rank, host and cause on stderr, then MPI_Abort of the whole job (never a hang).
-[[noreturn]] void fatal(const std::string& message);
+// The job's exit code is `exit_code` (1 unless a watchdog says otherwise: watchdog.hpp).
+[[noreturn]] void fatal(const std::string& message, int exit_code = 1);
 [[noreturn]] void mpi_failed(const char* call, int status, const char* file, int line);
 
 // Fault injection for the tests that prove a failing rank aborts the job:

@@ -3,6 +3,8 @@
 
 #include <cstdint>
 
+#include "shardlm/comm.hpp"
+
 namespace shardlm::ckpt {
 
 void rethrow_agreed(MPI_Comm comm, const Outcome& mine) {
@@ -10,20 +12,32 @@ void rethrow_agreed(MPI_Comm comm, const Outcome& mine) {
   MPI_CHECK(MPI_Comm_rank(comm, &rank));
   MPI_CHECK(MPI_Comm_size(comm, &size));
   int candidate = mine.kind == FaultKind::None ? size : rank, first = size;
-  MPI_CHECK(MPI_Allreduce(&candidate, &first, 1, MPI_INT, MPI_MIN, comm));
+  allreduce(comm, &candidate, &first, 1, MPI_INT, MPI_MIN);
   if (first == size) return;
   int kind = static_cast<int>(mine.kind);
   int64_t length = static_cast<int64_t>(mine.message.size());
-  MPI_CHECK(MPI_Bcast(&kind, 1, MPI_INT, first, comm));
-  MPI_CHECK(MPI_Bcast(&length, 1, MPI_INT64_T, first, comm));
+  bcast(comm, &kind, 1, MPI_INT, first);
+  bcast(comm, &length, 1, MPI_INT64_T, first);
   std::string message = mine.message;
   message.resize(static_cast<size_t>(length));
-  MPI_CHECK(MPI_Bcast(message.data(), static_cast<int>(length), MPI_CHAR, first, comm));
+  bcast(comm, message.data(), static_cast<int>(length), MPI_CHAR, first);
   switch (static_cast<FaultKind>(kind)) {
     case FaultKind::Damaged: throw CheckpointDamaged(message);
     case FaultKind::Mismatch: throw CheckpointMismatch(message);
     default: throw Error(message);
   }
+}
+
+void allreduce(MPI_Comm comm, const void* send, void* recv, int count, MPI_Datatype type, MPI_Op op) {
+  MPI_Request request;
+  MPI_CHECK(MPI_Iallreduce(send, recv, count, type, op, comm, &request));
+  wait_collective(comm, &request, "checkpoint all-reduce");
+}
+
+void bcast(MPI_Comm comm, void* buf, int count, MPI_Datatype type, int root) {
+  MPI_Request request;
+  MPI_CHECK(MPI_Ibcast(buf, count, type, root, comm, &request));
+  wait_collective(comm, &request, "checkpoint broadcast");
 }
 
 int comm_rank(MPI_Comm comm) {
@@ -39,9 +53,9 @@ int comm_size(MPI_Comm comm) {
 
 std::string bcast_string(MPI_Comm comm, std::string value, int root) {
   int64_t length = static_cast<int64_t>(value.size());
-  MPI_CHECK(MPI_Bcast(&length, 1, MPI_INT64_T, root, comm));
+  bcast(comm, &length, 1, MPI_INT64_T, root);
   value.resize(static_cast<size_t>(length));
-  MPI_CHECK(MPI_Bcast(value.data(), static_cast<int>(length), MPI_CHAR, root, comm));
+  bcast(comm, value.data(), static_cast<int>(length), MPI_CHAR, root);
   return value;
 }
 

@@ -46,6 +46,11 @@ void agreed(MPI_Comm comm, F&& phase) {
   rethrow_agreed(comm, mine);
 }
 
+// MPI_Allreduce / MPI_Bcast under the communicator's collective watch
+// (comm.timeout_s: a rank that never arrives ends the job, named).
+void allreduce(MPI_Comm comm, const void* send, void* recv, int count, MPI_Datatype type, MPI_Op op);
+void bcast(MPI_Comm comm, void* buf, int count, MPI_Datatype type, int root);
+
 int comm_rank(MPI_Comm comm);
 int comm_size(MPI_Comm comm);
 // `value` of rank `root` on every rank.

@@ -23,6 +23,7 @@
 #include "checkpoint/save.hpp"
 #include "train/optim.hpp"
 #include "shardlm/runtime.hpp"
+#include "shardlm/watchdog.hpp"
 #include "train/train.hpp"
 
 namespace fs = std::filesystem;
@@ -144,6 +145,7 @@ struct Checkpointer::Writer {
   std::condition_variable cv;
   size_t ready = 0;                  // pieces [0, ready) may be written
   std::atomic<bool> done{false}, abort{false};
+  std::atomic<int64_t> progress{0};  // tensors written: the training thread follows it while it waits
   std::string error;                 // this rank's failure ("" = none); read after done
   std::vector<Piece> pieces;
   std::vector<Tensor> tensors;
@@ -152,6 +154,7 @@ struct Checkpointer::Writer {
   std::vector<uint64_t> sums;        // this rank's partial checksums
   std::unique_ptr<RawFile> raw;
   Pool* pool = nullptr;
+  HostShardReader* mirror_reader = nullptr;  // device state: the host mirror this writer reads, released after the last write
   fs::path tmp;
   int rank = 0;
   int64_t steps_done = 0;
@@ -167,6 +170,9 @@ struct Checkpointer::Writer {
 
   void run() {
     const auto t0 = Clock::now();
+    // Watched: a write or fsync that makes no progress for comm.timeout_s ends the job (watchdog.hpp).
+    Activity activity(fmt("checkpoint: rank %d's background write of step %lld to %s", rank, (long long)steps_done,
+                          tmp.c_str()));
     omp_set_num_threads(std::min(kWriterThreads, omp_get_max_threads()));  // this thread's checksums only
     size_t written = 0;
     for (size_t p = 0; p < pieces.size(); ++p) {
@@ -185,6 +191,8 @@ struct Checkpointer::Writer {
             raw->write(offsets[i] + ranges[i].begin * 4, src, ranges[i].count * 4);
             sums[i] = checksum_f32(src, ranges[i].begin, ranges[i].count);
             maybe_inject_save_fault(fault, written++);
+            activity.progress();
+            progress.fetch_add(1);
           } catch (const std::exception& e) {
             error = fmt("writing %s failed on rank %d: %s (%s)", t.path.c_str(), rank, e.what(),
                         free_space_text(tmp.parent_path()).c_str());
@@ -195,6 +203,7 @@ struct Checkpointer::Writer {
       }
       if (pool) pool->release();
     }
+    if (mirror_reader) mirror_reader->end();  // pull() may refresh the mirror again
     if (error.empty() && !abort.load()) {
       try {
         raw->sync();  // the data is durable before the rename; the training thread only fsyncs the patch
@@ -286,7 +295,9 @@ SaveResult Checkpointer::save(int64_t steps_done, int64_t tokens_seen, std::opti
 std::optional<SaveResult> Checkpointer::poll() {
   if (!writer_) return std::nullopt;
   int all_done = writer_->done.load() ? 1 : 0;
-  MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &all_done, 1, MPI_INT, MPI_MIN, comm_));
+  Activity agreeing(fmt("checkpoint: asking whether every rank finished writing step %lld",
+                        (long long)writer_->steps_done));
+  allreduce(comm_, MPI_IN_PLACE, &all_done, 1, MPI_INT, MPI_MIN);
   if (!all_done) return std::nullopt;
   return complete();
 }
@@ -312,6 +323,7 @@ SaveResult Checkpointer::start(int64_t steps_done, int64_t tokens_seen) {
   w->fault = save_fault_spec(rank, steps_done);
   w->tensors = tensors_of(s);
   const std::vector<Tensor>& tensors = w->tensors;
+  Activity starting(fmt("checkpoint: starting the save of step %lld (snapshot, HDF5 metadata)", (long long)steps_done));
   try {
     s.pull_state();  // offload: the CPU optimizer is idle; device-resident state: the pinned mirror is refreshed
     const double pull_s = seconds_since(t0);
@@ -386,8 +398,13 @@ SaveResult Checkpointer::start(int64_t steps_done, int64_t tokens_seen) {
     }
     const bool mirror = s.state->placement() == StatePlacement::Device;
     w->pool = mirror ? nullptr : pool_.get();
-    if (mirror)
+    if (mirror) {
       for (auto& p : w->pieces) p.data = const_cast<float*>(p.live);
+      // The writer reads the mirror after this returns: the filesystem
+      // broadcast's pull_state() waits for it rather than overwrite it.
+      w->mirror_reader = &s.state->host_reader;
+      w->mirror_reader->begin(&w->progress);
+    }
     Writer* writer = w.get();
     writer->thread = std::thread([writer] { writer->run(); });
     writer_ = std::move(w);
@@ -403,6 +420,7 @@ SaveResult Checkpointer::start(int64_t steps_done, int64_t tokens_seen) {
         for (int64_t c = 0; c < n; c += (1 << 18)) std::memcpy(dst + c, src + c, 4 * std::min<int64_t>(n - c, 1 << 18));
         piece.data = dst;
         writer->push(p + 1);
+        starting.progress();
       }
     }
     writer->result.snapshot_s = pull_s + seconds_since(t_snap);
@@ -432,7 +450,16 @@ SaveResult Checkpointer::start(int64_t steps_done, int64_t tokens_seen) {
 SaveResult Checkpointer::complete() {
   const auto t0 = Clock::now();
   Writer& w = *writer_;
+  {
+    // Bounded by the writer's own progress: while it writes, this waits; when
+    // it stalls for comm.timeout_s, the watchdog ends the job (watchdog.hpp).
+    Activity waiting(fmt("checkpoint: waiting for rank %d's background write of step %lld", w.rank,
+                         (long long)w.steps_done));
+    wait_following(waiting, [&] { return w.done.load(); }, w.progress);
+  }
   w.thread.join();
+  Activity completing(fmt("checkpoint: completing step %lld (checksums, fsync, rename, `latest`)",
+                          (long long)w.steps_done));
   SaveResult result = w.result;
   const int rank = comm_rank(comm_);
   const fs::path dir = result.path.parent_path();
@@ -440,10 +467,9 @@ SaveResult Checkpointer::complete() {
     agreed(comm_, [&] {
       if (!w.error.empty()) throw Error(w.error);
     });
-    MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, w.sums.data(), static_cast<int>(w.sums.size()), MPI_UINT64_T, MPI_SUM,
-                            comm_));
+    allreduce(comm_, MPI_IN_PLACE, w.sums.data(), static_cast<int>(w.sums.size()), MPI_UINT64_T, MPI_SUM);
     double write_s = w.write_s;
-    MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &write_s, 1, MPI_DOUBLE, MPI_MAX, comm_));
+    allreduce(comm_, MPI_IN_PLACE, &write_s, 1, MPI_DOUBLE, MPI_MAX);
     result.write_s = write_s;
     // The checksums into the attributes made with 0: same size, rewritten in place.
     agreed(comm_, [&] {

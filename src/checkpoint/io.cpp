@@ -13,6 +13,7 @@
 
 #include "checkpoint/agree.hpp"
 #include "checkpoint/layout.hpp"
+#include "shardlm/watchdog.hpp"
 
 namespace fs = std::filesystem;
 
@@ -55,7 +56,7 @@ int node_count(MPI_Comm comm) {
   MPI_CHECK(MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, comm_rank(comm), MPI_INFO_NULL, &node));
   int leader = comm_rank(node) == 0 ? 1 : 0, nodes = 0;
   MPI_CHECK(MPI_Comm_free(&node));
-  MPI_CHECK(MPI_Allreduce(&leader, &nodes, 1, MPI_INT, MPI_SUM, comm));
+  allreduce(comm, &leader, &nodes, 1, MPI_INT, MPI_SUM);
   return nodes;
 }
 
@@ -107,7 +108,7 @@ RawFile::~RawFile() {
 }
 
 void RawFile::sync() {
-  SHARDLM_CHECK(::fsync(buffered_) == 0, "fsync of %s failed: %s", path_.c_str(), std::strerror(errno));
+  SHARDLM_CHECK(fsync_in_pieces(buffered_) == 0, "fsync of %s failed: %s", path_.c_str(), std::strerror(errno));
 }
 
 void RawFile::all(int fd, char* p, int64_t n, int64_t off, bool write) {
@@ -160,7 +161,7 @@ h5::Handle open_serial(const fs::path& path) {
 void sync_path(const fs::path& path, bool directory) {
   const int fd = ::open(path.c_str(), directory ? (O_RDONLY | O_DIRECTORY) : O_RDONLY);
   SHARDLM_CHECK(fd >= 0, "cannot open %s to sync it: %s", path.c_str(), std::strerror(errno));
-  const int rc = ::fsync(fd);
+  const int rc = fsync_in_pieces(fd);
   const int err = errno;
   ::close(fd);
   SHARDLM_CHECK(rc == 0, "fsync of %s failed: %s", path.c_str(), std::strerror(err));

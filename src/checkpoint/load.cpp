@@ -10,6 +10,7 @@
 #include "checkpoint/io.hpp"
 #include "checkpoint/layout.hpp"
 #include "shardlm/model_config.hpp"
+#include "shardlm/watchdog.hpp"
 #include "train/train.hpp"
 
 namespace fs = std::filesystem;
@@ -106,6 +107,7 @@ CheckpointInfo load_checkpoint(TrainSession& s, MPI_Comm comm, const fs::path& p
   h5::silence_error_stack();  // failures become one shardlm::Error line
   const int rank = comm_rank(comm);
   const std::vector<Tensor> tensors = tensors_of(s);
+  Activity loading(fmt("checkpoint: loading %s", path.c_str()));  // watched, like a save
   h5::Handle file;
   CheckpointInfo info;
   std::vector<uint64_t> stored(tensors.size());
@@ -191,6 +193,7 @@ CheckpointInfo load_checkpoint(TrainSession& s, MPI_Comm comm, const fs::path& p
         else transfer<float>(d, t.param->shape, r.begin, r.count, base, rounds_for(t.param->numel, s.model.layout.units[t.unit].shard_numel), dxpl,
                              H5T_NATIVE_FLOAT, false);
         sums[i] = checksum_f32(base, r.begin, r.count);
+        loading.progress();
       } catch (const std::exception& e) {
         throw_damaged(path, fmt("%s: %s", tensors[i].path.c_str(), e.what()));
       }
@@ -199,7 +202,7 @@ CheckpointInfo load_checkpoint(TrainSession& s, MPI_Comm comm, const fs::path& p
   raw.reset();
   dxpl.reset();
   file.reset();
-  MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, sums.data(), static_cast<int>(sums.size()), MPI_UINT64_T, MPI_SUM, comm));
+  allreduce(comm, MPI_IN_PLACE, sums.data(), static_cast<int>(sums.size()), MPI_UINT64_T, MPI_SUM);
   std::vector<std::string> bad;
   for (size_t i = 0; i < tensors.size(); ++i)
     if (sums[i] != stored[i])

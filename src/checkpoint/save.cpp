@@ -17,6 +17,7 @@
 #include "checkpoint/layout.hpp"
 #include "checkpoint/save.hpp"
 #include "shardlm/runtime.hpp"
+#include "shardlm/watchdog.hpp"
 #include "train/train.hpp"
 
 namespace fs = std::filesystem;
@@ -82,7 +83,7 @@ int64_t ckpt::publish(MPI_Comm comm, const fs::path& tmp, const fs::path& final_
     write_atomically(dir, "latest", final_path.filename().string() + "\n");
   });
   if (rank == 0 && retention) apply_retention(dir, steps_done, ckpt);
-  MPI_CHECK(MPI_Bcast(&bytes, 1, MPI_INT64_T, 0, comm));
+  bcast(comm, &bytes, 1, MPI_INT64_T, 0);
   return bytes;
 }
 
@@ -191,6 +192,7 @@ void write_file(TrainSession& s, MPI_Comm comm, const fs::path& tmp, const std::
                              rounds_for(t.param->numel, s.model.layout.units[t.unit].shard_numel), dxpl,
                              H5T_NATIVE_FLOAT, true);
         maybe_inject_save_fault(fault, i);
+        note_progress();
       } catch (const std::exception& e) {
         SHARDLM_FAIL("writing %s failed on rank %d: %s (%s)", t.path.c_str(), rank, e.what(),
                      free_space_text(tmp.parent_path()).c_str());
@@ -223,6 +225,8 @@ SaveResult save_checkpoint(TrainSession& s, MPI_Comm comm, int64_t steps_done, i
   result.path = checkpoint_path(dir, steps_done);
   const fs::path tmp = result.path.string() + ".tmp";
   const std::vector<Tensor> tensors = tensors_of(s);
+  // Watched: a write, fsync or HDF5 collective that makes no progress for comm.timeout_s ends the job.
+  Activity saving(fmt("checkpoint: saving step %lld to %s", (long long)steps_done, tmp.c_str()));
 
   try {
     s.pull_state();  // device-resident state (GPU): refresh the host shards we write from
@@ -239,7 +243,7 @@ SaveResult save_checkpoint(TrainSession& s, MPI_Comm comm, int64_t steps_done, i
       const LocalRange r = local_range(s.model, tensors[i]);
       sums[i] = checksum_f32((*tensors[i].shards)[tensors[i].unit].data() + r.shard_offset, r.begin, r.count);
     }
-    MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, sums.data(), static_cast<int>(sums.size()), MPI_UINT64_T, MPI_SUM, comm));
+    allreduce(comm, MPI_IN_PLACE, sums.data(), static_cast<int>(sums.size()), MPI_UINT64_T, MPI_SUM);
     // RL reads rollout files by step: no sampler position beyond the step itself.
     const std::vector<int64_t> position =
         s.data ? s.data->position(steps_done).to_vector() : DataPosition{steps_done}.to_vector();

@@ -17,6 +17,7 @@
 #include "cpu/ops.hpp"
 #include "shardlm/dtype.hpp"
 #include "shardlm/runtime.hpp"
+#include "shardlm/watchdog.hpp"
 
 namespace shardlm {
 
@@ -28,11 +29,19 @@ void set_collective_timeout(double seconds) { g_collective_timeout_s = seconds >
 
 // The watchdog of one MPI Comm's collectives. Waiting is MPI_Test in a loop
 // (the main thread: MPI is FUNNELED), which also answers the other ranks'
-// "which collective are you in?" queries. Past comm.timeout_s the waiting rank
-// queries every rank of the communicator, gives them a grace period to answer,
-// and aborts naming the ranks that never arrived. Queries and answers are
+// "where are you?" queries. Past comm.timeout_s the waiting rank queries every
+// rank of the communicator and gives them a grace period to answer. A rank
+// busy in an Activity that is making progress (watchdog.hpp) answers "busy":
+// the clock restarts and the wait goes on. Otherwise the job ends, naming the
+// ranks that never arrived and where the others are. Queries and answers are
 // point-to-point messages on the same communicator with their own tags (they
-// never match a collective), sent only once something has already hung.
+// never match a collective), sent only once something has already taken long.
+class CollectiveWatch;
+std::vector<CollectiveWatch*>& live_watches() {  // every MPI Comm's watch, for answer_collective_queries
+  static std::vector<CollectiveWatch*> watches;
+  return watches;
+}
+
 class CollectiveWatch {
  public:
   explicit CollectiveWatch(MPI_Comm comm) : comm_(comm) {
@@ -47,7 +56,11 @@ class CollectiveWatch {
     MPI_CHECK(MPI_Group_translate_ranks(mine, size_, ranks.data(), world, world_rank_.data()));
     MPI_CHECK(MPI_Group_free(&mine));
     MPI_CHECK(MPI_Group_free(&world));
+    live_watches().push_back(this);
   }
+  ~CollectiveWatch() { std::erase(live_watches(), this); }
+  CollectiveWatch(const CollectiveWatch&) = delete;
+  CollectiveWatch& operator=(const CollectiveWatch&) = delete;
   int64_t next_seq() { return ++issued_; }
 
   void wait(MPI_Request* request, const char* what, int64_t seq) {
@@ -55,8 +68,9 @@ class CollectiveWatch {
       MPI_CHECK(MPI_Wait(request, MPI_STATUS_IGNORE));
       return;
     }
+    const InCollective in_collective;  // this clock bounds the wait, not the enclosing Activity's
     using clock = std::chrono::steady_clock;
-    const auto start = clock::now();
+    auto start = clock::now();  // restarts while a rank waited for is busy and progressing
     double next_look_s = 0.01;  // answer queries and check the clock's verdict every 10 ms
     for (int64_t polls = 0;; ++polls) {
       int done = 0;
@@ -70,43 +84,53 @@ class CollectiveWatch {
       else std::this_thread::sleep_for(std::chrono::microseconds(500));
       if (waited_s < next_look_s) continue;
       next_look_s = waited_s + 0.01;
-      answer_queries(what, seq);
-      if (waited_s > g_collective_timeout_s) timed_out(what, seq, waited_s);
+      answer_queries(what, seq, false);
+      if (waited_s > g_collective_timeout_s && peers_busy(what, seq, waited_s)) {
+        start = clock::now();
+        next_look_s = 0.01;
+      }
     }
   }
 
- private:
-  static constexpr int kQueryTag = 0x5d17, kAnswerTag = 0x5d18;
-  struct Answer { int64_t seq; char what[24]; };
-
-  // Tell every rank that asked which collective this rank waits in.
-  void answer_queries(const char* what, int64_t seq) {
+  // Tell every rank that asked where this rank is: waiting in collective
+  // `what` #seq, or (busy) working in activity `what` outside any collective.
+  void answer_queries(const char* what, int64_t seq, bool busy) {
     for (;;) {
       int flag = 0;
       MPI_Status status;
       MPI_CHECK(MPI_Iprobe(MPI_ANY_SOURCE, kQueryTag, comm_, &flag, &status));
       if (!flag) return;
-      int64_t their_seq = 0;
-      MPI_CHECK(MPI_Recv(&their_seq, 1, MPI_INT64_T, status.MPI_SOURCE, kQueryTag, comm_, MPI_STATUS_IGNORE));
+      int64_t query_id = 0;
+      MPI_CHECK(MPI_Recv(&query_id, 1, MPI_INT64_T, status.MPI_SOURCE, kQueryTag, comm_, MPI_STATUS_IGNORE));
       Answer& a = answers_out_.emplace_back();
-      a.seq = seq;
+      a.query_id = query_id;
+      a.seq = busy ? -1 : seq;
       std::snprintf(a.what, sizeof a.what, "%s", what);
-      MPI_Request r;  // never waited for: the job is about to end
+      MPI_Request r;  // never waited for: at most one per query, and queries are rare
       MPI_CHECK(MPI_Isend(&a, sizeof(Answer), MPI_BYTE, status.MPI_SOURCE, kAnswerTag, comm_, &r));
       MPI_Request_free(&r);
     }
   }
 
-  [[noreturn]] void timed_out(const char* what, int64_t seq, double waited_s) {
-    std::vector<int64_t> query(1, seq);
+ private:
+  static constexpr int kQueryTag = 0x5d17, kAnswerTag = 0x5d18;
+  // seq -1: busy outside any collective, in activity `what`. query_id: the
+  // query answered (an answer that comes after its round ended is ignored).
+  struct Answer { int64_t query_id; int64_t seq; char what[96]; };
+
+  // Past the bound: asks every rank where it is. Returns true when every rank
+  // answered and some are busy making progress (wait on); ends the job otherwise.
+  bool peers_busy(const char* what, int64_t seq, double waited_s) {
+    const int64_t query_id = queries_.emplace_back(int64_t(queries_.size()) + 1);  // stable address for the sends
     for (int r = 0; r < size_; ++r) {
       if (r == rank_) continue;
       MPI_Request req;
-      MPI_CHECK(MPI_Isend(query.data(), 1, MPI_INT64_T, r, kQueryTag, comm_, &req));
+      MPI_CHECK(MPI_Isend(&queries_.back(), 1, MPI_INT64_T, r, kQueryTag, comm_, &req));
       MPI_Request_free(&req);
     }
     // A grace period for the answers: a rank that is waiting answers within
-    // milliseconds; one that is stopped, dead or computing never does.
+    // milliseconds, a busy one at its next progress; one that is stopped, dead
+    // or stuck never does.
     const double grace_s = std::min(10.0, std::max(1.0, 0.2 * g_collective_timeout_s));
     std::vector<int> answered(size_t(size_), 0);
     std::vector<Answer> answer(static_cast<size_t>(size_));
@@ -116,7 +140,7 @@ class CollectiveWatch {
     const auto start = std::chrono::steady_clock::now();
     int count = 1;
     while (count < size_ && std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() < grace_s) {
-      answer_queries(what, seq);  // the others time out too and ask us
+      answer_queries(what, seq, false);  // the others time out too and ask us
       int flag = 0;
       MPI_Status status;
       MPI_CHECK(MPI_Iprobe(MPI_ANY_SOURCE, kAnswerTag, comm_, &flag, &status));
@@ -127,29 +151,41 @@ class CollectiveWatch {
       Answer a{};
       MPI_CHECK(MPI_Recv(&a, sizeof(Answer), MPI_BYTE, status.MPI_SOURCE, kAnswerTag, comm_, MPI_STATUS_IGNORE));
       a.what[sizeof(a.what) - 1] = '\0';
+      if (a.query_id != query_id) continue;  // a late answer to an earlier round
       if (!answered[size_t(status.MPI_SOURCE)]) ++count;
       answered[size_t(status.MPI_SOURCE)] = 1;
       answer[size_t(status.MPI_SOURCE)] = a;
     }
+    bool any_busy = false;
+    for (int r = 0; r < size_; ++r) any_busy |= answered[size_t(r)] && answer[size_t(r)].seq == -1;
+    if (count == size_ && any_busy) return true;  // everyone is alive; the busy ones are working
     // One line for the job: the lowest rank waiting in this collective reports;
     // the others give it time to abort the job and report only if it did not.
     for (int r = 0; r < rank_; ++r)
       if (answered[size_t(r)] && answer[size_t(r)].seq == seq) {
         const auto deferred = std::chrono::steady_clock::now();
         while (std::chrono::duration<double>(std::chrono::steady_clock::now() - deferred).count() < grace_s + 5) {
-          answer_queries(what, seq);
+          answer_queries(what, seq, false);
           std::this_thread::sleep_for(std::chrono::milliseconds(10));
         }
         break;
       }
+    // Where the others are. A rank in a later collective has finished this one
+    // (a collective can complete on one rank before another: the root of a
+    // broadcast, a ring's early finishers) and waits for the laggards there;
+    // one in an earlier collective has not reached this one yet; only a rank in
+    // a different collective with the same number called something else.
     std::vector<int> missing_ranks, waiting_ranks;
-    std::string elsewhere;
+    std::string ahead, behind, mismatched;
     for (int r = 0; r < size_; ++r) {
       const int world = world_rank_[size_t(r)];
+      const Answer& a = answer[size_t(r)];
+      const std::string where = fmt("%d on %s in %s #%lld", world, world_rank_host(world), a.what, (long long)a.seq);
       if (!answered[size_t(r)]) missing_ranks.push_back(world);
-      else if (answer[size_t(r)].seq == seq) waiting_ranks.push_back(world);
-      else elsewhere += fmt("%s%d on %s in %s #%lld", elsewhere.empty() ? "" : ", ", world, world_rank_host(world),
-                            answer[size_t(r)].what, (long long)answer[size_t(r)].seq);
+      else if (a.seq == seq && std::strcmp(a.what, what) == 0) waiting_ranks.push_back(world);
+      else if (a.seq == seq) mismatched += (mismatched.empty() ? "" : ", ") + where;
+      else if (a.seq > seq) ahead += (ahead.empty() ? "" : ", ") + where;
+      else behind += (behind.empty() ? "" : ", ") + where;
     }
     const std::string missing = ranks_on_nodes(missing_ranks), waiting = ranks_on_nodes(waiting_ranks);
     std::string message = fmt("collective %s (#%lld of a communicator of %d ranks) has not completed after %.1f s "
@@ -157,9 +193,11 @@ class CollectiveWatch {
     if (!missing.empty())
       message += fmt("rank%s %s did not arrive (stopped, dead, or stuck outside any collective); ",
                      missing.find(',') == std::string::npos ? "" : "s", missing.c_str());
-    if (!elsewhere.empty()) message += "waiting in another collective (a mismatch): rank " + elsewhere + "; ";
+    if (!behind.empty()) message += "not there yet, in an earlier collective: rank " + behind + "; ";
+    if (!ahead.empty()) message += "done with it and waiting in the next: rank " + ahead + "; ";
+    if (!mismatched.empty()) message += "in a different collective of the same number (a mismatch): rank " + mismatched + "; ";
     message += "waiting in it: rank" + std::string(waiting.find(',') == std::string::npos ? " " : "s ") + waiting;
-    fatal(message);
+    fatal(message, hang_exit_code());
   }
 
   // "2, 3 on mn2, 5 on mn3": world ranks with the node each runs on (from
@@ -180,7 +218,41 @@ class CollectiveWatch {
   int64_t issued_ = 0;              // collectives started on this communicator, in the order every rank starts them
   std::vector<int> world_rank_;     // [rank of comm_] -> MPI_COMM_WORLD rank, for the message
   std::deque<Answer> answers_out_;  // buffers of answers in flight (stable addresses)
+  std::deque<int64_t> queries_;     // buffers of queries sent, numbered from 1
 };
+
+// The watch of a communicator, cached on it as an MPI attribute (freed with
+// it): every collective on one communicator, through a Comm or
+// wait_collective, is numbered by one watch, in the order all ranks issue them.
+CollectiveWatch& watch_of(MPI_Comm comm) {
+  static int keyval = [] {
+    int k = MPI_KEYVAL_INVALID;
+    MPI_CHECK(MPI_Comm_create_keyval(MPI_COMM_NULL_COPY_FN,
+                                     [](MPI_Comm, int, void* watch, void*) {
+                                       delete static_cast<CollectiveWatch*>(watch);
+                                       return MPI_SUCCESS;
+                                     },
+                                     &k, nullptr));
+    return k;
+  }();
+  void* cached = nullptr;
+  int found = 0;
+  MPI_CHECK(MPI_Comm_get_attr(comm, keyval, &cached, &found));
+  if (found) return *static_cast<CollectiveWatch*>(cached);
+  auto* watch = new CollectiveWatch(comm);
+  MPI_CHECK(MPI_Comm_set_attr(comm, keyval, watch));
+  return *watch;
+}
+
+void wait_collective(MPI_Comm comm, MPI_Request* request, const char* what) {
+  CollectiveWatch& watch = watch_of(comm);
+  watch.wait(request, what, watch.next_seq());
+}
+
+void answer_collective_queries(const char* busy_in) {
+  if (g_collective_timeout_s <= 0) return;
+  for (CollectiveWatch* watch : live_watches()) watch->answer_queries(busy_in, -1, true);
+}
 
 void CommRequest::wait() {
   if (request_ != MPI_REQUEST_NULL) {
@@ -227,7 +299,7 @@ int as_count(int64_t n) {
 
 class MpiComm final : public Comm {
  public:
-  explicit MpiComm(MPI_Comm comm) : comm_(comm), watch_(comm) {
+  explicit MpiComm(MPI_Comm comm) : comm_(comm), watch_(&watch_of(comm)) {
     MPI_CHECK(MPI_Comm_rank(comm_, &rank_));
     MPI_CHECK(MPI_Comm_size(comm_, &size_));
     for (auto* v : {&send_counts_, &send_displs_, &recv_counts_, &recv_displs_}) v->resize(size_);
@@ -240,18 +312,18 @@ class MpiComm final : public Comm {
   CommRequest all_gather(const void* shard, void* full, int64_t count, DType t) override {
     MPI_Request r;
     MPI_CHECK(MPI_Iallgather(shard, as_count(count), mpi_type(t), full, as_count(count), mpi_type(t), comm_, &r));
-    return CommRequest(r, &watch_, "all_gather", watch_.next_seq());
+    return CommRequest(r, watch_, "all_gather", watch_->next_seq());
   }
   CommRequest reduce_scatter(const void* full, void* shard, int64_t count, DType t) override {
     MPI_Request r;
     MPI_CHECK(MPI_Ireduce_scatter_block(full, shard, as_count(count), mpi_type(t),
                                         t == DType::F32 ? MPI_SUM : bf16_sum_op(), comm_, &r));
-    return CommRequest(r, &watch_, "reduce_scatter", watch_.next_seq());
+    return CommRequest(r, watch_, "reduce_scatter", watch_->next_seq());
   }
   CommRequest broadcast(void* buf, int64_t count, DType t, int root) override {
     MPI_Request r;
     MPI_CHECK(MPI_Ibcast(buf, as_count(count), mpi_type(t), root, comm_, &r));
-    return CommRequest(r, &watch_, "broadcast", watch_.next_seq());
+    return CommRequest(r, watch_, "broadcast", watch_->next_seq());
   }
   // The blocking ones: started non-blocking, so that the watchdog can wait.
   void all_reduce_sum(double* values, int64_t count) override {
@@ -262,22 +334,22 @@ class MpiComm final : public Comm {
     if (fault_armed("mpi_kill")) raise(SIGKILL);
     MPI_Request r;
     MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, values, as_count(count), MPI_DOUBLE, MPI_SUM, comm_, &r));
-    watch_.wait(&r, "all_reduce_sum", watch_.next_seq());
+    watch_->wait(&r, "all_reduce_sum", watch_->next_seq());
   }
   void all_reduce_sum(int64_t* values, int64_t count) override {
     MPI_Request r;
     MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, values, as_count(count), MPI_INT64_T, MPI_SUM, comm_, &r));
-    watch_.wait(&r, "all_reduce_sum", watch_.next_seq());
+    watch_->wait(&r, "all_reduce_sum", watch_->next_seq());
   }
   void broadcast(void* bytes, int64_t count, int root) override {
     MPI_Request r;
     MPI_CHECK(MPI_Ibcast(bytes, as_count(count), MPI_BYTE, root, comm_, &r));
-    watch_.wait(&r, "broadcast", watch_.next_seq());
+    watch_->wait(&r, "broadcast", watch_->next_seq());
   }
   void barrier() override {
     MPI_Request r;
     MPI_CHECK(MPI_Ibarrier(comm_, &r));
-    watch_.wait(&r, "barrier", watch_.next_seq());
+    watch_->wait(&r, "barrier", watch_->next_seq());
   }
   void all_to_all_v(const float* send, const int64_t* send_counts, const int64_t* send_displs, float* recv,
                     const int64_t* recv_counts, const int64_t* recv_displs) override {
@@ -297,12 +369,12 @@ class MpiComm final : public Comm {
     MPI_Request r;
     MPI_CHECK(MPI_Ialltoallv(send, send_counts_.data(), send_displs_.data(), MPI_FLOAT, recv, recv_counts_.data(),
                              recv_displs_.data(), MPI_FLOAT, comm_, &r));
-    watch_.wait(&r, "all_to_all_v", watch_.next_seq());
+    watch_->wait(&r, "all_to_all_v", watch_->next_seq());
   }
 
  private:
   MPI_Comm comm_;
-  CollectiveWatch watch_;
+  CollectiveWatch* watch_;  // the communicator's (watch_of): shared with wait_collective
   int rank_ = 0, size_ = 1;
   // MPI's int counts for all_to_all_v, sized once (the step allocates nothing).
   std::vector<int> send_counts_, send_displs_, recv_counts_, recv_displs_;

@@ -202,7 +202,7 @@ std::string select_broadcast_comm(const Runtime& rt) {
   return ranks_share_a_gpu(rt, rt.broadcast_comm) ? "mpi" : "nccl";
 }
 
-void fatal(const std::string& message) {
+void fatal(const std::string& message, int exit_code) {
   if (g_world_rank >= 0)
     std::fprintf(stderr, "shardlm: error on rank %d of %d (%s): %s\n", g_world_rank, g_world_size, g_host,
                  message.c_str());
@@ -212,8 +212,8 @@ void fatal(const std::string& message) {
   int initialized = 0, finalized = 0;
   MPI_Initialized(&initialized);
   MPI_Finalized(&finalized);
-  if (initialized && !finalized && g_world_size > 1) MPI_Abort(MPI_COMM_WORLD, 1);
-  std::_Exit(1);
+  if (initialized && !finalized && g_world_size > 1) MPI_Abort(MPI_COMM_WORLD, exit_code);
+  std::_Exit(exit_code);
 }
 
 void mpi_failed(const char* call, int status, const char* file, int line) {

@@ -19,6 +19,7 @@
 
 #include "shardlm/dtype.hpp"
 #include "shardlm/error.hpp"
+#include "shardlm/watchdog.hpp"
 
 static_assert(std::endian::native == std::endian::little,
               "safetensors data is little-endian; safetensors.cpp reads it in place");
@@ -483,7 +484,7 @@ void SafetensorsWriter::finish(bool check_complete) {
   for (const auto& [name, s] : slots_)
     SHARDLM_CHECK(!check_complete || s.elems_written == s.numel, "%s: tensor '%s' has %lld of %lld elements written; not finishing",
                   file_s.c_str(), name.c_str(), (long long)s.elems_written, (long long)s.numel);
-  SHARDLM_CHECK(::fsync(fd_) == 0, "fsync of %s failed: %s", tmp_file_.string().c_str(), std::strerror(errno));
+  SHARDLM_CHECK(fsync_in_pieces(fd_) == 0, "fsync of %s failed: %s", tmp_file_.string().c_str(), std::strerror(errno));
   int rc = ::close(fd_);
   fd_ = -1;
   SHARDLM_CHECK(rc == 0, "closing %s failed: %s", tmp_file_.string().c_str(), std::strerror(errno));

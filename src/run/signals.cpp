@@ -41,7 +41,9 @@ void install_stop_signal_handlers() {
 
 bool stop_requested(MPI_Comm comm) {
   int mine = g_stop_signal, any = 0;
-  MPI_CHECK(MPI_Allreduce(&mine, &any, 1, MPI_INT, MPI_MAX, comm));
+  MPI_Request request;  // watched: a rank that never arrives ends the job
+  MPI_CHECK(MPI_Iallreduce(&mine, &any, 1, MPI_INT, MPI_MAX, comm, &request));
+  wait_collective(comm, &request, "stop agreement");
   if (any && !g_stop_signal) g_stop_signal = any;
   return any != 0;
 }

@@ -2,6 +2,8 @@
 #include "train/shard.hpp"
 
 #include <algorithm>
+#include <chrono>
+#include <thread>
 #include <cstring>
 #include <set>
 
@@ -9,6 +11,8 @@
 #include "shardlm/error.hpp"
 #include "model/hf_config.hpp"
 #include "model/safetensors.hpp"
+#include "shardlm/runtime.hpp"
+#include "shardlm/watchdog.hpp"
 
 namespace shardlm {
 
@@ -98,12 +102,23 @@ void export_hf(const ShardedModel& model, Comm& comm, const std::filesystem::pat
   int64_t max_padded = 0;
   for (const auto& u : model.layout.units) max_padded = std::max(max_padded, u.padded_numel);
   Buffer<float> full(Mem::Gathered, max_padded);
+  // Watched: rank 0's writes and its fsync of the whole file (140 GB at 70B)
+  // progress piece by piece, and the others, waiting in the barrier, keep
+  // waiting while it does; a write that stops ends the job (watchdog.hpp).
+  Activity exporting(fmt("export: writing %s", (dir / "model.safetensors").c_str()));
   for (size_t i = 0; i < model.layout.units.size(); ++i) {
     const Unit& u = model.layout.units[i];
     comm.all_gather(model.param[i].data(), full.data(), u.shard_numel).wait();
     if (writer)
       for (const auto& p : u.params) writer->write(p.name, 0, p.numel, full.data() + p.offset);
+    exporting.progress();
   }
+  // Tests (SHARDLM_FAULT=export_slow@R / export_stall@R): rank R's last part of
+  // the export takes 6 s while progressing, or never progresses again.
+  if (fault_armed("export_slow"))
+    for (int i = 0; i < 30; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(200)), exporting.progress();
+  if (fault_armed("export_stall"))
+    for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
   if (writer) writer->finish();
   comm.barrier();
 }

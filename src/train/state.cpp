@@ -6,9 +6,16 @@
 
 #include "cpu/ops.hpp"
 #include "shardlm/error.hpp"
+#include "shardlm/watchdog.hpp"
 #include "train/offload.hpp"
 
 namespace shardlm {
+
+void HostShardReader::wait_done() {
+  if (!reading_.load()) return;
+  Activity waiting("waiting for the checkpoint writer to finish reading the host copy of the state");
+  wait_following(waiting, [this] { return !reading_.load(); }, *progress_);
+}
 
 const char* placement_name(StatePlacement p) {
   switch (p) {

@@ -21,6 +21,7 @@
 // norm's all-reduce is the step's), not the deck beyond the choice itself.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -50,6 +51,27 @@ bool host_grad_shards(StatePlacement placement, bool offload_device_grads);
 // host; device state, device gradients, offload buffers) for `layout`.
 void plan_state_memory(MemoryPlan& plan, StatePlacement placement, bool offload_device_grads,
                        const ModelLayout& layout, int optim_states, const Backend& backend);
+
+// A reader of the host shards on another thread: an async checkpoint's
+// writer reading the device placement's host mirror while training goes on.
+// pull() overwrites the mirror (the filesystem broadcast pulls on every
+// broadcast step), so it waits until the reader is done. At most one reader.
+class HostShardReader {
+ public:
+  // Training thread, before the reader starts; `progress` is the reader's
+  // counter, which the waiting thread follows (watchdog.hpp).
+  void begin(const std::atomic<int64_t>* progress) {
+    progress_ = progress;
+    reading_.store(true);
+  }
+  void end() { reading_.store(false); }  // the reader's thread, after its last read
+  // Training thread: returns once no reader reads the host shards (watched).
+  void wait_done();
+
+ private:
+  std::atomic<bool> reading_{false};
+  const std::atomic<int64_t>* progress_ = nullptr;
+};
 
 class TrainingState {
  public:
@@ -86,8 +108,10 @@ class TrainingState {
 
   // ---- outside the step
   // The host shards (model.param, optimizer.state) hold the current state:
-  // before a checkpoint, an export or a host broadcast.
+  // before a checkpoint, an export or a host broadcast. Callers wait for the
+  // host reader first (TrainSession::pull_state).
   virtual void pull() {}
+  HostShardReader host_reader;
   // The host shards changed (a checkpoint load): the state follows them.
   virtual void push() = 0;
   // Page-lock the host shards for DMA where pull() copies into them (the device

@@ -83,7 +83,10 @@ struct TrainSession {
   // export and the host broadcast read them: pull_state() makes them current
   // (a device mirror refreshed, the offload worker idle), push_state() makes
   // the state follow them after a checkpoint load.
-  void pull_state() { state->pull(); }
+  void pull_state() {
+    state->host_reader.wait_done();  // an async save still reading the device state's host mirror
+    state->pull();
+  }
   void push_state() { state->push(); }
 
  private:
