@@ -14,6 +14,7 @@
 #include <ctime>
 #include <fstream>
 #include <map>
+#include <random>
 #include <sstream>
 
 #include <toml++/toml.h>
@@ -79,6 +80,19 @@ std::string read_all(int fd) {
   return text;
 }
 
+// host:pid:process start:64 random bits: no two holders write the same one.
+std::string new_token() {
+  std::random_device random;
+  const unsigned long long bits = (static_cast<unsigned long long>(random()) << 32) ^ random();
+  return fmt("%s:%ld:%lld:%016llx", this_host().c_str(), (long)getpid(), process_start(getpid()), bits);
+}
+
+std::chrono::milliseconds heartbeat_period() {
+  const char* ms = std::getenv("SHARDLM_RUN_LOCK_HEARTBEAT_MS");  // tests: a lost lock noticed in a second
+  if (ms && std::atoll(ms) > 0) return std::chrono::milliseconds(std::atoll(ms));
+  return std::chrono::seconds(RunDirLock::kHeartbeatS);
+}
+
 bool blank(const std::string& s) { return s.find_first_not_of(" \t\r\n") == std::string::npos; }
 
 std::string describe(const LockHolder& h) {
@@ -106,10 +120,9 @@ std::string stale_reason(const LockHolder& h, std::time_t touched, bool flocked)
     if (flocked) return "no process holds its flock any more";
     return "";
   }
-  // Another host: its processes cannot be asked. A job step runs once at a time,
-  // so the same Slurm job step (a requeued job) can take its lock back at once.
-  if (!h.slurm_job.empty() && h.slurm_job == slurm_step())
-    return "it is this Slurm job step's own lock (" + h.slurm_job + "), from before a requeue";
+  // Another host: its processes cannot be asked, only the heartbeat tells. The
+  // same Slurm job and step ids prove nothing: a requeued job can start on a new
+  // node while the old allocation still runs, and both carry the same ids.
   const long long age = static_cast<long long>(std::time(nullptr) - touched);
   if (age > RunDirLock::kStaleAfterS)
     return fmt("its holder on another host has not touched it for %lld s (a live run touches it every %d s)", age,
@@ -135,6 +148,7 @@ LockHolder parse_lock_holder(const std::string& text) {
     else if (key == "run_name") h.run_name = value;
     else if (key == "deck") h.deck = value;
     else if (key == "slurm_job_step") h.slurm_job = value;
+    else if (key == "token") h.token = value;
   }
   return h;
 }
@@ -183,11 +197,13 @@ RunDirLock::RunDirLock(const fs::path& dir, const std::string& run_name, const s
       }
       takeover_note_ = fmt("took over %s, left by %s: %s", path_.c_str(), describe(holder).c_str(), why.c_str());
     }
+    token_ = new_token();
     const std::string mine = fmt("host=%s\npid=%ld\nproc_start=%lld\nboot_id=%s\nstarted=%s\nrun_name=%s\ndeck=%s\n"
-                                 "slurm_job_step=%s\n",
+                                 "slurm_job_step=%s\ntoken=%s\n",
                                  this_host().c_str(), (long)getpid(), process_start(getpid()), boot_id().c_str(),
                                  utc_text(std::time(nullptr)).c_str(), run_name.c_str(), deck.c_str(),
-                                 slurm_step().c_str());
+                                 slurm_step().c_str(), token_.c_str());
+    text_ = mine;
     const bool written = ftruncate(fd, 0) == 0 && pwrite(fd, mine.data(), mine.size(), 0) == ssize_t(mine.size()) &&
                          fsync(fd) == 0;
     if (!written) {
@@ -198,12 +214,64 @@ RunDirLock::RunDirLock(const fs::path& dir, const std::string& run_name, const s
     fd_ = fd;
     break;
   }
-  // The heartbeat lets a run on another host tell a live lock from one whose holder died.
-  heartbeat_ = std::thread([this] {
+  // The heartbeat lets a run on another host tell a live lock from one whose
+  // holder died, and tells this run when its lock has been taken.
+  const std::chrono::milliseconds period = heartbeat_period();
+  heartbeat_ = std::thread([this, period] {
     std::unique_lock<std::mutex> lock(mutex_);
-    while (!wake_.wait_for(lock, std::chrono::seconds(kHeartbeatS), [this] { return stopping_; }))
-      futimens(fd_, nullptr);
+    while (!wake_.wait_for(lock, period, [this] { return stopping_; })) {
+      beat();
+      if (lost_to_.empty()) continue;
+      const auto callback = on_lost_;
+      const std::string holder = lost_to_;
+      lock.unlock();  // the callback may ask lost_to()
+      if (callback) callback(holder);
+      return;  // the file is another run's now: never touched again
+    }
   });
+}
+
+void RunDirLock::beat() {
+  std::string text;
+  const int fd = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd >= 0) {
+    text = read_all(fd);
+    ::close(fd);
+  } else if (errno == ENOENT) {
+    // Removed under a live run (by hand, or by an older shardlm's exit): put it
+    // back, flocked, so that the directory stays this run's.
+    const int again = ::open(path_.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    if (again < 0) return;  // someone else made it first: the next beat reads theirs
+    if (::flock(again, LOCK_EX | LOCK_NB) != 0 ||
+        pwrite(again, text_.data(), text_.size(), 0) != ssize_t(text_.size())) {
+      ::close(again);
+      return;
+    }
+    fsync(again);
+    ::close(fd_);
+    fd_ = again;
+    std::fprintf(stderr, "shardlm: %s was removed while this run held it; written again\n", path_.c_str());
+    return;
+  } else {
+    return;  // unreadable for now (a filesystem hiccup): ask again at the next beat
+  }
+  if (blank(text)) return;  // a run taking it over is writing it: decided at the next beat
+  const LockHolder holder = parse_lock_holder(text);
+  if (holder.token != token_) {
+    lost_to_ = describe(holder);
+    return;
+  }
+  futimens(fd_, nullptr);
+}
+
+void RunDirLock::on_lost(std::function<void(const std::string&)> callback) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  on_lost_ = std::move(callback);
+}
+
+std::string RunDirLock::lost_to() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return lost_to_;
 }
 
 RunDirLock::~RunDirLock() {
@@ -213,11 +281,14 @@ RunDirLock::~RunDirLock() {
   }
   wake_.notify_all();
   if (heartbeat_.joinable()) heartbeat_.join();
-  // Remove the file only while it is still ours (never a lock another run took over).
-  struct stat by_fd {}, by_path {};
-  if (fstat(fd_, &by_fd) == 0 && stat(path_.c_str(), &by_path) == 0 && by_fd.st_ino == by_path.st_ino &&
-      by_fd.st_dev == by_path.st_dev)
-    ::unlink(path_.c_str());
+  // Remove the file only while it still carries this holder's token: never a
+  // lock another run has taken over (in place, or as a new file).
+  std::string text;
+  if (const int fd = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC); fd >= 0) {
+    text = read_all(fd);
+    ::close(fd);
+  }
+  if (!text.empty() && parse_lock_holder(text).token == token_) ::unlink(path_.c_str());
   ::close(fd_);
 }
 
