@@ -10,12 +10,16 @@
 #include <cerrno>
 #include <csignal>
 #include <cstdlib>
+#include <cstdio>
 #include <cstring>
 #include <ctime>
 #include <fstream>
 #include <map>
+#include <chrono>
+#include <thread>
 #include <random>
 #include <sstream>
+#include <utility>
 
 #include <toml++/toml.h>
 
@@ -158,6 +162,10 @@ RunDirLock::RunDirLock(const fs::path& dir, const std::string& run_name, const s
   fs::create_directories(dir, ec);
   SHARDLM_CHECK(!ec, "cannot create run.dir '%s': %s", dir.c_str(), ec.message().c_str());
   path_ = dir / "run.lock";
+  const char* wait_s = std::getenv("SHARDLM_RUN_LOCK_WAIT_S");  // tests: a shorter wait for a lock with our Slurm ids
+  const int own_ids_wait_s = wait_s && *wait_s ? std::atoi(wait_s) : kStaleAfterS + kHeartbeatS;
+  const auto wait_until = std::chrono::steady_clock::now() + std::chrono::seconds(own_ids_wait_s);
+  bool said_waiting = false;
   for (int attempt = 0;; ++attempt) {
     const int fd = ::open(path_.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
     SHARDLM_CHECK(fd >= 0, "cannot open %s: %s", path_.c_str(), std::strerror(errno));
@@ -185,6 +193,24 @@ RunDirLock::RunDirLock(const fs::path& dir, const std::string& run_name, const s
     if (!blank(text)) {
       const LockHolder holder = parse_lock_holder(text);
       const std::string why = stale_reason(holder, by_fd.st_mtime, flocked);
+      // This Slurm job step's ids from another host: most likely this job before
+      // a requeue, killed with its node, but possibly a start still running
+      // there. Only the heartbeat can tell: wait until the lock is stale, or has
+      // been touched for longer than a stale one could be (then refused).
+      const bool own_ids_elsewhere =
+          !holder.slurm_job.empty() && holder.slurm_job == slurm_step() && holder.host != this_host();
+      if (why.empty() && own_ids_elsewhere && std::chrono::steady_clock::now() < wait_until) {
+        if (!std::exchange(said_waiting, true)) {
+          std::printf("run dir: %s is held by %s, with this Slurm job step's ids, on another host: waiting up to "
+                      "%d s for its heartbeat to go stale (a live run there keeps it; then this start is refused)\n",
+                      path_.c_str(), describe(holder).c_str(), own_ids_wait_s);
+          std::fflush(stdout);
+        }
+        ::close(fd);
+        std::this_thread::sleep_for(std::chrono::seconds(1));
+        --attempt;  // not a replaced file
+        continue;
+      }
       if (why.empty()) {
         ::close(fd);
         const bool here = holder.host == this_host();

@@ -50,7 +50,8 @@ LockHolder parse_lock_holder(const std::string& text);
 // alone (the holder touches the file every kHeartbeatS seconds; one untouched
 // for kStaleAfterS seconds is stale). The same Slurm job and step ids prove
 // nothing (two srun steps, or a requeue racing its old allocation, share them):
-// a requeued job on a new node takes its lock once the heartbeat is stale.
+// a requeued job on a new node finding such a lock waits for the heartbeat to
+// go stale (at most kStaleAfterS + kHeartbeatS) and takes it, or is refused.
 //
 // The holder writes a token of its own (host, pid, process start, random); the
 // heartbeat checks every beat that the file still carries it, and the

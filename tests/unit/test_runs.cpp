@@ -272,6 +272,7 @@ TEST_CASE("run.lock: a fresh lock with this Slurm job step's ids from another ho
   write_text(file, remote);
   setenv("SLURM_JOB_ID", "777", 1);
   setenv("SLURM_STEP_ID", "0", 1);
+  setenv("SHARDLM_RUN_LOCK_WAIT_S", "2", 1);  // instead of 135 s: still touched 2 s later, so live
   try {
     RunDirLock lock(t.path, "x", "y");
     FAIL("a freshly touched lock of another host was taken because its Slurm ids match");
@@ -282,13 +283,14 @@ TEST_CASE("run.lock: a fresh lock with this Slurm job step's ids from another ho
     CHECK(m.find("untouched for 120 s is taken over") != std::string::npos);
   }
   CHECK(read_text(file) == remote);  // the refused run touched nothing
-  // The same lock once its heartbeat is 130 s old: a requeued job on a new node takes it.
-  struct timespec old[2] = {{std::time(nullptr) - 130, 0}, {std::time(nullptr) - 130, 0}};
+  unsetenv("SHARDLM_RUN_LOCK_WAIT_S");
+  // Its heartbeat 118 s old: a requeued job on a new node waits the 2 s until it is stale, then takes it.
+  struct timespec old[2] = {{std::time(nullptr) - 118, 0}, {std::time(nullptr) - 118, 0}};
   REQUIRE(utimensat(AT_FDCWD, file.c_str(), old, 0) == 0);
   {
     RunDirLock lock(t.path, "x", "y");
     CHECK(lock.takeover_note().find("pid 5151 on host node-elsewhere-2") != std::string::npos);
-    CHECK(lock.takeover_note().find("has not touched it for 13") != std::string::npos);
+    CHECK(lock.takeover_note().find("has not touched it for 12") != std::string::npos);
     const LockHolder mine = parse_lock_holder(read_text(file));
     CHECK(mine.slurm_job == "777.0");
     CHECK(mine.token == lock.token());
