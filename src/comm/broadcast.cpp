@@ -340,6 +340,7 @@ void WeightBroadcaster::send_to_filesystem(const ShardedModel& model, int64_t st
           lagging_ = false;
           std::printf("broadcast: step %lld: the receivers have caught up (%zu step directories, broadcast.keep = "
                       "%zu): retention and waiting resume\n", (long long)step, left, keep);
+          std::fflush(stdout);
         }
         return !lagging_ && left > keep;
       },

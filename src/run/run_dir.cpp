@@ -8,17 +8,17 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <csignal>
-#include <cstdlib>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <ctime>
 #include <fstream>
 #include <map>
-#include <chrono>
-#include <thread>
 #include <random>
 #include <sstream>
+#include <thread>
 #include <utility>
 
 #include <toml++/toml.h>
