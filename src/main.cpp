@@ -173,6 +173,11 @@ int cmd_train(Runtime& rt, const CliArgs& args) {
     return 0;
   }
   if (stop_requested(rt.role_comm)) {  // signalled during setup: no step ran, the state on disk is already current
+    if (run_dir_lost()) {  // run.lock taken by another run during setup: the directory is not ours
+      report_run_dir_lost(rt, config, run_dir_lock.get(), start.step);
+      broadcaster.finish(kExitRunDirInUse);
+      return kExitRunDirInUse;
+    }
     if (comm->rank() == 0)
       std::printf("stopped by signal %d during setup, before the first step: exit %d (requeue; nothing to save%s)\n",
                   stop_signal(), kExitRequeue,
@@ -201,6 +206,10 @@ int cmd_train(Runtime& rt, const CliArgs& args) {
   }
   const RunEnd run_end = checkpointer.finish();  // the last save, waited for
   broadcaster.finish(run_end.exit_code);
+  if (run_end.exit_code == kExitRunDirInUse) {  // run.lock taken mid-run: nothing more is written in run.dir
+    report_run_dir_lost(rt, config, run_dir_lock.get(), steps_done);
+    return kExitRunDirInUse;
+  }
   if (!run_end.stopped) {
     if (!config.run.export_dir.empty()) export_final_weights(config, session, *comm);
     end_of_run_report(rt, config, session, broadcaster, metrics, start.step, run_end, steps_done);

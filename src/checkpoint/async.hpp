@@ -63,8 +63,9 @@ int64_t checkpoint_state_bytes(const Config& config, const ModelLayout& layout);
 // What the loop does after a step, as the Checkpointer decides it.
 struct StepEnd {
   bool stop = false;  // leave the loop now
-  int exit_code = 0;  // with stop: kExitRequeue (a stop signal, the state saved) or
-                      // kExitCheckpointFailed (a save failed under ckpt.on_error = "stop")
+  int exit_code = 0;  // with stop: kExitRequeue (a stop signal, the state saved),
+                      // kExitCheckpointFailed (a save failed under ckpt.on_error = "stop") or
+                      // kExitRunDirInUse (run.lock taken by another run: nothing saved)
 };
 
 // How the run ends once the last save is written (or failed): Checkpointer::finish.
@@ -73,8 +74,9 @@ struct RunEnd {
                                    // no export, no end-of-run report
   bool final_save_failed = false;  // ckpt.on_error = "continue" trained on to run.max_steps, but the
                                    // save of the run's end failed: the report, then exit 74
-  int exit_code = 0;               // what `shardlm train` returns: 0 | kExitRequeue | kExitCheckpointFailed
-  const char* status() const;      // metrics' end row: "done" | "stopped" | "checkpoint_failed"
+  int exit_code = 0;               // what `shardlm train` returns: 0 | kExitRequeue | kExitCheckpointFailed |
+                                   // kExitRunDirInUse
+  const char* status() const;      // "done" | "stopped" | "checkpoint_failed" | "run_dir_lost"
 };
 
 class Checkpointer {

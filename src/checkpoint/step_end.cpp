@@ -1,7 +1,8 @@
 // checkpoint/step_end.cpp — the Checkpointer's decisions (async.hpp): at the
 // end of every step, whether to save and whether the run stops; at the end of
 // the run, how it ends. The exit codes are what the job scripts act on
-// (run/signals.hpp): 75 requeues, 74 reports a lost checkpoint.
+// (run/signals.hpp): 75 requeues, 74 reports a lost checkpoint, 73 says another
+// run took run.dir (run/run_dir.hpp): then nothing more is saved there.
 //
 // Every branch below is taken on every rank alike: poll, the stop signal and a
 // save's outcome are agreed over the trainers before they are returned, so the
@@ -12,6 +13,7 @@
 #include "checkpoint/agree.hpp"  // comm_rank
 #include "checkpoint/async.hpp"
 #include "checkpoint/retention.hpp"
+#include "run/run_dir.hpp"  // kExitRunDirInUse
 #include "run/signals.hpp"
 #include "shardlm/runtime.hpp"
 #include "train/train.hpp"
@@ -22,10 +24,14 @@ namespace {
 constexpr StepEnd kGoOn{};
 constexpr StepEnd kStopRequeue{true, kExitRequeue};
 constexpr StepEnd kStopSaveFailed{true, kExitCheckpointFailed};
+constexpr StepEnd kStopRunDirLost{true, kExitRunDirInUse};
 }  // namespace
 
 const char* RunEnd::status() const {
-  return exit_code == 0 ? "done" : exit_code == kExitRequeue ? "stopped" : "checkpoint_failed";
+  return exit_code == 0                  ? "done"
+         : exit_code == kExitRequeue     ? "stopped"
+         : exit_code == kExitRunDirInUse ? "run_dir_lost"
+                                         : "checkpoint_failed";
 }
 
 bool Checkpointer::stops_run(const std::optional<SaveResult>& result) const {
@@ -40,8 +46,11 @@ StepEnd Checkpointer::after_step(int64_t steps_done, int64_t tokens_seen) {
 
 StepEnd Checkpointer::decide(int64_t steps_done, int64_t tokens_seen) {
   const Config& config = session_.config;
-  if (stops_run(poll())) return kStopSaveFailed;  // a background save finished: reported here, failed or not
   const bool stop = stop_requested(session_.comm);  // SIGUSR1/SIGTERM/SIGINT on any rank, agreed by all (watched)
+  // run.lock names another run now: its directory is not ours to save in, nor to
+  // publish a finished background save in (so this comes before poll).
+  if (stop && run_dir_lost()) return kStopRunDirLost;
+  if (stops_run(poll())) return kStopSaveFailed;  // a background save finished: reported here, failed or not
   const bool last_step = steps_done == config.run.max_steps;
   bool save_failed = false;  // this step's save (sync: known now; async: once waited for)
   if (stop || checkpoint_due(config.ckpt, steps_done, config.run.max_steps)) {
@@ -76,6 +85,12 @@ StepEnd Checkpointer::decide(int64_t steps_done, int64_t tokens_seen) {
 }
 
 RunEnd Checkpointer::finish() {
+  if (end_.exit_code == kExitRunDirInUse) {  // a save in flight is abandoned (its .tmp is never renamed)
+    RunEnd lost;
+    lost.stopped = true;
+    lost.exit_code = kExitRunDirInUse;
+    return lost;
+  }
   // The last save, if it was still being written: at run.max_steps that is the final one.
   const std::optional<SaveResult> last = wait();
   if (last && !last->ok && steps_done_ == session_.config.run.max_steps) final_save_failed_ = true;

@@ -10,6 +10,12 @@
 //              device Comm's broadcast of a device buffer), its checksum
 //   end:       done header, with the trainers' exit code (the receivers exit
 //              with it: 75 when a stop signal ended the run, so the job requeues)
+//
+// The filesystem path, with receivers in the job: a hello header at start-up
+// (after trainer rank 0 removed an earlier job's DONE); each receiver sends
+// trainer rank 0 an acknowledgement (kAckTag: the step, 0) once it has read and
+// checked a step directory, and a last one (its last step, 1) after DONE, when
+// it reads nothing more. Retention removes only what every receiver acknowledged.
 #include "comm/broadcast.hpp"
 
 #include <algorithm>
@@ -29,7 +35,7 @@
 #include "shardlm/cuda.hpp"
 #include "shardlm/dtype.hpp"
 #include "shardlm/memory.hpp"
-#include "run/signals.hpp"  // kExitRequeue
+#include "run/signals.hpp"  // kExitRequeue, stop_signal
 #include "train/engine.hpp"
 #include "train/train.hpp"
 
@@ -40,6 +46,7 @@ namespace {
 
 constexpr uint64_t kMagic = 0x73686172646c6d31ULL;  // "shardlm1"
 enum : int64_t { kWeights = 1, kDone = 2, kHello = 3 };
+constexpr int kAckTag = 2704;  // filesystem path: receiver -> trainer rank 0, {step, finished}
 
 // What the root sends before each broadcast; POD, sent as bytes.
 struct Header {
@@ -89,6 +96,9 @@ fs::path step_dir(const std::string& dir, int64_t step) { return fs::path(dir) /
 
 std::string hex(uint64_t v) { return fmt("%016llx", (unsigned long long)v); }
 
+// WeightBroadcaster::wait_for_receivers: how a wait for the receivers ended.
+enum : int64_t { kWaited = 0, kWaitOn = 1, kTimedOut = 2, kSignalled = 3 };
+
 // The weights a receiver holds: bf16 values per parameter, in layout order.
 struct ReceivedModel {
   std::map<std::string, std::vector<uint16_t>> tensors;
@@ -132,6 +142,20 @@ uint64_t bf16_checksum(const uint16_t* values, int64_t begin, int64_t n) {
 
 WeightBroadcaster::WeightBroadcaster(const Config& config, const Runtime& rt, Comm& train_comm)
     : config_(config), rt_(rt), comm_(train_comm), enabled_(config.broadcast.backend != "none") {
+  if (config.broadcast.backend == "filesystem" && rt.num_receivers > 0) {
+    if (comm_.rank() != 0) return;
+    // A DONE an earlier job left would end the receivers at once: it is gone
+    // before the hello lets them look.
+    std::error_code ec;
+    fs::create_directories(config.broadcast.dir, ec);
+    fs::remove(fs::path(config.broadcast.dir) / "DONE", ec);
+    acked_.assign(static_cast<size_t>(rt.num_receivers), -1);
+    receiver_done_.assign(static_cast<size_t>(rt.num_receivers), 0);
+    Header hello;
+    hello.kind = kHello;
+    bcast_bytes(&hello, sizeof hello, rt.broadcast_comm);
+    return;
+  }
   if (config.broadcast.backend != "nccl") return;
   SHARDLM_CHECK(rt.num_receivers > 0,
                 "broadcast.backend = \"nccl\" but this job has no receiver ranks; launch trainers and receivers "
@@ -295,17 +319,104 @@ void WeightBroadcaster::send_to_filesystem(const ShardedModel& model, int64_t st
       writer->write(s.param->name, s.param_begin, s.count, model.param[ui].data() + s.shard_offset);
   if (comm_.rank() != 0) writer->close_part();
   comm_.barrier();
-  if (comm_.rank() != 0) return;
-  writer->finish(/*check_complete=*/false);
-  std::ofstream(dir / "STABLE") << step << "\n";
-  // Keep the newest broadcast.keep steps.
+  if (comm_.rank() == 0) {
+    writer->finish(/*check_complete=*/false);
+    std::ofstream(dir / "STABLE") << step << "\n";
+  }
+  if (rt_.num_receivers == 0) {  // no reader this job knows of: the newest broadcast.keep steps stay
+    if (comm_.rank() == 0) retire_step_dirs();
+    return;
+  }
+  // Retention removes only what every receiver has read. A receiver with more
+  // than broadcast.keep directories still to read holds the trainers back here
+  // (the disk holds at most keep + 1 steps), for at most comm.timeout_s; then
+  // its directories are kept, a line says so, and training goes on without
+  // waiting for it until it has caught up.
+  const size_t keep = static_cast<size_t>(config_.broadcast.keep);
+  const int outcome = wait_for_receivers(
+      [&] {
+        const size_t left = retire_step_dirs();
+        if (lagging_ && left <= keep) {
+          lagging_ = false;
+          std::printf("broadcast: step %lld: the receivers have caught up (%zu step directories, broadcast.keep = "
+                      "%zu): retention and waiting resume\n", (long long)step, left, keep);
+          std::fflush(stdout);
+        }
+        return !lagging_ && left > keep;
+      },
+      /*signal_ends=*/true);
+  if (comm_.rank() != 0 || outcome == kWaited) return;
+  if (outcome == kTimedOut) lagging_ = true;
+  std::printf("broadcast: step %lld: %s, more than broadcast.keep = %zu step directories behind; %s: its "
+              "directories are kept (none is removed before every receiver has read it)%s\n",
+              (long long)step, slowest_receiver().c_str(), keep,
+              outcome == kTimedOut ? fmt("it did not catch up within comm.timeout_s = %g s", config_.comm.timeout_s).c_str()
+                                   : "a stop signal came while waiting for it",
+              outcome == kTimedOut ? " and training goes on without waiting for it until it catches up" : "");
+  std::fflush(stdout);
+}
+
+void WeightBroadcaster::take_acks() {
+  for (;;) {
+    int arrived = 0;
+    MPI_Status status;
+    MPI_CHECK(MPI_Iprobe(MPI_ANY_SOURCE, kAckTag, rt_.broadcast_comm, &arrived, &status));
+    if (!arrived) return;
+    int64_t ack[2] = {0, 0};  // step, finished
+    MPI_CHECK(MPI_Recv(ack, 2, MPI_INT64_T, status.MPI_SOURCE, kAckTag, rt_.broadcast_comm, MPI_STATUS_IGNORE));
+    const size_t r = static_cast<size_t>(status.MPI_SOURCE - 1);  // broadcast_comm: rank 0 is trainer rank 0
+    acked_[r] = std::max(acked_[r], ack[0]);
+    if (ack[1]) receiver_done_[r] = 1;
+  }
+}
+
+size_t WeightBroadcaster::retire_step_dirs() {
   std::vector<std::pair<int64_t, fs::path>> steps;
   for (const auto& e : fs::directory_iterator(config_.broadcast.dir)) {
     const std::string name = e.path().filename().string();
     if (e.is_directory() && name.rfind("step_", 0) == 0) steps.emplace_back(std::atoll(name.c_str() + 5), e.path());
   }
   std::sort(steps.begin(), steps.end());
-  for (size_t i = 0; i + config_.broadcast.keep < steps.size(); ++i) fs::remove_all(steps[i].second);
+  // Receivers read the steps in order, so what they all acknowledged is a prefix.
+  int64_t read_by_all = INT64_MAX;
+  for (const int64_t a : acked_) read_by_all = std::min(read_by_all, a);
+  size_t left = steps.size();
+  for (size_t i = 0; i + config_.broadcast.keep < steps.size() && steps[i].first <= read_by_all; ++i) {
+    fs::remove_all(steps[i].second);
+    --left;
+  }
+  return left;
+}
+
+template <class Waiting>
+int WeightBroadcaster::wait_for_receivers(Waiting waiting, bool signal_ends) {
+  const auto t0 = std::chrono::steady_clock::now();
+  for (;;) {
+    int64_t outcome = kWaited;  // decided on rank 0, told to every trainer
+    if (comm_.rank() == 0) {
+      take_acks();
+      const double waited_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      if (!waiting()) outcome = kWaited;
+      else if (signal_ends && stop_signal() != 0) outcome = kSignalled;
+      else if (waited_s > config_.comm.timeout_s) outcome = kTimedOut;
+      else outcome = kWaitOn;
+    }
+    comm_.broadcast(&outcome, sizeof outcome, 0);  // the others wait here, in a watched collective, never long
+    if (outcome != kWaitOn) return static_cast<int>(outcome);
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+}
+
+std::string WeightBroadcaster::slowest_receiver() const {
+  size_t slowest = 0;
+  for (size_t r = 1; r < acked_.size(); ++r)
+    if (acked_[r] < acked_[slowest]) slowest = r;
+  const int world_rank = rt_.num_trainers + static_cast<int>(slowest);
+  return acked_[slowest] < 0
+             ? fmt("the receiver at world rank %d (%s) has not finished reading any step yet", world_rank,
+                   world_rank_host(world_rank))
+             : fmt("the receiver at world rank %d (%s) has finished reading step %lld", world_rank,
+                   world_rank_host(world_rank), (long long)acked_[slowest]);
 }
 
 void WeightBroadcaster::finish(int exit_code) {
@@ -319,8 +430,22 @@ void WeightBroadcaster::finish(int exit_code) {
     }
     device_bcast_.reset();
     release_gathered_unit();
-  } else if (comm_.rank() == 0) {
-    std::ofstream(fs::path(config_.broadcast.dir) / "DONE") << "done\n" << exit_code << "\n";
+  } else {
+    if (comm_.rank() == 0) std::ofstream(fs::path(config_.broadcast.dir) / "DONE") << "done\n" << exit_code << "\n";
+    if (rt_.num_receivers == 0) return;
+    // The receivers read what is left, then say they are done: every step
+    // directory read is retired, every acknowledgement taken before MPI ends.
+    const int outcome = wait_for_receivers(
+        [&] {
+          retire_step_dirs();
+          return std::find(receiver_done_.begin(), receiver_done_.end(), 0) != receiver_done_.end();
+        },
+        /*signal_ends=*/false);
+    if (comm_.rank() == 0 && outcome == kTimedOut) {
+      std::printf("broadcast: %s and has not finished within comm.timeout_s = %g s after the end of training: "
+                  "its step directories are kept\n", slowest_receiver().c_str(), config_.comm.timeout_s);
+      std::fflush(stdout);
+    }
   }
 }
 
@@ -431,8 +556,29 @@ int done_exit_code(const fs::path& done) {
   return code;
 }
 
+// SHARDLM_FAULT=receive_slow@R: receiver R takes SHARDLM_RECEIVE_SLOW_MS (500)
+// longer over each step directory, after it found it and before it reads it;
+// over the first SHARDLM_RECEIVE_SLOW_STEPS directories only, where that is set.
+void maybe_receive_slowly(int64_t received) {
+  if (!fault_armed("receive_slow")) return;
+  const char* steps = std::getenv("SHARDLM_RECEIVE_SLOW_STEPS");
+  if (steps && *steps && received >= std::atoll(steps)) return;
+  const char* ms = std::getenv("SHARDLM_RECEIVE_SLOW_MS");
+  std::this_thread::sleep_for(std::chrono::milliseconds(ms && *ms ? std::atoi(ms) : 500));
+}
+
 int64_t receive_from_filesystem(const Config& config, const ModelLayout& layout, const Runtime& rt,
                                 ReceivedModel& model, int* exit_code) {
+  // Trainer rank 0 says hello once it has removed an earlier job's DONE.
+  Header hello;
+  bcast_bytes(&hello, sizeof hello, rt.broadcast_comm);
+  SHARDLM_CHECK(hello.magic == kMagic && hello.kind == kHello,
+                "receive: the trainer sent a header that is not shardlm's");
+  // What this receiver has finished with, to trainer rank 0: until then retention keeps it.
+  const auto acknowledge = [&](int64_t step, int64_t finished) {
+    int64_t ack[2] = {step, finished};
+    MPI_CHECK(MPI_Send(ack, 2, MPI_INT64_T, 0, kAckTag, rt.broadcast_comm));
+  };
   int64_t received = 0, last = -1;
   const fs::path root = config.broadcast.dir;
   for (;;) {
@@ -441,13 +587,13 @@ int64_t receive_from_filesystem(const Config& config, const ModelLayout& layout,
     if (fs::exists(root))
       for (const auto& e : fs::directory_iterator(root)) {
         const std::string name = e.path().filename().string();
-        if (name.rfind("step_", 0) == 0 && fs::exists(e.path() / "STABLE")) {
-          const int64_t s = std::atoll(name.c_str() + 5);
-          if (s > last) ready.push_back(s);
-        }
+        if (name.rfind("step_", 0) != 0) continue;
+        const int64_t s = std::atoll(name.c_str() + 5);
+        if (s > last && fs::exists(e.path() / "STABLE")) ready.push_back(s);  // <= last: acknowledged, may go
       }
     std::sort(ready.begin(), ready.end());
     for (int64_t s : ready) {
+      maybe_receive_slowly(received);
       const auto t0 = std::chrono::steady_clock::now();
       const fs::path dir = step_dir(config.broadcast.dir, s);
       SafetensorsReader reader(dir);
@@ -477,9 +623,11 @@ int64_t receive_from_filesystem(const Config& config, const ModelLayout& layout,
       ++received;
       report(rt, s, int64_t(layout.all_params().size()), bytes,
              std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+      acknowledge(s, 0);
     }
     if (done && ready.empty()) {
       *exit_code = done_exit_code(root / "DONE");
+      acknowledge(last, 1);
       return received;
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(100));

@@ -5,7 +5,11 @@
 // host MPI on the CPU backend, a device communicator on GPUs: NCCL, or MPI
 // staged through host memory where two of its ranks share a GPU) or through the
 // filesystem (<broadcast.dir>/step_<N>/model.safetensors + config.json +
-// STABLE), and `shardlm receive`, which checks what arrives. Transient memory on
+// STABLE), and `shardlm receive`, which checks what arrives. On the filesystem
+// path the receivers of the job acknowledge each step they finished reading
+// (MPI, to trainer rank 0), and retention removes only directories every
+// receiver has acknowledged: a slow receiver holds the trainers back once
+// broadcast.keep directories wait for it, for at most comm.timeout_s. Transient memory on
 // the trainer is one gathered unit (on GPUs: on the device, gathered in bf16
 // from the backend's parameter shards). Knows the sharded model, the engine's
 // gather and Comm, not the kernels.
@@ -69,6 +73,18 @@ class WeightBroadcaster {
   void send_from_device(Engine& engine, const ModelLayout& layout, int64_t step);
   void send_to_filesystem(const ShardedModel& model, int64_t step);
   void release_gathered_unit();
+  // Filesystem path, trainer rank 0: take the receivers' acknowledgements that
+  // have arrived; remove the step directories beyond the newest broadcast.keep
+  // that every receiver has acknowledged. Returns how many are left.
+  void take_acks();
+  size_t retire_step_dirs();
+  // Collective over the trainers: while `waiting()` (asked on rank 0, after the
+  // acknowledgements that arrived are taken) holds, comm.timeout_s has not
+  // passed and (with signal_ends) no stop signal came, poll every 10 ms; the
+  // others wait in a broadcast of rank 0's answer. Returns how it ended.
+  template <class Waiting>
+  int wait_for_receivers(Waiting waiting, bool signal_ends);
+  std::string slowest_receiver() const;  // rank 0: "receiver 3 (world rank), last finished step 12"
 
   const Config& config_;
   const Runtime& rt_;
@@ -82,6 +98,11 @@ class WeightBroadcaster {
   void* gathered_unit_ = nullptr;       // GPU path: one gathered bf16 unit (device), first send to finish()
   int64_t gathered_bytes_ = 0;
   bool tokenizer_noted_ = false;        // rank 0: the filesystem path said where the tokenizer files came from
+  // Filesystem path with receivers, rank 0: per receiver (broadcast_comm rank - 1)
+  // the last step it finished reading (-1: none yet) and whether it has finished.
+  std::vector<int64_t> acked_;
+  std::vector<char> receiver_done_;
+  bool lagging_ = false;  // waited comm.timeout_s once: its directories are kept, no more waiting until it catches up
 };
 
 // `shardlm receive DECK [--out DIR]`: receive every broadcast, verify checksums,

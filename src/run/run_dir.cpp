@@ -8,13 +8,18 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <csignal>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <ctime>
 #include <fstream>
 #include <map>
+#include <random>
 #include <sstream>
+#include <thread>
+#include <utility>
 
 #include <toml++/toml.h>
 
@@ -79,6 +84,19 @@ std::string read_all(int fd) {
   return text;
 }
 
+// host:pid:process start:64 random bits: no two holders write the same one.
+std::string new_token() {
+  std::random_device random;
+  const unsigned long long bits = (static_cast<unsigned long long>(random()) << 32) ^ random();
+  return fmt("%s:%ld:%lld:%016llx", this_host().c_str(), (long)getpid(), process_start(getpid()), bits);
+}
+
+std::chrono::milliseconds heartbeat_period() {
+  const char* ms = std::getenv("SHARDLM_RUN_LOCK_HEARTBEAT_MS");  // tests: a lost lock noticed in a second
+  if (ms && std::atoll(ms) > 0) return std::chrono::milliseconds(std::atoll(ms));
+  return std::chrono::seconds(RunDirLock::kHeartbeatS);
+}
+
 bool blank(const std::string& s) { return s.find_first_not_of(" \t\r\n") == std::string::npos; }
 
 std::string describe(const LockHolder& h) {
@@ -106,10 +124,9 @@ std::string stale_reason(const LockHolder& h, std::time_t touched, bool flocked)
     if (flocked) return "no process holds its flock any more";
     return "";
   }
-  // Another host: its processes cannot be asked. A job step runs once at a time,
-  // so the same Slurm job step (a requeued job) can take its lock back at once.
-  if (!h.slurm_job.empty() && h.slurm_job == slurm_step())
-    return "it is this Slurm job step's own lock (" + h.slurm_job + "), from before a requeue";
+  // Another host: its processes cannot be asked, only the heartbeat tells. The
+  // same Slurm job and step ids prove nothing: a requeued job can start on a new
+  // node while the old allocation still runs, and both carry the same ids.
   const long long age = static_cast<long long>(std::time(nullptr) - touched);
   if (age > RunDirLock::kStaleAfterS)
     return fmt("its holder on another host has not touched it for %lld s (a live run touches it every %d s)", age,
@@ -135,6 +152,7 @@ LockHolder parse_lock_holder(const std::string& text) {
     else if (key == "run_name") h.run_name = value;
     else if (key == "deck") h.deck = value;
     else if (key == "slurm_job_step") h.slurm_job = value;
+    else if (key == "token") h.token = value;
   }
   return h;
 }
@@ -144,6 +162,10 @@ RunDirLock::RunDirLock(const fs::path& dir, const std::string& run_name, const s
   fs::create_directories(dir, ec);
   SHARDLM_CHECK(!ec, "cannot create run.dir '%s': %s", dir.c_str(), ec.message().c_str());
   path_ = dir / "run.lock";
+  const char* wait_s = std::getenv("SHARDLM_RUN_LOCK_WAIT_S");  // tests: a shorter wait for a lock with our Slurm ids
+  const int own_ids_wait_s = wait_s && *wait_s ? std::atoi(wait_s) : kStaleAfterS + kHeartbeatS;
+  const auto wait_until = std::chrono::steady_clock::now() + std::chrono::seconds(own_ids_wait_s);
+  bool said_waiting = false;
   for (int attempt = 0;; ++attempt) {
     const int fd = ::open(path_.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
     SHARDLM_CHECK(fd >= 0, "cannot open %s: %s", path_.c_str(), std::strerror(errno));
@@ -171,6 +193,24 @@ RunDirLock::RunDirLock(const fs::path& dir, const std::string& run_name, const s
     if (!blank(text)) {
       const LockHolder holder = parse_lock_holder(text);
       const std::string why = stale_reason(holder, by_fd.st_mtime, flocked);
+      // This Slurm job step's ids from another host: most likely this job before
+      // a requeue, killed with its node, but possibly a start still running
+      // there. Only the heartbeat can tell: wait until the lock is stale, or has
+      // been touched for longer than a stale one could be (then refused).
+      const bool own_ids_elsewhere =
+          !holder.slurm_job.empty() && holder.slurm_job == slurm_step() && holder.host != this_host();
+      if (why.empty() && own_ids_elsewhere && std::chrono::steady_clock::now() < wait_until) {
+        if (!std::exchange(said_waiting, true)) {
+          std::printf("run dir: %s is held by %s, with this Slurm job step's ids, on another host: waiting up to "
+                      "%d s for its heartbeat to go stale (a live run there keeps it; then this start is refused)\n",
+                      path_.c_str(), describe(holder).c_str(), own_ids_wait_s);
+          std::fflush(stdout);
+        }
+        ::close(fd);
+        std::this_thread::sleep_for(std::chrono::seconds(1));
+        --attempt;  // not a replaced file
+        continue;
+      }
       if (why.empty()) {
         ::close(fd);
         const bool here = holder.host == this_host();
@@ -183,11 +223,13 @@ RunDirLock::RunDirLock(const fs::path& dir, const std::string& run_name, const s
       }
       takeover_note_ = fmt("took over %s, left by %s: %s", path_.c_str(), describe(holder).c_str(), why.c_str());
     }
+    token_ = new_token();
     const std::string mine = fmt("host=%s\npid=%ld\nproc_start=%lld\nboot_id=%s\nstarted=%s\nrun_name=%s\ndeck=%s\n"
-                                 "slurm_job_step=%s\n",
+                                 "slurm_job_step=%s\ntoken=%s\n",
                                  this_host().c_str(), (long)getpid(), process_start(getpid()), boot_id().c_str(),
                                  utc_text(std::time(nullptr)).c_str(), run_name.c_str(), deck.c_str(),
-                                 slurm_step().c_str());
+                                 slurm_step().c_str(), token_.c_str());
+    text_ = mine;
     const bool written = ftruncate(fd, 0) == 0 && pwrite(fd, mine.data(), mine.size(), 0) == ssize_t(mine.size()) &&
                          fsync(fd) == 0;
     if (!written) {
@@ -198,12 +240,64 @@ RunDirLock::RunDirLock(const fs::path& dir, const std::string& run_name, const s
     fd_ = fd;
     break;
   }
-  // The heartbeat lets a run on another host tell a live lock from one whose holder died.
-  heartbeat_ = std::thread([this] {
+  // The heartbeat lets a run on another host tell a live lock from one whose
+  // holder died, and tells this run when its lock has been taken.
+  const std::chrono::milliseconds period = heartbeat_period();
+  heartbeat_ = std::thread([this, period] {
     std::unique_lock<std::mutex> lock(mutex_);
-    while (!wake_.wait_for(lock, std::chrono::seconds(kHeartbeatS), [this] { return stopping_; }))
-      futimens(fd_, nullptr);
+    while (!wake_.wait_for(lock, period, [this] { return stopping_; })) {
+      beat();
+      if (lost_to_.empty()) continue;
+      const auto callback = on_lost_;
+      const std::string holder = lost_to_;
+      lock.unlock();  // the callback may ask lost_to()
+      if (callback) callback(holder);
+      return;  // the file is another run's now: never touched again
+    }
   });
+}
+
+void RunDirLock::beat() {
+  std::string text;
+  const int fd = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd >= 0) {
+    text = read_all(fd);
+    ::close(fd);
+  } else if (errno == ENOENT) {
+    // Removed under a live run (by hand, or by an older shardlm's exit): put it
+    // back, flocked, so that the directory stays this run's.
+    const int again = ::open(path_.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    if (again < 0) return;  // someone else made it first: the next beat reads theirs
+    if (::flock(again, LOCK_EX | LOCK_NB) != 0 ||
+        pwrite(again, text_.data(), text_.size(), 0) != ssize_t(text_.size())) {
+      ::close(again);
+      return;
+    }
+    fsync(again);
+    ::close(fd_);
+    fd_ = again;
+    std::fprintf(stderr, "shardlm: %s was removed while this run held it; written again\n", path_.c_str());
+    return;
+  } else {
+    return;  // unreadable for now (a filesystem hiccup): ask again at the next beat
+  }
+  if (blank(text)) return;  // a run taking it over is writing it: decided at the next beat
+  const LockHolder holder = parse_lock_holder(text);
+  if (holder.token != token_) {
+    lost_to_ = describe(holder);
+    return;
+  }
+  futimens(fd_, nullptr);
+}
+
+void RunDirLock::on_lost(std::function<void(const std::string&)> callback) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  on_lost_ = std::move(callback);
+}
+
+std::string RunDirLock::lost_to() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return lost_to_;
 }
 
 RunDirLock::~RunDirLock() {
@@ -213,11 +307,14 @@ RunDirLock::~RunDirLock() {
   }
   wake_.notify_all();
   if (heartbeat_.joinable()) heartbeat_.join();
-  // Remove the file only while it is still ours (never a lock another run took over).
-  struct stat by_fd {}, by_path {};
-  if (fstat(fd_, &by_fd) == 0 && stat(path_.c_str(), &by_path) == 0 && by_fd.st_ino == by_path.st_ino &&
-      by_fd.st_dev == by_path.st_dev)
-    ::unlink(path_.c_str());
+  // Remove the file only while it still carries this holder's token: never a
+  // lock another run has taken over (in place, or as a new file).
+  std::string text;
+  if (const int fd = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC); fd >= 0) {
+    text = read_all(fd);
+    ::close(fd);
+  }
+  if (!text.empty() && parse_lock_holder(text).token == token_) ::unlink(path_.c_str());
   ::close(fd_);
 }
 

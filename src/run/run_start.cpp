@@ -10,6 +10,7 @@
 #include <filesystem>
 
 #include "checkpoint/retention.hpp"
+#include "run/signals.hpp"
 #include "train/optim.hpp"
 
 namespace shardlm {
@@ -52,6 +53,9 @@ std::unique_ptr<RunDirLock> open_run_dir(const Runtime& rt, const Config& config
     try {
       lock = std::make_unique<RunDirLock>(config.run.dir, config.run.name, config.deck_path);
       if (!lock->takeover_note().empty()) std::printf("run dir: %s\n", lock->takeover_note().c_str());
+      // Taken by another run mid-run: stop at the end of the step like a signal,
+      // agreed by all trainers, but save nothing (report_run_dir_lost says so).
+      lock->on_lost([](const std::string&) { request_stop_run_dir_lost(); });
       write_file_atomically(config.run.dir, "config.toml", resolved_deck(config));
       const std::string problem = writable_dir_problem(checkpoint_dir(config), "the checkpoint directory");
       if (!problem.empty()) {
@@ -74,6 +78,17 @@ std::unique_ptr<RunDirLock> open_run_dir(const Runtime& rt, const Config& config
   MPI_CHECK(MPI_Bcast(&checkpoints_ok, 1, MPI_INT, 0, rt.role_comm));
   *checkpoints_refused = !checkpoints_ok;
   return lock;
+}
+
+void report_run_dir_lost(const Runtime& rt, const Config& config, const RunDirLock* lock, int64_t steps_done) {
+  if (rt.world_rank != 0) return;
+  std::fprintf(stderr,
+               "shardlm: run.dir %s was taken by another run: %s/run.lock now names %s. Stopped after step %lld "
+               "without a checkpoint and left the directory to that run: exit %d. Give each run its own run.dir "
+               "(--set run.dir=...)\n",
+               config.run.dir.c_str(), config.run.dir.c_str(), lock ? lock->lost_to().c_str() : "another holder",
+               (long long)steps_done, kExitRunDirInUse);
+  std::fflush(stderr);
 }
 
 void print_deck_echo(const Runtime& rt, const Config& config) {

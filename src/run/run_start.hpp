@@ -19,7 +19,8 @@
 
 namespace shardlm {
 
-// Collective over rt.role_comm (the trainers). The lock on rank 0, null elsewhere.
+// Collective over rt.role_comm (the trainers). The lock on rank 0, null elsewhere;
+// its heartbeat asks for a stop (request_stop_run_dir_lost) if another run takes it.
 // *in_use is set on every rank when another run holds the directory (rank 0 has
 // said so; with receivers in the job it aborts it, since they would wait forever).
 // *checkpoints_refused is set on every rank when the checkpoint directory cannot
@@ -28,6 +29,10 @@ namespace shardlm {
 // "continue" rank 0 warns and the run trains on.
 std::unique_ptr<RunDirLock> open_run_dir(const Runtime& rt, const Config& config, bool* in_use,
                                          bool* checkpoints_refused);
+
+// Rank 0, when the run stopped because run.lock was taken by another run (the
+// heartbeat's on_lost; exit kExitRunDirInUse): the message naming that holder.
+void report_run_dir_lost(const Runtime& rt, const Config& config, const RunDirLock* lock, int64_t steps_done);
 
 // Rank 0: "deck: N keys set" and one line per key that is not at its default.
 void print_deck_echo(const Runtime& rt, const Config& config);

@@ -30,4 +30,11 @@ bool stop_requested(Comm& trainers);
 int stop_signal();                  // the signal seen (0 = none), for the log
 void clear_stop_request();          // tests
 
+// A stop that is no signal: trainer rank 0's run.lock heartbeat found the lock
+// taken by another run (run_dir.hpp). Safe from any thread; stop_requested()
+// then returns true on every rank and run_dir_lost() says why. The run must
+// neither save nor write in run.dir any more: it exits kExitRunDirInUse.
+void request_stop_run_dir_lost();
+bool run_dir_lost();                // after stop_requested(): on every rank
+
 }  // namespace shardlm

@@ -10,6 +10,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -18,6 +19,7 @@
 #include <fstream>
 #include <limits>
 #include <map>
+#include <mutex>
 #include <sstream>
 
 #include <nlohmann/json.hpp>
@@ -238,7 +240,7 @@ TEST_CASE("run.lock: a holder that is a zombie, or a live pid that holds no floc
   CHECK(lock.takeover_note().find("no process holds its flock any more") != std::string::npos);
 }
 
-TEST_CASE("run.lock: another host's lock is refused while touched, taken when stale or by the same Slurm step") {
+TEST_CASE("run.lock: another host's lock is refused while touched, taken over only when stale") {
   TempDir t("remote");
   const fs::path file = t.path / "run.lock";
   const std::string remote = "host=node-elsewhere-1\npid=4242\nstarted=2026-01-01 00:00:00 UTC\nrun_name=r\ndeck=d\n";
@@ -258,20 +260,123 @@ TEST_CASE("run.lock: another host's lock is refused while touched, taken when st
     RunDirLock lock(t.path, "x", "y");
     CHECK(lock.takeover_note().find("has not touched it for 6") != std::string::npos);
   }
-  // The same Slurm job step (a requeue) takes its own lock back at once.
-  write_text(file, remote + "slurm_job_step=777.0\n");
+}
+
+// #27 item 7: the same Slurm job and step ids prove nothing (two steps of one
+// allocation, or a requeue racing its old node): only a stale heartbeat does.
+TEST_CASE("run.lock: a fresh lock with this Slurm job step's ids from another host is refused; a stale one is taken") {
+  TempDir t("slurm");
+  const fs::path file = t.path / "run.lock";
+  const std::string remote = "host=node-elsewhere-2\npid=5151\nstarted=2026-01-01 00:00:00 UTC\nrun_name=r\n"
+                             "deck=d\nslurm_job_step=777.0\ntoken=node-elsewhere-2:5151:99:00000000000000aa\n";
+  write_text(file, remote);
   setenv("SLURM_JOB_ID", "777", 1);
   setenv("SLURM_STEP_ID", "0", 1);
+  setenv("SHARDLM_RUN_LOCK_WAIT_S", "2", 1);  // instead of 135 s: still touched 2 s later, so live
+  try {
+    RunDirLock lock(t.path, "x", "y");
+    FAIL("a freshly touched lock of another host was taken because its Slurm ids match");
+  } catch (const RunDirInUse& e) {
+    const std::string m = e.what();
+    CHECK(m.find("is held by pid 5151 on host node-elsewhere-2") != std::string::npos);
+    CHECK(m.find("Slurm job step 777.0") != std::string::npos);
+    CHECK(m.find("untouched for 120 s is taken over") != std::string::npos);
+  }
+  CHECK(read_text(file) == remote);  // the refused run touched nothing
+  unsetenv("SHARDLM_RUN_LOCK_WAIT_S");
+  // Its heartbeat 118 s old: a requeued job on a new node waits the 2 s until it is stale, then takes it.
+  struct timespec old[2] = {{std::time(nullptr) - 118, 0}, {std::time(nullptr) - 118, 0}};
+  REQUIRE(utimensat(AT_FDCWD, file.c_str(), old, 0) == 0);
   {
     RunDirLock lock(t.path, "x", "y");
-    CHECK(lock.takeover_note().find("this Slurm job step's own lock (777.0)") != std::string::npos);
-    CHECK(read_text(file).find("slurm_job_step=777.0\n") != std::string::npos);
+    CHECK(lock.takeover_note().find("pid 5151 on host node-elsewhere-2") != std::string::npos);
+    CHECK(lock.takeover_note().find("has not touched it for 12") != std::string::npos);
+    const LockHolder mine = parse_lock_holder(read_text(file));
+    CHECK(mine.slurm_job == "777.0");
+    CHECK(mine.token == lock.token());
   }
-  setenv("SLURM_STEP_ID", "1", 1);  // another step of the same job may be another run
-  write_text(file, remote + "slurm_job_step=777.0\n");
-  CHECK_THROWS_AS(RunDirLock(t.path, "x", "y"), RunDirInUse);
+  CHECK_FALSE(fs::exists(file));
   unsetenv("SLURM_JOB_ID");
   unsetenv("SLURM_STEP_ID");
+}
+
+TEST_CASE("run.lock: each holder writes its own token; a destructor leaves a lock that carries another token") {
+  TempDir t("token");
+  const fs::path file = t.path / "run.lock";
+  std::string first_token;
+  {
+    RunDirLock lock(t.path, "a", "a.toml");
+    first_token = lock.token();
+    const LockHolder h = parse_lock_holder(read_text(file));
+    CHECK(h.token == lock.token());
+    CHECK(h.token.rfind(host_name() + ":" + std::to_string(getpid()) + ":", 0) == 0);
+  }
+  RunDirLock second(t.path, "a", "a.toml");
+  CHECK(second.token() != first_token);  // same host, pid and start: the random part differs
+  // Another holder rewrites the file in place (as a run on another host taking it over does).
+  const std::string other = "host=node-elsewhere-3\npid=6161\nstarted=2026-01-01 00:00:00 UTC\n"
+                            "token=node-elsewhere-3:6161:1:00000000000000bb\n";
+  {
+    RunDirLock lock(t.path / "sub", "b", "b.toml");
+    write_text(t.path / "sub/run.lock", other);
+  }
+  CHECK(read_text(t.path / "sub/run.lock") == other);
+  // Replaced by a new file (another inode) likewise.
+  {
+    RunDirLock lock(t.path / "sub2", "b", "b.toml");
+    fs::remove(t.path / "sub2/run.lock");
+    write_text(t.path / "sub2/run.lock", other);
+  }
+  CHECK(read_text(t.path / "sub2/run.lock") == other);
+}
+
+TEST_CASE("run.lock: the heartbeat notices a lock rewritten by another holder, says who, and never touches it again") {
+  TempDir t("heartbeat");
+  const fs::path file = t.path / "run.lock";
+  setenv("SHARDLM_RUN_LOCK_HEARTBEAT_MS", "50", 1);
+  std::atomic<int> calls{0};
+  std::string seen;
+  std::mutex seen_mutex;
+  {
+    RunDirLock lock(t.path, "a", "a.toml");
+    lock.on_lost([&](const std::string& holder) {
+      std::lock_guard<std::mutex> guard(seen_mutex);
+      seen = holder;
+      ++calls;
+    });
+    usleep(200000);  // a few beats while the lock is ours
+    CHECK(calls.load() == 0);
+    CHECK(lock.lost_to().empty());
+    const std::string other = "host=node-elsewhere-4\npid=7171\nstarted=2026-01-01 00:00:00 UTC\nrun_name=thief\n"
+                              "deck=t.toml\ntoken=node-elsewhere-4:7171:1:00000000000000cc\n";
+    write_text(file, other);
+    struct timespec old[2] = {{1000000000, 0}, {1000000000, 0}};
+    REQUIRE(utimensat(AT_FDCWD, file.c_str(), old, 0) == 0);
+    for (int i = 0; i < 100 && calls.load() == 0; ++i) usleep(20000);
+    REQUIRE(calls.load() == 1);
+    {
+      std::lock_guard<std::mutex> guard(seen_mutex);
+      CHECK(seen.find("pid 7171 on host node-elsewhere-4") != std::string::npos);
+      CHECK(seen.find("(run 'thief', deck t.toml)") != std::string::npos);
+    }
+    CHECK(lock.lost_to() == seen);
+    usleep(200000);
+    CHECK(calls.load() == 1);
+    struct stat st {};
+    REQUIRE(stat(file.c_str(), &st) == 0);
+    CHECK(st.st_mtime == 1000000000);  // no heartbeat touched the other holder's file
+  }
+  CHECK(parse_lock_holder(read_text(file)).pid == 7171);  // and the destructor left it
+  // A lock removed under a live run is written again by the next beat.
+  {
+    RunDirLock lock(t.path / "again", "a", "a.toml");
+    fs::remove(t.path / "again/run.lock");
+    for (int i = 0; i < 100 && !fs::exists(t.path / "again/run.lock"); ++i) usleep(20000);
+    CHECK(parse_lock_holder(read_text(t.path / "again/run.lock")).token == lock.token());
+    CHECK(lock.lost_to().empty());
+  }
+  CHECK_FALSE(fs::exists(t.path / "again/run.lock"));
+  unsetenv("SHARDLM_RUN_LOCK_HEARTBEAT_MS");
 }
 
 TEST_CASE("deck_changes: changed, added and removed keys in the new deck's order") {
