@@ -11,7 +11,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <atomic>
+#include <chrono>
 #include <mutex>
+#include <thread>
 #include <random>
 #include <string>
 #include <vector>
@@ -24,6 +27,7 @@
 #include "train/offload.hpp"
 #include "train/optim.hpp"
 #include "train/shard.hpp"
+#include "train/state.hpp"
 
 using namespace shardlm;
 
@@ -266,3 +270,28 @@ TEST_CASE("Optimizer::step_unit writes the bf16 copy of every updated element (A
 }
 
 }  // TEST_SUITE
+
+// #27 item 1: an async save's writer reads the device state's host mirror
+// while training goes on; pull_state() (the filesystem broadcast pulls every
+// broadcast step) must not overwrite it before the writer's last read.
+TEST_CASE("HostShardReader: pull waits until the reader has read the mirror, following its progress") {
+  HostShardReader reader;
+  std::atomic<int64_t> progress{0};
+  std::vector<float> mirror(1024, 1.0f);  // step N's state
+  double sum_read = 0;
+  reader.begin(&progress);
+  std::thread writer([&] {
+    for (int piece = 0; piece < 8; ++piece) {  // a slow writer: 8 pieces, 25 ms each
+      std::this_thread::sleep_for(std::chrono::milliseconds(25));
+      for (int i = piece * 128; i < (piece + 1) * 128; ++i) sum_read += mirror[size_t(i)];
+      progress.fetch_add(1);
+    }
+    reader.end();
+  });
+  reader.wait_done();
+  std::fill(mirror.begin(), mirror.end(), 2.0f);  // what pull() would do: step N + k
+  writer.join();
+  CHECK(sum_read == 1024.0);  // every element the writer read was step N's
+  CHECK(progress.load() == 8);
+  reader.wait_done();  // no reader: returns at once
+}
