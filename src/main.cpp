@@ -8,6 +8,7 @@
 #include <omp.h>
 
 #include <chrono>
+#include <csignal>
 #include <cstdio>
 #include <memory>
 #include <string>
@@ -135,6 +136,7 @@ int cmd_train(Runtime& rt, const CliArgs& args) {
   Config config;
   if (!load_deck(rt, args, rt.num_trainers, config)) return 1;
   maybe_inject_fault("startup");
+  if (fault_armed("segv")) std::raise(SIGSEGV);  // tests: a crashing rank names itself
   set_collective_timeout(config.comm.timeout_s);  // the MPI Comm's watchdog (NCCL has its own)
   start_watchdog(config.comm.timeout_s);          // and everything else that can hang: I/O, HDF5, the writer
   select_device(rt, config.device.backend);

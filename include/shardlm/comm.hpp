@@ -55,6 +55,14 @@ void set_collective_timeout(double seconds);
 // agreements: MPI_Iallreduce and the like) under the same watch as the Comm's
 // collectives on that communicator. `what` names it in the message.
 void wait_collective(MPI_Comm comm, MPI_Request* request, const char* what);
+// Where a peer that answered a timed-out collective's query is, relative to
+// collective `what` #seq on this rank: in it, in the next ones (it finished
+// this one: a collective can complete on one rank first, e.g. a broadcast's
+// root), not yet at it, in a different collective of the same number (the
+// ranks called different things: a bug), or busy outside any collective
+// (their_seq < 0). The collective watch's message is built from these.
+enum class PeerPlace { Waiting, Ahead, Behind, Mismatch, Busy };
+PeerPlace where_is_peer(const char* what, int64_t seq, const char* their_what, int64_t their_seq);
 // Answers the queries other ranks sent this one while it is busy outside any
 // collective, in `busy_in` (an Activity that is making progress: watchdog.hpp).
 // The asker keeps waiting for a busy rank instead of ending the job. Main thread only.

@@ -78,6 +78,10 @@ std::string placement_summary(const Runtime& rt);
 // rank, host and cause on stderr, then MPI_Abort of the whole job (never a hang).
 // The job's exit code is `exit_code` (1 unless a watchdog says otherwise: watchdog.hpp).
 [[noreturn]] void fatal(const std::string& message, int exit_code = 1);
+// A rank that crashes (SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT) writes one
+// line naming its rank, host and pid and the signal before it dies of it
+// (runtime_init installs them; SIGKILL cannot be caught: the launcher names it).
+void install_crash_reporters();
 [[noreturn]] void mpi_failed(const char* call, int status, const char* file, int line);
 
 // Fault injection for the tests that prove a failing rank aborts the job:

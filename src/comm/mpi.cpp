@@ -181,11 +181,17 @@ class CollectiveWatch {
       const int world = world_rank_[size_t(r)];
       const Answer& a = answer[size_t(r)];
       const std::string where = fmt("%d on %s in %s #%lld", world, world_rank_host(world), a.what, (long long)a.seq);
-      if (!answered[size_t(r)]) missing_ranks.push_back(world);
-      else if (a.seq == seq && std::strcmp(a.what, what) == 0) waiting_ranks.push_back(world);
-      else if (a.seq == seq) mismatched += (mismatched.empty() ? "" : ", ") + where;
-      else if (a.seq > seq) ahead += (ahead.empty() ? "" : ", ") + where;
-      else behind += (behind.empty() ? "" : ", ") + where;
+      if (!answered[size_t(r)]) {
+        missing_ranks.push_back(world);
+        continue;
+      }
+      switch (where_is_peer(what, seq, a.what, a.seq)) {
+        case PeerPlace::Waiting: waiting_ranks.push_back(world); break;
+        case PeerPlace::Mismatch: mismatched += (mismatched.empty() ? "" : ", ") + where; break;
+        case PeerPlace::Ahead: ahead += (ahead.empty() ? "" : ", ") + where; break;
+        case PeerPlace::Behind: behind += (behind.empty() ? "" : ", ") + where; break;
+        case PeerPlace::Busy: behind += (behind.empty() ? "" : ", ") + where; break;  // busy, then not answering
+      }
     }
     const std::string missing = ranks_on_nodes(missing_ranks), waiting = ranks_on_nodes(waiting_ranks);
     std::string message = fmt("collective %s (#%lld of a communicator of %d ranks) has not completed after %.1f s "
@@ -220,6 +226,12 @@ class CollectiveWatch {
   std::deque<Answer> answers_out_;  // buffers of answers in flight (stable addresses)
   std::deque<int64_t> queries_;     // buffers of queries sent, numbered from 1
 };
+
+PeerPlace where_is_peer(const char* what, int64_t seq, const char* their_what, int64_t their_seq) {
+  if (their_seq < 0) return PeerPlace::Busy;
+  if (their_seq == seq) return std::strcmp(their_what, what) == 0 ? PeerPlace::Waiting : PeerPlace::Mismatch;
+  return their_seq > seq ? PeerPlace::Ahead : PeerPlace::Behind;
+}
 
 // The watch of a communicator, cached on it as an MPI attribute (freed with
 // it): every collective on one communicator, through a Comm or

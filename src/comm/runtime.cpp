@@ -3,6 +3,8 @@
 
 #include <unistd.h>
 
+#include <csignal>
+
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -58,6 +60,7 @@ Runtime runtime_init(int* argc, char*** argv, Role role) {
   g_world_size = rt.world_size;
   gethostname(g_host, sizeof(g_host) - 1);
   rt.hostname = g_host;
+  install_crash_reporters();
 
   MPI_Comm node_comm;
   MPI_CHECK(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, rt.world_rank, MPI_INFO_NULL, &node_comm));
@@ -200,6 +203,39 @@ std::string select_broadcast_comm(const Runtime& rt) {
   SHARDLM_CHECK(rt.broadcast_comm != MPI_COMM_NULL, "internal: select_broadcast_comm on a rank outside the "
                                                     "broadcast communicator");
   return ranks_share_a_gpu(rt, rt.broadcast_comm) ? "mpi" : "nccl";
+}
+
+namespace {
+
+// The line a crashing rank writes before it dies: formatted once here, since
+// a signal handler may only write(2) (async-signal-safe).
+char g_crash_line[NSIG][256];
+extern "C" void on_crash_signal(int sig) {
+  if (sig > 0 && sig < NSIG) (void)!write(STDERR_FILENO, g_crash_line[sig], std::strlen(g_crash_line[sig]));
+  signal(sig, SIG_DFL);  // die of it as before: the launcher and Slurm see the signal
+  raise(sig);
+}
+
+}  // namespace
+
+void install_crash_reporters() {
+  const struct { int sig; const char* name; const char* why; } kCrashes[] = {
+      {SIGSEGV, "SIGSEGV", "a crash: invalid memory access"},
+      {SIGBUS, "SIGBUS", "a crash: bad memory access (a truncated mmapped file, a failing disk or node)"},
+      {SIGFPE, "SIGFPE", "a crash: arithmetic fault"},
+      {SIGILL, "SIGILL", "a crash: illegal instruction (a binary built for another CPU?)"},
+      {SIGABRT, "SIGABRT", "aborted (a failed assertion or std::terminate)"},
+  };
+  for (const auto& c : kCrashes) {
+    std::snprintf(g_crash_line[c.sig], sizeof g_crash_line[c.sig],
+                  "shardlm: rank %d of %d (%s, pid %d) died of signal %d (%s): %s\n", g_world_rank, g_world_size,
+                  g_host, static_cast<int>(getpid()), c.sig, c.name, c.why);
+    struct sigaction sa {};
+    sa.sa_handler = on_crash_signal;
+    sigemptyset(&sa.sa_mask);
+    sa.sa_flags = SA_RESETHAND | SA_NODEFER;
+    sigaction(c.sig, &sa, nullptr);
+  }
 }
 
 void fatal(const std::string& message, int exit_code) {

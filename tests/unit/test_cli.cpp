@@ -12,6 +12,7 @@
 #include <string>
 
 #include "config/cli.hpp"
+#include "shardlm/comm.hpp"
 #include "shardlm/error.hpp"
 #include "run/run_dir.hpp"
 #include "shardlm/h5util.hpp"
@@ -587,6 +588,28 @@ TEST_CASE("a killed rank ends the job in seconds with a line naming it") {
   // The launcher sees the death first and names the rank (Open MPI: "process rank 2 ... exited on signal 9").
   CHECK_MESSAGE(r.output.find("rank 2") != std::string::npos, r.output);
   std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("a crashing rank names itself before it dies (#27 item 9)") {
+  const auto dir = std::filesystem::temp_directory_path() / ("shardlm-segv-" + std::to_string(getpid()));
+  auto r = run("SHARDLM_FAULT=segv@1 OMP_NUM_THREADS=1 " + mpirun(2) + "-x SHARDLM_FAULT " + shardlm_bin() +
+               " train inputs/tiny-sft.toml --set run.dir=" + dir.string());
+  CHECK(r.status != 0);
+  CHECK(r.status != 124);
+  char host[256] = {0};
+  gethostname(host, sizeof host - 1);
+  CHECK_MESSAGE(r.output.find(std::string("shardlm: rank 1 of 2 (") + host + ", pid ") != std::string::npos, r.output);
+  CHECK_MESSAGE(r.output.find("died of signal 11 (SIGSEGV): a crash: invalid memory access") != std::string::npos,
+                r.output);
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("where a peer is, for a timed-out collective's message: ahead is not a mismatch (#27 item 9)") {
+  CHECK(shardlm::where_is_peer("all_gather", 57, "all_gather", 57) == shardlm::PeerPlace::Waiting);
+  CHECK(shardlm::where_is_peer("all_gather", 57, "reduce_scatter", 58) == shardlm::PeerPlace::Ahead);
+  CHECK(shardlm::where_is_peer("all_gather", 57, "broadcast", 56) == shardlm::PeerPlace::Behind);
+  CHECK(shardlm::where_is_peer("all_gather", 57, "barrier", 57) == shardlm::PeerPlace::Mismatch);
+  CHECK(shardlm::where_is_peer("all_gather", 57, "export: writing x", -1) == shardlm::PeerPlace::Busy);
 }
 
 TEST_CASE("a fatal error on one rank aborts the whole job with one message, never a hang") {
