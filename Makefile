@@ -65,7 +65,9 @@ LDLIBS   += $(SANITIZE_FLAGS)
 
 VERSION := $(shell cat VERSION 2>/dev/null || echo 0.0.0)
 GIT_REV := $(shell git rev-parse --short HEAD 2>/dev/null || echo unknown)
-CXXFLAGS += -DSHARDLM_VERSION='"$(VERSION)"' -DSHARDLM_GIT_REV='"$(GIT_REV)"'
+# Only the file that prints them: every commit changes GIT_REV, and a flag on
+# every file would make each build after a commit miss ccache everywhere.
+VERSION_FLAGS := -DSHARDLM_VERSION='"$(VERSION)"' -DSHARDLM_GIT_REV='"$(GIT_REV)"'
 
 LIB_SRCS := $(filter-out src/cuda/stub.cpp,$(wildcard src/*/*.cpp))
 CU_SRCS  := $(wildcard src/cuda/*.cu)
@@ -108,6 +110,7 @@ $(BUILD)/test_gpu: $(GPU_OBJS) $(LIB_OBJS)
 
 # The GPU suites call the CUDA runtime directly (device buffers for the communicator tests).
 $(BUILD)/obj/tests/gpu/%.o: CXXFLAGS += -I$(CUDA_HOME)/include
+$(BUILD)/obj/src/comm/runtime.o: CXXFLAGS += $(VERSION_FLAGS)
 
 # The host AdamW benchmark (tools/bench_cpu_adamw.cpp); not part of `all`.
 bench-cpu-adamw: $(BUILD)/bench_cpu_adamw
