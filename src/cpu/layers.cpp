@@ -85,8 +85,8 @@ int64_t rows_bytes(const std::vector<BufferRow>& rows, Mem category) {
   return bytes;
 }
 
-void layer_forward(const ModelConfig& c, const LayerWeights<const float>& w, const TokenInputs& in,
-                   const float* x_in, float* x_out, LayerActs& a, bool run_attention) {
+void layer_qkv_forward(const ModelConfig& c, const LayerWeights<const float>& w, const TokenInputs& in,
+                       const float* x_in, LayerActs& a) {
   const Dims d(c);
   const int64_t N = in.N;
   rmsnorm_forward(a.xn1.data(), a.rstd1.data(), x_in, w.input_norm, N, d.C, c.rms_norm_eps);
@@ -102,8 +102,11 @@ void layer_forward(const ModelConfig& c, const LayerWeights<const float>& w, con
   }
   rope_forward(a.q.data(), in.positions, in.inv_freq, N, d.H, d.D);
   rope_forward(a.k.data(), in.positions, in.inv_freq, N, d.KV, d.D);
-  if (run_attention)
-    attention_forward(a.att.data(), a.lse.data(), a.q.data(), a.k.data(), a.v.data(), in.seq_ids, N, d.H, d.KV, d.D);
+}
+
+void layer_out_forward(const ModelConfig& c, const LayerWeights<const float>& w, int64_t N, const float* x_in,
+                       float* x_out, LayerActs& a) {
+  const Dims d(c);
   // x_out serves as the scratch for the o_proj output before the residual add.
   linear_forward(x_out, a.att.data(), w.wo, kNoBias, N, d.HD, d.C);
   add(a.x_mid.data(), x_in, x_out, N * d.C);
@@ -113,6 +116,16 @@ void layer_forward(const ModelConfig& c, const LayerWeights<const float>& w, con
   swiglu_forward(a.h.data(), a.gate.data(), a.up.data(), N * d.I);
   linear_forward(x_out, a.h.data(), w.w_down, kNoBias, N, d.I, d.C);
   add(x_out, x_out, a.x_mid.data(), N * d.C);
+}
+
+void layer_forward(const ModelConfig& c, const LayerWeights<const float>& w, const TokenInputs& in,
+                   const float* x_in, float* x_out, LayerActs& a, bool run_attention) {
+  const Dims d(c);
+  layer_qkv_forward(c, w, in, x_in, a);
+  if (run_attention)
+    attention_forward(a.att.data(), a.lse.data(), a.q.data(), a.k.data(), a.v.data(), in.seq_ids, in.N, d.H, d.KV,
+                      d.D);
+  layer_out_forward(c, w, in.N, x_in, x_out, a);
 }
 
 void layer_backward(const ModelConfig& c, const LayerWeights<const float>& w, const LayerWeights<float>& g,

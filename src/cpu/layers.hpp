@@ -80,6 +80,16 @@ struct LayerGradScratch {
 void layer_forward(const ModelConfig& c, const LayerWeights<const float>& w, const TokenInputs& in,
                    const float* x_in, float* x_out, LayerActs& acts, bool run_attention = true);
 
+// The two halves of layer_forward around attention, for a caller that attends
+// in its own way (sampling with a KV cache, src/infer/): layer_forward is
+// qkv, attention_forward, out, so a caller composing the same three gets the
+// same bits. qkv fills acts' rstd1, xn1, (q_raw, k_raw, q_rstd, k_rstd), q, k,
+// v (q and k normed and rotated); out reads acts.att and fills the rest.
+void layer_qkv_forward(const ModelConfig& c, const LayerWeights<const float>& w, const TokenInputs& in,
+                       const float* x_in, LayerActs& acts);
+void layer_out_forward(const ModelConfig& c, const LayerWeights<const float>& w, int64_t N, const float* x_in,
+                       float* x_out, LayerActs& acts);
+
 // d_x (N, C): in, the gradient at the layer's output; out, at its input.
 // Parameter gradients are accumulated into g.
 void layer_backward(const ModelConfig& c, const LayerWeights<const float>& w, const LayerWeights<float>& g,
