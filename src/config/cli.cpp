@@ -15,7 +15,7 @@ const char* usage() {
          "       shardlm forward --hf DIR --tokens IN.h5 --out OUT.h5\n"
          "       shardlm generate --hf DIR | --checkpoint CKPT | --deck DECK  --prompts FILE | --prompt-ids \"1,2,3\"\n"
          "               --out FILE [--n N] [--max-new-tokens M] [--temperature T] [--top-p P] [--top-k K]\n"
-         "               [--seed S] [--batch B] [--prefill-tokens N]\n"
+         "               [--seed S] [--batch B]\n"
          "       shardlm inspect CHECKPOINT\n"
          "       shardlm export CHECKPOINT --out DIR [--dtype bf16|fp32]\n"
          "       shardlm --help | --version\n"
@@ -58,7 +58,7 @@ CliArgs parse_cli(int argc, const char* const* argv) {
             (name == "--hf" || name == "--checkpoint" || name == "--deck" || name == "--prompts" ||
              name == "--prompt-ids" || name == "--out" || name == "--n" || name == "--max-new-tokens" ||
              name == "--temperature" || name == "--top-p" || name == "--top-k" || name == "--seed" ||
-             name == "--batch" || name == "--prefill-tokens"));
+             name == "--batch"));
   };
 
   for (int i = 2; i < argc; ++i) {

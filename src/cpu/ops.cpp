@@ -112,6 +112,27 @@ void linear_forward(T* out, const T* inp, const T* weight, const T* bias,
 }
 
 template <class T>
+void linear_rowwise_forward(T* out, const T* inp, const T* weight, const T* bias,
+                            int64_t N, int64_t IC, int64_t OC) {
+  constexpr int64_t kLanes = 8;
+#pragma omp parallel for schedule(static) if (N * IC * OC >= kParallelMin)
+  for (int64_t o = 0; o < OC; ++o) {
+    const T* w = weight + o * IC;  // (IC)
+    for (int64_t t = 0; t < N; ++t) {
+      const T* x = inp + t * IC;   // (IC)
+      T acc[kLanes] = {};
+      int64_t k = 0;
+      for (; k + kLanes <= IC; k += kLanes)
+        for (int64_t u = 0; u < kLanes; ++u) acc[u] += x[k + u] * w[k + u];
+      T tail = 0;
+      for (; k < IC; ++k) tail += x[k] * w[k];
+      const T sum = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7])) + tail;
+      out[t * OC + o] = bias ? sum + bias[o] : sum;
+    }
+  }
+}
+
+template <class T>
 void linear_backward(T* dinp, T* dweight, T* dbias, const T* dout, const T* inp,
                      const T* weight, int64_t N, int64_t IC, int64_t OC) {
   // dinp (N, IC) = dout (N, OC) @ weight (OC, IC)
@@ -574,6 +595,7 @@ double sum_squares(const T* x, int64_t n) {
   template void swiglu_backward<T>(T*, T*, const T*, const T*, const T*, int64_t);       \
   template void attention_forward<T>(T*, T*, const T*, const T*, const T*,               \
                                      const int32_t*, int64_t, int64_t, int64_t, int64_t); \
+  template void linear_rowwise_forward<T>(T*, const T*, const T*, const T*, int64_t, int64_t, int64_t);          \
   template void attention_decode_forward<T>(T*, const T*, const T*, const T*, const int32_t*, const int32_t*,  \
                                             int64_t, int64_t, int64_t, int64_t, int64_t);                    \
   template void attention_backward<T>(T*, T*, T*, const T*, const T*, const T*,          \

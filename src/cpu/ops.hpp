@@ -46,6 +46,17 @@ template <class T>
 void linear_forward(T* out, const T* inp, const T* weight, const T* bias,
                     int64_t N, int64_t IC, int64_t OC);
 
+// linear_forward with each output element one dot product in a fixed order
+// (8 strided partial sums, then a fixed tree), no BLAS: a row's result does not
+// depend on N, on the other rows or on the thread count. BLAS picks kernels by
+// the matrix's shape, so a row of linear_forward changes in its last bits with
+// N; sampling's decode steps use this one so that a sequence's tokens do not
+// depend on which sequences shared its batch. Reads each weight row once for
+// all N rows (decode is weight-bandwidth bound); not for training.
+template <class T>
+void linear_rowwise_forward(T* out, const T* inp, const T* weight, const T* bias,
+                            int64_t N, int64_t IC, int64_t OC);
+
 //   dinp (N, IC) overwritten (nullptr: skip); dweight (OC, IC) +=;
 //   dbias (OC) += (nullptr: no bias); dout (N, OC).
 template <class T>

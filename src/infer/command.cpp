@@ -235,7 +235,6 @@ GenerateArgs parse_generate_args(const std::map<std::string, std::string>& o, co
   a.n = int_option(o, "n", 1, 1, 1 << 20);
   a.max_new_tokens = int_option(o, "max-new-tokens", 64, 1, kMaxPositions);
   a.batch = int_option(o, "batch", 8, 1, 65536);
-  a.prefill_tokens = int_option(o, "prefill-tokens", 2048, 1, kMaxTokensPerMicroBatch);
   a.sampling.temperature = real_option(o, "temperature", 1.0);
   a.sampling.top_p = real_option(o, "top-p", 1.0);
   a.sampling.top_k = int_option(o, "top-k", 0, 0, INT32_MAX);
@@ -301,9 +300,9 @@ int run_generate(const GenerateArgs& given, MPI_Comm comm) {
       // Every prompt is checked on every rank (the message is the same everywhere).
       std::vector<GenerateRequest> all;
       for (int64_t p = 0; p < prompts.size(); ++p) all.push_back({p, 0, prompts.prompt(p)});
-      plan_limits(c, all, args.batch, args.max_new_tokens, args.prefill_tokens, prompts.path);
+      plan_limits(c, all, args.batch, args.max_new_tokens, prompts.path);
       decoder = std::make_unique<Decoder>(
-          model, plan_limits(c, requests, args.batch, args.max_new_tokens, args.prefill_tokens, prompts.path));
+          model, plan_limits(c, requests, args.batch, args.max_new_tokens, prompts.path));
     });
   } catch (const std::exception& e) {
     if (rank == 0) std::fprintf(stderr, "shardlm generate: error: %s\n", e.what());

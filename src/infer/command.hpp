@@ -26,7 +26,6 @@ struct GenerateArgs {
   int64_t n = 1;
   int64_t max_new_tokens = 64;
   int64_t batch = 8;                    // sequences decoded at once per rank (KV cache slots)
-  int64_t prefill_tokens = 2048;        // prompt tokens one prefill step takes (at least the longest prompt)
   SamplingParams sampling;
   bool seed_given = false;
 };

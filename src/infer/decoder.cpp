@@ -16,9 +16,7 @@ Decoder::Decoder(const InferenceModel& model, const DecoderLimits& limits) : mod
   SHARDLM_CHECK(limits.max_len >= 1 && limits.max_len <= c.max_position_embeddings,
                 "generate: %lld positions per sequence, but the model has max_position_embeddings = %lld",
                 (long long)limits.max_len, (long long)c.max_position_embeddings);
-  SHARDLM_CHECK(limits.prefill_tokens >= 1 && limits.prefill_tokens <= kMaxTokensPerMicroBatch,
-                "generate: prefill of %lld tokens is out of range", (long long)limits.prefill_tokens);
-  max_rows_ = std::max(limits.prefill_tokens, limits.slots);
+  max_rows_ = std::max(limits.max_len, limits.slots);
   if (std::string e = model_scale_error(c, max_rows_, 1); !e.empty()) SHARDLM_FAIL("generate: %s", e.c_str());
   const int64_t L = c.num_layers, C = c.hidden_size, KVD = c.num_kv_heads * c.head_dim;
   // The cache is the one buffer that grows with slots x max_len: it is what the plan is about.
@@ -34,7 +32,8 @@ Decoder::Decoder(const InferenceModel& model, const DecoderLimits& limits) : mod
   std::vector<cpu::BufferRow> act_rows;
   acts_.add_rows(c, max_rows_, act_rows);
   for (auto& r : act_rows) r.category = Mem::Workspace, table_.push_back(r);
-  head_.add_rows(c, limits.slots, 1, table_);
+  table_.push_back({"head.x", &head_x_, limits.slots * C, Mem::Workspace});
+  table_.push_back({"head.rstd", &head_rstd_, limits.slots, Mem::Workspace});
   cpu::allocate_rows(table_);
   inv_freq_ = cpu::rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling);
   tokens_.resize(size_t(max_rows_));
@@ -64,17 +63,25 @@ void Decoder::store_kv(int l, int64_t N, const int32_t* slot_of, const int32_t* 
   }
 }
 
+void Decoder::head(const float* rows, int64_t n, float* logits) {
+  const ModelConfig& c = model_.config();
+  cpu::rmsnorm_forward(head_x_.data(), head_rstd_.data(), rows, model_.final_norm(), n, c.hidden_size,
+                       c.rms_norm_eps);
+  cpu::linear_rowwise_forward<float>(logits, head_x_.data(), model_.lm_head(), nullptr, n, c.hidden_size,
+                                     c.vocab_size);
+}
+
 template <class Attend>
-void Decoder::run_layers(int64_t N, Attend&& attend) {
+void Decoder::run_layers(int64_t N, cpu::LinearFn linear, Attend&& attend) {
   const ModelConfig& c = model_.config();
   const cpu::TokenInputs in{N, positions_.data(), seq_ids_.data(), inv_freq_.data()};
   cpu::embedding_forward(x_.data(), tokens_.data(), model_.embedding(), N, c.vocab_size, c.hidden_size);
   for (int l = 0; l < int(c.num_layers); ++l) {
     const LayerWeights<const float> w = model_.layer(l);
-    cpu::layer_qkv_forward(c, w, in, x_.data(), acts_);
+    cpu::layer_qkv_forward(c, w, in, x_.data(), acts_, linear);
     store_kv(l, N, slot_of_.data(), positions_.data());
     attend(l, in);
-    cpu::layer_out_forward(c, w, N, x_.data(), x_next_.data(), acts_);
+    cpu::layer_out_forward(c, w, N, x_.data(), x_next_.data(), acts_, linear);
     std::swap(x_, x_next_);
   }
 }
@@ -86,36 +93,28 @@ void Decoder::prefill(std::span<const int32_t> slots, std::span<const std::span<
   SHARDLM_CHECK(n == int64_t(slots.size()) && n >= 1 && n <= limits_.slots,
                 "internal: prefill of %lld prompts into %zu slots (at most %lld)", (long long)n, slots.size(),
                 (long long)limits_.slots);
-  int64_t N = 0;
   for (int64_t i = 0; i < n; ++i) {
-    check_slot(slots[size_t(i)]);
+    const int32_t slot = slots[size_t(i)];
+    check_slot(slot);
     const auto& p = prompts[size_t(i)];
-    SHARDLM_CHECK(!p.empty() && int64_t(p.size()) <= limits_.max_len,
-                  "internal: a prompt of %zu tokens for a cache of %lld positions", p.size(),
-                  (long long)limits_.max_len);
-    SHARDLM_CHECK(N + int64_t(p.size()) <= limits_.prefill_tokens, "internal: prefill over %lld tokens",
-                  (long long)limits_.prefill_tokens);
-    // Packed like training's documents: positions from 0, one seq_id per prompt.
-    for (size_t t = 0; t < p.size(); ++t, ++N) {
-      tokens_[size_t(N)] = p[t];
-      positions_[size_t(N)] = static_cast<int32_t>(t);
-      seq_ids_[size_t(N)] = static_cast<int32_t>(i);
-      slot_of_[size_t(N)] = slots[size_t(i)];
+    const int64_t N = int64_t(p.size());
+    SHARDLM_CHECK(N >= 1 && N <= limits_.max_len, "internal: a prompt of %lld tokens for a cache of %lld positions",
+                  (long long)N, (long long)limits_.max_len);
+    // One prompt per pass: its matmuls see its rows only (see the header).
+    for (int64_t t = 0; t < N; ++t) {
+      tokens_[size_t(t)] = p[size_t(t)];
+      positions_[size_t(t)] = static_cast<int32_t>(t);
+      seq_ids_[size_t(t)] = 0;
+      slot_of_[size_t(t)] = slot;
     }
-    slot_len_[size_t(slots[size_t(i)])] = static_cast<int32_t>(p.size());
+    run_layers(N, &cpu::linear_forward<float>, [&](int, const cpu::TokenInputs& in) {
+      cpu::attention_forward(acts_.att.data(), acts_.lse.data(), acts_.q.data(), acts_.k.data(), acts_.v.data(),
+                             in.seq_ids, N, c.num_heads, c.num_kv_heads, c.head_dim);
+    });
+    slot_len_[size_t(slot)] = static_cast<int32_t>(N);
+    std::memcpy(last_.data() + i * c.hidden_size, x_.data() + (N - 1) * c.hidden_size, sizeof(float) * c.hidden_size);
   }
-  run_layers(N, [&](int, const cpu::TokenInputs& in) {
-    cpu::attention_forward(acts_.att.data(), acts_.lse.data(), acts_.q.data(), acts_.k.data(), acts_.v.data(),
-                           in.seq_ids, N, c.num_heads, c.num_kv_heads, c.head_dim);
-  });
-  // Only each prompt's last position is sampled from: the head runs on those rows.
-  int64_t end = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    end += int64_t(prompts[size_t(i)].size());
-    std::memcpy(last_.data() + i * c.hidden_size, x_.data() + (end - 1) * c.hidden_size,
-                sizeof(float) * c.hidden_size);
-  }
-  cpu::head_logits(c, model_.final_norm(), model_.lm_head(), last_.data(), n, logits, head_);
+  head(last_.data(), n, logits);
 }
 
 void Decoder::decode(std::span<const int32_t> slots, std::span<const int32_t> tokens, float* logits) {
@@ -134,12 +133,12 @@ void Decoder::decode(std::span<const int32_t> slots, std::span<const int32_t> to
     slot_of_[size_t(b)] = s;
     attend_len_[size_t(b)] = slot_len_[size_t(s)] + 1;
   }
-  run_layers(B, [&](int l, const cpu::TokenInputs&) {
+  run_layers(B, &cpu::linear_rowwise_forward<float>, [&](int l, const cpu::TokenInputs&) {
     cpu::attention_decode_forward(acts_.att.data(), acts_.q.data(), k_cache(l), v_cache(l), slot_of_.data(),
                                   attend_len_.data(), B, c.num_heads, c.num_kv_heads, c.head_dim, limits_.max_len);
   });
   for (int64_t b = 0; b < B; ++b) ++slot_len_[size_t(slots[size_t(b)])];
-  cpu::head_logits(c, model_.final_norm(), model_.lm_head(), x_.data(), B, logits, head_);
+  head(x_.data(), B, logits);
 }
 
 }  // namespace shardlm

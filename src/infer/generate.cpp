@@ -12,7 +12,7 @@ namespace shardlm {
 const char* finish_name(Finish f) { return f == Finish::Stop ? "stop" : "length"; }
 
 DecoderLimits plan_limits(const ModelConfig& c, std::span<const GenerateRequest> requests, int64_t slots,
-                          int64_t max_new_tokens, int64_t prefill_tokens, const std::string& where) {
+                          int64_t max_new_tokens, const std::string& where) {
   SHARDLM_CHECK(max_new_tokens >= 1, "--max-new-tokens %lld must be at least 1", (long long)max_new_tokens);
   int64_t longest = 1;
   for (const GenerateRequest& r : requests) {
@@ -29,7 +29,6 @@ DecoderLimits plan_limits(const ModelConfig& c, std::span<const GenerateRequest>
   DecoderLimits limits;
   limits.slots = std::max<int64_t>(1, std::min<int64_t>(slots, std::max<size_t>(requests.size(), 1)));
   limits.max_len = longest + max_new_tokens - 1;
-  limits.prefill_tokens = std::max(prefill_tokens, longest);
   return limits;
 }
 
@@ -43,8 +42,7 @@ std::vector<Completion> generate(Decoder& decoder, std::span<const GenerateReque
   SHARDLM_CHECK(int64_t(order.size()) == slots, "internal: a slot order of %zu for %lld slots", order.size(),
                 (long long)slots);
   for (const GenerateRequest& r : requests)
-    SHARDLM_CHECK(!r.tokens.empty() && int64_t(r.tokens.size()) + o.max_new_tokens - 1 <= decoder.limits().max_len &&
-                      int64_t(r.tokens.size()) <= decoder.limits().prefill_tokens,
+    SHARDLM_CHECK(!r.tokens.empty() && int64_t(r.tokens.size()) + o.max_new_tokens - 1 <= decoder.limits().max_len,
                   "internal: prompt %lld (%zu tokens) does not fit the decoder's plan", (long long)r.prompt,
                   r.tokens.size());
 
@@ -97,15 +95,12 @@ std::vector<Completion> generate(Decoder& decoder, std::span<const GenerateReque
   };
 
   while (next < requests.size() || active > 0) {
-    // Free slots take the next prompts, as many as one prefill holds.
+    // Free slots take the next prompts, all in one prefill.
     step_slots.clear();
     step_prompts.clear();
-    int64_t prefill = 0;
     for (int32_t slot : order) {
       if (held[size_t(slot)] >= 0 || next >= requests.size()) continue;
       const GenerateRequest& r = requests[next];
-      if (prefill + int64_t(r.tokens.size()) > decoder.limits().prefill_tokens) break;
-      prefill += int64_t(r.tokens.size());
       out[next].prompt = r.prompt;
       out[next].sample = r.sample;
       held[size_t(slot)] = int64_t(next++);

@@ -55,7 +55,7 @@ struct GenerateOptions {
 // naming the first prompt (by `prompt_name(index)`) that cannot fit the model's
 // max_position_embeddings with max_new_tokens after it.
 DecoderLimits plan_limits(const ModelConfig& c, std::span<const GenerateRequest> requests, int64_t slots,
-                          int64_t max_new_tokens, int64_t prefill_tokens, const std::string& where);
+                          int64_t max_new_tokens, const std::string& where);
 
 // Every request to its end (a stop id or max_new_tokens), in continuous
 // batches; completions in the order of `requests`. Each token is drawn with
