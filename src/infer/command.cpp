@@ -259,6 +259,7 @@ int run_generate(const GenerateArgs& given, MPI_Comm comm) {
   std::vector<GenerateRequest> requests;
   GenerateOptions options;
   std::unique_ptr<Decoder> decoder;
+  std::unique_ptr<TokenDecoder> tokenizer;  // when the model has a tokenizer.json: the completions' text
   try {
     // Every rank loads the whole model and reads the prompts; a bad input is
     // the same on every rank, and agreed so that all stop together.
@@ -283,6 +284,9 @@ int run_generate(const GenerateArgs& given, MPI_Comm comm) {
       }
       model = args.hf.empty() ? InferenceModel::from_checkpoint(args.checkpoint) : InferenceModel::from_hf(args.hf);
       const ModelConfig& c = model.config();
+      std::error_code ec;
+      if (rank == 0 && !model.tokenizer_dir.empty() && fs::exists(model.tokenizer_dir / "tokenizer.json", ec))
+        tokenizer = std::make_unique<TokenDecoder>(TokenDecoder::load(model.tokenizer_dir.string()));
       prompts = args.prompts_file.empty() ? prompt_from_ids(args.prompt_ids, c.vocab_size)
                                           : read_prompts(args.prompts_file, c.vocab_size);
       // Rank r: prompts r, r + W, ...; all n samples of a prompt on one rank.
@@ -344,11 +348,16 @@ int run_generate(const GenerateArgs& given, MPI_Comm comm) {
       g.max_new_tokens = args.max_new_tokens;
       g.world = world;
       std::string text_note = "no tokenizer.json: no text";
-      std::error_code ec;
-      if (!model.tokenizer_dir.empty() && fs::exists(model.tokenizer_dir / "tokenizer.json", ec)) {
-        const TokenDecoder tok = TokenDecoder::load(model.tokenizer_dir.string());
-        for (const Completion& c : g.completions) g.texts.push_back(tok.text(c.tokens, /*skip_special=*/false));
-        text_note = "text from " + (model.tokenizer_dir / "tokenizer.json").string();
+      if (tokenizer) {
+        // A model's vocabulary may be padded past its tokenizer's: such ids have no text.
+        std::vector<int32_t> known;
+        for (const Completion& c : g.completions) {
+          known.clear();
+          for (int32_t id : c.tokens)
+            if (id < tokenizer->vocab_size()) known.push_back(id);
+          g.texts.push_back(tokenizer->text(known, /*skip_special=*/false));
+        }
+        text_note = "text from " + tokenizer->where();
       }
       write_generations(args.out, g);
       int64_t stopped = 0;
