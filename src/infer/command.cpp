@@ -48,7 +48,9 @@ double real_option(const std::map<std::string, std::string>& o, const char* name
 // ---------------------------------------------------------------- gathering
 
 // Completions as bytes for MPI: counts, then arrays, per completion.
-void put(std::vector<char>& b, const void* p, size_t n) { b.insert(b.end(), (const char*)p, (const char*)p + n); }
+void put(std::vector<char>& b, const void* p, size_t n) {
+  if (n > 0) b.insert(b.end(), static_cast<const char*>(p), static_cast<const char*>(p) + n);
+}
 template <class T>
 void put_vec(std::vector<char>& b, const std::vector<T>& v) {
   const int64_t n = int64_t(v.size());
@@ -62,7 +64,7 @@ void get_vec(const char*& p, std::vector<T>& v) {
   int64_t n = 0;
   get(p, n);
   v.resize(size_t(n));
-  std::memcpy(v.data(), p, sizeof(T) * size_t(n));
+  if (n > 0) std::memcpy(v.data(), p, sizeof(T) * size_t(n));  // never memcpy to an empty vector's null
   p += sizeof(T) * size_t(n);
 }
 

@@ -20,7 +20,9 @@
 #include <string>
 #include <vector>
 
+#include "config/cli.hpp"
 #include "data/prompts.hpp"
+#include "infer/command.hpp"
 #include "infer/decoder.hpp"
 #include "infer/generate.hpp"
 #include "infer/model.hpp"
@@ -469,6 +471,41 @@ TEST_CASE("bad inputs: prompt files, ids, a missing model, a prompt longer than 
                  "has max_position_embeddings = 256") != std::string::npos);
     CHECK(plan_limits(m.config(), r, 4, 7, "p.h5").max_len == 256);
   }
+}
+
+TEST_CASE("generate's command line: options parsed and checked, each mistake named") {
+  auto parse = [](std::vector<const char*> argv) {
+    argv.insert(argv.begin(), {"shardlm", "generate"});
+    const CliArgs cli = parse_cli(int(argv.size()), argv.data());
+    return parse_generate_args(cli.options, cli.deck, cli.overrides);
+  };
+  const GenerateArgs a = parse({"--hf", "m", "--prompts", "p.h5", "--out", "o.h5", "--n", "4", "--max-new-tokens",
+                                "32", "--temperature", "0.7", "--top-p", "0.9", "--top-k", "50", "--seed", "9",
+                                "--batch", "16"});
+  CHECK(a.hf == "m");
+  CHECK(a.prompts_file == "p.h5");
+  CHECK(a.n == 4);
+  CHECK(a.max_new_tokens == 32);
+  CHECK(a.batch == 16);
+  CHECK(a.sampling.temperature == 0.7);
+  CHECK(a.sampling.top_p == 0.9);
+  CHECK(a.sampling.top_k == 50);
+  CHECK(a.sampling.seed == 9);
+  CHECK(a.seed_given);
+  CHECK(parse({"--deck", "d.toml", "--set", "run.seed=3", "--prompt-ids", "1", "--out", "o"}).deck == "d.toml");
+  auto error = [&](std::vector<const char*> argv) { return error_of([&] { parse(argv); }); };
+  CHECK(error({"--hf", "m", "--prompt-ids", "1", "--out", "o", "--bogus", "1"}).find(
+            "unknown option '--bogus' for 'generate'") != std::string::npos);
+  CHECK(error({"deck.toml", "--prompt-ids", "1", "--out", "o"}).find("takes the deck as --deck DECK") !=
+        std::string::npos);
+  CHECK(error({"--prompt-ids", "1", "--out", "o"}).find("'generate' needs a model") != std::string::npos);
+  CHECK(error({"--hf", "m", "--out", "o"}).find("exactly one of --prompts FILE") != std::string::npos);
+  CHECK(error({"--hf", "m", "--prompt-ids", "1", "--out", "o", "--n", "0"}).find(
+            "--n expects an integer in [1, 1048576], got '0'") != std::string::npos);
+  CHECK(error({"--hf", "m", "--prompt-ids", "1", "--out", "o", "--temperature", "hot"}).find(
+            "--temperature expects a number, got 'hot'") != std::string::npos);
+  CHECK(error({"--hf", "m", "--prompt-ids", "1", "--out", "o", "--seed", "-1"}).find(
+            "--seed expects a non-negative integer") != std::string::npos);
 }
 
 }  // TEST_SUITE
