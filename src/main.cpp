@@ -17,6 +17,7 @@
 #include "checkpoint/checkpoint.hpp"
 #include "checkpoint/async.hpp"
 #include "config/cli.hpp"
+#include "infer/command.hpp"
 #include "shardlm/comm.hpp"
 #include "shardlm/config.hpp"
 #include "train/forward.hpp"
@@ -107,6 +108,18 @@ int cmd_receive(Runtime& rt, const CliArgs& args) {
   start_watchdog(config.comm.timeout_s);  // the filesystem path's reads and fsyncs are watched like the trainers'
   const auto out = args.options.count("out") ? args.options.at("out") : std::string();
   return run_receiver(config, rt, out);
+}
+
+// `shardlm generate ...`: standalone sampling; each rank takes a share of the prompts (src/infer/command.hpp).
+int cmd_generate(const CliArgs& args) {
+  GenerateArgs g;
+  try {
+    g = parse_generate_args(args.options, args.deck, args.overrides);
+  } catch (const Error& e) {
+    std::fprintf(stderr, "shardlm generate: error: %s\n", e.what());
+    return 1;
+  }
+  return run_generate(g, MPI_COMM_WORLD);
 }
 
 // `shardlm inspect CKPT`: what a checkpoint holds, every checksum verified; exit 1 when damaged.
@@ -252,6 +265,7 @@ int main(int argc, char** argv) {
          : args.command == "receive" ? cmd_receive(rt, args)
          : args.command == "inspect" ? cmd_inspect(args)
          : args.command == "export"  ? cmd_export(args)
+         : args.command == "generate" ? cmd_generate(args)
                                      : cmd_train(rt, args);
   } catch (const std::exception& e) {
     fatal(e.what());  // one message naming the rank, then MPI_Abort: never a hang

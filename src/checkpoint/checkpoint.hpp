@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <filesystem>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -33,6 +34,7 @@
 #include "shardlm/config.hpp"
 #include "data/data.hpp"
 #include "shardlm/error.hpp"
+#include "shardlm/model.hpp"
 #include "shardlm/model_config.hpp"
 
 namespace shardlm {
@@ -123,6 +125,15 @@ ResumePoint resume(TrainSession& session, MPI_Comm trainers);
 // checksum and the attributes' checksum; returns 0 when sound, 1 when damaged,
 // 2 when there is no such file (same value on every rank).
 int inspect_checkpoint(const std::filesystem::path& file, MPI_Comm comm, std::FILE* out);
+// Streams /model of checkpoint `file` (a step_N.h5 or a run dir; serial HDF5,
+// one process, no MPI) in chunks of at most 64 MiB: sink(param, first element,
+// count, values) for every parameter of the checkpoint's own layout, in layout
+// order; each parameter's checksum is verified after its last chunk (the sink
+// has then already seen it: a caller keeps nothing on a throw). Throws
+// CheckpointDamaged naming the file and dataset. Export and the inference
+// model (src/infer/) read weights through it.
+using ModelChunkSink = std::function<void(const ParamInfo&, int64_t, int64_t, const float*)>;
+CheckpointInfo read_checkpoint_model(const std::filesystem::path& file, const ModelChunkSink& sink);
 // `shardlm export FILE --out DIR --dtype bf16|fp32`: rank 0 streams /model into
 // DIR/config.json + DIR/model.safetensors (memory: one 64 MiB chunk), verifying
 // checksums on the way; throws (on every rank) on a damaged file.

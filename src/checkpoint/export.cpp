@@ -29,6 +29,37 @@ std::string export_dtype(const std::string& d) {
 
 }  // namespace
 
+CheckpointInfo read_checkpoint_model(const fs::path& given, const ModelChunkSink& sink) {
+  h5::silence_error_stack();  // failures become one shardlm::Error line
+  const fs::path path = resolve_checkpoint(given);
+  const CheckpointInfo info = read_checkpoint_info(path);
+  const ModelLayout layout(info.arch, 1);
+  h5::Handle file = open_serial(path);
+  std::vector<float> chunk;
+  for (const auto& [unit, p] : layout.all_params()) {
+    const std::string name = "/model/" + p->name;
+    try {
+      h5::Handle d(H5_CHECK(H5Dopen2(file, name.c_str(), H5P_DEFAULT)), H5Dclose);
+      SHARDLM_CHECK(dataset_shape(d) == p->shape, "shape %s, the layout says %s",
+                    show_shape(dataset_shape(d)).c_str(), show_shape(p->shape).c_str());
+      const uint64_t want = read_u64(d, "checksum");
+      chunk.resize(static_cast<size_t>(std::min(p->numel, kChunkElems)));
+      uint64_t sum = 0;
+      for (int64_t lo = 0; lo < p->numel; lo += kChunkElems) {
+        const int64_t c = std::min(kChunkElems, p->numel - lo);
+        transfer<float>(d, p->shape, lo, c, chunk.data(), 1, H5P_DEFAULT, H5T_NATIVE_FLOAT, false);
+        sum += checksum_f32(chunk.data(), lo, c);
+        sink(*p, lo, c, chunk.data());
+      }
+      SHARDLM_CHECK(sum == want, "checksum mismatch (stored %016llx, read %016llx)", (unsigned long long)want,
+                    (unsigned long long)sum);
+    } catch (const std::exception& e) {
+      throw_damaged(path, fmt("%s: %s", name.c_str(), e.what()));
+    }
+  }
+  return info;
+}
+
 void export_checkpoint(const fs::path& given, const fs::path& out_dir, const std::string& dtype_arg, MPI_Comm comm) {
   h5::silence_error_stack();  // failures become one shardlm::Error line
   agreed(comm, [&] {
@@ -42,31 +73,11 @@ void export_checkpoint(const fs::path& given, const fs::path& out_dir, const std
     std::error_code ec;
     fs::create_directories(out_dir, ec);
     SHARDLM_CHECK(!ec, "cannot create %s: %s", out_dir.c_str(), ec.message().c_str());
-    h5::Handle file = open_serial(path);
     SafetensorsWriter writer(out_dir / "model.safetensors", specs,
                              {{"shardlm_checkpoint", path.string()}, {"step", std::to_string(info.step)}});
-    std::vector<float> chunk;
-    for (const auto& [unit, p] : layout.all_params()) {
-      const std::string name = "/model/" + p->name;
-      try {
-        h5::Handle d(H5_CHECK(H5Dopen2(file, name.c_str(), H5P_DEFAULT)), H5Dclose);
-        SHARDLM_CHECK(dataset_shape(d) == p->shape, "shape %s, the layout says %s",
-                      show_shape(dataset_shape(d)).c_str(), show_shape(p->shape).c_str());
-        const uint64_t want = read_u64(d, "checksum");
-        chunk.resize(static_cast<size_t>(std::min(p->numel, kChunkElems)));
-        uint64_t sum = 0;
-        for (int64_t lo = 0; lo < p->numel; lo += kChunkElems) {
-          const int64_t c = std::min(kChunkElems, p->numel - lo);
-          transfer<float>(d, p->shape, lo, c, chunk.data(), 1, H5P_DEFAULT, H5T_NATIVE_FLOAT, false);
-          sum += checksum_f32(chunk.data(), lo, c);
-          writer.write(p->name, lo, c, chunk.data());
-        }
-        SHARDLM_CHECK(sum == want, "checksum mismatch (stored %016llx, read %016llx)", (unsigned long long)want,
-                      (unsigned long long)sum);
-      } catch (const std::exception& e) {
-        throw_damaged(path, fmt("%s: %s", name.c_str(), e.what()));
-      }
-    }
+    read_checkpoint_model(path, [&](const ParamInfo& p, int64_t begin, int64_t count, const float* values) {
+      writer.write(p.name, begin, count, values);
+    });
     writer.finish();
     write_hf_config(out_dir, info.arch, dtype == "BF16" ? "bfloat16" : "float32");
     const std::string tokenizer = copy_tokenizer_files(parse_deck_text(info.deck, path, {}, 0).config.model.hf, out_dir);

@@ -13,6 +13,9 @@ const char* usage() {
          "       shardlm check DECK [--set section.key=value]... [--world N]\n"
          "       shardlm receive DECK [--set section.key=value]... [--out DIR]\n"
          "       shardlm forward --hf DIR --tokens IN.h5 --out OUT.h5\n"
+         "       shardlm generate --hf DIR | --checkpoint CKPT | --deck DECK  --prompts FILE | --prompt-ids \"1,2,3\"\n"
+         "               --out FILE [--n N] [--max-new-tokens M] [--temperature T] [--top-p P] [--top-k K]\n"
+         "               [--seed S] [--batch B]\n"
          "       shardlm inspect CHECKPOINT\n"
          "       shardlm export CHECKPOINT --out DIR [--dtype bf16|fp32]\n"
          "       shardlm --help | --version\n"
@@ -23,6 +26,9 @@ const char* usage() {
          "          mpirun -np N shardlm train D : -np 1 shardlm receive D); --out writes the last weights\n"
          "  forward logits of an HF model directory for int32 `tokens` [B, T] (each row one sequence),\n"
          "          written as float32 `logits` [B, T, V]; one process\n"
+         "  generate sample completions of prompts (a tools/make_prompts.py file, or ids) from an HF directory\n"
+         "          or a checkpoint (KV cache, continuous batching; temperature 0 = greedy) into an HDF5 file\n"
+         "          with ids, logprobs and text (docs/generate.md); under mpirun each rank takes a share\n"
          "  inspect print a checkpoint's step, world size, model and optimizer, and verify every\n"
          "          checksum (exit 1 when damaged, 2 when not there); CHECKPOINT is a step_N.h5 file or a run dir\n"
          "  export  write an HF model directory (config.json + model.safetensors, and the tokenizer files of\n"
@@ -41,13 +47,18 @@ CliArgs parse_cli(int argc, const char* const* argv) {
   if (first == "--help" || first == "-h" || first == "help") return args.command = "help", args;
   if (first == "--version" || first == "version") return args.command = "version", args;
   if (first != "train" && first != "check" && first != "forward" && first != "receive" && first != "inspect" &&
-      first != "export") fail("unknown command '" + first + "'");
+      first != "export" && first != "generate") fail("unknown command '" + first + "'");
   args.command = first;
   // Options that take one value, per command.
   const auto takes = [&](const std::string& name) {
     return (args.command == "forward" && (name == "--hf" || name == "--tokens" || name == "--out")) ||
            (args.command == "receive" && name == "--out") ||
-           (args.command == "export" && (name == "--out" || name == "--dtype"));
+           (args.command == "export" && (name == "--out" || name == "--dtype")) ||
+           (args.command == "generate" &&
+            (name == "--hf" || name == "--checkpoint" || name == "--deck" || name == "--prompts" ||
+             name == "--prompt-ids" || name == "--out" || name == "--n" || name == "--max-new-tokens" ||
+             name == "--temperature" || name == "--top-p" || name == "--top-k" || name == "--seed" ||
+             name == "--batch"));
   };
 
   for (int i = 2; i < argc; ++i) {
@@ -75,6 +86,11 @@ CliArgs parse_cli(int argc, const char* const* argv) {
     for (const char* need : {"hf", "tokens", "out"})
       if (!args.options.count(need)) fail(std::string("'forward' needs --") + need);
     if (!args.deck.empty() || !args.overrides.empty()) fail("'forward' takes no deck and no --set");
+    return args;
+  }
+  if (args.command == "generate") {  // the options are checked by parse_generate_args (src/infer/command.hpp)
+    if (!args.deck.empty()) fail("'generate' takes the deck as --deck DECK, not '" + args.deck + "'");
+    if (args.options.count("deck")) args.deck = args.options.at("deck");
     return args;
   }
   if (args.command == "inspect" || args.command == "export") {

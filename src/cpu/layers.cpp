@@ -85,34 +85,47 @@ int64_t rows_bytes(const std::vector<BufferRow>& rows, Mem category) {
   return bytes;
 }
 
-void layer_forward(const ModelConfig& c, const LayerWeights<const float>& w, const TokenInputs& in,
-                   const float* x_in, float* x_out, LayerActs& a, bool run_attention) {
+void layer_qkv_forward(const ModelConfig& c, const LayerWeights<const float>& w, const TokenInputs& in,
+                       const float* x_in, LayerActs& a, LinearFn linear) {
   const Dims d(c);
   const int64_t N = in.N;
   rmsnorm_forward(a.xn1.data(), a.rstd1.data(), x_in, w.input_norm, N, d.C, c.rms_norm_eps);
   // Without q/k norm the projections land directly where RoPE rotates them.
   float* q_proj = c.qk_norm ? a.q_raw.data() : a.q.data();
   float* k_proj = c.qk_norm ? a.k_raw.data() : a.k.data();
-  linear_forward(q_proj, a.xn1.data(), w.wq, w.bq, N, d.C, d.HD);
-  linear_forward(k_proj, a.xn1.data(), w.wk, w.bk, N, d.C, d.KVD);
-  linear_forward(a.v.data(), a.xn1.data(), w.wv, w.bv, N, d.C, d.KVD);
+  linear(q_proj, a.xn1.data(), w.wq, w.bq, N, d.C, d.HD);
+  linear(k_proj, a.xn1.data(), w.wk, w.bk, N, d.C, d.KVD);
+  linear(a.v.data(), a.xn1.data(), w.wv, w.bv, N, d.C, d.KVD);
   if (c.qk_norm) {
     rmsnorm_forward(a.q.data(), a.q_rstd.data(), a.q_raw.data(), w.q_norm, N * d.H, d.D, c.rms_norm_eps);
     rmsnorm_forward(a.k.data(), a.k_rstd.data(), a.k_raw.data(), w.k_norm, N * d.KV, d.D, c.rms_norm_eps);
   }
   rope_forward(a.q.data(), in.positions, in.inv_freq, N, d.H, d.D);
   rope_forward(a.k.data(), in.positions, in.inv_freq, N, d.KV, d.D);
-  if (run_attention)
-    attention_forward(a.att.data(), a.lse.data(), a.q.data(), a.k.data(), a.v.data(), in.seq_ids, N, d.H, d.KV, d.D);
+}
+
+void layer_out_forward(const ModelConfig& c, const LayerWeights<const float>& w, int64_t N, const float* x_in,
+                       float* x_out, LayerActs& a, LinearFn linear) {
+  const Dims d(c);
   // x_out serves as the scratch for the o_proj output before the residual add.
-  linear_forward(x_out, a.att.data(), w.wo, kNoBias, N, d.HD, d.C);
+  linear(x_out, a.att.data(), w.wo, kNoBias, N, d.HD, d.C);
   add(a.x_mid.data(), x_in, x_out, N * d.C);
   rmsnorm_forward(a.xn2.data(), a.rstd2.data(), a.x_mid.data(), w.post_norm, N, d.C, c.rms_norm_eps);
-  linear_forward(a.gate.data(), a.xn2.data(), w.w_gate, kNoBias, N, d.C, d.I);
-  linear_forward(a.up.data(), a.xn2.data(), w.w_up, kNoBias, N, d.C, d.I);
+  linear(a.gate.data(), a.xn2.data(), w.w_gate, kNoBias, N, d.C, d.I);
+  linear(a.up.data(), a.xn2.data(), w.w_up, kNoBias, N, d.C, d.I);
   swiglu_forward(a.h.data(), a.gate.data(), a.up.data(), N * d.I);
-  linear_forward(x_out, a.h.data(), w.w_down, kNoBias, N, d.I, d.C);
+  linear(x_out, a.h.data(), w.w_down, kNoBias, N, d.I, d.C);
   add(x_out, x_out, a.x_mid.data(), N * d.C);
+}
+
+void layer_forward(const ModelConfig& c, const LayerWeights<const float>& w, const TokenInputs& in,
+                   const float* x_in, float* x_out, LayerActs& a, bool run_attention) {
+  const Dims d(c);
+  layer_qkv_forward(c, w, in, x_in, a);
+  if (run_attention)
+    attention_forward(a.att.data(), a.lse.data(), a.q.data(), a.k.data(), a.v.data(), in.seq_ids, in.N, d.H, d.KV,
+                      d.D);
+  layer_out_forward(c, w, in.N, x_in, x_out, a);
 }
 
 void layer_backward(const ModelConfig& c, const LayerWeights<const float>& w, const LayerWeights<float>& g,

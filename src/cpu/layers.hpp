@@ -13,6 +13,7 @@
 
 #include "shardlm/memory.hpp"
 #include "shardlm/model.hpp"
+#include "cpu/ops.hpp"
 #include "cpu/rl_loss.hpp"
 
 namespace shardlm::cpu {
@@ -79,6 +80,19 @@ struct LayerGradScratch {
 // checkpointing's recompute) and attention itself is skipped.
 void layer_forward(const ModelConfig& c, const LayerWeights<const float>& w, const TokenInputs& in,
                    const float* x_in, float* x_out, LayerActs& acts, bool run_attention = true);
+
+// The two halves of layer_forward around attention, for a caller that attends
+// in its own way (sampling with a KV cache, src/infer/): layer_forward is
+// qkv, attention_forward, out, so a caller composing the same three gets the
+// same bits. qkv fills acts' rstd1, xn1, (q_raw, k_raw, q_rstd, k_rstd), q, k,
+// v (q and k normed and rotated); out reads acts.att and fills the rest.
+// `linear` is the matmul they run: training's linear_forward (BLAS), or
+// linear_rowwise_forward where each row must not depend on the others (decode).
+using LinearFn = void (*)(float*, const float*, const float*, const float*, int64_t, int64_t, int64_t);
+void layer_qkv_forward(const ModelConfig& c, const LayerWeights<const float>& w, const TokenInputs& in,
+                       const float* x_in, LayerActs& acts, LinearFn linear = &linear_forward<float>);
+void layer_out_forward(const ModelConfig& c, const LayerWeights<const float>& w, int64_t N, const float* x_in,
+                       float* x_out, LayerActs& acts, LinearFn linear = &linear_forward<float>);
 
 // d_x (N, C): in, the gradient at the layer's output; out, at its input.
 // Parameter gradients are accumulated into g.

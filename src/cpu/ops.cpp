@@ -112,6 +112,27 @@ void linear_forward(T* out, const T* inp, const T* weight, const T* bias,
 }
 
 template <class T>
+void linear_rowwise_forward(T* out, const T* inp, const T* weight, const T* bias,
+                            int64_t N, int64_t IC, int64_t OC) {
+  constexpr int64_t kLanes = 8;
+#pragma omp parallel for schedule(static) if (N * IC * OC >= kParallelMin)
+  for (int64_t o = 0; o < OC; ++o) {
+    const T* w = weight + o * IC;  // (IC)
+    for (int64_t t = 0; t < N; ++t) {
+      const T* x = inp + t * IC;   // (IC)
+      T acc[kLanes] = {};
+      int64_t k = 0;
+      for (; k + kLanes <= IC; k += kLanes)
+        for (int64_t u = 0; u < kLanes; ++u) acc[u] += x[k + u] * w[k + u];
+      T tail = 0;
+      for (; k < IC; ++k) tail += x[k] * w[k];
+      const T sum = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7])) + tail;
+      out[t * OC + o] = bias ? sum + bias[o] : sum;
+    }
+  }
+}
+
+template <class T>
 void linear_backward(T* dinp, T* dweight, T* dbias, const T* dout, const T* inp,
                      const T* weight, int64_t N, int64_t IC, int64_t OC) {
   // dinp (N, IC) = dout (N, OC) @ weight (OC, IC)
@@ -364,6 +385,46 @@ void attention_forward(T* out, T* lse, const T* q, const T* k, const T* v,
 }
 
 template <class T>
+void attention_decode_forward(T* out, const T* q, const T* k_cache, const T* v_cache, const int32_t* slot,
+                              const int32_t* len, int64_t B, int64_t H, int64_t KV, int64_t D, int64_t max_len) {
+  SHARDLM_CHECK(KV > 0 && H % KV == 0, "attention: num_heads %lld is not a multiple of "
+                "num_kv_heads %lld", static_cast<long long>(H), static_cast<long long>(KV));
+  for (int64_t b = 0; b < B; ++b)
+    SHARDLM_CHECK(len[b] >= 1 && len[b] <= max_len, "attention_decode: row %lld attends to %d cached tokens, "
+                  "outside [1, %lld]", static_cast<long long>(b), len[b], static_cast<long long>(max_len));
+  const int64_t group = H / KV;
+  const T scale = T(1) / std::sqrt(T(D));
+#pragma omp parallel for collapse(2) schedule(dynamic, 4)
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t h = 0; h < H; ++h) {
+      const int64_t g = h / group, n = len[b];
+      const T* k = k_cache + int64_t(slot[b]) * max_len * KV * D;  // (max_len, KV, D) of this slot
+      const T* v = v_cache + int64_t(slot[b]) * max_len * KV * D;
+      const T* qi = q + (b * H + h) * D;  // (D)
+      T* oi = out + (b * H + h) * D;      // (D)
+      // attention_forward's two passes with j0 = 0, i = n - 1.
+      T m = -INFINITY;
+      double l = 0;
+      for (int64_t j = 0; j < n; ++j) {
+        const T s = dot(qi, k + (j * KV + g) * D, D) * scale;
+        if (s > m) {
+          l *= std::exp(double(m) - double(s));
+          m = s;
+        }
+        l += double(std::exp(s - m));
+      }
+      const T lse_ih = m + T(std::log(l));
+      std::fill(oi, oi + D, T(0));
+      for (int64_t j = 0; j < n; ++j) {
+        const T p = std::exp(dot(qi, k + (j * KV + g) * D, D) * scale - lse_ih);
+        const T* vj = v + (j * KV + g) * D;  // (D)
+        for (int64_t d = 0; d < D; ++d) oi[d] += p * vj[d];
+      }
+    }
+  }
+}
+
+template <class T>
 void attention_backward(T* dq, T* dk, T* dv, const T* dout, const T* q, const T* k,
                         const T* v, const T* out, const T* lse,
                         const int32_t* seq_id, int64_t N, int64_t H, int64_t KV,
@@ -534,6 +595,9 @@ double sum_squares(const T* x, int64_t n) {
   template void swiglu_backward<T>(T*, T*, const T*, const T*, const T*, int64_t);       \
   template void attention_forward<T>(T*, T*, const T*, const T*, const T*,               \
                                      const int32_t*, int64_t, int64_t, int64_t, int64_t); \
+  template void linear_rowwise_forward<T>(T*, const T*, const T*, const T*, int64_t, int64_t, int64_t);          \
+  template void attention_decode_forward<T>(T*, const T*, const T*, const T*, const int32_t*, const int32_t*,  \
+                                            int64_t, int64_t, int64_t, int64_t, int64_t);                    \
   template void attention_backward<T>(T*, T*, T*, const T*, const T*, const T*,          \
                                       const T*, const T*, const T*, const int32_t*,      \
                                       int64_t, int64_t, int64_t, int64_t);               \

@@ -46,6 +46,17 @@ template <class T>
 void linear_forward(T* out, const T* inp, const T* weight, const T* bias,
                     int64_t N, int64_t IC, int64_t OC);
 
+// linear_forward with each output element one dot product in a fixed order
+// (8 strided partial sums, then a fixed tree), no BLAS: a row's result does not
+// depend on N, on the other rows or on the thread count. BLAS picks kernels by
+// the matrix's shape, so a row of linear_forward changes in its last bits with
+// N; sampling's decode steps use this one so that a sequence's tokens do not
+// depend on which sequences shared its batch. Reads each weight row once for
+// all N rows (decode is weight-bandwidth bound); not for training.
+template <class T>
+void linear_rowwise_forward(T* out, const T* inp, const T* weight, const T* bias,
+                            int64_t N, int64_t IC, int64_t OC);
+
 //   dinp (N, IC) overwritten (nullptr: skip); dweight (OC, IC) +=;
 //   dbias (OC) += (nullptr: no bias); dout (N, OC).
 template <class T>
@@ -142,6 +153,19 @@ void attention_backward(T* dq, T* dk, T* dv, const T* dout, const T* q, const T*
                         const T* v, const T* out, const T* lse,
                         const int32_t* seq_id, int64_t N, int64_t H, int64_t KV,
                         int64_t D);
+
+// Decode with a KV cache: one new token per sequence attends to its slot's
+// cached keys and values, positions [0, len[b]) (its own key and value already
+// written at len[b] - 1). Term for term the arithmetic attention_forward does
+// for the last token of a document of len[b] tokens (same dot products, same
+// online max and double sum, same second pass), so a decoded token sees what
+// the full forward computes at that position. Query head h reads kv head
+// h / (H / KV); scale 1/sqrt(D).
+//   out (B, H, D) overwritten; q (B, H, D); k_cache, v_cache (slots, max_len, KV, D);
+//   slot (B): the cache slot row b reads; len (B) in [1, max_len].
+template <class T>
+void attention_decode_forward(T* out, const T* q, const T* k_cache, const T* v_cache, const int32_t* slot,
+                              const int32_t* len, int64_t B, int64_t H, int64_t KV, int64_t D, int64_t max_len);
 
 // ---------------------------------------------------------------- cross-entropy
 

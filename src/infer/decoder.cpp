@@ -1,0 +1,144 @@
+// decoder.cpp — prefill and decode over the KV cache (see decoder.hpp).
+#include "infer/decoder.hpp"
+
+#include <algorithm>
+#include <cstring>
+
+#include "cpu/ops.hpp"
+#include "shardlm/error.hpp"
+
+namespace shardlm {
+
+Decoder::Decoder(const InferenceModel& model, const DecoderLimits& limits) : model_(model), limits_(limits) {
+  const ModelConfig& c = model.config();
+  SHARDLM_CHECK(limits.slots >= 1 && limits.slots <= 65536, "generate: a batch of %lld sequences; give 1 to 65536",
+                (long long)limits.slots);
+  SHARDLM_CHECK(limits.max_len >= 1 && limits.max_len <= c.max_position_embeddings,
+                "generate: %lld positions per sequence, but the model has max_position_embeddings = %lld",
+                (long long)limits.max_len, (long long)c.max_position_embeddings);
+  max_rows_ = std::max(limits.max_len, limits.slots);
+  if (std::string e = model_scale_error(c, max_rows_, 1); !e.empty()) SHARDLM_FAIL("generate: %s", e.c_str());
+  const int64_t L = c.num_layers, C = c.hidden_size, KVD = c.num_kv_heads * c.head_dim;
+  // The cache is the one buffer that grows with slots x max_len: it is what the plan is about.
+  k_cache_.resize(size_t(L));
+  v_cache_.resize(size_t(L));
+  for (int64_t l = 0; l < L; ++l) {
+    table_.push_back({"kv_cache.k", &k_cache_[size_t(l)], limits.slots * limits.max_len * KVD, Mem::Activations});
+    table_.push_back({"kv_cache.v", &v_cache_[size_t(l)], limits.slots * limits.max_len * KVD, Mem::Activations});
+  }
+  table_.push_back({"x", &x_, max_rows_ * C, Mem::Workspace});
+  table_.push_back({"x_next", &x_next_, max_rows_ * C, Mem::Workspace});
+  table_.push_back({"last", &last_, limits.slots * C, Mem::Workspace});
+  std::vector<cpu::BufferRow> act_rows;
+  acts_.add_rows(c, max_rows_, act_rows);
+  for (auto& r : act_rows) r.category = Mem::Workspace, table_.push_back(r);
+  table_.push_back({"head.x", &head_x_, limits.slots * C, Mem::Workspace});
+  table_.push_back({"head.rstd", &head_rstd_, limits.slots, Mem::Workspace});
+  cpu::allocate_rows(table_);
+  inv_freq_ = cpu::rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling);
+  tokens_.resize(size_t(max_rows_));
+  positions_.resize(size_t(max_rows_));
+  seq_ids_.resize(size_t(max_rows_));
+  slot_of_.resize(size_t(max_rows_));
+  attend_len_.resize(size_t(limits.slots));
+  slot_len_.assign(size_t(limits.slots), 0);
+}
+
+int64_t Decoder::cache_bytes() const { return cpu::rows_bytes(table_, Mem::Activations); }
+int64_t Decoder::scratch_bytes() const { return cpu::rows_bytes(table_, Mem::Workspace); }
+
+void Decoder::check_slot(int32_t slot) const {
+  SHARDLM_CHECK(slot >= 0 && slot < limits_.slots, "internal: slot %d of %lld", slot, (long long)limits_.slots);
+}
+
+void Decoder::store_kv(int l, int64_t N, const int32_t* slot_of, const int32_t* pos_of) {
+  const ModelConfig& c = model_.config();
+  const int64_t KVD = c.num_kv_heads * c.head_dim;
+  float* kc = k_cache(l);
+  float* vc = v_cache(l);
+  for (int64_t i = 0; i < N; ++i) {
+    const int64_t at = (int64_t(slot_of[i]) * limits_.max_len + pos_of[i]) * KVD;
+    std::memcpy(kc + at, acts_.k.data() + i * KVD, sizeof(float) * KVD);
+    std::memcpy(vc + at, acts_.v.data() + i * KVD, sizeof(float) * KVD);
+  }
+}
+
+void Decoder::head(const float* rows, int64_t n, float* logits) {
+  const ModelConfig& c = model_.config();
+  cpu::rmsnorm_forward(head_x_.data(), head_rstd_.data(), rows, model_.final_norm(), n, c.hidden_size,
+                       c.rms_norm_eps);
+  cpu::linear_rowwise_forward<float>(logits, head_x_.data(), model_.lm_head(), nullptr, n, c.hidden_size,
+                                     c.vocab_size);
+}
+
+template <class Attend>
+void Decoder::run_layers(int64_t N, cpu::LinearFn linear, Attend&& attend) {
+  const ModelConfig& c = model_.config();
+  const cpu::TokenInputs in{N, positions_.data(), seq_ids_.data(), inv_freq_.data()};
+  cpu::embedding_forward(x_.data(), tokens_.data(), model_.embedding(), N, c.vocab_size, c.hidden_size);
+  for (int l = 0; l < int(c.num_layers); ++l) {
+    const LayerWeights<const float> w = model_.layer(l);
+    cpu::layer_qkv_forward(c, w, in, x_.data(), acts_, linear);
+    store_kv(l, N, slot_of_.data(), positions_.data());
+    attend(l, in);
+    cpu::layer_out_forward(c, w, N, x_.data(), x_next_.data(), acts_, linear);
+    std::swap(x_, x_next_);
+  }
+}
+
+void Decoder::prefill(std::span<const int32_t> slots, std::span<const std::span<const int32_t>> prompts,
+                      float* logits) {
+  const ModelConfig& c = model_.config();
+  const int64_t n = static_cast<int64_t>(prompts.size());
+  SHARDLM_CHECK(n == int64_t(slots.size()) && n >= 1 && n <= limits_.slots,
+                "internal: prefill of %lld prompts into %zu slots (at most %lld)", (long long)n, slots.size(),
+                (long long)limits_.slots);
+  for (int64_t i = 0; i < n; ++i) {
+    const int32_t slot = slots[size_t(i)];
+    check_slot(slot);
+    const auto& p = prompts[size_t(i)];
+    const int64_t N = int64_t(p.size());
+    SHARDLM_CHECK(N >= 1 && N <= limits_.max_len, "internal: a prompt of %lld tokens for a cache of %lld positions",
+                  (long long)N, (long long)limits_.max_len);
+    // One prompt per pass: its matmuls see its rows only (see the header).
+    for (int64_t t = 0; t < N; ++t) {
+      tokens_[size_t(t)] = p[size_t(t)];
+      positions_[size_t(t)] = static_cast<int32_t>(t);
+      seq_ids_[size_t(t)] = 0;
+      slot_of_[size_t(t)] = slot;
+    }
+    run_layers(N, &cpu::linear_forward<float>, [&](int, const cpu::TokenInputs& in) {
+      cpu::attention_forward(acts_.att.data(), acts_.lse.data(), acts_.q.data(), acts_.k.data(), acts_.v.data(),
+                             in.seq_ids, N, c.num_heads, c.num_kv_heads, c.head_dim);
+    });
+    slot_len_[size_t(slot)] = static_cast<int32_t>(N);
+    std::memcpy(last_.data() + i * c.hidden_size, x_.data() + (N - 1) * c.hidden_size, sizeof(float) * c.hidden_size);
+  }
+  head(last_.data(), n, logits);
+}
+
+void Decoder::decode(std::span<const int32_t> slots, std::span<const int32_t> tokens, float* logits) {
+  const ModelConfig& c = model_.config();
+  const int64_t B = static_cast<int64_t>(slots.size());
+  SHARDLM_CHECK(B == int64_t(tokens.size()) && B >= 1 && B <= limits_.slots,
+                "internal: decode of %zu tokens into %lld slots", tokens.size(), (long long)B);
+  for (int64_t b = 0; b < B; ++b) {
+    const int32_t s = slots[size_t(b)];
+    check_slot(s);
+    SHARDLM_CHECK(slot_len_[size_t(s)] >= 1 && slot_len_[size_t(s)] < limits_.max_len,
+                  "internal: slot %d holds %d of %lld positions", s, slot_len_[size_t(s)], (long long)limits_.max_len);
+    tokens_[size_t(b)] = tokens[size_t(b)];
+    positions_[size_t(b)] = slot_len_[size_t(s)];
+    seq_ids_[size_t(b)] = static_cast<int32_t>(b);
+    slot_of_[size_t(b)] = s;
+    attend_len_[size_t(b)] = slot_len_[size_t(s)] + 1;
+  }
+  run_layers(B, &cpu::linear_rowwise_forward<float>, [&](int l, const cpu::TokenInputs&) {
+    cpu::attention_decode_forward(acts_.att.data(), acts_.q.data(), k_cache(l), v_cache(l), slot_of_.data(),
+                                  attend_len_.data(), B, c.num_heads, c.num_kv_heads, c.head_dim, limits_.max_len);
+  });
+  for (int64_t b = 0; b < B; ++b) ++slot_len_[size_t(slots[size_t(b)])];
+  head(x_.data(), B, logits);
+}
+
+}  // namespace shardlm

@@ -1,0 +1,128 @@
+// generate.cpp — continuous batching over the decoder's slots.
+#include "infer/generate.hpp"
+
+#include <algorithm>
+#include <numeric>
+
+#include "cpu/rl_loss.hpp"
+#include "shardlm/error.hpp"
+
+namespace shardlm {
+
+const char* finish_name(Finish f) { return f == Finish::Stop ? "stop" : "length"; }
+
+DecoderLimits plan_limits(const ModelConfig& c, std::span<const GenerateRequest> requests, int64_t slots,
+                          int64_t max_new_tokens, const std::string& where) {
+  SHARDLM_CHECK(max_new_tokens >= 1, "--max-new-tokens %lld must be at least 1", (long long)max_new_tokens);
+  int64_t longest = 1;
+  for (const GenerateRequest& r : requests) {
+    const int64_t len = int64_t(r.tokens.size());
+    SHARDLM_CHECK(len >= 1, "%s: prompt %lld is empty", where.c_str(), (long long)r.prompt);
+    // The last token drawn is never fed back: prompt + max_new_tokens - 1 positions.
+    SHARDLM_CHECK(len + max_new_tokens - 1 <= c.max_position_embeddings,
+                  "%s: prompt %lld has %lld tokens; with --max-new-tokens %lld it needs %lld positions, but the "
+                  "model has max_position_embeddings = %lld (shorten the prompt or lower --max-new-tokens)",
+                  where.c_str(), (long long)r.prompt, (long long)len, (long long)max_new_tokens,
+                  (long long)(len + max_new_tokens - 1), (long long)c.max_position_embeddings);
+    longest = std::max(longest, len);
+  }
+  DecoderLimits limits;
+  limits.slots = std::max<int64_t>(1, std::min<int64_t>(slots, std::max<size_t>(requests.size(), 1)));
+  limits.max_len = longest + max_new_tokens - 1;
+  return limits;
+}
+
+std::vector<Completion> generate(Decoder& decoder, std::span<const GenerateRequest> requests,
+                                 const GenerateOptions& o) {
+  const ModelConfig& c = decoder.config();
+  const int64_t V = c.vocab_size, slots = decoder.limits().slots;
+  SHARDLM_CHECK(o.max_new_tokens >= 1, "--max-new-tokens %lld must be at least 1", (long long)o.max_new_tokens);
+  std::vector<int32_t> order = o.slot_order;
+  if (order.empty()) order.resize(size_t(slots)), std::iota(order.begin(), order.end(), 0);
+  SHARDLM_CHECK(int64_t(order.size()) == slots, "internal: a slot order of %zu for %lld slots", order.size(),
+                (long long)slots);
+  for (const GenerateRequest& r : requests)
+    SHARDLM_CHECK(!r.tokens.empty() && int64_t(r.tokens.size()) + o.max_new_tokens - 1 <= decoder.limits().max_len,
+                  "internal: prompt %lld (%zu tokens) does not fit the decoder's plan", (long long)r.prompt,
+                  r.tokens.size());
+
+  Sampler sampler(o.sampling, V);
+  // Planned once: one row of logits per slot and the per-row values of a step.
+  std::vector<float> logits(size_t(slots * V));
+  std::vector<int32_t> step_slots, step_tokens;
+  std::vector<std::span<const int32_t>> step_prompts;
+  std::vector<float> model_lp(static_cast<size_t>(slots)), tempered_lp(static_cast<size_t>(slots)), ones(static_cast<size_t>(slots), 1.0f),
+      temps(size_t(slots), float(o.sampling.temperature > 0 ? o.sampling.temperature : 1.0));
+  step_slots.reserve(size_t(slots));
+  step_tokens.reserve(size_t(slots));
+  step_prompts.reserve(size_t(slots));
+
+  std::vector<Completion> out(requests.size());
+  std::vector<int64_t> held(size_t(slots), -1);  // request index per slot, -1 free
+  std::vector<int32_t> last(size_t(slots), 0);   // the token each slot feeds next
+  size_t next = 0;
+  int64_t active = 0;
+
+  // Draws one token per row of `logits` for step_slots' sequences; ends those that stop.
+  auto take = [&] {
+    const int64_t B = int64_t(step_slots.size());
+    step_tokens.resize(size_t(B));
+    for (int64_t b = 0; b < B; ++b) {
+      Completion& done = out[size_t(held[size_t(step_slots[size_t(b)])])];
+      const Sampled s = sampler.sample(logits.data() + b * V, {done.prompt, done.sample, int64_t(done.tokens.size())});
+      step_tokens[size_t(b)] = s.token;
+      done.tokens.push_back(s.token);
+      done.sampling_logprobs.push_back(s.sampling_logprob);
+    }
+    cpu::token_logprobs<float>(model_lp.data(), logits.data(), step_tokens.data(), ones.data(), B, V);
+    if (o.sampling.temperature > 0)
+      cpu::token_logprobs<float>(tempered_lp.data(), logits.data(), step_tokens.data(), temps.data(), B, V);
+    for (int64_t b = 0; b < B; ++b) {
+      const int32_t slot = step_slots[size_t(b)];
+      Completion& done = out[size_t(held[size_t(slot)])];
+      done.model_logprobs.push_back(model_lp[size_t(b)]);
+      done.tempered_logprobs.push_back(o.sampling.temperature > 0 ? tempered_lp[size_t(b)] : model_lp[size_t(b)]);
+      const int32_t t = step_tokens[size_t(b)];
+      const bool stop = std::find(o.stop_ids.begin(), o.stop_ids.end(), t) != o.stop_ids.end();
+      if (stop || int64_t(done.tokens.size()) == o.max_new_tokens) {
+        done.finish = stop ? Finish::Stop : Finish::Length;
+        held[size_t(slot)] = -1;
+        --active;
+      } else {
+        last[size_t(slot)] = t;
+      }
+    }
+  };
+
+  while (next < requests.size() || active > 0) {
+    // Free slots take the next prompts, all in one prefill.
+    step_slots.clear();
+    step_prompts.clear();
+    for (int32_t slot : order) {
+      if (held[size_t(slot)] >= 0 || next >= requests.size()) continue;
+      const GenerateRequest& r = requests[next];
+      out[next].prompt = r.prompt;
+      out[next].sample = r.sample;
+      held[size_t(slot)] = int64_t(next++);
+      ++active;
+      step_slots.push_back(slot);
+      step_prompts.push_back(r.tokens);
+    }
+    if (!step_slots.empty()) {
+      decoder.prefill(step_slots, step_prompts, logits.data());
+      take();
+    }
+    // One token for every sequence still going, in slot order.
+    step_slots.clear();
+    step_tokens.clear();
+    for (int32_t slot = 0; slot < int32_t(slots); ++slot)
+      if (held[size_t(slot)] >= 0) step_slots.push_back(slot), step_tokens.push_back(last[size_t(slot)]);
+    if (!step_slots.empty()) {
+      decoder.decode(step_slots, step_tokens, logits.data());
+      take();
+    }
+  }
+  return out;
+}
+
+}  // namespace shardlm
