@@ -81,6 +81,7 @@ if [ "${SHARDLM_TEST_GPU:-0}" = 1 ]; then
   # Sharded training at world 2 on the GPU and the NCCL watchdog; the offload pipeline.
   run_script tests/gpu/test_multirank.sh 900
   run_script tests/gpu/test_offload.sh 900
+  run_script tests/gpu/test_async_ckpt.sh 600
 fi
 
 passed=$(awk '{p+=$1} END {print p+0}' "$results")

@@ -113,13 +113,20 @@ struct MemoryPlan {
   // Of which the pool gives up on a host without room (ckpt.async_host_gib = 0:
   // it then takes half of what is left and stages saves); the plan fits without it.
   int64_t checkpoint_snapshot_flexible = 0;
+  // GPU: the device copy of the state async saves download from (device
+  // state, ckpt.async), taken only where the GPU has room after everything
+  // else; without it the update after a save waits for the download. The plan
+  // fits without it.
+  int64_t checkpoint_device_snapshot = 0;
   int64_t host_total() const {
     return param_shards + grad_shards + optim_state + host_workspace + comm_staging + offload_buffers + data_reader +
            checkpoint_snapshot +
            (device ? 0 : gathered + activations + workspace);
   }
   int64_t device_total() const {
-    return device ? device_state + device_grads + param_copies + gathered + activations + workspace : 0;
+    return device ? device_state + device_grads + param_copies + gathered + activations + workspace +
+                        checkpoint_device_snapshot
+                  : 0;
   }
   int64_t total() const { return host_total() + device_total(); }
 };

@@ -93,6 +93,7 @@ struct Piece {
   const float* live = nullptr;     // the session's shard
   float* data = nullptr;           // what the writer reads: the snapshot (or the pinned mirror)
   int64_t numel = 0;
+  int unit = 0;                    // the mirror's download of this unit is waited for before it is read
   std::vector<size_t> tensors;     // indices into Writer::tensors, in write order
 };
 
@@ -155,6 +156,7 @@ struct Checkpointer::Writer {
   std::unique_ptr<RawFile> raw;
   Pool* pool = nullptr;
   HostShardReader* mirror_reader = nullptr;  // device state: the host mirror this writer reads, released after the last write
+  TrainingState* downloading = nullptr;      // device state: the mirror fills on a copy stream (start_snapshot)
   fs::path tmp;
   int rank = 0;
   int64_t steps_done = 0;
@@ -183,6 +185,13 @@ struct Checkpointer::Writer {
       }
       // After a failure the rest is drained unwritten, so a staged snapshot
       // still gets its room back and the training thread never waits forever.
+      if (downloading && error.empty() && !abort.load()) {
+        try {
+          downloading->wait_snapshot(pieces[p].unit);
+        } catch (const std::exception& e) {
+          error = fmt("the snapshot's download of the state failed on rank %d: %s", rank, e.what());
+        }
+      }
       if (error.empty() && !abort.load()) {
         for (size_t i : pieces[p].tensors) {
           const Tensor& t = tensors[i];
@@ -262,9 +271,14 @@ Checkpointer::Checkpointer(TrainSession& session, MPI_Comm trainers)
   const TrainingState::Pinned pinned = session.state->pin_host_shards();
   const int64_t pinned_bytes = pinned.bytes, wanted = pinned.wanted_bytes;
   if (rank == 0) {
-    std::printf("checkpoint: async saves snapshot into the host mirror of the GPU state: pinned %s of %s in %.1f s\n",
+    std::printf("checkpoint: async saves snapshot into the host mirror of the GPU state on a copy stream: pinned %s "
+                "of %s in %.1f s; %s\n",
                 mib(static_cast<double>(pinned_bytes)).c_str(), mib(static_cast<double>(wanted)).c_str(),
-                seconds_since(t0));
+                seconds_since(t0),
+                pinned.device_snapshot_bytes > 0
+                    ? fmt("a device copy of the state (%s) lets training go on at once",
+                          mib(static_cast<double>(pinned.device_snapshot_bytes)).c_str()).c_str()
+                    : "no room on the GPU for a device copy: the update after a save waits for the download");
     std::fflush(stdout);
   }
 }
@@ -324,8 +338,14 @@ SaveResult Checkpointer::start(int64_t steps_done, int64_t tokens_seen) {
   w->tensors = tensors_of(s);
   const std::vector<Tensor>& tensors = w->tensors;
   Activity starting(fmt("checkpoint: starting the save of step %lld (snapshot, HDF5 metadata)", (long long)steps_done));
+  bool downloading = false;
   try {
-    s.pull_state();  // offload: the CPU optimizer is idle; device-resident state: the pinned mirror is refreshed
+    // Device-resident state: the download into the pinned mirror runs on a
+    // copy stream under the next steps (the writer waits per unit); otherwise
+    // (offload: the CPU optimizer is idle; host state) the host shards are current.
+    const bool mirror = s.state->placement() == StatePlacement::Device;
+    downloading = mirror && s.state->start_snapshot();
+    if (!downloading) s.pull_state();
     const double pull_s = seconds_since(t0);
     const auto t_meta = Clock::now();
     int64_t data_bytes = 0;
@@ -393,11 +413,11 @@ SaveResult Checkpointer::start(int64_t steps_done, int64_t tokens_seen) {
       w->ranges[i] = local_range(s.model, t);
       const float* live = (*t.shards)[t.unit].data();
       if (w->pieces.empty() || w->pieces.back().live != live)
-        w->pieces.push_back({live, nullptr, (*t.shards)[t.unit].size(), {}});
+        w->pieces.push_back({live, nullptr, (*t.shards)[t.unit].size(), static_cast<int>(t.unit), {}});
       w->pieces.back().tensors.push_back(i);
     }
-    const bool mirror = s.state->placement() == StatePlacement::Device;
     w->pool = mirror ? nullptr : pool_.get();
+    w->downloading = downloading ? s.state.get() : nullptr;
     if (mirror) {
       for (auto& p : w->pieces) p.data = const_cast<float*>(p.live);
       // The writer reads the mirror after this returns: the filesystem
@@ -431,6 +451,8 @@ SaveResult Checkpointer::start(int64_t steps_done, int64_t tokens_seen) {
     SaveResult failed = w ? w->result : writer_->result;
     failed.ok = false;
     failed.error = e.what();
+    if (downloading && !writer_)  // nothing reads the mirror, but the copy stream still writes it: let it finish
+      s.state->wait_snapshot(static_cast<int>(s.model.layout.units.size()) - 1);
     if (writer_) {  // cannot happen after the thread started (nothing there throws), but never leave it running
       writer_->abort.store(true);
       writer_->cv.notify_all();

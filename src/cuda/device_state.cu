@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <memory>
 #include <vector>
 
@@ -51,9 +52,17 @@ class CudaDeviceState final : public TrainingState {
     sumsq_scratch_bytes_ = cuda::sum_squares_scratch_bytes();
     sumsq_scratch_ = own(Mem::Workspace, sumsq_scratch_bytes_);
     sumsq_ = static_cast<double*>(own(Mem::Workspace, 8));
+    CUDA_CHECK(cudaGetDevice(&device_));
   }
   ~CudaDeviceState() override {
     cudaStreamSynchronize(stream_);
+    if (copy_stream_) {
+      cudaStreamSynchronize(copy_stream_);
+      for (cudaEvent_t e : unit_copied_) cudaEventDestroy(e);
+      cudaEventDestroy(state_current_);
+      cudaEventDestroy(snapshot_done_);
+      cudaStreamDestroy(copy_stream_);
+    }
     for (void* p : pinned_)
       if (cudaHostUnregister(p) != cudaSuccess) cudaGetLastError();
     for (auto& [category, ptr, bytes] : owned_) cuda_free(category, ptr, int64_t(bytes));
@@ -81,6 +90,10 @@ class CudaDeviceState final : public TrainingState {
   }
 
   void update(double lr, float clip) override {
+    if (update_waits_for_snapshot_) {  // no device copy: the download reads the live state
+      CUDA_CHECK(cudaStreamWaitEvent(stream_, snapshot_done_, 0));
+      update_waits_for_snapshot_ = false;
+    }
     const int64_t step = optimizer_.steps_taken() + 1;
     for (size_t u = 0; u < units_.size(); ++u) {
       UnitState& st = units_[u];
@@ -128,7 +141,40 @@ class CudaDeviceState final : public TrainingState {
     for (auto& b : model_.param) pin(b);
     for (int k = 0; k < optimizer_.states(); ++k)
       for (auto& b : optimizer_.state(k)) pin(b);
+    prepare_snapshots();
+    out.device_snapshot_bytes = snapshot_bytes_;
     return out;
+  }
+
+  bool start_snapshot() override {
+    SHARDLM_CHECK(copy_stream_, "internal: start_snapshot before pin_host_shards");
+    const size_t arrays = 1 + units_[0].states.size();
+    if (snapshot_bytes_ > 0) {
+      // Device to device on the compute stream: after the last update, before
+      // the next; ~2 x 4 bytes per element at HBM speed.
+      for (size_t u = 0; u < units_.size(); ++u)
+        for (size_t a = 0; a < arrays; ++a)
+          CUDA_CHECK(cudaMemcpyAsync(snapshot_array(u, a), live_array(u, a), 4 * units_[u].n,
+                                     cudaMemcpyDeviceToDevice, stream_));
+    }
+    CUDA_CHECK(cudaEventRecord(state_current_, stream_));
+    CUDA_CHECK(cudaStreamWaitEvent(copy_stream_, state_current_, 0));
+    for (size_t u = 0; u < units_.size(); ++u) {
+      for (size_t a = 0; a < arrays; ++a) {
+        float* host = a == 0 ? model_.param[u].data() : optimizer_.state(int(a - 1))[u].data();
+        const float* from = snapshot_bytes_ > 0 ? snapshot_array(u, a) : live_array(u, a);
+        CUDA_CHECK(cudaMemcpyAsync(host, from, 4 * units_[u].n, cudaMemcpyDeviceToHost, copy_stream_));
+      }
+      CUDA_CHECK(cudaEventRecord(unit_copied_[u], copy_stream_));
+    }
+    CUDA_CHECK(cudaEventRecord(snapshot_done_, copy_stream_));
+    update_waits_for_snapshot_ = snapshot_bytes_ == 0;
+    return true;
+  }
+
+  void wait_snapshot(int unit) override {
+    CUDA_CHECK(cudaSetDevice(device_));  // the writer thread's calls go to this rank's GPU
+    CUDA_CHECK(cudaEventSynchronize(unit_copied_[size_t(unit)]));
   }
 
   void push() override {
@@ -164,6 +210,42 @@ class CudaDeviceState final : public TrainingState {
     return p;
   }
 
+  // The copy stream, its events and, where the GPU has room left after
+  // everything else is allocated (start-up), one device copy of the state.
+  void prepare_snapshots() {
+    if (copy_stream_) return;
+    CUDA_CHECK(cudaStreamCreateWithFlags(&copy_stream_, cudaStreamNonBlocking));
+    CUDA_CHECK(cudaEventCreateWithFlags(&state_current_, cudaEventDisableTiming));
+    CUDA_CHECK(cudaEventCreateWithFlags(&snapshot_done_, cudaEventDisableTiming));
+    unit_copied_.resize(units_.size());
+    for (auto& e : unit_copied_) CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    int64_t bytes = 0;
+    for (const auto& st : units_) bytes += 4 * st.n * int64_t(1 + st.states.size());
+    size_t free_bytes = 0, total_bytes = 0;
+    CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+    // Room for the libraries' workspaces and fragmentation after it.
+    constexpr int64_t kMargin = int64_t(4) << 30;
+    if (int64_t(free_bytes) < bytes + kMargin) return;
+    const char* no_copy = std::getenv("SHARDLM_CKPT_NO_DEVICE_COPY");  // tests: the path without room
+    if (no_copy && *no_copy) return;
+    try {
+      snapshot_ = static_cast<float*>(own(Mem::Snapshot, size_t(bytes)));  // admitted against device.memory_limit_gib
+    } catch (const Error&) {
+      return;  // over the cap: the download reads the live state, the next update waits for it
+    }
+    snapshot_bytes_ = bytes;
+    int64_t at = 0;
+    for (const auto& st : units_) {
+      snapshot_offset_.push_back(at);
+      at += st.n * int64_t(1 + st.states.size());
+    }
+  }
+  // Array a of unit u: 0 the fp32 masters, 1.. the optimizer states.
+  float* live_array(size_t u, size_t a) { return a == 0 ? units_[u].param : units_[u].states[a - 1]; }
+  float* snapshot_array(size_t u, size_t a) {
+    return snapshot_ + snapshot_offset_[u] + int64_t(a) * units_[u].n;
+  }
+
   ShardedModel& model_;
   Optimizer& optimizer_;
   const OptimSection optim_;
@@ -175,6 +257,15 @@ class CudaDeviceState final : public TrainingState {
   void* sumsq_scratch_ = nullptr;
   size_t sumsq_scratch_bytes_ = 0;
   double* sumsq_ = nullptr;
+  int device_ = 0;
+  cudaStream_t copy_stream_ = nullptr;   // snapshots' downloads, beside the compute stream
+  cudaEvent_t state_current_ = nullptr;  // compute stream: the state (or its device copy) to snapshot is written
+  cudaEvent_t snapshot_done_ = nullptr;  // copy stream: the whole download
+  std::vector<cudaEvent_t> unit_copied_; // copy stream: unit u's arrays are in the host shards
+  float* snapshot_ = nullptr;            // the device copy (snapshot_bytes_), or none
+  int64_t snapshot_bytes_ = 0;
+  std::vector<int64_t> snapshot_offset_; // unit u's arrays in snapshot_, in floats
+  bool update_waits_for_snapshot_ = false;
 };
 
 }  // namespace

@@ -24,6 +24,8 @@ MemoryPlan run_memory_plan(const Config& config, const ModelLayout& layout, cons
   plan.workspace += broadcast_device_bytes(config, layout);  // one gathered bf16 unit while broadcasting (GPU)
   plan.checkpoint_snapshot = checkpoint_snapshot_bytes(config, layout);  // ckpt.async on host state
   plan.checkpoint_snapshot_flexible = plan.checkpoint_snapshot - checkpoint_snapshot_floor(config, layout);
+  if (saves_async(config) && config.device.backend == "cuda" && !config.model.optim_cpu_offload)
+    plan.checkpoint_device_snapshot = checkpoint_state_bytes(config, layout);  // where the GPU has room
   return plan;
 }
 

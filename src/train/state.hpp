@@ -116,8 +116,20 @@ class TrainingState {
   virtual void push() = 0;
   // Page-lock the host shards for DMA where pull() copies into them (the device
   // mirror, which async checkpoints snapshot from); unpinned when the state goes.
-  struct Pinned { int64_t bytes = 0, wanted_bytes = 0; };
+  // With it, the device placement also takes a device copy of the state for
+  // snapshots when the GPU has room left (device_snapshot_bytes; 0: none).
+  struct Pinned { int64_t bytes = 0, wanted_bytes = 0, device_snapshot_bytes = 0; };
   virtual Pinned pin_host_shards() { return {}; }
+  // Asynchronous snapshots (ckpt.async, device placement): starts copying the
+  // current state into the host shards on a copy stream and returns at once;
+  // the training thread goes on. With the device copy, the state is copied
+  // there first on the compute stream (milliseconds, stream-ordered before
+  // the next update) and downloaded from it; without, the next update waits
+  // on the GPU for the download. False where a placement has no such path
+  // (the caller pulls instead).
+  virtual bool start_snapshot() { return false; }
+  // Any thread: `unit`'s part of the snapshot started last is in the host shards.
+  virtual void wait_snapshot(int /*unit*/) {}
   // One line for the run summary ("" when there is nothing to say).
   virtual std::string summary() { return ""; }
   // Seconds the constructor spent placing the state (uploading it, pinning

@@ -15,7 +15,7 @@ if [ "$(id -u)" = 0 ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_RO
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive} OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} NCCL_NVLS_ENABLE=0
 PY=$(tools/find_python.sh)  # make_rollouts.py needs h5py and numpy
 out=$(mktemp -d "/tmp/shardlm-$1.XXXXXX")
-trap 'rm -rf "$out"' EXIT
+trap '[ -n "${KEEP:-}" ] && echo "kept $out" || rm -rf "$out"' EXIT
 
 # train_tiny DIR NP STEPS SETS...: tiny-sft on the GPU, deterministic, STEPS
 # steps into $out/DIR, the log appended to $out/DIR.log; a DIR with checkpoints
