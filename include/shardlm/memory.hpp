@@ -115,8 +115,8 @@ struct MemoryPlan {
   int64_t checkpoint_snapshot_flexible = 0;
   // GPU: the device copy of the state async saves download from (device
   // state, ckpt.async), taken only where the GPU has room after everything
-  // else; without it the update after a save waits for the download. The plan
-  // fits without it.
+  // else; without it the update after a save waits for the download. Not in
+  // device_total(): the plan fits without it.
   int64_t checkpoint_device_snapshot = 0;
   int64_t host_total() const {
     return param_shards + grad_shards + optim_state + host_workspace + comm_staging + offload_buffers + data_reader +
@@ -124,9 +124,7 @@ struct MemoryPlan {
            (device ? 0 : gathered + activations + workspace);
   }
   int64_t device_total() const {
-    return device ? device_state + device_grads + param_copies + gathered + activations + workspace +
-                        checkpoint_device_snapshot
-                  : 0;
+    return device ? device_state + device_grads + param_copies + gathered + activations + workspace : 0;
   }
   int64_t total() const { return host_total() + device_total(); }
 };

@@ -110,10 +110,12 @@ struct Checkpointer::Pool {
 
   explicit Pool(int64_t floats) : arena(Mem::Snapshot, floats), capacity(floats) {}
 
-  float* acquire(int64_t n) {
+  // nullptr once `abort` is set (the save is abandoned).
+  float* acquire(int64_t n, const std::atomic<bool>& abort) {
     std::unique_lock<std::mutex> lock(m);
     bool waited = false;
     for (;;) {
+      if (abort.load()) return nullptr;
       int64_t at = -1;
       if (live.empty()) {
         at = 0;
@@ -129,7 +131,7 @@ struct Checkpointer::Pool {
         return arena.data() + at;
       }
       waited = true;
-      cv.wait(lock);
+      cv.wait_for(lock, std::chrono::milliseconds(100));
     }
   }
   void release() {
@@ -157,6 +159,45 @@ struct Checkpointer::Writer {
   Pool* pool = nullptr;
   HostShardReader* mirror_reader = nullptr;  // device state: the host mirror this writer reads, released after the last write
   TrainingState* downloading = nullptr;      // device state: the mirror fills on a copy stream (start_snapshot)
+  // Host state: the copier thread fills the pool from the live shards, unit by
+  // unit, each after the update in flight at the save (mark), opening the gate
+  // of the next update unit by unit.
+  std::thread copier;
+  TrainingState* host_state = nullptr;
+  int64_t mark = 0;
+
+  void copy() {
+    omp_set_num_threads(std::min(kWriterThreads, omp_get_max_threads()));  // this thread's copies only
+    Activity activity(fmt("checkpoint: rank %d's copy of the state of step %lld into the snapshot", rank,
+                          (long long)steps_done));
+    HostSnapshotGate& gate = host_state->snapshot_gate;
+    for (size_t p = 0; p < pieces.size() && !abort.load(); ++p) {
+      Piece& piece = pieces[p];
+      if (p == 0 || pieces[p - 1].unit != piece.unit) host_state->wait_unit_updated(piece.unit, mark);
+      float* dst = pool->acquire(piece.numel, abort);  // waits for room when the pool is smaller than the state
+      if (!dst) break;
+      const int64_t n = piece.numel;
+      const float* src = piece.live;
+#pragma omp parallel for schedule(static) if (n > (1 << 20))
+      for (int64_t c = 0; c < n; c += (1 << 18)) std::memcpy(dst + c, src + c, 4 * std::min<int64_t>(n - c, 1 << 18));
+      piece.data = dst;
+      // Tests (SHARDLM_CKPT_FAULT=slowcopy@R): a copier slower than the next
+      // step, so that updates must wait for it.
+      if (fault.what == "slowcopy") std::this_thread::sleep_for(std::chrono::milliseconds(fault.slow_ms));
+      push(p + 1);
+      if (p + 1 == pieces.size() || pieces[p + 1].unit != piece.unit) gate.copied(piece.unit + 1);
+      activity.progress();
+    }
+    gate.end();
+  }
+
+  // Stops the save in flight: the threads end without writing more.
+  void stop() {
+    abort.store(true);
+    cv.notify_all();
+    if (copier.joinable()) copier.join();
+    if (thread.joinable()) thread.join();
+  }
   fs::path tmp;
   int rank = 0;
   int64_t steps_done = 0;
@@ -285,11 +326,7 @@ Checkpointer::Checkpointer(TrainSession& session, MPI_Comm trainers)
 
 Checkpointer::~Checkpointer() {
   join_retention();
-  if (writer_) {
-    writer_->abort.store(true);
-    writer_->cv.notify_all();
-    if (writer_->thread.joinable()) writer_->thread.join();
-  }
+  if (writer_) writer_->stop();
 }
 
 bool Checkpointer::in_flight() const { return writer_ != nullptr; }
@@ -345,7 +382,9 @@ SaveResult Checkpointer::start(int64_t steps_done, int64_t tokens_seen) {
     // (offload: the CPU optimizer is idle; host state) the host shards are current.
     const bool mirror = s.state->placement() == StatePlacement::Device;
     downloading = mirror && s.state->start_snapshot();
-    if (!downloading) s.pull_state();
+    // Host state: no pull; the copier waits per unit for the update in flight.
+    const int64_t mark = mirror ? 0 : s.state->snapshot_mark();
+    if (mirror && !downloading) s.pull_state();
     const double pull_s = seconds_since(t0);
     const auto t_meta = Clock::now();
     int64_t data_bytes = 0;
@@ -417,6 +456,11 @@ SaveResult Checkpointer::start(int64_t steps_done, int64_t tokens_seen) {
       w->pieces.back().tensors.push_back(i);
     }
     w->pool = mirror ? nullptr : pool_.get();
+    w->mark = mark;
+    if (!mirror) {  // unit-major, so that the copier opens each unit's next update as early as it can
+      std::stable_sort(w->pieces.begin(), w->pieces.end(), [](const Piece& a, const Piece& b) { return a.unit < b.unit; });
+      w->host_state = s.state.get();
+    }
     w->downloading = downloading ? s.state.get() : nullptr;
     if (mirror) {
       for (auto& p : w->pieces) p.data = const_cast<float*>(p.live);
@@ -431,17 +475,8 @@ SaveResult Checkpointer::start(int64_t steps_done, int64_t tokens_seen) {
     if (mirror) {
       writer->push(writer->pieces.size());
     } else {
-      for (size_t p = 0; p < writer->pieces.size(); ++p) {
-        Piece& piece = writer->pieces[p];
-        float* dst = pool_->acquire(piece.numel);  // waits for room when the pool is smaller than the state
-        const int64_t n = piece.numel;
-        const float* src = piece.live;
-#pragma omp parallel for schedule(static) if (n > (1 << 20))
-        for (int64_t c = 0; c < n; c += (1 << 18)) std::memcpy(dst + c, src + c, 4 * std::min<int64_t>(n - c, 1 << 18));
-        piece.data = dst;
-        writer->push(p + 1);
-        starting.progress();
-      }
+      s.state->snapshot_gate.begin();  // the next updates wait for the copier, unit by unit
+      writer->copier = std::thread([writer] { writer->copy(); });
     }
     writer->result.snapshot_s = pull_s + seconds_since(t_snap);
     writer->result.ok = true;  // pending: complete() decides
@@ -453,10 +488,8 @@ SaveResult Checkpointer::start(int64_t steps_done, int64_t tokens_seen) {
     failed.error = e.what();
     if (downloading && !writer_)  // nothing reads the mirror, but the copy stream still writes it: let it finish
       s.state->wait_snapshot(static_cast<int>(s.model.layout.units.size()) - 1);
-    if (writer_) {  // cannot happen after the thread started (nothing there throws), but never leave it running
-      writer_->abort.store(true);
-      writer_->cv.notify_all();
-      writer_->thread.join();
+    if (writer_) {  // cannot happen after the threads started (nothing there throws), but never leave them running
+      writer_->stop();
       writer_.reset();
     }
     if (rank == 0) {
@@ -480,6 +513,7 @@ SaveResult Checkpointer::complete() {
     wait_following(waiting, [&] { return w.done.load(); }, w.progress);
   }
   w.thread.join();
+  if (w.copier.joinable()) w.copier.join();  // done before the writer: it pushed every piece
   Activity completing(fmt("checkpoint: completing step %lld (checksums, fsync, rename, `latest`)",
                           (long long)w.steps_done));
   SaveResult result = w.result;

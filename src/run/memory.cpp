@@ -114,12 +114,14 @@ std::string format_memory_plan(const MemoryPlan& p, int world) {
       {"gathered units", where, p.gathered},        {"activations", where, p.activations},
       {"workspace", where, p.workspace},            {"output staging", "host", p.host_workspace},
       {"comm staging", "host", p.comm_staging},     {"offload buffers", "host", p.offload_buffers},
-      {"data reader", "host", p.data_reader},       {"ckpt snapshot", "host", p.checkpoint_snapshot},
-      {"ckpt snapshot", "GPU", p.checkpoint_device_snapshot}};
+      {"data reader", "host", p.data_reader},       {"ckpt snapshot", "host", p.checkpoint_snapshot}};
   for (const auto& [name, place, bytes] : rows)
     if (bytes > 0) out += fmt("  %-18s %-5s %12.3f MiB\n", name, place, mib(bytes));
   out += fmt("  %-18s %-5s %12.3f MiB\n", "total", "host", mib(p.host_total()));
   if (p.device) out += fmt("  %-18s %-5s %12.3f MiB\n", "total", "GPU", mib(p.device_total()));
+  if (p.checkpoint_device_snapshot > 0)
+    out += fmt("  %-18s %-5s %12.3f MiB  (taken where the GPU has room after the total; not in it)\n", "ckpt snapshot",
+               "GPU", mib(p.checkpoint_device_snapshot));
   return out;
 }
 
@@ -136,11 +138,11 @@ std::string plan_fit_error(const MemoryPlan& p, int ranks_on_node, const Machine
                "the %.2f GiB this machine has (%s): %s",
                double(p.host_total() - p.checkpoint_snapshot_flexible) / gib, ranks_on_node, ranks_on_node == 1 ? "" : "s", host_need / gib,
                double(host.bytes) / gib, host.source, levers);
-  const double device_need = double(p.device_total() - p.checkpoint_device_snapshot) * ranks_per_gpu;
+  const double device_need = double(p.device_total()) * ranks_per_gpu;
   if (gpu_bytes > 0 && device_need > double(gpu_bytes))
     return fmt("the memory plan needs %.2f GiB of GPU memory per rank x %d rank%s on the GPU = %.2f GiB, more than its "
                "%.2f GiB: model.optim_cpu_offload = true, %s",
-               double(p.device_total() - p.checkpoint_device_snapshot) / gib, ranks_per_gpu, ranks_per_gpu == 1 ? "" : "s", device_need / gib,
+               double(p.device_total()) / gib, ranks_per_gpu, ranks_per_gpu == 1 ? "" : "s", device_need / gib,
                double(gpu_bytes) / gib, levers);
   return "";
 }

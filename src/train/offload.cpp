@@ -46,14 +46,17 @@ int64_t OffloadPipeline::host_bytes(const ModelLayout& layout, bool device_grads
 }
 
 OffloadPipeline::OffloadPipeline(ShardedModel& model, Optimizer& optimizer, OffloadDevice& device,
-                                 std::vector<void*> device_shards, int cpu_threads, bool device_grads)
+                                 std::vector<void*> device_shards, int cpu_threads, bool device_grads,
+                                 HostSnapshotGate* gate)
     : model_(model),
       optimizer_(optimizer),
       device_(device),
       device_shards_(std::move(device_shards)),
       units_(static_cast<int>(model.layout.units.size())),
       cpu_threads_(cpu_threads),
-      device_grads_(device_grads) {
+      device_grads_(device_grads),
+      gate_(gate) {
+  unit_updates_.assign(size_t(units_), 0);
   SHARDLM_CHECK(int(device_shards_.size()) == units_, "internal: %zu device shards for %d units",
                 device_shards_.size(), units_);
   // Gradients land straight in the fp32 grad shards (or the landing buffers), the
@@ -181,6 +184,7 @@ void OffloadPipeline::update(double lr, float clip) {
     std::fill(updating_.begin(), updating_.end(), true);
   }
   std::fill(waited_.begin(), waited_.end(), false);
+  ++updates_asked_;
   Task t;
   t.lr = lr;
   t.clip = clip;
@@ -204,6 +208,11 @@ std::string OffloadPipeline::summary() {
              double(t.pinned_bytes) / 1073741824.0, double(t.pin_wanted_bytes) / 1073741824.0,
              c.to_host_bytes * per * 1e-12, gbps(c.to_host_bytes, c.to_host_s), c.to_device_bytes * per * 1e-12,
              gbps(c.to_device_bytes, c.to_device_s));
+}
+
+void OffloadPipeline::wait_unit_updated(int unit, int64_t mark) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  changed_.wait(lock, [&] { return unit_updates_[size_t(unit)] >= mark; });
 }
 
 void OffloadPipeline::finish() {
@@ -264,6 +273,7 @@ void OffloadPipeline::update_unit(int unit, double lr, float clip) {
   next_slot_ = (next_slot_ + 1) % kUploadSlots;
   if (slot_upload_[slot] >= 0) device_.host_wait(slot_upload_[slot]);
   uint16_t* bf16 = slots_[slot].data();
+  if (gate_) gate_->wait(unit);  // an async save still copying this unit's previous state
   optimizer_.step_unit(unit, lr, clip, bf16, device_grads_ ? landing_[unit % kLandingBuffers].data() : nullptr);
   const int64_t n = upload_numel_[unit];
   const int64_t ticket =
@@ -273,6 +283,7 @@ void OffloadPipeline::update_unit(int unit, double lr, float clip) {
     std::lock_guard<std::mutex> lock(mutex_);
     upload_[unit] = ticket;
     updating_[unit] = false;
+    ++unit_updates_[size_t(unit)];
     timing_.grad_wait_s += waited;
   }
   changed_.notify_all();
@@ -292,7 +303,8 @@ OffloadState::OffloadState(ShardedModel& model, Optimizer& optimizer, Backend& b
     accumulator_copy_.push_back(-1);
     shards.push_back(backend.param_shard_mut(u));
   }
-  pipeline_ = std::make_unique<OffloadPipeline>(model, optimizer, *device_, std::move(shards), cpu_threads, device_grads);
+  pipeline_ = std::make_unique<OffloadPipeline>(model, optimizer, *device_, std::move(shards), cpu_threads, device_grads,
+                                                &snapshot_gate);
   push();
 }
 

@@ -69,8 +69,9 @@ class OffloadPipeline {
   // update, instead of into its host shard during backward.
   // device_shards: each unit's bf16 parameter shard in device memory, where
   // its updates go up to.
+  // gate: an async checkpoint's copy of the host shards, which each unit's update waits for.
   OffloadPipeline(ShardedModel& model, Optimizer& optimizer, OffloadDevice& device, std::vector<void*> device_shards,
-                  int cpu_threads = 0, bool device_grads = false);
+                  int cpu_threads = 0, bool device_grads = false, HostSnapshotGate* gate = nullptr);
   ~OffloadPipeline();
   OffloadPipeline(const OffloadPipeline&) = delete;
   OffloadPipeline& operator=(const OffloadPipeline&) = delete;
@@ -93,6 +94,10 @@ class OffloadPipeline {
   void update(double lr, float clip);
   // Wait until the worker is idle: host masters and moments are final.
   void finish();
+  // Updates asked for so far (training thread), and: unit's update number
+  // `mark` is done (any thread; the checkpoint snapshot's copier).
+  int64_t updates_asked() const { return updates_asked_; }
+  void wait_unit_updated(int unit, int64_t mark);
 
   // Host bytes of the two pinned bf16 upload buffers, and with device_grads the
   // two fp32 landing buffers (the memory plan).
@@ -147,6 +152,9 @@ class OffloadPipeline {
   std::vector<const float*> grad_src_;       // device_grads: [unit] its device accumulator; guarded
   std::vector<int64_t> upload_;              // [unit] ticket of the latest upload, -1: none pending; guarded
   std::vector<bool> updating_;               // [unit] an update was asked for and not yet uploaded; guarded
+  std::vector<int64_t> unit_updates_;        // [unit] updates done on the host; guarded
+  int64_t updates_asked_ = 0;                // main thread
+  HostSnapshotGate* gate_ = nullptr;
   bool busy_ = false, stopping_ = false;     // guarded
   Timing timing_;                            // guarded
   std::thread worker_;
@@ -172,6 +180,8 @@ class OffloadState final : public TrainingState {
   double grad_sumsq() override;
   void update(double lr, float clip) override { pipeline_->update(lr, clip); }
   void pull() override { pipeline_->finish(); }  // the host masters are final once the worker is idle
+  int64_t snapshot_mark() override { return pipeline_->updates_asked(); }
+  void wait_unit_updated(int unit, int64_t mark) override { pipeline_->wait_unit_updated(unit, mark); }
   void push() override;
   std::string summary() override { return pipeline_->summary(); }
 

@@ -11,6 +11,14 @@
 
 namespace shardlm {
 
+void HostSnapshotGate::wait(int unit) {
+  auto ready = [&] { return !active_.load() || (unit >= 0 && copied_.load() > unit); };
+  if (ready()) return;
+  Activity waiting(unit >= 0 ? fmt("updating unit %d: waiting for the checkpoint snapshot to copy it", unit)
+                             : std::string("updating: waiting for the checkpoint snapshot to copy the state"));
+  wait_following(waiting, ready, copied_);
+}
+
 void HostShardReader::wait_done() {
   if (!reading_.load()) return;
   Activity waiting("waiting for the checkpoint writer to finish reading the host copy of the state");
@@ -96,6 +104,7 @@ class HostState final : public TrainingState {
   }
   void update(double lr, float clip) override {
     SHARDLM_CHECK(optimizer_, "internal: an engine's own host state has no optimizer to update with");
+    snapshot_gate.wait(-1);  // an async save's copy of the state (Muon's collective step updates all at once)
     optimizer_->step(lr, clip);
   }
   void push() override { sync_params(); }

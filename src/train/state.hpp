@@ -73,6 +73,27 @@ class HostShardReader {
   const std::atomic<int64_t>* progress_ = nullptr;
 };
 
+// An async checkpoint's snapshot of host-resident state (CPU backend,
+// optim_cpu_offload) in flight: a copier thread copies the host shards unit by
+// unit into the snapshot pool while training goes on, and the next update of
+// a unit waits until that unit is copied (in practice it already is: the copy
+// runs at memory speed under the next forward and backward).
+class HostSnapshotGate {
+ public:
+  void begin() {  // training thread, before the copier starts
+    copied_.store(0);
+    active_.store(true);
+  }
+  void copied(int units) { copied_.store(units); }  // copier: units [0, units) are in the snapshot
+  void end() { active_.store(false); }              // copier: done (or abandoned)
+  // The thread about to update `unit` (or every unit: -1): returns once it may (watched).
+  void wait(int unit);
+
+ private:
+  std::atomic<bool> active_{false};
+  std::atomic<int64_t> copied_{0};
+};
+
 class TrainingState {
  public:
   virtual ~TrainingState() = default;
@@ -130,6 +151,14 @@ class TrainingState {
   virtual bool start_snapshot() { return false; }
   // Any thread: `unit`'s part of the snapshot started last is in the host shards.
   virtual void wait_snapshot(int /*unit*/) {}
+  // Host-resident state: the update in flight when a snapshot starts
+  // (offload: the worker's) is identified by a mark taken on the training
+  // thread; the copier waits per unit for that update before copying the
+  // unit, instead of the training thread waiting for all of it (pull()).
+  // Updates after the mark wait for the copier (snapshot_gate).
+  virtual int64_t snapshot_mark() { return 0; }
+  virtual void wait_unit_updated(int /*unit*/, int64_t /*mark*/) {}
+  HostSnapshotGate snapshot_gate;
   // One line for the run summary ("" when there is nothing to say).
   virtual std::string summary() { return ""; }
   // Seconds the constructor spent placing the state (uploading it, pinning

@@ -7,6 +7,7 @@
 # Deterministic, so every saved checkpoint must hold exactly the bits of the
 # same run with synchronous saves: with the device copy of the state, and
 # without it (the next update waits for the download on the GPU).
+# The same with optim_cpu_offload against a deliberately slow snapshot copier.
 # Prints one PASS/FAIL line per check.
 source "$(dirname "$0")/lib.sh" async-ckpt
 
@@ -58,6 +59,12 @@ SHARDLM_CKPT_FAULT= rl_run sync ckpt.async=false || exit 1
 SHARDLM_CKPT_FAULT=slow@0 SHARDLM_CKPT_SLOW_MS=40 rl_run async-copy ckpt.async=true || exit 1
 SHARDLM_CKPT_FAULT=slow@0 SHARDLM_CKPT_SLOW_MS=40 SHARDLM_CKPT_NO_DEVICE_COPY=1 rl_run async-nocopy ckpt.async=true ||
   exit 1
+# optim_cpu_offload: the state is in host memory; the snapshot's copier runs
+# beside the next steps and the worker's per-unit updates wait for it (slowcopy:
+# a copier slower than the steps).
+SHARDLM_CKPT_FAULT= rl_run sync-offload ckpt.async=false model.optim_cpu_offload=true || exit 1
+SHARDLM_CKPT_FAULT=slowcopy@0 SHARDLM_CKPT_SLOW_MS=40 rl_run async-offload ckpt.async=true model.optim_cpu_offload=true ||
+  exit 1
 if grep -q "a device copy of the state" "$out/async-copy.log" && grep -q "no room on the GPU for a device copy" "$out/async-nocopy.log"; then
   echo "PASS async snapshots: the device-copy and the no-room paths both ran (start-up lines)"
 else
@@ -65,3 +72,4 @@ else
 fi
 same_state async-copy sync "async saves with a device copy, slow writer, filesystem broadcast every step = sync saves"
 same_state async-nocopy sync "async saves without a device copy (update waits), slow writer, broadcast every step = sync saves"
+same_state async-offload sync-offload "optim_cpu_offload: async saves, a copier slower than the steps (updates wait per unit) = sync saves"

@@ -35,7 +35,7 @@ source tests/scripts/lib/checks.sh  # failures, pass, fail, check, has
 train() {
   local dir=$1 log=$2
   shift 2
-  timeout --kill-after=10 180 $MPIRUN --oversubscribe --bind-to none -x OMP_NUM_THREADS -x OMP_WAIT_POLICY -x SHARDLM_CKPT_FAULT \
+  timeout --kill-after=10 180 $MPIRUN --oversubscribe --bind-to none -x OMP_NUM_THREADS -x OMP_WAIT_POLICY -x SHARDLM_CKPT_FAULT -x SHARDLM_CKPT_SLOW_MS \
     -x SHARDLM_CKPT_SKIP_SPACE_CHECK -x SHARDLM_CKPT_FAKE_FREE_BYTES -np 2 "$BIN" train inputs/tiny-sft.toml --set "run.dir=$dir" \
     --set log.interval=1 "$@" > "$log" 2>&1
 }
@@ -111,6 +111,36 @@ check "async saves: the line says loop blocked ... background write ... MB/s (as
 losses "$A" | awk '$1 > 5' > "$T/killasync.losses"
 check "async kill -9: losses of steps 6-20 bit-identical to the straight run" \
   test "$(wc -l < "$T/killasync.losses")" = 15 -a "$(cat "$T/ref.losses")" = "$(cat "$T/killasync.losses")"
+
+# ---- the async snapshot of host state runs beside training: a copier slower
+# than the steps (SHARDLM_CKPT_FAULT=slowcopy, 20 ms per unit's array on rank 0)
+# makes the next updates wait for it unit by unit; every checkpoint must hold the
+# bits of the same steps saved synchronously, and the losses must not move.
+train "$T/copy-sync" "$T/copy-sync.log" --set run.max_steps=20 --set ckpt.interval=5 --set ckpt.keep_last=10 \
+  --set ckpt.async=false
+SHARDLM_CKPT_FAULT=slowcopy@0 SHARDLM_CKPT_SLOW_MS=20 train "$T/copy-slow" "$T/copy-slow.log" --set run.max_steps=20 \
+  --set ckpt.interval=5 --set ckpt.keep_last=10 --set ckpt.async=true
+check "slow snapshot copier: exit 0" test $? = 0
+same=$("${PYTHON:-/usr/bin/python3}" - "$T/copy-slow/checkpoints" "$T/copy-sync/checkpoints" <<'PYEOF'
+import glob, os, sys
+import h5py, numpy as np
+a_dir, b_dir = sys.argv[1:3]
+files, n, bad = sorted(os.path.basename(f) for f in glob.glob(a_dir + "/step_*.h5")), 0, 0
+for f in files:
+    with h5py.File(os.path.join(a_dir, f), "r") as a, h5py.File(os.path.join(b_dir, f), "r") as b:
+        names = []
+        for top in ("model", "optim"):
+            a[top].visititems(lambda k, v: names.append(f"{top}/{k}") if isinstance(v, h5py.Dataset) else None)
+        for k in names:
+            n += 1
+            bad += not np.array_equal(a[k][()].view(np.uint32), b[k][()].view(np.uint32))
+print(f"{len(files)} {n} {bad}")
+PYEOF
+)
+check "slow snapshot copier: 4 checkpoints, every dataset the synchronous saves' bits (files datasets differing: $same)" \
+  test "$(cut -d' ' -f1,3 <<< "$same")" = "4 0"
+check "slow snapshot copier: losses of steps 6-20 bit-identical to the straight run" \
+  test "$(losses "$T/copy-slow" | awk '$1 > 5')" = "$(cat "$T/ref.losses")"
 
 # ---- corrupted latest: flipped bytes (checksum), then truncated (HDF5 error)
 C=$B/checkpoints
