@@ -12,6 +12,12 @@
 # that end FAILED, not requeued; a run that keeps exiting 75 stopped by
 # SHARDLM_MAX_REQUEUES; the local runner on the same sweep file (same dir names,
 # same losses), stopped by a signal and resumed.
+# Signals at known points (#27), each job held at a gate the test opens after
+# `scancel --signal=USR1`: an RL MPMD job (jobs/slurm-rl.sbatch, a trainer and a
+# receiver) stopped mid-run that requeues, resumes from the step it stopped at and
+# completes, the receiver ending with the trainers' 75; a signal during setup
+# (held by a run.lock of this job step "on another host") that requeues and
+# completes; a signal on the last step that completes with no requeue.
 #
 # Prints SKIP (and passes) only when Slurm cannot run here at all: slurm-wlm or
 # munge not installed (tools/install-deps.sh installs them), or not root.
@@ -187,6 +193,8 @@ cd "$co"
 # job_field ID FIELD: FIELD of `scontrol show job ID` (first line: one job, or an array's first task)
 job_field() { scontrol -o show job "$1" 2>/dev/null | head -1 | grep -o "\b$2=[^ ]*" | head -1 | cut -d= -f2-; }
 job_done() { [ -z "$(squeue -h -j "$1" -o %i 2>/dev/null)" ]; }
+# state ID: "JOBSTATE restarts N exit CODE:SIGNAL"
+state() { echo "$(job_field "$1" JobState) restarts $(job_field "$1" Restarts) exit $(job_field "$1" ExitCode)"; }
 # wait_done ID LIMIT_S: until the job (every task of an array) has left the queue.
 wait_done() {
   local id=$1 limit=$2 t0=$SECONDS
@@ -256,9 +264,72 @@ printf '#!/bin/sh\necho "stand-in trainer: stopping with 75 at once"\nexit 75\n'
 chmod +x "$tmp/always75"
 loop=$(SHARDLM_BIN=$tmp/always75 SHARDLM_MAX_REQUEUES=1 submit "${one_cpu[@]}" \
        jobs/slurm-node.sbatch inputs/tiny-sft.toml)
-for id in "$straight" "$signalled" "$sweep" "$bad_deck" "$ckpt_fail" "$loop"; do
-  [[ $id =~ ^[0-9]+$ ]] || { fail "sbatch did not return job ids: '$straight' '$signalled' '$sweep' '$bad_deck' '$ckpt_fail' '$loop' ($submit_out)"; exit 1; }
+
+# Signals at known points (#27 under Slurm). Each job waits at a gate that the
+# test opens: an RL trainer for its next rollout file (the inference server's
+# output, which the test writes here, renamed into place as a server would), a
+# setup for a run.lock that "this job step on another host" left (a requeue
+# while the old node still runs; the start waits for its heartbeat to go stale,
+# shardlm's run_dir.cpp). A driver per job, in the background (a job at its gate
+# holds CPUs that other jobs queue for, so the main line must not wait on it):
+# wait until the job is at its gate (a line of its log), scancel --signal=USR1,
+# give the signal $settle s to arrive (Slurm delivers it in milliseconds), open
+# the gate. The stop then lands at a known step.
+settle=3
+rl_gate=3 rl_steps=6   # the RL job: rollouts for steps 1-3, saved at 3, signalled, stops after step 4
+last_steps=4           # the last-step job: rollouts for steps 1-3, saved at 3, signalled, step 4 is the last
+"$PYTHON" tools/make_rollouts.py inputs/data/tiny.h5 --out "$tmp/rollouts" --steps $rl_steps > "$tmp/rollouts.log" 2>&1 ||
+  { fail "tools/make_rollouts.py failed"; cat "$tmp/rollouts.log"; exit 1; }
+# give_rollouts DIR FIRST LAST: the files of steps FIRST..LAST (step_<N-1>.h5 feeds step N), renamed in
+give_rollouts() {
+  local i
+  mkdir -p "$1"
+  for i in $(seq $(( $2 - 1 )) $(( $3 - 1 ))); do
+    cp "$tmp/rollouts/step_$i.h5" "$1/.step_$i.h5.part" && mv "$1/.step_$i.h5.part" "$1/step_$i.h5"
+  done
+}
+# drive NAME JOB LOG GATE_PATTERN OPEN_CMD...: the driver; "ok" or what went wrong in $tmp/drive-NAME
+drive() {
+  local name=$1 job=$2 log=$3 gate=$4
+  shift 4
+  if ! wait_for 300 grep -qs -- "$gate" "$log"; then
+    echo "never reached its gate ('$gate' not in $log; $(state "$job"))" > "$tmp/drive-$name"
+  elif ! scancel --signal=USR1 "$job"; then
+    echo "scancel --signal=USR1 $job failed ($(state "$job"))" > "$tmp/drive-$name"
+  else
+    sleep $settle
+    echo ok > "$tmp/drive-$name"
+  fi
+  "$@"   # opened in any case: a job left at its gate would hold the cluster
+}
+rl_opts=(--set log.interval=1 --set ckpt.async=false --set data.rollout_timeout_s=300 --set broadcast.interval=2)
+give_rollouts runs/rl/rollouts 1 $rl_gate
+rl_job=$(submit --gpus-per-node=0 --nodes=1 --ntasks-per-node=2 --cpus-per-task=1 jobs/slurm-rl.sbatch inputs/tiny-rl.toml \
+         "${rl_opts[@]}" --set run.max_steps=$rl_steps --set ckpt.interval=$rl_gate --set run.dir=runs/rl \
+         --set data.rollout_dir=runs/rl/rollouts)
+# The setup job starts held, so that its lock can name its job id before it runs.
+setup_job=$(submit --hold "${one_cpu[@]}" jobs/slurm-node.sbatch inputs/tiny-sft.toml --set run.max_steps=3 \
+            --set sched.warmup=1 --set log.interval=1 --set run.dir=runs/setup)
+mkdir -p runs/setup
+printf 'host=%s\npid=4242\nstarted=%s\nrun_name=tiny-sft\ndeck=inputs/tiny-sft.toml\nslurm_job_step=%s.0\ntoken=%s:4242:0:00000000feedface\n' \
+  "$node-old" "$(date -u '+%Y-%m-%d %H:%M:%S UTC')" "$setup_job" "$node-old" > runs/setup/run.lock
+scontrol release "$setup_job"
+give_rollouts runs/rl-last/rollouts 1 $(( last_steps - 1 ))
+last_job=$(submit "${one_cpu[@]}" jobs/slurm-node.sbatch inputs/tiny-rl.toml "${rl_opts[@]}" --set broadcast.backend=none \
+           --set run.max_steps=$last_steps --set ckpt.interval=$(( last_steps - 1 )) --set run.dir=runs/rl-last \
+           --set data.rollout_dir=runs/rl-last/rollouts)
+for id in "$straight" "$signalled" "$sweep" "$bad_deck" "$ckpt_fail" "$loop" "$rl_job" "$setup_job" "$last_job"; do
+  [[ $id =~ ^[0-9]+$ ]] || { fail "sbatch did not return job ids: '$straight' '$signalled' '$sweep' '$bad_deck' '$ckpt_fail' '$loop' '$rl_job' '$setup_job' '$last_job' ($submit_out)"; exit 1; }
 done
+drive rl "$rl_job" "logs/shardlm-rl-$rl_job.out" "checkpoint: saved runs/rl/checkpoints/step_$rl_gate.h5" \
+  give_rollouts runs/rl/rollouts $(( rl_gate + 1 )) $rl_steps &
+drivers=($!)
+drive setup "$setup_job" "logs/shardlm-$setup_job.out" "run dir: runs/setup/run.lock is held by .* waiting up to" \
+  rm -f runs/setup/run.lock &
+drivers+=($!)
+drive last "$last_job" "logs/shardlm-$last_job.out" "checkpoint: saved runs/rl-last/checkpoints/step_$(( last_steps - 1 )).h5" \
+  give_rollouts runs/rl-last/rollouts $last_steps $last_steps &
+drivers+=($!)
 
 # ------------------------------------------------------------------ the signalled job
 # Part 1: SIGUSR1 to the ranks (scancel --signal, what --signal=USR1@T does) once
@@ -293,10 +364,10 @@ signal_part() {
   fi
   stop_step=$(last_step runs/signalled)
 }
-state() { echo "$(job_field "$1" JobState) restarts $(job_field "$1" Restarts) exit $(job_field "$1" ExitCode)"; }
 signal_part 1 --signal=USR1 && stop1=$stop_step && signal_part 2 --batch --signal=USR1 && stop2=$stop_step || sig_ok=0
 
-for id in "$straight" "$signalled" "$sweep" "$bad_deck" "$ckpt_fail" "$loop"; do
+wait "${drivers[@]}"
+for id in "$straight" "$signalled" "$sweep" "$bad_deck" "$ckpt_fail" "$loop" "$rl_job" "$setup_job" "$last_job"; do
   wait_done "$id" 300 || fail "job $id did not finish"
 done
 
@@ -351,6 +422,63 @@ check "checkpoint failure: the log says why and that it is not requeued" \
 check "exit 75 every time: requeued once, then FAILED at SHARDLM_MAX_REQUEUES=1 ($(state "$loop"))" \
   bash -c "[ '$(state "$loop")' = 'FAILED restarts 1 exit 75:0' ] && [ \$(grep -c 'stand-in trainer' logs/shardlm-$loop.out) = 2 ] &&
            grep -q 'already requeued 1 times' logs/shardlm-$loop.out"
+
+# Signals at known points: what the drivers did, then each job's states and log.
+# outline LOG: the log's parts in one line: starts, steps, stops, resumes, ends
+outline() {
+  grep -E '^=== [a-z-]+\.sbatch: (job|stopped|shardlm train finished)|^stopped by signal|^stop signal|^checkpoint: resumed from|^run dir: .* waiting up to|^step +[0-9]+/' "$1" |
+    sed -E 's/^=== [a-z-]+\.sbatch: job .*(restart [0-9]+).*/\1/; s/^=== [a-z-]+\.sbatch: //; s/^(step +[0-9]+\/[0-9]+) .*/\1/;
+            s/^(stopped after a checkpoint|shardlm train finished).*/\1/; s/^(stopped by signal [0-9]+ [a-z]+ [a-z]+( [0-9]+)?).*/\1/;
+            s/^(stop signal [0-9]+ on the last step \([0-9]+\)).*/\1/; s/^checkpoint: (resumed from [^ ]+).*/\1/; s/^run dir: .*(waiting up to).*/run dir held, \1/' |
+    tr -s ' ' | paste -sd'|'
+}
+# check_outline WHAT LOG EXPECTED
+check_outline() {
+  local got
+  got=$(outline "$2")
+  check "$1" test "$got" = "$3" || printf '  got:    %s\n  wanted: %s\n' "$got" "$3"
+}
+for name in rl setup last; do
+  check "$name job: at its gate, signalled, gate opened ($(cat "$tmp/drive-$name" 2>/dev/null))" \
+    test "$(cat "$tmp/drive-$name" 2>/dev/null)" = ok
+done
+
+# (a) RL MPMD: the trainer stops after step rl_gate+1, both tasks exit 75, the
+# job requeues; part 2 resumes from that step's checkpoint and completes.
+log=logs/shardlm-rl-$rl_job.out
+stop_at=$(( rl_gate + 1 ))
+check "RL MPMD job (slurm-rl.sbatch, 1 trainer + 1 receiver): USR1 -> requeued once, then COMPLETED exit 0 ($(state "$rl_job"))" \
+  test "$(state "$rl_job")" = "COMPLETED restarts 1 exit 0:0"
+steps_rl=$(for i in $(seq 1 $stop_at); do printf 'step %d/%d|' "$i" $rl_steps; done)
+steps_rl2=$(for i in $(seq $(( stop_at + 1 )) $rl_steps); do printf 'step %d/%d|' "$i" $rl_steps; done)
+check_outline "RL MPMD job: stopped after step $stop_at, requeued, resumed from step_$stop_at.h5, steps to $rl_steps, finished (one log, $log)" \
+  "$log" "restart 0|${steps_rl}stopped by signal 10 after step $stop_at|stopped after a checkpoint|restart 1|resumed from runs/rl/checkpoints/step_$stop_at.h5|${steps_rl2}shardlm train finished"
+part1=$(sed -n '/^=== slurm-rl.sbatch: job .*(restart 0)/,/^=== slurm-rl.sbatch: stopped after a checkpoint/p' "$log")
+part2=$(sed -n '/^=== slurm-rl.sbatch: job .*(restart 1)/,$p' "$log")
+recv75='receive[0]: the trainers ended with exit 75 (stopped by a signal: requeue and resume); so does this receiver'
+check "RL MPMD job: part 1's receiver ended with the trainers' exit 75; part 2's with 0 after its broadcasts ($(grep -o 'receive\[0\]: trainer finished; [0-9]* broadcasts* received' <<< "$part2"))" \
+  bash -c "[ \$(grep -cF '$recv75' <<< \"\$1\") = 1 ] && ! grep -qF 'the trainers ended with exit' <<< \"\$2\" &&
+           grep -q 'receive\[0\]: trainer finished; [1-9][0-9]* broadcasts* received' <<< \"\$2\" &&
+           [ -f runs/rl/checkpoints/step_$stop_at.h5 ] && [ -f runs/rl/checkpoints/step_$rl_steps.h5 ]" _ "$part1" "$part2"
+
+# (b) a signal during setup: exit 75 before any step, requeued; part 2 finds
+# run.lock released (no takeover) and trains from the start.
+log=logs/shardlm-$setup_job.out
+check "signal during setup: requeued once, then COMPLETED exit 0 ($(state "$setup_job"))" \
+  test "$(state "$setup_job")" = "COMPLETED restarts 1 exit 0:0"
+check_outline "signal during setup: held at run.lock, stopped during setup before step 1, requeued, 3 steps, finished ($log)" \
+  "$log" "restart 0|run dir held, waiting up to|stopped by signal 10 during setup|stopped after a checkpoint|restart 1|step 1/3|step 2/3|step 3/3|shardlm train finished"
+check "signal during setup: nothing to save said, run.lock released (part 2 took nothing over), final checkpoint step_3" \
+  bash -c "grep -q 'during setup, before the first step: exit 75 (requeue; nothing to save)' '$log' && ! grep -q 'took over' '$log' &&
+           [ -f runs/setup/checkpoints/step_3.h5 ] && [ ! -e runs/setup/run.lock ]"
+
+# (c) a signal on the last step: the run completes, no requeue.
+log=logs/shardlm-$last_job.out
+check "signal on the last step: COMPLETED exit 0, not requeued ($(state "$last_job"))" \
+  test "$(state "$last_job")" = "COMPLETED restarts 0 exit 0:0"
+check_outline "signal on the last step: steps 1-$last_steps, 'stop signal 10 on the last step ($last_steps)', finished, no requeue ($log)" \
+  "$log" "restart 0|$(for i in $(seq 1 $last_steps); do printf 'step %d/%d|' "$i" $last_steps; done)stop signal 10 on the last step ($last_steps)|shardlm train finished"
+check "signal on the last step: the final checkpoint step_$last_steps saved" test -f runs/rl-last/checkpoints/step_$last_steps.h5
 
 # ------------------------------------------------------------------ the local runner
 stop_cluster
