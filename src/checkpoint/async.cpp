@@ -475,7 +475,7 @@ SaveResult Checkpointer::start(int64_t steps_done, int64_t tokens_seen) {
     if (mirror) {
       writer->push(writer->pieces.size());
     } else {
-      s.state->snapshot_gate.begin();  // the next updates wait for the copier, unit by unit
+      s.state->snapshot_gate.begin(mark);  // the updates after the mark wait for the copier, unit by unit
       writer->copier = std::thread([writer] { writer->copy(); });
     }
     writer->result.snapshot_s = pull_s + seconds_since(t_snap);

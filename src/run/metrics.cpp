@@ -261,7 +261,9 @@ void Metrics::summary(const MemoryPlan& plan, int64_t host_peak, int64_t device_
                 last_eval_loss_, (long long)last_eval_step_, best_eval_loss_, (long long)best_eval_step_,
                 (long long)evaluations_, config_.eval.path.c_str());
   line("host", host_peak, plan.host_total());
-  if (plan.device) line("GPU", device_peak, plan.device_total());
+  // The async snapshot's device copy, where the GPU had room for it (outside the plan's total).
+  const bool device_copy = device_memory().peak[static_cast<int>(Mem::Snapshot)] > 0;
+  if (plan.device) line("GPU", device_peak, plan.device_total() + (device_copy ? plan.checkpoint_device_snapshot : 0));
   std::fflush(stdout);
 }
 

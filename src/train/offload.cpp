@@ -184,10 +184,10 @@ void OffloadPipeline::update(double lr, float clip) {
     std::fill(updating_.begin(), updating_.end(), true);
   }
   std::fill(waited_.begin(), waited_.end(), false);
-  ++updates_asked_;
   Task t;
   t.lr = lr;
   t.clip = clip;
+  t.number = ++updates_asked_;
   push(t);
 }
 
@@ -241,7 +241,7 @@ void OffloadPipeline::run() {
     }
     const auto t0 = Clock::now();
     try {
-      for (int u = 0; u < units_; ++u) update_unit(u, t.lr, t.clip);  // forward order: the embedding first
+      for (int u = 0; u < units_; ++u) update_unit(u, t);  // forward order: the embedding first
     } catch (const std::exception& e) {
       fatal(fmt("optim_cpu_offload worker: %s", e.what()));
     }
@@ -255,7 +255,9 @@ void OffloadPipeline::run() {
   }
 }
 
-void OffloadPipeline::update_unit(int unit, double lr, float clip) {
+void OffloadPipeline::update_unit(int unit, const Task& t) {
+  const double lr = t.lr;
+  const float clip = t.clip;
   if (device_grads_) {
     if (unit == 0) issue_grad_copy(0);
     if (unit + 1 < units_) issue_grad_copy(unit + 1);
@@ -273,7 +275,9 @@ void OffloadPipeline::update_unit(int unit, double lr, float clip) {
   next_slot_ = (next_slot_ + 1) % kUploadSlots;
   if (slot_upload_[slot] >= 0) device_.host_wait(slot_upload_[slot]);
   uint16_t* bf16 = slots_[slot].data();
-  if (gate_) gate_->wait(unit);  // an async save still copying this unit's previous state
+  // An async save still copying this unit's state as of update number gate
+  // mark (updates up to the mark are what it waits for, so they never wait).
+  if (gate_) gate_->wait(unit, t.number);
   optimizer_.step_unit(unit, lr, clip, bf16, device_grads_ ? landing_[unit % kLandingBuffers].data() : nullptr);
   const int64_t n = upload_numel_[unit];
   const int64_t ticket =

@@ -121,9 +121,10 @@ class OffloadPipeline {
   struct Task {  // one step's update of every unit
     double lr = 0;
     float clip = 1;
+    int64_t number = 0;  // 1, 2, ...: updates_asked_ when it was asked for
   };
   void run();
-  void update_unit(int unit, double lr, float clip);
+  void update_unit(int unit, const Task& t);
   void issue_grad_copy(int unit);
   void push(const Task& t);
 

@@ -3,6 +3,7 @@
 #include "train/state.hpp"
 
 #include <algorithm>
+#include <cstdint>
 
 #include "cpu/ops.hpp"
 #include "shardlm/error.hpp"
@@ -11,7 +12,8 @@
 
 namespace shardlm {
 
-void HostSnapshotGate::wait(int unit) {
+void HostSnapshotGate::wait(int unit, int64_t update) {
+  if (!active_.load() || update <= mark_.load()) return;
   auto ready = [&] { return !active_.load() || (unit >= 0 && copied_.load() > unit); };
   if (ready()) return;
   Activity waiting(unit >= 0 ? fmt("updating unit %d: waiting for the checkpoint snapshot to copy it", unit)
@@ -104,7 +106,7 @@ class HostState final : public TrainingState {
   }
   void update(double lr, float clip) override {
     SHARDLM_CHECK(optimizer_, "internal: an engine's own host state has no optimizer to update with");
-    snapshot_gate.wait(-1);  // an async save's copy of the state (Muon's collective step updates all at once)
+    snapshot_gate.wait(-1, INT64_MAX);  // synchronous: always after the snapshot began; an async save's copy of the state (Muon's collective step updates all at once)
     optimizer_->step(lr, clip);
   }
   void push() override { sync_params(); }

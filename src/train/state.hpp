@@ -80,18 +80,24 @@ class HostShardReader {
 // runs at memory speed under the next forward and backward).
 class HostSnapshotGate {
  public:
-  void begin() {  // training thread, before the copier starts
+  // Training thread, before the copier starts: it copies the state as of
+  // update number `mark`; later updates wait for it.
+  void begin(int64_t mark) {
+    mark_.store(mark);
     copied_.store(0);
-    active_.store(true);
+    active_.store(true);  // after the mark: a thread that sees it active sees this mark
   }
   void copied(int units) { copied_.store(units); }  // copier: units [0, units) are in the snapshot
   void end() { active_.store(false); }              // copier: done (or abandoned)
-  // The thread about to update `unit` (or every unit: -1): returns once it may (watched).
-  void wait(int unit);
+  // The thread about to make update number `update` of `unit` (or of every
+  // unit: -1): returns at once for updates up to the mark (the snapshot
+  // waits for those), else once the unit is copied (watched).
+  void wait(int unit, int64_t update);
 
  private:
   std::atomic<bool> active_{false};
   std::atomic<int64_t> copied_{0};
+  std::atomic<int64_t> mark_{0};
 };
 
 class TrainingState {
