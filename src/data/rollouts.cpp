@@ -276,6 +276,18 @@ std::string wait_for_rollouts(const std::string& dir, int64_t step, double timeo
   }
 }
 
+int64_t normalize_per_sequence(RolloutBatch& b) {
+  int64_t samples = 0;
+  for (int64_t s = 0; s < b.samples(); ++s) {
+    int64_t count = 0;  // the sample's loss tokens, as read_rollouts counted them
+    for (int64_t t = b.offsets[s] + 1; t < b.offsets[s + 1]; ++t) count += b.loss_mask[t] != 0 && b.loss_weight[t] > 0.0f;
+    if (count == 0) continue;
+    ++samples;
+    for (int64_t t = b.offsets[s] + 1; t < b.offsets[s + 1]; ++t) b.loss_weight[t] /= float(count);
+  }
+  return samples;
+}
+
 void check_rollout_step(const RolloutBatch& b, int64_t step, int64_t max_async) {
   const char* path = b.path.c_str();
   SHARDLM_CHECK(b.step == step,

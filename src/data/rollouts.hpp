@@ -68,6 +68,11 @@ std::string wait_for_rollouts(const std::string& dir, int64_t step, double timeo
 // step - max_async <= policy_step <= step (data.max_async). Throws otherwise.
 void check_rollout_step(const RolloutBatch& batch, int64_t step, int64_t max_async);
 
+// loss.normalize = "sequence": each sample's loss weights divided by its count
+// of loss tokens, so that a sample's tokens weigh 1 together. Returns the
+// samples that carry loss (the step's loss divisor then).
+int64_t normalize_per_sequence(RolloutBatch& batch);
+
 // An RL micro-batch: the SFT fields plus the per-position RL inputs of the loss.
 // Every vector holds rows * seq_len entries; position j of a sample holds input
 // x_j and target x_{j+1}, and the RL values below are those of the TARGET token.
