@@ -453,6 +453,9 @@ std::string meaningless_with_the_rest(const Config& c, const std::string& path) 
   if (name != "muon" && (path == "optim.muon_momentum" || path == "optim.ns_steps" || path == "optim.adamw_lr" ||
                          path == "optim.adamw_weight_decay"))
     return fmt("has no meaning for optim.name = \"%s\" (it sets Muon; see docs/muon.md)", name.c_str());
+  if (c.loss.type != "rl" && (path == "loss.objective" || path == "loss.normalize" || path == "loss.clip_low" ||
+                              path == "loss.clip_high"))
+    return "sets the RL policy loss; it needs loss.type = \"rl\"";
   if (c.loss.objective == "masked" && (path == "loss.clip_low" || path == "loss.clip_high"))
     return "bounds the ratio of loss.objective = \"clipped\"; loss.objective is \"masked\" here";
   if (c.loss.objective == "clipped" && (path == "loss.mask_high" || path == "loss.mask_low"))
@@ -580,8 +583,6 @@ void validate(const Config& c, int world, const std::set<std::string>& given, st
   if (c.loss.objective == "clipped" && c.device.backend == "cuda")
     err("loss.objective = \"clipped\" runs on the CPU backend only so far (the CUDA kernel has the masked "
         "objective): use loss.objective = \"masked\" or device.backend = \"cpu\"");
-  if (c.loss.type != "rl" && (given.count("loss.objective") || given.count("loss.normalize")))
-    err("loss.objective and loss.normalize choose the RL policy loss: they need loss.type = \"rl\"");
   if (c.rollout.reward == "regex") {
     if (c.rollout.reward_regex.empty())
       err("rollout.reward = \"regex\" needs rollout.reward_regex (a pattern the completion must match; {answer} "
