@@ -41,6 +41,21 @@ struct RolloutBatch {
   int64_t sample_pairs(int64_t s) const { return sample_tokens(s) > 1 ? sample_tokens(s) - 1 : 0; }
 };
 
+// What the inference side writes for one step (docs/rollouts.md): S samples of
+// prompt + completion, per-sample advantages and temperatures.
+struct RolloutFile {
+  int64_t step = 0, policy_step = 0;
+  std::vector<int32_t> tokens;             // (T)
+  std::vector<int64_t> offsets;            // (S+1)
+  std::vector<uint8_t> loss_mask;          // (T) 1 on completion tokens
+  std::vector<float> advantages;           // (S)
+  std::vector<float> inference_logprobs;   // (T) 0 on prompt tokens
+  std::vector<float> temperature;          // (S)
+};
+// Writes rollout_path(dir, file.step) as <it>.tmp, then renames it: the
+// trainers never see a half-written file. Throws Error naming the path.
+void write_rollouts(const std::string& dir, const RolloutFile& file);
+
 // "<dir>/step_<step>.h5".
 std::string rollout_path(const std::string& dir, int64_t step);
 
