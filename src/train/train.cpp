@@ -33,6 +33,11 @@ EngineOptions engine_options_for(const Config& config) {
   o.rl = config.loss.type == "rl";
   o.rl_params = {config.loss.mask_high, config.loss.mask_low, config.loss.kl_coef, config.loss.ce_coef,
                  config.loss.objective == "clipped", config.loss.clip_low, config.loss.clip_high};
+  // The deck check refuses "clipped" with device.backend = "cuda"; here "auto" has become the backend.
+  SHARDLM_CHECK(!(o.rl && o.rl_params.clipped && config.device.backend == "cuda"),
+                "loss.objective = \"clipped\" runs on the CPU backend only so far (the CUDA RL kernel has the masked "
+                "objective), and device.backend = \"auto\" chose the GPU: set loss.objective = \"masked\" or "
+                "device.backend = \"cpu\"");
   o.max_tokens = config.data.micro_batch * config.data.seq_len;
   o.chunk_tokens = config.loss.chunk_tokens;
   o.reshard_after_forward = config.model.reshard_after_forward;
