@@ -5,7 +5,7 @@
 #     about one time in six;
 #   RL: `mpirun -np 2 shardlm train copy-rl.toml : -np 1 shardlm generate
 #     copy-rl.toml`, weights broadcast (MPI) every step, strictly on-policy
-#     (data.max_async = 0), the clipped surrogate, 16 prompts x 8 samples per
+#     (data.max_async = 0), the clipped surrogate, 32 prompts x 8 samples per
 #     step, 60 steps: the mean reward of the last 10 rollout steps is well above
 #     that of the first 5 (seeded: the same numbers every run);
 #   the filesystem broadcast with two inference ranks, data.max_async = 2,
@@ -60,7 +60,7 @@ files = []
 for s in range(60):
     with h5py.File(f"{d}/rollouts/step_{s}.h5") as f:
         files.append((int(f.attrs["step"]), int(f.attrs["policy_step"]), len(f["offsets"]) - 1))
-ok_files = all(st == s and ps == s and n == 128 for s, (st, ps, n) in enumerate(files))
+ok_files = all(st == s and ps == s and n == 256 for s, (st, ps, n) in enumerate(files))
 m = [json.loads(l) for l in open(f"{d}/metrics.jsonl") if '"step"' in l]
 clip = [row.get("clip_fraction") for row in m if "clip_fraction" in row]
 print(len(r), f"{sum(r[:5]) / 5:.4f}", f"{sum(r[-10:]) / 10:.4f}", max(lag), int(ok_files), len(clip),
@@ -73,7 +73,7 @@ check "60 rollout steps scored" test "$steps" = 60
 check "reward before RL is low: mean of the first 5 steps $before < 0.30" "$PY" -c "assert $before < 0.30"
 check "reward rises: mean of the last 10 steps $after >= 0.45 and >= first 5 + 0.25" \
   "$PY" -c "assert $after >= 0.45 and $after >= $before + 0.25"
-check "on-policy: every file's policy_step is its step, 16 x 8 samples each" test "$files_ok" = 1
+check "on-policy: every file's policy_step is its step, 32 x 8 samples each" test "$files_ok" = 1
 check "on-policy, the clip is (almost) never active: clip_fraction <= 0.05 (max $clip_max over $clip_rows logged steps)" \
   "$PY" -c "assert $clip_rows >= 12 and 0 <= $clip_max <= 0.05"
 check "the trainer's log line names the clip fraction" has "$T/rl.log" "clip fraction"
