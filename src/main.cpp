@@ -18,6 +18,7 @@
 #include "checkpoint/async.hpp"
 #include "config/cli.hpp"
 #include "infer/command.hpp"
+#include "infer/rollout.hpp"
 #include "shardlm/comm.hpp"
 #include "shardlm/config.hpp"
 #include "train/forward.hpp"
@@ -47,10 +48,21 @@ std::string launch_problem(const Runtime& rt, const std::string& command, const 
     return "the `shardlm train` ranks must come first in an MPMD launch (world ranks 0..N-1), the receivers "
            "after them (srun --multi-prog: train on tasks 0-(N-1), receive on the rest)";
   if (command == "train" && rt.role != Role::Train)
-    return fmt("this rank is in app %d of the MPMD launch, which receives: run `shardlm receive` there, "
-               "`shardlm train` in the first app", rt.appnum);
+    return fmt("this rank is in app %d of the MPMD launch, which receives: run `shardlm receive` or `shardlm "
+               "generate` there, `shardlm train` in the first app", rt.appnum);
   if (command == "receive" && c.broadcast.backend == "none")
     return "receive: the deck has broadcast.backend = \"none\"; set \"nccl\" or \"filesystem\"";
+  if (command == "generate") {
+    if (c.loss.type != "rl")
+      return "`shardlm generate DECK` samples rollouts for an RL job, and the deck has loss.type = \"" + c.loss.type +
+             "\": set loss.type = \"rl\"";
+    if (c.broadcast.backend == "none")
+      return "`shardlm generate DECK` takes the trainers' weights from the broadcast, and the deck has "
+             "broadcast.backend = \"none\": set \"nccl\" (MPI on the CPU backend) or \"filesystem\"";
+    if (c.rollout.prompts.empty())
+      return "`shardlm generate DECK` needs rollout.prompts: the prompt file to sample (tools/make_prompts.py; "
+             "docs/rl.md)";
+  }
   if (command == "train" && rt.num_receivers > 0 && c.broadcast.backend == "none")
     return fmt("this job has %d receiver rank%s but broadcast.backend = \"none\": set \"nccl\" or \"filesystem\", "
                "or launch the trainers alone", rt.num_receivers, rt.num_receivers == 1 ? "" : "s");
@@ -87,6 +99,8 @@ void print_banner(const Runtime& rt, const Config& config) {
               rt.num_trainers == 1 ? "" : "s", rt.num_receivers, rt.num_receivers == 1 ? "" : "s",
               rt.backend.c_str(), built_backends(), rt.device_name.c_str(), config.deck_path.c_str(),
               config.run.dir.c_str());
+  if (rt.num_generators > 0)
+    std::printf("inference: %d of the receivers run `shardlm generate` (sampling the rollouts)\n", rt.num_generators);
   std::printf("placement: %s\n", placement_summary(rt).c_str());
   std::fflush(stdout);
 }
@@ -97,6 +111,16 @@ int cmd_check(const Runtime& rt, const CliArgs& args) {
   if (!load_deck(rt, args, world, config)) return 1;
   if (rt.world_rank == 0) check_report(config, args.deck, world);
   return 0;
+}
+
+// `shardlm generate DECK` beside the trainers: the RL job's inference ranks
+// (src/infer/rollout.hpp). Stop signals as for the receiver: the trainers decide.
+int cmd_inference_role(Runtime& rt, const CliArgs& args) {
+  install_stop_signal_handlers();
+  Config config;
+  if (!load_deck(rt, args, rt.num_trainers, config)) return 1;
+  if (config.device.cpu_threads > 0) omp_set_num_threads(static_cast<int>(config.device.cpu_threads));
+  return run_inference_role(config, rt);
 }
 
 int cmd_receive(Runtime& rt, const CliArgs& args) {
@@ -112,6 +136,12 @@ int cmd_receive(Runtime& rt, const CliArgs& args) {
 
 // `shardlm generate ...`: standalone sampling; each rank takes a share of the prompts (src/infer/command.hpp).
 int cmd_generate(const CliArgs& args) {
+  if (args.inference_role) {
+    std::fprintf(stderr, "shardlm generate: error: `shardlm generate DECK` is the inference role of an RL job and "
+                         "needs trainer ranks in the same job: mpirun -np T shardlm train DECK : -np G shardlm generate "
+                         "DECK (for standalone sampling: shardlm generate --deck DECK --prompts FILE --out FILE)\n");
+    return 1;
+  }
   GenerateArgs g;
   try {
     g = parse_generate_args(args.options, args.deck, args.overrides);
@@ -200,6 +230,7 @@ int cmd_train(Runtime& rt, const CliArgs& args) {
     broadcaster.finish(kExitRequeue);
     return kExitRequeue;
   }
+  broadcaster.start(session, start.step);  // the inference ranks' first weights, when the job has any
   Metrics metrics(config, comm->rank() == 0, describe_start(rt, config, start),
                   flops_per_token(session.model.layout, config.data.seq_len), peak_flops);
 
@@ -258,13 +289,17 @@ int main(int argc, char** argv) {
     }
   }
 
-  Runtime rt = runtime_init(&argc, &argv, args.command == "receive" ? Role::Receive : Role::Train);
+  Runtime rt = runtime_init(&argc, &argv,
+                            args.command == "receive"    ? Role::Receive
+                            : args.command == "generate" ? Role::Generate
+                                                         : Role::Train);
   int rc = 1;
   try {
     rc = args.command == "check" ? cmd_check(rt, args)
          : args.command == "receive" ? cmd_receive(rt, args)
          : args.command == "inspect" ? cmd_inspect(args)
          : args.command == "export"  ? cmd_export(args)
+         : args.command == "generate" && rt.num_trainers > 0 ? cmd_inference_role(rt, args)
          : args.command == "generate" ? cmd_generate(args)
                                      : cmd_train(rt, args);
   } catch (const std::exception& e) {

@@ -94,6 +94,16 @@ struct LossSection {
   double mask_low = 0.2;
   double kl_coef = 1e-3;
   double ce_coef = 0.0;
+  // The policy term: "masked" (-A r, tokens whose probability moved past
+  // mask_high / mask_low dropped) or "clipped" (the PPO/GRPO surrogate
+  // -min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)).
+  std::string objective = "masked";  // masked | clipped
+  double clip_low = 0.2;
+  double clip_high = 0.28;
+  // How a step's token losses are averaged: "token" (sum / loss tokens of the
+  // step) or "sequence" (each sample's mean over its loss tokens, then the
+  // mean over samples).
+  std::string normalize = "token";   // token | sequence
 };
 
 struct CkptSection {
@@ -112,6 +122,25 @@ struct BroadcastSection {
   int64_t interval = 1;
   std::string dir;
   int64_t keep = 2;
+};
+
+// The inference role of an RL job (`shardlm generate DECK` beside the trainers):
+// what it samples, how it scores, how it turns rewards into advantages
+// (docs/rl.md). The sampling draws use run.seed.
+struct RolloutSection {
+  std::string prompts;              // prompt file (tools/make_prompts.py)
+  int64_t prompts_per_step = 8;     // prompts of each step's rollout file
+  int64_t n = 4;                    // samples per prompt (a group)
+  int64_t max_new_tokens = 64;
+  double temperature = 1.0;         // > 0 (the trainer's loss divides by it)
+  double top_p = 1.0;
+  int64_t top_k = 0;
+  int64_t batch = 16;               // sequences decoded at once per inference rank
+  std::string reward = "exact";     // exact | numeric | regex | program
+  std::string reward_regex;         // reward = "regex": 1 when the completion matches ({answer}: the reference)
+  std::string reward_program;       // reward = "program": a command; JSONL on its stdin, one reward per line back
+  double reward_timeout_s = 60.0;   // the program's answer for one step, at most
+  std::string advantage = "mean_std";  // mean_std | mean: group-normalised (reward - mean) [/ (std + 1e-6)]
 };
 
 struct LogSection {
@@ -143,6 +172,7 @@ struct Config {
   LossSection loss;
   CkptSection ckpt;
   BroadcastSection broadcast;
+  RolloutSection rollout;
   LogSection log;
   DeviceSection device;
   CommSection comm;

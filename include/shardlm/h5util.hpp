@@ -10,6 +10,7 @@
 #include <hdf5.h>
 
 #include <string>
+#include <vector>
 #include <utility>
 
 #include "shardlm/error.hpp"
@@ -137,6 +138,25 @@ inline std::string read_string_attribute_value(hid_t attr, hid_t type) {
   H5_CHECK(H5Aread(attr, mem, out.data()));
   out.resize(out.find('\0'));
   return out;
+}
+
+// A 1-D dataset `name` of v's values (file_type on disk, mem_type in memory).
+template <class T>
+void write_1d(hid_t file, const char* name, hid_t file_type, hid_t mem_type, const std::vector<T>& v) {
+  const hsize_t n = v.size();
+  Handle space(H5_CHECK(H5Screate_simple(1, &n, nullptr)), H5Sclose);
+  Handle d(H5_CHECK(H5Dcreate2(file, name, file_type, space, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT)), H5Dclose);
+  if (n > 0) H5_CHECK(H5Dwrite(d, mem_type, H5S_ALL, H5S_ALL, H5P_DEFAULT, v.data()));
+}
+
+// A scalar attribute for one value (when `scalar`), else a 1-D one.
+template <class T>
+void write_attr(hid_t file, const char* name, hid_t file_type, hid_t mem_type, const std::vector<T>& v,
+                bool scalar = true) {
+  const hsize_t n = v.size();
+  Handle space(H5_CHECK(scalar && n == 1 ? H5Screate(H5S_SCALAR) : H5Screate_simple(1, &n, nullptr)), H5Sclose);
+  Handle a(H5_CHECK(H5Acreate2(file, name, file_type, space, H5P_DEFAULT, H5P_DEFAULT)), H5Aclose);
+  if (n > 0) H5_CHECK(H5Awrite(a, mem_type, v.data()));
 }
 
 // A file's header is data: a damaged or forged one may declare 2^40 elements

@@ -14,6 +14,12 @@ struct RlLossParams {
   double mask_low = 0.2;   // mask A <= 0 tokens whose probability fell by more than this
   double kl_coef = 1e-3;   // weight of (log r)^2 on every loss token
   double ce_coef = 0.0;    // weight of an extra -logp (SFT) term, for mixed SFT + RL
+  // The policy term: false = masked (-A r on tokens not masked by mask_high /
+  // mask_low), true = clipped: -min(r A, clip(r, 1 - clip_low, 1 + clip_high) A).
+  // The CUDA kernel has the masked objective only (config refuses "clipped" there).
+  bool clipped = false;
+  double clip_low = 0.2;
+  double clip_high = 0.28;
 };
 
 // Sums over a chunk's loss tokens, so chunks, micro-batches and ranks combine by
@@ -22,8 +28,10 @@ struct RlLossParams {
 struct LossStats {
   double loss = 0;             // sum of loss_t (weighted), before grad_scale
   int64_t loss_tokens = 0;     // tokens with target >= 0 and weight > 0
-  int64_t masked_high = 0;     // A > 0 tokens masked for dp > mask_high
-  int64_t masked_low = 0;      // A <= 0 tokens masked for dp < -mask_low
+  int64_t masked_high = 0;     // A > 0 tokens masked for dp > mask_high (clipped objective:
+                               //   A > 0 tokens whose r > 1 + clip_high, the clip active)
+  int64_t masked_low = 0;      // A <= 0 tokens masked for dp < -mask_low (clipped objective:
+                               //   A < 0 tokens whose r < 1 - clip_low, the clip active)
   double entropy_sum = 0;      // sum of H(softmax(logits / tau)), unweighted
   double mismatch_kl_sum = 0;  // sum of k3 = r - log r - 1, unweighted
   double advantage_sum = 0;    // sum of A_t, unweighted

@@ -21,7 +21,10 @@
 
 namespace shardlm {
 
-enum class Role { Train, Receive };
+// Train: `shardlm train`. Receive: `shardlm receive` (or any subcommand in app
+// 1+ of an MPMD launch other than generate). Generate: `shardlm generate`, the
+// inference ranks of an RL job (standalone sampling when there are no trainers).
+enum class Role { Train, Receive, Generate };
 
 struct Runtime {
   int world_rank = 0, world_size = 1;   // MPI_COMM_WORLD
@@ -31,7 +34,8 @@ struct Runtime {
   Role role = Role::Train;
   MPI_Comm role_comm = MPI_COMM_NULL;   // the ranks of this role; for trainers, the training ranks
   int rank = 0, size = 1;               // within role_comm
-  int num_trainers = 1, num_receivers = 0;
+  int num_trainers = 1, num_receivers = 0;  // receivers: every rank that is not a trainer
+  int num_generators = 0;               // of the receivers, those running `shardlm generate`
   bool trainers_first = true;           // the trainers are world ranks 0..num_trainers-1 (else a launch error)
   MPI_Comm broadcast_comm = MPI_COMM_NULL;  // trainer rank 0 + every receiver; NULL elsewhere
   std::string hostname;

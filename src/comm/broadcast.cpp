@@ -191,6 +191,10 @@ bool WeightBroadcaster::due(int64_t steps_done) const {
   return enabled_ && steps_done % config_.broadcast.interval == 0;
 }
 
+void WeightBroadcaster::start(TrainSession& session, int64_t start_step) {
+  if (enabled_ && rt_.num_generators > 0) send(session, start_step);
+}
+
 void WeightBroadcaster::send(TrainSession& session, int64_t steps_done) {
   if (device_) return send_from_device(session.engine, session.model.layout, steps_done);
   session.pull_state();  // the host paths read the fp32 masters
@@ -474,79 +478,6 @@ struct DeviceReceive {
   }
 };
 
-int64_t receive_over_comm(const Config& config, const ModelLayout& layout, Runtime& rt, ReceivedModel& model,
-                          int* exit_code) {
-  Header hello;
-  bcast_bytes(&hello, sizeof hello, rt.broadcast_comm);
-  SHARDLM_CHECK(hello.magic == kMagic && hello.kind == kHello,
-                "receive: the trainer sent a header that is not shardlm's");
-  std::optional<DeviceReceive> dev;
-  if (hello.device) {
-    SHARDLM_CHECK(cuda_device_count() > 0,
-                  "receive: the trainer broadcasts from GPU memory (CUDA backend), but no CUDA device is visible on "
-                  "%s%s: run the receivers on GPU nodes",
-                  rt.hostname.c_str(), cuda_built() ? "" : " (this shardlm was built without CUDA)");
-    select_device(rt, "cuda");
-    dev.emplace();
-    dev->kind = select_broadcast_comm(rt);
-  }
-  int64_t received = 0;
-  std::vector<uint16_t> data;
-  for (;;) {
-    Header h;
-    bcast_bytes(&h, sizeof h, rt.broadcast_comm);
-    maybe_inject_fault("receive");
-    SHARDLM_CHECK(h.magic == kMagic, "receive: the trainer sent a header that is not shardlm's");
-    if (h.kind == kDone) {
-      *exit_code = static_cast<int>(h.exit_code);
-      return received;
-    }
-    SHARDLM_CHECK(h.units == int64_t(layout.units.size()),
-                  "receive: the trainer sends %lld units but this deck's model has %zu (same deck on both sides?)",
-                  (long long)h.units, layout.units.size());
-    if (dev && !dev->device) {  // rank 0 makes its end on this same header
-      dev->unit_bytes = 2 * max_padded(layout);
-      dev->host = make_mpi_comm(rt.broadcast_comm);
-      dev->device = make_device_comm(*dev->host, dev->kind, nullptr, dev->unit_bytes, config.comm.timeout_s);
-      dev->unit = cuda_malloc(Mem::Workspace, dev->unit_bytes);
-      std::printf("receive[%d]: units arrive in GPU memory (device %d, %s) over the %s device communicator\n",
-                  rt.rank, rt.device, rt.device_name.c_str(), dev->kind.c_str());
-      std::fflush(stdout);
-    }
-    const auto t0 = std::chrono::steady_clock::now();
-    int64_t tensors = 0;
-    for (const auto& u : layout.units) {
-      int64_t text_len = 0;
-      bcast_bytes(&text_len, sizeof text_len, rt.broadcast_comm);
-      std::string text(static_cast<size_t>(text_len), '\0');
-      bcast_bytes(text.data(), text_len, rt.broadcast_comm);
-      SHARDLM_CHECK(text == describe_unit(u), "receive: unit %s arrived with other names or shapes than the deck's "
-                                              "model has:\n%s", u.name.c_str(), text.c_str());
-      data.resize(u.numel);
-      if (dev) {
-        // Into device memory, then one copy to the host: the checksum is checked
-        // (and --out written) from exactly the bytes that arrived on the GPU.
-        dev->device->broadcast(dev->unit, u.numel, DType::BF16, 0).wait();
-        cuda_copy_async(data.data(), dev->unit, 2 * u.numel, nullptr);
-        cuda_synchronize(nullptr);
-      } else {
-        bcast_bytes(data.data(), 2 * u.numel, rt.broadcast_comm);
-      }
-      uint64_t checksum = 0;
-      bcast_bytes(&checksum, sizeof checksum, rt.broadcast_comm);
-      SHARDLM_CHECK(checksum == bf16_checksum(data.data(), 0, u.numel),
-                    "receive: step %lld, unit %s: checksum mismatch (data damaged in transfer)", (long long)h.step,
-                    u.name.c_str());
-      for (const auto& p : u.params) {
-        model.tensors[p.name].assign(data.begin() + p.offset, data.begin() + p.offset + p.numel);
-        ++tensors;
-      }
-    }
-    ++received;
-    report(rt, h.step, tensors, h.bytes, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-  }
-}
-
 // DONE holds "done" and the trainers' exit code (no code: an older trainer, 0).
 int done_exit_code(const fs::path& done) {
   std::ifstream in(done);
@@ -567,20 +498,109 @@ void maybe_receive_slowly(int64_t received) {
   std::this_thread::sleep_for(std::chrono::milliseconds(ms && *ms ? std::atoi(ms) : 500));
 }
 
-int64_t receive_from_filesystem(const Config& config, const ModelLayout& layout, const Runtime& rt,
-                                ReceivedModel& model, int* exit_code) {
-  // Trainer rank 0 says hello once it has removed an earlier job's DONE.
+}  // namespace
+
+struct WeightReceiver::State {
+  std::optional<DeviceReceive> dev;  // the communicator path from GPU memory
+  std::vector<uint16_t> data;        // one unit (communicator) or one parameter (filesystem), bf16
+  std::vector<float> f32;
+  int64_t last = -1;                 // filesystem: the last step read (acknowledged)
+};
+
+WeightReceiver::WeightReceiver(const Config& config, Runtime& rt, const ModelLayout& layout)
+    : config_(config), rt_(rt), layout_(layout), filesystem_(config.broadcast.backend == "filesystem"),
+      state_(std::make_unique<State>()) {
+  SHARDLM_CHECK(config.broadcast.backend != "none",
+                "receive: the deck has broadcast.backend = \"none\"; set \"nccl\" or \"filesystem\"");
+  // Trainer rank 0 says hello at start-up (on the filesystem path once it has removed an earlier job's DONE).
   Header hello;
   bcast_bytes(&hello, sizeof hello, rt.broadcast_comm);
   SHARDLM_CHECK(hello.magic == kMagic && hello.kind == kHello,
                 "receive: the trainer sent a header that is not shardlm's");
+  if (!filesystem_ && hello.device) {
+    SHARDLM_CHECK(cuda_device_count() > 0,
+                  "receive: the trainer broadcasts from GPU memory (CUDA backend), but no CUDA device is visible on "
+                  "%s%s: run the receivers on GPU nodes",
+                  rt.hostname.c_str(), cuda_built() ? "" : " (this shardlm was built without CUDA)");
+    select_device(rt, "cuda");
+    state_->dev.emplace();
+    state_->dev->kind = select_broadcast_comm(rt);
+  }
+}
+
+WeightReceiver::~WeightReceiver() = default;
+
+WeightReceiver::Got WeightReceiver::next(bool wait, bool newest_only, const Sink& sink) {
+  if (done_) return Got::Done;
+  return filesystem_ ? next_from_filesystem(wait, newest_only, sink) : next_over_comm(sink);
+}
+
+WeightReceiver::Got WeightReceiver::next_over_comm(const Sink& sink) {
+  State& st = *state_;
+  Header h;
+  bcast_bytes(&h, sizeof h, rt_.broadcast_comm);
+  maybe_inject_fault("receive");
+  SHARDLM_CHECK(h.magic == kMagic, "receive: the trainer sent a header that is not shardlm's");
+  if (h.kind == kDone) {
+    exit_code_ = static_cast<int>(h.exit_code);
+    done_ = true;
+    return Got::Done;
+  }
+  SHARDLM_CHECK(h.units == int64_t(layout_.units.size()),
+                "receive: the trainer sends %lld units but this deck's model has %zu (same deck on both sides?)",
+                (long long)h.units, layout_.units.size());
+  if (st.dev && !st.dev->device) {  // rank 0 makes its end on this same header
+    st.dev->unit_bytes = 2 * max_padded(layout_);
+    st.dev->host = make_mpi_comm(rt_.broadcast_comm);
+    st.dev->device = make_device_comm(*st.dev->host, st.dev->kind, nullptr, st.dev->unit_bytes, config_.comm.timeout_s);
+    st.dev->unit = cuda_malloc(Mem::Workspace, st.dev->unit_bytes);
+    std::printf("receive[%d]: units arrive in GPU memory (device %d, %s) over the %s device communicator\n",
+                rt_.rank, rt_.device, rt_.device_name.c_str(), st.dev->kind.c_str());
+    std::fflush(stdout);
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  int64_t tensors = 0;
+  for (const auto& u : layout_.units) {
+    int64_t text_len = 0;
+    bcast_bytes(&text_len, sizeof text_len, rt_.broadcast_comm);
+    std::string text(static_cast<size_t>(text_len), '\0');
+    bcast_bytes(text.data(), text_len, rt_.broadcast_comm);
+    SHARDLM_CHECK(text == describe_unit(u), "receive: unit %s arrived with other names or shapes than the deck's "
+                                            "model has:\n%s", u.name.c_str(), text.c_str());
+    st.data.resize(u.numel);
+    if (st.dev) {
+      // Into device memory, then one copy to the host: the checksum is checked
+      // (and --out written) from exactly the bytes that arrived on the GPU.
+      st.dev->device->broadcast(st.dev->unit, u.numel, DType::BF16, 0).wait();
+      cuda_copy_async(st.data.data(), st.dev->unit, 2 * u.numel, nullptr);
+      cuda_synchronize(nullptr);
+    } else {
+      bcast_bytes(st.data.data(), 2 * u.numel, rt_.broadcast_comm);
+    }
+    uint64_t checksum = 0;
+    bcast_bytes(&checksum, sizeof checksum, rt_.broadcast_comm);
+    SHARDLM_CHECK(checksum == bf16_checksum(st.data.data(), 0, u.numel),
+                  "receive: step %lld, unit %s: checksum mismatch (data damaged in transfer)", (long long)h.step,
+                  u.name.c_str());
+    for (const auto& p : u.params) {
+      sink(p, st.data.data() + p.offset);
+      ++tensors;
+    }
+  }
+  step_ = h.step;
+  ++received_;
+  report(rt_, h.step, tensors, h.bytes, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  return Got::Weights;
+}
+
+WeightReceiver::Got WeightReceiver::next_from_filesystem(bool wait, bool newest_only, const Sink& sink) {
+  State& st = *state_;
   // What this receiver has finished with, to trainer rank 0: until then retention keeps it.
   const auto acknowledge = [&](int64_t step, int64_t finished) {
     int64_t ack[2] = {step, finished};
-    MPI_CHECK(MPI_Send(ack, 2, MPI_INT64_T, 0, kAckTag, rt.broadcast_comm));
+    MPI_CHECK(MPI_Send(ack, 2, MPI_INT64_T, 0, kAckTag, rt_.broadcast_comm));
   };
-  int64_t received = 0, last = -1;
-  const fs::path root = config.broadcast.dir;
+  const fs::path root = config_.broadcast.dir;
   for (;;) {
     const bool done = fs::exists(root / "DONE");  // read before scanning: nothing new follows DONE
     std::vector<int64_t> ready;
@@ -589,13 +609,14 @@ int64_t receive_from_filesystem(const Config& config, const ModelLayout& layout,
         const std::string name = e.path().filename().string();
         if (name.rfind("step_", 0) != 0) continue;
         const int64_t s = std::atoll(name.c_str() + 5);
-        if (s > last && fs::exists(e.path() / "STABLE")) ready.push_back(s);  // <= last: acknowledged, may go
+        if (s > st.last && fs::exists(e.path() / "STABLE")) ready.push_back(s);  // <= last: acknowledged, may go
       }
-    std::sort(ready.begin(), ready.end());
-    for (int64_t s : ready) {
-      maybe_receive_slowly(received);
+    if (!ready.empty()) {
+      const int64_t s = newest_only ? *std::max_element(ready.begin(), ready.end())
+                                    : *std::min_element(ready.begin(), ready.end());
+      maybe_receive_slowly(received_);
       const auto t0 = std::chrono::steady_clock::now();
-      const fs::path dir = step_dir(config.broadcast.dir, s);
+      const fs::path dir = step_dir(config_.broadcast.dir, s);
       SafetensorsReader reader(dir);
       std::ifstream meta_probe(dir / "model.safetensors", std::ios::binary);
       uint64_t header_len = 0;
@@ -603,48 +624,50 @@ int64_t receive_from_filesystem(const Config& config, const ModelLayout& layout,
       std::string header(header_len, '\0');
       meta_probe.read(header.data(), static_cast<std::streamsize>(header_len));
       int64_t bytes = 0;
-      std::vector<float> f32;
-      for (const auto& [unit, p] : layout.all_params()) {
+      for (const auto& [unit, p] : layout_.all_params()) {
         SHARDLM_CHECK(reader.has(p->name) && reader.info(p->name).shape == p->shape,
                       "receive: %s lacks '%s' with the deck's shape", dir.c_str(), p->name.c_str());
-        f32.resize(p->numel);
-        reader.read_f32(p->name, 0, p->numel, f32.data());
-        auto& v = model.tensors[p->name];
-        v.resize(p->numel);
-        for (int64_t i = 0; i < p->numel; ++i) v[i] = f32_to_bf16_rne(f32[i]);
+        st.f32.resize(p->numel);
+        reader.read_f32(p->name, 0, p->numel, st.f32.data());
+        st.data.resize(p->numel);
+        for (int64_t i = 0; i < p->numel; ++i) st.data[i] = f32_to_bf16_rne(st.f32[i]);
         const std::string key = "\"shardlm_checksum." + p->name + "\":\"";
         const size_t at = header.find(key);
         SHARDLM_CHECK(at != std::string::npos, "receive: %s has no checksum for '%s'", dir.c_str(), p->name.c_str());
-        SHARDLM_CHECK(header.compare(at + key.size(), 16, hex(bf16_checksum(v.data(), 0, p->numel))) == 0,
+        SHARDLM_CHECK(header.compare(at + key.size(), 16, hex(bf16_checksum(st.data.data(), 0, p->numel))) == 0,
                       "receive: %s: checksum mismatch for '%s'", dir.c_str(), p->name.c_str());
+        sink(*p, st.data.data());
         bytes += 2 * p->numel;
       }
-      last = s;
-      ++received;
-      report(rt, s, int64_t(layout.all_params().size()), bytes,
+      st.last = s;
+      step_ = s;
+      ++received_;
+      report(rt_, s, int64_t(layout_.all_params().size()), bytes,
              std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
       acknowledge(s, 0);
+      return Got::Weights;
     }
-    if (done && ready.empty()) {
-      *exit_code = done_exit_code(root / "DONE");
-      acknowledge(last, 1);
-      return received;
+    if (done) {
+      exit_code_ = done_exit_code(root / "DONE");
+      acknowledge(st.last, 1);
+      done_ = true;
+      return Got::Done;
     }
+    if (!wait) return Got::Nothing;
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
 }
 
-}  // namespace
-
 int run_receiver(const Config& config, Runtime& rt, const std::string& out_dir) {
-  SHARDLM_CHECK(config.broadcast.backend != "none",
-                "receive: the deck has broadcast.backend = \"none\"; set \"nccl\" or \"filesystem\"");
   const ModelLayout layout(model_config_for(config), 1);
   ReceivedModel model;
-  int exit_code = 0;
-  const int64_t received = config.broadcast.backend == "nccl"
-                               ? receive_over_comm(config, layout, rt, model, &exit_code)
-                               : receive_from_filesystem(config, layout, rt, model, &exit_code);
+  WeightReceiver receiver(config, rt, layout);
+  while (receiver.next(/*wait=*/true, /*newest_only=*/false, [&](const ParamInfo& p, const uint16_t* bf16) {
+    model.tensors[p.name].assign(bf16, bf16 + p.numel);
+  }) == WeightReceiver::Got::Weights) {
+  }
+  const int64_t received = receiver.received();
+  const int exit_code = receiver.exit_code();
   std::printf("receive[%d]: trainer finished; %lld broadcast%s received\n", rt.rank, (long long)received,
               received == 1 ? "" : "s");
   if (exit_code != 0)

@@ -19,6 +19,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -55,6 +56,11 @@ class WeightBroadcaster {
   WeightBroadcaster(const Config& config, const Runtime& rt, Comm& train_comm);
   ~WeightBroadcaster();
   bool due(int64_t steps_done) const;
+  // Before the first step: the inference ranks of an RL job (`shardlm
+  // generate`) sample with the trainers' starting weights (seeded, HF or a
+  // resumed checkpoint), so they are broadcast once at the start step when the
+  // job has any; nothing otherwise.
+  void start(TrainSession& session, int64_t start_step);
   // Collective over the trainers: every rank takes part in the gathers. The
   // host paths (CPU backend, filesystem) refresh and read the fp32 masters
   // (session.pull_state()); the GPU communicator path reads the backend's bf16
@@ -103,6 +109,46 @@ class WeightBroadcaster {
   std::vector<int64_t> acked_;
   std::vector<char> receiver_done_;
   bool lagging_ = false;  // waited comm.timeout_s once: its directories are kept, no more waiting until it catches up
+};
+
+// The receiving end of the broadcast, one step at a time: `shardlm receive`
+// keeps what arrives, `shardlm generate` (the inference ranks of an RL job)
+// loads it into its model. Every value is checked against the sender's
+// checksum before the sink sees it. Members of rt.broadcast_comm other than
+// trainer rank 0; the communicator path is collective over all of them.
+class WeightReceiver {
+ public:
+  // Takes the trainers' start-up hello (and, when they broadcast from GPU
+  // memory, binds this rank's GPU). Throws Error when it cannot receive.
+  WeightReceiver(const Config& config, Runtime& rt, const ModelLayout& layout);
+  ~WeightReceiver();
+  // Called with each parameter of a step that arrived, as bf16 values (numel of them).
+  using Sink = std::function<void(const ParamInfo& param, const uint16_t* bf16)>;
+  enum class Got { Weights, Nothing, Done };
+  // The next step's weights into `sink` (Weights), or the end of training
+  // (Done: exit_code() is the trainers'). The communicator path always waits
+  // for the next message. The filesystem path reads the oldest step directory
+  // not read yet, or the newest with `newest_only` (the older ones are
+  // acknowledged with it); with wait = false it returns Nothing when none is
+  // ready. After DONE, acknowledges the end to trainer rank 0.
+  Got next(bool wait, bool newest_only, const Sink& sink);
+  bool can_poll() const { return filesystem_; }  // next(wait = false) can come back empty-handed
+  int64_t step() const { return step_; }          // of the last weights received (-1: none)
+  int64_t received() const { return received_; }
+  int exit_code() const { return exit_code_; }
+
+ private:
+  Got next_over_comm(const Sink& sink);
+  Got next_from_filesystem(bool wait, bool newest_only, const Sink& sink);
+  struct State;
+  const Config& config_;
+  Runtime& rt_;
+  const ModelLayout& layout_;
+  const bool filesystem_;
+  std::unique_ptr<State> state_;
+  int64_t step_ = -1, received_ = 0;
+  int exit_code_ = 0;
+  bool done_ = false;
 };
 
 // `shardlm receive DECK [--out DIR]`: receive every broadcast, verify checksums,

@@ -81,15 +81,19 @@ Runtime runtime_init(int* argc, char*** argv, Role role) {
   int has_appnum = 0;
   MPI_CHECK(MPI_Comm_get_attr(MPI_COMM_WORLD, MPI_APPNUM, &appnum, &has_appnum));
   rt.appnum = (has_appnum && appnum) ? *appnum : 0;
-  rt.role = rt.appnum == 0 && role == Role::Train ? Role::Train : Role::Receive;
+  rt.role = rt.appnum == 0 && role == Role::Train ? Role::Train
+            : role == Role::Generate                ? Role::Generate
+                                                    : Role::Receive;
 
-  MPI_CHECK(MPI_Comm_split(MPI_COMM_WORLD, rt.role == Role::Train ? 0 : 1, rt.world_rank, &rt.role_comm));
+  MPI_CHECK(MPI_Comm_split(MPI_COMM_WORLD, static_cast<int>(rt.role), rt.world_rank, &rt.role_comm));
   MPI_Comm_set_errhandler(rt.role_comm, MPI_ERRORS_RETURN);
   MPI_CHECK(MPI_Comm_rank(rt.role_comm, &rt.rank));
   MPI_CHECK(MPI_Comm_size(rt.role_comm, &rt.size));
   int is_trainer = rt.role == Role::Train;
   MPI_CHECK(MPI_Allreduce(&is_trainer, &rt.num_trainers, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD));
   rt.num_receivers = rt.world_size - rt.num_trainers;
+  int is_generator = rt.role == Role::Generate;
+  MPI_CHECK(MPI_Allreduce(&is_generator, &rt.num_generators, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD));
   // Trainer rank 0 must be world rank 0 (it owns the run dir and the banner): under
   // srun --multi-prog the order is the user's, so it is checked (main's launch check).
   int last_trainer = is_trainer ? rt.world_rank : -1, first_receiver = is_trainer ? rt.world_size : rt.world_rank;
@@ -98,7 +102,7 @@ Runtime runtime_init(int* argc, char*** argv, Role role) {
   rt.trainers_first = last_trainer < first_receiver;
 
   // The broadcast communicator: trainer rank 0 first (rank 0 in it), then receivers.
-  const bool joins = rt.role == Role::Receive || rt.rank == 0;
+  const bool joins = rt.role != Role::Train || rt.rank == 0;
   MPI_CHECK(MPI_Comm_split(MPI_COMM_WORLD, joins ? 0 : MPI_UNDEFINED, rt.world_rank, &rt.broadcast_comm));
   if (rt.num_receivers == 0 && rt.broadcast_comm != MPI_COMM_NULL) MPI_CHECK(MPI_Comm_free(&rt.broadcast_comm));
   return rt;

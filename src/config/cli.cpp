@@ -13,6 +13,7 @@ const char* usage() {
          "       shardlm check DECK [--set section.key=value]... [--world N]\n"
          "       shardlm receive DECK [--set section.key=value]... [--out DIR]\n"
          "       shardlm forward --hf DIR --tokens IN.h5 --out OUT.h5\n"
+         "       mpirun -np T shardlm train DECK : -np G shardlm generate DECK [--set section.key=value]...\n"
          "       shardlm generate --hf DIR | --checkpoint CKPT | --deck DECK  --prompts FILE | --prompt-ids \"1,2,3\"\n"
          "               --out FILE [--n N] [--max-new-tokens M] [--temperature T] [--top-p P] [--top-k K]\n"
          "               [--seed S] [--batch B]\n"
@@ -28,7 +29,9 @@ const char* usage() {
          "          written as float32 `logits` [B, T, V]; one process\n"
          "  generate sample completions of prompts (a tools/make_prompts.py file, or ids) from an HF directory\n"
          "          or a checkpoint (KV cache, continuous batching; temperature 0 = greedy) into an HDF5 file\n"
-         "          with ids, logprobs and text (docs/generate.md); under mpirun each rank takes a share\n"
+         "          with ids, logprobs and text (docs/generate.md); under mpirun each rank takes a share.\n"
+         "          `generate DECK` beside `train DECK` in one mpirun: the RL job's inference ranks, which\n"
+         "          receive the trainers' weights, sample, score and write the rollout files (docs/rl.md)\n"
          "  inspect print a checkpoint's step, world size, model and optimizer, and verify every\n"
          "          checksum (exit 1 when damaged, 2 when not there); CHECKPOINT is a step_N.h5 file or a run dir\n"
          "  export  write an HF model directory (config.json + model.safetensors, and the tokenizer files of\n"
@@ -89,7 +92,14 @@ CliArgs parse_cli(int argc, const char* const* argv) {
     return args;
   }
   if (args.command == "generate") {  // the options are checked by parse_generate_args (src/infer/command.hpp)
-    if (!args.deck.empty()) fail("'generate' takes the deck as --deck DECK, not '" + args.deck + "'");
+    if (!args.deck.empty()) {  // the RL job's inference ranks: everything comes from the deck
+      if (!args.options.empty())
+        fail("'generate DECK' is the inference role of an RL job and takes its settings from the deck's [rollout] "
+             "section (and --set); for standalone sampling give --deck DECK with --prompts and --out, not '--" +
+             args.options.begin()->first + "' beside a positional deck");
+      args.inference_role = true;
+      return args;
+    }
     if (args.options.count("deck")) args.deck = args.options.at("deck");
     return args;
   }

@@ -15,6 +15,9 @@ struct CliArgs {
   std::vector<std::string> overrides;        // --set section.key=value, in order
   int world = 0;                             // check --world N (0 = the MPI world)
   std::map<std::string, std::string> options;  // other --name value options
+  // `shardlm generate DECK` (the deck positional, no sampling options): the
+  // inference ranks of an RL job, beside `shardlm train DECK` (docs/rl.md).
+  bool inference_role = false;
 };
 
 // Throws shardlm::Error with a message that ends in the usage line.

@@ -13,6 +13,7 @@
 #include <fstream>
 #include <functional>
 #include <map>
+#include <regex>
 #include <set>
 #include <sstream>
 
@@ -163,6 +164,10 @@ const std::vector<KeySpec>& key_table() {
       within(key("loss.mask_low", Type::Float, FIELD(loss.mask_low)), 0, 1000),
       within(key("loss.kl_coef", Type::Float, FIELD(loss.kl_coef)), 0, 1e6),
       within(key("loss.ce_coef", Type::Float, FIELD(loss.ce_coef)), 0, 1e6),
+      one_of(key("loss.objective", Type::String, FIELD(loss.objective)), {"masked", "clipped"}),
+      within(key("loss.clip_low", Type::Float, FIELD(loss.clip_low)), 0, 1),
+      within(key("loss.clip_high", Type::Float, FIELD(loss.clip_high)), 0, 1000),
+      one_of(key("loss.normalize", Type::String, FIELD(loss.normalize)), {"token", "sequence"}),
 
       at_least(key("ckpt.interval", Type::Int, FIELD(ckpt.interval)), 0),
       at_least(key("ckpt.keep_last", Type::Int, FIELD(ckpt.keep_last)), 1),
@@ -177,6 +182,20 @@ const std::vector<KeySpec>& key_table() {
       positive(key("broadcast.interval", Type::Int, FIELD(broadcast.interval))),
       key("broadcast.dir", Type::String, FIELD(broadcast.dir)),
       positive(key("broadcast.keep", Type::Int, FIELD(broadcast.keep))),
+
+      key("rollout.prompts", Type::String, FIELD(rollout.prompts)),
+      up_to(positive(key("rollout.prompts_per_step", Type::Int, FIELD(rollout.prompts_per_step))), 1 << 20),
+      up_to(positive(key("rollout.n", Type::Int, FIELD(rollout.n))), 1 << 16),
+      up_to(positive(key("rollout.max_new_tokens", Type::Int, FIELD(rollout.max_new_tokens))), kMaxPositions),
+      up_to(positive(key("rollout.temperature", Type::Float, FIELD(rollout.temperature))), 1000),
+      within(key("rollout.top_p", Type::Float, FIELD(rollout.top_p)), 0, 1),
+      within(key("rollout.top_k", Type::Int, FIELD(rollout.top_k)), 0, 2147483647),
+      up_to(positive(key("rollout.batch", Type::Int, FIELD(rollout.batch))), 65536),
+      one_of(key("rollout.reward", Type::String, FIELD(rollout.reward)), {"exact", "numeric", "regex", "program"}),
+      key("rollout.reward_regex", Type::String, FIELD(rollout.reward_regex)),
+      key("rollout.reward_program", Type::String, FIELD(rollout.reward_program)),
+      up_to(positive(key("rollout.reward_timeout_s", Type::Float, FIELD(rollout.reward_timeout_s))), kMaxSeconds),
+      one_of(key("rollout.advantage", Type::String, FIELD(rollout.advantage)), {"mean_std", "mean"}),
 
       positive(key("log.interval", Type::Int, FIELD(log.interval))),
       key("log.jsonl", Type::String, FIELD(log.jsonl)),
@@ -434,9 +453,27 @@ std::string meaningless_with_the_rest(const Config& c, const std::string& path) 
   if (name != "muon" && (path == "optim.muon_momentum" || path == "optim.ns_steps" || path == "optim.adamw_lr" ||
                          path == "optim.adamw_weight_decay"))
     return fmt("has no meaning for optim.name = \"%s\" (it sets Muon; see docs/muon.md)", name.c_str());
+  if (c.loss.type != "rl" && (path == "loss.objective" || path == "loss.normalize" || path == "loss.clip_low" ||
+                              path == "loss.clip_high"))
+    return "sets the RL policy loss; it needs loss.type = \"rl\"";
+  if (c.loss.objective == "masked" && (path == "loss.clip_low" || path == "loss.clip_high"))
+    return "bounds the ratio of loss.objective = \"clipped\"; loss.objective is \"masked\" here";
+  if (c.loss.objective == "clipped" && (path == "loss.mask_high" || path == "loss.mask_low"))
+    return "is loss.objective = \"masked\"'s; with \"clipped\" the ratio is bounded by loss.clip_low / loss.clip_high";
   if (path == "model.selective_layers" && c.model.activation_checkpointing != "selective")
     return fmt("says how many layers keep their attention output under model.activation_checkpointing = "
                "\"selective\"; it is \"%s\" here", c.model.activation_checkpointing.c_str());
+  return "";
+}
+
+// "" when `pattern` is an ECMAScript regex ({answer} taken as a literal), else why not.
+std::string regex_error(std::string pattern) {
+  for (size_t at; (at = pattern.find("{answer}")) != std::string::npos;) pattern.replace(at, 8, "x");
+  try {
+    std::regex re(pattern);
+  } catch (const std::regex_error& e) {
+    return e.what();
+  }
   return "";
 }
 
@@ -536,6 +573,26 @@ void validate(const Config& c, int world, const std::set<std::string>& given, st
   if (c.comm.backend == "nccl" && c.device.backend == "cpu")
     err("comm.backend = \"nccl\" needs device.backend = \"cuda\" (NCCL moves device memory only; the CPU backend "
         "uses MPI)");
+  if (c.loss.type == "rl" && c.broadcast.backend != "none" && c.data.max_async < c.broadcast.interval - 1)
+    err(fmt("data.max_async = %lld is smaller than broadcast.interval - 1 = %lld: the trainer takes rollouts for "
+            "step N sampled at policy step N - data.max_async or later, but new weights reach the inference ranks "
+            "only every %lld steps, so step %lld would wait forever; set data.max_async >= %lld or broadcast.interval "
+            "<= %lld", (long long)c.data.max_async, (long long)(c.broadcast.interval - 1),
+            (long long)c.broadcast.interval, (long long)(c.data.max_async + 1), (long long)(c.broadcast.interval - 1),
+            (long long)(c.data.max_async + 1)));
+  if (c.loss.objective == "clipped" && c.device.backend == "cuda")
+    err("loss.objective = \"clipped\" runs on the CPU backend only so far (the CUDA kernel has the masked "
+        "objective): use loss.objective = \"masked\" or device.backend = \"cpu\"");
+  if (c.rollout.reward == "regex") {
+    if (c.rollout.reward_regex.empty())
+      err("rollout.reward = \"regex\" needs rollout.reward_regex (a pattern the completion must match; {answer} "
+          "stands for the prompt's reference answer)");
+    else if (std::string e = regex_error(c.rollout.reward_regex); !e.empty())
+      err("rollout.reward_regex = \"" + c.rollout.reward_regex + "\" is not a regular expression: " + e);
+  }
+  if (c.rollout.reward == "program" && c.rollout.reward_program.empty())
+    err("rollout.reward = \"program\" needs rollout.reward_program (a command: completions as JSONL on its stdin, "
+        "one reward per line on its stdout; docs/rl.md)");
   if (c.broadcast.backend == "filesystem" && c.broadcast.dir.empty())
     err("broadcast.backend = \"filesystem\" needs broadcast.dir (where step_<N>/ directories are written)");
   if (!c.data.packing) err("data.packing = false is not implemented yet (rows are always packed)");

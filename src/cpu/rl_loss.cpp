@@ -90,15 +90,29 @@ RlChunkStats rl_loss_forward_backward(T* logits, const int32_t* targets, const T
       const double log_r = logp - lp_inf;
       const double ratio = std::exp(log_r);
       const double dp = std::exp(logp) - std::exp(lp_inf);  // p_train - p_inference
-      const bool masked_high = A > 0 && dp > p.mask_high;
-      const bool masked_low = A <= 0 && dp < -p.mask_low;
-      // A branch, not a 0/1 factor: a masked token may have ratio = inf.
-      const double pg = (masked_high || masked_low) ? 0.0 : -A * ratio;
+      bool masked_high, masked_low;
+      double pg, dpg_dlogp;  // the policy term and its derivative in logp (d r / d logp = r)
+      if (p.clipped) {
+        // min(r A, clip(r) A): the clipped term is the smaller exactly when the
+        // clip is active in the direction that limits the update; it is a
+        // constant in r there, so no gradient.
+        masked_high = A > 0 && ratio > 1.0 + p.clip_high;
+        masked_low = A < 0 && ratio < 1.0 - p.clip_low;
+        const double clipped_ratio = masked_high ? 1.0 + p.clip_high : masked_low ? 1.0 - p.clip_low : ratio;
+        pg = -A * clipped_ratio;
+        dpg_dlogp = (masked_high || masked_low) ? 0.0 : -A * ratio;
+      } else {
+        masked_high = A > 0 && dp > p.mask_high;
+        masked_low = A <= 0 && dp < -p.mask_low;
+        // A branch, not a 0/1 factor: a masked token may have ratio = inf.
+        pg = (masked_high || masked_low) ? 0.0 : -A * ratio;
+        dpg_dlogp = pg;
+      }
       const double wd = double(w);
 
       st.loss += wd * (pg + p.kl_coef * log_r * log_r) - p.ce_coef * wd * logp;
       // d loss / d logp (d r / d logp = r), then d logp / d x = (onehot - softmax) / tau.
-      const double dloss_dlogp = wd * (pg + 2.0 * p.kl_coef * log_r) - p.ce_coef * wd;
+      const double dloss_dlogp = wd * (dpg_dlogp + 2.0 * p.kl_coef * log_r) - p.ce_coef * wd;
       const double coef = double(grad_scale) * dloss_dlogp / double(tau);
       const T scale_exp = T(-coef / sm.sum);
       for (int64_t c = 0; c < V; ++c) x[c] *= scale_exp;

@@ -15,6 +15,11 @@
 //   masked     = (A_t > 0 and dp > mask_high) or (A_t <= 0 and dp < -mask_low)
 //   loss_t     = w_t * (-A_t * r * [not masked] + kl_coef * (log r)^2) - ce_coef * w_t * logp
 //   dlogits_t  = grad_scale * dloss_t/dlogp * (onehot(y_t) - softmax(z)) / tau_t
+// With p.clipped the policy term is the PPO/GRPO clipped surrogate instead:
+//   pg_t       = -min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)
+//   d pg/d logp = -A r where r A is the smaller (or equal) term, else 0 (the clip
+//                is active: A > 0 and r > 1 + clip_high, or A < 0 and r < 1 - clip_low,
+//                counted in masked_high / masked_low); no mask_high / mask_low then.
 // The mask is a constant in the derivative (no gradient through the indicator).
 // Other rows add nothing and get a zero gradient.
 //

@@ -72,6 +72,38 @@ std::vector<int32_t> read_stop_ids(hid_t file, const std::string& path) {
   return ids;
 }
 
+// The optional 'answer' dataset: P UTF-8 strings (variable length, as h5py writes them; fixed length too).
+std::vector<std::string> read_answers(hid_t file, const std::string& path, int64_t prompts) {
+  std::vector<std::string> answers;
+  if (H5_CHECK(H5Lexists(file, "answer", H5P_DEFAULT)) <= 0) return answers;
+  h5::Handle d = h5::open_dataset(file, "answer", fmt("prompt file '%s'", path.c_str()));
+  h5::Handle type(H5_CHECK(H5Dget_type(d)), H5Tclose);
+  h5::Handle space(H5_CHECK(H5Dget_space(d)), H5Sclose);
+  hsize_t length = 0;
+  const int rank = H5_CHECK(H5Sget_simple_extent_ndims(space));
+  if (rank == 1) H5_CHECK(H5Sget_simple_extent_dims(space, &length, nullptr));
+  SHARDLM_CHECK(H5Tget_class(type) == H5T_STRING && rank == 1 && int64_t(length) == prompts,
+                "prompt file '%s': dataset 'answer' must hold one string per prompt (%lld), found %s of rank %d and "
+                "%llu entries", path.c_str(), (long long)prompts, h5::dtype_name(type).c_str(), rank,
+                (unsigned long long)length);
+  h5::Handle mem(H5_CHECK(H5Tcopy(H5T_C_S1)), H5Tclose);
+  H5_CHECK(H5Tset_cset(mem, H5Tget_cset(type)));
+  if (H5_CHECK(H5Tis_variable_str(type)) > 0) {
+    H5_CHECK(H5Tset_size(mem, H5T_VARIABLE));
+    std::vector<char*> texts(length, nullptr);
+    if (length > 0) H5_CHECK(H5Dread(d, mem, H5S_ALL, H5S_ALL, H5P_DEFAULT, texts.data()));
+    for (char* t : texts) answers.emplace_back(t ? t : "");
+    if (length > 0) H5_CHECK(H5Dvlen_reclaim(mem, space, H5P_DEFAULT, texts.data()));
+  } else {
+    const size_t size = H5Tget_size(type);
+    H5_CHECK(H5Tset_size(mem, size + 1));
+    std::vector<char> text(length * (size + 1), '\0');
+    if (length > 0) H5_CHECK(H5Dread(d, mem, H5S_ALL, H5S_ALL, H5P_DEFAULT, text.data()));
+    for (hsize_t i = 0; i < length; ++i) answers.emplace_back(text.data() + i * (size + 1));
+  }
+  return answers;
+}
+
 void check_ids(const PromptSet& p, int64_t vocab_size) {
   for (int64_t i = 0; i < p.size(); ++i)
     for (int64_t t = p.offsets[size_t(i)]; t < p.offsets[size_t(i) + 1]; ++t)
@@ -118,6 +150,7 @@ PromptSet read_prompts(const std::string& path, int64_t vocab_size) {
                 "prompt file '%s': the last offset is %lld but 'tokens' holds %zu ids", path.c_str(),
                 (long long)p.offsets.back(), p.tokens.size());
   check_ids(p, vocab_size);
+  p.answers = read_answers(file, path, p.size());
   return p;
 }
 

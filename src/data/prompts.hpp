@@ -19,6 +19,7 @@ struct PromptSet {
   std::vector<int32_t> tokens;      // (T) every prompt's ids, concatenated
   std::vector<int64_t> offsets;     // (P+1) prompt p = tokens[offsets[p] .. offsets[p+1])
   std::vector<int32_t> stop_ids;    // the file's stop_token_ids (end of turn, EOS); may be empty
+  std::vector<std::string> answers; // (P) the reference answers ('answer'); empty when the file has none
   int64_t size() const { return static_cast<int64_t>(offsets.size()) - 1; }
   std::span<const int32_t> prompt(int64_t p) const {
     return {tokens.data() + offsets[size_t(p)], size_t(offsets[size_t(p) + 1] - offsets[size_t(p)])};
@@ -29,7 +30,7 @@ struct PromptSet {
 // attribute not shardlm-prompts-1, 'tokens' / 'offsets' missing or of the
 // wrong dtype or rank, sizes the file cannot hold, offsets that do not start
 // at 0, decrease, or end elsewhere than len(tokens), an empty prompt, no prompt,
-// an id outside [0, vocab_size).
+// an id outside [0, vocab_size), an 'answer' dataset that is not P strings.
 PromptSet read_prompts(const std::string& path, int64_t vocab_size);
 
 // "1,2,3" -> one prompt; same checks on the ids.

@@ -276,6 +276,41 @@ std::string wait_for_rollouts(const std::string& dir, int64_t step, double timeo
   }
 }
 
+void write_rollouts(const std::string& dir, const RolloutFile& r) {
+  const std::string path = rollout_path(dir, r.step), tmp = path + ".tmp";
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  h5::silence_error_stack();
+  {
+    h5::Handle f(H5Fcreate(tmp.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT), H5Fclose);
+    SHARDLM_CHECK(f.get() >= 0, "rollouts for step %lld: cannot create %s (%s)", (long long)r.step, tmp.c_str(),
+                  h5::error_stack_message().c_str());
+    h5::write_1d(f, "tokens", H5T_STD_I32LE, H5T_NATIVE_INT32, r.tokens);
+    h5::write_1d(f, "offsets", H5T_STD_I64LE, H5T_NATIVE_INT64, r.offsets);
+    h5::write_1d(f, "loss_mask", H5T_STD_U8LE, H5T_NATIVE_UINT8, r.loss_mask);
+    h5::write_1d(f, "advantages", H5T_IEEE_F32LE, H5T_NATIVE_FLOAT, r.advantages);
+    h5::write_1d(f, "inference_logprobs", H5T_IEEE_F32LE, H5T_NATIVE_FLOAT, r.inference_logprobs);
+    h5::write_1d(f, "temperature", H5T_IEEE_F32LE, H5T_NATIVE_FLOAT, r.temperature);
+    h5::write_attr(f, "step", H5T_STD_I64LE, H5T_NATIVE_INT64, std::vector<int64_t>{r.step});
+    h5::write_attr(f, "policy_step", H5T_STD_I64LE, H5T_NATIVE_INT64, std::vector<int64_t>{r.policy_step});
+  }
+  std::filesystem::rename(tmp, path, ec);
+  SHARDLM_CHECK(!ec, "rollouts for step %lld: cannot rename %s to %s: %s", (long long)r.step, tmp.c_str(),
+                path.c_str(), ec.message().c_str());
+}
+
+int64_t normalize_per_sequence(RolloutBatch& b) {
+  int64_t samples = 0;
+  for (int64_t s = 0; s < b.samples(); ++s) {
+    int64_t count = 0;  // the sample's loss tokens, as read_rollouts counted them
+    for (int64_t t = b.offsets[s] + 1; t < b.offsets[s + 1]; ++t) count += b.loss_mask[t] != 0 && b.loss_weight[t] > 0.0f;
+    if (count == 0) continue;
+    ++samples;
+    for (int64_t t = b.offsets[s] + 1; t < b.offsets[s + 1]; ++t) b.loss_weight[t] /= float(count);
+  }
+  return samples;
+}
+
 void check_rollout_step(const RolloutBatch& b, int64_t step, int64_t max_async) {
   const char* path = b.path.c_str();
   SHARDLM_CHECK(b.step == step,

@@ -41,6 +41,21 @@ struct RolloutBatch {
   int64_t sample_pairs(int64_t s) const { return sample_tokens(s) > 1 ? sample_tokens(s) - 1 : 0; }
 };
 
+// What the inference side writes for one step (docs/rollouts.md): S samples of
+// prompt + completion, per-sample advantages and temperatures.
+struct RolloutFile {
+  int64_t step = 0, policy_step = 0;
+  std::vector<int32_t> tokens;             // (T)
+  std::vector<int64_t> offsets;            // (S+1)
+  std::vector<uint8_t> loss_mask;          // (T) 1 on completion tokens
+  std::vector<float> advantages;           // (S)
+  std::vector<float> inference_logprobs;   // (T) 0 on prompt tokens
+  std::vector<float> temperature;          // (S)
+};
+// Writes rollout_path(dir, file.step) as <it>.tmp, then renames it: the
+// trainers never see a half-written file. Throws Error naming the path.
+void write_rollouts(const std::string& dir, const RolloutFile& file);
+
 // "<dir>/step_<step>.h5".
 std::string rollout_path(const std::string& dir, int64_t step);
 
@@ -67,6 +82,11 @@ std::string wait_for_rollouts(const std::string& dir, int64_t step, double timeo
 // The file belongs to `step` (its step attribute) and its policy lag is allowed:
 // step - max_async <= policy_step <= step (data.max_async). Throws otherwise.
 void check_rollout_step(const RolloutBatch& batch, int64_t step, int64_t max_async);
+
+// loss.normalize = "sequence": each sample's loss weights divided by its count
+// of loss tokens, so that a sample's tokens weigh 1 together. Returns the
+// samples that carry loss (the step's loss divisor then).
+int64_t normalize_per_sequence(RolloutBatch& batch);
 
 // An RL micro-batch: the SFT fields plus the per-position RL inputs of the loss.
 // Every vector holds rows * seq_len entries; position j of a sample holds input

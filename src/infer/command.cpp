@@ -125,14 +125,6 @@ std::vector<Completion> gather(std::vector<Completion> mine, MPI_Comm comm) {
 
 // ---------------------------------------------------------------- HDF5 output
 
-template <class T>
-void write_1d(hid_t file, const char* name, hid_t file_type, hid_t mem_type, const std::vector<T>& v) {
-  const hsize_t n = v.size();
-  h5::Handle space(H5_CHECK(H5Screate_simple(1, &n, nullptr)), H5Sclose);
-  h5::Handle d(H5_CHECK(H5Dcreate2(file, name, file_type, space, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT)), H5Dclose);
-  if (n > 0) H5_CHECK(H5Dwrite(d, mem_type, H5S_ALL, H5S_ALL, H5P_DEFAULT, v.data()));
-}
-
 h5::Handle utf8_type() {
   h5::Handle t(H5_CHECK(H5Tcopy(H5T_C_S1)), H5Tclose);
   H5_CHECK(H5Tset_size(t, H5T_VARIABLE));
@@ -144,7 +136,7 @@ void write_strings(hid_t file, const char* name, const std::vector<std::string>&
   std::vector<const char*> ptrs;
   for (const auto& s : v) ptrs.push_back(s.c_str());
   h5::Handle t = utf8_type();
-  write_1d(file, name, t, t, ptrs);
+  h5::write_1d(file, name, t, t, ptrs);
 }
 
 void attr_string(hid_t file, const char* name, const std::string& value) {
@@ -153,16 +145,6 @@ void attr_string(hid_t file, const char* name, const std::string& value) {
   h5::Handle a(H5_CHECK(H5Acreate2(file, name, t, space, H5P_DEFAULT, H5P_DEFAULT)), H5Aclose);
   const char* p = value.c_str();
   H5_CHECK(H5Awrite(a, t, &p));
-}
-
-// A scalar attribute for one value, else a 1-D one (stop_token_ids is always 1-D, as in prompt files).
-template <class T>
-void attr_array(hid_t file, const char* name, hid_t file_type, hid_t mem_type, const std::vector<T>& v,
-                bool scalar = true) {
-  const hsize_t n = v.size();
-  h5::Handle space(H5_CHECK(scalar && n == 1 ? H5Screate(H5S_SCALAR) : H5Screate_simple(1, &n, nullptr)), H5Sclose);
-  h5::Handle a(H5_CHECK(H5Acreate2(file, name, file_type, space, H5P_DEFAULT, H5P_DEFAULT)), H5Aclose);
-  if (n > 0) H5_CHECK(H5Awrite(a, mem_type, v.data()));
 }
 
 }  // namespace
@@ -188,32 +170,36 @@ void write_generations(const std::string& path, const GenerationsFile& g) {
       offsets.push_back(int64_t(tokens.size()));
       finish.push_back(finish_name(c.finish));
     }
-    write_1d(f, "prompt_tokens", H5T_STD_I32LE, H5T_NATIVE_INT32, g.prompt_tokens);
-    write_1d(f, "prompt_offsets", H5T_STD_I64LE, H5T_NATIVE_INT64, g.prompt_offsets);
-    write_1d(f, "prompt_index", H5T_STD_I64LE, H5T_NATIVE_INT64, prompt_index);
-    write_1d(f, "sample_index", H5T_STD_I64LE, H5T_NATIVE_INT64, sample_index);
-    write_1d(f, "tokens", H5T_STD_I32LE, H5T_NATIVE_INT32, tokens);
-    write_1d(f, "offsets", H5T_STD_I64LE, H5T_NATIVE_INT64, offsets);
-    write_1d(f, "sampling_logprobs", H5T_IEEE_F32LE, H5T_NATIVE_FLOAT, sampling);
-    write_1d(f, "model_logprobs", H5T_IEEE_F32LE, H5T_NATIVE_FLOAT, model);
-    write_1d(f, "tempered_logprobs", H5T_IEEE_F32LE, H5T_NATIVE_FLOAT, tempered);
+    h5::write_1d(f, "prompt_tokens", H5T_STD_I32LE, H5T_NATIVE_INT32, g.prompt_tokens);
+    h5::write_1d(f, "prompt_offsets", H5T_STD_I64LE, H5T_NATIVE_INT64, g.prompt_offsets);
+    h5::write_1d(f, "prompt_index", H5T_STD_I64LE, H5T_NATIVE_INT64, prompt_index);
+    h5::write_1d(f, "sample_index", H5T_STD_I64LE, H5T_NATIVE_INT64, sample_index);
+    h5::write_1d(f, "tokens", H5T_STD_I32LE, H5T_NATIVE_INT32, tokens);
+    h5::write_1d(f, "offsets", H5T_STD_I64LE, H5T_NATIVE_INT64, offsets);
+    h5::write_1d(f, "sampling_logprobs", H5T_IEEE_F32LE, H5T_NATIVE_FLOAT, sampling);
+    h5::write_1d(f, "model_logprobs", H5T_IEEE_F32LE, H5T_NATIVE_FLOAT, model);
+    h5::write_1d(f, "tempered_logprobs", H5T_IEEE_F32LE, H5T_NATIVE_FLOAT, tempered);
     write_strings(f, "finish_reason", finish);
     if (!g.texts.empty()) write_strings(f, "text", g.texts);
     attr_string(f, "format", "shardlm-generations-1");
     attr_string(f, "model", g.model_source);
     attr_string(f, "prompts", g.prompts_source);
-    attr_array(f, "seed", H5T_STD_U64LE, H5T_NATIVE_UINT64, std::vector<uint64_t>{g.sampling.seed});
-    attr_array(f, "temperature", H5T_IEEE_F64LE, H5T_NATIVE_DOUBLE, std::vector<double>{g.sampling.temperature});
-    attr_array(f, "top_k", H5T_STD_I64LE, H5T_NATIVE_INT64, std::vector<int64_t>{g.sampling.top_k});
-    attr_array(f, "top_p", H5T_IEEE_F64LE, H5T_NATIVE_DOUBLE, std::vector<double>{g.sampling.top_p});
-    attr_array(f, "n", H5T_STD_I64LE, H5T_NATIVE_INT64, std::vector<int64_t>{g.n});
-    attr_array(f, "max_new_tokens", H5T_STD_I64LE, H5T_NATIVE_INT64, std::vector<int64_t>{g.max_new_tokens});
-    attr_array(f, "world_size", H5T_STD_I64LE, H5T_NATIVE_INT64, std::vector<int64_t>{g.world});
+    h5::write_attr(f, "seed", H5T_STD_U64LE, H5T_NATIVE_UINT64, std::vector<uint64_t>{g.sampling.seed});
+    h5::write_attr(f, "temperature", H5T_IEEE_F64LE, H5T_NATIVE_DOUBLE, std::vector<double>{g.sampling.temperature});
+    h5::write_attr(f, "top_k", H5T_STD_I64LE, H5T_NATIVE_INT64, std::vector<int64_t>{g.sampling.top_k});
+    h5::write_attr(f, "top_p", H5T_IEEE_F64LE, H5T_NATIVE_DOUBLE, std::vector<double>{g.sampling.top_p});
+    h5::write_attr(f, "n", H5T_STD_I64LE, H5T_NATIVE_INT64, std::vector<int64_t>{g.n});
+    h5::write_attr(f, "max_new_tokens", H5T_STD_I64LE, H5T_NATIVE_INT64, std::vector<int64_t>{g.max_new_tokens});
+    h5::write_attr(f, "world_size", H5T_STD_I64LE, H5T_NATIVE_INT64, std::vector<int64_t>{g.world});
     std::vector<int64_t> stops(g.stop_ids.begin(), g.stop_ids.end());
-    if (!stops.empty()) attr_array(f, "stop_token_ids", H5T_STD_I64LE, H5T_NATIVE_INT64, stops, false);
+    if (!stops.empty()) h5::write_attr(f, "stop_token_ids", H5T_STD_I64LE, H5T_NATIVE_INT64, stops, false);
   }
   SHARDLM_CHECK(std::rename(tmp.c_str(), path.c_str()) == 0, "--out: cannot rename %s to %s: %s", tmp.c_str(),
                 path.c_str(), std::strerror(errno));
+}
+
+std::vector<Completion> gather_completions(std::vector<Completion> mine, MPI_Comm comm) {
+  return gather(std::move(mine), comm);
 }
 
 GenerateArgs parse_generate_args(const std::map<std::string, std::string>& o, const std::string& deck,

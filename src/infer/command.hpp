@@ -39,6 +39,10 @@ GenerateArgs parse_generate_args(const std::map<std::string, std::string>& optio
 // (rank 0 prints the reason, naming the file or option).
 int run_generate(const GenerateArgs& args, MPI_Comm comm);
 
+// Rank 0 of `comm` gets every rank's completions, sorted by (prompt, sample);
+// the others get none. Collective.
+std::vector<Completion> gather_completions(std::vector<Completion> mine, MPI_Comm comm);
+
 // The output file's layout (docs/generate.md), for the writer and the tests.
 struct GenerationsFile {
   std::string model_source, prompts_source;

@@ -9,6 +9,7 @@
 #include "checkpoint/inspect.hpp"
 #include "model/hf_config.hpp"
 #include "model/safetensors.hpp"
+#include "shardlm/dtype.hpp"
 #include "shardlm/config.hpp"
 
 namespace fs = std::filesystem;
@@ -58,6 +59,26 @@ InferenceModel InferenceModel::from_hf(const fs::path& dir) {
   add_id(m.eos_ids, config.eos_token_id);
   for (int32_t id : generation_config_eos(dir)) add_id(m.eos_ids, id);
   return m;
+}
+
+InferenceModel InferenceModel::for_broadcast(const ModelConfig& config, const std::string& hf_dir) {
+  InferenceModel m;
+  m.weights = std::make_unique<ShardedModel>(config, 0, 1, /*host_grads=*/false);
+  m.source = "the trainers' weight broadcast";
+  if (!hf_dir.empty()) {
+    m.tokenizer_dir = hf_dir;
+    for (int32_t id : generation_config_eos(hf_dir)) add_id(m.eos_ids, id);
+  }
+  add_id(m.eos_ids, config.eos_token_id);
+  return m;
+}
+
+void InferenceModel::load_bf16(const ParamInfo& p, const uint16_t* values) {
+  const ModelLayout::Located at = weights->layout.find(p.name);
+  SHARDLM_CHECK(at.unit && at.param->numel == p.numel, "internal: broadcast parameter %s is not in the model's layout",
+                p.name.c_str());
+  float* dst = weights->param[size_t(at.unit - weights->layout.units.data())].data() + at.param->offset;
+  for (int64_t i = 0; i < p.numel; ++i) dst[i] = bf16_to_f32(values[i]);
 }
 
 InferenceModel InferenceModel::from_checkpoint(const fs::path& given) {

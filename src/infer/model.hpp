@@ -32,6 +32,13 @@ struct InferenceModel {
   // The tokenizer is the one of the deck's model.hf, when the deck had one.
   static InferenceModel from_checkpoint(const std::filesystem::path& file);
 
+  // The deck's model with every weight 0, to be filled by load_bf16 (the
+  // inference ranks of an RL job, which take the trainers' broadcasts); the
+  // tokenizer and EOS of the deck's model.hf when it has one.
+  static InferenceModel for_broadcast(const ModelConfig& config, const std::string& hf_dir);
+  // One parameter's values as the broadcast carries them (bf16, exact in fp32).
+  void load_bf16(const ParamInfo& param, const uint16_t* values);
+
   const ModelConfig& config() const { return weights->layout.config; }
   const float* embedding() const;                 // (V, C)
   LayerWeights<const float> layer(int l) const;   // views into layer l's unit

@@ -160,9 +160,12 @@ void Metrics::log(const StepStats& s) {
               (long long)step1, (long long)config_.run.max_steps, s.loss, eval_text.c_str(), s.grad_norm, s.lr, tok_s,
               clock_text(elapsed).c_str(), clock_text(eta).c_str(), s.skipped ? " | SKIPPED (NaN/Inf)" : "");
   if (s.rl)
-    std::printf("        rl | entropy %.4f | mismatch kl %.3e | masked high %.3f low %.3f | mean advantage %+.4f | "
+    std::printf("        rl | entropy %.4f | mismatch kl %.3e | %s | mean advantage %+.4f | "
                 "waited %.2f s for rollouts\n",
-                s.entropy, s.mismatch_kl, s.masked_high, s.masked_low, s.advantage, s.rollout_wait_s);
+                s.entropy, s.mismatch_kl,
+                config_.loss.objective == "clipped" ? fmt("clip fraction %.3f", s.clip_fraction).c_str()
+                                                    : fmt("masked high %.3f low %.3f", s.masked_high, s.masked_low).c_str(),
+                s.advantage, s.rollout_wait_s);
   std::fflush(stdout);
 
   std::vector<std::string> nonfinite;  // in the row's key order: each number() call is its own statement
@@ -179,6 +182,7 @@ void Metrics::log(const StepStats& s) {
   if (s.rl) {
     for (const auto& [key, v] : {std::pair<const char*, double>{"entropy", s.entropy}, {"mismatch_kl", s.mismatch_kl},
                                  {"masked_high", s.masked_high}, {"masked_low", s.masked_low},
+                                 {"masked_fraction", s.masked_fraction}, {"clip_fraction", s.clip_fraction},
                                  {"mean_advantage", s.advantage}})
       row += fmt(", \"%s\": %s", key, number(key, v, nonfinite).c_str());
     row += fmt(", \"rollout_wait_s\": %.6g", s.rollout_wait_s);
@@ -208,6 +212,7 @@ void Metrics::log(const StepStats& s) {
     if (s.rl)
       for (const auto& [tag, v] : {std::pair<const char*, double>{"rl/entropy", s.entropy}, {"rl/mismatch_kl", s.mismatch_kl},
                                    {"rl/masked_high", s.masked_high}, {"rl/masked_low", s.masked_low},
+                                   {"rl/masked_fraction", s.masked_fraction}, {"rl/clip_fraction", s.clip_fraction},
                                    {"rl/mean_advantage", s.advantage}, {"rl/rollout_wait_s", s.rollout_wait_s}})
         scalars.push_back({tag, float(v)});
     if (s.evaluated) scalars.push_back({"eval/loss", float(s.eval_loss)});

@@ -35,6 +35,7 @@ class TokenSource final : public StepSource {
     StepPlan plan;
     plan.collective_s = seconds_since(t_reduce);
     plan.loss_tokens_global = totals[0];
+    plan.loss_divisor = totals[0];
     plan.tokens_global = totals[1];
     plan.micro_batches = data_.micro_batches_per_rank(comm_.size());
     return plan;
@@ -54,7 +55,7 @@ class TokenSource final : public StepSource {
 class RolloutSource final : public StepSource {
  public:
   RolloutSource(const Config& config, int64_t vocab_size, Comm& comm)
-      : data_(config.data), vocab_size_(vocab_size), comm_(comm) {}
+      : data_(config.data), per_sequence_(config.loss.normalize == "sequence"), vocab_size_(vocab_size), comm_(comm) {}
   bool rl() const override { return true; }
 
   // Every rank reads the whole file and packs the same assignment: the counts
@@ -67,11 +68,13 @@ class RolloutSource final : public StepSource {
                                                  if (comm_.rank() == 0) std::printf("%s\n", m.c_str()), std::fflush(stdout);
                                                });
     plan.rollout_wait_s = seconds_since(wait0);
-    const RolloutBatch file = read_rollouts(path, vocab_size_);
+    RolloutBatch file = read_rollouts(path, vocab_size_);
     check_rollout_step(file, step, data_.max_async);
+    const int64_t samples = per_sequence_ ? normalize_per_sequence(file) : 0;
     rollouts_ = pack_rollouts(file, data_.seq_len, data_.micro_batch, comm_.rank(), comm_.size());
     plan.micro_batches = static_cast<int64_t>(rollouts_.micro_batches.size());
     plan.loss_tokens_global = rollouts_.loss_tokens_global;
+    plan.loss_divisor = per_sequence_ ? samples : rollouts_.loss_tokens_global;
     plan.tokens_global = rollouts_.tokens_global;
     return plan;
   }
@@ -80,6 +83,7 @@ class RolloutSource final : public StepSource {
 
  private:
   const DataSection data_;
+  const bool per_sequence_;  // loss.normalize = "sequence"
   const int64_t vocab_size_;
   Comm& comm_;
   RankRollouts rollouts_;  // this step's micro-batches of this rank

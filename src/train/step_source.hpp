@@ -24,7 +24,9 @@ namespace shardlm {
 struct StepPlan {
   int64_t micro_batches = 0;       // this rank's (equal on every rank)
   int64_t tokens_global = 0;       // non-padding tokens of the step, all ranks
-  int64_t loss_tokens_global = 0;  // the loss's denominator, all ranks
+  int64_t loss_tokens_global = 0;  // tokens that carry loss, all ranks
+  int64_t loss_divisor = 0;        // the loss's denominator: loss_tokens_global, or the samples
+                                   // under loss.normalize = "sequence"
   double rollout_wait_s = 0;       // waiting for the step's rollout file to appear
   double collective_s = 0;         // in a collective: waiting for the slowest rank, not data time
 };

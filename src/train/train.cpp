@@ -31,7 +31,13 @@ ModelConfig model_config_for(const Config& config) {
 EngineOptions engine_options_for(const Config& config) {
   EngineOptions o;
   o.rl = config.loss.type == "rl";
-  o.rl_params = {config.loss.mask_high, config.loss.mask_low, config.loss.kl_coef, config.loss.ce_coef};
+  o.rl_params = {config.loss.mask_high, config.loss.mask_low, config.loss.kl_coef, config.loss.ce_coef,
+                 config.loss.objective == "clipped", config.loss.clip_low, config.loss.clip_high};
+  // The deck check refuses "clipped" with device.backend = "cuda"; here "auto" has become the backend.
+  SHARDLM_CHECK(!(o.rl && o.rl_params.clipped && config.device.backend == "cuda"),
+                "loss.objective = \"clipped\" runs on the CPU backend only so far (the CUDA RL kernel has the masked "
+                "objective), and device.backend = \"auto\" chose the GPU: set loss.objective = \"masked\" or "
+                "device.backend = \"cpu\"");
   o.max_tokens = config.data.micro_batch * config.data.seq_len;
   o.chunk_tokens = config.loss.chunk_tokens;
   o.reshard_after_forward = config.model.reshard_after_forward;
@@ -107,7 +113,7 @@ StepStats TrainSession::step(int64_t step) {
   s.tokens = batch.tokens_global, s.loss_tokens = batch.loss_tokens_global, s.rollout_wait_s = batch.rollout_wait_s;
   s.data_s = seconds_since(t0) - batch.collective_s;
   s.compute_s = batch.collective_s;  // a collective's wait for the slowest rank is not data time
-  const float grad_scale = batch.loss_tokens_global > 0 ? 1.0f / static_cast<float>(batch.loss_tokens_global) : 0.0f;
+  const float grad_scale = batch.loss_divisor > 0 ? 1.0f / static_cast<float>(batch.loss_divisor) : 0.0f;
 
   const auto t_sync = Clock::now();
   state->begin_step(batch.micro_batches);  // gradients from zero, the backend's parameter copies current
@@ -125,7 +131,7 @@ StepStats TrainSession::step(int64_t step) {
     s.compute_s += seconds_since(t_compute);
   }
   const auto t_opt = Clock::now();
-  record_loss(s, sums, batch.loss_tokens_global);
+  record_loss(s, sums, batch.loss_divisor);
   double sumsq = state->grad_sumsq();  // clip by the global norm: one all-reduce over the ranks' sums
   comm.all_reduce_sum(&sumsq, 1);
   s.grad_norm = std::sqrt(sumsq);
@@ -137,18 +143,26 @@ StepStats TrainSession::step(int64_t step) {
   return s;
 }
 
-void TrainSession::record_loss(StepStats& s, LossStats sums, int64_t loss_tokens_global) {
+void TrainSession::record_loss(StepStats& s, LossStats sums, int64_t loss_divisor) {
   auto totals = sums.to_array();
   comm.all_reduce_sum(totals.data(), static_cast<int64_t>(totals.size()));
   sums = LossStats::from_array(totals);
-  const double denom = loss_tokens_global > 0 ? static_cast<double>(loss_tokens_global) : 1.0;
+  // The loss is divided as its gradient was (the step's loss tokens, or its
+  // samples under loss.normalize = "sequence"); the per-token statistics by
+  // the loss tokens themselves.
+  const double denom = loss_divisor > 0 ? static_cast<double>(loss_divisor) : 1.0;
+  const double tokens = sums.loss_tokens > 0 ? static_cast<double>(sums.loss_tokens) : 1.0;
   s.loss = sums.loss / denom;
   // The RL statistics (zero sums under the SFT loss).
-  s.entropy = sums.entropy_sum / denom;
-  s.mismatch_kl = sums.mismatch_kl_sum / denom;
-  s.masked_high = static_cast<double>(sums.masked_high) / denom;
-  s.masked_low = static_cast<double>(sums.masked_low) / denom;
-  s.advantage = sums.advantage_sum / denom;
+  s.entropy = sums.entropy_sum / tokens;
+  s.mismatch_kl = sums.mismatch_kl_sum / tokens;
+  const double moved = static_cast<double>(sums.masked_high + sums.masked_low) / tokens;
+  const bool clipped = config.loss.objective == "clipped";
+  s.masked_high = clipped ? 0.0 : static_cast<double>(sums.masked_high) / tokens;
+  s.masked_low = clipped ? 0.0 : static_cast<double>(sums.masked_low) / tokens;
+  s.masked_fraction = clipped ? 0.0 : moved;
+  s.clip_fraction = clipped ? moved : 0.0;
+  s.advantage = sums.advantage_sum / tokens;
 }
 
 void TrainSession::apply_update(StepStats& s) {

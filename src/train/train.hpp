@@ -38,6 +38,8 @@ struct StepStats {
   // RL (loss.type = "rl"), means over the step's loss tokens:
   bool rl = false;
   double entropy = 0, mismatch_kl = 0, masked_high = 0, masked_low = 0, advantage = 0;
+  double masked_fraction = 0;  // loss.objective = "masked": tokens masked, either side
+  double clip_fraction = 0;    // loss.objective = "clipped": tokens whose ratio the clip held
   double rollout_wait_s = 0;   // time spent waiting for the rollout file
   // Where the step's time went (seconds): batch assembly, forward/loss/backward
   // with the collectives and gradient transfers inside it, clip + optimizer,
@@ -91,7 +93,7 @@ struct TrainSession {
 
  private:
   // The loss sums of the step's micro-batches, over all ranks, as means.
-  void record_loss(StepStats& s, LossStats sums, int64_t loss_tokens_global);
+  void record_loss(StepStats& s, LossStats sums, int64_t loss_divisor);
   // Clip by the global norm and update, or skip a NaN/Inf step.
   void apply_update(StepStats& s);
 };

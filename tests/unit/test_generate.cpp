@@ -496,8 +496,8 @@ TEST_CASE("generate's command line: options parsed and checked, each mistake nam
   auto error = [&](std::vector<const char*> argv) { return error_of([&] { parse(argv); }); };
   CHECK(error({"--hf", "m", "--prompt-ids", "1", "--out", "o", "--bogus", "1"}).find(
             "unknown option '--bogus' for 'generate'") != std::string::npos);
-  CHECK(error({"deck.toml", "--prompt-ids", "1", "--out", "o"}).find("takes the deck as --deck DECK") !=
-        std::string::npos);
+  CHECK(error({"deck.toml", "--prompt-ids", "1", "--out", "o"}).find(
+            "'generate DECK' is the inference role of an RL job") != std::string::npos);
   CHECK(error({"--prompt-ids", "1", "--out", "o"}).find("'generate' needs a model") != std::string::npos);
   CHECK(error({"--hf", "m", "--out", "o"}).find("exactly one of --prompts FILE") != std::string::npos);
   CHECK(error({"--hf", "m", "--prompt-ids", "1", "--out", "o", "--n", "0"}).find(

@@ -434,3 +434,78 @@ TEST_CASE("bad inputs: target outside the vocabulary, non-positive temperature o
 }
 
 }  // TEST_SUITE
+
+// The clipped surrogate (loss.objective = "clipped") on a chunk worked out by
+// hand: V = 2, logits (0, 0) at temperature 1, so p = (0.5, 0.5) and the target
+// 0 has logp = log 0.5. clip_low = clip_high = 0.2, no KL, no CE, grad_scale 1.
+//   row 0: p_inf 0.4, r = 1.25, A = +1: r > 1.2, clipped: loss -1.2, no gradient
+//   row 1: p_inf 0.4, r = 1.25, A = -1: min(-1.25, -1.2) = -1.25: loss 1.25,
+//          dloss/dlogp = -A r = 1.25, dlogits = 1.25 (1 - 0.5, 0 - 0.5)
+//   row 2: p_inf 0.8, r = 0.625, A = -1: r < 0.8, clipped: loss 0.8, no gradient
+//   row 3: p_inf 0.8, r = 0.625, A = +1: min(0.625, 0.8) = 0.625: loss -0.625,
+//          dlogits = -0.625 (0.5, -0.5)
+// Sum 0.225; the clip is active on rows 0 (high) and 2 (low).
+TEST_CASE("clipped surrogate: a hand-computed chunk, both clip sides, gradient zero where clipped") {
+  Chunk c;
+  c.n = 4;
+  c.V = 2;
+  c.logits = Vec(8, 0.0);
+  c.targets = {0, 0, 0, 0};
+  c.weights = {1, 1, 1, 1};
+  c.advantages = {1.0f, -1.0f, -1.0f, 1.0f};
+  c.temperatures = {1, 1, 1, 1};
+  c.logprobs_inf = {std::log(0.4f), std::log(0.4f), std::log(0.8f), std::log(0.8f)};
+  RlLossParams p;
+  p.clipped = true;
+  p.clip_low = 0.2;
+  p.clip_high = 0.2;
+  p.kl_coef = 0;
+  p.mask_high = p.mask_low = 0;  // the masked objective's knobs: no effect on the clipped one
+  std::vector<double> g;
+  const RlChunkStats s = run_kernel<double>(c, p, 1.0, g);
+  CHECK(s.loss_tokens == 4);
+  CHECK(s.masked_high == 1);  // clip active above: row 0
+  CHECK(s.masked_low == 1);   // clip active below: row 2
+  // the inference logprobs are float: r differs from 1.25 / 0.625 in the 8th digit
+  CHECK(s.loss == doctest::Approx(-1.2 + 1.25 + 0.8 - 0.625).epsilon(1e-6));
+  const double expected[8] = {0, 0, 0.625, -0.625, 0, 0, -0.3125, 0.3125};
+  for (int i = 0; i < 8; ++i) CHECK(g[sz(i)] == doctest::Approx(expected[i]).epsilon(1e-6));
+  // The same chunk in float, with weights and a grad scale: scaled alike.
+  std::vector<float> gf;
+  c.weights = {2, 2, 2, 2};
+  const RlChunkStats sf = run_kernel<float>(c, p, 0.5, gf);
+  CHECK(sf.loss == doctest::Approx(2 * 0.225).epsilon(1e-5));
+  for (int i = 0; i < 8; ++i) CHECK(gf[sz(i)] == doctest::Approx(expected[i]).epsilon(1e-5));
+}
+
+TEST_CASE("clipped surrogate: finite differences in double away from the clip boundaries") {
+  std::mt19937_64 rng(31);
+  Chunk c = random_chunk(rng, 24, 7);
+  RlLossParams p;
+  p.clipped = true;
+  p.clip_low = 0.2;
+  p.clip_high = 0.28;
+  p.kl_coef = 0.05;
+  p.ce_coef = 0.1;
+  const double grad_scale = 0.37;
+  std::vector<double> dlogits;
+  const RlChunkStats s = run_kernel<double>(c, p, grad_scale, dlogits);
+  REQUIRE(s.masked_high + s.masked_low > 0);                    // some tokens clipped ...
+  REQUIRE(s.masked_high + s.masked_low < s.loss_tokens);       // ... and some not
+  auto loss = [&] {
+    Vec work;
+    return run_kernel<double>(c, p, grad_scale, work).loss;
+  };
+  Vec numeric(c.logits.size());
+  for (size_t e = 0; e < c.logits.size(); ++e) {
+    const double x0 = c.logits[e];
+    c.logits[e] = x0 + kFdEps;
+    const double lp = loss();
+    c.logits[e] = x0 - kFdEps;
+    const double lm = loss();
+    c.logits[e] = x0;
+    numeric[e] = grad_scale * (lp - lm) / (2 * kFdEps);
+  }
+  CHECK(rel_err(dlogits, numeric) < kFdTol);
+  CHECK(max_abs(numeric) > 1e-3);
+}

@@ -1,0 +1,55 @@
+// reward.hpp — scoring completions for RL: the built-in verifiers (exact match
+// of an extracted final answer, numeric equality, a regex) and an external
+// reward program; group-normalised advantages.
+//
+// Owns: RewardItem (what a reward sees of one completion), the verifiers and
+// their answer extraction, running a reward program (completions as JSONL on
+// its stdin, one reward per line on its stdout, bounded by a timeout), and
+// group_advantages. Chosen once from the deck's [rollout] section
+// (make_reward). Must not know: the model, MPI, files other than the program's
+// pipes.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "shardlm/config.hpp"
+
+namespace shardlm {
+
+struct RewardItem {
+  int64_t prompt = 0;                  // index in the prompt file
+  int64_t sample = 0;                  // 0 .. n-1
+  std::string answer;                  // the prompt's reference answer ("" when the file has none)
+  std::string text;                    // the completion: decoded text, or its ids in decimal separated by
+                                       //   spaces when there is no tokenizer; a final stop id left out
+  std::vector<int32_t> prompt_ids, completion_ids;  // completion_ids with the stop id, as sampled
+  const char* finish = "length";       // "stop" | "length"
+};
+
+class Reward {
+ public:
+  virtual ~Reward() = default;
+  // One reward per item, in order. `step` names the rollout step in errors.
+  // Throws Error naming the program when it fails, hangs past the timeout or
+  // answers with other than one number per completion.
+  virtual std::vector<double> score(const std::vector<RewardItem>& items, int64_t step) = 0;
+  virtual std::string name() const = 0;  // "exact", "numeric", "regex /x/", "program 'cmd'"
+};
+
+std::unique_ptr<Reward> make_reward(const RolloutSection& rollout);
+
+// The final answer of a completion: the last \boxed{...}, else what follows the
+// last "####", else the last whitespace-separated word; trimmed.
+std::string extract_answer(const std::string& text);
+// The last number in the text (commas between digits ignored), if any.
+bool extract_number(const std::string& text, double* value);
+
+// Group-normalised advantages of rewards (P groups of n consecutive samples):
+// A = r - mean(group), divided by (std(group) + 1e-6) when divide_by_std
+// (population std; a group whose rewards are all equal gets 0).
+std::vector<float> group_advantages(const std::vector<double>& rewards, int64_t n, bool divide_by_std);
+
+}  // namespace shardlm

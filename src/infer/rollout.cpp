@@ -1,0 +1,272 @@
+// rollout.cpp — the inference role of an RL job; see rollout.hpp.
+//
+// One rollout step, top to bottom:
+//   weights   take broadcasts until the policy is at least step - data.max_async
+//   prompts   prompts_for_step; generator rank g samples items g, g + G, ...
+//   sample    generate() with continuous batching, n samples per prompt
+//   gather    every completion to generator rank 0
+//   score     rewards, group advantages                      (rank 0)
+//   publish   <data.rollout_dir>/step_<N>.h5, a metrics line (rank 0)
+#include "infer/rollout.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+
+#include "comm/broadcast.hpp"
+#include "data/prompts.hpp"
+#include "data/rollouts.hpp"
+#include "data/tokenizer.hpp"
+#include "infer/command.hpp"
+#include "infer/generate.hpp"
+#include "infer/model.hpp"
+#include "infer/reward.hpp"
+#include "train/train.hpp"  // model_config_for
+
+namespace fs = std::filesystem;
+
+namespace shardlm {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+uint64_t splitmix64(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
+// What a reward sees as the completion's text: decoded when there is a
+// tokenizer, else its ids in decimal; a final stop id is not part of it.
+std::string completion_text(const Completion& c, const TokenDecoder* tokenizer) {
+  std::vector<int32_t> ids(c.tokens.begin(), c.tokens.end());
+  if (c.finish == Finish::Stop && !ids.empty()) ids.pop_back();
+  if (tokenizer) {
+    std::vector<int32_t> known;  // a model's vocabulary may be padded past its tokenizer's
+    for (int32_t id : ids)
+      if (id < tokenizer->vocab_size()) known.push_back(id);
+    return tokenizer->text(known, /*skip_special=*/false);
+  }
+  std::string text;
+  for (int32_t id : ids) text += (text.empty() ? "" : " ") + std::to_string(id);
+  return text;
+}
+
+// The checks of the prompt file against the deck, before any weights arrive.
+void check_prompts(const Config& config, const PromptSet& prompts, const ModelConfig& mc) {
+  const RolloutSection& ro = config.rollout;
+  const bool needs_answers =
+      ro.reward == "exact" || ro.reward == "numeric" ||
+      (ro.reward == "regex" && ro.reward_regex.find("{answer}") != std::string::npos);
+  SHARDLM_CHECK(!needs_answers || !prompts.answers.empty(),
+                "prompt file '%s' (rollout.prompts) has no 'answer' dataset, and rollout.reward = \"%s\" compares "
+                "with a reference answer per prompt (tools/make_prompts.py stores each line's \"answer\")",
+                prompts.path.c_str(), ro.reward.c_str());
+  for (int64_t p = 0; p < prompts.size(); ++p) {
+    const int64_t len = int64_t(prompts.prompt(p).size());
+    // A sample of k tokens fills k - 1 positions of a trainer's row.
+    SHARDLM_CHECK(len + ro.max_new_tokens <= config.data.seq_len + 1,
+                  "prompt file '%s': prompt %lld has %lld tokens; with rollout.max_new_tokens = %lld a sample can "
+                  "have %lld tokens, more than data.seq_len + 1 = %lld (raise data.seq_len or lower "
+                  "rollout.max_new_tokens)", prompts.path.c_str(), (long long)p, (long long)len,
+                  (long long)ro.max_new_tokens, (long long)(len + ro.max_new_tokens),
+                  (long long)(config.data.seq_len + 1));
+  }
+  for (int32_t id : prompts.stop_ids)
+    SHARDLM_CHECK(id < mc.vocab_size, "prompt file '%s': stop token id %d is outside the model's vocabulary [0, %lld)",
+                  prompts.path.c_str(), id, (long long)mc.vocab_size);
+}
+
+// Generator rank 0: rewards, advantages, the rollout file and the metrics of one step.
+struct Publisher {
+  const Config& config;
+  const PromptSet& prompts;
+  const TokenDecoder* tokenizer;
+  Reward& reward;
+  std::ofstream jsonl;
+
+  void publish(int64_t step, int64_t policy_step, const std::vector<int64_t>& items,
+               const std::vector<Completion>& completions, double sample_s, double wait_s) {
+    const RolloutSection& ro = config.rollout;
+    const int64_t base = step * ro.prompts_per_step;  // completions' draw keys: base + item
+    std::vector<RewardItem> scored;
+    for (const Completion& c : completions) {
+      RewardItem r;
+      r.prompt = items[size_t(c.prompt - base)];
+      r.sample = c.sample;
+      if (!prompts.answers.empty()) r.answer = prompts.answers[size_t(r.prompt)];
+      r.text = completion_text(c, tokenizer);
+      const auto ids = prompts.prompt(r.prompt);
+      r.prompt_ids.assign(ids.begin(), ids.end());
+      r.completion_ids = c.tokens;
+      r.finish = finish_name(c.finish);
+      scored.push_back(std::move(r));
+    }
+    const auto t_score = Clock::now();
+    const std::vector<double> rewards = reward.score(scored, step);
+    const double score_s = seconds_since(t_score);
+    const std::vector<float> advantages = group_advantages(rewards, ro.n, ro.advantage == "mean_std");
+
+    RolloutFile f;
+    f.step = step;
+    f.policy_step = policy_step;
+    f.offsets.push_back(0);
+    int64_t generated = 0, stopped = 0;
+    for (size_t i = 0; i < completions.size(); ++i) {
+      const Completion& c = completions[i];
+      const auto prompt = prompts.prompt(scored[i].prompt);
+      f.tokens.insert(f.tokens.end(), prompt.begin(), prompt.end());
+      f.tokens.insert(f.tokens.end(), c.tokens.begin(), c.tokens.end());
+      f.loss_mask.insert(f.loss_mask.end(), prompt.size(), 0);
+      f.loss_mask.insert(f.loss_mask.end(), c.tokens.size(), 1);
+      f.inference_logprobs.insert(f.inference_logprobs.end(), prompt.size(), 0.0f);
+      // The distribution the token was drawn from (temperature, top-k, top-p):
+      // the trainer divides its logits by the same temperature.
+      f.inference_logprobs.insert(f.inference_logprobs.end(), c.sampling_logprobs.begin(), c.sampling_logprobs.end());
+      f.offsets.push_back(int64_t(f.tokens.size()));
+      f.advantages.push_back(advantages[i]);
+      f.temperature.push_back(float(ro.temperature));
+      generated += int64_t(c.tokens.size());
+      stopped += c.finish == Finish::Stop;
+    }
+    write_rollouts(config.data.rollout_dir, f);
+
+    double mean = 0, solved = 0;
+    for (double r : rewards) mean += r, solved += r > 0;
+    const double S = double(std::max<size_t>(rewards.size(), 1));
+    mean /= S;
+    const double tokens_per_s = sample_s > 0 ? double(generated) / sample_s : 0.0;
+    std::printf("rollout %6lld | policy step %lld | reward %.4f (%s), > 0 on %.3f | %zu samples, mean length %.2f, "
+                "%.3f stopped | %.0f tok/s sampling | waited %.2f s for weights\n",
+                (long long)step, (long long)policy_step, mean, reward.name().c_str(), solved / S, rewards.size(),
+                double(generated) / S, double(stopped) / S, tokens_per_s, wait_s);
+    std::fflush(stdout);
+    if (jsonl) {
+      jsonl << fmt("{\"step\": %lld, \"policy_step\": %lld, \"reward_mean\": %.6g, \"reward_positive\": %.6g, "
+                   "\"reward\": \"%s\", \"samples\": %zu, \"mean_length\": %.6g, \"stopped\": %.6g, "
+                   "\"generated_tokens\": %lld, \"sampling_s\": %.6g, \"sampling_tokens_per_s\": %.6g, "
+                   "\"reward_s\": %.6g, \"weights_wait_s\": %.6g}\n",
+                   (long long)step, (long long)policy_step, mean, solved / S, ro.reward.c_str(), rewards.size(),
+                   double(generated) / S, double(stopped) / S, (long long)generated, sample_s, tokens_per_s,
+                   score_s, wait_s);
+      jsonl.flush();
+    }
+  }
+};
+
+}  // namespace
+
+std::vector<int64_t> prompts_for_step(uint64_t seed, int64_t step, int64_t per_step, int64_t file_prompts) {
+  std::vector<int64_t> out;
+  std::vector<int64_t> order;
+  int64_t pass = -1;
+  for (int64_t i = 0; i < per_step; ++i) {
+    const int64_t k = step * per_step + i;  // the k-th prompt drawn in the run
+    if (k / file_prompts != pass) {         // a new pass over the file: its own shuffled order
+      pass = k / file_prompts;
+      order.resize(size_t(file_prompts));
+      for (int64_t j = 0; j < file_prompts; ++j) order[size_t(j)] = j;
+      uint64_t state = splitmix64(seed ^ splitmix64(uint64_t(pass) + 0x5eed));
+      for (int64_t j = file_prompts - 1; j > 0; --j) {  // Fisher–Yates
+        state = splitmix64(state);
+        std::swap(order[size_t(j)], order[size_t(state % uint64_t(j + 1))]);
+      }
+    }
+    out.push_back(order[size_t(k % file_prompts)]);
+  }
+  return out;
+}
+
+int run_inference_role(const Config& config, Runtime& rt) {
+  const RolloutSection& ro = config.rollout;
+  const ModelConfig mc = model_config_for(config);
+  const MPI_Comm comm = rt.role_comm;  // the generator ranks
+  const int rank = rt.rank, world = rt.size;
+
+  // Bad input first, before the trainers' first broadcast: the same on every generator.
+  const PromptSet prompts = read_prompts(ro.prompts, mc.vocab_size);
+  check_prompts(config, prompts, mc);
+  InferenceModel model = InferenceModel::for_broadcast(mc, config.model.hf);
+  GenerateOptions options;
+  options.sampling = {ro.temperature, ro.top_k, ro.top_p, uint64_t(config.run.seed)};
+  options.max_new_tokens = ro.max_new_tokens;
+  options.stop_ids = prompts.stop_ids;
+  for (int32_t id : model.eos_ids)
+    if (std::find(options.stop_ids.begin(), options.stop_ids.end(), id) == options.stop_ids.end())
+      options.stop_ids.push_back(id);
+  // The KV cache is planned once, for the longest prompt of the file.
+  std::vector<GenerateRequest> every;
+  for (int64_t p = 0; p < prompts.size(); ++p) every.push_back({p, 0, prompts.prompt(p)});
+  DecoderLimits limits = plan_limits(mc, every, ro.batch, ro.max_new_tokens, prompts.path);
+  const int64_t my_items = (ro.prompts_per_step + world - 1) / world;
+  limits.slots = std::max<int64_t>(1, std::min(ro.batch, my_items * ro.n));
+  Decoder decoder(model, limits);
+
+  std::unique_ptr<TokenDecoder> tokenizer;
+  std::unique_ptr<Reward> reward;
+  std::unique_ptr<Publisher> publisher;
+  if (rank == 0) {
+    std::error_code ec;
+    if (!model.tokenizer_dir.empty() && fs::exists(model.tokenizer_dir / "tokenizer.json", ec))
+      tokenizer = std::make_unique<TokenDecoder>(TokenDecoder::load(model.tokenizer_dir.string()));
+    reward = make_reward(ro);
+    fs::create_directories(config.run.dir, ec);
+    publisher = std::make_unique<Publisher>(Publisher{config, prompts, tokenizer.get(), *reward,
+                                                      std::ofstream(fs::path(config.run.dir) / "rollouts.jsonl",
+                                                                    std::ios::app)});
+    std::printf("generate: %d inference rank%s | %lld prompts from %s, %lld per step x %lld samples | reward %s, "
+                "advantages %s | temperature %g, top-k %lld, top-p %g | max %lld new tokens, %lld slots, cache %.1f "
+                "MiB | %s | rollouts to %s, at most data.max_async = %lld steps behind the trainers' weights\n",
+                world, world == 1 ? "" : "s", (long long)prompts.size(), prompts.path.c_str(),
+                (long long)ro.prompts_per_step, (long long)ro.n, reward->name().c_str(), ro.advantage.c_str(),
+                ro.temperature, (long long)ro.top_k, ro.top_p, (long long)ro.max_new_tokens, (long long)limits.slots,
+                decoder.cache_bytes() / 1048576.0, tokenizer ? ("text from " + tokenizer->where()).c_str()
+                                                              : "no tokenizer.json: rewards see token ids",
+                config.data.rollout_dir.c_str(), (long long)config.data.max_async);
+    std::fflush(stdout);
+  }
+
+  WeightReceiver receiver(config, rt, model.weights->layout);
+  const auto sink = [&](const ParamInfo& p, const uint16_t* values) { model.load_bf16(p, values); };
+  // In order when several ranks read the filesystem, so that they all hold the same step.
+  const bool newest_only = world == 1;
+  const auto ended = [&] {
+    if (rank == 0)
+      std::printf("generate: the trainers ended (exit %d) after %lld broadcast%s\n", receiver.exit_code(),
+                  (long long)receiver.received(), receiver.received() == 1 ? "" : "s"), std::fflush(stdout);
+    return receiver.exit_code();
+  };
+  // The trainers broadcast their starting weights once (WeightBroadcaster::start).
+  if (receiver.next(/*wait=*/true, newest_only, sink) == WeightReceiver::Got::Done) return ended();
+
+  for (int64_t step = receiver.step(); step < config.run.max_steps; ++step) {
+    const auto t_wait = Clock::now();
+    while (receiver.step() < step - config.data.max_async)
+      if (receiver.next(/*wait=*/true, newest_only, sink) == WeightReceiver::Got::Done) return ended();
+    const double wait_s = seconds_since(t_wait);
+
+    const std::vector<int64_t> items = prompts_for_step(uint64_t(config.run.seed), step, ro.prompts_per_step,
+                                                        prompts.size());
+    std::vector<GenerateRequest> requests;
+    const int64_t base = step * ro.prompts_per_step;  // draw keys: unique per (step, item)
+    for (int64_t i = rank; i < int64_t(items.size()); i += world)
+      for (int64_t s = 0; s < ro.n; ++s) requests.push_back({base + i, s, prompts.prompt(items[size_t(i)])});
+    const auto t_sample = Clock::now();
+    std::vector<Completion> mine = generate(decoder, requests, options);
+    const double sample_s = seconds_since(t_sample);
+    const std::vector<Completion> all = gather_completions(std::move(mine), comm);
+    if (rank == 0) publisher->publish(step, receiver.step(), items, all, sample_s, wait_s);
+  }
+  // The rest of the broadcasts, to the trainers' end (and its exit code).
+  while (receiver.next(/*wait=*/true, newest_only, sink) == WeightReceiver::Got::Weights) {
+  }
+  return ended();
+}
+
+}  // namespace shardlm

@@ -1,0 +1,33 @@
+// rollout.hpp — `shardlm generate DECK`, the inference ranks of an RL job
+// (mpirun -np T shardlm train DECK : -np G shardlm generate DECK).
+//
+// Owns: the orchestration of one inference rank: the trainers' weights taken
+// from the broadcast (WeightReceiver, into an InferenceModel), which prompts
+// each step samples and which rank samples them, sampling (generate()),
+// rewards and group advantages (reward.hpp) on generator rank 0, the rollout
+// file of each step for the trainers (data/rollouts.hpp's write_rollouts,
+// with the policy step the samples came from), staying at most
+// data.max_async steps ahead of the trainers' weights, and its own metrics
+// (<run.dir>/rollouts.jsonl and one line per step). Knows MPI through the
+// runtime's communicators; knows nothing of the training state.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "shardlm/config.hpp"
+#include "shardlm/runtime.hpp"
+
+namespace shardlm {
+
+// The prompt file's prompts sampled at rollout step `step`: prompts_per_step
+// of them, in a seeded order that visits every prompt once per pass over the
+// file (a new order each pass). A function of (seed, step, sizes) alone.
+std::vector<int64_t> prompts_for_step(uint64_t seed, int64_t step, int64_t prompts_per_step, int64_t file_prompts);
+
+// Runs the role to the trainers' end; returns their exit code (0, or 75 after
+// a stop signal). Throws Error for bad input (the prompt file, a prompt too
+// long for data.seq_len, a failing reward program), naming it.
+int run_inference_role(const Config& config, Runtime& rt);
+
+}  // namespace shardlm

@@ -1,0 +1,148 @@
+#!/usr/bin/env bash
+# test_rl_learns.sh — issue #29: RL end to end on the CPU, and the reward rises.
+#   warm start: inputs/copy-sft.toml, 60 SFT steps on "repeat the last digit of
+#     the prompt" (tools/make_copy_task.py): the model samples the right digit
+#     about one time in six;
+#   RL: `mpirun -np 2 shardlm train copy-rl.toml : -np 1 shardlm generate
+#     copy-rl.toml`, weights broadcast (MPI) every step, strictly on-policy
+#     (data.max_async = 0), the clipped surrogate, 32 prompts x 8 samples per
+#     step, 60 steps: the mean reward of the last 10 rollout steps is well above
+#     that of the first 5 (seeded: the same numbers every run);
+#   the filesystem broadcast with two inference ranks, data.max_async = 2,
+#     broadcast.interval = 3 and a reward program: every file's policy step is
+#     within the lag, the program's rewards are the exact verifier's;
+#   bad input ends the job with a message naming it: a missing prompt file, a
+#     reward program that fails, one that hangs; `generate DECK` without
+#     trainers; `check` refuses data.max_async < broadcast.interval - 1.
+# Prints PASS/FAIL lines; exits non-zero when anything failed.
+set -u
+cd "$(dirname "$0")/../.."
+BIN=${SHARDLM:-${BUILD:-build}/shardlm}
+PY=${PYTHON:-/usr/bin/python3}
+MPIRUN=${MPIRUN:-mpirun}
+if [ "$(id -u)" = 0 ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; fi
+export OMP_NUM_THREADS=1 OMP_WAIT_POLICY=passive
+if [ ! -x "$BIN" ]; then echo "FAIL rl_learns: $BIN is not built"; exit 1; fi
+
+T=$(mktemp -d /tmp/shardlm-rl-XXXXXX)
+cleanup() { [ -n "${KEEP:-}" ] && { echo "logs in $T"; return; }; rm -rf "$T"; }
+trap cleanup EXIT
+source tests/scripts/lib/checks.sh  # failures, pass, fail, check, has
+MPI=($MPIRUN --oversubscribe --bind-to none -x OMP_NUM_THREADS -x OMP_WAIT_POLICY)
+
+"$PY" tools/make_copy_task.py --out-dir "$T/task" > "$T/task.log" 2>&1 || { fail "make_copy_task.py"; cat "$T/task.log"; }
+timeout 120 "$BIN" train inputs/copy-sft.toml --set "data.path=$T/task/sft.h5" --set "run.dir=$T/sft" \
+  --set "run.export_dir=$T/sft/export" > "$T/sft.log" 2>&1
+check "SFT warm start: 60 steps, exported" test -f "$T/sft/export/model.safetensors"
+
+# rl RUN_DIR EXTRA...: ARGS = the deck and its settings for a run in RUN_DIR, then EXTRA (--set pairs).
+rl() {
+  local dir=$1
+  shift
+  ARGS=(inputs/copy-rl.toml --set "model.hf=$T/sft/export" --set "run.dir=$dir" --set "data.rollout_dir=$dir/rollouts"
+        --set "rollout.prompts=$T/task/prompts.h5" "$@")
+}
+
+# --- the reward rises
+start=$(date +%s.%N)
+rl "$T/rl"
+timeout 300 "${MPI[@]}" -np 2 "$BIN" train "${ARGS[@]}" : -np 1 "$BIN" generate "${ARGS[@]}" > "$T/rl.log" 2>&1
+rc=$?
+seconds=$("$PY" -c "import time; print(f'{time.time() - $start:.1f}')")
+check "RL job (2 trainers + 1 inference rank, MPI broadcast every step) exits 0 ($seconds s)" test $rc = 0
+summary=$("$PY" - "$T/rl" <<'EOF'
+import json, sys, h5py
+d = sys.argv[1]
+rows = [json.loads(l) for l in open(f"{d}/rollouts.jsonl")]
+r = [row["reward_mean"] for row in rows]
+lag = [row["step"] - row["policy_step"] for row in rows]
+files = []
+for s in range(60):
+    with h5py.File(f"{d}/rollouts/step_{s}.h5") as f:
+        files.append((int(f.attrs["step"]), int(f.attrs["policy_step"]), len(f["offsets"]) - 1))
+ok_files = all(st == s and ps == s and n == 256 for s, (st, ps, n) in enumerate(files))
+m = [json.loads(l) for l in open(f"{d}/metrics.jsonl") if '"step"' in l]
+clip = [row.get("clip_fraction") for row in m if "clip_fraction" in row]
+print(len(r), f"{sum(r[:5]) / 5:.4f}", f"{sum(r[-10:]) / 10:.4f}", max(lag), int(ok_files), len(clip),
+      f"{max(clip) if clip else -1:.4f}")
+EOF
+)
+read -r steps before after max_lag files_ok clip_rows clip_max <<< "${summary:-0 0 0 0 0 0 0}"
+echo "reward: first 5 rollout steps $before, last 10 $after ($steps steps, $seconds s)"
+check "60 rollout steps scored" test "$steps" = 60
+check "reward before RL is low: mean of the first 5 steps $before < 0.30" "$PY" -c "assert $before < 0.30"
+check "reward rises: mean of the last 10 steps $after >= 0.45 and >= first 5 + 0.25" \
+  "$PY" -c "assert $after >= 0.45 and $after >= $before + 0.25"
+check "on-policy: every file's policy_step is its step, 32 x 8 samples each" test "$files_ok" = 1
+check "on-policy, the clip is (almost) never active: clip_fraction <= 0.05 (max $clip_max over $clip_rows logged steps)" \
+  "$PY" -c "assert $clip_rows >= 12 and 0 <= $clip_max <= 0.05"
+check "the trainer's log line names the clip fraction" has "$T/rl.log" "clip fraction"
+check "the banner counts the inference rank" has "$T/rl.log" "inference: 1 of the receivers run \`shardlm generate\`"
+
+# --- filesystem broadcast, two inference ranks, lag 2, a reward program
+cat > "$T/reward.py" <<'EOF'
+import json, sys
+for line in sys.stdin:
+    c = json.loads(line)
+    print(1.0 if c["completion"].split()[-1:] == [c["answer"]] else 0.0)
+EOF
+fs_sets=(--set run.max_steps=9 --set 'broadcast.backend="filesystem"' --set "broadcast.dir=$T/fs/bcast"
+         --set broadcast.interval=3 --set data.max_async=2 --set 'rollout.reward="program"'
+         --set "rollout.reward_program=\"$PY $T/reward.py\"")
+rl "$T/fs" "${fs_sets[@]}"
+timeout 300 "${MPI[@]}" -np 1 "$BIN" train "${ARGS[@]}" : -np 2 "$BIN" generate "${ARGS[@]}" > "$T/fs.log" 2>&1
+check "filesystem broadcast, 2 inference ranks, reward program: exit 0" test $? = 0
+check "policy steps within data.max_async = 2 of each step, broadcast every 3" "$PY" - "$T/fs" <<'EOF'
+import json, sys
+rows = [json.loads(l) for l in open(f"{sys.argv[1]}/rollouts.jsonl")]
+assert [r["step"] for r in rows] == list(range(9)), rows
+assert all(r["step"] - 2 <= r["policy_step"] <= r["step"] and r["policy_step"] % 3 == 0 for r in rows), rows
+assert all(r["reward"] == "program" and 0 <= r["reward_mean"] <= 1 for r in rows), rows
+EOF
+check "up to 2 steps off-policy the clip is active: clip_fraction > 0 in the trainer's metrics" "$PY" - "$T/fs" <<'EOF'
+import json, sys
+rows = [json.loads(l) for l in open(f"{sys.argv[1]}/metrics.jsonl") if '"clip_fraction"' in l]
+assert rows and max(r["clip_fraction"] for r in rows) > 0, rows
+EOF
+check "the program's rewards equal the exact verifier's on the same samples (step 0)" "$PY" - "$T/fs" "$T/rl" <<'EOF'
+import json, sys
+fs = [json.loads(l) for l in open(f"{sys.argv[1]}/rollouts.jsonl")]
+rl = [json.loads(l) for l in open(f"{sys.argv[2]}/rollouts.jsonl")]
+assert fs[0]["reward_mean"] == rl[0]["reward_mean"], (fs[0], rl[0])  # same seed, same weights at step 0
+EOF
+
+# --- bad input ends the job, naming it
+rl "$T/bad1" --set "rollout.prompts=$T/none.h5"
+timeout 120 "${MPI[@]}" -np 1 "$BIN" train "${ARGS[@]}" : -np 1 "$BIN" generate "${ARGS[@]}" > "$T/bad1.log" 2>&1
+rc=$?
+check "a missing prompt file ends the job (exit $rc)" test $rc != 0 -a $rc != 124
+check "... with a message naming the file" has "$T/bad1.log" "prompt file '$T/none.h5' does not exist"
+prog=(--set 'rollout.reward="program"' --set 'rollout.reward_program="cat > /dev/null; exit 3"')
+rl "$T/bad2" "${prog[@]}"
+timeout 120 "${MPI[@]}" -np 1 "$BIN" train "${ARGS[@]}" : -np 1 "$BIN" generate "${ARGS[@]}" > "$T/bad2.log" 2>&1
+rc=$?
+check "a failing reward program ends the job (exit $rc)" test $rc != 0 -a $rc != 124
+check "... with a message naming it and the step" has "$T/bad2.log" \
+  "reward program 'cat > /dev/null; exit 3' (rollout.reward_program, rollout step 0) exited with status 3"
+hang=(--set 'rollout.reward="program"' --set 'rollout.reward_program="sleep 60"' --set rollout.reward_timeout_s=1)
+t0=$(date +%s)
+rl "$T/bad3" "${hang[@]}"
+timeout 120 "${MPI[@]}" -np 1 "$BIN" train "${ARGS[@]}" : -np 1 "$BIN" generate "${ARGS[@]}" > "$T/bad3.log" 2>&1
+rc=$?
+check "a hanging reward program ends the job after rollout.reward_timeout_s (exit $rc, $(( $(date +%s) - t0 )) s)" \
+  test $rc != 0 -a $rc != 124 -a $(( $(date +%s) - t0 )) -lt 60
+check "... with a message naming it" has "$T/bad3.log" \
+  "reward program 'sleep 60' (rollout.reward_program, rollout step 0) gave no complete answer within rollout.reward_timeout_s = 1 s"
+rl "$T/bad4"
+"$BIN" generate "${ARGS[@]}" > "$T/bad4.log" 2>&1
+rc=$?
+check "generate DECK without trainers: exit 1 (got $rc) and says how to launch it" \
+  test $rc = 1 -a "$(grep -c 'needs trainer ranks in the same job: mpirun -np T shardlm train DECK' "$T/bad4.log")" = 1
+"$BIN" check inputs/tiny-rl.toml > "$T/check-ok.log" 2>&1
+check "the shipped tiny-rl.toml passes check (max_async 4, broadcast.interval 5)" test $? = 0
+"$BIN" check inputs/tiny-rl.toml --set data.max_async=1 > "$T/check-bad.log" 2>&1
+rc=$?
+check "check refuses data.max_async = 1 with broadcast.interval = 5 (exit $rc)" test $rc = 1
+check "... saying why" has "$T/check-bad.log" "data.max_async = 1 is smaller than broadcast.interval - 1 = 4"
+
+exit $((failures > 0))
