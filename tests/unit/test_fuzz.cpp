@@ -26,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "data/prompts.hpp"
 #include "data/rollouts.hpp"
 #include "data/token_file.hpp"
 #include "model/safetensors.hpp"
@@ -265,7 +266,7 @@ std::string read_bounded(const fs::path& dir, F read) {
   return WIFEXITED(status) && WEXITSTATUS(status) == 0 ? read_file(out) : std::string("crashed");
 }
 
-TEST_CASE("fuzz headers: a rollout file or token file declaring 2^28 elements is refused before allocating") {
+TEST_CASE("fuzz headers: a rollout, token or prompt file declaring 2^28 elements is refused before allocating") {
   const fs::path dir = fs::temp_directory_path() / fmt("shardlm-fuzz-sizes-%d", static_cast<int>(getpid()));
   fs::create_directories(dir);
   constexpr uint64_t n = 4099, huge = uint64_t(1) << 28;
@@ -296,6 +297,22 @@ TEST_CASE("fuzz headers: a rollout file or token file declaring 2^28 elements is
   });
   CAPTURE(said);
   CHECK(said.find("refused: data file '" + tokens.string() + "': dataset 'offsets' declares 268435456 elements") == 0);
+  // Prompt file (shardlm generate, the RL inference ranks): 'tokens' declares 2^28 int32.
+  const fs::path prompts = dir / "prompts.h5";
+  write_forged(prompts, {{"tokens", H5T_STD_I32LE}}, n, huge, {{"offsets", {0, int64_t(n)}}});
+  {  // the format attribute the reader checks first
+    const hid_t file = H5Fopen(prompts.c_str(), H5F_ACC_RDWR, H5P_DEFAULT);
+    const hid_t type = H5Tcopy(H5T_C_S1);
+    const std::string format = "shardlm-prompts-1";
+    H5Tset_size(type, format.size());
+    const hid_t scalar = H5Screate(H5S_SCALAR);
+    const hid_t attr = H5Acreate2(file, "format", type, scalar, H5P_DEFAULT, H5P_DEFAULT);
+    H5Awrite(attr, type, format.data());
+    H5Aclose(attr), H5Sclose(scalar), H5Tclose(type), H5Fclose(file);
+  }
+  said = read_bounded(dir, [&] { read_prompts(prompts.string(), 258); });
+  CAPTURE(said);
+  CHECK(said.find("refused: prompt file '" + prompts.string() + "': dataset 'tokens' declares 268435456 elements") == 0);
   fs::remove_all(dir);
 }
 
