@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
 #include <cstdio>
 #include <cstring>
@@ -336,8 +337,30 @@ void Checkpointer::join_retention() {
 }
 
 SaveResult Checkpointer::save(int64_t steps_done, int64_t tokens_seen, std::optional<SaveResult>* previous) {
+  const bool behind = writer_ && !writer_->done.load();
+  const int64_t previous_step = writer_ ? writer_->steps_done : 0;
+  const auto t_wait = Clock::now();
   std::optional<SaveResult> before = wait();  // at most one save in flight
   if (previous) *previous = before;
+  const double waited_s = seconds_since(t_wait);
+  // Saves due faster than the writer writes them: every save then blocks for
+  // the rest of the one before. Say so once, with the interval that would not.
+  if (behind && waited_s > 1.0 && before && before->ok && !warned_writer_behind_ && comm_rank(comm_) == 0 &&
+      steps_done > previous_step) {
+    const double steps_s = std::max(seconds_since(last_save_start_) - waited_s, 1e-3);  // the interval's steps
+    const double step_s = steps_s / double(steps_done - previous_step);
+    const int64_t enough = static_cast<int64_t>(std::ceil(1.1 * before->write_s / step_s));
+    std::printf("checkpoint: saves come faster than the writer: the save of step %lld waited %.1f s for step %lld's "
+                "(%s written in %.1f s, %.0f MB/s; %lld steps take %.1f s): ckpt.interval = %lld or more would not "
+                "stall (said once)\n",
+                (long long)steps_done, waited_s, (long long)previous_step,
+                mib(static_cast<double>(before->bytes)).c_str(), before->write_s,
+                before->write_s > 0 ? static_cast<double>(before->bytes) / 1e6 / before->write_s : 0.0,
+                (long long)(steps_done - previous_step), steps_s, (long long)std::max<int64_t>(enough, 1));
+    std::fflush(stdout);
+    warned_writer_behind_ = true;
+  }
+  last_save_start_ = Clock::now();
   join_retention();  // the free-space check counts what retention removed
   if (!async_) return save_checkpoint(session_, comm_, steps_done, tokens_seen);
   return start(steps_done, tokens_seen);

@@ -35,6 +35,7 @@
 
 #include <mpi.h>
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -134,7 +135,9 @@ class Checkpointer {
   // What after_step decided last, for finish().
   int64_t steps_done_ = 0;
   StepEnd end_;
-  bool final_save_failed_ = false;  // the save at run.max_steps failed (finish() reports it under "continue")
+  bool final_save_failed_ = false;
+  std::chrono::steady_clock::time_point last_save_start_ = std::chrono::steady_clock::now();
+  bool warned_writer_behind_ = false;  // "saves come faster than the writer", said once  // the save at run.max_steps failed (finish() reports it under "continue")
 };
 
 }  // namespace shardlm

@@ -142,6 +142,15 @@ check "slow snapshot copier: 4 checkpoints, every dataset the synchronous saves'
 check "slow snapshot copier: losses of steps 6-20 bit-identical to the straight run" \
   test "$(losses "$T/copy-slow" | awk '$1 > 5')" = "$(cat "$T/ref.losses")"
 
+# ---- saves due faster than the writer writes them (40 ms per tensor on rank 0,
+# a save every 2 steps): said once, with an interval that would not stall
+SHARDLM_CKPT_FAULT=slow@0 SHARDLM_CKPT_SLOW_MS=40 train "$T/behind" "$T/behind.log" --set run.max_steps=8 \
+  --set ckpt.interval=2 --set ckpt.async=true
+said=$(grep -c "checkpoint: saves come faster than the writer" "$T/behind.log")
+enough=$(sed -n 's/.*ckpt.interval = \([0-9]*\) or more would not stall.*/\1/p' "$T/behind.log" | head -1)
+check "saves faster than the writer: said once ($said), with an interval above 2 (${enough:-none})" \
+  test "$said" = 1 -a "${enough:-0}" -gt 2
+
 # ---- corrupted latest: flipped bytes (checksum), then truncated (HDF5 error)
 C=$B/checkpoints
 size=$(stat -c %s "$C/step_20.h5")
