@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -293,6 +294,8 @@ int run_inference_role(const Config& config, Runtime& rt) {
   if (receiver.next(/*wait=*/true, newest_only, sink) == WeightReceiver::Got::Done) return ended();
 
   for (int64_t step = receiver.step(); step < config.run.max_steps; ++step) {
+    // tests: SHARDLM_FAULT=generate_crash@R kills inference rank R (world rank) before rollout step 4
+    if (step == 4 && fault_armed("generate_crash")) std::raise(SIGSEGV);
     const auto t_wait = Clock::now();
     while (receiver.step() < step - config.data.max_async)
       if (receiver.next(/*wait=*/true, newest_only, sink) == WeightReceiver::Got::Done) return ended();
