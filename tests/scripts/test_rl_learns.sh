@@ -155,7 +155,7 @@ check "... and the trainers left a checkpoint (step 2 at least)" test -f "$T/die
 timeout 120 "${MPI[@]}" -np 1 "$BIN" train "${ARGS[@]}" : -np 1 "$BIN" generate "${ARGS[@]}" > "$T/resume.log" 2>&1
 rc=$?
 check "the same job again resumes from it and finishes (exit $rc)" test $rc = 0
-check "... from the checkpoint" grep -qE "step_[24]\.h5" "$T/resume.log"
+check "... from the checkpoint" grep -qE "checkpoint: resumed from .*/step_[24]\.h5" "$T/resume.log"
 check "... and every step up to 8 has a rollout file" test -f "$T/die/rollouts/step_7.h5"
 
 # --- bad input ends the job, naming it
