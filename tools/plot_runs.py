@@ -5,7 +5,9 @@
     /usr/bin/python3 tools/plot_runs.py runs/sweep/task-* --out plots  # the runs overlaid
 
 Writes loss.png, lr.png, grad_norm.png, tokens_per_s.png, memory.png (host peak,
-and GPU peak where the run logged one) and overview.png (all five). Several runs
+and GPU peak where the run logged one), for RL runs reward.png (the mean reward of
+the rollouts each step trained on, and each reward component's mean when there
+are several: metrics.jsonl's rollout_reward_*) and overview.png (all of them). Several runs
 share each plot, labelled by run.name and the deck keys that differ between them;
 a dotted line marks each resume. --x tokens or --x time puts tokens seen or wall
 time (hours since the first row) on the x axis instead of steps. NaN/Inf losses
@@ -36,7 +38,12 @@ PANELS = [
     ("tokens_per_s", "throughput", "tokens/s (all ranks)", [("tokens_per_s", 1.0, "-", "")]),
     ("memory", "peak memory on rank 0", "MiB",
      [("mem_peak_bytes", 1.0 / MIB, "-", " host"), ("device_mem_peak_bytes", 1.0 / MIB, "--", " GPU")]),
+    ("reward", "RL: mean reward of the step's rollouts", "reward",
+     [("rollout_reward_mean", 1.0, "-", "")] +
+     [(f"rollout_reward_{kind}", 1.0, "--", f" {kind}") for kind in ("exact", "numeric", "regex", "program")]),
 ]
+# Panels drawn only when some run has their first series (RL runs have a reward).
+OPTIONAL = {"reward"}
 
 
 def x_values(run, axis):
@@ -53,10 +60,13 @@ def draw(ax, runs, labels, colors, panel, axis):
     points = 0
     for run, label, color in zip(runs, labels, colors):
         xs = x_values(run, axis)
+        drawn = []
         for key, scale, style, suffix in series:
             ys = [run_metrics.number(r.get(key)) * scale for r in run.rows]
-            if not any(math.isfinite(y) for y in ys):
+            # a series equal to one already drawn (one reward component = the mean) adds nothing
+            if not any(math.isfinite(y) for y in ys) or ys in drawn:
                 continue
+            drawn.append(ys)
             ax.plot(xs, ys, style, color=color, linewidth=1.2, label=label + suffix)
             points += sum(1 for y in ys if math.isfinite(y))
         if axis == "step":
@@ -89,7 +99,12 @@ def main():
     labels = [run_metrics.label(r, keys) for r in runs]
     colors = [plt.get_cmap("tab10")(i % 10) for i in range(len(runs))]
 
-    for panel in PANELS:
+    def present(panel):
+        key = panel[3][0][0]
+        return panel[0] not in OPTIONAL or any(key in r for run in runs for r in run.rows)
+
+    panels = [p for p in PANELS if present(p)]
+    for panel in panels:
         fig, ax = plt.subplots(figsize=(7, 4.2), dpi=100)
         points = draw(ax, runs, labels, colors, panel, args.x)
         fig.tight_layout()
@@ -98,9 +113,10 @@ def main():
         plt.close(fig)
         print(f"plot_runs: wrote {path} ({len(runs)} run{'s' if len(runs) != 1 else ''}, {points} points)")
     fig, axes = plt.subplots(2, 3, figsize=(15, 8), dpi=80)
-    for ax, panel in zip(axes.flat, PANELS):
+    for ax, panel in zip(axes.flat, panels):
         draw(ax, runs, labels, colors, panel, args.x)
-    axes.flat[-1].axis("off")
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
     fig.tight_layout()
     path = os.path.join(out, "overview.png")
     fig.savefig(path)

@@ -9,7 +9,10 @@ Columns: the run (run.name, then its directory), every deck key whose value
 differs between the runs (from each run's config.toml), steps done / run.max_steps,
 status (running, done, stopped, checkpoint_failed, crashed), final, min and
 smoothed loss (the mean over the last --window logged steps), tokens/s and MFU
-(medians over the logged steps, leaving out the first after each start). Rows
+(medians over the logged steps, leaving out the first after each start); for RL
+runs also the mean reward of the rollouts trained on (metrics.jsonl's
+rollout_reward_mean): at the last logged step, smoothed over --window, and
+sampling tokens/s (median). Rows
 are sorted by smoothed loss, lowest first; runs without a finite loss go last.
 Reads metrics.jsonl as docs/metrics.md describes it; needs only the standard library.
 """
@@ -43,6 +46,12 @@ def summarize(runs, window):
             "tokens_per_s": run_metrics.steady_median(run, "tokens_per_s"),
             "mfu_pct": 100.0 * mfu if math.isfinite(mfu) else math.nan,
         })
+        _, rewards = run.series("rollout_reward_mean")
+        table[-1].update({
+            "final_reward": rewards[-1] if rewards else math.nan,
+            "smoothed_reward": run_metrics.smoothed(rewards, window),
+            "sampling_tokens_per_s": run_metrics.steady_median(run, "rollout_sampling_tokens_per_s"),
+        })
     table.sort(key=lambda r: (not math.isfinite(r["smoothed_loss"]), r["smoothed_loss"]))
     return keys, table
 
@@ -71,6 +80,8 @@ def main():
     keys, table = summarize(runs, args.window)
     columns = ["run", "dir", *keys, "steps", "status", "final_loss", "min_loss", "smoothed_loss", "tokens_per_s",
                "mfu_pct"]
+    if any(math.isfinite(row["final_reward"]) for row in table):  # RL runs: the reward beside the loss
+        columns += ["final_reward", "smoothed_reward", "sampling_tokens_per_s"]
     if args.csv:
         out = csv.writer(sys.stdout)
         out.writerow(columns)

@@ -136,7 +136,10 @@ struct RolloutSection {
   double top_p = 1.0;
   int64_t top_k = 0;
   int64_t batch = 16;               // sequences decoded at once per inference rank
-  std::string reward = "exact";     // exact | numeric | regex | program
+  // The reward's components (exact | numeric | regex | program, each at most
+  // once) and their weights (empty = 1 each): reward = sum of weight * component.
+  std::vector<std::string> reward = {"exact"};
+  std::vector<double> reward_weights;
   std::string reward_regex;         // reward = "regex": 1 when the completion matches ({answer}: the reference)
   std::string reward_program;       // reward = "program": a command; JSONL on its stdin, one reward per line back
   double reward_timeout_s = 60.0;   // the program's answer for one step, at most

@@ -18,6 +18,9 @@ namespace {
 int g_world_rank = -1;
 int g_world_size = 0;
 char g_host[256] = "?";
+// What the rank is in the job ("trainer rank 0 of 2, ", "inference rank 0 of 1, "),
+// once the roles are split: the crash line names it.
+char g_role_text[64] = "";
 
 // What each world rank reported about itself at runtime_init (every rank holds
 // the whole table): messages name a rank's node, the banner shows the placement.
@@ -100,6 +103,12 @@ Runtime runtime_init(int* argc, char*** argv, Role role) {
   MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &last_trainer, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD));
   MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &first_receiver, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD));
   rt.trainers_first = last_trainer < first_receiver;
+  // A rank that crashes from here on says which role it had: in an MPMD job
+  // "rank 3 of 4" alone leaves the reader to count the apps.
+  std::snprintf(g_role_text, sizeof g_role_text, "%s rank %d of %d, ",
+                rt.role == Role::Train ? "trainer" : rt.role == Role::Generate ? "inference" : "receiver", rt.rank,
+                rt.size);
+  install_crash_reporters();
 
   // The broadcast communicator: trainer rank 0 first (rank 0 in it), then receivers.
   const bool joins = rt.role != Role::Train || rt.rank == 0;
@@ -232,8 +241,8 @@ void install_crash_reporters() {
   };
   for (const auto& c : kCrashes) {
     std::snprintf(g_crash_line[c.sig], sizeof g_crash_line[c.sig],
-                  "shardlm: rank %d of %d (%s, pid %d) died of signal %d (%s): %s\n", g_world_rank, g_world_size,
-                  g_host, static_cast<int>(getpid()), c.sig, c.name, c.why);
+                  "shardlm: rank %d of %d (%s%s, pid %d) died of signal %d (%s): %s\n", g_world_rank, g_world_size,
+                  g_role_text, g_host, static_cast<int>(getpid()), c.sig, c.name, c.why);
     struct sigaction sa {};
     sa.sa_handler = on_crash_signal;
     sigemptyset(&sa.sa_mask);

@@ -191,7 +191,8 @@ const std::vector<KeySpec>& key_table() {
       within(key("rollout.top_p", Type::Float, FIELD(rollout.top_p)), 0, 1),
       within(key("rollout.top_k", Type::Int, FIELD(rollout.top_k)), 0, 2147483647),
       up_to(positive(key("rollout.batch", Type::Int, FIELD(rollout.batch))), 65536),
-      one_of(key("rollout.reward", Type::String, FIELD(rollout.reward)), {"exact", "numeric", "regex", "program"}),
+      one_of(key("rollout.reward", Type::Strings, FIELD(rollout.reward)), {"exact", "numeric", "regex", "program"}),
+      within(key("rollout.reward_weights", Type::Floats, FIELD(rollout.reward_weights)), -1e6, 1e6),
       key("rollout.reward_regex", Type::String, FIELD(rollout.reward_regex)),
       key("rollout.reward_program", Type::String, FIELD(rollout.reward_program)),
       up_to(positive(key("rollout.reward_timeout_s", Type::Float, FIELD(rollout.reward_timeout_s))), kMaxSeconds),
@@ -364,6 +365,8 @@ std::string assign(Config& config, const KeySpec& k, const toml::node& value, co
       auto& out = *static_cast<std::vector<std::string>*>(field);
       out.clear();
       if (auto v = value.as_string()) {
+        if (!k.choices.empty() && std::find(k.choices.begin(), k.choices.end(), v->get()) == k.choices.end())
+          return head + " is not accepted: it must be one of " + quoted_list(k.choices) + " (or an array of them)";
         if (!v->get().empty()) out.push_back(v->get());
         return "";
       }
@@ -373,6 +376,9 @@ std::string assign(Config& config, const KeySpec& k, const toml::node& value, co
         auto item = items->get(i)->as_string();
         if (!item || item->get().empty())
           return head + fmt(": entry %zu is not a non-empty string", i);
+        if (!k.choices.empty() && std::find(k.choices.begin(), k.choices.end(), item->get()) == k.choices.end())
+          return head + fmt(": entry %zu (\"%s\") is not accepted: each must be one of ", i, item->get().c_str()) +
+                 quoted_list(k.choices);
         out.push_back(item->get());
       }
       return "";
@@ -583,14 +589,29 @@ void validate(const Config& c, int world, const std::set<std::string>& given, st
   if (c.loss.objective == "clipped" && c.device.backend == "cuda")
     err("loss.objective = \"clipped\" runs on the CPU backend only so far (the CUDA kernel has the masked "
         "objective): use loss.objective = \"masked\" or device.backend = \"cpu\"");
-  if (c.rollout.reward == "regex") {
+  const std::vector<std::string>& rewards = c.rollout.reward;
+  const auto uses = [&](const char* kind) { return std::find(rewards.begin(), rewards.end(), kind) != rewards.end(); };
+  if (rewards.empty())
+    err("rollout.reward is empty: name at least one of \"exact\", \"numeric\", \"regex\", \"program\"");
+  for (size_t i = 0; i < rewards.size(); ++i)
+    if (std::find(rewards.begin(), rewards.begin() + long(i), rewards[i]) != rewards.begin() + long(i))
+      err("rollout.reward names \"" + rewards[i] + "\" twice: each component at most once (its weight goes in "
+          "rollout.reward_weights)");
+  if (!c.rollout.reward_weights.empty() && c.rollout.reward_weights.size() != rewards.size())
+    err(fmt("rollout.reward_weights has %zu entr%s but rollout.reward names %zu component%s: give one weight per "
+            "component, in the same order", c.rollout.reward_weights.size(),
+            c.rollout.reward_weights.size() == 1 ? "y" : "ies", rewards.size(), rewards.size() == 1 ? "" : "s"));
+  else if (!c.rollout.reward_weights.empty() &&
+           std::all_of(c.rollout.reward_weights.begin(), c.rollout.reward_weights.end(), [](double w) { return w == 0; }))
+    err("rollout.reward_weights are all 0: the reward would be 0 for every completion");
+  if (uses("regex")) {
     if (c.rollout.reward_regex.empty())
       err("rollout.reward = \"regex\" needs rollout.reward_regex (a pattern the completion must match; {answer} "
           "stands for the prompt's reference answer)");
     else if (std::string e = regex_error(c.rollout.reward_regex); !e.empty())
       err("rollout.reward_regex = \"" + c.rollout.reward_regex + "\" is not a regular expression: " + e);
   }
-  if (c.rollout.reward == "program" && c.rollout.reward_program.empty())
+  if (uses("program") && c.rollout.reward_program.empty())
     err("rollout.reward = \"program\" needs rollout.reward_program (a command: completions as JSONL on its stdin, "
         "one reward per line on its stdout; docs/rl.md)");
   if (c.broadcast.backend == "filesystem" && c.broadcast.dir.empty())

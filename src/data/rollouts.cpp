@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <climits>
+#include <cctype>
 #include <cmath>
 #include <filesystem>
 #include <set>
@@ -25,6 +26,42 @@ constexpr const char* kFormatHint =
     "'inference_logprobs' float32; see docs/rollouts.md";
 
 // ---------------------------------------------------------------- HDF5 reading
+
+bool has_link(hid_t file, const char* name);
+
+// The group 'metrics' (optional): scalar numeric attributes, in name order.
+// Their names become keys of metrics.jsonl and TensorBoard tags, so they are
+// checked: letters, digits and '_', at most 64 characters, at most 256 of them.
+std::vector<std::pair<std::string, double>> read_metrics(hid_t file, const std::string& path) {
+  std::vector<std::pair<std::string, double>> out;
+  if (!has_link(file, "metrics")) return out;
+  h5::Handle group(H5_CHECK(H5Gopen2(file, "metrics", H5P_DEFAULT)), H5Gclose);
+  std::vector<std::string> names;  // H5Aiterate2: the same calls in HDF5 1.10 and 1.12+
+  const auto collect = [](hid_t, const char* name, const H5A_info_t*, void* out) -> herr_t {
+    static_cast<std::vector<std::string>*>(out)->push_back(name);
+    return 0;
+  };
+  H5_CHECK(H5Aiterate2(group, H5_INDEX_NAME, H5_ITER_INC, nullptr, collect, &names));
+  SHARDLM_CHECK(names.size() <= 256, "rollout file '%s': group 'metrics' has %zu attributes, at most 256",
+                path.c_str(), names.size());
+  for (const std::string& key : names) {
+    const bool plain = !key.empty() && key.size() <= 64 && std::all_of(key.begin(), key.end(), [](char ch) {
+      return std::isalnum(static_cast<unsigned char>(ch)) || ch == '_';
+    });
+    SHARDLM_CHECK(plain, "rollout file '%s': metrics attribute '%s' must be named by letters, digits and '_' (at "
+                  "most 64): it becomes a key of metrics.jsonl", path.c_str(), key.c_str());
+    h5::Handle attr(H5_CHECK(H5Aopen(group, key.c_str(), H5P_DEFAULT)), H5Aclose);
+    h5::Handle type(H5_CHECK(H5Aget_type(attr)), H5Tclose);
+    h5::Handle space(H5_CHECK(H5Aget_space(attr)), H5Sclose);
+    const H5T_class_t cls = H5Tget_class(type);
+    SHARDLM_CHECK((cls == H5T_FLOAT || cls == H5T_INTEGER) && H5Sget_simple_extent_npoints(space) == 1,
+                  "rollout file '%s': metrics attribute '%s' must be one number", path.c_str(), key.c_str());
+    double value = 0;
+    H5_CHECK(H5Aread(attr, H5T_NATIVE_DOUBLE, &value));
+    out.emplace_back(key, value);
+  }
+  return out;
+}
 
 enum class Kind { Int, UInt, Float };
 
@@ -138,6 +175,7 @@ RolloutBatch read_rollouts(const std::string& path_text, int64_t vocab_size) {
                                  false, &has_temperature);
   b.loss_weight = read_1d<float>(file, path_text, "loss_weight", Kind::Float, "float32", H5T_NATIVE_FLOAT,
                                  false, &has_loss_weight);
+  b.metrics = read_metrics(file, path_text);
   b.step = read_int_attribute(file, path_text, "step", "the trainer step these rollouts are for");
   b.policy_step =
       read_int_attribute(file, path_text, "policy_step", "the trainer step whose weights generated them");
@@ -293,6 +331,12 @@ void write_rollouts(const std::string& dir, const RolloutFile& r) {
     h5::write_1d(f, "temperature", H5T_IEEE_F32LE, H5T_NATIVE_FLOAT, r.temperature);
     h5::write_attr(f, "step", H5T_STD_I64LE, H5T_NATIVE_INT64, std::vector<int64_t>{r.step});
     h5::write_attr(f, "policy_step", H5T_STD_I64LE, H5T_NATIVE_INT64, std::vector<int64_t>{r.policy_step});
+    if (!r.rewards.empty()) h5::write_1d(f, "rewards", H5T_IEEE_F64LE, H5T_NATIVE_DOUBLE, r.rewards);
+    if (!r.metrics.empty()) {
+      h5::Handle group(H5_CHECK(H5Gcreate2(f, "metrics", H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT)), H5Gclose);
+      for (const auto& [name, value] : r.metrics)
+        h5::write_attr(group, name.c_str(), H5T_IEEE_F64LE, H5T_NATIVE_DOUBLE, std::vector<double>{value});
+    }
   }
   std::filesystem::rename(tmp, path, ec);
   SHARDLM_CHECK(!ec, "rollouts for step %lld: cannot rename %s to %s: %s", (long long)r.step, tmp.c_str(),

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "data/data.hpp"
@@ -32,6 +33,10 @@ struct RolloutBatch {
   std::vector<float> inference_logprobs;   // (T) log p_inference(token t | tokens < t)
   std::vector<float> temperature;          // (S) 1 where the file has none
   std::vector<float> loss_weight;          // (T) 1 where the file has none
+  // The group 'metrics': what the inference side measured while making the
+  // file (reward_mean, sampling_tokens_per_s, ...), by name in name order; the
+  // trainers log them with the step that trains on the file. Empty when absent.
+  std::vector<std::pair<std::string, double>> metrics;
   int64_t loss_tokens = 0;  // targets with loss_mask 1 and loss_weight > 0 (a sample's
                             // first token is never a target): the step's loss divisor
 
@@ -51,6 +56,8 @@ struct RolloutFile {
   std::vector<float> advantages;           // (S)
   std::vector<float> inference_logprobs;   // (T) 0 on prompt tokens
   std::vector<float> temperature;          // (S)
+  std::vector<double> rewards;             // (S) optional: each sample's reward (the advantages' input)
+  std::vector<std::pair<std::string, double>> metrics;  // optional: the group 'metrics', one attribute each
 };
 // Writes rollout_path(dir, file.step) as <it>.tmp, then renames it: the
 // trainers never see a half-written file. Throws Error naming the path.

@@ -228,11 +228,40 @@ std::vector<float> group_advantages(const std::vector<double>& rewards, int64_t 
   return adv;
 }
 
-std::unique_ptr<Reward> make_reward(const RolloutSection& r) {
-  if (r.reward == "numeric") return std::make_unique<NumericReward>();
-  if (r.reward == "regex") return std::make_unique<RegexReward>(r.reward_regex);
-  if (r.reward == "program") return std::make_unique<ProgramReward>(r.reward_program, r.reward_timeout_s);
-  return std::make_unique<ExactReward>();
+std::unique_ptr<Reward> make_reward(const std::string& kind, const RolloutSection& r) {
+  if (kind == "exact") return std::make_unique<ExactReward>();
+  if (kind == "numeric") return std::make_unique<NumericReward>();
+  if (kind == "regex") return std::make_unique<RegexReward>(r.reward_regex);
+  if (kind == "program") return std::make_unique<ProgramReward>(r.reward_program, r.reward_timeout_s);
+  SHARDLM_FAIL("rollout.reward: unknown component \"%s\" (exact, numeric, regex or program)", kind.c_str());
+}
+
+RewardSet::RewardSet(const RolloutSection& r) : kinds_(r.reward) {
+  SHARDLM_CHECK(!kinds_.empty(), "rollout.reward names no component");
+  SHARDLM_CHECK(r.reward_weights.empty() || r.reward_weights.size() == kinds_.size(),
+                "rollout.reward_weights has %zu entries for %zu components", r.reward_weights.size(), kinds_.size());
+  weights_ = r.reward_weights.empty() ? std::vector<double>(kinds_.size(), 1.0) : r.reward_weights;
+  for (const std::string& kind : kinds_) components_.push_back(make_reward(kind, r));
+}
+
+RewardSet::Scores RewardSet::score(const std::vector<RewardItem>& items, int64_t step) {
+  Scores s;
+  s.total.assign(items.size(), 0.0);
+  for (size_t c = 0; c < components_.size(); ++c) {
+    s.component.push_back(components_[c]->score(items, step));
+    SHARDLM_CHECK(s.component.back().size() == items.size(), "internal: reward %s gave %zu scores for %zu items",
+                  components_[c]->name().c_str(), s.component.back().size(), items.size());
+    for (size_t i = 0; i < items.size(); ++i) s.total[i] += weights_[c] * s.component.back()[i];
+  }
+  return s;
+}
+
+std::string RewardSet::name() const {
+  if (components_.size() == 1 && weights_[0] == 1.0) return components_[0]->name();
+  std::string out;
+  for (size_t c = 0; c < components_.size(); ++c)
+    out += (c ? " + " : "") + fmt("%g*", weights_[c]) + components_[c]->name();
+  return out;
 }
 
 }  // namespace shardlm

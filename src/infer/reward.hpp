@@ -5,8 +5,9 @@
 // Owns: RewardItem (what a reward sees of one completion), the verifiers and
 // their answer extraction, running a reward program (completions as JSONL on
 // its stdin, one reward per line on its stdout, bounded by a timeout), and
-// group_advantages. Chosen once from the deck's [rollout] section
-// (make_reward). Must not know: the model, MPI, files other than the program's
+// group_advantages, and RewardSet: the deck's weighted sum of components with
+// each component's scores kept for the metrics. Chosen once from the deck's
+// [rollout] section (make_reward, RewardSet). Must not know: the model, MPI, files other than the program's
 // pipes.
 #pragma once
 
@@ -39,7 +40,32 @@ class Reward {
   virtual std::string name() const = 0;  // "exact", "numeric", "regex /x/", "program 'cmd'"
 };
 
-std::unique_ptr<Reward> make_reward(const RolloutSection& rollout);
+// One component: kind = "exact" | "numeric" | "regex" | "program" (its
+// settings from rollout.reward_regex / reward_program / reward_timeout_s).
+std::unique_ptr<Reward> make_reward(const std::string& kind, const RolloutSection& rollout);
+
+// rollout.reward's components with rollout.reward_weights (1 each when not
+// given): a completion's reward is the weighted sum of its components' scores.
+// A one-component deck with no weights scores exactly as that component.
+class RewardSet {
+ public:
+  explicit RewardSet(const RolloutSection& rollout);
+  struct Scores {
+    std::vector<double> total;                   // (S) the weighted sum: what the advantages see
+    std::vector<std::vector<double>> component;  // (C, S) each component's own score, unweighted
+  };
+  Scores score(const std::vector<RewardItem>& items, int64_t step);
+  size_t size() const { return components_.size(); }
+  const std::string& kind(size_t c) const { return kinds_[c]; }  // "exact", ...: the metrics' key
+  double weight(size_t c) const { return weights_[c]; }
+  // "exact", or "1*exact + 0.2*regex /<\/answer>$/" for a weighted sum.
+  std::string name() const;
+
+ private:
+  std::vector<std::string> kinds_;
+  std::vector<double> weights_;
+  std::vector<std::unique_ptr<Reward>> components_;
+};
 
 // The final answer of a completion: the last \boxed{...}, else what follows the
 // last "####", else the last whitespace-separated word; trimmed.

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -61,13 +62,14 @@ std::string completion_text(const Completion& c, const TokenDecoder* tokenizer) 
 // The checks of the prompt file against the deck, before any weights arrive.
 void check_prompts(const Config& config, const PromptSet& prompts, const ModelConfig& mc) {
   const RolloutSection& ro = config.rollout;
-  const bool needs_answers =
-      ro.reward == "exact" || ro.reward == "numeric" ||
-      (ro.reward == "regex" && ro.reward_regex.find("{answer}") != std::string::npos);
-  SHARDLM_CHECK(!needs_answers || !prompts.answers.empty(),
-                "prompt file '%s' (rollout.prompts) has no 'answer' dataset, and rollout.reward = \"%s\" compares "
-                "with a reference answer per prompt (tools/make_prompts.py stores each line's \"answer\")",
-                prompts.path.c_str(), ro.reward.c_str());
+  for (const std::string& kind : ro.reward) {
+    const bool needs_answers =
+        kind == "exact" || kind == "numeric" || (kind == "regex" && ro.reward_regex.find("{answer}") != std::string::npos);
+    SHARDLM_CHECK(!needs_answers || !prompts.answers.empty(),
+                  "prompt file '%s' (rollout.prompts) has no 'answer' dataset, and rollout.reward's \"%s\" compares "
+                  "with a reference answer per prompt (tools/make_prompts.py stores each line's \"answer\")",
+                  prompts.path.c_str(), kind.c_str());
+  }
   for (int64_t p = 0; p < prompts.size(); ++p) {
     const int64_t len = int64_t(prompts.prompt(p).size());
     // A sample of k tokens fills k - 1 positions of a trainer's row.
@@ -83,12 +85,52 @@ void check_prompts(const Config& config, const PromptSet& prompts, const ModelCo
                   prompts.path.c_str(), id, (long long)mc.vocab_size);
 }
 
+// What a rollout step measured, as the rollout file's group 'metrics' carries
+// it (the trainers log it with the step that trains on the file, prefixed
+// "rollout_"; docs/metrics.md) and <run.dir>/rollouts.jsonl repeats it.
+std::vector<std::pair<std::string, double>> rollout_metrics(const RewardSet::Scores& scores, const RewardSet& reward,
+                                                            const std::vector<Completion>& completions,
+                                                            double sample_s, double score_s, double wait_s) {
+  const std::vector<double>& r = scores.total;
+  const double S = double(std::max<size_t>(r.size(), 1));
+  double mean = 0, positive = 0;
+  for (double v : r) mean += v, positive += v > 0;
+  mean /= S;
+  double var = 0;
+  for (double v : r) var += (v - mean) * (v - mean);
+  int64_t generated = 0, longest = 0, stopped = 0;
+  for (const Completion& c : completions) {
+    generated += int64_t(c.tokens.size());
+    longest = std::max<int64_t>(longest, int64_t(c.tokens.size()));
+    stopped += c.finish == Finish::Stop;
+  }
+  std::vector<std::pair<std::string, double>> m = {
+      {"reward_mean", mean},
+      {"reward_std", std::sqrt(var / S)},
+      {"reward_positive", positive / S},
+  };
+  for (size_t c = 0; c < reward.size(); ++c) {  // each component's own mean, unweighted
+    double sum = 0;
+    for (double v : scores.component[c]) sum += v;
+    m.push_back({"reward_" + reward.kind(c), sum / S});
+  }
+  m.insert(m.end(), {{"response_length_mean", double(generated) / S},
+                     {"response_length_max", double(longest)},
+                     {"stopped_fraction", double(stopped) / S},
+                     {"generated_tokens", double(generated)},
+                     {"sampling_s", sample_s},
+                     {"sampling_tokens_per_s", sample_s > 0 ? double(generated) / sample_s : 0.0},
+                     {"reward_s", score_s},
+                     {"weights_wait_s", wait_s}});
+  return m;
+}
+
 // Generator rank 0: rewards, advantages, the rollout file and the metrics of one step.
 struct Publisher {
   const Config& config;
   const PromptSet& prompts;
   const TokenDecoder* tokenizer;
-  Reward& reward;
+  RewardSet& reward;
   std::ofstream jsonl;
 
   void publish(int64_t step, int64_t policy_step, const std::vector<int64_t>& items,
@@ -109,7 +151,8 @@ struct Publisher {
       scored.push_back(std::move(r));
     }
     const auto t_score = Clock::now();
-    const std::vector<double> rewards = reward.score(scored, step);
+    const RewardSet::Scores scores = reward.score(scored, step);
+    const std::vector<double>& rewards = scores.total;
     const double score_s = seconds_since(t_score);
     const std::vector<float> advantages = group_advantages(rewards, ro.n, ro.advantage == "mean_std");
 
@@ -135,26 +178,31 @@ struct Publisher {
       generated += int64_t(c.tokens.size());
       stopped += c.finish == Finish::Stop;
     }
+    const std::vector<std::pair<std::string, double>> metrics =
+        rollout_metrics(scores, reward, completions, sample_s, score_s, wait_s);
+    f.rewards = rewards;
+    f.metrics = metrics;
     write_rollouts(config.data.rollout_dir, f);
 
-    double mean = 0, solved = 0;
-    for (double r : rewards) mean += r, solved += r > 0;
+    const auto metric = [&](const std::string& name) {
+      for (const auto& [key, v] : metrics)
+        if (key == name) return v;
+      return 0.0;
+    };
     const double S = double(std::max<size_t>(rewards.size(), 1));
-    mean /= S;
-    const double tokens_per_s = sample_s > 0 ? double(generated) / sample_s : 0.0;
     std::printf("rollout %6lld | policy step %lld | reward %.4f (%s), > 0 on %.3f | %zu samples, mean length %.2f, "
                 "%.3f stopped | %.0f tok/s sampling | waited %.2f s for weights\n",
-                (long long)step, (long long)policy_step, mean, reward.name().c_str(), solved / S, rewards.size(),
-                double(generated) / S, double(stopped) / S, tokens_per_s, wait_s);
+                (long long)step, (long long)policy_step, metric("reward_mean"), reward.name().c_str(),
+                metric("reward_positive"), rewards.size(), double(generated) / S, double(stopped) / S,
+                metric("sampling_tokens_per_s"), wait_s);
     std::fflush(stdout);
     if (jsonl) {
-      jsonl << fmt("{\"step\": %lld, \"policy_step\": %lld, \"reward_mean\": %.6g, \"reward_positive\": %.6g, "
-                   "\"reward\": \"%s\", \"samples\": %zu, \"mean_length\": %.6g, \"stopped\": %.6g, "
-                   "\"generated_tokens\": %lld, \"sampling_s\": %.6g, \"sampling_tokens_per_s\": %.6g, "
-                   "\"reward_s\": %.6g, \"weights_wait_s\": %.6g}\n",
-                   (long long)step, (long long)policy_step, mean, solved / S, ro.reward.c_str(), rewards.size(),
-                   double(generated) / S, double(stopped) / S, (long long)generated, sample_s, tokens_per_s,
-                   score_s, wait_s);
+      std::string kinds;
+      for (size_t c = 0; c < reward.size(); ++c) kinds += (c ? "+" : "") + reward.kind(c);
+      std::string row = fmt("{\"step\": %lld, \"policy_step\": %lld, \"reward\": \"%s\", \"samples\": %zu",
+                            (long long)step, (long long)policy_step, kinds.c_str(), rewards.size());
+      for (const auto& [key, v] : metrics) row += fmt(", \"%s\": %.6g", key.c_str(), v);
+      jsonl << row << "}\n";
       jsonl.flush();
     }
   }
@@ -209,13 +257,13 @@ int run_inference_role(const Config& config, Runtime& rt) {
   Decoder decoder(model, limits);
 
   std::unique_ptr<TokenDecoder> tokenizer;
-  std::unique_ptr<Reward> reward;
+  std::unique_ptr<RewardSet> reward;
   std::unique_ptr<Publisher> publisher;
   if (rank == 0) {
     std::error_code ec;
     if (!model.tokenizer_dir.empty() && fs::exists(model.tokenizer_dir / "tokenizer.json", ec))
       tokenizer = std::make_unique<TokenDecoder>(TokenDecoder::load(model.tokenizer_dir.string()));
-    reward = make_reward(ro);
+    reward = std::make_unique<RewardSet>(ro);
     fs::create_directories(config.run.dir, ec);
     publisher = std::make_unique<Publisher>(Publisher{config, prompts, tokenizer.get(), *reward,
                                                       std::ofstream(fs::path(config.run.dir) / "rollouts.jsonl",
@@ -246,6 +294,8 @@ int run_inference_role(const Config& config, Runtime& rt) {
   if (receiver.next(/*wait=*/true, newest_only, sink) == WeightReceiver::Got::Done) return ended();
 
   for (int64_t step = receiver.step(); step < config.run.max_steps; ++step) {
+    // tests: SHARDLM_FAULT=generate_crash@R kills inference rank R (world rank) before rollout step 4
+    if (step == 4 && fault_armed("generate_crash")) std::raise(SIGSEGV);
     const auto t_wait = Clock::now();
     while (receiver.step() < step - config.data.max_async)
       if (receiver.next(/*wait=*/true, newest_only, sink) == WeightReceiver::Got::Done) return ended();

@@ -159,13 +159,17 @@ void Metrics::log(const StepStats& s) {
   std::printf("step %6lld/%lld | loss %.4f%s | grad norm %.4f | lr %.3e | %.0f tok/s | elapsed %s | eta %s%s\n",
               (long long)step1, (long long)config_.run.max_steps, s.loss, eval_text.c_str(), s.grad_norm, s.lr, tok_s,
               clock_text(elapsed).c_str(), clock_text(eta).c_str(), s.skipped ? " | SKIPPED (NaN/Inf)" : "");
-  if (s.rl)
+  if (s.rl) {
+    std::string reward_text;  // the rollout file's mean reward, when the inference side measured it
+    for (const auto& [name, v] : s.rollout_metrics)
+      if (name == "reward_mean") reward_text = fmt(" | rollout reward %.4f", v);
     std::printf("        rl | entropy %.4f | mismatch kl %.3e | %s | mean advantage %+.4f | "
-                "waited %.2f s for rollouts\n",
+                "waited %.2f s for rollouts%s\n",
                 s.entropy, s.mismatch_kl,
                 config_.loss.objective == "clipped" ? fmt("clip fraction %.3f", s.clip_fraction).c_str()
                                                     : fmt("masked high %.3f low %.3f", s.masked_high, s.masked_low).c_str(),
-                s.advantage, s.rollout_wait_s);
+                s.advantage, s.rollout_wait_s, reward_text.c_str());
+  }
   std::fflush(stdout);
 
   std::vector<std::string> nonfinite;  // in the row's key order: each number() call is its own statement
@@ -186,6 +190,11 @@ void Metrics::log(const StepStats& s) {
                                  {"mean_advantage", s.advantage}})
       row += fmt(", \"%s\": %s", key, number(key, v, nonfinite).c_str());
     row += fmt(", \"rollout_wait_s\": %.6g", s.rollout_wait_s);
+    // The step's rollout file's own measurements, prefixed: "rollout_reward_mean", ...
+    for (const auto& [name, v] : s.rollout_metrics) {
+      const std::string key = "rollout_" + name;
+      row += fmt(", \"%s\": %s", key.c_str(), number(key.c_str(), v, nonfinite).c_str());
+    }
   }
   if (s.evaluated)
     row += fmt(", \"eval_loss\": %s, \"eval_loss_tokens\": %lld, \"eval_time_s\": %.6g",
@@ -215,6 +224,7 @@ void Metrics::log(const StepStats& s) {
                                    {"rl/masked_fraction", s.masked_fraction}, {"rl/clip_fraction", s.clip_fraction},
                                    {"rl/mean_advantage", s.advantage}, {"rl/rollout_wait_s", s.rollout_wait_s}})
         scalars.push_back({tag, float(v)});
+    for (const auto& [name, v] : s.rollout_metrics) scalars.push_back({"rollout/" + name, float(v)});
     if (s.evaluated) scalars.push_back({"eval/loss", float(s.eval_loss)});
     tensorboard_->scalars(step1, now, scalars);
   }

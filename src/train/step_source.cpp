@@ -70,6 +70,7 @@ class RolloutSource final : public StepSource {
     plan.rollout_wait_s = seconds_since(wait0);
     RolloutBatch file = read_rollouts(path, vocab_size_);
     check_rollout_step(file, step, data_.max_async);
+    plan.rollout_metrics = std::move(file.metrics);
     const int64_t samples = per_sequence_ ? normalize_per_sequence(file) : 0;
     rollouts_ = pack_rollouts(file, data_.seq_len, data_.micro_batch, comm_.rank(), comm_.size());
     plan.micro_batches = static_cast<int64_t>(rollouts_.micro_batches.size());

@@ -11,6 +11,9 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "shardlm/backend.hpp"
 #include "shardlm/comm.hpp"
@@ -28,6 +31,7 @@ struct StepPlan {
   int64_t loss_divisor = 0;        // the loss's denominator: loss_tokens_global, or the samples
                                    // under loss.normalize = "sequence"
   double rollout_wait_s = 0;       // waiting for the step's rollout file to appear
+  std::vector<std::pair<std::string, double>> rollout_metrics;  // the file's group 'metrics' (rewards, sampling)
   double collective_s = 0;         // in a collective: waiting for the slowest rank, not data time
 };
 

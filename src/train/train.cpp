@@ -111,6 +111,7 @@ StepStats TrainSession::step(int64_t step) {
   // batch: this rank's micro-batches; losses are divided by the step's global loss-token count
   const StepPlan batch = source->begin(step);
   s.tokens = batch.tokens_global, s.loss_tokens = batch.loss_tokens_global, s.rollout_wait_s = batch.rollout_wait_s;
+  s.rollout_metrics = batch.rollout_metrics;
   s.data_s = seconds_since(t0) - batch.collective_s;
   s.compute_s = batch.collective_s;  // a collective's wait for the slowest rank is not data time
   const float grad_scale = batch.loss_divisor > 0 ? 1.0f / static_cast<float>(batch.loss_divisor) : 0.0f;

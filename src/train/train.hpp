@@ -41,6 +41,9 @@ struct StepStats {
   double masked_fraction = 0;  // loss.objective = "masked": tokens masked, either side
   double clip_fraction = 0;    // loss.objective = "clipped": tokens whose ratio the clip held
   double rollout_wait_s = 0;   // time spent waiting for the rollout file
+  // What the inference side measured making the step's rollout file (its
+  // group 'metrics': reward_mean, reward_<component>, sampling_tokens_per_s, ...).
+  std::vector<std::pair<std::string, double>> rollout_metrics;
   // Where the step's time went (seconds): batch assembly, forward/loss/backward
   // with the collectives and gradient transfers inside it, clip + optimizer,
   // refreshing the backend's parameter copies.

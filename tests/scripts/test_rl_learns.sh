@@ -11,6 +11,10 @@
 #   the filesystem broadcast with two inference ranks, data.max_async = 2,
 #     broadcast.interval = 3 and a reward program: every file's policy step is
 #     within the lag, the program's rewards are the exact verifier's;
+#   the rollout metrics (rewards, lengths, sampling speed) in the trainer's
+#     metrics.jsonl, equal to the rollout file's; two reward components weighted;
+#   an inference rank that dies ends the job naming it, and the trainers'
+#     checkpoint resumes the job;
 #   bad input ends the job with a message naming it: a missing prompt file, a
 #     reward program that fails, one that hangs; `generate DECK` without
 #     trainers; `check` refuses data.max_async < broadcast.interval - 1.
@@ -78,6 +82,27 @@ check "on-policy, the clip is (almost) never active: clip_fraction <= 0.05 (max 
   "$PY" -c "assert $clip_rows >= 12 and 0 <= $clip_max <= 0.05"
 check "the trainer's log line names the clip fraction" has "$T/rl.log" "clip fraction"
 check "the banner counts the inference rank" has "$T/rl.log" "inference: 1 of the receivers run \`shardlm generate\`"
+check "the rollout metrics reach the trainer's metrics.jsonl with the step that trains on them" "$PY" - "$T/rl" <<'EOF'
+import json, sys, h5py
+d = sys.argv[1]
+ro = {r["step"]: r for r in (json.loads(l) for l in open(f"{d}/rollouts.jsonl"))}
+rows = [r for r in (json.loads(l) for l in open(f"{d}/metrics.jsonl")) if "event" not in r]
+assert len(rows) == 12, len(rows)  # log.interval = 5 over 60 steps
+for row in rows:
+    s = row["step"] - 1  # the 0-based step, whose rollout file it trained on
+    with h5py.File(f"{d}/rollouts/step_{s}.h5") as f:
+        rewards = f["rewards"][:]
+        file_mean = float(rewards.mean())
+        assert abs(f["metrics"].attrs["reward_mean"] - file_mean) < 1e-12
+    assert len(rewards) == 256
+    assert abs(row["rollout_reward_mean"] - file_mean) < 1e-6, (row, file_mean)
+    assert abs(row["rollout_reward_mean"] - ro[s]["reward_mean"]) < 1e-5, (row, ro[s])
+    assert row["rollout_reward_exact"] == row["rollout_reward_mean"]  # one component, weight 1
+    assert 1 <= row["rollout_response_length_mean"] <= 2 and row["rollout_response_length_max"] == 2, row
+    assert row["rollout_sampling_tokens_per_s"] > 0 and row["rollout_generated_tokens"] >= 256, row
+print(f"{len(rows)} rows: rollout_reward_mean = mean of the file's rewards")
+EOF
+check "... and the trainer's progress line shows the rollout reward" has "$T/rl.log" "| rollout reward "
 
 # --- filesystem broadcast, two inference ranks, lag 2, a reward program
 cat > "$T/reward.py" <<'EOF'
@@ -87,8 +112,8 @@ for line in sys.stdin:
     print(1.0 if c["completion"].split()[-1:] == [c["answer"]] else 0.0)
 EOF
 fs_sets=(--set run.max_steps=9 --set 'broadcast.backend="filesystem"' --set "broadcast.dir=$T/fs/bcast"
-         --set broadcast.interval=3 --set data.max_async=2 --set 'rollout.reward="program"'
-         --set "rollout.reward_program=\"$PY $T/reward.py\"")
+         --set broadcast.interval=3 --set data.max_async=2 --set 'rollout.reward=["program", "exact"]'
+         --set 'rollout.reward_weights=[1, 0.5]' --set "rollout.reward_program=\"$PY $T/reward.py\"")
 rl "$T/fs" "${fs_sets[@]}"
 timeout 300 "${MPI[@]}" -np 1 "$BIN" train "${ARGS[@]}" : -np 2 "$BIN" generate "${ARGS[@]}" > "$T/fs.log" 2>&1
 check "filesystem broadcast, 2 inference ranks, reward program: exit 0" test $? = 0
@@ -97,7 +122,15 @@ import json, sys
 rows = [json.loads(l) for l in open(f"{sys.argv[1]}/rollouts.jsonl")]
 assert [r["step"] for r in rows] == list(range(9)), rows
 assert all(r["step"] - 2 <= r["policy_step"] <= r["step"] and r["policy_step"] % 3 == 0 for r in rows), rows
-assert all(r["reward"] == "program" and 0 <= r["reward_mean"] <= 1 for r in rows), rows
+assert all(r["reward"] == "program+exact" and 0 <= r["reward_program"] <= 1 for r in rows), rows
+EOF
+check "two components weighted 1 and 0.5: the program's and the exact verifier's means agree, the total is 1.5 x" \
+  "$PY" - "$T/fs" <<'EOF'
+import json, sys
+rows = [json.loads(l) for l in open(f"{sys.argv[1]}/rollouts.jsonl")]
+assert all(r["reward_program"] == r["reward_exact"] for r in rows), rows
+assert all(abs(r["reward_mean"] - 1.5 * r["reward_exact"]) < 1e-5 for r in rows), rows
+assert any(r["reward_exact"] > 0 for r in rows), rows
 EOF
 check "up to 2 steps off-policy the clip is active: clip_fraction > 0 in the trainer's metrics" "$PY" - "$T/fs" <<'EOF'
 import json, sys
@@ -108,8 +141,22 @@ check "the program's rewards equal the exact verifier's on the same samples (ste
 import json, sys
 fs = [json.loads(l) for l in open(f"{sys.argv[1]}/rollouts.jsonl")]
 rl = [json.loads(l) for l in open(f"{sys.argv[2]}/rollouts.jsonl")]
-assert fs[0]["reward_mean"] == rl[0]["reward_mean"], (fs[0], rl[0])  # same seed, same weights at step 0
+assert fs[0]["reward_program"] == rl[0]["reward_mean"], (fs[0], rl[0])  # same seed, same weights at step 0
 EOF
+
+# --- an inference rank that dies ends the job, naming it; the trainers' checkpoint resumes
+rl "$T/die" --set run.max_steps=8 --set ckpt.interval=2
+SHARDLM_FAULT=generate_crash@1 timeout 120 "${MPI[@]}" -x SHARDLM_FAULT -np 1 "$BIN" train "${ARGS[@]}" : \
+  -np 1 "$BIN" generate "${ARGS[@]}" > "$T/die.log" 2>&1
+rc=$?
+check "an inference rank dying before rollout step 4 ends the job (exit $rc)" test $rc != 0 -a $rc != 124
+check "... with a message naming the rank and its role" has "$T/die.log" "rank 1 of 2 (inference rank 0 of 1, "
+check "... and the trainers left a checkpoint (step 2 at least)" test -f "$T/die/checkpoints/step_2.h5"
+timeout 120 "${MPI[@]}" -np 1 "$BIN" train "${ARGS[@]}" : -np 1 "$BIN" generate "${ARGS[@]}" > "$T/resume.log" 2>&1
+rc=$?
+check "the same job again resumes from it and finishes (exit $rc)" test $rc = 0
+check "... from the checkpoint" grep -qE "checkpoint: resumed from .*/step_[24]\.h5" "$T/resume.log"
+check "... and every step up to 8 has a rollout file" test -f "$T/die/rollouts/step_7.h5"
 
 # --- bad input ends the job, naming it
 rl "$T/bad1" --set "rollout.prompts=$T/none.h5"

@@ -598,7 +598,7 @@ TEST_CASE("a crashing rank names itself before it dies (#27 item 9)") {
   CHECK(r.status != 124);
   char host[256] = {0};
   gethostname(host, sizeof host - 1);
-  CHECK_MESSAGE(r.output.find(std::string("shardlm: rank 1 of 2 (") + host + ", pid ") != std::string::npos, r.output);
+  CHECK_MESSAGE(r.output.find(std::string("shardlm: rank 1 of 2 (trainer rank 1 of 2, ") + host + ", pid ") != std::string::npos, r.output);
   CHECK_MESSAGE(r.output.find("died of signal 11 (SIGSEGV): a crash: invalid memory access") != std::string::npos,
                 r.output);
   std::filesystem::remove_all(dir);

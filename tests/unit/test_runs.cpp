@@ -572,6 +572,43 @@ TEST_CASE("TensorBoard: CRC32C, and an event file read back: version, session st
   CHECK(float(rows.back()["tokens_per_s"].get<double>()) == doctest::Approx(at6.at("perf/tokens_per_s")).epsilon(1e-5));
 }
 
+TEST_CASE("RL: the rollout file's metrics join metrics.jsonl (rollout_*) and TensorBoard (rollout/*) at the step") {
+  TempDir t("rollout-metrics");
+  Config cfg;
+  cfg.run.dir = t.path.string();
+  cfg.run.max_steps = 2;
+  cfg.log.tensorboard = true;
+  {
+    Metrics m(cfg, true, RunStart{});
+    for (int64_t s = 0; s < 2; ++s) {
+      StepStats st = stats(s, 1.0);
+      st.rl = true;
+      st.rollout_metrics = {{"reward_exact", 0.25 + double(s)}, {"reward_mean", 0.375 + double(s)},
+                            {"sampling_tokens_per_s", 812.5}};
+      if (s == 1) st.rollout_metrics.push_back({"reward_std", std::numeric_limits<double>::quiet_NaN()});
+      m.log(st);
+    }
+  }
+  const auto rows = rows_of(t.path / "metrics.jsonl");
+  REQUIRE(rows.size() == 3);  // start, steps 1 and 2
+  CHECK(rows[1]["rollout_reward_mean"].get<double>() == 0.375);
+  CHECK(rows[1]["rollout_reward_exact"].get<double>() == 0.25);
+  CHECK(rows[2]["rollout_reward_mean"].get<double>() == 1.375);
+  CHECK(rows[2]["rollout_sampling_tokens_per_s"].get<double>() == 812.5);
+  CHECK(rows[2]["rollout_reward_std"].is_null());  // JSON has no NaN: null, and named in "nonfinite"
+  CHECK(rows[2]["nonfinite"].dump() == "[\"rollout_reward_std\"]");
+  std::vector<fs::path> files;
+  for (const auto& e : fs::directory_iterator(t.path / "tensorboard")) files.push_back(e.path());
+  REQUIRE(files.size() == 1);
+  const auto events = read_events(files[0]);
+  REQUIRE(events.size() == 2 + 2);  // version, START, steps 1 and 2
+  std::map<std::string, float> at2(events[3].scalars.begin(), events[3].scalars.end());
+  CHECK(events[3].step == 2);
+  CHECK(at2.at("rollout/reward_mean") == 1.375f);
+  CHECK(at2.at("rollout/reward_exact") == 1.25f);
+  CHECK(at2.at("rollout/sampling_tokens_per_s") == 812.5f);
+}
+
 TEST_CASE("copy_tokenizer_files: the source's tokenizer, generation and chat-template files, or why none") {
   TempDir t("tok");
   fs::create_directories(t.path / "src");
