@@ -548,9 +548,11 @@ void validate(const Config& c, int world, const std::set<std::string>& given, st
           "leave eval.path unset or set model.context_parallel = 1");
   }
   // One micro-batch on every data-parallel group (a group of context_parallel ranks reads the same rows).
-  const int dp_world = cp > 1 && world > 0 && world % cp == 0 ? int(world / cp) : world;
+  // (When the groups do not divide the ranks, that is the error to fix first.)
+  const bool groups_fit = world > 0 && world % cp == 0;
+  const int dp_world = groups_fit ? int(world / cp) : world;
   const auto rows_per_round = checked_product({c.data.micro_batch, dp_world});
-  if (c.loss.type == "sft" && world > 0 && (!rows_per_round || c.data.global_batch % *rows_per_round != 0))
+  if (c.loss.type == "sft" && groups_fit && (!rows_per_round || c.data.global_batch % *rows_per_round != 0))
     err(fmt("data.global_batch = %lld must be a multiple of data.micro_batch x %s = %lld x %d = %s",
             (long long)c.data.global_batch, cp > 1 ? "data-parallel groups (ranks / model.context_parallel)"
                                                    : "training ranks",
