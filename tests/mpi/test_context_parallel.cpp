@@ -140,10 +140,11 @@ struct Run {
   int64_t rows_with_several_docs = 0;           // packed rows: document masks cross the chunks
 };
 
-Run train_cp(int C, int steps) {
+Run train_cp(int C, int steps, std::vector<std::string> sets = {}) {
   const int world = world_size();
   auto comm = make_mpi_comm(MPI_COMM_WORLD);
-  const Config config = tiny_deck({"model.context_parallel=" + std::to_string(C)}, world);
+  sets.push_back("model.context_parallel=" + std::to_string(C));
+  const Config config = tiny_deck(sets, world);
   const MemCounters before = host_memory();
   reset_host_peaks();
   Run run;
@@ -247,6 +248,23 @@ TEST_CASE("training at C = 2, 4 and dp x cp = 2 x 2 gives the losses, gradients 
     CHECK(worst < 5e-6);
     CHECK(grads < 1e-6);
     CHECK(params < 1e-4);
+  }
+}
+
+TEST_CASE("activation checkpointing at C = 2: the recompute runs the ring again and the losses are C = 1's") {
+  if (world_size() % 2 != 0) {
+    MESSAGE("C = 2 does not divide " << world_size() << " ranks: skipped");
+    return;
+  }
+  const Run base = train_cp(1, 5);
+  for (const char* mode : {"full", "selective"}) {
+    const Run cp = train_cp(2, 5, {std::string("model.activation_checkpointing=") + mode});
+    double worst = 0;
+    for (int s = 0; s < 5; ++s)
+      worst = std::max(worst, std::fabs(cp.losses[size_t(s)] - base.losses[size_t(s)]) / base.losses[size_t(s)]);
+    if (world_rank() == 0) MESSAGE(std::string(mode) << " checkpointing, C = 2: worst relative loss difference " << worst);
+    CHECK(worst < 1e-6);
+    CHECK(cp.activation_peak_bytes < base.activation_peak_bytes / 2);
   }
 }
 
