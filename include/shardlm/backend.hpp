@@ -50,6 +50,7 @@ struct EngineOptions {
   bool reduce_bf16 = false;          // model.reduce_dtype = "bf16": reduce-scatter in bf16 (half the bytes)
   std::string comm_backend = "nccl"; // "nccl" (one GPU per rank) | "mpi" (staged through host memory)
   double comm_timeout_s = 600;       // NCCL collectives older than this abort the job
+  int64_t context_parallel = 1;      // model.context_parallel: ranks sharing one sequence (max_tokens is their share)
   std::string attention = "auto";    // device.attention: auto | cudnn | flash (GPU backends)
   bool deterministic = false;        // run.deterministic: only bitwise-reproducible kernels
 };
@@ -62,6 +63,9 @@ struct TokenBatch {
   const float* weights = nullptr;     // loss weight per position
   const int32_t* positions = nullptr;
   const int32_t* seq_ids = nullptr;
+  // Context parallelism: each token's index in the group's whole micro-batch
+  // (train/context_split.hpp); nullptr when the rank holds whole sequences.
+  const int32_t* token_index = nullptr;
   // RL only (nullptr for SFT), per position, taken at the target token:
   const float* advantages = nullptr;
   const float* inference_logprobs = nullptr;
@@ -126,6 +130,14 @@ class Backend {
   virtual void embed_backward(float* table_grad) = 0;
   // Forward only: logits (N, V) into host memory.
   virtual void head_logits(const void* norm_weight, const void* lm_head, float* logits) = 0;
+  // Context parallelism: attention runs as a ring over `group` (the ranks
+  // sharing this rank's sequences; borrowed for the backend's life), and every
+  // micro-batch carries token_index. Before the first micro-batch.
+  virtual void set_context_parallel(Comm& group) {
+    (void)group;
+    SHARDLM_FAIL("model.context_parallel > 1 is not yet on the %s backend (the ring runs on the CPU backend; the "
+                 "GPU ring is not built yet): set model.context_parallel = 1 or device.backend = \"cpu\"", name());
+  }
   // Forward only: the cross-entropy sums of the micro-batch (loss, loss_tokens)
   // as head_loss_backward computes them for SFT, without gradients; also on a
   // backend prepared for the RL loss (an eval file's loss during RL training).

@@ -2,7 +2,7 @@
 //
 // Owns: Comm (all_gather, reduce_scatter, all_reduce, broadcast, barrier; the two
 // big ones asynchronous and typed (fp32 or bf16); all_to_all_v for Muon's owner
-// exchange) and its MPI implementation for host buffers. The device
+// exchange; ring_exchange and split for context parallelism's ring) and its MPI implementation for host buffers. The device
 // implementations (src/cuda/comm_cuda.cu: NCCL, and MPI staged through pinned host
 // memory for several ranks on one GPU) take device buffers for the two big ones,
 // and host buffers for the small host-side collectives. Knows nothing about the
@@ -32,12 +32,16 @@ class CommRequest {
   CommRequest() = default;
   explicit CommRequest(MPI_Request r, CollectiveWatch* watch = nullptr, const char* what = "", int64_t seq = 0)
       : request_(r), watch_(watch), what_(what), seq_(seq) {}
+  // A send and a receive completed together (ring_exchange), under one watch.
+  CommRequest(MPI_Request send, MPI_Request recv, CollectiveWatch* watch, const char* what, int64_t seq)
+      : request_(send), request2_(recv), watch_(watch), what_(what), seq_(seq) {}
   CommRequest(Comm* owner, int64_t ticket) : owner_(owner), ticket_(ticket) {}
   void wait();
-  bool pending() const { return request_ != MPI_REQUEST_NULL || owner_ != nullptr; }
+  bool pending() const { return request_ != MPI_REQUEST_NULL || request2_ != MPI_REQUEST_NULL || owner_ != nullptr; }
 
  private:
   MPI_Request request_ = MPI_REQUEST_NULL;
+  MPI_Request request2_ = MPI_REQUEST_NULL;
   CollectiveWatch* watch_ = nullptr;  // the MPI Comm's watchdog, and what it waits for
   const char* what_ = "";
   int64_t seq_ = 0;
@@ -102,6 +106,17 @@ class Comm {
   // it to gather each matrix to its owner and to return the update's slices.
   virtual void all_to_all_v(const float* send, const int64_t* send_counts, const int64_t* send_displs,
                             float* recv, const int64_t* recv_counts, const int64_t* recv_displs) = 0;
+
+  // Context parallelism's ring: send `bytes` bytes of `send` to rank + 1 and
+  // receive as many from rank - 1 into `recv` (ranks modulo size()), started
+  // now and completed by wait(), so the caller computes on one block while the
+  // next one travels. Every rank of the communicator calls it, in the same
+  // order (it is numbered and watched as a collective: a rank that never sends
+  // ends the job naming it). Host buffers; `send` and `recv` must not overlap.
+  virtual CommRequest ring_exchange(const void* send, void* recv, int64_t bytes);
+  // The ranks with the same `color`, ordered by `key`: a new communicator
+  // (collective over this one). Context parallelism's groups.
+  virtual std::unique_ptr<Comm> split(int color, int key);
 };
 
 // MPI over an existing communicator (not owned). Reductions use MPI's fixed

@@ -39,6 +39,7 @@ struct ModelSection {
   int64_t selective_layers = 0;     // with "selective": layers [0, n) keep attention's output; 0 = every layer
   bool reshard_after_forward = true;
   std::string reduce_dtype = "fp32";              // fp32 | bf16
+  int64_t context_parallel = 1;     // ranks sharing one sequence (a group of consecutive ranks); docs/scaling.md
 };
 
 struct DataSection {

@@ -267,15 +267,29 @@ void answer_collective_queries(const char* busy_in) {
 }
 
 void CommRequest::wait() {
-  if (request_ != MPI_REQUEST_NULL) {
-    if (watch_) watch_->wait(&request_, what_, seq_);
-    else MPI_CHECK(MPI_Wait(&request_, MPI_STATUS_IGNORE));
+  for (MPI_Request* r : {&request_, &request2_}) {
+    if (*r == MPI_REQUEST_NULL) continue;
+    if (watch_) watch_->wait(r, what_, seq_);
+    else MPI_CHECK(MPI_Wait(r, MPI_STATUS_IGNORE));
   }
   if (owner_) owner_->complete(ticket_);
   owner_ = nullptr;
 }
 
+CommRequest Comm::ring_exchange(const void*, void*, int64_t) {
+  SHARDLM_FAIL("this communicator has no point-to-point ring yet: context parallelism (model.context_parallel > 1) "
+               "runs on the CPU backend's MPI communicator only; it is not yet on the GPU");
+}
+
+std::unique_ptr<Comm> Comm::split(int, int) {
+  SHARDLM_FAIL("this communicator cannot be split: context parallelism (model.context_parallel > 1) runs on the CPU "
+               "backend's MPI communicator only; it is not yet on the GPU");
+}
+
 namespace {
+
+// The ring's messages: their own tag, never matched by the watch's queries.
+constexpr int kRingTag = 0x5c01;
 
 // MPI has no bf16 type: the elements travel as 16-bit integers and this op sums
 // them in fp32, rounding once per combination (as a ring of bf16 hops would).
@@ -311,10 +325,36 @@ int as_count(int64_t n) {
 
 class MpiComm final : public Comm {
  public:
-  explicit MpiComm(MPI_Comm comm) : comm_(comm), watch_(&watch_of(comm)) {
+  // `owned`: the communicator was made by split() and is freed with this Comm.
+  explicit MpiComm(MPI_Comm comm, bool owned = false) : comm_(comm), owned_(owned), watch_(&watch_of(comm)) {
     MPI_CHECK(MPI_Comm_rank(comm_, &rank_));
     MPI_CHECK(MPI_Comm_size(comm_, &size_));
     for (auto* v : {&send_counts_, &send_displs_, &recv_counts_, &recv_displs_}) v->resize(size_);
+  }
+  ~MpiComm() override {
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (owned_ && !finalized) MPI_Comm_free(&comm_);
+  }
+  MpiComm(const MpiComm&) = delete;
+  MpiComm& operator=(const MpiComm&) = delete;
+
+  CommRequest ring_exchange(const void* send, void* recv, int64_t bytes) override {
+    // SHARDLM_FAULT=ring_stop@R: rank R stops itself (SIGSTOP) at its third
+    // exchange, mid-ring, as a frozen node would, for the watchdog's test.
+    static int exchanges = 0;
+    if (++exchanges == 3 && fault_armed("ring_stop")) raise(SIGSTOP);
+    const int next = (rank_ + 1) % size_, prev = (rank_ + size_ - 1) % size_;
+    MPI_Request s, r;
+    // Receive posted first: the message lands in place instead of in MPI's buffers.
+    MPI_CHECK(MPI_Irecv(recv, as_count(bytes), MPI_BYTE, prev, kRingTag, comm_, &r));
+    MPI_CHECK(MPI_Isend(send, as_count(bytes), MPI_BYTE, next, kRingTag, comm_, &s));
+    return CommRequest(r, s, watch_, "ring_exchange", watch_->next_seq());
+  }
+  std::unique_ptr<Comm> split(int color, int key) override {
+    MPI_Comm part;
+    MPI_CHECK(MPI_Comm_split(comm_, color, key, &part));
+    return std::make_unique<MpiComm>(part, /*owned=*/true);
   }
   int rank() const override { return rank_; }
   int size() const override { return size_; }
@@ -386,6 +426,7 @@ class MpiComm final : public Comm {
 
  private:
   MPI_Comm comm_;
+  bool owned_ = false;
   CollectiveWatch* watch_;  // the communicator's (watch_of): shared with wait_collective
   int rank_ = 0, size_ = 1;
   // MPI's int counts for all_to_all_v, sized once (the step allocates nothing).
@@ -415,6 +456,11 @@ class SelfComm final : public Comm {
                     const int64_t*, const int64_t* recv_displs) override {
     copy_block(recv + recv_displs[0], send + send_displs[0], send_counts[0]);
   }
+  CommRequest ring_exchange(const void* send, void* recv, int64_t bytes) override {
+    if (recv != send) std::memcpy(recv, send, size_t(bytes));
+    return {};
+  }
+  std::unique_ptr<Comm> split(int, int) override { return std::make_unique<SelfComm>(); }
 };
 
 }  // namespace

@@ -122,6 +122,7 @@ const std::vector<KeySpec>& key_table() {
       within(key("model.selective_layers", Type::Int, FIELD(model.selective_layers)), 0, kMaxLayers),
       key("model.reshard_after_forward", Type::Bool, FIELD(model.reshard_after_forward)),
       one_of(key("model.reduce_dtype", Type::String, FIELD(model.reduce_dtype)), {"fp32", "bf16"}),
+      up_to(positive(key("model.context_parallel", Type::Int, FIELD(model.context_parallel))), 65536),
 
       key("data.path", Type::Strings, FIELD(data.path)),
       within(key("data.weights", Type::Floats, FIELD(data.weights)), 0, 1e6),
@@ -532,10 +533,36 @@ void validate(const Config& c, int world, const std::set<std::string>& given, st
     err("loss.type = \"rl\" needs data.rollout_dir (where step_<N>.h5 rollout files appear; docs/rollouts.md)");
   if (c.loss.type == "rl" && !c.data.path.empty())
     err("data.path is for SFT token files; with loss.type = \"rl\" the batches come from data.rollout_dir");
-  const auto rows_per_round = checked_product({c.data.micro_batch, world});  // one micro-batch on every rank
-  if (c.loss.type == "sft" && world > 0 && (!rows_per_round || c.data.global_batch % *rows_per_round != 0))
-    err(fmt("data.global_batch = %lld must be a multiple of data.micro_batch x training ranks = %lld x %d = %s",
-            (long long)c.data.global_batch, (long long)c.data.micro_batch, world,
+  const int64_t cp = c.model.context_parallel;
+  if (cp > 1) {
+    if (world > 0 && world % cp != 0)
+      err(fmt("model.context_parallel = %lld does not divide the %d training ranks: the ranks form groups of "
+              "model.context_parallel that share one sequence; run a multiple of %lld ranks or change it",
+              (long long)cp, world, (long long)cp));
+    if (c.data.seq_len % (2 * cp) != 0)
+      err(fmt("data.seq_len = %lld does not split into 2 x model.context_parallel = %lld equal chunks (each rank of "
+              "a group keeps an early and a late chunk): make data.seq_len a multiple of %lld",
+              (long long)c.data.seq_len, (long long)(2 * cp), (long long)(2 * cp)));
+    if (c.device.backend == "cuda")
+      err("model.context_parallel > 1 is not yet on the GPU (the ring runs on the CPU backend; the CUDA ring is not "
+          "built): set device.backend = \"cpu\" or model.context_parallel = 1");
+    if (c.loss.type == "rl")
+      err("model.context_parallel > 1 is for SFT so far (loss.type = \"sft\"): the rollout packing does not split "
+          "sequences over a group yet");
+    if (!c.eval.path.empty())
+      err("eval.path with model.context_parallel > 1 is not supported yet (the held-out loss reads whole rows): "
+          "leave eval.path unset or set model.context_parallel = 1");
+  }
+  // One micro-batch on every data-parallel group (a group of context_parallel ranks reads the same rows).
+  // (When the groups do not divide the ranks, that is the error to fix first.)
+  const bool groups_fit = world > 0 && world % cp == 0;
+  const int dp_world = groups_fit ? int(world / cp) : world;
+  const auto rows_per_round = checked_product({c.data.micro_batch, dp_world});
+  if (c.loss.type == "sft" && groups_fit && (!rows_per_round || c.data.global_batch % *rows_per_round != 0))
+    err(fmt("data.global_batch = %lld must be a multiple of data.micro_batch x %s = %lld x %d = %s",
+            (long long)c.data.global_batch, cp > 1 ? "data-parallel groups (ranks / model.context_parallel)"
+                                                   : "training ranks",
+            (long long)c.data.micro_batch, dp_world,
             rows_per_round ? std::to_string(*rows_per_round).c_str() : "more than 2^63"));
   if (c.sched.warmup > c.run.max_steps)
     err(fmt("sched.warmup = %lld is longer than run.max_steps = %lld", (long long)c.sched.warmup,

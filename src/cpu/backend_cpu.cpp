@@ -2,11 +2,13 @@
 // checked against. Holds the residual stream, every layer's saved activations
 // (or one set with activation checkpointing) and the backward scratch.
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "shardlm/backend.hpp"
 #include "cpu/layers.hpp"
 #include "cpu/ops.hpp"
+#include "cpu/ring_attention.hpp"
 #include "shardlm/error.hpp"
 
 namespace shardlm {
@@ -58,8 +60,16 @@ class CpuBackend final : public Backend {
   void load_batch(const TokenBatch& b) override {
     SHARDLM_CHECK(b.N <= options_.max_tokens, "micro-batch of %lld tokens exceeds the planned %lld", (long long)b.N,
                   (long long)options_.max_tokens);
+    SHARDLM_CHECK(!ring_ || b.token_index, "internal: a context-parallel micro-batch without token indices");
     batch_ = b;
-    inputs_ = {b.N, b.positions, b.seq_ids, inv_freq_.data()};
+    inputs_ = {b.N, b.positions, b.seq_ids, inv_freq_.data(), b.token_index, ring_.get()};
+  }
+
+  void set_context_parallel(Comm& group) override {
+    SHARDLM_CHECK(options_.context_parallel == group.size(),
+                  "internal: the CPU backend was planned for model.context_parallel = %lld, the group has %d ranks",
+                  (long long)options_.context_parallel, group.size());
+    ring_ = std::make_unique<cpu::RingAttention>(group, ring_scratch_);
   }
 
   void embed_forward(const void* table) override {
@@ -139,6 +149,7 @@ class CpuBackend final : public Backend {
     rows.push_back({"d_x", &d_x_, N * C, Mem::Workspace});
     scratch_.add_rows(c, N, rows);
     head_.add_rows(c, N, o.chunk_tokens, rows);
+    if (o.context_parallel > 1) ring_scratch_.add_rows(c, N, rows);
     return rows;
   }
   // Selective checkpointing: layer l's own attention output and logsumexp are
@@ -170,6 +181,8 @@ class CpuBackend final : public Backend {
   Buffer<float> d_x_;                    // (N, C) gradient flowing down the residual stream
   cpu::LayerGradScratch scratch_;
   cpu::HeadScratch head_;
+  cpu::RingScratch ring_scratch_;             // context parallelism: the ring's blocks
+  std::unique_ptr<cpu::RingAttention> ring_;  // set by set_context_parallel
 };
 
 }  // namespace

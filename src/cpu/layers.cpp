@@ -122,7 +122,9 @@ void layer_forward(const ModelConfig& c, const LayerWeights<const float>& w, con
                    const float* x_in, float* x_out, LayerActs& a, bool run_attention) {
   const Dims d(c);
   layer_qkv_forward(c, w, in, x_in, a);
-  if (run_attention)
+  if (run_attention && in.attention)
+    in.attention->forward(a.att.data(), a.lse.data(), a.q.data(), a.k.data(), a.v.data(), in, d.H, d.KV, d.D);
+  else if (run_attention)
     attention_forward(a.att.data(), a.lse.data(), a.q.data(), a.k.data(), a.v.data(), in.seq_ids, in.N, d.H, d.KV,
                       d.D);
   layer_out_forward(c, w, in.N, x_in, x_out, a);
@@ -144,8 +146,12 @@ void layer_backward(const ModelConfig& c, const LayerWeights<const float>& w, co
 
   // Attention branch: x_mid = x_in + o(attn(rope(norm(q)), rope(norm(k)), v)).
   linear_backward(s.d_att.data(), g.wo, kNoBiasGrad, s.d_mid.data(), a.att.data(), w.wo, N, d.HD, d.C);
-  attention_backward(s.dq.data(), s.dk.data(), s.dv.data(), s.d_att.data(), a.q.data(), a.k.data(), a.v.data(),
-                     a.att.data(), a.lse.data(), in.seq_ids, N, d.H, d.KV, d.D);
+  if (in.attention)
+    in.attention->backward(s.dq.data(), s.dk.data(), s.dv.data(), s.d_att.data(), a.q.data(), a.k.data(),
+                           a.v.data(), a.att.data(), a.lse.data(), in, d.H, d.KV, d.D);
+  else
+    attention_backward(s.dq.data(), s.dk.data(), s.dv.data(), s.d_att.data(), a.q.data(), a.k.data(), a.v.data(),
+                       a.att.data(), a.lse.data(), in.seq_ids, N, d.H, d.KV, d.D);
   rope_backward(s.dq.data(), in.positions, in.inv_freq, N, d.H, d.D);
   rope_backward(s.dk.data(), in.positions, in.inv_freq, N, d.KV, d.D);
   const float* dq = s.dq.data();

@@ -18,12 +18,33 @@
 
 namespace shardlm::cpu {
 
-// Token-level inputs of a micro-batch, shared by every layer. N = rows * seq_len.
+struct TokenInputs;
+
+// Who computes a layer's attention when it is not the local kernel
+// (attention_forward / attention_backward over this rank's N tokens): the
+// context-parallel ring (cpu/ring_attention.hpp). Same arguments, same
+// conventions as those two kernels.
+class Attention {
+ public:
+  virtual ~Attention() = default;
+  virtual void forward(float* out, float* lse, const float* q, const float* k, const float* v, const TokenInputs& in,
+                       int64_t H, int64_t KV, int64_t D) = 0;
+  virtual void backward(float* dq, float* dk, float* dv, const float* dout, const float* q, const float* k,
+                        const float* v, const float* out, const float* lse, const TokenInputs& in, int64_t H,
+                        int64_t KV, int64_t D) = 0;
+};
+
+// Token-level inputs of a micro-batch, shared by every layer. N = rows * seq_len
+// (this rank's share of it under context parallelism).
 struct TokenInputs {
   int64_t N = 0;
   const int32_t* positions = nullptr;  // (N)
   const int32_t* seq_ids = nullptr;    // (N) attention joins equal, adjacent ids only
   const double* inv_freq = nullptr;    // (head_dim / 2)
+  // Context parallelism: each token's index in the group's whole micro-batch
+  // (the causal order across ranks), and the ring that attends over it.
+  const int32_t* token_index = nullptr;  // (N) or nullptr
+  Attention* attention = nullptr;        // nullptr: the local kernels
 };
 
 // One buffer of the CPU backend's table: the Buffer it fills, its fp32 element

@@ -4,7 +4,10 @@
 
 #include <chrono>
 #include <cstdio>
+#include <optional>
 #include <string>
+
+#include "train/context_split.hpp"
 
 namespace shardlm {
 namespace {
@@ -22,14 +25,19 @@ TokenBatch token_batch(const RlMicroBatch& mb) {
 
 class TokenSource final : public StepSource {
  public:
-  TokenSource(TokenDataset& data, Comm& comm) : data_(data), comm_(comm) {}
+  TokenSource(TokenDataset& data, Comm& comm, Comm* cp_group)
+      : data_(data), comm_(comm), cp_size_(cp_group ? cp_group->size() : 1),
+        cp_rank_(cp_group ? cp_group->rank() : 0), dp_rank_(comm.rank() / cp_size_), dp_world_(comm.size() / cp_size_) {
+    if (cp_size_ > 1) share_.emplace(cp_rank_, cp_size_);
+  }
   bool rl() const override { return false; }
 
   StepPlan begin(int64_t step) override {
-    // Each rank counts its own rows (their loss_mask is read with them, one
-    // step ahead by the prefetch); one all-reduce gives the step's totals.
-    const StepCounts mine = data_.rank_step_counts(step, comm_.rank(), comm_.size());
-    int64_t totals[2] = {mine.loss_tokens, mine.tokens};
+    // Each data-parallel group counts its own rows (their loss_mask is read
+    // with them, one step ahead by the prefetch); one all-reduce gives the
+    // step's totals. A group's rows are counted once, by its first rank.
+    const StepCounts mine = data_.rank_step_counts(step, dp_rank_, dp_world_);
+    int64_t totals[2] = {cp_rank_ == 0 ? mine.loss_tokens : 0, cp_rank_ == 0 ? mine.tokens : 0};
     const auto t_reduce = Clock::now();
     comm_.all_reduce_sum(totals, 2);
     StepPlan plan;
@@ -37,19 +45,22 @@ class TokenSource final : public StepSource {
     plan.loss_tokens_global = totals[0];
     plan.loss_divisor = totals[0];
     plan.tokens_global = totals[1];
-    plan.micro_batches = data_.micro_batches_per_rank(comm_.size());
+    plan.micro_batches = data_.micro_batches_per_rank(dp_world_);
     return plan;
   }
 
   TokenBatch micro_batch(int64_t step, int64_t index) override {
-    data_.micro_batch(step, static_cast<int>(index), comm_.rank(), comm_.size(), micro_);
-    return token_batch(micro_);
+    data_.micro_batch(step, static_cast<int>(index), dp_rank_, dp_world_, micro_);
+    return share_ ? share_->take(micro_) : token_batch(micro_);
   }
 
  private:
   TokenDataset& data_;
   Comm& comm_;
-  MicroBatch micro_;  // reused every micro-batch
+  const int cp_size_, cp_rank_;   // this rank's place in its context-parallel group (1, 0 without)
+  const int dp_rank_, dp_world_;  // its data-parallel group and their number
+  std::optional<ContextShare> share_;  // context parallelism: this rank's share of each micro-batch
+  MicroBatch micro_;  // reused every micro-batch (the group's whole rows)
 };
 
 class RolloutSource final : public StepSource {
@@ -116,8 +127,8 @@ TokenBatch token_batch(const MicroBatch& mb) {
   return b;
 }
 
-std::unique_ptr<StepSource> make_token_source(TokenDataset& data, Comm& comm) {
-  return std::make_unique<TokenSource>(data, comm);
+std::unique_ptr<StepSource> make_token_source(TokenDataset& data, Comm& comm, Comm* cp_group) {
+  return std::make_unique<TokenSource>(data, comm, cp_group);
 }
 
 std::unique_ptr<StepSource> make_rollout_source(const Config& config, int64_t vocab_size, Comm& comm) {

@@ -50,8 +50,10 @@ class StepSource {
 DataSpec data_spec_for(const Config& config, int64_t vocab_size);
 
 // loss.type = "sft": the deck's token files through `data` (not owned: the
-// session keeps it for checkpoints and reports).
-std::unique_ptr<StepSource> make_token_source(TokenDataset& data, Comm& comm);
+// session keeps it for checkpoints and reports). With `cp_group` (context
+// parallelism), the group's ranks read their data-parallel group's rows
+// (index rank / C of world / C) and each keeps its share (context_split.hpp).
+std::unique_ptr<StepSource> make_token_source(TokenDataset& data, Comm& comm, Comm* cp_group = nullptr);
 // loss.type = "rl": data.rollout_dir/step_<N>.h5, waited for, validated against
 // data.max_async and packed into this rank's micro-batches.
 std::unique_ptr<StepSource> make_rollout_source(const Config& config, int64_t vocab_size, Comm& comm);

@@ -3,6 +3,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <algorithm>
 #include <cmath>
 
 #include "shardlm/error.hpp"
@@ -38,7 +39,9 @@ EngineOptions engine_options_for(const Config& config) {
                 "loss.objective = \"clipped\" runs on the CPU backend only so far (the CUDA RL kernel has the masked "
                 "objective), and device.backend = \"auto\" chose the GPU: set loss.objective = \"masked\" or "
                 "device.backend = \"cpu\"");
-  o.max_tokens = config.data.micro_batch * config.data.seq_len;
+  // Under context parallelism each rank holds 1/C of every row: its activations are sized for its share.
+  o.context_parallel = config.model.context_parallel;
+  o.max_tokens = config.data.micro_batch * config.data.seq_len / std::max<int64_t>(1, o.context_parallel);
   o.chunk_tokens = config.loss.chunk_tokens;
   o.reshard_after_forward = config.model.reshard_after_forward;
   o.checkpoint_activations = config.model.activation_checkpointing != "none";
@@ -61,6 +64,17 @@ namespace {
 using Clock = std::chrono::steady_clock;
 double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
+// Context parallelism's groups: C consecutive ranks share one sequence.
+std::unique_ptr<Comm> context_group(const Config& c, Comm& comm) {
+  const int64_t cp = c.model.context_parallel;
+  if (cp <= 1) return nullptr;
+  SHARDLM_CHECK(comm.size() % cp == 0,
+                "model.context_parallel = %lld does not divide the %d training ranks: the ranks form groups of "
+                "model.context_parallel that share one sequence; run a multiple of %lld ranks or change it",
+                (long long)cp, comm.size(), (long long)cp);
+  return comm.split(comm.rank() / int(cp), comm.rank() % int(cp));
+}
+
 ShardedModel initial_model(const Config& c, const ModelConfig& arch, const Comm& comm) {
   ShardedModel model(arch, comm.rank(), comm.size(), host_grad_shards(state_placement_for(c), offload_grads_on_device(c)));
   if (c.model.hf.empty()) model.init_seeded(static_cast<uint64_t>(c.run.seed), c.model.init_std);
@@ -82,11 +96,14 @@ TrainSession::TrainSession(const Config& c, Comm& comm_)
       arch(model_config_for(c)),
       data(c.loss.type == "sft" ? std::optional<TokenDataset>(data_spec_for(c, arch.vocab_size)) : std::nullopt),
       eval(c.eval.path.empty() ? std::nullopt : std::optional<EvalSet>(std::in_place, c, arch.vocab_size)),
+      cp_group(context_group(c, comm_)),
       model(initial_model(c, arch, comm_)),
       optimizer(c.optim, model, comm_),
       engine(model, comm_, engine_options_for(c),
              c.device.backend == "cuda" ? make_cuda_backend() : make_cpu_backend()),
-      source(data ? make_token_source(*data, comm_) : make_rollout_source(c, arch.vocab_size, comm_)) {
+      source(data ? make_token_source(*data, comm_, cp_group.get())
+                  : make_rollout_source(c, arch.vocab_size, comm_)) {
+  if (cp_group) engine.backend().set_context_parallel(*cp_group);
   // Muon on a GPU: Newton–Schulz in bf16 on this rank's device (cuda/newton_schulz.hpp);
   // the CPU backend keeps the host fp32 one, the reference.
   if (c.device.backend == "cuda" && optimizer.muon())

@@ -69,6 +69,9 @@ struct TrainSession {
   ModelConfig arch;            // model.hf's config.json or the deck's sizes
   std::optional<TokenDataset> data;  // SFT token files (RL reads rollout files instead): its position is checkpointed
   std::optional<EvalSet> eval;       // eval.path, when set (SFT and RL)
+  // model.context_parallel > 1: this rank's group of ranks sharing its sequences
+  // (a split of `comm`); the backend's ring runs over it. nullptr otherwise.
+  std::unique_ptr<Comm> cp_group;
   ShardedModel model;
   Optimizer optimizer;
   Engine engine;

@@ -557,6 +557,25 @@ TEST_CASE("an unwritable checkpoint directory and a full disk at start name the 
   std::filesystem::remove_all(dir);
 }
 
+TEST_CASE("context parallelism: a rank that stops mid-ring is named by the watchdog") {
+  // Rank 1 of a group of 2 freezes (SIGSTOP) at its third ring exchange (the
+  // first backward layer); rank 0 waits for its block.
+  const auto dir = std::filesystem::temp_directory_path() / ("shardlm-ring-stopped-" + std::to_string(getpid()));
+  auto r = run("SHARDLM_FAULT=ring_stop@1 OMP_NUM_THREADS=1 " + mpirun(2) + "-x SHARDLM_FAULT " + shardlm_bin() +
+               " train inputs/tiny-sft.toml --set model.context_parallel=2 --set comm.timeout_s=3"
+               " --set run.dir=" + dir.string());
+  CHECK(r.status != 0);
+  CHECK(r.status != 124);  // the hang guard did not fire: the watchdog did
+  CHECK_MESSAGE(r.output.find("collective ring_exchange (#3 of a communicator of 2 ranks) has not completed after 3.") !=
+                    std::string::npos, r.output);
+  char host[256] = {0};
+  gethostname(host, sizeof host - 1);
+  CHECK_MESSAGE(r.output.find(std::string("(comm.timeout_s = 3): rank 1 on ") + host + " did not arrive (stopped, dead, "
+                              "or stuck outside any collective); waiting in it: rank 0 on " + host) !=
+                    std::string::npos, r.output);
+  std::filesystem::remove_all(dir);
+}
+
 TEST_CASE("a stopped rank: the MPI watchdog aborts after comm.timeout_s naming the collective and the rank") {
   // Rank 2 of 3 freezes (SIGSTOP) at its first all-reduce; ranks 0 and 1 wait in it.
   const auto dir = std::filesystem::temp_directory_path() / ("shardlm-stopped-" + std::to_string(getpid()));

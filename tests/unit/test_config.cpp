@@ -136,6 +136,30 @@ TEST_CASE("device communicator keys: NCCL and bf16 reduction need the CUDA backe
         "--set comm.timeout_s=0: comm.timeout_s = 0 is out of range: it must be a finite number > 0 and <= 32000000");
 }
 
+TEST_CASE("model.context_parallel: divides the ranks, splits seq_len into 2C chunks, CPU and SFT only so far") {
+  const DeckResult ok = parse(kValid, {"model.context_parallel=4"}, 8);  // 2 data-parallel groups x 4
+  for (const auto& e : ok.errors) MESSAGE(e);
+  REQUIRE(ok.ok());
+  CHECK(ok.config.model.context_parallel == 4);
+  CHECK(parse(kValid).config.model.context_parallel == 1);
+  CHECK(only_error(parse(kValid, {"model.context_parallel=4"}, 6)) ==
+        "deck.toml: model.context_parallel = 4 does not divide the 6 training ranks: the ranks form groups of "
+        "model.context_parallel that share one sequence; run a multiple of 4 ranks or change it");
+  CHECK(only_error(parse(kValid, {"model.context_parallel=2", "data.seq_len=62"}, 2)) ==
+        "deck.toml: data.seq_len = 62 does not split into 2 x model.context_parallel = 4 equal chunks (each rank of a "
+        "group keeps an early and a late chunk): make data.seq_len a multiple of 4");
+  CHECK(only_error(parse(kValid, {"model.context_parallel=2", "device.backend=cuda"}, 2)) ==
+        "deck.toml: model.context_parallel > 1 is not yet on the GPU (the ring runs on the CPU backend; the CUDA ring "
+        "is not built): set device.backend = \"cpu\" or model.context_parallel = 1");
+  // global_batch splits over the data-parallel groups, not the ranks: 8 rows = 2 x 4 groups at 8 ranks, C = 2.
+  CHECK(parse(kValid, {"model.context_parallel=2"}, 8).ok());
+  CHECK(only_error(parse(kValid, {"model.context_parallel=2"}, 16)) ==
+        "deck.toml: data.global_batch = 8 must be a multiple of data.micro_batch x data-parallel groups (ranks / "
+        "model.context_parallel) = 2 x 8 = 16");
+  CHECK(only_error(parse(kValid, {"model.context_parallel=0"})).find("model.context_parallel = 0 is out of range") !=
+        std::string::npos);
+}
+
 TEST_CASE("model.optim_offload_grads: host or device, device only with the offloaded AdamW/SGD on a GPU") {
   const DeckResult dev = parse(kValid, {"device.backend=cuda", "model.optim_cpu_offload=true",
                                         "model.optim_offload_grads=device"});
