@@ -222,7 +222,7 @@ namespace {
 
 // The line a crashing rank writes before it dies: formatted once here, since
 // a signal handler may only write(2) (async-signal-safe).
-char g_crash_line[NSIG][256];
+char g_crash_line[NSIG][640];  // room for the role, a 255-byte host name and the reason
 extern "C" void on_crash_signal(int sig) {
   if (sig > 0 && sig < NSIG) (void)!write(STDERR_FILENO, g_crash_line[sig], std::strlen(g_crash_line[sig]));
   signal(sig, SIG_DFL);  // die of it as before: the launcher and Slurm see the signal
