@@ -497,7 +497,10 @@ check "local runner: same run dir names as the Slurm sweep, same losses for each
 # Stopped by a signal (SIGTERM here; Ctrl-C, SIGINT, does the same in a terminal,
 # but a background job ignores SIGINT): every run checkpoints and stops, the
 # runner exits 75; the same command again resumes them and finishes.
-long=(--set data.global_batch=2 --set data.micro_batch=1 --set log.interval=1 --set run.max_steps=60)
+# 400 steps (a few seconds each): long enough that the first task is still
+# training when the second has started, also on a loaded machine (at 60, the
+# first once finished before the signal: CI, 2026-12-02).
+long=(--set data.global_batch=2 --set data.micro_batch=1 --set log.interval=1 --set run.max_steps=400)
 tools/sweep.sh local -j 2 --base runs/local-stop inputs/tiny-sft.toml inputs/sweep-test.txt "${long[@]}" > "$tmp/local-stop.out" 2>&1 &
 runner=$!
 first_dir=runs/local-stop/lr=1e-3
@@ -514,7 +517,7 @@ out=$(cat "$tmp/local-stop.out")
 stopped_at=$(last_step "$first_dir")
 left=$(count_left)
 check "local runner: a signal -> runs checkpoint and stop, exit 75, nothing left running (exit $rc, stopped at step $stopped_at, $left left)" \
-  bash -c "[ $rc = 75 ] && [ $stopped_at -lt 60 ] && [ $left = 0 ] && grep -q '0 done, 0 failed, 3 stopped or not started' <<< '$out' &&
+  bash -c "[ $rc = 75 ] && [ $stopped_at -lt 400 ] && [ $left = 0 ] && grep -q '0 done, 0 failed, 3 stopped or not started' <<< '$out' &&
            [ -f '$first_dir/checkpoints/latest' ] && [ -f '$second_dir/checkpoints/latest' ]" || echo "$out"
 out=$(tools/sweep.sh local -j 2 --base runs/local-stop inputs/tiny-sft.toml inputs/sweep-test.txt "${long[@]}" 2>&1); rc=$?
 check "local runner: the same command resumes and finishes every task (exit $rc)" \
