@@ -22,11 +22,6 @@ T=$(mktemp -d /tmp/shardlm-bcast-XXXXXX)
 cleanup() { [ -n "${KEEP:-}" ] && { echo "logs in $T"; return; }; rm -rf "$T"; }
 trap cleanup EXIT
 source tests/scripts/lib/checks.sh  # failures, pass, fail, check, has, wait_for
-tree_pids() {
-  local p
-  echo "$1"
-  for p in $(pgrep -P "$1"); do tree_pids "$p"; done
-}
 # run_job LOG BCAST_DIR COUNTS CMD...: runs the MPMD job, sampling the number of
 # step directories every 20 ms into COUNTS; kills it after 240 s (a hang); sets rc.
 run_job() {

@@ -28,7 +28,7 @@ cleanup() {
   [ -n "${KEEP:-}" ] && { echo "logs in $T"; return; }; rm -rf "$T"
 }
 trap cleanup EXIT
-source tests/scripts/lib/checks.sh  # failures, pass, fail, check, has
+source tests/scripts/lib/checks.sh  # failures, pass, fail, check, has, tree_pids
 
 # train DIR LOG [--set ...]: 2 ranks, tiny deck, every step logged; returns mpirun's
 # status (124 when it hangs for 3 minutes: a hang is a failure, never a stuck suite).
@@ -45,12 +45,6 @@ export SHARDLM_CKPT_FAULT="" SHARDLM_CKPT_SKIP_SPACE_CHECK="" SHARDLM_CKPT_FAKE_
 losses() {
   sed -n 's/.*"step": \([0-9]*\), "loss": \([^,]*\),.*/\1 \2/p' "$1/metrics.jsonl" |
     awk '{l[$1] = $2} END {for (s in l) print s, l[s]}' | sort -n
-}
-# Every pid in the process tree under $1, $1 included.
-tree_pids() {
-  local p
-  echo "$1"
-  for p in $(ps -o pid= --ppid "$1" 2>/dev/null); do tree_pids "$p"; done
 }
 
 # ---- reference: 20 steps straight

@@ -22,11 +22,6 @@ T=$(mktemp -d /tmp/shardlm-lock-XXXXXX)
 cleanup() { [ -n "${KEEP:-}" ] && { echo "logs in $T"; return; }; rm -rf "$T"; }
 trap cleanup EXIT
 source tests/scripts/lib/checks.sh  # failures, pass, fail, check, has, wait_for
-tree_pids() {
-  local p
-  echo "$1"
-  for p in $(pgrep -P "$1"); do tree_pids "$p"; done
-}
 logged() { grep -qF "\"step\": $2," "$1/metrics.jsonl" 2>/dev/null; }
 
 A=$T/a

@@ -20,12 +20,6 @@ T=$(mktemp -d /tmp/shardlm-signals-XXXXXX)
 cleanup() { [ -n "${KEEP:-}" ] && { echo "logs in $T"; return; }; rm -rf "$T"; }
 trap cleanup EXIT
 source tests/scripts/lib/checks.sh  # failures, pass, fail, check, has, wait_for
-# Every pid in the process tree under $1, $1 included.
-tree_pids() {
-  local p
-  echo "$1"
-  for p in $(pgrep -P "$1"); do tree_pids "$p"; done
-}
 # finish PID: wait for the job (killing its tree after 120 s: a hang is a failure); sets rc
 finish() {
   wait_for 120 bash -c "! kill -0 $1 2>/dev/null" || kill -9 $(tree_pids "$1") 2>/dev/null

@@ -20,11 +20,6 @@ T=$(mktemp -d /tmp/shardlm-watchdog-XXXXXX)
 cleanup() { [ -n "${KEEP:-}" ] && { echo "logs in $T"; return; }; rm -rf "$T"; }
 trap cleanup EXIT
 source tests/scripts/lib/checks.sh  # failures, pass, fail, check, has, wait_for
-tree_pids() {
-  local p
-  echo "$1"
-  for p in $(pgrep -P "$1"); do tree_pids "$p"; done
-}
 # finish PID: wait for the job (killing its tree after 120 s: a hang is the failure
 # this file is about); sets rc and took (seconds from start_s)
 finish() {

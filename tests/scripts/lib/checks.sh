@@ -7,6 +7,7 @@
 #   check WHAT COMMAND...              PASS when COMMAND succeeds, else FAIL
 #   has FILE TEXT                      FILE contains TEXT (fixed string)
 #   wait_for SECONDS COMMAND...        poll until COMMAND succeeds (a guard against hangs, not a timing)
+#   tree_pids PID                      every pid in the process tree under PID, PID included
 # The script ends with: exit $((failures > 0)).
 failures=0
 pass() { echo "PASS $*"; }
@@ -22,4 +23,9 @@ wait_for() {
   shift
   for ((i = 0; i < limit * 10; i++)); do "$@" && return 0; sleep 0.1; done
   return 1
+}
+tree_pids() {
+  local p
+  echo "$1"
+  for p in $(pgrep -P "$1"); do tree_pids "$p"; done
 }
