@@ -90,7 +90,7 @@ class CudaDeviceState final : public TrainingState {
   }
 
   void update(double lr, float clip) override {
-    if (update_waits_for_snapshot_) {  // the device copy, or without it the download, reads the live state
+    if (update_waits_for_snapshot_) {  // no device copy: the download reads the live state
       CUDA_CHECK(cudaStreamWaitEvent(stream_, snapshot_done_, 0));
       update_waits_for_snapshot_ = false;
     }
@@ -149,21 +149,17 @@ class CudaDeviceState final : public TrainingState {
   bool start_snapshot() override {
     SHARDLM_CHECK(copy_stream_, "internal: start_snapshot before pin_host_shards");
     const size_t arrays = 1 + units_[0].states.size();
-    CUDA_CHECK(cudaEventRecord(state_current_, stream_));
-    downloaded_.assign(units_.size(), false);
     if (snapshot_bytes_ > 0) {
-      // Device to device on the copy stream, under the next step's forward
-      // and backward (compute-bound: the copy's ~2 x 4 bytes per element of
-      // HBM traffic costs them little); the next update waits for it on the GPU.
-      CUDA_CHECK(cudaStreamWaitEvent(copy_stream_, state_current_, 0));
+      // Device to device on the compute stream: after the last update, before
+      // the next; ~2 x 4 bytes per element at HBM speed.
       for (size_t u = 0; u < units_.size(); ++u)
         for (size_t a = 0; a < arrays; ++a)
           CUDA_CHECK(cudaMemcpyAsync(snapshot_array(u, a), live_array(u, a), 4 * units_[u].n,
-                                     cudaMemcpyDeviceToDevice, copy_stream_));
-      CUDA_CHECK(cudaEventRecord(snapshot_done_, copy_stream_));
-      update_waits_for_snapshot_ = true;
-      return true;  // each unit downloads, after the copy, when the writer comes to it (wait_snapshot)
+                                     cudaMemcpyDeviceToDevice, stream_));
     }
+    CUDA_CHECK(cudaEventRecord(state_current_, stream_));
+    downloaded_.assign(units_.size(), false);
+    if (snapshot_bytes_ > 0) return true;  // each unit downloads when the writer comes to it (wait_snapshot)
     // No device copy: all of it now, and the next update waits on the GPU.
     CUDA_CHECK(cudaStreamWaitEvent(copy_stream_, state_current_, 0));
     for (size_t u = 0; u < units_.size(); ++u) {
@@ -286,9 +282,9 @@ class CudaDeviceState final : public TrainingState {
   size_t sumsq_scratch_bytes_ = 0;
   double* sumsq_ = nullptr;
   int device_ = 0;
-  cudaStream_t copy_stream_ = nullptr;   // snapshots' device copy and downloads, beside the compute stream
-  cudaEvent_t state_current_ = nullptr;  // compute stream: the state to snapshot is written (the save's step)
-  cudaEvent_t snapshot_done_ = nullptr;  // copy stream: the live state is read (device copy, or whole download)
+  cudaStream_t copy_stream_ = nullptr;   // snapshots' downloads, beside the compute stream
+  cudaEvent_t state_current_ = nullptr;  // compute stream: the state (or its device copy) to snapshot is written
+  cudaEvent_t snapshot_done_ = nullptr;  // copy stream: the whole download
   std::vector<cudaEvent_t> unit_copied_; // copy stream: unit u's arrays are in the host shards
   float* snapshot_ = nullptr;            // the device copy (snapshot_bytes_), or none
   int64_t snapshot_bytes_ = 0;
