@@ -107,7 +107,7 @@ print_losses c1 c2 d64-c1 d64-c2 d64-c4
 # The ring's waits are watched: a rank that stops mid-ring (SIGSTOP at its third
 # exchange) ends the job with the watchdog's line naming the ring exchange.
 if SHARDLM_FAULT=ring_stop@1 timeout 120 $MPIRUN --oversubscribe --bind-to none -x SHARDLM_FAULT -x OMP_NUM_THREADS \
-    -np 2 "$BUILD/shardlm" train inputs/tiny-sft.toml --set device.backend=cuda --set comm.backend=mpi \
+    -np 2 "$BUILD/shardlm" train inputs/tiny-sft.toml --set device.backend="${SHARDLM_TEST_DEVICE:-cuda}" --set comm.backend=mpi \
     --set model.context_parallel=2 --set comm.timeout_s=5 --set run.dir="$out/stopped" > "$out/stopped.log" 2>&1; then
   echo "FAIL a rank stopped mid-ring: the job succeeded"
 elif grep -q "collective ring_exchange (#3 of a communicator of 2 ranks) has not completed after 5" "$out/stopped.log"; then
