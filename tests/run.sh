@@ -82,7 +82,8 @@ fi
 # GPU suites (make test-gpu): kernel-vs-CPU checks; each binary prints PASS/FAIL lines.
 if [ "${SHARDLM_TEST_GPU:-0}" = 1 ]; then
   OMP_NUM_THREADS=$cores run_suite gpu 900 "$BUILD/test_gpu"
-  for t in tests/gpu/build_and_run.sh tests/gpu/build_attention.sh tests/gpu/build_rl_loss.sh tests/gpu/build_fp8.sh; do
+  for t in tests/gpu/build_and_run.sh tests/gpu/build_attention.sh tests/gpu/build_rl_loss.sh \
+           tests/gpu/build_ring_attention.sh tests/gpu/build_fp8.sh; do
     echo "== $t"
     out=$(timeout 900 bash "$t" --no-timing 2>&1); rc=$?
     echo "$out" | tail -40
@@ -94,6 +95,8 @@ if [ "${SHARDLM_TEST_GPU:-0}" = 1 ]; then
   run_script tests/gpu/test_multirank.sh 900
   run_script tests/gpu/test_offload.sh 900
   run_script tests/gpu/test_async_ckpt.sh 600
+  # Context parallelism: the ring in the trainer, ranks sharing the GPU (staged MPI).
+  run_script tests/gpu/test_context_parallel.sh 900
 fi
 
 passed=$(awk '{p+=$1} END {print p+0}' "$results")
