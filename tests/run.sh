@@ -69,7 +69,7 @@ done
 
 # The FP8 emulation against cuda_fp8.h's own conversions (host code: no GPU needed,
 # only nvcc; the device checks run under make test-gpu).
-NVCC_BIN=${NVCC:-/usr/local/cuda/bin/nvcc}
+NVCC_BIN=${CUDA_HOME:-/usr/local/cuda}/bin/nvcc
 if [ "${SHARDLM_TEST_GPU:-0}" != 1 ] && [ -x "$NVCC_BIN" ]; then
   echo "== tests/gpu/build_fp8.sh --host-only"
   out=$(NVCC=$NVCC_BIN BUILD_GPU="$BUILD/gpu-host" timeout 900 bash tests/gpu/build_fp8.sh --host-only 2>&1); rc=$?
