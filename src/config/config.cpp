@@ -613,9 +613,6 @@ void validate(const Config& c, int world, const std::set<std::string>& given, st
             "<= %lld", (long long)c.data.max_async, (long long)(c.broadcast.interval - 1),
             (long long)c.broadcast.interval, (long long)(c.data.max_async + 1), (long long)(c.broadcast.interval - 1),
             (long long)(c.data.max_async + 1)));
-  if (c.loss.objective == "clipped" && c.device.backend == "cuda")
-    err("loss.objective = \"clipped\" runs on the CPU backend only so far (the CUDA kernel has the masked "
-        "objective): use loss.objective = \"masked\" or device.backend = \"cpu\"");
   const std::vector<std::string>& rewards = c.rollout.reward;
   const auto uses = [&](const char* kind) { return std::find(rewards.begin(), rewards.end(), kind) != rewards.end(); };
   if (rewards.empty())
