@@ -54,12 +54,15 @@ BLAS_CFLAGS ?= $(shell $(PKG_CONFIG) --cflags openblas 2>/dev/null || $(PKG_CONF
 BLAS_LIBS   ?= $(shell $(PKG_CONFIG) --libs openblas 2>/dev/null || $(PKG_CONFIG) --libs blas 2>/dev/null)
 endif
 JSON_CFLAGS ?= $(shell $(PKG_CONFIG) --cflags nlohmann_json 2>/dev/null)
+# PCRE2 with Unicode properties: the tokenizer's pre-tokenizer regex (src/data/token_encoder.cpp).
+PCRE2_CFLAGS ?= $(shell $(PKG_CONFIG) --cflags libpcre2-8 2>/dev/null)
+PCRE2_LIBS   ?= $(shell $(PKG_CONFIG) --libs libpcre2-8 2>/dev/null || echo -lpcre2-8)
 MPI_CFLAGS  ?= $(shell $(MPICXX) --showme:compile 2>/dev/null)
 
 CXXFLAGS ?= $(OPT) -g
 CXXFLAGS += -std=c++20 -Wall -Wextra -fopenmp -MMD -MP -Iinclude -Isrc -DOMPI_SKIP_MPICXX -DMPICH_SKIP_MPICXX \
-            $(HDF5_CFLAGS) $(TOML_CFLAGS) $(BLAS_CFLAGS) $(JSON_CFLAGS)
-LDLIBS   += $(HDF5_LIBS) $(TOML_LIBS) $(BLAS_LIBS) -lz -fopenmp
+            $(HDF5_CFLAGS) $(TOML_CFLAGS) $(BLAS_CFLAGS) $(JSON_CFLAGS) $(PCRE2_CFLAGS)
+LDLIBS   += $(HDF5_LIBS) $(TOML_LIBS) $(BLAS_LIBS) $(PCRE2_LIBS) -lz -fopenmp
 CXXFLAGS += $(SANITIZE_FLAGS)
 LDLIBS   += $(SANITIZE_FLAGS)
 

@@ -32,6 +32,7 @@ have_pc tomlplusplus || [ -f /usr/include/toml++/toml.h ] || need libtomlplusplu
 # OpenBLAS on OpenMP (not pthreads): it shares shardlm's OpenMP threads.
 [ -n "${BLAS_LIBS:-}" ] || ls /usr/lib/*/openblas-openmp/pkgconfig/openblas.pc >/dev/null 2>&1 || need libopenblas-openmp-dev
 have_pc nlohmann_json || [ -f /usr/include/nlohmann/json.hpp ] || need nlohmann-json3-dev
+have_pc libpcre2-8 || [ -f /usr/include/pcre2.h ] || need libpcre2-dev  # the tokenizer's pre-tokenizer regex
 /usr/bin/python3 -c 'import h5py, numpy' >/dev/null 2>&1 || need python3-h5py python3-numpy
 /usr/bin/python3 -c 'import matplotlib' >/dev/null 2>&1 || need python3-matplotlib  # tools/plot_runs.py
 # Real tokenizers and chat templates (tools/hf_tokenizer.py, tools/chat_template.py).

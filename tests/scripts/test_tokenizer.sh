@@ -288,5 +288,37 @@ else
   fail "C++ decoder check: $BUILD/test_unit is not built (make all)"
 fi
 
+# ------------------------------------------- the C++ encoder agrees with @huggingface/tokenizers
+# (shardlm generate --prompt, shardlm tokenize): the corpus above, encoded by the JS reference.
+if [[ -x "$BUILD/test_unit" ]]; then
+  for model in llama3:$LLAMA3 qwen3:$QWEN3; do
+    name=${model%%:*} dir=${model#*:}
+    "$PYTHON" - "$dir" "$WORK/enc-$name.txt" "$WORK" "$name" "$ROOT/tests/scripts/lib" <<'EOF'
+import sys
+sys.path.insert(0, sys.argv[5])
+import tokenizer_cases as tc
+from gen_nfc_unstable import unstable_code_points
+tok = tc.Tokenizer.load(sys.argv[1])
+unstable = unstable_code_points() if tok.nfc else set()
+texts = [t for _, t in tc.corpus(tok)]
+answer = tc.run_reference({"tokenizer_dir": sys.argv[1], "encode": texts}, sys.argv[3], "enc-" + sys.argv[4])
+if answer is None:
+    sys.exit(1)
+with open(sys.argv[2], "w") as f:
+    f.write(tok.path + "\n")
+    for text, ids in zip(texts, answer["encode"]):
+        may_change = int(any(ord(c) in unstable for c in text))  # the encoder may refuse these, no others
+        f.write(text.encode("utf-8", "surrogatepass").hex() + "\t" + ",".join(map(str, ids)) + f"\t{may_change}\n")
+EOF
+    out=$(cd "$ROOT" && SHARDLM_ENCODER_CASES="$WORK/enc-$name.txt" "$BUILD/test_unit" --no-skip \
+          --test-case="token encoder: agrees with*" 2>&1); rc=$?
+    if [[ $rc -eq 0 && "$out" == *"1 passed, 0 failed"* ]]; then
+      pass "$name: C++ TokenEncoder equals @huggingface/tokenizers ($(grep -o '[0-9]* texts, [0-9]* tokens; equal [0-9]*, refused as not NFC-stable [0-9]*' <<< "$out"))"
+    else
+      fail "$name: C++ TokenEncoder equals @huggingface/tokenizers"; echo "$out" | tail -20 | sed 's/^/  /'
+    fi
+  done
+fi
+
 echo "test_tokenizer: $failed failed"
 [[ $failed -eq 0 ]]
