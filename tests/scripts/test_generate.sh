@@ -103,9 +103,11 @@ for s in range(15):
     t = d['tokens'][d['offsets'][s]:d['offsets'][s + 1]]; r = d['finish_reason'][s].decode()
     ok &= (r == 'length' and len(t) == 24 and 257 not in t) or (r == 'stop' and t[-1] == 257 and 257 not in t[:-1])"
 
-# Greedy against `shardlm forward` (the training forward): every generated token is the argmax there.
+# Greedy against `shardlm forward` (the training forward, CPU fp32): every generated token is the argmax there
+# (--device cpu: the same fp32 arithmetic on a GPU machine too; the GPU decoder is checked in tests/gpu).
 expect "greedy generate" 0 "5 completions" \
-  "$BIN" generate --hf "$WORK/hf" --prompts "$WORK/prompts.h5" --max-new-tokens 16 --temperature 0 --out "$WORK/greedy.h5"
+  "$BIN" generate --hf "$WORK/hf" --prompts "$WORK/prompts.h5" --max-new-tokens 16 --temperature 0 --device cpu \
+  --out "$WORK/greedy.h5"
 "$PYTHON" - "$WORK" <<'PY'
 import sys, h5py, numpy as np
 W = sys.argv[1]
