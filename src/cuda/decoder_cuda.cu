@@ -8,6 +8,8 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 #include <utility>
 #include <vector>
 
@@ -51,7 +53,9 @@ class CudaDecoder final : public Decoder {
   int64_t scratch_bytes() const override { return bytes_of(Mem::Workspace); }
   int64_t weight_bytes() const override { return bytes_of(Mem::ParamShard); }
   const ModelConfig& config() const override { return model_.config(); }
-  std::string describe() const override { return "cuda bf16 on " + cuda_device_name(device_); }
+  std::string describe() const override {
+    return "cuda bf16 on " + cuda_device_name(device_) + (graphs_ ? ", decode steps as CUDA graphs" : "");
+  }
   int64_t decode_steps() const override { return decode_steps_; }
   double decode_seconds() const override { return decode_seconds_; }
 
@@ -86,6 +90,10 @@ class CudaDecoder final : public Decoder {
   // logits_ (n, V) fp32 = lm_head(norm(rows)); rows (n, C) on the device.
   void head(const bf16* rows, int64_t n);
   void download_logits(int64_t n, float* logits);
+  // The decode forward of a full batch (B = slots) as one CUDA graph: captured
+  // on the second full step (the first built the GEMM plans), replayed after.
+  // ~230 launches a step at 1B shape cost more host time than the GPU needs.
+  void decode_full_batch();
   void check_slot(int32_t slot) const {
     SHARDLM_CHECK(slot >= 0 && slot < limits_.slots, "internal: slot %d of %lld", slot, (long long)limits_.slots);
   }
@@ -127,6 +135,10 @@ class CudaDecoder final : public Decoder {
   uint16_t* upload_host_ = nullptr;           // (kUploadElems) pinned bf16 staging
 
   std::vector<int32_t> slot_len_;             // (slots) positions filled per slot
+  // SHARDLM_DECODE_GRAPHS=0 turns the graph off (to measure what it saves).
+  bool graphs_ = true;
+  int64_t full_steps_ = 0;                    // decode steps with B = slots so far
+  cudaGraphExec_t full_step_graph_ = nullptr;
   int64_t decode_steps_ = 0;
   double decode_seconds_ = 0;
 
@@ -206,6 +218,8 @@ CudaDecoder::CudaDecoder(const InferenceModel& model, const DecoderLimits& limit
   CUDA_CHECK(cudaEventCreate(&step_begin_));
   CUDA_CHECK(cudaEventCreate(&step_end_));
   gemm_ = std::make_unique<cuda::Gemm>(stream_, gemm_workspace_, kGemmWorkspace);
+  const char* graphs = std::getenv("SHARDLM_DECODE_GRAPHS");
+  graphs_ = !(graphs && std::strcmp(graphs, "0") == 0);
 
   // RoPE's frequencies as training rounds them (backend_cuda.cu): the double table to float.
   const std::vector<double> inv = cpu::rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling);
@@ -218,6 +232,7 @@ CudaDecoder::CudaDecoder(const InferenceModel& model, const DecoderLimits& limit
 CudaDecoder::~CudaDecoder() {
   // A destructor cannot throw: the frees report nothing (cuda_free handles its own errors).
   if (stream_) cudaStreamSynchronize(stream_);
+  if (full_step_graph_) cudaGraphExecDestroy(full_step_graph_);
   gemm_.reset();
   for (BufferRow& r : table_) cuda_free(r.category, *r.ptr, r.bytes);
   if (host_ints_) cudaFreeHost(host_ints_);
@@ -384,8 +399,13 @@ void CudaDecoder::decode(std::span<const int32_t> slots, std::span<const int32_t
   }
   send_inputs();
   CUDA_CHECK(cudaEventRecord(step_begin_, stream_));
-  run_layers(B, /*prefill=*/false);
-  head(x_, B);
+  if (B == limits_.slots && graphs_ && full_steps_ >= 1) {
+    decode_full_batch();
+  } else {
+    run_layers(B, /*prefill=*/false);
+    head(x_, B);
+  }
+  full_steps_ += B == limits_.slots;
   CUDA_CHECK(cudaEventRecord(step_end_, stream_));
   download_logits(B, logits);
   float ms = 0;
@@ -393,6 +413,24 @@ void CudaDecoder::decode(std::span<const int32_t> slots, std::span<const int32_t
   decode_seconds_ += ms * 1e-3;
   ++decode_steps_;
   for (int64_t b = 0; b < B; ++b) ++slot_len_[size_t(slots[size_t(b)])];
+}
+
+void CudaDecoder::decode_full_batch() {
+  // Every pointer the step reads is fixed: the inputs are in ints_, the weights
+  // and cache never move, the decode attention's grid depends on max_len only.
+  // x_ and x_out_ swap once per layer inside run_layers; the graph holds the
+  // addresses of the capture, and nothing after the graph reads x_.
+  if (!full_step_graph_) {
+    cudaGraph_t graph = nullptr;
+    CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+    run_layers(limits_.slots, /*prefill=*/false);
+    head(x_, limits_.slots);
+    CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
+    const cudaError_t made = cudaGraphInstantiate(&full_step_graph_, graph, 0);
+    cudaGraphDestroy(graph);
+    CUDA_CHECK(made);
+  }
+  CUDA_CHECK(cudaGraphLaunch(full_step_graph_, stream_));
 }
 
 }  // namespace

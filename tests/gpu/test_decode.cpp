@@ -65,7 +65,7 @@ void check_decode_attention(int64_t H, int64_t KV, int64_t D, int64_t max_len, s
   for (float& x : kc) x = round_bf16(normal(rng));
   for (float& x : vc) x = round_bf16(normal(rng));
   // Rows read slots in reverse order, so a slot index is never the row index.
-  std::vector<int32_t> slot(size_t(B));
+  std::vector<int32_t> slot(static_cast<size_t>(B));
   for (int64_t b = 0; b < B; ++b) slot[size_t(b)] = int32_t(slots - 1 - b);
   std::vector<float> want(q.size());
   cpu::attention_decode_forward<float>(want.data(), q.data(), kc.data(), vc.data(), slot.data(), lens.data(), B, H,
