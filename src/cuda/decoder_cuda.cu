@@ -19,6 +19,7 @@
 #include "cuda/decode_attention.hpp"
 #include "cuda/gemm.hpp"
 #include "cuda/ops.hpp"
+#include "cuda/token_logprobs.hpp"
 #include "shardlm/cuda.hpp"
 #include "shardlm/dtype.hpp"
 #include "shardlm/error.hpp"
@@ -46,6 +47,8 @@ class CudaDecoder final : public Decoder {
   void decode(std::span<const int32_t> slots, std::span<const int32_t> tokens, float* logits) override;
   void load_bf16(const ParamInfo& param, const uint16_t* values) override;
   float* host_logits() override { return logits_host_; }
+  void token_logprobs(float* out, const float* logits, const int32_t* tokens, float temperature,
+                      int64_t n) override;
 
   int64_t length(int32_t slot) const override { return slot_len_[size_t(slot)]; }
   const DecoderLimits& limits() const override { return limits_; }
@@ -132,6 +135,11 @@ class CudaDecoder final : public Decoder {
   int32_t* host_ints_ = nullptr;
   int64_t ints_count_ = 0;
   float* logits_host_ = nullptr;              // (slots, V) pinned: generate()'s logits
+  int32_t* lp_tokens_ = nullptr;              // (slots) token_logprobs' tokens on the device
+  float* lp_out_ = nullptr;                   // (slots) and its logprobs
+  int32_t* lp_tokens_host_ = nullptr;         // (slots) pinned mirrors
+  float* lp_out_host_ = nullptr;
+  int64_t last_rows_ = 0;                     // rows of logits_ the last step wrote
   uint16_t* upload_host_ = nullptr;           // (kUploadElems) pinned bf16 staging
 
   std::vector<int32_t> slot_len_;             // (slots) positions filled per slot
@@ -207,6 +215,8 @@ CudaDecoder::CudaDecoder(const InferenceModel& model, const DecoderLimits& limit
   add("logits", Mem::Workspace, S * V, &logits_);
   add("inv_freq", Mem::Workspace, D / 2, &inv_freq_);
   add("gemm_workspace", Mem::Workspace, int64_t(kGemmWorkspace), reinterpret_cast<char**>(&gemm_workspace_));
+  add("logprob_tokens", Mem::Workspace, S, &lp_tokens_);
+  add("logprobs", Mem::Workspace, S, &lp_out_);
   ints_count_ = 4 * R + 4 * S;
   add("step_inputs", Mem::Workspace, ints_count_, &ints_);
   for (BufferRow& r : table_) *r.ptr = cuda_malloc(r.category, r.bytes);
@@ -214,6 +224,8 @@ CudaDecoder::CudaDecoder(const InferenceModel& model, const DecoderLimits& limit
   CUDA_CHECK(cudaMallocHost(&host_ints_, size_t(ints_count_) * sizeof(int32_t)));
   CUDA_CHECK(cudaMallocHost(&logits_host_, size_t(S * V) * sizeof(float)));
   CUDA_CHECK(cudaMallocHost(&upload_host_, size_t(kUploadElems) * sizeof(uint16_t)));
+  CUDA_CHECK(cudaMallocHost(&lp_tokens_host_, size_t(S) * sizeof(int32_t)));
+  CUDA_CHECK(cudaMallocHost(&lp_out_host_, size_t(S) * sizeof(float)));
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   CUDA_CHECK(cudaEventCreate(&step_begin_));
   CUDA_CHECK(cudaEventCreate(&step_end_));
@@ -238,6 +250,8 @@ CudaDecoder::~CudaDecoder() {
   if (host_ints_) cudaFreeHost(host_ints_);
   if (logits_host_) cudaFreeHost(logits_host_);
   if (upload_host_) cudaFreeHost(upload_host_);
+  if (lp_tokens_host_) cudaFreeHost(lp_tokens_host_);
+  if (lp_out_host_) cudaFreeHost(lp_out_host_);
   if (step_begin_) cudaEventDestroy(step_begin_);
   if (step_end_) cudaEventDestroy(step_end_);
   if (stream_) cudaStreamDestroy(stream_);
@@ -334,7 +348,21 @@ void CudaDecoder::head(const bf16* rows, int64_t n) {
                 c.vocab_size, cuda::GemmOut::F32, 1.0f, 0.0f);
 }
 
+void CudaDecoder::token_logprobs(float* out, const float*, const int32_t* tokens, float temperature, int64_t n) {
+  // The device still holds the step's logits (nothing runs between a step and its sampling).
+  SHARDLM_CHECK(n >= 0 && n <= last_rows_, "internal: logprobs of %lld rows after a step of %lld", (long long)n,
+                (long long)last_rows_);
+  std::memcpy(lp_tokens_host_, tokens, size_t(n) * sizeof(int32_t));
+  CUDA_CHECK(cudaMemcpyAsync(lp_tokens_, lp_tokens_host_, size_t(n) * sizeof(int32_t), cudaMemcpyHostToDevice,
+                             stream_));
+  cuda::token_logprobs(lp_out_, logits_, lp_tokens_, temperature, n, model_.config().vocab_size, stream_);
+  CUDA_CHECK(cudaMemcpyAsync(lp_out_host_, lp_out_, size_t(n) * sizeof(float), cudaMemcpyDeviceToHost, stream_));
+  CUDA_CHECK(cudaStreamSynchronize(stream_));
+  std::memcpy(out, lp_out_host_, size_t(n) * sizeof(float));
+}
+
 void CudaDecoder::download_logits(int64_t n, float* logits) {
+  last_rows_ = n;
   CUDA_CHECK(cudaMemcpyAsync(logits, logits_, size_t(n * model_.config().vocab_size) * sizeof(float),
                              cudaMemcpyDeviceToHost, stream_));
   CUDA_CHECK(cudaStreamSynchronize(stream_));

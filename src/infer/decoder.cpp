@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "cpu/ops.hpp"
+#include "cpu/rl_loss.hpp"
 #include "shardlm/error.hpp"
 
 namespace shardlm {
@@ -51,6 +52,15 @@ CpuDecoder::CpuDecoder(const InferenceModel& model, const DecoderLimits& limits)
   attend_len_.resize(size_t(limits.slots));
   slot_len_.assign(size_t(limits.slots), 0);
   host_logits_.resize(size_t(limits.slots * c.vocab_size));
+  temperatures_.resize(size_t(limits.slots));
+}
+
+void CpuDecoder::token_logprobs(float* out, const float* logits, const int32_t* tokens, float temperature,
+                                int64_t n) {
+  SHARDLM_CHECK(n <= limits_.slots, "internal: logprobs of %lld rows, %lld slots", (long long)n,
+                (long long)limits_.slots);
+  std::fill(temperatures_.begin(), temperatures_.begin() + n, temperature);
+  cpu::token_logprobs<float>(out, logits, tokens, temperatures_.data(), n, model_.config().vocab_size);
 }
 
 int64_t CpuDecoder::cache_bytes() const { return cpu::rows_bytes(table_, Mem::Activations); }

@@ -58,6 +58,13 @@ class Decoder {
   // A (slots, V) host buffer the decoder owns, the fastest place for its
   // logits (pinned memory on the GPU: the download runs at full PCIe speed).
   virtual float* host_logits() = 0;
+  // log_softmax(logits / temperature)[tokens[b]] for the n rows of the last
+  // prefill or decode (`logits`: where that step put them). CpuDecoder runs
+  // the trainer's cpu::token_logprobs on them; the GPU computes it from its own
+  // copy of the step's logits (the host would need ~20 ms a step at batch 64
+  // and V = 128256 for the softmax sums).
+  virtual void token_logprobs(float* out, const float* logits, const int32_t* tokens, float temperature,
+                              int64_t n) = 0;
 
   virtual int64_t length(int32_t slot) const = 0;
   virtual const DecoderLimits& limits() const = 0;
@@ -89,6 +96,8 @@ class CpuDecoder final : public Decoder {
   void decode(std::span<const int32_t> slots, std::span<const int32_t> tokens, float* logits) override;
   void load_bf16(const ParamInfo&, const uint16_t*) override {}
   float* host_logits() override { return host_logits_.data(); }
+  void token_logprobs(float* out, const float* logits, const int32_t* tokens, float temperature,
+                      int64_t n) override;
 
   int64_t length(int32_t slot) const override { return slot_len_[size_t(slot)]; }
   const DecoderLimits& limits() const override { return limits_; }
@@ -125,6 +134,7 @@ class CpuDecoder final : public Decoder {
   std::vector<int32_t> attend_len_;      // (slots) decode: tokens each row attends to
   std::vector<int32_t> slot_len_;        // (slots) positions filled per slot
   std::vector<float> host_logits_;       // (slots, V) generate()'s logits
+  std::vector<float> temperatures_;      // (slots) token_logprobs' argument
 };
 
 }  // namespace shardlm

@@ -6,7 +6,6 @@
 
 #include <omp.h>
 
-#include "cpu/rl_loss.hpp"
 #include "shardlm/error.hpp"
 
 namespace shardlm {
@@ -57,8 +56,7 @@ std::vector<Completion> generate(Decoder& decoder, std::span<const GenerateReque
   std::vector<Sampled> drawn(static_cast<size_t>(slots));
   std::vector<int32_t> step_slots, step_tokens;
   std::vector<std::span<const int32_t>> step_prompts;
-  std::vector<float> model_lp(static_cast<size_t>(slots)), tempered_lp(static_cast<size_t>(slots)), ones(static_cast<size_t>(slots), 1.0f),
-      temps(size_t(slots), float(o.sampling.temperature > 0 ? o.sampling.temperature : 1.0));
+  std::vector<float> model_lp(static_cast<size_t>(slots)), tempered_lp(static_cast<size_t>(slots));
   step_slots.reserve(size_t(slots));
   step_tokens.reserve(size_t(slots));
   step_prompts.reserve(size_t(slots));
@@ -86,9 +84,9 @@ std::vector<Completion> generate(Decoder& decoder, std::span<const GenerateReque
       done.tokens.push_back(s.token);
       done.sampling_logprobs.push_back(s.sampling_logprob);
     }
-    cpu::token_logprobs<float>(model_lp.data(), logits, step_tokens.data(), ones.data(), B, V);
+    decoder.token_logprobs(model_lp.data(), logits, step_tokens.data(), 1.0f, B);
     if (o.sampling.temperature > 0)
-      cpu::token_logprobs<float>(tempered_lp.data(), logits, step_tokens.data(), temps.data(), B, V);
+      decoder.token_logprobs(tempered_lp.data(), logits, step_tokens.data(), float(o.sampling.temperature), B);
     for (int64_t b = 0; b < B; ++b) {
       const int32_t slot = step_slots[size_t(b)];
       Completion& done = out[size_t(held[size_t(slot)])];
