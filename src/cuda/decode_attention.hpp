@@ -27,9 +27,10 @@
 
 namespace shardlm::cuda {
 
-// Positions per chunk for caches of max_len: at least 64, at most
-// kDecodeMaxChunks chunks.
-inline constexpr int64_t kDecodeMaxChunks = 16;
+// Positions per chunk for caches of max_len: a multiple of 16, at most
+// kDecodeMaxChunks chunks (short chunks: many blocks in flight, the kernel is
+// latency-bound at batch 64 and a few hundred positions).
+inline constexpr int64_t kDecodeMaxChunks = 64;
 int64_t decode_attention_chunk(int64_t max_len);
 // Bytes of the partials for B rows: (B, H, chunks) x (D + 2) fp32.
 size_t decode_attention_scratch_bytes(int64_t B, int64_t H, int64_t D, int64_t max_len);
