@@ -16,7 +16,7 @@ using namespace dev;  // Pack, f32, to_bf16, kFullMask; div_up, aligned, align25
 
 constexpr int kWarps = 4;          // warps per block, each on every kWarps-th position of the chunk
 constexpr int kHeadsPerBlock = 8;  // query heads of one GQA group a block serves (larger groups: more blocks)
-constexpr int kUnroll = 4;         // positions a warp loads at once
+constexpr int kUnroll = 8;         // positions a warp loads and scores at once
 
 // Partials of chunk c of row b for the query heads kv * G + hg * 8 .. + nh:
 // (max, sum) in part_ml and the unnormalised output in part_o, fp32.
@@ -53,10 +53,9 @@ decode_partial_kernel(float* __restrict__ part_o, float* __restrict__ part_ml, c
     for (int e = 0; e < E; ++e) acc[g][e] = 0.0f;
   }
   const int64_t slot_base = int64_t(slot[b]) * max_len;
-  // Warp w takes positions start + 4 w .. + 3, then the next 16: the four rows'
-  // keys and values are loaded before any is used, so a lane has 8 loads in
-  // flight instead of one dependent load per position (the kernel is
-  // latency-bound: 340 GB/s measured with one position at a time).
+  // Warp w takes positions start + 8 w .. + 7, then the next 32: the eight rows'
+  // keys and values are loaded before any is used, so a lane has 16 loads in
+  // flight instead of one dependent load per position.
   for (int p0 = start + warp * kUnroll; p0 < end; p0 += kWarps * kUnroll) {
     float kr[kUnroll][E], vr[kUnroll][E];
 #pragma unroll
@@ -70,25 +69,44 @@ decode_partial_kernel(float* __restrict__ part_o, float* __restrict__ part_ml, c
         vr[u][e] = d < D ? f32(v_cache[row + d]) : 0.0f;
       }
     }
+    // Scores of the group's positions first (independent shuffles and exps),
+    // then one rescale of the running sums per group: a serial chain of
+    // shuffle -> exp -> rescale per position made the kernel latency-bound.
+    const int valid = min(kUnroll, end - p0);
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      if (p0 + u >= end) break;
+    for (int g = 0; g < kHeadsPerBlock; ++g) {
+      if (g >= nh) break;
+      float sc[kUnroll];
 #pragma unroll
-      for (int g = 0; g < kHeadsPerBlock; ++g) {
-        if (g >= nh) break;
+      for (int u = 0; u < kUnroll; ++u) {
         float s = 0.0f;
 #pragma unroll
         for (int e = 0; e < E; ++e) s = fmaf(qr[g][e], kr[u][e], s);
-        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(kFullMask, s, o);
-        s *= scale;
-        const float m_new = fmaxf(m[g], s);
-        const float rescale = expf(m[g] - m_new);  // 0 on the first position (m = -inf)
-        const float p_s = expf(s - m_new);
-        l[g] = l[g] * rescale + p_s;
-#pragma unroll
-        for (int e = 0; e < E; ++e) acc[g][e] = acc[g][e] * rescale + p_s * vr[u][e];
-        m[g] = m_new;
+        sc[u] = s;
       }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) sc[u] += __shfl_xor_sync(kFullMask, sc[u], o);
+      float m_new = m[g];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        sc[u] = u < valid ? sc[u] * scale : -INFINITY;
+        m_new = fmaxf(m_new, sc[u]);
+      }
+      const float rescale = expf(m[g] - m_new);  // 0 on the first group (m = -inf)
+      float sum = 0.0f;
+#pragma unroll
+      for (int e = 0; e < E; ++e) acc[g][e] *= rescale;
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const float p_s = expf(sc[u] - m_new);  // 0 past the chunk's end
+        sum += p_s;
+#pragma unroll
+        for (int e = 0; e < E; ++e) acc[g][e] = fmaf(p_s, vr[u][e], acc[g][e]);
+      }
+      l[g] = l[g] * rescale + sum;
+      m[g] = m_new;
     }
   }
   // The warps' partials, combined in warp order.

@@ -27,7 +27,7 @@
 
 namespace shardlm::cuda {
 
-// Positions per chunk for caches of max_len: a multiple of 16, at most
+// Positions per chunk for caches of max_len: a multiple of 32, at most
 // kDecodeMaxChunks chunks (short chunks: many blocks in flight, the kernel is
 // latency-bound at batch 64 and a few hundred positions).
 inline constexpr int64_t kDecodeMaxChunks = 64;

@@ -148,8 +148,8 @@ Margin top2(const float* x, int64_t V) {
 
 TEST_CASE("decode attention kernel = cpu::attention_decode_forward on bf16 inputs") {
   require_gpu();
-  // Lengths at and around the chunk edges (16 positions per chunk up to 1024 positions).
-  check_decode_attention(8, 2, 64, 384, {1, 15, 16, 17, 63, 64, 65, 200, 384}, 1);
+  // Lengths at and around the chunk and warp-group edges (32 positions per chunk up to 2048 positions).
+  check_decode_attention(8, 2, 64, 384, {1, 15, 16, 17, 31, 32, 33, 63, 64, 65, 200, 384}, 1);
   check_decode_attention(32, 8, 128, 1500, {1, 700, 1500, 95}, 2);  // 32-position chunks, 47 of them
   check_decode_attention(12, 1, 40, 100, {3, 100, 64}, 3);          // D not a multiple of 32; 12 heads per kv head
   check_decode_attention(4, 4, 16, 9, {9, 1}, 4);                   // no GQA, tiny head dim
