@@ -15,6 +15,7 @@ One call (tools/bench_generate.sh runs it on the GPU machine):
 
   python3 tools/bench_generate.py [--shardlm build/shardlm] [--batch 64] [--prompt 128] [--new 256]
                                   [--work DIR] [--small]   (--small: a 4-layer 512-wide model, a quick check)
+                                  [--greedy-only]          (one shardlm run, no transformers)
 """
 import argparse
 import os
@@ -114,6 +115,7 @@ def main():
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--work", default="")
     ap.add_argument("--small", action="store_true")
+    ap.add_argument("--greedy-only", action="store_true", help="one shardlm greedy run, no transformers: the decode step")
     args = ap.parse_args()
     import torch
     import transformers
@@ -130,6 +132,8 @@ def main():
     write_prompts(prompts, ids, config.vocab_size)
 
     greedy = run_shardlm(args, model_dir, prompts, os.path.join(work, "greedy.h5"), ["--temperature", "0"])
+    if args.greedy_only:
+        return
     sampled = run_shardlm(args, model_dir, prompts, os.path.join(work, "sampled.h5"),
                           ["--temperature", "0.8", "--top-k", "50", "--top-p", "0.95"])
     eager = run_shardlm(args, model_dir, prompts, os.path.join(work, "eager.h5"), ["--temperature", "0"],
