@@ -67,10 +67,23 @@ for t in tests/scripts/*.sh; do
   [ -e "$t" ] && run_script "$t" 600
 done
 
+# The FP8 emulation against cuda_fp8.h's own conversions (host code: no GPU needed,
+# only nvcc; the device checks run under make test-gpu).
+NVCC_BIN=${CUDA_HOME:-/usr/local/cuda}/bin/nvcc
+if [ "${SHARDLM_TEST_GPU:-0}" != 1 ] && [ -x "$NVCC_BIN" ]; then
+  echo "== tests/gpu/build_fp8.sh --host-only"
+  out=$(NVCC=$NVCC_BIN BUILD_GPU="$BUILD/gpu-host" timeout 900 bash tests/gpu/build_fp8.sh --host-only 2>&1); rc=$?
+  echo "$out" | grep -E ' PASS$| FAIL$|passed|error' | tail -20
+  p=$(grep -cE ' PASS$' <<< "$out"); f=$(grep -cE ' FAIL$' <<< "$out")
+  if [ $rc != 0 ] && [ "$f" = 0 ]; then f=1; fi
+  echo "$p $f fp8-host" >> "$results"
+fi
+
 # GPU suites (make test-gpu): kernel-vs-CPU checks; each binary prints PASS/FAIL lines.
 if [ "${SHARDLM_TEST_GPU:-0}" = 1 ]; then
   OMP_NUM_THREADS=$cores run_suite gpu 900 "$BUILD/test_gpu"
-  for t in tests/gpu/build_and_run.sh tests/gpu/build_attention.sh tests/gpu/build_rl_loss.sh; do
+  for t in tests/gpu/build_and_run.sh tests/gpu/build_attention.sh tests/gpu/build_rl_loss.sh \
+           tests/gpu/build_ring_attention.sh tests/gpu/build_fp8.sh; do
     echo "== $t"
     out=$(timeout 900 bash "$t" --no-timing 2>&1); rc=$?
     echo "$out" | tail -40
@@ -82,6 +95,8 @@ if [ "${SHARDLM_TEST_GPU:-0}" = 1 ]; then
   run_script tests/gpu/test_multirank.sh 900
   run_script tests/gpu/test_offload.sh 900
   run_script tests/gpu/test_async_ckpt.sh 600
+  # Context parallelism: the ring in the trainer, ranks sharing the GPU (staged MPI).
+  run_script tests/gpu/test_context_parallel.sh 900
 fi
 
 passed=$(awk '{p+=$1} END {print p+0}' "$results")

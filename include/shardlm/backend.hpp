@@ -135,8 +135,8 @@ class Backend {
   // micro-batch carries token_index. Before the first micro-batch.
   virtual void set_context_parallel(Comm& group) {
     (void)group;
-    SHARDLM_FAIL("model.context_parallel > 1 is not yet on the %s backend (the ring runs on the CPU backend; the "
-                 "GPU ring is not built yet): set model.context_parallel = 1 or device.backend = \"cpu\"", name());
+    SHARDLM_FAIL("model.context_parallel > 1 is not implemented on the %s backend (the ring runs on the CPU and "
+                 "CUDA backends): set model.context_parallel = 1", name());
   }
   // Forward only: the cross-entropy sums of the micro-batch (loss, loss_tokens)
   // as head_loss_backward computes them for SFT, without gradients; also on a

@@ -112,7 +112,9 @@ class Comm {
   // now and completed by wait(), so the caller computes on one block while the
   // next one travels. Every rank of the communicator calls it, in the same
   // order (it is numbered and watched as a collective: a rank that never sends
-  // ends the job naming it). Host buffers; `send` and `recv` must not overlap.
+  // ends the job naming it). Host buffers for the MPI Comm, device buffers for
+  // the device Comms (NCCL send/recv on their stream; staged MPI through pinned
+  // host memory, one exchange in flight); `send` and `recv` must not overlap.
   virtual CommRequest ring_exchange(const void* send, void* recv, int64_t bytes);
   // The ranks with the same `color`, ordered by `key`: a new communicator
   // (collective over this one). Context parallelism's groups.

@@ -16,7 +16,6 @@ struct RlLossParams {
   double ce_coef = 0.0;    // weight of an extra -logp (SFT) term, for mixed SFT + RL
   // The policy term: false = masked (-A r on tokens not masked by mask_high /
   // mask_low), true = clipped: -min(r A, clip(r, 1 - clip_low, 1 + clip_high) A).
-  // The CUDA kernel has the masked objective only (config refuses "clipped" there).
   bool clipped = false;
   double clip_low = 0.2;
   double clip_high = 0.28;

@@ -157,6 +157,7 @@ struct Checkpointer::Writer {
   std::vector<int64_t> offsets;      // byte offset of each tensor's data in the file
   std::vector<uint64_t> sums;        // this rank's partial checksums
   std::unique_ptr<RawFile> raw;
+  int64_t reserve_end = 0;           // rank 0: the file's blocks to reserve before the first write (0 = none)
   Pool* pool = nullptr;
   HostShardReader* mirror_reader = nullptr;  // device state: the host mirror this writer reads, released after the last write
   TrainingState* downloading = nullptr;      // device state: the mirror fills on a copy stream (start_snapshot)
@@ -219,6 +220,14 @@ struct Checkpointer::Writer {
                           tmp.c_str()));
     omp_set_num_threads(std::min(kWriterThreads, omp_get_max_threads()));  // this thread's checksums only
     size_t written = 0;
+    // A full disk shows up here, before any raw byte, while the metadata is clean.
+    if (reserve_end > 0) {
+      try {
+        reserve_space(tmp, reserve_end);
+      } catch (const std::exception& e) {
+        error = e.what();
+      }
+    }
     for (size_t p = 0; p < pieces.size(); ++p) {
       {
         std::unique_lock<std::mutex> lock(m);
@@ -428,41 +437,31 @@ SaveResult Checkpointer::start(int64_t steps_done, int64_t tokens_seen) {
     meta.sums = &zeros;
     meta.position_sum = checksum_i64(position.data(), 0, static_cast<int64_t>(position.size()));
     meta.position_size = static_cast<int64_t>(position.size());
+    // The file's HDF5 part, by rank 0 alone through the serial driver: the
+    // ranks write the raw data through RawFile, never through HDF5, so no
+    // collective metadata and no MPI-IO sync hold the loop. The other ranks
+    // learn where each tensor's space is; rank 0's writer reserves it.
     w->offsets.resize(tensors.size());
-    {
+    agreed(comm_, [&] {
+      if (rank != 0) return;
+      h5::Handle fapl(H5_CHECK(H5Pcreate(H5P_FILE_ACCESS)), H5Pclose);
+      H5_CHECK(H5Pset_file_locking(fapl, false, true));
       FileId file;
-      std::vector<h5::Handle> dsets;
-      agreed(comm_, [&] {
-        h5::Handle fapl = mpio_fapl(comm_);
-        file.reset(H5_CHECK(H5Fcreate(w->tmp.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, fapl)));
-      });
-      agreed(comm_, [&] {
-        dsets = write_metadata(file, s, tensors, meta);
-        H5_CHECK(H5Fflush(file, H5F_SCOPE_GLOBAL));
-      });
-      agreed(comm_, [&] {
-        int64_t end = 0;
-        for (size_t i = 0; i < tensors.size(); ++i) {
-          const haddr_t offset = H5Dget_offset(dsets[i]);
-          SHARDLM_CHECK(offset != HADDR_UNDEF, "no file space for %s", tensors[i].path.c_str());
-          w->offsets[i] = static_cast<int64_t>(offset);
-          end = std::max(end, w->offsets[i] + tensors[i].param->numel * 4);
-        }
-        const char* skip = std::getenv("SHARDLM_CKPT_SKIP_SPACE_CHECK");  // tests: reach ENOSPC in the writes
-        if (rank == 0 && !(skip && *skip)) reserve_space(w->tmp, end);
-      });
-      agreed(comm_, [&] {
-        h5::Handle dxpl = transfer_plist(RawMode::Independent);
-        std::vector<int64_t> values = position;
-        transfer<int64_t>(dsets.back(), {static_cast<int64_t>(values.size())}, 0,
-                          rank == 0 ? static_cast<int64_t>(values.size()) : 0, values.data(), 1, dxpl,
-                          H5T_NATIVE_INT64, true);
-      });
-      agreed(comm_, [&] {
-        dsets.clear();
-        file.close();  // every HDF5 byte is written; the writer fills the space HDF5 allocated
-      });
-    }
+      file.reset(H5_CHECK(H5Fcreate(w->tmp.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, fapl)));
+      std::vector<h5::Handle> dsets = write_metadata(file, s, tensors, meta);
+      for (size_t i = 0; i < tensors.size(); ++i) {
+        const haddr_t offset = H5Dget_offset(dsets[i]);
+        SHARDLM_CHECK(offset != HADDR_UNDEF, "no file space for %s", tensors[i].path.c_str());
+        w->offsets[i] = static_cast<int64_t>(offset);
+        w->reserve_end = std::max(w->reserve_end, w->offsets[i] + tensors[i].param->numel * 4);
+      }
+      H5_CHECK(H5Dwrite(dsets.back(), H5T_NATIVE_INT64, H5S_ALL, H5S_ALL, H5P_DEFAULT, position.data()));
+      dsets.clear();
+      file.close();  // every HDF5 byte is written; the writers fill the space HDF5 allocated
+    });
+    bcast(comm_, w->offsets.data(), static_cast<int>(w->offsets.size()), MPI_INT64_T, 0);
+    const char* skip = std::getenv("SHARDLM_CKPT_SKIP_SPACE_CHECK");  // tests: reach ENOSPC in the writes
+    if (rank != 0 || (skip && *skip)) w->reserve_end = 0;
     agreed(comm_, [&] { w->raw = std::make_unique<RawFile>(w->tmp, true); });
     result.metadata_s = seconds_since(t_meta);
 

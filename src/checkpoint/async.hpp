@@ -9,8 +9,9 @@
 // (device-resident state: to the host mirror, pinned, at the link's speed;
 // host state, CPU backend or optim_cpu_offload: into a bounded snapshot pool,
 // staged in pieces when the pool is smaller than the state), creates the file
-// and all its metadata, and returns; the writer thread writes the raw data,
-// checksums it and fsyncs; the end of a later step (poll) patches the
+// and all its metadata (rank 0 alone, serial HDF5 with no sync; the others
+// learn the offsets), and returns; the writer thread reserves the file's
+// blocks (rank 0, fallocate), writes the raw data, checksums it and fsyncs; the end of a later step (poll) patches the
 // checksums in, renames, updates `latest` and applies retention. Same file
 // format and the same tmp + fsync + rename + `latest` protocol as the
 // synchronous save, checksums included.

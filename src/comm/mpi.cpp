@@ -277,13 +277,13 @@ void CommRequest::wait() {
 }
 
 CommRequest Comm::ring_exchange(const void*, void*, int64_t) {
-  SHARDLM_FAIL("this communicator has no point-to-point ring yet: context parallelism (model.context_parallel > 1) "
-               "runs on the CPU backend's MPI communicator only; it is not yet on the GPU");
+  SHARDLM_FAIL("this communicator has no point-to-point ring: context parallelism (model.context_parallel > 1) "
+               "runs on the MPI communicator and the device communicators only");
 }
 
 std::unique_ptr<Comm> Comm::split(int, int) {
-  SHARDLM_FAIL("this communicator cannot be split: context parallelism (model.context_parallel > 1) runs on the CPU "
-               "backend's MPI communicator only; it is not yet on the GPU");
+  SHARDLM_FAIL("this communicator cannot be split: context parallelism's groups (model.context_parallel > 1) are "
+               "split from the MPI communicator");
 }
 
 namespace {

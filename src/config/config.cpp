@@ -543,9 +543,9 @@ void validate(const Config& c, int world, const std::set<std::string>& given, st
       err(fmt("data.seq_len = %lld does not split into 2 x model.context_parallel = %lld equal chunks (each rank of "
               "a group keeps an early and a late chunk): make data.seq_len a multiple of %lld",
               (long long)c.data.seq_len, (long long)(2 * cp), (long long)(2 * cp)));
-    if (c.device.backend == "cuda")
-      err("model.context_parallel > 1 is not yet on the GPU (the ring runs on the CPU backend; the CUDA ring is not "
-          "built): set device.backend = \"cpu\" or model.context_parallel = 1");
+    if (c.device.backend != "cpu" && c.device.attention == "cudnn")
+      err("device.attention = \"cudnn\" with model.context_parallel > 1: the ring attends block by block with "
+          "shardlm's masked flash kernels, not cuDNN's; set device.attention = \"auto\" or \"flash\"");
     if (c.loss.type == "rl")
       err("model.context_parallel > 1 is for SFT so far (loss.type = \"sft\"): the rollout packing does not split "
           "sequences over a group yet");
@@ -613,9 +613,6 @@ void validate(const Config& c, int world, const std::set<std::string>& given, st
             "<= %lld", (long long)c.data.max_async, (long long)(c.broadcast.interval - 1),
             (long long)c.broadcast.interval, (long long)(c.data.max_async + 1), (long long)(c.broadcast.interval - 1),
             (long long)(c.data.max_async + 1)));
-  if (c.loss.objective == "clipped" && c.device.backend == "cuda")
-    err("loss.objective = \"clipped\" runs on the CPU backend only so far (the CUDA kernel has the masked "
-        "objective): use loss.objective = \"masked\" or device.backend = \"cpu\"");
   const std::vector<std::string>& rewards = c.rollout.reward;
   const auto uses = [&](const char* kind) { return std::find(rewards.begin(), rewards.end(), kind) != rewards.end(); };
   if (rewards.empty())

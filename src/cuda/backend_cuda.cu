@@ -12,6 +12,7 @@
 #include <array>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <vector>
 
 #include "shardlm/backend.hpp"
@@ -20,6 +21,7 @@
 #include "cuda/attention.hpp"
 #include "cuda/gemm.hpp"
 #include "cuda/ops.hpp"
+#include "cuda/ring_attention.hpp"
 #include "cuda/rl_loss.hpp"
 #include "cuda/sdpa.hpp"
 #include "shardlm/error.hpp"
@@ -50,6 +52,8 @@ class CudaBackend final : public Backend {
   ~CudaBackend() override {
     if (!stream_) return;
     cudaStreamSynchronize(stream_);
+    ring_.reset();
+    ring_comm_.reset();  // its collectives are ordered against stream_: gone before it
     sdpa_.reset();
     gemm_.reset();
     for (auto& [ptr, size] : owned_) cudaFree(ptr);
@@ -181,8 +185,11 @@ class CudaBackend final : public Backend {
                          p.attention_in_gu ? 0 : p.attention});
     return p;
   }
-  // cuDNN's attention is planned whenever it may be chosen (choose_attention).
-  static bool sdpa_planned(const EngineOptions& o) { return o.attention != "flash" && !o.deterministic; }
+  // cuDNN's attention is planned whenever it may be chosen (choose_attention);
+  // the context-parallel ring runs shardlm's masked kernels instead.
+  static bool sdpa_planned(const EngineOptions& o) {
+    return o.attention != "flash" && !o.deterministic && o.context_parallel <= 1;
+  }
   // The attention phase's buffers, in `base` (a layer's gate/up or the shared region).
   void place_attention_phase(char* base) {
     d_att_ = reinterpret_cast<bf16*>(base), dq_ = reinterpret_cast<bf16*>(base + phases_.dq);
@@ -305,6 +312,14 @@ class CudaBackend final : public Backend {
     // Allocated by choose_attention when cuDNN's attention loads; planned whenever it may be chosen.
     if (sdpa_planned(o))
       rows.push_back({"cudnn_sdpa_persistent", w, int64_t(cuda::CudnnSdpa::persistent_bytes(d.N)), 1, nullptr});
+    if (o.context_parallel > 1) {  // the ring (cuda/ring_attention.hpp); its staged Comm's pinned buffers: engine.cpp
+      using R = cuda::RingBuffers;
+      rows.push_back(row("token_index", w, d.N, &token_index_));
+      for (auto& b : ring_buffers_.block) rows.push_back(bytes_row("ring.block", w, R::block_bytes(d.N, d.KVD), &b));
+      for (auto& g : ring_buffers_.grad) rows.push_back(bytes_row("ring.grad", w, R::grad_bytes(d.N, d.KVD), &g));
+      rows.push_back(bytes_row("ring.acc", w, R::acc_bytes(d.N, d.HD), &ring_buffers_.acc));
+      rows.push_back(bytes_row("ring.query_bounds", w, R::bounds_bytes(d.N), &ring_buffers_.query_bounds));
+    }
     // Allocated by init() with the stream, at the backend's first allocation.
     rows.push_back({"gemm_workspace", w, int64_t(kGemmWorkspace), 1, nullptr});
     return rows;
@@ -334,6 +349,11 @@ class CudaBackend final : public Backend {
   // accumulates dq with atomics on Hopper, so reruns would differ in the last bits.
   void choose_attention(const Dims& d) {
     const std::string own_kernels = fmt("shardlm flash kernels (%s)", cuda::attention_kernel_name(d.D));
+    if (options_.context_parallel > 1) {
+      attention_note_ = fmt("context-parallel ring over %lld ranks, shardlm's masked flash kernels",
+                            (long long)options_.context_parallel);
+      return;
+    }
     if (options_.attention == "flash") {
       attention_note_ = own_kernels + ", as device.attention = \"flash\" asks";
       return;
@@ -359,11 +379,15 @@ class CudaBackend final : public Backend {
   // cuDNN's attention when it takes this micro-batch's shape, else shardlm's
   // kernels (same tensors, same meaning); a refusal is reported once per shape.
   void attention_forward(Acts& a, int64_t N) {
+    if (ring_) return ring_->forward(a.att, a.lse, a.q, a.k, a.v, token_index_, seq_ids_, N, d_.H, d_.KV, d_.D);
     if (sdpa_ && sdpa_->forward(a.att, a.lse, a.q, a.k, a.v)) return;
     note_sdpa_refusal();
     cuda::attention_forward(a.att, a.lse, a.q, a.k, a.v, seq_ids_, doc_start_, N, d_.H, d_.KV, d_.D, stream_);
   }
   void attention_backward(Acts& a, int64_t N) {
+    if (ring_)
+      return ring_->backward(dq_, dk_, dv_, d_att_, a.q, a.k, a.v, a.att, a.lse, token_index_, seq_ids_,
+                             static_cast<float*>(delta_), N, d_.H, d_.KV, d_.D);
     if (sdpa_ && sdpa_->backward(dq_, dk_, dv_, d_att_, a.q, a.k, a.v, a.att, a.lse, sdpa_backward_buffers_)) return;
     note_sdpa_refusal();
     cuda::attention_backward(dq_, dk_, dv_, d_att_, a.q, a.k, a.v, a.att, a.lse, seq_ids_, doc_start_,
@@ -402,8 +426,23 @@ class CudaBackend final : public Backend {
       upload(inference_logprobs_, b.inference_logprobs, 4 * b.N);
       upload(temperatures_, b.temperatures, 4 * b.N);
     }
+    if (ring_) {
+      SHARDLM_CHECK(b.token_index, "internal: a context-parallel micro-batch without token indices");
+      upload(token_index_, b.token_index, 4 * b.N);
+    }
     cuda::attention_doc_start(doc_start_, seq_ids_, n_, stream_);
     if (sdpa_) sdpa_->set_documents(b.seq_ids, b.N);
+  }
+
+  // The ring's device Comm joins the group's ranks (NCCL, or MPI staged through
+  // pinned host memory as comm.backend says) on this backend's stream.
+  void set_context_parallel(Comm& group) override {
+    SHARDLM_CHECK(options_.context_parallel == group.size() && ring_buffers_.acc,
+                  "internal: the CUDA backend was planned for model.context_parallel = %lld, the group has %d ranks",
+                  (long long)options_.context_parallel, group.size());
+    ring_comm_ = make_device_comm(group, options_.comm_backend, stream_,
+                                  cuda::RingBuffers::staging_bytes(d_.N, d_.KVD), options_.comm_timeout_s);
+    ring_ = std::make_unique<cuda::RingAttention>(*ring_comm_, ring_buffers_, d_.N, stream_);
   }
 
   void embed_forward(const void* table) override {
@@ -657,6 +696,10 @@ class CudaBackend final : public Backend {
   void* scratch_ = nullptr;
   size_t scratch_bytes_ = 0;
   std::unique_ptr<cuda::CudnnSdpa> sdpa_;  // cuDNN's attention, when chosen (choose_attention)
+  int32_t* token_index_ = nullptr;         // context parallelism: (N) index in the group's micro-batch
+  cuda::RingBuffers ring_buffers_;         // context parallelism: the ring's blocks and accumulators
+  std::unique_ptr<Comm> ring_comm_;        // set_context_parallel: the device Comm over the group
+  std::unique_ptr<cuda::RingAttention> ring_;
   void* sdpa_backward_buffers_ = nullptr;  // its backward buffers, in the shared region
   std::string attention_note_, reported_refusal_;
 };

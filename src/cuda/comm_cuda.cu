@@ -1,7 +1,7 @@
 // comm_cuda.cu — the unit loop's Comm for GPU backends: all-gather and
-// reduce-scatter on device buffers, through NCCL (one GPU per rank) or through
-// MPI staged in pinned host memory (several ranks sharing one GPU, which NCCL
-// refuses). The small collectives (all-reduce of host doubles, broadcast,
+// reduce-scatter (and context parallelism's ring_exchange) on device buffers,
+// through NCCL (one GPU per rank) or through MPI staged in pinned host memory
+// (several ranks sharing one GPU, which NCCL refuses). The small collectives (all-reduce of host doubles, broadcast,
 // barrier, all_to_all_v) go to the host Comm it wraps.
 #include <cuda_runtime.h>
 #include <nccl.h>
@@ -143,6 +143,20 @@ class NcclDeviceComm final : public HostForwarding {
     return end(ticket, "broadcast", count * dtype_bytes(t));
   }
   using HostForwarding::broadcast;
+  // Context parallelism's ring: send to rank + 1 and receive from rank - 1 as one
+  // NCCL group on the comm stream, so the block travels while the compute stream
+  // works on the one held; watched like the collectives.
+  CommRequest ring_exchange(const void* send, void* recv, int64_t bytes) override {
+    require_device(send, "ring send buffer");
+    require_device(recv, "ring receive buffer");
+    const int64_t ticket = begin();
+    const int next = (rank() + 1) % size(), prev = (rank() + size() - 1) % size();
+    NCCL_CHECK(ncclGroupStart());
+    NCCL_CHECK(ncclSend(send, size_t(bytes), ncclUint8, next, nccl_, stream_));
+    NCCL_CHECK(ncclRecv(recv, size_t(bytes), ncclUint8, prev, nccl_, stream_));
+    NCCL_CHECK(ncclGroupEnd());
+    return end(ticket, "ring exchange", bytes);
+  }
 
   void complete(int64_t ticket) override {
     // A ticket older than the ring has had its event recorded again by a later
@@ -279,6 +293,28 @@ class StagedDeviceComm final : public HostForwarding {
     return {};
   }
   using HostForwarding::broadcast;
+  // Context parallelism's ring through the host: the block goes out to pinned
+  // memory now and MPI starts (the host Comm's ring_exchange, numbered and
+  // watched); CommRequest::wait() waits for MPI on the host while the kernels
+  // queued meanwhile run, then queues the copy into `recv` on the compute stream.
+  // One exchange in flight at a time (the rings start the next after waiting).
+  CommRequest ring_exchange(const void* send, void* recv, int64_t bytes) override {
+    require_device(send, "ring send buffer");
+    require_device(recv, "ring receive buffer");
+    SHARDLM_CHECK(!ring_in_flight_.pending(), "internal: a staged ring exchange started before the last one ended");
+    stage_out(send, bytes, bytes);
+    ring_in_flight_ = host_.ring_exchange(send_, recv_, bytes);
+    ring_recv_ = recv;
+    ring_bytes_ = bytes;
+    return CommRequest(this, ++ring_ticket_);
+  }
+  void complete(int64_t ticket) override {
+    SHARDLM_CHECK(ticket == ring_ticket_ && ring_recv_, "internal: staged ring exchange %lld completed out of turn",
+                  (long long)ticket);
+    ring_in_flight_.wait();
+    CUDA_CHECK(cudaMemcpyAsync(ring_recv_, recv_, size_t(ring_bytes_), cudaMemcpyHostToDevice, compute_));
+    ring_recv_ = nullptr;
+  }
 
  private:
   // Copy `bytes` of device memory to send_ and wait for it; the wait also
@@ -294,6 +330,10 @@ class StagedDeviceComm final : public HostForwarding {
   int64_t staging_bytes_;
   void* send_ = nullptr;  // pinned (staging_bytes)
   void* recv_ = nullptr;  // pinned (staging_bytes)
+  CommRequest ring_in_flight_;  // the host exchange of the ring's message in flight
+  void* ring_recv_ = nullptr;   // its device destination, until complete()
+  int64_t ring_bytes_ = 0;
+  int64_t ring_ticket_ = 0;
 };
 
 }  // namespace

@@ -25,6 +25,8 @@ constexpr int kRlSumThreads = 256;       // per block of the chunk-sum kernel
 struct RlKernelParams {
   double mask_high, mask_low, kl_coef, ce_coef;
   float grad_scale;
+  bool clipped;                // the clipped surrogate instead of the masked objective
+  double clip_low, clip_high;
 };
 
 // One row per cluster of csize CTAs; CTA `rank` keeps columns [rank * chunk, ...)
@@ -135,12 +137,25 @@ rl_loss_kernel(bf16* __restrict__ logits, double* __restrict__ row_stats,
     const double log_r = logp - lp_inf;
     const double ratio = exp(log_r);
     const double dp = exp(logp) - exp(lp_inf);  // p_train - p_inference
-    const bool masked_high = A > 0 && dp > p.mask_high;
-    const bool masked_low = A <= 0 && dp < -p.mask_low;
-    // A branch, not a 0/1 factor: a masked token may have ratio = inf.
-    const double pg = (masked_high || masked_low) ? 0.0 : -A * ratio;
+    bool masked_high, masked_low;
+    double pg, dpg_dlogp;  // the policy term and its derivative in logp (d r / d logp = r)
+    if (p.clipped) {
+      // -min(r A, clip(r) A), the CPU's branches: the clipped term is the smaller
+      // exactly when the clip is active against the update; constant there.
+      masked_high = A > 0 && ratio > 1.0 + p.clip_high;
+      masked_low = A < 0 && ratio < 1.0 - p.clip_low;
+      const double clipped_ratio = masked_high ? 1.0 + p.clip_high : masked_low ? 1.0 - p.clip_low : ratio;
+      pg = -A * clipped_ratio;
+      dpg_dlogp = (masked_high || masked_low) ? 0.0 : -A * ratio;
+    } else {
+      masked_high = A > 0 && dp > p.mask_high;
+      masked_low = A <= 0 && dp < -p.mask_low;
+      // A branch, not a 0/1 factor: a masked token may have ratio = inf.
+      pg = (masked_high || masked_low) ? 0.0 : -A * ratio;
+      dpg_dlogp = pg;
+    }
     const double wd = double(w);
-    const double dloss_dlogp = wd * (pg + 2.0 * p.kl_coef * log_r) - p.ce_coef * wd;
+    const double dloss_dlogp = wd * (dpg_dlogp + 2.0 * p.kl_coef * log_r) - p.ce_coef * wd;
     const double coef = double(p.grad_scale) * dloss_dlogp / double(tau);
     grad_exp_scale = float(-coef / row_sum);
     grad_target_add = float(coef);
@@ -210,7 +225,8 @@ void rl_loss_forward_backward(bf16* logits, double* row_stats, double* stats, co
   // The cross-entropy's split (cross_entropy.cu), so the same V gives the same slices.
   const RowClusterSplit split = row_cluster_split(V, vec ? 8 : 1, op);
   const RowClusterLaunch launch(split, n, kRlThreads, stream);
-  const RlKernelParams p{params.mask_high, params.mask_low, params.kl_coef, params.ce_coef, grad_scale};
+  const RlKernelParams p{params.mask_high, params.mask_low, params.kl_coef, params.ce_coef, grad_scale,
+                         params.clipped,   params.clip_low, params.clip_high};
   if (vec) {
     CUDA_CHECK(cudaFuncSetAttribute(rl_loss_kernel<8>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(split.smem)));
     CUDA_CHECK(cudaLaunchKernelEx(&launch.cfg, rl_loss_kernel<8>, logits, row_stats, targets, weights, advantages,

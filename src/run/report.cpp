@@ -173,6 +173,13 @@ void end_of_run_report(const Runtime& rt, const Config& config, TrainSession& se
   if (s.data) plan.data_reader += s.data->memory().total();
   if (s.eval) plan.data_reader += s.eval->data().memory().total();
   metrics.summary(plan, peak[0], peak[1], s.bad_steps_total);
+  // The activations alone, planned and measured (context parallelism divides them by C).
+  int64_t activations_peak = (s.backend.host_resident() ? host_memory() : device_memory()).peak[int(Mem::Activations)];
+  MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &activations_peak, 1, MPI_INT64_T, MPI_MAX, rt.role_comm));
+  if (s.rank == 0)
+    std::printf("memory: activations peak %.3f MiB %s on the largest rank, planned %.3f MiB\n",
+                double(activations_peak) / 1048576.0, s.backend.host_resident() ? "host" : "GPU",
+                double(plan.activations) / 1048576.0);
   if (const std::string line = s.state.summary(); !line.empty() && s.rank == 0) std::printf("%s\n", line.c_str());
   if (s.muon) {  // Muon's part of the optimizer time above
     const MuonTiming& t = s.muon->timing();

@@ -63,6 +63,11 @@ MemoryPlan plan_memory(const ModelConfig& config, int world, const EngineOptions
   }
   // Several ranks on one GPU: two pinned host buffers of one full fp32 unit each.
   if (plan.device && world > 1 && o.comm_backend == "mpi") plan.comm_staging = 2 * 4 * max_padded(layout);
+  // The context-parallel ring's own staged Comm (cuda/ring_attention.hpp,
+  // RingBuffers::staging_bytes): two pinned buffers of its largest message, the
+  // block's fp32 dk | dv accumulators (2 x N x KV x D x 4 bytes).
+  if (plan.device && o.context_parallel > 1 && o.comm_backend == "mpi")
+    plan.comm_staging += 2 * 2 * o.max_tokens * config.num_kv_heads * config.head_dim * 4;
   plan.activations = backend.activation_bytes(config, o);
   plan.workspace += backend.workspace_bytes(config, o);
   return plan;

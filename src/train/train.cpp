@@ -34,11 +34,6 @@ EngineOptions engine_options_for(const Config& config) {
   o.rl = config.loss.type == "rl";
   o.rl_params = {config.loss.mask_high, config.loss.mask_low, config.loss.kl_coef, config.loss.ce_coef,
                  config.loss.objective == "clipped", config.loss.clip_low, config.loss.clip_high};
-  // The deck check refuses "clipped" with device.backend = "cuda"; here "auto" has become the backend.
-  SHARDLM_CHECK(!(o.rl && o.rl_params.clipped && config.device.backend == "cuda"),
-                "loss.objective = \"clipped\" runs on the CPU backend only so far (the CUDA RL kernel has the masked "
-                "objective), and device.backend = \"auto\" chose the GPU: set loss.objective = \"masked\" or "
-                "device.backend = \"cpu\"");
   // Under context parallelism each rank holds 1/C of every row: its activations are sized for its share.
   o.context_parallel = config.model.context_parallel;
   o.max_tokens = config.data.micro_batch * config.data.seq_len / std::max<int64_t>(1, o.context_parallel);

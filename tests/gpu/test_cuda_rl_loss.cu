@@ -3,7 +3,8 @@
 // bf16-rounded logits, on fresh random inputs: tiny and odd sizes (scalar path),
 // V = 128256 (a 4-CTA cluster) and V = 151936 (8 CTAs); both mask thresholds,
 // temperatures != 1, weights, rows without loss, mixed SFT (ce_coef), the on-policy
-// zero-advantage case, bad rows, chunk accumulation, and determinism (two runs,
+// zero-advantage case, the clipped surrogate (both clip sides, with kl and SFT terms),
+// bad rows, chunk accumulation, and determinism (two runs,
 // bitwise equal). One line per check: name, error, threshold, PASS/FAIL; the last
 // line "N passed, M failed"; non-zero exit status on any failure. Thresholds and
 // their reasons: tests/gpu/README.md.
@@ -540,6 +541,9 @@ int main(int argc, char** argv) {
     cpu::RlLossParams defaults;
     cpu::RlLossParams mixed{0.2, 0.2, 0.05, 0.1};  // a larger kl term and an SFT term
     cpu::RlLossParams tight{0.1, 0.3, 1e-3, 0.0};  // asymmetric thresholds
+    cpu::RlLossParams clipped;                      // the clipped surrogate, clip 0.2 / 0.28
+    clipped.clipped = true;
+    cpu::RlLossParams clipped_mixed{0.2, 0.2, 0.05, 0.1, true, 0.1, 0.5};  // asymmetric clip, kl and SFT terms
     const auto t0 = std::chrono::steady_clock::now();
     test_case(rng, {"tiny", 13, 67, defaults});        // scalar path (V odd), one CTA
     test_case(rng, {"odd", 17, 1001, mixed});          // scalar path
@@ -550,6 +554,9 @@ int main(int argc, char** argv) {
     test_case(rng, {"one row", 1, 128256, mixed});
     test_case(rng, {"qwen two rows", 2, 151936, tight});
     test_case(rng, {"on-policy A=0", 32, 128256, cpu::RlLossParams{0.2, 0.2, 1e-3, 0.0}, true});
+    test_case(rng, {"clipped tiny", 13, 67, clipped});  // scalar path
+    test_case(rng, {"clipped llama3", 64, 128256, clipped});
+    test_case(rng, {"clipped qwen mixed", 24, 151936, clipped_mixed});
     test_accumulate(rng);
     test_bad_rows(rng);
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

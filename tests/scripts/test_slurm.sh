@@ -318,8 +318,19 @@ give_rollouts runs/rl-last/rollouts 1 $(( last_steps - 1 ))
 last_job=$(submit "${one_cpu[@]}" jobs/slurm-node.sbatch inputs/tiny-rl.toml "${rl_opts[@]}" --set broadcast.backend=none \
            --set run.max_steps=$last_steps --set ckpt.interval=$(( last_steps - 1 )) --set run.dir=runs/rl-last \
            --set data.rollout_dir=runs/rl-last/rollouts)
-for id in "$straight" "$signalled" "$sweep" "$bad_deck" "$ckpt_fail" "$loop" "$rl_job" "$setup_job" "$last_job"; do
-  [[ $id =~ ^[0-9]+$ ]] || { fail "sbatch did not return job ids: '$straight' '$signalled' '$sweep' '$bad_deck' '$ckpt_fail' '$loop' '$rl_job' '$setup_job' '$last_job' ($submit_out)"; exit 1; }
+# A rank hung in checkpoint I/O with a stop signal pending (#27): rank 1's
+# background write of step 6 stalls; the save of step 9 waits for it; USR1
+# comes; the watchdog ends the job after comm.timeout_s with exit 75, through
+# srun, and the job requeues. The stall is part 1's only: the wrapper drops the
+# fault in a requeued job, which resumes from step_3.h5 and completes.
+printf '#!/bin/sh\n[ "${SLURM_RESTART_COUNT:-0}" = 0 ] || unset SHARDLM_CKPT_FAULT\nexec "%s" "$@"\n' "$build_dir/shardlm" \
+  > "$tmp/fault-once"
+chmod +x "$tmp/fault-once"
+hang_job=$(SHARDLM_BIN=$tmp/fault-once SHARDLM_CKPT_FAULT=stall:6@1 submit "${cpu_job[@]}" jobs/slurm-node.sbatch \
+           inputs/tiny-sft.toml --set ckpt.async=true --set ckpt.interval=3 --set run.max_steps=40 --set log.interval=1 \
+           --set comm.timeout_s=20 --set data.global_batch=2 --set data.micro_batch=1 --set run.dir=runs/hang)
+for id in "$straight" "$signalled" "$sweep" "$bad_deck" "$ckpt_fail" "$loop" "$rl_job" "$setup_job" "$last_job" "$hang_job"; do
+  [[ $id =~ ^[0-9]+$ ]] || { fail "sbatch did not return job ids: '$straight' '$signalled' '$sweep' '$bad_deck' '$ckpt_fail' '$loop' '$rl_job' '$setup_job' '$last_job' '$hang_job' ($submit_out)"; exit 1; }
 done
 drive rl "$rl_job" "logs/shardlm-rl-$rl_job.out" "checkpoint: saved runs/rl/checkpoints/step_$rl_gate.h5" \
   give_rollouts runs/rl/rollouts $(( rl_gate + 1 )) $rl_steps &
@@ -329,6 +340,8 @@ drive setup "$setup_job" "logs/shardlm-$setup_job.out" "run dir: runs/setup/run.
 drivers+=($!)
 drive last "$last_job" "logs/shardlm-$last_job.out" "checkpoint: saved runs/rl-last/checkpoints/step_$(( last_steps - 1 )).h5" \
   give_rollouts runs/rl-last/rollouts $last_steps $last_steps &
+drivers+=($!)
+drive hang "$hang_job" "logs/shardlm-$hang_job.out" "^step  *9/40 " true &
 drivers+=($!)
 
 # ------------------------------------------------------------------ the signalled job
@@ -367,7 +380,7 @@ signal_part() {
 signal_part 1 --signal=USR1 && stop1=$stop_step && signal_part 2 --batch --signal=USR1 && stop2=$stop_step || sig_ok=0
 
 wait "${drivers[@]}"
-for id in "$straight" "$signalled" "$sweep" "$bad_deck" "$ckpt_fail" "$loop" "$rl_job" "$setup_job" "$last_job"; do
+for id in "$straight" "$signalled" "$sweep" "$bad_deck" "$ckpt_fail" "$loop" "$rl_job" "$setup_job" "$last_job" "$hang_job"; do
   wait_done "$id" 300 || fail "job $id did not finish"
 done
 
@@ -438,7 +451,7 @@ check_outline() {
   got=$(outline "$2")
   check "$1" test "$got" = "$3" || printf '  got:    %s\n  wanted: %s\n' "$got" "$3"
 }
-for name in rl setup last; do
+for name in rl setup last hang; do
   check "$name job: at its gate, signalled, gate opened ($(cat "$tmp/drive-$name" 2>/dev/null))" \
     test "$(cat "$tmp/drive-$name" 2>/dev/null)" = ok
 done
@@ -479,6 +492,19 @@ check "signal on the last step: COMPLETED exit 0, not requeued ($(state "$last_j
 check_outline "signal on the last step: steps 1-$last_steps, 'stop signal 10 on the last step ($last_steps)', finished, no requeue ($log)" \
   "$log" "restart 0|$(for i in $(seq 1 $last_steps); do printf 'step %d/%d|' "$i" $last_steps; done)stop signal 10 on the last step ($last_steps)|shardlm train finished"
 check "signal on the last step: the final checkpoint step_$last_steps saved" test -f runs/rl-last/checkpoints/step_$last_steps.h5
+
+# (d) a rank hung in checkpoint I/O, USR1 pending: the watchdog's exit 75 reaches
+# the job script through srun; requeued; part 2 resumes from the last good save.
+log=logs/shardlm-$hang_job.out
+check "hung write + USR1: requeued once, then COMPLETED exit 0 ($(state "$hang_job"))" \
+  test "$(state "$hang_job")" = "COMPLETED restarts 1 exit 0:0"
+part1=$(sed -n '/^=== slurm-node.sbatch: job .*(restart 0)/,/^=== slurm-node.sbatch: job .*(restart 1)/p' "$log")
+part2=$(sed -n '/^=== slurm-node.sbatch: job .*(restart 1)/,$p' "$log")
+check "hung write + USR1: part 1 names rank 1's write of step 6, exits 75 and is requeued; part 2 resumes from step_3.h5 to step 40 ($log)" \
+  bash -c "grep -q \"rank 1's background write of step 6 .*has made no progress\" <<< \"\$1\" &&
+           grep -q 'stopped after a checkpoint (exit 75): requeueing' <<< \"\$1\" &&
+           grep -q 'resumed from runs/hang/checkpoints/step_3.h5' <<< \"\$2\" && [ -f runs/hang/checkpoints/step_40.h5 ]" \
+  _ "$part1" "$part2"
 
 # ------------------------------------------------------------------ the local runner
 stop_cluster

@@ -136,7 +136,7 @@ TEST_CASE("device communicator keys: NCCL and bf16 reduction need the CUDA backe
         "--set comm.timeout_s=0: comm.timeout_s = 0 is out of range: it must be a finite number > 0 and <= 32000000");
 }
 
-TEST_CASE("model.context_parallel: divides the ranks, splits seq_len into 2C chunks, CPU and SFT only so far") {
+TEST_CASE("model.context_parallel: divides the ranks, splits seq_len into 2C chunks, SFT only so far") {
   const DeckResult ok = parse(kValid, {"model.context_parallel=4"}, 8);  // 2 data-parallel groups x 4
   for (const auto& e : ok.errors) MESSAGE(e);
   REQUIRE(ok.ok());
@@ -148,9 +148,13 @@ TEST_CASE("model.context_parallel: divides the ranks, splits seq_len into 2C chu
   CHECK(only_error(parse(kValid, {"model.context_parallel=2", "data.seq_len=62"}, 2)) ==
         "deck.toml: data.seq_len = 62 does not split into 2 x model.context_parallel = 4 equal chunks (each rank of a "
         "group keeps an early and a late chunk): make data.seq_len a multiple of 4");
-  CHECK(only_error(parse(kValid, {"model.context_parallel=2", "device.backend=cuda"}, 2)) ==
-        "deck.toml: model.context_parallel > 1 is not yet on the GPU (the ring runs on the CPU backend; the CUDA ring "
-        "is not built): set device.backend = \"cpu\" or model.context_parallel = 1");
+  // The CUDA ring (cuda/ring_attention.hpp) runs shardlm's masked kernels: cuDNN's attention cannot be asked for.
+  const DeckResult gpu = parse(kValid, {"model.context_parallel=2", "device.backend=cuda"}, 2);
+  for (const auto& e : gpu.errors) MESSAGE(e);
+  CHECK(gpu.ok());
+  CHECK(only_error(parse(kValid, {"model.context_parallel=2", "device.backend=cuda", "device.attention=cudnn"}, 2)) ==
+        "deck.toml: device.attention = \"cudnn\" with model.context_parallel > 1: the ring attends block by block "
+        "with shardlm's masked flash kernels, not cuDNN's; set device.attention = \"auto\" or \"flash\"");
   // global_batch splits over the data-parallel groups, not the ranks: 8 rows = 2 x 4 groups at 8 ranks, C = 2.
   CHECK(parse(kValid, {"model.context_parallel=2"}, 8).ok());
   CHECK(only_error(parse(kValid, {"model.context_parallel=2"}, 16)) ==

@@ -1,0 +1,245 @@
+// fp8.cu — FP8 amaxes, scales, quantisation and the cuBLASLt FP8 GEMM. See
+// src/cuda/fp8.hpp.
+#include "cuda/fp8.hpp"
+
+#include <cuda_fp8.h>
+
+#include <algorithm>
+
+#include "cuda/check.hpp"
+
+namespace shardlm::cuda {
+
+namespace {
+
+constexpr int kThreads = 256;
+
+__device__ __nv_fp8_interpretation_t interpretation(Fp8Format f) {
+  return f == Fp8Format::E4M3 ? __NV_E4M3 : __NV_E5M2;
+}
+
+// Non-negative floats order like their bit patterns as ints: atomicMax on those.
+__device__ void atomic_max_nonnegative(float* address, float value) {
+  atomicMax(reinterpret_cast<int*>(address), __float_as_int(value));
+}
+
+// The block's max of v (every thread gets it). NaN is ignored (fmaxf).
+__device__ float block_max(float v) {
+  __shared__ float partial[kThreads / 32];
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = v;
+  __syncthreads();
+  v = threadIdx.x < kThreads / 32 ? partial[threadIdx.x] : 0.0f;
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+__global__ void amax_kernel(const bf16* __restrict__ x, int64_t n, float* __restrict__ amax) {
+  float m = 0.0f;
+  for (int64_t i = blockIdx.x * int64_t(kThreads) + threadIdx.x; i < n; i += int64_t(gridDim.x) * kThreads)
+    m = fmaxf(m, fabsf(__bfloat162float(x[i])));
+  m = block_max(m);
+  if (threadIdx.x == 0) atomic_max_nonnegative(amax, m);
+}
+
+__global__ void amax_rows_kernel(const bf16* __restrict__ x, int64_t cols, float* __restrict__ amax) {
+  const bf16* row = x + blockIdx.x * cols;
+  float m = 0.0f;
+  for (int64_t c = threadIdx.x; c < cols; c += kThreads) m = fmaxf(m, fabsf(__bfloat162float(row[c])));
+  m = block_max(m);
+  if (threadIdx.x == 0) amax[blockIdx.x] = m;
+}
+
+// Blocks of 32 columns x kColRows rows; each thread one column over its rows.
+constexpr int kColRows = 256;
+__global__ void amax_cols_kernel(const bf16* __restrict__ x, int64_t rows, int64_t cols, float* __restrict__ amax) {
+  __shared__ float partial[8][33];
+  const int64_t c = blockIdx.x * 32 + threadIdx.x;
+  const int64_t r0 = blockIdx.y * int64_t(kColRows);
+  const int64_t r1 = min(rows, r0 + kColRows);
+  float m = 0.0f;
+  if (c < cols)
+    for (int64_t r = r0 + threadIdx.y; r < r1; r += 8) m = fmaxf(m, fabsf(__bfloat162float(x[r * cols + c])));
+  partial[threadIdx.y][threadIdx.x] = m;
+  __syncthreads();
+  if (threadIdx.y == 0 && c < cols) {
+    for (int y = 1; y < 8; ++y) m = fmaxf(m, partial[y][threadIdx.x]);
+    atomic_max_nonnegative(amax + c, m);
+  }
+}
+
+// cpu::fp8_scale, the same fp32 operations.
+__global__ void scales_kernel(const float* __restrict__ amax, int64_t n, float top, float* __restrict__ scale,
+                              float* __restrict__ inv_scale) {
+  const int64_t i = blockIdx.x * int64_t(kThreads) + threadIdx.x;
+  if (i >= n) return;
+  const float a = amax[i];
+  const float s = (isfinite(a) && a > 0.0f) ? __fdiv_rn(top, fmaxf(a, 1e-12f)) : 1.0f;
+  scale[i] = s;
+  inv_scale[i] = __fdiv_rn(1.0f, s);
+}
+
+__device__ float scale_of(const float* scale, Fp8Scaling scaling, int64_t r, int64_t c) {
+  return scale[scaling == Fp8Scaling::Tensor ? 0 : scaling == Fp8Scaling::Rows ? r : c];
+}
+
+__global__ void quantize_kernel(const bf16* __restrict__ x, int64_t rows, int64_t cols, const float* __restrict__ scale,
+                                Fp8Scaling scaling, Fp8Format f, uint8_t* __restrict__ codes) {
+  const int64_t n = rows * cols;
+  const __nv_fp8_interpretation_t kind = interpretation(f);
+  for (int64_t i = blockIdx.x * int64_t(kThreads) + threadIdx.x; i < n; i += int64_t(gridDim.x) * kThreads) {
+    const float v = __fmul_rn(__bfloat162float(x[i]), scale_of(scale, scaling, i / cols, i % cols));
+    codes[i] = __nv_cvt_float_to_fp8(v, __NV_SATFINITE, kind);
+  }
+}
+
+// 32 x 32 tiles through shared memory: reads along x's rows, writes along codes' rows.
+__global__ void quantize_transpose_kernel(const bf16* __restrict__ x, int64_t rows, int64_t cols,
+                                          const float* __restrict__ scale, Fp8Scaling scaling, Fp8Format f,
+                                          uint8_t* __restrict__ codes) {
+  __shared__ uint8_t tile[32][33];
+  const __nv_fp8_interpretation_t kind = interpretation(f);
+  const int64_t r0 = blockIdx.y * 32, c0 = blockIdx.x * 32;
+  for (int y = threadIdx.y; y < 32; y += 8) {
+    const int64_t r = r0 + y, c = c0 + threadIdx.x;
+    if (r < rows && c < cols) {
+      const float v = __fmul_rn(__bfloat162float(x[r * cols + c]), scale_of(scale, scaling, r, c));
+      tile[y][threadIdx.x] = __nv_cvt_float_to_fp8(v, __NV_SATFINITE, kind);
+    }
+  }
+  __syncthreads();
+  for (int y = threadIdx.y; y < 32; y += 8) {
+    const int64_t c = c0 + y, r = r0 + threadIdx.x;  // codes (cols, rows)
+    if (r < rows && c < cols) codes[c * rows + r] = tile[threadIdx.x][y];
+  }
+}
+
+int grid_for(int64_t n) {
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((n + kThreads - 1) / kThreads, 132 * 16)));
+}
+
+template <class T>
+void set_desc(cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t attr, const T& value) {
+  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc, attr, &value, sizeof(value)));
+}
+
+cudaDataType_t data_type(Fp8Format f) { return f == Fp8Format::E4M3 ? CUDA_R_8F_E4M3 : CUDA_R_8F_E5M2; }
+
+}  // namespace
+
+void fp8_amax(const bf16* x, int64_t n, float* amax, cudaStream_t stream) {
+  CUDA_CHECK(cudaMemsetAsync(amax, 0, sizeof(float), stream));
+  if (n == 0) return;
+  amax_kernel<<<grid_for(n), kThreads, 0, stream>>>(x, n, amax);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+void fp8_amax_rows(const bf16* x, int64_t rows, int64_t cols, float* amax, cudaStream_t stream) {
+  if (rows == 0) return;
+  amax_rows_kernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(x, cols, amax);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+void fp8_amax_cols(const bf16* x, int64_t rows, int64_t cols, float* amax, cudaStream_t stream) {
+  CUDA_CHECK(cudaMemsetAsync(amax, 0, sizeof(float) * size_t(cols), stream));
+  if (rows == 0 || cols == 0) return;
+  const dim3 grid(static_cast<unsigned>((cols + 31) / 32), static_cast<unsigned>((rows + kColRows - 1) / kColRows));
+  amax_cols_kernel<<<grid, dim3(32, 8), 0, stream>>>(x, rows, cols, amax);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+void fp8_scales(const float* amax, int64_t n, Fp8Format f, float* scale, float* inv_scale, cudaStream_t stream) {
+  if (n == 0) return;
+  scales_kernel<<<static_cast<unsigned>((n + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
+      amax, n, cpu::fp8_max(f), scale, inv_scale);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+void fp8_quantize(const bf16* x, int64_t rows, int64_t cols, const float* scale, Fp8Scaling scaling, Fp8Format f,
+                  uint8_t* codes, bool transpose, cudaStream_t stream) {
+  if (rows == 0 || cols == 0) return;
+  if (transpose) {
+    const dim3 grid(static_cast<unsigned>((cols + 31) / 32), static_cast<unsigned>((rows + 31) / 32));
+    quantize_transpose_kernel<<<grid, dim3(32, 8), 0, stream>>>(x, rows, cols, scale, scaling, f, codes);
+  } else {
+    quantize_kernel<<<grid_for(rows * cols), kThreads, 0, stream>>>(x, rows, cols, scale, scaling, f, codes);
+  }
+  CUDA_CHECK(cudaGetLastError());
+}
+
+Fp8Gemm::Fp8Gemm(cudaStream_t stream, void* workspace, size_t workspace_bytes)
+    : stream_(stream), workspace_(workspace), workspace_bytes_(workspace ? workspace_bytes : 0) {
+  CUBLAS_CHECK(cublasLtCreate(&handle_));
+}
+
+Fp8Gemm::~Fp8Gemm() {
+  for (auto& [key, p] : plans_) {
+    cublasLtMatrixLayoutDestroy(p.a);
+    cublasLtMatrixLayoutDestroy(p.b);
+    cublasLtMatrixLayoutDestroy(p.c);
+    cublasLtMatmulDescDestroy(p.op);
+  }
+  if (handle_) cublasLtDestroy(handle_);
+}
+
+// Column-major, as Gemm::plan: the row-major C (M, N) is the library's D (N x M)
+// = op(our B) op(our A). Our B (N, K) row-major is the column-major (K x N),
+// transposed by the op: the "TN" form cuBLASLt's FP8 kernels require.
+Fp8Gemm::Plan& Fp8Gemm::plan(const Key& key, const float* a_inv, const float* b_inv) {
+  if (auto it = plans_.find(key); it != plans_.end()) return it->second;
+  Plan p;
+  CUBLAS_CHECK(cublasLtMatmulDescCreate(&p.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  set_desc(p.op, CUBLASLT_MATMUL_DESC_TRANSA, CUBLAS_OP_T);
+  set_desc(p.op, CUBLASLT_MATMUL_DESC_TRANSB, CUBLAS_OP_N);
+  set_desc(p.op, CUBLASLT_MATMUL_DESC_FAST_ACCUM, int8_t(key.fast_accum ? 1 : 0));
+  if (key.rowwise) {
+    set_desc(p.op, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, int32_t(CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F));
+    set_desc(p.op, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, int32_t(CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F));
+  }
+  set_desc(p.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, static_cast<const void*>(b_inv));
+  set_desc(p.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, static_cast<const void*>(a_inv));
+  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.a, data_type(key.fb), key.K, key.N, key.ldb));
+  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.b, data_type(key.fa), key.K, key.M, key.lda));
+  const cudaDataType_t ctype = key.out == GemmOut::BF16 ? CUDA_R_16BF : CUDA_R_32F;
+  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.c, ctype, key.N, key.M, key.ldc));
+
+  cublasLtMatmulPreference_t pref = nullptr;
+  CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+  cublasLtMatmulHeuristicResult_t result{};
+  int found = 0;
+  const uint64_t workspace = workspace_bytes_;
+  const cublasStatus_t st1 = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                                                  &workspace, sizeof(workspace));
+  const cublasStatus_t st2 =
+      st1 == CUBLAS_STATUS_SUCCESS
+          ? cublasLtMatmulAlgoGetHeuristic(handle_, p.op, p.a, p.b, p.c, p.c, pref, 1, &result, &found)
+          : st1;
+  cublasLtMatmulPreferenceDestroy(pref);
+  SHARDLM_CHECK(st2 == CUBLAS_STATUS_SUCCESS && found > 0 && result.state == CUBLAS_STATUS_SUCCESS,
+                "cuBLASLt has no FP8 algorithm for C(%lld, %lld) = A B^T, K = %lld, %s x %s, %s scales, %s output "
+                "(%s): FP8 GEMMs need a Hopper or newer GPU and sizes that are multiples of 16",
+                static_cast<long long>(key.M), static_cast<long long>(key.N), static_cast<long long>(key.K),
+                key.fa == Fp8Format::E4M3 ? "e4m3" : "e5m2", key.fb == Fp8Format::E4M3 ? "e4m3" : "e5m2",
+                key.rowwise ? "row" : "tensor", key.out == GemmOut::BF16 ? "bf16" : "fp32",
+                cublasLtGetStatusString(st2));
+  p.algo = result.algo;
+  return plans_.emplace(key, p).first->second;
+}
+
+void Fp8Gemm::matmul(int64_t M, int64_t N, int64_t K, const uint8_t* A, Fp8Format fa, int64_t lda, const float* a_inv,
+                     const uint8_t* B, Fp8Format fb, int64_t ldb, const float* b_inv, bool rowwise, void* C,
+                     int64_t ldc, GemmOut out, float alpha, float beta, bool fast_accum) {
+  SHARDLM_CHECK(M > 0 && N > 0 && K > 0 && lda >= K && ldb >= K && ldc >= N,
+                "fp8 gemm: bad sizes M %lld N %lld K %lld lda %lld ldb %lld ldc %lld", static_cast<long long>(M),
+                static_cast<long long>(N), static_cast<long long>(K), static_cast<long long>(lda),
+                static_cast<long long>(ldb), static_cast<long long>(ldc));
+  SHARDLM_CHECK(!(fa == Fp8Format::E5M2 && fb == Fp8Format::E5M2), "fp8 gemm: e5m2 x e5m2 is not supported");
+  const Key key{M, N, K, lda, ldb, ldc, fa, fb, rowwise, fast_accum, out};
+  Plan& p = plan(key, a_inv, b_inv);
+  set_desc(p.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, static_cast<const void*>(b_inv));
+  set_desc(p.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, static_cast<const void*>(a_inv));
+  CUBLAS_CHECK(cublasLtMatmul(handle_, p.op, &alpha, B, p.a, A, p.b, &beta, C, p.c, C, p.c, &p.algo, workspace_,
+                              workspace_bytes_, stream_));
+}
+
+}  // namespace shardlm::cuda

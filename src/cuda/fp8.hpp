@@ -1,0 +1,84 @@
+// cuda/fp8.hpp — FP8 on Hopper: amaxes, scales, quantisation (plain and
+// transposed) and the FP8 GEMM through cuBLASLt (issue #30; not yet wired into
+// the linear layers).
+//
+// Owns: shardlm::cuda::{fp8_amax, fp8_amax_rows, fp8_amax_cols, fp8_scales,
+// fp8_quantize} and Fp8Gemm. The arithmetic is src/cpu/fp8.hpp's, which these
+// kernels are checked against bit for bit (tests/gpu/test_fp8.cu): the
+// quantised codes equal cpu::fp8_bits(x * scale), scales equal cpu::fp8_scale.
+// Must not know: the model, MPI, NCCL, the deck. Kernels allocate nothing and
+// never synchronise the host; every launch goes on the caller's stream.
+#pragma once
+
+#include <cublasLt.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <compare>
+#include <cstddef>
+#include <cstdint>
+#include <map>
+
+#include "cpu/fp8.hpp"
+#include "cuda/gemm.hpp"
+
+namespace shardlm::cuda {
+
+using Fp8Format = cpu::Fp8Format;
+
+// amax (1) = max |x| over x (n); overwritten. Deterministic (a max in any order).
+void fp8_amax(const bf16* x, int64_t n, float* amax, cudaStream_t stream);
+// amax (rows) = max |x[r, :]| of x (rows, cols); amax (cols) = max |x[:, c]|.
+void fp8_amax_rows(const bf16* x, int64_t rows, int64_t cols, float* amax, cudaStream_t stream);
+void fp8_amax_cols(const bf16* x, int64_t rows, int64_t cols, float* amax, cudaStream_t stream);
+// scale[i] = cpu::fp8_scale(amax[i], f), inv_scale[i] = 1 / scale[i] (the GEMM's dequantisation scale).
+void fp8_scales(const float* amax, int64_t n, Fp8Format f, float* scale, float* inv_scale, cudaStream_t stream);
+
+// What the scales of fp8_quantize are indexed by: one for the tensor, one per row
+// of x, one per column of x.
+enum class Fp8Scaling { Tensor, Rows, Cols };
+// codes = cpu::fp8_bits(x[r, c] * scale[.], f) of x (rows, cols) bf16, written
+// (rows, cols) or, with transpose, (cols, rows): the K-major copy the backward's
+// GEMMs read (cuBLASLt's FP8 kernels take both operands with K contiguous).
+void fp8_quantize(const bf16* x, int64_t rows, int64_t cols, const float* scale, Fp8Scaling scaling, Fp8Format f,
+                  uint8_t* codes, bool transpose, cudaStream_t stream);
+
+// C (M, N) = alpha (a_inv A) (b_inv B)^T + beta C, row-major: A (M, K) and B (N, K)
+// FP8 codes with K contiguous (row strides lda, ldb), a_inv / b_inv device fp32
+// dequantisation scales, one each (rowwise = false) or one per row of A (M) and of
+// B (N); C bf16 or fp32 (ldc). fp32 accumulation, promoted periodically (cuBLASLt's
+// FAST_ACCUM off) unless fast_accum. Plans cached per shape like Gemm's.
+class Fp8Gemm {
+ public:
+  Fp8Gemm(cudaStream_t stream, void* workspace, size_t workspace_bytes);
+  ~Fp8Gemm();
+  Fp8Gemm(const Fp8Gemm&) = delete;
+  Fp8Gemm& operator=(const Fp8Gemm&) = delete;
+
+  void matmul(int64_t M, int64_t N, int64_t K, const uint8_t* A, Fp8Format fa, int64_t lda, const float* a_inv,
+              const uint8_t* B, Fp8Format fb, int64_t ldb, const float* b_inv, bool rowwise, void* C, int64_t ldc,
+              GemmOut out, float alpha = 1.0f, float beta = 0.0f, bool fast_accum = false);
+
+ private:
+  struct Key {
+    int64_t M, N, K, lda, ldb, ldc;
+    Fp8Format fa, fb;
+    bool rowwise, fast_accum;
+    GemmOut out;
+    auto operator<=>(const Key&) const = default;
+  };
+  struct Plan {
+    cublasLtMatmulDesc_t op = nullptr;
+    cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
+    cublasLtMatmulAlgo_t algo{};
+  };
+  Plan& plan(const Key& key, const float* a_inv, const float* b_inv);
+
+  cudaStream_t stream_;
+  void* workspace_;
+  size_t workspace_bytes_;
+  cublasLtHandle_t handle_ = nullptr;
+  std::map<Key, Plan> plans_;
+};
+
+}  // namespace shardlm::cuda
