@@ -120,6 +120,8 @@ int cmd_inference_role(Runtime& rt, const CliArgs& args) {
   Config config;
   if (!load_deck(rt, args, rt.num_trainers, config)) return 1;
   if (config.device.cpu_threads > 0) omp_set_num_threads(static_cast<int>(config.device.cpu_threads));
+  // The sampler's backend, as the trainers resolve theirs ("auto": cuda when a GPU is there).
+  select_device(rt, config.device.backend);
   return run_inference_role(config, rt);
 }
 

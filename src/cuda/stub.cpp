@@ -2,6 +2,7 @@
 #include "shardlm/backend.hpp"
 #include "shardlm/cuda.hpp"
 #include "cuda/newton_schulz.hpp"
+#include "infer/decoder_cuda.hpp"
 #include "train/state.hpp"
 #include "shardlm/error.hpp"
 
@@ -30,6 +31,11 @@ std::unique_ptr<OffloadDevice> make_cuda_offload_device(void*, int) {
 }
 std::unique_ptr<TrainingState> make_cuda_device_state(ShardedModel&, Optimizer&, const OptimSection&, Backend&) {
   SHARDLM_FAIL("this shardlm was built without CUDA (device-resident training state needs a GPU backend)");
+}
+
+std::unique_ptr<Decoder> make_cuda_decoder(const InferenceModel&, const DecoderLimits&) {
+  SHARDLM_FAIL("this shardlm was built without CUDA (generate on the GPU needs a CUDA build; use device.backend = "
+               "\"cpu\" or --device cpu)");
 }
 
 }  // namespace shardlm

@@ -13,7 +13,9 @@
 #include "checkpoint/inspect.hpp"
 #include "data/prompts.hpp"
 #include "data/tokenizer.hpp"
+#include "infer/decoder_cuda.hpp"
 #include "shardlm/config.hpp"
+#include "shardlm/cuda.hpp"
 #include "shardlm/h5util.hpp"
 
 namespace fs = std::filesystem;
@@ -94,6 +96,29 @@ void unpack(const char* p, const char* end, std::vector<Completion>& out) {
     get_vec(p, c.tempered_logprobs);
     out.push_back(std::move(c));
   }
+}
+
+// This rank's index among the ranks of `comm` on its node (collective).
+int node_local_rank(MPI_Comm comm) {
+  MPI_Comm node;
+  MPI_CHECK(MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node));
+  int local = 0;
+  MPI_CHECK(MPI_Comm_rank(node, &local));
+  MPI_CHECK(MPI_Comm_free(&node));
+  return local;
+}
+
+// "auto" | "cpu" | "cuda" -> the backend the decoder runs on; for "cuda" this
+// rank's GPU is bound as training binds it (local rank modulo the devices).
+std::string bind_backend(const std::string& requested, int local_rank) {
+  const int ndev = cuda_device_count();
+  if (requested == "cpu" || (requested == "auto" && ndev == 0)) return "cpu";
+  SHARDLM_CHECK(cuda_built(), "--device cuda (or the deck's device.backend = \"cuda\") but this shardlm was built "
+                              "without CUDA: rebuild with CUDA=1, or use --device cpu");
+  SHARDLM_CHECK(ndev > 0, "--device cuda (or the deck's device.backend = \"cuda\") but no CUDA device is visible; "
+                          "use --device cpu");
+  cuda_set_device(ndev == 1 ? 0 : local_rank % ndev);
+  return "cuda";
 }
 
 // Rank 0 gets every rank's completions, sorted by (prompt, sample).
@@ -223,6 +248,9 @@ GenerateArgs parse_generate_args(const std::map<std::string, std::string>& o, co
   a.n = int_option(o, "n", 1, 1, 1 << 20);
   a.max_new_tokens = int_option(o, "max-new-tokens", 64, 1, kMaxPositions);
   a.batch = int_option(o, "batch", 8, 1, 65536);
+  a.device = text("device");
+  SHARDLM_CHECK(a.device.empty() || a.device == "auto" || a.device == "cpu" || a.device == "cuda",
+                "--device expects auto, cpu or cuda, got '%s'", a.device.c_str());
   a.sampling.temperature = real_option(o, "temperature", 1.0);
   a.sampling.top_p = real_option(o, "top-p", 1.0);
   a.sampling.top_k = int_option(o, "top-k", 0, 0, INT32_MAX);
@@ -241,7 +269,9 @@ GenerateArgs parse_generate_args(const std::map<std::string, std::string>& o, co
 
 int run_generate(const GenerateArgs& given, MPI_Comm comm) {
   const int rank = ckpt::comm_rank(comm), world = ckpt::comm_size(comm);
+  const int local_rank = node_local_rank(comm);
   GenerateArgs args = given;
+  std::string backend = "cpu";
   InferenceModel model;
   PromptSet prompts;
   std::vector<GenerateRequest> requests;
@@ -261,6 +291,7 @@ int run_generate(const GenerateArgs& given, MPI_Comm comm) {
                        deck.errors.size() == 1 ? "" : "s", all.c_str());
         }
         if (!args.seed_given) args.sampling.seed = deck.config.run.seed;
+        if (args.device.empty()) args.device = deck.config.device.backend;
         if (args.hf.empty() && args.checkpoint.empty()) {
           std::error_code ec;
           const fs::path ckpts = fs::path(deck.config.run.dir) / "checkpoints";
@@ -293,8 +324,8 @@ int run_generate(const GenerateArgs& given, MPI_Comm comm) {
       std::vector<GenerateRequest> all;
       for (int64_t p = 0; p < prompts.size(); ++p) all.push_back({p, 0, prompts.prompt(p)});
       plan_limits(c, all, args.batch, args.max_new_tokens, prompts.path);
-      decoder = std::make_unique<Decoder>(
-          model, plan_limits(c, requests, args.batch, args.max_new_tokens, prompts.path));
+      backend = bind_backend(args.device.empty() ? "auto" : args.device, local_rank);
+      decoder = make_decoder(model, plan_limits(c, requests, args.batch, args.max_new_tokens, prompts.path), backend);
     });
   } catch (const std::exception& e) {
     if (rank == 0) std::fprintf(stderr, "shardlm generate: error: %s\n", e.what());
@@ -302,11 +333,13 @@ int run_generate(const GenerateArgs& given, MPI_Comm comm) {
   }
   if (rank == 0) {
     const DecoderLimits& l = decoder->limits();
-    std::printf("generate: %s | %lld prompt%s x %lld sample%s over %d rank%s | batch %lld, cache %lld positions "
+    std::printf("generate: %s | %lld prompt%s x %lld sample%s over %d rank%s | %s | batch %lld, cache %lld positions "
                 "(%.1f MiB), weights %.1f MiB | temperature %g, top-k %lld, top-p %g, seed %llu, stop ids %zu\n",
                 model.source.c_str(), (long long)prompts.size(), prompts.size() == 1 ? "" : "s", (long long)args.n,
-                args.n == 1 ? "" : "s", world, world == 1 ? "" : "s", (long long)l.slots, (long long)l.max_len,
-                decoder->cache_bytes() / 1048576.0, model.bytes() / 1048576.0, args.sampling.temperature,
+                args.n == 1 ? "" : "s", world, world == 1 ? "" : "s", decoder->describe().c_str(),
+                (long long)l.slots, (long long)l.max_len, decoder->cache_bytes() / 1048576.0,
+                (decoder->weight_bytes() ? decoder->weight_bytes() : model.bytes()) / 1048576.0,
+                args.sampling.temperature,
                 (long long)args.sampling.top_k, args.sampling.top_p, (unsigned long long)args.sampling.seed,
                 options.stop_ids.size());
     std::fflush(stdout);
@@ -316,6 +349,10 @@ int run_generate(const GenerateArgs& given, MPI_Comm comm) {
   int64_t my_tokens = 0;
   for (const Completion& c : mine) my_tokens += int64_t(c.tokens.size());
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (rank == 0 && decoder->decode_steps() > 0)
+    std::printf("generate: rank 0: %lld decode steps, %.3f ms each on the device (forward and lm-head, event-timed; "
+                "the logits' download and the sampling not counted)\n",
+                (long long)decoder->decode_steps(), 1e3 * decoder->decode_seconds() / double(decoder->decode_steps()));
   std::vector<Completion> all = gather(std::move(mine), comm);
   int64_t tokens = 0;
   MPI_CHECK(MPI_Reduce(&my_tokens, &tokens, 1, MPI_INT64_T, MPI_SUM, 0, comm));

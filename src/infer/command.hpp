@@ -26,6 +26,7 @@ struct GenerateArgs {
   int64_t n = 1;
   int64_t max_new_tokens = 64;
   int64_t batch = 8;                    // sequences decoded at once per rank (KV cache slots)
+  std::string device;                   // --device auto|cpu|cuda ("": the deck's device.backend, else auto)
   SamplingParams sampling;
   bool seed_given = false;
 };

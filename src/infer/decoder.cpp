@@ -1,15 +1,24 @@
 // decoder.cpp — prefill and decode over the KV cache (see decoder.hpp).
 #include "infer/decoder.hpp"
+#include "infer/decoder_cuda.hpp"
 
 #include <algorithm>
 #include <cstring>
 
 #include "cpu/ops.hpp"
+#include "cpu/rl_loss.hpp"
 #include "shardlm/error.hpp"
 
 namespace shardlm {
 
-Decoder::Decoder(const InferenceModel& model, const DecoderLimits& limits) : model_(model), limits_(limits) {
+std::unique_ptr<Decoder> make_decoder(const InferenceModel& model, const DecoderLimits& limits,
+                                      const std::string& backend) {
+  if (backend == "cuda") return make_cuda_decoder(model, limits);
+  SHARDLM_CHECK(backend == "cpu", "internal: generate on backend '%s'", backend.c_str());
+  return std::make_unique<CpuDecoder>(model, limits);
+}
+
+CpuDecoder::CpuDecoder(const InferenceModel& model, const DecoderLimits& limits) : model_(model), limits_(limits) {
   const ModelConfig& c = model.config();
   SHARDLM_CHECK(limits.slots >= 1 && limits.slots <= 65536, "generate: a batch of %lld sequences; give 1 to 65536",
                 (long long)limits.slots);
@@ -42,16 +51,26 @@ Decoder::Decoder(const InferenceModel& model, const DecoderLimits& limits) : mod
   slot_of_.resize(size_t(max_rows_));
   attend_len_.resize(size_t(limits.slots));
   slot_len_.assign(size_t(limits.slots), 0);
+  host_logits_.resize(size_t(limits.slots * c.vocab_size));
+  temperatures_.resize(size_t(limits.slots));
 }
 
-int64_t Decoder::cache_bytes() const { return cpu::rows_bytes(table_, Mem::Activations); }
-int64_t Decoder::scratch_bytes() const { return cpu::rows_bytes(table_, Mem::Workspace); }
+void CpuDecoder::token_logprobs(float* out, const float* logits, const int32_t* tokens, float temperature,
+                                int64_t n) {
+  SHARDLM_CHECK(n <= limits_.slots, "internal: logprobs of %lld rows, %lld slots", (long long)n,
+                (long long)limits_.slots);
+  std::fill(temperatures_.begin(), temperatures_.begin() + n, temperature);
+  cpu::token_logprobs<float>(out, logits, tokens, temperatures_.data(), n, model_.config().vocab_size);
+}
 
-void Decoder::check_slot(int32_t slot) const {
+int64_t CpuDecoder::cache_bytes() const { return cpu::rows_bytes(table_, Mem::Activations); }
+int64_t CpuDecoder::scratch_bytes() const { return cpu::rows_bytes(table_, Mem::Workspace); }
+
+void CpuDecoder::check_slot(int32_t slot) const {
   SHARDLM_CHECK(slot >= 0 && slot < limits_.slots, "internal: slot %d of %lld", slot, (long long)limits_.slots);
 }
 
-void Decoder::store_kv(int l, int64_t N, const int32_t* slot_of, const int32_t* pos_of) {
+void CpuDecoder::store_kv(int l, int64_t N, const int32_t* slot_of, const int32_t* pos_of) {
   const ModelConfig& c = model_.config();
   const int64_t KVD = c.num_kv_heads * c.head_dim;
   float* kc = k_cache(l);
@@ -63,7 +82,7 @@ void Decoder::store_kv(int l, int64_t N, const int32_t* slot_of, const int32_t* 
   }
 }
 
-void Decoder::head(const float* rows, int64_t n, float* logits) {
+void CpuDecoder::head(const float* rows, int64_t n, float* logits) {
   const ModelConfig& c = model_.config();
   cpu::rmsnorm_forward(head_x_.data(), head_rstd_.data(), rows, model_.final_norm(), n, c.hidden_size,
                        c.rms_norm_eps);
@@ -72,7 +91,7 @@ void Decoder::head(const float* rows, int64_t n, float* logits) {
 }
 
 template <class Attend>
-void Decoder::run_layers(int64_t N, cpu::LinearFn linear, Attend&& attend) {
+void CpuDecoder::run_layers(int64_t N, cpu::LinearFn linear, Attend&& attend) {
   const ModelConfig& c = model_.config();
   const cpu::TokenInputs in{N, positions_.data(), seq_ids_.data(), inv_freq_.data()};
   cpu::embedding_forward(x_.data(), tokens_.data(), model_.embedding(), N, c.vocab_size, c.hidden_size);
@@ -86,7 +105,7 @@ void Decoder::run_layers(int64_t N, cpu::LinearFn linear, Attend&& attend) {
   }
 }
 
-void Decoder::prefill(std::span<const int32_t> slots, std::span<const std::span<const int32_t>> prompts,
+void CpuDecoder::prefill(std::span<const int32_t> slots, std::span<const std::span<const int32_t>> prompts,
                       float* logits) {
   const ModelConfig& c = model_.config();
   const int64_t n = static_cast<int64_t>(prompts.size());
@@ -117,7 +136,7 @@ void Decoder::prefill(std::span<const int32_t> slots, std::span<const std::span<
   head(last_.data(), n, logits);
 }
 
-void Decoder::decode(std::span<const int32_t> slots, std::span<const int32_t> tokens, float* logits) {
+void CpuDecoder::decode(std::span<const int32_t> slots, std::span<const int32_t> tokens, float* logits) {
   const ModelConfig& c = model_.config();
   const int64_t B = static_cast<int64_t>(slots.size());
   SHARDLM_CHECK(B == int64_t(tokens.size()) && B >= 1 && B <= limits_.slots,

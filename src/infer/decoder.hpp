@@ -1,7 +1,10 @@
 // decoder.hpp — the model's forward for sampling: batched prefill of prompts
 // into a KV cache, then one token per sequence per decode step, attending over
-// the cache. CPU backend, fp32.
+// the cache. Decoder is the interface generate() drives; CpuDecoder (here, fp32)
+// and the CUDA decoder (infer/decoder_cuda.hpp, bf16) implement it, and
+// make_decoder picks one by the resolved device backend, once.
 //
+// CpuDecoder:
 // A sequence's logits never depend on the other sequences of its batch (so a
 // seeded sample does not either): a prompt is prefilled with matmuls of its
 // own rows only, and decode steps and the lm-head run
@@ -20,7 +23,9 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "cpu/layers.hpp"
@@ -33,24 +38,74 @@ struct DecoderLimits {
   int64_t max_len = 0;           // positions per slot: prompt + generated tokens
 };
 
+// What generate() needs of a forward over a KV cache. Logits are fp32 in host
+// memory, (n, V) row-major, whatever the backend computes in.
 class Decoder {
  public:
-  // Plans and allocates everything; throws Error when a limit is out of range.
-  Decoder(const InferenceModel& model, const DecoderLimits& limits);
-
+  virtual ~Decoder() = default;
   // Prompts[i] into slot slots[i] at positions 0 .. len - 1 (what the slot held
   // is forgotten); logits (n, V) of each prompt's last position. At most
-  // `slots` prompts, each at most max_len tokens; each runs its own matmuls.
-  void prefill(std::span<const int32_t> slots, std::span<const std::span<const int32_t>> prompts, float* logits);
+  // `slots` prompts, each at most max_len tokens.
+  virtual void prefill(std::span<const int32_t> slots, std::span<const std::span<const int32_t>> prompts,
+                       float* logits) = 0;
   // tokens[b] appended to slot slots[b] at position length(slots[b]); logits
   // (B, V) of those positions. Distinct slots, each with room for one more.
-  void decode(std::span<const int32_t> slots, std::span<const int32_t> tokens, float* logits);
+  virtual void decode(std::span<const int32_t> slots, std::span<const int32_t> tokens, float* logits) = 0;
+  // One parameter's new values (bf16, as the weight broadcast carries them),
+  // after the InferenceModel took them: a decoder with its own copy of the
+  // weights (the GPU's) refreshes that parameter; the CPU reads the model's.
+  virtual void load_bf16(const ParamInfo& param, const uint16_t* values) = 0;
+  // A (slots, V) host buffer the decoder owns, the fastest place for its
+  // logits (pinned memory on the GPU: the download runs at full PCIe speed).
+  virtual float* host_logits() = 0;
+  // log_softmax(logits / temperature)[tokens[b]] for the n rows of the last
+  // prefill or decode (`logits`: where that step put them). CpuDecoder runs
+  // the trainer's cpu::token_logprobs on them; the GPU computes it from its own
+  // copy of the step's logits (the host would need ~20 ms a step at batch 64
+  // and V = 128256 for the softmax sums).
+  virtual void token_logprobs(float* out, const float* logits, const int32_t* tokens, float temperature,
+                              int64_t n) = 0;
 
-  int64_t length(int32_t slot) const { return slot_len_[size_t(slot)]; }
-  const DecoderLimits& limits() const { return limits_; }
-  int64_t cache_bytes() const;       // the KV cache
-  int64_t scratch_bytes() const;     // activations, logits input, head scratch
-  const ModelConfig& config() const { return model_.config(); }
+  virtual int64_t length(int32_t slot) const = 0;
+  virtual const DecoderLimits& limits() const = 0;
+  virtual int64_t cache_bytes() const = 0;     // the KV cache
+  virtual int64_t scratch_bytes() const = 0;   // activations, logits, head scratch
+  virtual int64_t weight_bytes() const = 0;    // weights held beside the InferenceModel's (0: none)
+  virtual const ModelConfig& config() const = 0;
+  // "cpu fp32" | "cuda bf16 on DEVICE": for the start-up line.
+  virtual std::string describe() const = 0;
+  // Decode steps run and their time on the device (0 when not measured), for
+  // the HBM-floor comparison of bench runs.
+  virtual int64_t decode_steps() const { return 0; }
+  virtual double decode_seconds() const { return 0; }
+};
+
+// backend: "cpu" or "cuda" (device.backend after "auto" is resolved; the CUDA
+// device already bound). Throws Error for "cuda" in a build without CUDA.
+std::unique_ptr<Decoder> make_decoder(const InferenceModel& model, const DecoderLimits& limits,
+                                      const std::string& backend);
+
+class CpuDecoder final : public Decoder {
+ public:
+  // Plans and allocates everything; throws Error when a limit is out of range.
+  CpuDecoder(const InferenceModel& model, const DecoderLimits& limits);
+
+  // Each prompt runs its own matmuls (see the header).
+  void prefill(std::span<const int32_t> slots, std::span<const std::span<const int32_t>> prompts,
+               float* logits) override;
+  void decode(std::span<const int32_t> slots, std::span<const int32_t> tokens, float* logits) override;
+  void load_bf16(const ParamInfo&, const uint16_t*) override {}
+  float* host_logits() override { return host_logits_.data(); }
+  void token_logprobs(float* out, const float* logits, const int32_t* tokens, float temperature,
+                      int64_t n) override;
+
+  int64_t length(int32_t slot) const override { return slot_len_[size_t(slot)]; }
+  const DecoderLimits& limits() const override { return limits_; }
+  int64_t cache_bytes() const override;
+  int64_t scratch_bytes() const override;
+  int64_t weight_bytes() const override { return 0; }
+  const ModelConfig& config() const override { return model_.config(); }
+  std::string describe() const override { return "cpu fp32"; }
 
  private:
   // Embedding and layers 0..L-1 over the N tokens of tokens_ / positions_ /
@@ -78,6 +133,8 @@ class Decoder {
   std::vector<int32_t> tokens_, positions_, seq_ids_, slot_of_;  // (max_rows)
   std::vector<int32_t> attend_len_;      // (slots) decode: tokens each row attends to
   std::vector<int32_t> slot_len_;        // (slots) positions filled per slot
+  std::vector<float> host_logits_;       // (slots, V) generate()'s logits
+  std::vector<float> temperatures_;      // (slots) token_logprobs' argument
 };
 
 }  // namespace shardlm

@@ -4,7 +4,8 @@
 #include <algorithm>
 #include <numeric>
 
-#include "cpu/rl_loss.hpp"
+#include <omp.h>
+
 #include "shardlm/error.hpp"
 
 namespace shardlm {
@@ -46,13 +47,16 @@ std::vector<Completion> generate(Decoder& decoder, std::span<const GenerateReque
                   "internal: prompt %lld (%zu tokens) does not fit the decoder's plan", (long long)r.prompt,
                   r.tokens.size());
 
-  Sampler sampler(o.sampling, V);
-  // Planned once: one row of logits per slot and the per-row values of a step.
-  std::vector<float> logits(size_t(slots * V));
+  // One sampler (its (V) scratch) per thread: rows are drawn in parallel, each
+  // from its own key, so the tokens do not depend on the thread count.
+  std::vector<Sampler> samplers;
+  for (int t = 0; t < std::max(1, omp_get_max_threads()); ++t) samplers.emplace_back(o.sampling, V);
+  // Planned once: one row of logits per slot (the decoder's own buffer) and the per-row values of a step.
+  float* const logits = decoder.host_logits();
+  std::vector<Sampled> drawn(static_cast<size_t>(slots));
   std::vector<int32_t> step_slots, step_tokens;
   std::vector<std::span<const int32_t>> step_prompts;
-  std::vector<float> model_lp(static_cast<size_t>(slots)), tempered_lp(static_cast<size_t>(slots)), ones(static_cast<size_t>(slots), 1.0f),
-      temps(size_t(slots), float(o.sampling.temperature > 0 ? o.sampling.temperature : 1.0));
+  std::vector<float> model_lp(static_cast<size_t>(slots)), tempered_lp(static_cast<size_t>(slots));
   step_slots.reserve(size_t(slots));
   step_tokens.reserve(size_t(slots));
   step_prompts.reserve(size_t(slots));
@@ -67,16 +71,22 @@ std::vector<Completion> generate(Decoder& decoder, std::span<const GenerateReque
   auto take = [&] {
     const int64_t B = int64_t(step_slots.size());
     step_tokens.resize(size_t(B));
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t b = 0; b < B; ++b) {
+      const Completion& done = out[size_t(held[size_t(step_slots[size_t(b)])])];
+      drawn[size_t(b)] = samplers[size_t(omp_get_thread_num())].sample(
+          logits + b * V, {done.prompt, done.sample, int64_t(done.tokens.size())});
+    }
     for (int64_t b = 0; b < B; ++b) {
       Completion& done = out[size_t(held[size_t(step_slots[size_t(b)])])];
-      const Sampled s = sampler.sample(logits.data() + b * V, {done.prompt, done.sample, int64_t(done.tokens.size())});
+      const Sampled& s = drawn[size_t(b)];
       step_tokens[size_t(b)] = s.token;
       done.tokens.push_back(s.token);
       done.sampling_logprobs.push_back(s.sampling_logprob);
     }
-    cpu::token_logprobs<float>(model_lp.data(), logits.data(), step_tokens.data(), ones.data(), B, V);
+    decoder.token_logprobs(model_lp.data(), logits, step_tokens.data(), 1.0f, B);
     if (o.sampling.temperature > 0)
-      cpu::token_logprobs<float>(tempered_lp.data(), logits.data(), step_tokens.data(), temps.data(), B, V);
+      decoder.token_logprobs(tempered_lp.data(), logits, step_tokens.data(), float(o.sampling.temperature), B);
     for (int64_t b = 0; b < B; ++b) {
       const int32_t slot = step_slots[size_t(b)];
       Completion& done = out[size_t(held[size_t(slot)])];
@@ -109,7 +119,7 @@ std::vector<Completion> generate(Decoder& decoder, std::span<const GenerateReque
       step_prompts.push_back(r.tokens);
     }
     if (!step_slots.empty()) {
-      decoder.prefill(step_slots, step_prompts, logits.data());
+      decoder.prefill(step_slots, step_prompts, logits);
       take();
     }
     // One token for every sequence still going, in slot order.
@@ -118,7 +128,7 @@ std::vector<Completion> generate(Decoder& decoder, std::span<const GenerateReque
     for (int32_t slot = 0; slot < int32_t(slots); ++slot)
       if (held[size_t(slot)] >= 0) step_slots.push_back(slot), step_tokens.push_back(last[size_t(slot)]);
     if (!step_slots.empty()) {
-      decoder.decode(step_slots, step_tokens, logits.data());
+      decoder.decode(step_slots, step_tokens, logits);
       take();
     }
   }

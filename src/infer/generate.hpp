@@ -5,10 +5,11 @@
 //
 // Owns: GenerateRequest, Completion (tokens, the three logprobs of each token,
 // why it ended), GenerateOptions, generate(), and the planning of the
-// decoder's limits from the prompts. Uses Decoder (forward) and Sampler
-// (choice); the model's logprobs come from cpu::token_logprobs, the function
-// the RL loss computes the trainer's logprobs with. Must not know: files, MPI,
-// the tokenizer.
+// decoder's limits from the prompts. Uses Decoder (forward, and the model's
+// logprobs: on the CPU cpu::token_logprobs, the function the RL loss computes
+// the trainer's logprobs with; on the GPU its counterpart on the device) and
+// Sampler (choice, on the host for both). Must not know: files, MPI, the
+// tokenizer, which backend the decoder runs on.
 #pragma once
 
 #include <cstdint>

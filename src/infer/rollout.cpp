@@ -254,7 +254,9 @@ int run_inference_role(const Config& config, Runtime& rt) {
   DecoderLimits limits = plan_limits(mc, every, ro.batch, ro.max_new_tokens, prompts.path);
   const int64_t my_items = (ro.prompts_per_step + world - 1) / world;
   limits.slots = std::max<int64_t>(1, std::min(ro.batch, my_items * ro.n));
-  Decoder decoder(model, limits);
+  // The backend runtime_init resolved (device.backend, "auto" -> cuda when a GPU is there).
+  const std::unique_ptr<Decoder> decoder_owner = make_decoder(model, limits, rt.backend);
+  Decoder& decoder = *decoder_owner;
 
   std::unique_ptr<TokenDecoder> tokenizer;
   std::unique_ptr<RewardSet> reward;
@@ -270,18 +272,23 @@ int run_inference_role(const Config& config, Runtime& rt) {
                                                                     std::ios::app)});
     std::printf("generate: %d inference rank%s | %lld prompts from %s, %lld per step x %lld samples | reward %s, "
                 "advantages %s | temperature %g, top-k %lld, top-p %g | max %lld new tokens, %lld slots, cache %.1f "
-                "MiB | %s | rollouts to %s, at most data.max_async = %lld steps behind the trainers' weights\n",
+                "MiB, %s | %s | rollouts to %s, at most data.max_async = %lld steps behind the trainers' weights\n",
                 world, world == 1 ? "" : "s", (long long)prompts.size(), prompts.path.c_str(),
                 (long long)ro.prompts_per_step, (long long)ro.n, reward->name().c_str(), ro.advantage.c_str(),
                 ro.temperature, (long long)ro.top_k, ro.top_p, (long long)ro.max_new_tokens, (long long)limits.slots,
-                decoder.cache_bytes() / 1048576.0, tokenizer ? ("text from " + tokenizer->where()).c_str()
+                decoder.cache_bytes() / 1048576.0, decoder.describe().c_str(), tokenizer ? ("text from " + tokenizer->where()).c_str()
                                                               : "no tokenizer.json: rewards see token ids",
                 config.data.rollout_dir.c_str(), (long long)config.data.max_async);
     std::fflush(stdout);
   }
 
   WeightReceiver receiver(config, rt, model.weights->layout);
-  const auto sink = [&](const ParamInfo& p, const uint16_t* values) { model.load_bf16(p, values); };
+  // The host copy first, then the decoder's own (the GPU's bf16 weights: refreshed
+  // from these host values, parameter by parameter, not broadcast into device memory).
+  const auto sink = [&](const ParamInfo& p, const uint16_t* values) {
+    model.load_bf16(p, values);
+    decoder.load_bf16(p, values);
+  };
   // In order when several ranks read the filesystem, so that they all hold the same step.
   const bool newest_only = world == 1;
   const auto ended = [&] {

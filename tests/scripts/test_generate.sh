@@ -103,9 +103,11 @@ for s in range(15):
     t = d['tokens'][d['offsets'][s]:d['offsets'][s + 1]]; r = d['finish_reason'][s].decode()
     ok &= (r == 'length' and len(t) == 24 and 257 not in t) or (r == 'stop' and t[-1] == 257 and 257 not in t[:-1])"
 
-# Greedy against `shardlm forward` (the training forward): every generated token is the argmax there.
+# Greedy against `shardlm forward` (the training forward, CPU fp32): every generated token is the argmax there
+# (--device cpu: the same fp32 arithmetic on a GPU machine too; the GPU decoder is checked in tests/gpu).
 expect "greedy generate" 0 "5 completions" \
-  "$BIN" generate --hf "$WORK/hf" --prompts "$WORK/prompts.h5" --max-new-tokens 16 --temperature 0 --out "$WORK/greedy.h5"
+  "$BIN" generate --hf "$WORK/hf" --prompts "$WORK/prompts.h5" --max-new-tokens 16 --temperature 0 --device cpu \
+  --out "$WORK/greedy.h5"
 "$PYTHON" - "$WORK" <<'PY'
 import sys, h5py, numpy as np
 W = sys.argv[1]
@@ -178,6 +180,16 @@ expect "a token id outside the vocabulary" 1 "--prompt-ids: prompt 0, token 1 is
 expect "--top-p out of range" 1 "--top-p 1.5 must be in (0, 1]" \
   "$BIN" generate --hf "$WORK/hf" --prompt-ids "1" --top-p 1.5 --out "$WORK/bad.h5"
 expect "no --out" 1 "needs --out FILE" "$BIN" generate --hf "$WORK/hf" --prompt-ids "1"
+expect "--device takes auto, cpu or cuda" 1 "--device expects auto, cpu or cuda, got 'gpu'" \
+  "$BIN" generate --hf "$WORK/hf" --prompt-ids "1" --device gpu --out "$WORK/bad.h5"
+# --device cuda where it cannot run: a CPU-only build says so; a CUDA build on a machine without a GPU too.
+if ! "$BIN" version | grep -q cuda; then
+  expect "--device cuda in a CPU-only build" 1 "this shardlm was built without CUDA" \
+    "$BIN" generate --hf "$WORK/hf" --prompt-ids "1" --device cuda --out "$WORK/bad.h5"
+elif ! command -v nvidia-smi > /dev/null || ! nvidia-smi -L > /dev/null 2>&1; then
+  expect "--device cuda without a GPU" 1 "no CUDA device is visible" \
+    "$BIN" generate --hf "$WORK/hf" --prompt-ids "1" --device cuda --out "$WORK/bad.h5"
+fi
 expect "both --hf and --checkpoint" 1 "not both" \
   "$BIN" generate --hf "$WORK/hf" --checkpoint "$WORK/run" --prompt-ids "1" --out "$WORK/bad.h5"
 expect "a bad prompt file under mpirun -np 2: one message, exit 1" 1 "is not an HDF5 file" \

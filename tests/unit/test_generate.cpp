@@ -103,7 +103,7 @@ std::vector<GenerateRequest> requests_for(const std::vector<std::vector<int32_t>
 
 std::vector<Completion> run(const InferenceModel& m, const std::vector<GenerateRequest>& requests,
                             const GenerateOptions& o, int64_t batch) {
-  Decoder decoder(m, plan_limits(m.config(), requests, batch, o.max_new_tokens, "test"));
+  CpuDecoder decoder(m, plan_limits(m.config(), requests, batch, o.max_new_tokens, "test"));
   return generate(decoder, requests, o);
 }
 
@@ -220,7 +220,7 @@ TEST_CASE("KV-cache decode logits equal the full forward's at every position (ba
     const int64_t V = m.config().vocab_size;
     const auto prompts = make_prompts(3, V);  // lengths 2, 9, 5
     DecoderLimits limits{.slots = 4, .max_len = 40};
-    Decoder dec(m, limits);
+    CpuDecoder dec(m, limits);
     // Three prompts into slots 3, 0, 2 in one prefill; then 20 decode steps feeding a fixed token stream.
     const std::vector<int32_t> slots{3, 0, 2};
     std::vector<std::span<const int32_t>> spans(prompts.begin(), prompts.end());

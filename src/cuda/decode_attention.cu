@@ -1,0 +1,226 @@
+// decode_attention.cu — one query per sequence over its KV cache, split-K over
+// the cache length (see decode_attention.hpp), and the row copies of the cache.
+#include "cuda/check.hpp"
+#include "cuda/decode_attention.hpp"
+#include "cuda/ops_common.cuh"
+#include "kernel_common.cuh"
+
+#include <algorithm>
+#include <cmath>
+
+namespace shardlm::cuda {
+
+namespace {
+
+using namespace dev;  // Pack, f32, to_bf16, kFullMask; div_up, aligned, align256
+
+constexpr int kWarps = 4;          // warps per block, each on every kWarps-th position of the chunk
+constexpr int kHeadsPerBlock = 8;  // query heads of one GQA group a block serves (larger groups: more blocks)
+constexpr int kUnroll = 8;         // positions a warp loads and scores at once
+
+// Partials of chunk c of row b for the query heads kv * G + hg * 8 .. + nh:
+// (max, sum) in part_ml and the unnormalised output in part_o, fp32.
+// Lane j holds elements j, j + 32, ... of a head (E = ceil(D / 32) of them).
+template <int E>
+__global__ void __launch_bounds__(kWarps * 32)
+decode_partial_kernel(float* __restrict__ part_o, float* __restrict__ part_ml, const bf16* __restrict__ q,
+                      const bf16* __restrict__ k_cache, const bf16* __restrict__ v_cache,
+                      const int32_t* __restrict__ slot, const int32_t* __restrict__ len, int H, int KV, int D,
+                      int64_t max_len, int chunk, int chunks, int G, int head_groups, float scale) {
+  __shared__ float sm_ml[kWarps][kHeadsPerBlock][2];
+  __shared__ float sm_acc[kWarps][kHeadsPerBlock][32 * E];
+  const int b = blockIdx.x, kvh = blockIdx.y / head_groups, hg = blockIdx.y % head_groups, c = blockIdx.z;
+  const int L = len[b];
+  const int start = c * chunk;
+  if (start >= L) return;  // the combine reads only the chunks a row's length reaches
+  const int end = min(start + chunk, L);
+  const int h0 = kvh * G + hg * kHeadsPerBlock, nh = min(kHeadsPerBlock, G - hg * kHeadsPerBlock);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+
+  float qr[kHeadsPerBlock][E];
+#pragma unroll
+  for (int g = 0; g < kHeadsPerBlock; ++g)
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+      const int d = lane + 32 * e;
+      qr[g][e] = (g < nh && d < D) ? f32(q[(int64_t(b) * H + h0 + g) * D + d]) : 0.0f;
+    }
+  float m[kHeadsPerBlock], l[kHeadsPerBlock], acc[kHeadsPerBlock][E];
+#pragma unroll
+  for (int g = 0; g < kHeadsPerBlock; ++g) {
+    m[g] = -INFINITY, l[g] = 0.0f;
+#pragma unroll
+    for (int e = 0; e < E; ++e) acc[g][e] = 0.0f;
+  }
+  const int64_t slot_base = int64_t(slot[b]) * max_len;
+  // Warp w takes positions start + 8 w .. + 7, then the next 32: the eight rows'
+  // keys and values are loaded before any is used, so a lane has 16 loads in
+  // flight instead of one dependent load per position.
+  for (int p0 = start + warp * kUnroll; p0 < end; p0 += kWarps * kUnroll) {
+    float kr[kUnroll][E], vr[kUnroll][E];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int p = min(p0 + u, end - 1);  // past the end: a valid row, never used
+      const int64_t row = ((slot_base + p) * KV + kvh) * D;
+#pragma unroll
+      for (int e = 0; e < E; ++e) {
+        const int d = lane + 32 * e;
+        kr[u][e] = d < D ? f32(k_cache[row + d]) : 0.0f;
+        vr[u][e] = d < D ? f32(v_cache[row + d]) : 0.0f;
+      }
+    }
+    // Scores of the group's positions first (independent shuffles and exps),
+    // then one rescale of the running sums per group: a serial chain of
+    // shuffle -> exp -> rescale per position made the kernel latency-bound.
+    const int valid = min(kUnroll, end - p0);
+#pragma unroll
+    for (int g = 0; g < kHeadsPerBlock; ++g) {
+      if (g >= nh) break;
+      float sc[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        float s = 0.0f;
+#pragma unroll
+        for (int e = 0; e < E; ++e) s = fmaf(qr[g][e], kr[u][e], s);
+        sc[u] = s;
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) sc[u] += __shfl_xor_sync(kFullMask, sc[u], o);
+      float m_new = m[g];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        sc[u] = u < valid ? sc[u] * scale : -INFINITY;
+        m_new = fmaxf(m_new, sc[u]);
+      }
+      const float rescale = expf(m[g] - m_new);  // 0 on the first group (m = -inf)
+      float sum = 0.0f;
+#pragma unroll
+      for (int e = 0; e < E; ++e) acc[g][e] *= rescale;
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const float p_s = expf(sc[u] - m_new);  // 0 past the chunk's end
+        sum += p_s;
+#pragma unroll
+        for (int e = 0; e < E; ++e) acc[g][e] = fmaf(p_s, vr[u][e], acc[g][e]);
+      }
+      l[g] = l[g] * rescale + sum;
+      m[g] = m_new;
+    }
+  }
+  // The warps' partials, combined in warp order.
+#pragma unroll
+  for (int g = 0; g < kHeadsPerBlock; ++g) {
+    if (lane == 0) sm_ml[warp][g][0] = m[g], sm_ml[warp][g][1] = l[g];
+#pragma unroll
+    for (int e = 0; e < E; ++e) sm_acc[warp][g][lane + 32 * e] = acc[g][e];
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < nh * D; i += kWarps * 32) {
+    const int g = i / D, d = i % D;
+    float M = sm_ml[0][g][0];
+    for (int w = 1; w < kWarps; ++w) M = fmaxf(M, sm_ml[w][g][0]);
+    float sum = 0.0f, o = 0.0f;
+    for (int w = 0; w < kWarps; ++w) {
+      const float f = sm_ml[w][g][0] == -INFINITY ? 0.0f : expf(sm_ml[w][g][0] - M);  // a warp with no position
+      sum += f * sm_ml[w][g][1];
+      o += f * sm_acc[w][g][d];
+    }
+    const int64_t at = (int64_t(b) * H + h0 + g) * chunks + c;
+    part_o[at * D + d] = o;
+    if (d == 0) part_ml[at * 2] = M, part_ml[at * 2 + 1] = sum;
+  }
+}
+
+// out[b, h] = the row's chunks combined in chunk order. One block per (b, h).
+__global__ void decode_combine_kernel(bf16* __restrict__ out, const float* __restrict__ part_o,
+                                      const float* __restrict__ part_ml, const int32_t* __restrict__ len, int H,
+                                      int D, int chunk, int chunks) {
+  const int64_t bh = blockIdx.x;
+  const int b = int(bh / H);
+  const int n = min(chunks, (len[b] + chunk - 1) / chunk);
+  const float* ml = part_ml + bh * chunks * 2;
+  float M = ml[0];
+  for (int c = 1; c < n; ++c) M = fmaxf(M, ml[c * 2]);
+  float sum = 0.0f;
+  for (int c = 0; c < n; ++c) sum += expf(ml[c * 2] - M) * ml[c * 2 + 1];
+  const float inv = 1.0f / sum;
+  for (int d = threadIdx.x; d < D; d += blockDim.x) {
+    float o = 0.0f;
+    for (int c = 0; c < n; ++c) o += expf(ml[c * 2] - M) * part_o[(bh * chunks + c) * D + d];
+    out[bh * D + d] = to_bf16(o * inv);
+  }
+}
+
+template <int VEC>
+__global__ void copy_rows_kernel(bf16* __restrict__ dst, const int32_t* __restrict__ dst_row,
+                                 const bf16* __restrict__ src, const int32_t* __restrict__ src_row, int64_t width) {
+  const int64_t i = blockIdx.x;
+  const int64_t to = (dst_row ? int64_t(dst_row[i]) : i) * width;
+  const int64_t from = (src_row ? int64_t(src_row[i]) : i) * width;
+  for (int64_t j = int64_t(threadIdx.x) * VEC; j < width; j += int64_t(blockDim.x) * VEC)
+    Pack<bf16, VEC>::load(src + from + j).store(dst + to + j);
+}
+
+}  // namespace
+
+int64_t decode_attention_chunk(int64_t max_len) {
+  // A multiple of kWarps * kUnroll positions: every warp's group of rows starts inside the chunk.
+  constexpr int64_t kStep = kWarps * kUnroll;
+  return std::max<int64_t>(kStep, div_up(div_up(max_len, kDecodeMaxChunks), kStep) * kStep);
+}
+
+size_t decode_attention_scratch_bytes(int64_t B, int64_t H, int64_t D, int64_t max_len) {
+  const int64_t chunks = div_up(max_len, decode_attention_chunk(max_len));
+  return align256(size_t(B * H * chunks * D) * sizeof(float)) + align256(size_t(B * H * chunks * 2) * sizeof(float));
+}
+
+void decode_attention_forward(bf16* out, const bf16* q, const bf16* k_cache, const bf16* v_cache,
+                              const int32_t* slot, const int32_t* len, int64_t B, int64_t H, int64_t KV, int64_t D,
+                              int64_t max_len, void* scratch, size_t scratch_bytes, cudaStream_t stream) {
+  if (B == 0) return;
+  SHARDLM_CHECK(KV >= 1 && H % KV == 0, "decode_attention: %lld query heads over %lld kv heads", (long long)H,
+                (long long)KV);
+  SHARDLM_CHECK(D >= 1 && D <= 256, "decode_attention: head dim %lld is outside [1, 256]", (long long)D);
+  SHARDLM_CHECK(B <= INT32_MAX && max_len >= 1 && max_len <= INT32_MAX, "decode_attention: %lld rows, %lld positions",
+                (long long)B, (long long)max_len);
+  SHARDLM_CHECK(scratch_bytes >= decode_attention_scratch_bytes(B, H, D, max_len),
+                "internal: decode_attention scratch of %zu bytes, needs %zu", scratch_bytes,
+                decode_attention_scratch_bytes(B, H, D, max_len));
+  const int64_t chunk = decode_attention_chunk(max_len), chunks = div_up(max_len, chunk);
+  const int G = int(H / KV), head_groups = int(div_up(G, kHeadsPerBlock));
+  SHARDLM_CHECK(KV * head_groups <= 65535, "decode_attention: %lld kv heads x %d head groups over one grid",
+                (long long)KV, head_groups);
+  float* part_o = static_cast<float*>(scratch);
+  float* part_ml = reinterpret_cast<float*>(static_cast<char*>(scratch) +
+                                            align256(size_t(B * H * chunks * D) * sizeof(float)));
+  const dim3 grid(unsigned(B), unsigned(KV * head_groups), unsigned(chunks));
+  const float scale = float(1.0 / std::sqrt(double(D)));
+#define SHARDLM_DECODE_PARTIAL(E)                                                                              \
+  decode_partial_kernel<E><<<grid, kWarps * 32, 0, stream>>>(part_o, part_ml, q, k_cache, v_cache, slot, len, \
+                                                             int(H), int(KV), int(D), max_len, int(chunk),    \
+                                                             int(chunks), G, head_groups, scale)
+  if (D <= 32) SHARDLM_DECODE_PARTIAL(1);
+  else if (D <= 64) SHARDLM_DECODE_PARTIAL(2);
+  else if (D <= 128) SHARDLM_DECODE_PARTIAL(4);
+  else SHARDLM_DECODE_PARTIAL(8);
+#undef SHARDLM_DECODE_PARTIAL
+  CUDA_CHECK(cudaGetLastError());
+  decode_combine_kernel<<<unsigned(B * H), unsigned(std::min<int64_t>(256, div_up(D, 32) * 32)), 0, stream>>>(
+      out, part_o, part_ml, len, int(H), int(D), int(chunk), int(chunks));
+  CUDA_CHECK(cudaGetLastError());
+}
+
+void copy_rows(bf16* dst, const int32_t* dst_row, const bf16* src, const int32_t* src_row, int64_t n, int64_t width,
+               cudaStream_t stream) {
+  if (n == 0 || width == 0) return;
+  SHARDLM_CHECK(n <= INT32_MAX, "copy_rows: %lld rows do not fit one grid", (long long)n);
+  if (width % 8 == 0 && aligned(dst, 16) && aligned(src, 16))
+    copy_rows_kernel<8><<<unsigned(n), 128, 0, stream>>>(dst, dst_row, src, src_row, width);
+  else
+    copy_rows_kernel<1><<<unsigned(n), 128, 0, stream>>>(dst, dst_row, src, src_row, width);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace shardlm::cuda

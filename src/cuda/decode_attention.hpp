@@ -1,0 +1,51 @@
+// decode_attention.hpp — attention of one new query per sequence over its KV
+// cache (the decode step of sampling), and the row copies that fill the cache.
+//
+// Owns: shardlm::cuda::decode_attention_forward (split-K over the cache length,
+// GQA, fp32 softmax and accumulation, bf16 in and out), its partials' scratch
+// size, and copy_rows (the KV cache store and the prefill's last-row gather).
+// The contract is cpu::attention_decode_forward's (cpu/ops.hpp), the reference
+// tests/gpu/test_decode.cpp checks these kernels against.
+// Must not know: the model, MPI, the memory plan. Kernels allocate nothing and
+// never synchronise the host; every launch goes on the caller's stream.
+//
+// Semantics: query b (H heads of D) attends to positions 0 .. len[b] - 1 of
+// cache slot slot[b]; query head h reads kv head h / (H / KV); scores scaled by
+// 1/sqrt(D). The cache length is cut into chunks of `chunk` positions: one
+// block per (row, kv head, group of up to 8 query heads, chunk) keeps an online
+// softmax in registers and writes (max, sum, unnormalised output) in fp32; a
+// second kernel combines a row's chunks in chunk order. Deterministic: no
+// atomics, fixed orders. The grid is sized by max_len, not by the lengths, so
+// one launch shape serves every step (blocks past a row's length return).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace shardlm::cuda {
+
+// Positions per chunk for caches of max_len: a multiple of 32, at most
+// kDecodeMaxChunks chunks (short chunks: many blocks in flight, the kernel is
+// latency-bound at batch 64 and a few hundred positions).
+inline constexpr int64_t kDecodeMaxChunks = 64;
+int64_t decode_attention_chunk(int64_t max_len);
+// Bytes of the partials for B rows: (B, H, chunks) x (D + 2) fp32.
+size_t decode_attention_scratch_bytes(int64_t B, int64_t H, int64_t D, int64_t max_len);
+
+// out (B, H, D) overwritten; q (B, H, D); k_cache, v_cache (slots, max_len, KV, D);
+// slot (B), len (B) int32 on the device, len in [1, max_len]. H a multiple of KV;
+// D <= 256. scratch: decode_attention_scratch_bytes(B, H, D, max_len).
+void decode_attention_forward(__nv_bfloat16* out, const __nv_bfloat16* q, const __nv_bfloat16* k_cache,
+                              const __nv_bfloat16* v_cache, const int32_t* slot, const int32_t* len, int64_t B,
+                              int64_t H, int64_t KV, int64_t D, int64_t max_len, void* scratch,
+                              size_t scratch_bytes, cudaStream_t stream);
+
+// dst[dst_row[i]] = src[src_row[i]] for i < n, rows of `width` bf16 elements;
+// a null index means the identity (row i). Rows must not overlap.
+void copy_rows(__nv_bfloat16* dst, const int32_t* dst_row, const __nv_bfloat16* src, const int32_t* src_row,
+               int64_t n, int64_t width, cudaStream_t stream);
+
+}  // namespace shardlm::cuda

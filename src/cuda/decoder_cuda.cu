@@ -1,0 +1,470 @@
+// decoder_cuda.cu — prefill and decode over a bf16 KV cache on the GPU (see
+// infer/decoder_cuda.hpp). The layer is training's (backend_cuda.cu's
+// forward_layer): the same kernels in the same order, with the cache store
+// after RoPE and decode_attention.hpp's kernel in place of the flash attention
+// when each row is one new token.
+#include "infer/decoder_cuda.hpp"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+#include "cpu/ops.hpp"
+#include "cuda/attention.hpp"
+#include "cuda/check.hpp"
+#include "cuda/decode_attention.hpp"
+#include "cuda/gemm.hpp"
+#include "cuda/ops.hpp"
+#include "cuda/token_logprobs.hpp"
+#include "shardlm/cuda.hpp"
+#include "shardlm/dtype.hpp"
+#include "shardlm/error.hpp"
+
+namespace shardlm {
+
+namespace {
+
+using cuda::bf16;
+
+// Prefill passes hold at most this many tokens (or one whole prompt when it is
+// longer): prompts beyond it wait for the next pass. It bounds the activations
+// (1B shape: 16384 x (2 x 8192) bf16 = 512 MiB for the gate|up output).
+constexpr int64_t kPrefillTokens = 16384;
+constexpr size_t kGemmWorkspace = size_t(32) << 20;   // what cuBLASLt asks for on Hopper
+constexpr int64_t kUploadElems = int64_t(16) << 20;   // fp32 -> bf16 staging of the weight upload
+
+class CudaDecoder final : public Decoder {
+ public:
+  CudaDecoder(const InferenceModel& model, const DecoderLimits& limits);
+  ~CudaDecoder() override;
+
+  void prefill(std::span<const int32_t> slots, std::span<const std::span<const int32_t>> prompts,
+               float* logits) override;
+  void decode(std::span<const int32_t> slots, std::span<const int32_t> tokens, float* logits) override;
+  void load_bf16(const ParamInfo& param, const uint16_t* values) override;
+  float* host_logits() override { return logits_host_; }
+  void token_logprobs(float* out, const float* logits, const int32_t* tokens, float temperature,
+                      int64_t n) override;
+
+  int64_t length(int32_t slot) const override { return slot_len_[size_t(slot)]; }
+  const DecoderLimits& limits() const override { return limits_; }
+  int64_t cache_bytes() const override { return bytes_of(Mem::Activations); }
+  int64_t scratch_bytes() const override { return bytes_of(Mem::Workspace); }
+  int64_t weight_bytes() const override { return bytes_of(Mem::ParamShard); }
+  const ModelConfig& config() const override { return model_.config(); }
+  std::string describe() const override {
+    return "cuda bf16 on " + cuda_device_name(device_) + (graphs_ ? ", decode steps as CUDA graphs" : "");
+  }
+  int64_t decode_steps() const override { return decode_steps_; }
+  double decode_seconds() const override { return decode_seconds_; }
+
+ private:
+  // One row of the plan: what it is, where it is counted, its size; the table
+  // both allocates and counts (cache_bytes, scratch_bytes, weight_bytes).
+  struct BufferRow {
+    const char* name;
+    Mem category;
+    int64_t bytes;
+    void** ptr;
+  };
+  template <class T>
+  void add(const char* name, Mem category, int64_t count, T** ptr) {
+    table_.push_back({name, category, count * int64_t(sizeof(T)), reinterpret_cast<void**>(ptr)});
+  }
+  int64_t bytes_of(Mem category) const {
+    int64_t b = 0;
+    for (const BufferRow& r : table_) b += r.category == category ? r.bytes : 0;
+    return b;
+  }
+  void upload_weights();
+  const bf16* param(const Unit& u, const char* name) const {
+    return unit_w_[size_t(&u - model_.weights->layout.units.data())] + u.param(name).offset;
+  }
+  // The step's int32 inputs (host_ints_ -> ints_), after the device has read the last ones.
+  void begin_inputs();
+  void send_inputs();
+  // Embedding and every layer over the N rows of tokens_/positions_/cache_row_:
+  // k and v stored in the cache, attention over the pass (prefill) or the cache (decode).
+  void run_layers(int64_t N, bool prefill);
+  // logits_ (n, V) fp32 = lm_head(norm(rows)); rows (n, C) on the device.
+  void head(const bf16* rows, int64_t n);
+  void download_logits(int64_t n, float* logits);
+  // The decode forward of a full batch (B = slots) as one CUDA graph: captured
+  // on the second full step (the first built the GEMM plans), replayed after.
+  // ~230 launches a step at 1B shape cost more host time than the GPU needs.
+  void decode_full_batch();
+  void check_slot(int32_t slot) const {
+    SHARDLM_CHECK(slot >= 0 && slot < limits_.slots, "internal: slot %d of %lld", slot, (long long)limits_.slots);
+  }
+
+  const InferenceModel& model_;
+  DecoderLimits limits_;
+  int device_ = 0;
+  int64_t rows_ = 0;           // tokens one pass holds: max(prefill pass, slots)
+  int64_t prefill_rows_ = 0;   // tokens one prefill pass holds
+  size_t attention_scratch_bytes_ = 0;
+  cudaStream_t stream_ = nullptr;
+  cudaEvent_t step_begin_ = nullptr, step_end_ = nullptr;
+  std::unique_ptr<cuda::Gemm> gemm_;
+  std::vector<BufferRow> table_;
+
+  std::vector<bf16*> unit_w_;                 // per unit: (padded_numel) bf16, the host layout
+  std::vector<bf16*> k_cache_, v_cache_;      // L x (slots, max_len, KV, D)
+  bf16 *x_ = nullptr, *x_out_ = nullptr;      // (rows, C) residual stream in, out of a layer
+  bf16 *x_mid_ = nullptr, *xn_ = nullptr;     // (rows, C) after attention; normed input of a projection
+  bf16 *q_ = nullptr, *q_raw_ = nullptr;      // (rows, H D); q before its norm (qk_norm models)
+  bf16 *k_ = nullptr, *k_raw_ = nullptr, *v_ = nullptr;  // (rows, KV D)
+  bf16 *att_ = nullptr;                       // (rows, H D)
+  bf16 *gu_ = nullptr, *h_ = nullptr;         // (rows, 2 I) gate|up; (rows, I) swiglu
+  float *rstd_ = nullptr;                     // (rows H) every norm's rstd (not kept: no backward)
+  float *lse_ = nullptr;                      // (rows, H) the flash attention's logsumexp
+  int32_t* doc_start_ = nullptr;              // (rows) the flash attention's scratch
+  void* attention_scratch_ = nullptr;         // decode attention's partials
+  bf16 *last_ = nullptr, *head_x_ = nullptr;  // (slots, C) prompts' last hidden states; final norm's output
+  float* logits_ = nullptr;                   // (slots, V) fp32
+  float* inv_freq_ = nullptr;                 // (D / 2)
+  void* gemm_workspace_ = nullptr;
+  // int32 step inputs, one block on the device and its pinned host mirror:
+  // tokens, positions, seq_ids, cache rows (rows each); slot, len, last-row
+  // source, last-row destination (slots each).
+  int32_t* ints_ = nullptr;
+  int32_t* host_ints_ = nullptr;
+  int64_t ints_count_ = 0;
+  float* logits_host_ = nullptr;              // (slots, V) pinned: generate()'s logits
+  int32_t* lp_tokens_ = nullptr;              // (slots) token_logprobs' tokens on the device
+  float* lp_out_ = nullptr;                   // (slots) and its logprobs
+  int32_t* lp_tokens_host_ = nullptr;         // (slots) pinned mirrors
+  float* lp_out_host_ = nullptr;
+  int64_t last_rows_ = 0;                     // rows of logits_ the last step wrote
+  uint16_t* upload_host_ = nullptr;           // (kUploadElems) pinned bf16 staging
+
+  std::vector<int32_t> slot_len_;             // (slots) positions filled per slot
+  // SHARDLM_DECODE_GRAPHS=0 turns the graph off (to measure what it saves).
+  bool graphs_ = true;
+  int64_t full_steps_ = 0;                    // decode steps with B = slots so far
+  cudaGraphExec_t full_step_graph_ = nullptr;
+  int64_t decode_steps_ = 0;
+  double decode_seconds_ = 0;
+
+  int32_t* tokens(int32_t* base) const { return base; }
+  int32_t* positions(int32_t* base) const { return base + rows_; }
+  int32_t* seq_ids(int32_t* base) const { return base + 2 * rows_; }
+  int32_t* cache_rows(int32_t* base) const { return base + 3 * rows_; }
+  int32_t* slot_of(int32_t* base) const { return base + 4 * rows_; }
+  int32_t* lens(int32_t* base) const { return base + 4 * rows_ + limits_.slots; }
+  int32_t* last_src(int32_t* base) const { return base + 4 * rows_ + 2 * limits_.slots; }
+  int32_t* last_dst(int32_t* base) const { return base + 4 * rows_ + 3 * limits_.slots; }
+};
+
+CudaDecoder::CudaDecoder(const InferenceModel& model, const DecoderLimits& limits) : model_(model), limits_(limits) {
+  const ModelConfig& c = model.config();
+  SHARDLM_CHECK(limits.slots >= 1 && limits.slots <= 65536, "generate: a batch of %lld sequences; give 1 to 65536",
+                (long long)limits.slots);
+  SHARDLM_CHECK(limits.max_len >= 1 && limits.max_len <= c.max_position_embeddings,
+                "generate: %lld positions per sequence, but the model has max_position_embeddings = %lld",
+                (long long)limits.max_len, (long long)c.max_position_embeddings);
+  // Cache rows are int32 on the device.
+  SHARDLM_CHECK(limits.slots * limits.max_len <= INT32_MAX,
+                "generate: a cache of %lld sequences x %lld positions is over 2^31 rows; lower --batch",
+                (long long)limits.slots, (long long)limits.max_len);
+  SHARDLM_CHECK(c.head_dim <= 256 && c.num_heads % c.num_kv_heads == 0,
+                "generate on the GPU: head_dim %lld (at most 256) with %lld heads over %lld kv heads",
+                (long long)c.head_dim, (long long)c.num_heads, (long long)c.num_kv_heads);
+  CUDA_CHECK(cudaGetDevice(&device_));
+  prefill_rows_ = std::max(limits.max_len, std::min(limits.slots * limits.max_len, kPrefillTokens));
+  rows_ = std::max(prefill_rows_, limits.slots);
+  if (std::string e = model_scale_error(c, rows_, 1); !e.empty()) SHARDLM_FAIL("generate: %s", e.c_str());
+
+  const int64_t L = c.num_layers, C = c.hidden_size, V = c.vocab_size, I = c.intermediate_size;
+  const int64_t H = c.num_heads, KV = c.num_kv_heads, D = c.head_dim, HD = H * D, KVD = KV * D;
+  const int64_t S = limits.slots, R = rows_;
+  const auto& units = model.weights->layout.units;
+  unit_w_.assign(units.size(), nullptr);
+  for (size_t u = 0; u < units.size(); ++u) add("weights", Mem::ParamShard, units[u].padded_numel, &unit_w_[u]);
+  k_cache_.assign(size_t(L), nullptr);
+  v_cache_.assign(size_t(L), nullptr);
+  for (int64_t l = 0; l < L; ++l) {
+    add("kv_cache.k", Mem::Activations, S * limits.max_len * KVD, &k_cache_[size_t(l)]);
+    add("kv_cache.v", Mem::Activations, S * limits.max_len * KVD, &v_cache_[size_t(l)]);
+  }
+  add("x", Mem::Workspace, R * C, &x_);
+  add("x_out", Mem::Workspace, R * C, &x_out_);
+  add("x_mid", Mem::Workspace, R * C, &x_mid_);
+  add("xn", Mem::Workspace, R * C, &xn_);
+  add("q", Mem::Workspace, R * HD, &q_);
+  add("k", Mem::Workspace, R * KVD, &k_);
+  add("v", Mem::Workspace, R * KVD, &v_);
+  if (c.qk_norm) {
+    add("q_raw", Mem::Workspace, R * HD, &q_raw_);
+    add("k_raw", Mem::Workspace, R * KVD, &k_raw_);
+  }
+  add("att", Mem::Workspace, R * HD, &att_);
+  add("gate_up", Mem::Workspace, R * 2 * I, &gu_);
+  add("h", Mem::Workspace, R * I, &h_);
+  add("rstd", Mem::Workspace, R * std::max<int64_t>(H, 1), &rstd_);
+  add("lse", Mem::Workspace, R * H, &lse_);
+  add("doc_start", Mem::Workspace, R, &doc_start_);
+  attention_scratch_bytes_ = cuda::decode_attention_scratch_bytes(S, H, D, limits.max_len);
+  add("decode_attention", Mem::Workspace, int64_t(attention_scratch_bytes_), reinterpret_cast<char**>(&attention_scratch_));
+  add("last", Mem::Workspace, S * C, &last_);
+  add("head_x", Mem::Workspace, S * C, &head_x_);
+  add("logits", Mem::Workspace, S * V, &logits_);
+  add("inv_freq", Mem::Workspace, D / 2, &inv_freq_);
+  add("gemm_workspace", Mem::Workspace, int64_t(kGemmWorkspace), reinterpret_cast<char**>(&gemm_workspace_));
+  add("logprob_tokens", Mem::Workspace, S, &lp_tokens_);
+  add("logprobs", Mem::Workspace, S, &lp_out_);
+  ints_count_ = 4 * R + 4 * S;
+  add("step_inputs", Mem::Workspace, ints_count_, &ints_);
+  for (BufferRow& r : table_) *r.ptr = cuda_malloc(r.category, r.bytes);
+
+  CUDA_CHECK(cudaMallocHost(&host_ints_, size_t(ints_count_) * sizeof(int32_t)));
+  CUDA_CHECK(cudaMallocHost(&logits_host_, size_t(S * V) * sizeof(float)));
+  CUDA_CHECK(cudaMallocHost(&upload_host_, size_t(kUploadElems) * sizeof(uint16_t)));
+  CUDA_CHECK(cudaMallocHost(&lp_tokens_host_, size_t(S) * sizeof(int32_t)));
+  CUDA_CHECK(cudaMallocHost(&lp_out_host_, size_t(S) * sizeof(float)));
+  CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  CUDA_CHECK(cudaEventCreate(&step_begin_));
+  CUDA_CHECK(cudaEventCreate(&step_end_));
+  gemm_ = std::make_unique<cuda::Gemm>(stream_, gemm_workspace_, kGemmWorkspace);
+  const char* graphs = std::getenv("SHARDLM_DECODE_GRAPHS");
+  graphs_ = !(graphs && std::strcmp(graphs, "0") == 0);
+
+  // RoPE's frequencies as training rounds them (backend_cuda.cu): the double table to float.
+  const std::vector<double> inv = cpu::rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling);
+  std::vector<float> inv_f(inv.begin(), inv.end());
+  CUDA_CHECK(cudaMemcpy(inv_freq_, inv_f.data(), sizeof(float) * inv_f.size(), cudaMemcpyHostToDevice));
+  upload_weights();
+  slot_len_.assign(size_t(S), 0);
+}
+
+CudaDecoder::~CudaDecoder() {
+  // A destructor cannot throw: the frees report nothing (cuda_free handles its own errors).
+  if (stream_) cudaStreamSynchronize(stream_);
+  if (full_step_graph_) cudaGraphExecDestroy(full_step_graph_);
+  gemm_.reset();
+  for (BufferRow& r : table_) cuda_free(r.category, *r.ptr, r.bytes);
+  if (host_ints_) cudaFreeHost(host_ints_);
+  if (logits_host_) cudaFreeHost(logits_host_);
+  if (upload_host_) cudaFreeHost(upload_host_);
+  if (lp_tokens_host_) cudaFreeHost(lp_tokens_host_);
+  if (lp_out_host_) cudaFreeHost(lp_out_host_);
+  if (step_begin_) cudaEventDestroy(step_begin_);
+  if (step_end_) cudaEventDestroy(step_end_);
+  if (stream_) cudaStreamDestroy(stream_);
+}
+
+void CudaDecoder::upload_weights() {
+  // The host copy is fp32; what the broadcast brings is bf16, exact in it, so
+  // round-to-nearest-even gives the trainers' bf16 bits back.
+  const auto& units = model_.weights->layout.units;
+  for (size_t u = 0; u < units.size(); ++u) {
+    const float* src = model_.weights->param[u].data();
+    for (int64_t begin = 0; begin < units[u].padded_numel; begin += kUploadElems) {
+      const int64_t n = std::min(kUploadElems, units[u].padded_numel - begin);
+      CUDA_CHECK(cudaStreamSynchronize(stream_));  // the staging buffer's last copy is done
+#pragma omp parallel for schedule(static)
+      for (int64_t i = 0; i < n; ++i) upload_host_[i] = f32_to_bf16_rne(src[begin + i]);
+      CUDA_CHECK(cudaMemcpyAsync(unit_w_[u] + begin, upload_host_, size_t(n) * sizeof(uint16_t),
+                                 cudaMemcpyHostToDevice, stream_));
+    }
+  }
+  CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+void CudaDecoder::load_bf16(const ParamInfo& p, const uint16_t* values) {
+  const ModelLayout& layout = model_.weights->layout;
+  const ModelLayout::Located at = layout.find(p.name);
+  SHARDLM_CHECK(at.unit && at.param->numel == p.numel, "internal: broadcast parameter %s is not in the model's layout",
+                p.name.c_str());
+  bf16* dst = unit_w_[size_t(at.unit - layout.units.data())] + at.param->offset;
+  // Between generate() calls nothing runs on the stream; the copy is synchronous
+  // (pageable source), so `values` may be reused when this returns.
+  CUDA_CHECK(cudaStreamSynchronize(stream_));
+  CUDA_CHECK(cudaMemcpy(dst, values, size_t(p.numel) * sizeof(uint16_t), cudaMemcpyHostToDevice));
+}
+
+void CudaDecoder::begin_inputs() { CUDA_CHECK(cudaStreamSynchronize(stream_)); }
+
+void CudaDecoder::send_inputs() {
+  CUDA_CHECK(cudaMemcpyAsync(ints_, host_ints_, size_t(ints_count_) * sizeof(int32_t), cudaMemcpyHostToDevice,
+                             stream_));
+}
+
+void CudaDecoder::run_layers(int64_t N, bool prefill) {
+  const ModelConfig& c = model_.config();
+  const ModelLayout& layout = model_.weights->layout;
+  const int64_t C = c.hidden_size, I = c.intermediate_size, H = c.num_heads, KV = c.num_kv_heads, D = c.head_dim;
+  const int64_t HD = H * D, KVD = KV * D;
+  const double eps = c.rms_norm_eps;
+  cuda::embedding_forward(x_, tokens(ints_), param(layout.embed(), "model.embed_tokens.weight"), N, c.vocab_size, C,
+                          stream_);
+  for (int l = 0; l < int(c.num_layers); ++l) {
+    const LayerWeights<const bf16> w = layer_weights(layout.layer(l), static_cast<const bf16*>(unit_w_[size_t(1 + l)]));
+    cuda::rmsnorm_forward(xn_, rstd_, x_, w.input_norm, N, C, eps, stream_);
+    bf16* q_proj = c.qk_norm ? q_raw_ : q_;
+    bf16* k_proj = c.qk_norm ? k_raw_ : k_;
+    cuda::linear_forward(*gemm_, q_proj, xn_, w.wq, w.bq, N, C, HD);
+    cuda::linear_forward(*gemm_, k_proj, xn_, w.wk, w.bk, N, C, KVD);
+    cuda::linear_forward(*gemm_, v_, xn_, w.wv, w.bv, N, C, KVD);
+    if (c.qk_norm) {
+      cuda::rmsnorm_forward(q_, rstd_, q_raw_, w.q_norm, N * H, D, eps, stream_);
+      cuda::rmsnorm_forward(k_, rstd_, k_raw_, w.k_norm, N * KV, D, eps, stream_);
+    }
+    cuda::rope_forward(q_, positions(ints_), inv_freq_, N, H, D, HD, stream_);
+    cuda::rope_forward(k_, positions(ints_), inv_freq_, N, KV, D, KVD, stream_);
+    cuda::copy_rows(k_cache_[size_t(l)], cache_rows(ints_), k_, nullptr, N, KVD, stream_);
+    cuda::copy_rows(v_cache_[size_t(l)], cache_rows(ints_), v_, nullptr, N, KVD, stream_);
+    if (prefill)
+      // Every prompt of the pass is a document of its own: it sees its own positions 0 .. t.
+      cuda::attention_forward(att_, lse_, q_, k_, v_, seq_ids(ints_), doc_start_, N, H, KV, D, stream_);
+    else
+      cuda::decode_attention_forward(att_, q_, k_cache_[size_t(l)], v_cache_[size_t(l)], slot_of(ints_), lens(ints_),
+                                     N, H, KV, D, limits_.max_len, attention_scratch_, attention_scratch_bytes_,
+                                     stream_);
+    // x_out holds the o_proj output until the residual add below overwrites it.
+    cuda::linear_forward(*gemm_, x_out_, att_, w.wo, nullptr, N, HD, C);
+    cuda::residual_rmsnorm_forward(x_mid_, xn_, rstd_, x_, x_out_, w.post_norm, N, C, eps, stream_);
+    cuda::linear_forward(*gemm_, gu_, xn_, w.w_gate, nullptr, N, C, 2 * I);
+    cuda::swiglu_forward(h_, I, gu_, 2 * I, gu_ + I, 2 * I, N, I, stream_);
+    cuda::linear_forward(*gemm_, x_out_, h_, w.w_down, nullptr, N, I, C, /*residual=*/x_mid_);
+    std::swap(x_, x_out_);
+  }
+}
+
+void CudaDecoder::head(const bf16* rows, int64_t n) {
+  const ModelConfig& c = model_.config();
+  const ModelLayout& layout = model_.weights->layout;
+  const bf16* lm_head = c.tie_word_embeddings ? param(layout.embed(), "model.embed_tokens.weight")
+                                              : param(layout.head(), "lm_head.weight");
+  cuda::rmsnorm_forward(head_x_, rstd_, rows, param(layout.head(), "model.norm.weight"), n, c.hidden_size,
+                        c.rms_norm_eps, stream_);
+  // fp32 logits straight from the GEMM's accumulator: the sampler and the
+  // logprobs see no bf16 rounding of the logits.
+  gemm_->matmul(false, true, n, c.vocab_size, c.hidden_size, head_x_, c.hidden_size, lm_head, c.hidden_size, logits_,
+                c.vocab_size, cuda::GemmOut::F32, 1.0f, 0.0f);
+}
+
+void CudaDecoder::token_logprobs(float* out, const float*, const int32_t* tokens, float temperature, int64_t n) {
+  // The device still holds the step's logits (nothing runs between a step and its sampling).
+  SHARDLM_CHECK(n >= 0 && n <= last_rows_, "internal: logprobs of %lld rows after a step of %lld", (long long)n,
+                (long long)last_rows_);
+  std::memcpy(lp_tokens_host_, tokens, size_t(n) * sizeof(int32_t));
+  CUDA_CHECK(cudaMemcpyAsync(lp_tokens_, lp_tokens_host_, size_t(n) * sizeof(int32_t), cudaMemcpyHostToDevice,
+                             stream_));
+  cuda::token_logprobs(lp_out_, logits_, lp_tokens_, temperature, n, model_.config().vocab_size, stream_);
+  CUDA_CHECK(cudaMemcpyAsync(lp_out_host_, lp_out_, size_t(n) * sizeof(float), cudaMemcpyDeviceToHost, stream_));
+  CUDA_CHECK(cudaStreamSynchronize(stream_));
+  std::memcpy(out, lp_out_host_, size_t(n) * sizeof(float));
+}
+
+void CudaDecoder::download_logits(int64_t n, float* logits) {
+  last_rows_ = n;
+  CUDA_CHECK(cudaMemcpyAsync(logits, logits_, size_t(n * model_.config().vocab_size) * sizeof(float),
+                             cudaMemcpyDeviceToHost, stream_));
+  CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+void CudaDecoder::prefill(std::span<const int32_t> slots, std::span<const std::span<const int32_t>> prompts,
+                          float* logits) {
+  const int64_t n = int64_t(prompts.size()), C = model_.config().hidden_size;
+  SHARDLM_CHECK(n == int64_t(slots.size()) && n >= 1 && n <= limits_.slots,
+                "internal: prefill of %lld prompts into %zu slots (at most %lld)", (long long)n, slots.size(),
+                (long long)limits_.slots);
+  // Passes of whole prompts, each at most prefill_rows_ tokens.
+  for (int64_t first = 0; first < n;) {
+    begin_inputs();
+    int64_t N = 0, count = 0;
+    for (int64_t i = first; i < n; ++i) {
+      const int32_t slot = slots[size_t(i)];
+      check_slot(slot);
+      const auto& p = prompts[size_t(i)];
+      const int64_t len = int64_t(p.size());
+      SHARDLM_CHECK(len >= 1 && len <= limits_.max_len,
+                    "internal: a prompt of %lld tokens for a cache of %lld positions", (long long)len,
+                    (long long)limits_.max_len);
+      if (count > 0 && N + len > prefill_rows_) break;
+      for (int64_t t = 0; t < len; ++t) {
+        tokens(host_ints_)[N + t] = p[size_t(t)];
+        positions(host_ints_)[N + t] = int32_t(t);
+        seq_ids(host_ints_)[N + t] = int32_t(count);
+        cache_rows(host_ints_)[N + t] = int32_t(int64_t(slot) * limits_.max_len + t);
+      }
+      last_src(host_ints_)[count] = int32_t(N + len - 1);
+      last_dst(host_ints_)[count] = int32_t(i);
+      slot_len_[size_t(slot)] = int32_t(len);
+      N += len;
+      ++count;
+    }
+    send_inputs();
+    run_layers(N, /*prefill=*/true);
+    cuda::copy_rows(last_, last_dst(ints_), x_, last_src(ints_), count, C, stream_);
+    first += count;
+  }
+  head(last_, n);
+  download_logits(n, logits);
+}
+
+void CudaDecoder::decode(std::span<const int32_t> slots, std::span<const int32_t> tokens_in, float* logits) {
+  const int64_t B = int64_t(slots.size());
+  SHARDLM_CHECK(B == int64_t(tokens_in.size()) && B >= 1 && B <= limits_.slots,
+                "internal: decode of %zu tokens into %lld slots", tokens_in.size(), (long long)B);
+  begin_inputs();
+  for (int64_t b = 0; b < B; ++b) {
+    const int32_t s = slots[size_t(b)];
+    check_slot(s);
+    const int32_t pos = slot_len_[size_t(s)];
+    SHARDLM_CHECK(pos >= 1 && pos < limits_.max_len, "internal: slot %d holds %d of %lld positions", s, pos,
+                  (long long)limits_.max_len);
+    tokens(host_ints_)[b] = tokens_in[size_t(b)];
+    positions(host_ints_)[b] = pos;
+    cache_rows(host_ints_)[b] = int32_t(int64_t(s) * limits_.max_len + pos);
+    slot_of(host_ints_)[b] = s;
+    lens(host_ints_)[b] = pos + 1;
+  }
+  send_inputs();
+  CUDA_CHECK(cudaEventRecord(step_begin_, stream_));
+  if (B == limits_.slots && graphs_ && full_steps_ >= 1) {
+    decode_full_batch();
+  } else {
+    run_layers(B, /*prefill=*/false);
+    head(x_, B);
+  }
+  full_steps_ += B == limits_.slots;
+  CUDA_CHECK(cudaEventRecord(step_end_, stream_));
+  download_logits(B, logits);
+  float ms = 0;
+  CUDA_CHECK(cudaEventElapsedTime(&ms, step_begin_, step_end_));
+  decode_seconds_ += ms * 1e-3;
+  ++decode_steps_;
+  for (int64_t b = 0; b < B; ++b) ++slot_len_[size_t(slots[size_t(b)])];
+}
+
+void CudaDecoder::decode_full_batch() {
+  // Every pointer the step reads is fixed: the inputs are in ints_, the weights
+  // and cache never move, the decode attention's grid depends on max_len only.
+  // x_ and x_out_ swap once per layer inside run_layers; the graph holds the
+  // addresses of the capture, and nothing after the graph reads x_.
+  if (!full_step_graph_) {
+    cudaGraph_t graph = nullptr;
+    CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+    run_layers(limits_.slots, /*prefill=*/false);
+    head(x_, limits_.slots);
+    CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
+    const cudaError_t made = cudaGraphInstantiate(&full_step_graph_, graph, 0);
+    cudaGraphDestroy(graph);
+    CUDA_CHECK(made);
+  }
+  CUDA_CHECK(cudaGraphLaunch(full_step_graph_, stream_));
+}
+
+}  // namespace
+
+std::unique_ptr<Decoder> make_cuda_decoder(const InferenceModel& model, const DecoderLimits& limits) {
+  return std::make_unique<CudaDecoder>(model, limits);
+}
+
+}  // namespace shardlm

@@ -1,0 +1,311 @@
+// test_decode.cpp — sampling on the GPU (build/test_gpu, `make test-gpu`): the
+// decode attention kernel against cpu::attention_decode_forward, the CUDA
+// decoder against the CPU decoder on the HF fixtures (prefill and decode
+// logits, greedy choices, a weight refreshed through load_bf16), and seeded
+// sampling on the GPU giving the same tokens twice. The tolerances are in
+// tests/gpu/README.md ("Sampling on the GPU").
+#include <doctest/doctest.h>
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cpu/ops.hpp"
+#include "cpu/rl_loss.hpp"
+#include "cuda/decode_attention.hpp"
+#include "infer/decoder.hpp"
+#include "infer/decoder_cuda.hpp"
+#include "infer/generate.hpp"
+#include "infer/model.hpp"
+#include "shardlm/cuda.hpp"
+#include "shardlm/dtype.hpp"
+
+using namespace shardlm;
+namespace fs = std::filesystem;
+
+namespace {
+
+#define CUDA_OK(call) REQUIRE((call) == cudaSuccess)
+
+void require_gpu() {
+  REQUIRE_MESSAGE(cuda_device_count() > 0, "no CUDA device: run the GPU suite on a GPU machine");
+  cuda_set_device(0);
+}
+
+// ‖a − b‖ / ‖b‖ over n values.
+double rel_rms(const float* a, const float* b, size_t n) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < n; ++i) num += (double(a[i]) - b[i]) * (double(a[i]) - b[i]), den += double(b[i]) * b[i];
+  return std::sqrt(num / std::max(den, 1e-300));
+}
+
+float round_bf16(float x) { return bf16_to_f32(f32_to_bf16_rne(x)); }
+
+struct DeviceBytes {
+  void* p = nullptr;
+  explicit DeviceBytes(size_t bytes) { CUDA_OK(cudaMalloc(&p, std::max<size_t>(bytes, 256))); }
+  ~DeviceBytes() { cudaFree(p); }
+  template <class T> T* as() { return static_cast<T*>(p); }
+};
+
+// One decode-attention case: B rows over caches of `slots` x max_len, lengths given.
+void check_decode_attention(int64_t H, int64_t KV, int64_t D, int64_t max_len, std::vector<int32_t> lens,
+                            uint64_t seed) {
+  const int64_t B = int64_t(lens.size()), slots = B + 1;
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> q(size_t(B * H * D)), kc(size_t(slots * max_len * KV * D)), vc(kc.size());
+  for (float& x : q) x = round_bf16(normal(rng));
+  for (float& x : kc) x = round_bf16(normal(rng));
+  for (float& x : vc) x = round_bf16(normal(rng));
+  // Rows read slots in reverse order, so a slot index is never the row index.
+  std::vector<int32_t> slot(static_cast<size_t>(B));
+  for (int64_t b = 0; b < B; ++b) slot[size_t(b)] = int32_t(slots - 1 - b);
+  std::vector<float> want(q.size());
+  cpu::attention_decode_forward<float>(want.data(), q.data(), kc.data(), vc.data(), slot.data(), lens.data(), B, H,
+                                       KV, D, max_len);
+
+  auto to_bf16 = [](const std::vector<float>& v) {
+    std::vector<uint16_t> out(v.size());
+    for (size_t i = 0; i < v.size(); ++i) out[i] = f32_to_bf16_rne(v[i]);
+    return out;
+  };
+  const std::vector<uint16_t> qb = to_bf16(q), kb = to_bf16(kc), vb = to_bf16(vc);
+  DeviceBytes dq(qb.size() * 2), dk(kb.size() * 2), dv(vb.size() * 2), dout(qb.size() * 2), dslot(B * 4),
+      dlen(B * 4);
+  const size_t scratch_bytes = cuda::decode_attention_scratch_bytes(B, H, D, max_len);
+  DeviceBytes scratch(scratch_bytes);
+  CUDA_OK(cudaMemcpy(dq.p, qb.data(), qb.size() * 2, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(dk.p, kb.data(), kb.size() * 2, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(dv.p, vb.data(), vb.size() * 2, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(dslot.p, slot.data(), B * 4, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(dlen.p, lens.data(), B * 4, cudaMemcpyHostToDevice));
+  std::vector<uint16_t> runs[2];
+  for (auto& got : runs) {
+    CUDA_OK(cudaMemset(dout.p, 0xff, qb.size() * 2));  // NaN: an unwritten element fails
+    cuda::decode_attention_forward(dout.as<__nv_bfloat16>(), dq.as<__nv_bfloat16>(), dk.as<__nv_bfloat16>(),
+                                   dv.as<__nv_bfloat16>(), dslot.as<int32_t>(), dlen.as<int32_t>(), B, H, KV, D,
+                                   max_len, scratch.p, scratch_bytes, nullptr);
+    CUDA_OK(cudaDeviceSynchronize());
+    got.resize(qb.size());
+    CUDA_OK(cudaMemcpy(got.data(), dout.p, got.size() * 2, cudaMemcpyDeviceToHost));
+  }
+  std::vector<float> got(q.size());
+  for (size_t i = 0; i < got.size(); ++i) got[i] = bf16_to_f32(runs[0][i]);
+  const double err = rel_rms(got.data(), want.data(), got.size());
+  bool finite = true;
+  for (float x : got) finite &= std::isfinite(x);
+  MESSAGE("decode attention H=" << H << " KV=" << KV << " D=" << D << " max_len=" << max_len
+                                << ": |gpu - cpu| / |cpu| = " << err);
+  CHECK(finite);
+  // One bf16 rounding of the output (~2e-3 as an RMS ratio); the fp32 sums differ by ~1e-6.
+  CHECK(err < 5e-3);
+  CHECK(runs[0] == runs[1]);  // deterministic
+}
+
+// The fixture with every weight rounded to bf16 in the host copy, so the CPU
+// decoder and the GPU's bf16 copy hold the same values.
+InferenceModel bf16_fixture(const std::string& name) {
+  InferenceModel m = InferenceModel::from_hf(fs::path("tests/fixtures") / name);
+  for (auto& unit : m.weights->param)
+    for (int64_t i = 0; i < unit.size(); ++i) unit.data()[i] = round_bf16(unit.data()[i]);
+  return m;
+}
+
+std::vector<std::vector<int32_t>> fixture_prompts(int64_t vocab) {
+  // Lengths 5, 11, 2 and 17: several passes' worth of rows, one of a single token's neighbour.
+  std::vector<std::vector<int32_t>> out;
+  for (int len : {5, 11, 2, 17}) {
+    std::vector<int32_t> ids;
+    for (int t = 0; t < len; ++t) ids.push_back(int32_t((len * 31 + t * 17 + 5) % (vocab - 2)));
+    out.push_back(ids);
+  }
+  return out;
+}
+
+struct Margin {
+  int32_t best = 0;
+  float gap = 0;  // best logit − second best
+};
+Margin top2(const float* x, int64_t V) {
+  Margin m;
+  m.best = int32_t(std::max_element(x, x + V) - x);
+  float second = -INFINITY;
+  for (int64_t v = 0; v < V; ++v)
+    if (v != m.best) second = std::max(second, x[v]);
+  m.gap = x[m.best] - second;
+  return m;
+}
+
+}  // namespace
+
+TEST_CASE("decode attention kernel = cpu::attention_decode_forward on bf16 inputs") {
+  require_gpu();
+  // Lengths at and around the chunk and warp-group edges (32 positions per chunk up to 2048 positions).
+  check_decode_attention(8, 2, 64, 384, {1, 15, 16, 17, 31, 32, 33, 63, 64, 65, 200, 384}, 1);
+  check_decode_attention(32, 8, 128, 1500, {1, 700, 1500, 95}, 2);  // 32-position chunks, 47 of them
+  check_decode_attention(12, 1, 40, 100, {3, 100, 64}, 3);          // D not a multiple of 32; 12 heads per kv head
+  check_decode_attention(4, 4, 16, 9, {9, 1}, 4);                   // no GQA, tiny head dim
+}
+
+TEST_CASE("CUDA decoder = CPU decoder on the fixtures: prefill, 16 decode steps, a refreshed weight") {
+  require_gpu();
+  for (const std::string name : {"llama-gqa-tied", "qwen2-bias", "qwen3-qknorm"}) {
+    CAPTURE(name);
+    InferenceModel m = bf16_fixture(name);
+    const int64_t V = m.config().vocab_size;
+    const auto prompts = fixture_prompts(V);
+    constexpr int kSteps = 16;
+    const DecoderLimits limits{4, 17 + kSteps};
+    CpuDecoder cpu(m, limits);
+    const std::unique_ptr<Decoder> gpu = make_cuda_decoder(m, limits);
+    REQUIRE(gpu->weight_bytes() > 0);
+
+    // Prefill into slots out of order; all four prompts in one pass.
+    const std::vector<int32_t> slots = {2, 0, 3, 1};
+    std::vector<std::span<const int32_t>> spans(prompts.begin(), prompts.end());
+    std::vector<float> lc(size_t(4 * V)), lg(size_t(4 * V));
+    cpu.prefill(slots, spans, lc.data());
+    gpu->prefill(slots, spans, lg.data());
+    for (int i = 0; i < 4; ++i) {
+      const double err = rel_rms(lg.data() + i * V, lc.data() + i * V, size_t(V));
+      MESSAGE(name << " prefill prompt " << i << ": |gpu - cpu| / |cpu| = " << err);
+      CHECK(err < 3e-2);  // bf16 activations through 2 layers: ~5e-3; a wrong row or position is O(1)
+      CHECK(gpu->length(slots[size_t(i)]) == int64_t(prompts[size_t(i)].size()));
+    }
+
+    // Decode, teacher-forced with the CPU's greedy tokens so both see the same inputs.
+    // Rows 0..3 at first, then slots 0 and 3 only (a smaller batch, slots not in order).
+    int decided = 0;
+    double worst = 0, lp_worst = 0;
+    std::vector<int32_t> step_slots = slots, tokens(4);
+    for (int i = 0; i < 4; ++i) tokens[size_t(i)] = top2(lc.data() + i * V, V).best;
+    for (int step = 0; step < kSteps; ++step) {
+      if (step == kSteps / 2) {
+        step_slots = {3, 0};
+        tokens = {tokens[2], tokens[1]};
+      }
+      const int64_t B = int64_t(step_slots.size());
+      cpu.decode(step_slots, tokens, lc.data());
+      gpu->decode(step_slots, tokens, lg.data());
+      for (int64_t b = 0; b < B; ++b) {
+        const float* c = lc.data() + b * V;
+        const float* g = lg.data() + b * V;
+        const double err = rel_rms(g, c, size_t(V));
+        worst = std::max(worst, err);
+        CHECK(err < 3e-2);
+        float max_diff = 0;
+        for (int64_t v = 0; v < V; ++v) max_diff = std::max(max_diff, std::fabs(g[v] - c[v]));
+        // Greedy: the same token wherever the CPU's top two are further apart than twice the largest difference.
+        const Margin mc = top2(c, V);
+        if (mc.gap > 2 * max_diff) {
+          ++decided;
+          CHECK(top2(g, V).best == mc.best);
+        }
+        tokens[size_t(b)] = mc.best;
+      }
+      // The GPU's logprobs of these tokens (from its own copy of the logits) =
+      // cpu::token_logprobs on the logits it returned, at temperatures 1 and 0.7.
+      for (float T : {1.0f, 0.7f}) {
+        std::vector<float> want(static_cast<size_t>(B)), got(static_cast<size_t>(B)), temps(static_cast<size_t>(B), T);
+        cpu::token_logprobs<float>(want.data(), lg.data(), tokens.data(), temps.data(), B, V);
+        gpu->token_logprobs(got.data(), lg.data(), tokens.data(), T, B);
+        for (int64_t b = 0; b < B; ++b) {
+          lp_worst = std::max(lp_worst, double(std::fabs(got[size_t(b)] - want[size_t(b)])));
+          CHECK(std::fabs(got[size_t(b)] - want[size_t(b)]) < 1e-5);  // fp32 sums in another order: ~1e-7
+        }
+      }
+    }
+    MESSAGE(name << " token_logprobs: worst |gpu - cpu::token_logprobs| = " << lp_worst);
+    MESSAGE(name << " decode: worst |gpu - cpu| / |cpu| = " << worst << ", greedy compared at " << decided << " of "
+                 << 4 * kSteps / 2 + 2 * kSteps / 2 << " rows");
+    CHECK(decided >= (4 * kSteps / 2 + 2 * kSteps / 2) / 2);  // the margin rule leaves most rows decided
+    CHECK(gpu->decode_steps() == kSteps);
+    CHECK(gpu->decode_seconds() > 0);
+
+    // A broadcast's parameter: the final norm's weight set to 0.5 everywhere, in
+    // the model (the CPU reads it) and through load_bf16 (the GPU's copy).
+    const ParamInfo& norm = m.weights->layout.head().param("model.norm.weight");
+    std::vector<uint16_t> halves(size_t(norm.numel), f32_to_bf16_rne(0.5f));
+    m.load_bf16(norm, halves.data());
+    gpu->load_bf16(norm, halves.data());
+    std::vector<float> before = lg;
+    cpu.prefill(slots, spans, lc.data());
+    gpu->prefill(slots, spans, lg.data());
+    const double moved = rel_rms(lg.data(), before.data(), size_t(4 * V));
+    const double err = rel_rms(lg.data(), lc.data(), size_t(4 * V));
+    MESSAGE(name << " after load_bf16: |gpu - cpu| / |cpu| = " << err << ", logits moved by " << moved);
+    CHECK(err < 3e-2);
+    CHECK(moved > 0.1);
+  }
+}
+
+TEST_CASE("seeded sampling on the GPU: the same tokens and logprobs twice; greedy close to the CPU's") {
+  require_gpu();
+  InferenceModel m = bf16_fixture("qwen3-qknorm");
+  const auto prompts = fixture_prompts(m.config().vocab_size);
+  std::vector<GenerateRequest> requests;
+  for (size_t p = 0; p < prompts.size(); ++p)
+    for (int64_t s = 0; s < 3; ++s) requests.push_back({int64_t(p), s, prompts[p]});
+  GenerateOptions o;
+  o.sampling = {0.9, 40, 0.95, 7};
+  o.max_new_tokens = 20;
+  // 12 requests over 5 slots: continuous batching refills slots as sequences end.
+  const DecoderLimits limits = plan_limits(m.config(), requests, 5, o.max_new_tokens, "test");
+  auto sample = [&](const GenerateOptions& opt, const std::string& backend) {
+    std::unique_ptr<Decoder> d = make_decoder(m, limits, backend);
+    return generate(*d, requests, opt);
+  };
+  const std::vector<Completion> a = sample(o, "cuda"), b = sample(o, "cuda");
+  REQUIRE(a.size() == requests.size());
+  int64_t tokens = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    CHECK(a[i].tokens == b[i].tokens);
+    CHECK(a[i].sampling_logprobs == b[i].sampling_logprobs);
+    CHECK(a[i].model_logprobs == b[i].model_logprobs);
+    tokens += int64_t(a[i].tokens.size());
+  }
+  CHECK(tokens >= int64_t(requests.size()));
+  // Another seed draws other tokens (the seed reaches the GPU path's sampler).
+  GenerateOptions other = o;
+  other.sampling.seed = 8;
+  const std::vector<Completion> c = sample(other, "cuda");
+  int differ = 0;
+  for (size_t i = 0; i < a.size(); ++i) differ += a[i].tokens != c[i].tokens;
+  CHECK(differ > 0);
+
+  // Greedy on both backends: the fraction of identical tokens, position by
+  // position (bf16 near-ties may diverge a sequence late; the teacher-forced
+  // case above checks each choice).
+  GenerateOptions greedy = o;
+  greedy.sampling.temperature = 0;
+  const std::vector<Completion> g = sample(greedy, "cuda"), r = sample(greedy, "cpu");
+  // Up to and including a sequence's first divergence both sides took their
+  // most probable token, so the two model logprobs agree to the logits'
+  // bf16 tolerance there too: a divergence is a near-tie, not a wrong choice.
+  int64_t same = 0, total = 0, diverged = 0;
+  double lp_worst = 0;
+  for (size_t i = 0; i < g.size(); ++i) {
+    const size_t n = std::min(g[i].tokens.size(), r[i].tokens.size());
+    size_t first = n;
+    for (size_t t = 0; t < n && first == n; ++t)
+      if (g[i].tokens[t] != r[i].tokens[t]) first = t;
+    same += int64_t(first);
+    total += int64_t(r[i].tokens.size());
+    diverged += first < n;
+    for (size_t t = 0; t < std::min(first + 1, n); ++t)
+      lp_worst = std::max(lp_worst, double(std::fabs(g[i].model_logprobs[t] - r[i].model_logprobs[t])));
+  }
+  MESSAGE("greedy: " << same << " of " << total << " tokens identical before the first divergence, " << diverged
+                     << " of " << g.size() << " sequences diverge; worst model logprob difference up to the "
+                     << "divergence " << lp_worst);
+  CHECK(lp_worst < 5e-2);
+  CHECK(same >= int64_t(g.size()));  // at least a token a sequence on average
+}
