@@ -14,7 +14,7 @@ const char* usage() {
          "       shardlm receive DECK [--set section.key=value]... [--out DIR]\n"
          "       shardlm forward --hf DIR --tokens IN.h5 --out OUT.h5\n"
          "       mpirun -np T shardlm train DECK : -np G shardlm generate DECK [--set section.key=value]...\n"
-         "       shardlm generate --hf DIR | --checkpoint CKPT | --deck DECK  --prompts FILE | --prompt-ids \"1,2,3\"\n"
+         "       shardlm generate --hf DIR | --checkpoint CKPT | --deck DECK  --prompts FILE | --prompt-ids \"1,2,3\" | --prompt \"TEXT\"\n"
          "               --out FILE [--n N] [--max-new-tokens M] [--temperature T] [--top-p P] [--top-k K]\n"
          "               [--seed S] [--batch B] [--device auto|cpu|cuda]\n"
          "       shardlm inspect CHECKPOINT\n"
@@ -59,7 +59,7 @@ CliArgs parse_cli(int argc, const char* const* argv) {
            (args.command == "export" && (name == "--out" || name == "--dtype")) ||
            (args.command == "generate" &&
             (name == "--hf" || name == "--checkpoint" || name == "--deck" || name == "--prompts" ||
-             name == "--prompt-ids" || name == "--out" || name == "--n" || name == "--max-new-tokens" ||
+             name == "--prompt-ids" || name == "--prompt" || name == "--out" || name == "--n" || name == "--max-new-tokens" ||
              name == "--temperature" || name == "--top-p" || name == "--top-k" || name == "--seed" ||
              name == "--batch" || name == "--device"));
   };

@@ -177,4 +177,14 @@ PromptSet prompt_from_ids(const std::string& text, int64_t vocab_size) {
   return p;
 }
 
+PromptSet prompt_from_tokens(std::vector<int32_t> ids, const std::string& what, int64_t vocab_size) {
+  PromptSet p;
+  p.path = what;
+  SHARDLM_CHECK(!ids.empty(), "%s is empty: it has no tokens", what.c_str());
+  p.tokens = std::move(ids);
+  p.offsets = {0, int64_t(p.tokens.size())};
+  check_ids(p, vocab_size);
+  return p;
+}
+
 }  // namespace shardlm

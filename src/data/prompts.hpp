@@ -35,5 +35,8 @@ PromptSet read_prompts(const std::string& path, int64_t vocab_size);
 
 // "1,2,3" -> one prompt; same checks on the ids.
 PromptSet prompt_from_ids(const std::string& ids_text, int64_t vocab_size);
+// One prompt of ids made elsewhere (--prompt's text through the model's tokenizer);
+// `what` names it in errors. Same checks on the ids.
+PromptSet prompt_from_tokens(std::vector<int32_t> ids, const std::string& what, int64_t vocab_size);
 
 }  // namespace shardlm

@@ -12,6 +12,7 @@
 #include "checkpoint/agree.hpp"
 #include "checkpoint/inspect.hpp"
 #include "data/prompts.hpp"
+#include "data/token_encoder.hpp"
 #include "data/tokenizer.hpp"
 #include "infer/decoder_cuda.hpp"
 #include "shardlm/config.hpp"
@@ -237,13 +238,16 @@ GenerateArgs parse_generate_args(const std::map<std::string, std::string>& o, co
   a.overrides = overrides;
   a.prompts_file = text("prompts");
   a.prompt_ids = text("prompt-ids");
+  a.prompt_text = text("prompt");
+  a.has_prompt_text = o.count("prompt") > 0;
   a.out = text("out");
   SHARDLM_CHECK(!(o.count("hf") && o.count("checkpoint")), "give one of --hf DIR and --checkpoint CKPT, not both");
   SHARDLM_CHECK(o.count("hf") || o.count("checkpoint") || !deck.empty(),
                 "'generate' needs a model: --hf DIR, --checkpoint CKPT, or --deck DECK (its run's latest checkpoint, "
                 "else its model.hf)");
-  SHARDLM_CHECK(o.count("prompts") != o.count("prompt-ids"),
-                "'generate' needs exactly one of --prompts FILE (tools/make_prompts.py) and --prompt-ids \"1,2,3\"");
+  SHARDLM_CHECK(o.count("prompts") + o.count("prompt-ids") + o.count("prompt") == 1,
+                "'generate' needs exactly one of --prompts FILE (tools/make_prompts.py), --prompt-ids \"1,2,3\" and "
+                "--prompt \"TEXT\"");
   SHARDLM_CHECK(!a.out.empty(), "'generate' needs --out FILE (the HDF5 file of completions)");
   a.n = int_option(o, "n", 1, 1, 1 << 20);
   a.max_new_tokens = int_option(o, "max-new-tokens", 64, 1, kMaxPositions);
@@ -306,8 +310,19 @@ int run_generate(const GenerateArgs& given, MPI_Comm comm) {
       std::error_code ec;
       if (rank == 0 && !model.tokenizer_dir.empty() && fs::exists(model.tokenizer_dir / "tokenizer.json", ec))
         tokenizer = std::make_unique<TokenDecoder>(TokenDecoder::load(model.tokenizer_dir.string()));
-      prompts = args.prompts_file.empty() ? prompt_from_ids(args.prompt_ids, c.vocab_size)
-                                          : read_prompts(args.prompts_file, c.vocab_size);
+      if (args.has_prompt_text) {
+        // The text as it is (add_special_tokens = False): a BOS or a chat template's
+        // markup is written into it, its added tokens are matched there.
+        SHARDLM_CHECK(!model.tokenizer_dir.empty() && fs::exists(model.tokenizer_dir / "tokenizer.json", ec),
+                      "--prompt needs the model's tokenizer.json (%s has none): tokenize the prompt with "
+                      "tools/make_prompts.py and give --prompts, or give --prompt-ids",
+                      model.tokenizer_dir.empty() ? model.source.c_str() : model.tokenizer_dir.c_str());
+        const TokenEncoder encoder = TokenEncoder::load(model.tokenizer_dir.string());
+        prompts = prompt_from_tokens(encoder.encode(args.prompt_text), "--prompt", c.vocab_size);
+      } else {
+        prompts = args.prompts_file.empty() ? prompt_from_ids(args.prompt_ids, c.vocab_size)
+                                            : read_prompts(args.prompts_file, c.vocab_size);
+      }
       // Rank r: prompts r, r + W, ...; all n samples of a prompt on one rank.
       for (int64_t p = rank; p < prompts.size(); p += world)
         for (int64_t s = 0; s < args.n; ++s) requests.push_back({p, s, prompts.prompt(p)});

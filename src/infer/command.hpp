@@ -23,6 +23,8 @@ struct GenerateArgs {
   std::string hf, checkpoint, deck;
   std::vector<std::string> overrides;   // --set, for the deck
   std::string prompts_file, prompt_ids, out;
+  std::string prompt_text;              // --prompt TEXT: encoded with the model's tokenizer.json
+  bool has_prompt_text = false;
   int64_t n = 1;
   int64_t max_new_tokens = 64;
   int64_t batch = 8;                    // sequences decoded at once per rank (KV cache slots)

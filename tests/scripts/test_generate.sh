@@ -147,6 +147,7 @@ for b in range(256):
 alphabet = {b: chr(c) for b, c in zip(bs, cs)}
 json.dump({"model": {"type": "BPE", "vocab": {alphabet[b]: b for b in range(256)}, "merges": []},
            "decoder": {"type": "ByteLevel"},
+           "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "use_regex": True},
            "added_tokens": [{"id": 256, "content": "<|bos|>", "special": True},
                             {"id": 257, "content": "<|eos|>", "special": True}]},
           open(sys.argv[1] + "/tokenizer.json", "w"))
@@ -160,6 +161,17 @@ for s in range(2):
     t = d['tokens'][d['offsets'][s]:d['offsets'][s + 1]]
     want = b''.join(b'<|eos|>' if x == 257 else b'<|bos|>' if x == 256 else bytes([x]) for x in t).decode('utf-8', 'replace')
     ok &= d['text'][s].decode() == want"
+
+# --prompt TEXT: the same ids through the model's tokenizer.json (one byte each here),
+# so the same completions as --prompt-ids with the same seed.
+expect "generate --prompt TEXT encodes with the model's tokenizer" 0 "text from" \
+  "$BIN" generate --hf "$WORK/hf" --prompt "In the" --n 2 --max-new-tokens 12 --out "$WORK/text2.h5"
+check_py "--prompt \"In the\" = --prompt-ids 73,110,32,116,104,101: same prompt tokens, same completions" "
+a, _ = load('text.h5')
+b, _ = load('text2.h5')
+ok = list(b['prompt_tokens']) == [73, 110, 32, 116, 104, 101] and list(a['tokens']) == list(b['tokens']) and len(b['tokens']) > 0"
+expect "--prompt with --prompt-ids" 1 "needs exactly one of --prompts FILE" \
+  "$BIN" generate --hf "$WORK/hf" --prompt "x" --prompt-ids "1" --out "$WORK/bad.h5"
 
 # Bad input: a clear message naming what and where, exit 1, no output file.
 expect "a missing HF directory" 1 "--hf $WORK/nope: no such directory" \
