@@ -33,18 +33,23 @@ EvalSet::EvalSet(const Config& config, int64_t vocab_size) : data_(eval_spec(con
   rows_ = config.eval.rows > 0 ? config.eval.rows : file_rows;
 }
 
-EvalResult EvalSet::evaluate(Engine& engine, Comm& comm) {
+EvalResult EvalSet::evaluate(Engine& engine, Comm& comm, Comm* cp_group) {
   const auto t0 = std::chrono::steady_clock::now();
+  const int cp = cp_group ? cp_group->size() : 1;
+  if (cp > 1 && !share_) share_.emplace(cp_group->rank(), cp);
   const int64_t per_micro = data_.spec().micro_batch;
-  const int64_t total = micro_batches(), world = comm.size();
-  const int64_t rounds = (total + world - 1) / world;
+  // Micro-batches go round the data-parallel groups (each rank its own at cp = 1);
+  // a group's ranks read the same rows and each attends its share (disjoint tokens,
+  // so the all-reduce below counts every token once).
+  const int64_t total = micro_batches(), groups = comm.size() / cp, group = comm.rank() / cp;
+  const int64_t rounds = (total + groups - 1) / groups;
   LossStats sums;
   for (int64_t i = 0; i < rounds; ++i) {
-    const int64_t m = i * world + comm.rank();
+    const int64_t m = i * groups + group;
     const int64_t first = m * per_micro;
     const int64_t rows = m < total ? std::min(per_micro, rows_ - first) : 0;
     data_.read_rows(m < total ? first : 0, rows, micro_);
-    sums += engine.forward_loss(token_batch(micro_));
+    sums += engine.forward_loss(share_ ? share_->take(micro_) : token_batch(micro_));
   }
   double loss_sum = sums.loss;
   int64_t loss_tokens = sums.loss_tokens;

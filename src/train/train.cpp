@@ -201,7 +201,7 @@ bool TrainSession::eval_due(int64_t steps_done) const {
 }
 
 void TrainSession::evaluate(StepStats& stats) {
-  const EvalResult r = eval->evaluate(engine, comm);
+  const EvalResult r = eval->evaluate(engine, comm, cp_group.get());
   stats.evaluated = true;
   stats.eval_loss = r.loss;
   stats.eval_loss_tokens = r.loss_tokens;
