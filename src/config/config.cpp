@@ -546,9 +546,6 @@ void validate(const Config& c, int world, const std::set<std::string>& given, st
     if (c.device.backend != "cpu" && c.device.attention == "cudnn")
       err("device.attention = \"cudnn\" with model.context_parallel > 1: the ring attends block by block with "
           "shardlm's masked flash kernels, not cuDNN's; set device.attention = \"auto\" or \"flash\"");
-    if (c.loss.type == "rl")
-      err("model.context_parallel > 1 is for SFT so far (loss.type = \"sft\"): the rollout packing does not split "
-          "sequences over a group yet");
   }
   // One micro-batch on every data-parallel group (a group of context_parallel ranks reads the same rows).
   // (When the groups do not divide the ranks, that is the error to fix first.)

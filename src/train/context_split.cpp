@@ -37,12 +37,27 @@ TokenBatch ContextShare::take(const MicroBatch& full) {
   }
   TokenBatch b;
   b.N = int64_t(index_.size());
+  b.advantages = b.inference_logprobs = b.temperatures = nullptr;
   b.tokens = tokens_.data();
   b.targets = targets_.data();
   b.weights = weights_.data();
   b.positions = positions_.data();
   b.seq_ids = seq_ids_.data();
   b.token_index = index_.data();
+  return b;
+}
+
+TokenBatch ContextShare::take(const RlMicroBatch& full) {
+  TokenBatch b = take(full.batch);
+  for (auto [share, whole] : {std::pair{&advantages_, &full.advantages},
+                              std::pair{&inference_logprobs_, &full.inference_logprobs},
+                              std::pair{&temperatures_, &full.temperatures}}) {
+    share->resize(index_.size());
+    for (size_t i = 0; i < index_.size(); ++i) (*share)[i] = (*whole)[size_t(index_[i])];
+  }
+  b.advantages = advantages_.data();
+  b.inference_logprobs = inference_logprobs_.data();
+  b.temperatures = temperatures_.data();
   return b;
 }
 

@@ -65,12 +65,16 @@ class TokenSource final : public StepSource {
 
 class RolloutSource final : public StepSource {
  public:
-  RolloutSource(const Config& config, int64_t vocab_size, Comm& comm)
-      : data_(config.data), per_sequence_(config.loss.normalize == "sequence"), vocab_size_(vocab_size), comm_(comm) {}
+  RolloutSource(const Config& config, int64_t vocab_size, Comm& comm, Comm* cp_group)
+      : data_(config.data), per_sequence_(config.loss.normalize == "sequence"), vocab_size_(vocab_size), comm_(comm),
+        cp_size_(cp_group ? cp_group->size() : 1), dp_rank_(comm.rank() / cp_size_), dp_world_(comm.size() / cp_size_) {
+    if (cp_size_ > 1) share_.emplace(cp_group->rank(), cp_size_);
+  }
   bool rl() const override { return true; }
 
   // Every rank reads the whole file and packs the same assignment: the counts
-  // need no communication.
+  // need no communication. Under context parallelism the samples go to the
+  // data-parallel groups, whose ranks pack the same rows and take their shares.
   StepPlan begin(int64_t step) override {
     StepPlan plan;
     const auto wait0 = Clock::now();
@@ -83,7 +87,7 @@ class RolloutSource final : public StepSource {
     check_rollout_step(file, step, data_.max_async);
     plan.rollout_metrics = std::move(file.metrics);
     const int64_t samples = per_sequence_ ? normalize_per_sequence(file) : 0;
-    rollouts_ = pack_rollouts(file, data_.seq_len, data_.micro_batch, comm_.rank(), comm_.size());
+    rollouts_ = pack_rollouts(file, data_.seq_len, data_.micro_batch, dp_rank_, dp_world_);
     plan.micro_batches = static_cast<int64_t>(rollouts_.micro_batches.size());
     plan.loss_tokens_global = rollouts_.loss_tokens_global;
     plan.loss_divisor = per_sequence_ ? samples : rollouts_.loss_tokens_global;
@@ -91,14 +95,19 @@ class RolloutSource final : public StepSource {
     return plan;
   }
 
-  TokenBatch micro_batch(int64_t, int64_t index) override { return token_batch(rollouts_.micro_batches[index]); }
+  TokenBatch micro_batch(int64_t, int64_t index) override {
+    const RlMicroBatch& mb = rollouts_.micro_batches[size_t(index)];
+    return share_ ? share_->take(mb) : token_batch(mb);
+  }
 
  private:
   const DataSection data_;
   const bool per_sequence_;  // loss.normalize = "sequence"
   const int64_t vocab_size_;
   Comm& comm_;
-  RankRollouts rollouts_;  // this step's micro-batches of this rank
+  const int cp_size_, dp_rank_, dp_world_;  // context parallelism: the group size, this rank's group, their number
+  std::optional<ContextShare> share_;       // context parallelism: this rank's share of each micro-batch
+  RankRollouts rollouts_;  // this step's micro-batches of this rank's group
 };
 
 }  // namespace
@@ -131,8 +140,9 @@ std::unique_ptr<StepSource> make_token_source(TokenDataset& data, Comm& comm, Co
   return std::make_unique<TokenSource>(data, comm, cp_group);
 }
 
-std::unique_ptr<StepSource> make_rollout_source(const Config& config, int64_t vocab_size, Comm& comm) {
-  return std::make_unique<RolloutSource>(config, vocab_size, comm);
+std::unique_ptr<StepSource> make_rollout_source(const Config& config, int64_t vocab_size, Comm& comm,
+                                               Comm* cp_group) {
+  return std::make_unique<RolloutSource>(config, vocab_size, comm, cp_group);
 }
 
 }  // namespace shardlm

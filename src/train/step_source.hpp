@@ -56,7 +56,8 @@ DataSpec data_spec_for(const Config& config, int64_t vocab_size);
 std::unique_ptr<StepSource> make_token_source(TokenDataset& data, Comm& comm, Comm* cp_group = nullptr);
 // loss.type = "rl": data.rollout_dir/step_<N>.h5, waited for, validated against
 // data.max_async and packed into this rank's micro-batches.
-std::unique_ptr<StepSource> make_rollout_source(const Config& config, int64_t vocab_size, Comm& comm);
+std::unique_ptr<StepSource> make_rollout_source(const Config& config, int64_t vocab_size, Comm& comm,
+                                               Comm* cp_group = nullptr);
 
 TokenBatch token_batch(const MicroBatch& mb);
 

@@ -97,7 +97,7 @@ TrainSession::TrainSession(const Config& c, Comm& comm_)
       engine(model, comm_, engine_options_for(c),
              c.device.backend == "cuda" ? make_cuda_backend() : make_cpu_backend()),
       source(data ? make_token_source(*data, comm_, cp_group.get())
-                  : make_rollout_source(c, arch.vocab_size, comm_)) {
+                  : make_rollout_source(c, arch.vocab_size, comm_, cp_group.get())) {
   if (cp_group) engine.backend().set_context_parallel(*cp_group);
   // Muon on a GPU: Newton–Schulz in bf16 on this rank's device (cuda/newton_schulz.hpp);
   // the CPU backend keeps the host fp32 one, the reference.

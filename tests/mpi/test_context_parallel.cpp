@@ -9,8 +9,13 @@
 
 #include <mpi.h>
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <string>
 #include <vector>
 
 #include "shardlm/comm.hpp"
@@ -191,6 +196,48 @@ double max_abs(const std::vector<std::vector<float>>& a) {
 }  // namespace
 
 TEST_SUITE("context_parallel") {
+
+TEST_CASE("RL at C = 2 equals C = 1: rollout micro-batches per data-parallel group, each rank its share") {
+  if (world_size() < 2 || world_size() % 2 != 0) {
+    MESSAGE("skipped at " << world_size() << " ranks");
+    return;
+  }
+  long long pid = static_cast<long long>(getpid());  // rank 0's names the folder
+  MPI_Bcast(&pid, 1, MPI_LONG_LONG, 0, MPI_COMM_WORLD);
+  const std::string dir = "/tmp/shardlm-cp-rl-" + std::to_string(pid);
+  if (world_rank() == 0) {
+    const std::string cmd = "/usr/bin/python3 tools/make_rollouts.py inputs/data/tiny.h5 --out " + dir +
+                            " --steps 4 > /dev/null 2>&1";
+    REQUIRE(std::system(cmd.c_str()) == 0);
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+  auto rl_losses = [&](int C) {
+    auto comm = make_mpi_comm(MPI_COMM_WORLD);
+    DeckResult r = parse_deck("inputs/tiny-rl.toml",
+                              {"model.context_parallel=" + std::to_string(C), "data.rollout_dir=" + dir,
+                               "broadcast.backend=none", "data.max_async=0"},
+                              world_size());
+    for (const auto& e : r.errors) MESSAGE(e);
+    REQUIRE(r.ok());
+    std::vector<double> losses;
+    {
+      TrainSession session(r.config, *comm);
+      for (int s = 0; s < 4; ++s) losses.push_back(session.step(s).loss);
+    }
+    MPI_Barrier(MPI_COMM_WORLD);
+    return losses;
+  };
+  const std::vector<double> one = rl_losses(1), two = rl_losses(2);
+  double worst = 0;
+  for (size_t s = 0; s < one.size(); ++s) {
+    MESSAGE("step " << s << ": C = 1 " << one[s] << ", C = 2 " << two[s]);
+    worst = std::max(worst, std::fabs(two[s] - one[s]) / std::max(1e-12, std::fabs(one[s])));
+  }
+  CHECK(one.size() == 4);
+  CHECK(worst <= 1e-5);
+  CHECK(one[0] != one[3]);  // the policy moved: the steps are not the same number
+  if (world_rank() == 0) std::filesystem::remove_all(dir);
+}
 
 TEST_CASE("the held-out loss at C = 2 equals C = 1's (eval.path: every group's ranks take their shares)") {
   if (world_size() < 2 || world_size() % 2 != 0) {

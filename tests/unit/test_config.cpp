@@ -136,7 +136,7 @@ TEST_CASE("device communicator keys: NCCL and bf16 reduction need the CUDA backe
         "--set comm.timeout_s=0: comm.timeout_s = 0 is out of range: it must be a finite number > 0 and <= 32000000");
 }
 
-TEST_CASE("model.context_parallel: divides the ranks, splits seq_len into 2C chunks, SFT only so far") {
+TEST_CASE("model.context_parallel: divides the ranks, splits seq_len into 2C chunks") {
   const DeckResult ok = parse(kValid, {"model.context_parallel=4"}, 8);  // 2 data-parallel groups x 4
   for (const auto& e : ok.errors) MESSAGE(e);
   REQUIRE(ok.ok());
