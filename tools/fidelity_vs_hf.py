@@ -1,0 +1,256 @@
+#!/usr/bin/env python3
+"""fidelity_vs_hf.py — shardlm's loss curve beside Hugging Face transformers' over a long run
+(issue #34): the same model, data, order and optimizer, on the GPU machine, in one call.
+
+  1. a model of the Llama-3.2-1B (--shape llama-1b) or Qwen3-1.7B (--shape qwen3-1.7b) shape,
+     random init by transformers (seed 0), saved in fp32 (shardlm reads it through model.hf);
+  2. a learnable token stream: --docs documents of seq + 1 tokens, each a run of "words" drawn
+     (Zipf) from a fixed dictionary of random token sequences (seeded), so one document fills
+     one row and the loss falls fast from ln(vocab);
+  3. shardlm train on it: rows in file order (data.shuffle = false), --rows rows a step,
+     AdamW (lr --lr constant, betas 0.9 / 0.95, eps 1e-8, weight decay 0.1 on matrices and the
+     embedding, clip 1.0), `--set` overrides appended (the precision switches under study);
+  4. transformers on the same rows in the same order: fp32 parameters, bf16 autocast, one row
+     per micro-batch (loss / rows each, so the step's loss is the mean over its tokens), fused
+     torch AdamW with the same groups, clip_grad_norm_ 1.0; eager, and torch.compile
+     (--variants eager,compile);
+  5. the table: per window of steps, the mean relative loss difference to transformers eager
+     (and its max |.|) for shardlm and for compile (transformers' own spread), and the mean
+     loss of the last 10 steps; losses.json with every curve.
+
+  python3 tools/fidelity_vs_hf.py --shardlm build/shardlm --shape llama-1b --steps 150 --out runs/fidelity
+  python3 tools/fidelity_vs_hf.py ... --label fp32-residual --set model.residual_dtype=fp32   (a switch)
+  python3 tools/fidelity_vs_hf.py ... --skip-hf runs/fidelity/losses.json   (reuse transformers' curves)
+
+Needs torch, transformers, h5py and numpy (tools/fidelity_vs_hf.sh finds that python).
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import h5py
+import numpy as np
+
+WINDOWS = [(1, 10), (11, 20), (21, 40), (41, 65), (66, 90), (91, 150)]
+
+SHAPES = {
+    "llama-1b": dict(arch="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128256,
+                     rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=True),
+    "qwen3-1.7b": dict(arch="qwen3", hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                       rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True),
+}
+
+
+def make_model(path, shape, seq):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    s = dict(SHAPES[shape])
+    arch = s.pop("arch")
+    common = dict(max_position_embeddings=max(seq, 4096), bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    if arch == "llama":
+        config, cls = LlamaConfig(**s, **common), LlamaForCausalLM
+    else:
+        config, cls = Qwen3Config(**s, **common), Qwen3ForCausalLM
+    torch.manual_seed(0)
+    model = cls(config).to(torch.float32)
+    model.save_pretrained(path, safe_serialization=True)
+    return config
+
+
+def make_data(path, vocab, docs, doc_len, seed):
+    """Documents of doc_len tokens: Zipf-drawn words of a fixed dictionary of random id sequences."""
+    rng = np.random.default_rng(seed)
+    words = [rng.integers(0, vocab, size=int(n), dtype=np.int32) for n in rng.integers(2, 9, size=4096)]
+    p = 1.0 / np.arange(1, len(words) + 1) ** 1.1
+    p /= p.sum()
+    out = np.empty(docs * doc_len, dtype=np.int32)
+    for d in range(docs):
+        picks = rng.choice(len(words), size=doc_len // 2 + 1, p=p)  # words have >= 2 ids: always enough
+        out[d * doc_len:(d + 1) * doc_len] = np.concatenate([words[i] for i in picks])[:doc_len]
+    with h5py.File(path + ".tmp", "w") as f:
+        f.create_dataset("tokens", data=out)
+        f.create_dataset("offsets", data=np.arange(0, out.size + 1, doc_len, dtype=np.int64))
+        f.attrs["vocab_size"] = np.int64(vocab)
+        f.attrs["tokenizer"] = "fidelity_vs_hf.py: Zipf words of random ids"
+    os.replace(path + ".tmp", path)
+    return out.reshape(docs, doc_len)
+
+
+def run_shardlm(args, model_dir, data_path, run_dir, label):
+    deck = os.path.join(args.out, f"fidelity-{label}.toml")
+    with open(deck, "w") as f:
+        f.write(f"""[run]
+name = "fidelity-{label}"
+dir = "{run_dir}"
+max_steps = {args.steps}
+seed = 0
+
+[model]
+hf = "{model_dir}"
+
+[data]
+path = "{data_path}"
+seq_len = {args.seq}
+micro_batch = 1
+global_batch = {args.rows}
+shuffle = false
+
+[optim]
+name = "adamw"
+lr = {args.lr}
+beta1 = 0.9
+beta2 = 0.95
+eps = 1e-8
+weight_decay = 0.1
+max_norm = 1.0
+
+[sched]
+name = "constant"
+warmup = 0
+
+[ckpt]
+interval = 0
+save_final = false
+resume = "none"
+
+[device]
+backend = "{args.device}"
+
+[log]
+interval = 1
+""")
+    cmd = [args.shardlm, "train", deck]
+    for s in args.set:
+        cmd += ["--set", s]
+    t0 = time.time()
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    with open(os.path.join(args.out, f"shardlm-{label}.log"), "w") as f:
+        f.write(p.stdout + p.stderr)
+    if p.returncode != 0:
+        sys.exit(f"shardlm train failed ({p.returncode}); log in {args.out}/shardlm-{label}.log:\n{p.stderr[-3000:]}")
+    losses = {}
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        for line in f:
+            r = json.loads(line)
+            if "step" in r and "loss" in r:
+                losses[int(r["step"])] = float(r["loss"])
+    print(f"shardlm {label}: {len(losses)} steps in {time.time() - t0:.0f} s", flush=True)
+    return [losses[s] for s in sorted(losses)]
+
+
+def run_hf(args, model_dir, rows, compiled):
+    import torch
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).cuda()
+    model.config.use_cache = False
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
+    step_fn = torch.compile(model) if compiled else model
+    losses = []
+    t0 = time.time()
+    for step in range(args.steps):
+        total = 0.0
+        for r in range(args.rows):
+            doc = torch.from_numpy(rows[(step * args.rows + r) % len(rows)].astype(np.int64)).cuda()
+            x, y = doc[:-1][None], doc[1:]
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                logits = step_fn(input_ids=x).logits
+            loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y) / args.rows
+            loss.backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(total)
+    name = "compile" if compiled else "eager"
+    print(f"transformers {name}: {args.steps} steps in {time.time() - t0:.0f} s", flush=True)
+    del model, opt, step_fn
+    torch.cuda.empty_cache()
+    return losses
+
+
+def table(curves, reference="transformers eager"):
+    ref = np.asarray(curves[reference])
+    lines = ["| steps | " + " | ".join(f"{k} − eager: mean (max abs)" for k in curves if k != reference) + " |",
+             "| --- |" + " --- |" * (len(curves) - 1)]
+    for a, b in WINDOWS:
+        if a > len(ref):
+            break
+        b = min(b, len(ref))
+        cells = []
+        for k, v in curves.items():
+            if k == reference:
+                continue
+            rel = (np.asarray(v[a - 1:b]) - ref[a - 1:b]) / ref[a - 1:b]
+            cells.append(f"{rel.mean():+.1e} ({np.abs(rel).max():.1e})")
+        lines.append(f"| {a}–{b} | " + " | ".join(cells) + " |")
+    last = " | ".join(f"{k} {np.mean(v[-10:]):.4f}" for k, v in curves.items())
+    lines.append(f"\nlast 10 steps, mean loss: {last}")
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shardlm", default="build/shardlm")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="llama-1b")
+    ap.add_argument("--steps", type=int, default=150)
+    ap.add_argument("--rows", type=int, default=4, help="rows (documents) a step")
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--docs", type=int, default=600)
+    ap.add_argument("--out", default="runs/fidelity")
+    ap.add_argument("--label", default="default", help="the shardlm curve's name (a switch under study)")
+    ap.add_argument("--set", action="append", default=[], help="a shardlm --set override (repeatable)")
+    ap.add_argument("--variants", default="eager,compile", help="transformers runs: eager,compile")
+    ap.add_argument("--skip-hf", default="", help="a losses.json of an earlier call: its transformers curves")
+    ap.add_argument("--model", default="", help="an existing HF model directory instead of --shape's random init")
+    ap.add_argument("--device", default="cuda", help="shardlm's device.backend (cpu: a check of this script)")
+    args = ap.parse_args()
+    args.out = os.path.abspath(args.out)
+    os.makedirs(args.out, exist_ok=True)
+    model_dir = os.path.abspath(args.model) if args.model else os.path.join(args.out, f"model-{args.shape}")
+    tag = os.path.basename(model_dir.rstrip("/")) if args.model else args.shape
+    data_path = os.path.join(args.out, f"data-{tag}.h5")
+    if args.model:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            vocab = json.load(f)["vocab_size"]
+    else:
+        vocab = SHAPES[args.shape]["vocab_size"]
+    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+        make_model(model_dir, args.shape, args.seq)
+    if not os.path.isfile(data_path):
+        make_data(data_path, vocab, args.docs, args.seq + 1, seed=1)
+    with h5py.File(data_path) as f:
+        rows = f["tokens"][()].reshape(-1, args.seq + 1)
+    curves = {}
+    saved = os.path.join(args.out, "losses.json")
+    if os.path.isfile(saved):  # the curves of earlier calls (other switches) stay in the table
+        with open(saved) as f:
+            curves.update({k: v for k, v in json.load(f).items() if k.startswith("shardlm")})
+    if args.skip_hf:
+        with open(args.skip_hf) as f:
+            earlier = json.load(f)
+        curves.update({k: v for k, v in earlier.items() if k.startswith("transformers")})
+    else:
+        for v in args.variants.split(","):
+            curves[f"transformers {v}"] = run_hf(args, model_dir, rows, compiled=(v == "compile"))
+    curves[f"shardlm {args.label}"] = run_shardlm(args, model_dir, data_path,
+                                                   os.path.join(args.out, f"run-{args.label}"), args.label)
+    with open(saved, "w") as f:
+        json.dump(curves, f)
+    print(f"\n{tag}, {args.steps} steps of {args.rows} x {args.seq} tokens, lr {args.lr}; "
+          f"relative loss difference to transformers eager:\n")
+    print(table(curves))
+
+
+if __name__ == "__main__":
+    main()
