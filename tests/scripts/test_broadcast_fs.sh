@@ -53,10 +53,12 @@ deck() {  # deck RUN_DIR BCAST_DIR
     --set broadcast.interval=1 --set broadcast.keep=2
 }
 
-# ---- one trainer, two receivers; the second (world rank 2) takes 300 ms more per step
+# ---- one trainer, two receivers; the second (world rank 2) takes 1.5 s more per step:
+# far slower than a tiny step even on a loaded machine (at 300 ms, CI's busy 2 cores
+# once kept the trainer from ever getting ahead), so the trainer must wait for it
 A=$T/a
 read -ra rl <<< "$(deck "$A/run" "$A/bc")"
-SHARDLM_FAULT=receive_slow@2 SHARDLM_RECEIVE_SLOW_MS=300 SHARDLM_RECEIVE_SLOW_STEPS="" \
+SHARDLM_FAULT=receive_slow@2 SHARDLM_RECEIVE_SLOW_MS=1500 SHARDLM_RECEIVE_SLOW_STEPS="" \
   run_job "$T/a.log" "$A/bc" "$T/a.counts" \
   "${MPI[@]}" -np 1 "$BIN" train "${rl[@]}" --set run.max_steps=12 : -np 2 "$BIN" receive "${rl[@]}"
 all="1 2 3 4 5 6 7 8 9 10 11 12 "
