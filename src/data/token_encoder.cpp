@@ -6,11 +6,9 @@
 #include <pcre2.h>
 
 #include <algorithm>
-#include <filesystem>
-#include <fstream>
 #include <nlohmann/json.hpp>
-#include <sstream>
 
+#include "data/tokenizer.hpp"
 #include "shardlm/error.hpp"
 
 namespace shardlm {
@@ -114,18 +112,9 @@ TokenEncoder& TokenEncoder::operator=(TokenEncoder&&) noexcept = default;
 TokenEncoder::~TokenEncoder() = default;
 
 TokenEncoder TokenEncoder::load(const std::string& path) {
-  namespace fs = std::filesystem;
-  std::string file = path;
-  if (fs::is_directory(path)) {
-    file = (fs::path(path) / "tokenizer.json").string();
-    SHARDLM_CHECK(fs::is_regular_file(file), "%s: folder has no tokenizer.json", path.c_str());
-  }
-  SHARDLM_CHECK(fs::is_regular_file(file), "%s: tokenizer file does not exist", file.c_str());
-  std::ifstream in(file, std::ios::binary);
-  SHARDLM_CHECK(in.good(), "%s: cannot open the tokenizer file", file.c_str());
-  std::stringstream text;
-  text << in.rdbuf();
-  return from_json_text(text.str(), file);
+  std::string file;
+  const std::string text = read_tokenizer_json(path, file);
+  return from_json_text(text, file);
 }
 
 TokenEncoder TokenEncoder::from_json_text(std::string_view json_text, const std::string& where) {

@@ -122,9 +122,9 @@ size_t finished_utf8_prefix(std::string_view bytes) {
   return bytes.size();
 }
 
-TokenDecoder TokenDecoder::load(const std::string& path) {
+std::string read_tokenizer_json(const std::string& path, std::string& file) {
   namespace fs = std::filesystem;
-  std::string file = path;
+  file = path;
   if (fs::is_directory(path)) {
     file = (fs::path(path) / "tokenizer.json").string();
     SHARDLM_CHECK(fs::is_regular_file(file), "%s: folder has no tokenizer.json", path.c_str());
@@ -134,7 +134,13 @@ TokenDecoder TokenDecoder::load(const std::string& path) {
   SHARDLM_CHECK(in.good(), "%s: cannot open the tokenizer file", file.c_str());
   std::stringstream text;
   text << in.rdbuf();
-  return from_json_text(text.str(), file);
+  return text.str();
+}
+
+TokenDecoder TokenDecoder::load(const std::string& path) {
+  std::string file;
+  const std::string text = read_tokenizer_json(path, file);
+  return from_json_text(text, file);
 }
 
 TokenDecoder TokenDecoder::from_json_text(std::string_view json_text, const std::string& where) {

@@ -18,6 +18,11 @@
 
 namespace shardlm {
 
+// The text of a tokenizer.json, given as the file or a model folder that holds
+// one; `file` gets the file's path (for messages). Throws Error naming what is
+// missing or unreadable. TokenDecoder::load and TokenEncoder::load read through it.
+std::string read_tokenizer_json(const std::string& path, std::string& file);
+
 class TokenDecoder {
  public:
   // From a tokenizer.json, or a model folder that holds one. Throws shardlm::Error
