@@ -6,7 +6,9 @@ One call (tools/bench_generate.sh runs it on the GPU machine):
   2. BATCH prompts of PROMPT random token ids (a shardlm prompt file, no stop ids; the model has
      no EOS either, so every sequence runs to NEW tokens on both sides),
   3. shardlm generate greedy and sampled (temperature 0.8, top-k 50, top-p 0.95) at --batch BATCH,
-     and greedy again without CUDA graphs (SHARDLM_DECODE_GRAPHS=0: what the graphs save),
+     greedy again without CUDA graphs (SHARDLM_DECODE_GRAPHS=0: what the graphs save), and sampled
+     again with the host's sampler (SHARDLM_HOST_SAMPLER=1: what drawing on the GPU saves; the tokens
+     must be the same),
   4. transformers generate on the same model, prompts and lengths (bf16, KV cache on), greedy and sampled,
   5. tokens/s of each and the ratios; shardlm's decode step (device time, its own line) against the
      HBM floor: (weights + the KV cache a step reads) / 4.8 TB/s, averaged over the decode steps;
@@ -69,11 +71,12 @@ def write_prompts(path, ids, vocab):
         f.attrs["stop_token_ids"] = np.asarray([], dtype=np.int64)
 
 
-def run_shardlm(args, model_dir, prompts, out, sampling, graphs=True):
+def run_shardlm(args, model_dir, prompts, out, sampling, graphs=True, host_sampler=False):
     cmd = [args.shardlm, "generate", "--hf", model_dir, "--prompts", prompts, "--max-new-tokens", str(args.new),
            "--batch", str(args.batch), "--device", "cuda", "--seed", "1", "--out", out] + sampling
     t0 = time.time()
-    env = dict(os.environ, SHARDLM_DECODE_GRAPHS="1" if graphs else "0")
+    env = dict(os.environ, SHARDLM_DECODE_GRAPHS="1" if graphs else "0",
+               SHARDLM_HOST_SAMPLER="1" if host_sampler else "0")
     p = subprocess.run(cmd, capture_output=True, text=True, env=env)
     wall = time.time() - t0
     sys.stdout.write(p.stdout)
@@ -138,6 +141,8 @@ def main():
                           ["--temperature", "0.8", "--top-k", "50", "--top-p", "0.95"])
     eager = run_shardlm(args, model_dir, prompts, os.path.join(work, "eager.h5"), ["--temperature", "0"],
                         graphs=False)
+    host_drawn = run_shardlm(args, model_dir, prompts, os.path.join(work, "host.h5"),
+                             ["--temperature", "0.8", "--top-k", "50", "--top-p", "0.95"], host_sampler=True)
     hf_greedy = run_hf(model, ids, args.new, sample=False)
     hf_sampled = run_hf(model, ids, args.new, sample=True)
 
@@ -153,7 +158,8 @@ def main():
         return r["tokens"] / r["seconds"]
 
     print(f"\nbatch {args.batch}, prompt {args.prompt}, {args.new} new tokens")
-    for name, s, h in (("greedy", greedy, hf_greedy), ("sampled", sampled, hf_sampled)):
+    for name, s, h in (("greedy", greedy, hf_greedy), ("sampled", sampled, hf_sampled),
+                       ("host-sampled", host_drawn, hf_sampled)):
         print(f"{name:8s} shardlm {tps(s):9.0f} tokens/s ({s['seconds']:.2f} s, process {s['wall']:.1f} s)   "
               f"transformers {tps(h):8.0f} tokens/s ({h['seconds']:.2f} s)   ratio {tps(s) / tps(h):.1f}x")
     for name, s in (("greedy", greedy), ("sampled", sampled), ("eager", eager)):
@@ -163,6 +169,9 @@ def main():
               f"{1e3 * s['seconds'] / args.new:.3f} ms")
 
     same_eager = sum(int(np.array_equal(a, b)) for a, b in zip(greedy["rows"], eager["rows"]))
+    same_drawn = sum(int(np.array_equal(a, b)) for a, b in zip(sampled["rows"], host_drawn["rows"]))
+    print(f"sampled on the GPU vs on the host (SHARDLM_HOST_SAMPLER=1): {same_drawn} of {len(sampled['rows'])} "
+          f"sequences identical")
     print(f"greedy with CUDA graphs vs without (SHARDLM_DECODE_GRAPHS=0, 'eager' above): {same_eager} of "
           f"{len(greedy['rows'])} sequences identical")
 

@@ -55,6 +55,10 @@ CpuDecoder::CpuDecoder(const InferenceModel& model, const DecoderLimits& limits)
   temperatures_.resize(size_t(limits.slots));
 }
 
+void Decoder::draw(const SamplingParams&, const double*, int64_t, Sampled*, float*, float*) {
+  SHARDLM_FAIL("internal: %s does not draw on its device", describe().c_str());
+}
+
 void CpuDecoder::token_logprobs(float* out, const float* logits, const int32_t* tokens, float temperature,
                                 int64_t n) {
   SHARDLM_CHECK(n <= limits_.slots, "internal: logprobs of %lld rows, %lld slots", (long long)n,

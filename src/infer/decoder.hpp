@@ -30,6 +30,7 @@
 
 #include "cpu/layers.hpp"
 #include "infer/model.hpp"
+#include "infer/sampler.hpp"
 
 namespace shardlm {
 
@@ -39,7 +40,9 @@ struct DecoderLimits {
 };
 
 // What generate() needs of a forward over a KV cache. Logits are fp32 in host
-// memory, (n, V) row-major, whatever the backend computes in.
+// memory, (n, V) row-major, whatever the backend computes in; a decoder that
+// draws on its device (draws_on_device()) is given nullptr instead and keeps
+// them there for draw().
 class Decoder {
  public:
   virtual ~Decoder() = default;
@@ -65,6 +68,15 @@ class Decoder {
   // and V = 128256 for the softmax sums).
   virtual void token_logprobs(float* out, const float* logits, const int32_t* tokens, float temperature,
                               int64_t n) = 0;
+  // Whether draw() samples where the logits are (the GPU): generate() then
+  // passes prefill and decode no host logits and calls draw() after each step.
+  virtual bool draws_on_device() const { return false; }
+  // Row b of the last step's logits drawn with uniforms[b] (uniform_draw of its
+  // key) as the host Sampler draws (infer/sampler.hpp): out[b], and the token's
+  // model and tempered logprobs as token_logprobs gives them (tempered = model
+  // when greedy). Only where draws_on_device().
+  virtual void draw(const SamplingParams& params, const double* uniforms, int64_t n, Sampled* out, float* model_lp,
+                    float* tempered_lp);
 
   virtual int64_t length(int32_t slot) const = 0;
   virtual const DecoderLimits& limits() const = 0;

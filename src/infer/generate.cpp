@@ -47,13 +47,20 @@ std::vector<Completion> generate(Decoder& decoder, std::span<const GenerateReque
                   "internal: prompt %lld (%zu tokens) does not fit the decoder's plan", (long long)r.prompt,
                   r.tokens.size());
 
-  // One sampler (its (V) scratch) per thread: rows are drawn in parallel, each
-  // from its own key, so the tokens do not depend on the thread count.
+  // Where the logits are drawn from: on the decoder's device (the GPU: no
+  // logits cross to the host), or here, with one sampler (its (V) scratch) per
+  // thread: rows are drawn in parallel, each from its own key, so the tokens
+  // do not depend on the thread count.
+  const bool on_device = decoder.draws_on_device();
   std::vector<Sampler> samplers;
-  for (int t = 0; t < std::max(1, omp_get_max_threads()); ++t) samplers.emplace_back(o.sampling, V);
+  if (!on_device)
+    for (int t = 0; t < std::max(1, omp_get_max_threads()); ++t) samplers.emplace_back(o.sampling, V);
+  else if (std::string e = sampling_params_error(o.sampling); !e.empty())
+    SHARDLM_FAIL("%s", e.c_str());
   // Planned once: one row of logits per slot (the decoder's own buffer) and the per-row values of a step.
-  float* const logits = decoder.host_logits();
+  float* const logits = on_device ? nullptr : decoder.host_logits();
   std::vector<Sampled> drawn(static_cast<size_t>(slots));
+  std::vector<double> uniforms(static_cast<size_t>(slots));
   std::vector<int32_t> step_slots, step_tokens;
   std::vector<std::span<const int32_t>> step_prompts;
   std::vector<float> model_lp(static_cast<size_t>(slots)), tempered_lp(static_cast<size_t>(slots));
@@ -71,11 +78,17 @@ std::vector<Completion> generate(Decoder& decoder, std::span<const GenerateReque
   auto take = [&] {
     const int64_t B = int64_t(step_slots.size());
     step_tokens.resize(size_t(B));
-#pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t b = 0; b < B; ++b) {
+    const auto key = [&](int64_t b) {
       const Completion& done = out[size_t(held[size_t(step_slots[size_t(b)])])];
-      drawn[size_t(b)] = samplers[size_t(omp_get_thread_num())].sample(
-          logits + b * V, {done.prompt, done.sample, int64_t(done.tokens.size())});
+      return DrawKey{done.prompt, done.sample, int64_t(done.tokens.size())};
+    };
+    if (on_device) {
+      for (int64_t b = 0; b < B; ++b) uniforms[size_t(b)] = uniform_draw(o.sampling.seed, key(b));
+      decoder.draw(o.sampling, uniforms.data(), B, drawn.data(), model_lp.data(), tempered_lp.data());
+    } else {
+#pragma omp parallel for schedule(dynamic, 1)
+      for (int64_t b = 0; b < B; ++b)
+        drawn[size_t(b)] = samplers[size_t(omp_get_thread_num())].sample(logits + b * V, key(b));
     }
     for (int64_t b = 0; b < B; ++b) {
       Completion& done = out[size_t(held[size_t(step_slots[size_t(b)])])];
@@ -84,9 +97,11 @@ std::vector<Completion> generate(Decoder& decoder, std::span<const GenerateReque
       done.tokens.push_back(s.token);
       done.sampling_logprobs.push_back(s.sampling_logprob);
     }
-    decoder.token_logprobs(model_lp.data(), logits, step_tokens.data(), 1.0f, B);
-    if (o.sampling.temperature > 0)
-      decoder.token_logprobs(tempered_lp.data(), logits, step_tokens.data(), float(o.sampling.temperature), B);
+    if (!on_device) {
+      decoder.token_logprobs(model_lp.data(), logits, step_tokens.data(), 1.0f, B);
+      if (o.sampling.temperature > 0)
+        decoder.token_logprobs(tempered_lp.data(), logits, step_tokens.data(), float(o.sampling.temperature), B);
+    }
     for (int64_t b = 0; b < B; ++b) {
       const int32_t slot = step_slots[size_t(b)];
       Completion& done = out[size_t(held[size_t(slot)])];

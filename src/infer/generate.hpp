@@ -8,7 +8,8 @@
 // decoder's limits from the prompts. Uses Decoder (forward, and the model's
 // logprobs: on the CPU cpu::token_logprobs, the function the RL loss computes
 // the trainer's logprobs with; on the GPU its counterpart on the device) and
-// Sampler (choice, on the host for both). Must not know: files, MPI, the
+// Sampler (the choice, on the host; a decoder that draws on its device, the
+// GPU's, makes the same choice there from the same uniforms: Decoder::draw). Must not know: files, MPI, the
 // tokenizer, which backend the decoder runs on.
 #pragma once
 

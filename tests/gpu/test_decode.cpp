@@ -1,8 +1,9 @@
 // test_decode.cpp — sampling on the GPU (build/test_gpu, `make test-gpu`): the
 // decode attention kernel against cpu::attention_decode_forward, the CUDA
 // decoder against the CPU decoder on the HF fixtures (prefill and decode
-// logits, greedy choices, a weight refreshed through load_bf16), and seeded
-// sampling on the GPU giving the same tokens twice. The tolerances are in
+// logits, greedy choices, a weight refreshed through load_bf16), seeded
+// sampling on the GPU giving the same tokens twice, and the GPU sampler
+// (cuda::sample_rows) drawing the host Sampler's tokens from the same logits. The tolerances are in
 // tests/gpu/README.md ("Sampling on the GPU").
 #include <doctest/doctest.h>
 
@@ -20,10 +21,12 @@
 #include "cpu/ops.hpp"
 #include "cpu/rl_loss.hpp"
 #include "cuda/decode_attention.hpp"
+#include "cuda/sampling.hpp"
 #include "infer/decoder.hpp"
 #include "infer/decoder_cuda.hpp"
 #include "infer/generate.hpp"
 #include "infer/model.hpp"
+#include "infer/sampler.hpp"
 #include "shardlm/cuda.hpp"
 #include "shardlm/dtype.hpp"
 
@@ -308,4 +311,148 @@ TEST_CASE("seeded sampling on the GPU: the same tokens and logprobs twice; greed
                      << "divergence " << lp_worst);
   CHECK(lp_worst < 5e-2);
   CHECK(same >= int64_t(g.size()));  // at least a token a sequence on average
+}
+
+namespace {
+
+// n rows of V logits drawn by cuda::sample_rows and by the host Sampler with
+// the same uniforms: the same tokens, the same sampling logprobs; a second
+// device run gives the same bits. Returns the distinct tokens drawn (a check
+// that the case samples at all).
+size_t check_sampler_rows(const std::vector<float>& logits, int64_t n, int64_t V, const SamplingParams& p,
+                          const std::string& what) {
+  CAPTURE(what);
+  CAPTURE(p.temperature);
+  CAPTURE(p.top_k);
+  CAPTURE(p.top_p);
+  std::vector<double> u(static_cast<size_t>(n));
+  std::vector<Sampled> want(static_cast<size_t>(n));
+  Sampler host(p, V);
+  for (int64_t r = 0; r < n; ++r) {
+    const DrawKey key{r, 3, 17};
+    u[size_t(r)] = uniform_draw(p.seed, key);
+    want[size_t(r)] = host.sample(logits.data() + r * V, key);
+  }
+  DeviceBytes dl(logits.size() * 4), du(size_t(n) * 8), dt(size_t(n) * 4), dp(size_t(n) * 4);
+  CUDA_OK(cudaMemcpy(dl.p, logits.data(), logits.size() * 4, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(du.p, u.data(), size_t(n) * 8, cudaMemcpyHostToDevice));
+  std::vector<int32_t> tok[2];
+  std::vector<float> lp[2];
+  for (int run = 0; run < 2; ++run) {
+    cuda::sample_rows(dt.as<int32_t>(), dp.as<float>(), dl.as<float>(), du.as<double>(), n, V, p.temperature, p.top_k,
+                      p.top_p, nullptr);
+    CUDA_OK(cudaDeviceSynchronize());
+    tok[run].resize(size_t(n));
+    lp[run].resize(size_t(n));
+    CUDA_OK(cudaMemcpy(tok[run].data(), dt.p, size_t(n) * 4, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(lp[run].data(), dp.p, size_t(n) * 4, cudaMemcpyDeviceToHost));
+  }
+  int mismatches = 0;
+  double lp_worst = 0;
+  for (int64_t r = 0; r < n; ++r) {
+    mismatches += tok[0][size_t(r)] != want[size_t(r)].token;
+    if (tok[0][size_t(r)] == want[size_t(r)].token)
+      lp_worst = std::max(lp_worst, double(std::fabs(lp[0][size_t(r)] - want[size_t(r)].sampling_logprob)));
+  }
+  CHECK(mismatches == 0);
+  CHECK(lp_worst <= 1e-6);
+  CHECK(tok[0] == tok[1]);
+  CHECK(std::memcmp(lp[0].data(), lp[1].data(), size_t(n) * 4) == 0);
+  std::vector<int32_t> distinct = tok[0];
+  std::sort(distinct.begin(), distinct.end());
+  return size_t(std::unique(distinct.begin(), distinct.end()) - distinct.begin());
+}
+
+}  // namespace
+
+TEST_CASE("GPU sampler = host Sampler on the same logits: greedy, temperature, top-k, top-p, ties, many rounds") {
+  require_gpu();
+  const std::vector<SamplingParams> params = {
+      {0.0, 0, 1.0, 1},    {1.0, 0, 1.0, 2},   {0.8, 50, 1.0, 3},  {0.8, 50, 0.95, 4},  {1.0, 0, 0.9, 5},
+      {0.7, 3000, 0.5, 6}, {0.05, 0, 0.99, 7}, {1.5, 1, 1.0, 8},   {1.0, 0, 0.01, 9},   {1.2, 5000, 1.0, 10}};
+  std::mt19937_64 rng(2026);
+  struct Logits {
+    std::string name;
+    int64_t n, V;
+    std::vector<float> x;
+  };
+  std::vector<Logits> cases;
+  {
+    Logits c{"normal(0, 2), V = 128256", 16, 128256, {}};
+    std::normal_distribution<float> d(0.f, 2.f);
+    c.x.resize(size_t(c.n * c.V));
+    for (float& v : c.x) v = d(rng);
+    cases.push_back(std::move(c));
+  }
+  {
+    Logits c{"bf16-rounded normal(0, 1) (ties), V = 151936", 8, 151936, {}};
+    std::normal_distribution<float> d(0.f, 1.f);
+    c.x.resize(size_t(c.n * c.V));
+    for (float& v : c.x) v = round_bf16(d(rng));
+    cases.push_back(std::move(c));
+  }
+  {
+    Logits c{"every logit equal, V = 5000", 4, 5000, std::vector<float>(size_t(4 * 5000), 1.0f)};
+    cases.push_back(std::move(c));
+  }
+  {
+    // A trained model's shape: a few tokens far above a long tail, -0 and +0 among them.
+    Logits c{"peaked, V = 32000", 8, 32000, {}};
+    std::normal_distribution<float> d(-4.f, 1.5f);
+    c.x.resize(size_t(c.n * c.V));
+    for (float& v : c.x) v = d(rng);
+    for (int64_t r = 0; r < c.n; ++r)
+      for (int j = 0; j < 6; ++j) c.x[size_t(r * c.V + (r * 977 + j * 4099) % c.V)] = 9.0f - float(j);
+    c.x[5] = -0.0f, c.x[6] = 0.0f;
+    cases.push_back(std::move(c));
+  }
+  {
+    Logits c{"V = 7", 5, 7, {}};
+    std::normal_distribution<float> d(0.f, 1.f);
+    c.x.resize(size_t(c.n * c.V));
+    for (float& v : c.x) v = d(rng);
+    cases.push_back(std::move(c));
+  }
+  for (const Logits& c : cases)
+    for (const SamplingParams& p : params) {
+      const size_t distinct = check_sampler_rows(c.x, c.n, c.V, p, c.name);
+      // Greedy and top-k 1 repeat a row's argmax; the equal row has one argmax; top-p 0.01 keeps the top token
+      // of a peaked row: otherwise 16 draws from a wide distribution are not all one token.
+      const bool one = p.temperature == 0 || p.top_k == 1 || c.name.rfind("every", 0) == 0 || c.V == 7;
+      if (!one && c.n >= 8 && p.top_p > 0.01) CHECK(distinct > 1);
+    }
+}
+
+TEST_CASE("CUDA decoder: drawing on the device = drawing on the host from its downloaded logits") {
+  require_gpu();
+  InferenceModel m = bf16_fixture("qwen3-qknorm");
+  const auto prompts = fixture_prompts(m.config().vocab_size);
+  std::vector<GenerateRequest> requests;
+  for (size_t p = 0; p < prompts.size(); ++p)
+    for (int64_t s = 0; s < 3; ++s) requests.push_back({int64_t(p), s, prompts[p]});
+  const DecoderLimits limits = plan_limits(m.config(), requests, 5, 20, "test");
+  for (const SamplingParams& sp : {SamplingParams{0.9, 40, 0.95, 7}, SamplingParams{1.0, 0, 1.0, 11},
+                                   SamplingParams{0.0, 0, 1.0, 0}}) {
+    CAPTURE(sp.temperature);
+    GenerateOptions o;
+    o.sampling = sp;
+    o.max_new_tokens = 20;
+    auto run = [&](bool host) {
+      if (host) setenv("SHARDLM_HOST_SAMPLER", "1", 1);
+      std::unique_ptr<Decoder> d = make_decoder(m, limits, "cuda");
+      unsetenv("SHARDLM_HOST_SAMPLER");
+      CHECK(d->draws_on_device() == !host);
+      return generate(*d, requests, o);
+    };
+    const std::vector<Completion> dev = run(false), host = run(true);
+    REQUIRE(dev.size() == host.size());
+    for (size_t i = 0; i < dev.size(); ++i) {
+      CHECK(dev[i].tokens == host[i].tokens);
+      CHECK(dev[i].model_logprobs == host[i].model_logprobs);
+      CHECK(dev[i].tempered_logprobs == host[i].tempered_logprobs);
+      REQUIRE(dev[i].sampling_logprobs.size() == host[i].sampling_logprobs.size());
+      for (size_t t = 0; t < dev[i].sampling_logprobs.size(); ++t)
+        CHECK(std::fabs(dev[i].sampling_logprobs[t] - host[i].sampling_logprobs[t]) <= 1e-6f);
+    }
+  }
 }
