@@ -19,6 +19,7 @@
 #include "cuda/decode_attention.hpp"
 #include "cuda/gemm.hpp"
 #include "cuda/ops.hpp"
+#include "cuda/sampling.hpp"
 #include "cuda/token_logprobs.hpp"
 #include "shardlm/cuda.hpp"
 #include "shardlm/dtype.hpp"
@@ -49,6 +50,9 @@ class CudaDecoder final : public Decoder {
   float* host_logits() override { return logits_host_; }
   void token_logprobs(float* out, const float* logits, const int32_t* tokens, float temperature,
                       int64_t n) override;
+  bool draws_on_device() const override { return device_draws_; }
+  void draw(const SamplingParams& params, const double* uniforms, int64_t n, Sampled* out, float* model_lp,
+            float* tempered_lp) override;
 
   int64_t length(int32_t slot) const override { return slot_len_[size_t(slot)]; }
   const DecoderLimits& limits() const override { return limits_; }
@@ -139,6 +143,14 @@ class CudaDecoder final : public Decoder {
   float* lp_out_ = nullptr;                   // (slots) and its logprobs
   int32_t* lp_tokens_host_ = nullptr;         // (slots) pinned mirrors
   float* lp_out_host_ = nullptr;
+  // draw(): the rows' uniforms, then tokens | sampling | model | tempered
+  // logprobs (slots each, 32-bit words), one block each way.
+  double* draw_uniforms_ = nullptr;
+  double* draw_uniforms_host_ = nullptr;
+  uint32_t* draw_out_ = nullptr;
+  uint32_t* draw_out_host_ = nullptr;
+  // SHARDLM_HOST_SAMPLER=1 draws on the host from downloaded logits (to compare).
+  bool device_draws_ = true;
   int64_t last_rows_ = 0;                     // rows of logits_ the last step wrote
   uint16_t* upload_host_ = nullptr;           // (kUploadElems) pinned bf16 staging
 
@@ -217,6 +229,8 @@ CudaDecoder::CudaDecoder(const InferenceModel& model, const DecoderLimits& limit
   add("gemm_workspace", Mem::Workspace, int64_t(kGemmWorkspace), reinterpret_cast<char**>(&gemm_workspace_));
   add("logprob_tokens", Mem::Workspace, S, &lp_tokens_);
   add("logprobs", Mem::Workspace, S, &lp_out_);
+  add("draw_uniforms", Mem::Workspace, S, &draw_uniforms_);
+  add("draw_out", Mem::Workspace, 4 * S, &draw_out_);
   ints_count_ = 4 * R + 4 * S;
   add("step_inputs", Mem::Workspace, ints_count_, &ints_);
   for (BufferRow& r : table_) *r.ptr = cuda_malloc(r.category, r.bytes);
@@ -226,12 +240,16 @@ CudaDecoder::CudaDecoder(const InferenceModel& model, const DecoderLimits& limit
   CUDA_CHECK(cudaMallocHost(&upload_host_, size_t(kUploadElems) * sizeof(uint16_t)));
   CUDA_CHECK(cudaMallocHost(&lp_tokens_host_, size_t(S) * sizeof(int32_t)));
   CUDA_CHECK(cudaMallocHost(&lp_out_host_, size_t(S) * sizeof(float)));
+  CUDA_CHECK(cudaMallocHost(&draw_uniforms_host_, size_t(S) * sizeof(double)));
+  CUDA_CHECK(cudaMallocHost(&draw_out_host_, size_t(4 * S) * sizeof(uint32_t)));
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   CUDA_CHECK(cudaEventCreate(&step_begin_));
   CUDA_CHECK(cudaEventCreate(&step_end_));
   gemm_ = std::make_unique<cuda::Gemm>(stream_, gemm_workspace_, kGemmWorkspace);
   const char* graphs = std::getenv("SHARDLM_DECODE_GRAPHS");
   graphs_ = !(graphs && std::strcmp(graphs, "0") == 0);
+  const char* host_sampler = std::getenv("SHARDLM_HOST_SAMPLER");
+  device_draws_ = !(host_sampler && std::strcmp(host_sampler, "1") == 0);
 
   // RoPE's frequencies as training rounds them (backend_cuda.cu): the double table to float.
   const std::vector<double> inv = cpu::rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling);
@@ -252,6 +270,8 @@ CudaDecoder::~CudaDecoder() {
   if (upload_host_) cudaFreeHost(upload_host_);
   if (lp_tokens_host_) cudaFreeHost(lp_tokens_host_);
   if (lp_out_host_) cudaFreeHost(lp_out_host_);
+  if (draw_uniforms_host_) cudaFreeHost(draw_uniforms_host_);
+  if (draw_out_host_) cudaFreeHost(draw_out_host_);
   if (step_begin_) cudaEventDestroy(step_begin_);
   if (step_end_) cudaEventDestroy(step_end_);
   if (stream_) cudaStreamDestroy(stream_);
@@ -361,8 +381,40 @@ void CudaDecoder::token_logprobs(float* out, const float*, const int32_t* tokens
   std::memcpy(out, lp_out_host_, size_t(n) * sizeof(float));
 }
 
+void CudaDecoder::draw(const SamplingParams& p, const double* uniforms, int64_t n, Sampled* out, float* model_lp,
+                       float* tempered_lp) {
+  // The device still holds the step's logits; one upload, four kernels, one download.
+  SHARDLM_CHECK(n >= 0 && n <= last_rows_, "internal: a draw of %lld rows after a step of %lld", (long long)n,
+                (long long)last_rows_);
+  if (n == 0) return;
+  const int64_t S = limits_.slots, V = model_.config().vocab_size;
+  std::memcpy(draw_uniforms_host_, uniforms, size_t(n) * sizeof(double));
+  CUDA_CHECK(cudaMemcpyAsync(draw_uniforms_, draw_uniforms_host_, size_t(n) * sizeof(double), cudaMemcpyHostToDevice,
+                             stream_));
+  int32_t* tokens = reinterpret_cast<int32_t*>(draw_out_);
+  float* sampling = reinterpret_cast<float*>(draw_out_ + S);
+  float* model = reinterpret_cast<float*>(draw_out_ + 2 * S);
+  float* tempered = reinterpret_cast<float*>(draw_out_ + 3 * S);
+  cuda::sample_rows(tokens, sampling, logits_, draw_uniforms_, n, V, p.temperature, p.top_k, p.top_p, stream_);
+  cuda::token_logprobs(model, logits_, tokens, 1.0f, n, V, stream_);
+  if (p.temperature > 0) cuda::token_logprobs(tempered, logits_, tokens, float(p.temperature), n, V, stream_);
+  CUDA_CHECK(cudaMemcpyAsync(draw_out_host_, draw_out_, size_t(4 * S) * sizeof(uint32_t), cudaMemcpyDeviceToHost,
+                             stream_));
+  CUDA_CHECK(cudaStreamSynchronize(stream_));
+  for (int64_t b = 0; b < n; ++b) {
+    std::memcpy(&out[b].token, draw_out_host_ + b, sizeof(int32_t));
+    std::memcpy(&out[b].sampling_logprob, draw_out_host_ + S + b, sizeof(float));
+    std::memcpy(&model_lp[b], draw_out_host_ + 2 * S + b, sizeof(float));
+    std::memcpy(&tempered_lp[b], draw_out_host_ + (p.temperature > 0 ? 3 : 2) * S + b, sizeof(float));
+  }
+}
+
 void CudaDecoder::download_logits(int64_t n, float* logits) {
   last_rows_ = n;
+  if (!logits) {  // drawn on the device: nothing comes to the host
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+    return;
+  }
   CUDA_CHECK(cudaMemcpyAsync(logits, logits_, size_t(n * model_.config().vocab_size) * sizeof(float),
                              cudaMemcpyDeviceToHost, stream_));
   CUDA_CHECK(cudaStreamSynchronize(stream_));
