@@ -78,6 +78,7 @@ void InferenceModel::load_bf16(const ParamInfo& p, const uint16_t* values) {
   SHARDLM_CHECK(at.unit && at.param->numel == p.numel, "internal: broadcast parameter %s is not in the model's layout",
                 p.name.c_str());
   float* dst = weights->param[size_t(at.unit - weights->layout.units.data())].data() + at.param->offset;
+#pragma omp parallel for schedule(static) if (p.numel > (int64_t(1) << 20))
   for (int64_t i = 0; i < p.numel; ++i) dst[i] = bf16_to_f32(values[i]);
 }
 

@@ -11,8 +11,10 @@
 //           column scales, plain and transposed) — bit-exact against the CPU
 //   GEMM:   tensorwise and rowwise, e4m3 x e4m3 and e5m2 x e4m3, bf16 and fp32 out,
 //           beta = 1 accumulation; ||gpu - ref|| / ||ref|| against a double sum of
-//           the dequantised codes: bf16 out 1e-2 (one rounding), fp32 out 1e-4
-//           (fp32 accumulation of exact products in another order, ~1e-6 expected)
+//           the dequantised codes: bf16 out 1e-2 (one rounding), fp32 out 5e-4
+//           (Hopper's FP8 tensor cores add the exact products with ~14 mantissa
+//           bits, not fp32's 24 — DeepSeek-V3's report, section 3.3.2: measured
+//           1.2e-4 to 1.4e-4 on the H200 at every K from 128 to 2048, 2026-12-02)
 //   timing: FP8 (tensorwise, fast accumulation off and on) vs bf16 TFLOP/s
 //
 // Usage: test_fp8 [--seed N] [--host-only] [--no-timing]
@@ -290,7 +292,7 @@ void gemm_checks(uint64_t seed, cudaStream_t stream, void* workspace, size_t wor
               const double d = std::isnan(got[i]) ? 1e30 : got[i] - want;
               num += d * d, den += want * want;
             }
-            check(name, std::sqrt(num / std::max(den, 1e-300)), out == gpu::GemmOut::BF16 ? 1e-2 : 1e-4);
+            check(name, std::sqrt(num / std::max(den, 1e-300)), out == gpu::GemmOut::BF16 ? 1e-2 : 5e-4);
           } catch (const std::exception& e) {
             std::printf("%-78s %s  FAIL\n", name.c_str(), e.what());
             ++failed;
