@@ -7,6 +7,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 
 namespace shardlm::cuda {
 
@@ -26,7 +28,7 @@ __global__ void __launch_bounds__(kWarps * 32)
 decode_partial_kernel(float* __restrict__ part_o, float* __restrict__ part_ml, const bf16* __restrict__ q,
                       const bf16* __restrict__ k_cache, const bf16* __restrict__ v_cache,
                       const int32_t* __restrict__ slot, const int32_t* __restrict__ len, int H, int KV, int D,
-                      int64_t max_len, int chunk, int chunks, int G, int head_groups, float scale) {
+                      int64_t q_ld, int64_t max_len, int chunk, int chunks, int G, int head_groups, float scale) {
   __shared__ float sm_ml[kWarps][kHeadsPerBlock][2];
   __shared__ float sm_acc[kWarps][kHeadsPerBlock][32 * E];
   const int b = blockIdx.x, kvh = blockIdx.y / head_groups, hg = blockIdx.y % head_groups, c = blockIdx.z;
@@ -43,7 +45,7 @@ decode_partial_kernel(float* __restrict__ part_o, float* __restrict__ part_ml, c
 #pragma unroll
     for (int e = 0; e < E; ++e) {
       const int d = lane + 32 * e;
-      qr[g][e] = (g < nh && d < D) ? f32(q[(int64_t(b) * H + h0 + g) * D + d]) : 0.0f;
+      qr[g][e] = (g < nh && d < D) ? f32(q[int64_t(b) * q_ld + int64_t(h0 + g) * D + d]) : 0.0f;
     }
   float m[kHeadsPerBlock], l[kHeadsPerBlock], acc[kHeadsPerBlock][E];
 #pragma unroll
@@ -133,6 +135,152 @@ decode_partial_kernel(float* __restrict__ part_o, float* __restrict__ part_ml, c
   }
 }
 
+// 8 bf16 of a 16-byte load as floats.
+__device__ __forceinline__ void unpack8(const uint4& r, float f[8]) {
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&r);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 t = __bfloat1622float2(h[i]);
+    f[2 * i] = t.x, f[2 * i + 1] = t.y;
+  }
+}
+
+// The same partials as decode_partial_kernel for D = 8 LG (32, 64, 128, 256),
+// read 16 bytes a lane: LG lanes hold one cache row (8 elements each), a warp
+// P = 32 / LG rows per load and U = 8 / P loads an iteration (8 positions a
+// warp, 32 a block, as the scalar kernel: the same chunks). A score is LG
+// lanes' partial dots added by log2(LG) shuffles (the scalar kernel: 5 per
+// position and head), and each group of LG lanes keeps its own online softmax
+// over its positions; the groups, then the warps, are merged in a fixed order.
+template <int LG, int HPB>
+__global__ void __launch_bounds__(kWarps * 32)
+decode_partial_vec_kernel(float* __restrict__ part_o, float* __restrict__ part_ml, const bf16* __restrict__ q,
+                          const bf16* __restrict__ k_cache, const bf16* __restrict__ v_cache,
+                          const int32_t* __restrict__ slot, const int32_t* __restrict__ len, int H, int KV,
+                          int64_t q_ld, int64_t max_len, int chunk, int chunks, int G, int head_groups, float scale) {
+  constexpr int D = 8 * LG, P = 32 / LG, U = kUnroll / P;
+  static_assert(P * U == kUnroll, "a warp takes kUnroll positions an iteration");
+  __shared__ float sm_ml[kWarps][HPB][2];
+  __shared__ float sm_acc[kWarps][HPB][D];
+  const int b = blockIdx.x, kvh = blockIdx.y / head_groups, hg = blockIdx.y % head_groups, c = blockIdx.z;
+  const int L = len[b];
+  const int start = c * chunk;
+  if (start >= L) return;
+  const int end = min(start + chunk, L);
+  const int h0 = kvh * G + hg * HPB, nh = min(HPB, G - hg * HPB);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, sub = lane / LG, part = lane % LG;
+
+  float qr[HPB][8];
+#pragma unroll
+  for (int g = 0; g < HPB; ++g) {
+    if (g < nh) {
+      unpack8(*reinterpret_cast<const uint4*>(q + int64_t(b) * q_ld + int64_t(h0 + g) * D + part * 8), qr[g]);
+    } else {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) qr[g][j] = 0.0f;
+    }
+  }
+  float m[HPB], l[HPB], acc[HPB][8];
+#pragma unroll
+  for (int g = 0; g < HPB; ++g) {
+    m[g] = -INFINITY, l[g] = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc[g][j] = 0.0f;
+  }
+  const int64_t slot_base = int64_t(slot[b]) * max_len;
+  for (int p0 = start + warp * kUnroll; p0 < end; p0 += kWarps * kUnroll) {
+    uint4 kr[U], vr[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int p = min(p0 + u * P + sub, end - 1);  // past the end: a valid row, never used
+      const int64_t row = ((slot_base + p) * KV + kvh) * D + part * 8;
+      kr[u] = *reinterpret_cast<const uint4*>(k_cache + row);
+      vr[u] = *reinterpret_cast<const uint4*>(v_cache + row);
+    }
+#pragma unroll
+    for (int g = 0; g < HPB; ++g) {
+      if (g >= nh) break;
+      float sc[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        float kf[8];
+        unpack8(kr[u], kf);
+        float s = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) s = fmaf(qr[g][j], kf[j], s);
+        sc[u] = s;
+      }
+#pragma unroll
+      for (int o = LG / 2; o > 0; o >>= 1)
+#pragma unroll
+        for (int u = 0; u < U; ++u) sc[u] += __shfl_xor_sync(kFullMask, sc[u], o);
+      float m_new = m[g];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        sc[u] = p0 + u * P + sub < end ? sc[u] * scale : -INFINITY;
+        m_new = fmaxf(m_new, sc[u]);
+      }
+      if (m_new == -INFINITY) continue;  // this lane group has no position here (the chunk's tail)
+      const float rescale = m[g] == -INFINITY ? 0.0f : expf(m[g] - m_new);
+      float sum = 0.0f;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) acc[g][j] *= rescale;
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const float p_s = sc[u] == -INFINITY ? 0.0f : expf(sc[u] - m_new);
+        sum += p_s;
+        float vf[8];
+        unpack8(vr[u], vf);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[g][j] = fmaf(p_s, vf[j], acc[g][j]);
+      }
+      l[g] = l[g] * rescale + sum;
+      m[g] = m_new;
+    }
+  }
+  // The warp's P lane groups merged by xor butterflies: both partners add the
+  // same two terms (IEEE addition commutes), so every lane keeps the same bits.
+#pragma unroll
+  for (int o = LG; o < 32; o <<= 1) {
+#pragma unroll
+    for (int g = 0; g < HPB; ++g) {
+      const float m_o = __shfl_xor_sync(kFullMask, m[g], o), l_o = __shfl_xor_sync(kFullMask, l[g], o);
+      const float M = fmaxf(m[g], m_o);
+      const float fa = m[g] == -INFINITY ? 0.0f : expf(m[g] - M), fb = m_o == -INFINITY ? 0.0f : expf(m_o - M);
+      l[g] = l[g] * fa + l_o * fb;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const float a_o = __shfl_xor_sync(kFullMask, acc[g][j], o);
+        acc[g][j] = acc[g][j] * fa + a_o * fb;
+      }
+      m[g] = M;
+    }
+  }
+  if (sub == 0) {
+#pragma unroll
+    for (int g = 0; g < HPB; ++g) {
+      if (part == 0) sm_ml[warp][g][0] = m[g], sm_ml[warp][g][1] = l[g];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) sm_acc[warp][g][part * 8 + j] = acc[g][j];
+    }
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < nh * D; i += kWarps * 32) {
+    const int g = i / D, d = i % D;
+    float M = sm_ml[0][g][0];
+    for (int w = 1; w < kWarps; ++w) M = fmaxf(M, sm_ml[w][g][0]);
+    float sum = 0.0f, o = 0.0f;
+    for (int w = 0; w < kWarps; ++w) {
+      const float f = sm_ml[w][g][0] == -INFINITY ? 0.0f : expf(sm_ml[w][g][0] - M);  // a warp with no position
+      sum += f * sm_ml[w][g][1];
+      o += f * sm_acc[w][g][d];
+    }
+    const int64_t at = (int64_t(b) * H + h0 + g) * chunks + c;
+    part_o[at * D + d] = o;
+    if (d == 0) part_ml[at * 2] = M, part_ml[at * 2 + 1] = sum;
+  }
+}
+
 // out[b, h] = the row's chunks combined in chunk order. One block per (b, h).
 __global__ void decode_combine_kernel(bf16* __restrict__ out, const float* __restrict__ part_o,
                                       const float* __restrict__ part_ml, const int32_t* __restrict__ len, int H,
@@ -155,10 +303,11 @@ __global__ void decode_combine_kernel(bf16* __restrict__ out, const float* __res
 
 template <int VEC>
 __global__ void copy_rows_kernel(bf16* __restrict__ dst, const int32_t* __restrict__ dst_row,
-                                 const bf16* __restrict__ src, const int32_t* __restrict__ src_row, int64_t width) {
+                                 const bf16* __restrict__ src, const int32_t* __restrict__ src_row, int64_t width,
+                                 int64_t src_ld) {
   const int64_t i = blockIdx.x;
   const int64_t to = (dst_row ? int64_t(dst_row[i]) : i) * width;
-  const int64_t from = (src_row ? int64_t(src_row[i]) : i) * width;
+  const int64_t from = (src_row ? int64_t(src_row[i]) : i) * src_ld;
   for (int64_t j = int64_t(threadIdx.x) * VEC; j < width; j += int64_t(blockDim.x) * VEC)
     Pack<bf16, VEC>::load(src + from + j).store(dst + to + j);
 }
@@ -176,13 +325,15 @@ size_t decode_attention_scratch_bytes(int64_t B, int64_t H, int64_t D, int64_t m
   return align256(size_t(B * H * chunks * D) * sizeof(float)) + align256(size_t(B * H * chunks * 2) * sizeof(float));
 }
 
-void decode_attention_forward(bf16* out, const bf16* q, const bf16* k_cache, const bf16* v_cache,
+void decode_attention_forward(bf16* out, const bf16* q, int64_t q_ld, const bf16* k_cache, const bf16* v_cache,
                               const int32_t* slot, const int32_t* len, int64_t B, int64_t H, int64_t KV, int64_t D,
                               int64_t max_len, void* scratch, size_t scratch_bytes, cudaStream_t stream) {
   if (B == 0) return;
   SHARDLM_CHECK(KV >= 1 && H % KV == 0, "decode_attention: %lld query heads over %lld kv heads", (long long)H,
                 (long long)KV);
   SHARDLM_CHECK(D >= 1 && D <= 256, "decode_attention: head dim %lld is outside [1, 256]", (long long)D);
+  SHARDLM_CHECK(q_ld >= H * D, "decode_attention: q rows of %lld elements hold %lld heads of %lld", (long long)q_ld,
+                (long long)H, (long long)D);
   SHARDLM_CHECK(B <= INT32_MAX && max_len >= 1 && max_len <= INT32_MAX, "decode_attention: %lld rows, %lld positions",
                 (long long)B, (long long)max_len);
   SHARDLM_CHECK(scratch_bytes >= decode_attention_scratch_bytes(B, H, D, max_len),
@@ -197,15 +348,44 @@ void decode_attention_forward(bf16* out, const bf16* q, const bf16* k_cache, con
                                             align256(size_t(B * H * chunks * D) * sizeof(float)));
   const dim3 grid(unsigned(B), unsigned(KV * head_groups), unsigned(chunks));
   const float scale = float(1.0 / std::sqrt(double(D)));
+  // Head dims of 32, 64, 128 and 256 with 16-byte rows: the vectorised kernel
+  // (SHARDLM_DECODE_ATTENTION=scalar keeps the scalar one, to compare).
+  const char* choice = std::getenv("SHARDLM_DECODE_ATTENTION");
+  const bool scalar_only = choice && std::strcmp(choice, "scalar") == 0;
+  const bool vec = !scalar_only && (D == 32 || D == 64 || D == 128 || D == 256) && q_ld % 8 == 0 &&
+                   aligned(q, 16) && aligned(k_cache, 16) && aligned(v_cache, 16);
+  if (vec) {
+    const int hpb = G <= 4 ? 4 : 8, groups = int(div_up(G, hpb));
+    const dim3 vgrid(unsigned(B), unsigned(KV * groups), unsigned(chunks));
+#define SHARDLM_DECODE_VEC(LG, HPB)                                                                          \
+  decode_partial_vec_kernel<LG, HPB><<<vgrid, kWarps * 32, 0, stream>>>(part_o, part_ml, q, k_cache, v_cache, \
+                                                                         slot, len, int(H), int(KV), q_ld,     \
+                                                                         max_len,                              \
+                                                                         int(chunk), int(chunks), G, groups, scale)
+#define SHARDLM_DECODE_VEC_D(HPB)                     \
+  if (D == 32) SHARDLM_DECODE_VEC(4, HPB);             \
+  else if (D == 64) SHARDLM_DECODE_VEC(8, HPB);        \
+  else if (D == 128) SHARDLM_DECODE_VEC(16, HPB);      \
+  else SHARDLM_DECODE_VEC(32, HPB)
+    if (hpb == 4) {
+      SHARDLM_DECODE_VEC_D(4);
+    } else {
+      SHARDLM_DECODE_VEC_D(8);
+    }
+#undef SHARDLM_DECODE_VEC_D
+#undef SHARDLM_DECODE_VEC
+  } else {
 #define SHARDLM_DECODE_PARTIAL(E)                                                                              \
   decode_partial_kernel<E><<<grid, kWarps * 32, 0, stream>>>(part_o, part_ml, q, k_cache, v_cache, slot, len, \
-                                                             int(H), int(KV), int(D), max_len, int(chunk),    \
+                                                             int(H), int(KV), int(D), q_ld, max_len,          \
+                                                             int(chunk),                                      \
                                                              int(chunks), G, head_groups, scale)
   if (D <= 32) SHARDLM_DECODE_PARTIAL(1);
   else if (D <= 64) SHARDLM_DECODE_PARTIAL(2);
   else if (D <= 128) SHARDLM_DECODE_PARTIAL(4);
   else SHARDLM_DECODE_PARTIAL(8);
 #undef SHARDLM_DECODE_PARTIAL
+  }
   CUDA_CHECK(cudaGetLastError());
   decode_combine_kernel<<<unsigned(B * H), unsigned(std::min<int64_t>(256, div_up(D, 32) * 32)), 0, stream>>>(
       out, part_o, part_ml, len, int(H), int(D), int(chunk), int(chunks));
@@ -213,13 +393,15 @@ void decode_attention_forward(bf16* out, const bf16* q, const bf16* k_cache, con
 }
 
 void copy_rows(bf16* dst, const int32_t* dst_row, const bf16* src, const int32_t* src_row, int64_t n, int64_t width,
-               cudaStream_t stream) {
+               cudaStream_t stream, int64_t src_ld) {
   if (n == 0 || width == 0) return;
-  SHARDLM_CHECK(n <= INT32_MAX, "copy_rows: %lld rows do not fit one grid", (long long)n);
-  if (width % 8 == 0 && aligned(dst, 16) && aligned(src, 16))
-    copy_rows_kernel<8><<<unsigned(n), 128, 0, stream>>>(dst, dst_row, src, src_row, width);
+  if (src_ld == 0) src_ld = width;
+  SHARDLM_CHECK(n <= INT32_MAX && src_ld >= width, "copy_rows: %lld rows of %lld (source rows of %lld)",
+                (long long)n, (long long)width, (long long)src_ld);
+  if (width % 8 == 0 && src_ld % 8 == 0 && aligned(dst, 16) && aligned(src, 16))
+    copy_rows_kernel<8><<<unsigned(n), 128, 0, stream>>>(dst, dst_row, src, src_row, width, src_ld);
   else
-    copy_rows_kernel<1><<<unsigned(n), 128, 0, stream>>>(dst, dst_row, src, src_row, width);
+    copy_rows_kernel<1><<<unsigned(n), 128, 0, stream>>>(dst, dst_row, src, src_row, width, src_ld);
   CUDA_CHECK(cudaGetLastError());
 }
 

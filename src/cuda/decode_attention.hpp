@@ -35,17 +35,21 @@ int64_t decode_attention_chunk(int64_t max_len);
 // Bytes of the partials for B rows: (B, H, chunks) x (D + 2) fp32.
 size_t decode_attention_scratch_bytes(int64_t B, int64_t H, int64_t D, int64_t max_len);
 
-// out (B, H, D) overwritten; q (B, H, D); k_cache, v_cache (slots, max_len, KV, D);
+// out (B, H, D) overwritten; q (B, H, D), rows q_ld >= H D elements apart (the
+// decoder's fused q|k|v rows); k_cache, v_cache (slots, max_len, KV, D);
 // slot (B), len (B) int32 on the device, len in [1, max_len]. H a multiple of KV;
 // D <= 256. scratch: decode_attention_scratch_bytes(B, H, D, max_len).
-void decode_attention_forward(__nv_bfloat16* out, const __nv_bfloat16* q, const __nv_bfloat16* k_cache,
+// Head dims 32, 64, 128, 256 (16-byte rows) run a kernel that reads 16 bytes a
+// lane; others, or SHARDLM_DECODE_ATTENTION=scalar, a scalar one.
+void decode_attention_forward(__nv_bfloat16* out, const __nv_bfloat16* q, int64_t q_ld, const __nv_bfloat16* k_cache,
                               const __nv_bfloat16* v_cache, const int32_t* slot, const int32_t* len, int64_t B,
                               int64_t H, int64_t KV, int64_t D, int64_t max_len, void* scratch,
                               size_t scratch_bytes, cudaStream_t stream);
 
-// dst[dst_row[i]] = src[src_row[i]] for i < n, rows of `width` bf16 elements;
-// a null index means the identity (row i). Rows must not overlap.
+// dst[dst_row[i]] = src[src_row[i]] for i < n, rows of `width` bf16 elements
+// (source rows src_ld >= width elements apart; 0: width); a null index means
+// the identity (row i). Rows must not overlap.
 void copy_rows(__nv_bfloat16* dst, const int32_t* dst_row, const __nv_bfloat16* src, const int32_t* src_row,
-               int64_t n, int64_t width, cudaStream_t stream);
+               int64_t n, int64_t width, cudaStream_t stream, int64_t src_ld = 0);
 
 }  // namespace shardlm::cuda

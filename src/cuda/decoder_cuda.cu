@@ -38,6 +38,18 @@ constexpr int64_t kPrefillTokens = 16384;
 constexpr size_t kGemmWorkspace = size_t(32) << 20;   // what cuBLASLt asks for on Hopper
 constexpr int64_t kUploadElems = int64_t(16) << 20;   // fp32 -> bf16 staging of the weight upload
 
+// Whether a layer's q, k and v weights (and biases, when it has them) lie one
+// after another in its unit: then one GEMM computes q|k|v.
+bool qkv_adjacent(const Unit& u) {
+  const auto next = [&](const char* a, const char* b) {
+    const ParamInfo *pa = u.find_param(a), *pb = u.find_param(b);
+    return pa && pb && pb->offset == pa->offset + pa->numel;
+  };
+  const bool biases = u.find_param("q_proj.bias") || u.find_param("k_proj.bias") || u.find_param("v_proj.bias");
+  return next("q_proj.weight", "k_proj.weight") && next("k_proj.weight", "v_proj.weight") &&
+         (!biases || (next("q_proj.bias", "k_proj.bias") && next("k_proj.bias", "v_proj.bias")));
+}
+
 class CudaDecoder final : public Decoder {
  public:
   CudaDecoder(const InferenceModel& model, const DecoderLimits& limits);
@@ -61,7 +73,8 @@ class CudaDecoder final : public Decoder {
   int64_t weight_bytes() const override { return bytes_of(Mem::ParamShard); }
   const ModelConfig& config() const override { return model_.config(); }
   std::string describe() const override {
-    return "cuda bf16 on " + cuda_device_name(device_) + (graphs_ ? ", decode steps as CUDA graphs" : "");
+    return "cuda bf16 on " + cuda_device_name(device_) + (graphs_ ? ", decode steps as CUDA graphs" : "") +
+           (fused_qkv_ ? ", q|k|v as one GEMM" : "");
   }
   int64_t decode_steps() const override { return decode_steps_; }
   double decode_seconds() const override { return decode_seconds_; }
@@ -94,6 +107,11 @@ class CudaDecoder final : public Decoder {
   // Embedding and every layer over the N rows of tokens_/positions_/cache_row_:
   // k and v stored in the cache, attention over the pass (prefill) or the cache (decode).
   void run_layers(int64_t N, bool prefill);
+  // Layer l's attention from xn_ into att_ (its k and v stored in the cache):
+  // q, k and v as three GEMMs (prefill, q/k norm models), or, decoding, as one
+  // (fused_qkv_) whose rows RoPE, the cache store and the decode attention read.
+  void attend(int l, int64_t N, bool prefill, const LayerWeights<const bf16>& w);
+  void attend_fused(int l, int64_t N, const LayerWeights<const bf16>& w);
   // logits_ (n, V) fp32 = lm_head(norm(rows)); rows (n, C) on the device.
   void head(const bf16* rows, int64_t n);
   void download_logits(int64_t n, float* logits);
@@ -123,6 +141,11 @@ class CudaDecoder final : public Decoder {
   bf16 *q_ = nullptr, *q_raw_ = nullptr;      // (rows, H D); q before its norm (qk_norm models)
   bf16 *k_ = nullptr, *k_raw_ = nullptr, *v_ = nullptr;  // (rows, KV D)
   bf16 *att_ = nullptr;                       // (rows, H D)
+  bf16 *qkv_ = nullptr;                       // (slots, H D + 2 KV D) a decode step's fused q|k|v
+  // q|k|v as one GEMM in decode steps: no q/k norm (Qwen3's needs q and k
+  // apart) and their weights adjacent in every layer; SHARDLM_DECODE_FUSED_QKV=0
+  // turns it off (to compare).
+  bool fused_qkv_ = false;
   bf16 *gu_ = nullptr, *h_ = nullptr;         // (rows, 2 I) gate|up; (rows, I) swiglu
   float *rstd_ = nullptr;                     // (rows H) every norm's rstd (not kept: no backward)
   float *lse_ = nullptr;                      // (rows, H) the flash attention's logsumexp
@@ -215,6 +238,10 @@ CudaDecoder::CudaDecoder(const InferenceModel& model, const DecoderLimits& limit
     add("k_raw", Mem::Workspace, R * KVD, &k_raw_);
   }
   add("att", Mem::Workspace, R * HD, &att_);
+  const char* fused = std::getenv("SHARDLM_DECODE_FUSED_QKV");
+  fused_qkv_ = !c.qk_norm && !(fused && std::strcmp(fused, "0") == 0);
+  for (int64_t l = 0; l < L && fused_qkv_; ++l) fused_qkv_ = qkv_adjacent(model.weights->layout.layer(l));
+  if (fused_qkv_) add("qkv", Mem::Workspace, S * (HD + 2 * KVD), &qkv_);
   add("gate_up", Mem::Workspace, R * 2 * I, &gu_);
   add("h", Mem::Workspace, R * I, &h_);
   add("rstd", Mem::Workspace, R * std::max<int64_t>(H, 1), &rstd_);
@@ -317,34 +344,17 @@ void CudaDecoder::send_inputs() {
 void CudaDecoder::run_layers(int64_t N, bool prefill) {
   const ModelConfig& c = model_.config();
   const ModelLayout& layout = model_.weights->layout;
-  const int64_t C = c.hidden_size, I = c.intermediate_size, H = c.num_heads, KV = c.num_kv_heads, D = c.head_dim;
-  const int64_t HD = H * D, KVD = KV * D;
+  const int64_t C = c.hidden_size, I = c.intermediate_size, HD = c.num_heads * c.head_dim;
   const double eps = c.rms_norm_eps;
   cuda::embedding_forward(x_, tokens(ints_), param(layout.embed(), "model.embed_tokens.weight"), N, c.vocab_size, C,
                           stream_);
   for (int l = 0; l < int(c.num_layers); ++l) {
     const LayerWeights<const bf16> w = layer_weights(layout.layer(l), static_cast<const bf16*>(unit_w_[size_t(1 + l)]));
     cuda::rmsnorm_forward(xn_, rstd_, x_, w.input_norm, N, C, eps, stream_);
-    bf16* q_proj = c.qk_norm ? q_raw_ : q_;
-    bf16* k_proj = c.qk_norm ? k_raw_ : k_;
-    cuda::linear_forward(*gemm_, q_proj, xn_, w.wq, w.bq, N, C, HD);
-    cuda::linear_forward(*gemm_, k_proj, xn_, w.wk, w.bk, N, C, KVD);
-    cuda::linear_forward(*gemm_, v_, xn_, w.wv, w.bv, N, C, KVD);
-    if (c.qk_norm) {
-      cuda::rmsnorm_forward(q_, rstd_, q_raw_, w.q_norm, N * H, D, eps, stream_);
-      cuda::rmsnorm_forward(k_, rstd_, k_raw_, w.k_norm, N * KV, D, eps, stream_);
-    }
-    cuda::rope_forward(q_, positions(ints_), inv_freq_, N, H, D, HD, stream_);
-    cuda::rope_forward(k_, positions(ints_), inv_freq_, N, KV, D, KVD, stream_);
-    cuda::copy_rows(k_cache_[size_t(l)], cache_rows(ints_), k_, nullptr, N, KVD, stream_);
-    cuda::copy_rows(v_cache_[size_t(l)], cache_rows(ints_), v_, nullptr, N, KVD, stream_);
-    if (prefill)
-      // Every prompt of the pass is a document of its own: it sees its own positions 0 .. t.
-      cuda::attention_forward(att_, lse_, q_, k_, v_, seq_ids(ints_), doc_start_, N, H, KV, D, stream_);
+    if (!prefill && fused_qkv_)
+      attend_fused(l, N, w);
     else
-      cuda::decode_attention_forward(att_, q_, k_cache_[size_t(l)], v_cache_[size_t(l)], slot_of(ints_), lens(ints_),
-                                     N, H, KV, D, limits_.max_len, attention_scratch_, attention_scratch_bytes_,
-                                     stream_);
+      attend(l, N, prefill, w);
     // x_out holds the o_proj output until the residual add below overwrites it.
     cuda::linear_forward(*gemm_, x_out_, att_, w.wo, nullptr, N, HD, C);
     cuda::residual_rmsnorm_forward(x_mid_, xn_, rstd_, x_, x_out_, w.post_norm, N, C, eps, stream_);
@@ -353,6 +363,46 @@ void CudaDecoder::run_layers(int64_t N, bool prefill) {
     cuda::linear_forward(*gemm_, x_out_, h_, w.w_down, nullptr, N, I, C, /*residual=*/x_mid_);
     std::swap(x_, x_out_);
   }
+}
+
+void CudaDecoder::attend(int l, int64_t N, bool prefill, const LayerWeights<const bf16>& w) {
+  const ModelConfig& c = model_.config();
+  const int64_t C = c.hidden_size, H = c.num_heads, KV = c.num_kv_heads, D = c.head_dim, HD = H * D, KVD = KV * D;
+  bf16* q_proj = c.qk_norm ? q_raw_ : q_;
+  bf16* k_proj = c.qk_norm ? k_raw_ : k_;
+  cuda::linear_forward(*gemm_, q_proj, xn_, w.wq, w.bq, N, C, HD);
+  cuda::linear_forward(*gemm_, k_proj, xn_, w.wk, w.bk, N, C, KVD);
+  cuda::linear_forward(*gemm_, v_, xn_, w.wv, w.bv, N, C, KVD);
+  if (c.qk_norm) {
+    cuda::rmsnorm_forward(q_, rstd_, q_raw_, w.q_norm, N * H, D, c.rms_norm_eps, stream_);
+    cuda::rmsnorm_forward(k_, rstd_, k_raw_, w.k_norm, N * KV, D, c.rms_norm_eps, stream_);
+  }
+  cuda::rope_forward(q_, positions(ints_), inv_freq_, N, H, D, HD, stream_);
+  cuda::rope_forward(k_, positions(ints_), inv_freq_, N, KV, D, KVD, stream_);
+  cuda::copy_rows(k_cache_[size_t(l)], cache_rows(ints_), k_, nullptr, N, KVD, stream_);
+  cuda::copy_rows(v_cache_[size_t(l)], cache_rows(ints_), v_, nullptr, N, KVD, stream_);
+  if (prefill)
+    // Every prompt of the pass is a document of its own: it sees its own positions 0 .. t.
+    cuda::attention_forward(att_, lse_, q_, k_, v_, seq_ids(ints_), doc_start_, N, H, KV, D, stream_);
+  else
+    cuda::decode_attention_forward(att_, q_, HD, k_cache_[size_t(l)], v_cache_[size_t(l)], slot_of(ints_),
+                                   lens(ints_), N, H, KV, D, limits_.max_len, attention_scratch_,
+                                   attention_scratch_bytes_, stream_);
+}
+
+void CudaDecoder::attend_fused(int l, int64_t N, const LayerWeights<const bf16>& w) {
+  const ModelConfig& c = model_.config();
+  const int64_t C = c.hidden_size, H = c.num_heads, KV = c.num_kv_heads, D = c.head_dim, HD = H * D, KVD = KV * D;
+  const int64_t QKV = HD + 2 * KVD;
+  // w.wq (and w.bq) start the three adjacent projections (qkv_adjacent).
+  cuda::linear_forward(*gemm_, qkv_, xn_, w.wq, w.bq, N, C, QKV);
+  cuda::rope_forward(qkv_, positions(ints_), inv_freq_, N, H, D, QKV, stream_);
+  cuda::rope_forward(qkv_ + HD, positions(ints_), inv_freq_, N, KV, D, QKV, stream_);
+  cuda::copy_rows(k_cache_[size_t(l)], cache_rows(ints_), qkv_ + HD, nullptr, N, KVD, stream_, QKV);
+  cuda::copy_rows(v_cache_[size_t(l)], cache_rows(ints_), qkv_ + HD + KVD, nullptr, N, KVD, stream_, QKV);
+  cuda::decode_attention_forward(att_, qkv_, QKV, k_cache_[size_t(l)], v_cache_[size_t(l)], slot_of(ints_),
+                                 lens(ints_), N, H, KV, D, limits_.max_len, attention_scratch_,
+                                 attention_scratch_bytes_, stream_);
 }
 
 void CudaDecoder::head(const bf16* rows, int64_t n) {

@@ -90,27 +90,43 @@ void check_decode_attention(int64_t H, int64_t KV, int64_t D, int64_t max_len, s
   CUDA_OK(cudaMemcpy(dv.p, vb.data(), vb.size() * 2, cudaMemcpyHostToDevice));
   CUDA_OK(cudaMemcpy(dslot.p, slot.data(), B * 4, cudaMemcpyHostToDevice));
   CUDA_OK(cudaMemcpy(dlen.p, lens.data(), B * 4, cudaMemcpyHostToDevice));
-  std::vector<uint16_t> runs[2];
-  for (auto& got : runs) {
-    CUDA_OK(cudaMemset(dout.p, 0xff, qb.size() * 2));  // NaN: an unwritten element fails
-    cuda::decode_attention_forward(dout.as<__nv_bfloat16>(), dq.as<__nv_bfloat16>(), dk.as<__nv_bfloat16>(),
-                                   dv.as<__nv_bfloat16>(), dslot.as<int32_t>(), dlen.as<int32_t>(), B, H, KV, D,
-                                   max_len, scratch.p, scratch_bytes, nullptr);
-    CUDA_OK(cudaDeviceSynchronize());
-    got.resize(qb.size());
-    CUDA_OK(cudaMemcpy(got.data(), dout.p, got.size() * 2, cudaMemcpyDeviceToHost));
+  // q again in rows with a gap after each (as the decoder's fused q|k|v rows hold it).
+  const int64_t q_ld = H * D + 2 * KV * D;
+  std::vector<uint16_t> qwide(size_t(B * q_ld), 0);
+  for (int64_t b = 0; b < B; ++b) std::copy_n(qb.begin() + b * H * D, H * D, qwide.begin() + b * q_ld);
+  DeviceBytes dqw(qwide.size() * 2);
+  CUDA_OK(cudaMemcpy(dqw.p, qwide.data(), qwide.size() * 2, cudaMemcpyHostToDevice));
+  // Both kernels (the 16-byte one where D allows it, and the scalar one), q packed and in wide rows.
+  for (const char* kernel : {"default", "scalar"}) {
+    for (const bool wide : {false, true}) {
+      CAPTURE(kernel);
+      CAPTURE(wide);
+      if (std::strcmp(kernel, "scalar") == 0) setenv("SHARDLM_DECODE_ATTENTION", "scalar", 1);
+      std::vector<uint16_t> runs[2];
+      for (auto& got : runs) {
+        CUDA_OK(cudaMemset(dout.p, 0xff, qb.size() * 2));  // NaN: an unwritten element fails
+        cuda::decode_attention_forward(dout.as<__nv_bfloat16>(), wide ? dqw.as<__nv_bfloat16>() : dq.as<__nv_bfloat16>(),
+                                       wide ? q_ld : H * D, dk.as<__nv_bfloat16>(), dv.as<__nv_bfloat16>(),
+                                       dslot.as<int32_t>(), dlen.as<int32_t>(), B, H, KV, D, max_len, scratch.p,
+                                       scratch_bytes, nullptr);
+        CUDA_OK(cudaDeviceSynchronize());
+        got.resize(qb.size());
+        CUDA_OK(cudaMemcpy(got.data(), dout.p, got.size() * 2, cudaMemcpyDeviceToHost));
+      }
+      unsetenv("SHARDLM_DECODE_ATTENTION");
+      std::vector<float> got(q.size());
+      for (size_t i = 0; i < got.size(); ++i) got[i] = bf16_to_f32(runs[0][i]);
+      const double err = rel_rms(got.data(), want.data(), got.size());
+      bool finite = true;
+      for (float x : got) finite &= std::isfinite(x);
+      MESSAGE("decode attention (" << kernel << (wide ? ", wide q rows" : "") << ") H=" << H << " KV=" << KV
+                                   << " D=" << D << " max_len=" << max_len << ": |gpu - cpu| / |cpu| = " << err);
+      CHECK(finite);
+      // One bf16 rounding of the output (~2e-3 as an RMS ratio); the fp32 sums differ by ~1e-6.
+      CHECK(err < 5e-3);
+      CHECK(runs[0] == runs[1]);  // deterministic
+    }
   }
-  std::vector<float> got(q.size());
-  for (size_t i = 0; i < got.size(); ++i) got[i] = bf16_to_f32(runs[0][i]);
-  const double err = rel_rms(got.data(), want.data(), got.size());
-  bool finite = true;
-  for (float x : got) finite &= std::isfinite(x);
-  MESSAGE("decode attention H=" << H << " KV=" << KV << " D=" << D << " max_len=" << max_len
-                                << ": |gpu - cpu| / |cpu| = " << err);
-  CHECK(finite);
-  // One bf16 rounding of the output (~2e-3 as an RMS ratio); the fp32 sums differ by ~1e-6.
-  CHECK(err < 5e-3);
-  CHECK(runs[0] == runs[1]);  // deterministic
 }
 
 // The fixture with every weight rounded to bf16 in the host copy, so the CPU
@@ -156,6 +172,9 @@ TEST_CASE("decode attention kernel = cpu::attention_decode_forward on bf16 input
   check_decode_attention(32, 8, 128, 1500, {1, 700, 1500, 95}, 2);  // 32-position chunks, 47 of them
   check_decode_attention(12, 1, 40, 100, {3, 100, 64}, 3);          // D not a multiple of 32; 12 heads per kv head
   check_decode_attention(4, 4, 16, 9, {9, 1}, 4);                   // no GQA, tiny head dim
+  check_decode_attention(32, 8, 64, 383, {383, 1, 2, 3, 4, 5, 129, 250}, 5);  // the 1B shape (G = 4), lane-group tails
+  check_decode_attention(16, 2, 32, 70, {70, 33, 7}, 6);             // D = 32 (4 lanes a row), G = 8
+  check_decode_attention(8, 1, 256, 40, {40, 3}, 7);                 // D = 256 (a warp a row)
 }
 
 TEST_CASE("CUDA decoder = CPU decoder on the fixtures: prefill, 16 decode steps, a refreshed weight") {
