@@ -5,23 +5,23 @@
 #   1. SFT warm start (inputs/bench/arith-sft.toml) in segments of SEG steps, each
 #      from the last one's export, until the held-out greedy accuracy reaches
 #      MIN_ACC (or MAX_SFT steps);
-#   2. greedy equality with transformers' `generate` on the warm start
-#      (tools/hf_greedy_check.py; skipped without torch or with --small);
+#   2. greedy equality with transformers' `generate` on the warm start and after
+#      RL (tools/hf_greedy_check.py; skipped without torch or with --small);
 #   3. RL (inputs/bench/arith-rl.toml): one trainer and one inference rank in one
-#      mpirun sharing the GPU, weights every step over the staged MPI broadcast;
+#      mpirun sharing the GPU, weights every second step over the staged MPI broadcast;
 #   4. held-out greedy accuracy before and after RL, the reward curve and where
 #      the time goes (tools/rl_arith_report.py: a table and docs/images/rl-arith.png).
 #
 #   tools/bench_rl_arith.sh [--small]      --small: a tiny model on the CPU (checks the script here)
-#   WORK=runs/rl-arith RL_STEPS=100 SEG=20 MIN_ACC=0.15 MAX_SFT=200 tools/bench_rl_arith.sh
+#   WORK=runs/rl-arith RL_STEPS=160 SEG=25 MIN_ACC=0.15 MAX_SFT=200 tools/bench_rl_arith.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=${SHARDLM:-build/shardlm}
 W=${WORK:-runs/rl-arith}
-SEG=${SEG:-20}
+SEG=${SEG:-25}
 MIN_ACC=${MIN_ACC:-0.15}
-MAX_SFT=${MAX_SFT:-200}
-RL_STEPS=${RL_STEPS:-100}
+MAX_SFT=${MAX_SFT:-150}
+RL_STEPS=${RL_STEPS:-160}
 PY=""
 for p in ${PYTHON:-} python3 /usr/bin/python3; do
   if "$p" -c 'import h5py, numpy' 2>/dev/null; then PY=$p; break; fi
@@ -89,4 +89,7 @@ echo "rl: $RL_STEPS steps in $rl_s s"
 
 # 4. After RL, and the report.
 heldout after --hf "$W/rl/export"
+if [ "$DEV" = cuda ] && "$PY" -c 'import torch, transformers' 2>/dev/null; then
+  "$PY" tools/hf_greedy_check.py "$W/rl/export" "$W/task/heldout.h5" "$W/heldout-after.h5" | tee -a "$W/hf-greedy.log"
+fi
 "$PY" tools/rl_arith_report.py "$W" --rl-seconds "$rl_s" --sft-steps "$steps" ${PLOT:+--plot "$PLOT"}

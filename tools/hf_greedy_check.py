@@ -53,8 +53,21 @@ def main():
             theirs[b + i] = seq
     same = sum(1 for i in ours if ours[i] == theirs.get(i))
     diffs = [(i, ours[i], theirs.get(i)) for i in sorted(ours) if ours[i] != theirs.get(i)]
+    # Where a sequence differs: transformers' own top-two logit gap at the first
+    # differing position (bf16 forwards differ by ~1e-2 a logit: a small gap is a near-tie).
+    gaps = []
+    for i, mine, hf in diffs:
+        k = next(t for t in range(min(len(mine), len(hf))) if mine[t] != hf[t])
+        ids = torch.tensor([prompts[i] + hf[:k]], device="cuda")
+        with torch.no_grad():
+            logits = model(ids).logits[0, -1].float()
+        top = torch.topk(logits, 2).values
+        gaps.append(float(top[0] - top[1]))
     print(f"greedy vs transformers ({a.model}): {same} of {len(ours)} sequences identical; "
           f"first differences (prompt, shardlm, transformers): {diffs[:5]}")
+    if gaps:
+        print(f"top-two logit gap (transformers) where they differ: max {max(gaps):.4f}, median "
+              f"{sorted(gaps)[len(gaps) // 2]:.4f} over {len(gaps)} sequences")
 
 
 if __name__ == "__main__":

@@ -119,7 +119,7 @@ void check_decode_attention(int64_t H, int64_t KV, int64_t D, int64_t max_len, s
       const double err = rel_rms(got.data(), want.data(), got.size());
       bool finite = true;
       for (float x : got) finite &= std::isfinite(x);
-      MESSAGE("decode attention (" << kernel << (wide ? ", wide q rows" : "") << ") H=" << H << " KV=" << KV
+      MESSAGE("decode attention (" << std::string(kernel) << (wide ? ", wide q rows" : ", packed q rows") << ") H=" << H << " KV=" << KV
                                    << " D=" << D << " max_len=" << max_len << ": |gpu - cpu| / |cpu| = " << err);
       CHECK(finite);
       // One bf16 rounding of the output (~2e-3 as an RMS ratio); the fp32 sums differ by ~1e-6.
