@@ -35,8 +35,8 @@ void fp8_amax_cols(const bf16* x, int64_t rows, int64_t cols, float* amax, cudaS
 void fp8_scales(const float* amax, int64_t n, Fp8Format f, float* scale, float* inv_scale, cudaStream_t stream);
 
 // What the scales of fp8_quantize are indexed by: one for the tensor, one per row
-// of x, one per column of x.
-enum class Fp8Scaling { Tensor, Rows, Cols };
+// of x, one per column of x (cpu/fp8.hpp's).
+using Fp8Scaling = cpu::Fp8Scaling;
 // codes = cpu::fp8_bits(x[r, c] * scale[.], f) of x (rows, cols) bf16, written
 // (rows, cols) or, with transpose, (cols, rows): the K-major copy the backward's
 // GEMMs read (cuBLASLt's FP8 kernels take both operands with K contiguous).
