@@ -47,7 +47,8 @@ void fp8_quantize(const bf16* x, int64_t rows, int64_t cols, const float* scale,
 // FP8 codes with K contiguous (row strides lda, ldb), a_inv / b_inv device fp32
 // dequantisation scales, one each (rowwise = false) or one per row of A (M) and of
 // B (N); C bf16 or fp32 (ldc). fp32 accumulation, promoted periodically (cuBLASLt's
-// FAST_ACCUM off) unless fast_accum. Plans cached per shape like Gemm's.
+// FAST_ACCUM off) unless fast_accum. bias (N) bf16 or nullptr: added in the
+// epilogue (bf16 C only), as Gemm's. Plans cached per shape like Gemm's.
 class Fp8Gemm {
  public:
   Fp8Gemm(cudaStream_t stream, void* workspace, size_t workspace_bytes);
@@ -57,13 +58,14 @@ class Fp8Gemm {
 
   void matmul(int64_t M, int64_t N, int64_t K, const uint8_t* A, Fp8Format fa, int64_t lda, const float* a_inv,
               const uint8_t* B, Fp8Format fb, int64_t ldb, const float* b_inv, bool rowwise, void* C, int64_t ldc,
-              GemmOut out, float alpha = 1.0f, float beta = 0.0f, bool fast_accum = false);
+              GemmOut out, float alpha = 1.0f, float beta = 0.0f, bool fast_accum = false,
+              const bf16* bias = nullptr);
 
  private:
   struct Key {
     int64_t M, N, K, lda, ldb, ldc;
     Fp8Format fa, fb;
-    bool rowwise, fast_accum;
+    bool rowwise, fast_accum, bias;
     GemmOut out;
     auto operator<=>(const Key&) const = default;
   };
@@ -72,7 +74,7 @@ class Fp8Gemm {
     cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
     cublasLtMatmulAlgo_t algo{};
   };
-  Plan& plan(const Key& key, const float* a_inv, const float* b_inv);
+  Plan& plan(const Key& key, const float* a_inv, const float* b_inv, const bf16* bias);
 
   cudaStream_t stream_;
   void* workspace_;
