@@ -550,10 +550,11 @@ void validate(const Config& c, int world, const std::set<std::string>& given, st
       err("device.attention = \"cudnn\" with model.context_parallel > 1: the ring attends block by block with "
           "shardlm's masked flash kernels, not cuDNN's; set device.attention = \"auto\" or \"flash\"");
   }
-  if (c.model.fp8 == "tensorwise" && cp > 1)
-    err("model.fp8 = \"tensorwise\" with model.context_parallel > 1: one scale per activation tensor would be each "
-        "rank's share's, so the numbers would change with model.context_parallel; use model.fp8 = \"rowwise\" "
-        "(a scale per token, the same at any split)");
+  if (c.model.fp8 != "none" && cp > 1)
+    err("model.fp8 with model.context_parallel > 1 is not built yet: the scales that run over tokens (an activation "
+        "tensor's, or under \"rowwise\" the weight gradient's per column) would be each rank's share's, so the "
+        "numbers would change with model.context_parallel (it needs the amaxes all-reduced over the group); set "
+        "model.fp8 = \"none\" or model.context_parallel = 1");
   // One micro-batch on every data-parallel group (a group of context_parallel ranks reads the same rows).
   // (When the groups do not divide the ranks, that is the error to fix first.)
   const bool groups_fit = world > 0 && world % cp == 0;

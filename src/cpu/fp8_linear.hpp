@@ -21,8 +21,9 @@
 // World-size invariance: the engine hands the linears gathered (full) weights,
 // so a weight's scales do not depend on the sharding; an activation's are its
 // micro-batch's (tensorwise) or its token's (rowwise), and a micro-batch's rows
-// are the same at every world size. Context parallelism splits rows, so the deck
-// refuses tensorwise with it.
+// are the same at every world size. Context parallelism splits rows, and the
+// scales over tokens (tensorwise's, rowwise's weight-gradient columns) with them:
+// the deck refuses model.fp8 with it until those amaxes are all-reduced.
 #pragma once
 
 #include <cstdint>
