@@ -136,6 +136,25 @@ TEST_CASE("fp8 linear: cuBLASLt FP8 forward and backward equal the CPU emulation
     CHECK(e_dw < 1e-4);  // fp32 out: accumulation order only
     CHECK(e_db < 1e-5);
     CHECK(g_y.host() == g_y2.host());  // deterministic
+
+    // The accumulating forms (beta = 1 onto a bf16 C): the down projection's
+    // residual, and k's and v's dinp added to q's.
+    std::vector<float> y_plain(size_t(N * OC));
+    ref.forward(y_plain.data(), x.data(), w.data(), nullptr, N, IC, OC);
+    const std::vector<float> residual = bf16_values(N * OC, 5), dx_before = bf16_values(N * IC, 6);
+    DeviceArray<uint16_t> g_res(residual), g_dx_acc(dx_before);
+    DeviceArray<float> g_dw2(dw0);
+    gpu.forward(g_res.bf(), OC, d_x.bf(), d_w.bf(), nullptr, N, IC, OC, /*accumulate=*/true);
+    gpu.backward(g_dx_acc.bf(), /*accumulate_dinp=*/true, g_dw2.ptr, nullptr, d_dy.bf(), d_x.bf(), d_w.bf(), N, IC,
+                 OC, bias_scratch.ptr, bias_scratch_bytes);
+    TEST_CUDA(cudaStreamSynchronize(stream));
+    for (size_t i = 0; i < y_plain.size(); ++i) y_plain[i] += residual[i];
+    std::vector<float> dx_sum = dx;
+    for (size_t i = 0; i < dx_sum.size(); ++i) dx_sum[i] += dx_before[i];
+    const double e_res = rel_max(g_res.host(), y_plain), e_acc = rel_max(g_dx_acc.host(), dx_sum);
+    MESSAGE(name << ": relative error y + residual " << e_res << ", dinp accumulated " << e_acc);
+    CHECK(e_res < 1e-2);
+    CHECK(e_acc < 1e-2);
   }
   cudaStreamDestroy(stream);
 }
