@@ -5,6 +5,7 @@
 #include <cuda_fp8.h>
 
 #include <algorithm>
+#include <utility>
 
 #include "cuda/check.hpp"
 
@@ -213,8 +214,16 @@ Fp8Gemm::Plan& Fp8Gemm::plan(const Key& key, const float* a_inv, const float* b_
   cublasLtMatmulHeuristicResult_t result{};
   int found = 0;
   const uint64_t workspace = workspace_bytes_;
-  const cublasStatus_t st1 = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                                                                  &workspace, sizeof(workspace));
+  cublasStatus_t st1 = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                                            &workspace, sizeof(workspace));
+  // Library A is our B, library B our A (see above); C and D are the same buffer.
+  const std::pair<cublasLtMatmulPreferenceAttributes_t, uint32_t> alignments[] = {
+      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, key.align_b},
+      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, key.align_a},
+      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, key.align_c},
+      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, key.align_c}};
+  for (const auto& [attr, bytes] : alignments)
+    if (st1 == CUBLAS_STATUS_SUCCESS) st1 = cublasLtMatmulPreferenceSetAttribute(pref, attr, &bytes, sizeof(bytes));
   const cublasStatus_t st2 =
       st1 == CUBLAS_STATUS_SUCCESS
           ? cublasLtMatmulAlgoGetHeuristic(handle_, p.op, p.a, p.b, p.c, p.c, pref, 1, &result, &found)
@@ -240,7 +249,8 @@ void Fp8Gemm::matmul(int64_t M, int64_t N, int64_t K, const uint8_t* A, Fp8Forma
                 static_cast<long long>(ldb), static_cast<long long>(ldc));
   SHARDLM_CHECK(!(fa == Fp8Format::E5M2 && fb == Fp8Format::E5M2), "fp8 gemm: e5m2 x e5m2 is not supported");
   SHARDLM_CHECK(bias == nullptr || out == GemmOut::BF16, "fp8 gemm: the bias epilogue is only used with a bf16 output");
-  const Key key{M, N, K, lda, ldb, ldc, fa, fb, rowwise, fast_accum, bias != nullptr, out};
+  const Key key{M, N, K, lda, ldb, ldc, fa, fb, rowwise, fast_accum, bias != nullptr, out,
+                alignment_of(A), alignment_of(B), alignment_of(C), alignment_of(bias)};
   Plan& p = plan(key, a_inv, b_inv, bias);
   if (bias) set_desc(p.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, static_cast<const void*>(bias));
   set_desc(p.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, static_cast<const void*>(b_inv));

@@ -67,6 +67,7 @@ class Fp8Gemm {
     Fp8Format fa, fb;
     bool rowwise, fast_accum, bias;
     GemmOut out;
+    uint32_t align_a, align_b, align_c, align_bias;  // alignment_of each pointer (C: a view into a larger buffer)
     auto operator<=>(const Key&) const = default;
   };
   struct Plan {
