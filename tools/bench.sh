@@ -16,6 +16,8 @@
 #                                 ckpt-1b ckpt-1b-offload ckpt-8b4-offload (on request: checkpoints every 2 steps sync,
 #                                 every 80 / 40 steps async, against dd on the same disk;
 #                                 docs/benchmarks.md "Asynchronous checkpoints"; ~3 min each)
+#                                 1b-fp8 1b-fp8-rowwise 1b-32k-fp8 (on request: model.fp8 = tensorwise /
+#                                 rowwise, issue #30; compare with 1b / 1b-32k in the same call)
 #   ATTN=flash tools/bench.sh 1b  (device.attention for every run: auto | cudnn | flash)
 #   SHARDLM=path/to/shardlm tools/bench.sh 1b
 #   BENCH_TIMEOUT=120 tools/bench.sh 7b     (kill each run after 120 s)
@@ -112,6 +114,11 @@ for n in $names; do
     # GEMMs and half / a quarter of the fp32 gradient accumulations.
     1b-mb2) run 1b-mb2 inputs/bench/llama-1b.toml --set data.micro_batch=2 ;;
     1b-mb4) run 1b-mb4 inputs/bench/llama-1b.toml --set data.micro_batch=4 ;;
+    # model.fp8 (issue #30): the decoder blocks' linears in FP8; against 1b / 1b-32k run in the same call.
+    1b-fp8) run 1b-fp8 inputs/bench/llama-1b.toml --set model.fp8=tensorwise ;;
+    1b-fp8-rowwise) run 1b-fp8-rowwise inputs/bench/llama-1b.toml --set model.fp8=rowwise ;;
+    1b-32k-fp8) run 1b-32k-fp8 inputs/bench/llama-1b.toml --set data.seq_len=32768 --set data.global_batch=1 \
+                  --set model.activation_checkpointing=full --set run.max_steps=5 --set model.fp8=tensorwise ;;
     1b-8k) run 1b-8k inputs/bench/llama-1b.toml --set data.seq_len=8192 --set data.global_batch=2 ;;
     1b-32k) run 1b-32k inputs/bench/llama-1b.toml --set data.seq_len=32768 --set data.global_batch=1 \
               --set model.activation_checkpointing=full --set run.max_steps=5 ;;

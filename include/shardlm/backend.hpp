@@ -25,6 +25,18 @@
 
 namespace shardlm {
 
+// model.fp8: the decoder blocks' linears (q, k, v, o, gate, up, down) multiply
+// e4m3 operands with fp32 accumulation, scaled per tensor or per row (the rows
+// of each GEMM operand along its reduction dimension); docs/config.md.
+enum class Fp8Mode { None, Tensorwise, Rowwise };
+// "none" | "tensorwise" | "rowwise" (the deck validates the name) and back.
+inline Fp8Mode fp8_mode(const std::string& name) {
+  return name == "tensorwise" ? Fp8Mode::Tensorwise : name == "rowwise" ? Fp8Mode::Rowwise : Fp8Mode::None;
+}
+inline const char* fp8_mode_name(Fp8Mode mode) {
+  return mode == Fp8Mode::Tensorwise ? "tensorwise" : mode == Fp8Mode::Rowwise ? "rowwise" : "none";
+}
+
 struct EngineOptions {
   int64_t max_tokens = 0;            // tokens per micro-batch (rows * seq_len)
   int64_t chunk_tokens = 1024;       // lm-head + loss chunk
@@ -53,6 +65,7 @@ struct EngineOptions {
   int64_t context_parallel = 1;      // model.context_parallel: ranks sharing one sequence (max_tokens is their share)
   std::string attention = "auto";    // device.attention: auto | cudnn | flash (GPU backends)
   bool deterministic = false;        // run.deterministic: only bitwise-reproducible kernels
+  Fp8Mode fp8 = Fp8Mode::None;       // model.fp8
 };
 
 // Token arrays of one micro-batch (host memory), each (N).

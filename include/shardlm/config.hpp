@@ -40,6 +40,9 @@ struct ModelSection {
   bool reshard_after_forward = true;
   std::string reduce_dtype = "fp32";              // fp32 | bf16
   int64_t context_parallel = 1;     // ranks sharing one sequence (a group of consecutive ranks); docs/scaling.md
+  // The decoder blocks' linears (q, k, v, o, gate, up, down) in FP8 with one
+  // scale per tensor or per row; embedding and lm-head stay as they are.
+  std::string fp8 = "none";         // none | tensorwise | rowwise
 };
 
 struct DataSection {

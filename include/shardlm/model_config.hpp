@@ -115,4 +115,11 @@ std::string model_size_error(const ModelConfig& c);
 // kMaxActivationFloats; "" when they fit.
 std::string model_scale_error(const ModelConfig& c, int64_t tokens_per_micro_batch, int64_t chunk_tokens);
 
+// model.fp8: cuBLASLt's FP8 GEMMs take sizes in multiples of 16, so the linears'
+// widths (hidden_size, intermediate_size, num_heads x head_dim, num_kv_heads x
+// head_dim) and the tokens of a row on one rank (data.seq_len /
+// model.context_parallel; a micro-batch is whole rows of them) must be; "" when
+// they are. The CPU emulation takes any size, but a deck must run on both backends.
+std::string fp8_shape_error(const ModelConfig& c, int64_t row_tokens);
+
 }  // namespace shardlm

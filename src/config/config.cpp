@@ -123,6 +123,7 @@ const std::vector<KeySpec>& key_table() {
       key("model.reshard_after_forward", Type::Bool, FIELD(model.reshard_after_forward)),
       one_of(key("model.reduce_dtype", Type::String, FIELD(model.reduce_dtype)), {"fp32", "bf16"}),
       up_to(positive(key("model.context_parallel", Type::Int, FIELD(model.context_parallel))), 65536),
+      one_of(key("model.fp8", Type::String, FIELD(model.fp8)), {"none", "tensorwise", "rowwise"}),
 
       key("data.path", Type::Strings, FIELD(data.path)),
       within(key("data.weights", Type::Floats, FIELD(data.weights)), 0, 1e6),
@@ -526,6 +527,8 @@ void validate(const Config& c, int world, const std::set<std::string>& given, st
               (long long)c.data.seq_len, (long long)a.max_position_embeddings));
     else if (tokens && *tokens <= kMaxTokensPerMicroBatch)
       if (std::string e = model_scale_error(a, *tokens, c.loss.chunk_tokens); !e.empty()) err("model: " + e);
+    if (c.model.fp8 != "none" && c.model.context_parallel > 0)
+      if (std::string e = fp8_shape_error(a, c.data.seq_len / c.model.context_parallel); !e.empty()) err(e);
   }
   if (c.loss.type == "sft" && c.data.path.empty())
     err("data.path is not set: SFT needs a token file (see docs/data.md)");
@@ -547,6 +550,11 @@ void validate(const Config& c, int world, const std::set<std::string>& given, st
       err("device.attention = \"cudnn\" with model.context_parallel > 1: the ring attends block by block with "
           "shardlm's masked flash kernels, not cuDNN's; set device.attention = \"auto\" or \"flash\"");
   }
+  if (c.model.fp8 != "none" && cp > 1)
+    err("model.fp8 with model.context_parallel > 1 is not built yet: the scales that run over tokens (an activation "
+        "tensor's, or under \"rowwise\" the weight gradient's per column) would be each rank's share's, so the "
+        "numbers would change with model.context_parallel (it needs the amaxes all-reduced over the group); set "
+        "model.fp8 = \"none\" or model.context_parallel = 1");
   // One micro-batch on every data-parallel group (a group of context_parallel ranks reads the same rows).
   // (When the groups do not divide the ranks, that is the error to fix first.)
   const bool groups_fit = world > 0 && world % cp == 0;

@@ -1,11 +1,13 @@
 // backend_cpu.cpp — the CPU backend: fp32 everywhere, the reference the GPU is
 // checked against. Holds the residual stream, every layer's saved activations
-// (or one set with activation checkpointing) and the backward scratch.
+// (or one set with activation checkpointing) and the backward scratch; with
+// model.fp8 its layers' projections are cpu::Fp8Linear's.
 #include <cstring>
 #include <memory>
 #include <vector>
 
 #include "shardlm/backend.hpp"
+#include "cpu/fp8_linear.hpp"
 #include "cpu/layers.hpp"
 #include "cpu/ops.hpp"
 #include "cpu/ring_attention.hpp"
@@ -62,7 +64,7 @@ class CpuBackend final : public Backend {
                   (long long)options_.max_tokens);
     SHARDLM_CHECK(!ring_ || b.token_index, "internal: a context-parallel micro-batch without token indices");
     batch_ = b;
-    inputs_ = {b.N, b.positions, b.seq_ids, inv_freq_.data(), b.token_index, ring_.get()};
+    inputs_ = {b.N, b.positions, b.seq_ids, inv_freq_.data(), b.token_index, ring_.get(), fp8_.get()};
   }
 
   void set_context_parallel(Comm& group) override {
@@ -150,6 +152,11 @@ class CpuBackend final : public Backend {
     scratch_.add_rows(c, N, rows);
     head_.add_rows(c, N, o.chunk_tokens, rows);
     if (o.context_parallel > 1) ring_scratch_.add_rows(c, N, rows);
+    fp8_.reset();
+    if (o.fp8 != Fp8Mode::None) {
+      fp8_ = std::make_unique<cpu::Fp8Linear>(o.fp8);
+      fp8_->add_rows(c, N, rows);
+    }
     return rows;
   }
   // Selective checkpointing: layer l's own attention output and logsumexp are
@@ -183,6 +190,7 @@ class CpuBackend final : public Backend {
   cpu::HeadScratch head_;
   cpu::RingScratch ring_scratch_;             // context parallelism: the ring's blocks
   std::unique_ptr<cpu::RingAttention> ring_;  // set by set_context_parallel
+  std::unique_ptr<cpu::Fp8Linear> fp8_;       // model.fp8: the layers' projections (nullptr: fp32 GEMMs)
 };
 
 }  // namespace

@@ -81,6 +81,23 @@ void quantize_fp8_rows(const float* x, int64_t rows, int64_t cols, Fp8Format f, 
   }
 }
 
+void quantize_fp8_values(const float* x, int64_t rows, int64_t cols, Fp8Scaling scaling, Fp8Format f, float* values,
+                         float* inv_scales) {
+  const int64_t scales = scaling == Fp8Scaling::Tensor ? 1 : scaling == Fp8Scaling::Rows ? rows : cols;
+  const auto at = [scaling](int64_t r, int64_t c) {
+    return scaling == Fp8Scaling::Tensor ? 0 : scaling == Fp8Scaling::Rows ? r : c;
+  };
+  // inv_scales holds the amaxes, then the scales, then their inverses: no scratch.
+  std::fill(inv_scales, inv_scales + scales, 0.0f);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) inv_scales[at(r, c)] = std::max(inv_scales[at(r, c)], std::fabs(x[r * cols + c]));
+  for (int64_t i = 0; i < scales; ++i) inv_scales[i] = fp8_scale(inv_scales[i], f);
+#pragma omp parallel for schedule(static) if (rows * cols >= (int64_t(1) << 16))
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) values[r * cols + c] = fp8_round(x[r * cols + c] * inv_scales[at(r, c)], f);
+  for (int64_t i = 0; i < scales; ++i) inv_scales[i] = 1.0f / inv_scales[i];
+}
+
 void matmul_fp8_reference(const uint8_t* A, Fp8Format fa, const float* a_inv, bool a_rows, const uint8_t* B,
                           Fp8Format fb, const float* b_inv, bool b_rows, int64_t M, int64_t N, int64_t K, float* C) {
   float va[256], vb[256];

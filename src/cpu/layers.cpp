@@ -20,6 +20,18 @@ struct Dims {
         HD(c.num_heads * c.head_dim), KVD(c.num_kv_heads * c.head_dim) {}
 };
 
+// The layer's projections: in.linear's (model.fp8) or the fp32 GEMMs.
+LinearFn forward_of(const TokenInputs& in) {
+  if (!in.linear) return &linear_forward<float>;
+  return [l = in.linear](float* out, const float* inp, const float* w, const float* b, int64_t N, int64_t IC,
+                         int64_t OC) { l->forward(out, inp, w, b, N, IC, OC); };
+}
+void project_backward(const TokenInputs& in, float* dinp, float* dweight, float* dbias, const float* dout,
+                      const float* inp, const float* weight, int64_t N, int64_t IC, int64_t OC) {
+  if (in.linear) in.linear->backward(dinp, dweight, dbias, dout, inp, weight, N, IC, OC);
+  else linear_backward(dinp, dweight, dbias, dout, inp, weight, N, IC, OC);
+}
+
 }  // namespace
 
 void LayerActs::add_rows(const ModelConfig& c, int64_t N, std::vector<BufferRow>& rows) {
@@ -121,13 +133,14 @@ void layer_out_forward(const ModelConfig& c, const LayerWeights<const float>& w,
 void layer_forward(const ModelConfig& c, const LayerWeights<const float>& w, const TokenInputs& in,
                    const float* x_in, float* x_out, LayerActs& a, bool run_attention) {
   const Dims d(c);
-  layer_qkv_forward(c, w, in, x_in, a);
+  const LinearFn linear = forward_of(in);
+  layer_qkv_forward(c, w, in, x_in, a, linear);
   if (run_attention && in.attention)
     in.attention->forward(a.att.data(), a.lse.data(), a.q.data(), a.k.data(), a.v.data(), in, d.H, d.KV, d.D);
   else if (run_attention)
     attention_forward(a.att.data(), a.lse.data(), a.q.data(), a.k.data(), a.v.data(), in.seq_ids, in.N, d.H, d.KV,
                       d.D);
-  layer_out_forward(c, w, in.N, x_in, x_out, a);
+  layer_out_forward(c, w, in.N, x_in, x_out, a, linear);
 }
 
 void layer_backward(const ModelConfig& c, const LayerWeights<const float>& w, const LayerWeights<float>& g,
@@ -136,16 +149,16 @@ void layer_backward(const ModelConfig& c, const LayerWeights<const float>& w, co
   const Dims d(c);
   const int64_t N = in.N;
   // MLP branch: x_out = x_mid + down(silu(gate(xn2)) * up(xn2)).
-  linear_backward(s.dh.data(), g.w_down, kNoBiasGrad, d_x, a.h.data(), w.w_down, N, d.I, d.C);
+  project_backward(in, s.dh.data(), g.w_down, kNoBiasGrad, d_x, a.h.data(), w.w_down, N, d.I, d.C);
   swiglu_backward(s.dgate.data(), s.dup.data(), s.dh.data(), a.gate.data(), a.up.data(), N * d.I);
-  linear_backward(s.d_xn.data(), g.w_gate, kNoBiasGrad, s.dgate.data(), a.xn2.data(), w.w_gate, N, d.C, d.I);
-  linear_backward(s.d_tmp.data(), g.w_up, kNoBiasGrad, s.dup.data(), a.xn2.data(), w.w_up, N, d.C, d.I);
+  project_backward(in, s.d_xn.data(), g.w_gate, kNoBiasGrad, s.dgate.data(), a.xn2.data(), w.w_gate, N, d.C, d.I);
+  project_backward(in, s.d_tmp.data(), g.w_up, kNoBiasGrad, s.dup.data(), a.xn2.data(), w.w_up, N, d.C, d.I);
   add(s.d_xn.data(), s.d_xn.data(), s.d_tmp.data(), N * d.C);
   rmsnorm_backward(s.d_tmp.data(), g.post_norm, s.d_xn.data(), a.x_mid.data(), w.post_norm, a.rstd2.data(), N, d.C);
   add(s.d_mid.data(), d_x, s.d_tmp.data(), N * d.C);
 
   // Attention branch: x_mid = x_in + o(attn(rope(norm(q)), rope(norm(k)), v)).
-  linear_backward(s.d_att.data(), g.wo, kNoBiasGrad, s.d_mid.data(), a.att.data(), w.wo, N, d.HD, d.C);
+  project_backward(in, s.d_att.data(), g.wo, kNoBiasGrad, s.d_mid.data(), a.att.data(), w.wo, N, d.HD, d.C);
   if (in.attention)
     in.attention->backward(s.dq.data(), s.dk.data(), s.dv.data(), s.d_att.data(), a.q.data(), a.k.data(),
                            a.v.data(), a.att.data(), a.lse.data(), in, d.H, d.KV, d.D);
@@ -162,10 +175,10 @@ void layer_backward(const ModelConfig& c, const LayerWeights<const float>& w, co
     dq = s.dq_raw.data();
     dk = s.dk_raw.data();
   }
-  linear_backward(s.d_xn.data(), g.wq, g.bq, dq, a.xn1.data(), w.wq, N, d.C, d.HD);
-  linear_backward(s.d_tmp.data(), g.wk, g.bk, dk, a.xn1.data(), w.wk, N, d.C, d.KVD);
+  project_backward(in, s.d_xn.data(), g.wq, g.bq, dq, a.xn1.data(), w.wq, N, d.C, d.HD);
+  project_backward(in, s.d_tmp.data(), g.wk, g.bk, dk, a.xn1.data(), w.wk, N, d.C, d.KVD);
   add(s.d_xn.data(), s.d_xn.data(), s.d_tmp.data(), N * d.C);
-  linear_backward(s.d_tmp.data(), g.wv, g.bv, s.dv.data(), a.xn1.data(), w.wv, N, d.C, d.KVD);
+  project_backward(in, s.d_tmp.data(), g.wv, g.bv, s.dv.data(), a.xn1.data(), w.wv, N, d.C, d.KVD);
   add(s.d_xn.data(), s.d_xn.data(), s.d_tmp.data(), N * d.C);
   rmsnorm_backward(s.d_tmp.data(), g.input_norm, s.d_xn.data(), x_in, w.input_norm, a.rstd1.data(), N, d.C);
   add(d_x, s.d_mid.data(), s.d_tmp.data(), N * d.C);

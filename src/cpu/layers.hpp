@@ -3,12 +3,15 @@
 //
 // Owns: the saved-activation layout of a layer (LayerActs) and the rows it and the
 // backward and head scratch add to the CPU backend's buffer table, layer forward and
-// backward on gathered weights, the chunked lm-head + cross-entropy. Knows
+// backward on gathered weights, the chunked lm-head + cross-entropy, and the two
+// hooks a layer calls instead of its local kernels (Attention: the ring; Linear:
+// model.fp8's projections). Knows
 // nothing about units, shards or MPI: the engine hands it weight and gradient
 // views into gathered buffers.
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "shardlm/memory.hpp"
@@ -34,6 +37,18 @@ class Attention {
                         int64_t KV, int64_t D) = 0;
 };
 
+// Who multiplies a layer's projections (q, k, v, o, gate, up, down) when it is
+// not the fp32 GEMM (linear_forward / linear_backward): model.fp8's emulation
+// (cpu/fp8_linear.hpp). Same arguments, same conventions as those two kernels.
+class Linear {
+ public:
+  virtual ~Linear() = default;
+  virtual void forward(float* out, const float* inp, const float* weight, const float* bias, int64_t N, int64_t IC,
+                       int64_t OC) = 0;
+  virtual void backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                        const float* weight, int64_t N, int64_t IC, int64_t OC) = 0;
+};
+
 // Token-level inputs of a micro-batch, shared by every layer. N = rows * seq_len
 // (this rank's share of it under context parallelism).
 struct TokenInputs {
@@ -45,6 +60,7 @@ struct TokenInputs {
   // (the causal order across ranks), and the ring that attends over it.
   const int32_t* token_index = nullptr;  // (N) or nullptr
   Attention* attention = nullptr;        // nullptr: the local kernels
+  Linear* linear = nullptr;              // model.fp8's projections; nullptr: the fp32 GEMMs
 };
 
 // One buffer of the CPU backend's table: the Buffer it fills, its fp32 element
@@ -107,9 +123,10 @@ void layer_forward(const ModelConfig& c, const LayerWeights<const float>& w, con
 // qkv, attention_forward, out, so a caller composing the same three gets the
 // same bits. qkv fills acts' rstd1, xn1, (q_raw, k_raw, q_rstd, k_rstd), q, k,
 // v (q and k normed and rotated); out reads acts.att and fills the rest.
-// `linear` is the matmul they run: training's linear_forward (BLAS), or
-// linear_rowwise_forward where each row must not depend on the others (decode).
-using LinearFn = void (*)(float*, const float*, const float*, const float*, int64_t, int64_t, int64_t);
+// `linear` is the matmul they run: training's linear_forward (BLAS) or its
+// TokenInputs::linear (model.fp8), or linear_rowwise_forward where each row must
+// not depend on the others (decode).
+using LinearFn = std::function<void(float*, const float*, const float*, const float*, int64_t, int64_t, int64_t)>;
 void layer_qkv_forward(const ModelConfig& c, const LayerWeights<const float>& w, const TokenInputs& in,
                        const float* x_in, LayerActs& acts, LinearFn linear = &linear_forward<float>);
 void layer_out_forward(const ModelConfig& c, const LayerWeights<const float>& w, int64_t N, const float* x_in,

@@ -139,7 +139,11 @@ void linear_backward(T* dinp, T* dweight, T* dbias, const T* dout, const T* inp,
   if (dinp != nullptr) gemm<T>(false, false, N, IC, OC, T(1), dout, OC, weight, IC, T(0), dinp, IC);
   // dweight (OC, IC) += dout^T (OC, N) @ inp (N, IC); the sum over tokens is GEMM's K.
   gemm<T>(true, false, OC, IC, N, T(1), dout, OC, inp, IC, T(1), dweight, IC);
-  if (dbias == nullptr) return;
+  if (dbias != nullptr) bias_backward(dbias, dout, N, OC);
+}
+
+template <class T>
+void bias_backward(T* dbias, const T* dout, int64_t N, int64_t OC) {
   const int64_t nblocks = (OC + kColBlock - 1) / kColBlock;
 #pragma omp parallel for schedule(static) if (N * OC >= kParallelMin)
   for (int64_t blk = 0; blk < nblocks; ++blk) {
@@ -580,6 +584,7 @@ double sum_squares(const T* x, int64_t n) {
                                   int64_t);                                              \
   template void linear_backward<T>(T*, T*, T*, const T*, const T*, const T*, int64_t,    \
                                    int64_t, int64_t);                                    \
+  template void bias_backward<T>(T*, const T*, int64_t, int64_t);                        \
   template void embedding_forward<T>(T*, const int32_t*, const T*, int64_t, int64_t,     \
                                      int64_t);                                           \
   template void embedding_backward<T>(T*, const T*, const int32_t*, int64_t, int64_t,    \

@@ -63,6 +63,10 @@ template <class T>
 void linear_backward(T* dinp, T* dweight, T* dbias, const T* dout, const T* inp,
                      const T* weight, int64_t N, int64_t IC, int64_t OC);
 
+// dbias (OC) += the sum over the N rows of dout (N, OC), in double (linear_backward's bias part).
+template <class T>
+void bias_backward(T* dbias, const T* dout, int64_t N, int64_t OC);
+
 // ---------------------------------------------------------------- embedding
 
 // out[t] = table[ids[t]].  out (N, C) overwritten; ids (N) in [0, V); table (V, C).

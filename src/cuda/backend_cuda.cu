@@ -5,7 +5,8 @@
 // of every unit shard for the all-gathers, which the training state (train/state.hpp)
 // writes: the device update (cuda/device_state.cu), the offload pipeline's uploads, or
 // set_param_shard from the host masters. Every buffer of the step comes from one table
-// (buffer_table) that both allocates and counts the memory plan.
+// (buffer_table) that both allocates and counts the memory plan. With model.fp8 the
+// decoder blocks' projections run through cuda::Fp8Linear (cuBLASLt FP8) instead.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -19,6 +20,7 @@
 #include "shardlm/cuda.hpp"
 #include "cpu/ops.hpp"
 #include "cuda/attention.hpp"
+#include "cuda/fp8_linear.hpp"
 #include "cuda/gemm.hpp"
 #include "cuda/ops.hpp"
 #include "cuda/ring_attention.hpp"
@@ -55,6 +57,7 @@ class CudaBackend final : public Backend {
     ring_.reset();
     ring_comm_.reset();  // its collectives are ordered against stream_: gone before it
     sdpa_.reset();
+    fp8_.reset();
     gemm_.reset();
     for (auto& [ptr, size] : owned_) cudaFree(ptr);
     if (host_staging_) cudaFreeHost(host_staging_);
@@ -320,6 +323,14 @@ class CudaBackend final : public Backend {
       rows.push_back(bytes_row("ring.acc", w, R::acc_bytes(d.N, d.HD), &ring_buffers_.acc));
       rows.push_back(bytes_row("ring.query_bounds", w, R::bounds_bytes(d.N), &ring_buffers_.query_bounds));
     }
+    if (o.fp8 != Fp8Mode::None) {  // the projections' FP8 operands and a contiguous dgate / dup (cuda/fp8_linear.hpp)
+      const cuda::Fp8Linear::Sizes s = cuda::Fp8Linear::sizes(c, d.N);
+      rows.push_back(row("fp8.a_codes", w, s.a_code_bytes, &fp8_buffers_.a_codes));
+      rows.push_back(row("fp8.b_codes", w, s.b_code_bytes, &fp8_buffers_.b_codes));
+      rows.push_back(row("fp8.a_scales", w, 3 * s.scale_count, &fp8_buffers_.a_scales));
+      rows.push_back(row("fp8.b_scales", w, 3 * s.scale_count, &fp8_buffers_.b_scales));
+      rows.push_back(row("fp8.gate_up_grad", w, d.N * d.I, &fp8_gate_up_grad_));
+    }
     // Allocated by init() with the stream, at the backend's first allocation.
     rows.push_back({"gemm_workspace", w, int64_t(kGemmWorkspace), 1, nullptr});
     return rows;
@@ -339,6 +350,8 @@ class CudaBackend final : public Backend {
     place_attention_phase(phases_.attention_in_gu ? reinterpret_cast<char*>(acts_[0].gu) : shared_);
     CUDA_CHECK(cudaMemsetAsync(loss_sum_, 0, 8, stream_));
     choose_attention(d_);
+    if (o.fp8 != Fp8Mode::None)
+      fp8_ = std::make_unique<cuda::Fp8Linear>(o.fp8, fp8_buffers_, stream_, gemm_workspace_, kGemmWorkspace);
   }
 
   std::string kernels_note() const override { return attention_note_; }
@@ -516,19 +529,18 @@ class CudaBackend final : public Backend {
     const Dims& d = d_;
     const int64_t N = n_;
     // MLP: x_out = x_mid + down(silu(gate) * up)
-    cuda::linear_backward(*gemm_, dh_, g.w_down, nullptr, d_x_, a.h, w.w_down, N, d.I, d.C, scratch_, scratch_bytes_);
+    project_backward(dh_, g.w_down, nullptr, d_x_, a.h, w.w_down, d.I, d.C);
     // dgate/dup in place of gate/up (Phases): dgu is a.gu from here on.
     bf16* dgu = a.gu;
     cuda::swiglu_backward(dgu, 2 * d.I, dgu + d.I, 2 * d.I, dh_, d.I, a.gu, 2 * d.I, a.gu + d.I, 2 * d.I, N, d.I,
                           stream_);
-    cuda::linear_backward(*gemm_, d_xn_, g.w_gate, nullptr, dgu, a.xn2, w.w_gate, N, d.C, 2 * d.I, scratch_,
-                          scratch_bytes_);
+    gate_up_backward(dgu, a.xn2, w, g);
     cuda::rmsnorm_backward(d_mid_, g.post_norm, d_xn_, a.x_mid, w.post_norm, a.rstd2, d_x_, N, d.C, scratch_,
                            scratch_bytes_, stream_);
     // attention: x_mid = x_in + o(attn(rope(norm(q)), rope(norm(k)), v)); its
     // gradients go where gate/up were (dead now), when they fit there
     if (phases_.attention_in_gu) place_attention_phase(reinterpret_cast<char*>(a.gu));
-    cuda::linear_backward(*gemm_, d_att_, g.wo, nullptr, d_mid_, a.att, w.wo, N, d.HD, d.C, scratch_, scratch_bytes_);
+    project_backward(d_att_, g.wo, nullptr, d_mid_, a.att, w.wo, d.HD, d.C);
     attention_backward(a, N);
     cuda::rope_backward(dq_, positions_, inv_freq_, N, d.H, d.D, d.HD, stream_);
     cuda::rope_backward(dk_, positions_, inv_freq_, N, d.KV, d.D, d.KVD, stream_);
@@ -542,12 +554,10 @@ class CudaBackend final : public Backend {
       dq = dq_raw_;
       dk = dk_raw_;
     }
-    cuda::linear_backward(*gemm_, d_xn_, g.wq, g.bq, dq, a.xn1, w.wq, N, d.C, d.HD, scratch_, scratch_bytes_);
+    project_backward(d_xn_, g.wq, g.bq, dq, a.xn1, w.wq, d.C, d.HD);
     // k's and v's input gradients are added to q's in their GEMMs' epilogues.
-    cuda::linear_backward(*gemm_, d_xn_, g.wk, g.bk, dk, a.xn1, w.wk, N, d.C, d.KVD, scratch_, scratch_bytes_,
-                          cuda::Dinp::Accumulate);
-    cuda::linear_backward(*gemm_, d_xn_, g.wv, g.bv, dv_, a.xn1, w.wv, N, d.C, d.KVD, scratch_, scratch_bytes_,
-                          cuda::Dinp::Accumulate);
+    project_backward(d_xn_, g.wk, g.bk, dk, a.xn1, w.wk, d.C, d.KVD, cuda::Dinp::Accumulate);
+    project_backward(d_xn_, g.wv, g.bv, dv_, a.xn1, w.wv, d.C, d.KVD, cuda::Dinp::Accumulate);
     cuda::rmsnorm_backward(d_x_, g.input_norm, d_xn_, x_in, w.input_norm, a.rstd1, d_mid_, N, d.C, scratch_,
                            scratch_bytes_, stream_);
   }
@@ -636,9 +646,9 @@ class CudaBackend final : public Backend {
     cuda::rmsnorm_forward(a.xn1, a.rstd1, x_in, w.input_norm, N, d.C, eps, stream_);
     bf16* q_proj = config_.qk_norm ? a.q_raw : a.q;
     bf16* k_proj = config_.qk_norm ? a.k_raw : a.k;
-    cuda::linear_forward(*gemm_, q_proj, a.xn1, w.wq, w.bq, N, d.C, d.HD);
-    cuda::linear_forward(*gemm_, k_proj, a.xn1, w.wk, w.bk, N, d.C, d.KVD);
-    cuda::linear_forward(*gemm_, a.v, a.xn1, w.wv, w.bv, N, d.C, d.KVD);
+    project(q_proj, a.xn1, w.wq, w.bq, d.C, d.HD);
+    project(k_proj, a.xn1, w.wk, w.bk, d.C, d.KVD);
+    project(a.v, a.xn1, w.wv, w.bv, d.C, d.KVD);
     if (config_.qk_norm) {
       cuda::rmsnorm_forward(a.q, a.q_rstd, a.q_raw, w.q_norm, N * d.H, d.D, eps, stream_);
       cuda::rmsnorm_forward(a.k, a.k_rstd, a.k_raw, w.k_norm, N * d.KV, d.D, eps, stream_);
@@ -647,16 +657,59 @@ class CudaBackend final : public Backend {
     cuda::rope_forward(a.k, positions_, inv_freq_, N, d.KV, d.D, d.KVD, stream_);
     if (!skip_attention) attention_forward(a, N);
     // x_out holds the o_proj output until the residual add below overwrites it.
-    cuda::linear_forward(*gemm_, x_out, a.att, w.wo, nullptr, N, d.HD, d.C);
+    project(x_out, a.att, w.wo, nullptr, d.HD, d.C);
     cuda::residual_rmsnorm_forward(a.x_mid, a.xn2, a.rstd2, x_in, x_out, w.post_norm, N, d.C, eps, stream_);
-    cuda::linear_forward(*gemm_, a.gu, a.xn2, w.w_gate, nullptr, N, d.C, 2 * d.I);
+    gate_up_forward(a.gu, a.xn2, w);
     cuda::swiglu_forward(a.h, d.I, a.gu, 2 * d.I, a.gu + d.I, 2 * d.I, N, d.I, stream_);
-    cuda::linear_forward(*gemm_, x_out, a.h, w.w_down, nullptr, N, d.I, d.C, /*residual=*/a.x_mid);
+    project(x_out, a.h, w.w_down, nullptr, d.I, d.C, /*residual=*/a.x_mid);
+  }
+
+  // A decoder block's projection over the micro-batch's n_ tokens: out (N, OC) =
+  // inp (N, IC) weight^T + bias [+ residual], a bf16 cuBLASLt GEMM or model.fp8's.
+  void project(bf16* out, const bf16* inp, const bf16* weight, const bf16* bias, int64_t IC, int64_t OC,
+               const bf16* residual = nullptr) {
+    if (!fp8_) return cuda::linear_forward(*gemm_, out, inp, weight, bias, n_, IC, OC, residual);
+    if (residual) CUDA_CHECK(cudaMemcpyAsync(out, residual, 2 * size_t(n_ * OC), cudaMemcpyDeviceToDevice, stream_));
+    fp8_->forward(out, OC, inp, weight, bias, n_, IC, OC, /*accumulate=*/residual != nullptr);
+  }
+  void project_backward(bf16* dinp, float* dweight, float* dbias, const bf16* dout, const bf16* inp,
+                        const bf16* weight, int64_t IC, int64_t OC, cuda::Dinp mode = cuda::Dinp::Overwrite) {
+    if (!fp8_)
+      return cuda::linear_backward(*gemm_, dinp, dweight, dbias, dout, inp, weight, n_, IC, OC, scratch_,
+                                   scratch_bytes_, mode);
+    fp8_->backward(dinp, mode == cuda::Dinp::Accumulate, dweight, dbias, dout, inp, weight, n_, IC, OC, scratch_,
+                   scratch_bytes_);
+  }
+  // gate|up (N, 2I) = xn2 [w_gate; w_up]^T: one bf16 GEMM over the two adjacent
+  // weights, or two FP8 ones (each weight its own scales, as the CPU's).
+  void gate_up_forward(bf16* gu, const bf16* xn2, const LayerWeights<const bf16>& w) {
+    const Dims& d = d_;
+    if (!fp8_) return cuda::linear_forward(*gemm_, gu, xn2, w.w_gate, nullptr, n_, d.C, 2 * d.I);
+    fp8_->forward(gu, 2 * d.I, xn2, w.w_gate, nullptr, n_, d.C, d.I);
+    fp8_->forward(gu + d.I, 2 * d.I, xn2, w.w_up, nullptr, n_, d.C, d.I);
+  }
+  // d_xn_ = dgu (N, 2I) [w_gate; w_up]; the weights' gradients accumulated.
+  void gate_up_backward(const bf16* dgu, const bf16* xn2, const LayerWeights<const bf16>& w,
+                        const LayerWeights<float>& g) {
+    const Dims& d = d_;
+    if (!fp8_)
+      return cuda::linear_backward(*gemm_, d_xn_, g.w_gate, nullptr, dgu, xn2, w.w_gate, n_, d.C, 2 * d.I, scratch_,
+                                   scratch_bytes_);
+    // dgate and dup are column blocks of dgu; the FP8 quantisers read whole matrices: copied out first.
+    for (int half = 0; half < 2; ++half) {
+      CUDA_CHECK(cudaMemcpy2DAsync(fp8_gate_up_grad_, 2 * size_t(d.I), dgu + half * d.I, 2 * size_t(2 * d.I),
+                                   2 * size_t(d.I), size_t(n_), cudaMemcpyDeviceToDevice, stream_));
+      fp8_->backward(d_xn_, /*accumulate_dinp=*/half == 1, half ? g.w_up : g.w_gate, nullptr, fp8_gate_up_grad_, xn2,
+                     half ? w.w_up : w.w_gate, n_, d.C, d.I, scratch_, scratch_bytes_);
+    }
   }
 
   cudaStream_t stream_ = nullptr;
   void* gemm_workspace_ = nullptr;
   std::unique_ptr<cuda::Gemm> gemm_;
+  std::unique_ptr<cuda::Fp8Linear> fp8_;   // model.fp8's projections (nullptr: bf16 GEMMs)
+  cuda::Fp8Linear::Buffers fp8_buffers_;   // its scratch, from the buffer table
+  bf16* fp8_gate_up_grad_ = nullptr;       // (N, I) dgate or dup, contiguous, for the FP8 backward
   std::vector<std::pair<void*, size_t>> owned_;
   std::vector<bf16*> shards_;            // per unit: bf16 copy of the master shard
   float* host_staging_ = nullptr;        // pinned (max padded numel) for gradients to the host

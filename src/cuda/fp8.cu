@@ -5,6 +5,7 @@
 #include <cuda_fp8.h>
 
 #include <algorithm>
+#include <utility>
 
 #include "cuda/check.hpp"
 
@@ -185,7 +186,7 @@ Fp8Gemm::~Fp8Gemm() {
 // Column-major, as Gemm::plan: the row-major C (M, N) is the library's D (N x M)
 // = op(our B) op(our A). Our B (N, K) row-major is the column-major (K x N),
 // transposed by the op: the "TN" form cuBLASLt's FP8 kernels require.
-Fp8Gemm::Plan& Fp8Gemm::plan(const Key& key, const float* a_inv, const float* b_inv) {
+Fp8Gemm::Plan& Fp8Gemm::plan(const Key& key, const float* a_inv, const float* b_inv, const bf16* bias) {
   if (auto it = plans_.find(key); it != plans_.end()) return it->second;
   Plan p;
   CUBLAS_CHECK(cublasLtMatmulDescCreate(&p.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
@@ -198,6 +199,11 @@ Fp8Gemm::Plan& Fp8Gemm::plan(const Key& key, const float* a_inv, const float* b_
   }
   set_desc(p.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, static_cast<const void*>(b_inv));
   set_desc(p.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, static_cast<const void*>(a_inv));
+  if (key.bias) {  // per row of the library's D (N): one value per output feature, as Gemm's
+    set_desc(p.op, CUBLASLT_MATMUL_DESC_EPILOGUE, CUBLASLT_EPILOGUE_BIAS);
+    set_desc(p.op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, int32_t(CUDA_R_16BF));
+    set_desc(p.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, static_cast<const void*>(bias));
+  }
   CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.a, data_type(key.fb), key.K, key.N, key.ldb));
   CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.b, data_type(key.fa), key.K, key.M, key.lda));
   const cudaDataType_t ctype = key.out == GemmOut::BF16 ? CUDA_R_16BF : CUDA_R_32F;
@@ -208,8 +214,16 @@ Fp8Gemm::Plan& Fp8Gemm::plan(const Key& key, const float* a_inv, const float* b_
   cublasLtMatmulHeuristicResult_t result{};
   int found = 0;
   const uint64_t workspace = workspace_bytes_;
-  const cublasStatus_t st1 = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                                                                  &workspace, sizeof(workspace));
+  cublasStatus_t st1 = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                                            &workspace, sizeof(workspace));
+  // Library A is our B, library B our A (see above); C and D are the same buffer.
+  const std::pair<cublasLtMatmulPreferenceAttributes_t, uint32_t> alignments[] = {
+      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, key.align_b},
+      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, key.align_a},
+      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, key.align_c},
+      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, key.align_c}};
+  for (const auto& [attr, bytes] : alignments)
+    if (st1 == CUBLAS_STATUS_SUCCESS) st1 = cublasLtMatmulPreferenceSetAttribute(pref, attr, &bytes, sizeof(bytes));
   const cublasStatus_t st2 =
       st1 == CUBLAS_STATUS_SUCCESS
           ? cublasLtMatmulAlgoGetHeuristic(handle_, p.op, p.a, p.b, p.c, p.c, pref, 1, &result, &found)
@@ -217,25 +231,28 @@ Fp8Gemm::Plan& Fp8Gemm::plan(const Key& key, const float* a_inv, const float* b_
   cublasLtMatmulPreferenceDestroy(pref);
   SHARDLM_CHECK(st2 == CUBLAS_STATUS_SUCCESS && found > 0 && result.state == CUBLAS_STATUS_SUCCESS,
                 "cuBLASLt has no FP8 algorithm for C(%lld, %lld) = A B^T, K = %lld, %s x %s, %s scales, %s output "
-                "(%s): FP8 GEMMs need a Hopper or newer GPU and sizes that are multiples of 16",
+                "%s(%s): FP8 GEMMs need a Hopper or newer GPU and sizes that are multiples of 16",
                 static_cast<long long>(key.M), static_cast<long long>(key.N), static_cast<long long>(key.K),
                 key.fa == Fp8Format::E4M3 ? "e4m3" : "e5m2", key.fb == Fp8Format::E4M3 ? "e4m3" : "e5m2",
                 key.rowwise ? "row" : "tensor", key.out == GemmOut::BF16 ? "bf16" : "fp32",
-                cublasLtGetStatusString(st2));
+                key.bias ? "with bias " : "", cublasLtGetStatusString(st2));
   p.algo = result.algo;
   return plans_.emplace(key, p).first->second;
 }
 
 void Fp8Gemm::matmul(int64_t M, int64_t N, int64_t K, const uint8_t* A, Fp8Format fa, int64_t lda, const float* a_inv,
                      const uint8_t* B, Fp8Format fb, int64_t ldb, const float* b_inv, bool rowwise, void* C,
-                     int64_t ldc, GemmOut out, float alpha, float beta, bool fast_accum) {
+                     int64_t ldc, GemmOut out, float alpha, float beta, bool fast_accum, const bf16* bias) {
   SHARDLM_CHECK(M > 0 && N > 0 && K > 0 && lda >= K && ldb >= K && ldc >= N,
                 "fp8 gemm: bad sizes M %lld N %lld K %lld lda %lld ldb %lld ldc %lld", static_cast<long long>(M),
                 static_cast<long long>(N), static_cast<long long>(K), static_cast<long long>(lda),
                 static_cast<long long>(ldb), static_cast<long long>(ldc));
   SHARDLM_CHECK(!(fa == Fp8Format::E5M2 && fb == Fp8Format::E5M2), "fp8 gemm: e5m2 x e5m2 is not supported");
-  const Key key{M, N, K, lda, ldb, ldc, fa, fb, rowwise, fast_accum, out};
-  Plan& p = plan(key, a_inv, b_inv);
+  SHARDLM_CHECK(bias == nullptr || out == GemmOut::BF16, "fp8 gemm: the bias epilogue is only used with a bf16 output");
+  const Key key{M, N, K, lda, ldb, ldc, fa, fb, rowwise, fast_accum, bias != nullptr, out,
+                alignment_of(A), alignment_of(B), alignment_of(C), alignment_of(bias)};
+  Plan& p = plan(key, a_inv, b_inv, bias);
+  if (bias) set_desc(p.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, static_cast<const void*>(bias));
   set_desc(p.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, static_cast<const void*>(b_inv));
   set_desc(p.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, static_cast<const void*>(a_inv));
   CUBLAS_CHECK(cublasLtMatmul(handle_, p.op, &alpha, B, p.a, A, p.b, &beta, C, p.c, C, p.c, &p.algo, workspace_,

@@ -35,8 +35,8 @@ void fp8_amax_cols(const bf16* x, int64_t rows, int64_t cols, float* amax, cudaS
 void fp8_scales(const float* amax, int64_t n, Fp8Format f, float* scale, float* inv_scale, cudaStream_t stream);
 
 // What the scales of fp8_quantize are indexed by: one for the tensor, one per row
-// of x, one per column of x.
-enum class Fp8Scaling { Tensor, Rows, Cols };
+// of x, one per column of x (cpu/fp8.hpp's).
+using Fp8Scaling = cpu::Fp8Scaling;
 // codes = cpu::fp8_bits(x[r, c] * scale[.], f) of x (rows, cols) bf16, written
 // (rows, cols) or, with transpose, (cols, rows): the K-major copy the backward's
 // GEMMs read (cuBLASLt's FP8 kernels take both operands with K contiguous).
@@ -47,7 +47,8 @@ void fp8_quantize(const bf16* x, int64_t rows, int64_t cols, const float* scale,
 // FP8 codes with K contiguous (row strides lda, ldb), a_inv / b_inv device fp32
 // dequantisation scales, one each (rowwise = false) or one per row of A (M) and of
 // B (N); C bf16 or fp32 (ldc). fp32 accumulation, promoted periodically (cuBLASLt's
-// FAST_ACCUM off) unless fast_accum. Plans cached per shape like Gemm's.
+// FAST_ACCUM off) unless fast_accum. bias (N) bf16 or nullptr: added in the
+// epilogue (bf16 C only), as Gemm's. Plans cached per shape like Gemm's.
 class Fp8Gemm {
  public:
   Fp8Gemm(cudaStream_t stream, void* workspace, size_t workspace_bytes);
@@ -57,14 +58,16 @@ class Fp8Gemm {
 
   void matmul(int64_t M, int64_t N, int64_t K, const uint8_t* A, Fp8Format fa, int64_t lda, const float* a_inv,
               const uint8_t* B, Fp8Format fb, int64_t ldb, const float* b_inv, bool rowwise, void* C, int64_t ldc,
-              GemmOut out, float alpha = 1.0f, float beta = 0.0f, bool fast_accum = false);
+              GemmOut out, float alpha = 1.0f, float beta = 0.0f, bool fast_accum = false,
+              const bf16* bias = nullptr);
 
  private:
   struct Key {
     int64_t M, N, K, lda, ldb, ldc;
     Fp8Format fa, fb;
-    bool rowwise, fast_accum;
+    bool rowwise, fast_accum, bias;
     GemmOut out;
+    uint32_t align_a, align_b, align_c, align_bias;  // alignment_of each pointer (C: a view into a larger buffer)
     auto operator<=>(const Key&) const = default;
   };
   struct Plan {
@@ -72,7 +75,7 @@ class Fp8Gemm {
     cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
     cublasLtMatmulAlgo_t algo{};
   };
-  Plan& plan(const Key& key, const float* a_inv, const float* b_inv);
+  Plan& plan(const Key& key, const float* a_inv, const float* b_inv, const bf16* bias);
 
   cudaStream_t stream_;
   void* workspace_;

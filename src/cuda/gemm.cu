@@ -7,10 +7,6 @@
 
 namespace shardlm::cuda {
 
-namespace {
-
-// The largest power of two (at most 256, cuBLASLt's default assumption) dividing
-// the address: the heuristic must not pick a kernel that needs more than we have.
 uint32_t alignment_of(const void* p) {
   if (p == nullptr) return 256;
   const auto a = reinterpret_cast<uintptr_t>(p);
@@ -18,6 +14,8 @@ uint32_t alignment_of(const void* p) {
   while (al > 1 && a % al != 0) al >>= 1;
   return al;
 }
+
+namespace {
 
 template <class T>
 void set_desc(cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t attr, const T& value) {

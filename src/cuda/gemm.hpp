@@ -39,6 +39,11 @@ namespace shardlm::cuda {
 
 enum class GemmOut { BF16, F32 };
 
+// The largest power of two (at most 256, cuBLASLt's default assumption) dividing
+// the address (256 for nullptr). The GEMM plans key on it and hand it to the
+// heuristic, which must not pick a kernel that needs more than an operand has.
+uint32_t alignment_of(const void* p);
+
 class Gemm {
  public:
   // One Gemm per stream: the workspace is used by every matmul issued on `stream`

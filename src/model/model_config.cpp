@@ -104,4 +104,20 @@ std::string model_scale_error(const ModelConfig& c, int64_t tokens, int64_t chun
   return "";
 }
 
+std::string fp8_shape_error(const ModelConfig& c, int64_t row_tokens) {
+  const struct {
+    const char* name;
+    int64_t value;
+  } sizes[] = {{"hidden_size", c.hidden_size},
+               {"intermediate_size", c.intermediate_size},
+               {"num_heads x head_dim", c.num_heads * c.head_dim},
+               {"num_kv_heads x head_dim", c.num_kv_heads * c.head_dim},
+               {"data.seq_len / model.context_parallel (the tokens of a row on one rank)", row_tokens}};
+  for (const auto& s : sizes)
+    if (s.value % 16 != 0)
+      return fmt("model.fp8 needs %s = %lld to be a multiple of 16 (cuBLASLt's FP8 GEMMs take sizes in multiples of "
+                 "16); change it or set model.fp8 = \"none\"", s.name, (long long)s.value);
+  return "";
+}
+
 }  // namespace shardlm

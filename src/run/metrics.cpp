@@ -95,6 +95,7 @@ Metrics::Metrics(const Config& config, bool writer, const RunStart& start, doubl
   row["host"] = start.host;
   row["world_size"] = start.world_size;
   row["backend"] = start.backend;
+  row["fp8"] = config.model.fp8;  // the decoder blocks' linears: none | tensorwise | rowwise
   row["version"] = start.version;
   row["max_steps"] = config.run.max_steps;
   row["deck"] = start.deck_file;

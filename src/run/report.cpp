@@ -120,6 +120,16 @@ void check_report(const Config& config, const std::string& deck, int world) {
                   double(pool) / kMiB, double(plan.checkpoint_snapshot) / kMiB,
                   double(plan.checkpoint_snapshot - pool) / kMiB, double(plan.checkpoint_snapshot - pool) / 1e9);
   }
+  if (config.model.fp8 != "none") {  // FP8's scratch, against the same deck without it
+    Config plain = config;
+    plain.model.fp8 = "none";
+    const MemoryPlan without = run_memory_plan(plain, layout, cuda ? *make_cuda_backend() : *make_cpu_backend());
+    const int64_t extra = plan.device_total() + plan.host_total() - without.device_total() - without.host_total();
+    std::printf("model.fp8 = \"%s\": %.3f MiB of the workspace per rank are its scratch (%s)\n",
+                config.model.fp8.c_str(), double(extra) / kMiB,
+                cuda ? "e4m3 codes of one GEMM's two operands, plain or transposed, their scales, a contiguous dgate/dup"
+                     : "the emulation's quantised operands as fp32, their scales, the weight gradient's product");
+  }
   if (cuda && config.model.optim_cpu_offload) {  // what the lever buys, against the state on the GPU
     Config on_gpu = config;
     on_gpu.model.optim_cpu_offload = false;
@@ -153,6 +163,12 @@ void setup_report(const Config& config, TrainSession& session, double setup_s) {
                 (long long)config.data.seq_len,
                 config.eval.interval > 0 ? fmt("%lld steps", (long long)config.eval.interval).c_str() : "run",
                 config.eval.at_end ? " and at the end" : "");
+  if (config.model.fp8 != "none")
+    std::printf("fp8: the decoder blocks' q, k, v, o, gate, up, down in FP8, %s scales (e4m3 operands and gradients, "
+                "fp32 accumulation; %s)\n",
+                config.model.fp8 == "rowwise" ? "per-row" : "per-tensor",
+                s.backend.host_resident() ? "emulated in fp32 on the CPU"
+                                          : "cuBLASLt, amax and quantisation in separate passes");
   const std::string kernels = s.backend.kernels_note();
   if (!kernels.empty()) std::printf("attention: %s\n", kernels.c_str());
   std::printf("setup %.1f s: model, data, optimizer, engine", setup_s);

@@ -26,6 +26,10 @@ ModelConfig model_config_for(const Config& config) {
                 (long long)config.model.selective_layers, where.c_str(), (long long)arch.num_layers);
   const std::string e = model_scale_error(arch, config.data.micro_batch * config.data.seq_len, config.loss.chunk_tokens);
   SHARDLM_CHECK(e.empty(), "%s: %s", where.c_str(), e.c_str());
+  if (config.model.fp8 != "none") {
+    const std::string fp8 = fp8_shape_error(arch, config.data.seq_len / config.model.context_parallel);
+    SHARDLM_CHECK(fp8.empty(), "%s: %s", where.c_str(), fp8.c_str());
+  }
   return arch;
 }
 
@@ -51,6 +55,7 @@ EngineOptions engine_options_for(const Config& config) {
   o.comm_timeout_s = config.comm.timeout_s;
   o.attention = config.device.attention;
   o.deterministic = config.run.deterministic;
+  o.fp8 = fp8_mode(config.model.fp8);
   return o;
 }
 

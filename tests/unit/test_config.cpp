@@ -164,6 +164,36 @@ TEST_CASE("model.context_parallel: divides the ranks, splits seq_len into 2C chu
         std::string::npos);
 }
 
+TEST_CASE("model.fp8: none by default, tensorwise or rowwise; sizes in multiples of 16; not with context parallelism") {
+  CHECK(parse(kValid).config.model.fp8 == "none");
+  for (const char* mode : {"tensorwise", "rowwise"}) {
+    const DeckResult r = parse(kValid, {std::string("model.fp8=") + mode});
+    for (const auto& e : r.errors) MESSAGE(e);
+    REQUIRE(r.ok());
+    CHECK(r.config.model.fp8 == mode);
+  }
+  CHECK(only_error(parse(kValid, {"model.fp8=e4m3"})) ==
+        "--set model.fp8=e4m3: model.fp8 = \"e4m3\" is not accepted: it must be one of \"none\", \"tensorwise\", "
+        "\"rowwise\"");
+  // cuBLASLt's FP8 GEMMs: every width and a row's tokens in multiples of 16, on the CPU backend too (one deck, both).
+  CHECK(only_error(parse(kValid, {"model.fp8=rowwise", "model.intermediate_size=172"})) ==
+        "deck.toml: model.fp8 needs intermediate_size = 172 to be a multiple of 16 (cuBLASLt's FP8 GEMMs take sizes in "
+        "multiples of 16); change it or set model.fp8 = \"none\"");
+  CHECK(only_error(parse(kValid, {"model.fp8=tensorwise", "model.num_heads=8", "model.num_kv_heads=1"})) ==
+        "deck.toml: model.fp8 needs num_kv_heads x head_dim = 8 to be a multiple of 16 (cuBLASLt's FP8 GEMMs take "
+        "sizes in multiples of 16); change it or set model.fp8 = \"none\"");
+  CHECK(only_error(parse(kValid, {"model.fp8=rowwise", "data.seq_len=40"})) ==
+        "deck.toml: model.fp8 needs data.seq_len / model.context_parallel (the tokens of a row on one rank) = 40 to be "
+        "a multiple of 16 (cuBLASLt's FP8 GEMMs take sizes in multiples of 16); change it or set model.fp8 = \"none\"");
+  // Context parallelism splits the rows: a scale over tokens would follow the split.
+  for (const char* mode : {"tensorwise", "rowwise"})
+    CHECK(only_error(parse(kValid, {std::string("model.fp8=") + mode, "model.context_parallel=2"}, 2)) ==
+          "deck.toml: model.fp8 with model.context_parallel > 1 is not built yet: the scales that run over tokens (an "
+          "activation tensor's, or under \"rowwise\" the weight gradient's per column) would be each rank's share's, "
+          "so the numbers would change with model.context_parallel (it needs the amaxes all-reduced over the group); "
+          "set model.fp8 = \"none\" or model.context_parallel = 1");
+}
+
 TEST_CASE("model.optim_offload_grads: host or device, device only with the offloaded AdamW/SGD on a GPU") {
   const DeckResult dev = parse(kValid, {"device.backend=cuda", "model.optim_cpu_offload=true",
                                         "model.optim_offload_grads=device"});
