@@ -47,18 +47,21 @@ int64_t OffloadPipeline::host_bytes(const ModelLayout& layout, bool device_grads
 
 OffloadPipeline::OffloadPipeline(ShardedModel& model, Optimizer& optimizer, OffloadDevice& device,
                                  std::vector<void*> device_shards, int cpu_threads, bool device_grads,
-                                 HostSnapshotGate* gate)
+                                 HostSnapshotGate* gate, int first_offloaded)
     : model_(model),
       optimizer_(optimizer),
       device_(device),
       device_shards_(std::move(device_shards)),
       units_(static_cast<int>(model.layout.units.size())),
+      first_offloaded_(first_offloaded),
       cpu_threads_(cpu_threads),
       device_grads_(device_grads),
       gate_(gate) {
   unit_updates_.assign(size_t(units_), 0);
   SHARDLM_CHECK(int(device_shards_.size()) == units_, "internal: %zu device shards for %d units",
                 device_shards_.size(), units_);
+  SHARDLM_CHECK(first_offloaded_ >= 0 && first_offloaded_ <= units_, "internal: unit %d offloaded first of %d",
+                first_offloaded_, units_);
   // Gradients land straight in the fp32 grad shards (or the landing buffers), the
   // bf16 shards go up from pinned memory: pinning makes those copies DMA that
   // overlaps compute.
@@ -74,7 +77,7 @@ OffloadPipeline::OffloadPipeline(ShardedModel& model, Optimizer& optimizer, Offl
       pin(landing_.back().data(), landing_.back().bytes());
     }
   } else {
-    for (int u = 0; u < units_; ++u) {
+    for (int u = first_offloaded_; u < units_; ++u) {
       SHARDLM_CHECK(model.grad[u].size() == model.layout.units[u].shard_numel,
                     "internal: the offload pipeline needs host gradient shards (or optim_offload_grads = device)");
       pin(model.grad[u].data(), model.grad[u].bytes());
@@ -132,6 +135,8 @@ int64_t OffloadPipeline::grad_ready(int unit, const float* src, int64_t n) {
                 (long long)n, (long long)model_.layout.units[unit].shard_numel);
   SHARDLM_CHECK(micro_batch_ == micro_batches_ && landed_ < units_,
                 "internal: unit %d's gradient handed over before the step's last micro-batch", unit);
+  SHARDLM_CHECK(unit >= first_offloaded_, "internal: unit %d's gradient handed over, but its state is on the device",
+                unit);
   ++landed_;
   if (device_grads_) {  // copied by the worker, just before the unit's update
     std::lock_guard<std::mutex> lock(mutex_);
@@ -177,13 +182,14 @@ void OffloadPipeline::param_ready(int unit) {
 }
 
 void OffloadPipeline::update(double lr, float clip) {
-  SHARDLM_CHECK(landed_ == units_, "internal: update with %d of %d units' gradients handed over", landed_, units_);
+  SHARDLM_CHECK(landed_ == units_ - first_offloaded_, "internal: update with %d of %d units' gradients handed over",
+                landed_, units_ - first_offloaded_);
   optimizer_.begin_step();
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    std::fill(updating_.begin(), updating_.end(), true);
+    std::fill(updating_.begin() + first_offloaded_, updating_.end(), true);
   }
-  std::fill(waited_.begin(), waited_.end(), false);
+  std::fill(waited_.begin() + first_offloaded_, waited_.end(), false);
   Task t;
   t.lr = lr;
   t.clip = clip;
@@ -241,7 +247,7 @@ void OffloadPipeline::run() {
     }
     const auto t0 = Clock::now();
     try {
-      for (int u = 0; u < units_; ++u) update_unit(u, t);  // forward order: the embedding first
+      for (int u = first_offloaded_; u < units_; ++u) update_unit(u, t);  // forward order
     } catch (const std::exception& e) {
       fatal(fmt("optim_cpu_offload worker: %s", e.what()));
     }
@@ -259,7 +265,7 @@ void OffloadPipeline::update_unit(int unit, const Task& t) {
   const double lr = t.lr;
   const float clip = t.clip;
   if (device_grads_) {
-    if (unit == 0) issue_grad_copy(0);
+    if (unit == first_offloaded_) issue_grad_copy(unit);
     if (unit + 1 < units_) issue_grad_copy(unit + 1);
   }
   int64_t grad = -1;
@@ -295,10 +301,11 @@ void OffloadPipeline::update_unit(int unit, const Task& t) {
 
 // ---------------------------------------------------------------- the state
 
-OffloadState::OffloadState(ShardedModel& model, Optimizer& optimizer, Backend& backend, int cpu_threads,
-                           bool device_grads)
-    : model_(model), backend_(backend) {
+OffloadState::OffloadState(ShardedModel& model, Optimizer& optimizer, const OptimSection& optim, Backend& backend,
+                           int cpu_threads, bool device_grads, int device_units)
+    : model_(model), optimizer_(optimizer), backend_(backend), first_offloaded_(device_units) {
   const int units = static_cast<int>(model.layout.units.size());
+  SHARDLM_CHECK(device_units >= 0 && device_units <= units, "internal: %d device units of %d", device_units, units);
   device_ = make_cuda_offload_device(backend.stream(), units);
   std::vector<void*> shards;
   for (int u = 0; u < units; ++u) {
@@ -307,8 +314,9 @@ OffloadState::OffloadState(ShardedModel& model, Optimizer& optimizer, Backend& b
     accumulator_copy_.push_back(-1);
     shards.push_back(backend.param_shard_mut(u));
   }
+  if (device_units > 0) device_units_ = make_cuda_device_units(model, optimizer, optim, backend, device_units, accumulators_);
   pipeline_ = std::make_unique<OffloadPipeline>(model, optimizer, *device_, std::move(shards), cpu_threads, device_grads,
-                                                &snapshot_gate);
+                                                &snapshot_gate, first_offloaded_);
   push();
 }
 
@@ -317,6 +325,7 @@ OffloadState::~OffloadState() {
   // The device Comm's collectives are done before it goes, and the last copies
   // to the host have left the accumulators.
   backend_.synchronize();
+  device_units_.reset();
   for (size_t u = 0; u < accumulators_.size(); ++u)
     backend_.deallocate(Mem::GradShard, accumulators_[u], 4 * model_.layout.units[u].shard_numel);
 }
@@ -330,7 +339,8 @@ void OffloadState::begin_micro_batch() {
 // The step's first micro-batch, after its forward: the accumulators start from
 // zero once the last step's copies have left them. Every unit's param_ready()
 // has waited for its update by then, and with the gradients on the device each
-// update waited for its own copy first.
+// update waited for its own copy first. The device units' updates read theirs
+// on the compute stream, before this.
 void OffloadState::after_forward() {
   if (!first_micro_batch_) return;
   for (size_t u = 0; u < accumulators_.size(); ++u) {
@@ -344,23 +354,62 @@ void OffloadState::add_reduced(int unit, const void* reduced, int64_t n, DType t
   backend_.accumulate(accumulators_[unit], reduced, n, type);
 }
 
-// The step's last micro-batch: `unit`'s accumulated gradient goes to the host
-// behind the work queued so far.
+// The step's last micro-batch: `unit`'s accumulated gradient goes into the
+// clip norm and, offloaded, to the host behind the work queued so far.
 void OffloadState::unit_done(int unit) {
   if (!last_micro_batch_) return;
   const int64_t n = model_.layout.units[unit].shard_numel;
   device_->queue_sumsq(unit, accumulators_[unit], n);  // the clip norm, before the copy
-  accumulator_copy_[unit] = pipeline_->grad_ready(unit, accumulators_[unit], n);
+  if (unit >= first_offloaded_) accumulator_copy_[unit] = pipeline_->grad_ready(unit, accumulators_[unit], n);
 }
 
 double OffloadState::grad_sumsq() { return device_->read_sumsq(static_cast<int>(accumulators_.size())); }
 
-// The host masters changed outside the pipeline (start-up, a load): cast them on
-// the host (the same rounding as the pipeline's uploads) and copy the bf16 shards
-// up, so the GPU needs no fp32 staging unit.
+// The pipeline counts the step (and starts the offloaded units); the device
+// units' updates then go on the compute stream ahead of the next forward,
+// which reaches them first.
+void OffloadState::update(double lr, float clip) {
+  pipeline_->update(lr, clip);
+  if (device_units_) device_units_->update(optimizer_.steps_taken(), lr, clip);
+}
+
+// The host masters are final once the worker is idle and the device units'
+// mirrors are downloaded. An async save's copier may still be reading those
+// mirrors (snapshot_mark below filled them): it is let through them first.
+void OffloadState::pull() {
+  pipeline_->finish();
+  if (!device_units_) return;
+  snapshot_gate.wait(first_offloaded_ - 1, INT64_MAX);
+  device_units_->pull();
+}
+
+// An async save: the device units' mirrors are filled now (their next update
+// changes only the device copy), the offloaded units' are waited for per unit
+// by the copier.
+int64_t OffloadState::snapshot_mark() {
+  if (device_units_) device_units_->pull();
+  return pipeline_->updates_asked();
+}
+
+void OffloadState::wait_unit_updated(int unit, int64_t mark) {
+  if (unit >= first_offloaded_) pipeline_->wait_unit_updated(unit, mark);
+}
+
+std::string OffloadState::summary() {
+  const int units = static_cast<int>(accumulators_.size());
+  if (!device_units_) return pipeline_->summary();
+  return fmt("%s; optimizer state of units 0..%d on the GPU, %d of %d offloaded", pipeline_->summary().c_str(),
+             first_offloaded_ - 1, units - first_offloaded_, units);
+}
+
+// The host masters changed outside the pipeline (start-up, a load): the device
+// units upload theirs and cast them on the GPU; the offloaded ones are cast on
+// the host (the same rounding as the pipeline's uploads) and their bf16
+// shards copied up, so the GPU needs no fp32 staging unit.
 void OffloadState::push() {
   device_->synchronize();  // no queued kernel still reads the old shards
-  for (size_t u = 0; u < model_.layout.units.size(); ++u) {
+  if (device_units_) device_units_->push();
+  for (size_t u = size_t(first_offloaded_); u < model_.layout.units.size(); ++u) {
     const int64_t n = model_.layout.units[u].shard_numel;
     const float* master = model_.param[u].data();
     std::vector<uint16_t> bf16(n);

@@ -70,8 +70,12 @@ class OffloadPipeline {
   // device_shards: each unit's bf16 parameter shard in device memory, where
   // its updates go up to.
   // gate: an async checkpoint's copy of the host shards, which each unit's update waits for.
+  // first_offloaded: units [0, first_offloaded) keep their state on the device
+  // (OffloadState's DeviceUnits): the pipeline takes no gradient of theirs,
+  // updates none, and never makes the compute stream wait for them.
   OffloadPipeline(ShardedModel& model, Optimizer& optimizer, OffloadDevice& device, std::vector<void*> device_shards,
-                  int cpu_threads = 0, bool device_grads = false, HostSnapshotGate* gate = nullptr);
+                  int cpu_threads = 0, bool device_grads = false, HostSnapshotGate* gate = nullptr,
+                  int first_offloaded = 0);
   ~OffloadPipeline();
   OffloadPipeline(const OffloadPipeline&) = delete;
   OffloadPipeline& operator=(const OffloadPipeline&) = delete;
@@ -89,8 +93,9 @@ class OffloadPipeline {
   int64_t grad_ready(int unit, const float* src, int64_t n);
   // Before the compute stream reads `unit`'s parameter shard.
   void param_ready(int unit);
-  // Update every unit with lr and the clip factor (the worker does it, unit by
-  // unit in forward order); returns at once. A NaN/Inf step calls nothing.
+  // Count the optimizer's step and update every offloaded unit with lr and the
+  // clip factor (the worker does it, unit by unit in forward order); returns
+  // at once. A NaN/Inf step calls nothing.
   void update(double lr, float clip);
   // Wait until the worker is idle: host masters and moments are final.
   void finish();
@@ -133,6 +138,7 @@ class OffloadPipeline {
   OffloadDevice& device_;
   const std::vector<void*> device_shards_;   // [unit] the bf16 shard on the device
   const int units_;
+  const int first_offloaded_;                // units [first_offloaded_, units_) are the pipeline's
   const int cpu_threads_;
   const bool device_grads_;
   std::vector<Buffer<float>> landing_;       // device_grads: 2 x (largest shard) pinned fp32, in turn
@@ -143,7 +149,7 @@ class OffloadPipeline {
   std::vector<void*> pinned_;                // host ranges registered with the backend
 
   int64_t micro_batches_ = 1, micro_batch_ = 0;  // this step's, and how many have started (main thread)
-  int landed_ = 0;                           // units handed over this step (main thread)
+  int landed_ = 0;                           // offloaded units handed over this step (main thread)
   std::vector<bool> waited_;                 // [unit] compute waited for this step's upload (main thread)
 
   std::mutex mutex_;
@@ -161,11 +167,15 @@ class OffloadPipeline {
   std::thread worker_;
 };
 
-// The offload placement: the pipeline above, the device accumulators it takes
-// each unit's step gradient from, and the engine's hooks.
+// The offload placement: the device accumulators every unit's step gradient
+// is summed in; units [0, device_units) with their state on the GPU, updated
+// there from their accumulators (DeviceUnits, train/state.hpp: the device
+// placement's kernels); the rest through the pipeline above, whose CPU updates
+// run under the next forward of the device units; and the engine's hooks.
 class OffloadState final : public TrainingState {
  public:
-  OffloadState(ShardedModel& model, Optimizer& optimizer, Backend& backend, int cpu_threads, bool device_grads);
+  OffloadState(ShardedModel& model, Optimizer& optimizer, const OptimSection& optim, Backend& backend, int cpu_threads,
+               bool device_grads, int device_units = 0);
   ~OffloadState() override;
 
   StatePlacement placement() const override { return StatePlacement::Offload; }
@@ -179,19 +189,22 @@ class OffloadState final : public TrainingState {
   void unit_done(int unit) override;
   bool finishes_reductions_early() const override { return last_micro_batch_; }
   double grad_sumsq() override;
-  void update(double lr, float clip) override { pipeline_->update(lr, clip); }
-  void pull() override { pipeline_->finish(); }  // the host masters are final once the worker is idle
-  int64_t snapshot_mark() override { return pipeline_->updates_asked(); }
-  void wait_unit_updated(int unit, int64_t mark) override { pipeline_->wait_unit_updated(unit, mark); }
+  void update(double lr, float clip) override;
+  void pull() override;
+  int64_t snapshot_mark() override;
+  void wait_unit_updated(int unit, int64_t mark) override;
   void push() override;
-  std::string summary() override { return pipeline_->summary(); }
+  std::string summary() override;
 
  private:
   ShardedModel& model_;
+  Optimizer& optimizer_;
   Backend& backend_;
   std::unique_ptr<OffloadDevice> device_;
   std::vector<float*> accumulators_;     // [unit] fp32 step gradient shards (device), micro-batches summed
   std::vector<int64_t> accumulator_copy_;  // [unit] ticket of their last copy to the host, -1: none
+  std::unique_ptr<DeviceUnits> device_units_;  // units [0, device_units_->count()), or none
+  int first_offloaded_ = 0;
   std::unique_ptr<OffloadPipeline> pipeline_;
   bool first_micro_batch_ = true, last_micro_batch_ = true;  // of the micro-batch under way
 };

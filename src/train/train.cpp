@@ -44,6 +44,7 @@ EngineOptions engine_options_for(const Config& config) {
   o.save_attention_layers = config.model.selective_layers;
   o.state = state_placement_for(config);
   o.offload_device_grads = offload_grads_on_device(config);
+  o.offload_device_units = offload_device_units(config);
   o.reduce_bf16 = config.model.reduce_dtype == "bf16";
   // "auto" is resolved by select_comm() at start-up; a session built without it
   // (tests, tools) on one GPU per rank uses NCCL.
@@ -104,8 +105,8 @@ TrainSession::TrainSession(const Config& c, Comm& comm_)
   if (c.device.backend == "cuda" && optimizer.muon())
     optimizer.muon()->set_orthogonalizer(make_cuda_orthogonalizer(optimizer.muon()->ns_capacity()));
   const auto t0 = Clock::now();
-  state = make_training_state(engine.options().state, engine.options().offload_device_grads, model, optimizer,
-                              c.optim, engine.backend(), static_cast<int>(c.device.cpu_threads));
+  state = make_training_state(engine.options(), model, optimizer, c.optim, engine.backend(),
+                              static_cast<int>(c.device.cpu_threads));
   state->setup_s = seconds_since(t0);
   engine.set_state(*state);
   SHARDLM_CHECK(c.data.seq_len <= arch.max_position_embeddings,
