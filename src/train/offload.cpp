@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 
 #include "shardlm/cuda.hpp"
 #include "shardlm/dtype.hpp"
@@ -45,9 +46,16 @@ int64_t OffloadPipeline::host_bytes(const ModelLayout& layout, bool device_grads
   return (kUploadSlots * 2 + (device_grads ? kLandingBuffers * 4 : 0)) * max_shard_numel(layout);
 }
 
+int64_t OffloadPipeline::speculation_bytes(const ModelLayout& layout, int optim_states, int first_offloaded) {
+  int64_t bytes = 0;
+  for (size_t u = size_t(first_offloaded); u < layout.units.size(); ++u)
+    bytes += 4 * (1 + optim_states) * layout.units[u].shard_numel;
+  return bytes;
+}
+
 OffloadPipeline::OffloadPipeline(ShardedModel& model, Optimizer& optimizer, OffloadDevice& device,
                                  std::vector<void*> device_shards, int cpu_threads, bool device_grads,
-                                 HostSnapshotGate* gate, int first_offloaded)
+                                 HostSnapshotGate* gate, int first_offloaded, bool speculative)
     : model_(model),
       optimizer_(optimizer),
       device_(device),
@@ -87,13 +95,17 @@ OffloadPipeline::OffloadPipeline(ShardedModel& model, Optimizer& optimizer, Offl
     slots_.emplace_back(Mem::Workspace, max_shard_numel(model.layout));
     pin(slots_.back().data(), slots_.back().bytes());
   }
+  kept_.resize(size_t(units_));
+  if (speculative)
+    for (int u = first_offloaded_; u < units_; ++u)
+      kept_[size_t(u)] = Buffer<float>(Mem::Workspace, (1 + optimizer.states()) * model.layout.units[u].shard_numel);
   slot_upload_.assign(kUploadSlots, -1);
   for (int u = 0; u < units_; ++u) upload_numel_.push_back(covered_numel(model_, u));
   waited_.assign(units_, true);
   grad_copy_.assign(units_, -1);
   grad_src_.assign(units_, nullptr);
   upload_.assign(units_, -1);
-  updating_.assign(units_, false);
+  updating_.assign(units_, 0);
   worker_ = std::thread([this] { run(); });
 }
 
@@ -138,14 +150,21 @@ int64_t OffloadPipeline::grad_ready(int unit, const float* src, int64_t n) {
   SHARDLM_CHECK(unit >= first_offloaded_, "internal: unit %d's gradient handed over, but its state is on the device",
                 unit);
   ++landed_;
-  if (device_grads_) {  // copied by the worker, just before the unit's update
+  int64_t ticket = -1;
+  if (!device_grads_) ticket = device_.copy_to_host(model_.grad[unit].data(), src, 4 * size_t(n));
+  {
     std::lock_guard<std::mutex> lock(mutex_);
-    grad_src_[unit] = src;
-    return -1;
+    if (device_grads_) grad_src_[unit] = src;  // copied by the worker, just before the unit's update
+    else grad_copy_[unit] = ticket;
+    if (speculating_) ++updating_[unit];  // the next forward waits for this update (and any redo)
   }
-  const int64_t ticket = device_.copy_to_host(model_.grad[unit].data(), src, 4 * size_t(n));
-  std::lock_guard<std::mutex> lock(mutex_);
-  grad_copy_[unit] = ticket;
+  if (speculating_) {  // nothing reads the unit's shard in this step any more: update it now
+    waited_[unit] = false;
+    Task t = speculation_;
+    t.kind = Task::Speculate;
+    t.unit = unit;
+    push(t);
+  }
   return ticket;
 }
 
@@ -184,16 +203,60 @@ void OffloadPipeline::param_ready(int unit) {
 void OffloadPipeline::update(double lr, float clip) {
   SHARDLM_CHECK(landed_ == units_ - first_offloaded_, "internal: update with %d of %d units' gradients handed over",
                 landed_, units_ - first_offloaded_);
-  optimizer_.begin_step();
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    std::fill(updating_.begin() + first_offloaded_, updating_.end(), true);
-  }
-  std::fill(waited_.begin() + first_offloaded_, waited_.end(), false);
   Task t;
+  if (speculating_) {
+    speculating_ = false;
+    t = speculation_;
+    // Bit for bit the exact path: the speculated units took lr and a clip
+    // factor of exactly 1 (a gradient times 1.0f is the gradient).
+    t.kind = clip == 1.0f && lr == speculation_.lr ? Task::Accept : Task::Redo;
+    if (t.kind == Task::Accept) {
+      push(t);
+      return;
+    }
+    ++redone_steps_;
+  } else {
+    optimizer_.begin_step();
+    t.kind = Task::Update;
+    t.number = ++updates_asked_;
+    t.step = optimizer_.steps_taken();
+  }
   t.lr = lr;
   t.clip = clip;
-  t.number = ++updates_asked_;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (int u = first_offloaded_; u < units_; ++u) ++updating_[size_t(u)];
+  }
+  std::fill(waited_.begin() + first_offloaded_, waited_.end(), false);
+  push(t);
+}
+
+void OffloadPipeline::speculate(double lr) {
+  SHARDLM_CHECK(!kept_.empty() && (first_offloaded_ == units_ || kept_[size_t(units_ - 1)].size() > 0),
+                "internal: speculate() on a pipeline built without copies of the state");
+  SHARDLM_CHECK(!speculating_ && landed_ == 0, "internal: speculate() after %d units were handed over", landed_);
+  optimizer_.begin_step();
+  speculation_ = Task{};
+  speculation_.lr = lr;
+  speculation_.number = ++updates_asked_;
+  speculation_.step = optimizer_.steps_taken();
+  speculating_ = true;
+}
+
+void OffloadPipeline::discard() {
+  if (!speculating_) return;
+  SHARDLM_CHECK(landed_ == units_ - first_offloaded_, "internal: discard with %d of %d units' gradients handed over",
+                landed_, units_ - first_offloaded_);
+  speculating_ = false;
+  ++redone_steps_;
+  optimizer_.set_steps_taken(speculation_.step - 1);  // the worker's updates carry their own step number
+  Task t = speculation_;
+  t.kind = Task::Discard;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (int u = first_offloaded_; u < units_; ++u) ++updating_[size_t(u)];
+  }
+  std::fill(waited_.begin() + first_offloaded_, waited_.end(), false);
   push(t);
 }
 
@@ -247,7 +310,21 @@ void OffloadPipeline::run() {
     }
     const auto t0 = Clock::now();
     try {
-      for (int u = first_offloaded_; u < units_; ++u) update_unit(u, t);  // forward order
+      switch (t.kind) {
+        case Task::Update:
+        case Task::Redo:
+          for (int u = first_offloaded_; u < units_; ++u) update_unit(u, t);  // forward order
+          break;
+        case Task::Speculate: update_unit(t.unit, t); break;
+        case Task::Accept: {  // after every Speculate task of the step (FIFO)
+          std::lock_guard<std::mutex> lock(mutex_);
+          for (int u = first_offloaded_; u < units_; ++u) ++unit_updates_[size_t(u)];
+          break;
+        }
+        case Task::Discard:
+          for (int u = first_offloaded_; u < units_; ++u) discard_unit(u, t);
+          break;
+      }
     } catch (const std::exception& e) {
       fatal(fmt("optim_cpu_offload worker: %s", e.what()));
     }
@@ -255,18 +332,37 @@ void OffloadPipeline::run() {
       std::lock_guard<std::mutex> lock(mutex_);
       busy_ = false;
       timing_.update_s += seconds_since(t0);
-      ++timing_.updates;
+      timing_.updates += t.kind != Task::Speculate;  // one per step
     }
     changed_.notify_all();
   }
 }
 
+int OffloadPipeline::next_slot() {
+  // The worker alone uses the slots (no lock): the slot's last upload has left it.
+  const int slot = next_slot_;
+  next_slot_ = (next_slot_ + 1) % kUploadSlots;
+  if (slot_upload_[slot] >= 0) device_.host_wait(slot_upload_[slot]);
+  return slot;
+}
+
+void OffloadPipeline::keep_state(int unit, bool restore) {
+  const int64_t n = model_.layout.units[unit].shard_numel;
+  float* kept = kept_[size_t(unit)].data();
+  for (int a = 0; a <= optimizer_.states(); ++a) {
+    float* live = a == 0 ? model_.param[unit].data() : optimizer_.state(a - 1)[unit].data();
+    float* dst = restore ? live : kept + a * n;
+    const float* src = restore ? kept + a * n : live;
+#pragma omp parallel for schedule(static)
+    for (int64_t c = 0; c < n; c += (1 << 16)) std::memcpy(dst + c, src + c, 4 * size_t(std::min<int64_t>(n - c, 1 << 16)));
+  }
+}
+
 void OffloadPipeline::update_unit(int unit, const Task& t) {
-  const double lr = t.lr;
-  const float clip = t.clip;
-  if (device_grads_) {
-    if (unit == first_offloaded_) issue_grad_copy(unit);
-    if (unit + 1 < units_) issue_grad_copy(unit + 1);
+  const bool speculative = t.kind == Task::Speculate;
+  if (device_grads_) {  // one unit ahead, except under the backward, where the units come one by one
+    if (speculative || unit == first_offloaded_) issue_grad_copy(unit);
+    if (!speculative && unit + 1 < units_) issue_grad_copy(unit + 1);
   }
   int64_t grad = -1;
   {
@@ -276,15 +372,15 @@ void OffloadPipeline::update_unit(int unit, const Task& t) {
   const auto t0 = Clock::now();
   device_.host_wait(grad);  // the step's gradient has landed in the grad shard
   const double waited = seconds_since(t0);
-  // The worker alone uses the slots (no lock): the slot's last upload has left it.
-  const int slot = next_slot_;
-  next_slot_ = (next_slot_ + 1) % kUploadSlots;
-  if (slot_upload_[slot] >= 0) device_.host_wait(slot_upload_[slot]);
+  const int slot = next_slot();
   uint16_t* bf16 = slots_[slot].data();
   // An async save still copying this unit's state as of update number gate
   // mark (updates up to the mark are what it waits for, so they never wait).
   if (gate_) gate_->wait(unit, t.number);
-  optimizer_.step_unit(unit, lr, clip, bf16, device_grads_ ? landing_[unit % kLandingBuffers].data() : nullptr);
+  if (speculative) keep_state(unit, /*restore=*/false);
+  if (t.kind == Task::Redo) keep_state(unit, /*restore=*/true);
+  optimizer_.step_unit(unit, t.lr, t.clip, bf16, device_grads_ ? landing_[unit % kLandingBuffers].data() : nullptr,
+                       t.step);
   const int64_t n = upload_numel_[unit];
   const int64_t ticket =
       n > 0 ? device_.copy_to_device(device_shards_[unit], bf16, 2 * size_t(n)) : -1;
@@ -292,9 +388,33 @@ void OffloadPipeline::update_unit(int unit, const Task& t) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     upload_[unit] = ticket;
-    updating_[unit] = false;
-    ++unit_updates_[size_t(unit)];
+    // A speculative update is final only once the step stands (Accept); the
+    // next forward cannot start before update() decides anyway.
+    --updating_[unit];
+    if (!speculative) ++unit_updates_[size_t(unit)];
     timing_.grad_wait_s += waited;
+  }
+  changed_.notify_all();
+}
+
+// A skipped step after its speculative updates: the unit's state as it was,
+// and its bf16 shard cast from it (the same rounding as push()) uploaded again.
+void OffloadPipeline::discard_unit(int unit, const Task& t) {
+  const int slot = next_slot();
+  uint16_t* bf16 = slots_[slot].data();
+  if (gate_) gate_->wait(unit, t.number);
+  keep_state(unit, /*restore=*/true);
+  const int64_t n = upload_numel_[unit];
+  const float* master = model_.param[unit].data();
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) bf16[i] = f32_to_bf16_rne(master[i]);
+  const int64_t ticket = n > 0 ? device_.copy_to_device(device_shards_[unit], bf16, 2 * size_t(n)) : -1;
+  slot_upload_[slot] = ticket;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    upload_[unit] = ticket;
+    --updating_[unit];
+    ++unit_updates_[size_t(unit)];
   }
   changed_.notify_all();
 }

@@ -73,9 +73,11 @@ class OffloadPipeline {
   // first_offloaded: units [0, first_offloaded) keep their state on the device
   // (OffloadState's DeviceUnits): the pipeline takes no gradient of theirs,
   // updates none, and never makes the compute stream wait for them.
+  // speculative: keep a copy of each offloaded unit's state (its fp32 master
+  // and moments) so that speculate() may update units during the backward.
   OffloadPipeline(ShardedModel& model, Optimizer& optimizer, OffloadDevice& device, std::vector<void*> device_shards,
                   int cpu_threads = 0, bool device_grads = false, HostSnapshotGate* gate = nullptr,
-                  int first_offloaded = 0);
+                  int first_offloaded = 0, bool speculative = false);
   ~OffloadPipeline();
   OffloadPipeline(const OffloadPipeline&) = delete;
   OffloadPipeline& operator=(const OffloadPipeline&) = delete;
@@ -95,8 +97,20 @@ class OffloadPipeline {
   void param_ready(int unit);
   // Count the optimizer's step and update every offloaded unit with lr and the
   // clip factor (the worker does it, unit by unit in forward order); returns
-  // at once. A NaN/Inf step calls nothing.
+  // at once. A NaN/Inf step calls nothing (or discard(), after speculate()).
   void update(double lr, float clip);
+  // The update under the backward (a speculative pipeline, before the step's
+  // last micro-batch; lr: the step's): the step is counted now and each
+  // offloaded unit handed over from here on is updated at once, as if the
+  // step were neither clipped nor skipped, after a copy of its state is kept.
+  // update(lr, 1) then only confirms it; any other clip factor (or lr) redoes
+  // every offloaded unit from its copy with it, in forward order; discard()
+  // (a NaN/Inf step) restores every unit from its copy and counts the step
+  // back. Either way the result is the exact path's, bit for bit.
+  void speculate(double lr);
+  void discard();
+  // Steps whose speculative updates were redone or discarded, so far.
+  int64_t redone_steps() const { return redone_steps_; }
   // Wait until the worker is idle: host masters and moments are final.
   void finish();
   // Updates asked for so far (training thread), and: unit's update number
@@ -105,8 +119,10 @@ class OffloadPipeline {
   void wait_unit_updated(int unit, int64_t mark);
 
   // Host bytes of the two pinned bf16 upload buffers, and with device_grads the
-  // two fp32 landing buffers (the memory plan).
+  // two fp32 landing buffers (the memory plan); and of the speculative
+  // pipeline's copies of the offloaded units' state.
   static int64_t host_bytes(const ModelLayout& layout, bool device_grads = false);
+  static int64_t speculation_bytes(const ModelLayout& layout, int optim_states, int first_offloaded);
 
   // Where the time goes (seconds, summed over the run), for the run summary:
   // the worker's updates and landings, and the compute-issuing thread's waits.
@@ -123,13 +139,25 @@ class OffloadPipeline {
   std::string summary();
 
  private:
-  struct Task {  // one step's update of every unit
+  struct Task {
+    enum Kind {
+      Update,     // one step's update of every offloaded unit
+      Speculate,  // one unit's update as the step hands it over (clip 1), its state kept first
+      Accept,     // the speculated step stands: every unit's update is final
+      Redo,       // every unit's state restored from its copy and updated with the clip factor
+      Discard,    // every unit's state restored from its copy (a skipped step)
+    } kind = Update;
+    int unit = -1;       // Speculate: the unit
     double lr = 0;
     float clip = 1;
     int64_t number = 0;  // 1, 2, ...: updates_asked_ when it was asked for
+    int64_t step = 0;    // the optimizer's step number (bias correction)
   };
   void run();
   void update_unit(int unit, const Task& t);
+  void discard_unit(int unit, const Task& t);
+  void keep_state(int unit, bool restore);  // unit's master and moments into (or back from) kept_[unit]
+  int next_slot();
   void issue_grad_copy(int unit);
   void push(const Task& t);
 
@@ -142,6 +170,7 @@ class OffloadPipeline {
   const int cpu_threads_;
   const bool device_grads_;
   std::vector<Buffer<float>> landing_;       // device_grads: 2 x (largest shard) pinned fp32, in turn
+  std::vector<Buffer<float>> kept_;          // speculative: [unit] (1 + states) x shard numel, the state before the update
   std::vector<Buffer<uint16_t>> slots_;      // 2 x (largest shard) pinned: updated shards in bf16, in turn
   std::vector<int64_t> slot_upload_;         // [slot] ticket of the upload that last read it (worker only)
   int next_slot_ = 0;                        // worker only
@@ -158,9 +187,13 @@ class OffloadPipeline {
   std::vector<int64_t> grad_copy_;           // [unit] ticket of this step's gradient copy to the host; guarded
   std::vector<const float*> grad_src_;       // device_grads: [unit] its device accumulator; guarded
   std::vector<int64_t> upload_;              // [unit] ticket of the latest upload, -1: none pending; guarded
-  std::vector<bool> updating_;               // [unit] an update was asked for and not yet uploaded; guarded
+  std::vector<int> updating_;                // [unit] updates asked for and not yet uploaded (a speculative one
+                                             // and its redo); guarded
   std::vector<int64_t> unit_updates_;        // [unit] updates done on the host; guarded
   int64_t updates_asked_ = 0;                // main thread
+  bool speculating_ = false;                 // main thread: speculate() was called this step
+  Task speculation_;                         // main thread: its lr, number, step
+  int64_t redone_steps_ = 0;                 // main thread
   HostSnapshotGate* gate_ = nullptr;
   bool busy_ = false, stopping_ = false;     // guarded
   Timing timing_;                            // guarded

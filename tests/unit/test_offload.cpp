@@ -295,6 +295,92 @@ TEST_CASE("offload pipeline with device units: only the offloaded units go throu
   }
 }
 
+// The update under the backward (#31): each offloaded unit is updated as its
+// gradient is handed over, as if the step were neither clipped nor skipped;
+// update() confirms it (clip 1) or redoes every unit from the copy of its
+// state with the clip factor; discard() (a NaN/Inf step) restores them. Every
+// case ends bit for bit where Optimizer::step on a reference model does (the
+// exact path), with clipping never, always and sometimes active, a skipped
+// step, device units in front, gradients on the device, and each rank's
+// shards of a world of 2.
+TEST_CASE("speculative offload pipeline: the update under the backward, redone or discarded exactly") {
+  const ModelConfig arch = small_arch();
+  const int all_units = static_cast<int>(ModelLayout(arch, 1).units.size());
+  const float kSkip = -1.0f;  // a NaN/Inf step
+  struct Case {
+    const char* name;
+    std::vector<float> clips;  // per step: 1 (no clipping), a factor, or kSkip
+    int64_t redone;
+  };
+  const Case cases[] = {{"clipping never active", {1, 1, 1, 1}, 0},
+                        {"clipping always active", {0.5f, 0.25f, 0.7f, 0.5f}, 4},
+                        {"clipping sometimes active, a skipped step", {1, 0.5f, 1, kSkip, 0.25f, 1, 1}, 3}};
+  for (const Case& c : cases)
+    for (int world : {1, 2})
+      for (int rank = 0; rank < world; ++rank)
+        for (bool device_grads : {false, true})
+          for (int device_units : {0, 1}) {
+            INFO(c.name << ", world " << world << " rank " << rank << (device_grads ? ", device grads" : "")
+                        << ", device units " << device_units);
+            ShardedModel model(arch, rank, world, !device_grads), reference(arch, rank, world);
+            model.init_seeded(11, 0.05);
+            reference.init_seeded(11, 0.05);
+            Optimizer opt(adamw_section(), model), ref_opt(adamw_section(), reference);
+            HostCopies device(model.layout);
+            OffloadPipeline pipeline(model, opt, device, device.device_shards(), 0, device_grads, nullptr, device_units,
+                                     /*speculative=*/true);
+            std::mt19937 rng(3 + rank);
+            std::normal_distribution<float> normal(0.0f, 0.1f);
+            std::vector<std::vector<float>> grads(all_units);  // the "device" accumulators
+            for (size_t step = 0; step < c.clips.size(); ++step) {
+              INFO("step " << step);
+              const double lr = 3e-3 * double(step + 1);  // a schedule: each step its own lr
+              pipeline.begin_step(1);
+              pipeline.next_micro_batch();
+              pipeline.speculate(lr);
+              for (int u = all_units - 1; u >= 0; --u) {  // backward order
+                auto& g = grads[size_t(u)];
+                g.resize(size_t(model.layout.units[u].shard_numel));
+                for (auto& x : g) x = normal(rng);
+                std::copy(g.begin(), g.end(), reference.grad[u].data());
+                if (!device_grads) std::copy(g.begin(), g.end(), model.grad[u].data());  // the device units' gradients
+                if (u >= device_units) pipeline.grad_ready(u, g.data(), int64_t(g.size()));
+              }
+              const float clip = c.clips[step];
+              if (clip == kSkip) {
+                pipeline.discard();
+              } else {
+                pipeline.update(lr, clip);
+                ref_opt.step(lr, clip);
+                for (int u = 0; u < device_units; ++u)  // the device kernel, emulated
+                  opt.step_unit(u, lr, clip, nullptr, device_grads ? grads[size_t(u)].data() : nullptr);
+              }
+              for (int u = 0; u < all_units; ++u) pipeline.param_ready(u);  // the next forward
+              pipeline.finish();
+              CHECK(opt.steps_taken() == ref_opt.steps_taken());
+              int64_t differing = 0, bf16_wrong = 0;
+              for (int u = 0; u < all_units; ++u) {
+                const int64_t n = model.layout.units[u].shard_numel;
+                differing += std::memcmp(model.param[u].data(), reference.param[u].data(), 4 * n) != 0;
+                for (int k = 0; k < opt.states(); ++k)
+                  differing += std::memcmp(opt.state(k)[u].data(), ref_opt.state(k)[u].data(), 4 * n) != 0;
+                if (u < device_units) continue;
+                for (const auto& sg : model.segments(model.layout.units[u]))
+                  for (int64_t i = sg.shard_offset; i < sg.shard_offset + sg.count; ++i)
+                    bf16_wrong += device.shards[u][i] != bf16_bits(model.param[u][i]);
+              }
+              CHECK(differing == 0);
+              CHECK(bf16_wrong == 0);  // what the next forward reads: the final update's shard
+            }
+            CHECK(pipeline.redone_steps() == c.redone);
+          }
+  // A pipeline built without the copies refuses to speculate.
+  Twins t(small_arch());
+  OffloadPipeline plain(t.model, t.opt, t.device, t.device.device_shards());
+  plain.begin_step(1);
+  CHECK_THROWS_WITH(plain.speculate(1e-3), doctest::Contains("without copies of the state"));
+}
+
 // The split: the most units, from the embedding on, whose fp32 masters and
 // moments fit the budget; and model.optim_gpu_state_gib resolved against the
 // plan (run/plan.hpp) for a given GPU size.
