@@ -422,8 +422,8 @@ void OffloadPipeline::discard_unit(int unit, const Task& t) {
 // ---------------------------------------------------------------- the state
 
 OffloadState::OffloadState(ShardedModel& model, Optimizer& optimizer, const OptimSection& optim, Backend& backend,
-                           int cpu_threads, bool device_grads, int device_units)
-    : model_(model), optimizer_(optimizer), backend_(backend), first_offloaded_(device_units) {
+                           int cpu_threads, bool device_grads, int device_units, bool speculative)
+    : model_(model), optimizer_(optimizer), backend_(backend), first_offloaded_(device_units), speculative_(speculative) {
   const int units = static_cast<int>(model.layout.units.size());
   SHARDLM_CHECK(device_units >= 0 && device_units <= units, "internal: %d device units of %d", device_units, units);
   device_ = make_cuda_offload_device(backend.stream(), units);
@@ -436,7 +436,7 @@ OffloadState::OffloadState(ShardedModel& model, Optimizer& optimizer, const Opti
   }
   if (device_units > 0) device_units_ = make_cuda_device_units(model, optimizer, optim, backend, device_units, accumulators_);
   pipeline_ = std::make_unique<OffloadPipeline>(model, optimizer, *device_, std::move(shards), cpu_threads, device_grads,
-                                                &snapshot_gate, first_offloaded_);
+                                                &snapshot_gate, first_offloaded_, speculative);
   push();
 }
 

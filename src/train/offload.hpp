@@ -208,7 +208,7 @@ class OffloadPipeline {
 class OffloadState final : public TrainingState {
  public:
   OffloadState(ShardedModel& model, Optimizer& optimizer, const OptimSection& optim, Backend& backend, int cpu_threads,
-               bool device_grads, int device_units = 0);
+               bool device_grads, int device_units = 0, bool speculative = false);
   ~OffloadState() override;
 
   StatePlacement placement() const override { return StatePlacement::Offload; }
@@ -223,6 +223,11 @@ class OffloadState final : public TrainingState {
   bool finishes_reductions_early() const override { return last_micro_batch_; }
   double grad_sumsq() override;
   void update(double lr, float clip) override;
+  void speculate(double lr) override {
+    if (speculative_) pipeline_->speculate(lr);
+  }
+  void discard() override { pipeline_->discard(); }
+  int64_t redone_steps() const override { return speculative_ ? pipeline_->redone_steps() : -1; }
   void pull() override;
   int64_t snapshot_mark() override;
   void wait_unit_updated(int unit, int64_t mark) override;
@@ -238,6 +243,7 @@ class OffloadState final : public TrainingState {
   std::vector<int64_t> accumulator_copy_;  // [unit] ticket of their last copy to the host, -1: none
   std::unique_ptr<DeviceUnits> device_units_;  // units [0, device_units_->count()), or none
   int first_offloaded_ = 0;
+  bool speculative_ = false;
   std::unique_ptr<OffloadPipeline> pipeline_;
   bool first_micro_batch_ = true, last_micro_batch_ = true;  // of the micro-batch under way
 };

@@ -91,6 +91,8 @@ void plan_state_memory(MemoryPlan& plan, const EngineOptions& options, const Mod
       break;
     case StatePlacement::Offload:
       plan.offload_buffers += OffloadPipeline::host_bytes(layout, offload_device_grads);
+      if (options.offload_speculate)  // the copies of the offloaded units' state
+        plan.offload_buffers += OffloadPipeline::speculation_bytes(layout, optim_states, options.offload_device_units);
       plan.device_grads += shards;  // fp32 accumulators of the micro-batches
       // The device units' masters and moments (their gradients are the accumulators).
       plan.device_state += offload_device_unit_bytes(layout, optim_states, options.offload_device_units);
@@ -163,7 +165,7 @@ std::unique_ptr<TrainingState> make_training_state(const EngineOptions& options,
     }
     case StatePlacement::Offload:
       return std::make_unique<OffloadState>(model, optimizer, optim, backend, cpu_threads, options.offload_device_grads,
-                                            options.offload_device_units);
+                                            options.offload_device_units, options.offload_speculate);
   }
   SHARDLM_FAIL("internal: no training state for placement %d", static_cast<int>(options.state));
 }

@@ -145,6 +145,13 @@ class TrainingState {
   // Update with lr and the clip factor; counts the optimizer step. May return
   // before the update is done (offload): param_ready waits per unit.
   virtual void update(double lr, float clip) = 0;
+  // The update under the backward (offload, model.optim_offload_speculate):
+  // before the step's last micro-batch, its lr; then update() or, for a
+  // NaN/Inf step, discard() (which a placement without it ignores).
+  virtual void speculate(double /*lr*/) {}
+  virtual void discard() {}
+  // Steps whose speculative update was redone or discarded so far; -1: no speculation.
+  virtual int64_t redone_steps() const { return -1; }
 
   // ---- outside the step
   // The host shards (model.param, optimizer.state) hold the current state:

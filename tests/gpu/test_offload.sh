@@ -90,6 +90,39 @@ compare_losses partial-then-dev offload 2e-2 11 20 "saved partial, resumed on th
 compare_losses dev-then-partial device 0 11 11 "saved on the device placement, resumed partial: first step bit-identical"
 compare_losses dev-then-partial device 2e-2 11 20 "saved on the device placement, resumed partial: continues the trajectory"
 
+# The update under the backward (model.optim_offload_speculate): against the
+# exact path with the same clipping, bit-identical at -np 1 and 2, with
+# clipping never (optim.max_norm = 0), always (1e-3) and sometimes active
+# (MAX_NORM_SOMETIMES: between the tiny run's smaller and larger norms), and
+# a NaN step injected at step 7 (SHARDLM_TEST_NAN_STEP: skipped by both).
+MAX_NORM_SOMETIMES=${MAX_NORM_SOMETIMES:-1.5}  # the tiny run: 2.48 at step 1, 1.1 by step 20
+for np in 1 2; do
+  comm=(); [ $np = 2 ] && comm=(comm.backend=mpi)
+  for clipping in never always sometimes nan; do
+    case $clipping in
+      never) norm=0 ;; always) norm=1e-3 ;; sometimes | nan) norm=$MAX_NORM_SOMETIMES ;;
+    esac
+    nan_step=0; [ $clipping = nan ] && nan_step=7
+    SHARDLM_TEST_NAN_STEP=$nan_step train_tiny exact-$clipping-np$np $np 20 "${OFF[@]}" "${comm[@]}" optim.max_norm=$norm ||
+      exit 1
+    SHARDLM_TEST_NAN_STEP=$nan_step train_tiny spec-$clipping-np$np $np 20 "${OFF[@]}" "${comm[@]}" optim.max_norm=$norm \
+      model.optim_offload_speculate=true || exit 1
+    compare_losses spec-$clipping-np$np exact-$clipping-np$np 0 1 20 \
+      "the update under the backward, clipping $clipping, -np $np: bit-identical to the exact path"
+    redone=$(sed -n 's/^step .*20\/20 .*| update redone \([0-9]*\)\/20.*/\1/p' "$out/spec-$clipping-np$np.log" | tail -1)
+    clipped=$("$PY" -c "import json; rows = [json.loads(l) for l in open('$out/exact-$clipping-np$np/metrics.jsonl')]
+print(sum(1 for r in rows if 'event' not in r and (r['skipped'] or ($norm > 0 and r['grad_norm'] > $norm))))")
+    if [ -n "$redone" ] && [ "$redone" = "$clipped" ]; then
+      echo "PASS clipping $clipping, -np $np: the step line says the update was redone in $redone of 20 steps (the exact run clipped or skipped $clipped)"
+    else
+      echo "FAIL clipping $clipping, -np $np: redone '$redone' in the step line, the exact run clipped or skipped $clipped"
+    fi
+  done
+done
+# With the first unit's state on the GPU as well.
+train_tiny spec-partial 1 20 "${PART[@]}" optim.max_norm=$MAX_NORM_SOMETIMES model.optim_offload_speculate=true || exit 1
+compare_losses spec-partial exact-sometimes-np1 0 1 20 "the update under the backward with a device unit: bit-identical"
+
 # The memory plan: offload moves the fp32 masters and moments off the GPU (12 B
 # per parameter; the fp32 gradient accumulator stays).
 # (check opens the data file: the tracked tiny one, vocab 128256 like the deck's)

@@ -425,7 +425,7 @@ TEST_CASE("offload split: device units from the embedding on, within the cap and
   CHECK(offload_gpu_units(plain.config, layout, *make_cpu_backend(), int64_t(1) << 40) == 0);
 }
 
-TEST_CASE("model.optim_gpu_state_gib: refused without optim_cpu_offload and with Muon") {
+TEST_CASE("model.optim_gpu_state_gib and optim_offload_speculate: refused without optim_cpu_offload and with Muon") {
   DeckResult r = parse_deck("inputs/tiny-sft.toml", {"model.optim_gpu_state_gib=4"}, 1);
   REQUIRE(r.errors.size() == 1);
   CHECK(r.errors[0].find("model.optim_gpu_state_gib caps the optimizer state that model.optim_cpu_offload keeps on the "
@@ -439,6 +439,17 @@ TEST_CASE("model.optim_gpu_state_gib: refused without optim_cpu_offload and with
   CHECK(parse_deck("inputs/tiny-sft.toml", {"model.optim_gpu_state_gib=0"}, 1).ok());  // 0 is today's offload: no error
   r = parse_deck("inputs/tiny-sft.toml", {"model.optim_gpu_state_gib=-2", "model.optim_cpu_offload=true"}, 1);
   CHECK(!r.ok());
+  // The update under the backward: the same two rules.
+  r = parse_deck("inputs/tiny-sft.toml", {"model.optim_offload_speculate=true"}, 1);
+  REQUIRE(r.errors.size() == 1);
+  CHECK(r.errors[0].find("model.optim_offload_speculate updates the offloaded units during the backward: it needs "
+                         "model.optim_cpu_offload = true") != std::string::npos);
+  r = parse_deck("inputs/tiny-sft.toml",
+                 {"model.optim_offload_speculate=true", "model.optim_cpu_offload=true", "optim.name=\"muon\""}, 1);
+  named = false;
+  for (const auto& e : r.errors) named |= e.find("model.optim_offload_speculate is for AdamW and SGD") != std::string::npos;
+  CHECK(named);
+  CHECK(parse_deck("inputs/tiny-sft.toml", {"model.optim_offload_speculate=true", "model.optim_cpu_offload=true"}, 1).ok());
 }
 
 TEST_CASE("zero_shard_first_touch zeroes segments, the gaps between them and the padding") {
