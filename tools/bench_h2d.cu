@@ -8,6 +8,9 @@
 //   h2d-registered  the same from malloc'd memory page-locked by cudaHostRegister
 //                   (what the pipeline's upload slots are)
 //   h2d-pageable    the same from plain malloc'd memory (staged by the driver)
+//   h2d-wc          the same from write-combined pinned memory (cudaHostAllocWriteCombined:
+//                   not cached by the CPU, whose bf16 casts only write it; a
+//                   candidate for the upload slots), alone and beside the host loop
 //   d2h-registered  device to host into registered memory, alone (the gradients' way)
 //   h2d+d2h         both directions at once on two streams (gradients going down
 //                   while parameters go up)
@@ -157,10 +160,12 @@ int main(int argc, char** argv) {
               prop.name, prop.pciDomainID, prop.pciBusID, prop.pciDeviceID, prop.asyncEngineCount,
               double(o.chunk_bytes) / 1048576.0, double(o.total_bytes) / 1073741824.0, cores);
 
-  void *dev_up = nullptr, *dev_down = nullptr, *pinned = nullptr;
+  void *dev_up = nullptr, *dev_down = nullptr, *pinned = nullptr, *write_combined = nullptr;
   CUDA_CHECK(cudaMalloc(&dev_up, o.chunk_bytes));
   CUDA_CHECK(cudaMalloc(&dev_down, o.chunk_bytes));
   CUDA_CHECK(cudaMallocHost(&pinned, o.chunk_bytes));
+  CUDA_CHECK(cudaHostAlloc(&write_combined, o.chunk_bytes, cudaHostAllocWriteCombined));
+  std::memset(write_combined, 1, o.chunk_bytes);
   std::vector<char> registered_up(o.chunk_bytes, 1), registered_down(o.chunk_bytes, 1), pageable(o.chunk_bytes, 1);
   CUDA_CHECK(cudaHostRegister(registered_up.data(), o.chunk_bytes, cudaHostRegisterDefault));
   CUDA_CHECK(cudaHostRegister(registered_down.data(), o.chunk_bytes, cudaHostRegisterDefault));
@@ -176,6 +181,8 @@ int main(int argc, char** argv) {
   line("h2d-registered", up.gbps(o));
   up.issue(dev_up, pageable.data(), o, cudaMemcpyHostToDevice);
   line("h2d-pageable", up.gbps(o));
+  up.issue(dev_up, write_combined, o, cudaMemcpyHostToDevice);
+  line("h2d-wc", up.gbps(o));
   down.issue(registered_down.data(), dev_down, o, cudaMemcpyDeviceToHost);
   line("d2h-registered", down.gbps(o));
   up.issue(dev_up, registered_up.data(), o, cudaMemcpyHostToDevice);
@@ -206,10 +213,18 @@ int main(int argc, char** argv) {
     const double during2 = host.stop();
     std::snprintf(note, sizeof note, "(d2h %.1f GB/s; host loop %.1f GB/s)", d, during2);
     line("h2d+d2h+host-" + std::to_string(t), u, note);
+
+    host.start(t);
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    up.issue(dev_up, write_combined, o, cudaMemcpyHostToDevice);
+    const double wc = up.gbps(o);
+    std::snprintf(note, sizeof note, "(host loop %.1f GB/s)", host.stop());
+    line("h2d-wc+host-" + std::to_string(t), wc, note);
   }
   CUDA_CHECK(cudaHostUnregister(registered_up.data()));
   CUDA_CHECK(cudaHostUnregister(registered_down.data()));
   CUDA_CHECK(cudaFreeHost(pinned));
+  CUDA_CHECK(cudaFreeHost(write_combined));
   CUDA_CHECK(cudaFree(dev_up));
   CUDA_CHECK(cudaFree(dev_down));
   return 0;

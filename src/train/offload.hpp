@@ -5,7 +5,9 @@
 //
 // Owns: OffloadState (the device accumulators that sum the micro-batches'
 // gradients, the hand-over of each unit's step gradient as its backward
-// finishes, the clip norm's per-unit sums of squares, the engine's hooks) and
+// finishes, the clip norm's per-unit sums of squares, the engine's hooks, and
+// the split: units [0, k) whose state stays on the GPU as DeviceUnits,
+// model.optim_gpu_state_gib) and
 // OffloadPipeline, the worker thread that does the host side of a step (the
 // per-unit CPU update, each unit's after its step gradient has landed, and its
 // bf16 cast), the two pinned bf16 buffers the updated shards go up from in turn
@@ -39,6 +41,14 @@
 // worker instead, one unit ahead of the update, into two landing buffers: no host
 // gradient shards, and the engine zeroes its accumulators only after the next
 // step's first forward (every unit's update, so every copy, is done by then).
+//
+// The device units come first in forward order, so the next forward computes
+// on them while the worker updates the offloaded rest. With
+// model.optim_offload_speculate the worker does not wait for the norm: the
+// step calls speculate(lr) before its last micro-batch, each offloaded unit is
+// updated as it is handed over (clip 1, its state copied aside first), and
+// update() confirms, redoes from the copies (clipped) or discard() restores
+// them (NaN/Inf): the exact path's bits in every case.
 #pragma once
 
 #include <condition_variable>

@@ -11,7 +11,8 @@
 //   offload  GPU backends with optim_cpu_offload (AdamW, SGD): masters and
 //            moments in pinned host memory, gradients summed on the device and
 //            handed over unit by unit, a CPU update per unit that overlaps the
-//            next step's forward (train/offload.hpp).
+//            next step's forward (train/offload.hpp); the first units' state
+//            on the GPU where the plan leaves room (DeviceUnits below).
 //
 // Owns, per placement: the gradient buffers and their zeroing, the sum of squares
 // for the clip norm, the update, pull / push for checkpoints, export and the
