@@ -15,6 +15,8 @@
 #                                 8b-32k-offload-selective-pipeline 8b-64k-offload 8b-64k-offload-pipeline
 #                                 8b-131k-offload-pipeline (#31: -pipeline = model.optim_gpu_state_gib = 0,
 #                                 every unit offloaded; without it the split is automatic)
+#                                 8b-32k-offload-selective-speculate 8b-64k-offload-speculate (#31: and
+#                                 model.optim_offload_speculate = true)
 #                                 (long context on one GPU, docs/benchmarks.md "Attention")
 #                                 ckpt-1b ckpt-1b-offload ckpt-8b4-offload (on request: checkpoints every 2 steps sync,
 #                                 every 80 / 40 steps async, against dd on the same disk;
@@ -183,6 +185,16 @@ for n in $names; do
     8b-64k-offload-pipeline) run 8b-64k-offload-pipeline inputs/bench/llama-8b.toml --set data.global_batch=16 \
                                --set model.optim_offload_grads=device --set run.max_steps=4 \
                                --set model.optim_gpu_state_gib=0 ;;
+    # ... and with the update of the offloaded rest under the backward (12 B per
+    # offloaded parameter of host memory for the copies; refused by the plan
+    # where the host has no room).
+    8b-32k-offload-selective-speculate)
+      run 8b-32k-offload-selective-speculate inputs/bench/llama-8b.toml --set data.seq_len=32768 \
+        --set data.global_batch=1 --set model.optim_offload_grads=device \
+        --set model.activation_checkpointing=selective --set run.max_steps=4 --set model.optim_offload_speculate=true ;;
+    8b-64k-offload-speculate) run 8b-64k-offload-speculate inputs/bench/llama-8b.toml --set data.global_batch=16 \
+                                --set model.optim_offload_grads=device --set run.max_steps=4 \
+                                --set model.optim_offload_speculate=true ;;
     8b-131k-offload-pipeline)
       [ -f runs/bench-data/random-128k-131k.h5 ] || $PY tools/make_synthetic_data.py runs/bench-data/random-128k-131k.h5 \
         --vocab 128256 --tokens 600000 --doc-len 131073
