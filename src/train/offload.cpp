@@ -271,9 +271,9 @@ std::string OffloadPipeline::summary() {
   const double per = t.updates > 0 ? 1e3 / double(t.updates) : 0.0;  // ms per update from seconds
   auto gbps = [](double bytes, double s) { return s > 0 ? bytes / s / 1e9 : 0.0; };
   return fmt("offload: per update %.1f ms CPU update + upload issue (worker; %.1f ms of it waiting for gradient "
-             "copies); forward waited %.1f ms for updates; pinned %.2f of %.2f GiB; copies to the "
-             "host %.2f GB per update at %.1f GB/s, to the device %.2f GB at %.1f GB/s",
-             t.update_s * per, t.grad_wait_s * per, t.param_wait_s * per,
+             "copies); forward waited %.1f ms for updates (the GPU stood still %.1f ms of it); pinned %.2f of %.2f "
+             "GiB; copies to the host %.2f GB per update at %.1f GB/s, to the device %.2f GB at %.1f GB/s",
+             t.update_s * per, t.grad_wait_s * per, t.param_wait_s * per, c.compute_stall_s * per,
              double(t.pinned_bytes) / 1073741824.0, double(t.pin_wanted_bytes) / 1073741824.0,
              c.to_host_bytes * per * 1e-12, gbps(c.to_host_bytes, c.to_host_s), c.to_device_bytes * per * 1e-12,
              gbps(c.to_device_bytes, c.to_device_s));
