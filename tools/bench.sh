@@ -56,7 +56,7 @@ run() {
   ${BENCH_TIMEOUT:+timeout -s KILL $BENCH_TIMEOUT} "$SHARDLM" train "$deck" --set run.dir=runs/bench-$name \
     --set ckpt.resume=none --set ckpt.interval=0 --set ckpt.save_final=false ${ATTN:+--set device.attention=$ATTN} \
     "$@" > "runs/bench-$name.log" 2>&1 || true
-  grep -E "^(attention|setup|throughput|step time|memory|muon|offload|shardlm: error)" "runs/bench-$name.log" |
+  grep -E "^(attention|setup|throughput|step time|memory|muon|offload|shardlm: error)|update redone" "runs/bench-$name.log" |
     sed "s/^/$name: /" || true
   grep -q "^throughput" "runs/bench-$name.log" ||
     { echo "$name: no result (failed or timed out); the log ends:"; tail -3 "runs/bench-$name.log" | sed "s/^/$name:   /"; }
@@ -187,14 +187,16 @@ for n in $names; do
                                --set model.optim_gpu_state_gib=0 ;;
     # ... and with the update of the offloaded rest under the backward (12 B per
     # offloaded parameter of host memory for the copies; refused by the plan
-    # where the host has no room).
+    # where the host has no room). A clipped step is redone: the step line says
+    # how often; MAX_NORM=0 turns clipping off to measure the unclipped step.
     8b-32k-offload-selective-speculate)
       run 8b-32k-offload-selective-speculate inputs/bench/llama-8b.toml --set data.seq_len=32768 \
         --set data.global_batch=1 --set model.optim_offload_grads=device \
-        --set model.activation_checkpointing=selective --set run.max_steps=4 --set model.optim_offload_speculate=true ;;
+        --set model.activation_checkpointing=selective --set run.max_steps=4 --set model.optim_offload_speculate=true \
+        --set optim.max_norm=${MAX_NORM:-1.0} ;;
     8b-64k-offload-speculate) run 8b-64k-offload-speculate inputs/bench/llama-8b.toml --set data.global_batch=16 \
                                 --set model.optim_offload_grads=device --set run.max_steps=4 \
-                                --set model.optim_offload_speculate=true ;;
+                                --set model.optim_offload_speculate=true --set optim.max_norm=${MAX_NORM:-1.0} ;;
     8b-131k-offload-pipeline)
       [ -f runs/bench-data/random-128k-131k.h5 ] || $PY tools/make_synthetic_data.py runs/bench-data/random-128k-131k.h5 \
         --vocab 128256 --tokens 600000 --doc-len 131073
