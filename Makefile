@@ -95,7 +95,7 @@ UNIT_OBJS := $(patsubst %.cpp,$(BUILD)/obj/%.o,$(wildcard tests/unit/*.cpp)) $(B
 MPI_OBJS  := $(patsubst %.cpp,$(BUILD)/obj/%.o,$(wildcard tests/mpi/*.cpp)) $(BUILD)/obj/tests/main_mpi.o
 GPU_OBJS  := $(patsubst %.cpp,$(BUILD)/obj/%.o,$(wildcard tests/gpu/*.cpp)) $(BUILD)/obj/tests/main_unit.o
 
-.PHONY: all run run-text test test-gpu test-sanitize test-suites clean deps bench-cpu-adamw
+.PHONY: all run run-text test test-gpu test-sanitize test-suites clean deps bench-cpu-adamw bench-h2d
 all: $(BUILD)/shardlm $(BUILD)/test_unit $(BUILD)/test_mpi
 
 $(BUILD)/shardlm: $(BUILD)/obj/src/main.o $(LIB_OBJS)
@@ -120,6 +120,14 @@ bench-cpu-adamw: $(BUILD)/bench_cpu_adamw
 
 $(BUILD)/bench_cpu_adamw: $(BUILD)/obj/tools/bench_cpu_adamw.o $(BUILD)/obj/src/cpu/adamw.o
 	$(MPICXX) -o $@ $^ -fopenmp
+
+# The link microbenchmark (tools/bench_h2d.cu: uploads alone, beside downloads,
+# beside a memory-bound host loop); standalone, not part of `all`.
+bench-h2d: $(BUILD)/bench_h2d
+
+$(BUILD)/bench_h2d: tools/bench_h2d.cu
+	@mkdir -p $(dir $@)
+	$(NVCC) -O2 -std=c++17 $(CUDA_ARCH) -Xcompiler -fopenmp,-Wall,-Wextra $< -o $@ -lgomp
 
 $(BUILD)/obj/%.o: %.cpp
 	@mkdir -p $(dir $@)

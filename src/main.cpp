@@ -189,8 +189,11 @@ int cmd_train(Runtime& rt, const CliArgs& args) {
   config.comm.backend = select_comm(rt, config.comm.backend);
   if (rt.backend == "cuda") set_device_memory_limit(static_cast<int64_t>(config.device.memory_limit_gib * 1073741824.0));
   if (config.device.cpu_threads > 0) omp_set_num_threads(static_cast<int>(config.device.cpu_threads));
+  // model.optim_gpu_state_gib: which units keep their state on the GPU
+  const std::string offload_split = resolve_offload_split(rt, config);
   refuse_plan_over_machine(rt, config);
   print_banner(rt, config);
+  if (rt.world_rank == 0 && !offload_split.empty()) std::printf("%s", offload_split.c_str());
   bool in_use = false;
   bool checkpoints_refused = false;
   const std::unique_ptr<RunDirLock> run_dir_lock =

@@ -12,6 +12,11 @@
 #                                 1b-offload-devgrads 10b-offload-80g (model.optim_offload_grads = "device");
 #                                 1b-32k-selective 8b-32k-offload 8b-32k-offload-selective 8b-131k-offload
 #                                 8b-131k-offload-selective (LAYERS=K: model.selective_layers)
+#                                 8b-32k-offload-selective-pipeline 8b-64k-offload 8b-64k-offload-pipeline
+#                                 8b-131k-offload-pipeline (#31: -pipeline = model.optim_gpu_state_gib = 0,
+#                                 every unit offloaded; without it the split is automatic)
+#                                 8b-32k-offload-selective-speculate 8b-64k-offload-speculate (#31: and
+#                                 model.optim_offload_speculate = true)
 #                                 (long context on one GPU, docs/benchmarks.md "Attention")
 #                                 ckpt-1b ckpt-1b-offload ckpt-8b4-offload (on request: checkpoints every 2 steps sync,
 #                                 every 80 / 40 steps async, against dd on the same disk;
@@ -53,7 +58,7 @@ run() {
   ${BENCH_TIMEOUT:+timeout -s KILL $BENCH_TIMEOUT} "$SHARDLM" train "$deck" --set run.dir=runs/bench-$name \
     --set ckpt.resume=none --set ckpt.interval=0 --set ckpt.save_final=false ${ATTN:+--set device.attention=$ATTN} \
     "$@" > "runs/bench-$name.log" 2>&1 || true
-  grep -E "^(attention|setup|throughput|step time|memory|muon|offload|shardlm: error)" "runs/bench-$name.log" |
+  grep -E "^(attention|setup|throughput|step time|memory|muon|offload|shardlm: error)|update redone" "runs/bench-$name.log" |
     sed "s/^/$name: /" || true
   grep -q "^throughput" "runs/bench-$name.log" ||
     { echo "$name: no result (failed or timed out); the log ends:"; tail -3 "runs/bench-$name.log" | sed "s/^/$name:   /"; }
@@ -173,6 +178,38 @@ for n in $names; do
     8b-32k-offload-selective) run 8b-32k-offload-selective inputs/bench/llama-8b.toml --set data.seq_len=32768 \
                                 --set data.global_batch=1 --set model.optim_offload_grads=device \
                                 --set model.activation_checkpointing=selective --set run.max_steps=4 ;;
+    # #31: the first units' optimizer state on the GPU (model.optim_gpu_state_gib,
+    # automatic) against every unit offloaded (= 0, the pipeline alone), in one
+    # call: `tools/bench.sh 8b-32k-offload-selective 8b-32k-offload-selective-pipeline
+    # 8b-64k-offload 8b-64k-offload-pipeline 8b-131k-offload 8b-131k-offload-pipeline`.
+    8b-32k-offload-selective-pipeline)
+      run 8b-32k-offload-selective-pipeline inputs/bench/llama-8b.toml --set data.seq_len=32768 \
+        --set data.global_batch=1 --set model.optim_offload_grads=device \
+        --set model.activation_checkpointing=selective --set run.max_steps=4 --set model.optim_gpu_state_gib=0 ;;
+    # 64K tokens a step as 16 micro-batches of 4096.
+    8b-64k-offload) run 8b-64k-offload inputs/bench/llama-8b.toml --set data.global_batch=16 \
+                      --set model.optim_offload_grads=device --set run.max_steps=4 ;;
+    8b-64k-offload-pipeline) run 8b-64k-offload-pipeline inputs/bench/llama-8b.toml --set data.global_batch=16 \
+                               --set model.optim_offload_grads=device --set run.max_steps=4 \
+                               --set model.optim_gpu_state_gib=0 ;;
+    # ... and with the update of the offloaded rest under the backward (12 B per
+    # offloaded parameter of host memory for the copies; refused by the plan
+    # where the host has no room). A clipped step is redone: the step line says
+    # how often; MAX_NORM=0 turns clipping off to measure the unclipped step.
+    8b-32k-offload-selective-speculate)
+      run 8b-32k-offload-selective-speculate inputs/bench/llama-8b.toml --set data.seq_len=32768 \
+        --set data.global_batch=1 --set model.optim_offload_grads=device \
+        --set model.activation_checkpointing=selective --set run.max_steps=4 --set model.optim_offload_speculate=true \
+        --set optim.max_norm=${MAX_NORM:-1.0} ;;
+    8b-64k-offload-speculate) run 8b-64k-offload-speculate inputs/bench/llama-8b.toml --set data.global_batch=16 \
+                                --set model.optim_offload_grads=device --set run.max_steps=4 \
+                                --set model.optim_offload_speculate=true --set optim.max_norm=${MAX_NORM:-1.0} ;;
+    8b-131k-offload-pipeline)
+      [ -f runs/bench-data/random-128k-131k.h5 ] || $PY tools/make_synthetic_data.py runs/bench-data/random-128k-131k.h5 \
+        --vocab 128256 --tokens 600000 --doc-len 131073
+      run 8b-131k-offload-pipeline inputs/bench/llama-8b.toml --set data.path=runs/bench-data/random-128k-131k.h5 \
+        --set data.seq_len=131072 --set data.global_batch=1 --set model.optim_offload_grads=device --set run.max_steps=3 \
+        --set model.optim_gpu_state_gib=0 ;;
     8b-131k-offload)
       [ -f runs/bench-data/random-128k-131k.h5 ] || $PY tools/make_synthetic_data.py runs/bench-data/random-128k-131k.h5 \
         --vocab 128256 --tokens 600000 --doc-len 131073

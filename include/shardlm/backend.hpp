@@ -56,6 +56,8 @@ struct EngineOptions {
   // and whether gradients need the engine's slots at one rank depend on it.
   StatePlacement state = StatePlacement::Host;
   bool offload_device_grads = false; // model.optim_offload_grads = "device": no host gradient shards
+  int offload_device_units = 0;      // offload: units [0, n) keep their optimizer state on the GPU (model.optim_gpu_units)
+  bool offload_speculate = false;    // offload: model.optim_offload_speculate (copies of the offloaded state)
   bool rl = false;                   // RL policy loss instead of cross-entropy
   RlLossParams rl_params;
   // Device backends at world > 1: how units are gathered and gradients reduced.

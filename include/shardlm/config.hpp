@@ -35,6 +35,20 @@ struct ModelSection {
   // "device" (in the GPU accumulator, copied into one of two pinned landing
   // buffers as the update reaches the unit: 4 B per parameter less host memory).
   std::string optim_offload_grads = "host";
+  // With optim_cpu_offload on a GPU: GPU memory per rank (GiB) the optimizer
+  // state (fp32 masters and moments) of the units kept on the GPU may take,
+  // from the embedding on; the rest are offloaded. < 0: what the memory plan
+  // leaves free (the default); 0: every unit offloaded.
+  double optim_gpu_state_gib = -1;
+  // With optim_cpu_offload on a GPU: update each offloaded unit during the
+  // backward as its gradient arrives, as if the step were not clipped, from a
+  // copy of its state kept for the step that is (or is skipped): redone then,
+  // bit-identical either way. 12 B per offloaded parameter of host memory.
+  bool optim_offload_speculate = false;
+  // Not a deck key: optim_gpu_state_gib resolved at start-up against the plan
+  // and the GPU (run/plan.hpp, resolve_offload_split): units [0, n) keep their
+  // state on the GPU. 0 in a session built without it (tests, tools).
+  int64_t optim_gpu_units = 0;
   std::string activation_checkpointing = "none";  // none | full | selective (full, keeping attention's output)
   int64_t selective_layers = 0;     // with "selective": layers [0, n) keep attention's output; 0 = every layer
   bool reshard_after_forward = true;

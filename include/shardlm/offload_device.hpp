@@ -38,9 +38,13 @@ class OffloadDevice {
   virtual void queue_sumsq(int unit, const float* grad, int64_t n) = 0;
   virtual double read_sumsq(int units) = 0;
   // Bytes and device-timed seconds of the copies the host has waited for, per
-  // direction (the offload summary's achieved link bandwidth).
+  // direction (the offload summary's achieved link bandwidth); and the
+  // device-timed seconds the compute stream stood still in compute_wait (what
+  // the forward really lost to the pipeline: the issuing thread's own waits
+  // overlap the GPU work it queued before).
   struct Totals {
     double to_host_bytes = 0, to_host_s = 0, to_device_bytes = 0, to_device_s = 0;
+    double compute_stall_s = 0;
   };
   virtual Totals totals() = 0;
 };

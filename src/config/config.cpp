@@ -117,6 +117,8 @@ const std::vector<KeySpec>& key_table() {
       up_to(positive(key("model.init_std", Type::Float, FIELD(model.init_std))), 100),
       key("model.optim_cpu_offload", Type::Bool, FIELD(model.optim_cpu_offload)),
       one_of(key("model.optim_offload_grads", Type::String, FIELD(model.optim_offload_grads)), {"host", "device"}),
+      within(key("model.optim_gpu_state_gib", Type::Float, FIELD(model.optim_gpu_state_gib)), -1, 1e6),
+      key("model.optim_offload_speculate", Type::Bool, FIELD(model.optim_offload_speculate)),
       one_of(key("model.activation_checkpointing", Type::String, FIELD(model.activation_checkpointing)),
              {"none", "full", "selective"}),
       within(key("model.selective_layers", Type::Int, FIELD(model.selective_layers)), 0, kMaxLayers),
@@ -582,6 +584,18 @@ void validate(const Config& c, int world, const std::set<std::string>& given, st
     err("optim.name = \"muon\" with device.backend = \"cuda\" needs model.optim_cpu_offload = true (the GPU-resident "
         "optimizer is AdamW/SGD; offloaded, Muon's momentum and exchange run on the host and its Newton–Schulz in bf16 "
         "on the GPU: docs/muon.md)");
+  // Keys that tune the offload pipeline: meaningful with it, and for AdamW and SGD only.
+  auto offload_pipeline_key = [&](bool set, const char* key, const char* what) {
+    if (!set) return;
+    if (!c.model.optim_cpu_offload) err(fmt("%s %s: it needs model.optim_cpu_offload = true", key, what));
+    else if (c.optim.name == "muon")
+      err(fmt("%s is for AdamW and SGD: Muon's offloaded step keeps all of its state on the host and updates it in "
+              "one collective step (docs/muon.md)", key));
+  };
+  offload_pipeline_key(given.count("model.optim_gpu_state_gib") && c.model.optim_gpu_state_gib > 0,  // a cap
+                       "model.optim_gpu_state_gib", "caps the optimizer state that model.optim_cpu_offload keeps on the GPU");
+  offload_pipeline_key(c.model.optim_offload_speculate, "model.optim_offload_speculate",
+                       "updates the offloaded units during the backward");
   if (c.model.optim_offload_grads == "device") {
     if (!c.model.optim_cpu_offload)
       err("model.optim_offload_grads = \"device\" sets where the offloaded optimizer's gradients wait: it needs "

@@ -4,6 +4,7 @@
 // on the compute stream.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <memory>
 #include <mutex>
 #include <vector>
@@ -25,6 +26,9 @@ class CudaOffloadDevice final : public OffloadDevice {
   ~CudaOffloadDevice() override {
     cudaStreamSynchronize(d2h_);
     cudaStreamSynchronize(h2d_);
+    cudaStreamSynchronize(stream_);
+    for (auto e : wait_before_) cudaEventDestroy(e);
+    for (auto e : wait_after_) cudaEventDestroy(e);
     for (auto e : copy_ready_) cudaEventDestroy(e);
     for (auto e : copy_start_) cudaEventDestroy(e);
     for (auto e : copy_done_) cudaEventDestroy(e);
@@ -62,11 +66,34 @@ class CudaOffloadDevice final : public OffloadDevice {
     (c.to_host ? totals_.to_host_s : totals_.to_device_s) += 1e-3 * ms;
     c.timed = true;
   }
-  void compute_wait(int64_t t) override { CUDA_CHECK(cudaStreamWaitEvent(stream_, copy_event(t), 0)); }
+  // The wait between two timed events on the compute stream: the time between
+  // them is how long the stream stood still (the training thread only).
+  void compute_wait(int64_t t) override {
+    const cudaEvent_t copy = copy_event(t);
+    if (wait_before_.empty()) {
+      wait_before_.resize(kWaitRing);
+      wait_after_.resize(kWaitRing);
+      wait_timed_.assign(kWaitRing, 1);  // nothing recorded yet
+      for (int i = 0; i < kWaitRing; ++i) {
+        CUDA_CHECK(cudaEventCreate(&wait_before_[i]));
+        CUDA_CHECK(cudaEventCreate(&wait_after_[i]));
+      }
+    }
+    const int64_t w = next_wait_++;
+    const int i = int(w % kWaitRing);
+    time_wait(i, /*block=*/true);  // the slot's last wait, long done
+    CUDA_CHECK(cudaEventRecord(wait_before_[i], stream_));
+    CUDA_CHECK(cudaStreamWaitEvent(stream_, copy, 0));
+    CUDA_CHECK(cudaEventRecord(wait_after_[i], stream_));
+    wait_timed_[i] = 0;
+  }
   void synchronize() override { CUDA_CHECK(cudaStreamSynchronize(stream_)); }
   Totals totals() override {
+    for (size_t i = 0; i < wait_timed_.size(); ++i) time_wait(int(i), /*block=*/false);
     std::lock_guard<std::mutex> lock(copy_mutex_);
-    return totals_;
+    Totals out = totals_;
+    out.compute_stall_s = compute_stall_s_;
+    return out;
   }
 
   void queue_sumsq(int unit, const float* grad, int64_t n) override {
@@ -89,6 +116,22 @@ class CudaOffloadDevice final : public OffloadDevice {
   }
 
  private:
+  // Adds ring slot i's wait to the stall once, when its events are done (block:
+  // wait for them); false when they are not done yet.
+  bool time_wait(int i, bool block) {
+    if (wait_timed_[i]) return true;
+    if (block) CUDA_CHECK(cudaEventSynchronize(wait_after_[i]));
+    else if (cudaEventQuery(wait_after_[i]) != cudaSuccess) {
+      cudaGetLastError();  // cudaErrorNotReady is not an error here
+      return false;
+    }
+    float ms = 0;
+    CUDA_CHECK(cudaEventElapsedTime(&ms, wait_before_[i], wait_after_[i]));
+    compute_stall_s_ += 1e-3 * ms;
+    wait_timed_[i] = 1;
+    return true;
+  }
+
   // A copy's event, checked to be the copy's own: the ring is far larger than the
   // copies the offload pipeline keeps in flight (two per unit per step).
   cudaEvent_t copy_event(int64_t t) {
@@ -141,6 +184,11 @@ class CudaOffloadDevice final : public OffloadDevice {
   Totals totals_;
   int64_t next_copy_ = 0;
   std::mutex copy_mutex_;
+  static constexpr int kWaitRing = 256;
+  std::vector<cudaEvent_t> wait_before_, wait_after_;  // (kWaitRing) compute_wait's timed events
+  std::vector<char> wait_timed_;                      // (kWaitRing) the slot's wait is in the stall (or none)
+  int64_t next_wait_ = 0;                             // compute waits issued
+  double compute_stall_s_ = 0;
   double* unit_sumsq_ = nullptr;         // [unit] the step's per-unit sums of squares
   void* sumsq_scratch_ = nullptr;
   size_t sumsq_scratch_bytes_ = 0;

@@ -32,6 +32,10 @@ std::unique_ptr<OffloadDevice> make_cuda_offload_device(void*, int) {
 std::unique_ptr<TrainingState> make_cuda_device_state(ShardedModel&, Optimizer&, const OptimSection&, Backend&) {
   SHARDLM_FAIL("this shardlm was built without CUDA (device-resident training state needs a GPU backend)");
 }
+std::unique_ptr<DeviceUnits> make_cuda_device_units(ShardedModel&, Optimizer&, const OptimSection&, Backend&, int,
+                                                    std::vector<float*>) {
+  SHARDLM_FAIL("this shardlm was built without CUDA (device-resident training state needs a GPU backend)");
+}
 
 std::unique_ptr<Decoder> make_cuda_decoder(const InferenceModel&, const DecoderLimits&) {
   SHARDLM_FAIL("this shardlm was built without CUDA (generate on the GPU needs a CUDA build; use device.backend = "

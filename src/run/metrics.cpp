@@ -157,9 +157,12 @@ void Metrics::log(const StepStats& s) {
   const int64_t device_peak = device ? device_memory().total_peak : 0;
   const bool mfu_known = flops_per_token_ > 0 && peak_flops_ > 0;
   const double mfu = mfu_known ? tok_s * flops_per_token_ / peak_flops_ : 0.0;
-  std::printf("step %6lld/%lld | loss %.4f%s | grad norm %.4f | lr %.3e | %.0f tok/s | elapsed %s | eta %s%s\n",
+  const std::string redone_text =
+      s.redone_steps >= 0 ? fmt(" | update redone %lld/%lld", (long long)s.redone_steps, (long long)steps_done_) : "";
+  std::printf("step %6lld/%lld | loss %.4f%s | grad norm %.4f | lr %.3e | %.0f tok/s | elapsed %s | eta %s%s%s\n",
               (long long)step1, (long long)config_.run.max_steps, s.loss, eval_text.c_str(), s.grad_norm, s.lr, tok_s,
-              clock_text(elapsed).c_str(), clock_text(eta).c_str(), s.skipped ? " | SKIPPED (NaN/Inf)" : "");
+              clock_text(elapsed).c_str(), clock_text(eta).c_str(), redone_text.c_str(),
+              s.skipped ? " | SKIPPED (NaN/Inf)" : "");
   if (s.rl) {
     std::string reward_text;  // the rollout file's mean reward, when the inference side measured it
     for (const auto& [name, v] : s.rollout_metrics)
@@ -184,6 +187,7 @@ void Metrics::log(const StepStats& s) {
   if (device) row += fmt(", \"device_mem_peak_bytes\": %lld", (long long)device_peak);
   row += mfu_known ? fmt(", \"mfu\": %.6g", mfu) : std::string(", \"mfu\": null");
   row += fmt(", \"skipped\": %s, \"time\": %.3f, \"elapsed_s\": %.3f", s.skipped ? "true" : "false", now, elapsed);
+  if (s.redone_steps >= 0) row += fmt(", \"redone_steps\": %lld", (long long)s.redone_steps);
   if (s.rl) {
     for (const auto& [key, v] : {std::pair<const char*, double>{"entropy", s.entropy}, {"mismatch_kl", s.mismatch_kl},
                                  {"masked_high", s.masked_high}, {"masked_low", s.masked_low},

@@ -12,6 +12,7 @@
 #include "data/rollouts.hpp"
 #include "run/plan.hpp"
 #include "shardlm/backend.hpp"
+#include "shardlm/cuda.hpp"
 #include "shardlm/memory.hpp"
 #include "train/engine.hpp"
 #include "train/eval.hpp"
@@ -79,12 +80,19 @@ std::string check_data(const Config& config, int64_t vocab_size) {
 
 }  // namespace
 
-void check_report(const Config& config, const std::string& deck, int world) {
+void check_report(const Config& deck_config, const std::string& deck, int world) {
+  Config config = deck_config;
   const ModelConfig arch = model_config_for(config);
   const ModelLayout layout(arch, world);
   const std::string data_lines = check_data(config, arch.vocab_size);
   // The plan of the backend this deck asks for; "auto" plans the CPU backend.
   const bool cuda = config.device.backend == "cuda";
+  // The offload split against this machine's GPU (one rank on it), or the cap.
+  int64_t gpu_bytes = cuda && cuda_device_count() > 0 ? cuda_device_memory_bytes(0) : 0;
+  if (cuda && config.device.memory_limit_gib > 0)
+    gpu_bytes = gpu_bytes > 0 ? std::min<int64_t>(gpu_bytes, int64_t(config.device.memory_limit_gib * 1073741824.0))
+                              : int64_t(config.device.memory_limit_gib * 1073741824.0);
+  if (cuda) config.model.optim_gpu_units = offload_gpu_units(config, layout, *make_cuda_backend(), gpu_bytes);
   MemoryPlan plan = run_memory_plan(config, layout, cuda ? *make_cuda_backend() : *make_cpu_backend());
   std::string data_note;
   plan.data_reader = data_reader_bytes(config, arch.vocab_size, &data_note);
@@ -130,6 +138,7 @@ void check_report(const Config& config, const std::string& deck, int world) {
                 cuda ? "e4m3 codes of one GEMM's two operands, plain or transposed, their scales, a contiguous dgate/dup"
                      : "the emulation's quantised operands as fp32, their scales, the weight gradient's product");
   }
+  std::printf("%s", offload_split_line(config, layout, gpu_bytes).c_str());
   if (cuda && config.model.optim_cpu_offload) {  // what the lever buys, against the state on the GPU
     Config on_gpu = config;
     on_gpu.model.optim_cpu_offload = false;

@@ -51,7 +51,7 @@ MemoryPlan plan_memory(const ModelConfig& config, int world, const EngineOptions
   const ModelLayout layout(config, world);
   MemoryPlan plan;
   plan.device = !backend.host_resident();
-  plan_state_memory(plan, o.state, o.offload_device_grads, layout, optim_states, backend);
+  plan_state_memory(plan, o, layout, optim_states, backend);
   if (plan.device)  // the backend's own copy of every shard
     for (const auto& u : layout.units) plan.param_copies += u.shard_numel * backend.param_bytes();
   if (world > 1)

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 
 #include "shardlm/cuda.hpp"
 #include "shardlm/dtype.hpp"
@@ -45,20 +46,30 @@ int64_t OffloadPipeline::host_bytes(const ModelLayout& layout, bool device_grads
   return (kUploadSlots * 2 + (device_grads ? kLandingBuffers * 4 : 0)) * max_shard_numel(layout);
 }
 
+int64_t OffloadPipeline::speculation_bytes(const ModelLayout& layout, int optim_states, int first_offloaded) {
+  int64_t bytes = 0;
+  for (size_t u = size_t(first_offloaded); u < layout.units.size(); ++u)
+    bytes += 4 * (1 + optim_states) * layout.units[u].shard_numel;
+  return bytes;
+}
+
 OffloadPipeline::OffloadPipeline(ShardedModel& model, Optimizer& optimizer, OffloadDevice& device,
                                  std::vector<void*> device_shards, int cpu_threads, bool device_grads,
-                                 HostSnapshotGate* gate)
+                                 HostSnapshotGate* gate, int first_offloaded, bool speculative)
     : model_(model),
       optimizer_(optimizer),
       device_(device),
       device_shards_(std::move(device_shards)),
       units_(static_cast<int>(model.layout.units.size())),
+      first_offloaded_(first_offloaded),
       cpu_threads_(cpu_threads),
       device_grads_(device_grads),
       gate_(gate) {
   unit_updates_.assign(size_t(units_), 0);
   SHARDLM_CHECK(int(device_shards_.size()) == units_, "internal: %zu device shards for %d units",
                 device_shards_.size(), units_);
+  SHARDLM_CHECK(first_offloaded_ >= 0 && first_offloaded_ <= units_, "internal: unit %d offloaded first of %d",
+                first_offloaded_, units_);
   // Gradients land straight in the fp32 grad shards (or the landing buffers), the
   // bf16 shards go up from pinned memory: pinning makes those copies DMA that
   // overlaps compute.
@@ -74,7 +85,7 @@ OffloadPipeline::OffloadPipeline(ShardedModel& model, Optimizer& optimizer, Offl
       pin(landing_.back().data(), landing_.back().bytes());
     }
   } else {
-    for (int u = 0; u < units_; ++u) {
+    for (int u = first_offloaded_; u < units_; ++u) {
       SHARDLM_CHECK(model.grad[u].size() == model.layout.units[u].shard_numel,
                     "internal: the offload pipeline needs host gradient shards (or optim_offload_grads = device)");
       pin(model.grad[u].data(), model.grad[u].bytes());
@@ -84,13 +95,17 @@ OffloadPipeline::OffloadPipeline(ShardedModel& model, Optimizer& optimizer, Offl
     slots_.emplace_back(Mem::Workspace, max_shard_numel(model.layout));
     pin(slots_.back().data(), slots_.back().bytes());
   }
+  kept_.resize(size_t(units_));
+  if (speculative)
+    for (int u = first_offloaded_; u < units_; ++u)
+      kept_[size_t(u)] = Buffer<float>(Mem::Workspace, (1 + optimizer.states()) * model.layout.units[u].shard_numel);
   slot_upload_.assign(kUploadSlots, -1);
   for (int u = 0; u < units_; ++u) upload_numel_.push_back(covered_numel(model_, u));
   waited_.assign(units_, true);
   grad_copy_.assign(units_, -1);
   grad_src_.assign(units_, nullptr);
   upload_.assign(units_, -1);
-  updating_.assign(units_, false);
+  updating_.assign(units_, 0);
   worker_ = std::thread([this] { run(); });
 }
 
@@ -132,15 +147,24 @@ int64_t OffloadPipeline::grad_ready(int unit, const float* src, int64_t n) {
                 (long long)n, (long long)model_.layout.units[unit].shard_numel);
   SHARDLM_CHECK(micro_batch_ == micro_batches_ && landed_ < units_,
                 "internal: unit %d's gradient handed over before the step's last micro-batch", unit);
+  SHARDLM_CHECK(unit >= first_offloaded_, "internal: unit %d's gradient handed over, but its state is on the device",
+                unit);
   ++landed_;
-  if (device_grads_) {  // copied by the worker, just before the unit's update
+  int64_t ticket = -1;
+  if (!device_grads_) ticket = device_.copy_to_host(model_.grad[unit].data(), src, 4 * size_t(n));
+  {
     std::lock_guard<std::mutex> lock(mutex_);
-    grad_src_[unit] = src;
-    return -1;
+    if (device_grads_) grad_src_[unit] = src;  // copied by the worker, just before the unit's update
+    else grad_copy_[unit] = ticket;
+    if (speculating_) ++updating_[unit];  // the next forward waits for this update (and any redo)
   }
-  const int64_t ticket = device_.copy_to_host(model_.grad[unit].data(), src, 4 * size_t(n));
-  std::lock_guard<std::mutex> lock(mutex_);
-  grad_copy_[unit] = ticket;
+  if (speculating_) {  // nothing reads the unit's shard in this step any more: update it now
+    waited_[unit] = false;
+    Task t = speculation_;
+    t.kind = Task::Speculate;
+    t.unit = unit;
+    push(t);
+  }
   return ticket;
 }
 
@@ -177,17 +201,62 @@ void OffloadPipeline::param_ready(int unit) {
 }
 
 void OffloadPipeline::update(double lr, float clip) {
-  SHARDLM_CHECK(landed_ == units_, "internal: update with %d of %d units' gradients handed over", landed_, units_);
-  optimizer_.begin_step();
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    std::fill(updating_.begin(), updating_.end(), true);
-  }
-  std::fill(waited_.begin(), waited_.end(), false);
+  SHARDLM_CHECK(landed_ == units_ - first_offloaded_, "internal: update with %d of %d units' gradients handed over",
+                landed_, units_ - first_offloaded_);
   Task t;
+  if (speculating_) {
+    speculating_ = false;
+    t = speculation_;
+    // Bit for bit the exact path: the speculated units took lr and a clip
+    // factor of exactly 1 (a gradient times 1.0f is the gradient).
+    t.kind = clip == 1.0f && lr == speculation_.lr ? Task::Accept : Task::Redo;
+    if (t.kind == Task::Accept) {
+      push(t);
+      return;
+    }
+    ++redone_steps_;
+  } else {
+    optimizer_.begin_step();
+    t.kind = Task::Update;
+    t.number = ++updates_asked_;
+    t.step = optimizer_.steps_taken();
+  }
   t.lr = lr;
   t.clip = clip;
-  t.number = ++updates_asked_;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (int u = first_offloaded_; u < units_; ++u) ++updating_[size_t(u)];
+  }
+  std::fill(waited_.begin() + first_offloaded_, waited_.end(), false);
+  push(t);
+}
+
+void OffloadPipeline::speculate(double lr) {
+  SHARDLM_CHECK(!kept_.empty() && (first_offloaded_ == units_ || kept_[size_t(units_ - 1)].size() > 0),
+                "internal: speculate() on a pipeline built without copies of the state");
+  SHARDLM_CHECK(!speculating_ && landed_ == 0, "internal: speculate() after %d units were handed over", landed_);
+  optimizer_.begin_step();
+  speculation_ = Task{};
+  speculation_.lr = lr;
+  speculation_.number = ++updates_asked_;
+  speculation_.step = optimizer_.steps_taken();
+  speculating_ = true;
+}
+
+void OffloadPipeline::discard() {
+  if (!speculating_) return;
+  SHARDLM_CHECK(landed_ == units_ - first_offloaded_, "internal: discard with %d of %d units' gradients handed over",
+                landed_, units_ - first_offloaded_);
+  speculating_ = false;
+  ++redone_steps_;
+  optimizer_.set_steps_taken(speculation_.step - 1);  // the worker's updates carry their own step number
+  Task t = speculation_;
+  t.kind = Task::Discard;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (int u = first_offloaded_; u < units_; ++u) ++updating_[size_t(u)];
+  }
+  std::fill(waited_.begin() + first_offloaded_, waited_.end(), false);
   push(t);
 }
 
@@ -202,9 +271,9 @@ std::string OffloadPipeline::summary() {
   const double per = t.updates > 0 ? 1e3 / double(t.updates) : 0.0;  // ms per update from seconds
   auto gbps = [](double bytes, double s) { return s > 0 ? bytes / s / 1e9 : 0.0; };
   return fmt("offload: per update %.1f ms CPU update + upload issue (worker; %.1f ms of it waiting for gradient "
-             "copies); forward waited %.1f ms for updates; pinned %.2f of %.2f GiB; copies to the "
-             "host %.2f GB per update at %.1f GB/s, to the device %.2f GB at %.1f GB/s",
-             t.update_s * per, t.grad_wait_s * per, t.param_wait_s * per,
+             "copies); forward waited %.1f ms for updates (the GPU stood still %.1f ms of it); pinned %.2f of %.2f "
+             "GiB; copies to the host %.2f GB per update at %.1f GB/s, to the device %.2f GB at %.1f GB/s",
+             t.update_s * per, t.grad_wait_s * per, t.param_wait_s * per, c.compute_stall_s * per,
              double(t.pinned_bytes) / 1073741824.0, double(t.pin_wanted_bytes) / 1073741824.0,
              c.to_host_bytes * per * 1e-12, gbps(c.to_host_bytes, c.to_host_s), c.to_device_bytes * per * 1e-12,
              gbps(c.to_device_bytes, c.to_device_s));
@@ -241,7 +310,21 @@ void OffloadPipeline::run() {
     }
     const auto t0 = Clock::now();
     try {
-      for (int u = 0; u < units_; ++u) update_unit(u, t);  // forward order: the embedding first
+      switch (t.kind) {
+        case Task::Update:
+        case Task::Redo:
+          for (int u = first_offloaded_; u < units_; ++u) update_unit(u, t);  // forward order
+          break;
+        case Task::Speculate: update_unit(t.unit, t); break;
+        case Task::Accept: {  // after every Speculate task of the step (FIFO)
+          std::lock_guard<std::mutex> lock(mutex_);
+          for (int u = first_offloaded_; u < units_; ++u) ++unit_updates_[size_t(u)];
+          break;
+        }
+        case Task::Discard:
+          for (int u = first_offloaded_; u < units_; ++u) discard_unit(u, t);
+          break;
+      }
     } catch (const std::exception& e) {
       fatal(fmt("optim_cpu_offload worker: %s", e.what()));
     }
@@ -249,18 +332,37 @@ void OffloadPipeline::run() {
       std::lock_guard<std::mutex> lock(mutex_);
       busy_ = false;
       timing_.update_s += seconds_since(t0);
-      ++timing_.updates;
+      timing_.updates += t.kind != Task::Speculate;  // one per step
     }
     changed_.notify_all();
   }
 }
 
+int OffloadPipeline::next_slot() {
+  // The worker alone uses the slots (no lock): the slot's last upload has left it.
+  const int slot = next_slot_;
+  next_slot_ = (next_slot_ + 1) % kUploadSlots;
+  if (slot_upload_[slot] >= 0) device_.host_wait(slot_upload_[slot]);
+  return slot;
+}
+
+void OffloadPipeline::keep_state(int unit, bool restore) {
+  const int64_t n = model_.layout.units[unit].shard_numel;
+  float* kept = kept_[size_t(unit)].data();
+  for (int a = 0; a <= optimizer_.states(); ++a) {
+    float* live = a == 0 ? model_.param[unit].data() : optimizer_.state(a - 1)[unit].data();
+    float* dst = restore ? live : kept + a * n;
+    const float* src = restore ? kept + a * n : live;
+#pragma omp parallel for schedule(static)
+    for (int64_t c = 0; c < n; c += (1 << 16)) std::memcpy(dst + c, src + c, 4 * size_t(std::min<int64_t>(n - c, 1 << 16)));
+  }
+}
+
 void OffloadPipeline::update_unit(int unit, const Task& t) {
-  const double lr = t.lr;
-  const float clip = t.clip;
-  if (device_grads_) {
-    if (unit == 0) issue_grad_copy(0);
-    if (unit + 1 < units_) issue_grad_copy(unit + 1);
+  const bool speculative = t.kind == Task::Speculate;
+  if (device_grads_) {  // one unit ahead, except under the backward, where the units come one by one
+    if (speculative || unit == first_offloaded_) issue_grad_copy(unit);
+    if (!speculative && unit + 1 < units_) issue_grad_copy(unit + 1);
   }
   int64_t grad = -1;
   {
@@ -270,15 +372,15 @@ void OffloadPipeline::update_unit(int unit, const Task& t) {
   const auto t0 = Clock::now();
   device_.host_wait(grad);  // the step's gradient has landed in the grad shard
   const double waited = seconds_since(t0);
-  // The worker alone uses the slots (no lock): the slot's last upload has left it.
-  const int slot = next_slot_;
-  next_slot_ = (next_slot_ + 1) % kUploadSlots;
-  if (slot_upload_[slot] >= 0) device_.host_wait(slot_upload_[slot]);
+  const int slot = next_slot();
   uint16_t* bf16 = slots_[slot].data();
   // An async save still copying this unit's state as of update number gate
   // mark (updates up to the mark are what it waits for, so they never wait).
   if (gate_) gate_->wait(unit, t.number);
-  optimizer_.step_unit(unit, lr, clip, bf16, device_grads_ ? landing_[unit % kLandingBuffers].data() : nullptr);
+  if (speculative) keep_state(unit, /*restore=*/false);
+  if (t.kind == Task::Redo) keep_state(unit, /*restore=*/true);
+  optimizer_.step_unit(unit, t.lr, t.clip, bf16, device_grads_ ? landing_[unit % kLandingBuffers].data() : nullptr,
+                       t.step);
   const int64_t n = upload_numel_[unit];
   const int64_t ticket =
       n > 0 ? device_.copy_to_device(device_shards_[unit], bf16, 2 * size_t(n)) : -1;
@@ -286,19 +388,44 @@ void OffloadPipeline::update_unit(int unit, const Task& t) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     upload_[unit] = ticket;
-    updating_[unit] = false;
-    ++unit_updates_[size_t(unit)];
+    // A speculative update is final only once the step stands (Accept); the
+    // next forward cannot start before update() decides anyway.
+    --updating_[unit];
+    if (!speculative) ++unit_updates_[size_t(unit)];
     timing_.grad_wait_s += waited;
+  }
+  changed_.notify_all();
+}
+
+// A skipped step after its speculative updates: the unit's state as it was,
+// and its bf16 shard cast from it (the same rounding as push()) uploaded again.
+void OffloadPipeline::discard_unit(int unit, const Task& t) {
+  const int slot = next_slot();
+  uint16_t* bf16 = slots_[slot].data();
+  if (gate_) gate_->wait(unit, t.number);
+  keep_state(unit, /*restore=*/true);
+  const int64_t n = upload_numel_[unit];
+  const float* master = model_.param[unit].data();
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) bf16[i] = f32_to_bf16_rne(master[i]);
+  const int64_t ticket = n > 0 ? device_.copy_to_device(device_shards_[unit], bf16, 2 * size_t(n)) : -1;
+  slot_upload_[slot] = ticket;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    upload_[unit] = ticket;
+    --updating_[unit];
+    ++unit_updates_[size_t(unit)];
   }
   changed_.notify_all();
 }
 
 // ---------------------------------------------------------------- the state
 
-OffloadState::OffloadState(ShardedModel& model, Optimizer& optimizer, Backend& backend, int cpu_threads,
-                           bool device_grads)
-    : model_(model), backend_(backend) {
+OffloadState::OffloadState(ShardedModel& model, Optimizer& optimizer, const OptimSection& optim, Backend& backend,
+                           int cpu_threads, bool device_grads, int device_units, bool speculative)
+    : model_(model), optimizer_(optimizer), backend_(backend), first_offloaded_(device_units), speculative_(speculative) {
   const int units = static_cast<int>(model.layout.units.size());
+  SHARDLM_CHECK(device_units >= 0 && device_units <= units, "internal: %d device units of %d", device_units, units);
   device_ = make_cuda_offload_device(backend.stream(), units);
   std::vector<void*> shards;
   for (int u = 0; u < units; ++u) {
@@ -307,8 +434,9 @@ OffloadState::OffloadState(ShardedModel& model, Optimizer& optimizer, Backend& b
     accumulator_copy_.push_back(-1);
     shards.push_back(backend.param_shard_mut(u));
   }
+  if (device_units > 0) device_units_ = make_cuda_device_units(model, optimizer, optim, backend, device_units, accumulators_);
   pipeline_ = std::make_unique<OffloadPipeline>(model, optimizer, *device_, std::move(shards), cpu_threads, device_grads,
-                                                &snapshot_gate);
+                                                &snapshot_gate, first_offloaded_, speculative);
   push();
 }
 
@@ -317,6 +445,7 @@ OffloadState::~OffloadState() {
   // The device Comm's collectives are done before it goes, and the last copies
   // to the host have left the accumulators.
   backend_.synchronize();
+  device_units_.reset();
   for (size_t u = 0; u < accumulators_.size(); ++u)
     backend_.deallocate(Mem::GradShard, accumulators_[u], 4 * model_.layout.units[u].shard_numel);
 }
@@ -330,7 +459,8 @@ void OffloadState::begin_micro_batch() {
 // The step's first micro-batch, after its forward: the accumulators start from
 // zero once the last step's copies have left them. Every unit's param_ready()
 // has waited for its update by then, and with the gradients on the device each
-// update waited for its own copy first.
+// update waited for its own copy first. The device units' updates read theirs
+// on the compute stream, before this.
 void OffloadState::after_forward() {
   if (!first_micro_batch_) return;
   for (size_t u = 0; u < accumulators_.size(); ++u) {
@@ -344,23 +474,62 @@ void OffloadState::add_reduced(int unit, const void* reduced, int64_t n, DType t
   backend_.accumulate(accumulators_[unit], reduced, n, type);
 }
 
-// The step's last micro-batch: `unit`'s accumulated gradient goes to the host
-// behind the work queued so far.
+// The step's last micro-batch: `unit`'s accumulated gradient goes into the
+// clip norm and, offloaded, to the host behind the work queued so far.
 void OffloadState::unit_done(int unit) {
   if (!last_micro_batch_) return;
   const int64_t n = model_.layout.units[unit].shard_numel;
   device_->queue_sumsq(unit, accumulators_[unit], n);  // the clip norm, before the copy
-  accumulator_copy_[unit] = pipeline_->grad_ready(unit, accumulators_[unit], n);
+  if (unit >= first_offloaded_) accumulator_copy_[unit] = pipeline_->grad_ready(unit, accumulators_[unit], n);
 }
 
 double OffloadState::grad_sumsq() { return device_->read_sumsq(static_cast<int>(accumulators_.size())); }
 
-// The host masters changed outside the pipeline (start-up, a load): cast them on
-// the host (the same rounding as the pipeline's uploads) and copy the bf16 shards
-// up, so the GPU needs no fp32 staging unit.
+// The pipeline counts the step (and starts the offloaded units); the device
+// units' updates then go on the compute stream ahead of the next forward,
+// which reaches them first.
+void OffloadState::update(double lr, float clip) {
+  pipeline_->update(lr, clip);
+  if (device_units_) device_units_->update(optimizer_.steps_taken(), lr, clip);
+}
+
+// The host masters are final once the worker is idle and the device units'
+// mirrors are downloaded. An async save's copier may still be reading those
+// mirrors (snapshot_mark below filled them): it is let through them first.
+void OffloadState::pull() {
+  pipeline_->finish();
+  if (!device_units_) return;
+  snapshot_gate.wait(first_offloaded_ - 1, INT64_MAX);
+  device_units_->pull();
+}
+
+// An async save: the device units' mirrors are filled now (their next update
+// changes only the device copy), the offloaded units' are waited for per unit
+// by the copier.
+int64_t OffloadState::snapshot_mark() {
+  if (device_units_) device_units_->pull();
+  return pipeline_->updates_asked();
+}
+
+void OffloadState::wait_unit_updated(int unit, int64_t mark) {
+  if (unit >= first_offloaded_) pipeline_->wait_unit_updated(unit, mark);
+}
+
+std::string OffloadState::summary() {
+  const int units = static_cast<int>(accumulators_.size());
+  if (!device_units_) return pipeline_->summary();
+  return fmt("%s; optimizer state of units 0..%d on the GPU, %d of %d offloaded", pipeline_->summary().c_str(),
+             first_offloaded_ - 1, units - first_offloaded_, units);
+}
+
+// The host masters changed outside the pipeline (start-up, a load): the device
+// units upload theirs and cast them on the GPU; the offloaded ones are cast on
+// the host (the same rounding as the pipeline's uploads) and their bf16
+// shards copied up, so the GPU needs no fp32 staging unit.
 void OffloadState::push() {
   device_->synchronize();  // no queued kernel still reads the old shards
-  for (size_t u = 0; u < model_.layout.units.size(); ++u) {
+  if (device_units_) device_units_->push();
+  for (size_t u = size_t(first_offloaded_); u < model_.layout.units.size(); ++u) {
     const int64_t n = model_.layout.units[u].shard_numel;
     const float* master = model_.param[u].data();
     std::vector<uint16_t> bf16(n);

@@ -117,13 +117,15 @@ void Optimizer::step(double lr, float grad_scale) {
   if (config_.name == "muon") muon_->step(lr, config_.weight_decay, config_.muon_momentum, grad_scale, state_[0]);
 }
 
-void Optimizer::step_unit(int ui, double lr, float grad_scale, uint16_t* param_bf16, const float* grad) {
+void Optimizer::step_unit(int ui, double lr, float grad_scale, uint16_t* param_bf16, const float* grad,
+                          int64_t step) {
   const bool muon = config_.name == "muon";
   SHARDLM_CHECK(!muon || !param_bf16, "internal: Muon updates its matrices in a collective step, not per unit");
   // Muon's AdamW group follows the same schedule, scaled to its own peak lr.
   const double adamw_lr = muon && config_.adamw_lr > 0 ? lr * (config_.adamw_lr / config_.lr) : lr;
   const double adamw_wd = muon && config_.adamw_weight_decay >= 0 ? config_.adamw_weight_decay : config_.weight_decay;
-  const cpu::AdamWConsts adamw = cpu::adamw_consts(adamw_lr, config_.beta1, config_.beta2, config_.eps, step_);
+  const cpu::AdamWConsts adamw =
+      cpu::adamw_consts(adamw_lr, config_.beta1, config_.beta2, config_.eps, step > 0 ? step : step_);
   const Unit& unit = model_->layout.units[ui];
   float* p = model_->param[ui].data();
   const float* g = grad ? grad : model_->grad[ui].data();

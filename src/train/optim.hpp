@@ -70,9 +70,13 @@ class Optimizer {
   // The same split per unit for the offload pipeline (AdamW and SGD): begin_step()
   // counts the step, then step_unit() updates one unit's shard and, given
   // param_bf16 (shard numel), writes its updated values in bf16 there; grad
-  // (shard numel), if given, is the unit's gradient instead of its grad shard.
+  // (shard numel), if given, is the unit's gradient instead of its grad shard;
+  // step (> 0), if given, is the step number for the bias correction instead
+  // of steps_taken() (the offload worker's, which the training thread may
+  // count back meanwhile: a skipped step it had speculated on).
   void begin_step() { ++step_; }
-  void step_unit(int unit, double lr, float grad_scale, uint16_t* param_bf16 = nullptr, const float* grad = nullptr);
+  void step_unit(int unit, double lr, float grad_scale, uint16_t* param_bf16 = nullptr, const float* grad = nullptr,
+                 int64_t step = 0);
   int64_t steps_taken() const { return step_; }
   void set_steps_taken(int64_t s) { step_ = s; }
   const std::string& name() const { return config_.name; }

@@ -53,8 +53,27 @@ bool host_grad_shards(StatePlacement placement, bool offload_device_grads) {
   return placement == StatePlacement::Host || (placement == StatePlacement::Offload && !offload_device_grads);
 }
 
-void plan_state_memory(MemoryPlan& plan, StatePlacement placement, bool offload_device_grads,
-                       const ModelLayout& layout, int optim_states, const Backend& backend) {
+int offload_device_units(const Config& c) {
+  return state_placement_for(c) == StatePlacement::Offload ? static_cast<int>(c.model.optim_gpu_units) : 0;
+}
+
+int64_t offload_device_unit_bytes(const ModelLayout& layout, int optim_states, int units) {
+  int64_t bytes = 0;
+  for (int u = 0; u < units; ++u) bytes += 4 * (1 + optim_states) * layout.units[size_t(u)].shard_numel;
+  return bytes;
+}
+
+int offload_device_units_within(const ModelLayout& layout, int optim_states, int64_t budget_bytes) {
+  const int all = static_cast<int>(layout.units.size());
+  int units = 0;
+  while (units < all && offload_device_unit_bytes(layout, optim_states, units + 1) <= budget_bytes) ++units;
+  return units;
+}
+
+void plan_state_memory(MemoryPlan& plan, const EngineOptions& options, const ModelLayout& layout, int optim_states,
+                       const Backend& backend) {
+  const StatePlacement placement = options.state;
+  const bool offload_device_grads = options.offload_device_grads;
   int64_t shards = 0, largest = 0;
   for (const auto& u : layout.units) shards += 4 * u.shard_numel, largest = std::max(largest, u.padded_numel);
   // The host shards exist in every placement: they are the state, or its mirror
@@ -72,7 +91,11 @@ void plan_state_memory(MemoryPlan& plan, StatePlacement placement, bool offload_
       break;
     case StatePlacement::Offload:
       plan.offload_buffers += OffloadPipeline::host_bytes(layout, offload_device_grads);
+      if (options.offload_speculate)  // the copies of the offloaded units' state
+        plan.offload_buffers += OffloadPipeline::speculation_bytes(layout, optim_states, options.offload_device_units);
       plan.device_grads += shards;  // fp32 accumulators of the micro-batches
+      // The device units' masters and moments (their gradients are the accumulators).
+      plan.device_state += offload_device_unit_bytes(layout, optim_states, options.offload_device_units);
       break;
   }
 }
@@ -130,10 +153,10 @@ std::unique_ptr<TrainingState> make_host_state(ShardedModel& model, Optimizer* o
   return std::make_unique<HostState>(model, optimizer, backend);
 }
 
-std::unique_ptr<TrainingState> make_training_state(StatePlacement placement, bool offload_device_grads,
-                                                   ShardedModel& model, Optimizer& optimizer,
-                                                   const OptimSection& optim, Backend& backend, int cpu_threads) {
-  switch (placement) {
+std::unique_ptr<TrainingState> make_training_state(const EngineOptions& options, ShardedModel& model,
+                                                   Optimizer& optimizer, const OptimSection& optim, Backend& backend,
+                                                   int cpu_threads) {
+  switch (options.state) {
     case StatePlacement::Host: return make_host_state(model, &optimizer, backend);
     case StatePlacement::Device: {
       auto state = make_cuda_device_state(model, optimizer, optim, backend);
@@ -141,9 +164,10 @@ std::unique_ptr<TrainingState> make_training_state(StatePlacement placement, boo
       return state;
     }
     case StatePlacement::Offload:
-      return std::make_unique<OffloadState>(model, optimizer, backend, cpu_threads, offload_device_grads);
+      return std::make_unique<OffloadState>(model, optimizer, optim, backend, cpu_threads, options.offload_device_grads,
+                                            options.offload_device_units, options.offload_speculate);
   }
-  SHARDLM_FAIL("internal: no training state for placement %d", static_cast<int>(placement));
+  SHARDLM_FAIL("internal: no training state for placement %d", static_cast<int>(options.state));
 }
 
 }  // namespace shardlm

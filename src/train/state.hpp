@@ -11,7 +11,8 @@
 //   offload  GPU backends with optim_cpu_offload (AdamW, SGD): masters and
 //            moments in pinned host memory, gradients summed on the device and
 //            handed over unit by unit, a CPU update per unit that overlaps the
-//            next step's forward (train/offload.hpp).
+//            next step's forward (train/offload.hpp); the first units' state
+//            on the GPU where the plan leaves room (DeviceUnits below).
 //
 // Owns, per placement: the gradient buffers and their zeroing, the sum of squares
 // for the clip norm, the update, pull / push for checkpoints, export and the
@@ -25,6 +26,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "shardlm/backend.hpp"
 #include "shardlm/config.hpp"
@@ -46,11 +48,23 @@ StatePlacement state_placement_for(const Config& config);
 bool offload_grads_on_device(const Config& config);
 // Whether the model keeps fp32 gradient shards in host memory.
 bool host_grad_shards(StatePlacement placement, bool offload_device_grads);
+// Under the offload pipeline: units [0, n) keep their optimizer state on the
+// GPU (model.optim_gpu_units, resolved at start-up); 0 otherwise.
+int offload_device_units(const Config& config);
+
+// The offload placement's split: the GPU bytes of units [0, units)'s fp32
+// masters and moments, and the most units, from the embedding on, whose state
+// fits `budget_bytes`. The device units come first because the next forward
+// reaches them first: the offloaded rest is updated by the CPU under their
+// forward.
+int64_t offload_device_unit_bytes(const ModelLayout& layout, int optim_states, int units);
+int offload_device_units_within(const ModelLayout& layout, int optim_states, int64_t budget_bytes);
 
 // The state's rows of a rank's memory plan (param, grad, optimizer shards on the
-// host; device state, device gradients, offload buffers) for `layout`.
-void plan_state_memory(MemoryPlan& plan, StatePlacement placement, bool offload_device_grads,
-                       const ModelLayout& layout, int optim_states, const Backend& backend);
+// host; device state, device gradients, offload buffers) for `layout`, with
+// the placement and offload choices of `options`.
+void plan_state_memory(MemoryPlan& plan, const EngineOptions& options, const ModelLayout& layout, int optim_states,
+                       const Backend& backend);
 
 // A reader of the host shards on another thread: an async checkpoint's
 // writer reading the device placement's host mirror while training goes on.
@@ -132,6 +146,13 @@ class TrainingState {
   // Update with lr and the clip factor; counts the optimizer step. May return
   // before the update is done (offload): param_ready waits per unit.
   virtual void update(double lr, float clip) = 0;
+  // The update under the backward (offload, model.optim_offload_speculate):
+  // before the step's last micro-batch, its lr; then update() or, for a
+  // NaN/Inf step, discard() (which a placement without it ignores).
+  virtual void speculate(double /*lr*/) {}
+  virtual void discard() {}
+  // Steps whose speculative update was redone or discarded so far; -1: no speculation.
+  virtual int64_t redone_steps() const { return -1; }
 
   // ---- outside the step
   // The host shards (model.param, optimizer.state) hold the current state:
@@ -173,11 +194,12 @@ class TrainingState {
   virtual const char* setup_what() const { return nullptr; }
 };
 
-// The state for `placement` over the session's model and optimizer; the
+// The state for options.state (and the offload split of `options`) over the
+// session's model and optimizer; the
 // backend's parameter copies are made current before it returns.
-std::unique_ptr<TrainingState> make_training_state(StatePlacement placement, bool offload_device_grads,
-                                                   ShardedModel& model, Optimizer& optimizer,
-                                                   const OptimSection& optim, Backend& backend, int cpu_threads);
+std::unique_ptr<TrainingState> make_training_state(const EngineOptions& options, ShardedModel& model,
+                                                   Optimizer& optimizer, const OptimSection& optim, Backend& backend,
+                                                   int cpu_threads);
 // The host placement without an optimizer: what an Engine used on its own
 // (forward passes, tests) puts its gradients into.
 std::unique_ptr<TrainingState> make_host_state(ShardedModel& model, Optimizer* optimizer, Backend& backend);
@@ -185,5 +207,26 @@ std::unique_ptr<TrainingState> make_host_state(ShardedModel& model, Optimizer* o
 // build refuses it).
 std::unique_ptr<TrainingState> make_cuda_device_state(ShardedModel& model, Optimizer& optimizer,
                                                       const OptimSection& optim, Backend& backend);
+
+// Units [0, count()) with their fp32 masters and moments in device memory,
+// updated on the compute stream by the device placement's fused AdamW/SGD
+// kernel (bit for bit the host Optimizer's update), which also writes each
+// unit's bf16 parameter shard: the device placement's state, and the resident
+// part of the offload placement (model.optim_gpu_state_gib). Their host shards
+// are a mirror (pull / push).
+class DeviceUnits {
+ public:
+  virtual ~DeviceUnits() = default;
+  virtual int count() const = 0;
+  // Queue one update (the optimizer's step number `step`) of every unit.
+  virtual void update(int64_t step, double lr, float clip) = 0;
+  virtual void pull() = 0;  // host shards <- device, after the work queued so far
+  virtual void push() = 0;  // device <- host shards, and the bf16 parameter shards cast from them
+};
+// The CUDA implementation (src/cuda/device_state.cu): units [0, count), the
+// update reading grads[u] (fp32 shard, device memory).
+std::unique_ptr<DeviceUnits> make_cuda_device_units(ShardedModel& model, Optimizer& optimizer,
+                                                    const OptimSection& optim, Backend& backend, int count,
+                                                    std::vector<float*> grads);
 
 }  // namespace shardlm

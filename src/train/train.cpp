@@ -3,6 +3,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <algorithm>
 #include <cmath>
 
@@ -48,6 +49,8 @@ EngineOptions engine_options_for(const Config& config) {
   o.save_attention_layers = config.model.selective_layers;
   o.state = state_placement_for(config);
   o.offload_device_grads = offload_grads_on_device(config);
+  o.offload_device_units = offload_device_units(config);
+  o.offload_speculate = o.state == StatePlacement::Offload && config.model.optim_offload_speculate;
   o.reduce_bf16 = config.model.reduce_dtype == "bf16";
   // "auto" is resolved by select_comm() at start-up; a session built without it
   // (tests, tools) on one GPU per rank uses NCCL.
@@ -63,6 +66,16 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+// Tests (SHARDLM_TEST_NAN_STEP=N): step N's gradient norm is NaN on every
+// rank, as after an overflow, so that the step is skipped; 0: none.
+int64_t injected_nan_step() {
+  static const int64_t step = [] {
+    const char* e = std::getenv("SHARDLM_TEST_NAN_STEP");
+    return e ? std::atoll(e) : 0;
+  }();
+  return step;
+}
 
 // Context parallelism's groups: C consecutive ranks share one sequence.
 std::unique_ptr<Comm> context_group(const Config& c, Comm& comm) {
@@ -109,8 +122,8 @@ TrainSession::TrainSession(const Config& c, Comm& comm_)
   if (c.device.backend == "cuda" && optimizer.muon())
     optimizer.muon()->set_orthogonalizer(make_cuda_orthogonalizer(optimizer.muon()->ns_capacity()));
   const auto t0 = Clock::now();
-  state = make_training_state(engine.options().state, engine.options().offload_device_grads, model, optimizer,
-                              c.optim, engine.backend(), static_cast<int>(c.device.cpu_threads));
+  state = make_training_state(engine.options(), model, optimizer, c.optim, engine.backend(),
+                              static_cast<int>(c.device.cpu_threads));
   state->setup_s = seconds_since(t0);
   engine.set_state(*state);
   SHARDLM_CHECK(c.data.seq_len <= arch.max_position_embeddings,
@@ -141,6 +154,8 @@ StepStats TrainSession::step(int64_t step) {
     const auto t_data = Clock::now();
     const TokenBatch micro = source->micro_batch(step, a);
     s.data_s += seconds_since(t_data);
+    // The offloaded units' updates may start under the last backward (as if unclipped).
+    if (a + 1 == batch.micro_batches) state->speculate(lr_at(config.sched, config.optim.lr, config.run.max_steps, step));
     const auto t_compute = Clock::now();
     sums += engine.forward_backward(micro, grad_scale);
     // The norm below waits for the device anyway; waiting here instead puts the
@@ -152,9 +167,11 @@ StepStats TrainSession::step(int64_t step) {
   record_loss(s, sums, batch.loss_divisor);
   double sumsq = state->grad_sumsq();  // clip by the global norm: one all-reduce over the ranks' sums
   comm.all_reduce_sum(&sumsq, 1);
+  if (step + 1 == injected_nan_step()) sumsq = std::nan("");
   s.grad_norm = std::sqrt(sumsq);
   s.lr = lr_at(config.sched, config.optim.lr, config.run.max_steps, step);
   apply_update(s);  // on the device, the host, or the CPU per unit overlapping the next forward
+  s.redone_steps = state->redone_steps();
   engine.backend().synchronize();
   s.optimizer_s = seconds_since(t_opt);
   s.step_time_s = seconds_since(t0);
@@ -186,6 +203,7 @@ void TrainSession::record_loss(StepStats& s, LossStats sums, int64_t loss_diviso
 void TrainSession::apply_update(StepStats& s) {
   if (!std::isfinite(s.grad_norm) || !std::isfinite(s.loss)) {  // NaN/Inf: no update
     s.skipped = true;
+    state->discard();  // what was updated under the backward goes back
     ++bad_steps_total;
     SHARDLM_CHECK(++bad_steps_in_a_row < config.run.max_bad_steps,
                   "step %lld: loss or gradient is NaN/Inf for %lld steps in a row (run.max_bad_steps = %lld); "

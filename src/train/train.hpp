@@ -34,6 +34,7 @@ struct StepStats {
   int64_t tokens = 0;          // non-padding tokens in the step (all ranks)
   int64_t loss_tokens = 0;
   bool skipped = false;        // NaN/Inf: no update
+  int64_t redone_steps = -1;   // model.optim_offload_speculate: steps redone (clipped) or discarded so far; -1: off
   double step_time_s = 0;
   // RL (loss.type = "rl"), means over the step's loss tokens:
   bool rl = false;

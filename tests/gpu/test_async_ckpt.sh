@@ -61,10 +61,17 @@ SHARDLM_CKPT_FAULT=slow@0 SHARDLM_CKPT_SLOW_MS=40 SHARDLM_CKPT_NO_DEVICE_COPY=1 
   exit 1
 # optim_cpu_offload: the state is in host memory; the snapshot's copier runs
 # beside the next steps and the worker's per-unit updates wait for it (slowcopy:
-# a copier slower than the steps).
-SHARDLM_CKPT_FAULT= rl_run sync-offload ckpt.async=false model.optim_cpu_offload=true || exit 1
-SHARDLM_CKPT_FAULT=slowcopy@0 SHARDLM_CKPT_SLOW_MS=40 rl_run async-offload ckpt.async=true model.optim_cpu_offload=true ||
+# a copier slower than the steps). Every unit offloaded (optim_gpu_state_gib = 0:
+# the tiny model would otherwise keep all of its state on the GPU); then the
+# first unit's state on the GPU (its mirror downloaded at each save and each
+# broadcast's pull, after the copier has passed it).
+SHARDLM_CKPT_FAULT= rl_run sync-offload ckpt.async=false model.optim_cpu_offload=true model.optim_gpu_state_gib=0 ||
   exit 1
+SHARDLM_CKPT_FAULT=slowcopy@0 SHARDLM_CKPT_SLOW_MS=40 rl_run async-offload ckpt.async=true model.optim_cpu_offload=true \
+  model.optim_gpu_state_gib=0 || exit 1
+one_unit_gib=$("$PY" -c "print((258 * 64 + 4096) * 12 / 2**30)")  # the embedding's state (test_offload.sh)
+SHARDLM_CKPT_FAULT=slowcopy@0 SHARDLM_CKPT_SLOW_MS=40 rl_run async-partial ckpt.async=true model.optim_cpu_offload=true \
+  model.optim_gpu_state_gib="$one_unit_gib" || exit 1
 if grep -q "a device copy of the state" "$out/async-copy.log" && grep -q "no room on the GPU for a device copy" "$out/async-nocopy.log"; then
   echo "PASS async snapshots: the device-copy and the no-room paths both ran (start-up lines)"
 else
@@ -73,3 +80,4 @@ fi
 same_state async-copy sync "async saves with a device copy, slow writer, filesystem broadcast every step = sync saves"
 same_state async-nocopy sync "async saves without a device copy (update waits), slow writer, broadcast every step = sync saves"
 same_state async-offload sync-offload "optim_cpu_offload: async saves, a copier slower than the steps (updates wait per unit) = sync saves"
+same_state async-partial sync-offload "optim_cpu_offload, the first unit's state on the GPU: async saves = sync saves with every unit offloaded"

@@ -95,9 +95,10 @@ TEST_CASE("check with optim_cpu_offload on the CUDA backend prints the GPU bytes
     MESSAGE("CPU-only build: the CUDA memory plan is not available; nothing to check");
     return;
   }
+  // Every unit offloaded (on a GPU machine the automatic split would keep some on it).
   auto on = run(shardlm_bin() + " check inputs/bench/llama-1b.toml --set data.path=inputs/data/tiny.h5 "
                                  "--set device.backend=cuda "
-                                "--set model.optim_cpu_offload=true");
+                                "--set model.optim_cpu_offload=true --set model.optim_gpu_state_gib=0");
   REQUIRE(off.status == 0);
   REQUIRE(on.status == 0);
   auto total = [](const std::string& out, const char* where) {
@@ -121,12 +122,33 @@ TEST_CASE("check with optim_cpu_offload on the CUDA backend prints the GPU bytes
   // embedding) instead; the GPU plan is the same.
   auto dev = run(shardlm_bin() + " check inputs/bench/llama-1b.toml --set data.path=inputs/data/tiny.h5 "
                                  "--set device.backend=cuda "
-                                 "--set model.optim_cpu_offload=true --set model.optim_offload_grads=device");
+                                 "--set model.optim_cpu_offload=true --set model.optim_offload_grads=device "
+                                 "--set model.optim_gpu_state_gib=0");
   REQUIRE(dev.status == 0);
   CHECK(total(dev.output, "GPU") == total(on.output, "GPU"));
   CHECK(total(on.output, "host") - total(dev.output, "host") ==
         doctest::Approx((4.0 * 1.2358e9 - 8.0 * 128256 * 2048) / 1048576.0).epsilon(1e-3));
   CHECK(dev.output.find("gradient shards    host") == std::string::npos);
+
+  // model.optim_gpu_state_gib = 4: the embedding's state (128256 x 2048 x 12 B =
+  // 2.94 GiB) and one decoder layer's (~0.73 GiB) fit, a second layer does not.
+  // check prints the split; the GPU plan grows by exactly those units' state.
+  auto split = run(shardlm_bin() + " check inputs/bench/llama-1b.toml --set data.path=inputs/data/tiny.h5 "
+                                   "--set device.backend=cuda --set model.optim_cpu_offload=true "
+                                   "--set model.optim_gpu_state_gib=4");
+  REQUIRE(split.status == 0);
+  const size_t at = split.output.find("offload split: ");
+  REQUIRE(at != std::string::npos);
+  const std::string split_line = split.output.substr(at, split.output.find('\n', at) - at);
+  CHECK(split_line.find("offload split: optimizer state of 2 of 18 units on the GPU (model.optim_gpu_state_gib = 4): "
+                  "units 0..1 (embed..layers.0) on the GPU, ") == 0);
+  CHECK(split_line.find("units 2..17 (layers.1..head) offloaded to the CPU optimizer") != std::string::npos);
+  const double device_units_mib = std::stod(split_line.substr(split_line.find("on the GPU, ") + 12));
+  const double embed = 128256.0 * 2048, layer = (1.2358e9 - embed) / 16;  // parameters (the head is a norm: tied)
+  CHECK(device_units_mib == doctest::Approx(12.0 * (embed + layer) / 1048576.0).epsilon(1e-3));
+  CHECK(total(split.output, "GPU") - total(on.output, "GPU") == doctest::Approx(device_units_mib).epsilon(1e-6));
+  CHECK(on.output.find("offload split: optimizer state of 0 of 18 units on the GPU (model.optim_gpu_state_gib = 0): "
+                       "none on the GPU, units 0..17 (embed..head) offloaded") != std::string::npos);
 }
 
 TEST_CASE("check on the CUDA backend: cuDNN's attention adds only its persistent 64.5 MiB at 32K tokens") {
