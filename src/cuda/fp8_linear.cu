@@ -25,7 +25,7 @@ Fp8Linear::Sizes Fp8Linear::sizes(const ModelConfig& c, int64_t N) {
   const int64_t width = widest(c);
   // A: x (N, IC), dout (N, OC), dout^T (OC, N). B: W (OC, IC), W^T (IC, OC), x^T (IC, N).
   // Scales: A's rows are N tokens or OC channels; B's OC or IC channels.
-  return {N * width, std::max(largest_weight(c), N * width), std::max(N, width)};
+  return {N * width, std::max(largest_weight(c), N * width), scale_block(std::max(N, width))};
 }
 
 Fp8Linear::Fp8Linear(Fp8Mode mode, const Buffers& buffers, cudaStream_t stream, void* gemm_workspace,
@@ -37,9 +37,12 @@ Fp8Linear::Fp8Linear(Fp8Mode mode, const Buffers& buffers, cudaStream_t stream, 
 void Fp8Linear::quantize(const bf16* x, int64_t rows, int64_t cols, Fp8Scaling scaling, Fp8Format f, bool transpose,
                          uint8_t* codes, float* scales) {
   const int64_t n = scaling == Fp8Scaling::Tensor ? 1 : scaling == Fp8Scaling::Rows ? rows : cols;
-  float* amax = scales;
-  float* scale = scales + n;
-  float* inv = scales + 2 * n;
+  // The inverse scales cuBLASLt reads first, at the block's (256-byte aligned)
+  // start: at an offset of 2n floats (8 bytes for one scale) it refused the
+  // GEMM ("not supported") on the H200 where separately allocated scales ran.
+  float* inv = scales;
+  float* amax = scales + scale_block(n);
+  float* scale = scales + 2 * scale_block(n);
   if (scaling == Fp8Scaling::Tensor) fp8_amax(x, rows * cols, amax, stream_);
   else if (scaling == Fp8Scaling::Rows) fp8_amax_rows(x, rows, cols, amax, stream_);
   else fp8_amax_cols(x, rows, cols, amax, stream_);
@@ -50,11 +53,10 @@ void Fp8Linear::quantize(const bf16* x, int64_t rows, int64_t cols, Fp8Scaling s
 void Fp8Linear::forward(bf16* out, int64_t ldc, const bf16* inp, const bf16* weight, const bf16* bias, int64_t N,
                         int64_t IC, int64_t OC, bool accumulate) {
   const Fp8Scaling along_k = rowwise_ ? Fp8Scaling::Rows : Fp8Scaling::Tensor;
-  const int64_t na = rowwise_ ? N : 1, nb = rowwise_ ? OC : 1;
   quantize(inp, N, IC, along_k, Fp8Format::E4M3, false, buf_.a_codes, buf_.a_scales);
   quantize(weight, OC, IC, along_k, Fp8Format::E4M3, false, buf_.b_codes, buf_.b_scales);
-  gemm_.matmul(N, OC, IC, buf_.a_codes, Fp8Format::E4M3, IC, buf_.a_scales + 2 * na, buf_.b_codes, Fp8Format::E4M3,
-               IC, buf_.b_scales + 2 * nb, rowwise_, out, ldc, GemmOut::BF16, 1.0f, accumulate ? 1.0f : 0.0f,
+  gemm_.matmul(N, OC, IC, buf_.a_codes, Fp8Format::E4M3, IC, buf_.a_scales, buf_.b_codes, Fp8Format::E4M3,
+               IC, buf_.b_scales, rowwise_, out, ldc, GemmOut::BF16, 1.0f, accumulate ? 1.0f : 0.0f,
                /*fast_accum=*/false, bias);
 }
 
@@ -69,16 +71,14 @@ void Fp8Linear::backward(bf16* dinp, bool accumulate_dinp, float* dweight, float
     // dinp (N, IC) = dout (N, OC) W (OC, IC): A = dout, B = W^T (IC, OC).
     quantize(dout, N, OC, rows, cpu::kFp8GradFormat, false, buf_.a_codes, buf_.a_scales);
     quantize(weight, OC, IC, cols, Fp8Format::E4M3, true, buf_.b_codes, buf_.b_scales);
-    const int64_t na = rowwise_ ? N : 1, nb = rowwise_ ? IC : 1;
-    gemm_.matmul(N, IC, OC, buf_.a_codes, cpu::kFp8GradFormat, OC, buf_.a_scales + 2 * na, buf_.b_codes, Fp8Format::E4M3,
-                 OC, buf_.b_scales + 2 * nb, rowwise_, dinp, IC, GemmOut::BF16, 1.0f, accumulate_dinp ? 1.0f : 0.0f);
+    gemm_.matmul(N, IC, OC, buf_.a_codes, cpu::kFp8GradFormat, OC, buf_.a_scales, buf_.b_codes, Fp8Format::E4M3,
+                 OC, buf_.b_scales, rowwise_, dinp, IC, GemmOut::BF16, 1.0f, accumulate_dinp ? 1.0f : 0.0f);
   }
   // dweight (OC, IC) += dout^T (OC, N) inp (N, IC): A = dout^T, B = inp^T (IC, N).
   quantize(dout, N, OC, cols, cpu::kFp8GradFormat, true, buf_.a_codes, buf_.a_scales);
   quantize(inp, N, IC, cols, Fp8Format::E4M3, true, buf_.b_codes, buf_.b_scales);
-  const int64_t na = rowwise_ ? OC : 1, nb = rowwise_ ? IC : 1;
-  gemm_.matmul(OC, IC, N, buf_.a_codes, cpu::kFp8GradFormat, N, buf_.a_scales + 2 * na, buf_.b_codes, Fp8Format::E4M3, N,
-               buf_.b_scales + 2 * nb, rowwise_, dweight, IC, GemmOut::F32, 1.0f, 1.0f);
+  gemm_.matmul(OC, IC, N, buf_.a_codes, cpu::kFp8GradFormat, N, buf_.a_scales, buf_.b_codes, Fp8Format::E4M3, N,
+               buf_.b_scales, rowwise_, dweight, IC, GemmOut::F32, 1.0f, 1.0f);
   if (dbias != nullptr) bias_grad(dbias, dout, N, OC, bias_scratch, bias_scratch_bytes, stream_);
 }
 

@@ -34,7 +34,7 @@ class Fp8Linear {
   struct Buffers {
     uint8_t* a_codes = nullptr;  // (a_code_bytes) operand A's codes
     uint8_t* b_codes = nullptr;  // (b_code_bytes) operand B's codes
-    float* a_scales = nullptr;   // (3 x scale_count) A's amax, scale, 1 / scale
+    float* a_scales = nullptr;   // (3 x scale_count) A's 1 / scale, amax, scale, each at a multiple of 64 floats
     float* b_scales = nullptr;   // (3 x scale_count)
   };
   struct Sizes {
@@ -42,6 +42,8 @@ class Fp8Linear {
   };
   // For layers of model c over up to N tokens.
   static Sizes sizes(const ModelConfig& c, int64_t N);
+  // n scales rounded up to 64 floats: each part of a scale block starts 256-byte aligned.
+  static int64_t scale_block(int64_t n) { return (n + 63) / 64 * 64; }
 
   Fp8Linear(Fp8Mode mode, const Buffers& buffers, cudaStream_t stream, void* gemm_workspace, size_t workspace_bytes);
 
