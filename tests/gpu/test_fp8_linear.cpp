@@ -133,7 +133,7 @@ TEST_CASE("fp8 linear: cuBLASLt FP8 forward and backward equal the CPU emulation
     MESSAGE(name << ": relative error y " << e_y << ", dinp " << e_dx << ", dweight " << e_dw << ", dbias " << e_db);
     CHECK(e_y < 1e-2);   // bf16 output: 2^-9 relative, plus accumulation order
     CHECK(e_dx < 1e-2);
-    CHECK(e_dw < 1e-4);  // fp32 out: accumulation order only
+    CHECK(e_dw < 1e-3);  // fp32 out: Hopper's FP8 MMA adds with ~14 bits (test_fp8.cu); 4.1e-4 to 4.7e-4 measured
     CHECK(e_db < 1e-5);
     CHECK(g_y.host() == g_y2.host());  // deterministic
 
