@@ -8,12 +8,12 @@
 #   2. greedy equality with transformers' `generate` on the warm start and after
 #      RL (tools/hf_greedy_check.py; skipped without torch or with --small);
 #   3. RL (inputs/bench/arith-rl.toml): one trainer and one inference rank in one
-#      mpirun sharing the GPU, weights every second step over the staged MPI broadcast;
+#      mpirun sharing the GPU, weights every step over the staged MPI broadcast;
 #   4. held-out greedy accuracy before and after RL, the reward curve and where
 #      the time goes (tools/rl_arith_report.py: a table and docs/images/rl-arith.png).
 #
 #   tools/bench_rl_arith.sh [--small]      --small: a tiny model on the CPU (checks the script here)
-#   WORK=runs/rl-arith RL_STEPS=160 SEG=25 MIN_ACC=0.15 MAX_SFT=200 tools/bench_rl_arith.sh
+#   WORK=runs/rl-arith RL_STEPS=200 SEG=25 MIN_ACC=0.15 MAX_SFT=200 tools/bench_rl_arith.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=${SHARDLM:-build/shardlm}
@@ -21,7 +21,7 @@ W=${WORK:-runs/rl-arith}
 SEG=${SEG:-25}
 MIN_ACC=${MIN_ACC:-0.15}
 MAX_SFT=${MAX_SFT:-150}
-RL_STEPS=${RL_STEPS:-160}
+RL_STEPS=${RL_STEPS:-200}
 PY=""
 for p in ${PYTHON:-} python3 /usr/bin/python3; do
   if "$p" -c 'import h5py, numpy' 2>/dev/null; then PY=$p; break; fi
