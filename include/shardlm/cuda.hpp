@@ -46,6 +46,11 @@ void cuda_free(Mem category, void* ptr, int64_t bytes);
 // readable after that).
 void cuda_copy_async(void* dst, const void* src, int64_t bytes, void* stream);
 void cuda_synchronize(void* stream);
+// Page-locks host memory the caller owns (cudaHostRegister), so copies to and
+// from it run at the link's speed; false when it cannot (the memory stays
+// pageable: copies stay correct, only slower). Undone by cuda_unpin_host.
+bool cuda_pin_host(void* p, int64_t bytes);
+void cuda_unpin_host(void* p);
 
 // The offload pipeline's copies and sums of squares beside `compute_stream` (a
 // cudaStream_t) on the current device, for a model of `units` units.

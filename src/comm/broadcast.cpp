@@ -508,6 +508,13 @@ struct WeightReceiver::State {
   std::vector<uint16_t> data;        // one unit (communicator) or one parameter (filesystem), bf16
   std::vector<float> f32;
   int64_t last = -1;                 // filesystem: the last step read (acknowledged)
+  // From GPU memory, `data` holds the largest unit from the start (no
+  // reallocation after) and is page-locked: the unit's copy down, and a GPU
+  // decoder's copy back up, run at the link's speed (pageable: ~8 GB/s).
+  bool data_pinned = false;
+  ~State() {
+    if (data_pinned) cuda_unpin_host(data.data());
+  }
 };
 
 WeightReceiver::WeightReceiver(const Config& config, Runtime& rt, const ModelLayout& layout)
@@ -557,6 +564,8 @@ WeightReceiver::Got WeightReceiver::next_over_comm(const Sink& sink) {
     st.dev->host = make_mpi_comm(rt_.broadcast_comm);
     st.dev->device = make_device_comm(*st.dev->host, st.dev->kind, nullptr, st.dev->unit_bytes, config_.comm.timeout_s);
     st.dev->unit = cuda_malloc(Mem::Workspace, st.dev->unit_bytes);
+    st.data.reserve(size_t(max_padded(layout_)));
+    st.data_pinned = cuda_pin_host(st.data.data(), int64_t(st.data.capacity() * sizeof(uint16_t)));
     std::printf("receive[%d]: units arrive in GPU memory (device %d, %s) over the %s device communicator\n",
                 rt_.rank, rt_.device, rt_.device_name.c_str(), st.dev->kind.c_str());
     std::fflush(stdout);

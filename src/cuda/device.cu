@@ -78,5 +78,16 @@ void cuda_copy_async(void* dst, const void* src, int64_t bytes, void* stream) {
 
 void cuda_synchronize(void* stream) { CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(stream))); }
 
+bool cuda_pin_host(void* p, int64_t bytes) {
+  if (!p || bytes <= 0) return false;
+  const cudaError_t e = cudaHostRegister(p, size_t(bytes), cudaHostRegisterDefault);
+  if (e != cudaSuccess) cudaGetLastError();  // clear it: the memory stays pageable
+  return e == cudaSuccess;
+}
+
+void cuda_unpin_host(void* p) {
+  if (p && cudaHostUnregister(p) != cudaSuccess) cudaGetLastError();
+}
+
 
 }  // namespace shardlm
