@@ -26,7 +26,7 @@ import os
 
 import numpy as np
 
-from make_copy_task import write_atomic
+from make_copy_task import write_prompt_file, write_sft_file
 
 PLUS, EQ, BOS, EOS, VOCAB = 10, 11, 12, 13, 16
 
@@ -36,20 +36,9 @@ def digits(x):
 
 
 def write_prompts(path, pairs):
-    import h5py
     prompts = [[BOS, *digits(a), PLUS, *digits(b), EQ] for a, b in pairs]
     answers = [" ".join(map(str, digits(a + b))) for a, b in pairs]
-
-    def fill(f):
-        text = h5py.string_dtype("utf-8")
-        f["tokens"] = np.concatenate(prompts).astype(np.int32)
-        f["offsets"] = np.cumsum([0] + [len(q) for q in prompts]).astype(np.int64)
-        f.create_dataset("answer", data=np.asarray(answers, dtype=object), dtype=text)
-        f.attrs["format"] = "shardlm-prompts-1"
-        f.attrs["vocab_size"] = np.int64(VOCAB)
-        f.attrs["stop_token_ids"] = np.asarray([EOS], dtype=np.int64)
-
-    write_atomic(path, fill)
+    write_prompt_file(path, prompts, answers, VOCAB, [EOS])
 
 
 def main():
@@ -71,13 +60,7 @@ def main():
     masks = [[0] * (len(d) - len(digits(x + y)) - 1) + [1] * (len(digits(x + y)) + 1)
              for d, (x, y) in zip(docs, train)]
 
-    def fill_sft(f):
-        f["tokens"] = np.concatenate(docs).astype(np.int32)
-        f["offsets"] = np.cumsum([0] + [len(d) for d in docs]).astype(np.int64)
-        f["loss_mask"] = np.concatenate(masks).astype(np.uint8)
-        f.attrs["vocab_size"] = np.int64(VOCAB)
-
-    write_atomic(os.path.join(a.out_dir, "sft.h5"), fill_sft)
+    write_sft_file(os.path.join(a.out_dir, "sft.h5"), docs, masks, VOCAB)
     write_prompts(os.path.join(a.out_dir, "prompts.h5"), train)
     write_prompts(os.path.join(a.out_dir, "heldout.h5"), heldout)
     print(f"wrote {a.out_dir}/sft.h5 ({len(docs)} problems), prompts.h5 ({len(train)}), heldout.h5 ({len(heldout)})")

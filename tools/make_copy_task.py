@@ -32,6 +32,31 @@ def write_atomic(path, fill):
     os.replace(tmp, path)
 
 
+def write_sft_file(path, docs, masks, vocab):
+    """An SFT token file (docs/data.md): documents of ids, a loss mask over each."""
+    def fill(f):
+        f["tokens"] = np.concatenate(docs).astype(np.int32)
+        f["offsets"] = np.cumsum([0] + [len(d) for d in docs]).astype(np.int64)
+        f["loss_mask"] = np.concatenate(masks).astype(np.uint8)
+        f.attrs["vocab_size"] = np.int64(vocab)
+
+    write_atomic(path, fill)
+
+
+def write_prompt_file(path, prompts, answers, vocab, stop_ids):
+    """An RL prompt file (docs/data.md): id lists, an 'answer' each, the stop ids."""
+    def fill(f):
+        text = h5py.string_dtype("utf-8")
+        f["tokens"] = np.concatenate(prompts).astype(np.int32)
+        f["offsets"] = np.cumsum([0] + [len(q) for q in prompts]).astype(np.int64)
+        f.create_dataset("answer", data=np.asarray(answers, dtype=object), dtype=text)
+        f.attrs["format"] = "shardlm-prompts-1"
+        f.attrs["vocab_size"] = np.int64(vocab)
+        f.attrs["stop_token_ids"] = np.asarray(stop_ids, dtype=np.int64)
+
+    write_atomic(path, fill)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out-dir", required=True)
@@ -46,28 +71,13 @@ def main():
     docs = [[BOS, *map(int, d), SEP, int(d[2]), EOS] for d in digits]
     masks = [[0, 0, 0, 0, 0, 1, 1] for _ in docs]
 
-    def fill_sft(f):
-        f["tokens"] = np.concatenate(docs).astype(np.int32)
-        f["offsets"] = np.cumsum([0] + [len(d) for d in docs]).astype(np.int64)
-        f["loss_mask"] = np.concatenate(masks).astype(np.uint8)
-        f.attrs["vocab_size"] = np.int64(VOCAB)
-
-    write_atomic(os.path.join(a.out_dir, "sft.h5"), fill_sft)
+    write_sft_file(os.path.join(a.out_dir, "sft.h5"), docs, masks, VOCAB)
 
     digits = rng.integers(0, 10, size=(a.prompts, 3))
     prompts = [[BOS, *map(int, d), SEP] for d in digits]
     answers = [str(int(d[2])) for d in digits]
 
-    def fill_prompts(f):
-        text = h5py.string_dtype("utf-8")
-        f["tokens"] = np.concatenate(prompts).astype(np.int32)
-        f["offsets"] = np.cumsum([0] + [len(q) for q in prompts]).astype(np.int64)
-        f.create_dataset("answer", data=np.asarray(answers, dtype=object), dtype=text)
-        f.attrs["format"] = "shardlm-prompts-1"
-        f.attrs["vocab_size"] = np.int64(VOCAB)
-        f.attrs["stop_token_ids"] = np.asarray([EOS], dtype=np.int64)
-
-    write_atomic(os.path.join(a.out_dir, "prompts.h5"), fill_prompts)
+    write_prompt_file(os.path.join(a.out_dir, "prompts.h5"), prompts, answers, VOCAB, [EOS])
     print(f"wrote {a.out_dir}/sft.h5 ({len(docs)} documents) and {a.out_dir}/prompts.h5 ({len(prompts)} prompts)")
 
 

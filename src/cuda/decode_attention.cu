@@ -20,6 +20,31 @@ constexpr int kWarps = 4;          // warps per block, each on every kWarps-th p
 constexpr int kHeadsPerBlock = 8;  // query heads of one GQA group a block serves (larger groups: more blocks)
 constexpr int kUnroll = 8;         // positions a warp loads and scores at once
 
+// The block's kWarps online softmaxes (max, sum, unnormalised output per
+// head, in shared memory) merged in warp order into chunk c's partials of
+// heads h0 .. h0 + nh - 1 of row b: `first` = (b H + h0) chunks + c, the
+// partial index of the first head (the next head's is `chunks` further).
+template <int HEADS, int WIDTH>
+__device__ __forceinline__ void write_chunk_partials(const float (&sm_ml)[kWarps][HEADS][2],
+                                                     const float (&sm_acc)[kWarps][HEADS][WIDTH], int nh, int D,
+                                                     int64_t first, int chunks, float* __restrict__ part_o,
+                                                     float* __restrict__ part_ml) {
+  for (int i = threadIdx.x; i < nh * D; i += kWarps * 32) {
+    const int g = i / D, d = i % D;
+    float M = sm_ml[0][g][0];
+    for (int w = 1; w < kWarps; ++w) M = fmaxf(M, sm_ml[w][g][0]);
+    float sum = 0.0f, o = 0.0f;
+    for (int w = 0; w < kWarps; ++w) {
+      const float f = sm_ml[w][g][0] == -INFINITY ? 0.0f : expf(sm_ml[w][g][0] - M);  // a warp with no position
+      sum += f * sm_ml[w][g][1];
+      o += f * sm_acc[w][g][d];
+    }
+    const int64_t at = first + int64_t(g) * chunks;
+    part_o[at * D + d] = o;
+    if (d == 0) part_ml[at * 2] = M, part_ml[at * 2 + 1] = sum;
+  }
+}
+
 // Partials of chunk c of row b for the query heads kv * G + hg * 8 .. + nh:
 // (max, sum) in part_ml and the unnormalised output in part_o, fp32.
 // Lane j holds elements j, j + 32, ... of a head (E = ceil(D / 32) of them).
@@ -119,20 +144,7 @@ decode_partial_kernel(float* __restrict__ part_o, float* __restrict__ part_ml, c
     for (int e = 0; e < E; ++e) sm_acc[warp][g][lane + 32 * e] = acc[g][e];
   }
   __syncthreads();
-  for (int i = threadIdx.x; i < nh * D; i += kWarps * 32) {
-    const int g = i / D, d = i % D;
-    float M = sm_ml[0][g][0];
-    for (int w = 1; w < kWarps; ++w) M = fmaxf(M, sm_ml[w][g][0]);
-    float sum = 0.0f, o = 0.0f;
-    for (int w = 0; w < kWarps; ++w) {
-      const float f = sm_ml[w][g][0] == -INFINITY ? 0.0f : expf(sm_ml[w][g][0] - M);  // a warp with no position
-      sum += f * sm_ml[w][g][1];
-      o += f * sm_acc[w][g][d];
-    }
-    const int64_t at = (int64_t(b) * H + h0 + g) * chunks + c;
-    part_o[at * D + d] = o;
-    if (d == 0) part_ml[at * 2] = M, part_ml[at * 2 + 1] = sum;
-  }
+  write_chunk_partials(sm_ml, sm_acc, nh, D, (int64_t(b) * H + h0) * chunks + c, chunks, part_o, part_ml);
 }
 
 // 8 bf16 of a 16-byte load as floats.
@@ -265,20 +277,7 @@ decode_partial_vec_kernel(float* __restrict__ part_o, float* __restrict__ part_m
     }
   }
   __syncthreads();
-  for (int i = threadIdx.x; i < nh * D; i += kWarps * 32) {
-    const int g = i / D, d = i % D;
-    float M = sm_ml[0][g][0];
-    for (int w = 1; w < kWarps; ++w) M = fmaxf(M, sm_ml[w][g][0]);
-    float sum = 0.0f, o = 0.0f;
-    for (int w = 0; w < kWarps; ++w) {
-      const float f = sm_ml[w][g][0] == -INFINITY ? 0.0f : expf(sm_ml[w][g][0] - M);  // a warp with no position
-      sum += f * sm_ml[w][g][1];
-      o += f * sm_acc[w][g][d];
-    }
-    const int64_t at = (int64_t(b) * H + h0 + g) * chunks + c;
-    part_o[at * D + d] = o;
-    if (d == 0) part_ml[at * 2] = M, part_ml[at * 2 + 1] = sum;
-  }
+  write_chunk_partials(sm_ml, sm_acc, nh, D, (int64_t(b) * H + h0) * chunks + c, chunks, part_o, part_ml);
 }
 
 // out[b, h] = the row's chunks combined in chunk order. One block per (b, h).

@@ -149,6 +149,14 @@ std::vector<std::vector<int32_t>> fixture_prompts(int64_t vocab) {
   return out;
 }
 
+// n samples of each prompt as requests (spans into `prompts`, which outlives them).
+std::vector<GenerateRequest> sample_requests(const std::vector<std::vector<int32_t>>& prompts, int64_t n) {
+  std::vector<GenerateRequest> requests;
+  for (size_t p = 0; p < prompts.size(); ++p)
+    for (int64_t s = 0; s < n; ++s) requests.push_back({int64_t(p), s, prompts[p]});
+  return requests;
+}
+
 struct Margin {
   int32_t best = 0;
   float gap = 0;  // best logit − second best
@@ -273,9 +281,7 @@ TEST_CASE("seeded sampling on the GPU: the same tokens and logprobs twice; greed
   require_gpu();
   InferenceModel m = bf16_fixture("qwen3-qknorm");
   const auto prompts = fixture_prompts(m.config().vocab_size);
-  std::vector<GenerateRequest> requests;
-  for (size_t p = 0; p < prompts.size(); ++p)
-    for (int64_t s = 0; s < 3; ++s) requests.push_back({int64_t(p), s, prompts[p]});
+  const std::vector<GenerateRequest> requests = sample_requests(prompts, 3);
   GenerateOptions o;
   o.sampling = {0.9, 40, 0.95, 7};
   o.max_new_tokens = 20;
@@ -446,9 +452,7 @@ TEST_CASE("CUDA decoder: drawing on the device = drawing on the host from its do
   require_gpu();
   InferenceModel m = bf16_fixture("qwen3-qknorm");
   const auto prompts = fixture_prompts(m.config().vocab_size);
-  std::vector<GenerateRequest> requests;
-  for (size_t p = 0; p < prompts.size(); ++p)
-    for (int64_t s = 0; s < 3; ++s) requests.push_back({int64_t(p), s, prompts[p]});
+  const std::vector<GenerateRequest> requests = sample_requests(prompts, 3);
   const DecoderLimits limits = plan_limits(m.config(), requests, 5, 20, "test");
   for (const SamplingParams& sp : {SamplingParams{0.9, 40, 0.95, 7}, SamplingParams{1.0, 0, 1.0, 11},
                                    SamplingParams{0.0, 0, 1.0, 0}}) {
