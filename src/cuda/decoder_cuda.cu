@@ -275,6 +275,10 @@ CudaDecoder::CudaDecoder(const InferenceModel& model, const DecoderLimits& limit
   gemm_ = std::make_unique<cuda::Gemm>(stream_, gemm_workspace_, kGemmWorkspace);
   const char* graphs = std::getenv("SHARDLM_DECODE_GRAPHS");
   graphs_ = !(graphs && std::strcmp(graphs, "0") == 0);
+  // SHARDLM_DECODE_GEMM_PICK=waves: the decode steps' GEMMs (M = the batch)
+  // take the heuristic answer that covers the most SMs (cuda::Gemm::prefer_full_waves).
+  const char* pick = std::getenv("SHARDLM_DECODE_GEMM_PICK");
+  if (pick && std::strcmp(pick, "waves") == 0) gemm_->prefer_full_waves(S);
   const char* host_sampler = std::getenv("SHARDLM_HOST_SAMPLER");
   device_draws_ = !(host_sampler && std::strcmp(host_sampler, "1") == 0);
 
