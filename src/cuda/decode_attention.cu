@@ -311,6 +311,18 @@ __global__ void copy_rows_kernel(bf16* __restrict__ dst, const int32_t* __restri
     Pack<bf16, VEC>::load(src + from + j).store(dst + to + j);
 }
 
+// Row i of src (its first 2 width elements: k, then v) into row rows[i] of k_cache and of v_cache.
+template <int VEC>
+__global__ void store_kv_kernel(bf16* __restrict__ k_cache, bf16* __restrict__ v_cache,
+                                const int32_t* __restrict__ rows, const bf16* __restrict__ src, int64_t width,
+                                int64_t src_ld) {
+  const int64_t i = blockIdx.x, to = int64_t(rows[i]) * width, from = i * src_ld;
+  for (int64_t j = int64_t(threadIdx.x) * VEC; j < 2 * width; j += int64_t(blockDim.x) * VEC) {
+    const Pack<bf16, VEC> x = Pack<bf16, VEC>::load(src + from + j);
+    x.store(j < width ? k_cache + to + j : v_cache + to + (j - width));
+  }
+}
+
 }  // namespace
 
 int64_t decode_attention_chunk(int64_t max_len) {
@@ -401,6 +413,18 @@ void copy_rows(bf16* dst, const int32_t* dst_row, const bf16* src, const int32_t
     copy_rows_kernel<8><<<unsigned(n), 128, 0, stream>>>(dst, dst_row, src, src_row, width, src_ld);
   else
     copy_rows_kernel<1><<<unsigned(n), 128, 0, stream>>>(dst, dst_row, src, src_row, width, src_ld);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+void store_kv(bf16* k_cache, bf16* v_cache, const int32_t* rows, const bf16* src, int64_t src_ld, int64_t n,
+              int64_t width, cudaStream_t stream) {
+  if (n == 0 || width == 0) return;
+  SHARDLM_CHECK(n <= INT32_MAX && src_ld >= 2 * width, "store_kv: %lld rows of 2 x %lld (source rows of %lld)",
+                (long long)n, (long long)width, (long long)src_ld);
+  if (width % 8 == 0 && src_ld % 8 == 0 && aligned(src, 16) && aligned(k_cache, 16) && aligned(v_cache, 16))
+    store_kv_kernel<8><<<unsigned(n), 128, 0, stream>>>(k_cache, v_cache, rows, src, width, src_ld);
+  else
+    store_kv_kernel<1><<<unsigned(n), 128, 0, stream>>>(k_cache, v_cache, rows, src, width, src_ld);
   CUDA_CHECK(cudaGetLastError());
 }
 

@@ -3,7 +3,8 @@
 //
 // Owns: shardlm::cuda::decode_attention_forward (split-K over the cache length,
 // GQA, fp32 softmax and accumulation, bf16 in and out), its partials' scratch
-// size, and copy_rows (the KV cache store and the prefill's last-row gather).
+// size, copy_rows (the KV cache store and the prefill's last-row gather) and
+// store_kv (the decode step's k and v from its fused rows).
 // The contract is cpu::attention_decode_forward's (cpu/ops.hpp), the reference
 // tests/gpu/test_decode.cpp checks these kernels against.
 // Must not know: the model, MPI, the memory plan. Kernels allocate nothing and
@@ -51,5 +52,11 @@ void decode_attention_forward(__nv_bfloat16* out, const __nv_bfloat16* q, int64_
 // the identity (row i). Rows must not overlap.
 void copy_rows(__nv_bfloat16* dst, const int32_t* dst_row, const __nv_bfloat16* src, const int32_t* src_row,
                int64_t n, int64_t width, cudaStream_t stream, int64_t src_ld = 0);
+
+// The decoder's fused q|k|v rows: row i's k (its first `width` elements from
+// src + i src_ld) into row rows[i] of k_cache and its v (the next `width`)
+// into row rows[i] of v_cache, in one launch.
+void store_kv(__nv_bfloat16* k_cache, __nv_bfloat16* v_cache, const int32_t* rows, const __nv_bfloat16* src,
+              int64_t src_ld, int64_t n, int64_t width, cudaStream_t stream);
 
 }  // namespace shardlm::cuda

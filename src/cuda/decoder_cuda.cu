@@ -400,10 +400,10 @@ void CudaDecoder::attend_fused(int l, int64_t N, const LayerWeights<const bf16>&
   const int64_t QKV = HD + 2 * KVD;
   // w.wq (and w.bq) start the three adjacent projections (qkv_adjacent).
   cuda::linear_forward(*gemm_, qkv_, xn_, w.wq, w.bq, N, C, QKV);
-  cuda::rope_forward(qkv_, positions(ints_), inv_freq_, N, H, D, QKV, stream_);
-  cuda::rope_forward(qkv_ + HD, positions(ints_), inv_freq_, N, KV, D, QKV, stream_);
-  cuda::copy_rows(k_cache_[size_t(l)], cache_rows(ints_), qkv_ + HD, nullptr, N, KVD, stream_, QKV);
-  cuda::copy_rows(v_cache_[size_t(l)], cache_rows(ints_), qkv_ + HD + KVD, nullptr, N, KVD, stream_, QKV);
+  // q's and k's heads lie side by side in a row: one RoPE over H + KV heads;
+  // k and v side by side too: one store into the two caches.
+  cuda::rope_forward(qkv_, positions(ints_), inv_freq_, N, H + KV, D, QKV, stream_);
+  cuda::store_kv(k_cache_[size_t(l)], v_cache_[size_t(l)], cache_rows(ints_), qkv_ + HD, QKV, N, KVD, stream_);
   cuda::decode_attention_forward(att_, qkv_, QKV, k_cache_[size_t(l)], v_cache_[size_t(l)], slot_of(ints_),
                                  lens(ints_), N, H, KV, D, limits_.max_len, attention_scratch_,
                                  attention_scratch_bytes_, stream_);
