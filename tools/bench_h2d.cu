@@ -19,6 +19,13 @@
 //                   for T = 1, half and all of the cores; also prints the host
 //                   loop's own GB/s alone and during the copies
 //   h2d+d2h+host-T  both directions and the host loop: the pipeline's situation
+//   pipe-cached-T   the pipeline's own pattern: T threads write a chunk (one
+//   pipe-nt-T       unit's bf16 cast) into one of two registered slots, its
+//                   upload is queued, the next chunk is written into the other
+//                   slot meanwhile; the uploads' device time. cached: plain
+//                   stores (the CPU AdamW's, which leave the lines dirty in the
+//                   CPU's caches for the DMA engine to snoop); nt: non-temporal
+//                   stores (straight to memory)
 //
 // Build and run on the GPU machine (the Makefile's bench target, or by hand):
 //   nvcc -O2 -std=c++17 -Xcompiler -fopenmp tools/bench_h2d.cu -o build/bench_h2d
@@ -27,6 +34,7 @@
 //   `nvidia-smi topo -m` names it): a host buffer on the other socket is a cause
 //   of its own, worth running both ways.
 #include <cuda_runtime.h>
+#include <emmintrin.h>
 #include <omp.h>
 
 #include <atomic>
@@ -130,6 +138,62 @@ struct Stream {
   }
 };
 
+// Fills `bytes` of dst (16-byte aligned) with T threads: plain stores, or
+// non-temporal ones that bypass the caches.
+void host_write(char* dst, size_t bytes, int threads, bool non_temporal, int value) {
+  const int64_t n = int64_t(bytes / 16);
+  const __m128i x = _mm_set1_epi8(char(value));
+  if (non_temporal) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t i = 0; i < n; ++i) _mm_stream_si128(reinterpret_cast<__m128i*>(dst) + i, x);
+    _mm_sfence();
+  } else {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t i = 0; i < n; ++i) _mm_store_si128(reinterpret_cast<__m128i*>(dst) + i, x);
+  }
+}
+
+// The pipeline's pattern (see the header): returns the uploads' GB/s, device-timed
+// copy by copy, and the host's write GB/s in `write_gbps`.
+double pipelined(void* dev, char* const slot[2], const Options& o, int threads, bool non_temporal,
+                 cudaStream_t s, double* write_gbps) {
+  cudaEvent_t start[2], done[2];
+  for (int k = 0; k < 2; ++k) {
+    CUDA_CHECK(cudaEventCreate(&start[k]));
+    CUDA_CHECK(cudaEventCreate(&done[k]));
+  }
+  const int64_t count = int64_t(o.total_bytes / o.chunk_bytes);
+  double copy_s = 0, write_s = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    const int k = int(i % 2);
+    if (i >= 2) {  // the slot's last upload is done: time it, then write over it
+      CUDA_CHECK(cudaEventSynchronize(done[k]));
+      float ms = 0;
+      CUDA_CHECK(cudaEventElapsedTime(&ms, start[k], done[k]));
+      copy_s += 1e-3 * ms;
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    host_write(slot[k], o.chunk_bytes, threads, non_temporal, int(i));
+    write_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    CUDA_CHECK(cudaEventRecord(start[k], s));
+    CUDA_CHECK(cudaMemcpyAsync(dev, slot[k], o.chunk_bytes, cudaMemcpyHostToDevice, s));
+    CUDA_CHECK(cudaEventRecord(done[k], s));
+  }
+  for (int64_t i = std::max<int64_t>(0, count - 2); i < count; ++i) {
+    const int k = int(i % 2);
+    CUDA_CHECK(cudaEventSynchronize(done[k]));
+    float ms = 0;
+    CUDA_CHECK(cudaEventElapsedTime(&ms, start[k], done[k]));
+    copy_s += 1e-3 * ms;
+  }
+  for (int k = 0; k < 2; ++k) {
+    CUDA_CHECK(cudaEventDestroy(start[k]));
+    CUDA_CHECK(cudaEventDestroy(done[k]));
+  }
+  *write_gbps = double(count) * double(o.chunk_bytes) / write_s / 1e9;
+  return double(count) * double(o.chunk_bytes) / copy_s / 1e9;
+}
+
 void line(const std::string& name, double gbps, const std::string& note = "") {
   std::printf("%-22s %7.1f GB/s%s%s\n", name.c_str(), gbps, note.empty() ? "" : "  ", note.c_str());
   std::fflush(stdout);
@@ -221,6 +285,20 @@ int main(int argc, char** argv) {
     std::snprintf(note, sizeof note, "(host loop %.1f GB/s)", host.stop());
     line("h2d-wc+host-" + std::to_string(t), wc, note);
   }
+  // The pipeline's pattern: two registered slots (registered_up and a second).
+  std::vector<char> second(o.chunk_bytes + 64, 1);
+  char* second_slot = second.data() + (64 - reinterpret_cast<uintptr_t>(second.data()) % 64) % 64;
+  CUDA_CHECK(cudaHostRegister(second_slot, o.chunk_bytes, cudaHostRegisterDefault));
+  char* const slots[2] = {registered_up.data(), second_slot};
+  for (int t : team)
+    for (const bool nt : {false, true}) {
+      double wr = 0;
+      const double gbps = pipelined(dev_up, slots, o, t, nt, up.s, &wr);
+      char note[96];
+      std::snprintf(note, sizeof note, "(the host wrote the slots at %.1f GB/s)", wr);
+      line(std::string(nt ? "pipe-nt-" : "pipe-cached-") + std::to_string(t), gbps, note);
+    }
+  CUDA_CHECK(cudaHostUnregister(second_slot));
   CUDA_CHECK(cudaHostUnregister(registered_up.data()));
   CUDA_CHECK(cudaHostUnregister(registered_down.data()));
   CUDA_CHECK(cudaFreeHost(pinned));
