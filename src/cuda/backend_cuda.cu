@@ -647,8 +647,8 @@ class CudaBackend final : public Backend {
     bf16* q_proj = config_.qk_norm ? a.q_raw : a.q;
     bf16* k_proj = config_.qk_norm ? a.k_raw : a.k;
     project(q_proj, a.xn1, w.wq, w.bq, d.C, d.HD);
-    project(k_proj, a.xn1, w.wk, w.bk, d.C, d.KVD);
-    project(a.v, a.xn1, w.wv, w.bv, d.C, d.KVD);
+    project(k_proj, a.xn1, w.wk, w.bk, d.C, d.KVD, nullptr, /*same_input=*/true);
+    project(a.v, a.xn1, w.wv, w.bv, d.C, d.KVD, nullptr, /*same_input=*/true);
     if (config_.qk_norm) {
       cuda::rmsnorm_forward(a.q, a.q_rstd, a.q_raw, w.q_norm, N * d.H, d.D, eps, stream_);
       cuda::rmsnorm_forward(a.k, a.k_rstd, a.k_raw, w.k_norm, N * d.KV, d.D, eps, stream_);
@@ -666,11 +666,13 @@ class CudaBackend final : public Backend {
 
   // A decoder block's projection over the micro-batch's n_ tokens: out (N, OC) =
   // inp (N, IC) weight^T + bias [+ residual], a bf16 cuBLASLt GEMM or model.fp8's.
+  // same_input: the last projection's input again (q, k and v all read xn1):
+  // FP8 reuses its codes rather than quantising the same values once more.
   void project(bf16* out, const bf16* inp, const bf16* weight, const bf16* bias, int64_t IC, int64_t OC,
-               const bf16* residual = nullptr) {
+               const bf16* residual = nullptr, bool same_input = false) {
     if (!fp8_) return cuda::linear_forward(*gemm_, out, inp, weight, bias, n_, IC, OC, residual);
     if (residual) CUDA_CHECK(cudaMemcpyAsync(out, residual, 2 * size_t(n_ * OC), cudaMemcpyDeviceToDevice, stream_));
-    fp8_->forward(out, OC, inp, weight, bias, n_, IC, OC, /*accumulate=*/residual != nullptr);
+    fp8_->forward(out, OC, inp, weight, bias, n_, IC, OC, /*accumulate=*/residual != nullptr, same_input);
   }
   void project_backward(bf16* dinp, float* dweight, float* dbias, const bf16* dout, const bf16* inp,
                         const bf16* weight, int64_t IC, int64_t OC, cuda::Dinp mode = cuda::Dinp::Overwrite) {
@@ -686,7 +688,7 @@ class CudaBackend final : public Backend {
     const Dims& d = d_;
     if (!fp8_) return cuda::linear_forward(*gemm_, gu, xn2, w.w_gate, nullptr, n_, d.C, 2 * d.I);
     fp8_->forward(gu, 2 * d.I, xn2, w.w_gate, nullptr, n_, d.C, d.I);
-    fp8_->forward(gu + d.I, 2 * d.I, xn2, w.w_up, nullptr, n_, d.C, d.I);
+    fp8_->forward(gu + d.I, 2 * d.I, xn2, w.w_up, nullptr, n_, d.C, d.I, /*accumulate=*/false, /*same_input=*/true);
   }
   // d_xn_ = dgu (N, 2I) [w_gate; w_up]; the weights' gradients accumulated.
   void gate_up_backward(const bf16* dgu, const bf16* xn2, const LayerWeights<const bf16>& w,

@@ -51,9 +51,15 @@ void Fp8Linear::quantize(const bf16* x, int64_t rows, int64_t cols, Fp8Scaling s
 }
 
 void Fp8Linear::forward(bf16* out, int64_t ldc, const bf16* inp, const bf16* weight, const bf16* bias, int64_t N,
-                        int64_t IC, int64_t OC, bool accumulate) {
+                        int64_t IC, int64_t OC, bool accumulate, bool same_input) {
   const Fp8Scaling along_k = rowwise_ ? Fp8Scaling::Rows : Fp8Scaling::Tensor;
-  quantize(inp, N, IC, along_k, Fp8Format::E4M3, false, buf_.a_codes, buf_.a_scales);
+  if (same_input) {
+    SHARDLM_CHECK(inp == a_input_ && N == a_rows_ && IC == a_cols_,
+                  "internal: an FP8 forward reusing input codes of another input or shape");
+  } else {
+    quantize(inp, N, IC, along_k, Fp8Format::E4M3, false, buf_.a_codes, buf_.a_scales);
+    a_input_ = inp, a_rows_ = N, a_cols_ = IC;
+  }
   quantize(weight, OC, IC, along_k, Fp8Format::E4M3, false, buf_.b_codes, buf_.b_scales);
   gemm_.matmul(N, OC, IC, buf_.a_codes, Fp8Format::E4M3, IC, buf_.a_scales, buf_.b_codes, Fp8Format::E4M3,
                IC, buf_.b_scales, rowwise_, out, ldc, GemmOut::BF16, 1.0f, accumulate ? 1.0f : 0.0f,
@@ -65,6 +71,7 @@ void Fp8Linear::backward(bf16* dinp, bool accumulate_dinp, float* dweight, float
                          size_t bias_scratch_bytes) {
   // K runs along dout's rows (dinp) or across the stored matrices (W^T, dout^T,
   // inp^T, the transposed copies): under rowwise a scale per row or per column.
+  a_input_ = nullptr;  // the A buffers are overwritten below
   const Fp8Scaling rows = rowwise_ ? Fp8Scaling::Rows : Fp8Scaling::Tensor;
   const Fp8Scaling cols = rowwise_ ? Fp8Scaling::Cols : Fp8Scaling::Tensor;
   if (dinp != nullptr) {

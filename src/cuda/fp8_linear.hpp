@@ -48,9 +48,11 @@ class Fp8Linear {
   Fp8Linear(Fp8Mode mode, const Buffers& buffers, cudaStream_t stream, void* gemm_workspace, size_t workspace_bytes);
 
   // out (N, OC), row stride ldc = inp (N, IC) weight (OC, IC)^T + bias (OC, or
-  // nullptr) [+ out's own values when accumulate: a residual].
+  // nullptr) [+ out's own values when accumulate: a residual]. same_input: inp
+  // is the last forward's inp, unchanged (q, k and v share theirs; so do gate
+  // and up): its codes and scales are still in the A buffers and are reused.
   void forward(bf16* out, int64_t ldc, const bf16* inp, const bf16* weight, const bf16* bias, int64_t N, int64_t IC,
-               int64_t OC, bool accumulate = false);
+               int64_t OC, bool accumulate = false, bool same_input = false);
   // dinp (N, IC) = dout (N, OC) weight [+= with accumulate_dinp]; dweight (OC, IC)
   // fp32 += dout^T inp; dbias (OC) fp32 += dout's column sums (unquantised;
   // nullptr: none; bias_scratch as cuda::bias_grad's).
@@ -65,6 +67,9 @@ class Fp8Linear {
 
   bool rowwise_;
   Buffers buf_;
+  // What the A buffers hold after a forward (same_input checks it): the input and its shape.
+  const bf16* a_input_ = nullptr;
+  int64_t a_rows_ = 0, a_cols_ = 0;
   int64_t scale_count_ = 0;
   cudaStream_t stream_;
   Fp8Gemm gemm_;
