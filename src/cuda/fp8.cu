@@ -134,6 +134,37 @@ __global__ void quantize_vec_kernel(const bf16* __restrict__ x, int64_t rows, in
   }
 }
 
+// The same transposed codes for rows and cols multiples of 64 (16-byte aligned x,
+// 8-byte aligned codes): 64 x 64 tiles, 16 bytes of x a thread in, 8 bytes of
+// codes a thread out (the 32 x 32 kernel moves 2 and 1).
+constexpr int kTile = 64, kTilePad = 68;  // a padded row keeps a column's 8 bytes on 8 banks
+__global__ void __launch_bounds__(kThreads)
+quantize_transpose_vec_kernel(const bf16* __restrict__ x, int64_t rows, int64_t cols, const float* __restrict__ scale,
+                              Fp8Scaling scaling, Fp8Format f, uint8_t* __restrict__ codes) {
+  __shared__ __align__(16) uint8_t tile[kTile][kTilePad];
+  const __nv_fp8_interpretation_t kind = interpretation(f);
+  const int64_t r0 = int64_t(blockIdx.y) * kTile, c0 = int64_t(blockIdx.x) * kTile;
+  const int seg = threadIdx.x % 8, line = threadIdx.x / 8;  // 8 threads a 64-element line, 32 lines a pass
+  for (int y = line; y < kTile; y += kThreads / 8) {
+    const int64_t r = r0 + y, c = c0 + 8 * seg;
+    const uint4 raw = *reinterpret_cast<const uint4*>(x + r * cols + c);
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float v = j % 2 == 0 ? __low2float(h[j / 2]) : __high2float(h[j / 2]);
+      const float s = scaling == Fp8Scaling::Tensor ? scale[0] : scaling == Fp8Scaling::Rows ? scale[r] : scale[c + j];
+      tile[y][8 * seg + j] = __nv_cvt_float_to_fp8(__fmul_rn(v, s), __NV_SATFINITE, kind);
+    }
+  }
+  __syncthreads();
+  for (int y = line; y < kTile; y += kThreads / 8) {  // codes row c0 + y: tile column y, rows 8 seg .. 8 seg + 7
+    uint2 out = {0u, 0u};
+#pragma unroll
+    for (int j = 0; j < 8; ++j) (j < 4 ? out.x : out.y) |= uint32_t(tile[8 * seg + j][y]) << (8 * (j % 4));
+    *reinterpret_cast<uint2*>(codes + (c0 + y) * rows + r0 + 8 * seg) = out;
+  }
+}
+
 // 32 x 32 tiles through shared memory: reads along x's rows, writes along codes' rows.
 __global__ void quantize_transpose_kernel(const bf16* __restrict__ x, int64_t rows, int64_t cols,
                                           const float* __restrict__ scale, Fp8Scaling scaling, Fp8Format f,
@@ -202,7 +233,11 @@ void fp8_scales(const float* amax, int64_t n, Fp8Format f, float* scale, float* 
 void fp8_quantize(const bf16* x, int64_t rows, int64_t cols, const float* scale, Fp8Scaling scaling, Fp8Format f,
                   uint8_t* codes, bool transpose, cudaStream_t stream) {
   if (rows == 0 || cols == 0) return;
-  if (transpose) {
+  if (transpose && rows % kTile == 0 && cols % kTile == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
+      reinterpret_cast<uintptr_t>(codes) % 8 == 0 && rows / kTile <= 65535) {
+    const dim3 grid(static_cast<unsigned>(cols / kTile), static_cast<unsigned>(rows / kTile));
+    quantize_transpose_vec_kernel<<<grid, kThreads, 0, stream>>>(x, rows, cols, scale, scaling, f, codes);
+  } else if (transpose) {
     const dim3 grid(static_cast<unsigned>((cols + 31) / 32), static_cast<unsigned>((rows + 31) / 32));
     quantize_transpose_kernel<<<grid, dim3(32, 8), 0, stream>>>(x, rows, cols, scale, scaling, f, codes);
   } else if (cols % 8 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 && reinterpret_cast<uintptr_t>(codes) % 8 == 0) {
