@@ -515,13 +515,14 @@ restarted() {   # restarted ID N: the job runs after its N-th requeue; or it has
   job_done "$1" && return 0
   [ "$(job_field "$1" Restarts)" = "$2" ] && [ "$(job_field "$1" JobState)" = RUNNING ]
 }
-# The processes of this test's shardlm in node N's namespace.
+# The processes of job J's shardlm in node N's namespace: shardlm_pids_on N J.
 shardlm_pids_on() {
   local want p
   want=$(readlink "/proc/${node_pid[$1]}/ns/net")
   for p in $(pgrep -x shardlm); do
     [ "$(readlink "/proc/$p/ns/net" 2>/dev/null)" = "$want" ] &&
-      grep -qzxF "SHARDLM_MN_TEST_DIR=$tmp" "/proc/$p/environ" 2>/dev/null && echo "$p"
+      grep -qzxF "SHARDLM_MN_TEST_DIR=$tmp" "/proc/$p/environ" 2>/dev/null &&
+      grep -qzxF "SLURM_JOB_ID=$2" "/proc/$p/environ" 2>/dev/null && echo "$p"
   done
   return 0
 }
@@ -533,14 +534,20 @@ if wait_for 300 running_at_step "$jsig" runs/mn-sig 3 && ! job_done "$jsig"; the
 fi
 
 # SIGKILL to the ranks of the job's second node once step 25 is done (checkpoints at 10 and 20).
-kill_ok=0
+# A rank may be between two pgrep lines and the kill, so the kill's own status does
+# not decide: what counts is that the ranks were found and are gone afterwards.
+kill_ok=0 kill_why="never at step 25 while running"
 if wait_for 300 running_at_step "$jkill" runs/mn-kill 25 && ! job_done "$jkill"; then
   kill_node=$(job_nodes "$jkill" | awk '{print $2}')
-  pids=$(shardlm_pids_on "$kill_node")
+  pids=$(shardlm_pids_on "$kill_node" "$jkill")
   kill_step=$(last_step runs/mn-kill)
   t_kill=$SECONDS
-  # shellcheck disable=SC2086
-  [ -n "$pids" ] && kill -KILL $pids && kill_ok=1
+  kill_why="no shardlm process of job $jkill found on $kill_node (step $kill_step)"
+  if [ -n "$pids" ]; then
+    # shellcheck disable=SC2086
+    kill -KILL $pids 2>/dev/null || echo "  kill -KILL $pids: not every process was still there"
+    kill_ok=1
+  fi
   wait_for 300 job_done "$jkill"
   t_kill_end=$(( SECONDS - t_kill ))
 fi
@@ -577,7 +584,8 @@ if [ $kill_ok = 1 ]; then
   check "node killed: after the resume, the losses of all $long_steps steps equal the single-node run's" \
     same_losses runs/mn-kill runs/ref4 $long_steps
 else
-  fail "node killed: the job was not running past step 25, or no shardlm process was found on its second node ($(state "$jkill"))"
+  fail "node killed: $kill_why ($(state "$jkill"))"
+  tail -20 "$log" | sed 's/^/    /'
 fi
 
 # The network of the job's second node cut: no process dies, so nothing but
