@@ -38,6 +38,8 @@ std::vector<Completion> generate(Decoder& decoder, std::span<const GenerateReque
   const ModelConfig& c = decoder.config();
   const int64_t V = c.vocab_size, slots = decoder.limits().slots;
   SHARDLM_CHECK(o.max_new_tokens >= 1, "--max-new-tokens %lld must be at least 1", (long long)o.max_new_tokens);
+  // Checked here for both paths: the device's draw() assumes usable values as the host Sampler does.
+  if (std::string e = sampling_params_error(o.sampling); !e.empty()) SHARDLM_FAIL("%s", e.c_str());
   std::vector<int32_t> order = o.slot_order;
   if (order.empty()) order.resize(size_t(slots)), std::iota(order.begin(), order.end(), 0);
   SHARDLM_CHECK(int64_t(order.size()) == slots, "internal: a slot order of %zu for %lld slots", order.size(),
@@ -55,8 +57,6 @@ std::vector<Completion> generate(Decoder& decoder, std::span<const GenerateReque
   std::vector<Sampler> samplers;
   if (!on_device)
     for (int t = 0; t < std::max(1, omp_get_max_threads()); ++t) samplers.emplace_back(o.sampling, V);
-  else if (std::string e = sampling_params_error(o.sampling); !e.empty())
-    SHARDLM_FAIL("%s", e.c_str());
   // Planned once: one row of logits per slot (the decoder's own buffer) and the per-row values of a step.
   float* const logits = on_device ? nullptr : decoder.host_logits();
   std::vector<Sampled> drawn(static_cast<size_t>(slots));
