@@ -14,6 +14,13 @@
      per micro-batch (loss / rows each, so the step's loss is the mean over its tokens), fused
      torch AdamW with the same groups, clip_grad_norm_ 1.0; eager, and torch.compile
      (--variants eager,compile);
+     Emulations of shardlm's precision on the transformers side, one at a time, find where a gap
+     comes from without a shardlm build per switch (--variants eager+bf16-residual, ...):
+       bf16-residual  the residual stream (the embedding's output, each block's two sums) and its
+                      gradient rounded to bf16, as shardlm's CUDA backend keeps them between kernels;
+       bf16-params    the forward reads bf16-rounded parameters (the norm weights and the embedding
+                      rows too, which autocast leaves fp32) and AdamW updates fp32 masters with the
+                      gradients of those: FSDP's bf16 gather, as shardlm's units are gathered;
   5. the table: per window of steps, the mean relative loss difference to transformers eager
      (and its max |.|) for shardlm and for compile (transformers' own spread), and the mean
      loss of the last 10 steps; losses.json with every curve.
@@ -21,6 +28,7 @@
   python3 tools/fidelity_vs_hf.py --shardlm build/shardlm --shape llama-1b --steps 150 --out runs/fidelity
   python3 tools/fidelity_vs_hf.py ... --label fp32-residual --set model.residual_dtype=fp32   (a switch)
   python3 tools/fidelity_vs_hf.py ... --skip-hf runs/fidelity/losses.json   (reuse transformers' curves)
+  python3 tools/fidelity_vs_hf.py ... --variants eager,eager+bf16-residual,eager+bf16-params
 
 Needs torch, transformers, h5py and numpy (tools/fidelity_vs_hf.sh finds that python).
 """
@@ -143,38 +151,110 @@ interval = 1
     return [losses[s] for s in sorted(losses)]
 
 
-def run_hf(args, model_dir, rows, compiled):
+EMULATIONS = ("bf16-residual", "bf16-params")
+
+
+def round_bf16_fn():
+    """x -> x rounded to bf16 (kept in x's dtype), and the gradient likewise on the way back."""
+    import torch
+
+    class RoundBF16(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.to(torch.bfloat16).to(x.dtype)
+
+        @staticmethod
+        def backward(ctx, g):
+            return g.to(torch.bfloat16).to(g.dtype)
+
+    return RoundBF16.apply
+
+
+def emulate_bf16_residual(model, decoder_layers, embed):
+    """Hooks that round the residual stream and its gradient to bf16 where shardlm's CUDA backend
+    stores it: the embedding's output, and each block's sum after attention and after the MLP.
+    A block computes x + attn(x) and mid + mlp(mid); the hooks return round(x + h) - x for h, so
+    the block's own sum gives round(x + h) (exact: x and round(x + h) are both bf16 values)."""
+    rnd = round_bf16_fn()
+    handles = [embed.register_forward_hook(lambda m, i, out: rnd(out))]
+
+    def first(out):
+        return out[0] if isinstance(out, tuple) else out
+
+    def replace_first(out, h):
+        return (h,) + tuple(out[1:]) if isinstance(out, tuple) else h
+
+    for layer in decoder_layers:
+        seen = {}
+
+        def block_in(m, args, seen=seen):  # the block's input is its first norm's
+            seen["x"] = args[0]
+
+        def attn_out(m, inputs, out, seen=seen):
+            x = seen["x"]
+            return replace_first(out, rnd(x + first(out)) - x)
+
+        def mlp_in(m, args, seen=seen):
+            seen["mid"] = args[0]
+
+        def mlp_out(m, inputs, out, seen=seen):
+            mid = seen["mid"]
+            return rnd(mid + out) - mid
+
+        handles += [layer.input_layernorm.register_forward_pre_hook(block_in),
+                    layer.self_attn.register_forward_hook(attn_out),
+                    layer.post_attention_layernorm.register_forward_pre_hook(mlp_in),
+                    layer.mlp.register_forward_hook(mlp_out)]
+    return handles
+
+
+def run_hf(args, model_dir, rows, variant, device="cuda"):
+    """One transformers run: variant = eager | compile, optionally +EMULATION..."""
     import torch
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM
+    base, *emulate = variant.split("+")
+    assert base in ("eager", "compile") and all(e in EMULATIONS for e in emulate), variant
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).cuda()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).to(device)
     model.config.use_cache = False
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    params = list(model.parameters())
+    # bf16-params: AdamW owns fp32 masters; the model's parameters hold their bf16 roundings.
+    masters = [p.detach().clone() for p in params] if "bf16-params" in emulate else params
+    decay = [m for p, m in zip(params, masters) if p.ndim >= 2]
+    no_decay = [m for p, m in zip(params, masters) if p.ndim < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
-    step_fn = torch.compile(model) if compiled else model
+                            lr=args.lr, betas=(0.9, 0.95), eps=1e-8, **({"fused": True} if device == "cuda" else {}))
+    if "bf16-residual" in emulate:
+        emulate_bf16_residual(model, model.model.layers, model.model.embed_tokens)
+    step_fn = torch.compile(model) if base == "compile" else model
     losses = []
     t0 = time.time()
     for step in range(args.steps):
+        if masters is not params:
+            with torch.no_grad():
+                for p, m in zip(params, masters):
+                    p.copy_(m.to(torch.bfloat16))
         total = 0.0
         for r in range(args.rows):
-            doc = torch.from_numpy(rows[(step * args.rows + r) % len(rows)].astype(np.int64)).cuda()
+            doc = torch.from_numpy(rows[(step * args.rows + r) % len(rows)].astype(np.int64)).to(device)
             x, y = doc[:-1][None], doc[1:]
-            with torch.autocast("cuda", dtype=torch.bfloat16):
+            with torch.autocast(device, dtype=torch.bfloat16):
                 logits = step_fn(input_ids=x).logits
             loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y) / args.rows
             loss.backward()
             total += loss.item()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if masters is not params:
+            for p, m in zip(params, masters):
+                m.grad, p.grad = p.grad, None
+        torch.nn.utils.clip_grad_norm_(masters, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(total)
-    name = "compile" if compiled else "eager"
-    print(f"transformers {name}: {args.steps} steps in {time.time() - t0:.0f} s", flush=True)
-    del model, opt, step_fn
-    torch.cuda.empty_cache()
+    print(f"transformers {variant}: {args.steps} steps in {time.time() - t0:.0f} s", flush=True)
+    del model, opt, step_fn, masters, params
+    if device == "cuda":
+        torch.cuda.empty_cache()
     return losses
 
 
@@ -210,8 +290,10 @@ def main():
     ap.add_argument("--out", default="runs/fidelity")
     ap.add_argument("--label", default="default", help="the shardlm curve's name (a switch under study)")
     ap.add_argument("--set", action="append", default=[], help="a shardlm --set override (repeatable)")
-    ap.add_argument("--variants", default="eager,compile", help="transformers runs: eager,compile")
-    ap.add_argument("--skip-hf", default="", help="a losses.json of an earlier call: its transformers curves")
+    ap.add_argument("--variants", default="eager,compile",
+                    help="transformers runs: eager, compile, each optionally +" + "+".join(EMULATIONS))
+    ap.add_argument("--skip-hf", default="", help="a losses.json of an earlier call: its transformers curves "
+                    "(--variants then runs only those it does not have)")
     ap.add_argument("--model", default="", help="an existing HF model directory instead of --shape's random init")
     ap.add_argument("--device", default="cuda", help="shardlm's device.backend (cpu: a check of this script)")
     args = ap.parse_args()
@@ -240,9 +322,9 @@ def main():
         with open(args.skip_hf) as f:
             earlier = json.load(f)
         curves.update({k: v for k, v in earlier.items() if k.startswith("transformers")})
-    else:
-        for v in args.variants.split(","):
-            curves[f"transformers {v}"] = run_hf(args, model_dir, rows, compiled=(v == "compile"))
+    for v in filter(None, args.variants.split(",")):  # the ones --skip-hf's file does not have
+        if f"transformers {v}" not in curves:
+            curves[f"transformers {v}"] = run_hf(args, model_dir, rows, v)
     curves[f"shardlm {args.label}"] = run_shardlm(args, model_dir, data_path,
                                                    os.path.join(args.out, f"run-{args.label}"), args.label)
     with open(saved, "w") as f:
