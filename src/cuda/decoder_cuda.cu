@@ -88,10 +88,10 @@ class CudaDecoder final : public Decoder {
     int64_t bytes;
     void** ptr;
   };
-  template <class T>
-  void add(const char* name, Mem category, int64_t count, T** ptr) {
-    table_.push_back({name, category, count * int64_t(sizeof(T)), reinterpret_cast<void**>(ptr)});
-  }
+  template <class Add, class Pin>
+  static void plan_buffers(const ModelConfig& c, const ModelLayout& layout, const DecoderLimits& limits,
+                           CudaDecoder* self, Add&& add, Pin&& pin);
+  friend DecoderPlan shardlm::plan_cuda_decoder(const ModelConfig& c, const DecoderLimits& limits);
   int64_t bytes_of(Mem category) const {
     int64_t b = 0;
     for (const BufferRow& r : table_) b += r.category == category ? r.bytes : 0;
@@ -195,8 +195,13 @@ class CudaDecoder final : public Decoder {
   int32_t* last_dst(int32_t* base) const { return base + 4 * rows_ + 3 * limits_.slots; }
 };
 
-CudaDecoder::CudaDecoder(const InferenceModel& model, const DecoderLimits& limits) : model_(model), limits_(limits) {
-  const ModelConfig& c = model.config();
+// Every limit checked, then every device buffer (add: name, where it is counted,
+// elements, the member it lands in) and pinned host buffer (pin) in one list:
+// the constructor allocates from it, plan_cuda_decoder only counts (self null:
+// no member is written, nothing touches a device).
+template <class Add, class Pin>
+void CudaDecoder::plan_buffers(const ModelConfig& c, const ModelLayout& layout, const DecoderLimits& limits,
+                               CudaDecoder* self, Add&& add, Pin&& pin) {
   SHARDLM_CHECK(limits.slots >= 1 && limits.slots <= 65536, "generate: a batch of %lld sequences; give 1 to 65536",
                 (long long)limits.slots);
   SHARDLM_CHECK(limits.max_len >= 1 && limits.max_len <= c.max_position_embeddings,
@@ -209,66 +214,94 @@ CudaDecoder::CudaDecoder(const InferenceModel& model, const DecoderLimits& limit
   SHARDLM_CHECK(c.head_dim <= 256 && c.num_heads % c.num_kv_heads == 0,
                 "generate on the GPU: head_dim %lld (at most 256) with %lld heads over %lld kv heads",
                 (long long)c.head_dim, (long long)c.num_heads, (long long)c.num_kv_heads);
-  CUDA_CHECK(cudaGetDevice(&device_));
-  prefill_rows_ = std::max(limits.max_len, std::min(limits.slots * limits.max_len, kPrefillTokens));
-  rows_ = std::max(prefill_rows_, limits.slots);
-  if (std::string e = model_scale_error(c, rows_, 1); !e.empty()) SHARDLM_FAIL("generate: %s", e.c_str());
+  const int64_t prefill_rows = std::max(limits.max_len, std::min(limits.slots * limits.max_len, kPrefillTokens));
+  const int64_t rows = std::max(prefill_rows, limits.slots);
+  if (std::string e = model_scale_error(c, rows, 1); !e.empty()) SHARDLM_FAIL("generate: %s", e.c_str());
+  const char* fused_env = std::getenv("SHARDLM_DECODE_FUSED_QKV");
+  bool fused = !c.qk_norm && !(fused_env && std::strcmp(fused_env, "0") == 0);
+  for (int64_t l = 0; l < c.num_layers && fused; ++l) fused = qkv_adjacent(layout.layer(int(l)));
+  const size_t attention_scratch = cuda::decode_attention_scratch_bytes(limits.slots, c.num_heads, c.head_dim,
+                                                                       limits.max_len);
+  const int64_t ints = 4 * rows + 4 * limits.slots;
+  if (self) {
+    self->prefill_rows_ = prefill_rows;
+    self->rows_ = rows;
+    self->fused_qkv_ = fused;
+    self->attention_scratch_bytes_ = attention_scratch;
+    self->ints_count_ = ints;
+    self->unit_w_.assign(layout.units.size(), nullptr);
+    self->k_cache_.assign(size_t(c.num_layers), nullptr);
+    self->v_cache_.assign(size_t(c.num_layers), nullptr);
+  }
+  // The member a buffer lands in; nullptr when only planning.
+  const auto at = [self](auto CudaDecoder::*member) { return self ? &(self->*member) : nullptr; };
+  const auto in = [self](std::vector<bf16*> CudaDecoder::*v, size_t i) {
+    return self ? &(self->*v)[i] : static_cast<bf16**>(nullptr);
+  };
 
   const int64_t L = c.num_layers, C = c.hidden_size, V = c.vocab_size, I = c.intermediate_size;
-  const int64_t H = c.num_heads, KV = c.num_kv_heads, D = c.head_dim, HD = H * D, KVD = KV * D;
-  const int64_t S = limits.slots, R = rows_;
-  const auto& units = model.weights->layout.units;
-  unit_w_.assign(units.size(), nullptr);
-  for (size_t u = 0; u < units.size(); ++u) add("weights", Mem::ParamShard, units[u].padded_numel, &unit_w_[u]);
-  k_cache_.assign(size_t(L), nullptr);
-  v_cache_.assign(size_t(L), nullptr);
+  const int64_t H = c.num_heads, D = c.head_dim, HD = H * D, KVD = c.num_kv_heads * D;
+  const int64_t S = limits.slots, R = rows;
+  for (size_t u = 0; u < layout.units.size(); ++u)
+    add("weights", Mem::ParamShard, layout.units[u].padded_numel, in(&CudaDecoder::unit_w_, u));
   for (int64_t l = 0; l < L; ++l) {
-    add("kv_cache.k", Mem::Activations, S * limits.max_len * KVD, &k_cache_[size_t(l)]);
-    add("kv_cache.v", Mem::Activations, S * limits.max_len * KVD, &v_cache_[size_t(l)]);
+    add("kv_cache.k", Mem::Activations, S * limits.max_len * KVD, in(&CudaDecoder::k_cache_, size_t(l)));
+    add("kv_cache.v", Mem::Activations, S * limits.max_len * KVD, in(&CudaDecoder::v_cache_, size_t(l)));
   }
-  add("x", Mem::Workspace, R * C, &x_);
-  add("x_out", Mem::Workspace, R * C, &x_out_);
-  add("x_mid", Mem::Workspace, R * C, &x_mid_);
-  add("xn", Mem::Workspace, R * C, &xn_);
-  add("q", Mem::Workspace, R * HD, &q_);
-  add("k", Mem::Workspace, R * KVD, &k_);
-  add("v", Mem::Workspace, R * KVD, &v_);
+  add("x", Mem::Workspace, R * C, at(&CudaDecoder::x_));
+  add("x_out", Mem::Workspace, R * C, at(&CudaDecoder::x_out_));
+  add("x_mid", Mem::Workspace, R * C, at(&CudaDecoder::x_mid_));
+  add("xn", Mem::Workspace, R * C, at(&CudaDecoder::xn_));
+  add("q", Mem::Workspace, R * HD, at(&CudaDecoder::q_));
+  add("k", Mem::Workspace, R * KVD, at(&CudaDecoder::k_));
+  add("v", Mem::Workspace, R * KVD, at(&CudaDecoder::v_));
   if (c.qk_norm) {
-    add("q_raw", Mem::Workspace, R * HD, &q_raw_);
-    add("k_raw", Mem::Workspace, R * KVD, &k_raw_);
+    add("q_raw", Mem::Workspace, R * HD, at(&CudaDecoder::q_raw_));
+    add("k_raw", Mem::Workspace, R * KVD, at(&CudaDecoder::k_raw_));
   }
-  add("att", Mem::Workspace, R * HD, &att_);
-  const char* fused = std::getenv("SHARDLM_DECODE_FUSED_QKV");
-  fused_qkv_ = !c.qk_norm && !(fused && std::strcmp(fused, "0") == 0);
-  for (int64_t l = 0; l < L && fused_qkv_; ++l) fused_qkv_ = qkv_adjacent(model.weights->layout.layer(l));
-  if (fused_qkv_) add("qkv", Mem::Workspace, S * (HD + 2 * KVD), &qkv_);
-  add("gate_up", Mem::Workspace, R * 2 * I, &gu_);
-  add("h", Mem::Workspace, R * I, &h_);
-  add("rstd", Mem::Workspace, R * std::max<int64_t>(H, 1), &rstd_);
-  add("lse", Mem::Workspace, R * H, &lse_);
-  add("doc_start", Mem::Workspace, R, &doc_start_);
-  attention_scratch_bytes_ = cuda::decode_attention_scratch_bytes(S, H, D, limits.max_len);
-  add("decode_attention", Mem::Workspace, int64_t(attention_scratch_bytes_), reinterpret_cast<char**>(&attention_scratch_));
-  add("last", Mem::Workspace, S * C, &last_);
-  add("head_x", Mem::Workspace, S * C, &head_x_);
-  add("logits", Mem::Workspace, S * V, &logits_);
-  add("inv_freq", Mem::Workspace, D / 2, &inv_freq_);
-  add("gemm_workspace", Mem::Workspace, int64_t(kGemmWorkspace), reinterpret_cast<char**>(&gemm_workspace_));
-  add("logprob_tokens", Mem::Workspace, S, &lp_tokens_);
-  add("logprobs", Mem::Workspace, S, &lp_out_);
-  add("draw_uniforms", Mem::Workspace, S, &draw_uniforms_);
-  add("draw_out", Mem::Workspace, 4 * S, &draw_out_);
-  ints_count_ = 4 * R + 4 * S;
-  add("step_inputs", Mem::Workspace, ints_count_, &ints_);
+  add("att", Mem::Workspace, R * HD, at(&CudaDecoder::att_));
+  if (fused) add("qkv", Mem::Workspace, S * (HD + 2 * KVD), at(&CudaDecoder::qkv_));
+  add("gate_up", Mem::Workspace, R * 2 * I, at(&CudaDecoder::gu_));
+  add("h", Mem::Workspace, R * I, at(&CudaDecoder::h_));
+  add("rstd", Mem::Workspace, R * std::max<int64_t>(H, 1), at(&CudaDecoder::rstd_));
+  add("lse", Mem::Workspace, R * H, at(&CudaDecoder::lse_));
+  add("doc_start", Mem::Workspace, R, at(&CudaDecoder::doc_start_));
+  add("decode_attention", Mem::Workspace, int64_t(attention_scratch),
+      reinterpret_cast<char**>(at(&CudaDecoder::attention_scratch_)));
+  add("last", Mem::Workspace, S * C, at(&CudaDecoder::last_));
+  add("head_x", Mem::Workspace, S * C, at(&CudaDecoder::head_x_));
+  add("logits", Mem::Workspace, S * V, at(&CudaDecoder::logits_));
+  add("inv_freq", Mem::Workspace, D / 2, at(&CudaDecoder::inv_freq_));
+  add("gemm_workspace", Mem::Workspace, int64_t(kGemmWorkspace),
+      reinterpret_cast<char**>(at(&CudaDecoder::gemm_workspace_)));
+  add("logprob_tokens", Mem::Workspace, S, at(&CudaDecoder::lp_tokens_));
+  add("logprobs", Mem::Workspace, S, at(&CudaDecoder::lp_out_));
+  add("draw_uniforms", Mem::Workspace, S, at(&CudaDecoder::draw_uniforms_));
+  add("draw_out", Mem::Workspace, 4 * S, at(&CudaDecoder::draw_out_));
+  add("step_inputs", Mem::Workspace, ints, at(&CudaDecoder::ints_));
+
+  pin(ints, at(&CudaDecoder::host_ints_));
+  pin(S * V, at(&CudaDecoder::logits_host_));
+  pin(kUploadElems, at(&CudaDecoder::upload_host_));
+  pin(S, at(&CudaDecoder::lp_tokens_host_));
+  pin(S, at(&CudaDecoder::lp_out_host_));
+  pin(S, at(&CudaDecoder::draw_uniforms_host_));
+  pin(4 * S, at(&CudaDecoder::draw_out_host_));
+}
+
+CudaDecoder::CudaDecoder(const InferenceModel& model, const DecoderLimits& limits) : model_(model), limits_(limits) {
+  const ModelConfig& c = model.config();
+  plan_buffers(
+      c, model.weights->layout, limits, this,
+      [this](const char* name, Mem category, int64_t count, auto** ptr) {
+        table_.push_back({name, category, count * int64_t(sizeof(**ptr)), reinterpret_cast<void**>(ptr)});
+      },
+      [](int64_t count, auto** ptr) {
+        CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(ptr), size_t(count) * sizeof(**ptr)));
+      });
+  CUDA_CHECK(cudaGetDevice(&device_));
   for (BufferRow& r : table_) *r.ptr = cuda_malloc(r.category, r.bytes);
 
-  CUDA_CHECK(cudaMallocHost(&host_ints_, size_t(ints_count_) * sizeof(int32_t)));
-  CUDA_CHECK(cudaMallocHost(&logits_host_, size_t(S * V) * sizeof(float)));
-  CUDA_CHECK(cudaMallocHost(&upload_host_, size_t(kUploadElems) * sizeof(uint16_t)));
-  CUDA_CHECK(cudaMallocHost(&lp_tokens_host_, size_t(S) * sizeof(int32_t)));
-  CUDA_CHECK(cudaMallocHost(&lp_out_host_, size_t(S) * sizeof(float)));
-  CUDA_CHECK(cudaMallocHost(&draw_uniforms_host_, size_t(S) * sizeof(double)));
-  CUDA_CHECK(cudaMallocHost(&draw_out_host_, size_t(4 * S) * sizeof(uint32_t)));
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   CUDA_CHECK(cudaEventCreate(&step_begin_));
   CUDA_CHECK(cudaEventCreate(&step_end_));
@@ -278,7 +311,7 @@ CudaDecoder::CudaDecoder(const InferenceModel& model, const DecoderLimits& limit
   // SHARDLM_DECODE_GEMM_PICK=waves: the decode steps' GEMMs (M = the batch)
   // take the heuristic answer that covers the most SMs (cuda::Gemm::prefer_full_waves).
   const char* pick = std::getenv("SHARDLM_DECODE_GEMM_PICK");
-  if (pick && std::strcmp(pick, "waves") == 0) gemm_->prefer_full_waves(S);
+  if (pick && std::strcmp(pick, "waves") == 0) gemm_->prefer_full_waves(limits.slots);
   const char* host_sampler = std::getenv("SHARDLM_HOST_SAMPLER");
   device_draws_ = !(host_sampler && std::strcmp(host_sampler, "1") == 0);
 
@@ -287,7 +320,7 @@ CudaDecoder::CudaDecoder(const InferenceModel& model, const DecoderLimits& limit
   std::vector<float> inv_f(inv.begin(), inv.end());
   CUDA_CHECK(cudaMemcpy(inv_freq_, inv_f.data(), sizeof(float) * inv_f.size(), cudaMemcpyHostToDevice));
   upload_weights();
-  slot_len_.assign(size_t(S), 0);
+  slot_len_.assign(size_t(limits.slots), 0);
 }
 
 CudaDecoder::~CudaDecoder() {
@@ -571,6 +604,21 @@ void CudaDecoder::decode_full_batch() {
 
 std::unique_ptr<Decoder> make_cuda_decoder(const InferenceModel& model, const DecoderLimits& limits) {
   return std::make_unique<CudaDecoder>(model, limits);
+}
+
+DecoderPlan plan_cuda_decoder(const ModelConfig& c, const DecoderLimits& limits) {
+  const ModelLayout layout(c, 1);
+  DecoderPlan plan;
+  CudaDecoder::plan_buffers(
+      c, layout, limits, nullptr,
+      [&plan](const char*, Mem category, int64_t count, auto** ptr) {
+        const int64_t bytes = count * int64_t(sizeof(**ptr));
+        if (category == Mem::ParamShard) plan.weights += bytes;
+        else if (category == Mem::Activations) plan.cache += bytes;
+        else plan.scratch += bytes;
+      },
+      [&plan](int64_t count, auto** ptr) { plan.host += count * int64_t(sizeof(**ptr)); });
+  return plan;
 }
 
 }  // namespace shardlm

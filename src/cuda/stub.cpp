@@ -39,6 +39,10 @@ std::unique_ptr<DeviceUnits> make_cuda_device_units(ShardedModel&, Optimizer&, c
   SHARDLM_FAIL("this shardlm was built without CUDA (device-resident training state needs a GPU backend)");
 }
 
+DecoderPlan plan_cuda_decoder(const ModelConfig&, const DecoderLimits&) {
+  SHARDLM_FAIL("this shardlm was built without CUDA (no plan for the GPU decoder)");
+}
+
 std::unique_ptr<Decoder> make_cuda_decoder(const InferenceModel&, const DecoderLimits&) {
   SHARDLM_FAIL("this shardlm was built without CUDA (generate on the GPU needs a CUDA build; use device.backend = "
                "\"cpu\" or --device cpu)");

@@ -18,31 +18,62 @@ std::unique_ptr<Decoder> make_decoder(const InferenceModel& model, const Decoder
   return std::make_unique<CpuDecoder>(model, limits);
 }
 
-CpuDecoder::CpuDecoder(const InferenceModel& model, const DecoderLimits& limits) : model_(model), limits_(limits) {
-  const ModelConfig& c = model.config();
+DecoderPlan plan_decoder(const ModelConfig& c, const DecoderLimits& limits, const std::string& backend) {
+  if (backend == "cuda") return plan_cuda_decoder(c, limits);
+  SHARDLM_CHECK(backend == "cpu", "internal: generate on backend '%s'", backend.c_str());
+  const std::vector<cpu::BufferRow> table = CpuDecoder::plan_rows(c, limits, nullptr);
+  DecoderPlan plan;
+  plan.cache = cpu::rows_bytes(table, Mem::Activations);
+  plan.scratch = cpu::rows_bytes(table, Mem::Workspace);
+  plan.host = CpuDecoder::logits_bytes(c, limits);
+  return plan;
+}
+
+// Every limit checked, then the table of buffers: the constructor allocates
+// from it, plan_decoder counts it (self null: no slot, nothing allocated).
+std::vector<cpu::BufferRow> CpuDecoder::plan_rows(const ModelConfig& c, const DecoderLimits& limits,
+                                                  CpuDecoder* self) {
   SHARDLM_CHECK(limits.slots >= 1 && limits.slots <= 65536, "generate: a batch of %lld sequences; give 1 to 65536",
                 (long long)limits.slots);
   SHARDLM_CHECK(limits.max_len >= 1 && limits.max_len <= c.max_position_embeddings,
                 "generate: %lld positions per sequence, but the model has max_position_embeddings = %lld",
                 (long long)limits.max_len, (long long)c.max_position_embeddings);
-  max_rows_ = std::max(limits.max_len, limits.slots);
-  if (std::string e = model_scale_error(c, max_rows_, 1); !e.empty()) SHARDLM_FAIL("generate: %s", e.c_str());
+  const int64_t max_rows = std::max(limits.max_len, limits.slots);
+  if (std::string e = model_scale_error(c, max_rows, 1); !e.empty()) SHARDLM_FAIL("generate: %s", e.c_str());
   const int64_t L = c.num_layers, C = c.hidden_size, KVD = c.num_kv_heads * c.head_dim;
-  // The cache is the one buffer that grows with slots x max_len: it is what the plan is about.
-  k_cache_.resize(size_t(L));
-  v_cache_.resize(size_t(L));
-  for (int64_t l = 0; l < L; ++l) {
-    table_.push_back({"kv_cache.k", &k_cache_[size_t(l)], limits.slots * limits.max_len * KVD, Mem::Activations});
-    table_.push_back({"kv_cache.v", &v_cache_[size_t(l)], limits.slots * limits.max_len * KVD, Mem::Activations});
+  if (self) {
+    self->max_rows_ = max_rows;
+    self->k_cache_.resize(size_t(L));
+    self->v_cache_.resize(size_t(L));
   }
-  table_.push_back({"x", &x_, max_rows_ * C, Mem::Workspace});
-  table_.push_back({"x_next", &x_next_, max_rows_ * C, Mem::Workspace});
-  table_.push_back({"last", &last_, limits.slots * C, Mem::Workspace});
+  const auto at = [self](Buffer<float> CpuDecoder::*member) { return self ? &(self->*member) : nullptr; };
+  std::vector<cpu::BufferRow> table;
+  // The cache is the one buffer that grows with slots x max_len: it is what the plan is about.
+  for (int64_t l = 0; l < L; ++l) {
+    table.push_back({"kv_cache.k", self ? &self->k_cache_[size_t(l)] : nullptr, limits.slots * limits.max_len * KVD,
+                     Mem::Activations});
+    table.push_back({"kv_cache.v", self ? &self->v_cache_[size_t(l)] : nullptr, limits.slots * limits.max_len * KVD,
+                     Mem::Activations});
+  }
+  table.push_back({"x", at(&CpuDecoder::x_), max_rows * C, Mem::Workspace});
+  table.push_back({"x_next", at(&CpuDecoder::x_next_), max_rows * C, Mem::Workspace});
+  table.push_back({"last", at(&CpuDecoder::last_), limits.slots * C, Mem::Workspace});
   std::vector<cpu::BufferRow> act_rows;
-  acts_.add_rows(c, max_rows_, act_rows);
-  for (auto& r : act_rows) r.category = Mem::Workspace, table_.push_back(r);
-  table_.push_back({"head.x", &head_x_, limits.slots * C, Mem::Workspace});
-  table_.push_back({"head.rstd", &head_rstd_, limits.slots, Mem::Workspace});
+  cpu::LayerActs counted;  // planning only: its rows are counted, never allocated
+  (self ? self->acts_ : counted).add_rows(c, max_rows, act_rows);
+  for (auto& r : act_rows) r.category = Mem::Workspace, r.slot = self ? r.slot : nullptr, table.push_back(r);
+  table.push_back({"head.x", at(&CpuDecoder::head_x_), limits.slots * C, Mem::Workspace});
+  table.push_back({"head.rstd", at(&CpuDecoder::head_rstd_), limits.slots, Mem::Workspace});
+  return table;
+}
+
+int64_t CpuDecoder::logits_bytes(const ModelConfig& c, const DecoderLimits& limits) {
+  return limits.slots * c.vocab_size * int64_t(sizeof(float));
+}
+
+CpuDecoder::CpuDecoder(const InferenceModel& model, const DecoderLimits& limits) : model_(model), limits_(limits) {
+  const ModelConfig& c = model.config();
+  table_ = plan_rows(c, limits, this);
   cpu::allocate_rows(table_);
   inv_freq_ = cpu::rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling);
   tokens_.resize(size_t(max_rows_));
@@ -51,7 +82,7 @@ CpuDecoder::CpuDecoder(const InferenceModel& model, const DecoderLimits& limits)
   slot_of_.resize(size_t(max_rows_));
   attend_len_.resize(size_t(limits.slots));
   slot_len_.assign(size_t(limits.slots), 0);
-  host_logits_.resize(size_t(limits.slots * c.vocab_size));
+  host_logits_.resize(size_t(logits_bytes(c, limits)) / sizeof(float));
   temperatures_.resize(size_t(limits.slots));
 }
 

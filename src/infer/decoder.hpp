@@ -92,6 +92,18 @@ class Decoder {
   virtual double decode_seconds() const { return 0; }
 };
 
+// What a decoder holds, counted from the same table it allocates from, before
+// anything is allocated: `shardlm check`'s plan for an RL job's inference ranks.
+struct DecoderPlan {
+  int64_t weights = 0;   // its own copy of the weights (the GPU's bf16); 0: it reads the InferenceModel's
+  int64_t cache = 0;     // the KV cache
+  int64_t scratch = 0;   // the largest step's activations, logits, head scratch
+  int64_t host = 0;      // host buffers beside them (the GPU's pinned logits and staging; the CPU's logits)
+};
+// backend "cpu": everything in host memory; "cuda": weights, cache and scratch
+// on the device (computed without one). Throws Error naming a limit out of range.
+DecoderPlan plan_decoder(const ModelConfig& c, const DecoderLimits& limits, const std::string& backend);
+
 // backend: "cpu" or "cuda" (device.backend after "auto" is resolved; the CUDA
 // device already bound). Throws Error for "cuda" in a build without CUDA.
 std::unique_ptr<Decoder> make_decoder(const InferenceModel& model, const DecoderLimits& limits,
@@ -118,6 +130,11 @@ class CpuDecoder final : public Decoder {
   int64_t weight_bytes() const override { return 0; }
   const ModelConfig& config() const override { return model_.config(); }
   std::string describe() const override { return "cpu fp32"; }
+
+  // The table of buffers for these limits (each checked); self null: planning
+  // only (plan_decoder), no slots.
+  static std::vector<cpu::BufferRow> plan_rows(const ModelConfig& c, const DecoderLimits& limits, CpuDecoder* self);
+  static int64_t logits_bytes(const ModelConfig& c, const DecoderLimits& limits);  // host_logits()'s
 
  private:
   // Embedding and layers 0..L-1 over the N tokens of tokens_ / positions_ /

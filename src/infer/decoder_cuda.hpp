@@ -1,7 +1,7 @@
 // decoder_cuda.hpp — the GPU decoder's factory, seen from host code without
 // CUDA types.
 //
-// Owns: make_cuda_decoder. The decoder itself lives in src/cuda/decoder_cuda.cu
+// Owns: make_cuda_decoder, plan_cuda_decoder. The decoder itself lives in src/cuda/decoder_cuda.cu
 // (the Makefile compiles src/cuda/*.cu only in CUDA builds; src/cuda/stub.cpp
 // answers for a CPU-only build with a sentence saying there is no CUDA).
 // It holds the whole model in bf16 on the current device (uploaded from the
@@ -25,5 +25,8 @@ namespace shardlm {
 // On the current CUDA device (select_device bound it). Throws Error when the
 // build has no CUDA or the device memory does not hold the plan.
 std::unique_ptr<Decoder> make_cuda_decoder(const InferenceModel& model, const DecoderLimits& limits);
+// The CUDA decoder's memory for these limits, from the table it allocates from;
+// no device needed. Throws Error in a build without CUDA.
+DecoderPlan plan_cuda_decoder(const ModelConfig& c, const DecoderLimits& limits);
 
 }  // namespace shardlm

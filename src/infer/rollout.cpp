@@ -59,32 +59,6 @@ std::string completion_text(const Completion& c, const TokenDecoder* tokenizer) 
   return text;
 }
 
-// The checks of the prompt file against the deck, before any weights arrive.
-void check_prompts(const Config& config, const PromptSet& prompts, const ModelConfig& mc) {
-  const RolloutSection& ro = config.rollout;
-  for (const std::string& kind : ro.reward) {
-    const bool needs_answers =
-        kind == "exact" || kind == "numeric" || (kind == "regex" && ro.reward_regex.find("{answer}") != std::string::npos);
-    SHARDLM_CHECK(!needs_answers || !prompts.answers.empty(),
-                  "prompt file '%s' (rollout.prompts) has no 'answer' dataset, and rollout.reward's \"%s\" compares "
-                  "with a reference answer per prompt (tools/make_prompts.py stores each line's \"answer\")",
-                  prompts.path.c_str(), kind.c_str());
-  }
-  for (int64_t p = 0; p < prompts.size(); ++p) {
-    const int64_t len = int64_t(prompts.prompt(p).size());
-    // A sample of k tokens fills k - 1 positions of a trainer's row.
-    SHARDLM_CHECK(len + ro.max_new_tokens <= config.data.seq_len + 1,
-                  "prompt file '%s': prompt %lld has %lld tokens; with rollout.max_new_tokens = %lld a sample can "
-                  "have %lld tokens, more than data.seq_len + 1 = %lld (raise data.seq_len or lower "
-                  "rollout.max_new_tokens)", prompts.path.c_str(), (long long)p, (long long)len,
-                  (long long)ro.max_new_tokens, (long long)(len + ro.max_new_tokens),
-                  (long long)(config.data.seq_len + 1));
-  }
-  for (int32_t id : prompts.stop_ids)
-    SHARDLM_CHECK(id < mc.vocab_size, "prompt file '%s': stop token id %d is outside the model's vocabulary [0, %lld)",
-                  prompts.path.c_str(), id, (long long)mc.vocab_size);
-}
-
 // What a rollout step measured, as the rollout file's group 'metrics' carries
 // it (the trainers log it with the step that trains on the file, prefixed
 // "rollout_"; docs/metrics.md) and <run.dir>/rollouts.jsonl repeats it.
@@ -210,6 +184,31 @@ struct Publisher {
 
 }  // namespace
 
+void check_prompts(const Config& config, const PromptSet& prompts, const ModelConfig& mc) {
+  const RolloutSection& ro = config.rollout;
+  for (const std::string& kind : ro.reward) {
+    const bool needs_answers =
+        kind == "exact" || kind == "numeric" || (kind == "regex" && ro.reward_regex.find("{answer}") != std::string::npos);
+    SHARDLM_CHECK(!needs_answers || !prompts.answers.empty(),
+                  "prompt file '%s' (rollout.prompts) has no 'answer' dataset, and rollout.reward's \"%s\" compares "
+                  "with a reference answer per prompt (tools/make_prompts.py stores each line's \"answer\")",
+                  prompts.path.c_str(), kind.c_str());
+  }
+  for (int64_t p = 0; p < prompts.size(); ++p) {
+    const int64_t len = int64_t(prompts.prompt(p).size());
+    // A sample of k tokens fills k - 1 positions of a trainer's row.
+    SHARDLM_CHECK(len + ro.max_new_tokens <= config.data.seq_len + 1,
+                  "prompt file '%s': prompt %lld has %lld tokens; with rollout.max_new_tokens = %lld a sample can "
+                  "have %lld tokens, more than data.seq_len + 1 = %lld (raise data.seq_len or lower "
+                  "rollout.max_new_tokens)", prompts.path.c_str(), (long long)p, (long long)len,
+                  (long long)ro.max_new_tokens, (long long)(len + ro.max_new_tokens),
+                  (long long)(config.data.seq_len + 1));
+  }
+  for (int32_t id : prompts.stop_ids)
+    SHARDLM_CHECK(id < mc.vocab_size, "prompt file '%s': stop token id %d is outside the model's vocabulary [0, %lld)",
+                  prompts.path.c_str(), id, (long long)mc.vocab_size);
+}
+
 std::vector<int64_t> prompts_for_step(uint64_t seed, int64_t step, int64_t per_step, int64_t file_prompts) {
   std::vector<int64_t> out;
   std::vector<int64_t> order;
@@ -231,6 +230,18 @@ std::vector<int64_t> prompts_for_step(uint64_t seed, int64_t step, int64_t per_s
   return out;
 }
 
+DecoderLimits rollout_decoder_limits(const Config& config, const ModelConfig& mc, const PromptSet& prompts,
+                                     int generators) {
+  const RolloutSection& ro = config.rollout;
+  // The KV cache is planned once, for the longest prompt of the file.
+  std::vector<GenerateRequest> every;
+  for (int64_t p = 0; p < prompts.size(); ++p) every.push_back({p, 0, prompts.prompt(p)});
+  DecoderLimits limits = plan_limits(mc, every, ro.batch, ro.max_new_tokens, prompts.path);
+  const int64_t my_items = (ro.prompts_per_step + generators - 1) / generators;
+  limits.slots = std::max<int64_t>(1, std::min(ro.batch, my_items * ro.n));
+  return limits;
+}
+
 int run_inference_role(const Config& config, Runtime& rt) {
   const RolloutSection& ro = config.rollout;
   const ModelConfig mc = model_config_for(config);
@@ -248,12 +259,7 @@ int run_inference_role(const Config& config, Runtime& rt) {
   for (int32_t id : model.eos_ids)
     if (std::find(options.stop_ids.begin(), options.stop_ids.end(), id) == options.stop_ids.end())
       options.stop_ids.push_back(id);
-  // The KV cache is planned once, for the longest prompt of the file.
-  std::vector<GenerateRequest> every;
-  for (int64_t p = 0; p < prompts.size(); ++p) every.push_back({p, 0, prompts.prompt(p)});
-  DecoderLimits limits = plan_limits(mc, every, ro.batch, ro.max_new_tokens, prompts.path);
-  const int64_t my_items = (ro.prompts_per_step + world - 1) / world;
-  limits.slots = std::max<int64_t>(1, std::min(ro.batch, my_items * ro.n));
+  const DecoderLimits limits = rollout_decoder_limits(config, mc, prompts, world);
   // The backend runtime_init resolved (device.backend, "auto" -> cuda when a GPU is there).
   const std::unique_ptr<Decoder> decoder_owner = make_decoder(model, limits, rt.backend);
   Decoder& decoder = *decoder_owner;

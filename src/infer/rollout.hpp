@@ -15,6 +15,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "data/prompts.hpp"
+#include "infer/decoder.hpp"
 #include "shardlm/config.hpp"
 #include "shardlm/runtime.hpp"
 
@@ -24,6 +26,17 @@ namespace shardlm {
 // of them, in a seeded order that visits every prompt once per pass over the
 // file (a new order each pass). A function of (seed, step, sizes) alone.
 std::vector<int64_t> prompts_for_step(uint64_t seed, int64_t step, int64_t prompts_per_step, int64_t file_prompts);
+
+// The prompt file against the deck: the answers its verifiers need, each
+// prompt with rollout.max_new_tokens within data.seq_len + 1, stop ids within
+// the vocabulary. Throws Error naming the file and the prompt.
+void check_prompts(const Config& config, const PromptSet& prompts, const ModelConfig& mc);
+
+// The decoder's limits on one of `generators` inference ranks: the file's
+// longest prompt + rollout.max_new_tokens positions (checked against the
+// model), min(rollout.batch, the rank's share of prompts_per_step x n) slots.
+DecoderLimits rollout_decoder_limits(const Config& config, const ModelConfig& mc, const PromptSet& prompts,
+                                     int generators);
 
 // Runs the role to the trainers' end; returns their exit code (0, or 75 after
 // a stop signal). Throws Error for bad input (the prompt file, a prompt too

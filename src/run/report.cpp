@@ -7,9 +7,13 @@
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
+#include <tuple>
 
 #include "data/data.hpp"
+#include "data/prompts.hpp"
 #include "data/rollouts.hpp"
+#include "infer/decoder.hpp"
+#include "infer/rollout.hpp"
 #include "run/plan.hpp"
 #include "shardlm/backend.hpp"
 #include "shardlm/cuda.hpp"
@@ -78,6 +82,46 @@ std::string check_data(const Config& config, int64_t vocab_size) {
   return lines;
 }
 
+// An RL deck's inference ranks (`shardlm generate DECK` beside the trainers):
+// the prompt file checked against the deck, and the memory of one inference
+// rank (with one of them: the most slots), from the table its decoder
+// allocates from. trainer_gpu: a trainer rank's GPU plan, for the two sharing
+// one GPU (the staged broadcast's case); gpu_bytes: this machine's GPU, or 0.
+std::string inference_report(const Config& config, const ModelConfig& arch, bool cuda, int64_t trainer_gpu,
+                             int64_t gpu_bytes) {
+  const RolloutSection& ro = config.rollout;
+  if (config.loss.type != "rl" || ro.prompts.empty()) return "";
+  if (!std::filesystem::exists(ro.prompts))
+    return fmt("inference ranks: rollout.prompts '%s' does not exist yet (their plan needs its longest prompt)\n",
+               ro.prompts.c_str());
+  const PromptSet prompts = read_prompts(ro.prompts, arch.vocab_size);
+  check_prompts(config, prompts, arch);
+  const DecoderLimits limits = rollout_decoder_limits(config, arch, prompts, 1);
+  const DecoderPlan d = plan_decoder(arch, limits, cuda ? "cuda" : "cpu");
+  int64_t model_host = 0;  // the InferenceModel the broadcast lands in: fp32, whole
+  for (const Unit& u : ModelLayout(arch, 1).units) model_host += u.padded_numel * int64_t(sizeof(float));
+  const char* where = cuda ? "GPU" : "host";
+  std::string out = fmt("inference rank plan (`shardlm generate DECK`, one of them: %lld slots x %lld positions: the "
+                        "longest of the %lld prompts, then rollout.max_new_tokens = %lld)\n",
+                        (long long)limits.slots, (long long)limits.max_len, (long long)prompts.size(),
+                        (long long)ro.max_new_tokens);
+  const std::tuple<const char*, const char*, int64_t> rows[] = {
+      {"weights (bf16)", where, d.weights}, {"KV cache", where, d.cache},   {"activations", where, d.scratch},
+      {"logits, staging", "host", d.host},  {"model (fp32)", "host", model_host}};
+  for (const auto& [name, place, bytes] : rows)
+    if (bytes > 0) out += fmt("  %-18s %-5s %12.3f MiB\n", name, place, double(bytes) / kMiB);
+  const int64_t device = d.weights + d.cache + d.scratch;
+  if (cuda) {
+    out += fmt("  %-18s %-5s %12.3f MiB\n", "total", "GPU", double(device) / kMiB);
+    out += fmt("one GPU shared by a trainer rank and an inference rank: %.2f + %.2f = %.2f GiB", trainer_gpu / 1073741824.0,
+               device / 1073741824.0, (trainer_gpu + device) / 1073741824.0);
+    out += gpu_bytes > 0 ? fmt(" of this machine's %.2f GiB (%s)\n", gpu_bytes / 1073741824.0,
+                               trainer_gpu + device <= gpu_bytes ? "fits" : "does not fit")
+                         : "\n";
+  }
+  return out;
+}
+
 }  // namespace
 
 void check_report(const Config& deck_config, const std::string& deck, int world) {
@@ -139,6 +183,7 @@ void check_report(const Config& deck_config, const std::string& deck, int world)
                      : "the emulation's quantised operands as fp32, their scales, the weight gradient's product");
   }
   std::printf("%s", offload_split_line(config, layout, gpu_bytes).c_str());
+  std::printf("%s", inference_report(config, arch, cuda, plan.device_total(), gpu_bytes).c_str());
   if (cuda && config.model.optim_cpu_offload) {  // what the lever buys, against the state on the GPU
     Config on_gpu = config;
     on_gpu.model.optim_cpu_offload = false;

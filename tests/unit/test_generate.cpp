@@ -29,7 +29,9 @@
 #include "infer/sampler.hpp"
 #include "model/hf_config.hpp"
 #include "model/safetensors.hpp"
+#include "run_command.hpp"
 #include "shardlm/comm.hpp"
+#include "shardlm/cuda.hpp"
 #include "shardlm/h5util.hpp"
 #include "train/engine.hpp"
 #include "train/shard.hpp"
@@ -471,6 +473,71 @@ TEST_CASE("bad inputs: prompt files, ids, a missing model, a prompt longer than 
                  "has max_position_embeddings = 256") != std::string::npos);
     CHECK(plan_limits(m.config(), r, 4, 7, "p.h5").max_len == 256);
   }
+}
+
+TEST_CASE("the decoder's plan is the table it allocates from: the CPU's exactly, the GPU's counted without one") {
+  for (const std::string& name : kFixtures) {
+    CAPTURE(name);
+    const InferenceModel m = InferenceModel::from_hf(fixture(name));
+    const ModelConfig& c = m.config();
+    const DecoderLimits limits{3, 20};
+    const int64_t kv_numel = c.num_layers * 2 * limits.slots * limits.max_len * c.num_kv_heads * c.head_dim;
+    const DecoderPlan cpu_plan = plan_decoder(c, limits, "cpu");
+    const CpuDecoder d(m, limits);
+    CHECK(cpu_plan.cache == d.cache_bytes());
+    CHECK(cpu_plan.cache == kv_numel * 4);
+    CHECK(cpu_plan.scratch == d.scratch_bytes());
+    CHECK(cpu_plan.weights == 0);
+    CHECK(cpu_plan.host == limits.slots * c.vocab_size * 4);
+    if (cuda_built()) {  // arithmetic only: no device is touched
+      const DecoderPlan gpu = plan_decoder(c, limits, "cuda");
+      int64_t weights = 0;
+      for (const Unit& u : m.weights->layout.units) weights += 2 * u.padded_numel;
+      CHECK(gpu.weights == weights);
+      CHECK(gpu.cache == kv_numel * 2);
+      CHECK(gpu.scratch > (int64_t(32) << 20));          // cuBLASLt's workspace and more
+      CHECK(gpu.host >= limits.slots * c.vocab_size * 4);  // the pinned logits and more
+    }
+    // The decoders' own checks, before anything is counted.
+    const std::string e = error_of([&] { plan_decoder(c, DecoderLimits{2, 300}, "cpu"); });
+    CHECK(e.find("300 positions per sequence, but the model has max_position_embeddings = 256") != std::string::npos);
+  }
+}
+
+TEST_CASE("check on an RL deck: the prompt file checked against the deck, and the inference rank's plan") {
+  TempDir t;
+  const fs::path prompts = t.path / "prompts.h5";
+  write_prompt_file(prompts, {});  // prompts of 2 and 3 tokens
+  // inputs/copy-rl.toml on the Llama fixture: data.seq_len 8, rollout.max_new_tokens 2, 32 prompts x 8 a step.
+  const std::string deck = shardlm_test::shardlm_bin() + " check inputs/copy-rl.toml --set model.hf=" +
+                           fixture("llama-gqa-tied").string() + " --set 'rollout.reward=\"regex\"' " +
+                           "--set 'rollout.reward_regex=\"7\"' --set device.backend=cpu --set rollout.batch=64 --set rollout.prompts=";
+  const auto ok = shardlm_test::run(deck + prompts.string());
+  REQUIRE(ok.status == 0);
+  const size_t at = ok.output.find("inference rank plan");
+  REQUIRE(at != std::string::npos);
+  long long slots = 0, positions = 0;
+  REQUIRE(std::sscanf(ok.output.c_str() + ok.output.find("one of them: ", at), "one of them: %lld slots x %lld positions",
+                      &slots, &positions) == 2);
+  CHECK(slots == 64);       // min(rollout.batch, 32 x 8)
+  CHECK(positions == 4);    // the longest prompt (3) + max_new_tokens (2) - 1
+  const size_t kv = ok.output.find("KV cache", at);
+  REQUIRE(kv != std::string::npos);
+  // 2 layers x (k, v) x slots x positions x 2 kv heads x 16 dims, fp32: 0.125 MiB
+  CHECK(std::stod(ok.output.substr(kv + 30)) == doctest::Approx(2.0 * 2 * slots * positions * 2 * 16 * 4 / 1048576.0));
+  CHECK(ok.output.find("KV cache           host         0.125 MiB") != std::string::npos);
+
+  PromptFileSpec long_prompt;
+  long_prompt.tokens = std::vector<int32_t>(8, 5);
+  long_prompt.offsets = {0, 8};
+  write_prompt_file(prompts, long_prompt);
+  const auto bad = shardlm_test::run(deck + prompts.string());
+  CHECK(bad.status != 0);
+  CHECK(bad.output.find("prompt 0 has 8 tokens; with rollout.max_new_tokens = 2 a sample can have 10 tokens, more "
+                        "than data.seq_len + 1 = 9") != std::string::npos);
+  const auto missing = shardlm_test::run(deck + (t.path / "none.h5").string());
+  CHECK(missing.status == 0);
+  CHECK(missing.output.find("none.h5' does not exist yet") != std::string::npos);
 }
 
 TEST_CASE("generate's command line: options parsed and checked, each mistake named") {
