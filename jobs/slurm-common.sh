@@ -16,10 +16,16 @@
 #   SHARDLM_SRUN_ARGS     extra srun options, split on spaces (e.g. "--cpu-bind=none")
 #   SHARDLM_MAX_REQUEUES  give up after this many requeues (default 20): a run that
 #                         stops with 75 at once every time must not loop for ever
+#   PMIX_MCA_gds          PMIx's job-data store in the ranks (default here: hash)
 
 SHARDLM_BIN=${SHARDLM_BIN:-build/shardlm}
 SHARDLM_MPI=${SHARDLM_MPI:-pmix}
 SHARDLM_MAX_REQUEUES=${SHARDLM_MAX_REQUEUES:-20}
+# PMIx's shared-memory job-data stores (gds ds12/ds21) crash now and then in
+# MPI_Init under srun (a rank dies of SIGSEGV at address 0 before any shardlm
+# code runs: openpmix#1114, ompi#7335); the hash store is the known remedy and
+# costs start-up nothing at these rank counts. Exported to the ranks by srun.
+export PMIX_MCA_gds=${PMIX_MCA_gds:-hash}
 
 # shardlm_job_header SCRIPT ARGS...: one block at every start of the job (a requeued
 # job appends to the same log, so each part is marked with its restart count).
