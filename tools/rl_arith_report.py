@@ -8,6 +8,7 @@ before and after RL, the reward curve, where the time goes; a plot with --plot.
 import argparse
 import json
 import os
+import re
 
 
 def rows(path):
@@ -43,6 +44,19 @@ def main():
         wait = sum(r.get("rollout_wait_s", 0) for r in tm) / len(tm)
         print(f"trainer (mean over {len(tm)} logged steps): step {step:.3f} s, of which waiting for rollouts "
               f"{wait:.3f} s")
+    # The weight broadcast's phases: each receive line of the inference rank, and the trainer's summary.
+    log = os.path.join(a.work, "rl.log")
+    if os.path.isfile(log):
+        text = open(log).read()
+        phases = re.findall(r"^receive\[0\]: step \d+: .* in ([0-9.]+) ms \(.*?\) \(transfer ([0-9.]+), "
+                            r"(?:to host ([0-9.]+), )?check ([0-9.]+), load ([0-9.]+) ms\)", text, re.M)
+        if phases:
+            mean = [sum(float(p[i] or 0) for p in phases) / len(phases) for i in range(5)]
+            print(f"weights received ({len(phases)} times), mean {mean[0]:.1f} ms: transfer {mean[1]:.1f} (with the "
+                  f"sender's gather), to host {mean[2]:.1f}, checksums {mean[3]:.1f}, into the model {mean[4]:.1f} ms")
+        sent = re.search(r"^broadcast: \d+ sends.*$", text, re.M)
+        if sent:
+            print(f"trainer: {sent.group(0)}")
     if a.plot:
         import matplotlib
         matplotlib.use("Agg")

@@ -190,6 +190,26 @@ void WeightBroadcaster::release_gathered_unit() {
 
 int64_t WeightBroadcaster::comm_staging_bytes() const { return staging_bytes_; }
 
+namespace {
+using Clock = std::chrono::steady_clock;
+// Adds the seconds since `t` to `into` and moves `t` on: consecutive phases of one loop.
+void lap(Clock::time_point& t, double& into) {
+  const Clock::time_point now = Clock::now();
+  into += std::chrono::duration<double>(now - t).count();
+  t = now;
+}
+}  // namespace
+
+std::string WeightBroadcaster::timing_summary() const {
+  const BroadcastTiming& t = timing_;
+  if (t.count == 0) return "";
+  const double n = double(t.count);
+  return fmt("broadcast: %lld sends, %.3f s each: gathering the units %.3f, rank 0's host copy and checksums %.3f, "
+             "over the %s communicator (waits for the receivers included) %.3f",
+             (long long)t.count, t.total_s() / n, t.gather_s / n, t.host_s / n,
+             device_ ? (device_kind_ == "mpi" ? "staged device" : device_kind_.c_str()) : "MPI", t.transfer_s / n);
+}
+
 bool WeightBroadcaster::due(int64_t steps_done) const {
   return enabled_ && steps_done % config_.broadcast.interval == 0;
 }
@@ -217,19 +237,24 @@ void WeightBroadcaster::send_over_comm(const ShardedModel& model, int64_t step) 
   // Transient memory: one gathered unit (fp32 here) and its bf16 copy.
   Buffer<float> full(Mem::Workspace, max_padded(layout));
   Buffer<uint16_t> bf16(Mem::Workspace, max_padded(layout));
+  Clock::time_point t = Clock::now();
   for (size_t ui = 0; ui < layout.units.size(); ++ui) {
     const Unit& u = layout.units[ui];
     comm_.all_gather(model.param[ui].data(), full.data(), u.shard_numel).wait();
+    lap(t, timing_.gather_s);
     if (!root) continue;
     for (int64_t i = 0; i < u.numel; ++i) bf16[i] = f32_to_bf16_rne(full[i]);
     std::string text = describe_unit(u);
     int64_t text_len = static_cast<int64_t>(text.size());
     uint64_t checksum = bf16_checksum(bf16.data(), 0, u.numel);
+    lap(t, timing_.host_s);
     bcast_bytes(&text_len, sizeof text_len, bcomm);
     bcast_bytes(text.data(), text_len, bcomm);
     bcast_bytes(bf16.data(), 2 * u.numel, bcomm);
     bcast_bytes(&checksum, sizeof checksum, bcomm);
+    lap(t, timing_.transfer_s);
   }
+  ++timing_.count;
 }
 
 // DESIGN.md rule 4: what the device Comm broadcasts is the device buffer the
@@ -267,15 +292,20 @@ void WeightBroadcaster::send_from_device(Engine& engine, const ModelLayout& layo
   }
   void* gathered_unit = gathered_unit_;
   Buffer<uint16_t> host_copy(Mem::Workspace, root ? max_padded(layout) : 0);
+  // Phases timed on rank 0 (the gather's time is its wait in the host copy's
+  // synchronisation when the gather is asynchronous: it is timed to the copy's start).
+  Clock::time_point t = Clock::now();
   for (size_t ui = 0; ui < layout.units.size(); ++ui) {
     const Unit& u = layout.units[ui];
     engine.gather_unit_bf16(static_cast<int>(ui), gathered_unit);
     if (!root) continue;
+    lap(t, timing_.gather_s);
     cuda_copy_async(host_copy.data(), gathered_unit, 2 * u.numel, backend.stream());
     cuda_synchronize(backend.stream());
     std::string text = describe_unit(u);
     int64_t text_len = static_cast<int64_t>(text.size());
     uint64_t checksum = bf16_checksum(host_copy.data(), 0, u.numel);
+    lap(t, timing_.host_s);
     bcast_bytes(&text_len, sizeof text_len, bcomm);
     bcast_bytes(text.data(), text_len, bcomm);
     // wait() orders the compute stream after the broadcast, so the next unit's
@@ -283,7 +313,9 @@ void WeightBroadcaster::send_from_device(Engine& engine, const ModelLayout& layo
     // and the two NCCL communicators on this GPU never run at once.
     device_bcast_->broadcast(gathered_unit, u.numel, DType::BF16, 0).wait();
     bcast_bytes(&checksum, sizeof checksum, bcomm);
+    lap(t, timing_.transfer_s);
   }
+  if (root) ++timing_.count;
 }
 
 void WeightBroadcaster::send_to_filesystem(const ShardedModel& model, int64_t step) {
@@ -460,10 +492,15 @@ void WeightBroadcaster::finish(int exit_code) {
 
 namespace {
 
-void report(const Runtime& rt, int64_t step, int64_t tensors, int64_t bytes, double seconds) {
-  std::printf("receive[%d]: step %lld: %lld tensors, %.2f MiB in %.1f ms (%.2f GB/s), checksums ok\n", rt.rank,
+void report(const Runtime& rt, int64_t step, int64_t tensors, int64_t bytes, double seconds,
+            const BroadcastTiming& t = {}) {
+  std::string phases;  // the communicator path: where the time went
+  if (t.count > 0)
+    phases = fmt(" (transfer %.1f, %scheck %.1f, load %.1f ms)", t.transfer_s * 1e3,
+                 t.host_s > 0 ? fmt("to host %.1f, ", t.host_s * 1e3).c_str() : "", t.check_s * 1e3, t.load_s * 1e3);
+  std::printf("receive[%d]: step %lld: %lld tensors, %.2f MiB in %.1f ms (%.2f GB/s)%s, checksums ok\n", rt.rank,
               (long long)step, (long long)tensors, double(bytes) / 1048576.0, seconds * 1e3,
-              seconds > 0 ? double(bytes) / seconds / 1e9 : 0.0);
+              seconds > 0 ? double(bytes) / seconds / 1e9 : 0.0, phases.c_str());
   std::fflush(stdout);
 }
 
@@ -570,7 +607,10 @@ WeightReceiver::Got WeightReceiver::next_over_comm(const Sink& sink) {
                 rt_.rank, rt_.device, rt_.device_name.c_str(), st.dev->kind.c_str());
     std::fflush(stdout);
   }
-  const auto t0 = std::chrono::steady_clock::now();
+  const auto t0 = Clock::now();
+  Clock::time_point t = t0;
+  timing_ = {};
+  timing_.count = 1;
   int64_t tensors = 0;
   for (const auto& u : layout_.units) {
     int64_t text_len = 0;
@@ -584,24 +624,29 @@ WeightReceiver::Got WeightReceiver::next_over_comm(const Sink& sink) {
       // Into device memory, then one copy to the host: the checksum is checked
       // (and --out written) from exactly the bytes that arrived on the GPU.
       st.dev->device->broadcast(st.dev->unit, u.numel, DType::BF16, 0).wait();
+      lap(t, timing_.transfer_s);
       cuda_copy_async(st.data.data(), st.dev->unit, 2 * u.numel, nullptr);
       cuda_synchronize(nullptr);
+      lap(t, timing_.host_s);
     } else {
       bcast_bytes(st.data.data(), 2 * u.numel, rt_.broadcast_comm);
+      lap(t, timing_.transfer_s);
     }
     uint64_t checksum = 0;
     bcast_bytes(&checksum, sizeof checksum, rt_.broadcast_comm);
     SHARDLM_CHECK(checksum == bf16_checksum(st.data.data(), 0, u.numel),
                   "receive: step %lld, unit %s: checksum mismatch (data damaged in transfer)", (long long)h.step,
                   u.name.c_str());
+    lap(t, timing_.check_s);
     for (const auto& p : u.params) {
       sink(p, st.data.data() + p.offset);
       ++tensors;
     }
+    lap(t, timing_.load_s);
   }
   step_ = h.step;
   ++received_;
-  report(rt_, h.step, tensors, h.bytes, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  report(rt_, h.step, tensors, h.bytes, std::chrono::duration<double>(Clock::now() - t0).count(), timing_);
   return Got::Weights;
 }
 

@@ -49,6 +49,18 @@ int64_t output_workspace_bytes(const Config& config, const ModelLayout& layout);
 // finish() (the plan's GPU workspace). 0 elsewhere.
 int64_t broadcast_device_bytes(const Config& config, const ModelLayout& layout);
 
+// Where broadcast time goes. Sender (trainer rank 0), summed over its
+// broadcasts: the units gathered, rank 0's host copy and checksums, the bytes
+// over the communicator (with any wait for a receiver busy sampling). Receiver, for its last step: the bytes over the
+// communicator (with the wait for the sender to gather each unit), the copy to
+// host memory (GPU path), the checksums, the parameters taken into the model
+// (the sink: the InferenceModel, and the GPU decoder's own copy).
+struct BroadcastTiming {
+  int64_t count = 0;
+  double gather_s = 0, host_s = 0, transfer_s = 0, check_s = 0, load_s = 0;
+  double total_s() const { return gather_s + host_s + transfer_s + check_s + load_s; }
+};
+
 class WeightBroadcaster {
  public:
   // Trainer rank 0 tells the receivers here, at start-up, whether the units
@@ -73,6 +85,9 @@ class WeightBroadcaster {
   // Pinned host bytes of the staged device communicator on this rank (the
   // memory plan's comm staging): trainer rank 0 when it shares a GPU with a receiver.
   int64_t comm_staging_bytes() const;
+  // Trainer rank 0, for the end-of-run report: "" when it sent nothing over a
+  // communicator, else one line of where the time of its broadcasts went.
+  std::string timing_summary() const;
 
  private:
   void send_over_comm(const ShardedModel& model, int64_t step);
@@ -109,6 +124,7 @@ class WeightBroadcaster {
   std::vector<int64_t> acked_;
   std::vector<char> receiver_done_;
   bool lagging_ = false;  // waited comm.timeout_s once: its directories are kept, no more waiting until it catches up
+  BroadcastTiming timing_;  // rank 0, over a communicator (the host and GPU paths)
 };
 
 // The receiving end of the broadcast, one step at a time: `shardlm receive`
@@ -136,6 +152,7 @@ class WeightReceiver {
   int64_t step() const { return step_; }          // of the last weights received (-1: none)
   int64_t received() const { return received_; }
   int exit_code() const { return exit_code_; }
+  const BroadcastTiming& timing() const { return timing_; }  // of the last weights received over the communicator
 
  private:
   Got next_over_comm(const Sink& sink);
@@ -149,6 +166,7 @@ class WeightReceiver {
   int64_t step_ = -1, received_ = 0;
   int exit_code_ = 0;
   bool done_ = false;
+  BroadcastTiming timing_;
 };
 
 // `shardlm receive DECK [--out DIR]`: receive every broadcast, verify checksums,

@@ -251,6 +251,8 @@ void end_of_run_report(const Runtime& rt, const Config& config, TrainSession& se
                 double(activations_peak) / 1048576.0, s.backend.host_resident() ? "host" : "GPU",
                 double(plan.activations) / 1048576.0);
   if (const std::string line = s.state.summary(); !line.empty() && s.rank == 0) std::printf("%s\n", line.c_str());
+  if (const std::string line = broadcaster.timing_summary(); !line.empty() && s.rank == 0)
+    std::printf("%s s\n", line.c_str());
   if (s.muon) {  // Muon's part of the optimizer time above
     const MuonTiming& t = s.muon->timing();
     double seconds[2] = {t.step_s, t.orthogonalize_s};

@@ -82,6 +82,12 @@ check "on-policy, the clip is (almost) never active: clip_fraction <= 0.05 (max 
   "$PY" -c "assert $clip_rows >= 12 and 0 <= $clip_max <= 0.05"
 check "the trainer's log line names the clip fraction" has "$T/rl.log" "clip fraction"
 check "the banner counts the inference rank" has "$T/rl.log" "inference: 1 of the receivers run \`shardlm generate\`"
+received=$(grep -c '^receive\[0\]: step ' "$T/rl.log")
+split=$(grep -cE '^receive\[0\]: step .* \(transfer [0-9.]+, check [0-9.]+, load [0-9.]+ ms\), checksums ok$' "$T/rl.log")
+check "each of the $received receive lines splits its time into transfer, check and load ($split do)" \
+  test "$received" = 61 -a "$split" = 61
+check "the trainer's end says where its broadcasts' time went: 61 sends (the start and 60 steps)" \
+  grep -qE "^broadcast: 61 sends, [0-9.]+ s each: gathering the units [0-9.]+, rank 0's host copy and checksums [0-9.]+, over the MPI communicator \(waits for the receivers included\) [0-9.]+ s$" "$T/rl.log"
 check "the rollout metrics reach the trainer's metrics.jsonl with the step that trains on them" "$PY" - "$T/rl" <<'EOF'
 import json, sys, h5py
 d = sys.argv[1]
