@@ -253,6 +253,7 @@ int cmd_train(Runtime& rt, const CliArgs& args) {
     steps_done = step + 1;
     if (broadcaster.due(steps_done)) broadcaster.send(session, steps_done);  // host paths pull the state themselves
     const StepEnd end = checkpointer.after_step(steps_done, tokens_seen);  // saves if due or signalled
+    hold_for_test(steps_done);  // SHARDLM_TEST_HOLD only (tests/scripts/test_multinode.sh)
     if (end.stop) break;  // signalled (exit 75), or a failed save under ckpt.on_error = "stop" (exit 74)
   }
   const RunEnd run_end = checkpointer.finish();  // the last save, waited for

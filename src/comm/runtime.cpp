@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "shardlm/cuda.hpp"
@@ -279,6 +280,19 @@ bool fault_armed(const char* point) {
   if (!at || std::strncmp(spec, point, static_cast<size_t>(at - spec)) != 0 || std::strlen(point) != size_t(at - spec))
     return false;
   return std::atoi(at + 1) == std::max(g_world_rank, 0);  // a process without MPI is rank 0
+}
+
+void hold_for_test(int64_t steps_done) {
+  static const char* spec = std::getenv("SHARDLM_TEST_HOLD");
+  if (!spec) return;
+  const char* colon = std::strchr(spec, ':');
+  if (!colon || std::atoll(spec) != steps_done) return;
+  const std::string file = colon + 1;
+  if (g_world_rank <= 0) {
+    std::printf("test hold: after step %lld until %s exists (SHARDLM_TEST_HOLD)\n", (long long)steps_done, file.c_str());
+    std::fflush(stdout);
+  }
+  while (access(file.c_str(), F_OK) != 0) usleep(50 * 1000);
 }
 
 void maybe_inject_fault(const char* point) {
