@@ -202,11 +202,7 @@ class CudaDecoder final : public Decoder {
 template <class Add, class Pin>
 void CudaDecoder::plan_buffers(const ModelConfig& c, const ModelLayout& layout, const DecoderLimits& limits,
                                CudaDecoder* self, Add&& add, Pin&& pin) {
-  SHARDLM_CHECK(limits.slots >= 1 && limits.slots <= 65536, "generate: a batch of %lld sequences; give 1 to 65536",
-                (long long)limits.slots);
-  SHARDLM_CHECK(limits.max_len >= 1 && limits.max_len <= c.max_position_embeddings,
-                "generate: %lld positions per sequence, but the model has max_position_embeddings = %lld",
-                (long long)limits.max_len, (long long)c.max_position_embeddings);
+  check_decoder_limits(c, limits);
   // Cache rows are int32 on the device.
   SHARDLM_CHECK(limits.slots * limits.max_len <= INT32_MAX,
                 "generate: a cache of %lld sequences x %lld positions is over 2^31 rows; lower --batch",

@@ -18,6 +18,14 @@ std::unique_ptr<Decoder> make_decoder(const InferenceModel& model, const Decoder
   return std::make_unique<CpuDecoder>(model, limits);
 }
 
+void check_decoder_limits(const ModelConfig& c, const DecoderLimits& limits) {
+  SHARDLM_CHECK(limits.slots >= 1 && limits.slots <= 65536, "generate: a batch of %lld sequences; give 1 to 65536",
+                (long long)limits.slots);
+  SHARDLM_CHECK(limits.max_len >= 1 && limits.max_len <= c.max_position_embeddings,
+                "generate: %lld positions per sequence, but the model has max_position_embeddings = %lld",
+                (long long)limits.max_len, (long long)c.max_position_embeddings);
+}
+
 DecoderPlan plan_decoder(const ModelConfig& c, const DecoderLimits& limits, const std::string& backend) {
   if (backend == "cuda") return plan_cuda_decoder(c, limits);
   SHARDLM_CHECK(backend == "cpu", "internal: generate on backend '%s'", backend.c_str());
@@ -33,11 +41,7 @@ DecoderPlan plan_decoder(const ModelConfig& c, const DecoderLimits& limits, cons
 // from it, plan_decoder counts it (self null: no slot, nothing allocated).
 std::vector<cpu::BufferRow> CpuDecoder::plan_rows(const ModelConfig& c, const DecoderLimits& limits,
                                                   CpuDecoder* self) {
-  SHARDLM_CHECK(limits.slots >= 1 && limits.slots <= 65536, "generate: a batch of %lld sequences; give 1 to 65536",
-                (long long)limits.slots);
-  SHARDLM_CHECK(limits.max_len >= 1 && limits.max_len <= c.max_position_embeddings,
-                "generate: %lld positions per sequence, but the model has max_position_embeddings = %lld",
-                (long long)limits.max_len, (long long)c.max_position_embeddings);
+  check_decoder_limits(c, limits);
   const int64_t max_rows = std::max(limits.max_len, limits.slots);
   if (std::string e = model_scale_error(c, max_rows, 1); !e.empty()) SHARDLM_FAIL("generate: %s", e.c_str());
   const int64_t L = c.num_layers, C = c.hidden_size, KVD = c.num_kv_heads * c.head_dim;

@@ -100,6 +100,9 @@ struct DecoderPlan {
   int64_t scratch = 0;   // the largest step's activations, logits, head scratch
   int64_t host = 0;      // host buffers beside them (the GPU's pinned logits and staging; the CPU's logits)
 };
+// The limits both decoders accept: 1 to 65536 slots, 1 to max_position_embeddings
+// positions. Throws Error naming the one out of range.
+void check_decoder_limits(const ModelConfig& c, const DecoderLimits& limits);
 // backend "cpu": everything in host memory; "cuda": weights, cache and scratch
 // on the device (computed without one). Throws Error naming a limit out of range.
 DecoderPlan plan_decoder(const ModelConfig& c, const DecoderLimits& limits, const std::string& backend);
