@@ -68,6 +68,9 @@ struct EngineOptions {
   std::string attention = "auto";    // device.attention: auto | cudnn | flash (GPU backends)
   bool deterministic = false;        // run.deterministic: only bitwise-reproducible kernels
   Fp8Mode fp8 = Fp8Mode::None;       // model.fp8
+  // model.residual_dtype = "fp32": the residual stream and its gradient in fp32
+  // between kernels (the GEMM operands stay bf16). The CPU backend is fp32 throughout.
+  bool residual_fp32 = false;
 };
 
 // Token arrays of one micro-batch (host memory), each (N).

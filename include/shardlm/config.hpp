@@ -57,6 +57,7 @@ struct ModelSection {
   // The decoder blocks' linears (q, k, v, o, gate, up, down) in FP8 with one
   // scale per tensor or per row; embedding and lm-head stay as they are.
   std::string fp8 = "none";         // none | tensorwise | rowwise
+  std::string residual_dtype = "bf16";  // bf16 | fp32: the residual stream between kernels (GPU)
 };
 
 struct DataSection {

@@ -203,7 +203,8 @@ class CudaBackend final : public Backend {
 
   struct Acts {
     float *rstd1, *q_rstd, *k_rstd, *lse, *rstd2;
-    bf16 *xn1, *q_raw, *k_raw, *q, *k, *v, *att, *x_mid, *xn2, *gu, *h;
+    bf16 *xn1, *q_raw, *k_raw, *q, *k, *v, *att, *xn2, *gu, *h;
+    void* x_mid;  // the residual stream after attention (bf16 or fp32: StreamBuf)
   };
 
   // One buffer of this backend: its name, the plan row it is counted in, its
@@ -227,6 +228,11 @@ class CudaBackend final : public Backend {
   static BufferRow bytes_row(const char* name, Mem category, size_t bytes, T** slot) {
     return {name, category, int64_t(bytes), 1, [slot](void* p) { *slot = static_cast<T*>(p); }};
   }
+  // A buffer of the residual stream or its gradient: bf16, or fp32 under
+  // model.residual_dtype = "fp32" (stream_bytes_ per element).
+  BufferRow stream_row(const char* name, Mem category, int64_t count, void** slot) const {
+    return {name, category, count, stream_bytes_, [slot](void* p) { *slot = p; }};
+  }
   static int64_t table_bytes(const std::vector<BufferRow>& rows, Mem category) {
     int64_t bytes = 0;
     for (const BufferRow& r : rows)
@@ -241,6 +247,7 @@ class CudaBackend final : public Backend {
   // into them, and records d_, phases_, delta_bytes_ and scratch_bytes_.
   std::vector<BufferRow> buffer_table(const ModelConfig& c, const EngineOptions& o) {
     d_ = dims(c, o);
+    stream_bytes_ = o.residual_fp32 ? 4 : 2;
     const Dims& d = d_;
     const int64_t L = c.num_layers;
     const int64_t kept = o.attention_layers_kept(L);
@@ -262,13 +269,13 @@ class CudaBackend final : public Backend {
     }
 
     residual_.assign(size_t(L + 1), nullptr);
-    for (auto& x : residual_) rows.push_back(row("residual", act, d.N * d.C, &x));
+    for (auto& x : residual_) rows.push_back(stream_row("residual", act, d.N * d.C, &x));
     acts_.assign(size_t(o.checkpoint_activations ? 1 : L), Acts{});
     for (Acts& a : acts_) {
       rows.push_back(row("rstd1", act, d.N, &a.rstd1));
       rows.push_back(row("rstd2", act, d.N, &a.rstd2));
       rows.push_back(row("xn1", act, d.N * d.C, &a.xn1));
-      rows.push_back(row("x_mid", act, d.N * d.C, &a.x_mid));
+      rows.push_back(stream_row("x_mid", act, d.N * d.C, &a.x_mid));
       rows.push_back(row("xn2", act, d.N * d.C, &a.xn2));
       rows.push_back(row("q", act, d.N * d.HD, &a.q));
       rows.push_back(row("k", act, d.N * d.KVD, &a.k));
@@ -286,7 +293,7 @@ class CudaBackend final : public Backend {
         rows.push_back(row("k_rstd", act, d.N * d.KV, &a.k_rstd));
       }
     }
-    if (o.checkpoint_activations) rows.push_back(row("recompute_out", act, d.N * d.C, &recompute_out_));
+    if (o.checkpoint_activations) rows.push_back(stream_row("recompute_out", act, d.N * d.C, &recompute_out_));
     saved_att_.assign(size_t(kept), nullptr);
     saved_lse_.assign(size_t(kept), nullptr);
     for (int64_t l = 0; l < kept; ++l) {
@@ -294,8 +301,12 @@ class CudaBackend final : public Backend {
       rows.push_back(row("saved_lse", act, d.N * d.H, &saved_lse_[size_t(l)]));
     }
 
-    rows.push_back(row("d_x", w, d.N * d.C, &d_x_));  // backward residual-stream gradients
-    rows.push_back(row("d_mid", w, d.N * d.C, &d_mid_));
+    rows.push_back(stream_row("d_x", w, d.N * d.C, &d_x_));  // backward residual-stream gradients
+    rows.push_back(stream_row("d_mid", w, d.N * d.C, &d_mid_));
+    if (o.residual_fp32) {  // the bf16 operands between the fp32 stream and the GEMMs
+      rows.push_back(row("proj_out", w, d.N * d.C, &proj_out_));      // o / down projection output, the embedding rows
+      rows.push_back(row("d_stream_bf16", w, d.N * d.C, &d_stream_bf16_));  // d_x or d_mid rounded for a GEMM
+    }
     rows.push_back(row("d_xn", w, d.N * d.C, &d_xn_));
     phases_ = phases(d, sdpa_planned(o), o.checkpoint_activations);
     rows.push_back(bytes_row("phase_shared", w, phases_.shared, &shared_));  // dh, logits, attention backward
@@ -459,7 +470,9 @@ class CudaBackend final : public Backend {
   }
 
   void embed_forward(const void* table) override {
-    cuda::embedding_forward(residual_[0], tokens_, bf(table), n_, d_.V, d_.C, stream_);
+    if (!fp32_stream()) return cuda::embedding_forward(bf(residual_[0]), tokens_, bf(table), n_, d_.V, d_.C, stream_);
+    cuda::embedding_forward(proj_out_, tokens_, bf(table), n_, d_.V, d_.C, stream_);
+    cuda::add_bf16_to_f32(f32(residual_[0]), nullptr, proj_out_, n_ * d_.C, stream_);
   }
 
   void layer_forward(int l, const Unit& unit, const void* params) override {
@@ -470,8 +483,8 @@ class CudaBackend final : public Backend {
                                float grad_scale) override {
     const Dims& d = d_;
     SHARDLM_CHECK(!options_.rl || has_rl_inputs_, "internal: an RL micro-batch without advantages, logprobs or temperatures");
-    const bf16* x = residual_[config_.num_layers];
-    cuda::rmsnorm_forward(xf_, rstdf_, x, bf(norm_weight), n_, d.C, config_.rms_norm_eps, stream_);
+    const void* x = residual_[config_.num_layers];
+    norm_forward(xf_, rstdf_, x, bf(norm_weight));
     LossStats stats;
     // RL: the chunks add their sums into rl_stats_, zeroed here (no chunk may run).
     if (options_.rl) CUDA_CHECK(cudaMemsetAsync(rl_stats_, 0, 8 * cuda::kRlStatsFields, stream_));
@@ -497,8 +510,7 @@ class CudaBackend final : public Backend {
       cuda::linear_backward(*gemm_, dxf_ + t0 * d.C, lm_head_grad, nullptr, logits_, xf_ + t0 * d.C, bf(lm_head), n,
                             d.C, d.V, scratch_, scratch_bytes_);
     }
-    cuda::rmsnorm_backward(d_x_, norm_grad, dxf_, x, bf(norm_weight), rstdf_, nullptr, n_, d.C, scratch_,
-                           scratch_bytes_, stream_);
+    norm_backward(d_x_, norm_grad, dxf_, x, bf(norm_weight), rstdf_, nullptr);
     // The one host synchronisation of a micro-batch: the loss value (RL: all its statistics).
     double loss = 0;
     std::array<double, cuda::kRlStatsFields> rl{};
@@ -524,23 +536,22 @@ class CudaBackend final : public Backend {
     const LayerWeights<const bf16> w = layer_weights(unit, bf(params));
     const LayerWeights<float> g = layer_weights(unit, grads);
     Acts& a = acts(l);
-    const bf16* x_in = residual_[l];
+    const void* x_in = residual_[l];
     if (options_.checkpoint_activations) forward_layer(w, x_in, recompute_out_, a, /*skip_attention=*/keeps_attention(l));
     const Dims& d = d_;
     const int64_t N = n_;
     // MLP: x_out = x_mid + down(silu(gate) * up)
-    project_backward(dh_, g.w_down, nullptr, d_x_, a.h, w.w_down, d.I, d.C);
+    project_backward(dh_, g.w_down, nullptr, stream_grad_bf16(d_x_), a.h, w.w_down, d.I, d.C);
     // dgate/dup in place of gate/up (Phases): dgu is a.gu from here on.
     bf16* dgu = a.gu;
     cuda::swiglu_backward(dgu, 2 * d.I, dgu + d.I, 2 * d.I, dh_, d.I, a.gu, 2 * d.I, a.gu + d.I, 2 * d.I, N, d.I,
                           stream_);
     gate_up_backward(dgu, a.xn2, w, g);
-    cuda::rmsnorm_backward(d_mid_, g.post_norm, d_xn_, a.x_mid, w.post_norm, a.rstd2, d_x_, N, d.C, scratch_,
-                           scratch_bytes_, stream_);
+    norm_backward(d_mid_, g.post_norm, d_xn_, a.x_mid, w.post_norm, a.rstd2, d_x_);
     // attention: x_mid = x_in + o(attn(rope(norm(q)), rope(norm(k)), v)); its
     // gradients go where gate/up were (dead now), when they fit there
     if (phases_.attention_in_gu) place_attention_phase(reinterpret_cast<char*>(a.gu));
-    project_backward(d_att_, g.wo, nullptr, d_mid_, a.att, w.wo, d.HD, d.C);
+    project_backward(d_att_, g.wo, nullptr, stream_grad_bf16(d_mid_), a.att, w.wo, d.HD, d.C);
     attention_backward(a, N);
     cuda::rope_backward(dq_, positions_, inv_freq_, N, d.H, d.D, d.HD, stream_);
     cuda::rope_backward(dk_, positions_, inv_freq_, N, d.KV, d.D, d.KVD, stream_);
@@ -558,20 +569,21 @@ class CudaBackend final : public Backend {
     // k's and v's input gradients are added to q's in their GEMMs' epilogues.
     project_backward(d_xn_, g.wk, g.bk, dk, a.xn1, w.wk, d.C, d.KVD, cuda::Dinp::Accumulate);
     project_backward(d_xn_, g.wv, g.bv, dv_, a.xn1, w.wv, d.C, d.KVD, cuda::Dinp::Accumulate);
-    cuda::rmsnorm_backward(d_x_, g.input_norm, d_xn_, x_in, w.input_norm, a.rstd1, d_mid_, N, d.C, scratch_,
-                           scratch_bytes_, stream_);
+    norm_backward(d_x_, g.input_norm, d_xn_, x_in, w.input_norm, a.rstd1, d_mid_);
   }
 
   void embed_backward(float* table_grad) override {
-    cuda::embedding_backward(table_grad, d_x_, tokens_, n_, d_.V, d_.C, scratch_, scratch_bytes_, stream_);
+    // An fp32 stream's gradient reaches the table rounded to bf16 (the copy the
+    // first layer's input-norm backward wrote): the table's gradient is fp32.
+    cuda::embedding_backward(table_grad, stream_grad_bf16(d_x_), tokens_, n_, d_.V, d_.C, scratch_, scratch_bytes_,
+                             stream_);
   }
 
   // Forward only: head_loss_backward's cross-entropy chunks without the
   // backward GEMMs (grad_scale 0 leaves zeros in the scratch logits).
   LossStats head_loss(const void* norm_weight, const void* lm_head) override {
     const Dims& d = d_;
-    cuda::rmsnorm_forward(xf_, rstdf_, residual_[config_.num_layers], bf(norm_weight), n_, d.C, config_.rms_norm_eps,
-                          stream_);
+    norm_forward(xf_, rstdf_, residual_[config_.num_layers], bf(norm_weight));
     LossStats stats;
     for (int64_t t0 = 0; t0 < n_; t0 += d.chunk) {
       const int64_t n = std::min(d.chunk, n_ - t0);
@@ -593,8 +605,7 @@ class CudaBackend final : public Backend {
 
   void head_logits(const void* norm_weight, const void* lm_head, float* logits) override {
     const Dims& d = d_;
-    cuda::rmsnorm_forward(xf_, rstdf_, residual_[config_.num_layers], bf(norm_weight), n_, d.C, config_.rms_norm_eps,
-                          stream_);
+    norm_forward(xf_, rstdf_, residual_[config_.num_layers], bf(norm_weight));
     std::vector<uint16_t> host(d.chunk * d.V);
     for (int64_t t0 = 0; t0 < n_; t0 += d.chunk) {
       const int64_t n = std::min(d.chunk, n_ - t0);
@@ -616,6 +627,37 @@ class CudaBackend final : public Backend {
   }
 
   static const bf16* bf(const void* p) { return static_cast<const bf16*>(p); }
+  static bf16* bf(void* p) { return static_cast<bf16*>(p); }
+  static const float* f32(const void* p) { return static_cast<const float*>(p); }
+  static float* f32(void* p) { return static_cast<float*>(p); }
+
+  // The residual stream's kernels, for either of its types (model.residual_dtype).
+  bool fp32_stream() const { return stream_bytes_ == 4; }
+  void norm_forward(bf16* out, float* rstd, const void* x, const bf16* weight) {
+    if (fp32_stream()) cuda::rmsnorm_forward(out, rstd, f32(x), weight, n_, d_.C, config_.rms_norm_eps, stream_);
+    else cuda::rmsnorm_forward(out, rstd, bf(x), weight, n_, d_.C, config_.rms_norm_eps, stream_);
+  }
+  // x_mid = x_in + projected (rounded to the stream's type), normed = its norm.
+  void add_norm_forward(void* x_mid, bf16* normed, float* rstd, const void* x_in, const bf16* projected,
+                        const bf16* weight) {
+    const double eps = config_.rms_norm_eps;
+    if (fp32_stream())
+      cuda::residual_rmsnorm_forward(f32(x_mid), normed, rstd, f32(x_in), projected, weight, n_, d_.C, eps, stream_);
+    else cuda::residual_rmsnorm_forward(bf(x_mid), normed, rstd, bf(x_in), projected, weight, n_, d_.C, eps, stream_);
+  }
+  // dinp = the norm's backward + dresidual; an fp32 stream also leaves dinp
+  // rounded to bf16 in d_stream_bf16_ for the projection backward that reads it.
+  void norm_backward(void* dinp, float* dweight, const bf16* dout, const void* inp, const bf16* weight,
+                     const float* rstd, const void* dresidual) {
+    if (fp32_stream())
+      cuda::rmsnorm_backward(f32(dinp), d_stream_bf16_, dweight, dout, f32(inp), weight, rstd, f32(dresidual), n_,
+                             d_.C, scratch_, scratch_bytes_, stream_);
+    else
+      cuda::rmsnorm_backward(bf(dinp), dweight, dout, bf(inp), weight, rstd, bf(dresidual), n_, d_.C, scratch_,
+                             scratch_bytes_, stream_);
+  }
+  // The stream gradient norm_backward wrote last, as a GEMM operand (bf16).
+  const bf16* stream_grad_bf16(const void* d) const { return fp32_stream() ? d_stream_bf16_ : bf(d); }
   Acts& acts(int l) {
     if (!options_.checkpoint_activations) return acts_[size_t(l)];
     Acts& a = acts_[0];
@@ -638,12 +680,12 @@ class CudaBackend final : public Backend {
 
   // skip_attention: activation checkpointing's second forward in backward, for a
   // layer whose attention output selective checkpointing kept.
-  void forward_layer(const LayerWeights<const bf16>& w, const bf16* x_in, bf16* x_out, Acts& a,
+  void forward_layer(const LayerWeights<const bf16>& w, const void* x_in, void* x_out, Acts& a,
                      bool skip_attention = false) {
     const Dims& d = d_;
     const int64_t N = n_;
     const double eps = config_.rms_norm_eps;
-    cuda::rmsnorm_forward(a.xn1, a.rstd1, x_in, w.input_norm, N, d.C, eps, stream_);
+    norm_forward(a.xn1, a.rstd1, x_in, w.input_norm);
     bf16* q_proj = config_.qk_norm ? a.q_raw : a.q;
     bf16* k_proj = config_.qk_norm ? a.k_raw : a.k;
     project(q_proj, a.xn1, w.wq, w.bq, d.C, d.HD);
@@ -656,12 +698,17 @@ class CudaBackend final : public Backend {
     cuda::rope_forward(a.q, positions_, inv_freq_, N, d.H, d.D, d.HD, stream_);
     cuda::rope_forward(a.k, positions_, inv_freq_, N, d.KV, d.D, d.KVD, stream_);
     if (!skip_attention) attention_forward(a, N);
-    // x_out holds the o_proj output until the residual add below overwrites it.
-    project(x_out, a.att, w.wo, nullptr, d.HD, d.C);
-    cuda::residual_rmsnorm_forward(a.x_mid, a.xn2, a.rstd2, x_in, x_out, w.post_norm, N, d.C, eps, stream_);
+    // A bf16 stream: x_out holds the o_proj output until the residual add below
+    // overwrites it. An fp32 one: the projections write bf16 into proj_out_, added
+    // to the stream unrounded.
+    bf16* projected = fp32_stream() ? proj_out_ : bf(x_out);
+    project(projected, a.att, w.wo, nullptr, d.HD, d.C);
+    add_norm_forward(a.x_mid, a.xn2, a.rstd2, x_in, projected, w.post_norm);
     gate_up_forward(a.gu, a.xn2, w);
     cuda::swiglu_forward(a.h, d.I, a.gu, 2 * d.I, a.gu + d.I, 2 * d.I, N, d.I, stream_);
-    project(x_out, a.h, w.w_down, nullptr, d.I, d.C, /*residual=*/a.x_mid);
+    if (!fp32_stream()) return project(bf(x_out), a.h, w.w_down, nullptr, d.I, d.C, /*residual=*/bf(a.x_mid));
+    project(proj_out_, a.h, w.w_down, nullptr, d.I, d.C);
+    cuda::add_bf16_to_f32(f32(x_out), f32(a.x_mid), proj_out_, N * d.C, stream_);
   }
 
   // A decoder block's projection over the micro-batch's n_ tokens: out (N, OC) =
@@ -729,14 +776,18 @@ class CudaBackend final : public Backend {
   float* weights_ = nullptr;
   float *advantages_ = nullptr, *inference_logprobs_ = nullptr, *temperatures_ = nullptr;  // RL, (N) each
   float* inv_freq_ = nullptr;
-  std::vector<bf16*> residual_;          // (L + 1) x (N, C)
+  std::vector<void*> residual_;          // (L + 1) x (N, C) of the stream's type (stream_bytes_)
+  int64_t stream_bytes_ = 2;             // the residual stream's element: 2 (bf16) or 4 (fp32)
+  bf16* proj_out_ = nullptr;             // fp32 stream: (N, C) a projection's bf16 output before its add
+  bf16* d_stream_bf16_ = nullptr;        // fp32 stream: (N, C) the last stream gradient rounded to bf16
   std::vector<Acts> acts_;
-  bf16* recompute_out_ = nullptr;
+  void* recompute_out_ = nullptr;        // (N, C) of the stream's type
   std::vector<bf16*> saved_att_;         // selective checkpointing: K x (N, H, D) for layers [0, K)
   std::vector<float*> saved_lse_;        // K x (N, H)
   bf16* shared_att_ = nullptr;           // checkpointing: the other layers' attention output, lse
   float* shared_lse_ = nullptr;
-  bf16 *d_x_ = nullptr, *d_mid_ = nullptr, *d_xn_ = nullptr, *d_att_ = nullptr;
+  void *d_x_ = nullptr, *d_mid_ = nullptr;  // (N, C) each, the stream's type
+  bf16 *d_xn_ = nullptr, *d_att_ = nullptr;
   bf16 *dq_ = nullptr, *dk_ = nullptr, *dv_ = nullptr, *dq_raw_ = nullptr, *dk_raw_ = nullptr;
   bf16* dh_ = nullptr;                   // (N, I), in the shared region
   Phases phases_;                        // where the phase-shared buffers live

@@ -159,6 +159,27 @@ cast_f32_to_bf16_kernel(bf16* __restrict__ out, const float* __restrict__ in, in
   }
 }
 
+// out = a + f32(b) (a == nullptr: out = f32(b)); out may alias a.
+template <int VEC>
+__global__ void __launch_bounds__(kThreads)
+add_bf16_to_f32_kernel(float* out, const float* a, const bf16* __restrict__ b, int64_t n) {
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x * VEC;
+  for (int64_t e0 = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * VEC; e0 < n;
+       e0 += stride) {
+    if (e0 + VEC <= n) {
+      Pack<float, VEC> y;
+      if (a) y = Pack<float, VEC>::load(a + e0);
+      else y.raw = {};
+      const auto x = Pack<bf16, VEC>::load(b + e0);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) y.v[j] += f32(x.v[j]);
+      y.store(out + e0);
+    } else {
+      for (int64_t e = e0; e < n; ++e) out[e] = (a ? a[e] : 0.0f) + f32(b[e]);
+    }
+  }
+}
+
 template <int VEC>
 __global__ void __launch_bounds__(kThreads)
 accumulate_f32_kernel(float* __restrict__ y, const float* __restrict__ x, int64_t n) {
@@ -254,6 +275,16 @@ void cast_f32_to_bf16(bf16* out, const float* in, int64_t n, cudaStream_t stream
     cast_f32_to_bf16_kernel<4><<<grid_capped(div_up(n, 4), kThreads), kThreads, 0, stream>>>(out, in, n);
   else
     cast_f32_to_bf16_kernel<1><<<grid_capped(n, kThreads), kThreads, 0, stream>>>(out, in, n);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+void add_bf16_to_f32(float* out, const float* a, const bf16* b, int64_t n, cudaStream_t stream) {
+  check_size(n, INT64_MAX / 8, "n", "add_bf16_to_f32");
+  if (n == 0) return;
+  if (aligned(out, 16) && aligned(a, 16) && aligned(b, 8))
+    add_bf16_to_f32_kernel<4><<<grid_capped(div_up(n, 4), kThreads), kThreads, 0, stream>>>(out, a, b, n);
+  else
+    add_bf16_to_f32_kernel<1><<<grid_capped(n, kThreads), kThreads, 0, stream>>>(out, a, b, n);
   CUDA_CHECK(cudaGetLastError());
 }
 

@@ -75,6 +75,15 @@ void residual_rmsnorm_forward(bf16* residual_out, bf16* normed, float* rstd,
                               const bf16* a, const bf16* b, const bf16* weight,
                               int64_t rows, int64_t C, double eps, cudaStream_t stream);
 
+// model.residual_dtype = "fp32": the residual stream (inp, a, residual_out) in fp32.
+// The sum a + b is not rounded (b, a projection's bf16 output, is added exactly as
+// transformers adds a bf16 module output to its fp32 residual under autocast).
+void rmsnorm_forward(bf16* out, float* rstd, const float* inp, const bf16* weight,
+                     int64_t rows, int64_t C, double eps, cudaStream_t stream);
+void residual_rmsnorm_forward(float* residual_out, bf16* normed, float* rstd,
+                              const float* a, const bf16* b, const bf16* weight,
+                              int64_t rows, int64_t C, double eps, cudaStream_t stream);
+
 // dinp = norm backward (+ dresidual when not nullptr: the residual stream's gradient
 // is added in the same pass, rounded to bf16 once).
 //   dinp (rows, C) overwritten; may alias dresidual, not dout or inp.
@@ -85,6 +94,13 @@ void rmsnorm_backward(bf16* dinp, float* dweight, const bf16* dout, const bf16* 
                       const bf16* weight, const float* rstd, const bf16* dresidual,
                       int64_t rows, int64_t C, void* scratch, size_t scratch_bytes,
                       cudaStream_t stream);
+// The same on an fp32 residual stream (inp, dresidual and dinp fp32, nothing
+// rounded); dinp_bf16 (rows, C), when not nullptr, gets dinp rounded to bf16 in
+// the same pass: the operand of the projection backward that reads it next.
+void rmsnorm_backward(float* dinp, bf16* dinp_bf16, float* dweight, const bf16* dout,
+                      const float* inp, const bf16* weight, const float* rstd,
+                      const float* dresidual, int64_t rows, int64_t C, void* scratch,
+                      size_t scratch_bytes, cudaStream_t stream);
 
 // ---------------------------------------------------------------- RoPE
 
@@ -140,6 +156,9 @@ void sum_rows(double* out, const float* x, int64_t n, bool accumulate,
 
 // out = bf16(in), round to nearest even.
 void cast_f32_to_bf16(bf16* out, const float* in, int64_t n, cudaStream_t stream);
+// out = a + float(b), in fp32 (a == nullptr: out = float(b)); out may alias a.
+// The fp32 residual stream's add of a bf16 projection output.
+void add_bf16_to_f32(float* out, const float* a, const bf16* b, int64_t n, cudaStream_t stream);
 // y += x.
 void accumulate_f32(float* y, const float* x, int64_t n, cudaStream_t stream);
 // x *= alpha.

@@ -73,34 +73,85 @@ bool norm_vec_ok(int64_t C, std::initializer_list<const void*> ptrs) {
   return true;
 }
 
-template <int VEC, int KMAX, bool kResidual>
+// VEC elements of the residual stream (bf16 or fp32, model.residual_dtype) in
+// registers, read and written as floats. bf16 keeps its packed form (the
+// registers the default path always used); fp32 moves as float4s.
+template <class T, int VEC> struct StreamVec;
+template <int VEC> struct StreamVec<bf16, VEC> {
+  Pack<bf16, VEC> p;
+  __device__ __forceinline__ static StreamVec load(const bf16* q) {
+    StreamVec x;
+    x.p = Pack<bf16, VEC>::load(q);
+    return x;
+  }
+  __device__ __forceinline__ void store(bf16* q) const { p.store(q); }
+  __device__ __forceinline__ float get(int j) const { return f32(p.v[j]); }
+  __device__ __forceinline__ void set(int j, float x) { p.v[j] = to_bf16(x); }
+  __device__ __forceinline__ void clear() { p.raw = {}; }
+};
+template <int VEC> struct StreamVec<float, VEC> {
+  static_assert(VEC == 1 || VEC % 4 == 0, "fp32 stream vectors are float4s");
+  float v[VEC];
+  __device__ __forceinline__ static StreamVec load(const float* q) {
+    StreamVec x;
+    if constexpr (VEC == 1) {
+      x.v[0] = q[0];
+    } else {
+#pragma unroll
+      for (int i = 0; i < VEC / 4; ++i) {
+        const float4 f = reinterpret_cast<const float4*>(q)[i];
+        x.v[4 * i] = f.x, x.v[4 * i + 1] = f.y, x.v[4 * i + 2] = f.z, x.v[4 * i + 3] = f.w;
+      }
+    }
+    return x;
+  }
+  __device__ __forceinline__ void store(float* q) const {
+    if constexpr (VEC == 1) {
+      q[0] = v[0];
+    } else {
+#pragma unroll
+      for (int i = 0; i < VEC / 4; ++i)
+        reinterpret_cast<float4*>(q)[i] = make_float4(v[4 * i], v[4 * i + 1], v[4 * i + 2], v[4 * i + 3]);
+    }
+  }
+  __device__ __forceinline__ float get(int j) const { return v[j]; }
+  __device__ __forceinline__ void set(int j, float x) { v[j] = x; }
+  __device__ __forceinline__ void clear() {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) v[j] = 0.0f;
+  }
+};
+
+// TX: the residual stream's element type. kResidual: residual_out = a + b (b, a
+// projection's bf16 output), rounded to TX, and the norm of what was stored.
+template <int VEC, int KMAX, bool kResidual, class TX>
 __global__ void __launch_bounds__(kNormThreads)
-rmsnorm_forward_kernel(bf16* residual_out, bf16* normed, float* __restrict__ rstd,
-                       const bf16* a, const bf16* b, const bf16* __restrict__ weight,
+rmsnorm_forward_kernel(TX* residual_out, bf16* normed, float* __restrict__ rstd,
+                       const TX* a, const bf16* b, const bf16* __restrict__ weight,
                        int64_t rows, int C, float eps, int G, int K) {
   using P = Pack<bf16, VEC>;
+  using X = StreamVec<TX, VEC>;
   __shared__ float red[kNormThreads / 32];
   const int group = threadIdx.x / G, lane = threadIdx.x % G;
   const int64_t row = int64_t(blockIdx.x) * (kNormThreads / G) + group;
   const bool active = row < rows;
-  P xs[KMAX];
+  X xs[KMAX];
   float ss = 0.0f;
 #pragma unroll
   for (int k = 0; k < KMAX; ++k) {
     const int c = (k * G + lane) * VEC;
     if (!active || k >= K || c >= C) continue;
     const int64_t off = row * C + c;
+    xs[k] = X::load(a + off);
     if constexpr (kResidual) {
-      const P pa = P::load(a + off), pb = P::load(b + off);
+      const P pb = P::load(b + off);
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) xs[k].v[j] = to_bf16(f32(pa.v[j]) + f32(pb.v[j]));
+      for (int j = 0; j < VEC; ++j) xs[k].set(j, xs[k].get(j) + f32(pb.v[j]));
       xs[k].store(residual_out + off);
-    } else {
-      xs[k] = P::load(a + off);
     }
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
-      const float x = f32(xs[k].v[j]);
+      const float x = xs[k].get(j);
       ss += x * x;
     }
   }
@@ -115,7 +166,7 @@ rmsnorm_forward_kernel(bf16* residual_out, bf16* normed, float* __restrict__ rst
     const P w = P::load(weight + c);
     P y;
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) y.v[j] = to_bf16(f32(w.v[j]) * (f32(xs[k].v[j]) * s));
+    for (int j = 0; j < VEC; ++j) y.v[j] = to_bf16(f32(w.v[j]) * (xs[k].get(j) * s));
     y.store(normed + row * C + c);
   }
 }
@@ -123,13 +174,17 @@ rmsnorm_forward_kernel(bf16* residual_out, bf16* normed, float* __restrict__ rst
 // dx = s * (w * dy) - x * (sum(w * dy * x) / C) * s^3 (+ dresidual), one group per
 // row; the dweight terms dy * x * s are summed per thread over the block's rows in
 // row order, then over the block's groups in group order, into partial[block].
-template <int VEC, int KMAX, bool kResidual>
+// TX: the residual stream's element type (inp, dresidual, dinp); an fp32 stream
+// also writes dinp rounded to bf16 into dinp_bf16 when it is not nullptr (the
+// next projection's backward reads bf16).
+template <int VEC, int KMAX, bool kResidual, class TX>
 __global__ void __launch_bounds__(kNormThreads)
-rmsnorm_backward_kernel(bf16* dinp, float* __restrict__ partial, const bf16* __restrict__ dout,
-                        const bf16* __restrict__ inp, const bf16* __restrict__ weight,
-                        const float* __restrict__ rstd, const bf16* dresidual, int64_t rows,
+rmsnorm_backward_kernel(TX* dinp, bf16* dinp_bf16, float* __restrict__ partial, const bf16* __restrict__ dout,
+                        const TX* __restrict__ inp, const bf16* __restrict__ weight,
+                        const float* __restrict__ rstd, const TX* dresidual, int64_t rows,
                         int C, int G, int K, int64_t rows_per_block) {
   using P = Pack<bf16, VEC>;
+  using X = StreamVec<TX, VEC>;
   extern __shared__ float group_acc[];  // (rows_per_iter, C)
   __shared__ float red[kNormThreads / 32];
   const int rows_per_iter = kNormThreads / G;
@@ -154,25 +209,27 @@ rmsnorm_backward_kernel(bf16* dinp, float* __restrict__ partial, const bf16* __r
   // The next row's x, dy (and dresidual) are loaded before this row's reduction, so
   // two rows' loads are in flight across its barriers (one left the kernel at half
   // the bandwidth). The arithmetic and its order are unchanged.
-  P x[KMAX], dy[KMAX], dr[KMAX];
-  auto load_row = [&](int64_t row, P* xs, P* dys, P* drs) {
+  X x[KMAX], dr[KMAX];
+  P dy[KMAX];
+  auto load_row = [&](int64_t row, X* xs, P* dys, X* drs) {
 #pragma unroll
     for (int k = 0; k < KMAX; ++k) {
       const int c = (k * G + lane) * VEC;
-      xs[k].raw = {};
+      xs[k].clear();
       dys[k].raw = {};
-      drs[k].raw = {};
+      drs[k].clear();
       if (row >= r1 || k >= K || c >= C) continue;
-      xs[k] = P::load(inp + row * C + c);
+      xs[k] = X::load(inp + row * C + c);
       dys[k] = P::load(dout + row * C + c);
-      if constexpr (kResidual) drs[k] = P::load(dresidual + row * C + c);
+      if constexpr (kResidual) drs[k] = X::load(dresidual + row * C + c);
     }
   };
   load_row(r0 + group, x, dy, dr);
   for (int64_t base = r0; base < r1; base += rows_per_iter) {
     const int64_t row = base + group;
     const bool active = row < r1;
-    P xn[KMAX], dyn[KMAX], drn[KMAX];
+    X xn[KMAX], drn[KMAX];
+    P dyn[KMAX];
     load_row(row + rows_per_iter, xn, dyn, drn);
     float dot = 0.0f;
 #pragma unroll
@@ -180,7 +237,7 @@ rmsnorm_backward_kernel(bf16* dinp, float* __restrict__ partial, const bf16* __r
       const int c = (k * G + lane) * VEC;
       if (!active || k >= K || c >= C) continue;
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) dot += (w[k][j] * f32(dy[k].v[j])) * f32(x[k].v[j]);
+      for (int j = 0; j < VEC; ++j) dot += (w[k][j] * f32(dy[k].v[j])) * x[k].get(j);
     }
     const float s = active ? rstd[row] : 0.0f;
     dot = group_sum(dot, G, red);
@@ -190,16 +247,24 @@ rmsnorm_backward_kernel(bf16* dinp, float* __restrict__ partial, const bf16* __r
       const int c = (k * G + lane) * VEC;
       if (!active || k >= K || c >= C) continue;
       const int64_t off = row * C + c;
-      P dx;
+      X dx;
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
-        const float xf = f32(x[k].v[j]), dyf = f32(dy[k].v[j]);
+        const float xf = x[k].get(j), dyf = f32(dy[k].v[j]);
         float g = s * (w[k][j] * dyf) - xf * coef;
-        if constexpr (kResidual) g += f32(dr[k].v[j]);
-        dx.v[j] = to_bf16(g);
+        if constexpr (kResidual) g += dr[k].get(j);
+        dx.set(j, g);
         acc[k][j] += dyf * (xf * s);
       }
       dx.store(dinp + off);
+      if constexpr (sizeof(TX) == 4) {
+        if (dinp_bf16) {
+          P copy;
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) copy.v[j] = to_bf16(dx.get(j));
+          copy.store(dinp_bf16 + off);
+        }
+      }
     }
 #pragma unroll
     for (int k = 0; k < KMAX; ++k) x[k] = xn[k], dy[k] = dyn[k], dr[k] = drn[k];
@@ -225,8 +290,8 @@ int64_t norm_rows_per_block(int64_t rows, const NormGeom& g) {
   return rpi * std::max<int64_t>(1, div_up(rows, rpi * kNormMaxPartials));
 }
 
-template <bool kResidual>
-void launch_rmsnorm_forward(bf16* residual_out, bf16* normed, float* rstd, const bf16* a,
+template <bool kResidual, class TX>
+void launch_rmsnorm_forward(TX* residual_out, bf16* normed, float* rstd, const TX* a,
                             const bf16* b, const bf16* weight, int64_t rows, int64_t C,
                             double eps, cudaStream_t stream, const char* op) {
   check_size(rows, INT64_MAX / 8, "rows", op);
@@ -237,7 +302,7 @@ void launch_rmsnorm_forward(bf16* residual_out, bf16* normed, float* rstd, const
   const unsigned blocks = grid_for(rows, g.rows_per_iter());
   const float eps_f = static_cast<float>(eps);
 #define SHARDLM_RMS_FWD(VEC, KMAX)                                                           \
-  rmsnorm_forward_kernel<VEC, KMAX, kResidual><<<blocks, kNormThreads, 0, stream>>>(          \
+  rmsnorm_forward_kernel<VEC, KMAX, kResidual, TX><<<blocks, kNormThreads, 0, stream>>>(      \
       residual_out, normed, rstd, a, b, weight, rows, int(C), eps_f, g.G, g.K)
   if (g.vec == 1) SHARDLM_RMS_FWD(1, 4);  // unaligned or C % 8 != 0: scalar loads
   else if (g.kmax == 2) SHARDLM_RMS_FWD(8, 2);
@@ -252,15 +317,28 @@ void launch_rmsnorm_forward(bf16* residual_out, bf16* normed, float* rstd, const
 
 void rmsnorm_forward(bf16* out, float* rstd, const bf16* inp, const bf16* weight,
                      int64_t rows, int64_t C, double eps, cudaStream_t stream) {
-  launch_rmsnorm_forward<false>(nullptr, out, rstd, inp, nullptr, weight, rows, C, eps, stream,
-                                "rmsnorm_forward");
+  launch_rmsnorm_forward<false, bf16>(nullptr, out, rstd, inp, nullptr, weight, rows, C, eps, stream,
+                                      "rmsnorm_forward");
+}
+
+void rmsnorm_forward(bf16* out, float* rstd, const float* inp, const bf16* weight,
+                     int64_t rows, int64_t C, double eps, cudaStream_t stream) {
+  launch_rmsnorm_forward<false, float>(nullptr, out, rstd, inp, nullptr, weight, rows, C, eps, stream,
+                                       "rmsnorm_forward (fp32 input)");
 }
 
 void residual_rmsnorm_forward(bf16* residual_out, bf16* normed, float* rstd, const bf16* a,
                               const bf16* b, const bf16* weight, int64_t rows, int64_t C,
                               double eps, cudaStream_t stream) {
-  launch_rmsnorm_forward<true>(residual_out, normed, rstd, a, b, weight, rows, C, eps, stream,
-                               "residual_rmsnorm_forward");
+  launch_rmsnorm_forward<true, bf16>(residual_out, normed, rstd, a, b, weight, rows, C, eps, stream,
+                                     "residual_rmsnorm_forward");
+}
+
+void residual_rmsnorm_forward(float* residual_out, bf16* normed, float* rstd, const float* a,
+                              const bf16* b, const bf16* weight, int64_t rows, int64_t C,
+                              double eps, cudaStream_t stream) {
+  launch_rmsnorm_forward<true, float>(residual_out, normed, rstd, a, b, weight, rows, C, eps, stream,
+                                      "residual_rmsnorm_forward (fp32 stream)");
 }
 
 size_t rmsnorm_backward_scratch_bytes(int64_t rows, int64_t C) {
@@ -280,15 +358,16 @@ size_t rmsnorm_backward_scratch_bytes(int64_t rows, int64_t C) {
   return bytes;
 }
 
-void rmsnorm_backward(bf16* dinp, float* dweight, const bf16* dout, const bf16* inp,
-                      const bf16* weight, const float* rstd, const bf16* dresidual,
-                      int64_t rows, int64_t C, void* scratch, size_t scratch_bytes,
-                      cudaStream_t stream) {
-  const char* op = "rmsnorm_backward";
+namespace {
+
+template <class TX>
+void launch_rmsnorm_backward(TX* dinp, bf16* dinp_bf16, float* dweight, const bf16* dout, const TX* inp,
+                             const bf16* weight, const float* rstd, const TX* dresidual, int64_t rows, int64_t C,
+                             void* scratch, size_t scratch_bytes, cudaStream_t stream, const char* op) {
   check_size(rows, INT64_MAX / 8, "rows", op);
   check_size(C, INT_MAX, "C", op);
   if (rows == 0 || C == 0) return;
-  const bool vec = norm_vec_ok(C, {dinp, dout, inp, weight, dresidual});
+  const bool vec = norm_vec_ok(C, {dinp, dinp_bf16, dout, inp, weight, dresidual});
   const NormGeom g = norm_geom(C, vec, op);
   const int64_t rows_per_block = norm_rows_per_block(rows, g);
   const int64_t P = div_up(rows, rows_per_block);
@@ -299,8 +378,8 @@ void rmsnorm_backward(bf16* dinp, float* dweight, const bf16* dout, const bf16* 
   const size_t smem = size_t(g.rows_per_iter()) * C * sizeof(float);
   const unsigned blocks = unsigned(P);
 #define SHARDLM_RMS_BWD(VEC, KMAX, RES)                                                      \
-  rmsnorm_backward_kernel<VEC, KMAX, RES><<<blocks, kNormThreads, smem, stream>>>(           \
-      dinp, partial, dout, inp, weight, rstd, dresidual, rows, int(C), g.G, g.K, rows_per_block)
+  rmsnorm_backward_kernel<VEC, KMAX, RES, TX><<<blocks, kNormThreads, smem, stream>>>(       \
+      dinp, dinp_bf16, partial, dout, inp, weight, rstd, dresidual, rows, int(C), g.G, g.K, rows_per_block)
   const bool res = dresidual != nullptr;
   if (g.vec == 1) {  // unaligned or C % 8 != 0: scalar loads
     if (res) SHARDLM_RMS_BWD(1, 4, true);
@@ -315,6 +394,23 @@ void rmsnorm_backward(bf16* dinp, float* dweight, const bf16* dout, const bf16* 
 #undef SHARDLM_RMS_BWD
   CUDA_CHECK(cudaGetLastError());
   launch_column_finish(dweight, partial, P, int(C), stream);
+}
+
+}  // namespace
+
+void rmsnorm_backward(bf16* dinp, float* dweight, const bf16* dout, const bf16* inp,
+                      const bf16* weight, const float* rstd, const bf16* dresidual,
+                      int64_t rows, int64_t C, void* scratch, size_t scratch_bytes,
+                      cudaStream_t stream) {
+  launch_rmsnorm_backward<bf16>(dinp, nullptr, dweight, dout, inp, weight, rstd, dresidual, rows, C, scratch,
+                                scratch_bytes, stream, "rmsnorm_backward");
+}
+
+void rmsnorm_backward(float* dinp, bf16* dinp_bf16, float* dweight, const bf16* dout, const float* inp,
+                      const bf16* weight, const float* rstd, const float* dresidual, int64_t rows, int64_t C,
+                      void* scratch, size_t scratch_bytes, cudaStream_t stream) {
+  launch_rmsnorm_backward<float>(dinp, dinp_bf16, dweight, dout, inp, weight, rstd, dresidual, rows, C, scratch,
+                                 scratch_bytes, stream, "rmsnorm_backward (fp32 stream)");
 }
 
 }  // namespace shardlm::cuda

@@ -450,6 +450,88 @@ void test_rmsnorm(Rng& rng, const char* tag, int64_t rows, int64_t C) {
     const double e = rel_err(d_dres.download(), ref, &nf);
     report.check("rmsnorm_backward " + dims + " in place on dresidual", e, kTolBf16Out, nf);
   }
+  // model.residual_dtype = "fp32": the stream (input, residual, their gradients) in fp32
+  {
+    const auto a32 = rng.normal(n, 1.0);  // not bf16-representable
+    const auto b_f = to_f32(b);
+    DeviceBuffer<float> d_a32(n), d_res32(n);
+    d_a32.upload(a32);
+    std::vector<float> ref(static_cast<size_t>(n)), rstd_ref(static_cast<size_t>(rows));
+    cpu::rmsnorm_forward<float>(ref.data(), rstd_ref.data(), a32.data(), w_f.data(), rows, C, eps);
+    std::vector<bf16> out[2];
+    for (auto& o : out) {
+      d_out.poison();
+      d_rstd.poison();
+      gpu::rmsnorm_forward(d_out.ptr, d_rstd.ptr, d_a32.ptr, d_w.ptr, rows, C, eps, nullptr);
+      sync();
+      o = d_out.download();
+    }
+    int64_t nf = 0;
+    report.check("rmsnorm_forward fp32-in " + dims + " out", rel_err(out[0], ref, &nf), kTolBf16Out, nf);
+    report.check("rmsnorm_forward fp32-in " + dims + " rstd", rel_err(d_rstd.download(), rstd_ref, &nf),
+                 kTolF32Stat, nf);
+    check_bitwise("rmsnorm_forward fp32-in " + dims + " deterministic", out[0], out[1]);
+
+    // residual_out = a + b unrounded (one fp32 add: the host's bits), the norm of it
+    std::vector<float> sum(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) sum[size_t(i)] = a32[size_t(i)] + b_f[size_t(i)];
+    cpu::rmsnorm_forward<float>(ref.data(), rstd_ref.data(), sum.data(), w_f.data(), rows, C, eps);
+    d_out.poison();
+    d_res32.poison();
+    d_rstd.poison();
+    gpu::residual_rmsnorm_forward(d_res32.ptr, d_out.ptr, d_rstd.ptr, d_a32.ptr, d_b.ptr, d_w.ptr, rows, C, eps,
+                                  nullptr);
+    sync();
+    report.check("residual_rmsnorm_forward fp32 " + dims + " a+b", rel_err(d_res32.download(), sum, &nf), kExact, nf);
+    report.check("residual_rmsnorm_forward fp32 " + dims + " out", rel_err(d_out.download(), ref, &nf),
+                 kTolBf16Out, nf);
+    report.check("residual_rmsnorm_forward fp32 " + dims + " rstd", rel_err(d_rstd.download(), rstd_ref, &nf),
+                 kTolF32Stat, nf);
+
+    // backward on the fp32 stream: dinp in fp32 (to fp32 tolerance, not bf16's),
+    // its bf16 copy the rounding of what was stored, bit for bit
+    std::vector<float> fwd(static_cast<size_t>(n)), rstd(static_cast<size_t>(rows));
+    cpu::rmsnorm_forward<float>(fwd.data(), rstd.data(), a32.data(), w_f.data(), rows, C, eps);
+    const auto dout = to_bf16(rng.normal(n, 1.0));
+    const auto dres = rng.normal(n, 1.0);
+    const auto dw_init = rng.normal(C, 0.01);
+    const auto dout_f = to_f32(dout);
+    std::vector<float> dinp_ref(static_cast<size_t>(n)), dw_ref = dw_init;
+    cpu::rmsnorm_backward<float>(dinp_ref.data(), dw_ref.data(), dout_f.data(), a32.data(), w_f.data(), rstd.data(),
+                                 rows, C);
+    DeviceBuffer<bf16> d_dout(n), d_copy(n);
+    DeviceBuffer<float> d_dres(n), d_dinp(n), d_dw(C), d_rstd_in(rows);
+    d_dout.upload(dout);
+    d_dres.upload(dres);
+    d_rstd_in.upload(rstd);
+    const size_t sb = gpu::rmsnorm_backward_scratch_bytes(rows, C);
+    DeviceBuffer<char> scratch(static_cast<int64_t>(std::max<size_t>(sb, 1)));
+    for (bool with_res : {false, true}) {
+      std::vector<float> dinp[2], dw[2];
+      std::vector<bf16> copy;
+      for (int run = 0; run < 2; ++run) {
+        d_dw.upload(dw_init);
+        d_dinp.poison();
+        d_copy.poison();
+        scratch.poison();
+        gpu::rmsnorm_backward(d_dinp.ptr, d_copy.ptr, d_dw.ptr, d_dout.ptr, d_a32.ptr, d_w.ptr, d_rstd_in.ptr,
+                              with_res ? d_dres.ptr : nullptr, rows, C, scratch.ptr, sb, nullptr);
+        sync();
+        dinp[run] = d_dinp.download();
+        dw[run] = d_dw.download();
+        if (run == 0) copy = d_copy.download();
+      }
+      std::vector<float> want = dinp_ref;
+      if (with_res)
+        for (int64_t i = 0; i < n; ++i) want[size_t(i)] += dres[size_t(i)];
+      const std::string name = std::string(with_res ? "rmsnorm_backward fp32+dres " : "rmsnorm_backward fp32 ") + dims;
+      report.check(name + " dinp", rel_err(dinp[0], want, &nf), kTolF32Stat, nf);
+      report.check(name + " dinp's bf16 copy", rel_err(copy, to_bf16(dinp[0]), &nf), kExact, nf);
+      report.check(name + " dweight +=", rel_err_delta(dw[0], dw_ref, dw_init, &nf), kTolF32Acc, nf);
+      check_bitwise(name + " deterministic dinp", dinp[0], dinp[1]);
+      check_bitwise(name + " deterministic dweight", dw[0], dw[1]);
+    }
+  }
 }
 
 // ---------------------------------------------------------------- RoPE
@@ -849,6 +931,19 @@ void test_helpers(Rng& rng, int64_t n) {
     auto acc = y;
     for (int64_t i = off; i < n; ++i) acc[size_t(i)] += x[size_t(i)];
     report.check("accumulate_f32 " + dims + tag, rel_err(d_y.download(), acc, &nf), kExact, nf);
+
+    // the fp32 residual stream's add of a bf16 projection output, and its cast (a = nullptr)
+    d_b.upload(to_bf16(x));
+    const auto xb = to_f32(to_bf16(x));
+    for (bool with_a : {true, false}) {
+      d_y.upload(y);
+      gpu::add_bf16_to_f32(d_y.ptr + off, with_a ? d_y.ptr + off : nullptr, d_b.ptr + off, m, nullptr);
+      sync();
+      auto sum = y;
+      for (int64_t i = off; i < n; ++i) sum[size_t(i)] = (with_a ? y[size_t(i)] : 0.0f) + xb[size_t(i)];
+      report.check(std::string(with_a ? "add_bf16_to_f32 " : "add_bf16_to_f32 (cast) ") + dims + tag,
+                   rel_err(d_y.download(), sum, &nf), kExact, nf);
+    }
 
     d_y.upload(y);
     gpu::scale_f32(d_y.ptr + off, 0.37f, m, nullptr);

@@ -198,6 +198,32 @@ TEST_CASE("check on the CUDA backend: model.selective_layers keeps K layers' att
   CHECK(gpu_total(all.output) - gpu_total(half.output) == doctest::Approx(7 * layer_mib).epsilon(1e-3));
 }
 
+TEST_CASE("check on the CUDA backend: model.residual_dtype = fp32 adds 2 bytes per stream element, as planned") {
+  // The stream's (L + 1) layer boundaries and L x_mid activations (no
+  // checkpointing), d_x and d_mid in the workspace, and two bf16 (N, C) buffers
+  // between the stream and the GEMMs: the o / down outputs and the gradient's copy.
+  const std::string deck = " check inputs/bench/llama-1b.toml --set data.path=inputs/data/tiny.h5 "
+                           "--set device.backend=cuda";
+  auto bf16 = run(shardlm_bin() + deck);
+  if (bf16.output.find("built without CUDA") != std::string::npos) {
+    MESSAGE("CPU-only build: the CUDA memory plan is not available; nothing to check");
+    return;
+  }
+  auto fp32 = run(shardlm_bin() + deck + " --set model.residual_dtype=fp32");
+  REQUIRE(bf16.status == 0);
+  REQUIRE(fp32.status == 0);
+  auto gpu_row = [](const std::string& out, const std::string& row) {
+    const size_t at = out.find(row);
+    REQUIRE(at != std::string::npos);
+    return std::stod(out.substr(at + row.size()));
+  };
+  const double L = 16, N = 4096, C = 2048, MiB = 1048576.0;  // llama-1b.toml: one 4096-token row a micro-batch
+  CHECK(gpu_row(fp32.output, "activations        GPU") - gpu_row(bf16.output, "activations        GPU") ==
+        doctest::Approx(2 * N * C * (L + 1 + L) / MiB).epsilon(1e-6));
+  CHECK(gpu_row(fp32.output, "workspace          GPU") - gpu_row(bf16.output, "workspace          GPU") ==
+        doctest::Approx(4 * 2 * N * C / MiB).epsilon(1e-6));
+}
+
 TEST_CASE("train under mpirun -np 2 with a bad deck: one report, clean exit 1") {
   auto r = run(mpirun(2) + shardlm_bin() + " train inputs/tiny-sft.toml --set optim.lr=-1");
   CHECK(r.status == 1);

@@ -6,6 +6,7 @@
 
 #include "shardlm/config.hpp"
 #include "shardlm/memory.hpp"
+#include "train/train.hpp"
 
 using namespace shardlm;
 
@@ -162,6 +163,19 @@ TEST_CASE("model.context_parallel: divides the ranks, splits seq_len into 2C chu
         "model.context_parallel) = 2 x 8 = 16");
   CHECK(only_error(parse(kValid, {"model.context_parallel=0"})).find("model.context_parallel = 0 is out of range") !=
         std::string::npos);
+}
+
+TEST_CASE("model.residual_dtype: bf16 by default, or fp32; nothing else") {
+  CHECK(parse(kValid).config.model.residual_dtype == "bf16");
+  const DeckResult r = parse(kValid, {"model.residual_dtype=fp32"});
+  for (const auto& e : r.errors) MESSAGE(e);
+  REQUIRE(r.ok());
+  CHECK(r.config.model.residual_dtype == "fp32");
+  CHECK(engine_options_for(r.config).residual_fp32);
+  CHECK_FALSE(engine_options_for(parse(kValid).config).residual_fp32);
+  CHECK(only_error(parse(kValid, {"model.residual_dtype=fp16"})) ==
+        "--set model.residual_dtype=fp16: model.residual_dtype = \"fp16\" is not accepted: it must be one of "
+        "\"bf16\", \"fp32\"");
 }
 
 TEST_CASE("model.fp8: none by default, tensorwise or rowwise; sizes in multiples of 16; not with context parallelism") {
