@@ -21,6 +21,8 @@
 #                                 ckpt-1b ckpt-1b-offload ckpt-8b4-offload (on request: checkpoints every 2 steps sync,
 #                                 every 80 / 40 steps async, against dd on the same disk;
 #                                 docs/benchmarks.md "Asynchronous checkpoints"; ~3 min each)
+#                                 1b-fp32-residual 1b-32k-selective-fp32-residual (on request:
+#                                 model.residual_dtype = fp32, issue #34; beside 1b / 1b-32k-selective)
 #                                 1b-fp8 1b-fp8-rowwise 1b-32k-fp8 (on request: model.fp8 = tensorwise /
 #                                 rowwise, issue #30; compare with 1b / 1b-32k in the same call)
 #   ATTN=flash tools/bench.sh 1b  (device.attention for every run: auto | cudnn | flash)
@@ -120,6 +122,11 @@ for n in $names; do
     1b-mb2) run 1b-mb2 inputs/bench/llama-1b.toml --set data.micro_batch=2 ;;
     1b-mb4) run 1b-mb4 inputs/bench/llama-1b.toml --set data.micro_batch=4 ;;
     # model.fp8 (issue #30): the decoder blocks' linears in FP8; against 1b / 1b-32k run in the same call.
+    # model.residual_dtype = "fp32" (#34): its cost beside 1b and 1b-32k-selective in the same call.
+    1b-fp32-residual) run 1b-fp32-residual inputs/bench/llama-1b.toml --set model.residual_dtype=fp32 ;;
+    1b-32k-selective-fp32-residual)
+      run 1b-32k-selective-fp32-residual inputs/bench/llama-1b.toml --set data.seq_len=32768 --set data.global_batch=1 \
+        --set model.activation_checkpointing=selective --set run.max_steps=5 --set model.residual_dtype=fp32 ;;
     1b-fp8) run 1b-fp8 inputs/bench/llama-1b.toml --set model.fp8=tensorwise ;;
     1b-fp8-rowwise) run 1b-fp8-rowwise inputs/bench/llama-1b.toml --set model.fp8=rowwise ;;
     1b-32k-fp8) run 1b-32k-fp8 inputs/bench/llama-1b.toml --set data.seq_len=32768 --set data.global_batch=1 \

@@ -26,6 +26,8 @@ train np2-again 2 comm.backend=mpi || exit 1
 train np2-bf16 2 comm.backend=mpi model.reduce_dtype=bf16 || exit 1
 train np2-offload 2 comm.backend=mpi model.optim_cpu_offload=true model.optim_gpu_state_gib=0 || exit 1
 train np2-noreshard 2 comm.backend=mpi model.reshard_after_forward=false model.activation_checkpointing=full || exit 1
+train np1-fp32res 1 model.residual_dtype=fp32 || exit 1
+train np2-fp32res 2 comm.backend=mpi model.residual_dtype=fp32 || exit 1
 
 # bf16 parameters and activations: the two world sizes sum the same gradients in
 # another order, which moves bf16 roundings; measured about 1e-3 (docs/testing.md).
@@ -34,6 +36,8 @@ compare np2-again np2 0 "-np 2 twice: bit-identical losses"
 compare np2-bf16 np2 2e-2 "-np 2 with model.reduce_dtype = bf16 vs fp32 reduction"
 compare np2-offload np2 2e-2 "-np 2 with optim_cpu_offload vs device-resident state"
 compare np2-noreshard np2 2e-2 "-np 2 without resharding, with activation checkpointing"
+compare np2-fp32res np1-fp32res 2e-2 "model.residual_dtype = fp32: -np 2 on one GPU (staged MPI) vs -np 1"
+compare np1-fp32res np1 2e-2 "model.residual_dtype = fp32 vs bf16 at -np 1 (bf16 tolerance)"
 
 # The resolved deck records the communicator the run chose.
 if grep -q "backend = 'mpi'" "$out/np2/config.toml"; then echo "PASS config.toml records comm.backend = \"mpi\""
