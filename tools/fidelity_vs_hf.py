@@ -278,6 +278,42 @@ def table(curves, reference="transformers eager"):
     return "\n".join(lines)
 
 
+# Issue #34's test: in each of these windows the mean relative difference to
+# transformers eager is within 1.5x transformers' own compile - eager mean, and
+# the last 10 steps' mean loss within 0.1% of eager's.
+ISSUE_WINDOWS = [(1, 10), (11, 20), (21, 40), (41, 65)]
+
+
+def issue_test(curves, reference="transformers eager", spread="transformers compile", factor=1.5,
+               last_tolerance=1e-3):
+    """One line per shardlm curve: each window's |mean| against factor x |spread's mean|, and the last 10.
+    Returns (lines, {curve: holds})."""
+    if reference not in curves or spread not in curves:
+        return [f"(issue #34's test needs '{reference}' and '{spread}')"], {}
+    ref, comp = np.asarray(curves[reference]), np.asarray(curves[spread])
+    lines, verdicts = [], {}
+    for k, v in curves.items():
+        if not k.startswith("shardlm"):
+            continue
+        v = np.asarray(v)
+        holds, cells = True, []
+        for a, b in ISSUE_WINDOWS:
+            if b > len(ref):
+                break
+            mine = float(np.mean((v[a - 1:b] - ref[a - 1:b]) / ref[a - 1:b]))
+            theirs = float(np.mean((comp[a - 1:b] - ref[a - 1:b]) / ref[a - 1:b]))
+            ok = abs(mine) <= factor * abs(theirs)
+            holds &= ok
+            cells.append(f"{a}–{b} {abs(mine):.1e} vs {factor} x {abs(theirs):.1e} {'ok' if ok else 'NO'}")
+        last = float(np.mean(v[-10:]) / np.mean(ref[-10:]) - 1)
+        ok = abs(last) <= last_tolerance
+        holds &= ok
+        cells.append(f"last 10 {last:+.2%} (within {last_tolerance:.1%}: {'ok' if ok else 'NO'})")
+        verdicts[k] = holds
+        lines.append(f"{k}: {'HOLDS' if holds else 'does not hold'}: " + "; ".join(cells))
+    return lines, verdicts
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shardlm", default="build/shardlm")
@@ -332,6 +368,8 @@ def main():
     print(f"\n{tag}, {args.steps} steps of {args.rows} x {args.seq} tokens, lr {args.lr}; "
           f"relative loss difference to transformers eager:\n")
     print(table(curves))
+    print("\nissue #34's test (each window's |mean| within 1.5x transformers' compile - eager; last 10 within 0.1%):")
+    print("\n".join(issue_test(curves)[0]))
 
 
 if __name__ == "__main__":
