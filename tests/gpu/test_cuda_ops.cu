@@ -351,22 +351,26 @@ void test_rmsnorm(Rng& rng, const char* tag, int64_t rows, int64_t C) {
   d_a.upload(a);
   d_b.upload(b);
   d_w.upload(w);
+  // rmsnorm_forward twice on a bf16 or fp32 input: both outputs (for determinism), the last rstd
+  std::vector<bf16> out[2];
+  std::vector<float> rstd;
+  auto forward_twice = [&](const auto* input) {
+    for (auto& o : out) {
+      d_out.poison();
+      d_rstd.poison();
+      gpu::rmsnorm_forward(d_out.ptr, d_rstd.ptr, input, d_w.ptr, rows, C, eps, nullptr);
+      sync();
+      o = d_out.download();
+      rstd = d_rstd.download();
+    }
+  };
 
   // forward
   {
     std::vector<float> ref(static_cast<size_t>(n)), rstd_ref(static_cast<size_t>(rows));
     const auto x = to_f32(a);
     cpu::rmsnorm_forward<float>(ref.data(), rstd_ref.data(), x.data(), w_f.data(), rows, C, eps);
-    std::vector<bf16> out[2];
-    std::vector<float> rstd;
-    for (auto& o : out) {
-      d_out.poison();
-      d_rstd.poison();
-      gpu::rmsnorm_forward(d_out.ptr, d_rstd.ptr, d_a.ptr, d_w.ptr, rows, C, eps, nullptr);
-      sync();
-      o = d_out.download();
-      rstd = d_rstd.download();
-    }
+    forward_twice(d_a.ptr);
     int64_t nf = 0;
     double e = rel_err(out[0], ref, &nf);
     report.check("rmsnorm_forward " + dims + " out", e, kTolBf16Out, nf);
@@ -458,18 +462,10 @@ void test_rmsnorm(Rng& rng, const char* tag, int64_t rows, int64_t C) {
     d_a32.upload(a32);
     std::vector<float> ref(static_cast<size_t>(n)), rstd_ref(static_cast<size_t>(rows));
     cpu::rmsnorm_forward<float>(ref.data(), rstd_ref.data(), a32.data(), w_f.data(), rows, C, eps);
-    std::vector<bf16> out[2];
-    for (auto& o : out) {
-      d_out.poison();
-      d_rstd.poison();
-      gpu::rmsnorm_forward(d_out.ptr, d_rstd.ptr, d_a32.ptr, d_w.ptr, rows, C, eps, nullptr);
-      sync();
-      o = d_out.download();
-    }
+    forward_twice(d_a32.ptr);
     int64_t nf = 0;
     report.check("rmsnorm_forward fp32-in " + dims + " out", rel_err(out[0], ref, &nf), kTolBf16Out, nf);
-    report.check("rmsnorm_forward fp32-in " + dims + " rstd", rel_err(d_rstd.download(), rstd_ref, &nf),
-                 kTolF32Stat, nf);
+    report.check("rmsnorm_forward fp32-in " + dims + " rstd", rel_err(rstd, rstd_ref, &nf), kTolF32Stat, nf);
     check_bitwise("rmsnorm_forward fp32-in " + dims + " deterministic", out[0], out[1]);
 
     // residual_out = a + b unrounded (one fp32 add: the host's bits), the norm of it

@@ -23,6 +23,17 @@ using shardlm_test::run;
 using shardlm_test::shardlm_bin;
 using shardlm_test::mpirun;
 
+namespace {
+// A row of the memory plan `check` prints ("  total              GPU   27155.349 MiB"):
+// its MiB, `row` being the row's label as printed (kGpuTotal).
+double plan_mib(const std::string& out, const std::string& row) {
+  const size_t at = out.find(row);
+  REQUIRE(at != std::string::npos);
+  return std::stod(out.substr(at + row.size()));
+}
+const std::string kGpuTotal = "total              GPU", kHostTotal = "total              host";
+}  // namespace
+
 TEST_SUITE("cli") {
 
 TEST_CASE("argument parsing: commands, --set forms, --world, errors") {
@@ -101,13 +112,8 @@ TEST_CASE("check with optim_cpu_offload on the CUDA backend prints the GPU bytes
                                 "--set model.optim_cpu_offload=true --set model.optim_gpu_state_gib=0");
   REQUIRE(off.status == 0);
   REQUIRE(on.status == 0);
-  auto total = [](const std::string& out, const char* where) {
-    const size_t at = out.find(std::string("total              ") + where);
-    REQUIRE(at != std::string::npos);
-    return std::stod(out.substr(at + 25));
-  };
-  const double saved_gpu = total(off.output, "GPU") - total(on.output, "GPU");
-  const double more_host = total(on.output, "host") - total(off.output, "host");
+  const double saved_gpu = plan_mib(off.output, kGpuTotal) - plan_mib(on.output, kGpuTotal);
+  const double more_host = plan_mib(on.output, kHostTotal) - plan_mib(off.output, kHostTotal);
   // 1.236e9 parameters: the fp32 masters and AdamW moments (12 B each) leave the
   // GPU; the fp32 gradient accumulator (4 B) stays, and nothing else is added.
   CHECK(saved_gpu == doctest::Approx(12.0 * 1.2358e9 / 1048576.0).epsilon(1e-3));
@@ -125,8 +131,8 @@ TEST_CASE("check with optim_cpu_offload on the CUDA backend prints the GPU bytes
                                  "--set model.optim_cpu_offload=true --set model.optim_offload_grads=device "
                                  "--set model.optim_gpu_state_gib=0");
   REQUIRE(dev.status == 0);
-  CHECK(total(dev.output, "GPU") == total(on.output, "GPU"));
-  CHECK(total(on.output, "host") - total(dev.output, "host") ==
+  CHECK(plan_mib(dev.output, kGpuTotal) == plan_mib(on.output, kGpuTotal));
+  CHECK(plan_mib(on.output, kHostTotal) - plan_mib(dev.output, kHostTotal) ==
         doctest::Approx((4.0 * 1.2358e9 - 8.0 * 128256 * 2048) / 1048576.0).epsilon(1e-3));
   CHECK(dev.output.find("gradient shards    host") == std::string::npos);
 
@@ -146,7 +152,8 @@ TEST_CASE("check with optim_cpu_offload on the CUDA backend prints the GPU bytes
   const double device_units_mib = std::stod(split_line.substr(split_line.find("on the GPU, ") + 12));
   const double embed = 128256.0 * 2048, layer = (1.2358e9 - embed) / 16;  // parameters (the head is a norm: tied)
   CHECK(device_units_mib == doctest::Approx(12.0 * (embed + layer) / 1048576.0).epsilon(1e-3));
-  CHECK(total(split.output, "GPU") - total(on.output, "GPU") == doctest::Approx(device_units_mib).epsilon(1e-6));
+  CHECK(plan_mib(split.output, kGpuTotal) - plan_mib(on.output, kGpuTotal) ==
+        doctest::Approx(device_units_mib).epsilon(1e-6));
   CHECK(on.output.find("offload split: optimizer state of 0 of 18 units on the GPU (model.optim_gpu_state_gib = 0): "
                        "none on the GPU, units 0..17 (embed..head) offloaded") != std::string::npos);
 }
@@ -165,14 +172,10 @@ TEST_CASE("check on the CUDA backend: cuDNN's attention adds only its persistent
   auto cudnn = run(shardlm_bin() + deck + " --set device.attention=auto");
   REQUIRE(flash.status == 0);
   REQUIRE(cudnn.status == 0);
-  auto gpu_total = [](const std::string& out) {
-    const size_t at = out.find("total              GPU");
-    REQUIRE(at != std::string::npos);
-    return std::stod(out.substr(at + 25));
-  };
   // persistent_bytes(32768): lengths and three offset arrays, 256-byte aligned, and 64 MiB for the plans
   const double persistent_mib = (131072.0 + 3 * 131328.0 + 64.0 * 1048576) / 1048576.0;
-  CHECK(gpu_total(cudnn.output) - gpu_total(flash.output) == doctest::Approx(persistent_mib).epsilon(1e-3));
+  CHECK(plan_mib(cudnn.output, kGpuTotal) - plan_mib(flash.output, kGpuTotal) ==
+        doctest::Approx(persistent_mib).epsilon(1e-3));
 }
 
 TEST_CASE("check on the CUDA backend: model.selective_layers keeps K layers' attention, each N·H·(2·D + 4) bytes") {
@@ -187,15 +190,11 @@ TEST_CASE("check on the CUDA backend: model.selective_layers keeps K layers' att
   auto half = run(shardlm_bin() + deck + " --set model.selective_layers=8");
   REQUIRE(all.status == 0);
   REQUIRE(half.status == 0);
-  auto gpu_total = [](const std::string& out) {
-    const size_t at = out.find("total              GPU");
-    REQUIRE(at != std::string::npos);
-    return std::stod(out.substr(at + 25));
-  };
   // All 16 layers keep theirs (the shared set then holds none: 15 more than full);
   // 8 keep theirs and the shared set holds one for the other 8: 7 layers' worth less.
   const double layer_mib = (2.0 * 32768 * 2048 + 4.0 * 32768 * 32) / 1048576.0;
-  CHECK(gpu_total(all.output) - gpu_total(half.output) == doctest::Approx(7 * layer_mib).epsilon(1e-3));
+  CHECK(plan_mib(all.output, kGpuTotal) - plan_mib(half.output, kGpuTotal) ==
+        doctest::Approx(7 * layer_mib).epsilon(1e-3));
 }
 
 TEST_CASE("check on the CUDA backend: model.residual_dtype = fp32 adds 2 bytes per stream element, as planned") {
@@ -212,15 +211,10 @@ TEST_CASE("check on the CUDA backend: model.residual_dtype = fp32 adds 2 bytes p
   auto fp32 = run(shardlm_bin() + deck + " --set model.residual_dtype=fp32");
   REQUIRE(bf16.status == 0);
   REQUIRE(fp32.status == 0);
-  auto gpu_row = [](const std::string& out, const std::string& row) {
-    const size_t at = out.find(row);
-    REQUIRE(at != std::string::npos);
-    return std::stod(out.substr(at + row.size()));
-  };
   const double L = 16, N = 4096, C = 2048, MiB = 1048576.0;  // llama-1b.toml: one 4096-token row a micro-batch
-  CHECK(gpu_row(fp32.output, "activations        GPU") - gpu_row(bf16.output, "activations        GPU") ==
+  CHECK(plan_mib(fp32.output, "activations        GPU") - plan_mib(bf16.output, "activations        GPU") ==
         doctest::Approx(2 * N * C * (L + 1 + L) / MiB).epsilon(1e-6));
-  CHECK(gpu_row(fp32.output, "workspace          GPU") - gpu_row(bf16.output, "workspace          GPU") ==
+  CHECK(plan_mib(fp32.output, "workspace          GPU") - plan_mib(bf16.output, "workspace          GPU") ==
         doctest::Approx(4 * 2 * N * C / MiB).epsilon(1e-6));
 }
 
