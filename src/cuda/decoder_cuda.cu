@@ -307,9 +307,7 @@ CudaDecoder::CudaDecoder(const InferenceModel& model, const DecoderLimits& limit
   // SHARDLM_DECODE_GEMM_PICK=waves: the decode steps' GEMMs (M = the batch)
   // take the heuristic answer that covers the most SMs (cuda::Gemm::prefer_full_waves).
   const char* pick = std::getenv("SHARDLM_DECODE_GEMM_PICK");
-  // =tune: the fastest of the heuristic's answers, timed on the first eager step.
   if (pick && std::strcmp(pick, "waves") == 0) gemm_->prefer_full_waves(limits.slots);
-  if (pick && std::strcmp(pick, "tune") == 0) gemm_->autotune(limits.slots);
   const char* host_sampler = std::getenv("SHARDLM_HOST_SAMPLER");
   device_draws_ = !(host_sampler && std::strcmp(host_sampler, "1") == 0);
 

@@ -80,9 +80,9 @@ Gemm::Plan& Gemm::plan(const Key& key, const void* bias) {
 
   cublasLtMatmulPreference_t pref = nullptr;
   CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
-  constexpr int kCandidates = Plan::kCandidates;
+  constexpr int kCandidates = 8;
   cublasLtMatmulHeuristicResult_t results[kCandidates] = {};
-  const bool by_waves = key.M <= full_waves_rows_, tune = key.M <= tune_rows_;
+  const bool by_waves = key.M <= full_waves_rows_;
   int found = 0;
   try {
     set_pref(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, uint64_t(workspace_bytes_));
@@ -90,7 +90,7 @@ Gemm::Plan& Gemm::plan(const Key& key, const void* bias) {
     set_pref(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, key.align_a);
     set_pref(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, key.align_c);
     set_pref(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, key.align_c);
-    CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(handle_, p.op, p.a, p.b, p.c, p.c, pref, by_waves || tune ? kCandidates : 1,
+    CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(handle_, p.op, p.a, p.b, p.c, p.c, pref, by_waves ? kCandidates : 1,
                                                 results, &found));
   } catch (...) {
     cublasLtMatmulPreferenceDestroy(pref);
@@ -112,9 +112,6 @@ Gemm::Plan& Gemm::plan(const Key& key, const void* bias) {
                 static_cast<long long>(key.ldc), key.out == GemmOut::BF16 ? "bf16" : "fp32",
                 key.bias ? " with bias" : "");
   p.algo = result.algo;
-  for (int i = 0; tune && i < found; ++i)
-    if (results[i].state == CUBLAS_STATUS_SUCCESS) p.candidates[p.candidate_count++] = results[i].algo;
-  p.tuned = p.candidate_count < 2;
   return plans_.emplace(key, p).first->second;
 }
 
@@ -146,39 +143,8 @@ void Gemm::matmul(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, c
                 alignment_of(bias)};
   Plan& p = plan(key, bias);
   if (bias) set_desc(p.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, static_cast<const void*>(bias));
-  const Operands ops{A, B, C, C_in, alpha, beta};
-  if (!p.tuned) tune(p, ops, beta != 0.0f && C_in == C);
-  launch(p, p.algo, ops);
-}
-
-void Gemm::launch(const Plan& p, const cublasLtMatmulAlgo_t& algo, const Operands& o) {
-  CUBLAS_CHECK(cublasLtMatmul(handle_, p.op, &o.alpha, o.B, p.a, o.A, p.b, &o.beta, o.C_in, p.c, o.C, p.c, &algo,
-                              workspace_, workspace_bytes_, stream_));
-}
-
-void Gemm::tune(Plan& p, const Operands& o, bool in_place) {
-  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
-  CUDA_CHECK(cudaStreamIsCapturing(stream_, &capturing));
-  if (capturing != cudaStreamCaptureStatusNone) return;  // a later eager call tunes it
-  p.tuned = true;
-  if (in_place) return;  // repeated runs would add C into itself
-  cudaEvent_t begin = nullptr, end = nullptr;
-  CUDA_CHECK(cudaEventCreate(&begin));
-  CUDA_CHECK(cudaEventCreate(&end));
-  float best = 0.0f;
-  for (int i = 0; i < p.candidate_count; ++i) {
-    const cublasLtMatmulAlgo_t& algo = p.candidates[i];
-    launch(p, algo, o);  // warm-up
-    CUDA_CHECK(cudaEventRecord(begin, stream_));
-    for (int i = 0; i < 5; ++i) launch(p, algo, o);
-    CUDA_CHECK(cudaEventRecord(end, stream_));
-    CUDA_CHECK(cudaEventSynchronize(end));
-    float ms = 0.0f;
-    CUDA_CHECK(cudaEventElapsedTime(&ms, begin, end));
-    if (best == 0.0f || ms < best) best = ms, p.algo = algo;
-  }
-  cudaEventDestroy(begin);
-  cudaEventDestroy(end);
+  CUBLAS_CHECK(cublasLtMatmul(handle_, p.op, &alpha, B, p.a, A, p.b, &beta, C_in, p.c, C, p.c,
+                              &p.algo, workspace_, workspace_bytes_, stream_));
 }
 
 void linear_forward(Gemm& gemm, bf16* out, const bf16* inp, const bf16* weight,

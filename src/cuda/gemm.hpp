@@ -75,13 +75,6 @@ class Gemm {
   // the same algorithm. For the decoder's batch-64 GEMMs, whose first answer
   // can leave most SMs idle on a 2048-wide weight. Plans made before stay.
   void prefer_full_waves(int64_t rows) { full_waves_rows_ = rows; }
-  // For shapes of at most `rows` rows (0: off, the default): the first call of a
-  // shape runs each of up to 8 heuristic answers on its own operands (one warm-up,
-  // then 5 timed runs each) and keeps the fastest. A timing, so two processes may
-  // keep different algorithms (sums in another order): opt-in, for the decoder's
-  // batch-sized GEMMs. Not while the stream is being captured into a graph, nor
-  // where C is also the input (beta != 0 in place): those keep the heuristic's pick.
-  void autotune(int64_t rows) { tune_rows_ = rows; }
 
  private:
   struct Key {
@@ -96,20 +89,8 @@ class Gemm {
     cublasLtMatmulDesc_t op = nullptr;
     cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
     cublasLtMatmulAlgo_t algo{};
-    static constexpr int kCandidates = 8;
-    cublasLtMatmulAlgo_t candidates[kCandidates] = {};  // the heuristic's answers, kept for autotune
-    int candidate_count = 0;
-    bool tuned = false;
   };
   Plan& plan(const Key& key, const void* bias);
-  struct Operands {  // one call's pointers and scalars, in matmul's (row-major) terms
-    const bf16 *A, *B;
-    void* C;
-    const void* C_in;
-    float alpha, beta;
-  };
-  void launch(const Plan& p, const cublasLtMatmulAlgo_t& algo, const Operands& o);
-  void tune(Plan& p, const Operands& o, bool in_place);
 
   cudaStream_t stream_;
   void* workspace_;
@@ -117,7 +98,6 @@ class Gemm {
   cublasLtHandle_t handle_ = nullptr;
   std::map<Key, Plan> plans_;
   int64_t full_waves_rows_ = 0;
-  int64_t tune_rows_ = 0;
 };
 
 // torch.nn.Linear on the GPU, mirroring cpu::linear_forward / linear_backward:
