@@ -54,7 +54,7 @@ def main():
         top.set_title(args.title)
     fig.tight_layout()
     fig.savefig(args.out, dpi=110)
-    print(f"plot_fidelity.py: {args.out}")
+    print(f"plot_fidelity.py: wrote {args.out} ({len(curves)} curves, {len(ref)} steps)")
 
 
 if __name__ == "__main__":

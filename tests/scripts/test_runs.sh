@@ -208,6 +208,18 @@ if "$PY" -c 'import matplotlib' 2>/dev/null; then
   done
   "$PY" tools/plot_runs.py "$C" > "$T/plot1.log" 2>&1
   check "plot_runs.py, one run: into RUN_DIR/plots, 16 points" has "$T/plot1.log" "wrote $C/plots/loss.png (1 run, 16 points)"
+  # plot_fidelity.py on a made-up losses.json of tools/fidelity_vs_hf.py's form
+  "$PY" -c 'import json, math
+c = {"transformers eager": [10 * math.exp(-s / 30) + 1 for s in range(70)]}
+c["transformers compile"] = [x * 1.001 for x in c["transformers eager"]]
+c["shardlm default"] = [x * 0.998 for x in c["transformers eager"]]
+json.dump(c, open("'"$T"'/losses.json", "w"))'
+  "$PY" tools/plot_fidelity.py "$T/losses.json" "$T/fidelity.png" > "$T/fid.log" 2>&1
+  check "plot_fidelity.py: 3 curves of 70 steps into a PNG" has "$T/fid.log" "wrote $T/fidelity.png (3 curves, 70 steps)"
+  check "plot_fidelity.py: fidelity.png is a PNG" test "$(head -c 8 "$T/fidelity.png" | od -An -tx1 | tr -d ' \n')" = 89504e470d0a1a0a
+  "$PY" tools/plot_fidelity.py "$T/losses.json" "$T/f2.png" --reference "transformers eager+bf16-params" > "$T/fid2.log" 2>&1
+  check "plot_fidelity.py: a missing reference curve is named, with the curves the file has (exit $?)" has "$T/fid2.log" \
+    "has no curve 'transformers eager+bf16-params' (it has: transformers eager, transformers compile, shardlm default)"
 else
   fail "plot_runs.py: $PY has no matplotlib (tools/install-deps.sh installs python3-matplotlib)"
 fi
