@@ -18,6 +18,7 @@ One call (tools/bench_generate.sh runs it on the GPU machine):
   python3 tools/bench_generate.py [--shardlm build/shardlm] [--batch 64] [--prompt 128] [--new 256]
                                   [--work DIR] [--small]   (--small: a 4-layer 512-wide model, a quick check)
                                   [--greedy-only]          (one shardlm run, no transformers)
+                                  [--profile]              (that, then a sampled run with SHARDLM_DECODE_PROFILE=1)
 """
 import argparse
 import os
@@ -71,12 +72,12 @@ def write_prompts(path, ids, vocab):
         f.attrs["stop_token_ids"] = np.asarray([], dtype=np.int64)
 
 
-def run_shardlm(args, model_dir, prompts, out, sampling, graphs=True, host_sampler=False):
+def run_shardlm(args, model_dir, prompts, out, sampling, graphs=True, host_sampler=False, profile=False):
     cmd = [args.shardlm, "generate", "--hf", model_dir, "--prompts", prompts, "--max-new-tokens", str(args.new),
            "--batch", str(args.batch), "--device", "cuda", "--seed", "1", "--out", out] + sampling
     t0 = time.time()
     env = dict(os.environ, SHARDLM_DECODE_GRAPHS="1" if graphs else "0",
-               SHARDLM_HOST_SAMPLER="1" if host_sampler else "0")
+               SHARDLM_HOST_SAMPLER="1" if host_sampler else "0", SHARDLM_DECODE_PROFILE="1" if profile else "0")
     p = subprocess.run(cmd, capture_output=True, text=True, env=env)
     wall = time.time() - t0
     sys.stdout.write(p.stdout)
@@ -119,6 +120,8 @@ def main():
     ap.add_argument("--work", default="")
     ap.add_argument("--small", action="store_true")
     ap.add_argument("--greedy-only", action="store_true", help="one shardlm greedy run, no transformers: the decode step")
+    ap.add_argument("--profile", action="store_true",
+                    help="then one sampled run with SHARDLM_DECODE_PROFILE=1: device time per operation, host time per call")
     args = ap.parse_args()
     import torch
     import transformers
@@ -135,7 +138,10 @@ def main():
     write_prompts(prompts, ids, config.vocab_size)
 
     greedy = run_shardlm(args, model_dir, prompts, os.path.join(work, "greedy.h5"), ["--temperature", "0"])
-    if args.greedy_only:
+    if args.greedy_only or args.profile:
+        if args.profile:
+            run_shardlm(args, model_dir, prompts, os.path.join(work, "profiled.h5"),
+                        ["--temperature", "0.8", "--top-k", "50", "--top-p", "0.95"], profile=True)
         return
     sampled = run_shardlm(args, model_dir, prompts, os.path.join(work, "sampled.h5"),
                           ["--temperature", "0.8", "--top-k", "50", "--top-p", "0.95"])

@@ -7,6 +7,7 @@
 #
 #   tools/bench_generate.sh                 SHARDLM=build/shardlm by default
 #   tools/bench_generate.sh --greedy-only   one shardlm run: the decode step (~30 s)
+#   tools/bench_generate.sh --profile       that, then a sampled run with SHARDLM_DECODE_PROFILE=1 (~1 min)
 #   tools/bench_generate.sh --small         a 4-layer model: a quick check of the script
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -8,6 +8,8 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <utility>
@@ -18,6 +20,7 @@
 #include "cuda/check.hpp"
 #include "cuda/decode_attention.hpp"
 #include "cuda/gemm.hpp"
+#include "cuda/op_timer.hpp"
 #include "cuda/ops.hpp"
 #include "cuda/sampling.hpp"
 #include "cuda/token_logprobs.hpp"
@@ -50,6 +53,26 @@ bool qkv_adjacent(const Unit& u) {
          (!biases || (next("q_proj.bias", "k_proj.bias") && next("k_proj.bias", "v_proj.bias")));
 }
 
+// Adds the time from its construction to its end to `wall` when `on`: a
+// decoder call, which returns synchronised, timed from the host.
+class CallTimer {
+ public:
+  template <class Wall>
+  CallTimer(bool on, Wall& wall) : seconds_(on ? &wall.seconds : nullptr), calls_(on ? &wall.calls : nullptr) {}
+  ~CallTimer() {
+    if (!seconds_) return;
+    *seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();
+    ++*calls_;
+  }
+  CallTimer(const CallTimer&) = delete;
+  CallTimer& operator=(const CallTimer&) = delete;
+
+ private:
+  double* seconds_;
+  int64_t* calls_;
+  std::chrono::steady_clock::time_point t0_ = std::chrono::steady_clock::now();
+};
+
 class CudaDecoder final : public Decoder {
  public:
   CudaDecoder(const InferenceModel& model, const DecoderLimits& limits);
@@ -78,6 +101,7 @@ class CudaDecoder final : public Decoder {
   }
   int64_t decode_steps() const override { return decode_steps_; }
   double decode_seconds() const override { return decode_seconds_; }
+  std::string profile_report(double generate_seconds) const override;
 
  private:
   // One row of the plan: what it is, where it is counted, its size; the table
@@ -119,6 +143,10 @@ class CudaDecoder final : public Decoder {
   // on the second full step (the first built the GEMM plans), replayed after.
   // ~230 launches a step at 1B shape cost more host time than the GPU needs.
   void decode_full_batch();
+  // SHARDLM_DECODE_PROFILE=1: op ends the operation enqueued since the last mark (a no-op otherwise).
+  void mark(const char* op) {
+    if (ops_) ops_->mark(op);
+  }
   void check_slot(int32_t slot) const {
     SHARDLM_CHECK(slot >= 0 && slot < limits_.slots, "internal: slot %d of %lld", slot, (long long)limits_.slots);
   }
@@ -184,6 +212,14 @@ class CudaDecoder final : public Decoder {
   cudaGraphExec_t full_step_graph_ = nullptr;
   int64_t decode_steps_ = 0;
   double decode_seconds_ = 0;
+  // SHARDLM_DECODE_PROFILE=1: every decode step runs eagerly with an event
+  // after each operation (ops_), and prefill, decode and draw are timed on the
+  // host from call to return (each ends synchronised): profile_report().
+  std::unique_ptr<cuda::OpTimer> ops_;
+  struct Wall {
+    double seconds = 0;
+    int64_t calls = 0;
+  } prefill_wall_, decode_wall_, draw_wall_;
 
   int32_t* tokens(int32_t* base) const { return base; }
   int32_t* positions(int32_t* base) const { return base + rows_; }
@@ -308,6 +344,10 @@ CudaDecoder::CudaDecoder(const InferenceModel& model, const DecoderLimits& limit
   // take the heuristic answer that covers the most SMs (cuda::Gemm::prefer_full_waves).
   const char* pick = std::getenv("SHARDLM_DECODE_GEMM_PICK");
   if (pick && std::strcmp(pick, "waves") == 0) gemm_->prefer_full_waves(limits.slots);
+  if (const char* profile = std::getenv("SHARDLM_DECODE_PROFILE"); profile && std::strcmp(profile, "1") == 0) {
+    ops_ = std::make_unique<cuda::OpTimer>(stream_);
+    graphs_ = false;  // an event per operation, recorded eagerly
+  }
   const char* host_sampler = std::getenv("SHARDLM_HOST_SAMPLER");
   device_draws_ = !(host_sampler && std::strcmp(host_sampler, "1") == 0);
 
@@ -381,19 +421,26 @@ void CudaDecoder::run_layers(int64_t N, bool prefill) {
   const double eps = c.rms_norm_eps;
   cuda::embedding_forward(x_, tokens(ints_), param(layout.embed(), "model.embed_tokens.weight"), N, c.vocab_size, C,
                           stream_);
+  mark("embedding");
   for (int l = 0; l < int(c.num_layers); ++l) {
     const LayerWeights<const bf16> w = layer_weights(layout.layer(l), static_cast<const bf16*>(unit_w_[size_t(1 + l)]));
     cuda::rmsnorm_forward(xn_, rstd_, x_, w.input_norm, N, C, eps, stream_);
+    mark("input norm");
     if (!prefill && fused_qkv_)
       attend_fused(l, N, w);
     else
       attend(l, N, prefill, w);
     // x_out holds the o_proj output until the residual add below overwrites it.
     cuda::linear_forward(*gemm_, x_out_, att_, w.wo, nullptr, N, HD, C);
+    mark("o gemm");
     cuda::residual_rmsnorm_forward(x_mid_, xn_, rstd_, x_, x_out_, w.post_norm, N, C, eps, stream_);
+    mark("add + norm");
     cuda::linear_forward(*gemm_, gu_, xn_, w.w_gate, nullptr, N, C, 2 * I);
+    mark("gate|up gemm");
     cuda::swiglu_forward(h_, I, gu_, 2 * I, gu_ + I, 2 * I, N, I, stream_);
+    mark("swiglu");
     cuda::linear_forward(*gemm_, x_out_, h_, w.w_down, nullptr, N, I, C, /*residual=*/x_mid_);
+    mark("down gemm + add");
     std::swap(x_, x_out_);
   }
 }
@@ -406,14 +453,18 @@ void CudaDecoder::attend(int l, int64_t N, bool prefill, const LayerWeights<cons
   cuda::linear_forward(*gemm_, q_proj, xn_, w.wq, w.bq, N, C, HD);
   cuda::linear_forward(*gemm_, k_proj, xn_, w.wk, w.bk, N, C, KVD);
   cuda::linear_forward(*gemm_, v_, xn_, w.wv, w.bv, N, C, KVD);
+  mark("q, k, v gemms");
   if (c.qk_norm) {
     cuda::rmsnorm_forward(q_, rstd_, q_raw_, w.q_norm, N * H, D, c.rms_norm_eps, stream_);
     cuda::rmsnorm_forward(k_, rstd_, k_raw_, w.k_norm, N * KV, D, c.rms_norm_eps, stream_);
+    mark("q/k norms");
   }
   cuda::rope_forward(q_, positions(ints_), inv_freq_, N, H, D, HD, stream_);
   cuda::rope_forward(k_, positions(ints_), inv_freq_, N, KV, D, KVD, stream_);
+  mark("rope");
   cuda::copy_rows(k_cache_[size_t(l)], cache_rows(ints_), k_, nullptr, N, KVD, stream_);
   cuda::copy_rows(v_cache_[size_t(l)], cache_rows(ints_), v_, nullptr, N, KVD, stream_);
+  mark("kv store");
   if (prefill)
     // Every prompt of the pass is a document of its own: it sees its own positions 0 .. t.
     cuda::attention_forward(att_, lse_, q_, k_, v_, seq_ids(ints_), doc_start_, N, H, KV, D, stream_);
@@ -421,6 +472,7 @@ void CudaDecoder::attend(int l, int64_t N, bool prefill, const LayerWeights<cons
     cuda::decode_attention_forward(att_, q_, HD, k_cache_[size_t(l)], v_cache_[size_t(l)], slot_of(ints_),
                                    lens(ints_), N, H, KV, D, limits_.max_len, attention_scratch_,
                                    attention_scratch_bytes_, stream_);
+  mark("attention");
 }
 
 void CudaDecoder::attend_fused(int l, int64_t N, const LayerWeights<const bf16>& w) {
@@ -429,13 +481,17 @@ void CudaDecoder::attend_fused(int l, int64_t N, const LayerWeights<const bf16>&
   const int64_t QKV = HD + 2 * KVD;
   // w.wq (and w.bq) start the three adjacent projections (qkv_adjacent).
   cuda::linear_forward(*gemm_, qkv_, xn_, w.wq, w.bq, N, C, QKV);
+  mark("q|k|v gemm");
   // q's and k's heads lie side by side in a row: one RoPE over H + KV heads;
   // k and v side by side too: one store into the two caches.
   cuda::rope_forward(qkv_, positions(ints_), inv_freq_, N, H + KV, D, QKV, stream_);
+  mark("rope");
   cuda::store_kv(k_cache_[size_t(l)], v_cache_[size_t(l)], cache_rows(ints_), qkv_ + HD, QKV, N, KVD, stream_);
+  mark("kv store");
   cuda::decode_attention_forward(att_, qkv_, QKV, k_cache_[size_t(l)], v_cache_[size_t(l)], slot_of(ints_),
                                  lens(ints_), N, H, KV, D, limits_.max_len, attention_scratch_,
                                  attention_scratch_bytes_, stream_);
+  mark("attention");
 }
 
 void CudaDecoder::head(const bf16* rows, int64_t n) {
@@ -445,10 +501,12 @@ void CudaDecoder::head(const bf16* rows, int64_t n) {
                                               : param(layout.head(), "lm_head.weight");
   cuda::rmsnorm_forward(head_x_, rstd_, rows, param(layout.head(), "model.norm.weight"), n, c.hidden_size,
                         c.rms_norm_eps, stream_);
+  mark("final norm");
   // fp32 logits straight from the GEMM's accumulator: the sampler and the
   // logprobs see no bf16 rounding of the logits.
   gemm_->matmul(false, true, n, c.vocab_size, c.hidden_size, head_x_, c.hidden_size, lm_head, c.hidden_size, logits_,
                 c.vocab_size, cuda::GemmOut::F32, 1.0f, 0.0f);
+  mark("lm-head");
 }
 
 void CudaDecoder::token_logprobs(float* out, const float*, const int32_t* tokens, float temperature, int64_t n) {
@@ -470,19 +528,26 @@ void CudaDecoder::draw(const SamplingParams& p, const double* uniforms, int64_t 
   SHARDLM_CHECK(n >= 0 && n <= last_rows_, "internal: a draw of %lld rows after a step of %lld", (long long)n,
                 (long long)last_rows_);
   if (n == 0) return;
+  const CallTimer timed(ops_ != nullptr, draw_wall_);
   const int64_t S = limits_.slots, V = model_.config().vocab_size;
+  if (ops_) ops_->begin();
   std::memcpy(draw_uniforms_host_, uniforms, size_t(n) * sizeof(double));
   CUDA_CHECK(cudaMemcpyAsync(draw_uniforms_, draw_uniforms_host_, size_t(n) * sizeof(double), cudaMemcpyHostToDevice,
                              stream_));
+  mark("draw: uniforms up");
   int32_t* tokens = reinterpret_cast<int32_t*>(draw_out_);
   float* sampling = reinterpret_cast<float*>(draw_out_ + S);
   float* model = reinterpret_cast<float*>(draw_out_ + 2 * S);
   float* tempered = reinterpret_cast<float*>(draw_out_ + 3 * S);
   cuda::sample_rows(tokens, sampling, logits_, draw_uniforms_, n, V, p.temperature, p.top_k, p.top_p, stream_);
+  mark("draw: sample");
   cuda::token_logprobs(model, logits_, tokens, 1.0f, n, V, stream_);
   if (p.temperature > 0) cuda::token_logprobs(tempered, logits_, tokens, float(p.temperature), n, V, stream_);
+  mark("draw: logprobs");
   CUDA_CHECK(cudaMemcpyAsync(draw_out_host_, draw_out_, size_t(4 * S) * sizeof(uint32_t), cudaMemcpyDeviceToHost,
                              stream_));
+  mark("draw: results down");
+  if (ops_) ops_->end();
   CUDA_CHECK(cudaStreamSynchronize(stream_));
   for (int64_t b = 0; b < n; ++b) {
     std::memcpy(&out[b].token, draw_out_host_ + b, sizeof(int32_t));
@@ -509,6 +574,7 @@ void CudaDecoder::prefill(std::span<const int32_t> slots, std::span<const std::s
   SHARDLM_CHECK(n == int64_t(slots.size()) && n >= 1 && n <= limits_.slots,
                 "internal: prefill of %lld prompts into %zu slots (at most %lld)", (long long)n, slots.size(),
                 (long long)limits_.slots);
+  const CallTimer timed(ops_ != nullptr, prefill_wall_);
   // Passes of whole prompts, each at most prefill_rows_ tokens.
   for (int64_t first = 0; first < n;) {
     begin_inputs();
@@ -547,6 +613,7 @@ void CudaDecoder::decode(std::span<const int32_t> slots, std::span<const int32_t
   const int64_t B = int64_t(slots.size());
   SHARDLM_CHECK(B == int64_t(tokens_in.size()) && B >= 1 && B <= limits_.slots,
                 "internal: decode of %zu tokens into %lld slots", tokens_in.size(), (long long)B);
+  const CallTimer timed(ops_ != nullptr, decode_wall_);
   begin_inputs();
   for (int64_t b = 0; b < B; ++b) {
     const int32_t s = slots[size_t(b)];
@@ -565,8 +632,10 @@ void CudaDecoder::decode(std::span<const int32_t> slots, std::span<const int32_t
   if (B == limits_.slots && graphs_ && full_steps_ >= 1) {
     decode_full_batch();
   } else {
+    if (ops_) ops_->begin();
     run_layers(B, /*prefill=*/false);
     head(x_, B);
+    if (ops_) ops_->end();
   }
   full_steps_ += B == limits_.slots;
   CUDA_CHECK(cudaEventRecord(step_end_, stream_));
@@ -576,6 +645,26 @@ void CudaDecoder::decode(std::span<const int32_t> slots, std::span<const int32_t
   decode_seconds_ += ms * 1e-3;
   ++decode_steps_;
   for (int64_t b = 0; b < B; ++b) ++slot_len_[size_t(slots[size_t(b)])];
+}
+
+std::string CudaDecoder::profile_report(double generate_seconds) const {
+  if (!ops_) return "";
+  char line[256];
+  std::string out = "decode profile (SHARDLM_DECODE_PROFILE=1: no CUDA graphs; an event after each operation):\n";
+  const auto wall = [&](const char* what, const Wall& w) {
+    std::snprintf(line, sizeof line, "  %-8s %6lld calls %10.1f ms on the host, %.3f ms a call\n", what,
+                  (long long)w.calls, 1e3 * w.seconds, w.calls ? 1e3 * w.seconds / double(w.calls) : 0.0);
+    out += line;
+  };
+  wall("prefill", prefill_wall_);
+  wall("decode", decode_wall_);
+  wall("draw", draw_wall_);
+  const double rest = generate_seconds - prefill_wall_.seconds - decode_wall_.seconds - draw_wall_.seconds;
+  std::snprintf(line, sizeof line, "  %-8s %23.1f ms on the host outside the decoder's calls\n", "other", 1e3 * rest);
+  out += line;
+  out += "device time per operation (decode steps and draws, summed over the layers):\n";
+  out += ops_->report(decode_steps_, "decode steps");
+  return out;
 }
 
 void CudaDecoder::decode_full_batch() {

@@ -368,6 +368,8 @@ int run_generate(const GenerateArgs& given, MPI_Comm comm) {
     std::printf("generate: rank 0: %lld decode steps, %.3f ms each on the device (forward and lm-head, event-timed; "
                 "the logits' download and the sampling not counted)\n",
                 (long long)decoder->decode_steps(), 1e3 * decoder->decode_seconds() / double(decoder->decode_steps()));
+  if (const std::string profile = decoder->profile_report(seconds); rank == 0 && !profile.empty())
+    std::printf("generate: rank 0: %s", profile.c_str());
   std::vector<Completion> all = gather(std::move(mine), comm);
   int64_t tokens = 0;
   MPI_CHECK(MPI_Reduce(&my_tokens, &tokens, 1, MPI_INT64_T, MPI_SUM, 0, comm));

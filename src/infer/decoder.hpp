@@ -90,6 +90,9 @@ class Decoder {
   // the HBM-floor comparison of bench runs.
   virtual int64_t decode_steps() const { return 0; }
   virtual double decode_seconds() const { return 0; }
+  // Where a generate() call of `generate_seconds` went, when the decoder was
+  // asked to profile (the GPU's SHARDLM_DECODE_PROFILE=1); "" otherwise.
+  virtual std::string profile_report(double /*generate_seconds*/) const { return ""; }
 };
 
 // What a decoder holds, counted from the same table it allocates from, before

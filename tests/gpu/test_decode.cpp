@@ -479,3 +479,60 @@ TEST_CASE("CUDA decoder: drawing on the device = drawing on the host from its do
     }
   }
 }
+
+namespace {
+// The calls column of `op`'s line in a profile report (-1: no such line).
+int64_t profiled_calls(const std::string& report, const std::string& op) {
+  const size_t at = report.find("\n  " + op + " ");
+  if (at == std::string::npos) return -1;
+  const size_t end = report.find('\n', at + 1);
+  const std::string line = report.substr(at + 1, end - at - 1);
+  return std::stoll(line.substr(line.find_last_of(' ') + 1));
+}
+}  // namespace
+
+TEST_CASE("CUDA decoder: SHARDLM_DECODE_PROFILE=1 changes no token and times every layer's operations") {
+  require_gpu();
+  for (const char* name : {"llama-gqa-tied", "qwen3-qknorm"}) {
+    CAPTURE(name);
+    InferenceModel m = bf16_fixture(name);
+    const auto prompts = fixture_prompts(m.config().vocab_size);
+    const std::vector<GenerateRequest> requests = sample_requests(prompts, 3);
+    const DecoderLimits limits = plan_limits(m.config(), requests, 5, 12, "test");
+    GenerateOptions o;
+    o.sampling = SamplingParams{0.9, 40, 0.95, 7};
+    o.max_new_tokens = 12;
+    std::string report;
+    int64_t steps = 0;
+    auto run = [&](bool profile) {
+      if (profile) setenv("SHARDLM_DECODE_PROFILE", "1", 1);
+      std::unique_ptr<Decoder> d = make_decoder(m, limits, "cuda");
+      unsetenv("SHARDLM_DECODE_PROFILE");
+      std::vector<Completion> out = generate(*d, requests, o);
+      report = d->profile_report(1.0);
+      steps = d->decode_steps();
+      return out;
+    };
+    const std::vector<Completion> plain = run(false);
+    CHECK(report.empty());
+    const std::vector<Completion> profiled = run(true);
+    MESSAGE(report);
+    REQUIRE(plain.size() == profiled.size());
+    for (size_t i = 0; i < plain.size(); ++i) {
+      CHECK(plain[i].tokens == profiled[i].tokens);
+      CHECK(plain[i].model_logprobs == profiled[i].model_logprobs);
+    }
+    const int64_t L = m.config().num_layers;
+    REQUIRE(steps > 0);
+    CHECK(profiled_calls(report, "embedding") == steps);
+    CHECK(profiled_calls(report, "attention") == L * steps);
+    CHECK(profiled_calls(report, "down gemm + add") == L * steps);
+    CHECK(profiled_calls(report, "lm-head") == steps);
+    // One q|k|v GEMM where the weights lie together and there is no q/k norm; three otherwise.
+    CHECK(std::max<int64_t>(profiled_calls(report, "q|k|v gemm"), 0) +
+              std::max<int64_t>(profiled_calls(report, "q, k, v gemms"), 0) == L * steps);
+    CHECK((profiled_calls(report, "q/k norms") == L * steps) == bool(m.config().qk_norm));
+    CHECK(profiled_calls(report, "draw: sample") >= steps);  // and one after each prefill
+    CHECK(report.find("prefill") != std::string::npos);
+  }
+}
