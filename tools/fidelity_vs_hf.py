@@ -29,6 +29,8 @@
   python3 tools/fidelity_vs_hf.py ... --label fp32-residual --set model.residual_dtype=fp32   (a switch)
   python3 tools/fidelity_vs_hf.py ... --skip-hf runs/fidelity/losses.json   (reuse transformers' curves)
   python3 tools/fidelity_vs_hf.py ... --variants eager,eager+bf16-residual,eager+bf16-params
+  python3 tools/fidelity_vs_hf.py ... --repeats 3   (each setting 3 times: how far a rerun alone moves a window,
+                                                   and the test on the mean curves)
 
 Needs torch, transformers, h5py and numpy (tools/fidelity_vs_hf.sh finds that python).
 """
@@ -314,6 +316,50 @@ def issue_test(curves, reference="transformers eager", spread="transformers comp
     return lines, verdicts
 
 
+def base_name(curve):
+    """'shardlm default #2' -> 'shardlm default': the setting a repeated run belongs to."""
+    return curve.split(" #")[0]
+
+
+def mean_curves(curves):
+    """Each setting's curves (its repeats 'NAME', 'NAME #2', ...) averaged step by step, under its
+    name with ' (mean of N)' when N > 1; returns (means, {setting: N})."""
+    groups = {}
+    for k, v in curves.items():
+        groups.setdefault(base_name(k), []).append(np.asarray(v, dtype=np.float64))
+    means, counts = {}, {}
+    for k, runs in groups.items():
+        n = min(len(r) for r in runs)
+        means[k] = list(np.mean([r[:n] for r in runs], axis=0))
+        counts[k] = len(runs)
+    return means, counts
+
+
+def spread_table(curves, reference="transformers eager"):
+    """For each setting run more than once: per window, the range (max - min) over its runs of the
+    window's mean relative difference to the reference's mean curve: how far a rerun alone moves a
+    window (cuDNN's and torch's backward kernels are not bitwise reproducible)."""
+    means, counts = mean_curves(curves)
+    if reference not in means:
+        return ""
+    ref = np.asarray(means[reference])
+    repeated = [k for k, n in counts.items() if n > 1]
+    if not repeated:
+        return ""
+    lines = ["| steps | " + " | ".join(f"{k}: range over {counts[k]} runs" for k in repeated) + " |",
+             "| --- |" + " --- |" * len(repeated)]
+    for a, b in WINDOWS:
+        if b > len(ref):
+            break
+        cells = []
+        for k in repeated:
+            runs = [np.asarray(v) for name, v in curves.items() if base_name(name) == k]
+            window = [float(np.mean((r[a - 1:b] - ref[a - 1:b]) / ref[a - 1:b])) for r in runs]
+            cells.append(f"{max(window) - min(window):.1e}")
+        lines.append(f"| {a}–{b} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shardlm", default="build/shardlm")
@@ -328,6 +374,9 @@ def main():
     ap.add_argument("--set", action="append", default=[], help="a shardlm --set override (repeatable)")
     ap.add_argument("--variants", default="eager,compile",
                     help="transformers runs: eager, compile, each optionally +" + "+".join(EMULATIONS))
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="runs of each setting (shardlm's and each transformers variant): NAME, NAME #2, ...; "
+                    "the table then adds each window's range over the runs, and the test on the mean curves")
     ap.add_argument("--skip-hf", default="", help="a losses.json of an earlier call: its transformers curves "
                     "(--variants then runs only those it does not have)")
     ap.add_argument("--model", default="", help="an existing HF model directory instead of --shape's random init")
@@ -358,11 +407,17 @@ def main():
         with open(args.skip_hf) as f:
             earlier = json.load(f)
         curves.update({k: v for k, v in earlier.items() if k.startswith("transformers")})
+    def repeat(name, i):
+        return name if i == 1 else f"{name} #{i}"
+
     for v in filter(None, args.variants.split(",")):  # the ones --skip-hf's file does not have
-        if f"transformers {v}" not in curves:
-            curves[f"transformers {v}"] = run_hf(args, model_dir, rows, v)
-    curves[f"shardlm {args.label}"] = run_shardlm(args, model_dir, data_path,
-                                                   os.path.join(args.out, f"run-{args.label}"), args.label)
+        for i in range(1, args.repeats + 1):
+            if repeat(f"transformers {v}", i) not in curves:
+                curves[repeat(f"transformers {v}", i)] = run_hf(args, model_dir, rows, v)
+    for i in range(1, args.repeats + 1):
+        label = args.label if i == 1 else f"{args.label}-{i}"  # file and run names: no '#'
+        curves[f"shardlm {repeat(args.label, i)}"] = run_shardlm(args, model_dir, data_path,
+                                                                 os.path.join(args.out, f"run-{label}"), label)
     with open(saved, "w") as f:
         json.dump(curves, f)
     print(f"\n{tag}, {args.steps} steps of {args.rows} x {args.seq} tokens, lr {args.lr}; "
@@ -370,6 +425,15 @@ def main():
     print(table(curves))
     print("\nissue #34's test (each window's |mean| within 1.5x transformers' compile - eager; last 10 within 0.1%):")
     print("\n".join(issue_test(curves)[0]))
+    spread = spread_table(curves)
+    if spread:
+        means, counts = mean_curves(curves)
+        print("\nrun-to-run: each window's mean relative difference to transformers eager (mean of its runs), "
+              "max - min over a setting's runs:\n")
+        print(spread)
+        print("\nissue #34's test on each setting's mean curve (" +
+              ", ".join(f"{k}: {n} run{'s' if n > 1 else ''}" for k, n in counts.items()) + "):")
+        print("\n".join(issue_test(means)[0]))
 
 
 if __name__ == "__main__":

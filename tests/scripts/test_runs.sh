@@ -220,6 +220,29 @@ json.dump(c, open("'"$T"'/losses.json", "w"))'
   "$PY" tools/plot_fidelity.py "$T/losses.json" "$T/f2.png" --reference "transformers eager+bf16-params" > "$T/fid2.log" 2>&1
   check "plot_fidelity.py: a missing reference curve is named, with the curves the file has (exit $?)" has "$T/fid2.log" \
     "has no curve 'transformers eager+bf16-params' (it has: transformers eager, transformers compile, shardlm default)"
+  # fidelity_vs_hf.py's shardlm side and its verdicts, on the CPU with the llama fixture (no transformers here):
+  # transformers' curves made from shardlm's own, 5e-4 below it, with compile 4e-4 (holds: 5e-4 <= 1.5 x 4e-4)
+  # or 3e-4 (does not) above eager
+  FID="$PY tools/fidelity_vs_hf.py --shardlm build/shardlm --model tests/fixtures/llama-gqa-tied --seq 32 --rows 2
+    --docs 20 --steps 12 --device cpu --out $T/fid --repeats 2"
+  mkdir -p "$T/fid"
+  echo '{"transformers eager": [1.0], "transformers compile": [1.0], "transformers eager #2": [1.0], "transformers compile #2": [1.0]}' > "$T/fid/first.json"
+  OMP_NUM_THREADS=1 $FID --skip-hf "$T/fid/first.json" > "$T/fid1.log" 2>&1
+  check "fidelity_vs_hf.py: two shardlm runs on the CPU (exit $?)" has "$T/fid1.log" "shardlm default-2: 12 steps"
+  for c in 4 3; do
+    "$PY" -c 'import json, sys
+d = json.load(open(sys.argv[1])); L = d["shardlm default"]; k = float(sys.argv[2]) * 1e-4
+e = [x / (1 + 5e-4) for x in L]
+json.dump({"transformers eager": e, "transformers compile": [x * (1 + k) for x in e],
+           "transformers eager #2": e, "transformers compile #2": [x * (1 + k) for x in e]}, open(sys.argv[3], "w"))' \
+      "$T/fid/losses.json" $c "$T/fid/hf$c.json"
+    OMP_NUM_THREADS=1 $FID --skip-hf "$T/fid/hf$c.json" > "$T/fid-$c.log" 2>&1
+  done
+  check "fidelity_vs_hf.py: shardlm 5e-4 off eager, compile 4e-4: HOLDS" has "$T/fid-4.log" "shardlm default: HOLDS: 1–10 5.0e-04 vs 1.5 x 4.0e-04 ok"
+  check "fidelity_vs_hf.py: the same on the mean of 2 runs each" \
+    test "$(grep -A1 "mean curve (.*shardlm default: 2 runs" "$T/fid-4.log" | tail -1 | cut -c1-22)" = "shardlm default: HOLDS"
+  check "fidelity_vs_hf.py: a rerun on the CPU moves no window (range 0)" has "$T/fid-4.log" "| 1–10 | 0.0e+00 | 0.0e+00 | 0.0e+00 |"
+  check "fidelity_vs_hf.py: compile 3e-4: does not hold" has "$T/fid-3.log" "shardlm default: does not hold: 1–10 5.0e-04 vs 1.5 x 3.0e-04 NO"
 else
   fail "plot_runs.py: $PY has no matplotlib (tools/install-deps.sh installs python3-matplotlib)"
 fi
