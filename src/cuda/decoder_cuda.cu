@@ -53,6 +53,22 @@ bool qkv_adjacent(const Unit& u) {
          (!biases || (next("q_proj.bias", "k_proj.bias") && next("k_proj.bias", "v_proj.bias")));
 }
 
+// A pass's int32 inputs in one block on the device and its pinned host mirror,
+// copied whole before the pass: tokens, positions, seq_ids, cache rows (`rows`
+// each), then slot, length, last-row source, last-row destination (`slots`
+// each). Prefill passes use a block of the largest pass's rows; decode steps a
+// block of `slots` rows, so a step uploads 8 x slots values.
+struct StepInts {
+  enum Field { Tokens, Positions, SeqIds, CacheRows, SlotOf, Lens, LastSrc, LastDst };
+  int32_t* dev = nullptr;
+  int32_t* host = nullptr;
+  int64_t rows = 0, slots = 0;
+  int64_t count() const { return 4 * rows + 4 * slots; }
+  int64_t offset(Field f) const { return f < SlotOf ? int64_t(f) * rows : 4 * rows + int64_t(f - SlotOf) * slots; }
+  int32_t* d(Field f) const { return dev + offset(f); }
+  int32_t* h(Field f) const { return host + offset(f); }
+};
+
 // Adds the time from its construction to its end to `wall` when `on`: a
 // decoder call, which returns synchronised, timed from the host.
 class CallTimer {
@@ -125,9 +141,11 @@ class CudaDecoder final : public Decoder {
   const bf16* param(const Unit& u, const char* name) const {
     return unit_w_[size_t(&u - model_.weights->layout.units.data())] + u.param(name).offset;
   }
-  // The step's int32 inputs (host_ints_ -> ints_), after the device has read the last ones.
+  // A pass's int32 inputs: begin_inputs waits until the device has read the
+  // last ones (the host mirror is then free); send_inputs uploads `in` and makes
+  // it the block run_layers reads.
   void begin_inputs();
-  void send_inputs();
+  void send_inputs(const StepInts& in);
   // Embedding and every layer over the N rows of tokens_/positions_/cache_row_:
   // k and v stored in the cache, attention over the pass (prefill) or the cache (decode).
   void run_layers(int64_t N, bool prefill);
@@ -139,10 +157,12 @@ class CudaDecoder final : public Decoder {
   // logits_ (n, V) fp32 = lm_head(norm(rows)); rows (n, C) on the device.
   void head(const bf16* rows, int64_t n);
   void download_logits(int64_t n, float* logits);
-  // The decode forward of a full batch (B = slots) as one CUDA graph: captured
-  // on the second full step (the first built the GEMM plans), replayed after.
-  // ~230 launches a step at 1B shape cost more host time than the GPU needs.
-  void decode_full_batch();
+  // The decode forward of a full batch (B = slots) as one CUDA graph, captured
+  // when the decoder is made (after one eager step that builds the GEMM
+  // plans), as inference engines capture theirs at start-up; every full-batch
+  // step replays it. ~230 launches a step at the 1B shape cost more host time
+  // than the GPU needs.
+  void capture_full_step();
   // SHARDLM_DECODE_PROFILE=1: op ends the operation enqueued since the last mark (a no-op otherwise).
   void mark(const char* op) {
     if (ops_) ops_->mark(op);
@@ -183,12 +203,8 @@ class CudaDecoder final : public Decoder {
   float* logits_ = nullptr;                   // (slots, V) fp32
   float* inv_freq_ = nullptr;                 // (D / 2)
   void* gemm_workspace_ = nullptr;
-  // int32 step inputs, one block on the device and its pinned host mirror:
-  // tokens, positions, seq_ids, cache rows (rows each); slot, len, last-row
-  // source, last-row destination (slots each).
-  int32_t* ints_ = nullptr;
-  int32_t* host_ints_ = nullptr;
-  int64_t ints_count_ = 0;
+  StepInts prefill_in_, decode_in_;           // a prefill pass's inputs (rows_), a decode step's (slots)
+  const StepInts* in_ = nullptr;              // the block the pass being enqueued reads
   float* logits_host_ = nullptr;              // (slots, V) pinned: generate()'s logits
   int32_t* lp_tokens_ = nullptr;              // (slots) token_logprobs' tokens on the device
   float* lp_out_ = nullptr;                   // (slots) and its logprobs
@@ -208,7 +224,6 @@ class CudaDecoder final : public Decoder {
   std::vector<int32_t> slot_len_;             // (slots) positions filled per slot
   // SHARDLM_DECODE_GRAPHS=0 turns the graph off (to measure what it saves).
   bool graphs_ = true;
-  int64_t full_steps_ = 0;                    // decode steps with B = slots so far
   cudaGraphExec_t full_step_graph_ = nullptr;
   int64_t decode_steps_ = 0;
   double decode_seconds_ = 0;
@@ -221,14 +236,7 @@ class CudaDecoder final : public Decoder {
     int64_t calls = 0;
   } prefill_wall_, decode_wall_, draw_wall_;
 
-  int32_t* tokens(int32_t* base) const { return base; }
-  int32_t* positions(int32_t* base) const { return base + rows_; }
-  int32_t* seq_ids(int32_t* base) const { return base + 2 * rows_; }
-  int32_t* cache_rows(int32_t* base) const { return base + 3 * rows_; }
-  int32_t* slot_of(int32_t* base) const { return base + 4 * rows_; }
-  int32_t* lens(int32_t* base) const { return base + 4 * rows_ + limits_.slots; }
-  int32_t* last_src(int32_t* base) const { return base + 4 * rows_ + 2 * limits_.slots; }
-  int32_t* last_dst(int32_t* base) const { return base + 4 * rows_ + 3 * limits_.slots; }
+  const int32_t* in(StepInts::Field f) const { return in_->d(f); }
 };
 
 // Every limit checked, then every device buffer (add: name, where it is counted,
@@ -254,13 +262,14 @@ void CudaDecoder::plan_buffers(const ModelConfig& c, const ModelLayout& layout, 
   for (int64_t l = 0; l < c.num_layers && fused; ++l) fused = qkv_adjacent(layout.layer(int(l)));
   const size_t attention_scratch = cuda::decode_attention_scratch_bytes(limits.slots, c.num_heads, c.head_dim,
                                                                        limits.max_len);
-  const int64_t ints = 4 * rows + 4 * limits.slots;
+  const int64_t prefill_ints = 4 * rows + 4 * limits.slots, decode_ints = 8 * limits.slots;
   if (self) {
     self->prefill_rows_ = prefill_rows;
     self->rows_ = rows;
     self->fused_qkv_ = fused;
     self->attention_scratch_bytes_ = attention_scratch;
-    self->ints_count_ = ints;
+    self->prefill_in_.rows = rows, self->prefill_in_.slots = limits.slots;
+    self->decode_in_.rows = limits.slots, self->decode_in_.slots = limits.slots;
     self->unit_w_.assign(layout.units.size(), nullptr);
     self->k_cache_.assign(size_t(c.num_layers), nullptr);
     self->v_cache_.assign(size_t(c.num_layers), nullptr);
@@ -310,9 +319,11 @@ void CudaDecoder::plan_buffers(const ModelConfig& c, const ModelLayout& layout, 
   add("logprobs", Mem::Workspace, S, at(&CudaDecoder::lp_out_));
   add("draw_uniforms", Mem::Workspace, S, at(&CudaDecoder::draw_uniforms_));
   add("draw_out", Mem::Workspace, 4 * S, at(&CudaDecoder::draw_out_));
-  add("step_inputs", Mem::Workspace, ints, at(&CudaDecoder::ints_));
+  add("prefill_inputs", Mem::Workspace, prefill_ints, self ? &self->prefill_in_.dev : nullptr);
+  add("decode_inputs", Mem::Workspace, decode_ints, self ? &self->decode_in_.dev : nullptr);
 
-  pin(ints, at(&CudaDecoder::host_ints_));
+  pin(prefill_ints, self ? &self->prefill_in_.host : nullptr);
+  pin(decode_ints, self ? &self->decode_in_.host : nullptr);
   pin(S * V, at(&CudaDecoder::logits_host_));
   pin(kUploadElems, at(&CudaDecoder::upload_host_));
   pin(S, at(&CudaDecoder::lp_tokens_host_));
@@ -357,6 +368,7 @@ CudaDecoder::CudaDecoder(const InferenceModel& model, const DecoderLimits& limit
   CUDA_CHECK(cudaMemcpy(inv_freq_, inv_f.data(), sizeof(float) * inv_f.size(), cudaMemcpyHostToDevice));
   upload_weights();
   slot_len_.assign(size_t(limits.slots), 0);
+  if (graphs_) capture_full_step();
 }
 
 CudaDecoder::~CudaDecoder() {
@@ -365,7 +377,8 @@ CudaDecoder::~CudaDecoder() {
   if (full_step_graph_) cudaGraphExecDestroy(full_step_graph_);
   gemm_.reset();
   for (BufferRow& r : table_) cuda_free(r.category, *r.ptr, r.bytes);
-  if (host_ints_) cudaFreeHost(host_ints_);
+  if (prefill_in_.host) cudaFreeHost(prefill_in_.host);
+  if (decode_in_.host) cudaFreeHost(decode_in_.host);
   if (logits_host_) cudaFreeHost(logits_host_);
   if (upload_host_) cudaFreeHost(upload_host_);
   if (lp_tokens_host_) cudaFreeHost(lp_tokens_host_);
@@ -409,9 +422,10 @@ void CudaDecoder::load_bf16(const ParamInfo& p, const uint16_t* values) {
 
 void CudaDecoder::begin_inputs() { CUDA_CHECK(cudaStreamSynchronize(stream_)); }
 
-void CudaDecoder::send_inputs() {
-  CUDA_CHECK(cudaMemcpyAsync(ints_, host_ints_, size_t(ints_count_) * sizeof(int32_t), cudaMemcpyHostToDevice,
-                             stream_));
+void CudaDecoder::send_inputs(const StepInts& inputs) {
+  CUDA_CHECK(cudaMemcpyAsync(inputs.dev, inputs.host, size_t(inputs.count()) * sizeof(int32_t),
+                             cudaMemcpyHostToDevice, stream_));
+  in_ = &inputs;
 }
 
 void CudaDecoder::run_layers(int64_t N, bool prefill) {
@@ -419,7 +433,7 @@ void CudaDecoder::run_layers(int64_t N, bool prefill) {
   const ModelLayout& layout = model_.weights->layout;
   const int64_t C = c.hidden_size, I = c.intermediate_size, HD = c.num_heads * c.head_dim;
   const double eps = c.rms_norm_eps;
-  cuda::embedding_forward(x_, tokens(ints_), param(layout.embed(), "model.embed_tokens.weight"), N, c.vocab_size, C,
+  cuda::embedding_forward(x_, in(StepInts::Tokens), param(layout.embed(), "model.embed_tokens.weight"), N, c.vocab_size, C,
                           stream_);
   mark("embedding");
   for (int l = 0; l < int(c.num_layers); ++l) {
@@ -459,18 +473,18 @@ void CudaDecoder::attend(int l, int64_t N, bool prefill, const LayerWeights<cons
     cuda::rmsnorm_forward(k_, rstd_, k_raw_, w.k_norm, N * KV, D, c.rms_norm_eps, stream_);
     mark("q/k norms");
   }
-  cuda::rope_forward(q_, positions(ints_), inv_freq_, N, H, D, HD, stream_);
-  cuda::rope_forward(k_, positions(ints_), inv_freq_, N, KV, D, KVD, stream_);
+  cuda::rope_forward(q_, in(StepInts::Positions), inv_freq_, N, H, D, HD, stream_);
+  cuda::rope_forward(k_, in(StepInts::Positions), inv_freq_, N, KV, D, KVD, stream_);
   mark("rope");
-  cuda::copy_rows(k_cache_[size_t(l)], cache_rows(ints_), k_, nullptr, N, KVD, stream_);
-  cuda::copy_rows(v_cache_[size_t(l)], cache_rows(ints_), v_, nullptr, N, KVD, stream_);
+  cuda::copy_rows(k_cache_[size_t(l)], in(StepInts::CacheRows), k_, nullptr, N, KVD, stream_);
+  cuda::copy_rows(v_cache_[size_t(l)], in(StepInts::CacheRows), v_, nullptr, N, KVD, stream_);
   mark("kv store");
   if (prefill)
     // Every prompt of the pass is a document of its own: it sees its own positions 0 .. t.
-    cuda::attention_forward(att_, lse_, q_, k_, v_, seq_ids(ints_), doc_start_, N, H, KV, D, stream_);
+    cuda::attention_forward(att_, lse_, q_, k_, v_, in(StepInts::SeqIds), doc_start_, N, H, KV, D, stream_);
   else
-    cuda::decode_attention_forward(att_, q_, HD, k_cache_[size_t(l)], v_cache_[size_t(l)], slot_of(ints_),
-                                   lens(ints_), N, H, KV, D, limits_.max_len, attention_scratch_,
+    cuda::decode_attention_forward(att_, q_, HD, k_cache_[size_t(l)], v_cache_[size_t(l)], in(StepInts::SlotOf),
+                                   in(StepInts::Lens), N, H, KV, D, limits_.max_len, attention_scratch_,
                                    attention_scratch_bytes_, stream_);
   mark("attention");
 }
@@ -484,12 +498,12 @@ void CudaDecoder::attend_fused(int l, int64_t N, const LayerWeights<const bf16>&
   mark("q|k|v gemm");
   // q's and k's heads lie side by side in a row: one RoPE over H + KV heads;
   // k and v side by side too: one store into the two caches.
-  cuda::rope_forward(qkv_, positions(ints_), inv_freq_, N, H + KV, D, QKV, stream_);
+  cuda::rope_forward(qkv_, in(StepInts::Positions), inv_freq_, N, H + KV, D, QKV, stream_);
   mark("rope");
-  cuda::store_kv(k_cache_[size_t(l)], v_cache_[size_t(l)], cache_rows(ints_), qkv_ + HD, QKV, N, KVD, stream_);
+  cuda::store_kv(k_cache_[size_t(l)], v_cache_[size_t(l)], in(StepInts::CacheRows), qkv_ + HD, QKV, N, KVD, stream_);
   mark("kv store");
-  cuda::decode_attention_forward(att_, qkv_, QKV, k_cache_[size_t(l)], v_cache_[size_t(l)], slot_of(ints_),
-                                 lens(ints_), N, H, KV, D, limits_.max_len, attention_scratch_,
+  cuda::decode_attention_forward(att_, qkv_, QKV, k_cache_[size_t(l)], v_cache_[size_t(l)], in(StepInts::SlotOf),
+                                 in(StepInts::Lens), N, H, KV, D, limits_.max_len, attention_scratch_,
                                  attention_scratch_bytes_, stream_);
   mark("attention");
 }
@@ -588,21 +602,22 @@ void CudaDecoder::prefill(std::span<const int32_t> slots, std::span<const std::s
                     "internal: a prompt of %lld tokens for a cache of %lld positions", (long long)len,
                     (long long)limits_.max_len);
       if (count > 0 && N + len > prefill_rows_) break;
+      const StepInts& in = prefill_in_;
       for (int64_t t = 0; t < len; ++t) {
-        tokens(host_ints_)[N + t] = p[size_t(t)];
-        positions(host_ints_)[N + t] = int32_t(t);
-        seq_ids(host_ints_)[N + t] = int32_t(count);
-        cache_rows(host_ints_)[N + t] = int32_t(int64_t(slot) * limits_.max_len + t);
+        in.h(StepInts::Tokens)[N + t] = p[size_t(t)];
+        in.h(StepInts::Positions)[N + t] = int32_t(t);
+        in.h(StepInts::SeqIds)[N + t] = int32_t(count);
+        in.h(StepInts::CacheRows)[N + t] = int32_t(int64_t(slot) * limits_.max_len + t);
       }
-      last_src(host_ints_)[count] = int32_t(N + len - 1);
-      last_dst(host_ints_)[count] = int32_t(i);
+      in.h(StepInts::LastSrc)[count] = int32_t(N + len - 1);
+      in.h(StepInts::LastDst)[count] = int32_t(i);
       slot_len_[size_t(slot)] = int32_t(len);
       N += len;
       ++count;
     }
-    send_inputs();
+    send_inputs(prefill_in_);
     run_layers(N, /*prefill=*/true);
-    cuda::copy_rows(last_, last_dst(ints_), x_, last_src(ints_), count, C, stream_);
+    cuda::copy_rows(last_, in(StepInts::LastDst), x_, in(StepInts::LastSrc), count, C, stream_);
     first += count;
   }
   head(last_, n);
@@ -615,29 +630,29 @@ void CudaDecoder::decode(std::span<const int32_t> slots, std::span<const int32_t
                 "internal: decode of %zu tokens into %lld slots", tokens_in.size(), (long long)B);
   const CallTimer timed(ops_ != nullptr, decode_wall_);
   begin_inputs();
+  const StepInts& in = decode_in_;
   for (int64_t b = 0; b < B; ++b) {
     const int32_t s = slots[size_t(b)];
     check_slot(s);
     const int32_t pos = slot_len_[size_t(s)];
     SHARDLM_CHECK(pos >= 1 && pos < limits_.max_len, "internal: slot %d holds %d of %lld positions", s, pos,
                   (long long)limits_.max_len);
-    tokens(host_ints_)[b] = tokens_in[size_t(b)];
-    positions(host_ints_)[b] = pos;
-    cache_rows(host_ints_)[b] = int32_t(int64_t(s) * limits_.max_len + pos);
-    slot_of(host_ints_)[b] = s;
-    lens(host_ints_)[b] = pos + 1;
+    in.h(StepInts::Tokens)[b] = tokens_in[size_t(b)];
+    in.h(StepInts::Positions)[b] = pos;
+    in.h(StepInts::CacheRows)[b] = int32_t(int64_t(s) * limits_.max_len + pos);
+    in.h(StepInts::SlotOf)[b] = s;
+    in.h(StepInts::Lens)[b] = pos + 1;
   }
-  send_inputs();
+  send_inputs(decode_in_);
   CUDA_CHECK(cudaEventRecord(step_begin_, stream_));
-  if (B == limits_.slots && graphs_ && full_steps_ >= 1) {
-    decode_full_batch();
+  if (B == limits_.slots && full_step_graph_) {
+    CUDA_CHECK(cudaGraphLaunch(full_step_graph_, stream_));
   } else {
     if (ops_) ops_->begin();
     run_layers(B, /*prefill=*/false);
     head(x_, B);
     if (ops_) ops_->end();
   }
-  full_steps_ += B == limits_.slots;
   CUDA_CHECK(cudaEventRecord(step_end_, stream_));
   download_logits(B, logits);
   float ms = 0;
@@ -667,22 +682,38 @@ std::string CudaDecoder::profile_report(double generate_seconds) const {
   return out;
 }
 
-void CudaDecoder::decode_full_batch() {
-  // Every pointer the step reads is fixed: the inputs are in ints_, the weights
-  // and cache never move, the decode attention's grid depends on max_len only.
-  // x_ and x_out_ swap once per layer inside run_layers; the graph holds the
-  // addresses of the capture, and nothing after the graph reads x_.
-  if (!full_step_graph_) {
-    cudaGraph_t graph = nullptr;
-    CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
-    run_layers(limits_.slots, /*prefill=*/false);
-    head(x_, limits_.slots);
-    CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
-    const cudaError_t made = cudaGraphInstantiate(&full_step_graph_, graph, 0);
-    cudaGraphDestroy(graph);
-    CUDA_CHECK(made);
+void CudaDecoder::capture_full_step() {
+  // One eager full-batch step first: it builds the GEMM plans, and cuBLASLt may
+  // allocate on a shape's first call, which a capture forbids. Its inputs put
+  // token 0 at position 0 of every slot (a prefill writes position 0 before any
+  // real step reads it) and touch no slot's length.
+  const int64_t S = limits_.slots;
+  const StepInts& in = decode_in_;
+  begin_inputs();
+  for (int64_t b = 0; b < S; ++b) {
+    in.h(StepInts::Tokens)[b] = 0;
+    in.h(StepInts::Positions)[b] = 0;
+    in.h(StepInts::CacheRows)[b] = int32_t(b * limits_.max_len);
+    in.h(StepInts::SlotOf)[b] = int32_t(b);
+    in.h(StepInts::Lens)[b] = 1;
   }
-  CUDA_CHECK(cudaGraphLaunch(full_step_graph_, stream_));
+  send_inputs(decode_in_);
+  run_layers(S, /*prefill=*/false);
+  head(x_, S);
+  CUDA_CHECK(cudaStreamSynchronize(stream_));
+  // Every pointer the step reads is fixed: its inputs are decode_in_'s, the
+  // weights and cache never move, the decode attention's grid depends on
+  // max_len only. x_ and x_out_ swap once per layer inside run_layers: the
+  // graph keeps the capture's addresses, and every pass (replayed or eager)
+  // writes x_ from the embedding before it reads it.
+  cudaGraph_t graph = nullptr;
+  CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+  run_layers(S, /*prefill=*/false);
+  head(x_, S);
+  CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
+  const cudaError_t made = cudaGraphInstantiate(&full_step_graph_, graph, 0);
+  cudaGraphDestroy(graph);
+  CUDA_CHECK(made);
 }
 
 }  // namespace
