@@ -536,3 +536,33 @@ TEST_CASE("CUDA decoder: SHARDLM_DECODE_PROFILE=1 changes no token and times eve
     CHECK(report.find("prefill") != std::string::npos);
   }
 }
+
+TEST_CASE("CUDA decoder: full-batch steps replayed as the CUDA graph captured at start-up = the same steps eagerly") {
+  require_gpu();
+  for (const char* name : {"llama-gqa-tied", "qwen3-qknorm"}) {
+    CAPTURE(name);
+    InferenceModel m = bf16_fixture(name);
+    const auto prompts = fixture_prompts(m.config().vocab_size);
+    // More requests than slots: full-batch steps while prompts wait, partial ones at the end.
+    const std::vector<GenerateRequest> requests = sample_requests(prompts, 4);
+    const DecoderLimits limits = plan_limits(m.config(), requests, 4, 16, "test");
+    REQUIRE(int64_t(requests.size()) > limits.slots);
+    GenerateOptions o;
+    o.sampling = SamplingParams{0.8, 20, 0.9, 3};
+    o.max_new_tokens = 16;
+    auto run = [&](bool graphs) {
+      if (!graphs) setenv("SHARDLM_DECODE_GRAPHS", "0", 1);
+      std::unique_ptr<Decoder> d = make_decoder(m, limits, "cuda");
+      unsetenv("SHARDLM_DECODE_GRAPHS");
+      CHECK((d->describe().find("CUDA graphs") != std::string::npos) == graphs);
+      return generate(*d, requests, o);
+    };
+    const std::vector<Completion> replayed = run(true), eager = run(false);
+    REQUIRE(replayed.size() == eager.size());
+    for (size_t i = 0; i < eager.size(); ++i) {
+      CHECK(replayed[i].tokens == eager[i].tokens);
+      CHECK(replayed[i].model_logprobs == eager[i].model_logprobs);
+      CHECK(replayed[i].sampling_logprobs == eager[i].sampling_logprobs);
+    }
+  }
+}
