@@ -116,7 +116,10 @@ class CudaDecoder final : public Decoder {
            (fused_qkv_ ? ", q|k|v as one GEMM" : "");
   }
   int64_t decode_steps() const override { return decode_steps_; }
-  double decode_seconds() const override { return decode_seconds_; }
+  double decode_seconds() const override {
+    add_step_time();
+    return decode_seconds_;
+  }
   std::string profile_report(double generate_seconds) const override;
 
  private:
@@ -226,7 +229,18 @@ class CudaDecoder final : public Decoder {
   bool graphs_ = true;
   cudaGraphExec_t full_step_graph_ = nullptr;
   int64_t decode_steps_ = 0;
-  double decode_seconds_ = 0;
+  // The decode steps' device time, step_begin_ to step_end_, added once the
+  // step is done (a step that leaves its logits on the device returns before).
+  mutable double decode_seconds_ = 0;
+  mutable bool step_pending_ = false;
+  void add_step_time() const {
+    if (!step_pending_) return;
+    CUDA_CHECK(cudaEventSynchronize(step_end_));
+    float ms = 0;
+    CUDA_CHECK(cudaEventElapsedTime(&ms, step_begin_, step_end_));
+    decode_seconds_ += ms * 1e-3;
+    step_pending_ = false;
+  }
   // SHARDLM_DECODE_PROFILE=1: every decode step runs eagerly with an event
   // after each operation (ops_), and prefill, decode and draw are timed on the
   // host from call to return (each ends synchronised): profile_report().
@@ -420,7 +434,10 @@ void CudaDecoder::load_bf16(const ParamInfo& p, const uint16_t* values) {
   CUDA_CHECK(cudaMemcpy(dst, values, size_t(p.numel) * sizeof(uint16_t), cudaMemcpyHostToDevice));
 }
 
-void CudaDecoder::begin_inputs() { CUDA_CHECK(cudaStreamSynchronize(stream_)); }
+void CudaDecoder::begin_inputs() {
+  CUDA_CHECK(cudaStreamSynchronize(stream_));
+  add_step_time();  // before step_begin_ is recorded again
+}
 
 void CudaDecoder::send_inputs(const StepInts& inputs) {
   CUDA_CHECK(cudaMemcpyAsync(inputs.dev, inputs.host, size_t(inputs.count()) * sizeof(int32_t),
@@ -573,8 +590,11 @@ void CudaDecoder::draw(const SamplingParams& p, const double* uniforms, int64_t 
 
 void CudaDecoder::download_logits(int64_t n, float* logits) {
   last_rows_ = n;
-  if (!logits) {  // drawn on the device: nothing comes to the host
-    CUDA_CHECK(cudaStreamSynchronize(stream_));
+  // Drawn on the device: nothing comes to the host, and nothing waits; draw()
+  // enqueues behind the step and waits once for both. (A profile waits, so that
+  // each call's host time holds its own work.)
+  if (!logits) {
+    if (ops_) CUDA_CHECK(cudaStreamSynchronize(stream_));
     return;
   }
   CUDA_CHECK(cudaMemcpyAsync(logits, logits_, size_t(n * model_.config().vocab_size) * sizeof(float),
@@ -654,10 +674,8 @@ void CudaDecoder::decode(std::span<const int32_t> slots, std::span<const int32_t
     if (ops_) ops_->end();
   }
   CUDA_CHECK(cudaEventRecord(step_end_, stream_));
+  step_pending_ = true;
   download_logits(B, logits);
-  float ms = 0;
-  CUDA_CHECK(cudaEventElapsedTime(&ms, step_begin_, step_end_));
-  decode_seconds_ += ms * 1e-3;
   ++decode_steps_;
   for (int64_t b = 0; b < B; ++b) ++slot_len_[size_t(slots[size_t(b)])];
 }

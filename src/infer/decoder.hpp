@@ -41,8 +41,9 @@ struct DecoderLimits {
 
 // What generate() needs of a forward over a KV cache. Logits are fp32 in host
 // memory, (n, V) row-major, whatever the backend computes in; a decoder that
-// draws on its device (draws_on_device()) is given nullptr instead and keeps
-// them there for draw().
+// draws on its device (draws_on_device()) is given nullptr instead, keeps
+// them there for draw(), and may return before the step is done (draw() waits
+// for both).
 class Decoder {
  public:
   virtual ~Decoder() = default;
