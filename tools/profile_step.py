@@ -2,7 +2,12 @@
 """profile_step.py — where a training step's GPU time goes: kernels, copies and idle gaps.
 
     tools/profile_step.py run DECK STEPS OUT.csv [--set k=v ...]   (on the GPU machine)
-    tools/profile_step.py show OUT.csv [TOP]
+    tools/profile_step.py show OUT.csv [TOP] [--step-end REGEX]
+
+A trace of another program (`shardlm generate` with CUDA_INJECTION64_PATH and
+KERNEL_TRACE_OUT set) is cut at the kernels --step-end names instead: for the
+decoder, `--step-end token_logprobs` cuts after each step's draw, so a "step" is
+the decode graph, the draw and the host's gaps between them.
 
 `run` starts `shardlm train DECK` for STEPS steps with the CUPTI tracer
 (tools/kernel_trace.cpp, built by tools/kernel_trace.sh into
@@ -64,15 +69,20 @@ def load(path):
     return rows
 
 
-def step_ends(rows):
-    """End time of each step: the last optimizer kernel (adamw / sgd, one per unit) of
-    each run of them; a run ends where 50 other kernels follow."""
+OPTIMIZER_END = r"\b(adamw|sgd)_kernel"
+
+
+def step_ends(rows, marker=OPTIMIZER_END):
+    """End time of each step: the last kernel matching `marker` of each run of them. The
+    optimizer's (adamw / sgd, one per unit, the default) run ends where 50 other kernels follow;
+    another marker's where any other kernel does."""
+    within = 50 if marker == OPTIMIZER_END else 1
     ends, others = [], None
     for kind, _, end, name in rows:
         if kind != "kernel":
             continue
-        if re.search(r"\b(adamw|sgd)_kernel", name):
-            if others is not None and others < 50:
+        if re.search(marker, name):
+            if others is not None and others < within:
                 ends[-1] = max(ends[-1], end)
             else:
                 ends.append(end)
@@ -82,11 +92,12 @@ def step_ends(rows):
     return ends
 
 
-def show(path, top=40):
+def show(path, top=40, marker=OPTIMIZER_END):
     rows = load(path)
-    ends = step_ends(rows)
+    ends = step_ends(rows, marker)
     if len(ends) < 2:
-        sys.exit(f"profile_step.py: {path} holds {len(ends)} optimizer steps; two or more are needed")
+        sys.exit(f"profile_step.py: {path} holds {len(ends)} steps ending in a kernel matching '{marker}'; "
+                 "two or more are needed")
     steps = len(ends) - 1
     wall = busy = 0
     names = collections.defaultdict(lambda: [0, 0])
@@ -107,8 +118,8 @@ def show(path, top=40):
             names[key][0] += b - a
             names[key][1] += 1
     ms = lambda ns: ns / 1e6 / steps
-    print(f"{steps} steps after the first: wall {ms(wall):.1f} ms a step, GPU busy {ms(busy):.1f} ms, "
-          f"idle {ms(wall - busy):.1f} ms ({100 * (wall - busy) / wall:.1f}%)")
+    print(f"{steps} steps after the first: wall {ms(wall):.2f} ms a step, GPU busy {ms(busy):.2f} ms, "
+          f"idle {ms(wall - busy):.2f} ms ({100 * (wall - busy) / wall:.1f}%)")
     total = sum(v[0] for v in names.values())
     print(f"{'kernel / copy':<64} {'ms/step':>8} {'per step':>9} {'us each':>8} {'share':>6}")
     for name, (ns, n) in sorted(names.items(), key=lambda kv: -kv[1][0])[:top]:
@@ -127,7 +138,16 @@ if __name__ == "__main__":
     if len(a) >= 4 and a[0] == "run":
         extra = [a[i + 1] for i in range(4, len(a) - 1) if a[i] == "--set"]
         run(a[1], int(a[2]), a[3], extra)
-    elif len(a) in (2, 3) and a[0] == "show":
-        show(a[1], int(a[2]) if len(a) == 3 else 40)
+    elif len(a) >= 2 and a[0] == "show":
+        marker = OPTIMIZER_END
+        if "--step-end" in a:
+            i = a.index("--step-end")
+            if i + 1 >= len(a):
+                sys.exit(__doc__)
+            marker = a[i + 1]
+            a = a[:i] + a[i + 2:]
+        if len(a) > 3:
+            sys.exit(__doc__)
+        show(a[1], int(a[2]) if len(a) == 3 else 40, marker)
     else:
         sys.exit(__doc__)

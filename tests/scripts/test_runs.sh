@@ -243,6 +243,26 @@ json.dump({"transformers eager": e, "transformers compile": [x * (1 + k) for x i
     test "$(grep -A1 "mean curve (.*shardlm default: 2 runs" "$T/fid-4.log" | tail -1 | cut -c1-22)" = "shardlm default: HOLDS"
   check "fidelity_vs_hf.py: a rerun on the CPU moves no window (range 0)" has "$T/fid-4.log" "| 1–10 | 0.0e+00 | 0.0e+00 | 0.0e+00 |"
   check "fidelity_vs_hf.py: compile 3e-4: does not hold" has "$T/fid-3.log" "shardlm default: does not hold: 1–10 5.0e-04 vs 1.5 x 3.0e-04 NO"
+  # profile_step.py show on a made-up decode trace: 5 steps of 60 GEMMs (10 us, 0.5 us apart), a 50 us
+  # sample and two 8 us logprobs, then 30 us of host gap; cut after each step's logprobs
+  "$PY" -c 'import csv, sys
+w = csv.writer(open(sys.argv[1], "w", newline="")); w.writerow(["kind", "start_ns", "end_ns", "stream", "correlation", "name"])
+t = 0
+for step in range(5):
+    for k in range(60):
+        w.writerow(["kernel", t, t + 10000, 7, 1, "void gemm_kernel<int>(float*)"]); t += 10500
+    w.writerow(["kernel", t, t + 50000, 7, 1, "void (anonymous namespace)::sample_kernel(int*)"]); t += 50000
+    for k in range(2):
+        w.writerow(["kernel", t, t + 8000, 7, 1, "token_logprobs_kernel(float*)"]); t += 8000
+    t += 30000' "$T/trace.csv"
+  "$PY" tools/profile_step.py show "$T/trace.csv" 10 --step-end token_logprobs > "$T/trace.log" 2>&1
+  check "profile_step.py --step-end: 4 steps of 0.726 ms, 0.060 idle (the host gap and the GEMMs' 0.5 us)" \
+    has "$T/trace.log" "4 steps after the first: wall 0.73 ms a step, GPU busy 0.67 ms, idle 0.06 ms (8.3%)"
+  check "profile_step.py --step-end: 60 GEMMs, one sample and two logprobs a step" \
+    test "$(grep -cE '^(gemm_kernel +0.60 +60|::sample_kernel +0.05 +1|token_logprobs_kernel +0.02 +2) ' "$T/trace.log")" = 3
+  "$PY" tools/profile_step.py show "$T/trace.csv" > "$T/trace2.log" 2>&1
+  check "profile_step.py: a trace without optimizer kernels is refused by name (exit $?)" \
+    has "$T/trace2.log" "holds 0 steps ending in a kernel matching"
 else
   fail "plot_runs.py: $PY has no matplotlib (tools/install-deps.sh installs python3-matplotlib)"
 fi
