@@ -29,8 +29,8 @@
   python3 tools/fidelity_vs_hf.py ... --label fp32-residual --set model.residual_dtype=fp32   (a switch)
   python3 tools/fidelity_vs_hf.py ... --skip-hf runs/fidelity/losses.json   (reuse transformers' curves)
   python3 tools/fidelity_vs_hf.py ... --variants eager,eager+bf16-residual,eager+bf16-params
-  python3 tools/fidelity_vs_hf.py ... --repeats 3   (each setting 3 times: how far a rerun alone moves a window,
-                                                   and the test on the mean curves)
+  python3 tools/fidelity_vs_hf.py ... --repeats 3 --hf-repeats 2   (shardlm 3 times, each transformers variant
+      twice: how far a rerun alone moves a window, and the test on the mean curves)
 
 Needs torch, transformers, h5py and numpy (tools/fidelity_vs_hf.sh finds that python).
 """
@@ -375,8 +375,9 @@ def main():
     ap.add_argument("--variants", default="eager,compile",
                     help="transformers runs: eager, compile, each optionally +" + "+".join(EMULATIONS))
     ap.add_argument("--repeats", type=int, default=1,
-                    help="runs of each setting (shardlm's and each transformers variant): NAME, NAME #2, ...; "
-                    "the table then adds each window's range over the runs, and the test on the mean curves")
+                    help="runs of the shardlm setting: NAME, NAME #2, ...; the table then adds each window's range "
+                    "over a setting's runs, and the test on the mean curves")
+    ap.add_argument("--hf-repeats", type=int, default=1, help="runs of each transformers variant in --variants")
     ap.add_argument("--skip-hf", default="", help="a losses.json of an earlier call: its transformers curves "
                     "(--variants then runs only those it does not have)")
     ap.add_argument("--model", default="", help="an existing HF model directory instead of --shape's random init")
@@ -411,7 +412,7 @@ def main():
         return name if i == 1 else f"{name} #{i}"
 
     for v in filter(None, args.variants.split(",")):  # the ones --skip-hf's file does not have
-        for i in range(1, args.repeats + 1):
+        for i in range(1, args.hf_repeats + 1):
             if repeat(f"transformers {v}", i) not in curves:
                 curves[repeat(f"transformers {v}", i)] = run_hf(args, model_dir, rows, v)
     for i in range(1, args.repeats + 1):

@@ -224,7 +224,7 @@ json.dump(c, open("'"$T"'/losses.json", "w"))'
   # transformers' curves made from shardlm's own, 5e-4 below it, with compile 4e-4 (holds: 5e-4 <= 1.5 x 4e-4)
   # or 3e-4 (does not) above eager
   FID="$PY tools/fidelity_vs_hf.py --shardlm build/shardlm --model tests/fixtures/llama-gqa-tied --seq 32 --rows 2
-    --docs 20 --steps 12 --device cpu --out $T/fid --repeats 2"
+    --docs 20 --steps 12 --device cpu --out $T/fid --repeats 2 --hf-repeats 2"
   mkdir -p "$T/fid"
   echo '{"transformers eager": [1.0], "transformers compile": [1.0], "transformers eager #2": [1.0], "transformers compile #2": [1.0]}' > "$T/fid/first.json"
   OMP_NUM_THREADS=1 $FID --skip-hf "$T/fid/first.json" > "$T/fid1.log" 2>&1
