@@ -325,10 +325,23 @@ __global__ void store_kv_kernel(bf16* __restrict__ k_cache, bf16* __restrict__ v
 
 }  // namespace
 
+int64_t decode_attention_max_chunks() {
+  static const int64_t most = [] {
+    const char* v = std::getenv("SHARDLM_DECODE_MAX_CHUNKS");
+    if (!v || !*v) return kDecodeMaxChunks;
+    char* end = nullptr;
+    const long long n = std::strtoll(v, &end, 10);
+    SHARDLM_CHECK(*end == '\0' && n >= 1 && n <= kDecodeMaxChunks,
+                  "SHARDLM_DECODE_MAX_CHUNKS=%s: give a whole number from 1 to %lld", v, (long long)kDecodeMaxChunks);
+    return int64_t(n);
+  }();
+  return most;
+}
+
 int64_t decode_attention_chunk(int64_t max_len) {
   // A multiple of kWarps * kUnroll positions: every warp's group of rows starts inside the chunk.
   constexpr int64_t kStep = kWarps * kUnroll;
-  return std::max<int64_t>(kStep, div_up(div_up(max_len, kDecodeMaxChunks), kStep) * kStep);
+  return std::max<int64_t>(kStep, div_up(div_up(max_len, decode_attention_max_chunks()), kStep) * kStep);
 }
 
 size_t decode_attention_scratch_bytes(int64_t B, int64_t H, int64_t D, int64_t max_len) {

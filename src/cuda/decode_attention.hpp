@@ -31,7 +31,10 @@ namespace shardlm::cuda {
 // Positions per chunk for caches of max_len: a multiple of 32, at most
 // kDecodeMaxChunks chunks (short chunks: many blocks in flight, the kernel is
 // latency-bound at batch 64 and a few hundred positions).
+// SHARDLM_DECODE_MAX_CHUNKS=N (1 to 64) caps the chunks lower, to measure where
+// longer chunks (fewer blocks, each streaming more of the cache) win; read once.
 inline constexpr int64_t kDecodeMaxChunks = 64;
+int64_t decode_attention_max_chunks();
 int64_t decode_attention_chunk(int64_t max_len);
 // Bytes of the partials for B rows: (B, H, chunks) x (D + 2) fp32.
 size_t decode_attention_scratch_bytes(int64_t B, int64_t H, int64_t D, int64_t max_len);
