@@ -187,8 +187,9 @@ TEST_CASE("decode attention kernel = cpu::attention_decode_forward on bf16 input
 
 TEST_CASE("CUDA decoder = CPU decoder on the fixtures: prefill, 16 decode steps, a refreshed weight") {
   require_gpu();
-  // cuBLASLt's GEMMs, then SHARDLM_DECODE_GEMM=skinny (every pass here has at most 64 rows).
-  for (const std::string gemm : {"cublas", "skinny"})
+  // cuBLASLt's GEMMs, then SHARDLM_DECODE_GEMM=skinny (every pass here has at most 64 rows), then
+  // that with SHARDLM_DECODE_PDL=1 (decode steps' kernels by programmatic dependent launch).
+  for (const std::string gemm : {"cublas", "skinny", "skinny+pdl"})
   for (const std::string name : {"llama-gqa-tied", "qwen2-bias", "qwen3-qknorm"}) {
     CAPTURE(gemm);
     CAPTURE(name);
@@ -198,11 +199,14 @@ TEST_CASE("CUDA decoder = CPU decoder on the fixtures: prefill, 16 decode steps,
     constexpr int kSteps = 16;
     const DecoderLimits limits{4, 17 + kSteps};
     CpuDecoder cpu(m, limits);
-    if (gemm == "skinny") setenv("SHARDLM_DECODE_GEMM", "skinny", 1);
+    if (gemm != "cublas") setenv("SHARDLM_DECODE_GEMM", "skinny", 1);
+    if (gemm == "skinny+pdl") setenv("SHARDLM_DECODE_PDL", "1", 1);
     const std::unique_ptr<Decoder> gpu = make_cuda_decoder(m, limits);
     unsetenv("SHARDLM_DECODE_GEMM");
+    unsetenv("SHARDLM_DECODE_PDL");
     REQUIRE(gpu->weight_bytes() > 0);
-    CHECK((gpu->describe().find("skinny") != std::string::npos) == (gemm == "skinny"));
+    CHECK((gpu->describe().find("skinny") != std::string::npos) == (gemm != "cublas"));
+    CHECK((gpu->describe().find("programmatic") != std::string::npos) == (gemm == "skinny+pdl"));
 
     // Prefill into slots out of order; all four prompts in one pass.
     const std::vector<int32_t> slots = {2, 0, 3, 1};
@@ -545,7 +549,10 @@ TEST_CASE("CUDA decoder: SHARDLM_DECODE_PROFILE=1 changes no token and times eve
 
 TEST_CASE("CUDA decoder: full-batch steps replayed as the CUDA graph captured at start-up = the same steps eagerly") {
   require_gpu();
+  // The default kernels, then the skinny GEMMs with programmatic dependent launch (captured as programmatic edges).
+  for (const bool pdl : {false, true})
   for (const char* name : {"llama-gqa-tied", "qwen3-qknorm"}) {
+    CAPTURE(pdl);
     CAPTURE(name);
     InferenceModel m = bf16_fixture(name);
     const auto prompts = fixture_prompts(m.config().vocab_size);
@@ -558,8 +565,11 @@ TEST_CASE("CUDA decoder: full-batch steps replayed as the CUDA graph captured at
     o.max_new_tokens = 16;
     auto run = [&](bool graphs) {
       if (!graphs) setenv("SHARDLM_DECODE_GRAPHS", "0", 1);
+      if (pdl) setenv("SHARDLM_DECODE_GEMM", "skinny", 1), setenv("SHARDLM_DECODE_PDL", "1", 1);
       std::unique_ptr<Decoder> d = make_decoder(m, limits, "cuda");
       unsetenv("SHARDLM_DECODE_GRAPHS");
+      unsetenv("SHARDLM_DECODE_GEMM");
+      unsetenv("SHARDLM_DECODE_PDL");
       CHECK((d->describe().find("CUDA graphs") != std::string::npos) == graphs);
       return generate(*d, requests, o);
     };
