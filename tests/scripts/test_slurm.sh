@@ -370,9 +370,20 @@ signal_part() {
     fail "signalled job, part $part: did not run to step $(( stop_step + 2 )) or finished before the signal ($(state "$signalled"))"
     return 1
   fi
-  scancel "$@" "$signalled"
+  # scancel is an RPC to the controller: on a loaded machine it can time out. Its
+  # failure is retried (and named), never ignored.
+  local tries=0
+  until scancel "$@" "$signalled" 2> "$tmp/scancel.err"; do
+    tries=$(( tries + 1 ))
+    if [ $tries -ge 3 ]; then
+      fail "signalled job, part $part: scancel $* failed 3 times: $(cat "$tmp/scancel.err")"
+      return 1
+    fi
+    sleep 1
+  done
   if ! wait_for 300 restarted "$part" || job_done "$signalled"; then
-    fail "signalled job, part $part: not requeued and restarted after scancel $* ($(state "$signalled"))"
+    fail "signalled job, part $part: not requeued and restarted after scancel $* ($(state "$signalled"); the log: $(
+      grep -m1 -i 'signal' "logs/shardlm-$signalled.out" 2>/dev/null || echo 'no signal logged'))"
     return 1
   fi
   stop_step=$(last_step runs/signalled)
