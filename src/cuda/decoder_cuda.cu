@@ -412,7 +412,7 @@ CudaDecoder::CudaDecoder(const InferenceModel& model, const DecoderLimits& limit
     graphs_ = false;  // an event per operation, recorded eagerly
   }
   const char* pdl = std::getenv("SHARDLM_DECODE_PDL");
-  pdl_ = pdl && std::strcmp(pdl, "1") == 0;
+  pdl_ = pdl && std::strcmp(pdl, "1") == 0 && !ops_;  // a profile's events between kernels: ordinary launches
   const char* host_sampler = std::getenv("SHARDLM_HOST_SAMPLER");
   device_draws_ = !(host_sampler && std::strcmp(host_sampler, "1") == 0);
 

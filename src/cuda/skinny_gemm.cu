@@ -80,7 +80,7 @@ template <bool F32_OUT>
 __global__ void __launch_bounds__(kThreads)
 skinny_kernel(void* out, float* __restrict__ part, const bf16* __restrict__ A, int64_t lda,
               const bf16* __restrict__ W, const bf16* __restrict__ bias, const bf16* residual, int M, int N, int K,
-              int splits) {
+              int splits, bool pairs) {
   dev::pdl_wait();
   dev::pdl_launch_dependents();
   extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -135,7 +135,7 @@ skinny_kernel(void* out, float* __restrict__ part, const bf16* __restrict__ A, i
 
   // Fragment elements 2h and 2h + 1 of acc[mt][nt]: row mt*16 + lane/4 + 8h,
   // columns nt*8 + 2*(lane%4) and the next, stored as a pair where both exist
-  // and N is even (the pair then 8- or 4-byte aligned).
+  // and `pairs` (N even and the outputs aligned: the pair is then 8- or 4-byte aligned).
 #pragma unroll
   for (int mt = 0; mt < 4; ++mt)
 #pragma unroll
@@ -146,7 +146,7 @@ skinny_kernel(void* out, float* __restrict__ part, const bf16* __restrict__ A, i
         const int n = n0 + warp * 16 + nt * 8 + 2 * (lane & 3);
         if (m >= M || n >= N) continue;
         const float v0 = acc[mt][nt][2 * h], v1 = acc[mt][nt][2 * h + 1];
-        const bool pair = n + 1 < N && (N & 1) == 0;
+        const bool pair = pairs && n + 1 < N;
         const int64_t at = int64_t(m) * N + n;
         if (splits > 1) {
           float* p = part + int64_t(split) * M * N + at;
@@ -166,7 +166,7 @@ skinny_kernel(void* out, float* __restrict__ part, const bf16* __restrict__ A, i
             p[0] = y0;
           }
         }
-        // An odd N's last column of a pair is stored alone.
+        // Without pairs, the second column is stored alone.
         if (!pair && n + 1 < N) {
           if (splits > 1) part[int64_t(split) * M * N + at + 1] = v1;
           else if constexpr (F32_OUT) static_cast<float*>(out)[at + 1] = v1;
@@ -197,7 +197,9 @@ template <bool F32_OUT>
 void run(void* out, float* part, const bf16* A, int64_t lda, const bf16* W, const bf16* bias,
             const bf16* residual, int M, int N, int K, int splits, cudaStream_t stream) {
   const dim3 grid(unsigned((N + kBN - 1) / kBN), unsigned(splits));
-  dev::launch(skinny_kernel<F32_OUT>, grid, kThreads, kSmemBytes, stream, out, part, A, lda, W, bias, residual, M, N, K, splits);
+  const auto aligned = [](const void* p, uintptr_t a) { return (reinterpret_cast<uintptr_t>(p) & (a - 1)) == 0; };
+  const bool pairs = N % 2 == 0 && aligned(out, F32_OUT ? 8 : 4) && aligned(residual, 4) && aligned(part, 8);
+  dev::launch(skinny_kernel<F32_OUT>, grid, kThreads, kSmemBytes, stream, out, part, A, lda, W, bias, residual, M, N, K, splits, pairs);
   CUDA_CHECK(cudaGetLastError());
   if (splits > 1) {
     const int64_t MN = int64_t(M) * N;
