@@ -91,6 +91,21 @@ def make_data(path, vocab, docs, doc_len, seed):
     return out.reshape(docs, doc_len)
 
 
+def model_and_data(args, data_suffix=""):
+    """The model directory (--model, or --shape's random init made once under --out), its tag, and
+    the data file data-TAG{data_suffix}.h5 under --out (--docs documents, made once)."""
+    model_dir = os.path.abspath(args.model) if args.model else os.path.join(args.out, f"model-{args.shape}")
+    tag = os.path.basename(model_dir.rstrip("/")) if args.model else args.shape
+    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+        make_model(model_dir, args.shape, args.seq)
+    with open(os.path.join(model_dir, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    data_path = os.path.join(args.out, f"data-{tag}{data_suffix}.h5")
+    if not os.path.isfile(data_path):
+        make_data(data_path, vocab, args.docs, args.seq + 1, seed=1)
+    return model_dir, tag, data_path
+
+
 def run_shardlm(args, model_dir, data_path, run_dir, label):
     deck = os.path.join(args.out, f"fidelity-{label}.toml")
     with open(deck, "w") as f:
@@ -385,18 +400,7 @@ def main():
     args = ap.parse_args()
     args.out = os.path.abspath(args.out)
     os.makedirs(args.out, exist_ok=True)
-    model_dir = os.path.abspath(args.model) if args.model else os.path.join(args.out, f"model-{args.shape}")
-    tag = os.path.basename(model_dir.rstrip("/")) if args.model else args.shape
-    data_path = os.path.join(args.out, f"data-{tag}.h5")
-    if args.model:
-        with open(os.path.join(model_dir, "config.json")) as f:
-            vocab = json.load(f)["vocab_size"]
-    else:
-        vocab = SHAPES[args.shape]["vocab_size"]
-    if not os.path.isfile(os.path.join(model_dir, "config.json")):
-        make_model(model_dir, args.shape, args.seq)
-    if not os.path.isfile(data_path):
-        make_data(data_path, vocab, args.docs, args.seq + 1, seed=1)
+    model_dir, tag, data_path = model_and_data(args)
     with h5py.File(data_path) as f:
         rows = f["tokens"][()].reshape(-1, args.seq + 1)
     curves = {}

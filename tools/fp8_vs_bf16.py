@@ -25,7 +25,6 @@ import json
 import os
 import sys
 
-import h5py
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -96,15 +95,7 @@ def main():
     args = ap.parse_args()
     args.out = os.path.abspath(args.out)
     os.makedirs(args.out, exist_ok=True)
-    model_dir = os.path.abspath(args.model) if args.model else os.path.join(args.out, f"model-{args.shape}")
-    tag = os.path.basename(model_dir.rstrip("/")) if args.model else args.shape
-    if not os.path.isfile(os.path.join(model_dir, "config.json")):
-        F.make_model(model_dir, args.shape, args.seq)
-    with open(os.path.join(model_dir, "config.json")) as f:
-        vocab = json.load(f)["vocab_size"]
-    data_path = os.path.join(args.out, f"data-{tag}-{args.docs}.h5")
-    if not os.path.isfile(data_path):
-        F.make_data(data_path, vocab, args.docs, args.seq + 1, seed=1)
+    model_dir, tag, data_path = F.model_and_data(args, f"-{args.docs}")
     base = list(args.set) + [f"sched.warmup={args.warmup}"]  # fidelity_vs_hf.py's deck: constant after it
     curves = {}
     for label, fp8 in (("bf16", "none"), (f"fp8-{args.mode}", args.mode)):
