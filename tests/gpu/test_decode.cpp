@@ -14,6 +14,8 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <initializer_list>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -41,6 +43,24 @@ void require_gpu() {
   REQUIRE_MESSAGE(cuda_device_count() > 0, "no CUDA device: run the GPU suite on a GPU machine");
   cuda_set_device(0);
 }
+
+// Environment variables set while it lives (a null value: left alone), unset after.
+using EnvVars = std::initializer_list<std::pair<const char*, const char*>>;
+class ScopedEnv {
+ public:
+  explicit ScopedEnv(EnvVars vars) {
+    for (const auto& [name, value] : vars)
+      if (value) setenv(name, value, 1), set_.push_back(name);
+  }
+  ~ScopedEnv() {
+    for (const char* name : set_) unsetenv(name);
+  }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  std::vector<const char*> set_;
+};
 
 // ‖a − b‖ / ‖b‖ over n values.
 double rel_rms(const float* a, const float* b, size_t n) {
@@ -101,7 +121,7 @@ void check_decode_attention(int64_t H, int64_t KV, int64_t D, int64_t max_len, s
     for (const bool wide : {false, true}) {
       CAPTURE(kernel);
       CAPTURE(wide);
-      if (std::strcmp(kernel, "scalar") == 0) setenv("SHARDLM_DECODE_ATTENTION", "scalar", 1);
+      const ScopedEnv env({{"SHARDLM_DECODE_ATTENTION", std::strcmp(kernel, "scalar") == 0 ? "scalar" : nullptr}});
       std::vector<uint16_t> runs[2];
       for (auto& got : runs) {
         CUDA_OK(cudaMemset(dout.p, 0xff, qb.size() * 2));  // NaN: an unwritten element fails
@@ -113,7 +133,6 @@ void check_decode_attention(int64_t H, int64_t KV, int64_t D, int64_t max_len, s
         got.resize(qb.size());
         CUDA_OK(cudaMemcpy(got.data(), dout.p, got.size() * 2, cudaMemcpyDeviceToHost));
       }
-      unsetenv("SHARDLM_DECODE_ATTENTION");
       std::vector<float> got(q.size());
       for (size_t i = 0; i < got.size(); ++i) got[i] = bf16_to_f32(runs[0][i]);
       const double err = rel_rms(got.data(), want.data(), got.size());
@@ -147,6 +166,26 @@ std::vector<std::vector<int32_t>> fixture_prompts(int64_t vocab) {
     out.push_back(ids);
   }
   return out;
+}
+
+// The CUDA decoder, made while these switches are set (a null value: the default).
+std::unique_ptr<Decoder> cuda_decoder_with(EnvVars env, const InferenceModel& m, const DecoderLimits& limits) {
+  const ScopedEnv scoped(env);
+  return make_decoder(m, limits, "cuda");
+}
+
+// a and b completion by completion: the same tokens, model and tempered logprobs, and
+// sampling logprobs within sampling_tol (0: equal).
+void check_same_completions(const std::vector<Completion>& a, const std::vector<Completion>& b, float sampling_tol) {
+  REQUIRE(a.size() == b.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    CHECK(a[i].tokens == b[i].tokens);
+    CHECK(a[i].model_logprobs == b[i].model_logprobs);
+    CHECK(a[i].tempered_logprobs == b[i].tempered_logprobs);
+    REQUIRE(a[i].sampling_logprobs.size() == b[i].sampling_logprobs.size());
+    for (size_t t = 0; t < a[i].sampling_logprobs.size(); ++t)
+      CHECK(std::fabs(a[i].sampling_logprobs[t] - b[i].sampling_logprobs[t]) <= sampling_tol);
+  }
 }
 
 // n samples of each prompt as requests (spans into `prompts`, which outlives them).
@@ -199,11 +238,10 @@ TEST_CASE("CUDA decoder = CPU decoder on the fixtures: prefill, 16 decode steps,
     constexpr int kSteps = 16;
     const DecoderLimits limits{4, 17 + kSteps};
     CpuDecoder cpu(m, limits);
-    if (gemm != "cublas") setenv("SHARDLM_DECODE_GEMM", "skinny", 1);
-    if (gemm == "skinny+pdl") setenv("SHARDLM_DECODE_PDL", "1", 1);
-    const std::unique_ptr<Decoder> gpu = make_cuda_decoder(m, limits);
-    unsetenv("SHARDLM_DECODE_GEMM");
-    unsetenv("SHARDLM_DECODE_PDL");
+    const std::unique_ptr<Decoder> gpu = cuda_decoder_with(
+        {{"SHARDLM_DECODE_GEMM", gemm != "cublas" ? "skinny" : nullptr},
+         {"SHARDLM_DECODE_PDL", gemm == "skinny+pdl" ? "1" : nullptr}},
+        m, limits);
     REQUIRE(gpu->weight_bytes() > 0);
     CHECK((gpu->describe().find("skinny") != std::string::npos) == (gemm != "cublas"));
     CHECK((gpu->describe().find("programmatic") != std::string::npos) == (gemm == "skinny+pdl"));
@@ -471,22 +509,11 @@ TEST_CASE("CUDA decoder: drawing on the device = drawing on the host from its do
     o.sampling = sp;
     o.max_new_tokens = 20;
     auto run = [&](bool host) {
-      if (host) setenv("SHARDLM_HOST_SAMPLER", "1", 1);
-      std::unique_ptr<Decoder> d = make_decoder(m, limits, "cuda");
-      unsetenv("SHARDLM_HOST_SAMPLER");
+      std::unique_ptr<Decoder> d = cuda_decoder_with({{"SHARDLM_HOST_SAMPLER", host ? "1" : nullptr}}, m, limits);
       CHECK(d->draws_on_device() == !host);
       return generate(*d, requests, o);
     };
-    const std::vector<Completion> dev = run(false), host = run(true);
-    REQUIRE(dev.size() == host.size());
-    for (size_t i = 0; i < dev.size(); ++i) {
-      CHECK(dev[i].tokens == host[i].tokens);
-      CHECK(dev[i].model_logprobs == host[i].model_logprobs);
-      CHECK(dev[i].tempered_logprobs == host[i].tempered_logprobs);
-      REQUIRE(dev[i].sampling_logprobs.size() == host[i].sampling_logprobs.size());
-      for (size_t t = 0; t < dev[i].sampling_logprobs.size(); ++t)
-        CHECK(std::fabs(dev[i].sampling_logprobs[t] - host[i].sampling_logprobs[t]) <= 1e-6f);
-    }
+    check_same_completions(run(false), run(true), 1e-6f);
   }
 }
 
@@ -515,9 +542,7 @@ TEST_CASE("CUDA decoder: SHARDLM_DECODE_PROFILE=1 changes no token and times eve
     std::string report;
     int64_t steps = 0;
     auto run = [&](bool profile) {
-      if (profile) setenv("SHARDLM_DECODE_PROFILE", "1", 1);
-      std::unique_ptr<Decoder> d = make_decoder(m, limits, "cuda");
-      unsetenv("SHARDLM_DECODE_PROFILE");
+      std::unique_ptr<Decoder> d = cuda_decoder_with({{"SHARDLM_DECODE_PROFILE", profile ? "1" : nullptr}}, m, limits);
       std::vector<Completion> out = generate(*d, requests, o);
       report = d->profile_report(1.0);
       steps = d->decode_steps();
@@ -527,11 +552,7 @@ TEST_CASE("CUDA decoder: SHARDLM_DECODE_PROFILE=1 changes no token and times eve
     CHECK(report.empty());
     const std::vector<Completion> profiled = run(true);
     MESSAGE(report);
-    REQUIRE(plain.size() == profiled.size());
-    for (size_t i = 0; i < plain.size(); ++i) {
-      CHECK(plain[i].tokens == profiled[i].tokens);
-      CHECK(plain[i].model_logprobs == profiled[i].model_logprobs);
-    }
+    check_same_completions(plain, profiled, 0.0f);
     const int64_t L = m.config().num_layers;
     REQUIRE(steps > 0);
     CHECK(profiled_calls(report, "embedding") == steps);
@@ -564,21 +585,13 @@ TEST_CASE("CUDA decoder: full-batch steps replayed as the CUDA graph captured at
     o.sampling = SamplingParams{0.8, 20, 0.9, 3};
     o.max_new_tokens = 16;
     auto run = [&](bool graphs) {
-      if (!graphs) setenv("SHARDLM_DECODE_GRAPHS", "0", 1);
-      if (pdl) setenv("SHARDLM_DECODE_GEMM", "skinny", 1), setenv("SHARDLM_DECODE_PDL", "1", 1);
-      std::unique_ptr<Decoder> d = make_decoder(m, limits, "cuda");
-      unsetenv("SHARDLM_DECODE_GRAPHS");
-      unsetenv("SHARDLM_DECODE_GEMM");
-      unsetenv("SHARDLM_DECODE_PDL");
+      std::unique_ptr<Decoder> d = cuda_decoder_with({{"SHARDLM_DECODE_GRAPHS", graphs ? nullptr : "0"},
+                                                      {"SHARDLM_DECODE_GEMM", pdl ? "skinny" : nullptr},
+                                                      {"SHARDLM_DECODE_PDL", pdl ? "1" : nullptr}},
+                                                     m, limits);
       CHECK((d->describe().find("CUDA graphs") != std::string::npos) == graphs);
       return generate(*d, requests, o);
     };
-    const std::vector<Completion> replayed = run(true), eager = run(false);
-    REQUIRE(replayed.size() == eager.size());
-    for (size_t i = 0; i < eager.size(); ++i) {
-      CHECK(replayed[i].tokens == eager[i].tokens);
-      CHECK(replayed[i].model_logprobs == eager[i].model_logprobs);
-      CHECK(replayed[i].sampling_logprobs == eager[i].sampling_logprobs);
-    }
+    check_same_completions(run(true), run(false), 0.0f);
   }
 }
