@@ -32,6 +32,14 @@ double plan_mib(const std::string& out, const std::string& row) {
   return std::stod(out.substr(at + row.size()));
 }
 const std::string kGpuTotal = "total              GPU", kHostTotal = "total              host";
+
+// Whether `check` on the CUDA backend printed its memory plan: not in a CPU-only
+// build, which the test then says and skips.
+bool has_cuda_plan(const shardlm_test::CommandResult& r) {
+  if (r.output.find("built without CUDA") == std::string::npos) return true;
+  MESSAGE("CPU-only build: the CUDA memory plan is not available; nothing to check");
+  return false;
+}
 }  // namespace
 
 TEST_SUITE("cli") {
@@ -102,10 +110,7 @@ TEST_CASE("check prints the resolved deck and exits 0; --world drives the batch 
 TEST_CASE("check with optim_cpu_offload on the CUDA backend prints the GPU bytes saved and the host bytes used") {
   auto off = run(shardlm_bin() + " check inputs/bench/llama-1b.toml --set data.path=inputs/data/tiny.h5 "
                                  "--set device.backend=cuda");
-  if (off.output.find("built without CUDA") != std::string::npos) {
-    MESSAGE("CPU-only build: the CUDA memory plan is not available; nothing to check");
-    return;
-  }
+  if (!has_cuda_plan(off)) return;
   // Every unit offloaded (on a GPU machine the automatic split would keep some on it).
   auto on = run(shardlm_bin() + " check inputs/bench/llama-1b.toml --set data.path=inputs/data/tiny.h5 "
                                  "--set device.backend=cuda "
@@ -165,10 +170,7 @@ TEST_CASE("check on the CUDA backend: cuDNN's attention adds only its persistent
                                  "--set device.backend=cuda --set data.seq_len=32768 "
                            "--set data.global_batch=1 --set model.activation_checkpointing=selective";
   auto flash = run(shardlm_bin() + deck + " --set device.attention=flash");
-  if (flash.output.find("built without CUDA") != std::string::npos) {
-    MESSAGE("CPU-only build: the CUDA memory plan is not available; nothing to check");
-    return;
-  }
+  if (!has_cuda_plan(flash)) return;
   auto cudnn = run(shardlm_bin() + deck + " --set device.attention=auto");
   REQUIRE(flash.status == 0);
   REQUIRE(cudnn.status == 0);
@@ -183,10 +185,7 @@ TEST_CASE("check on the CUDA backend: model.selective_layers keeps K layers' att
                            "--set device.backend=cuda --set data.seq_len=32768 --set data.global_batch=1 "
                            "--set model.activation_checkpointing=selective";
   auto all = run(shardlm_bin() + deck);
-  if (all.output.find("built without CUDA") != std::string::npos) {
-    MESSAGE("CPU-only build: the CUDA memory plan is not available; nothing to check");
-    return;
-  }
+  if (!has_cuda_plan(all)) return;
   auto half = run(shardlm_bin() + deck + " --set model.selective_layers=8");
   REQUIRE(all.status == 0);
   REQUIRE(half.status == 0);
@@ -204,10 +203,7 @@ TEST_CASE("check on the CUDA backend: model.residual_dtype = fp32 adds 2 bytes p
   const std::string deck = " check inputs/bench/llama-1b.toml --set data.path=inputs/data/tiny.h5 "
                            "--set device.backend=cuda";
   auto bf16 = run(shardlm_bin() + deck);
-  if (bf16.output.find("built without CUDA") != std::string::npos) {
-    MESSAGE("CPU-only build: the CUDA memory plan is not available; nothing to check");
-    return;
-  }
+  if (!has_cuda_plan(bf16)) return;
   auto fp32 = run(shardlm_bin() + deck + " --set model.residual_dtype=fp32");
   REQUIRE(bf16.status == 0);
   REQUIRE(fp32.status == 0);
