@@ -42,6 +42,12 @@ constexpr int64_t kPrefillTokens = 16384;
 constexpr size_t kGemmWorkspace = size_t(32) << 20;   // what cuBLASLt asks for on Hopper
 constexpr int64_t kUploadElems = int64_t(16) << 20;   // fp32 -> bf16 staging of the weight upload
 
+// Whether environment variable `name` is set to `value` (the decoder's switches).
+bool env_is(const char* name, const char* value) {
+  const char* v = std::getenv(name);
+  return v && std::strcmp(v, value) == 0;
+}
+
 // Whether a layer's q, k and v weights (and biases, when it has them) lie one
 // after another in its unit: then one GEMM computes q|k|v.
 bool qkv_adjacent(const Unit& u) {
@@ -302,11 +308,9 @@ void CudaDecoder::plan_buffers(const ModelConfig& c, const ModelLayout& layout, 
   const int64_t prefill_rows = std::max(limits.max_len, std::min(limits.slots * limits.max_len, kPrefillTokens));
   const int64_t rows = std::max(prefill_rows, limits.slots);
   if (std::string e = model_scale_error(c, rows, 1); !e.empty()) SHARDLM_FAIL("generate: %s", e.c_str());
-  const char* fused_env = std::getenv("SHARDLM_DECODE_FUSED_QKV");
-  bool fused = !c.qk_norm && !(fused_env && std::strcmp(fused_env, "0") == 0);
+  bool fused = !c.qk_norm && !env_is("SHARDLM_DECODE_FUSED_QKV", "0");
   for (int64_t l = 0; l < c.num_layers && fused; ++l) fused = qkv_adjacent(layout.layer(int(l)));
-  const char* gemm_env = std::getenv("SHARDLM_DECODE_GEMM");
-  const bool skinny = gemm_env && std::strcmp(gemm_env, "skinny") == 0;
+  const bool skinny = env_is("SHARDLM_DECODE_GEMM", "skinny");
   const size_t attention_scratch = cuda::decode_attention_scratch_bytes(limits.slots, c.num_heads, c.head_dim,
                                                                        limits.max_len);
   const int64_t prefill_ints = 4 * rows + 4 * limits.slots, decode_ints = 8 * limits.slots;
@@ -401,20 +405,16 @@ CudaDecoder::CudaDecoder(const InferenceModel& model, const DecoderLimits& limit
   CUDA_CHECK(cudaEventCreate(&step_begin_));
   CUDA_CHECK(cudaEventCreate(&step_end_));
   gemm_ = std::make_unique<cuda::Gemm>(stream_, gemm_workspace_, kGemmWorkspace);
-  const char* graphs = std::getenv("SHARDLM_DECODE_GRAPHS");
-  graphs_ = !(graphs && std::strcmp(graphs, "0") == 0);
+  graphs_ = !env_is("SHARDLM_DECODE_GRAPHS", "0");
   // SHARDLM_DECODE_GEMM_PICK=waves: the decode steps' GEMMs (M = the batch)
   // take the heuristic answer that covers the most SMs (cuda::Gemm::prefer_full_waves).
-  const char* pick = std::getenv("SHARDLM_DECODE_GEMM_PICK");
-  if (pick && std::strcmp(pick, "waves") == 0) gemm_->prefer_full_waves(limits.slots);
-  if (const char* profile = std::getenv("SHARDLM_DECODE_PROFILE"); profile && std::strcmp(profile, "1") == 0) {
+  if (env_is("SHARDLM_DECODE_GEMM_PICK", "waves")) gemm_->prefer_full_waves(limits.slots);
+  if (env_is("SHARDLM_DECODE_PROFILE", "1")) {
     ops_ = std::make_unique<cuda::OpTimer>(stream_);
     graphs_ = false;  // an event per operation, recorded eagerly
   }
-  const char* pdl = std::getenv("SHARDLM_DECODE_PDL");
-  pdl_ = pdl && std::strcmp(pdl, "1") == 0 && !ops_;  // a profile's events between kernels: ordinary launches
-  const char* host_sampler = std::getenv("SHARDLM_HOST_SAMPLER");
-  device_draws_ = !(host_sampler && std::strcmp(host_sampler, "1") == 0);
+  pdl_ = env_is("SHARDLM_DECODE_PDL", "1") && !ops_;  // a profile's events between kernels: ordinary launches
+  device_draws_ = !env_is("SHARDLM_HOST_SAMPLER", "1");
 
   // RoPE's frequencies as training rounds them (backend_cuda.cu): the double table to float.
   const std::vector<double> inv = cpu::rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling);
