@@ -1,6 +1,7 @@
 // skinny_gemm.cu — out = A Wᵀ for a decode step's ≤ 64 rows (see skinny_gemm.hpp).
 #include "cuda/check.hpp"
 #include "cuda/skinny_gemm.hpp"
+#include "cuda/ops_common.cuh"
 #include "kernel_common.cuh"
 
 #include <algorithm>
@@ -88,7 +89,7 @@ skinny_kernel(void* out, float* __restrict__ part, const bf16* __restrict__ A, i
   bf16* const sW = sA + kStages * kTileElems;
 
   const int n0 = blockIdx.x * kBN, split = blockIdx.y;
-  const int k_steps = (K + kBK - 1) / kBK;
+  const int k_steps = int(dev::div_up(K, kBK));
   // Split s takes steps [s * k_steps / splits, (s + 1) * k_steps / splits).
   const int kt0 = int(int64_t(split) * k_steps / splits), kt1 = int(int64_t(split + 1) * k_steps / splits);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -196,14 +197,14 @@ static_assert(kSmemBytes <= 48 * 1024, "within the dynamic shared memory a kerne
 template <bool F32_OUT>
 void run(void* out, float* part, const bf16* A, int64_t lda, const bf16* W, const bf16* bias,
             const bf16* residual, int M, int N, int K, int splits, cudaStream_t stream) {
-  const dim3 grid(unsigned((N + kBN - 1) / kBN), unsigned(splits));
-  const auto aligned = [](const void* p, uintptr_t a) { return (reinterpret_cast<uintptr_t>(p) & (a - 1)) == 0; };
-  const bool pairs = N % 2 == 0 && aligned(out, F32_OUT ? 8 : 4) && aligned(residual, 4) && aligned(part, 8);
+  const dim3 grid(unsigned(dev::div_up(N, kBN)), unsigned(splits));
+  const bool pairs =
+      N % 2 == 0 && dev::aligned(out, F32_OUT ? 8 : 4) && dev::aligned(residual, 4) && dev::aligned(part, 8);
   dev::launch(skinny_kernel<F32_OUT>, grid, kThreads, kSmemBytes, stream, out, part, A, lda, W, bias, residual, M, N, K, splits, pairs);
   CUDA_CHECK(cudaGetLastError());
   if (splits > 1) {
     const int64_t MN = int64_t(M) * N;
-    dev::launch(skinny_reduce_kernel<F32_OUT>, unsigned((MN + 255) / 256), 256, 0, stream, out, part, bias, residual, M, N,
+    dev::launch(skinny_reduce_kernel<F32_OUT>, unsigned(dev::div_up(MN, 256)), 256, 0, stream, out, part, bias, residual, M, N,
                                                                                 splits);
     CUDA_CHECK(cudaGetLastError());
   }
@@ -212,16 +213,15 @@ void run(void* out, float* part, const bf16* A, int64_t lda, const bf16* W, cons
 }  // namespace
 
 bool skinny_supported(int64_t M, int64_t N, int64_t K, int64_t lda, const void* A, const void* W) {
-  const auto aligned16 = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; };
   return M >= 1 && M <= kSkinnyMaxRows && N >= 1 && N <= INT32_MAX && K >= 8 && K % 8 == 0 && K <= INT32_MAX &&
-         lda >= K && lda % 8 == 0 && aligned16(A) && aligned16(W);
+         lda >= K && lda % 8 == 0 && dev::aligned(A, 16) && dev::aligned(W, 16);
 }
 
 int skinny_splits(int64_t M, int64_t N, int64_t K, int sms) {
   // About two CTAs an SM, each with at least kMinStepsPerSplit steps of K, and
   // partials within kSkinnyPartialBytes.
-  const int64_t tiles = (N + kBN - 1) / kBN, k_steps = (K + kBK - 1) / kBK;
-  const int64_t want = (2 * int64_t(std::max(sms, 1)) + tiles - 1) / tiles;
+  const int64_t tiles = dev::div_up(N, kBN), k_steps = dev::div_up(K, kBK);
+  const int64_t want = dev::div_up(2 * int64_t(std::max(sms, 1)), tiles);
   const int64_t by_bytes = int64_t(kSkinnyPartialBytes / (size_t(std::max<int64_t>(M, 1)) * size_t(N) * sizeof(float)));
   const int64_t most = std::max<int64_t>(1, std::min({int64_t(kMaxSplits), k_steps / kMinStepsPerSplit, by_bytes}));
   return int(std::clamp<int64_t>(want, 1, most));
