@@ -1,7 +1,6 @@
 // skinny_gemm.cu — out = A Wᵀ for a decode step's ≤ 64 rows (see skinny_gemm.hpp).
 #include "cuda/check.hpp"
 #include "cuda/skinny_gemm.hpp"
-#include "cuda/ops_common.cuh"
 #include "kernel_common.cuh"
 
 #include <algorithm>
@@ -81,7 +80,7 @@ template <bool F32_OUT>
 __global__ void __launch_bounds__(kThreads)
 skinny_kernel(void* out, float* __restrict__ part, const bf16* __restrict__ A, int64_t lda,
               const bf16* __restrict__ W, const bf16* __restrict__ bias, const bf16* residual, int M, int N, int K,
-              int splits, bool pairs) {
+              int splits) {
   dev::pdl_wait();
   dev::pdl_launch_dependents();
   extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -89,7 +88,7 @@ skinny_kernel(void* out, float* __restrict__ part, const bf16* __restrict__ A, i
   bf16* const sW = sA + kStages * kTileElems;
 
   const int n0 = blockIdx.x * kBN, split = blockIdx.y;
-  const int k_steps = int(dev::div_up(K, kBK));
+  const int k_steps = (K + kBK - 1) / kBK;
   // Split s takes steps [s * k_steps / splits, (s + 1) * k_steps / splits).
   const int kt0 = int(int64_t(split) * k_steps / splits), kt1 = int(int64_t(split + 1) * k_steps / splits);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -136,7 +135,7 @@ skinny_kernel(void* out, float* __restrict__ part, const bf16* __restrict__ A, i
 
   // Fragment elements 2h and 2h + 1 of acc[mt][nt]: row mt*16 + lane/4 + 8h,
   // columns nt*8 + 2*(lane%4) and the next, stored as a pair where both exist
-  // and `pairs` (N even and the outputs aligned: the pair is then 8- or 4-byte aligned).
+  // and N is even (the pair then 8- or 4-byte aligned).
 #pragma unroll
   for (int mt = 0; mt < 4; ++mt)
 #pragma unroll
@@ -147,7 +146,7 @@ skinny_kernel(void* out, float* __restrict__ part, const bf16* __restrict__ A, i
         const int n = n0 + warp * 16 + nt * 8 + 2 * (lane & 3);
         if (m >= M || n >= N) continue;
         const float v0 = acc[mt][nt][2 * h], v1 = acc[mt][nt][2 * h + 1];
-        const bool pair = pairs && n + 1 < N;
+        const bool pair = n + 1 < N && (N & 1) == 0;
         const int64_t at = int64_t(m) * N + n;
         if (splits > 1) {
           float* p = part + int64_t(split) * M * N + at;
@@ -167,7 +166,7 @@ skinny_kernel(void* out, float* __restrict__ part, const bf16* __restrict__ A, i
             p[0] = y0;
           }
         }
-        // Without pairs, the second column is stored alone.
+        // An odd N's last column of a pair is stored alone.
         if (!pair && n + 1 < N) {
           if (splits > 1) part[int64_t(split) * M * N + at + 1] = v1;
           else if constexpr (F32_OUT) static_cast<float*>(out)[at + 1] = v1;
@@ -197,14 +196,12 @@ static_assert(kSmemBytes <= 48 * 1024, "within the dynamic shared memory a kerne
 template <bool F32_OUT>
 void run(void* out, float* part, const bf16* A, int64_t lda, const bf16* W, const bf16* bias,
             const bf16* residual, int M, int N, int K, int splits, cudaStream_t stream) {
-  const dim3 grid(unsigned(dev::div_up(N, kBN)), unsigned(splits));
-  const bool pairs =
-      N % 2 == 0 && dev::aligned(out, F32_OUT ? 8 : 4) && dev::aligned(residual, 4) && dev::aligned(part, 8);
-  dev::launch(skinny_kernel<F32_OUT>, grid, kThreads, kSmemBytes, stream, out, part, A, lda, W, bias, residual, M, N, K, splits, pairs);
+  const dim3 grid(unsigned((N + kBN - 1) / kBN), unsigned(splits));
+  dev::launch(skinny_kernel<F32_OUT>, grid, kThreads, kSmemBytes, stream, out, part, A, lda, W, bias, residual, M, N, K, splits);
   CUDA_CHECK(cudaGetLastError());
   if (splits > 1) {
     const int64_t MN = int64_t(M) * N;
-    dev::launch(skinny_reduce_kernel<F32_OUT>, unsigned(dev::div_up(MN, 256)), 256, 0, stream, out, part, bias, residual, M, N,
+    dev::launch(skinny_reduce_kernel<F32_OUT>, unsigned((MN + 255) / 256), 256, 0, stream, out, part, bias, residual, M, N,
                                                                                 splits);
     CUDA_CHECK(cudaGetLastError());
   }
@@ -213,15 +210,16 @@ void run(void* out, float* part, const bf16* A, int64_t lda, const bf16* W, cons
 }  // namespace
 
 bool skinny_supported(int64_t M, int64_t N, int64_t K, int64_t lda, const void* A, const void* W) {
+  const auto aligned16 = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; };
   return M >= 1 && M <= kSkinnyMaxRows && N >= 1 && N <= INT32_MAX && K >= 8 && K % 8 == 0 && K <= INT32_MAX &&
-         lda >= K && lda % 8 == 0 && dev::aligned(A, 16) && dev::aligned(W, 16);
+         lda >= K && lda % 8 == 0 && aligned16(A) && aligned16(W);
 }
 
 int skinny_splits(int64_t M, int64_t N, int64_t K, int sms) {
   // About two CTAs an SM, each with at least kMinStepsPerSplit steps of K, and
   // partials within kSkinnyPartialBytes.
-  const int64_t tiles = dev::div_up(N, kBN), k_steps = dev::div_up(K, kBK);
-  const int64_t want = dev::div_up(2 * int64_t(std::max(sms, 1)), tiles);
+  const int64_t tiles = (N + kBN - 1) / kBN, k_steps = (K + kBK - 1) / kBK;
+  const int64_t want = (2 * int64_t(std::max(sms, 1)) + tiles - 1) / tiles;
   const int64_t by_bytes = int64_t(kSkinnyPartialBytes / (size_t(std::max<int64_t>(M, 1)) * size_t(N) * sizeof(float)));
   const int64_t most = std::max<int64_t>(1, std::min({int64_t(kMaxSplits), k_steps / kMinStepsPerSplit, by_bytes}));
   return int(std::clamp<int64_t>(want, 1, most));
