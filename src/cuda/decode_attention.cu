@@ -54,8 +54,6 @@ decode_partial_kernel(float* __restrict__ part_o, float* __restrict__ part_ml, c
                       const bf16* __restrict__ k_cache, const bf16* __restrict__ v_cache,
                       const int32_t* __restrict__ slot, const int32_t* __restrict__ len, int H, int KV, int D,
                       int64_t q_ld, int64_t max_len, int chunk, int chunks, int G, int head_groups, float scale) {
-  pdl_wait();
-  pdl_launch_dependents();
   __shared__ float sm_ml[kWarps][kHeadsPerBlock][2];
   __shared__ float sm_acc[kWarps][kHeadsPerBlock][32 * E];
   const int b = blockIdx.x, kvh = blockIdx.y / head_groups, hg = blockIdx.y % head_groups, c = blockIdx.z;
@@ -174,9 +172,6 @@ decode_partial_vec_kernel(float* __restrict__ part_o, float* __restrict__ part_m
                           int64_t q_ld, int64_t max_len, int chunk, int chunks, int G, int head_groups, float scale) {
   constexpr int D = 8 * LG, P = 32 / LG, U = kUnroll / P;
   static_assert(P * U == kUnroll, "a warp takes kUnroll positions an iteration");
-  pdl_wait();
-  pdl_launch_dependents();
-
   __shared__ float sm_ml[kWarps][HPB][2];
   __shared__ float sm_acc[kWarps][HPB][D];
   const int b = blockIdx.x, kvh = blockIdx.y / head_groups, hg = blockIdx.y % head_groups, c = blockIdx.z;
@@ -289,8 +284,6 @@ decode_partial_vec_kernel(float* __restrict__ part_o, float* __restrict__ part_m
 __global__ void decode_combine_kernel(bf16* __restrict__ out, const float* __restrict__ part_o,
                                       const float* __restrict__ part_ml, const int32_t* __restrict__ len, int H,
                                       int D, int chunk, int chunks) {
-  pdl_wait();
-  pdl_launch_dependents();
   const int64_t bh = blockIdx.x;
   const int b = int(bh / H);
   const int n = min(chunks, (len[b] + chunk - 1) / chunk);
@@ -311,8 +304,6 @@ template <int VEC>
 __global__ void copy_rows_kernel(bf16* __restrict__ dst, const int32_t* __restrict__ dst_row,
                                  const bf16* __restrict__ src, const int32_t* __restrict__ src_row, int64_t width,
                                  int64_t src_ld) {
-  pdl_wait();
-  pdl_launch_dependents();
   const int64_t i = blockIdx.x;
   const int64_t to = (dst_row ? int64_t(dst_row[i]) : i) * width;
   const int64_t from = (src_row ? int64_t(src_row[i]) : i) * src_ld;
@@ -325,8 +316,6 @@ template <int VEC>
 __global__ void store_kv_kernel(bf16* __restrict__ k_cache, bf16* __restrict__ v_cache,
                                 const int32_t* __restrict__ rows, const bf16* __restrict__ src, int64_t width,
                                 int64_t src_ld) {
-  pdl_wait();
-  pdl_launch_dependents();
   const int64_t i = blockIdx.x, to = int64_t(rows[i]) * width, from = i * src_ld;
   for (int64_t j = int64_t(threadIdx.x) * VEC; j < 2 * width; j += int64_t(blockDim.x) * VEC) {
     const Pack<bf16, VEC> x = Pack<bf16, VEC>::load(src + from + j);
@@ -393,7 +382,7 @@ void decode_attention_forward(bf16* out, const bf16* q, int64_t q_ld, const bf16
     const int hpb = G <= 4 ? 4 : 8, groups = int(div_up(G, hpb));
     const dim3 vgrid(unsigned(B), unsigned(KV * groups), unsigned(chunks));
 #define SHARDLM_DECODE_VEC(LG, HPB)                                                                          \
-  launch(decode_partial_vec_kernel<LG, HPB>, vgrid, kWarps * 32, 0, stream, part_o, part_ml, q, k_cache, v_cache, \
+  decode_partial_vec_kernel<LG, HPB><<<vgrid, kWarps * 32, 0, stream>>>(part_o, part_ml, q, k_cache, v_cache, \
                                                                          slot, len, int(H), int(KV), q_ld,     \
                                                                          max_len,                              \
                                                                          int(chunk), int(chunks), G, groups, scale)
@@ -411,7 +400,7 @@ void decode_attention_forward(bf16* out, const bf16* q, int64_t q_ld, const bf16
 #undef SHARDLM_DECODE_VEC
   } else {
 #define SHARDLM_DECODE_PARTIAL(E)                                                                              \
-  launch(decode_partial_kernel<E>, grid, kWarps * 32, 0, stream, part_o, part_ml, q, k_cache, v_cache, slot, len, \
+  decode_partial_kernel<E><<<grid, kWarps * 32, 0, stream>>>(part_o, part_ml, q, k_cache, v_cache, slot, len, \
                                                              int(H), int(KV), int(D), q_ld, max_len,          \
                                                              int(chunk),                                      \
                                                              int(chunks), G, head_groups, scale)
@@ -422,7 +411,7 @@ void decode_attention_forward(bf16* out, const bf16* q, int64_t q_ld, const bf16
 #undef SHARDLM_DECODE_PARTIAL
   }
   CUDA_CHECK(cudaGetLastError());
-  launch(decode_combine_kernel, unsigned(B * H), unsigned(std::min<int64_t>(256, div_up(D, 32) * 32)), 0, stream,
+  decode_combine_kernel<<<unsigned(B * H), unsigned(std::min<int64_t>(256, div_up(D, 32) * 32)), 0, stream>>>(
       out, part_o, part_ml, len, int(H), int(D), int(chunk), int(chunks));
   CUDA_CHECK(cudaGetLastError());
 }
@@ -434,9 +423,9 @@ void copy_rows(bf16* dst, const int32_t* dst_row, const bf16* src, const int32_t
   SHARDLM_CHECK(n <= INT32_MAX && src_ld >= width, "copy_rows: %lld rows of %lld (source rows of %lld)",
                 (long long)n, (long long)width, (long long)src_ld);
   if (width % 8 == 0 && src_ld % 8 == 0 && aligned(dst, 16) && aligned(src, 16))
-    launch(copy_rows_kernel<8>, unsigned(n), 128, 0, stream, dst, dst_row, src, src_row, width, src_ld);
+    copy_rows_kernel<8><<<unsigned(n), 128, 0, stream>>>(dst, dst_row, src, src_row, width, src_ld);
   else
-    launch(copy_rows_kernel<1>, unsigned(n), 128, 0, stream, dst, dst_row, src, src_row, width, src_ld);
+    copy_rows_kernel<1><<<unsigned(n), 128, 0, stream>>>(dst, dst_row, src, src_row, width, src_ld);
   CUDA_CHECK(cudaGetLastError());
 }
 
@@ -446,9 +435,9 @@ void store_kv(bf16* k_cache, bf16* v_cache, const int32_t* rows, const bf16* src
   SHARDLM_CHECK(n <= INT32_MAX && src_ld >= 2 * width, "store_kv: %lld rows of 2 x %lld (source rows of %lld)",
                 (long long)n, (long long)width, (long long)src_ld);
   if (width % 8 == 0 && src_ld % 8 == 0 && aligned(src, 16) && aligned(k_cache, 16) && aligned(v_cache, 16))
-    launch(store_kv_kernel<8>, unsigned(n), 128, 0, stream, k_cache, v_cache, rows, src, width, src_ld);
+    store_kv_kernel<8><<<unsigned(n), 128, 0, stream>>>(k_cache, v_cache, rows, src, width, src_ld);
   else
-    launch(store_kv_kernel<1>, unsigned(n), 128, 0, stream, k_cache, v_cache, rows, src, width, src_ld);
+    store_kv_kernel<1><<<unsigned(n), 128, 0, stream>>>(k_cache, v_cache, rows, src, width, src_ld);
   CUDA_CHECK(cudaGetLastError());
 }
 

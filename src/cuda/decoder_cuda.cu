@@ -76,23 +76,6 @@ struct StepInts {
   int32_t* h(Field f) const { return host + offset(f); }
 };
 
-// Programmatic dependent launch (cuda::set_programmatic_launch) for the kernels
-// enqueued while it lives, when `on`; off again after.
-class ProgrammaticLaunch {
- public:
-  explicit ProgrammaticLaunch(bool on) : on_(on) {
-    if (on_) cuda::set_programmatic_launch(true);
-  }
-  ~ProgrammaticLaunch() {
-    if (on_) cuda::set_programmatic_launch(false);
-  }
-  ProgrammaticLaunch(const ProgrammaticLaunch&) = delete;
-  ProgrammaticLaunch& operator=(const ProgrammaticLaunch&) = delete;
-
- private:
-  bool on_;
-};
-
 // Adds the time from its construction to its end to `wall` when `on`: a
 // decoder call, which returns synchronised, timed from the host.
 class CallTimer {
@@ -137,8 +120,7 @@ class CudaDecoder final : public Decoder {
   const ModelConfig& config() const override { return model_.config(); }
   std::string describe() const override {
     return "cuda bf16 on " + cuda_device_name(device_) + (graphs_ ? ", decode steps as CUDA graphs" : "") +
-           (fused_qkv_ ? ", q|k|v as one GEMM" : "") + (skinny_ ? ", skinny GEMMs for passes of up to 64 rows" : "") +
-           (pdl_ ? ", programmatic dependent launch" : "");
+           (fused_qkv_ ? ", q|k|v as one GEMM" : "") + (skinny_ ? ", skinny GEMMs for passes of up to 64 rows" : "");
   }
   int64_t decode_steps() const override { return decode_steps_; }
   double decode_seconds() const override {
@@ -230,8 +212,6 @@ class CudaDecoder final : public Decoder {
   // SHARDLM_DECODE_GEMM=skinny: passes of at most 64 rows (decode steps, short
   // prefills) through cuda::skinny_linear_forward; its fp32 split-K partials.
   bool skinny_ = false;
-  // SHARDLM_DECODE_PDL=1: decode steps' own kernels by programmatic dependent launch.
-  bool pdl_ = false;
   float* skinny_partials_ = nullptr;
   int sms_ = 0;
   bf16 *gu_ = nullptr, *h_ = nullptr;         // (rows, 2 I) gate|up; (rows, I) swiglu
@@ -413,7 +393,6 @@ CudaDecoder::CudaDecoder(const InferenceModel& model, const DecoderLimits& limit
     ops_ = std::make_unique<cuda::OpTimer>(stream_);
     graphs_ = false;  // an event per operation, recorded eagerly
   }
-  pdl_ = env_is("SHARDLM_DECODE_PDL", "1") && !ops_;  // a profile's events between kernels: ordinary launches
   device_draws_ = !env_is("SHARDLM_HOST_SAMPLER", "1");
 
   // RoPE's frequencies as training rounds them (backend_cuda.cu): the double table to float.
@@ -723,7 +702,6 @@ void CudaDecoder::decode(std::span<const int32_t> slots, std::span<const int32_t
     CUDA_CHECK(cudaGraphLaunch(full_step_graph_, stream_));
   } else {
     if (ops_) ops_->begin();
-    const ProgrammaticLaunch programmatic(pdl_);
     run_layers(B, /*prefill=*/false);
     head(x_, B);
     if (ops_) ops_->end();
@@ -771,7 +749,6 @@ void CudaDecoder::capture_full_step() {
     in.h(StepInts::Lens)[b] = 1;
   }
   send_inputs(decode_in_);
-  const ProgrammaticLaunch programmatic(pdl_);
   run_layers(S, /*prefill=*/false);
   head(x_, S);
   CUDA_CHECK(cudaStreamSynchronize(stream_));

@@ -10,15 +10,6 @@
 namespace shardlm::cuda {
 
 namespace {
-thread_local bool g_programmatic_launch = false;
-}  // namespace
-
-void set_programmatic_launch(bool on) { g_programmatic_launch = on; }
-namespace dev {
-bool programmatic_launch() { return g_programmatic_launch; }
-}  // namespace dev
-
-namespace {
 
 using namespace dev;  // Pack, f32, block_reduce (kernel_common.cuh); kThreads, grid_for (ops_common.cuh)
 
@@ -31,8 +22,6 @@ __global__ void __launch_bounds__(kThreads)
 rope_kernel(bf16* __restrict__ x, const int32_t* __restrict__ positions,
             const float* __restrict__ inv_freq, int64_t N, int heads, int D,
             int64_t row_stride, float sign) {
-  pdl_wait();
-  pdl_launch_dependents();
   using P = Pack<bf16, VEC>;
   const int half = D / 2, nvec = half / VEC;
   const int hgroups = int(div_up(heads, kRopeHeadsPerThread));
@@ -92,10 +81,10 @@ void launch_rope(bf16* x, const int32_t* positions, const float* inv_freq, int64
   const bool vec = half % 8 == 0 && row_stride % 8 == 0 && aligned(x, 16);
   const int64_t hgroups = div_up(heads, kRopeHeadsPerThread);
   if (vec) {
-    launch(rope_kernel<8>, grid_for(N * hgroups * (half / 8), kThreads), kThreads, 0, stream,
+    rope_kernel<8><<<grid_for(N * hgroups * (half / 8), kThreads), kThreads, 0, stream>>>(
         x, positions, inv_freq, N, int(heads), int(D), row_stride, sign);
   } else {
-    launch(rope_kernel<1>, grid_for(N * hgroups * half, kThreads), kThreads, 0, stream,
+    rope_kernel<1><<<grid_for(N * hgroups * half, kThreads), kThreads, 0, stream>>>(
         x, positions, inv_freq, N, int(heads), int(D), row_stride, sign);
   }
   CUDA_CHECK(cudaGetLastError());
@@ -108,8 +97,6 @@ __global__ void __launch_bounds__(kThreads)
 swiglu_forward_kernel(bf16* __restrict__ h, int64_t ld_h, const bf16* __restrict__ gate,
                       int64_t ld_gate, const bf16* __restrict__ up, int64_t ld_up,
                       int64_t rows, int I) {
-  pdl_wait();
-  pdl_launch_dependents();
   using P = Pack<bf16, VEC>;
   const int nvec = I / VEC;
   const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -252,10 +239,10 @@ void swiglu_forward(bf16* h, int64_t ld_h, const bf16* gate, int64_t ld_gate, co
   const bool vec = I % 8 == 0 && ld_h % 8 == 0 && ld_gate % 8 == 0 && ld_up % 8 == 0 &&
                    aligned(h, 16) && aligned(gate, 16) && aligned(up, 16);
   if (vec)
-    launch(swiglu_forward_kernel<8>, grid_for(rows * (I / 8), kThreads), kThreads, 0, stream,
+    swiglu_forward_kernel<8><<<grid_for(rows * (I / 8), kThreads), kThreads, 0, stream>>>(
         h, ld_h, gate, ld_gate, up, ld_up, rows, int(I));
   else
-    launch(swiglu_forward_kernel<1>, grid_for(rows * I, kThreads), kThreads, 0, stream,
+    swiglu_forward_kernel<1><<<grid_for(rows * I, kThreads), kThreads, 0, stream>>>(
         h, ld_h, gate, ld_gate, up, ld_up, rows, int(I));
   CUDA_CHECK(cudaGetLastError());
 }

@@ -21,8 +21,6 @@ template <int VEC>
 __global__ void __launch_bounds__(kThreads)
 embedding_forward_kernel(bf16* __restrict__ out, const int32_t* __restrict__ ids,
                          const bf16* __restrict__ table, int64_t N, int64_t V, int C) {
-  pdl_wait();
-  pdl_launch_dependents();
   using P = Pack<bf16, VEC>;
   const int nvec = C / VEC;
   const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -218,10 +216,10 @@ void embedding_forward(bf16* out, const int32_t* ids, const bf16* table, int64_t
   check_size(C, INT_MAX, "C", op);
   if (N == 0 || C == 0) return;
   if (C % 8 == 0 && aligned(out, 16) && aligned(table, 16))
-    launch(embedding_forward_kernel<8>, grid_for(N * (C / 8), kThreads), kThreads, 0, stream,
+    embedding_forward_kernel<8><<<grid_for(N * (C / 8), kThreads), kThreads, 0, stream>>>(
         out, ids, table, N, V, int(C));
   else
-    launch(embedding_forward_kernel<1>, grid_for(N * C, kThreads), kThreads, 0, stream,
+    embedding_forward_kernel<1><<<grid_for(N * C, kThreads), kThreads, 0, stream>>>(
         out, ids, table, N, V, int(C));
   CUDA_CHECK(cudaGetLastError());
 }

@@ -10,7 +10,6 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <utility>
 
 #include "shardlm/error.hpp"
 
@@ -163,49 +162,6 @@ __device__ __forceinline__ float slice_to_smem_row_max(const bf16* __restrict__ 
   for (int r = 0; r < int(cluster.num_blocks()); ++r)
     row_max = fmaxf(row_max, *cluster.map_shared_rank(cta_max, r));
   return row_max;
-}
-
-// Programmatic dependent launch (Hopper). A kernel launched by launch() while
-// programmatic launch is on (set_programmatic_launch, cuda/ops.hpp: the
-// decoder's decode steps under SHARDLM_DECODE_PDL=1) may be scheduled while the
-// kernel before it on the stream drains; pdl_wait(), its first statement,
-// holds it until that kernel has finished and its writes are visible, and
-// pdl_launch_dependents() lets the next one be scheduled once every block of
-// this one has started. Launched the ordinary way, both are no-ops.
-__device__ __forceinline__ void pdl_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void pdl_launch_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-}
-
-bool programmatic_launch();  // this thread's setting (ops.hpp's set_programmatic_launch)
-
-// kernel<<<grid, block, smem, stream>>>(args...), with programmatic stream
-// serialisation when programmatic_launch() is on. The kernel must begin with
-// pdl_wait().
-template <class... Params, class... Args>
-void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, Args&&... args) {
-  if (!programmatic_launch()) {
-    kernel<<<grid, block, smem, stream>>>(std::forward<Args>(args)...);
-    return;
-  }
-  cudaLaunchConfig_t config{};
-  config.gridDim = grid;
-  config.blockDim = block;
-  config.dynamicSmemBytes = smem;
-  config.stream = stream;
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[0].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = attribute;
-  config.numAttrs = 1;
-  const cudaError_t e = cudaLaunchKernelEx(&config, kernel, static_cast<Params>(args)...);
-  SHARDLM_CHECK(e == cudaSuccess, "CUDA: programmatic launch failed: %s", cudaGetErrorString(e));
 }
 
 }  // namespace shardlm::cuda::dev

@@ -42,14 +42,6 @@ namespace shardlm::cuda {
 
 using bf16 = __nv_bfloat16;
 
-// Programmatic dependent launch for the kernels this thread launches next that
-// support it (the decode step's: embedding, RMSNorm, RoPE, the cache store,
-// decode attention, SwiGLU, the skinny GEMM; kernel_common.cuh's launch()):
-// each may be scheduled while its predecessor drains and waits for it on the
-// device. Off by default; the decoder turns it on around its decode steps under
-// SHARDLM_DECODE_PDL=1.
-void set_programmatic_launch(bool on);
-
 // ---------------------------------------------------------------- embedding
 
 // out[t] = table[ids[t]].  out (N, C) overwritten; ids (N) int32; table (V, C).

@@ -129,8 +129,6 @@ __global__ void __launch_bounds__(kNormThreads)
 rmsnorm_forward_kernel(TX* residual_out, bf16* normed, float* __restrict__ rstd,
                        const TX* a, const bf16* b, const bf16* __restrict__ weight,
                        int64_t rows, int C, float eps, int G, int K) {
-  pdl_wait();
-  pdl_launch_dependents();
   using P = Pack<bf16, VEC>;
   using X = StreamVec<TX, VEC>;
   __shared__ float red[kNormThreads / 32];
@@ -304,7 +302,7 @@ void launch_rmsnorm_forward(TX* residual_out, bf16* normed, float* rstd, const T
   const unsigned blocks = grid_for(rows, g.rows_per_iter());
   const float eps_f = static_cast<float>(eps);
 #define SHARDLM_RMS_FWD(VEC, KMAX)                                                           \
-  launch(rmsnorm_forward_kernel<VEC, KMAX, kResidual, TX>, blocks, kNormThreads, 0, stream,       \
+  rmsnorm_forward_kernel<VEC, KMAX, kResidual, TX><<<blocks, kNormThreads, 0, stream>>>(      \
       residual_out, normed, rstd, a, b, weight, rows, int(C), eps_f, g.G, g.K)
   if (g.vec == 1) SHARDLM_RMS_FWD(1, 4);  // unaligned or C % 8 != 0: scalar loads
   else if (g.kmax == 2) SHARDLM_RMS_FWD(8, 2);

@@ -1,7 +1,6 @@
 // skinny_gemm.cu — out = A Wᵀ for a decode step's ≤ 64 rows (see skinny_gemm.hpp).
 #include "cuda/check.hpp"
 #include "cuda/skinny_gemm.hpp"
-#include "kernel_common.cuh"
 
 #include <algorithm>
 
@@ -81,8 +80,6 @@ __global__ void __launch_bounds__(kThreads)
 skinny_kernel(void* out, float* __restrict__ part, const bf16* __restrict__ A, int64_t lda,
               const bf16* __restrict__ W, const bf16* __restrict__ bias, const bf16* residual, int M, int N, int K,
               int splits) {
-  dev::pdl_wait();
-  dev::pdl_launch_dependents();
   extern __shared__ __align__(128) unsigned char smem_raw[];
   bf16* const sA = reinterpret_cast<bf16*>(smem_raw);
   bf16* const sW = sA + kStages * kTileElems;
@@ -180,8 +177,6 @@ template <bool F32_OUT>
 __global__ void skinny_reduce_kernel(void* out, const float* __restrict__ part,
                                      const bf16* __restrict__ bias, const bf16* residual, int M, int N,
                                      int splits) {
-  dev::pdl_wait();
-  dev::pdl_launch_dependents();
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x, MN = int64_t(M) * N;
   if (i >= MN) return;
   float y = part[i];
@@ -194,14 +189,14 @@ constexpr size_t kSmemBytes = size_t(2) * kStages * kTileElems * sizeof(bf16);
 static_assert(kSmemBytes <= 48 * 1024, "within the dynamic shared memory a kernel gets without opting in");
 
 template <bool F32_OUT>
-void run(void* out, float* part, const bf16* A, int64_t lda, const bf16* W, const bf16* bias,
+void launch(void* out, float* part, const bf16* A, int64_t lda, const bf16* W, const bf16* bias,
             const bf16* residual, int M, int N, int K, int splits, cudaStream_t stream) {
   const dim3 grid(unsigned((N + kBN - 1) / kBN), unsigned(splits));
-  dev::launch(skinny_kernel<F32_OUT>, grid, kThreads, kSmemBytes, stream, out, part, A, lda, W, bias, residual, M, N, K, splits);
+  skinny_kernel<F32_OUT><<<grid, kThreads, kSmemBytes, stream>>>(out, part, A, lda, W, bias, residual, M, N, K, splits);
   CUDA_CHECK(cudaGetLastError());
   if (splits > 1) {
     const int64_t MN = int64_t(M) * N;
-    dev::launch(skinny_reduce_kernel<F32_OUT>, unsigned((MN + 255) / 256), 256, 0, stream, out, part, bias, residual, M, N,
+    skinny_reduce_kernel<F32_OUT><<<unsigned((MN + 255) / 256), 256, 0, stream>>>(out, part, bias, residual, M, N,
                                                                                 splits);
     CUDA_CHECK(cudaGetLastError());
   }
@@ -243,9 +238,9 @@ void skinny_linear_forward(void* out, GemmOut out_type, const bf16* A, int64_t l
   SHARDLM_CHECK(need <= workspace_bytes, "internal: skinny_linear_forward needs %zu bytes of partials, has %zu",
                 need, workspace_bytes);
   if (out_type == GemmOut::F32)
-    run<true>(out, workspace, A, lda, W, nullptr, nullptr, int(M), int(N), int(K), splits, stream);
+    launch<true>(out, workspace, A, lda, W, nullptr, nullptr, int(M), int(N), int(K), splits, stream);
   else
-    run<false>(out, workspace, A, lda, W, bias, residual, int(M), int(N), int(K), splits, stream);
+    launch<false>(out, workspace, A, lda, W, bias, residual, int(M), int(N), int(K), splits, stream);
 }
 
 }  // namespace shardlm::cuda

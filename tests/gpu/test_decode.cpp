@@ -226,9 +226,8 @@ TEST_CASE("decode attention kernel = cpu::attention_decode_forward on bf16 input
 
 TEST_CASE("CUDA decoder = CPU decoder on the fixtures: prefill, 16 decode steps, a refreshed weight") {
   require_gpu();
-  // cuBLASLt's GEMMs, then SHARDLM_DECODE_GEMM=skinny (every pass here has at most 64 rows), then
-  // that with SHARDLM_DECODE_PDL=1 (decode steps' kernels by programmatic dependent launch).
-  for (const std::string gemm : {"cublas", "skinny", "skinny+pdl"})
+  // cuBLASLt's GEMMs, then SHARDLM_DECODE_GEMM=skinny (every pass here has at most 64 rows).
+  for (const std::string gemm : {"cublas", "skinny"})
   for (const std::string name : {"llama-gqa-tied", "qwen2-bias", "qwen3-qknorm"}) {
     CAPTURE(gemm);
     CAPTURE(name);
@@ -243,8 +242,7 @@ TEST_CASE("CUDA decoder = CPU decoder on the fixtures: prefill, 16 decode steps,
          {"SHARDLM_DECODE_PDL", gemm == "skinny+pdl" ? "1" : nullptr}},
         m, limits);
     REQUIRE(gpu->weight_bytes() > 0);
-    CHECK((gpu->describe().find("skinny") != std::string::npos) == (gemm != "cublas"));
-    CHECK((gpu->describe().find("programmatic") != std::string::npos) == (gemm == "skinny+pdl"));
+    CHECK((gpu->describe().find("skinny") != std::string::npos) == (gemm == "skinny"));
 
     // Prefill into slots out of order; all four prompts in one pass.
     const std::vector<int32_t> slots = {2, 0, 3, 1};
@@ -570,10 +568,7 @@ TEST_CASE("CUDA decoder: SHARDLM_DECODE_PROFILE=1 changes no token and times eve
 
 TEST_CASE("CUDA decoder: full-batch steps replayed as the CUDA graph captured at start-up = the same steps eagerly") {
   require_gpu();
-  // The default kernels, then the skinny GEMMs with programmatic dependent launch (captured as programmatic edges).
-  for (const bool pdl : {false, true})
   for (const char* name : {"llama-gqa-tied", "qwen3-qknorm"}) {
-    CAPTURE(pdl);
     CAPTURE(name);
     InferenceModel m = bf16_fixture(name);
     const auto prompts = fixture_prompts(m.config().vocab_size);
