@@ -23,7 +23,6 @@
 #include "cuda/op_timer.hpp"
 #include "cuda/ops.hpp"
 #include "cuda/sampling.hpp"
-#include "cuda/skinny_gemm.hpp"
 #include "cuda/token_logprobs.hpp"
 #include "shardlm/cuda.hpp"
 #include "shardlm/dtype.hpp"
@@ -120,7 +119,7 @@ class CudaDecoder final : public Decoder {
   const ModelConfig& config() const override { return model_.config(); }
   std::string describe() const override {
     return "cuda bf16 on " + cuda_device_name(device_) + (graphs_ ? ", decode steps as CUDA graphs" : "") +
-           (fused_qkv_ ? ", q|k|v as one GEMM" : "") + (skinny_ ? ", skinny GEMMs for passes of up to 64 rows" : "");
+           (fused_qkv_ ? ", q|k|v as one GEMM" : "");
   }
   int64_t decode_steps() const override { return decode_steps_; }
   double decode_seconds() const override {
@@ -164,11 +163,6 @@ class CudaDecoder final : public Decoder {
   // (fused_qkv_) whose rows RoPE, the cache store and the decode attention read.
   void attend(int l, int64_t N, bool prefill, const LayerWeights<const bf16>& w);
   void attend_fused(int l, int64_t N, const LayerWeights<const bf16>& w);
-  // out (N, OC) = inp Wᵀ (+ bias) (+ residual), as cuda::linear_forward: through
-  // the skinny kernel (cuda/skinny_gemm.hpp) for a pass of at most 64 rows when
-  // SHARDLM_DECODE_GEMM=skinny, through cuBLASLt otherwise.
-  void linear(bf16* out, const bf16* inp, const bf16* w, const bf16* bias, int64_t N, int64_t IC, int64_t OC,
-              const bf16* residual = nullptr);
   // logits_ (n, V) fp32 = lm_head(norm(rows)); rows (n, C) on the device.
   void head(const bf16* rows, int64_t n);
   void download_logits(int64_t n, float* logits);
@@ -209,11 +203,6 @@ class CudaDecoder final : public Decoder {
   // apart) and their weights adjacent in every layer; SHARDLM_DECODE_FUSED_QKV=0
   // turns it off (to compare).
   bool fused_qkv_ = false;
-  // SHARDLM_DECODE_GEMM=skinny: passes of at most 64 rows (decode steps, short
-  // prefills) through cuda::skinny_linear_forward; its fp32 split-K partials.
-  bool skinny_ = false;
-  float* skinny_partials_ = nullptr;
-  int sms_ = 0;
   bf16 *gu_ = nullptr, *h_ = nullptr;         // (rows, 2 I) gate|up; (rows, I) swiglu
   float *rstd_ = nullptr;                     // (rows H) every norm's rstd (not kept: no backward)
   float *lse_ = nullptr;                      // (rows, H) the flash attention's logsumexp
@@ -290,7 +279,6 @@ void CudaDecoder::plan_buffers(const ModelConfig& c, const ModelLayout& layout, 
   if (std::string e = model_scale_error(c, rows, 1); !e.empty()) SHARDLM_FAIL("generate: %s", e.c_str());
   bool fused = !c.qk_norm && !env_is("SHARDLM_DECODE_FUSED_QKV", "0");
   for (int64_t l = 0; l < c.num_layers && fused; ++l) fused = qkv_adjacent(layout.layer(int(l)));
-  const bool skinny = env_is("SHARDLM_DECODE_GEMM", "skinny");
   const size_t attention_scratch = cuda::decode_attention_scratch_bytes(limits.slots, c.num_heads, c.head_dim,
                                                                        limits.max_len);
   const int64_t prefill_ints = 4 * rows + 4 * limits.slots, decode_ints = 8 * limits.slots;
@@ -298,7 +286,6 @@ void CudaDecoder::plan_buffers(const ModelConfig& c, const ModelLayout& layout, 
     self->prefill_rows_ = prefill_rows;
     self->rows_ = rows;
     self->fused_qkv_ = fused;
-    self->skinny_ = skinny;
     self->attention_scratch_bytes_ = attention_scratch;
     self->prefill_in_.rows = rows, self->prefill_in_.slots = limits.slots;
     self->decode_in_.rows = limits.slots, self->decode_in_.slots = limits.slots;
@@ -351,9 +338,6 @@ void CudaDecoder::plan_buffers(const ModelConfig& c, const ModelLayout& layout, 
   add("logprobs", Mem::Workspace, S, at(&CudaDecoder::lp_out_));
   add("draw_uniforms", Mem::Workspace, S, at(&CudaDecoder::draw_uniforms_));
   add("draw_out", Mem::Workspace, 4 * S, at(&CudaDecoder::draw_out_));
-  if (skinny)
-    add("skinny_partials", Mem::Workspace, int64_t(cuda::kSkinnyPartialBytes / sizeof(float)),
-        at(&CudaDecoder::skinny_partials_));
   add("prefill_inputs", Mem::Workspace, prefill_ints, self ? &self->prefill_in_.dev : nullptr);
   add("decode_inputs", Mem::Workspace, decode_ints, self ? &self->decode_in_.dev : nullptr);
 
@@ -378,7 +362,6 @@ CudaDecoder::CudaDecoder(const InferenceModel& model, const DecoderLimits& limit
         CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(ptr), size_t(count) * sizeof(**ptr)));
       });
   CUDA_CHECK(cudaGetDevice(&device_));
-  CUDA_CHECK(cudaDeviceGetAttribute(&sms_, cudaDevAttrMultiProcessorCount, device_));
   for (BufferRow& r : table_) *r.ptr = cuda_malloc(r.category, r.bytes);
 
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
@@ -464,15 +447,6 @@ void CudaDecoder::send_inputs(const StepInts& inputs) {
   in_ = &inputs;
 }
 
-void CudaDecoder::linear(bf16* out, const bf16* inp, const bf16* w, const bf16* bias, int64_t N, int64_t IC,
-                         int64_t OC, const bf16* residual) {
-  if (skinny_ && cuda::skinny_supported(N, OC, IC, IC, inp, w))
-    cuda::skinny_linear_forward(out, cuda::GemmOut::BF16, inp, IC, w, bias, residual, N, OC, IC, skinny_partials_,
-                                cuda::kSkinnyPartialBytes, sms_, stream_);
-  else
-    cuda::linear_forward(*gemm_, out, inp, w, bias, N, IC, OC, residual);
-}
-
 void CudaDecoder::run_layers(int64_t N, bool prefill) {
   const ModelConfig& c = model_.config();
   const ModelLayout& layout = model_.weights->layout;
@@ -490,15 +464,15 @@ void CudaDecoder::run_layers(int64_t N, bool prefill) {
     else
       attend(l, N, prefill, w);
     // x_out holds the o_proj output until the residual add below overwrites it.
-    linear(x_out_, att_, w.wo, nullptr, N, HD, C);
+    cuda::linear_forward(*gemm_, x_out_, att_, w.wo, nullptr, N, HD, C);
     mark("o gemm");
     cuda::residual_rmsnorm_forward(x_mid_, xn_, rstd_, x_, x_out_, w.post_norm, N, C, eps, stream_);
     mark("add + norm");
-    linear(gu_, xn_, w.w_gate, nullptr, N, C, 2 * I);
+    cuda::linear_forward(*gemm_, gu_, xn_, w.w_gate, nullptr, N, C, 2 * I);
     mark("gate|up gemm");
     cuda::swiglu_forward(h_, I, gu_, 2 * I, gu_ + I, 2 * I, N, I, stream_);
     mark("swiglu");
-    linear(x_out_, h_, w.w_down, nullptr, N, I, C, /*residual=*/x_mid_);
+    cuda::linear_forward(*gemm_, x_out_, h_, w.w_down, nullptr, N, I, C, /*residual=*/x_mid_);
     mark("down gemm + add");
     std::swap(x_, x_out_);
   }
@@ -509,9 +483,9 @@ void CudaDecoder::attend(int l, int64_t N, bool prefill, const LayerWeights<cons
   const int64_t C = c.hidden_size, H = c.num_heads, KV = c.num_kv_heads, D = c.head_dim, HD = H * D, KVD = KV * D;
   bf16* q_proj = c.qk_norm ? q_raw_ : q_;
   bf16* k_proj = c.qk_norm ? k_raw_ : k_;
-  linear(q_proj, xn_, w.wq, w.bq, N, C, HD);
-  linear(k_proj, xn_, w.wk, w.bk, N, C, KVD);
-  linear(v_, xn_, w.wv, w.bv, N, C, KVD);
+  cuda::linear_forward(*gemm_, q_proj, xn_, w.wq, w.bq, N, C, HD);
+  cuda::linear_forward(*gemm_, k_proj, xn_, w.wk, w.bk, N, C, KVD);
+  cuda::linear_forward(*gemm_, v_, xn_, w.wv, w.bv, N, C, KVD);
   mark("q, k, v gemms");
   if (c.qk_norm) {
     cuda::rmsnorm_forward(q_, rstd_, q_raw_, w.q_norm, N * H, D, c.rms_norm_eps, stream_);
@@ -539,7 +513,7 @@ void CudaDecoder::attend_fused(int l, int64_t N, const LayerWeights<const bf16>&
   const int64_t C = c.hidden_size, H = c.num_heads, KV = c.num_kv_heads, D = c.head_dim, HD = H * D, KVD = KV * D;
   const int64_t QKV = HD + 2 * KVD;
   // w.wq (and w.bq) start the three adjacent projections (qkv_adjacent).
-  linear(qkv_, xn_, w.wq, w.bq, N, C, QKV);
+  cuda::linear_forward(*gemm_, qkv_, xn_, w.wq, w.bq, N, C, QKV);
   mark("q|k|v gemm");
   // q's and k's heads lie side by side in a row: one RoPE over H + KV heads;
   // k and v side by side too: one store into the two caches.
@@ -563,13 +537,8 @@ void CudaDecoder::head(const bf16* rows, int64_t n) {
   mark("final norm");
   // fp32 logits straight from the GEMM's accumulator: the sampler and the
   // logprobs see no bf16 rounding of the logits.
-  if (skinny_ && cuda::skinny_supported(n, c.vocab_size, c.hidden_size, c.hidden_size, head_x_, lm_head))
-    cuda::skinny_linear_forward(logits_, cuda::GemmOut::F32, head_x_, c.hidden_size, lm_head, nullptr, nullptr, n,
-                                c.vocab_size, c.hidden_size, skinny_partials_, cuda::kSkinnyPartialBytes, sms_,
-                                stream_);
-  else
-    gemm_->matmul(false, true, n, c.vocab_size, c.hidden_size, head_x_, c.hidden_size, lm_head, c.hidden_size,
-                  logits_, c.vocab_size, cuda::GemmOut::F32, 1.0f, 0.0f);
+  gemm_->matmul(false, true, n, c.vocab_size, c.hidden_size, head_x_, c.hidden_size, lm_head, c.hidden_size, logits_,
+                c.vocab_size, cuda::GemmOut::F32, 1.0f, 0.0f);
   mark("lm-head");
 }
 

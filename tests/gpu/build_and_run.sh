@@ -14,7 +14,7 @@ source "$(dirname "$0")/nvcc.sh"
 "$NVCC" "${NVCC_FLAGS[@]}" -Itests/gpu/cblas_shim \
   -Xcompiler -fopenmp,-ffp-contract=off,-Wall,-Wextra \
   tests/gpu/test_cuda_ops.cu src/cuda/embedding.cu src/cuda/rmsnorm.cu src/cuda/elementwise.cu src/cuda/cross_entropy.cu \
-  src/cuda/reduce.cu src/cuda/optim_kernels.cu src/cuda/gemm.cu src/cuda/skinny_gemm.cu src/cpu/ops.cpp \
+  src/cuda/reduce.cu src/cuda/optim_kernels.cu src/cuda/gemm.cu src/cpu/ops.cpp \
   -o "$BUILD_GPU/test_cuda_ops" \
   -L"$CUDA_HOME/lib64" -Xlinker -rpath,"$CUDA_HOME/lib64" -lcublasLt -lcublas -lgomp
 

@@ -27,7 +27,6 @@
 #include "cuda/gemm.hpp"
 #include "cuda/ops.hpp"
 #include "cuda/optim_kernels.hpp"
-#include "cuda/skinny_gemm.hpp"
 
 namespace {
 
@@ -1185,78 +1184,6 @@ void test_gemm(Rng& rng, void* workspace, size_t workspace_bytes) {
                     fmt("%zu plans after the repeat", gemm.plans_cached()));
 }
 
-// skinny_linear_forward (the decoder's ≤ 64-row projections) at one shape against the
-// fp64 product of the same bf16 operands: bf16 out (+ bias, + residual, and the
-// residual in place), fp32 out; every element written; two runs bitwise equal.
-void skinny_case(Rng& rng, const char* tag, int64_t M, int64_t N, int64_t K, int64_t lda, int64_t nrows, int sms,
-                 float* partials) {
-  const int splits = gpu::skinny_splits(M, N, K, sms);
-  const std::string dims = fmt("%s(M=%lld N=%lld K=%lld lda=%lld, %d split%s)", tag, (long long)M, (long long)N,
-                               (long long)K, (long long)lda, splits, splits == 1 ? "" : "s");
-  const auto A = round_bf16(rng.normal(M * lda, 1.0));
-  const auto W = round_bf16(rng.normal(N * K, 0.02));
-  const auto bias = round_bf16(rng.normal(N, 0.1));
-  const auto R = round_bf16(rng.normal(M * N, 1.0));
-  DeviceBuffer<bf16> d_A(M * lda), d_W(N * K), d_bias(N), d_R(M * N), d_out(M * N);
-  DeviceBuffer<float> d_out32(M * N);
-  d_A.upload(to_bf16(A));
-  d_W.upload(to_bf16(W));
-  d_bias.upload(to_bf16(bias));
-  d_R.upload(to_bf16(R));
-  const auto rows = some_rows(rng, M, nrows);
-  int64_t nf = 0;
-  const auto run = [&](gpu::GemmOut out_type, const bf16* b, const bf16* res, void* out) {
-    gpu::skinny_linear_forward(out, out_type, d_A.ptr, lda, d_W.ptr, b, res, M, N, K, partials,
-                               gpu::kSkinnyPartialBytes, sms, nullptr);
-    sync();
-  };
-  // fp32 out.
-  std::vector<float> f32[2];
-  for (int r = 0; r < 2; ++r) {
-    d_out32.poison();
-    run(gpu::GemmOut::F32, nullptr, nullptr, d_out32.ptr);
-    f32[r] = d_out32.download();
-  }
-  const auto ref = ref_gemm_rows(false, true, N, K, A, lda, W, K, rows, nullptr);
-  report.check("skinny_linear_forward " + dims + " fp32 out", rel_err(pick_rows(f32[0], N, N, rows), ref, &nf),
-               kTolGemmF32, nf);
-  int64_t unwritten = 0;
-  for (float v : f32[0]) unwritten += std::isnan(v) ? 1 : 0;
-  report.check_true("skinny_linear_forward " + dims + " every element written", unwritten == 0);
-  check_bitwise("skinny_linear_forward " + dims + " deterministic", f32[0], f32[1]);
-  // bf16 out + bias + residual, then the residual in place.
-  auto ref_br = ref_gemm_rows(false, true, N, K, A, lda, W, K, rows, &bias);
-  const auto r = pick_rows(R, N, N, rows);
-  for (size_t i = 0; i < ref_br.size(); ++i) ref_br[i] += r[i];
-  d_out.poison();
-  run(gpu::GemmOut::BF16, d_bias.ptr, d_R.ptr, d_out.ptr);
-  const auto out = d_out.download();
-  report.check("skinny_linear_forward " + dims + " +bias +residual", rel_err(pick_rows(out, N, N, rows), ref_br, &nf),
-               kTolBf16Out, nf);
-  run(gpu::GemmOut::BF16, d_bias.ptr, d_R.ptr, d_R.ptr);
-  check_bitwise("skinny_linear_forward " + dims + " +bias +residual in place = apart", d_R.download(), out);
-}
-
-void test_skinny(Rng& rng) {
-  int device = 0, sms = 0;
-  CUDA_CHECK(cudaGetDevice(&device));
-  CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  DeviceBuffer<float> partials(int64_t(gpu::kSkinnyPartialBytes / sizeof(float)));
-  skinny_case(rng, "tiny ", 5, 72, 64, 64, 5, sms, partials.ptr);
-  skinny_case(rng, "odd ", 7, 67, 136, 144, 7, sms, partials.ptr);        // odd N, K a partial step, lda > K
-  skinny_case(rng, "one row ", 1, 300, 512, 512, 1, sms, partials.ptr);
-  skinny_case(rng, "1B o ", 64, 2048, 2048, 2048, 8, sms, partials.ptr);
-  skinny_case(rng, "1B q|k|v ", 64, 3072, 2048, 2048, 8, sms, partials.ptr);
-  skinny_case(rng, "1B gate|up ", 64, 16384, 2048, 2048, 4, sms, partials.ptr);
-  skinny_case(rng, "1B down ", 64, 2048, 8192, 8192, 8, sms, partials.ptr);
-  skinny_case(rng, "1B down, 33 rows ", 33, 2048, 8192, 8192, 8, sms, partials.ptr);
-  skinny_case(rng, "1B lm-head ", 64, 128256, 2048, 2048, 3, sms, partials.ptr);
-  report.check_true("skinny_supported refuses K % 8 != 0, 65 rows, a misaligned A",
-                    !gpu::skinny_supported(4, 64, 60, 60, partials.ptr, partials.ptr) &&
-                        !gpu::skinny_supported(65, 64, 64, 64, partials.ptr, partials.ptr) &&
-                        !gpu::skinny_supported(4, 64, 64, 64, reinterpret_cast<char*>(partials.ptr) + 2, partials.ptr));
-}
-
 // ---------------------------------------------------------------- timing
 
 __global__ void fill_normal_bf16(bf16* x, int64_t n, uint64_t seed, float sigma) {
@@ -1524,41 +1451,6 @@ void run_timings(void* workspace, size_t workspace_bytes, int64_t l2_bytes) {
                  2.0 * double(c.M) * double(c.Nn) * double(c.K));
     }
   }
-  // A decode step's projections (64 rows): cuBLASLt's pick against the skinny
-  // kernel; GB/s counts the weight's bytes, what each must read from HBM.
-  {
-    const int64_t B = 64;
-    int device = 0, sms = 0;
-    CUDA_CHECK(cudaGetDevice(&device));
-    CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    gpu::Gemm gemm(nullptr, workspace, workspace_bytes);
-    DeviceBuffer<bf16> x(B * I), w(V * C), y(B * 2 * I);
-    DeviceBuffer<float> logits(B * V), partials(int64_t(gpu::kSkinnyPartialBytes / sizeof(float)));
-    randn_bf16(x, 1.0f);
-    randn_bf16(w, 0.02f);
-    struct Proj {
-      const char* name;
-      int64_t N, K;
-    };
-    const Proj cases[] = {{"decode q|k|v", QKV, C}, {"decode o_proj", C, H * D}, {"decode gate|up", 2 * I, C},
-                       {"decode down", C, I}, {"decode lm_head (fp32)", V, C}};
-    for (const Proj& c : cases) {
-      const bool f32 = c.N == V;
-      void* out = f32 ? static_cast<void*>(logits.ptr) : static_cast<void*>(y.ptr);
-      const auto type = f32 ? gpu::GemmOut::F32 : gpu::GemmOut::BF16;
-      const std::string dims = fmt("M=%lld N=%lld K=%lld", (long long)B, (long long)c.N, (long long)c.K);
-      double us = timer.median_us([&] {
-        gemm.matmul(false, true, B, c.N, c.K, x.ptr, c.K, w.ptr, c.K, out, c.N, type, 1.0f, 0.0f, nullptr);
-      });
-      print_time(fmt("%s cublasLt", c.name).c_str(), dims, us, double(c.N) * double(c.K) * bf, 0);
-      us = timer.median_us([&] {
-        gpu::skinny_linear_forward(out, type, x.ptr, c.K, w.ptr, nullptr, nullptr, B, c.N, c.K, partials.ptr,
-                                   gpu::kSkinnyPartialBytes, sms, nullptr);
-      });
-      print_time(fmt("%s skinny/%d", c.name, gpu::skinny_splits(B, c.N, c.K, sms)).c_str(), dims, us,
-                 double(c.N) * double(c.K) * bf, 0);
-    }
-  }
 }
 
 }  // namespace
@@ -1620,7 +1512,6 @@ int main(int argc, char** argv) {
     test_optimizer(rng, (int64_t(1) << 20) + 3);
     test_helpers(rng, (int64_t(1) << 20) + 3);
     test_gemm(rng, workspace.ptr, workspace_bytes);
-    test_skinny(rng);
 
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     std::printf("checks: %d passed, %d failed (%.1f s)\n", report.passed, report.failed, secs);
