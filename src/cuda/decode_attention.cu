@@ -24,11 +24,13 @@ constexpr int kUnroll = 8;         // positions a warp loads and scores at once
 // head, in shared memory) merged in warp order into chunk c's partials of
 // heads h0 .. h0 + nh - 1 of row b: `first` = (b H + h0) chunks + c, the
 // partial index of the first head (the next head's is `chunks` further).
+// With one chunk the merged head is the answer: out written here, normalised
+// as the combine would (o times 1 / sum), and no combine runs.
 template <int HEADS, int WIDTH>
 __device__ __forceinline__ void write_chunk_partials(const float (&sm_ml)[kWarps][HEADS][2],
                                                      const float (&sm_acc)[kWarps][HEADS][WIDTH], int nh, int D,
                                                      int64_t first, int chunks, float* __restrict__ part_o,
-                                                     float* __restrict__ part_ml) {
+                                                     float* __restrict__ part_ml, bf16* __restrict__ out) {
   for (int i = threadIdx.x; i < nh * D; i += kWarps * 32) {
     const int g = i / D, d = i % D;
     float M = sm_ml[0][g][0];
@@ -40,6 +42,10 @@ __device__ __forceinline__ void write_chunk_partials(const float (&sm_ml)[kWarps
       o += f * sm_acc[w][g][d];
     }
     const int64_t at = first + int64_t(g) * chunks;
+    if (chunks == 1) {
+      out[at * D + d] = to_bf16(o * (1.0f / sum));
+      continue;
+    }
     part_o[at * D + d] = o;
     if (d == 0) part_ml[at * 2] = M, part_ml[at * 2 + 1] = sum;
   }
@@ -50,7 +56,7 @@ __device__ __forceinline__ void write_chunk_partials(const float (&sm_ml)[kWarps
 // Lane j holds elements j, j + 32, ... of a head (E = ceil(D / 32) of them).
 template <int E>
 __global__ void __launch_bounds__(kWarps * 32)
-decode_partial_kernel(float* __restrict__ part_o, float* __restrict__ part_ml, const bf16* __restrict__ q,
+decode_partial_kernel(bf16* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml, const bf16* __restrict__ q,
                       const bf16* __restrict__ k_cache, const bf16* __restrict__ v_cache,
                       const int32_t* __restrict__ slot, const int32_t* __restrict__ len, int H, int KV, int D,
                       int64_t q_ld, int64_t max_len, int chunk, int chunks, int G, int head_groups, float scale) {
@@ -144,7 +150,7 @@ decode_partial_kernel(float* __restrict__ part_o, float* __restrict__ part_ml, c
     for (int e = 0; e < E; ++e) sm_acc[warp][g][lane + 32 * e] = acc[g][e];
   }
   __syncthreads();
-  write_chunk_partials(sm_ml, sm_acc, nh, D, (int64_t(b) * H + h0) * chunks + c, chunks, part_o, part_ml);
+  write_chunk_partials(sm_ml, sm_acc, nh, D, (int64_t(b) * H + h0) * chunks + c, chunks, part_o, part_ml, out);
 }
 
 // 8 bf16 of a 16-byte load as floats.
@@ -166,7 +172,7 @@ __device__ __forceinline__ void unpack8(const uint4& r, float f[8]) {
 // over its positions; the groups, then the warps, are merged in a fixed order.
 template <int LG, int HPB>
 __global__ void __launch_bounds__(kWarps * 32)
-decode_partial_vec_kernel(float* __restrict__ part_o, float* __restrict__ part_ml, const bf16* __restrict__ q,
+decode_partial_vec_kernel(bf16* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml, const bf16* __restrict__ q,
                           const bf16* __restrict__ k_cache, const bf16* __restrict__ v_cache,
                           const int32_t* __restrict__ slot, const int32_t* __restrict__ len, int H, int KV,
                           int64_t q_ld, int64_t max_len, int chunk, int chunks, int G, int head_groups, float scale) {
@@ -277,7 +283,7 @@ decode_partial_vec_kernel(float* __restrict__ part_o, float* __restrict__ part_m
     }
   }
   __syncthreads();
-  write_chunk_partials(sm_ml, sm_acc, nh, D, (int64_t(b) * H + h0) * chunks + c, chunks, part_o, part_ml);
+  write_chunk_partials(sm_ml, sm_acc, nh, D, (int64_t(b) * H + h0) * chunks + c, chunks, part_o, part_ml, out);
 }
 
 // out[b, h] = the row's chunks combined in chunk order. One block per (b, h).
@@ -338,20 +344,56 @@ int64_t decode_attention_max_chunks() {
   return most;
 }
 
-int64_t decode_attention_chunk(int64_t max_len) {
-  // A multiple of kWarps * kUnroll positions: every warp's group of rows starts inside the chunk.
+namespace {
+
+// Blocks one chunk of B rows takes: a block per (row, kv head, group of query heads).
+int64_t row_blocks(int64_t B, int64_t H, int64_t KV) {
+  const int64_t G = H / KV;
+  return B * KV * div_up(G, G <= 4 ? 4 : kHeadsPerBlock);
+}
+
+int sm_count() {
+  static const int n = [] {
+    int dev = 0, sms = 0;
+    CUDA_CHECK(cudaGetDevice(&dev));
+    CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    return sms;
+  }();
+  return n;
+}
+
+// Positions a chunk holds when max_len is cut into at most `chunks`: a multiple
+// of kWarps * kUnroll, so every warp's group of rows starts inside the chunk.
+int64_t chunk_positions(int64_t max_len, int64_t chunks) {
   constexpr int64_t kStep = kWarps * kUnroll;
-  return std::max<int64_t>(kStep, div_up(div_up(max_len, decode_attention_max_chunks()), kStep) * kStep);
+  return std::max<int64_t>(kStep, div_up(div_up(max_len, chunks), kStep) * kStep);
+}
+
+size_t partial_bytes(int64_t B, int64_t H, int64_t D, int64_t chunks) {
+  return align256(size_t(B * H * chunks * D) * sizeof(float)) + align256(size_t(B * H * chunks * 2) * sizeof(float));
+}
+
+}  // namespace
+
+int64_t decode_attention_chunks(int64_t B, int64_t H, int64_t KV, int64_t max_len) {
+  const int64_t blocks = row_blocks(B, H, KV);
+  const int64_t want = std::max<int64_t>(1, sm_count() / std::max<int64_t>(1, blocks));
+  const int64_t most = std::min(decode_attention_max_chunks(), div_up(max_len, kWarps * kUnroll));
+  return std::clamp<int64_t>(want, 1, most);
 }
 
 size_t decode_attention_scratch_bytes(int64_t B, int64_t H, int64_t D, int64_t max_len) {
-  const int64_t chunks = div_up(max_len, decode_attention_chunk(max_len));
-  return align256(size_t(B * H * chunks * D) * sizeof(float)) + align256(size_t(B * H * chunks * 2) * sizeof(float));
+  // Enough for any pass of at most B rows and any chunk count the forward takes
+  // (b rows cut into more chunks than B rows never hold more partials than B rows
+  // at the most chunks), with no device to ask: `check` plans on machines without one.
+  const int64_t most = std::min(decode_attention_max_chunks(), div_up(max_len, kWarps * kUnroll));
+  return partial_bytes(B, H, D, div_up(max_len, chunk_positions(max_len, most)));
 }
 
 void decode_attention_forward(bf16* out, const bf16* q, int64_t q_ld, const bf16* k_cache, const bf16* v_cache,
                               const int32_t* slot, const int32_t* len, int64_t B, int64_t H, int64_t KV, int64_t D,
-                              int64_t max_len, void* scratch, size_t scratch_bytes, cudaStream_t stream) {
+                              int64_t max_len, int64_t chunks, void* scratch, size_t scratch_bytes,
+                              cudaStream_t stream) {
   if (B == 0) return;
   SHARDLM_CHECK(KV >= 1 && H % KV == 0, "decode_attention: %lld query heads over %lld kv heads", (long long)H,
                 (long long)KV);
@@ -360,10 +402,13 @@ void decode_attention_forward(bf16* out, const bf16* q, int64_t q_ld, const bf16
                 (long long)H, (long long)D);
   SHARDLM_CHECK(B <= INT32_MAX && max_len >= 1 && max_len <= INT32_MAX, "decode_attention: %lld rows, %lld positions",
                 (long long)B, (long long)max_len);
-  SHARDLM_CHECK(scratch_bytes >= decode_attention_scratch_bytes(B, H, D, max_len),
-                "internal: decode_attention scratch of %zu bytes, needs %zu", scratch_bytes,
-                decode_attention_scratch_bytes(B, H, D, max_len));
-  const int64_t chunk = decode_attention_chunk(max_len), chunks = div_up(max_len, chunk);
+  if (chunks == 0) chunks = decode_attention_chunks(B, H, KV, max_len);
+  SHARDLM_CHECK(chunks >= 1 && chunks <= kDecodeMaxChunks, "decode_attention: %lld chunks (1 to %lld)",
+                (long long)chunks, (long long)kDecodeMaxChunks);
+  const int64_t chunk = chunk_positions(max_len, chunks);
+  chunks = div_up(max_len, chunk);
+  SHARDLM_CHECK(scratch_bytes >= partial_bytes(B, H, D, chunks), "internal: decode_attention scratch of %zu bytes, needs %zu",
+                scratch_bytes, partial_bytes(B, H, D, chunks));
   const int G = int(H / KV), head_groups = int(div_up(G, kHeadsPerBlock));
   SHARDLM_CHECK(KV * head_groups <= 65535, "decode_attention: %lld kv heads x %d head groups over one grid",
                 (long long)KV, head_groups);
@@ -381,11 +426,10 @@ void decode_attention_forward(bf16* out, const bf16* q, int64_t q_ld, const bf16
   if (vec) {
     const int hpb = G <= 4 ? 4 : 8, groups = int(div_up(G, hpb));
     const dim3 vgrid(unsigned(B), unsigned(KV * groups), unsigned(chunks));
-#define SHARDLM_DECODE_VEC(LG, HPB)                                                                          \
-  decode_partial_vec_kernel<LG, HPB><<<vgrid, kWarps * 32, 0, stream>>>(part_o, part_ml, q, k_cache, v_cache, \
-                                                                         slot, len, int(H), int(KV), q_ld,     \
-                                                                         max_len,                              \
-                                                                         int(chunk), int(chunks), G, groups, scale)
+#define SHARDLM_DECODE_VEC(LG, HPB)                                                                       \
+  decode_partial_vec_kernel<LG, HPB><<<vgrid, kWarps * 32, 0, stream>>>(                                  \
+      out, part_o, part_ml, q, k_cache, v_cache, slot, len, int(H), int(KV), q_ld, max_len, int(chunk), \
+      int(chunks), G, groups, scale)
 #define SHARDLM_DECODE_VEC_D(HPB)                     \
   if (D == 32) SHARDLM_DECODE_VEC(4, HPB);             \
   else if (D == 64) SHARDLM_DECODE_VEC(8, HPB);        \
@@ -400,9 +444,8 @@ void decode_attention_forward(bf16* out, const bf16* q, int64_t q_ld, const bf16
 #undef SHARDLM_DECODE_VEC
   } else {
 #define SHARDLM_DECODE_PARTIAL(E)                                                                              \
-  decode_partial_kernel<E><<<grid, kWarps * 32, 0, stream>>>(part_o, part_ml, q, k_cache, v_cache, slot, len, \
-                                                             int(H), int(KV), int(D), q_ld, max_len,          \
-                                                             int(chunk),                                      \
+  decode_partial_kernel<E><<<grid, kWarps * 32, 0, stream>>>(out, part_o, part_ml, q, k_cache, v_cache, slot, len, \
+                                                             int(H), int(KV), int(D), q_ld, max_len, int(chunk),  \
                                                              int(chunks), G, head_groups, scale)
   if (D <= 32) SHARDLM_DECODE_PARTIAL(1);
   else if (D <= 64) SHARDLM_DECODE_PARTIAL(2);
@@ -411,6 +454,7 @@ void decode_attention_forward(bf16* out, const bf16* q, int64_t q_ld, const bf16
 #undef SHARDLM_DECODE_PARTIAL
   }
   CUDA_CHECK(cudaGetLastError());
+  if (chunks == 1) return;  // the partial kernel wrote out
   decode_combine_kernel<<<unsigned(B * H), unsigned(std::min<int64_t>(256, div_up(D, 32) * 32)), 0, stream>>>(
       out, part_o, part_ml, len, int(H), int(D), int(chunk), int(chunks));
   CUDA_CHECK(cudaGetLastError());

@@ -12,10 +12,10 @@
 //
 // Semantics: query b (H heads of D) attends to positions 0 .. len[b] - 1 of
 // cache slot slot[b]; query head h reads kv head h / (H / KV); scores scaled by
-// 1/sqrt(D). The cache length is cut into chunks of `chunk` positions: one
-// block per (row, kv head, group of up to 8 query heads, chunk) keeps an online
-// softmax in registers and writes (max, sum, unnormalised output) in fp32; a
-// second kernel combines a row's chunks in chunk order. Deterministic: no
+// 1/sqrt(D). The cache length is cut into chunks (decode_attention_chunks):
+// one block per (row, kv head, group of up to 8 query heads, chunk) keeps an
+// online softmax in registers and writes (max, sum, unnormalised output) in
+// fp32; a second kernel combines a row's chunks in chunk order. Deterministic: no
 // atomics, fixed orders. The grid is sized by max_len, not by the lengths, so
 // one launch shape serves every step (blocks past a row's length return).
 #pragma once
@@ -28,26 +28,32 @@
 
 namespace shardlm::cuda {
 
-// Positions per chunk for caches of max_len: a multiple of 32, at most
-// kDecodeMaxChunks chunks (short chunks: many blocks in flight, the kernel is
-// latency-bound at batch 64 and a few hundred positions).
-// SHARDLM_DECODE_MAX_CHUNKS=N (1 to 64) caps the chunks lower, to measure where
-// longer chunks (fewer blocks, each streaming more of the cache) win; read once.
+// Chunks the cache is cut into for a pass of B rows: only while the rows'
+// own blocks (one per row, kv head and group of query heads) leave SMs
+// without one, at most kDecodeMaxChunks and one per 32 positions. At batch 64
+// on the 1B shape (512 blocks over 132 SMs) that is one chunk: measured the
+// fastest (docs/benchmarks.md "Decode step, part 5": 1.557 ms a step against
+// 1.929 at the 12 chunks of 32 positions cut before); a few rows over a long
+// cache take many. SHARDLM_DECODE_MAX_CHUNKS=N (1 to 64) caps it lower, to
+// measure; read once. Asks the current device its SM count (once).
 inline constexpr int64_t kDecodeMaxChunks = 64;
 int64_t decode_attention_max_chunks();
-int64_t decode_attention_chunk(int64_t max_len);
-// Bytes of the partials for B rows: (B, H, chunks) x (D + 2) fp32.
+int64_t decode_attention_chunks(int64_t B, int64_t H, int64_t KV, int64_t max_len);
+// Bytes of the partials any pass of at most B rows needs, whatever its chunks:
+// (B, H, most chunks) x (D + 2) fp32. Asks no device.
 size_t decode_attention_scratch_bytes(int64_t B, int64_t H, int64_t D, int64_t max_len);
 
 // out (B, H, D) overwritten; q (B, H, D), rows q_ld >= H D elements apart (the
 // decoder's fused q|k|v rows); k_cache, v_cache (slots, max_len, KV, D);
 // slot (B), len (B) int32 on the device, len in [1, max_len]. H a multiple of KV;
-// D <= 256. scratch: decode_attention_scratch_bytes(B, H, D, max_len).
+// D <= 256. chunks: 0 for decode_attention_chunks(B, H, KV, max_len), or a
+// count to force (tests). With one chunk the partial kernel writes out itself.
+// scratch: decode_attention_scratch_bytes(B, H, D, max_len).
 // Head dims 32, 64, 128, 256 (16-byte rows) run a kernel that reads 16 bytes a
 // lane; others, or SHARDLM_DECODE_ATTENTION=scalar, a scalar one.
 void decode_attention_forward(__nv_bfloat16* out, const __nv_bfloat16* q, int64_t q_ld, const __nv_bfloat16* k_cache,
                               const __nv_bfloat16* v_cache, const int32_t* slot, const int32_t* len, int64_t B,
-                              int64_t H, int64_t KV, int64_t D, int64_t max_len, void* scratch,
+                              int64_t H, int64_t KV, int64_t D, int64_t max_len, int64_t chunks, void* scratch,
                               size_t scratch_bytes, cudaStream_t stream);
 
 // dst[dst_row[i]] = src[src_row[i]] for i < n, rows of `width` bf16 elements

@@ -369,9 +369,6 @@ CudaDecoder::CudaDecoder(const InferenceModel& model, const DecoderLimits& limit
   CUDA_CHECK(cudaEventCreate(&step_end_));
   gemm_ = std::make_unique<cuda::Gemm>(stream_, gemm_workspace_, kGemmWorkspace);
   graphs_ = !env_is("SHARDLM_DECODE_GRAPHS", "0");
-  // SHARDLM_DECODE_GEMM_PICK=waves: the decode steps' GEMMs (M = the batch)
-  // take the heuristic answer that covers the most SMs (cuda::Gemm::prefer_full_waves).
-  if (env_is("SHARDLM_DECODE_GEMM_PICK", "waves")) gemm_->prefer_full_waves(limits.slots);
   if (env_is("SHARDLM_DECODE_PROFILE", "1")) {
     ops_ = std::make_unique<cuda::OpTimer>(stream_);
     graphs_ = false;  // an event per operation, recorded eagerly
@@ -503,7 +500,7 @@ void CudaDecoder::attend(int l, int64_t N, bool prefill, const LayerWeights<cons
     cuda::attention_forward(att_, lse_, q_, k_, v_, in(StepInts::SeqIds), doc_start_, N, H, KV, D, stream_);
   else
     cuda::decode_attention_forward(att_, q_, HD, k_cache_[size_t(l)], v_cache_[size_t(l)], in(StepInts::SlotOf),
-                                   in(StepInts::Lens), N, H, KV, D, limits_.max_len, attention_scratch_,
+                                   in(StepInts::Lens), N, H, KV, D, limits_.max_len, 0, attention_scratch_,
                                    attention_scratch_bytes_, stream_);
   mark("attention");
 }
@@ -522,7 +519,7 @@ void CudaDecoder::attend_fused(int l, int64_t N, const LayerWeights<const bf16>&
   cuda::store_kv(k_cache_[size_t(l)], v_cache_[size_t(l)], in(StepInts::CacheRows), qkv_ + HD, QKV, N, KVD, stream_);
   mark("kv store");
   cuda::decode_attention_forward(att_, qkv_, QKV, k_cache_[size_t(l)], v_cache_[size_t(l)], in(StepInts::SlotOf),
-                                 in(StepInts::Lens), N, H, KV, D, limits_.max_len, attention_scratch_,
+                                 in(StepInts::Lens), N, H, KV, D, limits_.max_len, 0, attention_scratch_,
                                  attention_scratch_bytes_, stream_);
   mark("attention");
 }

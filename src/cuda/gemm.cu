@@ -80,9 +80,7 @@ Gemm::Plan& Gemm::plan(const Key& key, const void* bias) {
 
   cublasLtMatmulPreference_t pref = nullptr;
   CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
-  constexpr int kCandidates = 8;
-  cublasLtMatmulHeuristicResult_t results[kCandidates] = {};
-  const bool by_waves = key.M <= full_waves_rows_;
+  cublasLtMatmulHeuristicResult_t results[1] = {};
   int found = 0;
   try {
     set_pref(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, uint64_t(workspace_bytes_));
@@ -90,19 +88,13 @@ Gemm::Plan& Gemm::plan(const Key& key, const void* bias) {
     set_pref(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, key.align_a);
     set_pref(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, key.align_c);
     set_pref(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, key.align_c);
-    CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(handle_, p.op, p.a, p.b, p.c, p.c, pref, by_waves ? kCandidates : 1,
-                                                results, &found));
+    CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(handle_, p.op, p.a, p.b, p.c, p.c, pref, 1, results, &found));
   } catch (...) {
     cublasLtMatmulPreferenceDestroy(pref);
     throw;
   }
   cublasLtMatmulPreferenceDestroy(pref);
-  int pick = 0;  // the heuristic's first, or (prefer_full_waves) the widest up to one wave
-  for (int i = 1; by_waves && i < found; ++i)
-    if (results[i].state == CUBLAS_STATUS_SUCCESS &&
-        std::min(results[i].wavesCount, 1.0f) > std::min(results[pick].wavesCount, 1.0f))
-      pick = i;
-  const cublasLtMatmulHeuristicResult_t& result = results[pick];
+  const cublasLtMatmulHeuristicResult_t& result = results[0];
   SHARDLM_CHECK(found > 0 && result.state == CUBLAS_STATUS_SUCCESS,
                 "cuBLASLt has no algorithm for C(%lld, %lld) = op(A) op(B), K = %lld, "
                 "trans_a %d trans_b %d, lda %lld ldb %lld ldc %lld, %s output%s",

@@ -68,13 +68,6 @@ class Gemm {
 
   cudaStream_t stream() const { return stream_; }
   size_t plans_cached() const { return plans_.size(); }  // distinct shapes seen
-  // For shapes of at most `rows` rows (M; 0: off, the default): among up to 8
-  // heuristic answers, the one that covers the most SMs up to one wave (its
-  // wavesCount, capped at 1; the heuristic's order breaks ties) instead of the
-  // heuristic's first. A rule, not a timing: the same GPU and shape always get
-  // the same algorithm. For the decoder's batch-64 GEMMs, whose first answer
-  // can leave most SMs idle on a 2048-wide weight. Plans made before stay.
-  void prefer_full_waves(int64_t rows) { full_waves_rows_ = rows; }
 
  private:
   struct Key {
@@ -97,7 +90,6 @@ class Gemm {
   size_t workspace_bytes_;
   cublasLtHandle_t handle_ = nullptr;
   std::map<Key, Plan> plans_;
-  int64_t full_waves_rows_ = 0;
 };
 
 // torch.nn.Linear on the GPU, mirroring cpu::linear_forward / linear_backward:

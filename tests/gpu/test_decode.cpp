@@ -116,34 +116,40 @@ void check_decode_attention(int64_t H, int64_t KV, int64_t D, int64_t max_len, s
   for (int64_t b = 0; b < B; ++b) std::copy_n(qb.begin() + b * H * D, H * D, qwide.begin() + b * q_ld);
   DeviceBytes dqw(qwide.size() * 2);
   CUDA_OK(cudaMemcpy(dqw.p, qwide.data(), qwide.size() * 2, cudaMemcpyHostToDevice));
-  // Both kernels (the 16-byte one where D allows it, and the scalar one), q packed and in wide rows.
+  // Both kernels (the 16-byte one where D allows it, and the scalar one), q packed and in wide rows,
+  // the cache cut as the decoder would (0), whole (1: no combine) and into the most chunks.
+  const int64_t most = std::min<int64_t>(cuda::kDecodeMaxChunks, (max_len + 31) / 32);
   for (const char* kernel : {"default", "scalar"}) {
     for (const bool wide : {false, true}) {
-      CAPTURE(kernel);
-      CAPTURE(wide);
-      const ScopedEnv env({{"SHARDLM_DECODE_ATTENTION", std::strcmp(kernel, "scalar") == 0 ? "scalar" : nullptr}});
-      std::vector<uint16_t> runs[2];
-      for (auto& got : runs) {
-        CUDA_OK(cudaMemset(dout.p, 0xff, qb.size() * 2));  // NaN: an unwritten element fails
-        cuda::decode_attention_forward(dout.as<__nv_bfloat16>(), wide ? dqw.as<__nv_bfloat16>() : dq.as<__nv_bfloat16>(),
-                                       wide ? q_ld : H * D, dk.as<__nv_bfloat16>(), dv.as<__nv_bfloat16>(),
-                                       dslot.as<int32_t>(), dlen.as<int32_t>(), B, H, KV, D, max_len, scratch.p,
-                                       scratch_bytes, nullptr);
-        CUDA_OK(cudaDeviceSynchronize());
-        got.resize(qb.size());
-        CUDA_OK(cudaMemcpy(got.data(), dout.p, got.size() * 2, cudaMemcpyDeviceToHost));
+      for (const int64_t chunks : {int64_t(0), int64_t(1), most}) {
+        CAPTURE(kernel);
+        CAPTURE(wide);
+        CAPTURE(chunks);
+        const ScopedEnv env({{"SHARDLM_DECODE_ATTENTION", std::strcmp(kernel, "scalar") == 0 ? "scalar" : nullptr}});
+        std::vector<uint16_t> runs[2];
+        for (auto& got : runs) {
+          CUDA_OK(cudaMemset(dout.p, 0xff, qb.size() * 2));  // NaN: an unwritten element fails
+          cuda::decode_attention_forward(dout.as<__nv_bfloat16>(), wide ? dqw.as<__nv_bfloat16>() : dq.as<__nv_bfloat16>(),
+                                         wide ? q_ld : H * D, dk.as<__nv_bfloat16>(), dv.as<__nv_bfloat16>(),
+                                         dslot.as<int32_t>(), dlen.as<int32_t>(), B, H, KV, D, max_len, chunks, scratch.p,
+                                         scratch_bytes, nullptr);
+          CUDA_OK(cudaDeviceSynchronize());
+          got.resize(qb.size());
+          CUDA_OK(cudaMemcpy(got.data(), dout.p, got.size() * 2, cudaMemcpyDeviceToHost));
+        }
+        std::vector<float> got(q.size());
+        for (size_t i = 0; i < got.size(); ++i) got[i] = bf16_to_f32(runs[0][i]);
+        const double err = rel_rms(got.data(), want.data(), got.size());
+        bool finite = true;
+        for (float x : got) finite &= std::isfinite(x);
+        MESSAGE("decode attention (" << std::string(kernel) << (wide ? ", wide q rows" : ", packed q rows") << ", chunks "
+                                     << chunks << ") H=" << H << " KV=" << KV << " D=" << D << " max_len=" << max_len
+                                     << ": |gpu - cpu| / |cpu| = " << err);
+        CHECK(finite);
+        // One bf16 rounding of the output (~2e-3 as an RMS ratio); the fp32 sums differ by ~1e-6.
+        CHECK(err < 5e-3);
+        CHECK(runs[0] == runs[1]);  // deterministic
       }
-      std::vector<float> got(q.size());
-      for (size_t i = 0; i < got.size(); ++i) got[i] = bf16_to_f32(runs[0][i]);
-      const double err = rel_rms(got.data(), want.data(), got.size());
-      bool finite = true;
-      for (float x : got) finite &= std::isfinite(x);
-      MESSAGE("decode attention (" << std::string(kernel) << (wide ? ", wide q rows" : ", packed q rows") << ") H=" << H << " KV=" << KV
-                                   << " D=" << D << " max_len=" << max_len << ": |gpu - cpu| / |cpu| = " << err);
-      CHECK(finite);
-      // One bf16 rounding of the output (~2e-3 as an RMS ratio); the fp32 sums differ by ~1e-6.
-      CHECK(err < 5e-3);
-      CHECK(runs[0] == runs[1]);  // deterministic
     }
   }
 }
@@ -216,7 +222,7 @@ TEST_CASE("decode attention kernel = cpu::attention_decode_forward on bf16 input
   require_gpu();
   // Lengths at and around the chunk and warp-group edges (32 positions per chunk up to 2048 positions).
   check_decode_attention(8, 2, 64, 384, {1, 15, 16, 17, 31, 32, 33, 63, 64, 65, 200, 384}, 1);
-  check_decode_attention(32, 8, 128, 1500, {1, 700, 1500, 95}, 2);  // 32-position chunks, 47 of them
+  check_decode_attention(32, 8, 128, 1500, {1, 700, 1500, 95}, 2);  // at the most, 47 chunks of 32 positions
   check_decode_attention(12, 1, 40, 100, {3, 100, 64}, 3);          // D not a multiple of 32; 12 heads per kv head
   check_decode_attention(4, 4, 16, 9, {9, 1}, 4);                   // no GQA, tiny head dim
   check_decode_attention(32, 8, 64, 383, {383, 1, 2, 3, 4, 5, 129, 250}, 5);  // the 1B shape (G = 4), lane-group tails
@@ -234,10 +240,7 @@ TEST_CASE("CUDA decoder = CPU decoder on the fixtures: prefill, 16 decode steps,
     constexpr int kSteps = 16;
     const DecoderLimits limits{4, 17 + kSteps};
     CpuDecoder cpu(m, limits);
-    const std::unique_ptr<Decoder> gpu = cuda_decoder_with(
-        {{"SHARDLM_DECODE_GEMM", gemm != "cublas" ? "skinny" : nullptr},
-         {"SHARDLM_DECODE_PDL", gemm == "skinny+pdl" ? "1" : nullptr}},
-        m, limits);
+    const std::unique_ptr<Decoder> gpu = make_decoder(m, limits, "cuda");
     REQUIRE(gpu->weight_bytes() > 0);
 
     // Prefill into slots out of order; all four prompts in one pass.
@@ -576,10 +579,7 @@ TEST_CASE("CUDA decoder: full-batch steps replayed as the CUDA graph captured at
     o.sampling = SamplingParams{0.8, 20, 0.9, 3};
     o.max_new_tokens = 16;
     auto run = [&](bool graphs) {
-      std::unique_ptr<Decoder> d = cuda_decoder_with({{"SHARDLM_DECODE_GRAPHS", graphs ? nullptr : "0"},
-                                                      {"SHARDLM_DECODE_GEMM", pdl ? "skinny" : nullptr},
-                                                      {"SHARDLM_DECODE_PDL", pdl ? "1" : nullptr}},
-                                                     m, limits);
+      std::unique_ptr<Decoder> d = cuda_decoder_with({{"SHARDLM_DECODE_GRAPHS", graphs ? nullptr : "0"}}, m, limits);
       CHECK((d->describe().find("CUDA graphs") != std::string::npos) == graphs);
       return generate(*d, requests, o);
     };
