@@ -5,6 +5,8 @@ scale), with the windows of issue #34's test shaded.
 
   /usr/bin/python3 tools/plot_fidelity.py runs/fid-qwen3-150/losses.json docs/images/fidelity-qwen3.png \
       --title "Qwen3-1.7B shape, 150 steps"
+  /usr/bin/python3 tools/plot_fidelity.py runs/fp8-1b/losses.json docs/images/fp8-1b-1000.png \
+      --reference bf16 --windows "" --title "..."   (tools/fp8_vs_bf16.py's curves)
 
 Needs matplotlib (Debian's python3-matplotlib: /usr/bin/python3 here).
 """
@@ -16,7 +18,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-WINDOWS = [(11, 20), (41, 65)]  # shaded: every other window of the test (1–10, 21–40 and 66–90 unshaded)
+WINDOWS = "11-20,41-65"  # shaded: every other window of #34's test (1–10, 21–40 and 66–90 unshaded)
 
 
 def main():
@@ -25,6 +27,7 @@ def main():
     ap.add_argument("out")
     ap.add_argument("--title", default="")
     ap.add_argument("--reference", default="transformers eager")
+    ap.add_argument("--windows", default=WINDOWS, help="step ranges to shade, A-B,C-D ('' for none)")
     args = ap.parse_args()
     with open(args.losses) as f:
         curves = json.load(f)
@@ -39,7 +42,7 @@ def main():
         if name != args.reference:
             top.plot(steps, [a / b - 1 for a, b in zip(losses, ref)], style, lw=1.2, label=name)
         bottom.plot(steps, losses, style, lw=1.2, label=name)
-    for a, b in WINDOWS:
+    for a, b in ([int(x) for x in w.split("-")] for w in args.windows.split(",") if w):
         for ax in (top, bottom):
             ax.axvspan(a - 0.5, b + 0.5, color="0.92", zorder=0)
     top.axhline(0, color="0.3", lw=0.8)

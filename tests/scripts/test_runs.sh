@@ -217,6 +217,9 @@ json.dump(c, open("'"$T"'/losses.json", "w"))'
   "$PY" tools/plot_fidelity.py "$T/losses.json" "$T/fidelity.png" > "$T/fid.log" 2>&1
   check "plot_fidelity.py: 3 curves of 70 steps into a PNG" has "$T/fid.log" "wrote $T/fidelity.png (3 curves, 70 steps)"
   check "plot_fidelity.py: fidelity.png is a PNG" test "$(head -c 8 "$T/fidelity.png" | od -An -tx1 | tr -d ' \n')" = 89504e470d0a1a0a
+  "$PY" tools/plot_fidelity.py "$T/losses.json" "$T/f3.png" --reference "shardlm default" --windows "" > "$T/fid3.log" 2>&1
+  check "plot_fidelity.py: another reference, no shaded windows (fp8_vs_bf16.py's curves are plotted so)" has "$T/fid3.log" \
+    "wrote $T/f3.png (3 curves, 70 steps)"
   "$PY" tools/plot_fidelity.py "$T/losses.json" "$T/f2.png" --reference "transformers eager+bf16-params" > "$T/fid2.log" 2>&1
   check "plot_fidelity.py: a missing reference curve is named, with the curves the file has (exit $?)" has "$T/fid2.log" \
     "has no curve 'transformers eager+bf16-params' (it has: transformers eager, transformers compile, shardlm default)"
@@ -256,10 +259,13 @@ json.dump({"transformers eager": e, "transformers compile": [x * (1 + k) for x i
   out=$(cd tools && "$PY" -c 'import fp8_vs_bf16 as P
 base = [3.0 - 0.001 * i for i in range(200)]
 spiky = list(base); spiky[150] *= 1.2
+bump = list(base); bump[151] *= 1.04
+low = list(base); low[151] *= 1.02
 print(P.compare(base, list(base), 50, 0.05)[1], P.compare(base, [x * 1.02 for x in base], 50, 0.05)[1],
-      P.compare(base, spiky, 50, 0.05)[1], P.compare(spiky, spiky, 50, 0.05)[1], P.spikes(spiky, 0.05))')
-  check "fp8_vs_bf16.py: equal curves hold, 2% apart or a lone spike do not, a shared spike does ($out)" \
-    test "$out" = "True False False True [151]"
+      P.compare(base, spiky, 50, 0.05)[1], P.compare(spiky, spiky, 50, 0.05)[1], P.spikes(spiky, 0.05),
+      P.compare(spiky, bump, 50, 0.05)[1], P.compare(spiky, low, 50, 0.05)[1])')
+  check "fp8_vs_bf16.py: equal curves hold, 2% apart or a lone spike do not, a shared spike does, a 4% rise a step later matches a 20% spike, a 2% one does not ($out)" \
+    test "$out" = "True False False True [151] True False"
   # profile_step.py show on a made-up decode trace: 5 steps of 60 GEMMs (10 us, 0.5 us apart), a 50 us
   # sample and two 8 us logprobs, then 30 us of host gap; cut after each step's logprobs
   "$PY" -c 'import csv, sys
