@@ -21,6 +21,9 @@
        bf16-params    the forward reads bf16-rounded parameters (the norm weights and the embedding
                       rows too, which autocast leaves fp32) and AdamW updates fp32 masters with the
                       gradients of those: FSDP's bf16 gather, as shardlm's units are gathered;
+       bf16-norms     the same for the norm weights alone (RMSNorms, Qwen3's q/k norms: every 1-D
+                      parameter), bf16-embed for the embedding alone: which half of bf16-params
+                      moves the curve;
   5. the table: per window of steps, the mean relative loss difference to transformers eager
      (and its max |.|) for shardlm and for compile (transformers' own spread), and the mean
      loss of the last 10 steps; losses.json with every curve.
@@ -29,6 +32,7 @@
   python3 tools/fidelity_vs_hf.py ... --label fp32-residual --set model.residual_dtype=fp32   (a switch)
   python3 tools/fidelity_vs_hf.py ... --skip-hf runs/fidelity/losses.json   (reuse transformers' curves)
   python3 tools/fidelity_vs_hf.py ... --variants eager,eager+bf16-residual,eager+bf16-params
+  python3 tools/fidelity_vs_hf.py ... --variants eager,eager+bf16-norms,eager+bf16-embed
   python3 tools/fidelity_vs_hf.py ... --repeats 3 --hf-repeats 2   (shardlm 3 times, each transformers variant
       twice: how far a rerun alone moves a window, and the test on the mean curves)
 
@@ -168,7 +172,7 @@ interval = 1
     return [losses[s] for s in sorted(losses)]
 
 
-EMULATIONS = ("bf16-residual", "bf16-params")
+EMULATIONS = ("bf16-residual", "bf16-params", "bf16-norms", "bf16-embed")
 
 
 def round_bf16_fn():
@@ -236,8 +240,12 @@ def run_hf(args, model_dir, rows, variant, device="cuda"):
     model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).to(device)
     model.config.use_cache = False
     params = list(model.parameters())
-    # bf16-params: AdamW owns fp32 masters; the model's parameters hold their bf16 roundings.
-    masters = [p.detach().clone() for p in params] if "bf16-params" in emulate else params
+    # bf16-params (-norms, -embed): AdamW owns fp32 masters of those parameters; the model's hold their
+    # bf16 roundings (the other parameters are their own masters).
+    embed_weight = model.get_input_embeddings().weight
+    rounded = [("bf16-params" in emulate or ("bf16-norms" in emulate and p.ndim < 2) or
+                ("bf16-embed" in emulate and p is embed_weight)) for p in params]
+    masters = [p.detach().clone() if r else p for p, r in zip(params, rounded)]
     decay = [m for p, m in zip(params, masters) if p.ndim >= 2]
     no_decay = [m for p, m in zip(params, masters) if p.ndim < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
@@ -248,9 +256,9 @@ def run_hf(args, model_dir, rows, variant, device="cuda"):
     losses = []
     t0 = time.time()
     for step in range(args.steps):
-        if masters is not params:
-            with torch.no_grad():
-                for p, m in zip(params, masters):
+        with torch.no_grad():
+            for p, m, r in zip(params, masters, rounded):
+                if r:
                     p.copy_(m.to(torch.bfloat16))
         total = 0.0
         for r in range(args.rows):
@@ -261,8 +269,8 @@ def run_hf(args, model_dir, rows, variant, device="cuda"):
             loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y) / args.rows
             loss.backward()
             total += loss.item()
-        if masters is not params:
-            for p, m in zip(params, masters):
+        for p, m, r in zip(params, masters, rounded):
+            if r:
                 m.grad, p.grad = p.grad, None
         torch.nn.utils.clip_grad_norm_(masters, 1.0)
         opt.step()
