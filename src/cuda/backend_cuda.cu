@@ -334,13 +334,14 @@ class CudaBackend final : public Backend {
       rows.push_back(bytes_row("ring.acc", w, R::acc_bytes(d.N, d.HD), &ring_buffers_.acc));
       rows.push_back(bytes_row("ring.query_bounds", w, R::bounds_bytes(d.N), &ring_buffers_.query_bounds));
     }
-    if (o.fp8 != Fp8Mode::None) {  // the projections' FP8 operands and a contiguous dgate / dup (cuda/fp8_linear.hpp)
+    if (o.fp8 != Fp8Mode::None) {  // the projections' FP8 operands (cuda/fp8_linear.hpp)
       const cuda::Fp8Linear::Sizes s = cuda::Fp8Linear::sizes(c, d.N);
       rows.push_back(row("fp8.a_codes", w, s.a_code_bytes, &fp8_buffers_.a_codes));
       rows.push_back(row("fp8.b_codes", w, s.b_code_bytes, &fp8_buffers_.b_codes));
+      rows.push_back(row("fp8.x_codes", w, s.x_code_bytes, &fp8_buffers_.x_codes));
       rows.push_back(row("fp8.a_scales", w, 3 * s.scale_count, &fp8_buffers_.a_scales));
       rows.push_back(row("fp8.b_scales", w, 3 * s.scale_count, &fp8_buffers_.b_scales));
-      rows.push_back(row("fp8.gate_up_grad", w, d.N * d.I, &fp8_gate_up_grad_));
+      rows.push_back(row("fp8.x_scales", w, 3 * s.scale_count, &fp8_buffers_.x_scales));
     }
     // Allocated by init() with the stream, at the backend's first allocation.
     rows.push_back({"gemm_workspace", w, int64_t(kGemmWorkspace), 1, nullptr});
@@ -567,8 +568,8 @@ class CudaBackend final : public Backend {
     }
     project_backward(d_xn_, g.wq, g.bq, dq, a.xn1, w.wq, d.C, d.HD);
     // k's and v's input gradients are added to q's in their GEMMs' epilogues.
-    project_backward(d_xn_, g.wk, g.bk, dk, a.xn1, w.wk, d.C, d.KVD, cuda::Dinp::Accumulate);
-    project_backward(d_xn_, g.wv, g.bv, dv_, a.xn1, w.wv, d.C, d.KVD, cuda::Dinp::Accumulate);
+    project_backward(d_xn_, g.wk, g.bk, dk, a.xn1, w.wk, d.C, d.KVD, cuda::Dinp::Accumulate, /*same_input=*/true);
+    project_backward(d_xn_, g.wv, g.bv, dv_, a.xn1, w.wv, d.C, d.KVD, cuda::Dinp::Accumulate, /*same_input=*/true);
     norm_backward(d_x_, g.input_norm, d_xn_, x_in, w.input_norm, a.rstd1, d_mid_);
   }
 
@@ -713,21 +714,22 @@ class CudaBackend final : public Backend {
 
   // A decoder block's projection over the micro-batch's n_ tokens: out (N, OC) =
   // inp (N, IC) weight^T + bias [+ residual], a bf16 cuBLASLt GEMM or model.fp8's.
-  // same_input: the last projection's input again (q, k and v all read xn1):
-  // FP8 reuses its codes rather than quantising the same values once more.
+  // same_input: the last projection's input again (q, k and v all read xn1), in
+  // the forward or the backward: FP8 reuses its codes rather than quantising the
+  // same values once more.
   void project(bf16* out, const bf16* inp, const bf16* weight, const bf16* bias, int64_t IC, int64_t OC,
                const bf16* residual = nullptr, bool same_input = false) {
     if (!fp8_) return cuda::linear_forward(*gemm_, out, inp, weight, bias, n_, IC, OC, residual);
-    if (residual) CUDA_CHECK(cudaMemcpyAsync(out, residual, 2 * size_t(n_ * OC), cudaMemcpyDeviceToDevice, stream_));
-    fp8_->forward(out, OC, inp, weight, bias, n_, IC, OC, /*accumulate=*/residual != nullptr, same_input);
+    fp8_->forward(out, OC, inp, weight, bias, n_, IC, OC, residual, same_input);
   }
   void project_backward(bf16* dinp, float* dweight, float* dbias, const bf16* dout, const bf16* inp,
-                        const bf16* weight, int64_t IC, int64_t OC, cuda::Dinp mode = cuda::Dinp::Overwrite) {
+                        const bf16* weight, int64_t IC, int64_t OC, cuda::Dinp mode = cuda::Dinp::Overwrite,
+                        bool same_input = false) {
     if (!fp8_)
       return cuda::linear_backward(*gemm_, dinp, dweight, dbias, dout, inp, weight, n_, IC, OC, scratch_,
                                    scratch_bytes_, mode);
-    fp8_->backward(dinp, mode == cuda::Dinp::Accumulate, dweight, dbias, dout, inp, weight, n_, IC, OC, scratch_,
-                   scratch_bytes_);
+    fp8_->backward(dinp, mode == cuda::Dinp::Accumulate, dweight, dbias, dout, OC, inp, weight, n_, IC, OC, scratch_,
+                   scratch_bytes_, same_input);
   }
   // gate|up (N, 2I) = xn2 [w_gate; w_up]^T: one bf16 GEMM over the two adjacent
   // weights, or two FP8 ones (each weight its own scales, as the CPU's).
@@ -735,7 +737,7 @@ class CudaBackend final : public Backend {
     const Dims& d = d_;
     if (!fp8_) return cuda::linear_forward(*gemm_, gu, xn2, w.w_gate, nullptr, n_, d.C, 2 * d.I);
     fp8_->forward(gu, 2 * d.I, xn2, w.w_gate, nullptr, n_, d.C, d.I);
-    fp8_->forward(gu + d.I, 2 * d.I, xn2, w.w_up, nullptr, n_, d.C, d.I, /*accumulate=*/false, /*same_input=*/true);
+    fp8_->forward(gu + d.I, 2 * d.I, xn2, w.w_up, nullptr, n_, d.C, d.I, /*residual=*/nullptr, /*same_input=*/true);
   }
   // d_xn_ = dgu (N, 2I) [w_gate; w_up]; the weights' gradients accumulated.
   void gate_up_backward(const bf16* dgu, const bf16* xn2, const LayerWeights<const bf16>& w,
@@ -744,13 +746,12 @@ class CudaBackend final : public Backend {
     if (!fp8_)
       return cuda::linear_backward(*gemm_, d_xn_, g.w_gate, nullptr, dgu, xn2, w.w_gate, n_, d.C, 2 * d.I, scratch_,
                                    scratch_bytes_);
-    // dgate and dup are column blocks of dgu; the FP8 quantisers read whole matrices: copied out first.
-    for (int half = 0; half < 2; ++half) {
-      CUDA_CHECK(cudaMemcpy2DAsync(fp8_gate_up_grad_, 2 * size_t(d.I), dgu + half * d.I, 2 * size_t(2 * d.I),
-                                   2 * size_t(d.I), size_t(n_), cudaMemcpyDeviceToDevice, stream_));
-      fp8_->backward(d_xn_, /*accumulate_dinp=*/half == 1, half ? g.w_up : g.w_gate, nullptr, fp8_gate_up_grad_, xn2,
-                     half ? w.w_up : w.w_gate, n_, d.C, d.I, scratch_, scratch_bytes_);
-    }
+    // dgate and dup are column blocks of dgu, read in place (rows 2I apart); xn2's
+    // transposed codes are made once for both.
+    for (int half = 0; half < 2; ++half)
+      fp8_->backward(d_xn_, /*accumulate_dinp=*/half == 1, half ? g.w_up : g.w_gate, nullptr, dgu + half * d.I,
+                     2 * d.I, xn2, half ? w.w_up : w.w_gate, n_, d.C, d.I, scratch_, scratch_bytes_,
+                     /*same_input=*/half == 1);
   }
 
   cudaStream_t stream_ = nullptr;
@@ -758,7 +759,6 @@ class CudaBackend final : public Backend {
   std::unique_ptr<cuda::Gemm> gemm_;
   std::unique_ptr<cuda::Fp8Linear> fp8_;   // model.fp8's projections (nullptr: bf16 GEMMs)
   cuda::Fp8Linear::Buffers fp8_buffers_;   // its scratch, from the buffer table
-  bf16* fp8_gate_up_grad_ = nullptr;       // (N, I) dgate or dup, contiguous, for the FP8 backward
   std::vector<std::pair<void*, size_t>> owned_;
   std::vector<bf16*> shards_;            // per unit: bf16 copy of the master shard
   float* host_staging_ = nullptr;        // pinned (max padded numel) for gradients to the host

@@ -56,8 +56,35 @@ __global__ void amax_vec_kernel(const bf16* __restrict__ x, int64_t n, float* __
   if (threadIdx.x == 0) atomic_max_nonnegative(amax, m);
 }
 
-__global__ void amax_rows_kernel(const bf16* __restrict__ x, int64_t cols, float* __restrict__ amax) {
-  const bf16* row = x + blockIdx.x * cols;
+// The same maximum over x (rows, cols) with rows ld elements apart (cols a
+// multiple of 8, x and ld 16-byte aligned): rows over gridDim.y as quantize_vec_kernel.
+__global__ void amax_vec2d_kernel(const bf16* __restrict__ x, int64_t rows, int64_t cols, int64_t ld,
+                                  float* __restrict__ amax) {
+  float m = 0.0f;
+  for (int64_t r = blockIdx.y; r < rows; r += gridDim.y)
+    for (int64_t g = blockIdx.x * int64_t(kThreads) + threadIdx.x; g < cols / 8; g += int64_t(gridDim.x) * kThreads) {
+      const uint4 raw = *reinterpret_cast<const uint4*>(x + r * ld + 8 * g);
+      const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) m = fmaxf(m, fmaxf(fabsf(__low2float(h[j])), fabsf(__high2float(h[j]))));
+    }
+  m = block_max(m);
+  if (threadIdx.x == 0) atomic_max_nonnegative(amax, m);
+}
+
+// Any shape and stride, one element a thread.
+__global__ void amax2d_kernel(const bf16* __restrict__ x, int64_t rows, int64_t cols, int64_t ld,
+                              float* __restrict__ amax) {
+  float m = 0.0f;
+  for (int64_t r = blockIdx.y; r < rows; r += gridDim.y)
+    for (int64_t c = blockIdx.x * int64_t(kThreads) + threadIdx.x; c < cols; c += int64_t(gridDim.x) * kThreads)
+      m = fmaxf(m, fabsf(__bfloat162float(x[r * ld + c])));
+  m = block_max(m);
+  if (threadIdx.x == 0) atomic_max_nonnegative(amax, m);
+}
+
+__global__ void amax_rows_kernel(const bf16* __restrict__ x, int64_t cols, int64_t ld, float* __restrict__ amax) {
+  const bf16* row = x + blockIdx.x * ld;
   float m = 0.0f;
   for (int64_t c = threadIdx.x; c < cols; c += kThreads) m = fmaxf(m, fabsf(__bfloat162float(row[c])));
   m = block_max(m);
@@ -66,14 +93,15 @@ __global__ void amax_rows_kernel(const bf16* __restrict__ x, int64_t cols, float
 
 // Blocks of 32 columns x kColRows rows; each thread one column over its rows.
 constexpr int kColRows = 256;
-__global__ void amax_cols_kernel(const bf16* __restrict__ x, int64_t rows, int64_t cols, float* __restrict__ amax) {
+__global__ void amax_cols_kernel(const bf16* __restrict__ x, int64_t rows, int64_t cols, int64_t ld,
+                                 float* __restrict__ amax) {
   __shared__ float partial[8][33];
   const int64_t c = blockIdx.x * 32 + threadIdx.x;
   const int64_t r0 = blockIdx.y * int64_t(kColRows);
   const int64_t r1 = min(rows, r0 + kColRows);
   float m = 0.0f;
   if (c < cols)
-    for (int64_t r = r0 + threadIdx.y; r < r1; r += 8) m = fmaxf(m, fabsf(__bfloat162float(x[r * cols + c])));
+    for (int64_t r = r0 + threadIdx.y; r < r1; r += 8) m = fmaxf(m, fabsf(__bfloat162float(x[r * ld + c])));
   partial[threadIdx.y][threadIdx.x] = m;
   __syncthreads();
   if (threadIdx.y == 0 && c < cols) {
@@ -97,13 +125,15 @@ __device__ float scale_of(const float* scale, Fp8Scaling scaling, int64_t r, int
   return scale[scaling == Fp8Scaling::Tensor ? 0 : scaling == Fp8Scaling::Rows ? r : c];
 }
 
-__global__ void quantize_kernel(const bf16* __restrict__ x, int64_t rows, int64_t cols, const float* __restrict__ scale,
-                                Fp8Scaling scaling, Fp8Format f, uint8_t* __restrict__ codes) {
+__global__ void quantize_kernel(const bf16* __restrict__ x, int64_t rows, int64_t cols, int64_t ld,
+                                const float* __restrict__ scale, Fp8Scaling scaling, Fp8Format f,
+                                uint8_t* __restrict__ codes) {
   const int64_t n = rows * cols;
   const __nv_fp8_interpretation_t kind = interpretation(f);
   for (int64_t i = blockIdx.x * int64_t(kThreads) + threadIdx.x; i < n; i += int64_t(gridDim.x) * kThreads) {
-    const float s = scaling == Fp8Scaling::Tensor ? scale[0] : scale_of(scale, scaling, i / cols, i % cols);
-    codes[i] = __nv_cvt_float_to_fp8(__fmul_rn(__bfloat162float(x[i]), s), __NV_SATFINITE, kind);
+    const int64_t r = i / cols, c = i % cols;
+    const float s = scale_of(scale, scaling, r, c);
+    codes[i] = __nv_cvt_float_to_fp8(__fmul_rn(__bfloat162float(x[r * ld + c]), s), __NV_SATFINITE, kind);
   }
 }
 
@@ -111,7 +141,7 @@ __global__ void quantize_kernel(const bf16* __restrict__ x, int64_t rows, int64_
 // multiple of 8, 16-byte aligned x, 8-byte aligned codes): rows over gridDim.y,
 // 8-column groups over the threads, so no index is divided (the scalar kernel's
 // 64-bit division per element made a memory-bound pass compute-bound).
-__global__ void quantize_vec_kernel(const bf16* __restrict__ x, int64_t rows, int64_t cols,
+__global__ void quantize_vec_kernel(const bf16* __restrict__ x, int64_t rows, int64_t cols, int64_t ld,
                                     const float* __restrict__ scale, Fp8Scaling scaling, Fp8Format f,
                                     uint8_t* __restrict__ codes) {
   const __nv_fp8_interpretation_t kind = interpretation(f);
@@ -119,7 +149,7 @@ __global__ void quantize_vec_kernel(const bf16* __restrict__ x, int64_t rows, in
   for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
     const float row_scale = scaling == Fp8Scaling::Tensor ? scale[0] : scaling == Fp8Scaling::Rows ? scale[r] : 0.0f;
     for (int64_t g = blockIdx.x * int64_t(kThreads) + threadIdx.x; g < groups; g += int64_t(gridDim.x) * kThreads) {
-      const uint4 raw = *reinterpret_cast<const uint4*>(x + r * cols + 8 * g);
+      const uint4 raw = *reinterpret_cast<const uint4*>(x + r * ld + 8 * g);
       const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
       uint2 out = {0u, 0u};
 #pragma unroll
@@ -139,15 +169,16 @@ __global__ void quantize_vec_kernel(const bf16* __restrict__ x, int64_t rows, in
 // codes a thread out (the 32 x 32 kernel moves 2 and 1).
 constexpr int kTile = 64, kTilePad = 68;  // a padded row keeps a column's 8 bytes on 8 banks
 __global__ void __launch_bounds__(kThreads)
-quantize_transpose_vec_kernel(const bf16* __restrict__ x, int64_t rows, int64_t cols, const float* __restrict__ scale,
-                              Fp8Scaling scaling, Fp8Format f, uint8_t* __restrict__ codes) {
+quantize_transpose_vec_kernel(const bf16* __restrict__ x, int64_t rows, int64_t cols, int64_t ld,
+                              const float* __restrict__ scale, Fp8Scaling scaling, Fp8Format f,
+                              uint8_t* __restrict__ codes) {
   __shared__ __align__(16) uint8_t tile[kTile][kTilePad];
   const __nv_fp8_interpretation_t kind = interpretation(f);
   const int64_t r0 = int64_t(blockIdx.y) * kTile, c0 = int64_t(blockIdx.x) * kTile;
   const int seg = threadIdx.x % 8, line = threadIdx.x / 8;  // 8 threads a 64-element line, 32 lines a pass
   for (int y = line; y < kTile; y += kThreads / 8) {
     const int64_t r = r0 + y, c = c0 + 8 * seg;
-    const uint4 raw = *reinterpret_cast<const uint4*>(x + r * cols + c);
+    const uint4 raw = *reinterpret_cast<const uint4*>(x + r * ld + c);
     const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
@@ -166,7 +197,7 @@ quantize_transpose_vec_kernel(const bf16* __restrict__ x, int64_t rows, int64_t 
 }
 
 // 32 x 32 tiles through shared memory: reads along x's rows, writes along codes' rows.
-__global__ void quantize_transpose_kernel(const bf16* __restrict__ x, int64_t rows, int64_t cols,
+__global__ void quantize_transpose_kernel(const bf16* __restrict__ x, int64_t rows, int64_t cols, int64_t ld,
                                           const float* __restrict__ scale, Fp8Scaling scaling, Fp8Format f,
                                           uint8_t* __restrict__ codes) {
   __shared__ uint8_t tile[32][33];
@@ -175,7 +206,7 @@ __global__ void quantize_transpose_kernel(const bf16* __restrict__ x, int64_t ro
   for (int y = threadIdx.y; y < 32; y += 8) {
     const int64_t r = r0 + y, c = c0 + threadIdx.x;
     if (r < rows && c < cols) {
-      const float v = __fmul_rn(__bfloat162float(x[r * cols + c]), scale_of(scale, scaling, r, c));
+      const float v = __fmul_rn(__bfloat162float(x[r * ld + c]), scale_of(scale, scaling, r, c));
       tile[y][threadIdx.x] = __nv_cvt_float_to_fp8(v, __NV_SATFINITE, kind);
     }
   }
@@ -209,17 +240,32 @@ void fp8_amax(const bf16* x, int64_t n, float* amax, cudaStream_t stream) {
   CUDA_CHECK(cudaGetLastError());
 }
 
-void fp8_amax_rows(const bf16* x, int64_t rows, int64_t cols, float* amax, cudaStream_t stream) {
-  if (rows == 0) return;
-  amax_rows_kernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(x, cols, amax);
+void fp8_amax(const bf16* x, int64_t rows, int64_t cols, int64_t ld, float* amax, cudaStream_t stream) {
+  if (ld == cols || rows <= 1) return fp8_amax(x, rows * cols, amax, stream);
+  CUDA_CHECK(cudaMemsetAsync(amax, 0, sizeof(float), stream));
+  if (cols == 0) return;
+  const bool vec = cols % 8 == 0 && ld % 8 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
+  const int64_t per_row = vec ? cols / 8 : cols;
+  const dim3 grid(static_cast<unsigned>(std::min<int64_t>((per_row + kThreads - 1) / kThreads, 64)),
+                  static_cast<unsigned>(std::min<int64_t>(rows, 8192)));
+  if (vec)
+    amax_vec2d_kernel<<<grid, kThreads, 0, stream>>>(x, rows, cols, ld, amax);
+  else
+    amax2d_kernel<<<grid, kThreads, 0, stream>>>(x, rows, cols, ld, amax);
   CUDA_CHECK(cudaGetLastError());
 }
 
-void fp8_amax_cols(const bf16* x, int64_t rows, int64_t cols, float* amax, cudaStream_t stream) {
+void fp8_amax_rows(const bf16* x, int64_t rows, int64_t cols, float* amax, cudaStream_t stream, int64_t ld) {
+  if (rows == 0) return;
+  amax_rows_kernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(x, cols, ld ? ld : cols, amax);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+void fp8_amax_cols(const bf16* x, int64_t rows, int64_t cols, float* amax, cudaStream_t stream, int64_t ld) {
   CUDA_CHECK(cudaMemsetAsync(amax, 0, sizeof(float) * size_t(cols), stream));
   if (rows == 0 || cols == 0) return;
   const dim3 grid(static_cast<unsigned>((cols + 31) / 32), static_cast<unsigned>((rows + kColRows - 1) / kColRows));
-  amax_cols_kernel<<<grid, dim3(32, 8), 0, stream>>>(x, rows, cols, amax);
+  amax_cols_kernel<<<grid, dim3(32, 8), 0, stream>>>(x, rows, cols, ld ? ld : cols, amax);
   CUDA_CHECK(cudaGetLastError());
 }
 
@@ -231,22 +277,24 @@ void fp8_scales(const float* amax, int64_t n, Fp8Format f, float* scale, float* 
 }
 
 void fp8_quantize(const bf16* x, int64_t rows, int64_t cols, const float* scale, Fp8Scaling scaling, Fp8Format f,
-                  uint8_t* codes, bool transpose, cudaStream_t stream) {
+                  uint8_t* codes, bool transpose, cudaStream_t stream, int64_t ld) {
   if (rows == 0 || cols == 0) return;
-  if (transpose && rows % kTile == 0 && cols % kTile == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
-      reinterpret_cast<uintptr_t>(codes) % 8 == 0 && rows / kTile <= 65535) {
+  if (ld == 0) ld = cols;
+  const bool x16 = reinterpret_cast<uintptr_t>(x) % 16 == 0 && ld % 8 == 0;  // every row 16-byte aligned
+  if (transpose && rows % kTile == 0 && cols % kTile == 0 && x16 && reinterpret_cast<uintptr_t>(codes) % 8 == 0 &&
+      rows / kTile <= 65535) {
     const dim3 grid(static_cast<unsigned>(cols / kTile), static_cast<unsigned>(rows / kTile));
-    quantize_transpose_vec_kernel<<<grid, kThreads, 0, stream>>>(x, rows, cols, scale, scaling, f, codes);
+    quantize_transpose_vec_kernel<<<grid, kThreads, 0, stream>>>(x, rows, cols, ld, scale, scaling, f, codes);
   } else if (transpose) {
     const dim3 grid(static_cast<unsigned>((cols + 31) / 32), static_cast<unsigned>((rows + 31) / 32));
-    quantize_transpose_kernel<<<grid, dim3(32, 8), 0, stream>>>(x, rows, cols, scale, scaling, f, codes);
-  } else if (cols % 8 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 && reinterpret_cast<uintptr_t>(codes) % 8 == 0) {
+    quantize_transpose_kernel<<<grid, dim3(32, 8), 0, stream>>>(x, rows, cols, ld, scale, scaling, f, codes);
+  } else if (cols % 8 == 0 && x16 && reinterpret_cast<uintptr_t>(codes) % 8 == 0) {
     const int64_t groups = cols / 8;
     const dim3 grid(static_cast<unsigned>(std::min<int64_t>((groups + kThreads - 1) / kThreads, 64)),
                     static_cast<unsigned>(std::min<int64_t>(rows, 8192)));
-    quantize_vec_kernel<<<grid, kThreads, 0, stream>>>(x, rows, cols, scale, scaling, f, codes);
+    quantize_vec_kernel<<<grid, kThreads, 0, stream>>>(x, rows, cols, ld, scale, scaling, f, codes);
   } else {
-    quantize_kernel<<<grid_for(rows * cols), kThreads, 0, stream>>>(x, rows, cols, scale, scaling, f, codes);
+    quantize_kernel<<<grid_for(rows * cols), kThreads, 0, stream>>>(x, rows, cols, ld, scale, scaling, f, codes);
   }
   CUDA_CHECK(cudaGetLastError());
 }
@@ -303,7 +351,7 @@ Fp8Gemm::Plan& Fp8Gemm::plan(const Key& key, const float* a_inv, const float* b_
   const std::pair<cublasLtMatmulPreferenceAttributes_t, uint32_t> alignments[] = {
       {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, key.align_b},
       {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, key.align_a},
-      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, key.align_c},
+      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, std::min(key.align_c, key.align_c_in)},
       {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, key.align_c}};
   for (const auto& [attr, bytes] : alignments)
     if (st1 == CUBLAS_STATUS_SUCCESS) st1 = cublasLtMatmulPreferenceSetAttribute(pref, attr, &bytes, sizeof(bytes));
@@ -325,20 +373,22 @@ Fp8Gemm::Plan& Fp8Gemm::plan(const Key& key, const float* a_inv, const float* b_
 
 void Fp8Gemm::matmul(int64_t M, int64_t N, int64_t K, const uint8_t* A, Fp8Format fa, int64_t lda, const float* a_inv,
                      const uint8_t* B, Fp8Format fb, int64_t ldb, const float* b_inv, bool rowwise, void* C,
-                     int64_t ldc, GemmOut out, float alpha, float beta, bool fast_accum, const bf16* bias) {
+                     int64_t ldc, GemmOut out, float alpha, float beta, bool fast_accum, const bf16* bias,
+                     const void* C_in) {
   SHARDLM_CHECK(M > 0 && N > 0 && K > 0 && lda >= K && ldb >= K && ldc >= N,
                 "fp8 gemm: bad sizes M %lld N %lld K %lld lda %lld ldb %lld ldc %lld", static_cast<long long>(M),
                 static_cast<long long>(N), static_cast<long long>(K), static_cast<long long>(lda),
                 static_cast<long long>(ldb), static_cast<long long>(ldc));
   SHARDLM_CHECK(!(fa == Fp8Format::E5M2 && fb == Fp8Format::E5M2), "fp8 gemm: e5m2 x e5m2 is not supported");
   SHARDLM_CHECK(bias == nullptr || out == GemmOut::BF16, "fp8 gemm: the bias epilogue is only used with a bf16 output");
+  if (C_in == nullptr || beta == 0.0f) C_in = C;
   const Key key{M, N, K, lda, ldb, ldc, fa, fb, rowwise, fast_accum, bias != nullptr, out,
-                alignment_of(A), alignment_of(B), alignment_of(C), alignment_of(bias)};
+                alignment_of(A), alignment_of(B), alignment_of(C), alignment_of(C_in), alignment_of(bias)};
   Plan& p = plan(key, a_inv, b_inv, bias);
   if (bias) set_desc(p.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, static_cast<const void*>(bias));
   set_desc(p.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, static_cast<const void*>(b_inv));
   set_desc(p.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, static_cast<const void*>(a_inv));
-  CUBLAS_CHECK(cublasLtMatmul(handle_, p.op, &alpha, B, p.a, A, p.b, &beta, C, p.c, C, p.c, &p.algo, workspace_,
+  CUBLAS_CHECK(cublasLtMatmul(handle_, p.op, &alpha, B, p.a, A, p.b, &beta, C_in, p.c, C, p.c, &p.algo, workspace_,
                               workspace_bytes_, stream_));
 }
 

@@ -1,6 +1,6 @@
 // cuda/fp8.hpp — FP8 on Hopper: amaxes, scales, quantisation (plain and
-// transposed) and the FP8 GEMM through cuBLASLt (issue #30; not yet wired into
-// the linear layers).
+// transposed) and the FP8 GEMM through cuBLASLt (issue #30; cuda/fp8_linear.hpp
+// wires them into the decoder blocks' projections).
 //
 // Owns: shardlm::cuda::{fp8_amax, fp8_amax_rows, fp8_amax_cols, fp8_scales,
 // fp8_quantize} and Fp8Gemm. The arithmetic is src/cpu/fp8.hpp's, which these
@@ -28,9 +28,13 @@ using Fp8Format = cpu::Fp8Format;
 
 // amax (1) = max |x| over x (n); overwritten. Deterministic (a max in any order).
 void fp8_amax(const bf16* x, int64_t n, float* amax, cudaStream_t stream);
+// The same over x (rows, cols) whose rows lie ld >= cols elements apart (a
+// column block of a wider matrix: dgate and dup inside dgate|dup).
+void fp8_amax(const bf16* x, int64_t rows, int64_t cols, int64_t ld, float* amax, cudaStream_t stream);
 // amax (rows) = max |x[r, :]| of x (rows, cols); amax (cols) = max |x[:, c]|.
-void fp8_amax_rows(const bf16* x, int64_t rows, int64_t cols, float* amax, cudaStream_t stream);
-void fp8_amax_cols(const bf16* x, int64_t rows, int64_t cols, float* amax, cudaStream_t stream);
+// ld: x's row stride (0: cols), in these and in fp8_quantize.
+void fp8_amax_rows(const bf16* x, int64_t rows, int64_t cols, float* amax, cudaStream_t stream, int64_t ld = 0);
+void fp8_amax_cols(const bf16* x, int64_t rows, int64_t cols, float* amax, cudaStream_t stream, int64_t ld = 0);
 // scale[i] = cpu::fp8_scale(amax[i], f), inv_scale[i] = 1 / scale[i] (the GEMM's dequantisation scale).
 void fp8_scales(const float* amax, int64_t n, Fp8Format f, float* scale, float* inv_scale, cudaStream_t stream);
 
@@ -41,14 +45,16 @@ using Fp8Scaling = cpu::Fp8Scaling;
 // (rows, cols) or, with transpose, (cols, rows): the K-major copy the backward's
 // GEMMs read (cuBLASLt's FP8 kernels take both operands with K contiguous).
 void fp8_quantize(const bf16* x, int64_t rows, int64_t cols, const float* scale, Fp8Scaling scaling, Fp8Format f,
-                  uint8_t* codes, bool transpose, cudaStream_t stream);
+                  uint8_t* codes, bool transpose, cudaStream_t stream, int64_t ld = 0);
 
-// C (M, N) = alpha (a_inv A) (b_inv B)^T + beta C, row-major: A (M, K) and B (N, K)
+// C (M, N) = alpha (a_inv A) (b_inv B)^T + beta C_in, row-major: A (M, K) and B (N, K)
 // FP8 codes with K contiguous (row strides lda, ldb), a_inv / b_inv device fp32
 // dequantisation scales, one each (rowwise = false) or one per row of A (M) and of
 // B (N); C bf16 or fp32 (ldc). fp32 accumulation, promoted periodically (cuBLASLt's
 // FAST_ACCUM off) unless fast_accum. bias (N) bf16 or nullptr: added in the
-// epilogue (bf16 C only), as Gemm's. Plans cached per shape like Gemm's.
+// epilogue (bf16 C only), as Gemm's. C_in (C's shape and ldc; nullptr: C itself)
+// is what beta scales: a residual added without first copying it into C.
+// Plans cached per shape like Gemm's.
 class Fp8Gemm {
  public:
   Fp8Gemm(cudaStream_t stream, void* workspace, size_t workspace_bytes);
@@ -59,7 +65,7 @@ class Fp8Gemm {
   void matmul(int64_t M, int64_t N, int64_t K, const uint8_t* A, Fp8Format fa, int64_t lda, const float* a_inv,
               const uint8_t* B, Fp8Format fb, int64_t ldb, const float* b_inv, bool rowwise, void* C, int64_t ldc,
               GemmOut out, float alpha = 1.0f, float beta = 0.0f, bool fast_accum = false,
-              const bf16* bias = nullptr);
+              const bf16* bias = nullptr, const void* C_in = nullptr);
 
  private:
   struct Key {
@@ -67,7 +73,7 @@ class Fp8Gemm {
     Fp8Format fa, fb;
     bool rowwise, fast_accum, bias;
     GemmOut out;
-    uint32_t align_a, align_b, align_c, align_bias;  // alignment_of each pointer (C: a view into a larger buffer)
+    uint32_t align_a, align_b, align_c, align_c_in, align_bias;  // alignment_of each pointer (C: a view into a larger buffer)
     auto operator<=>(const Key&) const = default;
   };
   struct Plan {

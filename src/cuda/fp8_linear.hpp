@@ -8,14 +8,18 @@
 // Owns: Fp8Linear and the sizes of its scratch (the backend's buffer table
 // allocates it). Must not know: the model's layout, MPI, NCCL, the deck.
 //
-// First version (issue #30): every operand is quantised by its own passes
-// (amax, scale, quantise or quantise-transposed: cuda/fp8.hpp's kernels) right
-// before its GEMM, so each linear reads its bf16 input once more per GEMM than
-// the bf16 path. Fusing the amaxes and the quantised (and transposed) copies
-// into the kernels that write the data (RMSNorm, SwiGLU, the backward
-// elementwise passes) is the next step, as is keeping a weight's codes from the
-// forward for the backward. Every kernel is deterministic (amaxes are maxima),
-// so run.deterministic reruns stay bit-identical.
+// Every operand is quantised by its own passes (amax, scale, quantise or
+// quantise-transposed: cuda/fp8.hpp's kernels) right before its GEMM, but no
+// operand twice where the emulation's codes are the same: projections sharing
+// an input (q, k, v; gate, up) quantise it once in the forward and its
+// transpose once in the backward; under tensorwise scaling dout's one scale
+// serves both its copies (plain for dinp, transposed for dweight); a residual
+// is the GEMM's C, not a copy into the output; dgate and dup are read in place
+// inside dgate|dup. Fusing the amaxes into the kernels that write the data
+// (RMSNorm, SwiGLU, the backward elementwise passes) and keeping a weight's
+// codes across micro-batches are the next steps (issue #30). Every kernel is
+// deterministic (amaxes are maxima), so run.deterministic reruns stay
+// bit-identical.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -36,9 +40,11 @@ class Fp8Linear {
     uint8_t* b_codes = nullptr;  // (b_code_bytes) operand B's codes
     float* a_scales = nullptr;   // (3 x scale_count) A's 1 / scale, amax, scale, each at a multiple of 64 floats
     float* b_scales = nullptr;   // (3 x scale_count)
+    uint8_t* x_codes = nullptr;  // (x_code_bytes) the backward's inp^T codes, kept while the input is shared
+    float* x_scales = nullptr;   // (3 x scale_count)
   };
   struct Sizes {
-    int64_t a_code_bytes, b_code_bytes, scale_count;
+    int64_t a_code_bytes, b_code_bytes, x_code_bytes, scale_count;
   };
   // For layers of model c over up to N tokens.
   static Sizes sizes(const ModelConfig& c, int64_t N);
@@ -48,28 +54,37 @@ class Fp8Linear {
   Fp8Linear(Fp8Mode mode, const Buffers& buffers, cudaStream_t stream, void* gemm_workspace, size_t workspace_bytes);
 
   // out (N, OC), row stride ldc = inp (N, IC) weight (OC, IC)^T + bias (OC, or
-  // nullptr) [+ out's own values when accumulate: a residual]. same_input: inp
+  // nullptr) [+ residual (N, OC), row stride ldc; may be out]. same_input: inp
   // is the last forward's inp, unchanged (q, k and v share theirs; so do gate
   // and up): its codes and scales are still in the A buffers and are reused.
   void forward(bf16* out, int64_t ldc, const bf16* inp, const bf16* weight, const bf16* bias, int64_t N, int64_t IC,
-               int64_t OC, bool accumulate = false, bool same_input = false);
+               int64_t OC, const bf16* residual = nullptr, bool same_input = false);
   // dinp (N, IC) = dout (N, OC) weight [+= with accumulate_dinp]; dweight (OC, IC)
   // fp32 += dout^T inp; dbias (OC) fp32 += dout's column sums (unquantised;
-  // nullptr: none; bias_scratch as cuda::bias_grad's).
-  void backward(bf16* dinp, bool accumulate_dinp, float* dweight, float* dbias, const bf16* dout, const bf16* inp,
-                const bf16* weight, int64_t N, int64_t IC, int64_t OC, void* bias_scratch, size_t bias_scratch_bytes);
+  // nullptr: none; bias_scratch as cuda::bias_grad's). dout's rows lie ldo
+  // elements apart (0: OC). same_input: inp is the last backward's inp,
+  // unchanged: its transposed codes are still in the X buffers and are reused.
+  void backward(bf16* dinp, bool accumulate_dinp, float* dweight, float* dbias, const bf16* dout, int64_t ldo,
+                const bf16* inp, const bf16* weight, int64_t N, int64_t IC, int64_t OC, void* bias_scratch,
+                size_t bias_scratch_bytes, bool same_input = false);
 
  private:
-  // Quantises x (rows, cols) with scales over `scaling` into one operand's
-  // codes (transposed: (cols, rows)) and its scale block.
+  // Quantises x (rows, cols; rows ld elements apart, 0: cols) with scales over
+  // `scaling` into one operand's codes (transposed: (cols, rows)) and its scale
+  // block; with reuse_scales the block already holds x's scales (amax skipped).
   void quantize(const bf16* x, int64_t rows, int64_t cols, Fp8Scaling scaling, Fp8Format f, bool transpose,
-                uint8_t* codes, float* scales);
+                uint8_t* codes, float* scales, int64_t ld = 0, bool reuse_scales = false);
 
   bool rowwise_;
   Buffers buf_;
-  // What the A buffers hold after a forward (same_input checks it): the input and its shape.
-  const bf16* a_input_ = nullptr;
-  int64_t a_rows_ = 0, a_cols_ = 0;
+  // What the A buffers hold after a forward, and the X buffers after a backward
+  // (same_input checks it): the input and its shape.
+  struct Held {
+    const bf16* input = nullptr;
+    int64_t rows = 0, cols = 0;
+    bool is(const bf16* x, int64_t r, int64_t c) const { return x == input && r == rows && c == cols; }
+  };
+  Held a_held_, x_held_;
   int64_t scale_count_ = 0;
   cudaStream_t stream_;
   Fp8Gemm gemm_;

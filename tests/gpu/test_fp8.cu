@@ -158,6 +158,12 @@ void kernel_checks(uint64_t seed, cudaStream_t stream) {
     const int64_t n = rows * cols;
     bf16* x = device_alloc<bf16>(size_t(n));
     upload(x, xb);
+    // The same values as a column block of a wider matrix (rows ld apart, as dgate inside dgate|dup).
+    const int64_t ld = cols + 24;
+    std::vector<bf16> wide(size_t(rows * ld), __float2bfloat16(1e4f));  // larger than any x: a stray read shows
+    for (int64_t r = 0; r < rows; ++r) std::copy_n(xb.begin() + r * cols, cols, wide.begin() + r * ld);
+    bf16* xw = device_alloc<bf16>(wide.size());
+    upload(xw, wide);
     float* amax = device_alloc<float>(size_t(std::max(rows, cols)));
     float* scale = device_alloc<float>(size_t(std::max(rows, cols)));
     float* inv = device_alloc<float>(size_t(std::max(rows, cols)));
@@ -197,6 +203,13 @@ void kernel_checks(uint64_t seed, cudaStream_t stream) {
                  got_inv[size_t(i)] != 1.0f / ref_scale[size_t(i)];
         }
         check_count(std::string("amax + scales ") + name_of(f) + " per " + how + " " + shape, bad, m);
+        if (scaling == gpu::Fp8Scaling::Tensor) gpu::fp8_amax(xw, rows, cols, ld, amax, stream);
+        if (scaling == gpu::Fp8Scaling::Rows) gpu::fp8_amax_rows(xw, rows, cols, amax, stream, ld);
+        if (scaling == gpu::Fp8Scaling::Cols) gpu::fp8_amax_cols(xw, rows, cols, amax, stream, ld);
+        CUDA_CHECK(cudaStreamSynchronize(stream));
+        check_count(std::string("amax ") + name_of(f) + " per " + how + " " + shape + ", rows " + std::to_string(ld) +
+                        " apart = packed",
+                    download(amax, size_t(m)) == got_amax ? 0 : m, m);
         for (bool transpose : {false, true}) {
           CUDA_CHECK(cudaMemsetAsync(codes, 0xAB, size_t(n), stream));
           gpu::fp8_quantize(x, rows, cols, scale, scaling, f, codes, transpose, stream);
@@ -211,9 +224,19 @@ void kernel_checks(uint64_t seed, cudaStream_t stream) {
             }
           check_count(std::string("quantize ") + name_of(f) + " per " + how + (transpose ? " transposed " : " ") + shape,
                       bad, n);
+          CUDA_CHECK(cudaMemsetAsync(codes, 0xAB, size_t(n), stream));
+          gpu::fp8_quantize(xw, rows, cols, scale, scaling, f, codes, transpose, stream, ld);
+          CUDA_CHECK(cudaStreamSynchronize(stream));
+          const auto got_wide = download(codes, size_t(n));
+          bad = 0;
+          for (int64_t i = 0; i < n; ++i) bad += got_wide[size_t(i)] != got[size_t(i)];
+          check_count(std::string("quantize ") + name_of(f) + " per " + how + (transpose ? " transposed " : " ") + shape +
+                          ", rows " + std::to_string(ld) + " apart = packed",
+                      bad, n);
         }
       }
     CUDA_CHECK(cudaFree(x));
+    CUDA_CHECK(cudaFree(xw));
     CUDA_CHECK(cudaFree(amax));
     CUDA_CHECK(cudaFree(scale));
     CUDA_CHECK(cudaFree(inv));

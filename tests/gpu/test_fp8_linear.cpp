@@ -96,8 +96,9 @@ TEST_CASE("fp8 linear: cuBLASLt FP8 forward and backward equal the CPU emulation
   const size_t workspace_bytes = size_t(32) << 20;
   DeviceArray<uint8_t> workspace(workspace_bytes);
   const cuda::Fp8Linear::Sizes s = cuda::Fp8Linear::sizes(c, N);
-  DeviceArray<uint8_t> a_codes(size_t(s.a_code_bytes)), b_codes(size_t(s.b_code_bytes));
-  DeviceArray<float> a_scales(size_t(3 * s.scale_count)), b_scales(size_t(3 * s.scale_count));
+  DeviceArray<uint8_t> a_codes(size_t(s.a_code_bytes)), b_codes(size_t(s.b_code_bytes)), x_codes(size_t(s.x_code_bytes));
+  DeviceArray<float> a_scales(size_t(3 * s.scale_count)), b_scales(size_t(3 * s.scale_count)),
+      x_scales(size_t(3 * s.scale_count));
   const size_t bias_scratch_bytes = cuda::bias_grad_scratch_bytes(N, OC);
   DeviceArray<uint8_t> bias_scratch(bias_scratch_bytes);
   const DeviceArray<uint16_t> d_x(x), d_w(w), d_dy(dy), d_bias(bias);
@@ -113,13 +114,13 @@ TEST_CASE("fp8 linear: cuBLASLt FP8 forward and backward equal the CPU emulation
     ref.forward(y.data(), x.data(), w.data(), bias.data(), N, IC, OC);
     ref.backward(dx.data(), dw.data(), db.data(), dy.data(), x.data(), w.data(), N, IC, OC);
 
-    cuda::Fp8Linear gpu(mode, {a_codes.ptr, b_codes.ptr, a_scales.ptr, b_scales.ptr}, stream, workspace.ptr,
-                        workspace_bytes);
+    cuda::Fp8Linear gpu(mode, {a_codes.ptr, b_codes.ptr, a_scales.ptr, b_scales.ptr, x_codes.ptr, x_scales.ptr},
+                        stream, workspace.ptr, workspace_bytes);
     DeviceArray<uint16_t> g_y(size_t(N * OC)), g_y2(size_t(N * OC)), g_dx(size_t(N * IC));
     DeviceArray<float> g_dw(dw0), g_db(db0);
     gpu.forward(g_y.bf(), OC, d_x.bf(), d_w.bf(), d_bias.bf(), N, IC, OC);
     gpu.forward(g_y2.bf(), OC, d_x.bf(), d_w.bf(), d_bias.bf(), N, IC, OC);
-    gpu.backward(g_dx.bf(), false, g_dw.ptr, g_db.ptr, d_dy.bf(), d_x.bf(), d_w.bf(), N, IC, OC, bias_scratch.ptr,
+    gpu.backward(g_dx.bf(), false, g_dw.ptr, g_db.ptr, d_dy.bf(), OC, d_x.bf(), d_w.bf(), N, IC, OC, bias_scratch.ptr,
                  bias_scratch_bytes);
     TEST_CUDA(cudaStreamSynchronize(stream));
 
@@ -144,8 +145,8 @@ TEST_CASE("fp8 linear: cuBLASLt FP8 forward and backward equal the CPU emulation
     const std::vector<float> residual = bf16_values(N * OC, 5), dx_before = bf16_values(N * IC, 6);
     DeviceArray<uint16_t> g_res(residual), g_dx_acc(dx_before);
     DeviceArray<float> g_dw2(dw0);
-    gpu.forward(g_res.bf(), OC, d_x.bf(), d_w.bf(), nullptr, N, IC, OC, /*accumulate=*/true);
-    gpu.backward(g_dx_acc.bf(), /*accumulate_dinp=*/true, g_dw2.ptr, nullptr, d_dy.bf(), d_x.bf(), d_w.bf(), N, IC,
+    gpu.forward(g_res.bf(), OC, d_x.bf(), d_w.bf(), nullptr, N, IC, OC, /*residual=*/g_res.bf());
+    gpu.backward(g_dx_acc.bf(), /*accumulate_dinp=*/true, g_dw2.ptr, nullptr, d_dy.bf(), OC, d_x.bf(), d_w.bf(), N, IC,
                  OC, bias_scratch.ptr, bias_scratch_bytes);
     TEST_CUDA(cudaStreamSynchronize(stream));
     for (size_t i = 0; i < y_plain.size(); ++i) y_plain[i] += residual[i];
@@ -155,6 +156,35 @@ TEST_CASE("fp8 linear: cuBLASLt FP8 forward and backward equal the CPU emulation
     MESSAGE(name << ": relative error y + residual " << e_res << ", dinp accumulated " << e_acc);
     CHECK(e_res < 1e-2);
     CHECK(e_acc < 1e-2);
+
+    // The same results, bit for bit, by the shortcuts the backend takes: the
+    // residual from another buffer (the GEMM's C, not a copy); the input's codes
+    // reused (same_input, forward and backward: q, k, v; gate, up); dout read in
+    // place as a column block of a wider matrix (dgate, dup inside dgate|dup).
+    const DeviceArray<uint16_t> g_res_src(residual);
+    DeviceArray<uint16_t> g_res2(size_t(N * OC)), g_y3(size_t(N * OC));
+    gpu.forward(g_res2.bf(), OC, d_x.bf(), d_w.bf(), nullptr, N, IC, OC, /*residual=*/g_res_src.bf());
+    gpu.forward(g_y3.bf(), OC, d_x.bf(), d_w.bf(), d_bias.bf(), N, IC, OC, nullptr, /*same_input=*/true);
+    std::vector<float> wide_dy(size_t(N * 2 * OC), 0.0f);
+    for (int64_t r = 0; r < N; ++r)
+      for (int64_t j = 0; j < OC; ++j) wide_dy[size_t(r * 2 * OC + OC + j)] = dy[size_t(r * OC + j)];
+    const DeviceArray<uint16_t> d_wide_dy(wide_dy);
+    DeviceArray<uint16_t> g_dx2(size_t(N * IC)), g_dx3(size_t(N * IC));
+    DeviceArray<float> g_dw3(dw0), g_dw4(dw0), g_dw5(dw0);
+    gpu.backward(g_dx2.bf(), false, g_dw3.ptr, nullptr, d_dy.bf(), OC, d_x.bf(), d_w.bf(), N, IC, OC,
+                 bias_scratch.ptr, bias_scratch_bytes);
+    gpu.backward(g_dx3.bf(), false, g_dw4.ptr, nullptr, d_wide_dy.bf() + OC, 2 * OC, d_x.bf(), d_w.bf(), N, IC, OC,
+                 bias_scratch.ptr, bias_scratch_bytes, /*same_input=*/true);
+    gpu.backward(nullptr, false, g_dw5.ptr, nullptr, d_dy.bf(), OC, d_x.bf(), d_w.bf(), N, IC, OC, bias_scratch.ptr,
+                 bias_scratch_bytes, /*same_input=*/true);  // dweight alone: dout's scales from its own amax
+    TEST_CUDA(cudaStreamSynchronize(stream));
+    CHECK(g_res2.host() == g_res.host());
+    CHECK(g_y3.host() == g_y.host());
+    CHECK(g_dx2.host() == g_dx.host());
+    CHECK(g_dx3.host() == g_dx.host());
+    const std::vector<float> dw_alone = g_dw3.host();
+    CHECK(g_dw4.host() == dw_alone);
+    CHECK(g_dw5.host() == dw_alone);
   }
   cudaStreamDestroy(stream);
 }
