@@ -23,8 +23,9 @@
 #                                 docs/benchmarks.md "Asynchronous checkpoints"; ~3 min each)
 #                                 1b-fp32-residual 1b-32k-selective-fp32-residual (on request:
 #                                 model.residual_dtype = fp32, issue #34; beside 1b / 1b-32k-selective)
-#                                 1b-fp8 1b-fp8-rowwise 1b-32k-fp8 (on request: model.fp8 = tensorwise /
-#                                 rowwise, issue #30; compare with 1b / 1b-32k in the same call)
+#                                 1b-fp8 1b-fp8-rowwise 1b-32k-fp8 8b-32k-offload-selective-fp8 (on request:
+#                                 model.fp8 = tensorwise / rowwise, issue #30; compare with 1b / 1b-32k /
+#                                 8b-32k-offload-selective in the same call)
 #   ATTN=flash tools/bench.sh 1b  (device.attention for every run: auto | cudnn | flash)
 #   SHARDLM=path/to/shardlm tools/bench.sh 1b
 #   BENCH_TIMEOUT=120 tools/bench.sh 7b     (kill each run after 120 s)
@@ -185,6 +186,10 @@ for n in $names; do
     8b-32k-offload-selective) run 8b-32k-offload-selective inputs/bench/llama-8b.toml --set data.seq_len=32768 \
                                 --set data.global_batch=1 --set model.optim_offload_grads=device \
                                 --set model.activation_checkpointing=selective --set run.max_steps=4 ;;
+    8b-32k-offload-selective-fp8) run 8b-32k-offload-selective-fp8 inputs/bench/llama-8b.toml \
+                                    --set data.seq_len=32768 --set data.global_batch=1 \
+                                    --set model.optim_offload_grads=device --set model.activation_checkpointing=selective \
+                                    --set run.max_steps=4 --set model.fp8=tensorwise ;;
     # #31: the first units' optimizer state on the GPU (model.optim_gpu_state_gib,
     # automatic) against every unit offloaded (= 0, the pipeline alone), in one
     # call: `tools/bench.sh 8b-32k-offload-selective 8b-32k-offload-selective-pipeline

@@ -112,8 +112,8 @@ def main():
     for label, fp8 in (("bf16", "none"), (f"fp8-{args.mode}", args.mode)):
         args.set = base + [f"model.fp8={fp8}"]
         curves[label] = F.run_shardlm(args, model_dir, data_path, os.path.join(args.out, f"run-{label}"), label)
-    with open(os.path.join(args.out, "losses.json"), "w") as f:
-        json.dump(curves, f)
+        with open(os.path.join(args.out, "losses.json"), "w") as f:  # after each run: a cut-off call keeps the first
+            json.dump(curves, f)
     lines, _ = compare(curves["bf16"], curves[f"fp8-{args.mode}"], args.window, args.spike)
     print(f"\n{tag}, {args.steps} steps of {args.rows} x {args.seq} tokens, lr {args.lr} after {args.warmup} "
           f"warmup steps; model.fp8 = {args.mode} against bf16:\n")
