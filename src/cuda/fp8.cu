@@ -111,28 +111,55 @@ __global__ void amax_cols_kernel(const bf16* __restrict__ x, int64_t rows, int64
 }
 
 // cpu::fp8_scale, the same fp32 operations.
+__device__ float scale_from_amax(float a, float top) {
+  return (isfinite(a) && a > 0.0f) ? __fdiv_rn(top, fmaxf(a, 1e-12f)) : 1.0f;
+}
+
 __global__ void scales_kernel(const float* __restrict__ amax, int64_t n, float top, float* __restrict__ scale,
                               float* __restrict__ inv_scale) {
   const int64_t i = blockIdx.x * int64_t(kThreads) + threadIdx.x;
   if (i >= n) return;
-  const float a = amax[i];
-  const float s = (isfinite(a) && a > 0.0f) ? __fdiv_rn(top, fmaxf(a, 1e-12f)) : 1.0f;
+  const float s = scale_from_amax(amax[i], top);
   scale[i] = s;
   inv_scale[i] = __fdiv_rn(1.0f, s);
 }
 
-__device__ float scale_of(const float* scale, Fp8Scaling scaling, int64_t r, int64_t c) {
-  return scale[scaling == Fp8Scaling::Tensor ? 0 : scaling == Fp8Scaling::Rows ? r : c];
+// Where a quantise kernel's scales come from: the scale array, or (one tensor
+// scale, `amax` set) computed from the amax in the kernel itself, as
+// scales_kernel would, the grid's first thread writing it and its inverse to
+// scale_out / inv_out for the GEMM (fp8_scales and fp8_quantize in one launch).
+struct ScaleSource {
+  const float* scale;
+  const float* amax;  // nullptr: scale holds the scales
+  float top;
+  float* scale_out;
+  float* inv_out;
+};
+
+struct Scales {
+  const float* scale;
+  float tensor;
+  __device__ float at(Fp8Scaling scaling, int64_t r, int64_t c) const {
+    return scaling == Fp8Scaling::Tensor ? tensor : scaling == Fp8Scaling::Rows ? scale[r] : scale[c];
+  }
+};
+
+__device__ Scales scales_of(const ScaleSource& src, Fp8Scaling scaling) {
+  if (src.amax == nullptr) return {src.scale, scaling == Fp8Scaling::Tensor ? src.scale[0] : 0.0f};
+  const float s = scale_from_amax(src.amax[0], src.top);
+  if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0 && threadIdx.y == 0)
+    src.scale_out[0] = s, src.inv_out[0] = __fdiv_rn(1.0f, s);
+  return {nullptr, s};
 }
 
 __global__ void quantize_kernel(const bf16* __restrict__ x, int64_t rows, int64_t cols, int64_t ld,
-                                const float* __restrict__ scale, Fp8Scaling scaling, Fp8Format f,
-                                uint8_t* __restrict__ codes) {
+                                const ScaleSource src, Fp8Scaling scaling, Fp8Format f, uint8_t* __restrict__ codes) {
   const int64_t n = rows * cols;
   const __nv_fp8_interpretation_t kind = interpretation(f);
+  const Scales scale = scales_of(src, scaling);
   for (int64_t i = blockIdx.x * int64_t(kThreads) + threadIdx.x; i < n; i += int64_t(gridDim.x) * kThreads) {
     const int64_t r = i / cols, c = i % cols;
-    const float s = scale_of(scale, scaling, r, c);
+    const float s = scale.at(scaling, r, c);
     codes[i] = __nv_cvt_float_to_fp8(__fmul_rn(__bfloat162float(x[r * ld + c]), s), __NV_SATFINITE, kind);
   }
 }
@@ -142,12 +169,14 @@ __global__ void quantize_kernel(const bf16* __restrict__ x, int64_t rows, int64_
 // 8-column groups over the threads, so no index is divided (the scalar kernel's
 // 64-bit division per element made a memory-bound pass compute-bound).
 __global__ void quantize_vec_kernel(const bf16* __restrict__ x, int64_t rows, int64_t cols, int64_t ld,
-                                    const float* __restrict__ scale, Fp8Scaling scaling, Fp8Format f,
+                                    const ScaleSource src, Fp8Scaling scaling, Fp8Format f,
                                     uint8_t* __restrict__ codes) {
   const __nv_fp8_interpretation_t kind = interpretation(f);
+  const Scales sc = scales_of(src, scaling);
+  const float* scale = sc.scale;
   const int64_t groups = cols / 8;
   for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
-    const float row_scale = scaling == Fp8Scaling::Tensor ? scale[0] : scaling == Fp8Scaling::Rows ? scale[r] : 0.0f;
+    const float row_scale = scaling == Fp8Scaling::Tensor ? sc.tensor : scaling == Fp8Scaling::Rows ? scale[r] : 0.0f;
     for (int64_t g = blockIdx.x * int64_t(kThreads) + threadIdx.x; g < groups; g += int64_t(gridDim.x) * kThreads) {
       const uint4 raw = *reinterpret_cast<const uint4*>(x + r * ld + 8 * g);
       const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
@@ -170,10 +199,10 @@ __global__ void quantize_vec_kernel(const bf16* __restrict__ x, int64_t rows, in
 constexpr int kTile = 64, kTilePad = 68;  // a padded row keeps a column's 8 bytes on 8 banks
 __global__ void __launch_bounds__(kThreads)
 quantize_transpose_vec_kernel(const bf16* __restrict__ x, int64_t rows, int64_t cols, int64_t ld,
-                              const float* __restrict__ scale, Fp8Scaling scaling, Fp8Format f,
-                              uint8_t* __restrict__ codes) {
+                              const ScaleSource src, Fp8Scaling scaling, Fp8Format f, uint8_t* __restrict__ codes) {
   __shared__ __align__(16) uint8_t tile[kTile][kTilePad];
   const __nv_fp8_interpretation_t kind = interpretation(f);
+  const Scales sc = scales_of(src, scaling);
   const int64_t r0 = int64_t(blockIdx.y) * kTile, c0 = int64_t(blockIdx.x) * kTile;
   const int seg = threadIdx.x % 8, line = threadIdx.x / 8;  // 8 threads a 64-element line, 32 lines a pass
   for (int y = line; y < kTile; y += kThreads / 8) {
@@ -183,7 +212,7 @@ quantize_transpose_vec_kernel(const bf16* __restrict__ x, int64_t rows, int64_t 
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       const float v = j % 2 == 0 ? __low2float(h[j / 2]) : __high2float(h[j / 2]);
-      const float s = scaling == Fp8Scaling::Tensor ? scale[0] : scaling == Fp8Scaling::Rows ? scale[r] : scale[c + j];
+      const float s = sc.at(scaling, r, c + j);
       tile[y][8 * seg + j] = __nv_cvt_float_to_fp8(__fmul_rn(v, s), __NV_SATFINITE, kind);
     }
   }
@@ -198,15 +227,16 @@ quantize_transpose_vec_kernel(const bf16* __restrict__ x, int64_t rows, int64_t 
 
 // 32 x 32 tiles through shared memory: reads along x's rows, writes along codes' rows.
 __global__ void quantize_transpose_kernel(const bf16* __restrict__ x, int64_t rows, int64_t cols, int64_t ld,
-                                          const float* __restrict__ scale, Fp8Scaling scaling, Fp8Format f,
+                                          const ScaleSource src, Fp8Scaling scaling, Fp8Format f,
                                           uint8_t* __restrict__ codes) {
   __shared__ uint8_t tile[32][33];
   const __nv_fp8_interpretation_t kind = interpretation(f);
+  const Scales scale = scales_of(src, scaling);
   const int64_t r0 = blockIdx.y * 32, c0 = blockIdx.x * 32;
   for (int y = threadIdx.y; y < 32; y += 8) {
     const int64_t r = r0 + y, c = c0 + threadIdx.x;
     if (r < rows && c < cols) {
-      const float v = __fmul_rn(__bfloat162float(x[r * ld + c]), scale_of(scale, scaling, r, c));
+      const float v = __fmul_rn(__bfloat162float(x[r * ld + c]), scale.at(scaling, r, c));
       tile[y][threadIdx.x] = __nv_cvt_float_to_fp8(v, __NV_SATFINITE, kind);
     }
   }
@@ -276,9 +306,10 @@ void fp8_scales(const float* amax, int64_t n, Fp8Format f, float* scale, float* 
   CUDA_CHECK(cudaGetLastError());
 }
 
-void fp8_quantize(const bf16* x, int64_t rows, int64_t cols, const float* scale, Fp8Scaling scaling, Fp8Format f,
-                  uint8_t* codes, bool transpose, cudaStream_t stream, int64_t ld) {
-  if (rows == 0 || cols == 0) return;
+namespace {
+
+void launch_quantize(const bf16* x, int64_t rows, int64_t cols, const ScaleSource& scale, Fp8Scaling scaling,
+                     Fp8Format f, uint8_t* codes, bool transpose, cudaStream_t stream, int64_t ld) {
   if (ld == 0) ld = cols;
   const bool x16 = reinterpret_cast<uintptr_t>(x) % 16 == 0 && ld % 8 == 0;  // every row 16-byte aligned
   if (transpose && rows % kTile == 0 && cols % kTile == 0 && x16 && reinterpret_cast<uintptr_t>(codes) % 8 == 0 &&
@@ -297,6 +328,21 @@ void fp8_quantize(const bf16* x, int64_t rows, int64_t cols, const float* scale,
     quantize_kernel<<<grid_for(rows * cols), kThreads, 0, stream>>>(x, rows, cols, ld, scale, scaling, f, codes);
   }
   CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace
+
+void fp8_quantize(const bf16* x, int64_t rows, int64_t cols, const float* scale, Fp8Scaling scaling, Fp8Format f,
+                  uint8_t* codes, bool transpose, cudaStream_t stream, int64_t ld) {
+  if (rows == 0 || cols == 0) return;
+  launch_quantize(x, rows, cols, {scale, nullptr, 0.0f, nullptr, nullptr}, scaling, f, codes, transpose, stream, ld);
+}
+
+void fp8_quantize_tensor(const bf16* x, int64_t rows, int64_t cols, const float* amax, Fp8Format f, float* scale,
+                         float* inv_scale, uint8_t* codes, bool transpose, cudaStream_t stream, int64_t ld) {
+  if (rows == 0 || cols == 0) return fp8_scales(amax, 1, f, scale, inv_scale, stream);
+  launch_quantize(x, rows, cols, {nullptr, amax, cpu::fp8_max(f), scale, inv_scale}, Fp8Scaling::Tensor, f, codes,
+                  transpose, stream, ld);
 }
 
 Fp8Gemm::Fp8Gemm(cudaStream_t stream, void* workspace, size_t workspace_bytes)

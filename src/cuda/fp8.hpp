@@ -46,6 +46,11 @@ using Fp8Scaling = cpu::Fp8Scaling;
 // GEMMs read (cuBLASLt's FP8 kernels take both operands with K contiguous).
 void fp8_quantize(const bf16* x, int64_t rows, int64_t cols, const float* scale, Fp8Scaling scaling, Fp8Format f,
                   uint8_t* codes, bool transpose, cudaStream_t stream, int64_t ld = 0);
+// One tensor scale: fp8_scales(amax, 1, f, scale, inv_scale) and fp8_quantize(...,
+// scale, Tensor, ...) in one launch (the kernel computes the scale from amax as
+// fp8_scales does and writes it and its inverse): the same codes and scales.
+void fp8_quantize_tensor(const bf16* x, int64_t rows, int64_t cols, const float* amax, Fp8Format f, float* scale,
+                         float* inv_scale, uint8_t* codes, bool transpose, cudaStream_t stream, int64_t ld = 0);
 
 // C (M, N) = alpha (a_inv A) (b_inv B)^T + beta C_in, row-major: A (M, K) and B (N, K)
 // FP8 codes with K contiguous (row strides lda, ldb), a_inv / b_inv device fp32

@@ -43,12 +43,14 @@ void Fp8Linear::quantize(const bf16* x, int64_t rows, int64_t cols, Fp8Scaling s
   float* inv = scales;
   float* amax = scales + scale_block(n);
   float* scale = scales + 2 * scale_block(n);
-  if (!reuse_scales) {
-    if (scaling == Fp8Scaling::Tensor) fp8_amax(x, rows, cols, ld ? ld : cols, amax, stream_);
-    else if (scaling == Fp8Scaling::Rows) fp8_amax_rows(x, rows, cols, amax, stream_, ld);
-    else fp8_amax_cols(x, rows, cols, amax, stream_, ld);
-    fp8_scales(amax, n, f, scale, inv, stream_);
+  if (reuse_scales) return fp8_quantize(x, rows, cols, scale, scaling, f, codes, transpose, stream_, ld);
+  if (scaling == Fp8Scaling::Tensor) {  // the scale made inside the quantise kernel: one launch fewer
+    fp8_amax(x, rows, cols, ld ? ld : cols, amax, stream_);
+    return fp8_quantize_tensor(x, rows, cols, amax, f, scale, inv, codes, transpose, stream_, ld);
   }
+  if (scaling == Fp8Scaling::Rows) fp8_amax_rows(x, rows, cols, amax, stream_, ld);
+  else fp8_amax_cols(x, rows, cols, amax, stream_, ld);
+  fp8_scales(amax, n, f, scale, inv, stream_);
   fp8_quantize(x, rows, cols, scale, scaling, f, codes, transpose, stream_, ld);
 }
 

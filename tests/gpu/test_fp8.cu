@@ -233,6 +233,24 @@ void kernel_checks(uint64_t seed, cudaStream_t stream) {
           check_count(std::string("quantize ") + name_of(f) + " per " + how + (transpose ? " transposed " : " ") + shape +
                           ", rows " + std::to_string(ld) + " apart = packed",
                       bad, n);
+          if (scaling == gpu::Fp8Scaling::Tensor) {
+            // The scale made inside the quantise kernel (fp8_quantize_tensor): the same codes, scale and inverse.
+            float* scale2 = device_alloc<float>(1);
+            float* inv2 = device_alloc<float>(1);
+            CUDA_CHECK(cudaMemsetAsync(codes, 0xAB, size_t(n), stream));
+            gpu::fp8_amax(x, n, amax, stream);
+            gpu::fp8_quantize_tensor(xw, rows, cols, amax, f, scale2, inv2, codes, transpose, stream, ld);
+            CUDA_CHECK(cudaStreamSynchronize(stream));
+            const auto got_fused = download(codes, size_t(n));
+            bad = 0;
+            for (int64_t i = 0; i < n; ++i) bad += got_fused[size_t(i)] != got[size_t(i)];
+            bad += download(scale2, 1)[0] != ref_scale[0] || download(inv2, 1)[0] != 1.0f / ref_scale[0];
+            check_count(std::string("quantize ") + name_of(f) + " per tensor, scale in the kernel" +
+                            (transpose ? ", transposed " : " ") + shape,
+                        bad, n + 1);
+            CUDA_CHECK(cudaFree(scale2));
+            CUDA_CHECK(cudaFree(inv2));
+          }
         }
       }
     CUDA_CHECK(cudaFree(x));
