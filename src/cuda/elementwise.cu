@@ -318,7 +318,7 @@ __global__ void prefetch_l2_kernel(const char* __restrict__ p, int64_t bytes) {
   const int64_t at = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * kPrefetchPiece;
   if (at >= bytes) return;
   const uint32_t n = uint32_t(bytes - at < kPrefetchPiece ? bytes - at : kPrefetchPiece) & ~15u;
-  if (n > 0) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p + at), "r"(n) : "memory");
+  if (n > 0) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(__cvta_generic_to_global(p + at)), "r"(n) : "memory");
 }
 
 }  // namespace
