@@ -43,14 +43,20 @@ __global__ void amax_kernel(const bf16* __restrict__ x, int64_t n, float* __rest
   if (threadIdx.x == 0) atomic_max_nonnegative(amax, m);
 }
 
+// max(m, |p[0]|, ..., |p[7]|): one 16-byte load (p 16-byte aligned).
+__device__ __forceinline__ float abs_max8(const bf16* p, float m) {
+  const uint4 raw = *reinterpret_cast<const uint4*>(p);
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) m = fmaxf(m, fmaxf(fabsf(__low2float(h[j])), fabsf(__high2float(h[j]))));
+  return m;
+}
+
 // The same maximum, 8 elements a load (n a multiple of 8, x 16-byte aligned).
 __global__ void amax_vec_kernel(const bf16* __restrict__ x, int64_t n, float* __restrict__ amax) {
   float m = 0.0f;
   for (int64_t i = blockIdx.x * int64_t(kThreads) + threadIdx.x; i < n / 8; i += int64_t(gridDim.x) * kThreads) {
-    const uint4 raw = *reinterpret_cast<const uint4*>(x + 8 * i);
-    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) m = fmaxf(m, fmaxf(fabsf(__low2float(h[j])), fabsf(__high2float(h[j]))));
+    m = abs_max8(x + 8 * i, m);
   }
   m = block_max(m);
   if (threadIdx.x == 0) atomic_max_nonnegative(amax, m);
@@ -63,10 +69,7 @@ __global__ void amax_vec2d_kernel(const bf16* __restrict__ x, int64_t rows, int6
   float m = 0.0f;
   for (int64_t r = blockIdx.y; r < rows; r += gridDim.y)
     for (int64_t g = blockIdx.x * int64_t(kThreads) + threadIdx.x; g < cols / 8; g += int64_t(gridDim.x) * kThreads) {
-      const uint4 raw = *reinterpret_cast<const uint4*>(x + r * ld + 8 * g);
-      const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
-#pragma unroll
-      for (int j = 0; j < 4; ++j) m = fmaxf(m, fmaxf(fabsf(__low2float(h[j])), fabsf(__high2float(h[j]))));
+      m = abs_max8(x + r * ld + 8 * g, m);
     }
   m = block_max(m);
   if (threadIdx.x == 0) atomic_max_nonnegative(amax, m);
