@@ -71,6 +71,10 @@ struct EngineOptions {
   // model.residual_dtype = "fp32": the residual stream and its gradient in fp32
   // between kernels (the GEMM operands stay bf16). The CPU backend is fp32 throughout.
   bool residual_fp32 = false;
+  // model.norm_dtype = "fp32": the RMSNorm kernels read the norm weights in fp32,
+  // copies of the masters the engine keeps current (Backend::norm_weights_fp32),
+  // instead of the gathered unit's bf16 (GPU backends; the CPU reads its masters).
+  bool norm_fp32 = false;
 };
 
 // Token arrays of one micro-batch (host memory), each (N).
@@ -123,6 +127,12 @@ class Backend {
   virtual void attach_shards(const ModelLayout& layout) = 0;
   virtual void set_param_shard(int unit, const float* master, int64_t n) = 0;
   virtual const void* param_shard(int unit) const = 0;
+
+  // model.norm_dtype = "fp32": where the backend reads `unit`'s norm weights in
+  // fp32 (backend memory, packed as norm_slots(unit)); the engine copies them
+  // from the masters whenever these change. nullptr: the backend reads the
+  // gathered unit's own (bf16; the CPU backend's are the fp32 masters).
+  virtual float* norm_weights_fp32(int /*unit*/) { return nullptr; }
 
   // Wait for queued device work (step-time breakdown; a no-op on the CPU).
   virtual void synchronize() {}

@@ -66,6 +66,16 @@ struct ModelLayout {
   const Located find(const std::string& name) const;  // unit == nullptr when absent
 };
 
+// model.norm_dtype = "fp32": a unit's norm weights (ParamKind::Norm) as the GPU
+// backend keeps them in fp32, packed in unit order, each starting on a multiple
+// of kShardAlign floats: each one's place, and the floats a unit needs.
+struct NormSlot {
+  const ParamInfo* param;
+  int64_t packed = 0;            // floats from the start of the unit's packed norms
+};
+std::vector<NormSlot> norm_slots(const Unit& u);
+int64_t norm_slot_floats(const Unit& u);
+
 // Pointers to one layer's weights inside a gathered unit buffer (nullptr where
 // the architecture has no such parameter).
 template <class T>

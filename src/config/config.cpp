@@ -127,6 +127,7 @@ const std::vector<KeySpec>& key_table() {
       up_to(positive(key("model.context_parallel", Type::Int, FIELD(model.context_parallel))), 65536),
       one_of(key("model.fp8", Type::String, FIELD(model.fp8)), {"none", "tensorwise", "rowwise"}),
       one_of(key("model.residual_dtype", Type::String, FIELD(model.residual_dtype)), {"bf16", "fp32"}),
+      one_of(key("model.norm_dtype", Type::String, FIELD(model.norm_dtype)), {"bf16", "fp32"}),
 
       key("data.path", Type::Strings, FIELD(data.path)),
       within(key("data.weights", Type::Floats, FIELD(data.weights)), 0, 1e6),

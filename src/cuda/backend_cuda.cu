@@ -109,6 +109,26 @@ class CudaBackend final : public Backend {
     for (const auto& u : layout.units) largest = std::max(largest, u.padded_numel);
     staging_floats_ = largest;  // the staging buffers are made on first use: device state needs none
     for (const auto& u : layout.units) shards_.push_back(static_cast<bf16*>(own(Mem::ParamShard, 2 * u.shard_numel)));
+    // Where each unit's fp32 norm weights go in norm_fp32_ (model.norm_dtype).
+    int64_t at = 0;
+    for (const auto& u : layout.units) {
+      UnitNorms n;
+      n.base = at;
+      for (const NormSlot& slot : norm_slots(u)) {
+        const std::string& name = slot.param->name;
+        auto ends = [&](const char* suffix) {
+          const size_t k = std::strlen(suffix);
+          return name.size() >= k && name.compare(name.size() - k, k, suffix) == 0;
+        };
+        int64_t* where = ends("input_layernorm.weight") ? &n.input : ends("q_norm.weight") ? &n.q
+                       : ends("k_norm.weight") ? &n.k : ends("post_attention_layernorm.weight") ? &n.post
+                       : ends("model.norm.weight") ? &n.final : nullptr;
+        SHARDLM_CHECK(where, "internal: the CUDA backend has no place for the norm weight %s", name.c_str());
+        *where = at + slot.packed;
+      }
+      at += norm_slot_floats(u);
+      unit_norms_.push_back(n);
+    }
   }
 
   void set_param_shard(int unit, const float* master, int64_t n) override {
@@ -117,6 +137,7 @@ class CudaBackend final : public Backend {
     cuda::cast_f32_to_bf16(shards_[unit], device_staging_, n, stream_);
   }
   const void* param_shard(int unit) const override { return shards_[unit]; }
+  float* norm_weights_fp32(int unit) override { return norm_fp32_ ? norm_fp32_ + unit_norms_[size_t(unit)].base : nullptr; }
 
   void* param_shard_mut(int unit) override { return shards_[unit]; }
   void synchronize() override {
@@ -254,6 +275,11 @@ class CudaBackend final : public Backend {
     const Mem act = Mem::Activations, w = Mem::Workspace;
     std::vector<BufferRow> rows;
     rows.push_back(row("inv_freq", w, d.D / 2, &inv_freq_));  // cpu::rope_inv_freq as float, (D/2)
+    if (o.norm_fp32) {  // every unit's norm weights in fp32, packed as norm_slots (model.norm_dtype)
+      int64_t floats = 0;
+      for (const Unit& u : ModelLayout(c, 1).units) floats += norm_slot_floats(u);
+      rows.push_back(row("norm_weights_fp32", w, floats, &norm_fp32_));
+    }
     rows.push_back(row("tokens", w, d.N, &tokens_));
     rows.push_back(row("targets", w, d.N, &targets_));
     rows.push_back(row("positions", w, d.N, &positions_));
@@ -477,7 +503,8 @@ class CudaBackend final : public Backend {
   }
 
   void layer_forward(int l, const Unit& unit, const void* params) override {
-    forward_layer(layer_weights(unit, bf(params)), residual_[l], residual_[l + 1], acts(l));
+    forward_layer(layer_weights(unit, bf(params)), layer_norms(l, unit, bf(params)), residual_[l], residual_[l + 1],
+                  acts(l));
   }
 
   LossStats head_loss_backward(const void* norm_weight, const void* lm_head, float* norm_grad, float* lm_head_grad,
@@ -485,7 +512,7 @@ class CudaBackend final : public Backend {
     const Dims& d = d_;
     SHARDLM_CHECK(!options_.rl || has_rl_inputs_, "internal: an RL micro-batch without advantages, logprobs or temperatures");
     const void* x = residual_[config_.num_layers];
-    norm_forward(xf_, rstdf_, x, bf(norm_weight));
+    norm_forward(xf_, rstdf_, x, final_norm(norm_weight));
     LossStats stats;
     // RL: the chunks add their sums into rl_stats_, zeroed here (no chunk may run).
     if (options_.rl) CUDA_CHECK(cudaMemsetAsync(rl_stats_, 0, 8 * cuda::kRlStatsFields, stream_));
@@ -511,7 +538,7 @@ class CudaBackend final : public Backend {
       cuda::linear_backward(*gemm_, dxf_ + t0 * d.C, lm_head_grad, nullptr, logits_, xf_ + t0 * d.C, bf(lm_head), n,
                             d.C, d.V, scratch_, scratch_bytes_);
     }
-    norm_backward(d_x_, norm_grad, dxf_, x, bf(norm_weight), rstdf_, nullptr);
+    norm_backward(d_x_, norm_grad, dxf_, x, final_norm(norm_weight), rstdf_, nullptr);
     // The one host synchronisation of a micro-batch: the loss value (RL: all its statistics).
     double loss = 0;
     std::array<double, cuda::kRlStatsFields> rl{};
@@ -535,10 +562,12 @@ class CudaBackend final : public Backend {
 
   void layer_backward(int l, const Unit& unit, const void* params, float* grads) override {
     const LayerWeights<const bf16> w = layer_weights(unit, bf(params));
+    const LayerNorms norms = layer_norms(l, unit, bf(params));
     const LayerWeights<float> g = layer_weights(unit, grads);
     Acts& a = acts(l);
     const void* x_in = residual_[l];
-    if (options_.checkpoint_activations) forward_layer(w, x_in, recompute_out_, a, /*skip_attention=*/keeps_attention(l));
+    if (options_.checkpoint_activations)
+      forward_layer(w, norms, x_in, recompute_out_, a, /*skip_attention=*/keeps_attention(l));
     const Dims& d = d_;
     const int64_t N = n_;
     // MLP: x_out = x_mid + down(silu(gate) * up)
@@ -548,7 +577,7 @@ class CudaBackend final : public Backend {
     cuda::swiglu_backward(dgu, 2 * d.I, dgu + d.I, 2 * d.I, dh_, d.I, a.gu, 2 * d.I, a.gu + d.I, 2 * d.I, N, d.I,
                           stream_);
     gate_up_backward(dgu, a.xn2, w, g);
-    norm_backward(d_mid_, g.post_norm, d_xn_, a.x_mid, w.post_norm, a.rstd2, d_x_);
+    norm_backward(d_mid_, g.post_norm, d_xn_, a.x_mid, norms.post, a.rstd2, d_x_);
     // attention: x_mid = x_in + o(attn(rope(norm(q)), rope(norm(k)), v)); its
     // gradients go where gate/up were (dead now), when they fit there
     if (phases_.attention_in_gu) place_attention_phase(reinterpret_cast<char*>(a.gu));
@@ -559,9 +588,9 @@ class CudaBackend final : public Backend {
     const bf16* dq = dq_;
     const bf16* dk = dk_;
     if (config_.qk_norm) {
-      cuda::rmsnorm_backward(dq_raw_, g.q_norm, dq_, a.q_raw, w.q_norm, a.q_rstd, nullptr, N * d.H, d.D, scratch_,
+      cuda::rmsnorm_backward(dq_raw_, g.q_norm, dq_, a.q_raw, norms.q, a.q_rstd, nullptr, N * d.H, d.D, scratch_,
                              scratch_bytes_, stream_);
-      cuda::rmsnorm_backward(dk_raw_, g.k_norm, dk_, a.k_raw, w.k_norm, a.k_rstd, nullptr, N * d.KV, d.D, scratch_,
+      cuda::rmsnorm_backward(dk_raw_, g.k_norm, dk_, a.k_raw, norms.k, a.k_rstd, nullptr, N * d.KV, d.D, scratch_,
                              scratch_bytes_, stream_);
       dq = dq_raw_;
       dk = dk_raw_;
@@ -570,7 +599,7 @@ class CudaBackend final : public Backend {
     // k's and v's input gradients are added to q's in their GEMMs' epilogues.
     project_backward(d_xn_, g.wk, g.bk, dk, a.xn1, w.wk, d.C, d.KVD, cuda::Dinp::Accumulate, /*same_input=*/true);
     project_backward(d_xn_, g.wv, g.bv, dv_, a.xn1, w.wv, d.C, d.KVD, cuda::Dinp::Accumulate, /*same_input=*/true);
-    norm_backward(d_x_, g.input_norm, d_xn_, x_in, w.input_norm, a.rstd1, d_mid_);
+    norm_backward(d_x_, g.input_norm, d_xn_, x_in, norms.input, a.rstd1, d_mid_);
   }
 
   void embed_backward(float* table_grad) override {
@@ -584,7 +613,7 @@ class CudaBackend final : public Backend {
   // backward GEMMs (grad_scale 0 leaves zeros in the scratch logits).
   LossStats head_loss(const void* norm_weight, const void* lm_head) override {
     const Dims& d = d_;
-    norm_forward(xf_, rstdf_, residual_[config_.num_layers], bf(norm_weight));
+    norm_forward(xf_, rstdf_, residual_[config_.num_layers], final_norm(norm_weight));
     LossStats stats;
     for (int64_t t0 = 0; t0 < n_; t0 += d.chunk) {
       const int64_t n = std::min(d.chunk, n_ - t0);
@@ -606,7 +635,7 @@ class CudaBackend final : public Backend {
 
   void head_logits(const void* norm_weight, const void* lm_head, float* logits) override {
     const Dims& d = d_;
-    norm_forward(xf_, rstdf_, residual_[config_.num_layers], bf(norm_weight));
+    norm_forward(xf_, rstdf_, residual_[config_.num_layers], final_norm(norm_weight));
     std::vector<uint16_t> host(d.chunk * d.V);
     for (int64_t t0 = 0; t0 < n_; t0 += d.chunk) {
       const int64_t n = std::min(d.chunk, n_ - t0);
@@ -634,13 +663,13 @@ class CudaBackend final : public Backend {
 
   // The residual stream's kernels, for either of its types (model.residual_dtype).
   bool fp32_stream() const { return stream_bytes_ == 4; }
-  void norm_forward(bf16* out, float* rstd, const void* x, const bf16* weight) {
+  void norm_forward(bf16* out, float* rstd, const void* x, cuda::NormWeight weight) {
     if (fp32_stream()) cuda::rmsnorm_forward(out, rstd, f32(x), weight, n_, d_.C, config_.rms_norm_eps, stream_);
     else cuda::rmsnorm_forward(out, rstd, bf(x), weight, n_, d_.C, config_.rms_norm_eps, stream_);
   }
   // x_mid = x_in + projected (rounded to the stream's type), normed = its norm.
   void add_norm_forward(void* x_mid, bf16* normed, float* rstd, const void* x_in, const bf16* projected,
-                        const bf16* weight) {
+                        cuda::NormWeight weight) {
     const double eps = config_.rms_norm_eps;
     if (fp32_stream())
       cuda::residual_rmsnorm_forward(f32(x_mid), normed, rstd, f32(x_in), projected, weight, n_, d_.C, eps, stream_);
@@ -648,7 +677,7 @@ class CudaBackend final : public Backend {
   }
   // dinp = the norm's backward + dresidual; an fp32 stream also leaves dinp
   // rounded to bf16 in d_stream_bf16_ for the projection backward that reads it.
-  void norm_backward(void* dinp, float* dweight, const bf16* dout, const void* inp, const bf16* weight,
+  void norm_backward(void* dinp, float* dweight, const bf16* dout, const void* inp, cuda::NormWeight weight,
                      const float* rstd, const void* dresidual) {
     if (fp32_stream())
       cuda::rmsnorm_backward(f32(dinp), d_stream_bf16_, dweight, dout, f32(inp), weight, rstd, f32(dresidual), n_,
@@ -679,22 +708,39 @@ class CudaBackend final : public Backend {
     CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_));
   }
 
+  // A layer's norm weights as its kernels read them: the fp32 copies
+  // (model.norm_dtype = "fp32") or the gathered unit's bf16.
+  struct LayerNorms {
+    cuda::NormWeight input, q, k, post;
+  };
+  LayerNorms layer_norms(int l, const Unit& unit, const bf16* params) const {
+    const LayerWeights<const bf16> w = layer_weights(unit, params);
+    if (!norm_fp32_) return {w.input_norm, w.q_norm, w.k_norm, w.post_norm};
+    const UnitNorms& n = unit_norms_[size_t(1 + l)];
+    auto at = [&](int64_t off) -> const float* { return off < 0 ? nullptr : norm_fp32_ + off; };
+    return {at(n.input), at(n.q), at(n.k), at(n.post)};
+  }
+  cuda::NormWeight final_norm(const void* gathered) const {
+    if (!norm_fp32_) return bf(gathered);
+    return static_cast<const float*>(norm_fp32_ + unit_norms_.back().final);
+  }
+
   // skip_attention: activation checkpointing's second forward in backward, for a
   // layer whose attention output selective checkpointing kept.
-  void forward_layer(const LayerWeights<const bf16>& w, const void* x_in, void* x_out, Acts& a,
-                     bool skip_attention = false) {
+  void forward_layer(const LayerWeights<const bf16>& w, const LayerNorms& norms, const void* x_in, void* x_out,
+                     Acts& a, bool skip_attention = false) {
     const Dims& d = d_;
     const int64_t N = n_;
     const double eps = config_.rms_norm_eps;
-    norm_forward(a.xn1, a.rstd1, x_in, w.input_norm);
+    norm_forward(a.xn1, a.rstd1, x_in, norms.input);
     bf16* q_proj = config_.qk_norm ? a.q_raw : a.q;
     bf16* k_proj = config_.qk_norm ? a.k_raw : a.k;
     project(q_proj, a.xn1, w.wq, w.bq, d.C, d.HD);
     project(k_proj, a.xn1, w.wk, w.bk, d.C, d.KVD, nullptr, /*same_input=*/true);
     project(a.v, a.xn1, w.wv, w.bv, d.C, d.KVD, nullptr, /*same_input=*/true);
     if (config_.qk_norm) {
-      cuda::rmsnorm_forward(a.q, a.q_rstd, a.q_raw, w.q_norm, N * d.H, d.D, eps, stream_);
-      cuda::rmsnorm_forward(a.k, a.k_rstd, a.k_raw, w.k_norm, N * d.KV, d.D, eps, stream_);
+      cuda::rmsnorm_forward(a.q, a.q_rstd, a.q_raw, norms.q, N * d.H, d.D, eps, stream_);
+      cuda::rmsnorm_forward(a.k, a.k_rstd, a.k_raw, norms.k, N * d.KV, d.D, eps, stream_);
     }
     cuda::rope_forward(a.q, positions_, inv_freq_, N, d.H, d.D, d.HD, stream_);
     cuda::rope_forward(a.k, positions_, inv_freq_, N, d.KV, d.D, d.KVD, stream_);
@@ -704,7 +750,7 @@ class CudaBackend final : public Backend {
     // to the stream unrounded.
     bf16* projected = fp32_stream() ? proj_out_ : bf(x_out);
     project(projected, a.att, w.wo, nullptr, d.HD, d.C);
-    add_norm_forward(a.x_mid, a.xn2, a.rstd2, x_in, projected, w.post_norm);
+    add_norm_forward(a.x_mid, a.xn2, a.rstd2, x_in, projected, norms.post);
     gate_up_forward(a.gu, a.xn2, w);
     cuda::swiglu_forward(a.h, d.I, a.gu, 2 * d.I, a.gu + d.I, 2 * d.I, N, d.I, stream_);
     if (!fp32_stream()) return project(bf(x_out), a.h, w.w_down, nullptr, d.I, d.C, /*residual=*/bf(a.x_mid));
@@ -761,6 +807,14 @@ class CudaBackend final : public Backend {
   cuda::Fp8Linear::Buffers fp8_buffers_;   // its scratch, from the buffer table
   std::vector<std::pair<void*, size_t>> owned_;
   std::vector<bf16*> shards_;            // per unit: bf16 copy of the master shard
+  // model.norm_dtype = "fp32": every unit's norm weights in fp32 (norm_slots
+  // packing, the engine keeps them equal to the masters), and where each is.
+  struct UnitNorms {
+    int64_t base = 0;                               // the unit's first float in norm_fp32_
+    int64_t input = -1, q = -1, k = -1, post = -1, final = -1;  // each weight's first float; -1: none
+  };
+  float* norm_fp32_ = nullptr;
+  std::vector<UnitNorms> unit_norms_;
   float* host_staging_ = nullptr;        // pinned (max padded numel) for gradients to the host
   float* device_staging_ = nullptr;      // (max padded numel) masters on their way to bf16
   int64_t staging_floats_ = 0;

@@ -85,6 +85,7 @@ class CudaDeviceUnits final : public DeviceUnits {
   }
 
   int count() const override { return static_cast<int>(units_.size()); }
+  const float* master(int unit) const override { return units_[size_t(unit)].param; }
   int64_t numel(size_t u) const { return units_[u].n; }
   float* grad(size_t u) { return units_[u].grad; }
   size_t states() const { return units_.empty() ? 0 : units_[0].states.size(); }
@@ -183,6 +184,7 @@ class CudaDeviceState final : public TrainingState {
     for (size_t u = 0; u < units(); ++u) CUDA_CHECK(cudaMemsetAsync(units_.grad(u), 0, 4 * units_.numel(u), stream_));
   }
   float* direct_grad(int unit) override { return units_.grad(size_t(unit)); }
+  const float* master_shard(int unit) override { return units_.master(unit); }
   void add_reduced(int unit, const void* reduced, int64_t n, DType type) override {
     backend_.accumulate(units_.grad(size_t(unit)), reduced, n, type);
   }
@@ -205,6 +207,7 @@ class CudaDeviceState final : public TrainingState {
     const int64_t step = optimizer_.steps_taken() + 1;
     units_.update(step, lr, clip);
     optimizer_.set_steps_taken(step);
+    ++param_version_;
   }
 
   void pull() override { units_.pull(); }
@@ -271,7 +274,10 @@ class CudaDeviceState final : public TrainingState {
     CUDA_CHECK(cudaEventSynchronize(unit_copied_[size_t(unit)]));
   }
 
-  void push() override { units_.push(); }
+  void push() override {
+    units_.push();
+    ++param_version_;
+  }
 
  private:
   size_t units() const { return size_t(units_.count()); }

@@ -61,27 +61,38 @@ void embedding_backward(float* dtable, const bf16* dout, const int32_t* ids, int
 
 // ---------------------------------------------------------------- RMSNorm
 
+// A norm's weight (C) as the kernels read it: the gathered unit's bf16 copy, or
+// fp32 (model.norm_dtype = "fp32": the master's values, as transformers reads
+// them under autocast). Either converts implicitly from its pointer.
+struct NormWeight {
+  const bf16* b = nullptr;
+  const float* f = nullptr;
+  NormWeight(const bf16* w) : b(w) {}   // NOLINT(google-explicit-constructor)
+  NormWeight(const float* w) : f(w) {}  // NOLINT(google-explicit-constructor)
+  const void* ptr() const { return f ? static_cast<const void*>(f) : static_cast<const void*>(b); }
+};
+
 // HF LlamaRMSNorm: out = weight * (inp * rstd), rstd = 1 / sqrt(mean(inp^2) + eps).
 //   out (rows, C) overwritten (may alias inp); rstd (rows) fp32 saved for backward;
 //   inp (rows, C); weight (C). Qwen3 q/k norm: rows = N * heads, C = head_dim.
 //   C <= 8192 (C <= 1024 when C is not a multiple of 8).
-void rmsnorm_forward(bf16* out, float* rstd, const bf16* inp, const bf16* weight,
+void rmsnorm_forward(bf16* out, float* rstd, const bf16* inp, NormWeight weight,
                      int64_t rows, int64_t C, double eps, cudaStream_t stream);
 
 // Fused residual add + norm: residual_out = bf16(a + b); normed = rmsnorm of the
 // rounded residual_out (what an unfused add then norm computes).
 //   residual_out may alias a or b; normed must not alias a, b or residual_out.
 void residual_rmsnorm_forward(bf16* residual_out, bf16* normed, float* rstd,
-                              const bf16* a, const bf16* b, const bf16* weight,
+                              const bf16* a, const bf16* b, NormWeight weight,
                               int64_t rows, int64_t C, double eps, cudaStream_t stream);
 
 // model.residual_dtype = "fp32": the residual stream (inp, a, residual_out) in fp32.
 // The sum a + b is not rounded (b, a projection's bf16 output, is added exactly as
 // transformers adds a bf16 module output to its fp32 residual under autocast).
-void rmsnorm_forward(bf16* out, float* rstd, const float* inp, const bf16* weight,
+void rmsnorm_forward(bf16* out, float* rstd, const float* inp, NormWeight weight,
                      int64_t rows, int64_t C, double eps, cudaStream_t stream);
 void residual_rmsnorm_forward(float* residual_out, bf16* normed, float* rstd,
-                              const float* a, const bf16* b, const bf16* weight,
+                              const float* a, const bf16* b, NormWeight weight,
                               int64_t rows, int64_t C, double eps, cudaStream_t stream);
 
 // dinp = norm backward (+ dresidual when not nullptr: the residual stream's gradient
@@ -91,14 +102,14 @@ void residual_rmsnorm_forward(float* residual_out, bf16* normed, float* rstd,
 //   partials in scratch and an ordered column pass.
 size_t rmsnorm_backward_scratch_bytes(int64_t rows, int64_t C);
 void rmsnorm_backward(bf16* dinp, float* dweight, const bf16* dout, const bf16* inp,
-                      const bf16* weight, const float* rstd, const bf16* dresidual,
+                      NormWeight weight, const float* rstd, const bf16* dresidual,
                       int64_t rows, int64_t C, void* scratch, size_t scratch_bytes,
                       cudaStream_t stream);
 // The same on an fp32 residual stream (inp, dresidual and dinp fp32, nothing
 // rounded); dinp_bf16 (rows, C), when not nullptr, gets dinp rounded to bf16 in
 // the same pass: the operand of the projection backward that reads it next.
 void rmsnorm_backward(float* dinp, bf16* dinp_bf16, float* dweight, const bf16* dout,
-                      const float* inp, const bf16* weight, const float* rstd,
+                      const float* inp, NormWeight weight, const float* rstd,
                       const float* dresidual, int64_t rows, int64_t C, void* scratch,
                       size_t scratch_bytes, cudaStream_t stream);
 

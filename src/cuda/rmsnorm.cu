@@ -122,12 +122,28 @@ template <int VEC> struct StreamVec<float, VEC> {
   }
 };
 
+// VEC weights from column c as floats: fp32 (wf, model.norm_dtype = "fp32") or
+// bf16 (wb, the gathered unit's copy); one of the two is nullptr.
+template <int VEC>
+__device__ __forceinline__ void load_norm_weight(float (&w)[VEC], const bf16* __restrict__ wb,
+                                                 const float* __restrict__ wf, int c) {
+  if (wf) {
+    const StreamVec<float, VEC> x = StreamVec<float, VEC>::load(wf + c);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) w[j] = x.get(j);
+  } else {
+    const Pack<bf16, VEC> x = Pack<bf16, VEC>::load(wb + c);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) w[j] = f32(x.v[j]);
+  }
+}
+
 // TX: the residual stream's element type. kResidual: residual_out = a + b (b, a
 // projection's bf16 output), rounded to TX, and the norm of what was stored.
 template <int VEC, int KMAX, bool kResidual, class TX>
 __global__ void __launch_bounds__(kNormThreads)
 rmsnorm_forward_kernel(TX* residual_out, bf16* normed, float* __restrict__ rstd,
-                       const TX* a, const bf16* b, const bf16* __restrict__ weight,
+                       const TX* a, const bf16* b, const bf16* __restrict__ wb, const float* __restrict__ wf,
                        int64_t rows, int C, float eps, int G, int K) {
   using P = Pack<bf16, VEC>;
   using X = StreamVec<TX, VEC>;
@@ -163,10 +179,11 @@ rmsnorm_forward_kernel(TX* residual_out, bf16* normed, float* __restrict__ rstd,
   for (int k = 0; k < KMAX; ++k) {
     const int c = (k * G + lane) * VEC;
     if (k >= K || c >= C) continue;
-    const P w = P::load(weight + c);
+    float w[VEC];
+    load_norm_weight(w, wb, wf, c);
     P y;
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) y.v[j] = to_bf16(f32(w.v[j]) * (xs[k].get(j) * s));
+    for (int j = 0; j < VEC; ++j) y.v[j] = to_bf16(w[j] * (xs[k].get(j) * s));
     y.store(normed + row * C + c);
   }
 }
@@ -180,7 +197,7 @@ rmsnorm_forward_kernel(TX* residual_out, bf16* normed, float* __restrict__ rstd,
 template <int VEC, int KMAX, bool kResidual, class TX>
 __global__ void __launch_bounds__(kNormThreads)
 rmsnorm_backward_kernel(TX* dinp, bf16* dinp_bf16, float* __restrict__ partial, const bf16* __restrict__ dout,
-                        const TX* __restrict__ inp, const bf16* __restrict__ weight,
+                        const TX* __restrict__ inp, const bf16* __restrict__ wb, const float* __restrict__ wf,
                         const float* __restrict__ rstd, const TX* dresidual, int64_t rows,
                         int C, int G, int K, int64_t rows_per_block) {
   using P = Pack<bf16, VEC>;
@@ -194,14 +211,9 @@ rmsnorm_backward_kernel(TX* dinp, bf16* dinp_bf16, float* __restrict__ partial, 
 #pragma unroll
   for (int k = 0; k < KMAX; ++k) {
     const int c = (k * G + lane) * VEC;
-    P wp;
-    wp.raw = {};
-    if (k < K && c < C) wp = P::load(weight + c);
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) {
-      w[k][j] = f32(wp.v[j]);
-      acc[k][j] = 0.0f;
-    }
+    for (int j = 0; j < VEC; ++j) w[k][j] = 0.0f, acc[k][j] = 0.0f;
+    if (k < K && c < C) load_norm_weight(w[k], wb, wf, c);
   }
 
   const int64_t r0 = int64_t(blockIdx.x) * rows_per_block;
@@ -292,18 +304,18 @@ int64_t norm_rows_per_block(int64_t rows, const NormGeom& g) {
 
 template <bool kResidual, class TX>
 void launch_rmsnorm_forward(TX* residual_out, bf16* normed, float* rstd, const TX* a,
-                            const bf16* b, const bf16* weight, int64_t rows, int64_t C,
+                            const bf16* b, NormWeight weight, int64_t rows, int64_t C,
                             double eps, cudaStream_t stream, const char* op) {
   check_size(rows, INT64_MAX / 8, "rows", op);
   check_size(C, INT_MAX, "C", op);
   if (rows == 0 || C == 0) return;
-  const bool vec = norm_vec_ok(C, {residual_out, normed, a, b, weight});
+  const bool vec = norm_vec_ok(C, {residual_out, normed, a, b, weight.ptr()});
   const NormGeom g = norm_geom(C, vec, op);
   const unsigned blocks = grid_for(rows, g.rows_per_iter());
   const float eps_f = static_cast<float>(eps);
 #define SHARDLM_RMS_FWD(VEC, KMAX)                                                           \
   rmsnorm_forward_kernel<VEC, KMAX, kResidual, TX><<<blocks, kNormThreads, 0, stream>>>(      \
-      residual_out, normed, rstd, a, b, weight, rows, int(C), eps_f, g.G, g.K)
+      residual_out, normed, rstd, a, b, weight.b, weight.f, rows, int(C), eps_f, g.G, g.K)
   if (g.vec == 1) SHARDLM_RMS_FWD(1, 4);  // unaligned or C % 8 != 0: scalar loads
   else if (g.kmax == 2) SHARDLM_RMS_FWD(8, 2);
   else SHARDLM_RMS_FWD(8, 4);
@@ -315,27 +327,27 @@ void launch_rmsnorm_forward(TX* residual_out, bf16* normed, float* rstd, const T
 
 // ================================================================ launchers
 
-void rmsnorm_forward(bf16* out, float* rstd, const bf16* inp, const bf16* weight,
+void rmsnorm_forward(bf16* out, float* rstd, const bf16* inp, NormWeight weight,
                      int64_t rows, int64_t C, double eps, cudaStream_t stream) {
   launch_rmsnorm_forward<false, bf16>(nullptr, out, rstd, inp, nullptr, weight, rows, C, eps, stream,
                                       "rmsnorm_forward");
 }
 
-void rmsnorm_forward(bf16* out, float* rstd, const float* inp, const bf16* weight,
+void rmsnorm_forward(bf16* out, float* rstd, const float* inp, NormWeight weight,
                      int64_t rows, int64_t C, double eps, cudaStream_t stream) {
   launch_rmsnorm_forward<false, float>(nullptr, out, rstd, inp, nullptr, weight, rows, C, eps, stream,
                                        "rmsnorm_forward (fp32 input)");
 }
 
 void residual_rmsnorm_forward(bf16* residual_out, bf16* normed, float* rstd, const bf16* a,
-                              const bf16* b, const bf16* weight, int64_t rows, int64_t C,
+                              const bf16* b, NormWeight weight, int64_t rows, int64_t C,
                               double eps, cudaStream_t stream) {
   launch_rmsnorm_forward<true, bf16>(residual_out, normed, rstd, a, b, weight, rows, C, eps, stream,
                                      "residual_rmsnorm_forward");
 }
 
 void residual_rmsnorm_forward(float* residual_out, bf16* normed, float* rstd, const float* a,
-                              const bf16* b, const bf16* weight, int64_t rows, int64_t C,
+                              const bf16* b, NormWeight weight, int64_t rows, int64_t C,
                               double eps, cudaStream_t stream) {
   launch_rmsnorm_forward<true, float>(residual_out, normed, rstd, a, b, weight, rows, C, eps, stream,
                                       "residual_rmsnorm_forward (fp32 stream)");
@@ -362,12 +374,12 @@ namespace {
 
 template <class TX>
 void launch_rmsnorm_backward(TX* dinp, bf16* dinp_bf16, float* dweight, const bf16* dout, const TX* inp,
-                             const bf16* weight, const float* rstd, const TX* dresidual, int64_t rows, int64_t C,
+                             NormWeight weight, const float* rstd, const TX* dresidual, int64_t rows, int64_t C,
                              void* scratch, size_t scratch_bytes, cudaStream_t stream, const char* op) {
   check_size(rows, INT64_MAX / 8, "rows", op);
   check_size(C, INT_MAX, "C", op);
   if (rows == 0 || C == 0) return;
-  const bool vec = norm_vec_ok(C, {dinp, dinp_bf16, dout, inp, weight, dresidual});
+  const bool vec = norm_vec_ok(C, {dinp, dinp_bf16, dout, inp, weight.ptr(), dresidual});
   const NormGeom g = norm_geom(C, vec, op);
   const int64_t rows_per_block = norm_rows_per_block(rows, g);
   const int64_t P = div_up(rows, rows_per_block);
@@ -379,7 +391,7 @@ void launch_rmsnorm_backward(TX* dinp, bf16* dinp_bf16, float* dweight, const bf
   const unsigned blocks = unsigned(P);
 #define SHARDLM_RMS_BWD(VEC, KMAX, RES)                                                      \
   rmsnorm_backward_kernel<VEC, KMAX, RES, TX><<<blocks, kNormThreads, smem, stream>>>(       \
-      dinp, dinp_bf16, partial, dout, inp, weight, rstd, dresidual, rows, int(C), g.G, g.K, rows_per_block)
+      dinp, dinp_bf16, partial, dout, inp, weight.b, weight.f, rstd, dresidual, rows, int(C), g.G, g.K, rows_per_block)
   const bool res = dresidual != nullptr;
   if (g.vec == 1) {  // unaligned or C % 8 != 0: scalar loads
     if (res) SHARDLM_RMS_BWD(1, 4, true);
@@ -399,7 +411,7 @@ void launch_rmsnorm_backward(TX* dinp, bf16* dinp_bf16, float* dweight, const bf
 }  // namespace
 
 void rmsnorm_backward(bf16* dinp, float* dweight, const bf16* dout, const bf16* inp,
-                      const bf16* weight, const float* rstd, const bf16* dresidual,
+                      NormWeight weight, const float* rstd, const bf16* dresidual,
                       int64_t rows, int64_t C, void* scratch, size_t scratch_bytes,
                       cudaStream_t stream) {
   launch_rmsnorm_backward<bf16>(dinp, nullptr, dweight, dout, inp, weight, rstd, dresidual, rows, C, scratch,
@@ -407,7 +419,7 @@ void rmsnorm_backward(bf16* dinp, float* dweight, const bf16* dout, const bf16* 
 }
 
 void rmsnorm_backward(float* dinp, bf16* dinp_bf16, float* dweight, const bf16* dout, const float* inp,
-                      const bf16* weight, const float* rstd, const float* dresidual, int64_t rows, int64_t C,
+                      NormWeight weight, const float* rstd, const float* dresidual, int64_t rows, int64_t C,
                       void* scratch, size_t scratch_bytes, cudaStream_t stream) {
   launch_rmsnorm_backward<float>(dinp, dinp_bf16, dweight, dout, inp, weight, rstd, dresidual, rows, C, scratch,
                                  scratch_bytes, stream, "rmsnorm_backward (fp32 stream)");

@@ -133,6 +133,24 @@ int64_t ModelLayout::matmul_parameter_count() const {
   return n;
 }
 
+std::vector<NormSlot> norm_slots(const Unit& u) {
+  std::vector<NormSlot> slots;
+  int64_t at = 0;
+  for (const ParamInfo& p : u.params) {
+    if (p.kind != ParamKind::Norm) continue;
+    slots.push_back({&p, at});
+    at += (p.numel + kShardAlign - 1) / kShardAlign * kShardAlign;
+  }
+  return slots;
+}
+
+int64_t norm_slot_floats(const Unit& u) {
+  const std::vector<NormSlot> slots = norm_slots(u);
+  if (slots.empty()) return 0;
+  const NormSlot& last = slots.back();
+  return last.packed + (last.param->numel + kShardAlign - 1) / kShardAlign * kShardAlign;
+}
+
 std::vector<ModelLayout::Located> ModelLayout::all_params() const {
   std::vector<Located> out;
   for (const auto& u : units)

@@ -43,6 +43,21 @@ bool bf16_gradients(int world, const EngineOptions& o) { return o.reduce_bf16 &&
 
 }  // namespace
 
+int64_t norm_pieces(const Unit& unit, int world, std::vector<NormPiece>* out) {
+  std::vector<int64_t> held(size_t(world), 0);
+  for (const NormSlot& slot : norm_slots(unit)) {
+    const int64_t begin = slot.param->offset, end = begin + slot.param->numel;
+    for (int64_t lo = begin; lo < end;) {
+      const int r = static_cast<int>(lo / unit.shard_numel);
+      const int64_t hi = std::min(end, (int64_t(r) + 1) * unit.shard_numel);
+      if (out) out->push_back({r, lo - r * unit.shard_numel, slot.packed + (lo - begin), hi - lo, held[size_t(r)]});
+      held[size_t(r)] += hi - lo;
+      lo = hi;
+    }
+  }
+  return *std::max_element(held.begin(), held.end());
+}
+
 MemoryPlan plan_memory(const ModelConfig& config, int world, const EngineOptions& o, int optim_states,
                        const Backend& backend) {
   // Every product below stays in int64 for sizes that pass this.
@@ -63,6 +78,11 @@ MemoryPlan plan_memory(const ModelConfig& config, int world, const EngineOptions
   }
   // Several ranks on one GPU: two pinned host buffers of one full fp32 unit each.
   if (plan.device && world > 1 && o.comm_backend == "mpi") plan.comm_staging = 2 * 4 * max_padded(layout);
+  if (plan.device && world > 1 && o.norm_fp32) {  // the fp32 norm weights' gather buffers (Engine::refresh_norms)
+    int64_t share = 0;
+    for (const auto& u : layout.units) share = std::max(share, norm_pieces(u, world, nullptr));
+    plan.workspace += 4 * share * (1 + world);
+  }
   // The context-parallel ring's own staged Comm (cuda/ring_attention.hpp,
   // RingBuffers::staging_bytes): two pinned buffers of its largest message, the
   // block's fp32 dk | dv accumulators (2 x N x KV x D x 4 bytes).
@@ -110,6 +130,49 @@ Engine::Engine(ShardedModel& model, Comm& comm, const EngineOptions& options, st
   unit_comm_ = device_comm_ ? device_comm_.get() : &comm_;
   backend_->attach_shards(layout);
   backend_->prepare(config_, options);
+  plan_norm_copies();
+}
+
+void Engine::plan_norm_copies() {
+  const ModelLayout& layout = model_.layout;
+  if (!backend_->norm_weights_fp32(0)) return;
+  const int world = comm_.size();
+  norm_pieces_.assign(layout.units.size(), {});
+  norm_share_.assign(layout.units.size(), 0);
+  norm_version_.assign(layout.units.size(), -1);
+  for (size_t u = 0; u < layout.units.size(); ++u) {
+    norm_share_[u] = norm_pieces(layout.units[u], world, &norm_pieces_[u]);
+    norm_share_max_ = std::max(norm_share_max_, norm_share_[u]);
+  }
+  if (sharded_ && norm_share_max_ > 0) {
+    norm_send_ = static_cast<float*>(backend_->allocate(Mem::Workspace, 4 * norm_share_max_));
+    norm_recv_ = static_cast<float*>(backend_->allocate(Mem::Workspace, 4 * norm_share_max_ * world));
+  }
+}
+
+// At one rank each piece goes straight from the master shard (host or device
+// memory) to the backend's copy; at several, each rank's pieces travel in one
+// fp32 all-gather of the unit's largest share. Queued on the backend's stream.
+void Engine::refresh_norms(int unit) {
+  if (norm_pieces_.empty() || norm_pieces_[size_t(unit)].empty()) return;
+  const int64_t version = state_->param_version();
+  if (norm_version_[size_t(unit)] == version) return;
+  norm_version_[size_t(unit)] = version;
+  float* dst = backend_->norm_weights_fp32(unit);
+  const float* master = state_->master_shard(unit);
+  void* stream = backend_->stream();
+  const std::vector<NormPiece>& pieces = norm_pieces_[size_t(unit)];
+  if (!sharded_) {
+    for (const NormPiece& p : pieces) cuda_copy_async(dst + p.packed, master + p.shard_offset, 4 * p.count, stream);
+    return;
+  }
+  const int64_t share = norm_share_[size_t(unit)];
+  for (const NormPiece& p : pieces)
+    if (p.rank == comm_.rank())
+      cuda_copy_async(norm_send_ + p.send_offset, master + p.shard_offset, 4 * p.count, stream);
+  unit_comm_->all_gather(norm_send_, norm_recv_, share, DType::F32).wait();
+  for (const NormPiece& p : pieces)
+    cuda_copy_async(dst + p.packed, norm_recv_ + p.rank * share + p.send_offset, 4 * p.count, stream);
 }
 
 void Engine::set_state(TrainingState& state) {
@@ -140,6 +203,8 @@ Engine::~Engine() {
   }
   // The device Comm's collectives are done before it goes.
   backend_->synchronize();
+  if (norm_send_) backend_->deallocate(Mem::Workspace, norm_send_, 4 * norm_share_max_);
+  if (norm_recv_) backend_->deallocate(Mem::Workspace, norm_recv_, 4 * norm_share_max_ * comm_.size());
 }
 
 // ---------------------------------------------------------------- gathering
@@ -162,6 +227,7 @@ void Engine::prefetch(int unit) {
 
 const void* Engine::params(int unit) {
   state_->param_ready(unit);
+  refresh_norms(unit);
   if (!sharded_) return backend_->param_shard(unit);  // one rank: the shard is the whole unit
   prefetch(unit);
   for (auto& s : param_slots_)

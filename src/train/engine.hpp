@@ -28,6 +28,18 @@ namespace shardlm {
 MemoryPlan plan_memory(const ModelConfig& config, int world, const EngineOptions& options, int optim_states,
                        const Backend& backend);
 
+// model.norm_dtype = "fp32": a unit's norm weights are copied from the fp32
+// masters into the backend's copies in pieces, each within one rank's shard; at
+// world > 1 every rank sends its own pieces (send_offset into its part of an
+// all-gather) and places everyone's. Exact copies: world-size invariant.
+struct NormPiece {
+  int rank;
+  int64_t shard_offset, packed, count, send_offset;
+};
+// `unit`'s pieces at `world` ranks, in the unit's order (appended to `out` when
+// not nullptr); returns the floats the rank holding the most of them holds.
+int64_t norm_pieces(const Unit& unit, int world, std::vector<NormPiece>* out);
+
 class Engine {
  public:
   // The backend is the engine's own; the model and comm are borrowed.
@@ -80,6 +92,8 @@ class Engine {
   };
 
   const void* params(int unit);         // gathered weights of `unit` (waits)
+  void plan_norm_copies();              // model.norm_dtype = "fp32": the pieces below
+  void refresh_norms(int unit);         // the backend's fp32 norm weights <- the masters, when they changed
   void prefetch(int unit);              // start gathering `unit` if a slot is free
   void release(int unit);
   float* grads(int unit);               // a zeroed full gradient buffer for `unit`
@@ -106,6 +120,13 @@ class Engine {
   std::vector<ParamSlot> param_slots_;
   std::vector<GradSlot> grad_slots_;
   int next_grad_slot_ = 0;
+  // model.norm_dtype = "fp32" (NormPiece above).
+  std::vector<std::vector<NormPiece>> norm_pieces_;  // [unit]; empty when the backend reads bf16
+  std::vector<int64_t> norm_share_;     // [unit] floats each rank sends (the largest rank's pieces)
+  std::vector<int64_t> norm_version_;   // [unit] the state's param_version copied last; -1: never
+  float* norm_send_ = nullptr;          // (largest share) backend memory, world > 1
+  float* norm_recv_ = nullptr;          // (world x largest share)
+  int64_t norm_share_max_ = 0;
 };
 
 }  // namespace shardlm

@@ -491,6 +491,14 @@ double OffloadState::grad_sumsq() { return device_->read_sumsq(static_cast<int>(
 void OffloadState::update(double lr, float clip) {
   pipeline_->update(lr, clip);
   if (device_units_) device_units_->update(optimizer_.steps_taken(), lr, clip);
+  ++param_version_;
+}
+
+// The device units' masters on the GPU; the offloaded ones' in host memory,
+// final for this step once param_ready(unit) has returned (the worker updates
+// the unit again only after the next backward has handed its gradient over).
+const float* OffloadState::master_shard(int unit) {
+  return unit < first_offloaded_ ? device_units_->master(unit) : model_.param[unit].data();
 }
 
 // The host masters are final once the worker is idle and the device units'
@@ -537,6 +545,7 @@ void OffloadState::push() {
     for (int64_t i = 0; i < n; ++i) bf16[i] = f32_to_bf16_rne(master[i]);
     device_->host_wait(device_->copy_to_device(backend_.param_shard_mut(static_cast<int>(u)), bf16.data(), 2 * size_t(n)));
   }
+  ++param_version_;
 }
 
 }  // namespace shardlm

@@ -227,6 +227,7 @@ class OffloadState final : public TrainingState {
   void begin_micro_batch() override;
   void after_forward() override;
   void param_ready(int unit) override { pipeline_->param_ready(unit); }
+  const float* master_shard(int unit) override;
   float* direct_grad(int unit) override { return accumulators_[unit]; }
   void add_reduced(int unit, const void* reduced, int64_t n, DType type) override;
   void unit_done(int unit) override;

@@ -118,6 +118,7 @@ class HostState final : public TrainingState {
   }
   // A backend that computes in host memory adds into the shard itself.
   float* direct_grad(int unit) override { return backend_.host_resident() ? model_.grad[unit].data() : nullptr; }
+  const float* master_shard(int unit) override { return model_.param[unit].data(); }
   void add_reduced(int unit, const void* reduced, int64_t n, DType type) override {
     backend_.add_grad_to_host(model_.grad[unit].data(), reduced, n, type);
   }
@@ -131,8 +132,12 @@ class HostState final : public TrainingState {
     SHARDLM_CHECK(optimizer_, "internal: an engine's own host state has no optimizer to update with");
     snapshot_gate.wait(-1, INT64_MAX);  // synchronous: always after the snapshot began; an async save's copy of the state (Muon's collective step updates all at once)
     optimizer_->step(lr, clip);
+    ++param_version_;
   }
-  void push() override { sync_params(); }
+  void push() override {
+    sync_params();
+    ++param_version_;
+  }
 
  private:
   // Refresh the backend's parameter shards from the fp32 masters (on the CPU

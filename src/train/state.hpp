@@ -129,6 +129,14 @@ class TrainingState {
   virtual void after_forward() {}
   // Before the compute stream reads `unit`'s parameter shard.
   virtual void param_ready(int /*unit*/) {}
+  // `unit`'s fp32 master shard (shard_numel), current for reads after
+  // param_ready(unit): host memory, or device memory in the order of the
+  // backend's stream. The engine copies the norm weights from it
+  // (model.norm_dtype = "fp32").
+  virtual const float* master_shard(int unit) = 0;
+  // Counts the changes of the masters (updates and pushes), from 0; the
+  // engine's fp32 norm copies are refreshed when it moves.
+  int64_t param_version() const { return param_version_; }
   // Where one rank's backward may add `unit`'s whole gradient directly (backend
   // memory, shard_numel fp32); nullptr: through the engine's gradient slots.
   virtual float* direct_grad(int unit) = 0;
@@ -192,6 +200,9 @@ class TrainingState {
   // buffers), and what it was doing, for the setup line; nullptr when nothing.
   double setup_s = 0;
   virtual const char* setup_what() const { return nullptr; }
+
+ protected:
+  int64_t param_version_ = 0;  // update() and push() add one
 };
 
 // The state for options.state (and the offload split of `options`) over the
@@ -222,6 +233,7 @@ class DeviceUnits {
   virtual void update(int64_t step, double lr, float clip) = 0;
   virtual void pull() = 0;  // host shards <- device, after the work queued so far
   virtual void push() = 0;  // device <- host shards, and the bf16 parameter shards cast from them
+  virtual const float* master(int unit) const = 0;  // unit's fp32 master shard (device memory)
 };
 // The CUDA implementation (src/cuda/device_state.cu): units [0, count), the
 // update reading grads[u] (fp32 shard, device memory).

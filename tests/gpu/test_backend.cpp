@@ -213,6 +213,81 @@ TEST_CASE("model.residual_dtype = fp32: 50 GPU steps nearer the CPU (fp32) losse
   }
 }
 
+// model.norm_dtype = "fp32": the norm weights the kernels read are the fp32
+// masters' values exactly, in every placement of the state, each step (the
+// copies made at a step's first forward are the masters before its update).
+TEST_CASE("model.norm_dtype = fp32: the kernels' norm weights equal the masters every step, in every placement") {
+  GpuSetup gpu;
+  const std::vector<std::vector<std::string>> placements = {
+      {},                                                                      // device
+      {"model.optim_cpu_offload=true", "model.optim_gpu_state_gib=0"},         // offload, all units on the host
+      {"model.optim_cpu_offload=true", "model.optim_gpu_state_gib=0.0001"},    // offload, the first units on the GPU
+  };
+  for (const auto& extra : placements) {
+    std::vector<std::string> sets = {"device.backend=cuda", "model.norm_dtype=fp32"};
+    sets.insert(sets.end(), extra.begin(), extra.end());
+    CAPTURE(sets.size());
+    auto comm = make_self_comm();
+    TrainSession s(deck("inputs/tiny-sft.toml", sets), *comm);
+    int64_t checked = 0, moved = 0;
+    std::vector<std::vector<float>> before;  // the masters before each step
+    for (int step = 0; step < 4; ++step) {
+      s.pull_state();
+      before.assign(s.model.param.size(), {});
+      for (size_t u = 0; u < before.size(); ++u)
+        before[u].assign(s.model.param[u].data(), s.model.param[u].data() + s.model.layout.units[u].shard_numel);
+      s.step(step);
+      for (size_t u = 0; u < before.size(); ++u) {
+        const Unit& unit = s.model.layout.units[u];
+        const float* copy = s.engine.backend().norm_weights_fp32(int(u));
+        REQUIRE(copy != nullptr);
+        for (const NormSlot& slot : norm_slots(unit)) {
+          std::vector<float> got(size_t(slot.param->numel));
+          cuda_copy_async(got.data(), copy + slot.packed, 4 * slot.param->numel, s.engine.backend().stream());
+          cuda_synchronize(s.engine.backend().stream());
+          for (int64_t i = 0; i < slot.param->numel; ++i) {
+            const float want = before[u][size_t(slot.param->offset + i)];
+            CHECK_MESSAGE(std::memcmp(&got[size_t(i)], &want, 4) == 0, slot.param->name << "[" << i << "]: " << got[size_t(i)] << " vs the master's " << want);
+            moved += want != 1.0f;
+            ++checked;
+          }
+        }
+      }
+    }
+    MESSAGE(sets.back() << ": " << checked << " norm weights checked, " << moved << " of them moved from 1");
+    CHECK(checked > 0);
+    CHECK(moved > 0);  // the later steps see weights the updates moved
+  }
+}
+
+// The fp32 norm weights bring the GPU nearer the CPU's fp32 run than bf16 ones,
+// deterministically, with and without checkpointing.
+TEST_CASE("model.norm_dtype = fp32: 50 GPU steps nearer the CPU (fp32) losses; deterministic; checkpointing changes nothing") {
+  GpuSetup gpu;
+  const auto cpu = train_losses(deck("inputs/tiny-sft.toml", {"device.backend=cpu"}), 50);
+  const std::vector<std::string> det = {"device.backend=cuda", "run.deterministic=true"};
+  auto run = [&](std::vector<std::string> extra, int steps) {
+    extra.insert(extra.begin(), det.begin(), det.end());
+    return train_losses(deck("inputs/tiny-sft.toml", extra), steps);
+  };
+  const auto bf16 = run({}, 50), fp32 = run({"model.norm_dtype=fp32"}, 50);
+  double mean_bf16 = 0, mean_fp32 = 0, worst_fp32 = 0;
+  for (int i = 0; i < 50; ++i) {
+    const double eb = std::fabs(bf16[i] - cpu[i]) / cpu[i], ef = std::fabs(fp32[i] - cpu[i]) / cpu[i];
+    mean_bf16 += eb / 50, mean_fp32 += ef / 50, worst_fp32 = std::max(worst_fp32, ef);
+  }
+  MESSAGE("tiny deck vs CPU over 50 steps, relative loss difference: bf16 norm weights mean " << mean_bf16
+          << ", fp32 mean " << mean_fp32 << " (worst " << worst_fp32 << ")");
+  CHECK(worst_fp32 < 3e-2);
+  CHECK(mean_fp32 < mean_bf16);
+  const auto again = run({"model.norm_dtype=fp32"}, 10);
+  const auto sel = run({"model.norm_dtype=fp32", "model.activation_checkpointing=selective"}, 10);
+  for (int i = 0; i < 10; ++i) {
+    CHECK(again[i] == fp32[i]);
+    CHECK(sel[i] == fp32[i]);
+  }
+}
+
 TEST_CASE("GPU determinism: two runs give bit-identical losses; checkpointing changes nothing") {
   GpuSetup gpu;
   const auto a = train_losses(deck("inputs/tiny-sft.toml", {"device.backend=cuda", "run.deterministic=true"}), 10);

@@ -192,6 +192,7 @@ struct DeviceBuffer {
   }
   // All bits set: NaN for bf16, fp32 and fp64, so an unwritten element shows.
   void poison() { CUDA_CHECK(cudaMemset(ptr, 0xff, bytes())); }
+  void zero() { CUDA_CHECK(cudaMemset(ptr, 0, bytes())); }
 };
 
 void sync() { CUDA_CHECK(cudaDeviceSynchronize()); }
@@ -453,6 +454,65 @@ void test_rmsnorm(Rng& rng, const char* tag, int64_t rows, int64_t C) {
     int64_t nf = 0;
     const double e = rel_err(d_dres.download(), ref, &nf);
     report.check("rmsnorm_backward " + dims + " in place on dresidual", e, kTolBf16Out, nf);
+  }
+  // model.norm_dtype = "fp32": weights given in fp32. On bf16's grid they give
+  // the bf16 weights' bits exactly (forward, fused residual, backward); off it
+  // they match the fp32 reference with those weights.
+  {
+    const auto x = to_f32(a);
+    const auto dout = to_bf16(rng.normal(n, 1.0));
+    const auto dout_f = to_f32(dout);
+    const auto w_off = rng.normal(C, 0.01, 1.0);  // 1 + 1e-2 noise: mostly not bf16-representable
+    DeviceBuffer<float> d_w32(C), d_rstd32(rows), d_dw(C), d_dw32(C);
+    DeviceBuffer<bf16> d_out32(n), d_res32(n), d_dout(n), d_dinp(n), d_dinp32(n);
+    d_dout.upload(dout);
+    const size_t sb = gpu::rmsnorm_backward_scratch_bytes(rows, C);
+    DeviceBuffer<char> scratch(static_cast<int64_t>(std::max<size_t>(sb, 1)));
+    d_w32.upload(w_f);
+    gpu::rmsnorm_forward(d_out.ptr, d_rstd.ptr, d_a.ptr, d_w.ptr, rows, C, eps, nullptr);
+    gpu::rmsnorm_forward(d_out32.ptr, d_rstd32.ptr, d_a.ptr, d_w32.ptr, rows, C, eps, nullptr);
+    sync();
+    check_bitwise("rmsnorm_forward fp32 weights on bf16's grid " + dims, d_out.download(), d_out32.download());
+    gpu::residual_rmsnorm_forward(d_res.ptr, d_out.ptr, d_rstd.ptr, d_a.ptr, d_b.ptr, d_w.ptr, rows, C, eps, nullptr);
+    gpu::residual_rmsnorm_forward(d_res32.ptr, d_out32.ptr, d_rstd32.ptr, d_a.ptr, d_b.ptr, d_w32.ptr, rows, C, eps,
+                                  nullptr);
+    sync();
+    check_bitwise("residual_rmsnorm_forward fp32 weights on bf16's grid " + dims, d_out.download(),
+                  d_out32.download());
+    gpu::rmsnorm_forward(d_out.ptr, d_rstd.ptr, d_a.ptr, d_w.ptr, rows, C, eps, nullptr);  // rstd of `a` again
+    d_dw.zero();
+    d_dw32.zero();
+    gpu::rmsnorm_backward(d_dinp.ptr, d_dw.ptr, d_dout.ptr, d_a.ptr, d_w.ptr, d_rstd.ptr, nullptr, rows, C,
+                          scratch.ptr, sb, nullptr);
+    gpu::rmsnorm_backward(d_dinp32.ptr, d_dw32.ptr, d_dout.ptr, d_a.ptr, d_w32.ptr, d_rstd.ptr, nullptr, rows, C,
+                          scratch.ptr, sb, nullptr);
+    sync();
+    check_bitwise("rmsnorm_backward fp32 weights on bf16's grid " + dims + " dinp", d_dinp.download(),
+                  d_dinp32.download());
+    check_bitwise("rmsnorm_backward fp32 weights on bf16's grid " + dims + " dweight", d_dw.download(),
+                  d_dw32.download());
+
+    d_w32.upload(w_off);
+    std::vector<float> ref(static_cast<size_t>(n)), rstd_ref(static_cast<size_t>(rows));
+    cpu::rmsnorm_forward<float>(ref.data(), rstd_ref.data(), x.data(), w_off.data(), rows, C, eps);
+    d_out32.poison();
+    gpu::rmsnorm_forward(d_out32.ptr, d_rstd32.ptr, d_a.ptr, d_w32.ptr, rows, C, eps, nullptr);
+    sync();
+    int64_t nf = 0;
+    report.check("rmsnorm_forward fp32 weights " + dims + " out", rel_err(d_out32.download(), ref, &nf), kTolBf16Out,
+                 nf);
+    std::vector<float> dinp_ref(static_cast<size_t>(n)), dw_ref(static_cast<size_t>(C), 0.0f);
+    cpu::rmsnorm_backward<float>(dinp_ref.data(), dw_ref.data(), dout_f.data(), x.data(), w_off.data(),
+                                 rstd_ref.data(), rows, C);
+    d_dw32.zero();
+    d_dinp32.poison();
+    gpu::rmsnorm_backward(d_dinp32.ptr, d_dw32.ptr, d_dout.ptr, d_a.ptr, d_w32.ptr, d_rstd32.ptr, nullptr, rows, C,
+                          scratch.ptr, sb, nullptr);
+    sync();
+    report.check("rmsnorm_backward fp32 weights " + dims + " dinp", rel_err(d_dinp32.download(), dinp_ref, &nf),
+                 kTolBf16Out, nf);
+    report.check("rmsnorm_backward fp32 weights " + dims + " dweight", rel_err(d_dw32.download(), dw_ref, &nf),
+                 kTolF32Acc, nf);
   }
   // model.residual_dtype = "fp32": the stream (input, residual, their gradients) in fp32
   {

@@ -28,6 +28,9 @@ train np2-offload 2 comm.backend=mpi model.optim_cpu_offload=true model.optim_gp
 train np2-noreshard 2 comm.backend=mpi model.reshard_after_forward=false model.activation_checkpointing=full || exit 1
 train np1-fp32res 1 model.residual_dtype=fp32 || exit 1
 train np2-fp32res 2 comm.backend=mpi model.residual_dtype=fp32 || exit 1
+train np1-fp32norm 1 model.norm_dtype=fp32 || exit 1
+train np2-fp32norm 2 comm.backend=mpi model.norm_dtype=fp32 || exit 1
+train np2-fp32norm-offload 2 comm.backend=mpi model.norm_dtype=fp32 model.optim_cpu_offload=true model.optim_gpu_state_gib=0 || exit 1
 
 # bf16 parameters and activations: the two world sizes sum the same gradients in
 # another order, which moves bf16 roundings; measured about 1e-3 (docs/testing.md).
@@ -38,6 +41,10 @@ compare np2-offload np2 2e-2 "-np 2 with optim_cpu_offload vs device-resident st
 compare np2-noreshard np2 2e-2 "-np 2 without resharding, with activation checkpointing"
 compare np2-fp32res np1-fp32res 2e-2 "model.residual_dtype = fp32: -np 2 on one GPU (staged MPI) vs -np 1"
 compare np1-fp32res np1 2e-2 "model.residual_dtype = fp32 vs bf16 at -np 1 (bf16 tolerance)"
+# The fp32 norm weights at two ranks come through an all-gather of each rank's pieces.
+compare np2-fp32norm np1-fp32norm 2e-2 "model.norm_dtype = fp32: -np 2 on one GPU (staged MPI) vs -np 1"
+compare np2-fp32norm-offload np2-fp32norm 2e-2 "model.norm_dtype = fp32: -np 2 with optim_cpu_offload vs device-resident state"
+compare np1-fp32norm np1 2e-2 "model.norm_dtype = fp32 vs bf16 at -np 1 (bf16 tolerance)"
 
 # The resolved deck records the communicator the run chose.
 if grep -q "backend = 'mpi'" "$out/np2/config.toml"; then echo "PASS config.toml records comm.backend = \"mpi\""

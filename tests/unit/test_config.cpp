@@ -165,6 +165,17 @@ TEST_CASE("model.context_parallel: divides the ranks, splits seq_len into 2C chu
         std::string::npos);
 }
 
+TEST_CASE("model.norm_dtype: bf16 by default, or fp32; nothing else") {
+  CHECK(parse(kValid).config.model.norm_dtype == "bf16");
+  CHECK_FALSE(engine_options_for(parse(kValid).config).norm_fp32);
+  const DeckResult r = parse(kValid, {"model.norm_dtype=fp32"});
+  REQUIRE(r.ok());
+  CHECK(engine_options_for(r.config).norm_fp32);
+  CHECK(only_error(parse(kValid, {"model.norm_dtype=fp16"})) ==
+        "--set model.norm_dtype=fp16: model.norm_dtype = \"fp16\" is not accepted: it must be one of "
+        "\"bf16\", \"fp32\"");
+}
+
 TEST_CASE("model.residual_dtype: bf16 by default, or fp32; nothing else") {
   CHECK(parse(kValid).config.model.residual_dtype == "bf16");
   const DeckResult r = parse(kValid, {"model.residual_dtype=fp32"});

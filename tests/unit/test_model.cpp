@@ -228,6 +228,54 @@ TEST_CASE("layout: HF names and shapes, equal aligned shards at any world size")
   }
 }
 
+// model.norm_dtype = "fp32": the engine copies each unit's norm weights from the
+// masters in pieces that lie in one rank's shard; placed by the plan, every
+// element lands where norm_slots packs it, from whichever rank owns it.
+TEST_CASE("norm weights in fp32: the copy plan places every norm element once, from its owner, at any world size") {
+  ModelConfig c = tiny_deck().model.arch;
+  c.qk_norm = true;   // four norms a layer (input, q, k, post) and the final one
+  c.hidden_size = 72;  // norms that do not end on a shard's 64-element grain
+  for (int world : {1, 2, 3, 7, 64, 1000}) {
+    CAPTURE(world);
+    const ModelLayout layout(c, world);
+    int64_t split = 0;
+    for (const Unit& u : layout.units) {
+      const std::vector<NormSlot> slots = norm_slots(u);
+      CHECK(slots.size() == size_t(u.kind == UnitKind::Layer ? 4 : u.kind == UnitKind::Head ? 1 : 0));
+      std::vector<NormPiece> pieces;
+      const int64_t share = norm_pieces(u, world, &pieces);
+      // Each rank's gather part: its pieces back to back from 0, within the share.
+      std::vector<std::vector<float>> sent(size_t(world), std::vector<float>(size_t(share), -1.0f));
+      std::vector<int64_t> next(size_t(world), 0);
+      for (const NormPiece& p : pieces) {
+        REQUIRE(p.rank >= 0);
+        REQUIRE(p.rank < world);
+        CHECK(p.count > 0);
+        CHECK(p.shard_offset >= 0);
+        CHECK(p.shard_offset + p.count <= u.shard_numel);
+        CHECK(p.send_offset == next[size_t(p.rank)]);
+        next[size_t(p.rank)] += p.count;
+        REQUIRE(p.send_offset + p.count <= share);
+        for (int64_t i = 0; i < p.count; ++i)  // the master's element: its index in the unit
+          sent[size_t(p.rank)][size_t(p.send_offset + i)] = float(p.rank * u.shard_numel + p.shard_offset + i);
+      }
+      std::vector<float> packed(size_t(norm_slot_floats(u)), -1.0f);
+      for (const NormPiece& p : pieces)
+        for (int64_t i = 0; i < p.count; ++i) {
+          CHECK(packed[size_t(p.packed + i)] == -1.0f);  // placed once
+          packed[size_t(p.packed + i)] = sent[size_t(p.rank)][size_t(p.send_offset + i)];
+        }
+      for (const NormSlot& slot : slots) {
+        CHECK(slot.packed % kShardAlign == 0);
+        for (int64_t i = 0; i < slot.param->numel; ++i)
+          REQUIRE(packed[size_t(slot.packed + i)] == float(slot.param->offset + i));
+      }
+      split += int64_t(pieces.size()) - int64_t(slots.size());
+    }
+    if (world == 1000) CHECK(split > 0);  // shards of 64 elements cut the 72-element norms
+  }
+}
+
 TEST_CASE("seeded init: every world size builds the same model, element by element") {
   const ModelConfig c = tiny_deck().model.arch;
   ShardedModel one(c, 0, 1);
