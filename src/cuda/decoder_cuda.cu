@@ -119,7 +119,7 @@ class CudaDecoder final : public Decoder {
   const ModelConfig& config() const override { return model_.config(); }
   std::string describe() const override {
     return "cuda bf16 on " + cuda_device_name(device_) + (graphs_ ? ", decode steps as CUDA graphs" : "") +
-           (fused_qkv_ ? ", q|k|v as one GEMM" : "") + (prefetch_ ? ", L2 prefetch of the o and next q|k|v weights" : "");
+           (fused_qkv_ ? ", q|k|v as one GEMM" : "");
   }
   int64_t decode_steps() const override { return decode_steps_; }
   double decode_seconds() const override {
@@ -172,11 +172,6 @@ class CudaDecoder final : public Decoder {
   // step replays it. ~230 launches a step at the 1B shape cost more host time
   // than the GPU needs.
   void capture_full_step();
-  // SHARDLM_DECODE_PREFETCH=1: ask L2 for `elements` weights from w (cuda::prefetch_l2).
-  void prefetch_weights(const bf16* w, int64_t elements) {
-    cuda::prefetch_l2(w, elements * int64_t(sizeof(bf16)), stream_);
-    mark("L2 prefetch");
-  }
   // SHARDLM_DECODE_PROFILE=1: op ends the operation enqueued since the last mark (a no-op otherwise).
   void mark(const char* op) {
     if (ops_) ops_->mark(op);
@@ -238,7 +233,6 @@ class CudaDecoder final : public Decoder {
   std::vector<int32_t> slot_len_;             // (slots) positions filled per slot
   // SHARDLM_DECODE_GRAPHS=0 turns the graph off (to measure what it saves).
   bool graphs_ = true;
-  bool prefetch_ = false;  // SHARDLM_DECODE_PREFETCH=1: decode steps ask L2 for weights ahead (an experiment)
   cudaGraphExec_t full_step_graph_ = nullptr;
   int64_t decode_steps_ = 0;
   // The decode steps' device time, step_begin_ to step_end_, added once the
@@ -380,7 +374,6 @@ CudaDecoder::CudaDecoder(const InferenceModel& model, const DecoderLimits& limit
     graphs_ = false;  // an event per operation, recorded eagerly
   }
   device_draws_ = !env_is("SHARDLM_HOST_SAMPLER", "1");
-  prefetch_ = env_is("SHARDLM_DECODE_PREFETCH", "1");
 
   // RoPE's frequencies as training rounds them (backend_cuda.cu): the double table to float.
   const std::vector<double> inv = cpu::rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling);
@@ -459,11 +452,8 @@ void CudaDecoder::run_layers(int64_t N, bool prefill) {
   cuda::embedding_forward(x_, in(StepInts::Tokens), param(layout.embed(), "model.embed_tokens.weight"), N, c.vocab_size, C,
                           stream_);
   mark("embedding");
-  const bool prefetch = prefetch_ && !prefill;
   for (int l = 0; l < int(c.num_layers); ++l) {
     const LayerWeights<const bf16> w = layer_weights(layout.layer(l), static_cast<const bf16*>(unit_w_[size_t(1 + l)]));
-    // The o weights fill L2 while q|k|v, RoPE, the store and attention run (a hint; no value changes).
-    if (prefetch) prefetch_weights(w.wo, HD * C);
     cuda::rmsnorm_forward(xn_, rstd_, x_, w.input_norm, N, C, eps, stream_);
     mark("input norm");
     if (!prefill && fused_qkv_)
@@ -477,19 +467,6 @@ void CudaDecoder::run_layers(int64_t N, bool prefill) {
     mark("add + norm");
     cuda::linear_forward(*gemm_, gu_, xn_, w.w_gate, nullptr, N, C, 2 * I);
     mark("gate|up gemm");
-    // The next layer's q|k|v weights fill L2 while SwiGLU and the down GEMM run.
-    if (prefetch && l + 1 < int(c.num_layers)) {
-      const LayerWeights<const bf16> next =
-          layer_weights(layout.layer(l + 1), static_cast<const bf16*>(unit_w_[size_t(2 + l)]));
-      const int64_t KVD = c.num_kv_heads * c.head_dim;
-      if (fused_qkv_) {
-        prefetch_weights(next.wq, (HD + 2 * KVD) * C);
-      } else {
-        prefetch_weights(next.wq, HD * C);
-        prefetch_weights(next.wk, KVD * C);
-        prefetch_weights(next.wv, KVD * C);
-      }
-    }
     cuda::swiglu_forward(h_, I, gu_, 2 * I, gu_ + I, 2 * I, N, I, stream_);
     mark("swiglu");
     cuda::linear_forward(*gemm_, x_out_, h_, w.w_down, nullptr, N, I, C, /*residual=*/x_mid_);

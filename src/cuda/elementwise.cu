@@ -308,26 +308,4 @@ void scale_f32(float* x, float alpha, int64_t n, cudaStream_t stream) {
   CUDA_CHECK(cudaGetLastError());
 }
 
-namespace {
-
-constexpr int64_t kPrefetchPiece = int64_t(64) << 10;  // bytes one thread asks for
-
-// Hopper's bulk L2 prefetch: each thread asks for one piece and returns; the
-// memory system fills L2 while the kernels after it run.
-__global__ void prefetch_l2_kernel(const char* __restrict__ p, int64_t bytes) {
-  const int64_t at = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * kPrefetchPiece;
-  if (at >= bytes) return;
-  const uint32_t n = uint32_t(bytes - at < kPrefetchPiece ? bytes - at : kPrefetchPiece) & ~15u;
-  if (n > 0) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(__cvta_generic_to_global(p + at)), "r"(n) : "memory");
-}
-
-}  // namespace
-
-void prefetch_l2(const void* p, int64_t bytes, cudaStream_t stream) {
-  if (bytes < 16 || !aligned(p, 16)) return;  // a hint: nothing to ask for
-  const int64_t threads = div_up(bytes, kPrefetchPiece);
-  prefetch_l2_kernel<<<unsigned(div_up(threads, kThreads)), kThreads, 0, stream>>>(static_cast<const char*>(p), bytes);
-  CUDA_CHECK(cudaGetLastError());
-}
-
 }  // namespace shardlm::cuda

@@ -172,11 +172,6 @@ void cast_f32_to_bf16(bf16* out, const float* in, int64_t n, cudaStream_t stream
 void add_bf16_to_f32(float* out, const float* a, const bf16* b, int64_t n, cudaStream_t stream);
 // y += x.
 void accumulate_f32(float* y, const float* x, int64_t n, cudaStream_t stream);
-// Asks the GPU to bring [p, p + bytes) into L2 (Hopper's cp.async.bulk.prefetch.L2,
-// 64 KB a thread) and returns: a hint that changes no value; nothing for
-// fewer than 16 bytes or a pointer not 16-byte aligned. The decoder's
-// SHARDLM_DECODE_PREFETCH=1 asks for the next GEMM's weights this way.
-void prefetch_l2(const void* p, int64_t bytes, cudaStream_t stream);
 // x *= alpha.
 void scale_f32(float* x, float alpha, int64_t n, cudaStream_t stream);
 

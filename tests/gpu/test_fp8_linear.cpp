@@ -158,12 +158,16 @@ TEST_CASE("fp8 linear: cuBLASLt FP8 forward and backward equal the CPU emulation
     CHECK(e_acc < 1e-2);
 
     // The same results, bit for bit, by the shortcuts the backend takes: the
-    // residual from another buffer (the GEMM's C, not a copy); the input's codes
-    // reused (same_input, forward and backward: q, k, v; gate, up); dout read in
-    // place as a column block of a wider matrix (dgate, dup inside dgate|dup).
+    // input's codes reused (same_input, forward and backward: q, k, v; gate,
+    // up); dout read in place as a column block of a wider matrix (dgate, dup
+    // inside dgate|dup). The residual read from another buffer (the GEMM's C_in,
+    // the down projection's x_mid) is cuBLASLt's out-of-place epilogue, another
+    // kernel than the in-place one (measured: not bit-equal): the reference's
+    // tolerance, and deterministic.
     const DeviceArray<uint16_t> g_res_src(residual);
-    DeviceArray<uint16_t> g_res2(size_t(N * OC)), g_y3(size_t(N * OC));
+    DeviceArray<uint16_t> g_res2(size_t(N * OC)), g_res3(size_t(N * OC)), g_y3(size_t(N * OC));
     gpu.forward(g_res2.bf(), OC, d_x.bf(), d_w.bf(), nullptr, N, IC, OC, /*residual=*/g_res_src.bf());
+    gpu.forward(g_res3.bf(), OC, d_x.bf(), d_w.bf(), nullptr, N, IC, OC, /*residual=*/g_res_src.bf());
     gpu.forward(g_y3.bf(), OC, d_x.bf(), d_w.bf(), d_bias.bf(), N, IC, OC, nullptr, /*same_input=*/true);
     std::vector<float> wide_dy(size_t(N * 2 * OC), 0.0f);
     for (int64_t r = 0; r < N; ++r)
@@ -178,7 +182,10 @@ TEST_CASE("fp8 linear: cuBLASLt FP8 forward and backward equal the CPU emulation
     gpu.backward(nullptr, false, g_dw5.ptr, nullptr, d_dy.bf(), OC, d_x.bf(), d_w.bf(), N, IC, OC, bias_scratch.ptr,
                  bias_scratch_bytes, /*same_input=*/true);  // dweight alone: dout's scales from its own amax
     TEST_CUDA(cudaStreamSynchronize(stream));
-    CHECK(g_res2.host() == g_res.host());
+    const double e_res2 = rel_max(g_res2.host(), y_plain);
+    MESSAGE(name << ": relative error y + residual from another buffer " << e_res2);
+    CHECK(e_res2 < 1e-2);
+    CHECK(g_res3.host() == g_res2.host());
     CHECK(g_y3.host() == g_y.host());
     CHECK(g_dx2.host() == g_dx.host());
     CHECK(g_dx3.host() == g_dx.host());
