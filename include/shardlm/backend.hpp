@@ -133,6 +133,12 @@ class Backend {
   // from the masters whenever these change. nullptr: the backend reads the
   // gathered unit's own (bf16; the CPU backend's are the fp32 masters).
   virtual float* norm_weights_fp32(int /*unit*/) { return nullptr; }
+  // model.residual_dtype = "fp32" on a GPU backend: where the engine writes the
+  // micro-batch's embedding rows (max_tokens, C) in fp32, the masters' values,
+  // as the stream's start in place of embed_forward's lookup of the bf16 table
+  // (transformers under autocast looks up its fp32 table: the lookup is no
+  // GEMM). nullptr: embed_forward looks the rows up.
+  virtual float* embedding_rows_fp32() { return nullptr; }
 
   // Wait for queued device work (step-time breakdown; a no-op on the CPU).
   virtual void synchronize() {}

@@ -45,6 +45,14 @@ void cuda_free(Mem category, void* ptr, int64_t bytes);
 // there. cuda_synchronize(stream) waits for it (a copy to the host is only
 // readable after that).
 void cuda_copy_async(void* dst, const void* src, int64_t bytes, void* stream);
+// The fp32 residual stream's first rows (model.residual_dtype = "fp32"): out
+// (n, C) fp32 <- the elements of each token's embedding row that lie in this
+// rank's shard [shard_begin, shard_begin + shard_numel) of the flat table
+// (row-major, C a row), 0 elsewhere and for a token < 0. ids, shard and out in
+// device memory; queued on `stream`. owned_rows (train/engine.hpp) is its host
+// twin; summed over the ranks the rows are the masters' exactly.
+void cuda_owned_rows(float* out, const int32_t* ids, int64_t n, const float* shard, int64_t shard_begin,
+                     int64_t shard_numel, int64_t C, void* stream);
 void cuda_synchronize(void* stream);
 // Page-locks host memory the caller owns (cudaHostRegister), so copies to and
 // from it run at the link's speed; false when it cannot (the memory stays

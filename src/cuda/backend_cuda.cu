@@ -137,6 +137,7 @@ class CudaBackend final : public Backend {
     cuda::cast_f32_to_bf16(shards_[unit], device_staging_, n, stream_);
   }
   const void* param_shard(int unit) const override { return shards_[unit]; }
+  float* embedding_rows_fp32() override { return fp32_stream() ? f32(residual_[0]) : nullptr; }
   float* norm_weights_fp32(int unit) override { return norm_fp32_ ? norm_fp32_ + unit_norms_[size_t(unit)].base : nullptr; }
 
   void* param_shard_mut(int unit) override { return shards_[unit]; }

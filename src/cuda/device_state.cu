@@ -185,6 +185,7 @@ class CudaDeviceState final : public TrainingState {
   }
   float* direct_grad(int unit) override { return units_.grad(size_t(unit)); }
   const float* master_shard(int unit) override { return units_.master(unit); }
+  bool master_on_device(int) const override { return true; }
   void add_reduced(int unit, const void* reduced, int64_t n, DType type) override {
     backend_.accumulate(units_.grad(size_t(unit)), reduced, n, type);
   }

@@ -204,6 +204,18 @@ embedding_backward_cross_kernel(float* __restrict__ dtable, const float* __restr
   if (key >= 0 && key < V) add_to_row<VEC>(dtable + int64_t(key) * C + c, acc);
 }
 
+// out[t, c] = the table's element (ids[t], c) when this rank's shard holds it.
+__global__ void __launch_bounds__(kThreads)
+owned_rows_kernel(float* __restrict__ out, const int32_t* __restrict__ ids, int64_t n,
+                  const float* __restrict__ shard, int64_t begin, int64_t numel, int64_t C) {
+  const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (idx >= n * C) return;
+  const int64_t t = idx / C, c = idx % C;
+  const int32_t id = ids[t];
+  const int64_t e = int64_t(id) * C + c - begin;  // in the shard: [0, numel)
+  out[idx] = id >= 0 && e >= 0 && e < numel ? shard[e] : 0.0f;
+}
+
 }  // namespace
 
 // ================================================================ launchers
@@ -278,3 +290,16 @@ void embedding_backward(float* dtable, const bf16* dout, const int32_t* ids, int
 }
 
 }  // namespace shardlm::cuda
+
+namespace shardlm {
+
+void cuda_owned_rows(float* out, const int32_t* ids, int64_t n, const float* shard, int64_t shard_begin,
+                     int64_t shard_numel, int64_t C, void* stream) {
+  using cuda::dev::kThreads;
+  if (n == 0 || C == 0) return;
+  cuda::owned_rows_kernel<<<cuda::dev::grid_for(n * C, kThreads), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+      out, ids, n, shard, shard_begin, shard_numel, C);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace shardlm

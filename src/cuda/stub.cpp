@@ -21,6 +21,9 @@ void* cuda_malloc(Mem, int64_t) { SHARDLM_FAIL("this shardlm was built without C
 void cuda_free(Mem, void*, int64_t) {}
 void cuda_copy_async(void*, const void*, int64_t, void*) { SHARDLM_FAIL("this shardlm was built without CUDA"); }
 void cuda_synchronize(void*) {}
+void cuda_owned_rows(float*, const int32_t*, int64_t, const float*, int64_t, int64_t, int64_t, void*) {
+  SHARDLM_FAIL("this shardlm was built without CUDA");
+}
 bool cuda_pin_host(void*, int64_t) { return false; }
 void cuda_unpin_host(void*) {}
 NsWorkspaceBytes cuda_newton_schulz_bytes(const NsCapacity&) { return {}; }

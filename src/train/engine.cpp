@@ -58,6 +58,16 @@ int64_t norm_pieces(const Unit& unit, int world, std::vector<NormPiece>* out) {
   return *std::max_element(held.begin(), held.end());
 }
 
+void owned_rows(float* out, const int32_t* ids, int64_t n, const float* shard, int64_t shard_begin,
+                int64_t shard_numel, int64_t C) {
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t c = 0; c < C; ++c) {
+      const int64_t e = int64_t(ids[t]) * C + c - shard_begin;
+      out[t * C + c] = ids[t] >= 0 && e >= 0 && e < shard_numel ? shard[e] : 0.0f;
+    }
+}
+
 MemoryPlan plan_memory(const ModelConfig& config, int world, const EngineOptions& o, int optim_states,
                        const Backend& backend) {
   // Every product below stays in int64 for sizes that pass this.
@@ -78,6 +88,10 @@ MemoryPlan plan_memory(const ModelConfig& config, int world, const EngineOptions
   }
   // Several ranks on one GPU: two pinned host buffers of one full fp32 unit each.
   if (plan.device && world > 1 && o.comm_backend == "mpi") plan.comm_staging = 2 * 4 * max_padded(layout);
+  if (plan.device && o.residual_fp32) {  // the fp32 embedding rows' ids and parts (Engine::embed_rows_fp32)
+    plan.workspace += 4 * int64_t(world) * o.max_tokens;
+    if (world > 1) plan.workspace += 4 * int64_t(world) * o.max_tokens * config.hidden_size;
+  }
   if (plan.device && world > 1 && o.norm_fp32) {  // the fp32 norm weights' gather buffers (Engine::refresh_norms)
     int64_t share = 0;
     for (const auto& u : layout.units) share = std::max(share, norm_pieces(u, world, nullptr));
@@ -131,6 +145,46 @@ Engine::Engine(ShardedModel& model, Comm& comm, const EngineOptions& options, st
   backend_->attach_shards(layout);
   backend_->prepare(config_, options);
   plan_norm_copies();
+  if (backend_->embedding_rows_fp32()) {
+    const int64_t ids = int64_t(comm.size()) * options.max_tokens;
+    row_ids_.assign(size_t(ids), -1);
+    own_ids_.assign(size_t(options.max_tokens), -1);
+    row_ids_dev_ = static_cast<int32_t*>(backend_->allocate(Mem::Workspace, 4 * ids));
+    if (sharded_)
+      row_parts_ = static_cast<float*>(backend_->allocate(Mem::Workspace, 4 * ids * config_.hidden_size));
+  }
+}
+
+// The fp32 stream starts from the masters' embedding rows. At one rank they
+// come straight from the master shard; at several, each rank writes the
+// elements of every rank's rows that its shard holds (zeros elsewhere) and a
+// reduce-scatter sums them: one nonzero term per element, so the sum is exact.
+void Engine::embed_rows_fp32(const TokenBatch& b, float* rows) {
+  const Unit& u = model_.layout.embed();
+  const int64_t C = config_.hidden_size, M = options_.max_tokens;
+  state_->param_ready(0);
+  const float* master = state_->master_shard(0);
+  void* stream = backend_->stream();
+  int64_t n = b.N;
+  if (sharded_) {  // every rank's ids, each rank's padded to M with -1
+    std::fill(own_ids_.begin(), own_ids_.end(), -1);
+    std::copy(b.tokens, b.tokens + b.N, own_ids_.begin());
+    comm_.all_gather(own_ids_.data(), row_ids_.data(), M, DType::F32).wait();  // 4-byte words, moved as they are
+    n = int64_t(comm_.size()) * M;
+  } else {
+    std::copy(b.tokens, b.tokens + b.N, row_ids_.begin());
+  }
+  float* out = sharded_ ? row_parts_ : rows;
+  const int64_t begin = comm_.rank() * u.shard_numel;
+  if (state_->master_on_device(0)) {
+    cuda_copy_async(row_ids_dev_, row_ids_.data(), 4 * n, stream);
+    cuda_owned_rows(out, row_ids_dev_, n, master, begin, u.shard_numel, C, stream);
+  } else {  // the masters in host memory (offload): the rows built here, then copied up
+    row_staging_.resize(size_t(n * C));
+    owned_rows(row_staging_.data(), row_ids_.data(), n, master, begin, u.shard_numel, C);
+    cuda_copy_async(out, row_staging_.data(), 4 * n * C, stream);
+  }
+  if (sharded_) unit_comm_->reduce_scatter(row_parts_, rows, M * C, DType::F32).wait();
 }
 
 void Engine::plan_norm_copies() {
@@ -203,6 +257,9 @@ Engine::~Engine() {
   }
   // The device Comm's collectives are done before it goes.
   backend_->synchronize();
+  const int64_t ids = int64_t(comm_.size()) * options_.max_tokens;
+  if (row_ids_dev_) backend_->deallocate(Mem::Workspace, row_ids_dev_, 4 * ids);
+  if (row_parts_) backend_->deallocate(Mem::Workspace, row_parts_, 4 * ids * config_.hidden_size);
   if (norm_send_) backend_->deallocate(Mem::Workspace, norm_send_, 4 * norm_share_max_);
   if (norm_recv_) backend_->deallocate(Mem::Workspace, norm_recv_, 4 * norm_share_max_ * comm_.size());
 }
@@ -336,8 +393,12 @@ void Engine::forward(const TokenBatch& b, bool keep_for_backward) {
   const bool release_after = !keep_for_backward || options_.reshard_after_forward;
   backend_->load_batch(b);
   prefetch(1);  // the first layer's gather overlaps the embedding lookup
-  backend_->embed_forward(params(0));
-  if (release_after) release(0);
+  if (float* rows = backend_->embedding_rows_fp32()) {
+    embed_rows_fp32(b, rows);  // the fp32 stream's start: no gather of the bf16 table
+  } else {
+    backend_->embed_forward(params(0));
+    if (release_after) release(0);
+  }
   for (int l = 0; l < layout.num_layers(); ++l) {
     const int unit = 1 + l;
     const void* w = params(unit);

@@ -40,6 +40,13 @@ struct NormPiece {
 // not nullptr); returns the floats the rank holding the most of them holds.
 int64_t norm_pieces(const Unit& unit, int world, std::vector<NormPiece>* out);
 
+// model.residual_dtype = "fp32": out (n, C) <- the elements of each token's
+// embedding row that this rank's shard [shard_begin, shard_begin + shard_numel)
+// of the flat table holds, 0 elsewhere and for a token < 0 (host memory; the
+// device's is cuda_owned_rows). Summed over the ranks: the rows, exactly.
+void owned_rows(float* out, const int32_t* ids, int64_t n, const float* shard, int64_t shard_begin,
+                int64_t shard_numel, int64_t C);
+
 class Engine {
  public:
   // The backend is the engine's own; the model and comm are borrowed.
@@ -94,6 +101,7 @@ class Engine {
   const void* params(int unit);         // gathered weights of `unit` (waits)
   void plan_norm_copies();              // model.norm_dtype = "fp32": the pieces below
   void refresh_norms(int unit);         // the backend's fp32 norm weights <- the masters, when they changed
+  void embed_rows_fp32(const TokenBatch& b, float* rows);  // the fp32 stream's start from the masters
   void prefetch(int unit);              // start gathering `unit` if a slot is free
   void release(int unit);
   float* grads(int unit);               // a zeroed full gradient buffer for `unit`
@@ -127,6 +135,14 @@ class Engine {
   float* norm_send_ = nullptr;          // (largest share) backend memory, world > 1
   float* norm_recv_ = nullptr;          // (world x largest share)
   int64_t norm_share_max_ = 0;
+  // model.residual_dtype = "fp32" on a GPU: every rank's token ids (world x
+  // max_tokens, -1 padded; host and device), each rank's part of every rank's
+  // rows (world > 1, device), and the rows built on the host when the
+  // embedding's masters are there (offload).
+  std::vector<int32_t> row_ids_, own_ids_;
+  int32_t* row_ids_dev_ = nullptr;
+  float* row_parts_ = nullptr;
+  std::vector<float> row_staging_;
 };
 
 }  // namespace shardlm

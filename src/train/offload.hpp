@@ -228,6 +228,7 @@ class OffloadState final : public TrainingState {
   void after_forward() override;
   void param_ready(int unit) override { pipeline_->param_ready(unit); }
   const float* master_shard(int unit) override;
+  bool master_on_device(int unit) const override { return unit < first_offloaded_; }
   float* direct_grad(int unit) override { return accumulators_[unit]; }
   void add_reduced(int unit, const void* reduced, int64_t n, DType type) override;
   void unit_done(int unit) override;

@@ -134,6 +134,7 @@ class TrainingState {
   // backend's stream. The engine copies the norm weights from it
   // (model.norm_dtype = "fp32").
   virtual const float* master_shard(int unit) = 0;
+  virtual bool master_on_device(int /*unit*/) const { return false; }
   // Counts the changes of the masters (updates and pushes), from 0; the
   // engine's fp32 norm copies are refreshed when it moves.
   int64_t param_version() const { return param_version_; }

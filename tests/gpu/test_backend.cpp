@@ -260,6 +260,74 @@ TEST_CASE("model.norm_dtype = fp32: the kernels' norm weights equal the masters 
   }
 }
 
+// model.residual_dtype = "fp32": the stream starts from the masters' fp32
+// embedding rows. The device kernel builds each rank's part as the host
+// function does, bit for bit; an engine's forward leaves the rows in the
+// stream's first buffer, equal to the masters' rows.
+TEST_CASE("fp32 stream: the embedding rows are the masters', on the device as on the host") {
+  GpuSetup gpu;
+  const int64_t V = 53, C = 40, n = 9;
+  std::vector<float> table(size_t(V * C));
+  for (size_t i = 0; i < table.size(); ++i) table[i] = std::sin(0.37 * double(i)) * 0.02f;
+  const std::vector<int32_t> ids = {0, 52, 7, 7, -1, 31, 2, 52, 11};
+  float *d_table = nullptr, *d_out = nullptr;
+  int32_t* d_ids = nullptr;
+  d_table = static_cast<float*>(cuda_malloc(Mem::Workspace, 4 * V * C));
+  d_out = static_cast<float*>(cuda_malloc(Mem::Workspace, 4 * n * C));
+  d_ids = static_cast<int32_t*>(cuda_malloc(Mem::Workspace, 4 * n));
+  cuda_copy_async(d_table, table.data(), 4 * V * C, nullptr);
+  cuda_copy_async(d_ids, ids.data(), 4 * n, nullptr);
+  for (const auto& [begin, numel] : std::vector<std::pair<int64_t, int64_t>>{{0, V * C}, {0, 700}, {700, 700}, {1385, 735}}) {
+    CAPTURE(begin);
+    std::vector<float> host(size_t(n * C)), device(size_t(n * C));
+    owned_rows(host.data(), ids.data(), n, table.data() + begin, begin, numel, C);
+    cuda_owned_rows(d_out, d_ids, n, d_table + begin, begin, numel, C, nullptr);
+    cuda_copy_async(device.data(), d_out, 4 * n * C, nullptr);
+    cuda_synchronize(nullptr);
+    CHECK(std::memcmp(host.data(), device.data(), 4 * host.size()) == 0);
+  }
+  cuda_free(Mem::Workspace, d_table, 4 * V * C);
+  cuda_free(Mem::Workspace, d_out, 4 * n * C);
+  cuda_free(Mem::Workspace, d_ids, 4 * n);
+
+  // An engine on its own (host masters: the rows built on the host) and a
+  // session (device masters: the kernel), each after a forward.
+  for (bool session : {false, true}) {
+    CAPTURE(session);
+    auto comm = make_self_comm();
+    Config c = deck("inputs/tiny-sft.toml", {"device.backend=cuda", "model.residual_dtype=fp32"});
+    TrainSession s(c, *comm);
+    std::vector<int32_t> tokens(64), positions(64), seq(64, 0);
+    for (int i = 0; i < 64; ++i) tokens[size_t(i)] = (i * 37 + 11) % int(s.arch.vocab_size), positions[size_t(i)] = i;
+    TokenBatch b;
+    b.N = 64, b.tokens = tokens.data(), b.positions = positions.data(), b.seq_ids = seq.data();
+    std::vector<float> logits(size_t(64 * s.arch.vocab_size));
+    EngineOptions o = s.engine.options();
+    std::unique_ptr<Engine> own;
+    Engine* e = &s.engine;
+    if (!session) own = std::make_unique<Engine>(s.model, *comm, o, make_cuda_backend()), e = own.get();
+    if (session) s.step(0);  // the masters moved once
+    e->forward_logits(b, logits.data());
+    s.pull_state();
+    const float* rows = e->backend().embedding_rows_fp32();
+    REQUIRE(rows != nullptr);
+    const int64_t C2 = s.arch.hidden_size;
+    std::vector<float> got(size_t(64 * C2));
+    cuda_copy_async(got.data(), rows, 4 * 64 * C2, e->backend().stream());
+    cuda_synchronize(e->backend().stream());
+    int64_t off_grid = 0;
+    for (int t = 0; t < 64; ++t)
+      for (int64_t j = 0; j < C2; ++j) {
+        const float want = s.model.param[0].data()[size_t(tokens[size_t(t)] * C2 + j)];
+        REQUIRE(std::memcmp(&got[size_t(t * C2 + j)], &want, 4) == 0);
+        off_grid += bf16_to_f32(f32_to_bf16_rne(want)) != want;
+      }
+    MESSAGE("fp32 stream: 64 rows equal to the masters', " << off_grid << " of " << 64 * C2
+            << " elements not representable in bf16");
+    CHECK(off_grid > 0);  // fp32 values the bf16 table could not have given
+  }
+}
+
 // The fp32 norm weights bring the GPU nearer the CPU's fp32 run than bf16 ones,
 // deterministically, with and without checkpointing.
 TEST_CASE("model.norm_dtype = fp32: 50 GPU steps nearer the CPU (fp32) losses; deterministic; checkpointing changes nothing") {
