@@ -24,6 +24,7 @@
 #                                 1b-fp32-residual 1b-32k-selective-fp32-residual (on request:
 #                                 model.residual_dtype = fp32, issue #34; beside 1b / 1b-32k-selective)
 #                                 1b-fp32-norms 1b-32k-selective-fp32-norms (model.norm_dtype = fp32, #34)
+#                                 1b-fp8-cache 1b-32k-fp8-cache (model.fp8_weight_cache = true, #30)
 #                                 1b-fp8 1b-mb4-fp8 1b-fp8-rowwise 1b-32k-fp8 8b-32k-offload-selective-fp8 (on request:
 #                                 model.fp8 = tensorwise / rowwise, issue #30; compare with 1b / 1b-32k /
 #                                 8b-32k-offload-selective in the same call)
@@ -134,6 +135,10 @@ for n in $names; do
       run 1b-32k-selective-fp32-norms inputs/bench/llama-1b.toml --set data.seq_len=32768 --set data.global_batch=1 \
         --set model.activation_checkpointing=selective --set run.max_steps=5 --set model.norm_dtype=fp32 ;;
     1b-fp8) run 1b-fp8 inputs/bench/llama-1b.toml --set model.fp8=tensorwise ;;
+    1b-fp8-cache) run 1b-fp8-cache inputs/bench/llama-1b.toml --set model.fp8=tensorwise --set model.fp8_weight_cache=true ;;
+    1b-32k-fp8-cache) run 1b-32k-fp8-cache inputs/bench/llama-1b.toml --set data.seq_len=32768 --set data.global_batch=1 \
+        --set model.activation_checkpointing=full --set run.max_steps=5 --set model.fp8=tensorwise \
+        --set model.fp8_weight_cache=true ;;
     1b-mb4-fp8) run 1b-mb4-fp8 inputs/bench/llama-1b.toml --set data.micro_batch=4 --set model.fp8=tensorwise ;;
     1b-fp8-rowwise) run 1b-fp8-rowwise inputs/bench/llama-1b.toml --set model.fp8=rowwise ;;
     1b-32k-fp8) run 1b-32k-fp8 inputs/bench/llama-1b.toml --set data.seq_len=32768 --set data.global_batch=1 \

@@ -68,6 +68,7 @@ struct EngineOptions {
   std::string attention = "auto";    // device.attention: auto | cudnn | flash (GPU backends)
   bool deterministic = false;        // run.deterministic: only bitwise-reproducible kernels
   Fp8Mode fp8 = Fp8Mode::None;       // model.fp8
+  bool fp8_weight_cache = false;     // model.fp8_weight_cache: each layer's weight codes kept until the parameters change
   // model.residual_dtype = "fp32": the residual stream and its gradient in fp32
   // between kernels (the GEMM operands stay bf16). The CPU backend is fp32 throughout.
   bool residual_fp32 = false;
@@ -139,6 +140,9 @@ class Backend {
   // (transformers under autocast looks up its fp32 table: the lookup is no
   // GEMM). nullptr: embed_forward looks the rows up.
   virtual float* embedding_rows_fp32() { return nullptr; }
+  // The parameters' version (TrainingState::param_version) before a forward:
+  // what the backend derived from the weights may be kept while it holds.
+  virtual void set_params_version(int64_t /*version*/) {}
 
   // Wait for queued device work (step-time breakdown; a no-op on the CPU).
   virtual void synchronize() {}

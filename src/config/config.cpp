@@ -126,6 +126,7 @@ const std::vector<KeySpec>& key_table() {
       one_of(key("model.reduce_dtype", Type::String, FIELD(model.reduce_dtype)), {"fp32", "bf16"}),
       up_to(positive(key("model.context_parallel", Type::Int, FIELD(model.context_parallel))), 65536),
       one_of(key("model.fp8", Type::String, FIELD(model.fp8)), {"none", "tensorwise", "rowwise"}),
+      key("model.fp8_weight_cache", Type::Bool, FIELD(model.fp8_weight_cache)),
       one_of(key("model.residual_dtype", Type::String, FIELD(model.residual_dtype)), {"bf16", "fp32"}),
       one_of(key("model.norm_dtype", Type::String, FIELD(model.norm_dtype)), {"bf16", "fp32"}),
 
@@ -559,6 +560,9 @@ void validate(const Config& c, int world, const std::set<std::string>& given, st
         "tensor's, or under \"rowwise\" the weight gradient's per column) would be each rank's share's, so the "
         "numbers would change with model.context_parallel (it needs the amaxes all-reduced over the group); set "
         "model.fp8 = \"none\" or model.context_parallel = 1");
+  if (c.model.fp8_weight_cache && c.model.fp8 == "none")
+    err("model.fp8_weight_cache = true keeps the FP8 codes of the weights, but model.fp8 = \"none\" makes none: set "
+        "model.fp8 = \"tensorwise\" or \"rowwise\", or leave the cache off");
   // One micro-batch on every data-parallel group (a group of context_parallel ranks reads the same rows).
   // (When the groups do not divide the ranks, that is the error to fix first.)
   const bool groups_fit = world > 0 && world % cp == 0;

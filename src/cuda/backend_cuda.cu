@@ -137,6 +137,9 @@ class CudaBackend final : public Backend {
     cuda::cast_f32_to_bf16(shards_[unit], device_staging_, n, stream_);
   }
   const void* param_shard(int unit) const override { return shards_[unit]; }
+  void set_params_version(int64_t version) override {
+    if (fp8_) fp8_->set_params_version(version);
+  }
   float* embedding_rows_fp32() override { return fp32_stream() ? f32(residual_[0]) : nullptr; }
   float* norm_weights_fp32(int unit) override { return norm_fp32_ ? norm_fp32_ + unit_norms_[size_t(unit)].base : nullptr; }
 
@@ -362,7 +365,11 @@ class CudaBackend final : public Backend {
       rows.push_back(bytes_row("ring.query_bounds", w, R::bounds_bytes(d.N), &ring_buffers_.query_bounds));
     }
     if (o.fp8 != Fp8Mode::None) {  // the projections' FP8 operands (cuda/fp8_linear.hpp)
-      const cuda::Fp8Linear::Sizes s = cuda::Fp8Linear::sizes(c, d.N);
+      const cuda::Fp8Linear::Sizes s = cuda::Fp8Linear::sizes(c, d.N, o.fp8_weight_cache);
+      if (o.fp8_weight_cache) {  // every layer's weights' codes, kept across micro-batches
+        rows.push_back(row("fp8.weight_cache_codes", w, s.cache_code_bytes, &fp8_buffers_.cache_codes));
+        rows.push_back(row("fp8.weight_cache_scales", w, s.cache_scale_count, &fp8_buffers_.cache_scales));
+      }
       rows.push_back(row("fp8.a_codes", w, s.a_code_bytes, &fp8_buffers_.a_codes));
       rows.push_back(row("fp8.b_codes", w, s.b_code_bytes, &fp8_buffers_.b_codes));
       rows.push_back(row("fp8.x_codes", w, s.x_code_bytes, &fp8_buffers_.x_codes));
@@ -390,7 +397,8 @@ class CudaBackend final : public Backend {
     CUDA_CHECK(cudaMemsetAsync(loss_sum_, 0, 8, stream_));
     choose_attention(d_);
     if (o.fp8 != Fp8Mode::None)
-      fp8_ = std::make_unique<cuda::Fp8Linear>(o.fp8, fp8_buffers_, stream_, gemm_workspace_, kGemmWorkspace);
+      fp8_ = std::make_unique<cuda::Fp8Linear>(o.fp8, fp8_buffers_, stream_, gemm_workspace_, kGemmWorkspace, c,
+                                               o.fp8_weight_cache ? c.num_layers : 0);
   }
 
   std::string kernels_note() const override { return attention_note_; }
@@ -504,6 +512,7 @@ class CudaBackend final : public Backend {
   }
 
   void layer_forward(int l, const Unit& unit, const void* params) override {
+    layer_ = l;
     forward_layer(layer_weights(unit, bf(params)), layer_norms(l, unit, bf(params)), residual_[l], residual_[l + 1],
                   acts(l));
   }
@@ -562,6 +571,7 @@ class CudaBackend final : public Backend {
   }
 
   void layer_backward(int l, const Unit& unit, const void* params, float* grads) override {
+    layer_ = l;
     const LayerWeights<const bf16> w = layer_weights(unit, bf(params));
     const LayerNorms norms = layer_norms(l, unit, bf(params));
     const LayerWeights<float> g = layer_weights(unit, grads);
@@ -572,7 +582,7 @@ class CudaBackend final : public Backend {
     const Dims& d = d_;
     const int64_t N = n_;
     // MLP: x_out = x_mid + down(silu(gate) * up)
-    project_backward(dh_, g.w_down, nullptr, stream_grad_bf16(d_x_), a.h, w.w_down, d.I, d.C);
+    project_backward(cuda::Fp8Linear::Down, dh_, g.w_down, nullptr, stream_grad_bf16(d_x_), a.h, w.w_down, d.I, d.C);
     // dgate/dup in place of gate/up (Phases): dgu is a.gu from here on.
     bf16* dgu = a.gu;
     cuda::swiglu_backward(dgu, 2 * d.I, dgu + d.I, 2 * d.I, dh_, d.I, a.gu, 2 * d.I, a.gu + d.I, 2 * d.I, N, d.I,
@@ -582,7 +592,7 @@ class CudaBackend final : public Backend {
     // attention: x_mid = x_in + o(attn(rope(norm(q)), rope(norm(k)), v)); its
     // gradients go where gate/up were (dead now), when they fit there
     if (phases_.attention_in_gu) place_attention_phase(reinterpret_cast<char*>(a.gu));
-    project_backward(d_att_, g.wo, nullptr, stream_grad_bf16(d_mid_), a.att, w.wo, d.HD, d.C);
+    project_backward(cuda::Fp8Linear::O, d_att_, g.wo, nullptr, stream_grad_bf16(d_mid_), a.att, w.wo, d.HD, d.C);
     attention_backward(a, N);
     cuda::rope_backward(dq_, positions_, inv_freq_, N, d.H, d.D, d.HD, stream_);
     cuda::rope_backward(dk_, positions_, inv_freq_, N, d.KV, d.D, d.KVD, stream_);
@@ -596,10 +606,10 @@ class CudaBackend final : public Backend {
       dq = dq_raw_;
       dk = dk_raw_;
     }
-    project_backward(d_xn_, g.wq, g.bq, dq, a.xn1, w.wq, d.C, d.HD);
+    project_backward(cuda::Fp8Linear::Q, d_xn_, g.wq, g.bq, dq, a.xn1, w.wq, d.C, d.HD);
     // k's and v's input gradients are added to q's in their GEMMs' epilogues.
-    project_backward(d_xn_, g.wk, g.bk, dk, a.xn1, w.wk, d.C, d.KVD, cuda::Dinp::Accumulate, /*same_input=*/true);
-    project_backward(d_xn_, g.wv, g.bv, dv_, a.xn1, w.wv, d.C, d.KVD, cuda::Dinp::Accumulate, /*same_input=*/true);
+    project_backward(cuda::Fp8Linear::K, d_xn_, g.wk, g.bk, dk, a.xn1, w.wk, d.C, d.KVD, cuda::Dinp::Accumulate, /*same_input=*/true);
+    project_backward(cuda::Fp8Linear::V, d_xn_, g.wv, g.bv, dv_, a.xn1, w.wv, d.C, d.KVD, cuda::Dinp::Accumulate, /*same_input=*/true);
     norm_backward(d_x_, g.input_norm, d_xn_, x_in, norms.input, a.rstd1, d_mid_);
   }
 
@@ -736,9 +746,9 @@ class CudaBackend final : public Backend {
     norm_forward(a.xn1, a.rstd1, x_in, norms.input);
     bf16* q_proj = config_.qk_norm ? a.q_raw : a.q;
     bf16* k_proj = config_.qk_norm ? a.k_raw : a.k;
-    project(q_proj, a.xn1, w.wq, w.bq, d.C, d.HD);
-    project(k_proj, a.xn1, w.wk, w.bk, d.C, d.KVD, nullptr, /*same_input=*/true);
-    project(a.v, a.xn1, w.wv, w.bv, d.C, d.KVD, nullptr, /*same_input=*/true);
+    project(cuda::Fp8Linear::Q, q_proj, a.xn1, w.wq, w.bq, d.C, d.HD);
+    project(cuda::Fp8Linear::K, k_proj, a.xn1, w.wk, w.bk, d.C, d.KVD, nullptr, /*same_input=*/true);
+    project(cuda::Fp8Linear::V, a.v, a.xn1, w.wv, w.bv, d.C, d.KVD, nullptr, /*same_input=*/true);
     if (config_.qk_norm) {
       cuda::rmsnorm_forward(a.q, a.q_rstd, a.q_raw, norms.q, N * d.H, d.D, eps, stream_);
       cuda::rmsnorm_forward(a.k, a.k_rstd, a.k_raw, norms.k, N * d.KV, d.D, eps, stream_);
@@ -750,12 +760,12 @@ class CudaBackend final : public Backend {
     // overwrites it. An fp32 one: the projections write bf16 into proj_out_, added
     // to the stream unrounded.
     bf16* projected = fp32_stream() ? proj_out_ : bf(x_out);
-    project(projected, a.att, w.wo, nullptr, d.HD, d.C);
+    project(cuda::Fp8Linear::O, projected, a.att, w.wo, nullptr, d.HD, d.C);
     add_norm_forward(a.x_mid, a.xn2, a.rstd2, x_in, projected, norms.post);
     gate_up_forward(a.gu, a.xn2, w);
     cuda::swiglu_forward(a.h, d.I, a.gu, 2 * d.I, a.gu + d.I, 2 * d.I, N, d.I, stream_);
-    if (!fp32_stream()) return project(bf(x_out), a.h, w.w_down, nullptr, d.I, d.C, /*residual=*/bf(a.x_mid));
-    project(proj_out_, a.h, w.w_down, nullptr, d.I, d.C);
+    if (!fp32_stream()) return project(cuda::Fp8Linear::Down, bf(x_out), a.h, w.w_down, nullptr, d.I, d.C, /*residual=*/bf(a.x_mid));
+    project(cuda::Fp8Linear::Down, proj_out_, a.h, w.w_down, nullptr, d.I, d.C);
     cuda::add_bf16_to_f32(f32(x_out), f32(a.x_mid), proj_out_, N * d.C, stream_);
   }
 
@@ -764,27 +774,33 @@ class CudaBackend final : public Backend {
   // same_input: the last projection's input again (q, k and v all read xn1), in
   // the forward or the backward: FP8 reuses its codes rather than quantising the
   // same values once more.
-  void project(bf16* out, const bf16* inp, const bf16* weight, const bf16* bias, int64_t IC, int64_t OC,
+  // model.fp8_weight_cache: the cache slot of the current layer's weight `which` (-1: no cache).
+  int fp8_slot(cuda::Fp8Linear::Weight which) const {
+    return options_.fp8_weight_cache ? int(layer_ * cuda::Fp8Linear::kWeights + which) : -1;
+  }
+  void project(cuda::Fp8Linear::Weight which, bf16* out, const bf16* inp, const bf16* weight, const bf16* bias,
+               int64_t IC, int64_t OC,
                const bf16* residual = nullptr, bool same_input = false) {
     if (!fp8_) return cuda::linear_forward(*gemm_, out, inp, weight, bias, n_, IC, OC, residual);
-    fp8_->forward(out, OC, inp, weight, bias, n_, IC, OC, residual, same_input);
+    fp8_->forward(out, OC, inp, weight, bias, n_, IC, OC, residual, same_input, fp8_slot(which));
   }
-  void project_backward(bf16* dinp, float* dweight, float* dbias, const bf16* dout, const bf16* inp,
+  void project_backward(cuda::Fp8Linear::Weight which, bf16* dinp, float* dweight, float* dbias, const bf16* dout, const bf16* inp,
                         const bf16* weight, int64_t IC, int64_t OC, cuda::Dinp mode = cuda::Dinp::Overwrite,
                         bool same_input = false) {
     if (!fp8_)
       return cuda::linear_backward(*gemm_, dinp, dweight, dbias, dout, inp, weight, n_, IC, OC, scratch_,
                                    scratch_bytes_, mode);
     fp8_->backward(dinp, mode == cuda::Dinp::Accumulate, dweight, dbias, dout, OC, inp, weight, n_, IC, OC, scratch_,
-                   scratch_bytes_, same_input);
+                   scratch_bytes_, same_input, fp8_slot(which));
   }
   // gate|up (N, 2I) = xn2 [w_gate; w_up]^T: one bf16 GEMM over the two adjacent
   // weights, or two FP8 ones (each weight its own scales, as the CPU's).
   void gate_up_forward(bf16* gu, const bf16* xn2, const LayerWeights<const bf16>& w) {
     const Dims& d = d_;
     if (!fp8_) return cuda::linear_forward(*gemm_, gu, xn2, w.w_gate, nullptr, n_, d.C, 2 * d.I);
-    fp8_->forward(gu, 2 * d.I, xn2, w.w_gate, nullptr, n_, d.C, d.I);
-    fp8_->forward(gu + d.I, 2 * d.I, xn2, w.w_up, nullptr, n_, d.C, d.I, /*residual=*/nullptr, /*same_input=*/true);
+    fp8_->forward(gu, 2 * d.I, xn2, w.w_gate, nullptr, n_, d.C, d.I, nullptr, false, fp8_slot(cuda::Fp8Linear::Gate));
+    fp8_->forward(gu + d.I, 2 * d.I, xn2, w.w_up, nullptr, n_, d.C, d.I, /*residual=*/nullptr, /*same_input=*/true,
+                  fp8_slot(cuda::Fp8Linear::Up));
   }
   // d_xn_ = dgu (N, 2I) [w_gate; w_up]; the weights' gradients accumulated.
   void gate_up_backward(const bf16* dgu, const bf16* xn2, const LayerWeights<const bf16>& w,
@@ -798,7 +814,7 @@ class CudaBackend final : public Backend {
     for (int half = 0; half < 2; ++half)
       fp8_->backward(d_xn_, /*accumulate_dinp=*/half == 1, half ? g.w_up : g.w_gate, nullptr, dgu + half * d.I,
                      2 * d.I, xn2, half ? w.w_up : w.w_gate, n_, d.C, d.I, scratch_, scratch_bytes_,
-                     /*same_input=*/half == 1);
+                     /*same_input=*/half == 1, fp8_slot(half ? cuda::Fp8Linear::Up : cuda::Fp8Linear::Gate));
   }
 
   cudaStream_t stream_ = nullptr;
@@ -824,6 +840,7 @@ class CudaBackend final : public Backend {
   EngineOptions options_;
   Dims d_{};
   int64_t n_ = 0;                        // tokens of the current micro-batch
+  int64_t layer_ = 0;                    // the layer under way (model.fp8_weight_cache's slots)
   bool has_rl_inputs_ = false;           // the loaded micro-batch carries advantages (RL training)
   std::vector<int32_t> host_targets_;
   std::vector<float> host_weights_;

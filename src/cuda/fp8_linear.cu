@@ -2,6 +2,7 @@
 #include "cuda/fp8_linear.hpp"
 
 #include <algorithm>
+#include <utility>
 
 #include "cuda/check.hpp"
 #include "cuda/ops.hpp"
@@ -21,17 +22,78 @@ int64_t largest_weight(const ModelConfig& c) {
 
 }  // namespace
 
-Fp8Linear::Sizes Fp8Linear::sizes(const ModelConfig& c, int64_t N) {
+std::pair<int64_t, int64_t> Fp8Linear::weight_shape(const ModelConfig& c, Weight w) {
+  const int64_t C = c.hidden_size, I = c.intermediate_size, HD = c.num_heads * c.head_dim;
+  const int64_t KVD = c.num_kv_heads * c.head_dim;
+  switch (w) {
+    case Q: return {HD, C};
+    case K: case V: return {KVD, C};
+    case O: return {C, HD};
+    case Gate: case Up: return {I, C};
+    case Down: return {C, I};
+    default: break;
+  }
+  SHARDLM_FAIL("internal: no FP8 weight %d", int(w));
+}
+
+Fp8Linear::Sizes Fp8Linear::sizes(const ModelConfig& c, int64_t N, bool cache) {
   const int64_t width = widest(c);
   // A: x (N, IC), dout (N, OC), dout^T (OC, N). B: W (OC, IC), W^T (IC, OC). X: x^T (IC, N).
   // Scales: A's rows are N tokens or OC channels; B's OC or IC channels; X's IC channels.
-  return {N * width, std::max(largest_weight(c), N * width), N * width, scale_block(std::max(N, width))};
+  Sizes s{N * width, std::max(largest_weight(c), N * width), N * width, scale_block(std::max(N, width))};
+  if (cache)
+    for (int w = 0; w < kWeights; ++w) {  // per layer: both orientations' codes and scale blocks
+      const auto [oc, ic] = weight_shape(c, Weight(w));
+      s.cache_code_bytes += 2 * ((oc * ic + 255) / 256 * 256) * c.num_layers;
+      s.cache_scale_count += 3 * (scale_block(oc) + scale_block(ic)) * c.num_layers;
+    }
+  return s;
 }
 
 Fp8Linear::Fp8Linear(Fp8Mode mode, const Buffers& buffers, cudaStream_t stream, void* gemm_workspace,
-                     size_t workspace_bytes)
+                     size_t workspace_bytes, const ModelConfig& c, int64_t layers)
     : rowwise_(mode == Fp8Mode::Rowwise), buf_(buffers), stream_(stream), gemm_(stream, gemm_workspace, workspace_bytes) {
   SHARDLM_CHECK(mode != Fp8Mode::None, "internal: an FP8 linear for model.fp8 = \"none\"");
+  if (!buffers.cache_codes) return;
+  uint8_t* codes = buffers.cache_codes;
+  float* scales = buffers.cache_scales;
+  for (int64_t l = 0; l < layers; ++l)  // sizes()'s order: per layer, per weight, plain then transposed
+    for (int w = 0; w < kWeights; ++w) {
+      const auto [oc, ic] = weight_shape(c, Weight(w));
+      Slot s{};
+      s.oc = oc, s.ic = ic;
+      const int64_t bytes = (oc * ic + 255) / 256 * 256;
+      s.codes[0] = codes, s.codes[1] = codes + bytes;
+      codes += 2 * bytes;
+      s.scales[0] = scales, s.scales[1] = scales + 3 * scale_block(oc);
+      scales += 3 * (scale_block(oc) + scale_block(ic));
+      slots_.push_back(s);
+    }
+}
+
+void Fp8Linear::set_params_version(int64_t version) {
+  if (version == version_) return;
+  version_ = version;
+  for (Slot& s : slots_) s.valid[0] = s.valid[1] = false;
+}
+
+// The forward's B is W (OC, IC) with scales along IC; dinp's is W^T (IC, OC)
+// with scales along OC (the stored matrix's columns).
+Fp8Linear::Operand Fp8Linear::weight_operand(const bf16* weight, int64_t OC, int64_t IC, bool transposed, int slot) {
+  const Fp8Scaling scaling = !rowwise_ ? Fp8Scaling::Tensor : transposed ? Fp8Scaling::Cols : Fp8Scaling::Rows;
+  if (slot < 0 || slots_.empty()) {
+    quantize(weight, OC, IC, scaling, Fp8Format::E4M3, transposed, buf_.b_codes, buf_.b_scales);
+    return {buf_.b_codes, buf_.b_scales};
+  }
+  SHARDLM_CHECK(size_t(slot) < slots_.size() && slots_[size_t(slot)].oc == OC && slots_[size_t(slot)].ic == IC,
+                "internal: FP8 weight cache slot %d for a (%lld, %lld) weight", slot, (long long)OC, (long long)IC);
+  Slot& s = slots_[size_t(slot)];
+  const int t = transposed ? 1 : 0;
+  if (!s.valid[t]) {
+    quantize(weight, OC, IC, scaling, Fp8Format::E4M3, transposed, s.codes[t], s.scales[t]);
+    s.valid[t] = true;
+  }
+  return {s.codes[t], s.scales[t]};
 }
 
 void Fp8Linear::quantize(const bf16* x, int64_t rows, int64_t cols, Fp8Scaling scaling, Fp8Format f, bool transpose,
@@ -55,7 +117,7 @@ void Fp8Linear::quantize(const bf16* x, int64_t rows, int64_t cols, Fp8Scaling s
 }
 
 void Fp8Linear::forward(bf16* out, int64_t ldc, const bf16* inp, const bf16* weight, const bf16* bias, int64_t N,
-                        int64_t IC, int64_t OC, const bf16* residual, bool same_input) {
+                        int64_t IC, int64_t OC, const bf16* residual, bool same_input, int slot) {
   const Fp8Scaling along_k = rowwise_ ? Fp8Scaling::Rows : Fp8Scaling::Tensor;
   if (same_input) {
     SHARDLM_CHECK(a_held_.is(inp, N, IC), "internal: an FP8 forward reusing input codes of another input or shape");
@@ -63,15 +125,15 @@ void Fp8Linear::forward(bf16* out, int64_t ldc, const bf16* inp, const bf16* wei
     quantize(inp, N, IC, along_k, Fp8Format::E4M3, false, buf_.a_codes, buf_.a_scales);
     a_held_ = {inp, N, IC};
   }
-  quantize(weight, OC, IC, along_k, Fp8Format::E4M3, false, buf_.b_codes, buf_.b_scales);
-  gemm_.matmul(N, OC, IC, buf_.a_codes, Fp8Format::E4M3, IC, buf_.a_scales, buf_.b_codes, Fp8Format::E4M3,
-               IC, buf_.b_scales, rowwise_, out, ldc, GemmOut::BF16, 1.0f, residual ? 1.0f : 0.0f,
+  const Operand w = weight_operand(weight, OC, IC, /*transposed=*/false, slot);
+  gemm_.matmul(N, OC, IC, buf_.a_codes, Fp8Format::E4M3, IC, buf_.a_scales, w.codes, Fp8Format::E4M3,
+               IC, w.scales, rowwise_, out, ldc, GemmOut::BF16, 1.0f, residual ? 1.0f : 0.0f,
                /*fast_accum=*/false, bias, residual);
 }
 
 void Fp8Linear::backward(bf16* dinp, bool accumulate_dinp, float* dweight, float* dbias, const bf16* dout, int64_t ldo,
                          const bf16* inp, const bf16* weight, int64_t N, int64_t IC, int64_t OC, void* bias_scratch,
-                         size_t bias_scratch_bytes, bool same_input) {
+                         size_t bias_scratch_bytes, bool same_input, int slot) {
   // K runs along dout's rows (dinp) or across the stored matrices (W^T, dout^T,
   // inp^T, the transposed copies): under rowwise a scale per row or per column.
   a_held_ = {};  // the A buffers are overwritten below
@@ -83,9 +145,9 @@ void Fp8Linear::backward(bf16* dinp, bool accumulate_dinp, float* dweight, float
   if (dinp != nullptr) {
     // dinp (N, IC) = dout (N, OC) W (OC, IC): A = dout, B = W^T (IC, OC).
     quantize(dout, N, OC, rows, cpu::kFp8GradFormat, false, buf_.a_codes, buf_.a_scales, ldo);
-    quantize(weight, OC, IC, cols, Fp8Format::E4M3, true, buf_.b_codes, buf_.b_scales);
-    gemm_.matmul(N, IC, OC, buf_.a_codes, cpu::kFp8GradFormat, OC, buf_.a_scales, buf_.b_codes, Fp8Format::E4M3,
-                 OC, buf_.b_scales, rowwise_, dinp, IC, GemmOut::BF16, 1.0f, accumulate_dinp ? 1.0f : 0.0f);
+    const Operand w = weight_operand(weight, OC, IC, /*transposed=*/true, slot);
+    gemm_.matmul(N, IC, OC, buf_.a_codes, cpu::kFp8GradFormat, OC, buf_.a_scales, w.codes, Fp8Format::E4M3,
+                 OC, w.scales, rowwise_, dinp, IC, GemmOut::BF16, 1.0f, accumulate_dinp ? 1.0f : 0.0f);
   }
   // dweight (OC, IC) += dout^T (OC, N) inp (N, IC): A = dout^T, B = inp^T (IC, N).
   // One tensor scale serves dout's two copies: the amax above is dout's whole.

@@ -15,9 +15,13 @@
 // transpose once in the backward; under tensorwise scaling dout's one scale
 // serves both its copies (plain for dinp, transposed for dweight); a residual
 // is the GEMM's C, not a copy into the output; dgate and dup are read in place
-// inside dgate|dup. Fusing the amaxes into the kernels that write the data
-// (RMSNorm, SwiGLU, the backward elementwise passes) and keeping a weight's
-// codes across micro-batches are the next steps (issue #30). Every kernel is
+// inside dgate|dup. With model.fp8_weight_cache each layer's weights keep
+// their codes (plain for the forward, transposed for dinp) from their first
+// use until the parameters change (set_params_version): one quantisation per
+// weight and orientation an optimizer step instead of one per micro-batch (and
+// per recompute). Fusing the amaxes into the kernels that write the data
+// (RMSNorm, SwiGLU, the backward elementwise passes) is the next step (issue
+// #30). Every kernel is
 // deterministic (amaxes are maxima), so run.deterministic reruns stay
 // bit-identical.
 #pragma once
@@ -25,6 +29,8 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <utility>
+#include <vector>
 
 #include "shardlm/backend.hpp"
 #include "shardlm/model_config.hpp"
@@ -42,23 +48,38 @@ class Fp8Linear {
     float* b_scales = nullptr;   // (3 x scale_count)
     uint8_t* x_codes = nullptr;  // (x_code_bytes) the backward's inp^T codes, kept while the input is shared
     float* x_scales = nullptr;   // (3 x scale_count)
+    // model.fp8_weight_cache: every layer's weights' codes, both orientations
+    // (cache_code_bytes), and their scale blocks (cache_scale_count floats).
+    uint8_t* cache_codes = nullptr;
+    float* cache_scales = nullptr;
   };
   struct Sizes {
     int64_t a_code_bytes, b_code_bytes, x_code_bytes, scale_count;
+    int64_t cache_code_bytes = 0, cache_scale_count = 0;  // 0 without the weight cache
   };
-  // For layers of model c over up to N tokens.
-  static Sizes sizes(const ModelConfig& c, int64_t N);
+  // For layers of model c over up to N tokens (the weight cache's for every layer when `cache`).
+  static Sizes sizes(const ModelConfig& c, int64_t N, bool cache = false);
+  // A layer's projection weights, in the order of their cache slots.
+  enum Weight { Q, K, V, O, Gate, Up, Down, kWeights };
+  // A weight's (OC, IC).
+  static std::pair<int64_t, int64_t> weight_shape(const ModelConfig& c, Weight w);
   // n scales rounded up to 64 floats: each part of a scale block starts 256-byte aligned.
   static int64_t scale_block(int64_t n) { return (n + 63) / 64 * 64; }
 
-  Fp8Linear(Fp8Mode mode, const Buffers& buffers, cudaStream_t stream, void* gemm_workspace, size_t workspace_bytes);
+  // With buffers.cache_codes, c and layers size the weight cache's slots.
+  Fp8Linear(Fp8Mode mode, const Buffers& buffers, cudaStream_t stream, void* gemm_workspace, size_t workspace_bytes,
+            const ModelConfig& c = {}, int64_t layers = 0);
+
+  // The parameters' version (TrainingState::param_version): a new one empties
+  // the weight cache. `slot` below: layer * kWeights + Weight, or -1 (not cached).
+  void set_params_version(int64_t version);
 
   // out (N, OC), row stride ldc = inp (N, IC) weight (OC, IC)^T + bias (OC, or
   // nullptr) [+ residual (N, OC), row stride ldc; may be out]. same_input: inp
   // is the last forward's inp, unchanged (q, k and v share theirs; so do gate
   // and up): its codes and scales are still in the A buffers and are reused.
   void forward(bf16* out, int64_t ldc, const bf16* inp, const bf16* weight, const bf16* bias, int64_t N, int64_t IC,
-               int64_t OC, const bf16* residual = nullptr, bool same_input = false);
+               int64_t OC, const bf16* residual = nullptr, bool same_input = false, int slot = -1);
   // dinp (N, IC) = dout (N, OC) weight [+= with accumulate_dinp]; dweight (OC, IC)
   // fp32 += dout^T inp; dbias (OC) fp32 += dout's column sums (unquantised;
   // nullptr: none; bias_scratch as cuda::bias_grad's). dout's rows lie ldo
@@ -66,7 +87,7 @@ class Fp8Linear {
   // unchanged: its transposed codes are still in the X buffers and are reused.
   void backward(bf16* dinp, bool accumulate_dinp, float* dweight, float* dbias, const bf16* dout, int64_t ldo,
                 const bf16* inp, const bf16* weight, int64_t N, int64_t IC, int64_t OC, void* bias_scratch,
-                size_t bias_scratch_bytes, bool same_input = false);
+                size_t bias_scratch_bytes, bool same_input = false, int slot = -1);
 
  private:
   // Quantises x (rows, cols; rows ld elements apart, 0: cols) with scales over
@@ -85,6 +106,21 @@ class Fp8Linear {
     bool is(const bf16* x, int64_t r, int64_t c) const { return x == input && r == rows && c == cols; }
   };
   Held a_held_, x_held_;
+  // The weight's codes and scales for its GEMM: from the cache slot (made on
+  // its first use since the version changed) or made now into the B buffers.
+  struct Operand {
+    const uint8_t* codes;
+    const float* scales;
+  };
+  Operand weight_operand(const bf16* weight, int64_t OC, int64_t IC, bool transposed, int slot);
+  struct Slot {
+    uint8_t* codes[2];   // plain (OC, IC), transposed (IC, OC)
+    float* scales[2];
+    bool valid[2];
+    int64_t oc, ic;
+  };
+  std::vector<Slot> slots_;     // empty without the weight cache
+  int64_t version_ = -1;
   int64_t scale_count_ = 0;
   cudaStream_t stream_;
   Fp8Gemm gemm_;

@@ -391,6 +391,7 @@ const void* Engine::lm_head_weights() {
 void Engine::forward(const TokenBatch& b, bool keep_for_backward) {
   const ModelLayout& layout = model_.layout;
   const bool release_after = !keep_for_backward || options_.reshard_after_forward;
+  backend_->set_params_version(state_->param_version());
   backend_->load_batch(b);
   prefetch(1);  // the first layer's gather overlaps the embedding lookup
   if (float* rows = backend_->embedding_rows_fp32()) {

@@ -81,6 +81,78 @@ double rel_max(const std::vector<float>& got, const std::vector<float>& want) {
 
 TEST_SUITE("gpu") {
 
+// model.fp8_weight_cache: a weight's codes made once per parameter version give
+// the uncached GEMMs' bits; while the version holds they are reused (shown by
+// changing the weight behind the cache's back), and a new version remakes them.
+TEST_CASE("fp8 linear: the weight cache gives the uncached bits and is kept until the parameters' version changes") {
+  REQUIRE_MESSAGE(cuda_device_count() > 0, "no CUDA device: run the GPU suite on a GPU machine");
+  cuda_set_device(0);
+  const int64_t N = 256, IC = 192, OC = 128;  // OC x IC: the gate and up weights' shape below
+  ModelConfig c;
+  c.hidden_size = IC, c.intermediate_size = OC, c.num_heads = 1, c.num_kv_heads = 1, c.head_dim = 16;
+  c.num_layers = 2;
+  const int slot = 1 * cuda::Fp8Linear::kWeights + cuda::Fp8Linear::Up;  // layer 1's up projection
+  const std::vector<float> x = bf16_values(N * IC, 11), w = bf16_values(OC * IC, 12), w2 = bf16_values(OC * IC, 13);
+  const std::vector<float> dy = bf16_values(N * OC, 14), dw0(size_t(OC * IC), 0.0f);
+  cudaStream_t stream = nullptr;
+  TEST_CUDA(cudaStreamCreate(&stream));
+  const size_t workspace_bytes = size_t(32) << 20;
+  DeviceArray<uint8_t> workspace(workspace_bytes);
+  const cuda::Fp8Linear::Sizes s = cuda::Fp8Linear::sizes(c, N, /*cache=*/true);
+  CHECK(s.cache_code_bytes >= 2 * c.num_layers * (4 * 16 * 192 + 2 * 128 * 192 + 192 * 128));
+  DeviceArray<uint8_t> a_codes(size_t(s.a_code_bytes)), b_codes(size_t(s.b_code_bytes)), x_codes(size_t(s.x_code_bytes));
+  DeviceArray<float> a_scales(size_t(3 * s.scale_count)), b_scales(size_t(3 * s.scale_count)),
+      x_scales(size_t(3 * s.scale_count));
+  DeviceArray<uint8_t> cache_codes(size_t(s.cache_code_bytes));
+  DeviceArray<float> cache_scales(size_t(s.cache_scale_count));
+  const size_t bias_scratch_bytes = cuda::bias_grad_scratch_bytes(N, OC);
+  DeviceArray<uint8_t> bias_scratch(bias_scratch_bytes);
+  const DeviceArray<uint16_t> d_x(x), d_dy(dy);
+  DeviceArray<uint16_t> d_w(w);
+  const DeviceArray<uint16_t> d_w2(w2);
+  for (Fp8Mode mode : {Fp8Mode::Tensorwise, Fp8Mode::Rowwise}) {
+    CAPTURE(fp8_mode_name(mode));
+    const cuda::Fp8Linear::Buffers plain_buffers{a_codes.ptr, b_codes.ptr, a_scales.ptr, b_scales.ptr, x_codes.ptr,
+                                                 x_scales.ptr};
+    cuda::Fp8Linear::Buffers cached_buffers = plain_buffers;
+    cached_buffers.cache_codes = cache_codes.ptr, cached_buffers.cache_scales = cache_scales.ptr;
+    cuda::Fp8Linear plain(mode, plain_buffers, stream, workspace.ptr, workspace_bytes);
+    cuda::Fp8Linear cached(mode, cached_buffers, stream, workspace.ptr, workspace_bytes, c, c.num_layers);
+    cached.set_params_version(0);
+    auto forward = [&](cuda::Fp8Linear& f, const DeviceArray<uint16_t>& weight, int sl) {
+      DeviceArray<uint16_t> y(size_t(N * OC));
+      f.forward(y.bf(), OC, d_x.bf(), weight.bf(), nullptr, N, IC, OC, nullptr, false, sl);
+      TEST_CUDA(cudaStreamSynchronize(stream));
+      return y.host();
+    };
+    auto dinp = [&](cuda::Fp8Linear& f, const DeviceArray<uint16_t>& weight, int sl) {
+      DeviceArray<uint16_t> dx(size_t(N * IC));
+      DeviceArray<float> dw(dw0);
+      f.backward(dx.bf(), false, dw.ptr, nullptr, d_dy.bf(), OC, d_x.bf(), weight.bf(), N, IC, OC, bias_scratch.ptr,
+                 bias_scratch_bytes, false, sl);
+      TEST_CUDA(cudaStreamSynchronize(stream));
+      return dx.host();
+    };
+    const std::vector<float> y = forward(plain, d_w, -1), dx = dinp(plain, d_w, -1);
+    CHECK(forward(cached, d_w, slot) == y);  // made now
+    CHECK(forward(cached, d_w, slot) == y);  // from the cache
+    CHECK(dinp(cached, d_w, slot) == dx);
+    CHECK(dinp(cached, d_w, slot) == dx);
+    // Another weight at the same version: the cache still answers with w's codes.
+    const std::vector<float> y2 = forward(plain, d_w2, -1), dx2 = dinp(plain, d_w2, -1);
+    CHECK(y2 != y);
+    CHECK(forward(cached, d_w2, slot) == y);
+    CHECK(dinp(cached, d_w2, slot) == dx);
+    // A new version: remade from the weight given.
+    cached.set_params_version(1);
+    CHECK(forward(cached, d_w2, slot) == y2);
+    CHECK(dinp(cached, d_w2, slot) == dx2);
+    cached.set_params_version(1);  // the same version again: kept
+    CHECK(forward(cached, d_w, slot) == y2);
+  }
+  cudaStreamDestroy(stream);
+}
+
 TEST_CASE("fp8 linear: cuBLASLt FP8 forward and backward equal the CPU emulation to bf16 / fp32 rounding") {
   REQUIRE_MESSAGE(cuda_device_count() > 0, "no CUDA device: run the GPU suite on a GPU machine");
   cuda_set_device(0);

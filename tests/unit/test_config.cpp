@@ -165,6 +165,17 @@ TEST_CASE("model.context_parallel: divides the ranks, splits seq_len into 2C chu
         std::string::npos);
 }
 
+TEST_CASE("model.fp8_weight_cache: off by default; on only with model.fp8") {
+  CHECK_FALSE(parse(kValid).config.model.fp8_weight_cache);
+  const DeckResult r = parse(kValid, {"model.fp8=tensorwise", "model.fp8_weight_cache=true"});
+  REQUIRE(r.ok());
+  CHECK(engine_options_for(r.config).fp8_weight_cache);
+  CHECK_FALSE(engine_options_for(parse(kValid, {"model.fp8=tensorwise"}).config).fp8_weight_cache);
+  CHECK(only_error(parse(kValid, {"model.fp8_weight_cache=true"})) ==
+        "deck.toml: model.fp8_weight_cache = true keeps the FP8 codes of the weights, but model.fp8 = \"none\" makes none: set "
+        "model.fp8 = \"tensorwise\" or \"rowwise\", or leave the cache off");
+}
+
 TEST_CASE("model.norm_dtype: bf16 by default, or fp32; nothing else") {
   CHECK(parse(kValid).config.model.norm_dtype == "bf16");
   CHECK_FALSE(engine_options_for(parse(kValid).config).norm_fp32);
