@@ -334,7 +334,7 @@ class CudaBackend final : public Backend {
     rows.push_back(stream_row("d_x", w, d.N * d.C, &d_x_));  // backward residual-stream gradients
     rows.push_back(stream_row("d_mid", w, d.N * d.C, &d_mid_));
     if (o.residual_fp32) {  // the bf16 operands between the fp32 stream and the GEMMs
-      rows.push_back(row("proj_out", w, d.N * d.C, &proj_out_));      // o / down projection output, the embedding rows
+      rows.push_back(row("proj_out", w, d.N * d.C, &proj_out_));      // o / down projection output
       rows.push_back(row("d_stream_bf16", w, d.N * d.C, &d_stream_bf16_));  // d_x or d_mid rounded for a GEMM
     }
     rows.push_back(row("d_xn", w, d.N * d.C, &d_xn_));
@@ -505,10 +505,11 @@ class CudaBackend final : public Backend {
     ring_ = std::make_unique<cuda::RingAttention>(*ring_comm_, ring_buffers_, d_.N, stream_);
   }
 
+  // A bf16 stream's start; an fp32 stream starts from the masters' rows, which
+  // the engine writes (embedding_rows_fp32).
   void embed_forward(const void* table) override {
-    if (!fp32_stream()) return cuda::embedding_forward(bf(residual_[0]), tokens_, bf(table), n_, d_.V, d_.C, stream_);
-    cuda::embedding_forward(proj_out_, tokens_, bf(table), n_, d_.V, d_.C, stream_);
-    cuda::add_bf16_to_f32(f32(residual_[0]), nullptr, proj_out_, n_ * d_.C, stream_);
+    SHARDLM_CHECK(!fp32_stream(), "internal: the fp32 stream starts from embedding_rows_fp32, not the bf16 table");
+    cuda::embedding_forward(bf(residual_[0]), tokens_, bf(table), n_, d_.V, d_.C, stream_);
   }
 
   void layer_forward(int l, const Unit& unit, const void* params) override {
