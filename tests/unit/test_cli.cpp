@@ -199,7 +199,8 @@ TEST_CASE("check on the CUDA backend: model.selective_layers keeps K layers' att
 TEST_CASE("check on the CUDA backend: model.residual_dtype = fp32 adds 2 bytes per stream element, as planned") {
   // The stream's (L + 1) layer boundaries and L x_mid activations (no
   // checkpointing), d_x and d_mid in the workspace, and two bf16 (N, C) buffers
-  // between the stream and the GEMMs: the o / down outputs and the gradient's copy.
+  // between the stream and the GEMMs: the o / down outputs and the gradient's copy;
+  // and the token ids the engine builds the stream's fp32 first rows from.
   const std::string deck = " check inputs/bench/llama-1b.toml --set data.path=inputs/data/tiny.h5 "
                            "--set device.backend=cuda";
   auto bf16 = run(shardlm_bin() + deck);
@@ -211,7 +212,7 @@ TEST_CASE("check on the CUDA backend: model.residual_dtype = fp32 adds 2 bytes p
   CHECK(plan_mib(fp32.output, "activations        GPU") - plan_mib(bf16.output, "activations        GPU") ==
         doctest::Approx(2 * N * C * (L + 1 + L) / MiB).epsilon(1e-6));
   CHECK(plan_mib(fp32.output, "workspace          GPU") - plan_mib(bf16.output, "workspace          GPU") ==
-        doctest::Approx(4 * 2 * N * C / MiB).epsilon(1e-6));
+        doctest::Approx((4 * 2 * N * C + 4 * N) / MiB).epsilon(1e-5));  // the plan prints MiB to 3 decimals
 }
 
 TEST_CASE("train under mpirun -np 2 with a bad deck: one report, clean exit 1") {
