@@ -24,7 +24,8 @@
 #                                 1b-fp32-residual 1b-32k-selective-fp32-residual (on request:
 #                                 model.residual_dtype = fp32, issue #34; beside 1b / 1b-32k-selective)
 #                                 1b-fp32-norms 1b-32k-selective-fp32-norms (model.norm_dtype = fp32, #34)
-#                                 1b-fp8-cache 1b-32k-fp8-cache (model.fp8_weight_cache = true, #30)
+#                                 1b-fp8-cache 1b-32k-fp8-cache (model.fp8_weight_cache = true, #30);
+#                                 8b-131k-offload-selective-fp8 (#30, beside 8b-131k-offload-selective)
 #                                 1b-fp8 1b-mb4-fp8 1b-fp8-rowwise 1b-32k-fp8 8b-32k-offload-selective-fp8 (on request:
 #                                 model.fp8 = tensorwise / rowwise, issue #30; compare with 1b / 1b-32k /
 #                                 8b-32k-offload-selective in the same call)
@@ -246,6 +247,12 @@ for n in $names; do
       run 8b-131k-offload-selective inputs/bench/llama-8b.toml --set data.path=runs/bench-data/random-128k-131k.h5 \
         --set data.seq_len=131072 --set data.global_batch=1 --set model.optim_offload_grads=device --set run.max_steps=3 \
         --set model.activation_checkpointing=selective ${LAYERS:+--set model.selective_layers=$LAYERS} ;;
+    8b-131k-offload-selective-fp8)  # #30: the 8B shape's 131K step with FP8 linears (bf16: 41.7 s)
+      [ -f runs/bench-data/random-128k-131k.h5 ] || $PY tools/make_synthetic_data.py runs/bench-data/random-128k-131k.h5 \
+        --vocab 128256 --tokens 600000 --doc-len 131073
+      run 8b-131k-offload-selective-fp8 inputs/bench/llama-8b.toml --set data.path=runs/bench-data/random-128k-131k.h5 \
+        --set data.seq_len=131072 --set data.global_batch=1 --set model.optim_offload_grads=device --set run.max_steps=3 \
+        --set model.activation_checkpointing=selective --set model.fp8=tensorwise ;;
     # Saves every 2 steps synchronously (the loop waits for each), then async saves
     # spaced wider than one background write (12-15 s on the H200 machine's disk:
     # 80 steps of 0.26 s with device state, 40 of 0.62 s offloaded), so none waits
