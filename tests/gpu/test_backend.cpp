@@ -58,6 +58,25 @@ std::vector<double> train_losses(Config c, int steps) {
   return losses;
 }
 
+// The tiny deck on the GPU with run.deterministic = true and `extra` sets.
+std::vector<double> deterministic_gpu_losses(std::vector<std::string> extra, int steps) {
+  extra.insert(extra.begin(), {"device.backend=cuda", "run.deterministic=true"});
+  return train_losses(deck("inputs/tiny-sft.toml", extra), steps);
+}
+
+// Each step's |got - ref| / ref: the mean and the worst over the steps.
+struct RelativeDiff {
+  double mean = 0, worst = 0;
+};
+RelativeDiff relative_diff(const std::vector<double>& got, const std::vector<double>& ref) {
+  RelativeDiff d;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const double e = std::fabs(got[i] - ref[i]) / ref[i];
+    d.mean += e / double(ref.size()), d.worst = std::max(d.worst, e);
+  }
+  return d;
+}
+
 std::vector<StepStats> train_steps(Config c, int steps) {
   auto comm = make_self_comm();
   TrainSession s(c, *comm);
@@ -187,22 +206,13 @@ TEST_CASE("tiny deck: 50 GPU steps follow the CPU losses within bf16 tolerance")
 TEST_CASE("model.residual_dtype = fp32: 50 GPU steps nearer the CPU (fp32) losses; deterministic; checkpointing changes nothing") {
   GpuSetup gpu;
   const auto cpu = train_losses(deck("inputs/tiny-sft.toml", {"device.backend=cpu"}), 50);
-  const std::vector<std::string> det = {"device.backend=cuda", "run.deterministic=true"};
-  auto run = [&](std::vector<std::string> extra, int steps) {
-    extra.insert(extra.begin(), det.begin(), det.end());
-    return train_losses(deck("inputs/tiny-sft.toml", extra), steps);
-  };
+  const auto run = deterministic_gpu_losses;
   const auto bf16 = run({}, 50), fp32 = run({"model.residual_dtype=fp32"}, 50);
-  double worst_bf16 = 0, worst_fp32 = 0, mean_bf16 = 0, mean_fp32 = 0;
-  for (int i = 0; i < 50; ++i) {
-    const double eb = std::fabs(bf16[i] - cpu[i]) / cpu[i], ef = std::fabs(fp32[i] - cpu[i]) / cpu[i];
-    worst_bf16 = std::max(worst_bf16, eb), worst_fp32 = std::max(worst_fp32, ef);
-    mean_bf16 += eb / 50, mean_fp32 += ef / 50;
-  }
-  MESSAGE("tiny deck vs CPU over 50 steps, relative loss difference: bf16 stream mean " << mean_bf16 << " (worst "
-          << worst_bf16 << "), fp32 stream mean " << mean_fp32 << " (worst " << worst_fp32 << ")");
-  CHECK(worst_fp32 < 3e-2);
-  CHECK(mean_fp32 < mean_bf16);
+  const RelativeDiff db = relative_diff(bf16, cpu), df = relative_diff(fp32, cpu);
+  MESSAGE("tiny deck vs CPU over 50 steps, relative loss difference: bf16 stream mean " << db.mean << " (worst "
+          << db.worst << "), fp32 stream mean " << df.mean << " (worst " << df.worst << ")");
+  CHECK(df.worst < 3e-2);
+  CHECK(df.mean < db.mean);
   const auto again = run({"model.residual_dtype=fp32"}, 10);
   const auto full = run({"model.residual_dtype=fp32", "model.activation_checkpointing=full"}, 10);
   const auto sel = run({"model.residual_dtype=fp32", "model.activation_checkpointing=selective"}, 10);
@@ -333,21 +343,13 @@ TEST_CASE("fp32 stream: the embedding rows are the masters', on the device as on
 TEST_CASE("model.norm_dtype = fp32: 50 GPU steps nearer the CPU (fp32) losses; deterministic; checkpointing changes nothing") {
   GpuSetup gpu;
   const auto cpu = train_losses(deck("inputs/tiny-sft.toml", {"device.backend=cpu"}), 50);
-  const std::vector<std::string> det = {"device.backend=cuda", "run.deterministic=true"};
-  auto run = [&](std::vector<std::string> extra, int steps) {
-    extra.insert(extra.begin(), det.begin(), det.end());
-    return train_losses(deck("inputs/tiny-sft.toml", extra), steps);
-  };
+  const auto run = deterministic_gpu_losses;
   const auto bf16 = run({}, 50), fp32 = run({"model.norm_dtype=fp32"}, 50);
-  double mean_bf16 = 0, mean_fp32 = 0, worst_fp32 = 0;
-  for (int i = 0; i < 50; ++i) {
-    const double eb = std::fabs(bf16[i] - cpu[i]) / cpu[i], ef = std::fabs(fp32[i] - cpu[i]) / cpu[i];
-    mean_bf16 += eb / 50, mean_fp32 += ef / 50, worst_fp32 = std::max(worst_fp32, ef);
-  }
-  MESSAGE("tiny deck vs CPU over 50 steps, relative loss difference: bf16 norm weights mean " << mean_bf16
-          << ", fp32 mean " << mean_fp32 << " (worst " << worst_fp32 << ")");
-  CHECK(worst_fp32 < 3e-2);
-  CHECK(mean_fp32 < mean_bf16);
+  const RelativeDiff db = relative_diff(bf16, cpu), df = relative_diff(fp32, cpu);
+  MESSAGE("tiny deck vs CPU over 50 steps, relative loss difference: bf16 norm weights mean " << db.mean
+          << ", fp32 mean " << df.mean << " (worst " << df.worst << ")");
+  CHECK(df.worst < 3e-2);
+  CHECK(df.mean < db.mean);
   const auto again = run({"model.norm_dtype=fp32"}, 10);
   const auto sel = run({"model.norm_dtype=fp32", "model.activation_checkpointing=selective"}, 10);
   for (int i = 0; i < 10; ++i) {
