@@ -115,15 +115,12 @@ class CudaBackend final : public Backend {
       UnitNorms n;
       n.base = at;
       for (const NormSlot& slot : norm_slots(u)) {
-        const std::string& name = slot.param->name;
-        auto ends = [&](const char* suffix) {
-          const size_t k = std::strlen(suffix);
-          return name.size() >= k && name.compare(name.size() - k, k, suffix) == 0;
-        };
-        int64_t* where = ends("input_layernorm.weight") ? &n.input : ends("q_norm.weight") ? &n.q
-                       : ends("k_norm.weight") ? &n.k : ends("post_attention_layernorm.weight") ? &n.post
-                       : ends("model.norm.weight") ? &n.final : nullptr;
-        SHARDLM_CHECK(where, "internal: the CUDA backend has no place for the norm weight %s", name.c_str());
+        auto is = [&](const char* suffix) { return slot.param == u.find_param(suffix); };
+        int64_t* where = is("input_layernorm.weight") ? &n.input : is("q_norm.weight") ? &n.q
+                       : is("k_norm.weight") ? &n.k : is("post_attention_layernorm.weight") ? &n.post
+                       : is("model.norm.weight") ? &n.final : nullptr;
+        SHARDLM_CHECK(where, "internal: the CUDA backend has no place for the norm weight %s",
+                      slot.param->name.c_str());
         *where = at + slot.packed;
       }
       at += norm_slot_floats(u);
@@ -141,7 +138,9 @@ class CudaBackend final : public Backend {
     if (fp8_) fp8_->set_params_version(version);
   }
   float* embedding_rows_fp32() override { return fp32_stream() ? f32(residual_[0]) : nullptr; }
-  float* norm_weights_fp32(int unit) override { return norm_fp32_ ? norm_fp32_ + unit_norms_[size_t(unit)].base : nullptr; }
+  float* norm_weights_fp32(int unit) override {
+    return norm_fp32_ ? norm_fp32_ + unit_norms_[size_t(unit)].base : nullptr;
+  }
 
   void* param_shard_mut(int unit) override { return shards_[unit]; }
   void synchronize() override {
@@ -609,8 +608,10 @@ class CudaBackend final : public Backend {
     }
     project_backward(cuda::Fp8Linear::Q, d_xn_, g.wq, g.bq, dq, a.xn1, w.wq, d.C, d.HD);
     // k's and v's input gradients are added to q's in their GEMMs' epilogues.
-    project_backward(cuda::Fp8Linear::K, d_xn_, g.wk, g.bk, dk, a.xn1, w.wk, d.C, d.KVD, cuda::Dinp::Accumulate, /*same_input=*/true);
-    project_backward(cuda::Fp8Linear::V, d_xn_, g.wv, g.bv, dv_, a.xn1, w.wv, d.C, d.KVD, cuda::Dinp::Accumulate, /*same_input=*/true);
+    project_backward(cuda::Fp8Linear::K, d_xn_, g.wk, g.bk, dk, a.xn1, w.wk, d.C, d.KVD, cuda::Dinp::Accumulate,
+                     /*same_input=*/true);
+    project_backward(cuda::Fp8Linear::V, d_xn_, g.wv, g.bv, dv_, a.xn1, w.wv, d.C, d.KVD, cuda::Dinp::Accumulate,
+                     /*same_input=*/true);
     norm_backward(d_x_, g.input_norm, d_xn_, x_in, norms.input, a.rstd1, d_mid_);
   }
 
@@ -765,7 +766,8 @@ class CudaBackend final : public Backend {
     add_norm_forward(a.x_mid, a.xn2, a.rstd2, x_in, projected, norms.post);
     gate_up_forward(a.gu, a.xn2, w);
     cuda::swiglu_forward(a.h, d.I, a.gu, 2 * d.I, a.gu + d.I, 2 * d.I, N, d.I, stream_);
-    if (!fp32_stream()) return project(cuda::Fp8Linear::Down, bf(x_out), a.h, w.w_down, nullptr, d.I, d.C, /*residual=*/bf(a.x_mid));
+    if (!fp32_stream())
+      return project(cuda::Fp8Linear::Down, bf(x_out), a.h, w.w_down, nullptr, d.I, d.C, /*residual=*/bf(a.x_mid));
     project(cuda::Fp8Linear::Down, proj_out_, a.h, w.w_down, nullptr, d.I, d.C);
     cuda::add_bf16_to_f32(f32(x_out), f32(a.x_mid), proj_out_, N * d.C, stream_);
   }
@@ -785,8 +787,9 @@ class CudaBackend final : public Backend {
     if (!fp8_) return cuda::linear_forward(*gemm_, out, inp, weight, bias, n_, IC, OC, residual);
     fp8_->forward(out, OC, inp, weight, bias, n_, IC, OC, residual, same_input, fp8_slot(which));
   }
-  void project_backward(cuda::Fp8Linear::Weight which, bf16* dinp, float* dweight, float* dbias, const bf16* dout, const bf16* inp,
-                        const bf16* weight, int64_t IC, int64_t OC, cuda::Dinp mode = cuda::Dinp::Overwrite,
+  void project_backward(cuda::Fp8Linear::Weight which, bf16* dinp, float* dweight, float* dbias, const bf16* dout,
+                        const bf16* inp, const bf16* weight, int64_t IC, int64_t OC,
+                        cuda::Dinp mode = cuda::Dinp::Overwrite,
                         bool same_input = false) {
     if (!fp8_)
       return cuda::linear_backward(*gemm_, dinp, dweight, dbias, dout, inp, weight, n_, IC, OC, scratch_,
