@@ -21,8 +21,10 @@
 #                                 ckpt-1b ckpt-1b-offload ckpt-8b4-offload (on request: checkpoints every 2 steps sync,
 #                                 every 80 / 40 steps async, against dd on the same disk;
 #                                 docs/benchmarks.md "Asynchronous checkpoints"; ~3 min each)
-#                                 1b-fp32-residual 1b-32k-selective-fp32-residual (on request:
-#                                 model.residual_dtype = fp32, issue #34; beside 1b / 1b-32k-selective)
+#                                 1b-bf16-residual 1b-32k-selective-bf16-residual (on request:
+#                                 model.residual_dtype = bf16, issue #34; beside 1b / 1b-32k-selective, whose
+#                                 fp32 stream is the default; the 8b-131k cases run a bf16 stream: an fp32 one
+#                                 adds 39 GiB there and does not fit one H200)
 #                                 1b-fp32-norms 1b-32k-selective-fp32-norms (model.norm_dtype = fp32, #34)
 #                                 1b-fp8-cache 1b-32k-fp8-cache (model.fp8_weight_cache = true, #30);
 #                                 8b-131k-offload-selective-fp8 (#30, beside 8b-131k-offload-selective)
@@ -126,11 +128,11 @@ for n in $names; do
     1b-mb2) run 1b-mb2 inputs/bench/llama-1b.toml --set data.micro_batch=2 ;;
     1b-mb4) run 1b-mb4 inputs/bench/llama-1b.toml --set data.micro_batch=4 ;;
     # model.fp8 (issue #30): the decoder blocks' linears in FP8; against 1b / 1b-32k run in the same call.
-    # model.residual_dtype = "fp32" (#34): its cost beside 1b and 1b-32k-selective in the same call.
-    1b-fp32-residual) run 1b-fp32-residual inputs/bench/llama-1b.toml --set model.residual_dtype=fp32 ;;
-    1b-32k-selective-fp32-residual)
-      run 1b-32k-selective-fp32-residual inputs/bench/llama-1b.toml --set data.seq_len=32768 --set data.global_batch=1 \
-        --set model.activation_checkpointing=selective --set run.max_steps=5 --set model.residual_dtype=fp32 ;;
+    # model.residual_dtype = "bf16" (#34): what the default fp32 stream costs, beside 1b and 1b-32k-selective.
+    1b-bf16-residual) run 1b-bf16-residual inputs/bench/llama-1b.toml --set model.residual_dtype=bf16 ;;
+    1b-32k-selective-bf16-residual)
+      run 1b-32k-selective-bf16-residual inputs/bench/llama-1b.toml --set data.seq_len=32768 --set data.global_batch=1 \
+        --set model.activation_checkpointing=selective --set run.max_steps=5 --set model.residual_dtype=bf16 ;;
     1b-fp32-norms) run 1b-fp32-norms inputs/bench/llama-1b.toml --set model.norm_dtype=fp32 ;;
     1b-32k-selective-fp32-norms)
       run 1b-32k-selective-fp32-norms inputs/bench/llama-1b.toml --set data.seq_len=32768 --set data.global_batch=1 \
@@ -233,12 +235,14 @@ for n in $names; do
         --vocab 128256 --tokens 600000 --doc-len 131073
       run 8b-131k-offload-pipeline inputs/bench/llama-8b.toml --set data.path=runs/bench-data/random-128k-131k.h5 \
         --set data.seq_len=131072 --set data.global_batch=1 --set model.optim_offload_grads=device --set run.max_steps=3 \
+        --set model.residual_dtype=bf16 \
         --set model.optim_gpu_state_gib=0 ;;
     8b-131k-offload)
       [ -f runs/bench-data/random-128k-131k.h5 ] || $PY tools/make_synthetic_data.py runs/bench-data/random-128k-131k.h5 \
         --vocab 128256 --tokens 600000 --doc-len 131073
       run 8b-131k-offload inputs/bench/llama-8b.toml --set data.path=runs/bench-data/random-128k-131k.h5 \
-        --set data.seq_len=131072 --set data.global_batch=1 --set model.optim_offload_grads=device --set run.max_steps=3 ;;
+        --set data.seq_len=131072 --set data.global_batch=1 --set model.optim_offload_grads=device --set run.max_steps=3 \
+        --set model.residual_dtype=bf16 ;;
     # Selective checkpointing at 131K: 1 GiB of attention output a layer; LAYERS of
     # the 32 keep theirs (default all: 139,190 MiB planned on the 143,771 MiB H200).
     8b-131k-offload-selective)
@@ -246,12 +250,14 @@ for n in $names; do
         --vocab 128256 --tokens 600000 --doc-len 131073
       run 8b-131k-offload-selective inputs/bench/llama-8b.toml --set data.path=runs/bench-data/random-128k-131k.h5 \
         --set data.seq_len=131072 --set data.global_batch=1 --set model.optim_offload_grads=device --set run.max_steps=3 \
+        --set model.residual_dtype=bf16 \
         --set model.activation_checkpointing=selective ${LAYERS:+--set model.selective_layers=$LAYERS} ;;
     8b-131k-offload-selective-fp8)  # #30: the 8B shape's 131K step with FP8 linears (bf16: 41.7 s)
       [ -f runs/bench-data/random-128k-131k.h5 ] || $PY tools/make_synthetic_data.py runs/bench-data/random-128k-131k.h5 \
         --vocab 128256 --tokens 600000 --doc-len 131073
       run 8b-131k-offload-selective-fp8 inputs/bench/llama-8b.toml --set data.path=runs/bench-data/random-128k-131k.h5 \
         --set data.seq_len=131072 --set data.global_batch=1 --set model.optim_offload_grads=device --set run.max_steps=3 \
+        --set model.residual_dtype=bf16 \
         --set model.activation_checkpointing=selective --set model.fp8=tensorwise ;;
     # Saves every 2 steps synchronously (the loop waits for each), then async saves
     # spaced wider than one background write (12-15 s on the H200 machine's disk:

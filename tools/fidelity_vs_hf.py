@@ -29,7 +29,7 @@
      loss of the last 10 steps; losses.json with every curve.
 
   python3 tools/fidelity_vs_hf.py --shardlm build/shardlm --shape llama-1b --steps 150 --out runs/fidelity
-  python3 tools/fidelity_vs_hf.py ... --label fp32-residual --set model.residual_dtype=fp32   (a switch)
+  python3 tools/fidelity_vs_hf.py ... --label bf16-stream --set model.residual_dtype=bf16   (a switch)
   python3 tools/fidelity_vs_hf.py ... --skip-hf runs/fidelity/losses.json   (reuse transformers' curves)
   python3 tools/fidelity_vs_hf.py ... --variants eager,eager+bf16-residual,eager+bf16-params
   python3 tools/fidelity_vs_hf.py ... --variants eager,eager+bf16-norms,eager+bf16-embed

@@ -118,6 +118,9 @@ struct MemoryPlan {
   // else; without it the update after a save waits for the download. Not in
   // device_total(): the plan fits without it.
   int64_t checkpoint_device_snapshot = 0;
+  // GPU: of activations + workspace, what model.residual_dtype = "fp32" adds
+  // over a bf16 stream (named in the error of a plan that does not fit).
+  int64_t fp32_stream = 0;
   int64_t host_total() const {
     return param_shards + grad_shards + optim_state + host_workspace + comm_staging + offload_buffers + data_reader +
            checkpoint_snapshot +

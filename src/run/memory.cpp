@@ -139,11 +139,15 @@ std::string plan_fit_error(const MemoryPlan& p, int ranks_on_node, const Machine
                double(p.host_total() - p.checkpoint_snapshot_flexible) / gib, ranks_on_node, ranks_on_node == 1 ? "" : "s", host_need / gib,
                double(host.bytes) / gib, host.source, levers);
   const double device_need = double(p.device_total()) * ranks_per_gpu;
-  if (gpu_bytes > 0 && device_need > double(gpu_bytes))
+  if (gpu_bytes > 0 && device_need > double(gpu_bytes)) {
+    const std::string stream =
+        p.fp32_stream > 0 ? fmt("model.residual_dtype = \"bf16\" (%.2f GiB less per rank), ", double(p.fp32_stream) / gib)
+                          : std::string();
     return fmt("the memory plan needs %.2f GiB of GPU memory per rank x %d rank%s on the GPU = %.2f GiB, more than its "
-               "%.2f GiB: model.optim_cpu_offload = true, %s",
+               "%.2f GiB: model.optim_cpu_offload = true, %s%s",
                double(p.device_total()) / gib, ranks_per_gpu, ranks_per_gpu == 1 ? "" : "s", device_need / gib,
-               double(gpu_bytes) / gib, levers);
+               double(gpu_bytes) / gib, stream.c_str(), levers);
+  }
   return "";
 }
 

@@ -182,6 +182,10 @@ void check_report(const Config& deck_config, const std::string& deck, int world)
                 cuda ? "e4m3 codes of one GEMM's two operands, plain or transposed, their scales, a contiguous dgate/dup"
                      : "the emulation's quantised operands as fp32, their scales, the weight gradient's product");
   }
+  if (plan.fp32_stream > 0)  // the fp32 residual stream (the default) against a bf16 one
+    std::printf("model.residual_dtype = \"fp32\": %.3f MiB of the activations and workspace per rank are the fp32 "
+                "stream's (model.residual_dtype = \"bf16\" gives them back)\n",
+                double(plan.fp32_stream) / kMiB);
   std::printf("%s", offload_split_line(config, layout, gpu_bytes).c_str());
   std::printf("%s", inference_report(config, arch, cuda, plan.device_total(), gpu_bytes).c_str());
   if (cuda && config.model.optim_cpu_offload) {  // what the lever buys, against the state on the GPU

@@ -2,6 +2,7 @@
 #include "train/engine.hpp"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <tuple>
 
@@ -68,6 +69,36 @@ void owned_rows(float* out, const int32_t* ids, int64_t n, const float* shard, i
     }
 }
 
+int64_t chunk_row_ids(const int32_t* all_ids, int world, int64_t max_tokens, int64_t k, int32_t* out) {
+  const int64_t W = world, M = max_tokens;
+  int64_t used = 0;
+  for (int64_t q = 0; q < W; ++q) {
+    const int32_t* ids = all_ids + q * M;
+    used = std::max(used, int64_t(std::find(ids, ids + M, -1) - ids));
+  }
+  std::fill(out, out + W * M, -1);
+  for (int64_t q = 0; q < W; ++q)
+    for (int64_t t = 0; t < used; ++t) {
+      const int64_t j = t / k, kk = std::min(k, M - j * k);
+      out[j * W * k + q * kk + t % k] = all_ids[q * M + t];
+    }
+  return used;
+}
+
+RowChunks fp32_row_chunks(int world, int64_t max_tokens, int64_t hidden) {
+  RowChunks r;
+  r.tokens = max_tokens;
+  if (world > 1) {
+    r.tokens = std::clamp<int64_t>(kRowPartsBytes / (4 * int64_t(world) * hidden), 1, max_tokens);
+    if (const char* e = std::getenv("SHARDLM_TEST_ROW_CHUNK"); e && std::atoll(e) > 0)  // tests: several chunks
+      r.tokens = std::min<int64_t>(std::atoll(e), max_tokens);
+    r.part_floats = int64_t(world) * r.tokens * hidden;
+  }
+  r.count = (max_tokens + r.tokens - 1) / r.tokens;
+  r.id_count = int64_t(world) * max_tokens;
+  return r;
+}
+
 MemoryPlan plan_memory(const ModelConfig& config, int world, const EngineOptions& o, int optim_states,
                        const Backend& backend) {
   // Every product below stays in int64 for sizes that pass this.
@@ -89,8 +120,13 @@ MemoryPlan plan_memory(const ModelConfig& config, int world, const EngineOptions
   // Several ranks on one GPU: two pinned host buffers of one full fp32 unit each.
   if (plan.device && world > 1 && o.comm_backend == "mpi") plan.comm_staging = 2 * 4 * max_padded(layout);
   if (plan.device && o.residual_fp32) {  // the fp32 embedding rows' ids and parts (Engine::embed_rows_fp32)
-    plan.workspace += 4 * int64_t(world) * o.max_tokens;
-    if (world > 1) plan.workspace += 4 * int64_t(world) * o.max_tokens * config.hidden_size;
+    const RowChunks r = fp32_row_chunks(world, o.max_tokens, config.hidden_size);
+    plan.workspace += 4 * r.id_count + 4 * r.part_floats;
+    EngineOptions bf16 = o;
+    bf16.residual_fp32 = false;
+    plan.fp32_stream = 4 * r.id_count + 4 * r.part_floats + backend.activation_bytes(config, o) -
+                       backend.activation_bytes(config, bf16) + backend.workspace_bytes(config, o) -
+                       backend.workspace_bytes(config, bf16);
   }
   if (plan.device && world > 1 && o.norm_fp32) {  // the fp32 norm weights' gather buffers (Engine::refresh_norms)
     int64_t share = 0;
@@ -146,12 +182,12 @@ Engine::Engine(ShardedModel& model, Comm& comm, const EngineOptions& options, st
   backend_->prepare(config_, options);
   plan_norm_copies();
   if (backend_->embedding_rows_fp32()) {
-    const int64_t ids = int64_t(comm.size()) * options.max_tokens;
-    row_ids_.assign(size_t(ids), -1);
+    row_chunks_ = fp32_row_chunks(comm.size(), options.max_tokens, config_.hidden_size);
+    row_ids_.assign(size_t(row_chunks_.id_count), -1);
     own_ids_.assign(size_t(options.max_tokens), -1);
-    row_ids_dev_ = static_cast<int32_t*>(backend_->allocate(Mem::Workspace, 4 * ids));
-    if (sharded_)
-      row_parts_ = static_cast<float*>(backend_->allocate(Mem::Workspace, 4 * ids * config_.hidden_size));
+    if (sharded_) all_ids_.assign(size_t(comm.size()) * options.max_tokens, -1);
+    row_ids_dev_ = static_cast<int32_t*>(backend_->allocate(Mem::Workspace, 4 * row_chunks_.id_count));
+    if (sharded_) row_parts_ = static_cast<float*>(backend_->allocate(Mem::Workspace, 4 * row_chunks_.part_floats));
   }
 }
 
@@ -159,32 +195,45 @@ Engine::Engine(ShardedModel& model, Comm& comm, const EngineOptions& options, st
 // come straight from the master shard; at several, each rank writes the
 // elements of every rank's rows that its shard holds (zeros elsewhere) and a
 // reduce-scatter sums them: one nonzero term per element, so the sum is exact.
+// The rows go in chunks of row_chunks_.tokens tokens a rank (the last one
+// shorter), the same on every rank, so the parts buffer is world x chunk x
+// hidden, not world x max_tokens x hidden; only the chunks up to the longest
+// rank's batch run.
 void Engine::embed_rows_fp32(const TokenBatch& b, float* rows) {
   const Unit& u = model_.layout.embed();
-  const int64_t C = config_.hidden_size, M = options_.max_tokens;
+  const int64_t C = config_.hidden_size, M = options_.max_tokens, W = comm_.size();
   state_->param_ready(0);
   const float* master = state_->master_shard(0);
   void* stream = backend_->stream();
-  int64_t n = b.N;
-  if (sharded_) {  // every rank's ids, each rank's padded to M with -1
+  const int64_t k = row_chunks_.tokens;
+  auto chunk_tokens = [&](int64_t j) { return std::min(k, M - j * k); };
+  int64_t used = b.N;  // tokens a rank: the longest rank's batch
+  if (sharded_) {  // every rank's ids, each padded to M with -1, laid out by chunk: chunk j at j W k, [rank][its tokens]
     std::fill(own_ids_.begin(), own_ids_.end(), -1);
     std::copy(b.tokens, b.tokens + b.N, own_ids_.begin());
-    comm_.all_gather(own_ids_.data(), row_ids_.data(), M, DType::F32).wait();  // 4-byte words, moved as they are
-    n = int64_t(comm_.size()) * M;
+    comm_.all_gather(own_ids_.data(), all_ids_.data(), M, DType::F32).wait();  // 4-byte words, moved as they are
+    used = chunk_row_ids(all_ids_.data(), int(W), M, k, row_ids_.data());
   } else {
     std::copy(b.tokens, b.tokens + b.N, row_ids_.begin());
   }
-  float* out = sharded_ ? row_parts_ : rows;
+  const int64_t chunks = sharded_ ? (used + k - 1) / k : 1;
   const int64_t begin = comm_.rank() * u.shard_numel;
-  if (state_->master_on_device(0)) {
-    cuda_copy_async(row_ids_dev_, row_ids_.data(), 4 * n, stream);
-    cuda_owned_rows(out, row_ids_dev_, n, master, begin, u.shard_numel, C, stream);
-  } else {  // the masters in host memory (offload): the rows built here, then copied up
-    row_staging_.resize(size_t(n * C));
-    owned_rows(row_staging_.data(), row_ids_.data(), n, master, begin, u.shard_numel, C);
-    cuda_copy_async(out, row_staging_.data(), 4 * n * C, stream);
+  const bool on_device = state_->master_on_device(0);
+  if (on_device) cuda_copy_async(row_ids_dev_, row_ids_.data(), 4 * (sharded_ ? W * std::min(chunks * k, M) : b.N),
+                                 stream);
+  for (int64_t j = 0; j < chunks; ++j) {
+    const int64_t kk = sharded_ ? chunk_tokens(j) : b.N, n = sharded_ ? W * kk : b.N;  // rows built
+    const int64_t first = j * W * k;  // the chunk's ids
+    float* out = sharded_ ? row_parts_ : rows;
+    if (on_device) {
+      cuda_owned_rows(out, row_ids_dev_ + first, n, master, begin, u.shard_numel, C, stream);
+    } else {  // the masters in host memory (offload): the rows built here, then copied up
+      row_staging_.resize(size_t(n * C));
+      owned_rows(row_staging_.data(), row_ids_.data() + first, n, master, begin, u.shard_numel, C);
+      cuda_copy_async(out, row_staging_.data(), 4 * n * C, stream);
+    }
+    if (sharded_) unit_comm_->reduce_scatter(row_parts_, rows + j * k * C, kk * C, DType::F32).wait();
   }
-  if (sharded_) unit_comm_->reduce_scatter(row_parts_, rows, M * C, DType::F32).wait();
 }
 
 void Engine::plan_norm_copies() {
@@ -257,9 +306,8 @@ Engine::~Engine() {
   }
   // The device Comm's collectives are done before it goes.
   backend_->synchronize();
-  const int64_t ids = int64_t(comm_.size()) * options_.max_tokens;
-  if (row_ids_dev_) backend_->deallocate(Mem::Workspace, row_ids_dev_, 4 * ids);
-  if (row_parts_) backend_->deallocate(Mem::Workspace, row_parts_, 4 * ids * config_.hidden_size);
+  if (row_ids_dev_) backend_->deallocate(Mem::Workspace, row_ids_dev_, 4 * row_chunks_.id_count);
+  if (row_parts_) backend_->deallocate(Mem::Workspace, row_parts_, 4 * row_chunks_.part_floats);
   if (norm_send_) backend_->deallocate(Mem::Workspace, norm_send_, 4 * norm_share_max_);
   if (norm_recv_) backend_->deallocate(Mem::Workspace, norm_recv_, 4 * norm_share_max_ * comm_.size());
 }

@@ -47,6 +47,24 @@ int64_t norm_pieces(const Unit& unit, int world, std::vector<NormPiece>* out);
 void owned_rows(float* out, const int32_t* ids, int64_t n, const float* shard, int64_t shard_begin,
                 int64_t shard_numel, int64_t C);
 
+// model.residual_dtype = "fp32" at world > 1: the fp32 rows travel in chunks
+// of `tokens` tokens a rank, so one reduce-scatter's parts buffer (world x
+// tokens x hidden fp32) stays within kRowPartsBytes; `count` chunks cover
+// max_tokens. At one rank: one chunk of max_tokens and no parts buffer.
+inline constexpr int64_t kRowPartsBytes = int64_t(64) << 20;
+struct RowChunks {
+  int64_t tokens = 0, count = 0;
+  int64_t id_count = 0;     // int32 token ids on the device: count x world x tokens
+  int64_t part_floats = 0;  // world x tokens x hidden (world > 1)
+};
+RowChunks fp32_row_chunks(int world, int64_t max_tokens, int64_t hidden);
+// out (world x max_tokens) <- the ids of every rank's tokens (all_ids: world x
+// max_tokens, each rank's -1 padded) laid out for chunks of k tokens a rank:
+// chunk j (k tokens a rank, the last min(k, max_tokens - j k)) starts at
+// j world k, rank by rank; -1 past each rank's batch. Returns the longest
+// rank's token count (the chunks past it are not needed).
+int64_t chunk_row_ids(const int32_t* all_ids, int world, int64_t max_tokens, int64_t k, int32_t* out);
+
 class Engine {
  public:
   // The backend is the engine's own; the model and comm are borrowed.
@@ -136,10 +154,12 @@ class Engine {
   float* norm_recv_ = nullptr;          // (world x largest share)
   int64_t norm_share_max_ = 0;
   // model.residual_dtype = "fp32" on a GPU: every rank's token ids (world x
-  // max_tokens, -1 padded; host and device), each rank's part of every rank's
-  // rows (world > 1, device), and the rows built on the host when the
+  // max_tokens, -1 padded; all_ids_ as gathered, row_ids_ laid out by chunk,
+  // on the host and the device), each rank's part of every rank's rows for
+  // one chunk (world > 1, device), and the rows built on the host when the
   // embedding's masters are there (offload).
-  std::vector<int32_t> row_ids_, own_ids_;
+  RowChunks row_chunks_;
+  std::vector<int32_t> row_ids_, own_ids_, all_ids_;
   int32_t* row_ids_dev_ = nullptr;
   float* row_parts_ = nullptr;
   std::vector<float> row_staging_;

@@ -26,10 +26,16 @@ train np2-again 2 comm.backend=mpi || exit 1
 train np2-bf16 2 comm.backend=mpi model.reduce_dtype=bf16 || exit 1
 train np2-offload 2 comm.backend=mpi model.optim_cpu_offload=true model.optim_gpu_state_gib=0 || exit 1
 train np2-noreshard 2 comm.backend=mpi model.reshard_after_forward=false model.activation_checkpointing=full || exit 1
-train np1-fp32res 1 model.residual_dtype=fp32 || exit 1
-train np2-fp32res 2 comm.backend=mpi model.residual_dtype=fp32 || exit 1
+# The residual stream is fp32 by default (model.residual_dtype); the bf16 one beside it.
+train np1-bf16res 1 model.residual_dtype=bf16 || exit 1
+train np2-bf16res 2 comm.backend=mpi model.residual_dtype=bf16 || exit 1
 train np1-fp32norm 1 model.norm_dtype=fp32 || exit 1
 train np2-fp32norm 2 comm.backend=mpi model.norm_dtype=fp32 || exit 1
+# The fp32 rows in chunks of 7 tokens a rank (the parts buffer bounded; docs/memory.md):
+# each element's sum has one nonzero term, so the chunks change no bit.
+SHARDLM_TEST_ROW_CHUNK=7 train np2-chunk 2 comm.backend=mpi || exit 1
+SHARDLM_TEST_ROW_CHUNK=7 train np2-chunk-offload 2 comm.backend=mpi model.optim_cpu_offload=true \
+  model.optim_gpu_state_gib=0 || exit 1
 train np2-fp32norm-offload 2 comm.backend=mpi model.norm_dtype=fp32 model.optim_cpu_offload=true model.optim_gpu_state_gib=0 || exit 1
 
 # bf16 parameters and activations: the two world sizes sum the same gradients in
@@ -39,8 +45,10 @@ compare np2-again np2 0 "-np 2 twice: bit-identical losses"
 compare np2-bf16 np2 2e-2 "-np 2 with model.reduce_dtype = bf16 vs fp32 reduction"
 compare np2-offload np2 2e-2 "-np 2 with optim_cpu_offload vs device-resident state"
 compare np2-noreshard np2 2e-2 "-np 2 without resharding, with activation checkpointing"
-compare np2-fp32res np1-fp32res 2e-2 "model.residual_dtype = fp32: -np 2 on one GPU (staged MPI) vs -np 1"
-compare np1-fp32res np1 2e-2 "model.residual_dtype = fp32 vs bf16 at -np 1 (bf16 tolerance)"
+compare np2-bf16res np1-bf16res 2e-2 "model.residual_dtype = bf16: -np 2 on one GPU (staged MPI) vs -np 1"
+compare np2-chunk np2 0 "the fp32 stream's first rows in chunks of 7 tokens vs one chunk: bit-identical"
+compare np2-chunk-offload np2-offload 0 "the fp32 stream's first rows built on the host (offload) in chunks of 7 tokens vs one chunk: bit-identical"
+compare np1 np1-bf16res 2e-2 "model.residual_dtype = fp32 (default) vs bf16 at -np 1 (bf16 tolerance)"
 # The fp32 norm weights at two ranks come through an all-gather of each rank's pieces.
 compare np2-fp32norm np1-fp32norm 2e-2 "model.norm_dtype = fp32: -np 2 on one GPU (staged MPI) vs -np 1"
 compare np2-fp32norm-offload np2-fp32norm 2e-2 "model.norm_dtype = fp32: -np 2 with optim_cpu_offload vs device-resident state"

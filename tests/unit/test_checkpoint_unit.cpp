@@ -224,3 +224,18 @@ TEST_CASE("the default async snapshot pool never makes a plan too large for the 
   p.checkpoint_snapshot_flexible = 0;                           // ckpt.async_host_gib given: counted whole
   CHECK(plan_fit_error(p, 1, host, 1, 0).find("24.00 GiB of host memory per rank x 1 rank") != std::string::npos);
 }
+
+TEST_CASE("a plan too large for the GPU names the bf16 residual stream and what it gives back, when the stream is fp32") {
+  const int64_t gib = int64_t(1) << 30;
+  MemoryPlan p;
+  p.device = true;
+  p.device_state = 16 * gib, p.activations = 120 * gib, p.workspace = 8 * gib;
+  p.fp32_stream = 39 * gib + gib / 2;  // of activations + workspace
+  const MachineMemory host{64 * gib, "test"};
+  const std::string e = plan_fit_error(p, 1, host, 1, 140 * gib);
+  CHECK(e.find("144.00 GiB of GPU memory per rank x 1 rank") != std::string::npos);
+  CHECK(e.find("model.residual_dtype = \"bf16\" (39.50 GiB less per rank)") != std::string::npos);
+  p.fp32_stream = 0;  // a bf16 stream already: not offered
+  CHECK(plan_fit_error(p, 1, host, 1, 140 * gib).find("residual_dtype") == std::string::npos);
+  CHECK(plan_fit_error(p, 1, host, 1, 150 * gib).empty());
+}

@@ -196,23 +196,47 @@ TEST_CASE("check on the CUDA backend: model.selective_layers keeps K layers' att
         doctest::Approx(7 * layer_mib).epsilon(1e-3));
 }
 
-TEST_CASE("check on the CUDA backend: model.residual_dtype = fp32 adds 2 bytes per stream element, as planned") {
+TEST_CASE("check on the CUDA backend: the fp32 residual stream (the default) adds 2 bytes per stream element, as planned") {
   // The stream's (L + 1) layer boundaries and L x_mid activations (no
   // checkpointing), d_x and d_mid in the workspace, and two bf16 (N, C) buffers
   // between the stream and the GEMMs: the o / down outputs and the gradient's copy;
   // and the token ids the engine builds the stream's fp32 first rows from.
   const std::string deck = " check inputs/bench/llama-1b.toml --set data.path=inputs/data/tiny.h5 "
                            "--set device.backend=cuda";
-  auto bf16 = run(shardlm_bin() + deck);
+  auto bf16 = run(shardlm_bin() + deck + " --set model.residual_dtype=bf16");
   if (!has_cuda_plan(bf16)) return;
-  auto fp32 = run(shardlm_bin() + deck + " --set model.residual_dtype=fp32");
+  auto fp32 = run(shardlm_bin() + deck);
   REQUIRE(bf16.status == 0);
   REQUIRE(fp32.status == 0);
   const double L = 16, N = 4096, C = 2048, MiB = 1048576.0;  // llama-1b.toml: one 4096-token row a micro-batch
+  const double activations = 2 * N * C * (L + 1 + L) / MiB, workspace = (4 * 2 * N * C + 4 * N) / MiB;
   CHECK(plan_mib(fp32.output, "activations        GPU") - plan_mib(bf16.output, "activations        GPU") ==
-        doctest::Approx(2 * N * C * (L + 1 + L) / MiB).epsilon(1e-6));
+        doctest::Approx(activations).epsilon(1e-6));
   CHECK(plan_mib(fp32.output, "workspace          GPU") - plan_mib(bf16.output, "workspace          GPU") ==
-        doctest::Approx((4 * 2 * N * C + 4 * N) / MiB).epsilon(1e-5));  // the plan prints MiB to 3 decimals
+        doctest::Approx(workspace).epsilon(1e-5));  // the plan prints MiB to 3 decimals
+  // check says what the stream costs, and a bf16 stream's plan says nothing of it.
+  const std::string line = "model.residual_dtype = \"fp32\": ";
+  const size_t at = fp32.output.find(line);
+  REQUIRE(at != std::string::npos);
+  CHECK(std::stod(fp32.output.substr(at + line.size())) == doctest::Approx(activations + workspace).epsilon(1e-5));
+  CHECK(bf16.output.find(line) == std::string::npos);
+}
+
+TEST_CASE("check on the CUDA backend: the fp32 stream's rows at 8 ranks take a bounded buffer, not world x tokens x hidden") {
+  // Engine::embed_rows_fp32 at world > 1: each chunk's parts are world x
+  // chunk x hidden fp32 within 64 MiB; the ids every rank's tokens (4 bytes each).
+  const std::string deck = " check inputs/bench/llama-1b.toml --set data.path=inputs/data/tiny.h5 "
+                           "--set device.backend=cuda --set data.seq_len=32768 --set data.global_batch=8 --world 8";
+  auto bf16 = run(shardlm_bin() + deck + " --set model.residual_dtype=bf16");
+  if (!has_cuda_plan(bf16)) return;
+  auto fp32 = run(shardlm_bin() + deck);
+  REQUIRE(bf16.status == 0);
+  REQUIRE(fp32.status == 0);
+  const double N = 32768, C = 2048, W = 8, MiB = 1048576.0;
+  const double rows = (4 * W * (64 * MiB / (4 * W * C)) * C + 4 * W * N) / MiB;  // 64 + 1 MiB (not 2 GiB)
+  CHECK(rows == doctest::Approx(65.0));
+  CHECK(plan_mib(fp32.output, "workspace          GPU") - plan_mib(bf16.output, "workspace          GPU") ==
+        doctest::Approx(4 * 2 * N * C / MiB + rows).epsilon(1e-5));
 }
 
 TEST_CASE("train under mpirun -np 2 with a bad deck: one report, clean exit 1") {

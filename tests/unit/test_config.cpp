@@ -187,14 +187,14 @@ TEST_CASE("model.norm_dtype: bf16 by default, or fp32; nothing else") {
         "\"bf16\", \"fp32\"");
 }
 
-TEST_CASE("model.residual_dtype: bf16 by default, or fp32; nothing else") {
-  CHECK(parse(kValid).config.model.residual_dtype == "bf16");
-  const DeckResult r = parse(kValid, {"model.residual_dtype=fp32"});
+TEST_CASE("model.residual_dtype: fp32 by default, or bf16; nothing else") {
+  CHECK(parse(kValid).config.model.residual_dtype == "fp32");
+  CHECK(engine_options_for(parse(kValid).config).residual_fp32);
+  const DeckResult r = parse(kValid, {"model.residual_dtype=bf16"});
   for (const auto& e : r.errors) MESSAGE(e);
   REQUIRE(r.ok());
-  CHECK(r.config.model.residual_dtype == "fp32");
-  CHECK(engine_options_for(r.config).residual_fp32);
-  CHECK_FALSE(engine_options_for(parse(kValid).config).residual_fp32);
+  CHECK(r.config.model.residual_dtype == "bf16");
+  CHECK_FALSE(engine_options_for(r.config).residual_fp32);
   CHECK(only_error(parse(kValid, {"model.residual_dtype=fp16"})) ==
         "--set model.residual_dtype=fp16: model.residual_dtype = \"fp16\" is not accepted: it must be one of "
         "\"bf16\", \"fp32\"");

@@ -312,6 +312,64 @@ TEST_CASE("fp32 embedding rows: the ranks' parts sum to the masters' rows exactl
   }
 }
 
+// At world > 1 the rows travel in chunks of k tokens a rank (the parts buffer
+// stays world x k x hidden): chunk by chunk, each rank's parts of the chunk's
+// ids summed over the ranks (one reduce-scatter) give each rank its own rows.
+TEST_CASE("fp32 embedding rows in chunks: every rank gets its own rows, whatever the chunk and batch lengths") {
+  const int64_t V = 29, C = 8, M = 11;
+  std::mt19937 gen(11);
+  std::normal_distribution<float> normal(0.0f, 0.02f);
+  std::vector<float> table(size_t(V * C));
+  for (float& x : table) x = normal(gen);
+  for (int world : {2, 3, 5}) {
+    const int64_t shard = (V * C + world - 1) / world;
+    std::vector<float> padded(size_t(shard * world), 0.0f);
+    std::copy(table.begin(), table.end(), padded.begin());
+    std::vector<int32_t> all(size_t(world * M), -1);
+    int64_t longest = 0;
+    for (int q = 0; q < world; ++q) {  // batches of different lengths, one of them full
+      const int64_t n = q == 1 ? M : (3 * q + 2) % M;
+      longest = std::max(longest, n);
+      for (int64_t t = 0; t < n; ++t) all[size_t(q * M + t)] = int32_t(gen() % V);
+    }
+    for (int64_t k : {int64_t(1), int64_t(3), int64_t(4), M}) {
+      CAPTURE(world);
+      CAPTURE(k);
+      std::vector<int32_t> laid(size_t(world * M));
+      const int64_t used = chunk_row_ids(all.data(), world, M, k, laid.data());
+      CHECK(used == longest);
+      std::vector<float> rows(size_t(world * M * C), -1.0f);  // each rank's stream buffer: M x C
+      for (int64_t j = 0; j * k < used; ++j) {
+        const int64_t kk = std::min(k, M - j * k), n = world * kk;
+        std::vector<float> sum(size_t(n * C), 0.0f), part(size_t(n * C));
+        for (int r = 0; r < world; ++r) {
+          owned_rows(part.data(), laid.data() + j * world * k, n, padded.data() + r * shard, r * shard, shard, C);
+          for (size_t i = 0; i < sum.size(); ++i) sum[i] += part[i];
+        }
+        for (int q = 0; q < world; ++q)  // the reduce-scatter: rank q's block of kk rows
+          std::copy(sum.begin() + q * kk * C, sum.begin() + (q + 1) * kk * C, rows.begin() + (q * M + j * k) * C);
+      }
+      for (int q = 0; q < world; ++q)
+        for (int64_t t = 0; t < M; ++t) {
+          const int32_t id = all[size_t(q * M + t)];
+          for (int64_t c = 0; c < C; ++c) {
+            const float got = rows[size_t((q * M + t) * C + c)];
+            if (t >= used) REQUIRE(got == -1.0f);  // past every batch: not written
+            else REQUIRE(got == (id < 0 ? 0.0f : table[size_t(id * C + c)]));
+          }
+        }
+    }
+  }
+  // The chunk size: one chunk while world x max_tokens x hidden fits kRowPartsBytes, then bounded by it.
+  CHECK(fp32_row_chunks(1, 4096, 2048).count == 1);
+  CHECK(fp32_row_chunks(1, 4096, 2048).part_floats == 0);
+  CHECK(fp32_row_chunks(2, 4096, 2048).count == 1);
+  const RowChunks big = fp32_row_chunks(8, 32768, 4096);
+  CHECK(4 * big.part_floats <= kRowPartsBytes);
+  CHECK(big.tokens == 512);
+  CHECK(big.count == 64);
+}
+
 TEST_CASE("seeded init: every world size builds the same model, element by element") {
   const ModelConfig c = tiny_deck().model.arch;
   ShardedModel one(c, 0, 1);
