@@ -54,6 +54,10 @@ void cuda_copy_async(void* dst, const void* src, int64_t bytes, void* stream);
 void cuda_owned_rows(float* out, const int32_t* ids, int64_t n, const float* shard, int64_t shard_begin,
                      int64_t shard_numel, int64_t C, void* stream);
 void cuda_synchronize(void* stream);
+// The weight broadcast's checksum (bf16_checksum, comm/broadcast.hpp) of n bf16
+// values in device memory at flat indices [begin, begin + n), computed on
+// `stream` and waited for: bit-equal to the host's for the same bits.
+uint64_t cuda_bf16_checksum(const void* values, int64_t begin, int64_t n, void* stream);
 // Page-locks host memory the caller owns (cudaHostRegister), so copies to and
 // from it run at the link's speed; false when it cannot (the memory stays
 // pageable: copies stay correct, only slower). Undone by cuda_unpin_host.

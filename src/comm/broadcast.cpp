@@ -17,6 +17,7 @@
 // checked a step directory, and a last one (its last step, 1) after DONE, when
 // it reads nothing more. Retention removes only what every receiver acknowledged.
 #include "comm/broadcast.hpp"
+#include "comm/checksum_term.hpp"
 
 #include <algorithm>
 #include <chrono>
@@ -58,13 +59,6 @@ struct Header {
   int64_t device = 0; // kHello: 1 when the units come from GPU memory (receive them on a GPU)
   int64_t exit_code = 0;  // kDone: the trainers' exit code (75: stopped by a signal), the receivers' too
 };
-
-uint64_t mix(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ULL;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
-}
 
 // MPI counts are int: big payloads go in chunks.
 void bcast_bytes(void* data, int64_t bytes, MPI_Comm comm) {
@@ -125,7 +119,7 @@ void write_received(const ReceivedModel& m, const ModelLayout& layout, const fs:
 int64_t output_workspace_bytes(const Config& config, const ModelLayout& layout) {
   const int64_t unit = max_padded(layout);
   const bool gpu = config.device.backend == "cuda";
-  const int64_t bcast = config.broadcast.backend == "nccl" ? unit * (gpu ? 2 : 4 + 2) : 0;
+  const int64_t bcast = config.broadcast.backend == "nccl" && !gpu ? unit * (4 + 2) : 0;  // a GPU hashes on the GPU
   const int64_t exported = config.run.export_dir.empty() ? 0 : unit * 4;
   return std::max(bcast, exported);  // never at the same time
 }
@@ -139,7 +133,7 @@ uint64_t bf16_checksum(const uint16_t* values, int64_t begin, int64_t n) {
   // (1.2 G values a step at 1B: one core would take ~1 s on each side).
   uint64_t sum = 0;
 #pragma omp parallel for reduction(+ : sum) schedule(static) if (n > (int64_t(1) << 20))
-  for (int64_t i = 0; i < n; ++i) sum += mix((static_cast<uint64_t>(begin + i) << 16) ^ values[i]);
+  for (int64_t i = 0; i < n; ++i) sum += bf16_checksum_term(static_cast<uint64_t>(begin + i), values[i]);
   return sum;
 }
 
@@ -204,9 +198,10 @@ std::string WeightBroadcaster::timing_summary() const {
   const BroadcastTiming& t = timing_;
   if (t.count == 0) return "";
   const double n = double(t.count);
-  return fmt("broadcast: %lld sends, %.3f s each: gathering the units %.3f, rank 0's host copy and checksums %.3f, "
+  return fmt("broadcast: %lld sends, %.3f s each: gathering the units %.3f, rank 0's %s %.3f, "
              "over the %s communicator (waits for the receivers included) %.3f",
-             (long long)t.count, t.total_s() / n, t.gather_s / n, t.host_s / n,
+             (long long)t.count, t.total_s() / n, t.gather_s / n,
+             device_ ? "checksums on the GPU" : "host copy and checksums", t.host_s / n,
              device_ ? (device_kind_ == "mpi" ? "staged device" : device_kind_.c_str()) : "MPI", t.transfer_s / n);
 }
 
@@ -260,7 +255,8 @@ void WeightBroadcaster::send_over_comm(const ShardedModel& model, int64_t step) 
 // DESIGN.md rule 4: what the device Comm broadcasts is the device buffer the
 // unit was gathered into from the backend's bf16 shards, with device-resident
 // state and with optim_cpu_offload alike (the fp32 masters are not read). Rank
-// 0's checksum is of those same bf16 values: one copy of the unit to the host.
+// 0's checksum is of those same bf16 values, computed where they lie (on the
+// GPU, cuda_bf16_checksum: no copy of the unit to the host).
 void WeightBroadcaster::send_from_device(Engine& engine, const ModelLayout& layout, int64_t step) {
   const bool root = comm_.rank() == 0;
   const MPI_Comm bcomm = rt_.broadcast_comm;
@@ -291,20 +287,17 @@ void WeightBroadcaster::send_from_device(Engine& engine, const ModelLayout& layo
     gathered_unit_ = cuda_malloc(Mem::Workspace, gathered_bytes_);
   }
   void* gathered_unit = gathered_unit_;
-  Buffer<uint16_t> host_copy(Mem::Workspace, root ? max_padded(layout) : 0);
-  // Phases timed on rank 0 (the gather's time is its wait in the host copy's
-  // synchronisation when the gather is asynchronous: it is timed to the copy's start).
+  // Phases timed on rank 0 (the gather's time is its wait in the checksum's
+  // synchronisation when the gather is asynchronous: it is timed to the checksum's start).
   Clock::time_point t = Clock::now();
   for (size_t ui = 0; ui < layout.units.size(); ++ui) {
     const Unit& u = layout.units[ui];
     engine.gather_unit_bf16(static_cast<int>(ui), gathered_unit);
     if (!root) continue;
     lap(t, timing_.gather_s);
-    cuda_copy_async(host_copy.data(), gathered_unit, 2 * u.numel, backend.stream());
-    cuda_synchronize(backend.stream());
     std::string text = describe_unit(u);
     int64_t text_len = static_cast<int64_t>(text.size());
-    uint64_t checksum = bf16_checksum(host_copy.data(), 0, u.numel);
+    uint64_t checksum = cuda_bf16_checksum(gathered_unit, 0, u.numel, backend.stream());
     lap(t, timing_.host_s);
     bcast_bytes(&text_len, sizeof text_len, bcomm);
     bcast_bytes(text.data(), text_len, bcomm);
@@ -620,23 +613,27 @@ WeightReceiver::Got WeightReceiver::next_over_comm(const Sink& sink) {
     SHARDLM_CHECK(text == describe_unit(u), "receive: unit %s arrived with other names or shapes than the deck's "
                                             "model has:\n%s", u.name.c_str(), text.c_str());
     st.data.resize(u.numel);
+    uint64_t got = 0;  // the checksum of what arrived
     if (st.dev) {
-      // Into device memory, then one copy to the host: the checksum is checked
-      // (and --out written) from exactly the bytes that arrived on the GPU.
+      // Into device memory: the checksum computed there, of exactly the bytes
+      // that arrived on the GPU, then one copy to the host (the sink's and --out's).
       st.dev->device->broadcast(st.dev->unit, u.numel, DType::BF16, 0).wait();
       lap(t, timing_.transfer_s);
+      got = cuda_bf16_checksum(st.dev->unit, 0, u.numel, nullptr);
+      lap(t, timing_.check_s);
       cuda_copy_async(st.data.data(), st.dev->unit, 2 * u.numel, nullptr);
       cuda_synchronize(nullptr);
       lap(t, timing_.host_s);
     } else {
       bcast_bytes(st.data.data(), 2 * u.numel, rt_.broadcast_comm);
       lap(t, timing_.transfer_s);
+      got = bf16_checksum(st.data.data(), 0, u.numel);
+      lap(t, timing_.check_s);
     }
     uint64_t checksum = 0;
     bcast_bytes(&checksum, sizeof checksum, rt_.broadcast_comm);
-    SHARDLM_CHECK(checksum == bf16_checksum(st.data.data(), 0, u.numel),
-                  "receive: step %lld, unit %s: checksum mismatch (data damaged in transfer)", (long long)h.step,
-                  u.name.c_str());
+    SHARDLM_CHECK(checksum == got, "receive: step %lld, unit %s: checksum mismatch (data damaged in transfer)",
+                  (long long)h.step, u.name.c_str());
     lap(t, timing_.check_s);
     for (const auto& p : u.params) {
       sink(p, st.data.data() + p.offset);

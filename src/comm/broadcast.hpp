@@ -42,7 +42,7 @@ uint64_t bf16_checksum(const uint16_t* values, int64_t begin, int64_t n);
 
 // Host bytes the weight broadcast or the final export hold at most on a trainer
 // rank: part of the memory plan. CPU backend: one gathered fp32 unit + its bf16
-// copy; CUDA backend: rank 0's host copy of one bf16 unit, which it hashes.
+// copy; CUDA backend: none for the broadcast (the unit is hashed on the GPU).
 int64_t output_workspace_bytes(const Config& config, const ModelLayout& layout);
 // Device bytes of the weight broadcast on the CUDA backend, per trainer rank:
 // one gathered bf16 unit, allocated at the first broadcast and kept until
@@ -50,7 +50,7 @@ int64_t output_workspace_bytes(const Config& config, const ModelLayout& layout);
 int64_t broadcast_device_bytes(const Config& config, const ModelLayout& layout);
 
 // Where broadcast time goes. Sender (trainer rank 0), summed over its
-// broadcasts: the units gathered, rank 0's host copy and checksums, the bytes
+// broadcasts: the units gathered, rank 0's checksums (and host copy, from a CPU backend), the bytes
 // over the communicator (with any wait for a receiver busy sampling). Receiver, for its last step: the bytes over the
 // communicator (with the wait for the sender to gather each unit), the copy to
 // host memory (GPU path), the checksums, the parameters taken into the model

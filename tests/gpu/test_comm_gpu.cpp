@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "comm/broadcast.hpp"
 #include "shardlm/comm.hpp"
 #include "shardlm/cuda.hpp"
 #include "shardlm/error.hpp"
@@ -112,3 +113,39 @@ TEST_CASE("staged MPI device communicator on one rank: device buffers moved exac
 }
 
 }  // TEST_SUITE
+
+// The weight broadcast's checksum on the GPU (trainer rank 0 hashes the gathered
+// unit where it lies; a receiver hashes what arrived in its device memory) is
+// the host's bf16_checksum bit for bit: any length, any first index, a
+// 16-byte-aligned start or not (the vector and the scalar paths), and it changes
+// when one element's bits do.
+TEST_CASE("cuda_bf16_checksum = bf16_checksum (the broadcast's), at any length, offset and alignment") {
+  REQUIRE_MESSAGE(cuda_device_count() > 0, "no CUDA device: run the GPU suite on a GPU machine");
+  cuda_set_device(0);
+  const int64_t max_n = (int64_t(1) << 24) + 13;
+  std::vector<uint16_t> host(size_t(max_n) + 1);
+  for (size_t i = 0; i < host.size(); ++i) host[i] = uint16_t(pattern(int64_t(i), 0x5eed) >> 7);
+  void* dev = nullptr;
+  REQUIRE_CUDA(cudaMalloc(&dev, host.size() * sizeof(uint16_t)));
+  REQUIRE_CUDA(cudaMemcpy(dev, host.data(), host.size() * sizeof(uint16_t), cudaMemcpyHostToDevice));
+  cudaStream_t stream;
+  REQUIRE_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  for (const int64_t n : {int64_t(1), int64_t(7), int64_t(8), int64_t(9), int64_t(4097), max_n})
+    for (const int64_t shift : {int64_t(0), int64_t(1)})       // 1: a start 2 bytes past 16-byte alignment
+      for (const int64_t begin : {int64_t(0), int64_t(123456789)}) {
+        CAPTURE(n);
+        CAPTURE(shift);
+        CAPTURE(begin);
+        const uint16_t* h = host.data() + shift;
+        const void* d = static_cast<const uint16_t*>(dev) + shift;
+        CHECK(cuda_bf16_checksum(d, begin, n, stream) == bf16_checksum(h, begin, n));
+      }
+  CHECK(cuda_bf16_checksum(dev, 0, 0, stream) == 0);
+  // One element's bits changed: another sum.
+  const uint64_t before = cuda_bf16_checksum(dev, 0, max_n, stream);
+  const uint16_t flipped = uint16_t(host[size_t(max_n / 2)] ^ 0x0100);
+  REQUIRE_CUDA(cudaMemcpy(static_cast<uint16_t*>(dev) + max_n / 2, &flipped, 2, cudaMemcpyHostToDevice));
+  CHECK(cuda_bf16_checksum(dev, 0, max_n, stream) != before);
+  REQUIRE_CUDA(cudaStreamDestroy(stream));
+  REQUIRE_CUDA(cudaFree(dev));
+}
