@@ -118,7 +118,10 @@ class CudaDecoder final : public Decoder {
   int64_t weight_bytes() const override { return bytes_of(Mem::ParamShard); }
   const ModelConfig& config() const override { return model_.config(); }
   std::string describe() const override {
-    return "cuda bf16 on " + cuda_device_name(device_) + (graphs_ ? ", decode steps as CUDA graphs" : "") +
+    return "cuda bf16 on " + cuda_device_name(device_) +
+           (!graphs_ ? ""
+            : step_graphs_.size() == 1 ? ", decode steps as one CUDA graph"
+                                       : ", decode steps as " + std::to_string(step_graphs_.size()) + " CUDA graphs") +
            (fused_qkv_ ? ", q|k|v as one GEMM" : "");
   }
   int64_t decode_steps() const override { return decode_steps_; }
@@ -157,7 +160,12 @@ class CudaDecoder final : public Decoder {
   void send_inputs(const StepInts& in);
   // Embedding and every layer over the N rows of tokens_/positions_/cache_row_:
   // k and v stored in the cache, attention over the pass (prefill) or the cache (decode).
-  void run_layers(int64_t N, bool prefill);
+  void run_layers(int64_t N, bool prefill) {
+    embed(N);
+    layers(N, prefill, 0, int(model_.config().num_layers));
+  }
+  void embed(int64_t N);
+  void layers(int64_t N, bool prefill, int first, int last);  // layers [first, last)
   // Layer l's attention from xn_ into att_ (its k and v stored in the cache):
   // q, k and v as three GEMMs (prefill, q/k norm models), or, decoding, as one
   // (fused_qkv_) whose rows RoPE, the cache store and the decode attention read.
@@ -166,12 +174,22 @@ class CudaDecoder final : public Decoder {
   // logits_ (n, V) fp32 = lm_head(norm(rows)); rows (n, C) on the device.
   void head(const bf16* rows, int64_t n);
   void download_logits(int64_t n, float* logits);
-  // The decode forward of a full batch (B = slots) as one CUDA graph, captured
+  // The decode forward of a full batch (B = slots) as CUDA graphs, captured
   // when the decoder is made (after one eager step that builds the GEMM
   // plans), as inference engines capture theirs at start-up; every full-batch
-  // step replays it. ~230 launches a step at the 1B shape cost more host time
-  // than the GPU needs.
+  // step replays them. ~230 launches a step at the 1B shape cost more host time
+  // than the GPU needs. In pieces (step_pieces): the embedding alone, then 1,
+  // 2, 4, 4, ... layers, the head with the last, so that the GPU waits only for
+  // the first, one-kernel piece's launch and the host launches each next piece
+  // while the GPU runs the one before (one graph of ~200 nodes took the host
+  // 0.24 ms to launch, the GPU idle all that time; SHARDLM_DECODE_GRAPH_PIECES=1
+  // captures the one graph, to compare).
   void capture_full_step();
+  struct StepPiece {
+    bool embed;        // the embedding first
+    int first, last;   // then layers [first, last); the head after the last layer
+  };
+  std::vector<StepPiece> step_pieces() const;
   // SHARDLM_DECODE_PROFILE=1: op ends the operation enqueued since the last mark (a no-op otherwise).
   void mark(const char* op) {
     if (ops_) ops_->mark(op);
@@ -233,7 +251,7 @@ class CudaDecoder final : public Decoder {
   std::vector<int32_t> slot_len_;             // (slots) positions filled per slot
   // SHARDLM_DECODE_GRAPHS=0 turns the graph off (to measure what it saves).
   bool graphs_ = true;
-  cudaGraphExec_t full_step_graph_ = nullptr;
+  std::vector<cudaGraphExec_t> step_graphs_;  // the full-batch step's pieces, launched in order
   int64_t decode_steps_ = 0;
   // The decode steps' device time, step_begin_ to step_end_, added once the
   // step is done (a step that leaves its logits on the device returns before).
@@ -387,7 +405,7 @@ CudaDecoder::CudaDecoder(const InferenceModel& model, const DecoderLimits& limit
 CudaDecoder::~CudaDecoder() {
   // A destructor cannot throw: the frees report nothing (cuda_free handles its own errors).
   if (stream_) cudaStreamSynchronize(stream_);
-  if (full_step_graph_) cudaGraphExecDestroy(full_step_graph_);
+  for (cudaGraphExec_t g : step_graphs_) cudaGraphExecDestroy(g);
   gemm_.reset();
   for (BufferRow& r : table_) cuda_free(r.category, *r.ptr, r.bytes);
   if (prefill_in_.host) cudaFreeHost(prefill_in_.host);
@@ -444,15 +462,20 @@ void CudaDecoder::send_inputs(const StepInts& inputs) {
   in_ = &inputs;
 }
 
-void CudaDecoder::run_layers(int64_t N, bool prefill) {
+void CudaDecoder::embed(int64_t N) {
+  const ModelConfig& c = model_.config();
+  const ModelLayout& layout = model_.weights->layout;
+  cuda::embedding_forward(x_, in(StepInts::Tokens), param(layout.embed(), "model.embed_tokens.weight"), N,
+                          c.vocab_size, c.hidden_size, stream_);
+  mark("embedding");
+}
+
+void CudaDecoder::layers(int64_t N, bool prefill, int first, int last) {
   const ModelConfig& c = model_.config();
   const ModelLayout& layout = model_.weights->layout;
   const int64_t C = c.hidden_size, I = c.intermediate_size, HD = c.num_heads * c.head_dim;
   const double eps = c.rms_norm_eps;
-  cuda::embedding_forward(x_, in(StepInts::Tokens), param(layout.embed(), "model.embed_tokens.weight"), N, c.vocab_size, C,
-                          stream_);
-  mark("embedding");
-  for (int l = 0; l < int(c.num_layers); ++l) {
+  for (int l = first; l < last; ++l) {
     const LayerWeights<const bf16> w = layer_weights(layout.layer(l), static_cast<const bf16*>(unit_w_[size_t(1 + l)]));
     cuda::rmsnorm_forward(xn_, rstd_, x_, w.input_norm, N, C, eps, stream_);
     mark("input norm");
@@ -664,8 +687,8 @@ void CudaDecoder::decode(std::span<const int32_t> slots, std::span<const int32_t
   }
   send_inputs(decode_in_);
   CUDA_CHECK(cudaEventRecord(step_begin_, stream_));
-  if (B == limits_.slots && full_step_graph_) {
-    CUDA_CHECK(cudaGraphLaunch(full_step_graph_, stream_));
+  if (B == limits_.slots && !step_graphs_.empty()) {
+    for (cudaGraphExec_t g : step_graphs_) CUDA_CHECK(cudaGraphLaunch(g, stream_));
   } else {
     if (ops_) ops_->begin();
     run_layers(B, /*prefill=*/false);
@@ -720,17 +743,33 @@ void CudaDecoder::capture_full_step() {
   CUDA_CHECK(cudaStreamSynchronize(stream_));
   // Every pointer the step reads is fixed: its inputs are decode_in_'s, the
   // weights and cache never move, the decode attention's grid depends on
-  // max_len only. x_ and x_out_ swap once per layer inside run_layers: the
-  // graph keeps the capture's addresses, and every pass (replayed or eager)
-  // writes x_ from the embedding before it reads it.
-  cudaGraph_t graph = nullptr;
-  CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
-  run_layers(S, /*prefill=*/false);
-  head(x_, S);
-  CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
-  const cudaError_t made = cudaGraphInstantiate(&full_step_graph_, graph, 0);
-  cudaGraphDestroy(graph);
-  CUDA_CHECK(made);
+  // max_len only. x_ and x_out_ swap once per layer inside layers(): each piece
+  // keeps the addresses of its capture, the pieces are captured in the order
+  // they replay (so each finds x_ where the one before left it), and every pass
+  // (replayed or eager) writes x_ from the embedding before it reads it.
+  const int L = int(model_.config().num_layers);
+  for (const StepPiece& piece : step_pieces()) {
+    cudaGraph_t graph = nullptr;
+    CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+    if (piece.embed) embed(S);
+    layers(S, /*prefill=*/false, piece.first, piece.last);
+    if (piece.last == L && piece.first < piece.last) head(x_, S);
+    CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
+    cudaGraphExec_t exec = nullptr;
+    const cudaError_t made = cudaGraphInstantiate(&exec, graph, 0);
+    cudaGraphDestroy(graph);
+    CUDA_CHECK(made);
+    step_graphs_.push_back(exec);
+  }
+}
+
+std::vector<CudaDecoder::StepPiece> CudaDecoder::step_pieces() const {
+  const int L = int(model_.config().num_layers);
+  if (env_is("SHARDLM_DECODE_GRAPH_PIECES", "1")) return {{true, 0, L}};  // the one graph
+  std::vector<StepPiece> pieces = {{true, 0, 0}};
+  for (int first = 0, size = 1; first < L; first += size, size = std::min(2 * size, 4))
+    pieces.push_back({false, first, std::min(L, first + size)});
+  return pieces;
 }
 
 }  // namespace

@@ -565,7 +565,7 @@ TEST_CASE("CUDA decoder: SHARDLM_DECODE_PROFILE=1 changes no token and times eve
   }
 }
 
-TEST_CASE("CUDA decoder: full-batch steps replayed as the CUDA graph captured at start-up = the same steps eagerly") {
+TEST_CASE("CUDA decoder: full-batch steps replayed as the CUDA graphs captured at start-up (in pieces, or one) = the same steps eagerly") {
   require_gpu();
   for (const char* name : {"llama-gqa-tied", "qwen3-qknorm"}) {
     CAPTURE(name);
@@ -578,11 +578,19 @@ TEST_CASE("CUDA decoder: full-batch steps replayed as the CUDA graph captured at
     GenerateOptions o;
     o.sampling = SamplingParams{0.8, 20, 0.9, 3};
     o.max_new_tokens = 16;
-    auto run = [&](bool graphs) {
-      std::unique_ptr<Decoder> d = cuda_decoder_with({{"SHARDLM_DECODE_GRAPHS", graphs ? nullptr : "0"}}, m, limits);
-      CHECK((d->describe().find("CUDA graphs") != std::string::npos) == graphs);
+    // The default: the embedding, then pieces of 1, 2, 4, ... layers (2 layers: 3 graphs).
+    auto run = [&](const char* graphs, const char* pieces, const char* described) {
+      std::unique_ptr<Decoder> d = cuda_decoder_with(
+          {{"SHARDLM_DECODE_GRAPHS", graphs}, {"SHARDLM_DECODE_GRAPH_PIECES", pieces}}, m, limits);
+      const std::string says = d->describe();
+      CAPTURE(says);
+      if (described) CHECK(says.find(described) != std::string::npos);
+      else CHECK(says.find("CUDA graph") == std::string::npos);
       return generate(*d, requests, o);
     };
-    check_same_completions(run(true), run(false), 0.0f);
+    const auto eager = run("0", nullptr, nullptr);
+    REQUIRE(m.config().num_layers == 2);
+    check_same_completions(run(nullptr, nullptr, "decode steps as 3 CUDA graphs"), eager, 0.0f);
+    check_same_completions(run(nullptr, "1", "decode steps as one CUDA graph"), eager, 0.0f);
   }
 }
