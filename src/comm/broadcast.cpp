@@ -570,12 +570,12 @@ WeightReceiver::WeightReceiver(const Config& config, Runtime& rt, const ModelLay
 
 WeightReceiver::~WeightReceiver() = default;
 
-WeightReceiver::Got WeightReceiver::next(bool wait, bool newest_only, const Sink& sink) {
+WeightReceiver::Got WeightReceiver::next(bool wait, bool newest_only, const Sink& sink, const DeviceSink& device_sink) {
   if (done_) return Got::Done;
-  return filesystem_ ? next_from_filesystem(wait, newest_only, sink) : next_over_comm(sink);
+  return filesystem_ ? next_from_filesystem(wait, newest_only, sink) : next_over_comm(sink, device_sink);
 }
 
-WeightReceiver::Got WeightReceiver::next_over_comm(const Sink& sink) {
+WeightReceiver::Got WeightReceiver::next_over_comm(const Sink& sink, const DeviceSink& device_sink) {
   State& st = *state_;
   Header h;
   bcast_bytes(&h, sizeof h, rt_.broadcast_comm);
@@ -614,16 +614,19 @@ WeightReceiver::Got WeightReceiver::next_over_comm(const Sink& sink) {
                                             "model has:\n%s", u.name.c_str(), text.c_str());
     st.data.resize(u.numel);
     uint64_t got = 0;  // the checksum of what arrived
+    const bool on_device = st.dev && device_sink;  // the sink takes device memory: no host copy
     if (st.dev) {
       // Into device memory: the checksum computed there, of exactly the bytes
-      // that arrived on the GPU, then one copy to the host (the sink's and --out's).
+      // that arrived on the GPU, then (for a host sink and --out) one copy to the host.
       st.dev->device->broadcast(st.dev->unit, u.numel, DType::BF16, 0).wait();
       lap(t, timing_.transfer_s);
       got = cuda_bf16_checksum(st.dev->unit, 0, u.numel, nullptr);
       lap(t, timing_.check_s);
-      cuda_copy_async(st.data.data(), st.dev->unit, 2 * u.numel, nullptr);
-      cuda_synchronize(nullptr);
-      lap(t, timing_.host_s);
+      if (!on_device) {
+        cuda_copy_async(st.data.data(), st.dev->unit, 2 * u.numel, nullptr);
+        cuda_synchronize(nullptr);
+        lap(t, timing_.host_s);
+      }
     } else {
       bcast_bytes(st.data.data(), 2 * u.numel, rt_.broadcast_comm);
       lap(t, timing_.transfer_s);
@@ -636,7 +639,8 @@ WeightReceiver::Got WeightReceiver::next_over_comm(const Sink& sink) {
                   (long long)h.step, u.name.c_str());
     lap(t, timing_.check_s);
     for (const auto& p : u.params) {
-      sink(p, st.data.data() + p.offset);
+      if (on_device) device_sink(p, static_cast<const uint16_t*>(st.dev->unit) + p.offset);
+      else sink(p, st.data.data() + p.offset);
       ++tensors;
     }
     lap(t, timing_.load_s);

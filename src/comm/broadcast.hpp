@@ -140,6 +140,11 @@ class WeightReceiver {
   ~WeightReceiver();
   // Called with each parameter of a step that arrived, as bf16 values (numel of them).
   using Sink = std::function<void(const ParamInfo& param, const uint16_t* bf16)>;
+  // The same where the step arrives in this rank's GPU memory (the trainers
+  // broadcast from theirs): each parameter's bf16 values in device memory,
+  // valid until the call returns; no copy to the host is made. Optional: a
+  // receiver without one gets the host copy through the Sink.
+  using DeviceSink = std::function<void(const ParamInfo& param, const void* device_bf16)>;
   enum class Got { Weights, Nothing, Done };
   // The next step's weights into `sink` (Weights), or the end of training
   // (Done: exit_code() is the trainers'). The communicator path always waits
@@ -147,7 +152,7 @@ class WeightReceiver {
   // not read yet, or the newest with `newest_only` (the older ones are
   // acknowledged with it); with wait = false it returns Nothing when none is
   // ready. After DONE, acknowledges the end to trainer rank 0.
-  Got next(bool wait, bool newest_only, const Sink& sink);
+  Got next(bool wait, bool newest_only, const Sink& sink, const DeviceSink& device_sink = nullptr);
   bool can_poll() const { return filesystem_; }  // next(wait = false) can come back empty-handed
   int64_t step() const { return step_; }          // of the last weights received (-1: none)
   int64_t received() const { return received_; }
@@ -155,7 +160,7 @@ class WeightReceiver {
   const BroadcastTiming& timing() const { return timing_; }  // of the last weights received over the communicator
 
  private:
-  Got next_over_comm(const Sink& sink);
+  Got next_over_comm(const Sink& sink, const DeviceSink& device_sink);
   Got next_from_filesystem(bool wait, bool newest_only, const Sink& sink);
   struct State;
   const Config& config_;

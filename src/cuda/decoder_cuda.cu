@@ -104,6 +104,8 @@ class CudaDecoder final : public Decoder {
                float* logits) override;
   void decode(std::span<const int32_t> slots, std::span<const int32_t> tokens, float* logits) override;
   void load_bf16(const ParamInfo& param, const uint16_t* values) override;
+  bool loads_from_device() const override { return true; }
+  void load_bf16_device(const ParamInfo& param, const void* values) override;
   float* host_logits() override { return logits_host_; }
   void token_logprobs(float* out, const float* logits, const int32_t* tokens, float temperature,
                       int64_t n) override;
@@ -449,6 +451,18 @@ void CudaDecoder::load_bf16(const ParamInfo& p, const uint16_t* values) {
   // (pageable source), so `values` may be reused when this returns.
   CUDA_CHECK(cudaStreamSynchronize(stream_));
   CUDA_CHECK(cudaMemcpy(dst, values, size_t(p.numel) * sizeof(uint16_t), cudaMemcpyHostToDevice));
+}
+
+void CudaDecoder::load_bf16_device(const ParamInfo& p, const void* values) {
+  const ModelLayout& layout = model_.weights->layout;
+  const ModelLayout::Located at = layout.find(p.name);
+  SHARDLM_CHECK(at.unit && at.param->numel == p.numel, "internal: broadcast parameter %s is not in the model's layout",
+                p.name.c_str());
+  bf16* dst = unit_w_[size_t(at.unit - layout.units.data())] + at.param->offset;
+  // Between generate() calls nothing else runs on the stream; done before this
+  // returns, so the receiver's buffer may take the next unit.
+  CUDA_CHECK(cudaMemcpyAsync(dst, values, size_t(p.numel) * sizeof(uint16_t), cudaMemcpyDefault, stream_));
+  CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
 
 void CudaDecoder::begin_inputs() {

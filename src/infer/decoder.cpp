@@ -90,6 +90,10 @@ CpuDecoder::CpuDecoder(const InferenceModel& model, const DecoderLimits& limits)
   temperatures_.resize(size_t(limits.slots));
 }
 
+void Decoder::load_bf16_device(const ParamInfo& param, const void*) {
+  SHARDLM_FAIL("internal: this decoder takes no weights from device memory (%s)", param.name.c_str());
+}
+
 void Decoder::draw(const SamplingParams&, const double*, int64_t, Sampled*, float*, float*) {
   SHARDLM_FAIL("internal: %s does not draw on its device", describe().c_str());
 }

@@ -59,6 +59,13 @@ class Decoder {
   // after the InferenceModel took them: a decoder with its own copy of the
   // weights (the GPU's) refreshes that parameter; the CPU reads the model's.
   virtual void load_bf16(const ParamInfo& param, const uint16_t* values) = 0;
+  // Whether the decoder takes new weights straight from device memory
+  // (load_bf16_device: the GPU decoder, a device-to-device copy), so the weight
+  // broadcast that arrives in GPU memory need not cross to the host. The
+  // InferenceModel's host copy is then not refreshed: nothing reads it once
+  // the decoder is made.
+  virtual bool loads_from_device() const { return false; }
+  virtual void load_bf16_device(const ParamInfo& param, const void* values);
   // A (slots, V) host buffer the decoder owns, the fastest place for its
   // logits (pinned memory on the GPU: the download runs at full PCIe speed).
   virtual float* host_logits() = 0;

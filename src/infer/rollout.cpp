@@ -289,14 +289,21 @@ int run_inference_role(const Config& config, Runtime& rt) {
   }
 
   WeightReceiver receiver(config, rt, model.weights->layout);
-  // The host copy first, then the decoder's own (the GPU's bf16 weights: refreshed
-  // from these host values, parameter by parameter, not broadcast into device memory).
-  const auto sink = [&](const ParamInfo& p, const uint16_t* values) {
+  // Weights that arrive in host memory: the host copy first, then the decoder's
+  // own (the GPU's bf16 weights, refreshed parameter by parameter). Weights that
+  // arrive in this rank's GPU memory (the trainers broadcast from theirs) go
+  // straight into the GPU decoder's, device to device, and the host copy is
+  // left as it is: nothing reads it once the decoder is made.
+  const auto to_host = [&](const ParamInfo& p, const uint16_t* values) {
     model.load_bf16(p, values);
     decoder.load_bf16(p, values);
   };
+  WeightReceiver::DeviceSink to_device;
+  if (decoder.loads_from_device())
+    to_device = [&](const ParamInfo& p, const void* values) { decoder.load_bf16_device(p, values); };
   // In order when several ranks read the filesystem, so that they all hold the same step.
   const bool newest_only = world == 1;
+  const auto next = [&] { return receiver.next(/*wait=*/true, newest_only, to_host, to_device); };
   const auto ended = [&] {
     if (rank == 0)
       std::printf("generate: the trainers ended (exit %d) after %lld broadcast%s\n", receiver.exit_code(),
@@ -304,14 +311,14 @@ int run_inference_role(const Config& config, Runtime& rt) {
     return receiver.exit_code();
   };
   // The trainers broadcast their starting weights once (WeightBroadcaster::start).
-  if (receiver.next(/*wait=*/true, newest_only, sink) == WeightReceiver::Got::Done) return ended();
+  if (next() == WeightReceiver::Got::Done) return ended();
 
   for (int64_t step = receiver.step(); step < config.run.max_steps; ++step) {
     // tests: SHARDLM_FAULT=generate_crash@R kills inference rank R (world rank) before rollout step 4
     if (step == 4 && fault_armed("generate_crash")) std::raise(SIGSEGV);
     const auto t_wait = Clock::now();
     while (receiver.step() < step - config.data.max_async)
-      if (receiver.next(/*wait=*/true, newest_only, sink) == WeightReceiver::Got::Done) return ended();
+      if (next() == WeightReceiver::Got::Done) return ended();
     const double wait_s = seconds_since(t_wait);
 
     const std::vector<int64_t> items = prompts_for_step(uint64_t(config.run.seed), step, ro.prompts_per_step,
@@ -327,7 +334,7 @@ int run_inference_role(const Config& config, Runtime& rt) {
     if (rank == 0) publisher->publish(step, receiver.step(), items, all, sample_s, wait_s);
   }
   // The rest of the broadcasts, to the trainers' end (and its exit code).
-  while (receiver.next(/*wait=*/true, newest_only, sink) == WeightReceiver::Got::Weights) {
+  while (next() == WeightReceiver::Got::Weights) {
   }
   return ended();
 }
