@@ -95,6 +95,8 @@ if [ "${SHARDLM_TEST_GPU:-0}" = 1 ]; then
   run_script tests/gpu/test_multirank.sh 900
   run_script tests/gpu/test_offload.sh 900
   run_script tests/gpu/test_async_ckpt.sh 600
+  # The RL job on one GPU: the weights device to device into the GPU decoder.
+  run_script tests/gpu/test_rl_gpu.sh 900
   # Context parallelism: the ring in the trainer, ranks sharing the GPU (staged MPI).
   run_script tests/gpu/test_context_parallel.sh 900
 fi

@@ -13,6 +13,7 @@
 #include <chrono>
 #include <cmath>
 #include <csignal>
+#include <cstdlib>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -298,8 +299,9 @@ int run_inference_role(const Config& config, Runtime& rt) {
     model.load_bf16(p, values);
     decoder.load_bf16(p, values);
   };
-  WeightReceiver::DeviceSink to_device;
-  if (decoder.loads_from_device())
+  WeightReceiver::DeviceSink to_device;  // SHARDLM_RECEIVE_TO_HOST=1: through the host (tests/gpu/test_rl_gpu.sh)
+  const char* to_host_only = std::getenv("SHARDLM_RECEIVE_TO_HOST");
+  if (decoder.loads_from_device() && !(to_host_only && std::string(to_host_only) == "1"))
     to_device = [&](const ParamInfo& p, const void* values) { decoder.load_bf16_device(p, values); };
   // In order when several ranks read the filesystem, so that they all hold the same step.
   const bool newest_only = world == 1;

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# test_rl_gpu.sh — the RL job on one GPU (make test-gpu): a trainer and an
+# inference rank of one mpirun share the GPU, the weights travel every step
+# from the trainer's GPU memory to the inference rank's (the staged device
+# broadcast: NCCL refuses two ranks on one GPU), and the GPU decoder takes them
+# device to device (WeightReceiver::DeviceSink). The same job with the weights
+# brought to the host first (SHARDLM_RECEIVE_TO_HOST=1, the path of `shardlm
+# receive` and the CPU decoder) must give the same rollouts and losses bit for
+# bit: both load the same bf16 bits, and every part is deterministic. The
+# checksums of both ends are computed on the GPUs (cuda_bf16_checksum): a
+# mismatch would end the job. Prints PASS/FAIL lines.
+#
+#   bash tests/gpu/test_rl_gpu.sh        (after make test-gpu has built build/shardlm)
+source "$(dirname "$0")/lib.sh" rl-gpu
+steps=8
+dev=${SHARDLM_TEST_DEVICE:-cuda}
+MPI=($MPIRUN --oversubscribe --bind-to none -x OMP_NUM_THREADS -x OMP_WAIT_POLICY -x NCCL_NVLS_ENABLE)
+
+"$PY" tools/make_copy_task.py --out-dir "$out/task" > "$out/task.log" 2>&1 || { echo "FAIL make_copy_task.py"; exit 1; }
+# A warm start with head dim 32 (a size every GPU attention path takes).
+if ! timeout 300 "$BUILD/shardlm" train inputs/copy-sft.toml --set device.backend="$dev" --set "data.path=$out/task/sft.h5" \
+    --set "run.dir=$out/sft" --set "run.export_dir=$out/sft/export" --set run.max_steps=20 \
+    --set model.hidden_size=64 --set model.intermediate_size=128 --set model.num_heads=2 --set model.num_kv_heads=1 \
+    > "$out/sft.log" 2>&1; then
+  echo "FAIL SFT warm start on the GPU:"; tail -5 "$out/sft.log"; exit 1
+fi
+
+# rl NAME [ENV=VALUE ...]: 1 trainer + 1 inference rank on the GPU, $steps steps into $out/NAME.
+rl() {
+  local name=$1
+  shift
+  local args=(inputs/copy-rl.toml --set "model.hf=$out/sft/export" --set "run.dir=$out/$name"
+              --set "data.rollout_dir=$out/$name/rollouts" --set "rollout.prompts=$out/task/prompts.h5"
+              --set device.backend="$dev" --set run.deterministic=true --set run.max_steps=$steps
+              --set ckpt.interval=0 --set ckpt.save_final=false --set log.interval=1)
+  if ! env "$@" timeout 600 "${MPI[@]}" -np 1 "$BUILD/shardlm" train "${args[@]}" : -np 1 "$BUILD/shardlm" generate \
+      "${args[@]}" > "$out/$name.log" 2>&1; then
+    echo "FAIL $name: the RL job failed:"; tail -8 "$out/$name.log"
+    return 1
+  fi
+}
+rl device || exit 1
+rl host SHARDLM_RECEIVE_TO_HOST=1 || exit 1
+
+if [ "$dev" = cuda ]; then
+  if grep -q "units arrive in GPU memory" "$out/device.log"; then
+    echo "PASS the inference rank receives the weights in GPU memory"
+  else
+    echo "FAIL the inference rank did not say the weights arrive in GPU memory"
+  fi
+fi
+# Every rollout step's rewards and every trainer step's loss, both paths.
+"$PY" - "$out/device" "$out/host" "$steps" <<'PYEOF'
+import json, sys
+a, b, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+def rows(d, f, key):
+    return [json.loads(l).get(key) for l in open(f"{d}/{f}") if f'"{key}"' in l]
+for f, key in (("rollouts.jsonl", "reward_mean"), ("metrics.jsonl", "loss"), ("metrics.jsonl", "mismatch_kl")):
+    x, y = rows(a, f, key), rows(b, f, key)
+    ok = len(x) >= steps and x == y
+    print(f"{'PASS' if ok else 'FAIL'} {key} of {len(x)} steps: the decoder loaded device to device = through the host"
+          + ("" if ok else f": {x} against {y}"))
+PYEOF
