@@ -253,6 +253,8 @@ class CudaDecoder final : public Decoder {
   std::vector<int32_t> slot_len_;             // (slots) positions filled per slot
   // SHARDLM_DECODE_GRAPHS=0 turns the graph off (to measure what it saves).
   bool graphs_ = true;
+  // SHARDLM_DECODE_ROPE_STORE=0: the fused q|k|v rows' RoPE and cache store as two kernels.
+  bool rope_store_ = true;
   std::vector<cudaGraphExec_t> step_graphs_;  // the full-batch step's pieces, launched in order
   int64_t decode_steps_ = 0;
   // The decode steps' device time, step_begin_ to step_end_, added once the
@@ -389,6 +391,7 @@ CudaDecoder::CudaDecoder(const InferenceModel& model, const DecoderLimits& limit
   CUDA_CHECK(cudaEventCreate(&step_end_));
   gemm_ = std::make_unique<cuda::Gemm>(stream_, gemm_workspace_, kGemmWorkspace);
   graphs_ = !env_is("SHARDLM_DECODE_GRAPHS", "0");
+  rope_store_ = !env_is("SHARDLM_DECODE_ROPE_STORE", "0");
   if (env_is("SHARDLM_DECODE_PROFILE", "1")) {
     ops_ = std::make_unique<cuda::OpTimer>(stream_);
     graphs_ = false;  // an event per operation, recorded eagerly
@@ -549,12 +552,20 @@ void CudaDecoder::attend_fused(int l, int64_t N, const LayerWeights<const bf16>&
   // w.wq (and w.bq) start the three adjacent projections (qkv_adjacent).
   cuda::linear_forward(*gemm_, qkv_, xn_, w.wq, w.bq, N, C, QKV);
   mark("q|k|v gemm");
-  // q's and k's heads lie side by side in a row: one RoPE over H + KV heads;
-  // k and v side by side too: one store into the two caches.
-  cuda::rope_forward(qkv_, in(StepInts::Positions), inv_freq_, N, H + KV, D, QKV, stream_);
-  mark("rope");
-  cuda::store_kv(k_cache_[size_t(l)], v_cache_[size_t(l)], in(StepInts::CacheRows), qkv_ + HD, QKV, N, KVD, stream_);
-  mark("kv store");
+  // q's and k's heads lie side by side in a row: one RoPE over H + KV heads,
+  // which also stores k (rotated) and v into the two caches in the same pass
+  // (SHARDLM_DECODE_ROPE_STORE=0: RoPE, then the store, as two kernels).
+  if (rope_store_) {
+    cuda::rope_store_kv(qkv_, in(StepInts::Positions), inv_freq_, N, H, KV, D, QKV, k_cache_[size_t(l)],
+                        v_cache_[size_t(l)], in(StepInts::CacheRows), stream_);
+    mark("rope + kv store");
+  } else {
+    cuda::rope_forward(qkv_, in(StepInts::Positions), inv_freq_, N, H + KV, D, QKV, stream_);
+    mark("rope");
+    cuda::store_kv(k_cache_[size_t(l)], v_cache_[size_t(l)], in(StepInts::CacheRows), qkv_ + HD, QKV, N, KVD,
+                   stream_);
+    mark("kv store");
+  }
   cuda::decode_attention_forward(att_, qkv_, QKV, k_cache_[size_t(l)], v_cache_[size_t(l)], in(StepInts::SlotOf),
                                  in(StepInts::Lens), N, H, KV, D, limits_.max_len, 0, attention_scratch_,
                                  attention_scratch_bytes_, stream_);

@@ -17,11 +17,21 @@ using namespace dev;  // Pack, f32, block_reduce (kernel_common.cuh); kThreads, 
 
 constexpr int kRopeHeadsPerThread = 4;  // cos/sin computed once, applied to 4 heads
 
-template <int VEC>
+// rope_store_kv: the heads from k_first on are k; each also goes (rotated) to
+// k_cache, and the v head after the rotated heads at the same index to v_cache,
+// row rows[t] of (heads - k_first) * D elements. Unused by rope_forward/backward.
+struct RopeCacheStore {
+  bf16* k_cache = nullptr;
+  bf16* v_cache = nullptr;
+  const int32_t* rows = nullptr;
+  int k_first = 0;
+};
+
+template <int VEC, bool STORE = false>
 __global__ void __launch_bounds__(kThreads)
 rope_kernel(bf16* __restrict__ x, const int32_t* __restrict__ positions,
             const float* __restrict__ inv_freq, int64_t N, int heads, int D,
-            int64_t row_stride, float sign) {
+            int64_t row_stride, float sign, RopeCacheStore store = {}) {
   using P = Pack<bf16, VEC>;
   const int half = D / 2, nvec = half / VEC;
   const int hgroups = int(div_up(heads, kRopeHeadsPerThread));
@@ -63,6 +73,17 @@ rope_kernel(bf16* __restrict__ x, const int32_t* __restrict__ positions,
     bf16* xh = x + t * row_stride + int64_t(h0 + q) * D;
     out_lo.store(xh + i);
     out_hi.store(xh + i + half);
+    if constexpr (STORE) {
+      const int kh = h0 + q - store.k_first;
+      if (kh >= 0) {
+        const int64_t row = int64_t(store.rows[t]) * (heads - store.k_first) * D + int64_t(kh) * D;
+        out_lo.store(store.k_cache + row + i);
+        out_hi.store(store.k_cache + row + i + half);
+        const bf16* vh = x + t * row_stride + int64_t(heads + kh) * D;  // v lies after the q and k heads
+        P::load(vh + i).store(store.v_cache + row + i);
+        P::load(vh + i + half).store(store.v_cache + row + i + half);
+      }
+    }
   }
 }
 
@@ -227,6 +248,32 @@ void rope_forward(bf16* x, const int32_t* positions, const float* inv_freq, int6
 void rope_backward(bf16* dx, const int32_t* positions, const float* inv_freq, int64_t N,
                    int64_t heads, int64_t D, int64_t row_stride, cudaStream_t stream) {
   launch_rope(dx, positions, inv_freq, N, heads, D, row_stride, -1.0f, stream, "rope_backward");
+}
+
+void rope_store_kv(bf16* qkv, const int32_t* positions, const float* inv_freq, int64_t N, int64_t H, int64_t KV,
+                   int64_t D, int64_t row_stride, bf16* k_cache, bf16* v_cache, const int32_t* rows,
+                   cudaStream_t stream) {
+  const char* op = "rope_store_kv";
+  const int64_t heads = H + KV;
+  check_size(N, INT_MAX, "N", op);
+  check_size(heads, 4096, "heads", op);
+  SHARDLM_CHECK(D > 0 && D % 2 == 0 && D <= 4096 && KV > 0 && row_stride >= (H + 2 * KV) * D,
+                "%s: %lld q and %lld kv heads of %lld in rows of %lld", op, (long long)H, (long long)KV, (long long)D,
+                (long long)row_stride);
+  if (N == 0) return;
+  const int64_t half = D / 2;
+  const bool vec = half % 8 == 0 && row_stride % 8 == 0 && aligned(qkv, 16) && aligned(k_cache, 16) &&
+                   aligned(v_cache, 16);
+  const int64_t hgroups = div_up(heads, kRopeHeadsPerThread);
+  const RopeCacheStore store{k_cache, v_cache, rows, int(H)};
+  if (vec) {
+    rope_kernel<8, true><<<grid_for(N * hgroups * (half / 8), kThreads), kThreads, 0, stream>>>(
+        qkv, positions, inv_freq, N, int(heads), int(D), row_stride, 1.0f, store);
+  } else {
+    rope_kernel<1, true><<<grid_for(N * hgroups * half, kThreads), kThreads, 0, stream>>>(
+        qkv, positions, inv_freq, N, int(heads), int(D), row_stride, 1.0f, store);
+  }
+  CUDA_CHECK(cudaGetLastError());
 }
 
 void swiglu_forward(bf16* h, int64_t ld_h, const bf16* gate, int64_t ld_gate, const bf16* up,

@@ -565,6 +565,29 @@ TEST_CASE("CUDA decoder: SHARDLM_DECODE_PROFILE=1 changes no token and times eve
   }
 }
 
+// The fused q|k|v rows' RoPE and cache store in one kernel (rope_store_kv) write
+// the bits the two kernels write: the same completions, eager and replayed.
+TEST_CASE("CUDA decoder: RoPE and the cache store in one kernel = the two kernels, bit for bit") {
+  require_gpu();
+  InferenceModel m = bf16_fixture("llama-gqa-tied");  // q, k, v adjacent: the fused decode path
+  const auto prompts = fixture_prompts(m.config().vocab_size);
+  const std::vector<GenerateRequest> requests = sample_requests(prompts, 4);
+  const DecoderLimits limits = plan_limits(m.config(), requests, 4, 16, "test");
+  GenerateOptions o;
+  o.sampling = SamplingParams{0.8, 20, 0.9, 3};
+  o.max_new_tokens = 16;
+  for (const char* graphs : {static_cast<const char*>(nullptr), "0"}) {
+    CAPTURE((graphs ? "eager" : "graphs"));
+    auto run = [&](const char* fused) {
+      std::unique_ptr<Decoder> d =
+          cuda_decoder_with({{"SHARDLM_DECODE_GRAPHS", graphs}, {"SHARDLM_DECODE_ROPE_STORE", fused}}, m, limits);
+      CHECK(d->describe().find("q|k|v as one GEMM") != std::string::npos);
+      return generate(*d, requests, o);
+    };
+    check_same_completions(run(nullptr), run("0"), 0.0f);
+  }
+}
+
 TEST_CASE("CUDA decoder: full-batch steps replayed as the CUDA graphs captured at start-up (in pieces, or one) = the same steps eagerly") {
   require_gpu();
   for (const char* name : {"llama-gqa-tied", "qwen3-qknorm"}) {
