@@ -40,7 +40,7 @@ Fp8Linear::Sizes Fp8Linear::sizes(const ModelConfig& c, int64_t N, bool cache) {
   const int64_t width = widest(c);
   // A: x (N, IC), dout (N, OC), dout^T (OC, N). B: W (OC, IC), W^T (IC, OC). X: x^T (IC, N).
   // Scales: A's rows are N tokens or OC channels; B's OC or IC channels; X's IC channels.
-  Sizes s{N * width, std::max(largest_weight(c), N * width), N * width, scale_block(std::max(N, width))};
+  Sizes s{N * width, largest_weight(c), N * width, scale_block(std::max(N, width))};
   if (cache)
     for (int w = 0; w < kWeights; ++w) {  // per layer: both orientations' codes and scale blocks
       const auto [oc, ic] = weight_shape(c, Weight(w));

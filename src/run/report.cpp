@@ -179,7 +179,7 @@ void check_report(const Config& deck_config, const std::string& deck, int world)
     const int64_t extra = plan.device_total() + plan.host_total() - without.device_total() - without.host_total();
     std::printf("model.fp8 = \"%s\": %.3f MiB of the workspace per rank are its scratch (%s)\n",
                 config.model.fp8.c_str(), double(extra) / kMiB,
-                cuda ? "e4m3 codes of one GEMM's two operands, plain or transposed, their scales, a contiguous dgate/dup"
+                cuda ? "e4m3 codes of one GEMM's two operands and of the backward's transposed input, their scales"
                      : "the emulation's quantised operands as fp32, their scales, the weight gradient's product");
   }
   if (plan.fp32_stream > 0)  // the fp32 residual stream (the default) against a bf16 one
