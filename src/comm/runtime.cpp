@@ -216,7 +216,20 @@ std::string select_comm(const Runtime& rt, const std::string& requested) {
 std::string select_broadcast_comm(const Runtime& rt) {
   SHARDLM_CHECK(rt.broadcast_comm != MPI_COMM_NULL, "internal: select_broadcast_comm on a rank outside the "
                                                     "broadcast communicator");
-  return ranks_share_a_gpu(rt, rt.broadcast_comm) ? "mpi" : "nccl";
+  if (!ranks_share_a_gpu(rt, rt.broadcast_comm)) return "nccl";
+  // Ranks sharing a GPU: staged through host memory, or (SHARDLM_BROADCAST_IPC=1
+  // on every rank, all on one node) device to device through CUDA IPC.
+  const char* env = std::getenv("SHARDLM_BROADCAST_IPC");
+  int ipc = env && std::string(env) == "1" ? 1 : 0;
+  MPI_Comm node;
+  MPI_CHECK(MPI_Comm_split_type(rt.broadcast_comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node));
+  int node_size = 1, size = 1;
+  MPI_CHECK(MPI_Comm_size(node, &node_size));
+  MPI_CHECK(MPI_Comm_free(&node));
+  MPI_CHECK(MPI_Comm_size(rt.broadcast_comm, &size));
+  if (node_size != size) ipc = 0;
+  MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &ipc, 1, MPI_INT, MPI_MIN, rt.broadcast_comm));
+  return ipc ? "ipc" : "mpi";
 }
 
 namespace {

@@ -10,7 +10,9 @@
 #include <condition_variable>
 #include <deque>
 #include <mutex>
+#include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "shardlm/comm.hpp"
@@ -336,12 +338,89 @@ class StagedDeviceComm final : public HostForwarding {
   int64_t ring_ticket_ = 0;
 };
 
+// --------------------------------------------------------- CUDA IPC broadcast
+
+// The weight broadcast between processes that share one GPU (an RL job's
+// trainer and inference ranks on a one-GPU machine), opted in with
+// SHARDLM_BROADCAST_IPC=1 (select_broadcast_comm): the root's buffer is opened
+// by the others through a CUDA IPC handle and copied device to device, instead
+// of through pinned host memory and MPI as StagedDeviceComm does. Per call:
+// the root waits for its compute stream (the buffer is written), sends the
+// handle of the buffer's allocation (cached per buffer) over the host Comm,
+// the others copy and wait, and a barrier keeps the root from writing the
+// buffer again before every copy is done. Broadcast only: the weight
+// broadcast's device Comm makes no other call.
+class IpcDeviceComm final : public HostForwarding {
+ public:
+  IpcDeviceComm(Comm& host, cudaStream_t compute) : HostForwarding(host, "CUDA IPC"), compute_(compute) {}
+  ~IpcDeviceComm() override {
+    for (auto& o : opened_) cudaIpcCloseMemHandle(o.second);
+  }
+
+  using Comm::all_gather;
+  using Comm::reduce_scatter;
+  CommRequest all_gather(const void*, void*, int64_t, DType) override { return unsupported("all-gather"); }
+  CommRequest reduce_scatter(const void*, void*, int64_t, DType) override { return unsupported("reduce-scatter"); }
+  CommRequest ring_exchange(const void*, void*, int64_t) override { return unsupported("ring exchange"); }
+  CommRequest broadcast(void* buf, int64_t count, DType t, int root) override {
+    require_device(buf, "broadcast buffer");
+    const int64_t bytes = count * dtype_bytes(t);
+    struct {
+      cudaIpcMemHandle_t handle;
+      int64_t bytes;
+    } msg{};
+    if (rank() == root) {
+      CUDA_CHECK(cudaStreamSynchronize(compute_));
+      if (buf != exported_ptr_) {  // the handle of the allocation that starts at buf
+        const cudaError_t e = cudaIpcGetMemHandle(&exported_, buf);
+        SHARDLM_CHECK(e == cudaSuccess, "CUDA IPC broadcast: no IPC handle for the buffer at %p (%s): it must start "
+                                        "a cudaMalloc allocation", buf, cudaGetErrorString(e));
+        exported_ptr_ = buf;
+      }
+      msg.handle = exported_;
+      msg.bytes = bytes;
+    }
+    host_.broadcast(&msg, int64_t(sizeof(msg)), root);
+    if (rank() != root) {
+      SHARDLM_CHECK(msg.bytes == bytes, "CUDA IPC broadcast: the root sends %lld bytes, this rank expects %lld",
+                    (long long)msg.bytes, (long long)bytes);
+      CUDA_CHECK(cudaMemcpyAsync(buf, open(msg.handle), size_t(bytes), cudaMemcpyDeviceToDevice, compute_));
+      CUDA_CHECK(cudaStreamSynchronize(compute_));
+    }
+    host_.barrier();
+    return {};
+  }
+  using HostForwarding::broadcast;
+
+ private:
+  CommRequest unsupported(const char* what) {
+    SHARDLM_FAIL("internal: the CUDA IPC device Comm carries the weight broadcast only, not a %s", what);
+  }
+  // The root's allocation mapped here, opened once per handle.
+  void* open(const cudaIpcMemHandle_t& h) {
+    const std::string key(reinterpret_cast<const char*>(&h), sizeof(h));
+    for (auto& o : opened_)
+      if (o.first == key) return o.second;
+    void* p = nullptr;
+    const cudaError_t e = cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess);
+    SHARDLM_CHECK(e == cudaSuccess, "CUDA IPC broadcast: cannot open the root's buffer (%s)", cudaGetErrorString(e));
+    opened_.emplace_back(key, p);
+    return p;
+  }
+
+  cudaStream_t compute_;
+  void* exported_ptr_ = nullptr;
+  cudaIpcMemHandle_t exported_{};
+  std::vector<std::pair<std::string, void*>> opened_;
+};
+
 }  // namespace
 
 std::unique_ptr<Comm> make_device_comm(Comm& host, const std::string& kind, void* compute_stream,
                                        int64_t staging_bytes, double timeout_s) {
   auto stream = static_cast<cudaStream_t>(compute_stream);
   if (kind == "nccl") return std::make_unique<NcclDeviceComm>(host, stream, timeout_s);
+  if (kind == "ipc") return std::make_unique<IpcDeviceComm>(host, stream);
   SHARDLM_CHECK(kind == "mpi", "comm.backend = \"%s\" is not a device communicator (nccl or mpi)", kind.c_str());
   return std::make_unique<StagedDeviceComm>(host, stream, staging_bytes);
 }

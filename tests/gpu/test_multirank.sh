@@ -104,7 +104,7 @@ else
                 --set run.export_dtype=bf16)
     for s in "$@"; do sets+=(--set "$s"); done
     local kind=nccl
-    if [ "$gpus" -le 1 ] || [ $((np % gpus)) = 0 ]; then kind=mpi; fi
+    if [ "$gpus" -le 1 ] || [ $((np % gpus)) = 0 ]; then kind=${BCAST_KIND:-mpi}; fi
     local what="RL broadcast from the GPU, -np $np + 1 receiver${*:+, $*} ($kind device communicator)"
     if ! $MPIRUN --oversubscribe --bind-to none -x OMP_NUM_THREADS -x OMP_WAIT_POLICY -x NCCL_NVLS_ENABLE \
         -np "$np" "$BUILD/shardlm" train inputs/tiny-rl.toml "${sets[@]}" : \
@@ -135,4 +135,10 @@ else
   rl_broadcast bcast-np1 1
   rl_broadcast bcast-offload 1 model.optim_cpu_offload=true
   rl_broadcast bcast-np2 2
+  # Ranks sharing the GPU, SHARDLM_BROADCAST_IPC=1: the receiver copies the root's
+  # buffer device to device through a CUDA IPC handle.
+  if [ "$gpus" -le 1 ]; then
+    SHARDLM_BROADCAST_IPC=1 BCAST_KIND=ipc rl_broadcast bcast-ipc-np1 1
+    SHARDLM_BROADCAST_IPC=1 BCAST_KIND=ipc rl_broadcast bcast-ipc-np2 2
+  fi
 fi

@@ -6,7 +6,8 @@
 # device to device (WeightReceiver::DeviceSink). The same job with the weights
 # brought to the host first (SHARDLM_RECEIVE_TO_HOST=1, the path of `shardlm
 # receive` and the CPU decoder) must give the same rollouts and losses bit for
-# bit: both load the same bf16 bits, and every part is deterministic. The
+# bit: both load the same bf16 bits, and every part is deterministic; so must
+# the same job with the weights over CUDA IPC (SHARDLM_BROADCAST_IPC=1). The
 # checksums of both ends are computed on the GPUs (cuda_bf16_checksum): a
 # mismatch would end the job. Prints PASS/FAIL lines.
 #
@@ -41,6 +42,8 @@ rl() {
 }
 rl device || exit 1
 rl host SHARDLM_RECEIVE_TO_HOST=1 || exit 1
+# The weights through a CUDA IPC handle instead of the staged communicator (opt-in).
+rl ipc SHARDLM_BROADCAST_IPC=1 || exit 1
 
 if [ "$dev" = cuda ]; then
   if grep -q "units arrive in GPU memory" "$out/device.log"; then
@@ -48,16 +51,22 @@ if [ "$dev" = cuda ]; then
   else
     echo "FAIL the inference rank did not say the weights arrive in GPU memory"
   fi
+  if grep -q "over the ipc device communicator" "$out/ipc.log"; then
+    echo "PASS SHARDLM_BROADCAST_IPC=1: the weights travel over the CUDA IPC device communicator"
+  else
+    echo "FAIL SHARDLM_BROADCAST_IPC=1: the log does not name the CUDA IPC device communicator"
+  fi
 fi
-# Every rollout step's rewards and every trainer step's loss, both paths.
-"$PY" - "$out/device" "$out/host" "$steps" <<'PYEOF'
+# Every rollout step's rewards and every trainer step's loss, the three paths.
+"$PY" - "$out" "$steps" <<'PYEOF'
 import json, sys
-a, b, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+out, steps = sys.argv[1], int(sys.argv[2])
 def rows(d, f, key):
-    return [json.loads(l).get(key) for l in open(f"{d}/{f}") if f'"{key}"' in l]
-for f, key in (("rollouts.jsonl", "reward_mean"), ("metrics.jsonl", "loss"), ("metrics.jsonl", "mismatch_kl")):
-    x, y = rows(a, f, key), rows(b, f, key)
-    ok = len(x) >= steps and x == y
-    print(f"{'PASS' if ok else 'FAIL'} {key} of {len(x)} steps: the decoder loaded device to device = through the host"
-          + ("" if ok else f": {x} against {y}"))
+    return [json.loads(l).get(key) for l in open(f"{out}/{d}/{f}") if f'"{key}"' in l]
+for other, what in (("host", "through the host"), ("ipc", "over CUDA IPC")):
+    for f, key in (("rollouts.jsonl", "reward_mean"), ("metrics.jsonl", "loss"), ("metrics.jsonl", "mismatch_kl")):
+        x, y = rows("device", f, key), rows(other, f, key)
+        ok = len(x) >= steps and x == y
+        print(f"{'PASS' if ok else 'FAIL'} {key} of {len(x)} steps: the decoder loaded device to device = {what}"
+              + ("" if ok else f": {x} against {y}"))
 PYEOF
