@@ -57,7 +57,10 @@ void cuda_synchronize(void* stream);
 // The weight broadcast's checksum (bf16_checksum, comm/broadcast.hpp) of n bf16
 // values in device memory at flat indices [begin, begin + n), computed on
 // `stream` and waited for: bit-equal to the host's for the same bits.
-uint64_t cuda_bf16_checksum(const void* values, int64_t begin, int64_t n, void* stream);
+// sum_scratch: kChecksumScratchBytes of device memory the caller owns (planned
+// with its buffers: nothing is allocated per call).
+inline constexpr int64_t kChecksumScratchBytes = 256;
+uint64_t cuda_bf16_checksum(const void* values, int64_t begin, int64_t n, void* sum_scratch, void* stream);
 // Page-locks host memory the caller owns (cudaHostRegister), so copies to and
 // from it run at the link's speed; false when it cannot (the memory stays
 // pageable: copies stay correct, only slower). Undone by cuda_unpin_host.

@@ -124,8 +124,19 @@ int64_t output_workspace_bytes(const Config& config, const ModelLayout& layout) 
   return std::max(bcast, exported);  // never at the same time
 }
 
+namespace {
+// A bf16 unit in device memory as the broadcast holds one (trainer rank 0's
+// gathered unit, a receiver's arrival buffer), and after it, 256-byte aligned,
+// the scratch its checksum kernel sums into.
+int64_t unit_payload_offset(const ModelLayout& layout) { return (2 * max_padded(layout) + 255) / 256 * 256; }
+int64_t device_unit_bytes(const ModelLayout& layout) { return unit_payload_offset(layout) + kChecksumScratchBytes; }
+void* checksum_scratch(void* unit, const ModelLayout& layout) {
+  return static_cast<char*>(unit) + unit_payload_offset(layout);
+}
+}  // namespace
+
 int64_t broadcast_device_bytes(const Config& config, const ModelLayout& layout) {
-  return config.broadcast.backend == "nccl" && config.device.backend == "cuda" ? 2 * max_padded(layout) : 0;
+  return config.broadcast.backend == "nccl" && config.device.backend == "cuda" ? device_unit_bytes(layout) : 0;
 }
 
 uint64_t bf16_checksum(const uint16_t* values, int64_t begin, int64_t n) {
@@ -283,7 +294,7 @@ void WeightBroadcaster::send_from_device(Engine& engine, const ModelLayout& layo
   // device synchronisation of a free, per broadcast. Its host copy on rank 0 is
   // transient (output_workspace_bytes).
   if (!gathered_unit_) {
-    gathered_bytes_ = 2 * max_padded(layout);
+    gathered_bytes_ = device_unit_bytes(layout);
     gathered_unit_ = cuda_malloc(Mem::Workspace, gathered_bytes_);
   }
   void* gathered_unit = gathered_unit_;
@@ -297,7 +308,8 @@ void WeightBroadcaster::send_from_device(Engine& engine, const ModelLayout& layo
     lap(t, timing_.gather_s);
     std::string text = describe_unit(u);
     int64_t text_len = static_cast<int64_t>(text.size());
-    uint64_t checksum = cuda_bf16_checksum(gathered_unit, 0, u.numel, backend.stream());
+    uint64_t checksum = cuda_bf16_checksum(gathered_unit, 0, u.numel, checksum_scratch(gathered_unit, layout),
+                                           backend.stream());
     lap(t, timing_.host_s);
     bcast_bytes(&text_len, sizeof text_len, bcomm);
     bcast_bytes(text.data(), text_len, bcomm);
@@ -590,7 +602,7 @@ WeightReceiver::Got WeightReceiver::next_over_comm(const Sink& sink, const Devic
                 "receive: the trainer sends %lld units but this deck's model has %zu (same deck on both sides?)",
                 (long long)h.units, layout_.units.size());
   if (st.dev && !st.dev->device) {  // rank 0 makes its end on this same header
-    st.dev->unit_bytes = 2 * max_padded(layout_);
+    st.dev->unit_bytes = device_unit_bytes(layout_);
     st.dev->host = make_mpi_comm(rt_.broadcast_comm);
     st.dev->device = make_device_comm(*st.dev->host, st.dev->kind, nullptr, st.dev->unit_bytes, config_.comm.timeout_s);
     st.dev->unit = cuda_malloc(Mem::Workspace, st.dev->unit_bytes);
@@ -620,7 +632,7 @@ WeightReceiver::Got WeightReceiver::next_over_comm(const Sink& sink, const Devic
       // that arrived on the GPU, then (for a host sink and --out) one copy to the host.
       st.dev->device->broadcast(st.dev->unit, u.numel, DType::BF16, 0).wait();
       lap(t, timing_.transfer_s);
-      got = cuda_bf16_checksum(st.dev->unit, 0, u.numel, nullptr);
+      got = cuda_bf16_checksum(st.dev->unit, 0, u.numel, checksum_scratch(st.dev->unit, layout_), nullptr);
       lap(t, timing_.check_s);
       if (!on_device) {
         cuda_copy_async(st.data.data(), st.dev->unit, 2 * u.numel, nullptr);

@@ -11,6 +11,7 @@
 #include "cuda/check.hpp"
 #include "cuda/ops_common.cuh"
 #include "shardlm/cuda.hpp"
+#include "shardlm/error.hpp"
 
 namespace shardlm::cuda {
 namespace {
@@ -42,14 +43,15 @@ __global__ void bf16_checksum_kernel(unsigned long long* sum, const uint16_t* __
 
 namespace shardlm {
 
-uint64_t cuda_bf16_checksum(const void* values, int64_t begin, int64_t n, void* stream) {
+uint64_t cuda_bf16_checksum(const void* values, int64_t begin, int64_t n, void* sum_scratch, void* stream) {
   using cuda::dev::aligned;
   using cuda::dev::div_up;
   using cuda::dev::kThreads;
   if (n <= 0) return 0;
   const auto s = static_cast<cudaStream_t>(stream);
-  unsigned long long* sum = nullptr;  // stream-ordered: no device synchronisation for 8 bytes
-  CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&sum), sizeof(*sum), s));
+  SHARDLM_CHECK(sum_scratch != nullptr && aligned(sum_scratch, 8), "internal: the checksum's scratch at %p",
+                sum_scratch);
+  auto* sum = static_cast<unsigned long long*>(sum_scratch);
   CUDA_CHECK(cudaMemsetAsync(sum, 0, sizeof(*sum), s));
   const bool vec = aligned(values, 16);
   const int64_t work = vec ? n / 8 + 8 : n;
@@ -58,7 +60,6 @@ uint64_t cuda_bf16_checksum(const void* values, int64_t begin, int64_t n, void* 
   CUDA_CHECK(cudaGetLastError());
   unsigned long long host = 0;
   CUDA_CHECK(cudaMemcpyAsync(&host, sum, sizeof(host), cudaMemcpyDeviceToHost, s));
-  CUDA_CHECK(cudaFreeAsync(sum, s));
   CUDA_CHECK(cudaStreamSynchronize(s));
   return static_cast<uint64_t>(host);
 }

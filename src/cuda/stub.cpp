@@ -24,7 +24,7 @@ void cuda_synchronize(void*) {}
 void cuda_owned_rows(float*, const int32_t*, int64_t, const float*, int64_t, int64_t, int64_t, void*) {
   SHARDLM_FAIL("this shardlm was built without CUDA");
 }
-uint64_t cuda_bf16_checksum(const void*, int64_t, int64_t, void*) {
+uint64_t cuda_bf16_checksum(const void*, int64_t, int64_t, void*, void*) {
   SHARDLM_FAIL("this shardlm was built without CUDA");
 }
 bool cuda_pin_host(void*, int64_t) { return false; }

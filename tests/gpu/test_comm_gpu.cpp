@@ -130,6 +130,8 @@ TEST_CASE("cuda_bf16_checksum = bf16_checksum (the broadcast's), at any length, 
   REQUIRE_CUDA(cudaMemcpy(dev, host.data(), host.size() * sizeof(uint16_t), cudaMemcpyHostToDevice));
   cudaStream_t stream;
   REQUIRE_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  void* sum = nullptr;
+  REQUIRE_CUDA(cudaMalloc(&sum, kChecksumScratchBytes));
   for (const int64_t n : {int64_t(1), int64_t(7), int64_t(8), int64_t(9), int64_t(4097), max_n})
     for (const int64_t shift : {int64_t(0), int64_t(1)})       // 1: a start 2 bytes past 16-byte alignment
       for (const int64_t begin : {int64_t(0), int64_t(123456789)}) {
@@ -138,14 +140,15 @@ TEST_CASE("cuda_bf16_checksum = bf16_checksum (the broadcast's), at any length, 
         CAPTURE(begin);
         const uint16_t* h = host.data() + shift;
         const void* d = static_cast<const uint16_t*>(dev) + shift;
-        CHECK(cuda_bf16_checksum(d, begin, n, stream) == bf16_checksum(h, begin, n));
+        CHECK(cuda_bf16_checksum(d, begin, n, sum, stream) == bf16_checksum(h, begin, n));
       }
-  CHECK(cuda_bf16_checksum(dev, 0, 0, stream) == 0);
+  CHECK(cuda_bf16_checksum(dev, 0, 0, sum, stream) == 0);
   // One element's bits changed: another sum.
-  const uint64_t before = cuda_bf16_checksum(dev, 0, max_n, stream);
+  const uint64_t before = cuda_bf16_checksum(dev, 0, max_n, sum, stream);
   const uint16_t flipped = uint16_t(host[size_t(max_n / 2)] ^ 0x0100);
   REQUIRE_CUDA(cudaMemcpy(static_cast<uint16_t*>(dev) + max_n / 2, &flipped, 2, cudaMemcpyHostToDevice));
-  CHECK(cuda_bf16_checksum(dev, 0, max_n, stream) != before);
+  CHECK(cuda_bf16_checksum(dev, 0, max_n, sum, stream) != before);
   REQUIRE_CUDA(cudaStreamDestroy(stream));
+  REQUIRE_CUDA(cudaFree(sum));
   REQUIRE_CUDA(cudaFree(dev));
 }
