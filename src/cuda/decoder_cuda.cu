@@ -135,6 +135,8 @@ class CudaDecoder final : public Decoder {
   std::string profile_report(double generate_seconds) const override;
 
  private:
+  // Where a broadcast parameter lives in the decoder's bf16 weights (checked against the layout).
+  bf16* weight_of(const ParamInfo& param);
   // One row of the plan: what it is, where it is counted, its size; the table
   // both allocates and counts (cache_bytes, scratch_bytes, weight_bytes).
   struct BufferRow {
@@ -452,12 +454,16 @@ void CudaDecoder::upload_weights() {
   CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
 
-void CudaDecoder::load_bf16(const ParamInfo& p, const uint16_t* values) {
+bf16* CudaDecoder::weight_of(const ParamInfo& p) {
   const ModelLayout& layout = model_.weights->layout;
   const ModelLayout::Located at = layout.find(p.name);
   SHARDLM_CHECK(at.unit && at.param->numel == p.numel, "internal: broadcast parameter %s is not in the model's layout",
                 p.name.c_str());
-  bf16* dst = unit_w_[size_t(at.unit - layout.units.data())] + at.param->offset;
+  return unit_w_[size_t(at.unit - layout.units.data())] + at.param->offset;
+}
+
+void CudaDecoder::load_bf16(const ParamInfo& p, const uint16_t* values) {
+  bf16* dst = weight_of(p);
   // Between generate() calls nothing runs on the stream; the copy is synchronous
   // (pageable source), so `values` may be reused when this returns.
   CUDA_CHECK(cudaStreamSynchronize(stream_));
@@ -465,11 +471,7 @@ void CudaDecoder::load_bf16(const ParamInfo& p, const uint16_t* values) {
 }
 
 void CudaDecoder::load_bf16_device(const ParamInfo& p, const void* values) {
-  const ModelLayout& layout = model_.weights->layout;
-  const ModelLayout::Located at = layout.find(p.name);
-  SHARDLM_CHECK(at.unit && at.param->numel == p.numel, "internal: broadcast parameter %s is not in the model's layout",
-                p.name.c_str());
-  bf16* dst = unit_w_[size_t(at.unit - layout.units.data())] + at.param->offset;
+  bf16* dst = weight_of(p);
   // Between generate() calls nothing else runs on the stream; done before this
   // returns, so the receiver's buffer may take the next unit.
   CUDA_CHECK(cudaMemcpyAsync(dst, values, size_t(p.numel) * sizeof(uint16_t), cudaMemcpyDefault, stream_));
