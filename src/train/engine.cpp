@@ -85,11 +85,12 @@ int64_t chunk_row_ids(const int32_t* all_ids, int world, int64_t max_tokens, int
   return used;
 }
 
-RowChunks fp32_row_chunks(int world, int64_t max_tokens, int64_t hidden) {
+RowChunks fp32_row_chunks(int world, int64_t max_tokens, int64_t hidden, int64_t max_part_bytes) {
   RowChunks r;
   r.tokens = max_tokens;
   if (world > 1) {
-    r.tokens = std::clamp<int64_t>(kRowPartsBytes / (4 * int64_t(world) * hidden), 1, max_tokens);
+    const int64_t bound = std::min(kRowPartsBytes, max_part_bytes);
+    r.tokens = std::clamp<int64_t>(bound / (4 * int64_t(world) * hidden), 1, max_tokens);
     if (const char* e = std::getenv("SHARDLM_TEST_ROW_CHUNK"); e && std::atoll(e) > 0)  // tests: several chunks
       r.tokens = std::min<int64_t>(std::atoll(e), max_tokens);
     r.part_floats = int64_t(world) * r.tokens * hidden;
@@ -98,6 +99,15 @@ RowChunks fp32_row_chunks(int world, int64_t max_tokens, int64_t hidden) {
   r.id_count = int64_t(world) * max_tokens;
   return r;
 }
+
+namespace {
+// What bounds one reduce-scatter of the fp32 rows' parts: a staged device Comm
+// (ranks sharing a GPU, comm.backend = "mpi") copies through pinned buffers of
+// one fp32 unit (make_device_comm's staging below); NCCL and the host Comm take any size.
+int64_t row_part_bound(const ModelLayout& layout, int world, bool device, const EngineOptions& o) {
+  return device && world > 1 && o.comm_backend == "mpi" ? 4 * max_padded(layout) : kRowPartsBytes;
+}
+}  // namespace
 
 MemoryPlan plan_memory(const ModelConfig& config, int world, const EngineOptions& o, int optim_states,
                        const Backend& backend) {
@@ -120,7 +130,8 @@ MemoryPlan plan_memory(const ModelConfig& config, int world, const EngineOptions
   // Several ranks on one GPU: two pinned host buffers of one full fp32 unit each.
   if (plan.device && world > 1 && o.comm_backend == "mpi") plan.comm_staging = 2 * 4 * max_padded(layout);
   if (plan.device && o.residual_fp32) {  // the fp32 embedding rows' ids and parts (Engine::embed_rows_fp32)
-    const RowChunks r = fp32_row_chunks(world, o.max_tokens, config.hidden_size);
+    const RowChunks r =
+        fp32_row_chunks(world, o.max_tokens, config.hidden_size, row_part_bound(layout, world, plan.device, o));
     plan.workspace += 4 * r.id_count + 4 * r.part_floats;
     EngineOptions bf16 = o;
     bf16.residual_fp32 = false;
@@ -182,7 +193,8 @@ Engine::Engine(ShardedModel& model, Comm& comm, const EngineOptions& options, st
   backend_->prepare(config_, options);
   plan_norm_copies();
   if (backend_->embedding_rows_fp32()) {
-    row_chunks_ = fp32_row_chunks(comm.size(), options.max_tokens, config_.hidden_size);
+    row_chunks_ = fp32_row_chunks(comm.size(), options.max_tokens, config_.hidden_size,
+                                  row_part_bound(layout, comm.size(), !backend_->host_resident(), options));
     row_ids_.assign(size_t(row_chunks_.id_count), -1);
     own_ids_.assign(size_t(options.max_tokens), -1);
     if (sharded_) all_ids_.assign(size_t(comm.size()) * options.max_tokens, -1);

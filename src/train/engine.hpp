@@ -49,15 +49,17 @@ void owned_rows(float* out, const int32_t* ids, int64_t n, const float* shard, i
 
 // model.residual_dtype = "fp32" at world > 1: the fp32 rows travel in chunks
 // of `tokens` tokens a rank, so one reduce-scatter's parts buffer (world x
-// tokens x hidden fp32) stays within kRowPartsBytes; `count` chunks cover
-// max_tokens. At one rank: one chunk of max_tokens and no parts buffer.
+// tokens x hidden fp32) stays within max_part_bytes: kRowPartsBytes, or less
+// where the collective is staged through host buffers of that size (ranks
+// sharing a GPU: the unit comm's staging holds one fp32 unit); `count` chunks
+// cover max_tokens. At one rank: one chunk of max_tokens and no parts buffer.
 inline constexpr int64_t kRowPartsBytes = int64_t(64) << 20;
 struct RowChunks {
   int64_t tokens = 0, count = 0;
   int64_t id_count = 0;     // int32 token ids on the device: count x world x tokens
   int64_t part_floats = 0;  // world x tokens x hidden (world > 1)
 };
-RowChunks fp32_row_chunks(int world, int64_t max_tokens, int64_t hidden);
+RowChunks fp32_row_chunks(int world, int64_t max_tokens, int64_t hidden, int64_t max_part_bytes = kRowPartsBytes);
 // out (world x max_tokens) <- the ids of every rank's tokens (all_ids: world x
 // max_tokens, each rank's -1 padded) laid out for chunks of k tokens a rank:
 // chunk j (k tokens a rank, the last min(k, max_tokens - j k)) starts at

@@ -368,6 +368,14 @@ TEST_CASE("fp32 embedding rows in chunks: every rank gets its own rows, whatever
   CHECK(4 * big.part_floats <= kRowPartsBytes);
   CHECK(big.tokens == 512);
   CHECK(big.count == 64);
+  // A staged Comm's buffers (one fp32 unit: 184,832 bytes for the tiny model at
+  // world 2) bound the chunk below kRowPartsBytes: 1,024 tokens of hidden 64
+  // need 524,288 bytes in one piece, so they go as 3 chunks of 361.
+  const RowChunks staged = fp32_row_chunks(2, 1024, 64, 184832);
+  CHECK(staged.tokens == 361);
+  CHECK(staged.count == 3);
+  CHECK(4 * staged.part_floats <= 184832);
+  CHECK(fp32_row_chunks(2, 1024, 64).count == 1);
 }
 
 TEST_CASE("seeded init: every world size builds the same model, element by element") {
