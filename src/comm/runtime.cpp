@@ -217,10 +217,13 @@ std::string select_broadcast_comm(const Runtime& rt) {
   SHARDLM_CHECK(rt.broadcast_comm != MPI_COMM_NULL, "internal: select_broadcast_comm on a rank outside the "
                                                     "broadcast communicator");
   if (!ranks_share_a_gpu(rt, rt.broadcast_comm)) return "nccl";
-  // Ranks sharing a GPU: staged through host memory, or (SHARDLM_BROADCAST_IPC=1
-  // on every rank, all on one node) device to device through CUDA IPC.
+  // Ranks sharing a GPU: device to device through CUDA IPC when all of them are
+  // on one node that shows them one GPU (the RL job on one GPU: 0.030 s a 1B
+  // broadcast against 0.398 s staged, docs/benchmarks.md "Session 18's calls"),
+  // or SHARDLM_BROADCAST_IPC=1 on every rank (all on one node); staged through
+  // host memory otherwise, or with SHARDLM_BROADCAST_IPC=0.
   const char* env = std::getenv("SHARDLM_BROADCAST_IPC");
-  int ipc = env && std::string(env) == "1" ? 1 : 0;
+  int ipc = env && *env ? (std::string(env) == "1" ? 1 : 0) : (cuda_device_count() == 1 ? 1 : 0);
   MPI_Comm node;
   MPI_CHECK(MPI_Comm_split_type(rt.broadcast_comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node));
   int node_size = 1, size = 1;

@@ -175,7 +175,8 @@ __global__ void __launch_bounds__(kWarps * 32)
 decode_partial_vec_kernel(bf16* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml, const bf16* __restrict__ q,
                           const bf16* __restrict__ k_cache, const bf16* __restrict__ v_cache,
                           const int32_t* __restrict__ slot, const int32_t* __restrict__ len, int H, int KV,
-                          int64_t q_ld, int64_t max_len, int chunk, int chunks, int G, int head_groups, float scale) {
+                          int64_t q_ld, int64_t max_len, int chunk, int chunks, int G, int head_groups, float scale,
+                          bool prefetch) {
   constexpr int D = 8 * LG, P = 32 / LG, U = kUnroll / P;
   static_assert(P * U == kUnroll, "a warp takes kUnroll positions an iteration");
   __shared__ float sm_ml[kWarps][HPB][2];
@@ -206,14 +207,54 @@ decode_partial_vec_kernel(bf16* __restrict__ out, float* __restrict__ part_o, fl
     for (int j = 0; j < 8; ++j) acc[g][j] = 0.0f;
   }
   const int64_t slot_base = int64_t(slot[b]) * max_len;
-  for (int p0 = start + warp * kUnroll; p0 < end; p0 += kWarps * kUnroll) {
+  // The loads run ahead of the arithmetic: an iteration's K and V rows are in
+  // registers before the last iteration's scores are computed, and the rows of
+  // the iteration after that are asked into L2. A block has only ~8 KiB an
+  // iteration to load (the cache is 33.5 MB a layer over 512 blocks at the 1B
+  // shape, batch 64): loading and then computing, one after the other, left the
+  // kernel waiting on DRAM latency at ~1.4 TB/s. Same positions, same order of
+  // arithmetic: the same bits. SHARDLM_DECODE_PREFETCH=0 loads each iteration's
+  // rows at its start (to measure what running ahead gives).
+  constexpr int kStep = kWarps * kUnroll;
+  auto row_of = [&](int p0, int u) {
+    const int p = min(p0 + u * P + sub, end - 1);  // past the end: a valid row, never used
+    return ((slot_base + p) * KV + kvh) * D + part * 8;
+  };
+  uint4 kn[U], vn[U];
+  const int first = start + warp * kUnroll;
+  if (prefetch && first < end) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      kn[u] = *reinterpret_cast<const uint4*>(k_cache + row_of(first, u));
+      vn[u] = *reinterpret_cast<const uint4*>(v_cache + row_of(first, u));
+    }
+  }
+  for (int p0 = first; p0 < end; p0 += kStep) {
     uint4 kr[U], vr[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int p = min(p0 + u * P + sub, end - 1);  // past the end: a valid row, never used
-      const int64_t row = ((slot_base + p) * KV + kvh) * D + part * 8;
-      kr[u] = *reinterpret_cast<const uint4*>(k_cache + row);
-      vr[u] = *reinterpret_cast<const uint4*>(v_cache + row);
+      if (prefetch) {
+        kr[u] = kn[u], vr[u] = vn[u];
+      } else {
+        kr[u] = *reinterpret_cast<const uint4*>(k_cache + row_of(p0, u));
+        vr[u] = *reinterpret_cast<const uint4*>(v_cache + row_of(p0, u));
+      }
+    }
+    if (prefetch && p0 + kStep < end) {
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int64_t row = row_of(p0 + kStep, u);
+        kn[u] = *reinterpret_cast<const uint4*>(k_cache + row);
+        vn[u] = *reinterpret_cast<const uint4*>(v_cache + row);
+      }
+    }
+    if (prefetch && p0 + 2 * kStep < end) {
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int64_t row = row_of(p0 + 2 * kStep, u);
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(k_cache + row));
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(v_cache + row));
+      }
     }
 #pragma unroll
     for (int g = 0; g < HPB; ++g) {
@@ -424,18 +465,30 @@ void decode_attention_forward(bf16* out, const bf16* q, int64_t q_ld, const bf16
   const bool vec = !scalar_only && (D == 32 || D == 64 || D == 128 || D == 256) && q_ld % 8 == 0 &&
                    aligned(q, 16) && aligned(k_cache, 16) && aligned(v_cache, 16);
   if (vec) {
-    const int hpb = G <= 4 ? 4 : 8, groups = int(div_up(G, hpb));
+    // Query heads a block: two for groups of up to 4 (twice the blocks of 4
+    // heads, each group's K and V rows read by two blocks, the second mostly
+    // from L2: 1.531 against 1.629 ms a decode step at the 1B shape, batch 64,
+    // measured in one call), 8 for larger groups (not measured). Every head's
+    // arithmetic is its own, so the bits are the same at any count;
+    // SHARDLM_DECODE_HPB=2|4|8 forces one, to compare.
+    const char* forced_env = std::getenv("SHARDLM_DECODE_HPB");  // read at each call (graph capture: once)
+    const int v = forced_env ? std::atoi(forced_env) : 0, forced = v == 2 || v == 4 || v == 8 ? v : 0;
+    const int hpb = forced ? forced : G <= 4 ? 2 : 8, groups = int(div_up(G, hpb));
+    const char* prefetch_env = std::getenv("SHARDLM_DECODE_PREFETCH");
+    const bool prefetch = !(prefetch_env && std::strcmp(prefetch_env, "0") == 0);
     const dim3 vgrid(unsigned(B), unsigned(KV * groups), unsigned(chunks));
 #define SHARDLM_DECODE_VEC(LG, HPB)                                                                       \
   decode_partial_vec_kernel<LG, HPB><<<vgrid, kWarps * 32, 0, stream>>>(                                  \
       out, part_o, part_ml, q, k_cache, v_cache, slot, len, int(H), int(KV), q_ld, max_len, int(chunk), \
-      int(chunks), G, groups, scale)
+      int(chunks), G, groups, scale, prefetch)
 #define SHARDLM_DECODE_VEC_D(HPB)                     \
   if (D == 32) SHARDLM_DECODE_VEC(4, HPB);             \
   else if (D == 64) SHARDLM_DECODE_VEC(8, HPB);        \
   else if (D == 128) SHARDLM_DECODE_VEC(16, HPB);      \
   else SHARDLM_DECODE_VEC(32, HPB)
-    if (hpb == 4) {
+    if (hpb == 2) {
+      SHARDLM_DECODE_VEC_D(2);
+    } else if (hpb == 4) {
       SHARDLM_DECODE_VEC_D(4);
     } else {
       SHARDLM_DECODE_VEC_D(8);

@@ -124,8 +124,7 @@ class CudaDecoder final : public Decoder {
            (!graphs_ ? ""
             : step_graphs_.size() == 1 ? ", decode steps as one CUDA graph"
                                        : ", decode steps as " + std::to_string(step_graphs_.size()) + " CUDA graphs") +
-           (fused_qkv_ ? ", q|k|v as one GEMM" : "") +
-           (gemm_->split_k_plans() ? ", " + std::to_string(gemm_->split_k_plans()) + " GEMM shapes split-K" : "");
+           (fused_qkv_ ? ", q|k|v as one GEMM" : "");
   }
   int64_t decode_steps() const override { return decode_steps_; }
   double decode_seconds() const override {
@@ -393,13 +392,6 @@ CudaDecoder::CudaDecoder(const InferenceModel& model, const DecoderLimits& limit
   CUDA_CHECK(cudaEventCreate(&step_begin_));
   CUDA_CHECK(cudaEventCreate(&step_end_));
   gemm_ = std::make_unique<cuda::Gemm>(stream_, gemm_workspace_, kGemmWorkspace);
-  if (const char* v = std::getenv("SHARDLM_DECODE_SPLITK"); v && *v) {  // to measure: K cut in parts
-    char* end = nullptr;
-    const long parts = std::strtol(v, &end, 10);
-    SHARDLM_CHECK(*end == '\0' && parts >= 1 && parts <= 64, "SHARDLM_DECODE_SPLITK=%s: give a whole number from 1 to 64",
-                  v);
-    gemm_->set_split_k(limits.slots, int(parts));
-  }
   graphs_ = !env_is("SHARDLM_DECODE_GRAPHS", "0");
   rope_store_ = !env_is("SHARDLM_DECODE_ROPE_STORE", "0");
   if (env_is("SHARDLM_DECODE_PROFILE", "1")) {

@@ -16,6 +16,10 @@ using namespace dev;  // Pack, f32, block_reduce (kernel_common.cuh); kThreads, 
 // ---------------------------------------------------------------- RoPE
 
 constexpr int kRopeHeadsPerThread = 4;  // cos/sin computed once, applied to 4 heads
+// Below this many threads at 4 heads a thread (a decode step's 64 rows: 1,280
+// threads, 5 blocks) a thread takes one head: 4x the threads on the SMs, the
+// same cos/sin and the same bits; the training passes keep 4.
+constexpr int64_t kRopeSmallPass = 32768;
 
 // rope_store_kv: the heads from k_first on are k; each also goes (rotated) to
 // k_cache, and the v head after the rotated heads at the same index to v_cache,
@@ -27,14 +31,14 @@ struct RopeCacheStore {
   int k_first = 0;
 };
 
-template <int VEC, bool STORE = false>
+template <int VEC, bool STORE = false, int HPT = kRopeHeadsPerThread>
 __global__ void __launch_bounds__(kThreads)
 rope_kernel(bf16* __restrict__ x, const int32_t* __restrict__ positions,
             const float* __restrict__ inv_freq, int64_t N, int heads, int D,
             int64_t row_stride, float sign, RopeCacheStore store = {}) {
   using P = Pack<bf16, VEC>;
   const int half = D / 2, nvec = half / VEC;
-  const int hgroups = int(div_up(heads, kRopeHeadsPerThread));
+  const int hgroups = int(div_up(heads, HPT));
   const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (idx >= N * hgroups * nvec) return;
   const int iv = int(idx % nvec);
@@ -51,17 +55,17 @@ rope_kernel(bf16* __restrict__ x, const int32_t* __restrict__ positions,
     sincosf(pos * inv_freq[i + j], &sn[j], &cs[j]);
     sn[j] *= sign;
   }
-  const int h0 = hg * kRopeHeadsPerThread;
-  P lo[kRopeHeadsPerThread], hi[kRopeHeadsPerThread];
+  const int h0 = hg * HPT;
+  P lo[HPT], hi[HPT];
 #pragma unroll
-  for (int q = 0; q < kRopeHeadsPerThread; ++q) {
+  for (int q = 0; q < HPT; ++q) {
     if (h0 + q >= heads) break;
     const bf16* xh = x + t * row_stride + int64_t(h0 + q) * D;
     lo[q] = P::load(xh + i);
     hi[q] = P::load(xh + i + half);
   }
 #pragma unroll
-  for (int q = 0; q < kRopeHeadsPerThread; ++q) {
+  for (int q = 0; q < HPT; ++q) {
     if (h0 + q >= heads) break;
     P out_lo, out_hi;
 #pragma unroll
@@ -101,7 +105,11 @@ void launch_rope(bf16* x, const int32_t* positions, const float* inv_freq, int64
   const int64_t half = D / 2;
   const bool vec = half % 8 == 0 && row_stride % 8 == 0 && aligned(x, 16);
   const int64_t hgroups = div_up(heads, kRopeHeadsPerThread);
-  if (vec) {
+  const bool small = N * hgroups * (vec ? half / 8 : half) < kRopeSmallPass;
+  if (vec && small) {
+    rope_kernel<8, false, 1><<<grid_for(N * heads * (half / 8), kThreads), kThreads, 0, stream>>>(
+        x, positions, inv_freq, N, int(heads), int(D), row_stride, sign);
+  } else if (vec) {
     rope_kernel<8><<<grid_for(N * hgroups * (half / 8), kThreads), kThreads, 0, stream>>>(
         x, positions, inv_freq, N, int(heads), int(D), row_stride, sign);
   } else {
@@ -266,7 +274,11 @@ void rope_store_kv(bf16* qkv, const int32_t* positions, const float* inv_freq, i
                    aligned(v_cache, 16);
   const int64_t hgroups = div_up(heads, kRopeHeadsPerThread);
   const RopeCacheStore store{k_cache, v_cache, rows, int(H)};
-  if (vec) {
+  const bool small = N * hgroups * (vec ? half / 8 : half) < kRopeSmallPass;
+  if (vec && small) {
+    rope_kernel<8, true, 1><<<grid_for(N * heads * (half / 8), kThreads), kThreads, 0, stream>>>(
+        qkv, positions, inv_freq, N, int(heads), int(D), row_stride, 1.0f, store);
+  } else if (vec) {
     rope_kernel<8, true><<<grid_for(N * hgroups * (half / 8), kThreads), kThreads, 0, stream>>>(
         qkv, positions, inv_freq, N, int(heads), int(D), row_stride, 1.0f, store);
   } else {

@@ -104,21 +104,6 @@ Gemm::Plan& Gemm::plan(const Key& key, const void* bias) {
                 static_cast<long long>(key.ldc), key.out == GemmOut::BF16 ? "bf16" : "fp32",
                 key.bias ? " with bias" : "");
   p.algo = result.algo;
-  if (split_k_ > 1 && key.M <= split_rows_) {  // set_split_k: the same algorithm, K in split_k_ parts
-    cublasLtMatmulAlgo_t split = result.algo;
-    const int32_t parts = split_k_;
-    const uint32_t scheme = CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;  // partial sums reduced in fp32
-    cublasLtMatmulHeuristicResult_t checked = {};
-    if (cublasLtMatmulAlgoConfigSetAttribute(&split, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &parts, sizeof(parts)) ==
-            CUBLAS_STATUS_SUCCESS &&
-        cublasLtMatmulAlgoConfigSetAttribute(&split, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &scheme,
-                                             sizeof(scheme)) == CUBLAS_STATUS_SUCCESS &&
-        cublasLtMatmulAlgoCheck(handle_, p.op, p.a, p.b, p.c, p.c, &split, &checked) == CUBLAS_STATUS_SUCCESS &&
-        checked.workspaceSize <= workspace_bytes_) {
-      p.algo = split;
-      ++split_plans_;
-    }
-  }
   return plans_.emplace(key, p).first->second;
 }
 

@@ -68,13 +68,6 @@ class Gemm {
 
   cudaStream_t stream() const { return stream_; }
   size_t plans_cached() const { return plans_.size(); }  // distinct shapes seen
-  // Shapes of at most max_rows rows (M) planned from now on run with their K cut
-  // in `split` parts, reduced in fp32 (deterministic: a fixed configuration),
-  // where cuBLASLt accepts that for the heuristic's algorithm
-  // (cublasLtMatmulAlgoCheck); others keep the heuristic's. The decoder's
-  // SHARDLM_DECODE_SPLITK: a decode GEMM of 64 rows puts few tiles on 132 SMs.
-  void set_split_k(int64_t max_rows, int split) { split_rows_ = max_rows, split_k_ = split; }
-  int split_k_plans() const { return split_plans_; }  // plans that took the split
 
  private:
   struct Key {
@@ -91,8 +84,6 @@ class Gemm {
     cublasLtMatmulAlgo_t algo{};
   };
   Plan& plan(const Key& key, const void* bias);
-  int64_t split_rows_ = 0;
-  int split_k_ = 1, split_plans_ = 0;
 
   cudaStream_t stream_;
   void* workspace_;

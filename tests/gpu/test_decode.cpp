@@ -565,38 +565,6 @@ TEST_CASE("CUDA decoder: SHARDLM_DECODE_PROFILE=1 changes no token and times eve
   }
 }
 
-// SHARDLM_DECODE_SPLITK=4 (an experiment's switch): the decode GEMMs' K cut in 4
-// parts where cuBLASLt takes it. Deterministic (the same completions twice), and
-// the model's logprobs of the default run's tokens within bf16 rounding: greedy
-// decoding of the same prompts gives the same tokens where the default's top two
-// logits are apart.
-TEST_CASE("CUDA decoder: split-K decode GEMMs (SHARDLM_DECODE_SPLITK) are deterministic and agree with the default") {
-  require_gpu();
-  InferenceModel m = bf16_fixture("llama-gqa-tied");
-  const auto prompts = fixture_prompts(m.config().vocab_size);
-  const std::vector<GenerateRequest> requests = sample_requests(prompts, 1);
-  const DecoderLimits limits = plan_limits(m.config(), requests, 4, 16, "test");
-  GenerateOptions o;
-  o.sampling.temperature = 0.0;  // greedy
-  o.max_new_tokens = 8;
-  auto run = [&](const char* split) {
-    std::unique_ptr<Decoder> d = cuda_decoder_with({{"SHARDLM_DECODE_SPLITK", split}}, m, limits);
-    CAPTURE(d->describe());
-    CHECK((d->describe().find("split-K") != std::string::npos) == (split != nullptr));
-    return generate(*d, requests, o);
-  };
-  const auto plain = run(nullptr), split = run("4"), again = run("4");
-  check_same_completions(split, again, 0.0f);
-  int compared = 0;
-  for (size_t i = 0; i < plain.size(); ++i)
-    for (size_t t = 0; t < plain[i].tokens.size() && t < split[i].tokens.size(); ++t) {
-      if (plain[i].tokens[t] != split[i].tokens[t]) break;  // past a near tie the sequences part
-      CHECK(std::fabs(plain[i].model_logprobs[t] - split[i].model_logprobs[t]) <= 0.05f);
-      ++compared;
-    }
-  CHECK(compared >= int(plain.size()));  // at least the first token of every prompt
-}
-
 // The fused q|k|v rows' RoPE and cache store in one kernel (rope_store_kv) write
 // the bits the two kernels write: the same completions, eager and replayed.
 TEST_CASE("CUDA decoder: RoPE and the cache store in one kernel = the two kernels, bit for bit") {
@@ -617,6 +585,41 @@ TEST_CASE("CUDA decoder: RoPE and the cache store in one kernel = the two kernel
       return generate(*d, requests, o);
     };
     check_same_completions(run(nullptr), run("0"), 0.0f);
+  }
+}
+
+// Decode attention blocks of 2, 4 or 8 query heads (SHARDLM_DECODE_HPB; the
+// default takes 2 for groups of up to 4): every head's scores, softmax and sum
+// are its own, so the completions are the same bit for bit, eager and replayed;
+// so they are with the cache rows loaded at each iteration's start instead of
+// one ahead (SHARDLM_DECODE_PREFETCH=0).
+TEST_CASE("CUDA decoder: decode attention with 2, 4 or 8 query heads a block, loads ahead or not, gives the same bits") {
+  require_gpu();
+  for (const char* name : {"llama-gqa-tied", "qwen3-qknorm"}) {
+    CAPTURE(name);
+    InferenceModel m = bf16_fixture(name);
+    const auto prompts = fixture_prompts(m.config().vocab_size);
+    const std::vector<GenerateRequest> requests = sample_requests(prompts, 4);
+    const DecoderLimits limits = plan_limits(m.config(), requests, 4, 16, "test");
+    GenerateOptions o;
+    o.sampling = SamplingParams{0.8, 20, 0.9, 3};
+    o.max_new_tokens = 16;
+    for (const char* graphs : {static_cast<const char*>(nullptr), "0"}) {
+      CAPTURE((graphs ? "eager" : "graphs"));
+      auto run = [&](const char* hpb, const char* prefetch) {  // set while decoding: eager steps read them
+        const ScopedEnv scoped(
+            {{"SHARDLM_DECODE_GRAPHS", graphs}, {"SHARDLM_DECODE_HPB", hpb}, {"SHARDLM_DECODE_PREFETCH", prefetch}});
+        std::unique_ptr<Decoder> d = make_decoder(m, limits, "cuda");
+        return generate(*d, requests, o);
+      };
+      const auto base = run(nullptr, nullptr);
+      for (const char* hpb : {"2", "4", "8"})
+        for (const char* prefetch : {static_cast<const char*>(nullptr), "0"}) {
+          CAPTURE(hpb);
+          CAPTURE((prefetch ? "loads at each iteration" : "loads ahead"));
+          check_same_completions(base, run(hpb, prefetch), 0.0f);
+        }
+    }
   }
 }
 

@@ -88,8 +88,9 @@ fi
 # and `shardlm receive` takes it into device memory, checks its checksum on the
 # host and writes the last weights, which must equal the trainer's bf16 export
 # bit for bit. Trainer rank 0 is on GPU 0 and the receiver (local rank NP) on
-# GPU NP % gpus: where they share one the device Comm is the staged MPI one
-# (always on a one-GPU machine), else NCCL.
+# GPU NP % gpus: where they share one the device Comm is CUDA IPC on a one-GPU
+# machine (the default there) or the staged MPI one (SHARDLM_BROADCAST_IPC=0,
+# and where they share one of several GPUs), else NCCL.
 rollouts="$out/rollouts"
 if ! "$PY" tools/make_rollouts.py inputs/data/tiny.h5 --out "$rollouts" --steps 10 > "$out/rollouts.log" 2>&1; then
   echo "FAIL RL broadcast from the GPU: tools/make_rollouts.py failed:"; tail -3 "$out/rollouts.log"
@@ -132,13 +133,13 @@ else
       echo "FAIL $what: the receiver's weights differ from the trainer's bf16 export: $(head -1 "$out/$name.cmp")"
     fi
   }
-  rl_broadcast bcast-np1 1
-  rl_broadcast bcast-offload 1 model.optim_cpu_offload=true
-  rl_broadcast bcast-np2 2
-  # Ranks sharing the GPU, SHARDLM_BROADCAST_IPC=1: the receiver copies the root's
-  # buffer device to device through a CUDA IPC handle.
+  SHARDLM_BROADCAST_IPC=0 rl_broadcast bcast-np1 1
+  SHARDLM_BROADCAST_IPC=0 rl_broadcast bcast-offload 1 model.optim_cpu_offload=true
+  SHARDLM_BROADCAST_IPC=0 rl_broadcast bcast-np2 2
+  # Ranks sharing the one GPU, by default: the receiver copies the root's buffer
+  # device to device through a CUDA IPC handle.
   if [ "$gpus" -le 1 ]; then
-    SHARDLM_BROADCAST_IPC=1 BCAST_KIND=ipc rl_broadcast bcast-ipc-np1 1
-    SHARDLM_BROADCAST_IPC=1 BCAST_KIND=ipc rl_broadcast bcast-ipc-np2 2
+    BCAST_KIND=ipc rl_broadcast bcast-ipc-np1 1
+    BCAST_KIND=ipc rl_broadcast bcast-ipc-np2 2
   fi
 fi

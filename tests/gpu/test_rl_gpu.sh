@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # test_rl_gpu.sh — the RL job on one GPU (make test-gpu): a trainer and an
 # inference rank of one mpirun share the GPU, the weights travel every step
-# from the trainer's GPU memory to the inference rank's (the staged device
-# broadcast: NCCL refuses two ranks on one GPU), and the GPU decoder takes them
-# device to device (WeightReceiver::DeviceSink). The same job with the weights
-# brought to the host first (SHARDLM_RECEIVE_TO_HOST=1, the path of `shardlm
-# receive` and the CPU decoder) must give the same rollouts and losses bit for
-# bit: both load the same bf16 bits, and every part is deterministic; so must
-# the same job with the weights over CUDA IPC (SHARDLM_BROADCAST_IPC=1). The
+# from the trainer's GPU memory to the inference rank's (staged through host
+# memory with SHARDLM_BROADCAST_IPC=0: NCCL refuses two ranks on one GPU), and
+# the GPU decoder takes them device to device (WeightReceiver::DeviceSink). The
+# same job with the weights brought to the host first (SHARDLM_RECEIVE_TO_HOST=1,
+# the path of `shardlm receive` and the CPU decoder) must give the same rollouts
+# and losses bit for bit: both load the same bf16 bits, and every part is
+# deterministic; so must the same job over CUDA IPC (the default on one GPU). The
 # checksums of both ends are computed on the GPUs (cuda_bf16_checksum): a
 # mismatch would end the job. Prints PASS/FAIL lines.
 #
@@ -40,10 +40,10 @@ rl() {
     return 1
   fi
 }
-rl device || exit 1
-rl host SHARDLM_RECEIVE_TO_HOST=1 || exit 1
-# The weights through a CUDA IPC handle instead of the staged communicator (opt-in).
-rl ipc SHARDLM_BROADCAST_IPC=1 || exit 1
+rl device SHARDLM_BROADCAST_IPC=0 || exit 1
+rl host SHARDLM_RECEIVE_TO_HOST=1 SHARDLM_BROADCAST_IPC=0 || exit 1
+# The weights through a CUDA IPC handle (the default on a one-GPU machine).
+rl ipc || exit 1
 
 if [ "$dev" = cuda ]; then
   if grep -q "units arrive in GPU memory" "$out/device.log"; then
@@ -52,9 +52,14 @@ if [ "$dev" = cuda ]; then
     echo "FAIL the inference rank did not say the weights arrive in GPU memory"
   fi
   if grep -q "over the ipc device communicator" "$out/ipc.log"; then
-    echo "PASS SHARDLM_BROADCAST_IPC=1: the weights travel over the CUDA IPC device communicator"
+    echo "PASS by default on one GPU the weights travel over the CUDA IPC device communicator"
   else
-    echo "FAIL SHARDLM_BROADCAST_IPC=1: the log does not name the CUDA IPC device communicator"
+    echo "FAIL by default on one GPU the log does not name the CUDA IPC device communicator"
+  fi
+  if grep -q "over the mpi device communicator" "$out/device.log"; then
+    echo "PASS SHARDLM_BROADCAST_IPC=0: the weights travel over the staged MPI device communicator"
+  else
+    echo "FAIL SHARDLM_BROADCAST_IPC=0: the log does not name the staged MPI device communicator"
   fi
 fi
 # Every rollout step's rewards and every trainer step's loss, the three paths.
