@@ -211,10 +211,11 @@ decode_partial_vec_kernel(bf16* __restrict__ out, float* __restrict__ part_o, fl
   // registers before the last iteration's scores are computed, and the rows of
   // the iteration after that are asked into L2. A block has only ~8 KiB an
   // iteration to load (the cache is 33.5 MB a layer over 512 blocks at the 1B
-  // shape, batch 64): loading and then computing, one after the other, left the
-  // kernel waiting on DRAM latency at ~1.4 TB/s. Same positions, same order of
-  // arithmetic: the same bits. SHARDLM_DECODE_PREFETCH=0 loads each iteration's
-  // rows at its start (to measure what running ahead gives).
+  // shape, batch 64), and the kernel ran at ~1.4 TB/s. Measured: ~0.01-0.02 ms
+  // of a 1.56-1.58 ms step (docs/benchmarks.md "Session 18's calls"); the
+  // kernel is still ~3x its floor. Same positions, same order of arithmetic:
+  // the same bits. SHARDLM_DECODE_PREFETCH=0 loads each iteration's rows at
+  // its start.
   constexpr int kStep = kWarps * kUnroll;
   auto row_of = [&](int p0, int u) {
     const int p = min(p0 + u * P + sub, end - 1);  // past the end: a valid row, never used
