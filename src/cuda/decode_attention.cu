@@ -170,8 +170,16 @@ __device__ __forceinline__ void unpack8(const uint4& r, float f[8]) {
 // lanes' partial dots added by log2(LG) shuffles (the scalar kernel: 5 per
 // position and head), and each group of LG lanes keeps its own online softmax
 // over its positions; the groups, then the warps, are merged in a fixed order.
+// Blocks an SM must hold at once (__launch_bounds__'s minimum): at head dim 64
+// with 4 query heads a block the kernel takes 147 registers a thread
+// unbounded, 3 blocks an SM, so the 512 blocks of the 1B shape at batch 64 ran
+// in two rounds on 132 SMs; bounded to 4 blocks (128 registers, no spills:
+// ptxas -v) they run in one. Elsewhere the bound would spill (head dim 128 at
+// 4 heads: 336 bytes), and the compiler's choice stands.
+constexpr int vec_min_blocks(int LG, int HPB) { return HPB == 4 && LG <= 8 ? 4 : 1; }
+
 template <int LG, int HPB>
-__global__ void __launch_bounds__(kWarps * 32)
+__global__ void __launch_bounds__(kWarps * 32, vec_min_blocks(LG, HPB))
 decode_partial_vec_kernel(bf16* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml, const bf16* __restrict__ q,
                           const bf16* __restrict__ k_cache, const bf16* __restrict__ v_cache,
                           const int32_t* __restrict__ slot, const int32_t* __restrict__ len, int H, int KV,
