@@ -550,9 +550,10 @@ struct WeightReceiver::State {
   std::vector<uint16_t> data;        // one unit (communicator) or one parameter (filesystem), bf16
   std::vector<float> f32;
   int64_t last = -1;                 // filesystem: the last step read (acknowledged)
-  // From GPU memory, `data` holds the largest unit from the start (no
-  // reallocation after) and is page-locked: the unit's copy down, and a GPU
-  // decoder's copy back up, run at the link's speed (pageable: ~8 GB/s).
+  // From GPU memory to a host sink, `data` holds the largest unit from the
+  // start (no reallocation after) and is page-locked: the unit's copy down, and
+  // a GPU decoder's copy back up, run at the link's speed (pageable: ~8 GB/s).
+  // With a device sink it stays empty.
   bool data_pinned = false;
   ~State() {
     if (data_pinned) cuda_unpin_host(data.data());
@@ -606,8 +607,10 @@ WeightReceiver::Got WeightReceiver::next_over_comm(const Sink& sink, const Devic
     st.dev->host = make_mpi_comm(rt_.broadcast_comm);
     st.dev->device = make_device_comm(*st.dev->host, st.dev->kind, nullptr, st.dev->unit_bytes, config_.comm.timeout_s);
     st.dev->unit = cuda_malloc(Mem::Workspace, st.dev->unit_bytes);
-    st.data.reserve(size_t(max_padded(layout_)));
-    st.data_pinned = cuda_pin_host(st.data.data(), int64_t(st.data.capacity() * sizeof(uint16_t)));
+    if (!device_sink) {  // a device sink takes each unit where it arrived: no host copy to stage
+      st.data.reserve(size_t(max_padded(layout_)));
+      st.data_pinned = cuda_pin_host(st.data.data(), int64_t(st.data.capacity() * sizeof(uint16_t)));
+    }
     std::printf("receive[%d]: units arrive in GPU memory (device %d, %s) over the %s device communicator\n",
                 rt_.rank, rt_.device, rt_.device_name.c_str(), st.dev->kind.c_str());
     std::fflush(stdout);
@@ -624,7 +627,6 @@ WeightReceiver::Got WeightReceiver::next_over_comm(const Sink& sink, const Devic
     bcast_bytes(text.data(), text_len, rt_.broadcast_comm);
     SHARDLM_CHECK(text == describe_unit(u), "receive: unit %s arrived with other names or shapes than the deck's "
                                             "model has:\n%s", u.name.c_str(), text.c_str());
-    st.data.resize(u.numel);
     uint64_t got = 0;  // the checksum of what arrived
     const bool on_device = st.dev && device_sink;  // the sink takes device memory: no host copy
     if (st.dev) {
@@ -635,11 +637,13 @@ WeightReceiver::Got WeightReceiver::next_over_comm(const Sink& sink, const Devic
       got = cuda_bf16_checksum(st.dev->unit, 0, u.numel, checksum_scratch(st.dev->unit, layout_), nullptr);
       lap(t, timing_.check_s);
       if (!on_device) {
+        st.data.resize(u.numel);
         cuda_copy_async(st.data.data(), st.dev->unit, 2 * u.numel, nullptr);
         cuda_synchronize(nullptr);
         lap(t, timing_.host_s);
       }
     } else {
+      st.data.resize(u.numel);
       bcast_bytes(st.data.data(), 2 * u.numel, rt_.broadcast_comm);
       lap(t, timing_.transfer_s);
       got = bf16_checksum(st.data.data(), 0, u.numel);
