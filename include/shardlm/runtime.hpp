@@ -96,10 +96,11 @@ void maybe_inject_fault(const char* point);
 // plain failure: "nccl_stall" makes the NCCL communicator's first collective wait
 // behind a 30 s kernel, so its watchdog's timeout can be tested).
 bool fault_armed(const char* point);
-// Tests: SHARDLM_TEST_HOLD="<step>:<file>" holds every rank at the end of that
-// step, between two steps' collectives, until the file exists (world rank 0
-// says so first). tests/scripts/test_multinode.sh cuts a node's network there,
-// with no collective and no checkpoint write under way. Nothing otherwise.
+// Tests: SHARDLM_TEST_HOLD="<step>:<file>[,<step>:<file>...]" holds every rank
+// at the end of that step, between two steps' collectives, until the file
+// exists (world rank 0 says so first). tests/scripts/test_multinode.sh cuts a
+// node's network there, with no collective and no checkpoint write under way;
+// tests/scripts/test_slurm.sh signals a held job. Nothing otherwise.
 void hold_for_test(int64_t steps_done);
 
 // Built-in backends of this binary ("cpu" or "cpu+cuda").

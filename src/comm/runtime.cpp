@@ -299,11 +299,18 @@ bool fault_armed(const char* point) {
 }
 
 void hold_for_test(int64_t steps_done) {
+  // "N:FILE[,N:FILE...]": after step N, wait until FILE exists.
   static const char* spec = std::getenv("SHARDLM_TEST_HOLD");
   if (!spec) return;
-  const char* colon = std::strchr(spec, ':');
-  if (!colon || std::atoll(spec) != steps_done) return;
-  const std::string file = colon + 1;
+  std::string file;
+  for (const char* entry = spec; entry && *entry; entry = std::strchr(entry, ',') ? std::strchr(entry, ',') + 1 : nullptr) {
+    const char* colon = std::strchr(entry, ':');
+    if (!colon || std::atoll(entry) != steps_done) continue;
+    const char* end = std::strchr(colon, ',');
+    file.assign(colon + 1, end ? size_t(end - colon - 1) : std::strlen(colon + 1));
+    break;
+  }
+  if (file.empty()) return;
   if (g_world_rank <= 0) {
     std::printf("test hold: after step %lld until %s exists (SHARDLM_TEST_HOLD)\n", (long long)steps_done, file.c_str());
     std::fflush(stdout);

@@ -239,16 +239,19 @@ submit() { sbatch --parsable "$@" | cut -d';' -f1; }
 
 cpu_job=(--gpus-per-node=0 --ntasks-per-node=2 --cpus-per-task=1)
 one_cpu=(--gpus-per-node=0 --ntasks-per-node=1 --cpus-per-task=1)
-# The signalled job needs steps to spare: from its requeue until the second signal
-# lands, a part ran ~27 steps on an idle 2-core machine, and on a loaded CI box all
-# of the 55 a 60-step run had left (it completed before the signal). The straight
-# run matches it step for step.
-steps=200
+# The signalled job is held after steps 5 and 20 (SHARDLM_TEST_HOLD) until the
+# test has signalled it: it stops after step 6 and after step 21 wherever Slurm
+# takes a while to deliver (an unheld part could finish 170 steps before a
+# signal to its batch shell arrived on a loaded CI box). The straight run
+# matches it step for step.
+steps=40
+hold1=5 hold2=20
 small=(--set data.global_batch=2 --set data.micro_batch=1 --set log.interval=1 --set run.max_steps=$steps)
 
 # ------------------------------------------------------------------ submit everything
 straight=$(submit "${cpu_job[@]}" jobs/slurm-node.sbatch inputs/tiny-sft.toml "${small[@]}" --set run.dir=runs/straight)
-signalled=$(submit "${cpu_job[@]}" jobs/slurm-node.sbatch inputs/tiny-sft.toml "${small[@]}" --set run.dir=runs/signalled)
+signalled=$(SHARDLM_TEST_HOLD="$hold1:$tmp/gate-signalled-1,$hold2:$tmp/gate-signalled-2" \
+            submit "${cpu_job[@]}" jobs/slurm-node.sbatch inputs/tiny-sft.toml "${small[@]}" --set run.dir=runs/signalled)
 printf '# three tasks\noptim.lr=1e-3\noptim.lr=3e-3 optim.weight_decay=0.1   # decay\n\noptim.lr=1e-2 sched.warmup=2\n' \
   > inputs/sweep-test.txt
 sweep_small=(--set data.global_batch=2 --set data.micro_batch=1 --set log.interval=1 --set run.max_steps=10)
@@ -345,29 +348,28 @@ drive hang "$hang_job" "logs/shardlm-$hang_job.out" "^step  *9/40 " true &
 drivers+=($!)
 
 # ------------------------------------------------------------------ the signalled job
-# Part 1: SIGUSR1 to the ranks (scancel --signal, what --signal=USR1@T does) once
-# the run is a step or two in; part 2: SIGUSR1 to the batch shell (scancel --batch,
-# what --signal=B:USR1@T does), which forwards it to srun; part 3 runs to the end.
-# Each signal goes as soon as the part has logged a step past its start, which
-# leaves it the most steps to spare; a part that finished first is a failure
-# that names itself (a machine much faster than this test assumed).
+# Part 1: SIGUSR1 to the ranks (scancel --signal, what --signal=USR1@T does)
+# while they are held after step $hold1; part 2: SIGUSR1 to the batch shell
+# (scancel --batch, what --signal=B:USR1@T does), which forwards it to srun,
+# while held after step $hold2; part 3 runs to the end. The gate opens $settle s
+# after the signal, and the stop lands at the next step's end.
 sig_ok=1
-running_at_step() {   # running_at_step N: the job runs and has logged step N; or it has left the queue
+held_at() {   # held_at N: the job's log says its ranks are held after step N; or it has left the queue
   job_done "$signalled" && return 0
-  [ "$(job_field "$signalled" JobState)" = RUNNING ] && [ "$(last_step runs/signalled)" -ge "$1" ]
+  grep -q "^test hold: after step $1 " "logs/shardlm-$signalled.out" 2>/dev/null
 }
 restarted() {   # restarted N: the job runs after its N-th requeue; or it has left the queue
   job_done "$signalled" && return 0
   [ "$(job_field "$signalled" Restarts)" = "$1" ] && [ "$(job_field "$signalled" JobState)" = RUNNING ]
 }
-# signal_part N SCANCEL_OPTION...: wait for part N to be running at a step past its
-# start, signal it, wait for the requeued part N+1 to start.
+# signal_part N HOLD SCANCEL_OPTION...: wait for part N to be held after step
+# HOLD, signal it, open its gate, wait for the requeued part N+1 to start.
 stop_step=0
 signal_part() {
-  local part=$1
-  shift
-  if ! wait_for 300 running_at_step $(( stop_step + 2 )) || job_done "$signalled"; then
-    fail "signalled job, part $part: did not run to step $(( stop_step + 2 )) or finished before the signal ($(state "$signalled"))"
+  local part=$1 hold=$2
+  shift 2
+  if ! wait_for 300 held_at "$hold" || job_done "$signalled"; then
+    fail "signalled job, part $part: not held after step $hold, or finished before the signal ($(state "$signalled"))"
     return 1
   fi
   # scancel is an RPC to the controller: on a loaded machine it can time out. Its
@@ -381,6 +383,8 @@ signal_part() {
     fi
     sleep 1
   done
+  sleep "$settle"
+  touch "$tmp/gate-signalled-$part"
   if ! wait_for 300 restarted "$part" || job_done "$signalled"; then
     fail "signalled job, part $part: not requeued and restarted after scancel $* ($(state "$signalled"); the log: $(
       grep -m1 -i 'signal' "logs/shardlm-$signalled.out" 2>/dev/null || echo 'no signal logged'))"
@@ -388,7 +392,8 @@ signal_part() {
   fi
   stop_step=$(last_step runs/signalled)
 }
-signal_part 1 --signal=USR1 && stop1=$stop_step && signal_part 2 --batch --signal=USR1 && stop2=$stop_step || sig_ok=0
+signal_part 1 $hold1 --signal=USR1 && stop1=$stop_step && signal_part 2 $hold2 --batch --signal=USR1 && stop2=$stop_step ||
+  sig_ok=0
 
 wait "${drivers[@]}"
 for id in "$straight" "$signalled" "$sweep" "$bad_deck" "$ckpt_fail" "$loop" "$rl_job" "$setup_job" "$last_job" "$hang_job"; do
