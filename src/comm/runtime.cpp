@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -299,18 +300,19 @@ bool fault_armed(const char* point) {
 }
 
 void hold_for_test(int64_t steps_done) {
-  // "N:FILE[,N:FILE...]": after step N, wait until FILE exists.
-  static const char* spec = std::getenv("SHARDLM_TEST_HOLD");
-  if (!spec) return;
-  std::string file;
-  for (const char* entry = spec; entry && *entry; entry = std::strchr(entry, ',') ? std::strchr(entry, ',') + 1 : nullptr) {
-    const char* colon = std::strchr(entry, ':');
-    if (!colon || std::atoll(entry) != steps_done) continue;
-    const char* end = std::strchr(colon, ',');
-    file.assign(colon + 1, end ? size_t(end - colon - 1) : std::strlen(colon + 1));
-    break;
-  }
-  if (file.empty()) return;
+  // "N:FILE[,N:FILE...]": after step N, wait until FILE exists. Parsed once.
+  static const std::vector<std::pair<int64_t, std::string>> holds = [] {
+    std::vector<std::pair<int64_t, std::string>> out;
+    const char* spec = std::getenv("SHARDLM_TEST_HOLD");
+    std::string entry;
+    for (std::istringstream in(spec ? spec : ""); std::getline(in, entry, ',');)
+      if (const size_t colon = entry.find(':'); colon != std::string::npos && colon + 1 < entry.size())
+        out.emplace_back(std::atoll(entry.c_str()), entry.substr(colon + 1));
+    return out;
+  }();
+  const auto hold = std::find_if(holds.begin(), holds.end(), [&](const auto& h) { return h.first == steps_done; });
+  if (hold == holds.end()) return;
+  const std::string& file = hold->second;
   if (g_world_rank <= 0) {
     std::printf("test hold: after step %lld until %s exists (SHARDLM_TEST_HOLD)\n", (long long)steps_done, file.c_str());
     std::fflush(stdout);
