@@ -182,6 +182,10 @@ int cmd_train(Runtime& rt, const CliArgs& args) {
   if (!load_deck(rt, args, rt.num_trainers, config)) return 1;
   maybe_inject_fault("startup");
   if (fault_armed("segv")) std::raise(SIGSEGV);  // tests: a crashing rank names itself
+  if (fault_armed("null_call")) {                 // and says where it called a null function pointer
+    void (*volatile null_function)() = nullptr;
+    null_function();
+  }
   set_collective_timeout(config.comm.timeout_s);  // the MPI Comm's watchdog (NCCL has its own)
   start_watchdog(config.comm.timeout_s);          // and everything else that can hang: I/O, HDF5, the writer
   select_device(rt, config.device.backend);

@@ -84,8 +84,12 @@ std::string placement_summary(const Runtime& rt);
 // The job's exit code is `exit_code` (1 unless a watchdog says otherwise: watchdog.hpp).
 [[noreturn]] void fatal(const std::string& message, int exit_code = 1);
 // A rank that crashes (SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT) writes one
-// line naming its rank, host and pid and the signal before it dies of it
-// (runtime_init installs them; SIGKILL cannot be caught: the launcher names it).
+// line naming its rank, host and pid and the signal, then where (the faulting
+// pc, and the caller when it jumped to address 0, as library+offset; the frames
+// glibc finds), before it dies of it. runtime_init installs them before
+// MPI_Init_thread (Open MPI keeps a handler it finds: a crash in the library's
+// start-up says so) and again once the rank and role are known. SIGKILL cannot
+// be caught: the launcher names it.
 void install_crash_reporters();
 [[noreturn]] void mpi_failed(const char* call, int status, const char* file, int line);
 

@@ -1,12 +1,16 @@
 // runtime.cpp — MPI bootstrap, roles, device choice, fatal errors.
 #include "shardlm/runtime.hpp"
 
+#include <dlfcn.h>
+#include <execinfo.h>
+#include <ucontext.h>
 #include <unistd.h>
 
 #include <csignal>
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <sstream>
@@ -48,6 +52,11 @@ Runtime runtime_init(int* argc, char*** argv, Role role) {
   int initialized = 0;
   MPI_Initialized(&initialized);
   if (!initialized) {
+    // Installed first, Open MPI leaves them in place: a crash inside the
+    // library's start-up then says so (and where) in shardlm's words.
+    gethostname(g_host, sizeof(g_host) - 1);
+    install_crash_reporters();
+    if (fault_armed("segv_init")) std::raise(SIGSEGV);  // tests: the line a crash in MPI_Init_thread writes
     int provided = 0;
     // FUNNELED: only the main thread calls MPI; OpenMP threads compute.
     if (MPI_Init_thread(argc, argv, MPI_THREAD_FUNNELED, &provided) != MPI_SUCCESS) {
@@ -241,8 +250,49 @@ namespace {
 // The line a crashing rank writes before it dies: formatted once here, since
 // a signal handler may only write(2) (async-signal-safe).
 char g_crash_line[NSIG][640];  // room for the role, a 255-byte host name and the reason
-extern "C" void on_crash_signal(int sig) {
+
+// "0x7f12... (libmca_btl_tcp.so+0x1a2b)": where an address lies. dladdr is not
+// async-signal-safe in general, but the process is about to die of the signal
+// and the line is worth more than the risk (Open MPI's handler does the same).
+int format_site(char* out, size_t n, uintptr_t address) {
+  Dl_info info{};
+  if (address != 0 && dladdr(reinterpret_cast<void*>(address), &info) && info.dli_fname) {
+    const char* base = std::strrchr(info.dli_fname, '/');
+    return std::snprintf(out, n, "0x%lx (%s+0x%lx)", static_cast<unsigned long>(address),
+                         base ? base + 1 : info.dli_fname,
+                         static_cast<unsigned long>(address - reinterpret_cast<uintptr_t>(info.dli_fbase)));
+  }
+  return std::snprintf(out, n, "0x%lx", static_cast<unsigned long>(address));
+}
+
+extern "C" void on_crash_signal(int sig, siginfo_t* info, void* context) {
   if (sig > 0 && sig < NSIG) (void)!write(STDERR_FILENO, g_crash_line[sig], std::strlen(g_crash_line[sig]));
+  // Where: the faulting instruction and, when the rank jumped to address 0 (a
+  // call through a null function pointer, where no backtrace can start), the
+  // return address the call left on the stack; then the frames glibc finds.
+  char where[512];
+  int len = std::snprintf(where, sizeof where, "shardlm:   at pc ");
+#if defined(__x86_64__) && defined(REG_RIP)
+  const auto* uc = static_cast<const ucontext_t*>(context);
+  const auto pc = static_cast<uintptr_t>(uc->uc_mcontext.gregs[REG_RIP]);
+  len += format_site(where + len, sizeof where - size_t(len), pc);
+  if (pc == 0) {
+    len += std::snprintf(where + len, sizeof where - size_t(len), ", called from ");
+    len += format_site(where + len, sizeof where - size_t(len),
+                       *reinterpret_cast<const uintptr_t*>(uc->uc_mcontext.gregs[REG_RSP]));
+  }
+#else
+  (void)context;
+  len += std::snprintf(where + len, sizeof where - size_t(len), "?");
+#endif
+  if (sig == SIGSEGV || sig == SIGBUS)
+    len += std::snprintf(where + len, sizeof where - size_t(len), ", fault address %p",
+                         info ? info->si_addr : nullptr);
+  len = std::min(len, int(sizeof where) - 2);
+  where[len++] = '\n';
+  (void)!write(STDERR_FILENO, where, size_t(len));
+  void* frames[32];
+  backtrace_symbols_fd(frames, backtrace(frames, 32), STDERR_FILENO);
   signal(sig, SIG_DFL);  // die of it as before: the launcher and Slurm see the signal
   raise(sig);
 }
@@ -257,14 +307,22 @@ void install_crash_reporters() {
       {SIGILL, "SIGILL", "a crash: illegal instruction (a binary built for another CPU?)"},
       {SIGABRT, "SIGABRT", "aborted (a failed assertion or std::terminate)"},
   };
+  void* warm[1];
+  (void)backtrace(warm, 1);  // loads libgcc's unwinder now, not inside the handler
   for (const auto& c : kCrashes) {
-    std::snprintf(g_crash_line[c.sig], sizeof g_crash_line[c.sig],
-                  "shardlm: rank %d of %d (%s%s, pid %d) died of signal %d (%s): %s\n", g_world_rank, g_world_size,
-                  g_role_text, g_host, static_cast<int>(getpid()), c.sig, c.name, c.why);
+    if (g_world_rank < 0)  // before MPI_Init_thread returns: the rank is not known yet
+      std::snprintf(g_crash_line[c.sig], sizeof g_crash_line[c.sig],
+                    "shardlm: a rank (%s, pid %d) died of signal %d (%s) inside MPI_Init_thread, before shardlm's "
+                    "first MPI call (the MPI library crashed while the ranks wired up): %s\n",
+                    g_host, static_cast<int>(getpid()), c.sig, c.name, c.why);
+    else
+      std::snprintf(g_crash_line[c.sig], sizeof g_crash_line[c.sig],
+                    "shardlm: rank %d of %d (%s%s, pid %d) died of signal %d (%s): %s\n", g_world_rank,
+                    g_world_size, g_role_text, g_host, static_cast<int>(getpid()), c.sig, c.name, c.why);
     struct sigaction sa {};
-    sa.sa_handler = on_crash_signal;
+    sa.sa_sigaction = on_crash_signal;
     sigemptyset(&sa.sa_mask);
-    sa.sa_flags = SA_RESETHAND | SA_NODEFER;
+    sa.sa_flags = SA_SIGINFO | SA_RESETHAND | SA_NODEFER;
     sigaction(c.sig, &sa, nullptr);
   }
 }

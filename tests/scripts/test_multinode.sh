@@ -417,14 +417,20 @@ for id in "$sweep" "$j2x1" "$j2x2" "$j4x1" "$j4x2" "$jres" "$jrl"; do wait_done 
 # Open MPI 4.1.4 (Debian 12's) sometimes fails a TCP connect between two nodes
 # while the ranks wire up on a loaded machine ("connect() to ... failed:
 # Operation now in progress (115)", then a crash; open-mpi/ompi#10734, its
-# error path fixed upstream after 4.1.4). A job that died so before its first
-# step is requeued once, with a NOTE; anything else, or a second time, fails.
+# error path fixed upstream after 4.1.4), and sometimes a rank dies of SIGSEGV
+# inside MPI_Init_thread itself, before shardlm's first MPI call (seen twice in
+# CI: session 15's and 0d32ff9's, both on the RL job; shardlm's crash line says
+# "inside MPI_Init_thread" and where). A job that died so before its first step
+# is requeued once, with a NOTE (and the crash's lines); anything else, or a
+# second time, fails.
 declare -A restarts_expected
 retry_wireup_failure() {   # retry_wireup_failure ID LOG
   local id=$1 log=$2
-  [ "$(job_field "$id" JobState)" = FAILED ] && grep -q 'Open MPI failed to TCP connect' "$log" 2>/dev/null &&
+  [ "$(job_field "$id" JobState)" = FAILED ] &&
+    grep -qE 'Open MPI failed to TCP connect|died of signal [0-9]+ \([A-Z]+\) inside MPI_Init_thread' "$log" 2>/dev/null &&
     ! grep -q '^step ' "$log" || return 0
-  echo "NOTE multinode: job $id died in Open MPI's TCP wire-up before its first step; requeued once"
+  grep -A1 'inside MPI_Init_thread' "$log" | sed 's/^/  | /'
+  echo "NOTE multinode: job $id died in Open MPI's start-up (TCP wire-up or MPI_Init_thread) before its first step; requeued once"
   restarts_expected[$id]=1
   scontrol requeue "$id" && wait_done "$id" 300
 }

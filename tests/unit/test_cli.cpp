@@ -686,6 +686,35 @@ TEST_CASE("a crashing rank names itself before it dies (#27 item 9)") {
   std::filesystem::remove_all(dir);
 }
 
+TEST_CASE("a rank that calls a null function pointer says from where, as library+offset") {
+  const auto dir = std::filesystem::temp_directory_path() / ("shardlm-nullcall-" + std::to_string(getpid()));
+  auto r = run("SHARDLM_FAULT=null_call@1 OMP_NUM_THREADS=1 " + mpirun(2) + "-x SHARDLM_FAULT " + shardlm_bin() +
+               " train inputs/tiny-sft.toml --set run.dir=" + dir.string());
+  CHECK(r.status != 0);
+  CHECK(r.status != 124);
+  CHECK_MESSAGE(r.output.find("shardlm: rank 1 of 2 (trainer rank 1 of 2, ") != std::string::npos, r.output);
+  // pc 0 has no frames to walk from; the caller's return address names the binary.
+  CHECK_MESSAGE(r.output.find("shardlm:   at pc 0x0, called from 0x") != std::string::npos, r.output);
+  CHECK_MESSAGE(r.output.find(" (shardlm+0x") != std::string::npos, r.output);
+  CHECK_MESSAGE(r.output.find("fault address (nil)") != std::string::npos, r.output);
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("a crash inside MPI_Init_thread is reported as one, before any rank is known") {
+  const auto dir = std::filesystem::temp_directory_path() / ("shardlm-initsegv-" + std::to_string(getpid()));
+  auto r = run("SHARDLM_FAULT=segv_init@0 OMP_NUM_THREADS=1 " + mpirun(1) + "-x SHARDLM_FAULT " + shardlm_bin() +
+               " train inputs/tiny-sft.toml --set run.dir=" + dir.string());
+  CHECK(r.status != 0);
+  CHECK(r.status != 124);
+  char host[256] = {0};
+  gethostname(host, sizeof host - 1);
+  CHECK_MESSAGE(r.output.find(std::string("shardlm: a rank (") + host + ", pid ") != std::string::npos, r.output);
+  CHECK_MESSAGE(r.output.find("died of signal 11 (SIGSEGV) inside MPI_Init_thread") != std::string::npos, r.output);
+  CHECK_MESSAGE(r.output.find("shardlm:   at pc 0x") != std::string::npos, r.output);
+  CHECK_FALSE(std::filesystem::exists(dir));  // nothing ran: no run dir
+  std::filesystem::remove_all(dir);
+}
+
 TEST_CASE("where a peer is, for a timed-out collective's message: ahead is not a mismatch (#27 item 9)") {
   CHECK(shardlm::where_is_peer("all_gather", 57, "all_gather", 57) == shardlm::PeerPlace::Waiting);
   CHECK(shardlm::where_is_peer("all_gather", 57, "reduce_scatter", 58) == shardlm::PeerPlace::Ahead);
