@@ -375,6 +375,7 @@ class CudaBackend final : public Backend {
       rows.push_back(row("fp8.a_scales", w, 3 * s.scale_count, &fp8_buffers_.a_scales));
       rows.push_back(row("fp8.b_scales", w, 3 * s.scale_count, &fp8_buffers_.b_scales));
       rows.push_back(row("fp8.x_scales", w, 3 * s.scale_count, &fp8_buffers_.x_scales));
+      if (fused_amax(o)) rows.push_back(row("fp8.amaxes", w, kAmaxPerLayer * c.num_layers + kGradAmaxes, &fp8_amaxes_));
     }
     // Allocated by init() with the stream, at the backend's first allocation.
     rows.push_back({"gemm_workspace", w, int64_t(kGemmWorkspace), 1, nullptr});
@@ -511,6 +512,30 @@ class CudaBackend final : public Backend {
     cuda::embedding_forward(bf(residual_[0]), tokens_, bf(table), n_, d_.V, d_.C, stream_);
   }
 
+  // SHARDLM_FP8_FUSED_AMAX=1 under tensorwise FP8 (not yet run on a GPU, so
+  // off by default): the projections' operands' amaxes come from the kernels
+  // that write the operands, and the forward's inputs' amaxes serve the
+  // backward's transposed copies; no amax pass of its own. The same amaxes,
+  // so the same codes and losses bit for bit. fp8_amaxes_ holds, per layer,
+  // its four projection inputs' (kXn1 .. kH: written in the forward, read again
+  // in the backward, and rewritten alike by a recompute), then the stream
+  // gradient's (the last norm backward's: the down and o projections' dout),
+  // dgate's and dup's.
+  enum AmaxSlot { kXn1, kAtt, kXn2, kH, kAmaxPerLayer };
+  enum GradAmax { kStreamGrad, kDgate, kDup, kGradAmaxes };
+  static bool fused_amax(const EngineOptions& o) {
+    const char* env = std::getenv("SHARDLM_FP8_FUSED_AMAX");
+    return o.fp8 == Fp8Mode::Tensorwise && env && std::string(env) == "1";
+  }
+  float* amax_at(AmaxSlot s) const { return fp8_amaxes_ ? fp8_amaxes_ + layer_ * kAmaxPerLayer + s : nullptr; }
+  float* grad_amax_at(GradAmax g) const {
+    return fp8_amaxes_ ? fp8_amaxes_ + config_.num_layers * kAmaxPerLayer + g : nullptr;
+  }
+  // An operand's amax as Fp8Linear takes it: written already (ready), or to be
+  // computed into the slot; {} without fused amaxes.
+  cuda::Fp8Linear::Amax amax_ready(float* at) const { return at ? cuda::Fp8Linear::Amax{at, true} : cuda::Fp8Linear::Amax{}; }
+  cuda::Fp8Linear::Amax amax_kept(float* at) const { return at ? cuda::Fp8Linear::Amax{at, false} : cuda::Fp8Linear::Amax{}; }
+
   void layer_forward(int l, const Unit& unit, const void* params) override {
     layer_ = l;
     forward_layer(layer_weights(unit, bf(params)), layer_norms(l, unit, bf(params)), residual_[l], residual_[l + 1],
@@ -548,7 +573,7 @@ class CudaBackend final : public Backend {
       cuda::linear_backward(*gemm_, dxf_ + t0 * d.C, lm_head_grad, nullptr, logits_, xf_ + t0 * d.C, bf(lm_head), n,
                             d.C, d.V, scratch_, scratch_bytes_);
     }
-    norm_backward(d_x_, norm_grad, dxf_, x, final_norm(norm_weight), rstdf_, nullptr);
+    norm_backward(d_x_, norm_grad, dxf_, x, final_norm(norm_weight), rstdf_, nullptr, grad_amax_at(kStreamGrad));
     // The one host synchronisation of a micro-batch: the loss value (RL: all its statistics).
     double loss = 0;
     std::array<double, cuda::kRlStatsFields> rl{};
@@ -582,17 +607,19 @@ class CudaBackend final : public Backend {
     const Dims& d = d_;
     const int64_t N = n_;
     // MLP: x_out = x_mid + down(silu(gate) * up)
-    project_backward(cuda::Fp8Linear::Down, dh_, g.w_down, nullptr, stream_grad_bf16(d_x_), a.h, w.w_down, d.I, d.C);
+    project_backward(cuda::Fp8Linear::Down, dh_, g.w_down, nullptr, stream_grad_bf16(d_x_), a.h, w.w_down, d.I, d.C,
+                     cuda::Dinp::Overwrite, false, amax_ready(amax_at(kH)), amax_ready(grad_amax_at(kStreamGrad)));
     // dgate/dup in place of gate/up (Phases): dgu is a.gu from here on.
     bf16* dgu = a.gu;
     cuda::swiglu_backward(dgu, 2 * d.I, dgu + d.I, 2 * d.I, dh_, d.I, a.gu, 2 * d.I, a.gu + d.I, 2 * d.I, N, d.I,
-                          stream_);
+                          stream_, grad_amax_at(kDgate), grad_amax_at(kDup));
     gate_up_backward(dgu, a.xn2, w, g);
-    norm_backward(d_mid_, g.post_norm, d_xn_, a.x_mid, norms.post, a.rstd2, d_x_);
+    norm_backward(d_mid_, g.post_norm, d_xn_, a.x_mid, norms.post, a.rstd2, d_x_, grad_amax_at(kStreamGrad));
     // attention: x_mid = x_in + o(attn(rope(norm(q)), rope(norm(k)), v)); its
     // gradients go where gate/up were (dead now), when they fit there
     if (phases_.attention_in_gu) place_attention_phase(reinterpret_cast<char*>(a.gu));
-    project_backward(cuda::Fp8Linear::O, d_att_, g.wo, nullptr, stream_grad_bf16(d_mid_), a.att, w.wo, d.HD, d.C);
+    project_backward(cuda::Fp8Linear::O, d_att_, g.wo, nullptr, stream_grad_bf16(d_mid_), a.att, w.wo, d.HD, d.C,
+                     cuda::Dinp::Overwrite, false, amax_ready(amax_at(kAtt)), amax_ready(grad_amax_at(kStreamGrad)));
     attention_backward(a, N);
     cuda::rope_backward(dq_, positions_, inv_freq_, N, d.H, d.D, d.HD, stream_);
     cuda::rope_backward(dk_, positions_, inv_freq_, N, d.KV, d.D, d.KVD, stream_);
@@ -606,13 +633,14 @@ class CudaBackend final : public Backend {
       dq = dq_raw_;
       dk = dk_raw_;
     }
-    project_backward(cuda::Fp8Linear::Q, d_xn_, g.wq, g.bq, dq, a.xn1, w.wq, d.C, d.HD);
+    project_backward(cuda::Fp8Linear::Q, d_xn_, g.wq, g.bq, dq, a.xn1, w.wq, d.C, d.HD, cuda::Dinp::Overwrite, false,
+                     amax_ready(amax_at(kXn1)));
     // k's and v's input gradients are added to q's in their GEMMs' epilogues.
     project_backward(cuda::Fp8Linear::K, d_xn_, g.wk, g.bk, dk, a.xn1, w.wk, d.C, d.KVD, cuda::Dinp::Accumulate,
                      /*same_input=*/true);
     project_backward(cuda::Fp8Linear::V, d_xn_, g.wv, g.bv, dv_, a.xn1, w.wv, d.C, d.KVD, cuda::Dinp::Accumulate,
                      /*same_input=*/true);
-    norm_backward(d_x_, g.input_norm, d_xn_, x_in, norms.input, a.rstd1, d_mid_);
+    norm_backward(d_x_, g.input_norm, d_xn_, x_in, norms.input, a.rstd1, d_mid_, grad_amax_at(kStreamGrad));
   }
 
   void embed_backward(float* table_grad) override {
@@ -676,28 +704,33 @@ class CudaBackend final : public Backend {
 
   // The residual stream's kernels, for either of its types (model.residual_dtype).
   bool fp32_stream() const { return stream_bytes_ == 4; }
-  void norm_forward(bf16* out, float* rstd, const void* x, cuda::NormWeight weight) {
-    if (fp32_stream()) cuda::rmsnorm_forward(out, rstd, f32(x), weight, n_, d_.C, config_.rms_norm_eps, stream_);
-    else cuda::rmsnorm_forward(out, rstd, bf(x), weight, n_, d_.C, config_.rms_norm_eps, stream_);
+  // amax (nullptr: none): the normed output's, for its FP8 projections (fused amaxes).
+  void norm_forward(bf16* out, float* rstd, const void* x, cuda::NormWeight weight, float* amax = nullptr) {
+    if (fp32_stream()) cuda::rmsnorm_forward(out, rstd, f32(x), weight, n_, d_.C, config_.rms_norm_eps, stream_, amax);
+    else cuda::rmsnorm_forward(out, rstd, bf(x), weight, n_, d_.C, config_.rms_norm_eps, stream_, amax);
   }
   // x_mid = x_in + projected (rounded to the stream's type), normed = its norm.
   void add_norm_forward(void* x_mid, bf16* normed, float* rstd, const void* x_in, const bf16* projected,
-                        cuda::NormWeight weight) {
+                        cuda::NormWeight weight, float* amax = nullptr) {
     const double eps = config_.rms_norm_eps;
     if (fp32_stream())
-      cuda::residual_rmsnorm_forward(f32(x_mid), normed, rstd, f32(x_in), projected, weight, n_, d_.C, eps, stream_);
-    else cuda::residual_rmsnorm_forward(bf(x_mid), normed, rstd, bf(x_in), projected, weight, n_, d_.C, eps, stream_);
+      cuda::residual_rmsnorm_forward(f32(x_mid), normed, rstd, f32(x_in), projected, weight, n_, d_.C, eps, stream_,
+                                     amax);
+    else
+      cuda::residual_rmsnorm_forward(bf(x_mid), normed, rstd, bf(x_in), projected, weight, n_, d_.C, eps, stream_,
+                                     amax);
   }
   // dinp = the norm's backward + dresidual; an fp32 stream also leaves dinp
   // rounded to bf16 in d_stream_bf16_ for the projection backward that reads it.
+  // amax (nullptr: none): the bf16 gradient's, for the projection backward that reads it.
   void norm_backward(void* dinp, float* dweight, const bf16* dout, const void* inp, cuda::NormWeight weight,
-                     const float* rstd, const void* dresidual) {
+                     const float* rstd, const void* dresidual, float* amax = nullptr) {
     if (fp32_stream())
       cuda::rmsnorm_backward(f32(dinp), d_stream_bf16_, dweight, dout, f32(inp), weight, rstd, f32(dresidual), n_,
-                             d_.C, scratch_, scratch_bytes_, stream_);
+                             d_.C, scratch_, scratch_bytes_, stream_, amax);
     else
       cuda::rmsnorm_backward(bf(dinp), dweight, dout, bf(inp), weight, rstd, bf(dresidual), n_, d_.C, scratch_,
-                             scratch_bytes_, stream_);
+                             scratch_bytes_, stream_, amax);
   }
   // The stream gradient norm_backward wrote last, as a GEMM operand (bf16).
   const bf16* stream_grad_bf16(const void* d) const { return fp32_stream() ? d_stream_bf16_ : bf(d); }
@@ -745,10 +778,10 @@ class CudaBackend final : public Backend {
     const Dims& d = d_;
     const int64_t N = n_;
     const double eps = config_.rms_norm_eps;
-    norm_forward(a.xn1, a.rstd1, x_in, norms.input);
+    norm_forward(a.xn1, a.rstd1, x_in, norms.input, amax_at(kXn1));
     bf16* q_proj = config_.qk_norm ? a.q_raw : a.q;
     bf16* k_proj = config_.qk_norm ? a.k_raw : a.k;
-    project(cuda::Fp8Linear::Q, q_proj, a.xn1, w.wq, w.bq, d.C, d.HD);
+    project(cuda::Fp8Linear::Q, q_proj, a.xn1, w.wq, w.bq, d.C, d.HD, nullptr, false, amax_ready(amax_at(kXn1)));
     project(cuda::Fp8Linear::K, k_proj, a.xn1, w.wk, w.bk, d.C, d.KVD, nullptr, /*same_input=*/true);
     project(cuda::Fp8Linear::V, a.v, a.xn1, w.wv, w.bv, d.C, d.KVD, nullptr, /*same_input=*/true);
     if (config_.qk_norm) {
@@ -762,13 +795,15 @@ class CudaBackend final : public Backend {
     // overwrites it. An fp32 one: the projections write bf16 into proj_out_, added
     // to the stream unrounded.
     bf16* projected = fp32_stream() ? proj_out_ : bf(x_out);
-    project(cuda::Fp8Linear::O, projected, a.att, w.wo, nullptr, d.HD, d.C);
-    add_norm_forward(a.x_mid, a.xn2, a.rstd2, x_in, projected, norms.post);
+    project(cuda::Fp8Linear::O, projected, a.att, w.wo, nullptr, d.HD, d.C, nullptr, false, amax_kept(amax_at(kAtt)));
+    add_norm_forward(a.x_mid, a.xn2, a.rstd2, x_in, projected, norms.post, amax_at(kXn2));
     gate_up_forward(a.gu, a.xn2, w);
-    cuda::swiglu_forward(a.h, d.I, a.gu, 2 * d.I, a.gu + d.I, 2 * d.I, N, d.I, stream_);
+    cuda::swiglu_forward(a.h, d.I, a.gu, 2 * d.I, a.gu + d.I, 2 * d.I, N, d.I, stream_, amax_at(kH));
     if (!fp32_stream())
-      return project(cuda::Fp8Linear::Down, bf(x_out), a.h, w.w_down, nullptr, d.I, d.C, /*residual=*/bf(a.x_mid));
-    project(cuda::Fp8Linear::Down, proj_out_, a.h, w.w_down, nullptr, d.I, d.C);
+      return project(cuda::Fp8Linear::Down, bf(x_out), a.h, w.w_down, nullptr, d.I, d.C, /*residual=*/bf(a.x_mid),
+                     false, amax_ready(amax_at(kH)));
+    project(cuda::Fp8Linear::Down, proj_out_, a.h, w.w_down, nullptr, d.I, d.C, nullptr, false,
+            amax_ready(amax_at(kH)));
     cuda::add_bf16_to_f32(f32(x_out), f32(a.x_mid), proj_out_, N * d.C, stream_);
   }
 
@@ -781,28 +816,30 @@ class CudaBackend final : public Backend {
   int fp8_slot(cuda::Fp8Linear::Weight which) const {
     return options_.fp8_weight_cache ? int(layer_ * cuda::Fp8Linear::kWeights + which) : -1;
   }
+  // inp_amax, dout_amax: the operands' amaxes where the fused amaxes hold them.
   void project(cuda::Fp8Linear::Weight which, bf16* out, const bf16* inp, const bf16* weight, const bf16* bias,
-               int64_t IC, int64_t OC,
-               const bf16* residual = nullptr, bool same_input = false) {
+               int64_t IC, int64_t OC, const bf16* residual = nullptr, bool same_input = false,
+               cuda::Fp8Linear::Amax inp_amax = {}) {
     if (!fp8_) return cuda::linear_forward(*gemm_, out, inp, weight, bias, n_, IC, OC, residual);
-    fp8_->forward(out, OC, inp, weight, bias, n_, IC, OC, residual, same_input, fp8_slot(which));
+    fp8_->forward(out, OC, inp, weight, bias, n_, IC, OC, residual, same_input, fp8_slot(which), inp_amax);
   }
   void project_backward(cuda::Fp8Linear::Weight which, bf16* dinp, float* dweight, float* dbias, const bf16* dout,
                         const bf16* inp, const bf16* weight, int64_t IC, int64_t OC,
-                        cuda::Dinp mode = cuda::Dinp::Overwrite,
-                        bool same_input = false) {
+                        cuda::Dinp mode = cuda::Dinp::Overwrite, bool same_input = false,
+                        cuda::Fp8Linear::Amax inp_amax = {}, cuda::Fp8Linear::Amax dout_amax = {}) {
     if (!fp8_)
       return cuda::linear_backward(*gemm_, dinp, dweight, dbias, dout, inp, weight, n_, IC, OC, scratch_,
                                    scratch_bytes_, mode);
     fp8_->backward(dinp, mode == cuda::Dinp::Accumulate, dweight, dbias, dout, OC, inp, weight, n_, IC, OC, scratch_,
-                   scratch_bytes_, same_input, fp8_slot(which));
+                   scratch_bytes_, same_input, fp8_slot(which), inp_amax, dout_amax);
   }
   // gate|up (N, 2I) = xn2 [w_gate; w_up]^T: one bf16 GEMM over the two adjacent
   // weights, or two FP8 ones (each weight its own scales, as the CPU's).
   void gate_up_forward(bf16* gu, const bf16* xn2, const LayerWeights<const bf16>& w) {
     const Dims& d = d_;
     if (!fp8_) return cuda::linear_forward(*gemm_, gu, xn2, w.w_gate, nullptr, n_, d.C, 2 * d.I);
-    fp8_->forward(gu, 2 * d.I, xn2, w.w_gate, nullptr, n_, d.C, d.I, nullptr, false, fp8_slot(cuda::Fp8Linear::Gate));
+    fp8_->forward(gu, 2 * d.I, xn2, w.w_gate, nullptr, n_, d.C, d.I, nullptr, false, fp8_slot(cuda::Fp8Linear::Gate),
+                  amax_ready(amax_at(kXn2)));
     fp8_->forward(gu + d.I, 2 * d.I, xn2, w.w_up, nullptr, n_, d.C, d.I, /*residual=*/nullptr, /*same_input=*/true,
                   fp8_slot(cuda::Fp8Linear::Up));
   }
@@ -818,7 +855,8 @@ class CudaBackend final : public Backend {
     for (int half = 0; half < 2; ++half)
       fp8_->backward(d_xn_, /*accumulate_dinp=*/half == 1, half ? g.w_up : g.w_gate, nullptr, dgu + half * d.I,
                      2 * d.I, xn2, half ? w.w_up : w.w_gate, n_, d.C, d.I, scratch_, scratch_bytes_,
-                     /*same_input=*/half == 1, fp8_slot(half ? cuda::Fp8Linear::Up : cuda::Fp8Linear::Gate));
+                     /*same_input=*/half == 1, fp8_slot(half ? cuda::Fp8Linear::Up : cuda::Fp8Linear::Gate),
+                     amax_ready(amax_at(kXn2)), amax_ready(grad_amax_at(half ? kDup : kDgate)));
   }
 
   cudaStream_t stream_ = nullptr;
@@ -826,6 +864,7 @@ class CudaBackend final : public Backend {
   std::unique_ptr<cuda::Gemm> gemm_;
   std::unique_ptr<cuda::Fp8Linear> fp8_;   // model.fp8's projections (nullptr: bf16 GEMMs)
   cuda::Fp8Linear::Buffers fp8_buffers_;   // its scratch, from the buffer table
+  float* fp8_amaxes_ = nullptr;            // the fused amaxes' slots (fused_amax), else nullptr
   std::vector<std::pair<void*, size_t>> owned_;
   std::vector<bf16*> shards_;            // per unit: bf16 copy of the master shard
   // model.norm_dtype = "fp32": every unit's norm weights in fp32 (norm_slots

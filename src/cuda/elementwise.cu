@@ -125,47 +125,60 @@ template <int VEC>
 __global__ void __launch_bounds__(kThreads)
 swiglu_forward_kernel(bf16* __restrict__ h, int64_t ld_h, const bf16* __restrict__ gate,
                       int64_t ld_gate, const bf16* __restrict__ up, int64_t ld_up,
-                      int64_t rows, int I) {
+                      int64_t rows, int I, float* amax) {
   using P = Pack<bf16, VEC>;
+  __shared__ float red[kThreads / 32];
   const int nvec = I / VEC;
   const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (idx >= rows * nvec) return;
-  const int64_t r = idx / nvec;
-  const int c = int(idx % nvec) * VEC;
-  const P g = P::load(gate + r * ld_gate + c), u = P::load(up + r * ld_up + c);
-  P out;
+  float m = 0.0f;  // max |h| written (model.fp8's amax, when asked)
+  if (idx < rows * nvec) {
+    const int64_t r = idx / nvec;
+    const int c = int(idx % nvec) * VEC;
+    const P g = P::load(gate + r * ld_gate + c), u = P::load(up + r * ld_up + c);
+    P out;
 #pragma unroll
-  for (int j = 0; j < VEC; ++j) {
-    const float gf = f32(g.v[j]);
-    out.v[j] = to_bf16(gf / (1.0f + __expf(-gf)) * f32(u.v[j]));  // silu as torch
+    for (int j = 0; j < VEC; ++j) {
+      const float gf = f32(g.v[j]);
+      out.v[j] = to_bf16(gf / (1.0f + __expf(-gf)) * f32(u.v[j]));  // silu as torch
+      m = fmaxf(m, fabsf(f32(out.v[j])));
+    }
+    out.store(h + r * ld_h + c);
   }
-  out.store(h + r * ld_h + c);
+  block_amax_into<kThreads>(amax, m, red);
 }
 
 template <int VEC>
 __global__ void __launch_bounds__(kThreads)
 swiglu_backward_kernel(bf16* dgate, int64_t ld_dgate, bf16* dup, int64_t ld_dup,
                        const bf16* __restrict__ dh, int64_t ld_dh, const bf16* gate,
-                       int64_t ld_gate, const bf16* up, int64_t ld_up, int64_t rows, int I) {
+                       int64_t ld_gate, const bf16* up, int64_t ld_up, int64_t rows, int I,
+                       float* amax_dgate, float* amax_dup) {
   using P = Pack<bf16, VEC>;
+  __shared__ float red[kThreads / 32];
   const int nvec = I / VEC;
   const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (idx >= rows * nvec) return;
-  const int64_t r = idx / nvec;
-  const int c = int(idx % nvec) * VEC;
-  const P g = P::load(gate + r * ld_gate + c), u = P::load(up + r * ld_up + c);
-  const P d = P::load(dh + r * ld_dh + c);
-  P dg, du;
+  float mg = 0.0f, mu = 0.0f;  // max |dgate|, |dup| written (model.fp8's amaxes, when asked)
+  if (idx < rows * nvec) {
+    const int64_t r = idx / nvec;
+    const int c = int(idx % nvec) * VEC;
+    const P g = P::load(gate + r * ld_gate + c), u = P::load(up + r * ld_up + c);
+    const P d = P::load(dh + r * ld_dh + c);
+    P dg, du;
 #pragma unroll
-  for (int j = 0; j < VEC; ++j) {
-    const float gf = f32(g.v[j]), uf = f32(u.v[j]), df = f32(d.v[j]);
-    const float sig = 1.0f / (1.0f + __expf(-gf));
-    // d silu / dg = sig * (1 + g * (1 - sig))
-    dg.v[j] = to_bf16(df * uf * sig * (1.0f + gf * (1.0f - sig)));
-    du.v[j] = to_bf16(df * (gf * sig));
+    for (int j = 0; j < VEC; ++j) {
+      const float gf = f32(g.v[j]), uf = f32(u.v[j]), df = f32(d.v[j]);
+      const float sig = 1.0f / (1.0f + __expf(-gf));
+      // d silu / dg = sig * (1 + g * (1 - sig))
+      dg.v[j] = to_bf16(df * uf * sig * (1.0f + gf * (1.0f - sig)));
+      du.v[j] = to_bf16(df * (gf * sig));
+      mg = fmaxf(mg, fabsf(f32(dg.v[j])));
+      mu = fmaxf(mu, fabsf(f32(du.v[j])));
+    }
+    dg.store(dgate + r * ld_dgate + c);
+    du.store(dup + r * ld_dup + c);
   }
-  dg.store(dgate + r * ld_dgate + c);
-  du.store(dup + r * ld_dup + c);
+  block_amax_into<kThreads>(amax_dgate, mg, red);
+  block_amax_into<kThreads>(amax_dup, mu, red);
 }
 
 // ---------------------------------------------------------------- helpers
@@ -289,41 +302,45 @@ void rope_store_kv(bf16* qkv, const int32_t* positions, const float* inv_freq, i
 }
 
 void swiglu_forward(bf16* h, int64_t ld_h, const bf16* gate, int64_t ld_gate, const bf16* up,
-                    int64_t ld_up, int64_t rows, int64_t I, cudaStream_t stream) {
+                    int64_t ld_up, int64_t rows, int64_t I, cudaStream_t stream, float* amax) {
   const char* op = "swiglu_forward";
   check_size(rows, INT_MAX, "rows", op);
   check_size(I, INT_MAX, "I", op);
   SHARDLM_CHECK(ld_h >= I && ld_gate >= I && ld_up >= I, "%s: a row stride is smaller than I", op);
+  if (amax) CUDA_CHECK(cudaMemsetAsync(amax, 0, sizeof(float), stream));
   if (rows == 0 || I == 0) return;
   const bool vec = I % 8 == 0 && ld_h % 8 == 0 && ld_gate % 8 == 0 && ld_up % 8 == 0 &&
                    aligned(h, 16) && aligned(gate, 16) && aligned(up, 16);
   if (vec)
     swiglu_forward_kernel<8><<<grid_for(rows * (I / 8), kThreads), kThreads, 0, stream>>>(
-        h, ld_h, gate, ld_gate, up, ld_up, rows, int(I));
+        h, ld_h, gate, ld_gate, up, ld_up, rows, int(I), amax);
   else
     swiglu_forward_kernel<1><<<grid_for(rows * I, kThreads), kThreads, 0, stream>>>(
-        h, ld_h, gate, ld_gate, up, ld_up, rows, int(I));
+        h, ld_h, gate, ld_gate, up, ld_up, rows, int(I), amax);
   CUDA_CHECK(cudaGetLastError());
 }
 
 void swiglu_backward(bf16* dgate, int64_t ld_dgate, bf16* dup, int64_t ld_dup, const bf16* dh,
                      int64_t ld_dh, const bf16* gate, int64_t ld_gate, const bf16* up,
-                     int64_t ld_up, int64_t rows, int64_t I, cudaStream_t stream) {
+                     int64_t ld_up, int64_t rows, int64_t I, cudaStream_t stream, float* amax_dgate,
+                     float* amax_dup) {
   const char* op = "swiglu_backward";
   check_size(rows, INT_MAX, "rows", op);
   check_size(I, INT_MAX, "I", op);
   SHARDLM_CHECK(ld_dgate >= I && ld_dup >= I && ld_dh >= I && ld_gate >= I && ld_up >= I,
                 "%s: a row stride is smaller than I", op);
+  for (float* amax : {amax_dgate, amax_dup})
+    if (amax) CUDA_CHECK(cudaMemsetAsync(amax, 0, sizeof(float), stream));
   if (rows == 0 || I == 0) return;
   const bool vec = I % 8 == 0 && ld_dgate % 8 == 0 && ld_dup % 8 == 0 && ld_dh % 8 == 0 &&
                    ld_gate % 8 == 0 && ld_up % 8 == 0 && aligned(dgate, 16) &&
                    aligned(dup, 16) && aligned(dh, 16) && aligned(gate, 16) && aligned(up, 16);
   if (vec)
     swiglu_backward_kernel<8><<<grid_for(rows * (I / 8), kThreads), kThreads, 0, stream>>>(
-        dgate, ld_dgate, dup, ld_dup, dh, ld_dh, gate, ld_gate, up, ld_up, rows, int(I));
+        dgate, ld_dgate, dup, ld_dup, dh, ld_dh, gate, ld_gate, up, ld_up, rows, int(I), amax_dgate, amax_dup);
   else
     swiglu_backward_kernel<1><<<grid_for(rows * I, kThreads), kThreads, 0, stream>>>(
-        dgate, ld_dgate, dup, ld_dup, dh, ld_dh, gate, ld_gate, up, ld_up, rows, int(I));
+        dgate, ld_dgate, dup, ld_dup, dh, ld_dh, gate, ld_gate, up, ld_up, rows, int(I), amax_dgate, amax_dup);
   CUDA_CHECK(cudaGetLastError());
 }
 

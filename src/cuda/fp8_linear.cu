@@ -97,7 +97,7 @@ Fp8Linear::Operand Fp8Linear::weight_operand(const bf16* weight, int64_t OC, int
 }
 
 void Fp8Linear::quantize(const bf16* x, int64_t rows, int64_t cols, Fp8Scaling scaling, Fp8Format f, bool transpose,
-                         uint8_t* codes, float* scales, int64_t ld, bool reuse_scales) {
+                         uint8_t* codes, float* scales, int64_t ld, bool reuse_scales, Amax given) {
   const int64_t n = scaling == Fp8Scaling::Tensor ? 1 : scaling == Fp8Scaling::Rows ? rows : cols;
   // The inverse scales cuBLASLt reads first, at the block's (256-byte aligned)
   // start: at an offset of 2n floats (8 bytes for one scale) it refused the
@@ -106,10 +106,13 @@ void Fp8Linear::quantize(const bf16* x, int64_t rows, int64_t cols, Fp8Scaling s
   float* amax = scales + scale_block(n);
   float* scale = scales + 2 * scale_block(n);
   if (reuse_scales) return fp8_quantize(x, rows, cols, scale, scaling, f, codes, transpose, stream_, ld);
+  SHARDLM_CHECK(given.at != nullptr || !given.ready, "internal: an FP8 amax said ready with nowhere to read it");
   if (scaling == Fp8Scaling::Tensor) {  // the scale made inside the quantise kernel: one launch fewer
-    fp8_amax(x, rows, cols, ld ? ld : cols, amax, stream_);
+    if (given.at) amax = given.at;
+    if (!given.ready) fp8_amax(x, rows, cols, ld ? ld : cols, amax, stream_);
     return fp8_quantize_tensor(x, rows, cols, amax, f, scale, inv, codes, transpose, stream_, ld);
   }
+  SHARDLM_CHECK(given.at == nullptr, "internal: an FP8 amax handed in under rowwise scaling");
   if (scaling == Fp8Scaling::Rows) fp8_amax_rows(x, rows, cols, amax, stream_, ld);
   else fp8_amax_cols(x, rows, cols, amax, stream_, ld);
   fp8_scales(amax, n, f, scale, inv, stream_);
@@ -117,12 +120,12 @@ void Fp8Linear::quantize(const bf16* x, int64_t rows, int64_t cols, Fp8Scaling s
 }
 
 void Fp8Linear::forward(bf16* out, int64_t ldc, const bf16* inp, const bf16* weight, const bf16* bias, int64_t N,
-                        int64_t IC, int64_t OC, const bf16* residual, bool same_input, int slot) {
+                        int64_t IC, int64_t OC, const bf16* residual, bool same_input, int slot, Amax inp_amax) {
   const Fp8Scaling along_k = rowwise_ ? Fp8Scaling::Rows : Fp8Scaling::Tensor;
   if (same_input) {
     SHARDLM_CHECK(a_held_.is(inp, N, IC), "internal: an FP8 forward reusing input codes of another input or shape");
   } else {
-    quantize(inp, N, IC, along_k, Fp8Format::E4M3, false, buf_.a_codes, buf_.a_scales);
+    quantize(inp, N, IC, along_k, Fp8Format::E4M3, false, buf_.a_codes, buf_.a_scales, 0, false, inp_amax);
     a_held_ = {inp, N, IC};
   }
   const Operand w = weight_operand(weight, OC, IC, /*transposed=*/false, slot);
@@ -133,7 +136,7 @@ void Fp8Linear::forward(bf16* out, int64_t ldc, const bf16* inp, const bf16* wei
 
 void Fp8Linear::backward(bf16* dinp, bool accumulate_dinp, float* dweight, float* dbias, const bf16* dout, int64_t ldo,
                          const bf16* inp, const bf16* weight, int64_t N, int64_t IC, int64_t OC, void* bias_scratch,
-                         size_t bias_scratch_bytes, bool same_input, int slot) {
+                         size_t bias_scratch_bytes, bool same_input, int slot, Amax inp_amax, Amax dout_amax) {
   // K runs along dout's rows (dinp) or across the stored matrices (W^T, dout^T,
   // inp^T, the transposed copies): under rowwise a scale per row or per column.
   a_held_ = {};  // the A buffers are overwritten below
@@ -144,7 +147,7 @@ void Fp8Linear::backward(bf16* dinp, bool accumulate_dinp, float* dweight, float
   const Fp8Scaling cols = rowwise_ ? Fp8Scaling::Cols : Fp8Scaling::Tensor;
   if (dinp != nullptr) {
     // dinp (N, IC) = dout (N, OC) W (OC, IC): A = dout, B = W^T (IC, OC).
-    quantize(dout, N, OC, rows, cpu::kFp8GradFormat, false, buf_.a_codes, buf_.a_scales, ldo);
+    quantize(dout, N, OC, rows, cpu::kFp8GradFormat, false, buf_.a_codes, buf_.a_scales, ldo, false, dout_amax);
     const Operand w = weight_operand(weight, OC, IC, /*transposed=*/true, slot);
     gemm_.matmul(N, IC, OC, buf_.a_codes, cpu::kFp8GradFormat, OC, buf_.a_scales, w.codes, Fp8Format::E4M3,
                  OC, w.scales, rowwise_, dinp, IC, GemmOut::BF16, 1.0f, accumulate_dinp ? 1.0f : 0.0f);
@@ -152,11 +155,11 @@ void Fp8Linear::backward(bf16* dinp, bool accumulate_dinp, float* dweight, float
   // dweight (OC, IC) += dout^T (OC, N) inp (N, IC): A = dout^T, B = inp^T (IC, N).
   // One tensor scale serves dout's two copies: the amax above is dout's whole.
   quantize(dout, N, OC, cols, cpu::kFp8GradFormat, true, buf_.a_codes, buf_.a_scales, ldo,
-           /*reuse_scales=*/dinp != nullptr && !rowwise_);
+           /*reuse_scales=*/dinp != nullptr && !rowwise_, dout_amax);
   if (same_input) {
     SHARDLM_CHECK(x_held_.is(inp, N, IC), "internal: an FP8 backward reusing input codes of another input or shape");
   } else {
-    quantize(inp, N, IC, cols, Fp8Format::E4M3, true, buf_.x_codes, buf_.x_scales);
+    quantize(inp, N, IC, cols, Fp8Format::E4M3, true, buf_.x_codes, buf_.x_scales, 0, false, inp_amax);
     x_held_ = {inp, N, IC};
   }
   gemm_.matmul(OC, IC, N, buf_.a_codes, cpu::kFp8GradFormat, N, buf_.a_scales, buf_.x_codes, Fp8Format::E4M3, N,

@@ -19,9 +19,12 @@
 // their codes (plain for the forward, transposed for dinp) from their first
 // use until the parameters change (set_params_version): one quantisation per
 // weight and orientation an optimizer step instead of one per micro-batch (and
-// per recompute). Fusing the amaxes into the kernels that write the data
-// (RMSNorm, SwiGLU, the backward elementwise passes) is the next step (issue
-// #30). Every kernel is
+// per recompute). Under tensorwise scaling the caller may hand an operand's
+// amax in (Amax): written by the kernel that produced the data (RMSNorm,
+// SwiGLU, the norm and SwiGLU backward passes), or kept from the forward for
+// the backward's transposed input — the amax passes' reads gone, the same
+// bits (SHARDLM_FP8_FUSED_AMAX=1 in the CUDA backend; not yet run on a GPU).
+// Every kernel is
 // deterministic (amaxes are maxima), so run.deterministic reruns stay
 // bit-identical.
 #pragma once
@@ -37,6 +40,17 @@
 #include "cuda/fp8.hpp"
 
 namespace shardlm::cuda {
+
+// A tensorwise operand's amax (one device float) held by Fp8Linear's caller:
+// `at` already holds it when `ready` (written by the kernel that produced the
+// operand — RMSNorm, SwiGLU, their backward passes — or by an earlier forward
+// of the same input, kept for its backward), else the quantisation computes it
+// there. Either way no amax pass reads the operand a second time. {}: the
+// scale block's own slot, computed (the only form under rowwise scaling).
+struct Fp8Amax {
+  float* at = nullptr;
+  bool ready = false;
+};
 
 class Fp8Linear {
  public:
@@ -74,27 +88,34 @@ class Fp8Linear {
   // the weight cache. `slot` below: layer * kWeights + Weight, or -1 (not cached).
   void set_params_version(int64_t version);
 
+  using Amax = Fp8Amax;
+
   // out (N, OC), row stride ldc = inp (N, IC) weight (OC, IC)^T + bias (OC, or
   // nullptr) [+ residual (N, OC), row stride ldc; may be out]. same_input: inp
   // is the last forward's inp, unchanged (q, k and v share theirs; so do gate
   // and up): its codes and scales are still in the A buffers and are reused.
+  // inp_amax: inp's amax (tensorwise), given or to keep for the backward.
   void forward(bf16* out, int64_t ldc, const bf16* inp, const bf16* weight, const bf16* bias, int64_t N, int64_t IC,
-               int64_t OC, const bf16* residual = nullptr, bool same_input = false, int slot = -1);
+               int64_t OC, const bf16* residual = nullptr, bool same_input = false, int slot = -1,
+               Amax inp_amax = {});
   // dinp (N, IC) = dout (N, OC) weight [+= with accumulate_dinp]; dweight (OC, IC)
   // fp32 += dout^T inp; dbias (OC) fp32 += dout's column sums (unquantised;
   // nullptr: none; bias_scratch as cuda::bias_grad's). dout's rows lie ldo
   // elements apart (0: OC). same_input: inp is the last backward's inp,
   // unchanged: its transposed codes are still in the X buffers and are reused.
+  // inp_amax, dout_amax: their amaxes (tensorwise), as forward's inp_amax.
   void backward(bf16* dinp, bool accumulate_dinp, float* dweight, float* dbias, const bf16* dout, int64_t ldo,
                 const bf16* inp, const bf16* weight, int64_t N, int64_t IC, int64_t OC, void* bias_scratch,
-                size_t bias_scratch_bytes, bool same_input = false, int slot = -1);
+                size_t bias_scratch_bytes, bool same_input = false, int slot = -1, Amax inp_amax = {},
+                Amax dout_amax = {});
 
  private:
   // Quantises x (rows, cols; rows ld elements apart, 0: cols) with scales over
   // `scaling` into one operand's codes (transposed: (cols, rows)) and its scale
-  // block; with reuse_scales the block already holds x's scales (amax skipped).
+  // block; with reuse_scales the block already holds x's scales (amax skipped);
+  // under tensorwise scaling `amax` says where x's amax is or goes.
   void quantize(const bf16* x, int64_t rows, int64_t cols, Fp8Scaling scaling, Fp8Format f, bool transpose,
-                uint8_t* codes, float* scales, int64_t ld = 0, bool reuse_scales = false);
+                uint8_t* codes, float* scales, int64_t ld = 0, bool reuse_scales = false, Amax amax = {});
 
   bool rowwise_;
   Buffers buf_;

@@ -76,6 +76,20 @@ __device__ __forceinline__ T block_reduce(T v, Op op, T* red) {
   return t;
 }
 
+// Folds m, the largest |x| a thread wrote, into *amax (model.fp8's amax of a
+// tensor, computed by the kernel that writes it instead of in a pass of its
+// own): the block's max (MaxOp: NaN ignored, as cuda::fp8_amax), then one
+// atomicMax on its bits (non-negative floats order as their bit patterns), so
+// the result is fp8_amax's bit for bit in any order. amax nullptr: nothing.
+// Call from all threads (block_reduce's barriers) with amax uniform over the
+// block; the caller zeroes *amax before the launch.
+template <int THREADS>
+__device__ __forceinline__ void block_amax_into(float* amax, float m, float* red) {
+  if (amax == nullptr) return;
+  m = block_reduce<THREADS>(m, MaxOp{}, red);
+  if (threadIdx.x == 0) atomicMax(reinterpret_cast<int*>(amax), __float_as_int(m));
+}
+
 // How the row kernels of a loss over the vocabulary (cross_entropy.cu's cross-entropy and
 // rl_loss.cu's RL loss) split a row of V logits: one cluster of `csize`
 // CTAs per row, CTA r holding columns [r * chunk, ...) in `smem` bytes of shared

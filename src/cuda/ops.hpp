@@ -76,27 +76,34 @@ struct NormWeight {
 //   out (rows, C) overwritten (may alias inp); rstd (rows) fp32 saved for backward;
 //   inp (rows, C); weight (C). Qwen3 q/k norm: rows = N * heads, C = head_dim.
 //   C <= 8192 (C <= 1024 when C is not a multiple of 8).
+//   amax (nullptr: none) = max |out| (bf16 values as written), zeroed then folded
+//   into by the blocks: model.fp8's tensor amax of the projection input without a
+//   pass of its own, equal to cuda::fp8_amax(out) bit for bit.
 void rmsnorm_forward(bf16* out, float* rstd, const bf16* inp, NormWeight weight,
-                     int64_t rows, int64_t C, double eps, cudaStream_t stream);
+                     int64_t rows, int64_t C, double eps, cudaStream_t stream, float* amax = nullptr);
 
 // Fused residual add + norm: residual_out = bf16(a + b); normed = rmsnorm of the
 // rounded residual_out (what an unfused add then norm computes).
 //   residual_out may alias a or b; normed must not alias a, b or residual_out.
 void residual_rmsnorm_forward(bf16* residual_out, bf16* normed, float* rstd,
                               const bf16* a, const bf16* b, NormWeight weight,
-                              int64_t rows, int64_t C, double eps, cudaStream_t stream);
+                              int64_t rows, int64_t C, double eps, cudaStream_t stream,
+                              float* amax = nullptr);
 
 // model.residual_dtype = "fp32": the residual stream (inp, a, residual_out) in fp32.
 // The sum a + b is not rounded (b, a projection's bf16 output, is added exactly as
 // transformers adds a bf16 module output to its fp32 residual under autocast).
 void rmsnorm_forward(bf16* out, float* rstd, const float* inp, NormWeight weight,
-                     int64_t rows, int64_t C, double eps, cudaStream_t stream);
+                     int64_t rows, int64_t C, double eps, cudaStream_t stream, float* amax = nullptr);
 void residual_rmsnorm_forward(float* residual_out, bf16* normed, float* rstd,
                               const float* a, const bf16* b, NormWeight weight,
-                              int64_t rows, int64_t C, double eps, cudaStream_t stream);
+                              int64_t rows, int64_t C, double eps, cudaStream_t stream,
+                              float* amax = nullptr);
 
 // dinp = norm backward (+ dresidual when not nullptr: the residual stream's gradient
-// is added in the same pass, rounded to bf16 once).
+// is added in the same pass, rounded to bf16 once). amax (nullptr: none): as the
+// forward's, over the bf16 gradient the next projection reads (dinp, or dinp_bf16
+// on an fp32 stream, which then must not be nullptr).
 //   dinp (rows, C) overwritten; may alias dresidual, not dout or inp.
 //   dweight (C) fp32 += sum_rows dout * inp * rstd, deterministic through per-block
 //   partials in scratch and an ordered column pass.
@@ -104,14 +111,14 @@ size_t rmsnorm_backward_scratch_bytes(int64_t rows, int64_t C);
 void rmsnorm_backward(bf16* dinp, float* dweight, const bf16* dout, const bf16* inp,
                       NormWeight weight, const float* rstd, const bf16* dresidual,
                       int64_t rows, int64_t C, void* scratch, size_t scratch_bytes,
-                      cudaStream_t stream);
+                      cudaStream_t stream, float* amax = nullptr);
 // The same on an fp32 residual stream (inp, dresidual and dinp fp32, nothing
 // rounded); dinp_bf16 (rows, C), when not nullptr, gets dinp rounded to bf16 in
 // the same pass: the operand of the projection backward that reads it next.
 void rmsnorm_backward(float* dinp, bf16* dinp_bf16, float* dweight, const bf16* dout,
                       const float* inp, NormWeight weight, const float* rstd,
                       const float* dresidual, int64_t rows, int64_t C, void* scratch,
-                      size_t scratch_bytes, cudaStream_t stream);
+                      size_t scratch_bytes, cudaStream_t stream, float* amax = nullptr);
 
 // ---------------------------------------------------------------- RoPE
 
@@ -139,17 +146,18 @@ void rope_backward(bf16* dx, const int32_t* positions, const float* inv_freq, in
 
 // h = silu(gate) * up on (rows, I) matrices with row strides (elements), so gate and
 // up may be the two halves of one (rows, 2I) GEMM output: gate = gu, up = gu + I,
-// ld_gate = ld_up = 2I.
+// ld_gate = ld_up = 2I. amax (nullptr: none): max |h|, as rmsnorm_forward's; the
+// backward's amax_dgate / amax_dup the same over dgate and dup.
 void swiglu_forward(bf16* h, int64_t ld_h, const bf16* gate, int64_t ld_gate,
                     const bf16* up, int64_t ld_up, int64_t rows, int64_t I,
-                    cudaStream_t stream);
+                    cudaStream_t stream, float* amax = nullptr);
 // dgate, dup overwritten (dgate may alias gate and dup may alias up: each element is
 // read before it is written by the same thread, so the fused buffer can take its own
 // gradient in place).
 void swiglu_backward(bf16* dgate, int64_t ld_dgate, bf16* dup, int64_t ld_dup,
                      const bf16* dh, int64_t ld_dh, const bf16* gate, int64_t ld_gate,
                      const bf16* up, int64_t ld_up, int64_t rows, int64_t I,
-                     cudaStream_t stream);
+                     cudaStream_t stream, float* amax_dgate = nullptr, float* amax_dup = nullptr);
 
 // ---------------------------------------------------------------- cross-entropy
 

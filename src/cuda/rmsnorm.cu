@@ -144,7 +144,7 @@ template <int VEC, int KMAX, bool kResidual, class TX>
 __global__ void __launch_bounds__(kNormThreads)
 rmsnorm_forward_kernel(TX* residual_out, bf16* normed, float* __restrict__ rstd,
                        const TX* a, const bf16* b, const bf16* __restrict__ wb, const float* __restrict__ wf,
-                       int64_t rows, int C, float eps, int G, int K) {
+                       int64_t rows, int C, float eps, int G, int K, float* amax) {
   using P = Pack<bf16, VEC>;
   using X = StreamVec<TX, VEC>;
   __shared__ float red[kNormThreads / 32];
@@ -173,19 +173,25 @@ rmsnorm_forward_kernel(TX* residual_out, bf16* normed, float* __restrict__ rstd,
   }
   ss = group_sum(ss, G, red);
   const float s = 1.0f / sqrtf(ss / float(C) + eps);  // as HF: rsqrt(variance + eps)
-  if (!active) return;
-  if (lane == 0) rstd[row] = s;
+  float m = 0.0f;  // the largest |normed| this thread wrote: model.fp8's amax, when asked
+  if (active) {
+    if (lane == 0) rstd[row] = s;
 #pragma unroll
-  for (int k = 0; k < KMAX; ++k) {
-    const int c = (k * G + lane) * VEC;
-    if (k >= K || c >= C) continue;
-    float w[VEC];
-    load_norm_weight(w, wb, wf, c);
-    P y;
+    for (int k = 0; k < KMAX; ++k) {
+      const int c = (k * G + lane) * VEC;
+      if (k >= K || c >= C) continue;
+      float w[VEC];
+      load_norm_weight(w, wb, wf, c);
+      P y;
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) y.v[j] = to_bf16(w[j] * (xs[k].get(j) * s));
-    y.store(normed + row * C + c);
+      for (int j = 0; j < VEC; ++j) {
+        y.v[j] = to_bf16(w[j] * (xs[k].get(j) * s));
+        m = fmaxf(m, fabsf(f32(y.v[j])));
+      }
+      y.store(normed + row * C + c);
+    }
   }
+  block_amax_into<kNormThreads>(amax, m, red);
 }
 
 // dx = s * (w * dy) - x * (sum(w * dy * x) / C) * s^3 (+ dresidual), one group per
@@ -199,7 +205,7 @@ __global__ void __launch_bounds__(kNormThreads)
 rmsnorm_backward_kernel(TX* dinp, bf16* dinp_bf16, float* __restrict__ partial, const bf16* __restrict__ dout,
                         const TX* __restrict__ inp, const bf16* __restrict__ wb, const float* __restrict__ wf,
                         const float* __restrict__ rstd, const TX* dresidual, int64_t rows,
-                        int C, int G, int K, int64_t rows_per_block) {
+                        int C, int G, int K, int64_t rows_per_block, float* amax) {
   using P = Pack<bf16, VEC>;
   using X = StreamVec<TX, VEC>;
   extern __shared__ float group_acc[];  // (rows_per_iter, C)
@@ -237,6 +243,7 @@ rmsnorm_backward_kernel(TX* dinp, bf16* dinp_bf16, float* __restrict__ partial, 
     }
   };
   load_row(r0 + group, x, dy, dr);
+  float m = 0.0f;  // the largest |gradient| the next projection reads (bf16): model.fp8's amax
   for (int64_t base = r0; base < r1; base += rows_per_iter) {
     const int64_t row = base + group;
     const bool active = row < r1;
@@ -273,9 +280,15 @@ rmsnorm_backward_kernel(TX* dinp, bf16* dinp_bf16, float* __restrict__ partial, 
         if (dinp_bf16) {
           P copy;
 #pragma unroll
-          for (int j = 0; j < VEC; ++j) copy.v[j] = to_bf16(dx.get(j));
+          for (int j = 0; j < VEC; ++j) {
+            copy.v[j] = to_bf16(dx.get(j));
+            m = fmaxf(m, fabsf(f32(copy.v[j])));
+          }
           copy.store(dinp_bf16 + off);
         }
+      } else {
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) m = fmaxf(m, fabsf(dx.get(j)));  // dx holds bf16 values
       }
     }
 #pragma unroll
@@ -295,6 +308,7 @@ rmsnorm_backward_kernel(TX* dinp, bf16* dinp_bf16, float* __restrict__ partial, 
     for (int g = 1; g < rows_per_iter; ++g) t += group_acc[g * C + c];
     partial[int64_t(blockIdx.x) * C + c] = t;
   }
+  block_amax_into<kNormThreads>(amax, m, red);
 }
 
 int64_t norm_rows_per_block(int64_t rows, const NormGeom& g) {
@@ -302,12 +316,18 @@ int64_t norm_rows_per_block(int64_t rows, const NormGeom& g) {
   return rpi * std::max<int64_t>(1, div_up(rows, rpi * kNormMaxPartials));
 }
 
+// amax (nullptr: none) is zeroed here, then the kernel's blocks fold into it.
+void zero_amax(float* amax, cudaStream_t stream) {
+  if (amax) CUDA_CHECK(cudaMemsetAsync(amax, 0, sizeof(float), stream));
+}
+
 template <bool kResidual, class TX>
 void launch_rmsnorm_forward(TX* residual_out, bf16* normed, float* rstd, const TX* a,
                             const bf16* b, NormWeight weight, int64_t rows, int64_t C,
-                            double eps, cudaStream_t stream, const char* op) {
+                            double eps, cudaStream_t stream, const char* op, float* amax) {
   check_size(rows, INT64_MAX / 8, "rows", op);
   check_size(C, INT_MAX, "C", op);
+  zero_amax(amax, stream);
   if (rows == 0 || C == 0) return;
   const bool vec = norm_vec_ok(C, {residual_out, normed, a, b, weight.ptr()});
   const NormGeom g = norm_geom(C, vec, op);
@@ -315,7 +335,7 @@ void launch_rmsnorm_forward(TX* residual_out, bf16* normed, float* rstd, const T
   const float eps_f = static_cast<float>(eps);
 #define SHARDLM_RMS_FWD(VEC, KMAX)                                                           \
   rmsnorm_forward_kernel<VEC, KMAX, kResidual, TX><<<blocks, kNormThreads, 0, stream>>>(      \
-      residual_out, normed, rstd, a, b, weight.b, weight.f, rows, int(C), eps_f, g.G, g.K)
+      residual_out, normed, rstd, a, b, weight.b, weight.f, rows, int(C), eps_f, g.G, g.K, amax)
   if (g.vec == 1) SHARDLM_RMS_FWD(1, 4);  // unaligned or C % 8 != 0: scalar loads
   else if (g.kmax == 2) SHARDLM_RMS_FWD(8, 2);
   else SHARDLM_RMS_FWD(8, 4);
@@ -328,29 +348,29 @@ void launch_rmsnorm_forward(TX* residual_out, bf16* normed, float* rstd, const T
 // ================================================================ launchers
 
 void rmsnorm_forward(bf16* out, float* rstd, const bf16* inp, NormWeight weight,
-                     int64_t rows, int64_t C, double eps, cudaStream_t stream) {
+                     int64_t rows, int64_t C, double eps, cudaStream_t stream, float* amax) {
   launch_rmsnorm_forward<false, bf16>(nullptr, out, rstd, inp, nullptr, weight, rows, C, eps, stream,
-                                      "rmsnorm_forward");
+                                      "rmsnorm_forward", amax);
 }
 
 void rmsnorm_forward(bf16* out, float* rstd, const float* inp, NormWeight weight,
-                     int64_t rows, int64_t C, double eps, cudaStream_t stream) {
+                     int64_t rows, int64_t C, double eps, cudaStream_t stream, float* amax) {
   launch_rmsnorm_forward<false, float>(nullptr, out, rstd, inp, nullptr, weight, rows, C, eps, stream,
-                                       "rmsnorm_forward (fp32 input)");
+                                       "rmsnorm_forward (fp32 input)", amax);
 }
 
 void residual_rmsnorm_forward(bf16* residual_out, bf16* normed, float* rstd, const bf16* a,
                               const bf16* b, NormWeight weight, int64_t rows, int64_t C,
-                              double eps, cudaStream_t stream) {
+                              double eps, cudaStream_t stream, float* amax) {
   launch_rmsnorm_forward<true, bf16>(residual_out, normed, rstd, a, b, weight, rows, C, eps, stream,
-                                     "residual_rmsnorm_forward");
+                                     "residual_rmsnorm_forward", amax);
 }
 
 void residual_rmsnorm_forward(float* residual_out, bf16* normed, float* rstd, const float* a,
                               const bf16* b, NormWeight weight, int64_t rows, int64_t C,
-                              double eps, cudaStream_t stream) {
+                              double eps, cudaStream_t stream, float* amax) {
   launch_rmsnorm_forward<true, float>(residual_out, normed, rstd, a, b, weight, rows, C, eps, stream,
-                                      "residual_rmsnorm_forward (fp32 stream)");
+                                      "residual_rmsnorm_forward (fp32 stream)", amax);
 }
 
 size_t rmsnorm_backward_scratch_bytes(int64_t rows, int64_t C) {
@@ -375,9 +395,12 @@ namespace {
 template <class TX>
 void launch_rmsnorm_backward(TX* dinp, bf16* dinp_bf16, float* dweight, const bf16* dout, const TX* inp,
                              NormWeight weight, const float* rstd, const TX* dresidual, int64_t rows, int64_t C,
-                             void* scratch, size_t scratch_bytes, cudaStream_t stream, const char* op) {
+                             void* scratch, size_t scratch_bytes, cudaStream_t stream, const char* op, float* amax) {
   check_size(rows, INT64_MAX / 8, "rows", op);
   check_size(C, INT_MAX, "C", op);
+  SHARDLM_CHECK(amax == nullptr || sizeof(TX) == 2 || dinp_bf16 != nullptr,
+                "%s: an amax of the fp32 gradient asked for without its bf16 copy", op);
+  zero_amax(amax, stream);
   if (rows == 0 || C == 0) return;
   const bool vec = norm_vec_ok(C, {dinp, dinp_bf16, dout, inp, weight.ptr(), dresidual});
   const NormGeom g = norm_geom(C, vec, op);
@@ -391,7 +414,8 @@ void launch_rmsnorm_backward(TX* dinp, bf16* dinp_bf16, float* dweight, const bf
   const unsigned blocks = unsigned(P);
 #define SHARDLM_RMS_BWD(VEC, KMAX, RES)                                                      \
   rmsnorm_backward_kernel<VEC, KMAX, RES, TX><<<blocks, kNormThreads, smem, stream>>>(       \
-      dinp, dinp_bf16, partial, dout, inp, weight.b, weight.f, rstd, dresidual, rows, int(C), g.G, g.K, rows_per_block)
+      dinp, dinp_bf16, partial, dout, inp, weight.b, weight.f, rstd, dresidual, rows, int(C), g.G, g.K, rows_per_block, \
+      amax)
   const bool res = dresidual != nullptr;
   if (g.vec == 1) {  // unaligned or C % 8 != 0: scalar loads
     if (res) SHARDLM_RMS_BWD(1, 4, true);
@@ -413,16 +437,16 @@ void launch_rmsnorm_backward(TX* dinp, bf16* dinp_bf16, float* dweight, const bf
 void rmsnorm_backward(bf16* dinp, float* dweight, const bf16* dout, const bf16* inp,
                       NormWeight weight, const float* rstd, const bf16* dresidual,
                       int64_t rows, int64_t C, void* scratch, size_t scratch_bytes,
-                      cudaStream_t stream) {
+                      cudaStream_t stream, float* amax) {
   launch_rmsnorm_backward<bf16>(dinp, nullptr, dweight, dout, inp, weight, rstd, dresidual, rows, C, scratch,
-                                scratch_bytes, stream, "rmsnorm_backward");
+                                scratch_bytes, stream, "rmsnorm_backward", amax);
 }
 
 void rmsnorm_backward(float* dinp, bf16* dinp_bf16, float* dweight, const bf16* dout, const float* inp,
                       NormWeight weight, const float* rstd, const float* dresidual, int64_t rows, int64_t C,
-                      void* scratch, size_t scratch_bytes, cudaStream_t stream) {
+                      void* scratch, size_t scratch_bytes, cudaStream_t stream, float* amax) {
   launch_rmsnorm_backward<float>(dinp, dinp_bf16, dweight, dout, inp, weight, rstd, dresidual, rows, C, scratch,
-                                 scratch_bytes, stream, "rmsnorm_backward (fp32 stream)");
+                                 scratch_bytes, stream, "rmsnorm_backward (fp32 stream)", amax);
 }
 
 }  // namespace shardlm::cuda

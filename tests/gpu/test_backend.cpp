@@ -387,6 +387,40 @@ TEST_CASE("model.fp8_weight_cache: bit-identical losses to the uncached FP8 run,
   }
 }
 
+TEST_CASE("SHARDLM_FP8_FUSED_AMAX=1: amaxes from the producing kernels give the same losses bit for bit") {
+  // The amaxes of RMSNorm's, SwiGLU's and their backward passes' outputs come
+  // from those kernels, the forward's inputs' serve the backward: the same
+  // maxima, so the same scales, codes and losses as the passes of their own.
+  GpuSetup gpu;
+  struct Fused {
+    explicit Fused(bool on) {
+      if (on) setenv("SHARDLM_FP8_FUSED_AMAX", "1", 1);
+      else unsetenv("SHARDLM_FP8_FUSED_AMAX");
+    }
+    ~Fused() { unsetenv("SHARDLM_FP8_FUSED_AMAX"); }
+  };
+  for (const char* stream : {"fp32", "bf16"}) {
+    for (const char* ckpt : {"none", "full", "selective"}) {
+      CAPTURE(stream);
+      CAPTURE(ckpt);
+      const std::vector<std::string> extra = {"device.backend=cuda", "run.deterministic=true", "model.fp8=tensorwise",
+                                              "data.micro_batch=1", std::string("model.residual_dtype=") + stream,
+                                              std::string("model.activation_checkpointing=") + ckpt};
+      std::vector<double> plain, fused;
+      {
+        Fused off(false);
+        plain = train_losses(deck("inputs/tiny-sft.toml", extra), 8);
+      }
+      {
+        Fused on(true);
+        fused = train_losses(deck("inputs/tiny-sft.toml", extra), 8);
+      }
+      for (int i = 0; i < 8; ++i) CHECK(fused[i] == plain[i]);
+      CHECK(plain.back() < plain.front());
+    }
+  }
+}
+
 TEST_CASE("GPU determinism: two runs give bit-identical losses; checkpointing changes nothing") {
   GpuSetup gpu;
   const auto a = train_losses(deck("inputs/tiny-sft.toml", {"device.backend=cuda", "run.deterministic=true"}), 10);

@@ -723,6 +723,128 @@ void test_swiglu(Rng& rng, const char* tag, int64_t rows, int64_t I, bool fused)
   check_bitwise("swiglu_backward " + dims + " deterministic", dg[0], dg[1]);
 }
 
+// ---------------------------------------------------------------- fused FP8 amaxes
+
+// model.fp8's amaxes written by the kernels that produce the operands
+// (SHARDLM_FP8_FUSED_AMAX): each kernel with an amax gives the same output bits
+// as without, and an amax equal bit for bit to max |output| over what it wrote
+// (the bf16 values), which is what cuda::fp8_amax reads back otherwise.
+void test_fused_amax(Rng& rng, const char* tag, int64_t rows, int64_t C, int64_t I) {
+  const std::string dims = fmt("%s(rows=%lld C=%lld I=%lld)", tag, (long long)rows, (long long)C, (long long)I);
+  const double eps = 1e-5;
+  const int64_t n = rows * C;
+  auto host_amax = [](const std::vector<bf16>& x) {
+    float m = 0.0f;
+    for (const bf16& v : x) m = std::max(m, std::fabs(__bfloat162float(v)));
+    return std::vector<float>{m};
+  };
+  DeviceBuffer<float> d_amax(2);
+  // out0: the kernel without an amax; out1 and the amax: with one (poisoned first).
+  auto compare = [&](const std::string& what, const std::vector<bf16>& out0, const std::vector<bf16>& out1,
+                     const std::vector<float>& amax) {
+    check_bitwise("fused amax " + what + " " + dims + ": the same output", out0, out1);
+    check_bitwise("fused amax " + what + " " + dims + ": amax = max |output|", amax, host_amax(out1));
+  };
+  const auto a = to_bf16(rng.normal(n, 1.0));
+  const auto b = to_bf16(rng.normal(n, 0.5));
+  const auto w = to_bf16(rng.normal(C, 0.1, 1.0));
+  const auto a32 = rng.normal(n, 1.0);
+  DeviceBuffer<bf16> d_a(n), d_b(n), d_w(C), d_out(n), d_res(n);
+  DeviceBuffer<float> d_a32(n), d_res32(n), d_rstd(rows);
+  d_a.upload(a);
+  d_b.upload(b);
+  d_w.upload(w);
+  d_a32.upload(a32);
+  for (int stream32 = 0; stream32 < 2; ++stream32) {
+    const char* kind = stream32 ? " (fp32 stream)" : "";
+    for (int residual = 0; residual < 2; ++residual) {
+      std::vector<bf16> out[2];
+      for (int with = 0; with < 2; ++with) {
+        float* amax = with ? d_amax.ptr : nullptr;
+        d_out.poison();
+        d_amax.poison();
+        if (residual && stream32)
+          gpu::residual_rmsnorm_forward(d_res32.ptr, d_out.ptr, d_rstd.ptr, d_a32.ptr, d_b.ptr, d_w.ptr, rows, C, eps,
+                                        nullptr, amax);
+        else if (residual)
+          gpu::residual_rmsnorm_forward(d_res.ptr, d_out.ptr, d_rstd.ptr, d_a.ptr, d_b.ptr, d_w.ptr, rows, C, eps,
+                                        nullptr, amax);
+        else if (stream32)
+          gpu::rmsnorm_forward(d_out.ptr, d_rstd.ptr, d_a32.ptr, d_w.ptr, rows, C, eps, nullptr, amax);
+        else
+          gpu::rmsnorm_forward(d_out.ptr, d_rstd.ptr, d_a.ptr, d_w.ptr, rows, C, eps, nullptr, amax);
+        sync();
+        out[with] = d_out.download();
+      }
+      compare(std::string(residual ? "residual_rmsnorm_forward" : "rmsnorm_forward") + kind, out[0], out[1],
+              std::vector<float>{d_amax.download()[0]});
+    }
+    // the norm's backward: the amax of the bf16 gradient the next projection reads
+    const auto dout = to_bf16(rng.normal(n, 1.0));
+    DeviceBuffer<bf16> d_dout(n), d_dinp(n), d_copy(n);
+    DeviceBuffer<float> d_dinp32(n), d_dw(C);
+    d_dout.upload(dout);
+    const size_t sb = gpu::rmsnorm_backward_scratch_bytes(rows, C);
+    DeviceBuffer<char> scratch(static_cast<int64_t>(std::max<size_t>(sb, 1)));
+    gpu::rmsnorm_forward(d_out.ptr, d_rstd.ptr, d_a.ptr, d_w.ptr, rows, C, eps, nullptr);  // rstd
+    std::vector<bf16> grad[2];
+    for (int with = 0; with < 2; ++with) {
+      float* amax = with ? d_amax.ptr : nullptr;
+      d_amax.poison();
+      d_dw.zero();
+      if (stream32) {
+        d_copy.poison();
+        gpu::rmsnorm_backward(d_dinp32.ptr, d_copy.ptr, d_dw.ptr, d_dout.ptr, d_a32.ptr, d_w.ptr, d_rstd.ptr, nullptr,
+                              rows, C, scratch.ptr, sb, nullptr, amax);
+        sync();
+        grad[with] = d_copy.download();
+      } else {
+        d_dinp.poison();
+        gpu::rmsnorm_backward(d_dinp.ptr, d_dw.ptr, d_dout.ptr, d_a.ptr, d_w.ptr, d_rstd.ptr, d_b.ptr, rows, C,
+                              scratch.ptr, sb, nullptr, amax);
+        sync();
+        grad[with] = d_dinp.download();
+      }
+    }
+    compare(std::string("rmsnorm_backward") + kind, grad[0], grad[1], std::vector<float>{d_amax.download()[0]});
+  }
+  // SwiGLU on gate|up (rows, 2I), as the training step lays it out; the backward in place
+  const int64_t m = rows * I;
+  const auto gu = to_bf16(rng.normal(2 * m, 2.0));
+  const auto dh = to_bf16(rng.normal(m, 1.0));
+  DeviceBuffer<bf16> d_gu(2 * m), d_h(m), d_dh(m);
+  d_dh.upload(dh);
+  std::vector<bf16> h[2], dgu[2];
+  std::vector<float> amaxes;
+  for (int with = 0; with < 2; ++with) {
+    d_gu.upload(gu);
+    d_h.poison();
+    d_amax.poison();
+    gpu::swiglu_forward(d_h.ptr, I, d_gu.ptr, 2 * I, d_gu.ptr + I, 2 * I, rows, I, nullptr, with ? d_amax.ptr : nullptr);
+    sync();
+    h[with] = d_h.download();
+    if (with) amaxes = {d_amax.download()[0]};
+  }
+  compare("swiglu_forward", h[0], h[1], amaxes);
+  for (int with = 0; with < 2; ++with) {
+    d_gu.upload(gu);
+    d_amax.poison();
+    gpu::swiglu_backward(d_gu.ptr, 2 * I, d_gu.ptr + I, 2 * I, d_dh.ptr, I, d_gu.ptr, 2 * I, d_gu.ptr + I, 2 * I, rows,
+                         I, nullptr, with ? d_amax.ptr : nullptr, with ? d_amax.ptr + 1 : nullptr);
+    sync();
+    dgu[with] = d_gu.download();
+    if (with) amaxes = d_amax.download();
+  }
+  check_bitwise("fused amax swiglu_backward " + dims + ": the same dgate|dup", dgu[0], dgu[1]);
+  std::vector<bf16> dg, du;
+  for (int64_t r = 0; r < rows; ++r) {
+    dg.insert(dg.end(), dgu[1].begin() + r * 2 * I, dgu[1].begin() + r * 2 * I + I);
+    du.insert(du.end(), dgu[1].begin() + r * 2 * I + I, dgu[1].begin() + (r + 1) * 2 * I);
+  }
+  check_bitwise("fused amax swiglu_backward " + dims + ": amaxes = max |dgate|, max |dup|", amaxes,
+                std::vector<float>{host_amax(dg)[0], host_amax(du)[0]});
+}
+
 // ---------------------------------------------------------------- cross-entropy
 
 void test_cross_entropy(Rng& rng, const char* tag, int64_t n, int64_t V, int64_t check_rows,
@@ -1563,6 +1685,9 @@ int main(int argc, char** argv) {
     test_swiglu(rng, "odd ", 5, 67, false);
     test_swiglu(rng, "tiny ", 5, 72, true);
     test_swiglu(rng, "1B ", 4096, 8192, true);
+    test_fused_amax(rng, "tiny ", 5, 72, 72);
+    test_fused_amax(rng, "odd ", 5, 67, 67);
+    test_fused_amax(rng, "1B ", 4096, 2048, 8192);
 
     test_cross_entropy(rng, "tiny ", 6, 1000, 6, true);
     test_cross_entropy(rng, "odd ", 5, 1001, 5, false);
