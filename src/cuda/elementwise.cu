@@ -307,7 +307,7 @@ void swiglu_forward(bf16* h, int64_t ld_h, const bf16* gate, int64_t ld_gate, co
   check_size(rows, INT_MAX, "rows", op);
   check_size(I, INT_MAX, "I", op);
   SHARDLM_CHECK(ld_h >= I && ld_gate >= I && ld_up >= I, "%s: a row stride is smaller than I", op);
-  if (amax) CUDA_CHECK(cudaMemsetAsync(amax, 0, sizeof(float), stream));
+  zero_amax(amax, stream);
   if (rows == 0 || I == 0) return;
   const bool vec = I % 8 == 0 && ld_h % 8 == 0 && ld_gate % 8 == 0 && ld_up % 8 == 0 &&
                    aligned(h, 16) && aligned(gate, 16) && aligned(up, 16);
@@ -329,8 +329,8 @@ void swiglu_backward(bf16* dgate, int64_t ld_dgate, bf16* dup, int64_t ld_dup, c
   check_size(I, INT_MAX, "I", op);
   SHARDLM_CHECK(ld_dgate >= I && ld_dup >= I && ld_dh >= I && ld_gate >= I && ld_up >= I,
                 "%s: a row stride is smaller than I", op);
-  for (float* amax : {amax_dgate, amax_dup})
-    if (amax) CUDA_CHECK(cudaMemsetAsync(amax, 0, sizeof(float), stream));
+  zero_amax(amax_dgate, stream);
+  zero_amax(amax_dup, stream);
   if (rows == 0 || I == 0) return;
   const bool vec = I % 8 == 0 && ld_dgate % 8 == 0 && ld_dup % 8 == 0 && ld_dh % 8 == 0 &&
                    ld_gate % 8 == 0 && ld_up % 8 == 0 && aligned(dgate, 16) &&

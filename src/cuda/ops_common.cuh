@@ -46,6 +46,10 @@ inline void check_size(int64_t v, int64_t max, const char* what, const char* op)
 
 inline size_t align256(size_t bytes) { return (bytes + 255) & ~size_t(255); }
 
+// *amax = 0 on the stream (amax nullptr: nothing): before a kernel whose blocks
+// fold a tensor's FP8 amax into it (block_amax_into, kernel_common.cuh).
+void zero_amax(float* amax, cudaStream_t stream);
+
 // dst[c] += sum over p of partial[p][c], p in order: the second pass of every
 // deterministic column reduction. partial (P, C) fp32, dst (C) fp32.
 void launch_column_finish(float* dst, const float* partial, int64_t P, int C,

@@ -111,6 +111,10 @@ int64_t bias_rows_per_chunk(int64_t N) {
 
 namespace dev {
 
+void zero_amax(float* amax, cudaStream_t stream) {
+  if (amax) CUDA_CHECK(cudaMemsetAsync(amax, 0, sizeof(float), stream));
+}
+
 void launch_column_finish(float* dst, const float* partial, int64_t P, int C,
                           cudaStream_t stream) {
   column_finish_kernel<<<grid_for(C, 32), dim3(32, kFinishSlices), 0, stream>>>(dst, partial,

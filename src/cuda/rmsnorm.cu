@@ -316,11 +316,6 @@ int64_t norm_rows_per_block(int64_t rows, const NormGeom& g) {
   return rpi * std::max<int64_t>(1, div_up(rows, rpi * kNormMaxPartials));
 }
 
-// amax (nullptr: none) is zeroed here, then the kernel's blocks fold into it.
-void zero_amax(float* amax, cudaStream_t stream) {
-  if (amax) CUDA_CHECK(cudaMemsetAsync(amax, 0, sizeof(float), stream));
-}
-
 template <bool kResidual, class TX>
 void launch_rmsnorm_forward(TX* residual_out, bf16* normed, float* rstd, const TX* a,
                             const bf16* b, NormWeight weight, int64_t rows, int64_t C,

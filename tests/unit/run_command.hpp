@@ -3,6 +3,7 @@
 #pragma once
 
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <cstdio>
 #include <cstdlib>
@@ -45,6 +46,13 @@ inline std::string shardlm_bin() { return build_dir() + "/shardlm"; }
 inline std::string mpirun(int np) {
   const char* m = std::getenv("MPIRUN");
   return std::string(m && *m ? m : "mpirun") + " --oversubscribe --bind-to none -np " + std::to_string(np) + " ";
+}
+
+// This machine's host name, as the runs' messages print it.
+inline std::string host_name() {
+  char name[256] = {0};
+  gethostname(name, sizeof name - 1);
+  return name;
 }
 
 }  // namespace shardlm_test

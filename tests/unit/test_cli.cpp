@@ -22,6 +22,7 @@ using namespace shardlm;
 using shardlm_test::run;
 using shardlm_test::shardlm_bin;
 using shardlm_test::mpirun;
+using shardlm_test::host_name;
 
 namespace {
 // A row of the memory plan `check` prints ("  total              GPU   27155.349 MiB"):
@@ -672,47 +673,43 @@ TEST_CASE("a killed rank ends the job in seconds with a line naming it") {
   std::filesystem::remove_all(dir);
 }
 
-TEST_CASE("a crashing rank names itself before it dies (#27 item 9)") {
-  const auto dir = std::filesystem::temp_directory_path() / ("shardlm-segv-" + std::to_string(getpid()));
-  auto r = run("SHARDLM_FAULT=segv@1 OMP_NUM_THREADS=1 " + mpirun(2) + "-x SHARDLM_FAULT " + shardlm_bin() +
+// A tiny-sft run at -np np with SHARDLM_FAULT=fault, which must die (not hang):
+// its output; made_run_dir: whether it got as far as making its run dir.
+std::string crashed_run(const std::string& fault, int np, bool* made_run_dir = nullptr) {
+  const auto dir = std::filesystem::temp_directory_path() / ("shardlm-crash-" + std::to_string(getpid()));
+  std::filesystem::remove_all(dir);
+  auto r = run("SHARDLM_FAULT=" + fault + " OMP_NUM_THREADS=1 " + mpirun(np) + "-x SHARDLM_FAULT " + shardlm_bin() +
                " train inputs/tiny-sft.toml --set run.dir=" + dir.string());
   CHECK(r.status != 0);
   CHECK(r.status != 124);
-  char host[256] = {0};
-  gethostname(host, sizeof host - 1);
-  CHECK_MESSAGE(r.output.find(std::string("shardlm: rank 1 of 2 (trainer rank 1 of 2, ") + host + ", pid ") != std::string::npos, r.output);
-  CHECK_MESSAGE(r.output.find("died of signal 11 (SIGSEGV): a crash: invalid memory access") != std::string::npos,
-                r.output);
+  if (made_run_dir) *made_run_dir = std::filesystem::exists(dir);
   std::filesystem::remove_all(dir);
+  return r.output;
+}
+
+TEST_CASE("a crashing rank names itself before it dies (#27 item 9)") {
+  const std::string out = crashed_run("segv@1", 2);
+  CHECK_MESSAGE(out.find("shardlm: rank 1 of 2 (trainer rank 1 of 2, " + host_name() + ", pid ") != std::string::npos,
+                out);
+  CHECK_MESSAGE(out.find("died of signal 11 (SIGSEGV): a crash: invalid memory access") != std::string::npos, out);
 }
 
 TEST_CASE("a rank that calls a null function pointer says from where, as library+offset") {
-  const auto dir = std::filesystem::temp_directory_path() / ("shardlm-nullcall-" + std::to_string(getpid()));
-  auto r = run("SHARDLM_FAULT=null_call@1 OMP_NUM_THREADS=1 " + mpirun(2) + "-x SHARDLM_FAULT " + shardlm_bin() +
-               " train inputs/tiny-sft.toml --set run.dir=" + dir.string());
-  CHECK(r.status != 0);
-  CHECK(r.status != 124);
-  CHECK_MESSAGE(r.output.find("shardlm: rank 1 of 2 (trainer rank 1 of 2, ") != std::string::npos, r.output);
+  const std::string out = crashed_run("null_call@1", 2);
+  CHECK_MESSAGE(out.find("shardlm: rank 1 of 2 (trainer rank 1 of 2, ") != std::string::npos, out);
   // pc 0 has no frames to walk from; the caller's return address names the binary.
-  CHECK_MESSAGE(r.output.find("shardlm:   at pc 0x0, called from 0x") != std::string::npos, r.output);
-  CHECK_MESSAGE(r.output.find(" (shardlm+0x") != std::string::npos, r.output);
-  CHECK_MESSAGE(r.output.find("fault address (nil)") != std::string::npos, r.output);
-  std::filesystem::remove_all(dir);
+  CHECK_MESSAGE(out.find("shardlm:   at pc 0x0, called from 0x") != std::string::npos, out);
+  CHECK_MESSAGE(out.find(" (shardlm+0x") != std::string::npos, out);
+  CHECK_MESSAGE(out.find("fault address (nil)") != std::string::npos, out);
 }
 
 TEST_CASE("a crash inside MPI_Init_thread is reported as one, before any rank is known") {
-  const auto dir = std::filesystem::temp_directory_path() / ("shardlm-initsegv-" + std::to_string(getpid()));
-  auto r = run("SHARDLM_FAULT=segv_init@0 OMP_NUM_THREADS=1 " + mpirun(1) + "-x SHARDLM_FAULT " + shardlm_bin() +
-               " train inputs/tiny-sft.toml --set run.dir=" + dir.string());
-  CHECK(r.status != 0);
-  CHECK(r.status != 124);
-  char host[256] = {0};
-  gethostname(host, sizeof host - 1);
-  CHECK_MESSAGE(r.output.find(std::string("shardlm: a rank (") + host + ", pid ") != std::string::npos, r.output);
-  CHECK_MESSAGE(r.output.find("died of signal 11 (SIGSEGV) inside MPI_Init_thread") != std::string::npos, r.output);
-  CHECK_MESSAGE(r.output.find("shardlm:   at pc 0x") != std::string::npos, r.output);
-  CHECK_FALSE(std::filesystem::exists(dir));  // nothing ran: no run dir
-  std::filesystem::remove_all(dir);
+  bool made_run_dir = true;
+  const std::string out = crashed_run("segv_init@0", 1, &made_run_dir);
+  CHECK_MESSAGE(out.find("shardlm: a rank (" + host_name() + ", pid ") != std::string::npos, out);
+  CHECK_MESSAGE(out.find("died of signal 11 (SIGSEGV) inside MPI_Init_thread") != std::string::npos, out);
+  CHECK_MESSAGE(out.find("shardlm:   at pc 0x") != std::string::npos, out);
+  CHECK_FALSE(made_run_dir);  // nothing ran: no run dir
 }
 
 TEST_CASE("where a peer is, for a timed-out collective's message: ahead is not a mismatch (#27 item 9)") {

@@ -29,8 +29,10 @@
 #include "run/run_dir.hpp"
 #include "run/tensorboard.hpp"
 #include "train/optim.hpp"
+#include "run_command.hpp"
 
 using namespace shardlm;
+using shardlm_test::host_name;
 namespace fs = std::filesystem;
 
 namespace {
@@ -53,12 +55,6 @@ std::string read_text(const fs::path& p) {
 }
 
 void write_text(const fs::path& p, const std::string& text) { std::ofstream(p, std::ios::binary) << text; }
-
-std::string host_name() {
-  char name[256] = {0};
-  gethostname(name, sizeof name - 1);
-  return name;
-}
 
 std::vector<nlohmann::json> rows_of(const fs::path& p) {
   std::vector<nlohmann::json> rows;
