@@ -474,15 +474,15 @@ void decode_attention_forward(bf16* out, const bf16* q, int64_t q_ld, const bf16
   const bool vec = !scalar_only && (D == 32 || D == 64 || D == 128 || D == 256) && q_ld % 8 == 0 &&
                    aligned(q, 16) && aligned(k_cache, 16) && aligned(v_cache, 16);
   if (vec) {
-    // Query heads a block: two for groups of up to 4 (twice the blocks of 4
-    // heads, each group's K and V rows read by two blocks, the second mostly
-    // from L2: 1.531 against 1.629 ms a decode step at the 1B shape, batch 64,
-    // measured in one call), 8 for larger groups (not measured). Every head's
-    // arithmetic is its own, so the bits are the same at any count;
-    // SHARDLM_DECODE_HPB=2|4|8 forces one, to compare.
+    // Query heads a block: 4 for groups of up to 4 (bounded to 4 blocks an SM
+    // at head dims up to 64: vec_min_blocks; 1.509 against 1.555 ms a decode
+    // step with 2 heads a block at the 1B shape, batch 64, alternating in one
+    // call: docs/benchmarks.md "Session 20's calls"), 8 for larger groups (not
+    // measured). Every head's arithmetic is its own, so the bits are the same
+    // at any count; SHARDLM_DECODE_HPB=2|4|8 forces one, to compare.
     const char* forced_env = std::getenv("SHARDLM_DECODE_HPB");  // read at each call (graph capture: once)
     const int v = forced_env ? std::atoi(forced_env) : 0, forced = v == 2 || v == 4 || v == 8 ? v : 0;
-    const int hpb = forced ? forced : G <= 4 ? 2 : 8, groups = int(div_up(G, hpb));
+    const int hpb = forced ? forced : G <= 4 ? 4 : 8, groups = int(div_up(G, hpb));
     const char* prefetch_env = std::getenv("SHARDLM_DECODE_PREFETCH");
     const bool prefetch = !(prefetch_env && std::strcmp(prefetch_env, "0") == 0);
     const dim3 vgrid(unsigned(B), unsigned(KV * groups), unsigned(chunks));
