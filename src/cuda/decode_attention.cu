@@ -85,7 +85,7 @@ decode_partial_kernel(bf16* __restrict__ out, float* __restrict__ part_o, float*
 #pragma unroll
     for (int e = 0; e < E; ++e) acc[g][e] = 0.0f;
   }
-  const int64_t slot_base = int64_t(slot[b]) * max_len;
+  const int64_t kv_base = (int64_t(slot[b]) * KV + kvh) * max_len;  // (slots, KV, max_len, D): kv_cache_at
   // Warp w takes positions start + 8 w .. + 7, then the next 32: the eight rows'
   // keys and values are loaded before any is used, so a lane has 16 loads in
   // flight instead of one dependent load per position.
@@ -94,7 +94,7 @@ decode_partial_kernel(bf16* __restrict__ out, float* __restrict__ part_o, float*
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int p = min(p0 + u, end - 1);  // past the end: a valid row, never used
-      const int64_t row = ((slot_base + p) * KV + kvh) * D;
+      const int64_t row = (kv_base + p) * D;
 #pragma unroll
       for (int e = 0; e < E; ++e) {
         const int d = lane + 32 * e;
@@ -214,7 +214,7 @@ decode_partial_vec_kernel(bf16* __restrict__ out, float* __restrict__ part_o, fl
 #pragma unroll
     for (int j = 0; j < 8; ++j) acc[g][j] = 0.0f;
   }
-  const int64_t slot_base = int64_t(slot[b]) * max_len;
+  const int64_t kv_base = (int64_t(slot[b]) * KV + kvh) * max_len;  // (slots, KV, max_len, D): kv_cache_at
   // The loads run ahead of the arithmetic: an iteration's K and V rows are in
   // registers before the last iteration's scores are computed, and the rows of
   // the iteration after that are asked into L2. A block has only ~8 KiB an
@@ -227,7 +227,7 @@ decode_partial_vec_kernel(bf16* __restrict__ out, float* __restrict__ part_o, fl
   constexpr int kStep = kWarps * kUnroll;
   auto row_of = [&](int p0, int u) {
     const int p = min(p0 + u * P + sub, end - 1);  // past the end: a valid row, never used
-    return ((slot_base + p) * KV + kvh) * D + part * 8;
+    return (kv_base + p) * D + part * 8;
   };
   uint4 kn[U], vn[U];
   const int first = start + warp * kUnroll;
@@ -336,6 +336,183 @@ decode_partial_vec_kernel(bf16* __restrict__ out, float* __restrict__ part_o, fl
   write_chunk_partials(sm_ml, sm_acc, nh, D, (int64_t(b) * H + h0) * chunks + c, chunks, part_o, part_ml, out);
 }
 
+// The same partials on the tensor cores (mma.sync m16n8k16, bf16 operands,
+// fp32 accumulation) for D = 64 and 128, up to 8 query heads a block (the
+// matrix's rows; rows past the group's heads are zero). A warp takes 16
+// positions a step: S = Q K^T as two n-tiles of 8 positions over D / 16
+// k-steps, the online softmax on S's rows (4 lanes hold a row: 2 shuffles for
+// its max), then O += P V with P straight from S's accumulators (rounded to
+// bf16, as flash attention does) and V's columns gathered from 16-byte row
+// loads. A lane loads only 16-byte pieces: K's k dimension is permuted (lane t
+// of a row's four holds dims t D/4 .. t D/4 + D/4 - 1, the same permutation
+// in Q's fragments) and O's columns are (dim n D/8 + t of n-tile t). Per 16
+// positions and up to 8 heads a warp issues ~80 instructions where the
+// vectorised kernel issues ~1,800 (the conversions, FMAs and shuffles of
+// every head); docs/benchmarks.md "Session 20's calls".
+__device__ __forceinline__ void mma_bf16_16816(float (&c)[4], uint32_t a0, uint32_t a2, uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+// The 32-bit word w of N 16-byte pieces (w a compile-time constant after unrolling).
+template <int N>
+__device__ __forceinline__ uint32_t word_of(const uint4 (&r)[N], int w) {
+  const uint4& x = r[w / 4];
+  const int i = w % 4;
+  return i == 0 ? x.x : i == 1 ? x.y : i == 2 ? x.z : x.w;
+}
+
+constexpr int kMmaHeads = 8;  // query heads a block at most (rows 0-7 of the m16 tile)
+
+// At head dim 64 bounded to 4 blocks an SM (128 registers): the 512 blocks of
+// the 1B shape at batch 64 in one round.
+template <int D, bool ROPE>
+__global__ void __launch_bounds__(kWarps * 32, D == 64 ? 4 : 1)
+decode_partial_mma_kernel(bf16* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml,
+                          const bf16* __restrict__ q, const bf16* k_cache, const bf16* v_cache,
+                          const int32_t* __restrict__ slot, const int32_t* __restrict__ len, int H, int KV,
+                          int64_t q_ld, int64_t max_len, int chunk, int chunks, int G, int head_groups, float scale,
+                          DecodeRope rope) {
+  // k_cache and v_cache not __restrict__: with ROPE this kernel writes a row of
+  // them (through rope.k_cache, rope.v_cache) and reads it back, so their loads
+  // must not take the read-only path.
+  static_assert(D == 64 || D == 128, "the mma decode kernel takes head dims 64 and 128");
+  constexpr int KS = D / 16;    // k-steps of S = Q K^T
+  constexpr int NT = D / 8;     // n-tiles of O = P V
+  constexpr int QV = D / 32;    // 16-byte pieces of a lane's D / 4 dims of a q or k row
+  constexpr int VV = D / 64;    // 16-byte pieces of a lane's D / 8 dims of a v row
+  constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
+  __shared__ float sm_ml[kWarps][kMmaHeads][2];
+  __shared__ float sm_acc[kWarps][kMmaHeads][D];
+  const int b = blockIdx.x, kvh = blockIdx.y / head_groups, hg = blockIdx.y % head_groups, c = blockIdx.z;
+  const int L = len[b];
+  const int start = c * chunk;
+  if (start >= L) return;
+  const int end = min(start + chunk, L);
+  const int h0 = kvh * G + hg * kMmaHeads, nh = min(kMmaHeads, G - hg * kMmaHeads);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t4 = lane & 3;
+
+  const int64_t slot_base = int64_t(slot[b]) * max_len;
+  // ROPE: the block rotates its query heads into shared memory and, if its
+  // chunk holds the new position, k into the cache and v beside it (every
+  // block of that chunk writes the same bits), before any warp reads a row.
+  __shared__ __align__(16) bf16 sm_q[ROPE ? kMmaHeads : 1][D];
+  if constexpr (ROPE) {
+    constexpr int half = D / 2;
+    const float pos = float(rope.positions[b]);
+    const int64_t crow = rope.cache_rows[b];
+    const bool writer = crow - slot_base >= start && crow - slot_base < end;
+    const bf16* row = q + int64_t(b) * q_ld;
+    for (int e = threadIdx.x; e < (nh + 1) * half; e += kWarps * 32) {
+      const int hh = e / half, i = e % half;
+      if (hh == nh && !writer) break;
+      float sn, cs;
+      sincosf(pos * rope.inv_freq[i], &sn, &cs);  // as rope_kernel
+      const bf16* x = row + int64_t(hh < nh ? h0 + hh : H + kvh) * D;
+      bf16 lo, hi;
+      rope_pair(f32(x[i]), f32(x[i + half]), cs, sn, lo, hi);
+      if (hh < nh) {
+        sm_q[hh][i] = lo, sm_q[hh][i + half] = hi;
+      } else {
+        const int64_t at = kv_cache_at(crow, kvh, KV, max_len, D);
+        const bf16* v = row + int64_t(H + KV + kvh) * D;
+        rope.k_cache[at + i] = lo, rope.k_cache[at + i + half] = hi;
+        rope.v_cache[at + i] = v[i], rope.v_cache[at + i + half] = v[i + half];
+      }
+    }
+    __syncthreads();
+  }
+  // Q's fragments: row g (head h0 + g, zero past the group), dims t4 D/4 ..: word 2j is
+  // k-step j's cols 2 t4 .. + 1 (a0), word 2j + 1 its cols 8 + 2 t4 .. + 1 (a2).
+  uint4 qv[QV];
+#pragma unroll
+  for (int i = 0; i < QV; ++i) {
+    const bf16* from = ROPE ? &sm_q[g < nh ? g : 0][0] : q + int64_t(b) * q_ld + int64_t(h0 + g) * D;
+    qv[i] = g < nh ? *reinterpret_cast<const uint4*>(from + t4 * (D / 4) + 8 * i) : make_uint4(0, 0, 0, 0);
+  }
+  const float scale2 = scale * kLog2e;  // scores in log2 units: exp2f below
+  float m = -INFINITY, l = 0.0f;        // row g's running max (log2 units) and this lane's part of its sum
+  float o[NT][4];
+#pragma unroll
+  for (int t = 0; t < NT; ++t) o[t][0] = o[t][1] = o[t][2] = o[t][3] = 0.0f;
+  // (slots, KV, max_len, D): the block's rows lie together (kv_cache_at). Past the end: a valid row, never used.
+  const int64_t kv_base = (int64_t(slot[b]) * KV + kvh) * max_len;
+  auto row_at = [&](int p) { return (kv_base + min(p, end - 1)) * D; };
+
+  // The 16 positions' rows a lane reads: K rows p0 + g (n-tile 0) and p0 + 8 + g
+  // (n-tile 1), this lane's dims; V rows p0 + 2 t4, + 1, p0 + 8 + 2 t4, + 1 (P's k
+  // index = position - p0), dims g D/8 ... Loading the next step's rows into
+  // registers ahead, or asking them into L2, measured no faster (1.302 and
+  // 1.298 against 1.288 ms a decode step; docs/benchmarks.md "Session 20's calls").
+  for (int p0 = start + warp * 16; p0 < end; p0 += kWarps * 16) {
+    uint4 kr[2][QV], vr[4][VV];
+#pragma unroll
+    for (int n = 0; n < 2; ++n)
+#pragma unroll
+      for (int i = 0; i < QV; ++i)
+        kr[n][i] = *reinterpret_cast<const uint4*>(k_cache + row_at(p0 + 8 * n + g) + t4 * (D / 4) + 8 * i);
+#pragma unroll
+    for (int r = 0; r < 4; ++r)
+#pragma unroll
+      for (int i = 0; i < VV; ++i)
+        vr[r][i] = *reinterpret_cast<const uint4*>(v_cache + row_at(p0 + (r / 2) * 8 + 2 * t4 + (r % 2)) + g * (D / 8) + 8 * i);
+    float s[2][4];
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+      s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+#pragma unroll
+      for (int j = 0; j < KS; ++j)
+        mma_bf16_16816(s[n], word_of(qv, 2 * j), word_of(qv, 2 * j + 1), word_of(kr[n], 2 * j),
+                       word_of(kr[n], 2 * j + 1));
+    }
+    // Row g's scores at positions p0 + 2 t4, + 1 (n-tile 0) and p0 + 8 + 2 t4, + 1 (n-tile 1).
+    float x[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int p = p0 + (i / 2) * 8 + 2 * t4 + (i % 2);
+      x[i] = p < end ? s[i / 2][i % 2] * scale2 : -INFINITY;
+    }
+    float mx = fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
+    mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 2));  // finite: position p0 is in the chunk
+    const float m_new = fmaxf(m, mx);
+    const float rescale = exp2f(m - m_new);  // 0 on the first step (m = -inf)
+    float p[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) p[i] = exp2f(x[i] - m_new);  // 0 past the end
+    l = l * rescale + ((p[0] + p[1]) + (p[2] + p[3]));
+    m = m_new;
+    const uint32_t a0 = pack_bf16x2(p[0], p[1]), a2 = pack_bf16x2(p[2], p[3]);
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      o[t][0] *= rescale, o[t][1] *= rescale;  // rows g + 8 (c2, c3) stay zero: A's rows 8-15 are
+      const int w = t / 2;
+      const unsigned sel = t % 2 ? 0x7632u : 0x5410u;  // the high or low bf16 of each word
+      const uint32_t b0 = __byte_perm(word_of(vr[0], w), word_of(vr[1], w), sel);
+      const uint32_t b1 = __byte_perm(word_of(vr[2], w), word_of(vr[3], w), sel);
+      mma_bf16_16816(o[t], a0, a2, b0, b1);
+    }
+  }
+  // Row g's sum over its four lanes; then the warp's partials to shared memory:
+  // lane (g, t4) holds O[g][(2 t4) D/8 + t] (c0) and O[g][(2 t4 + 1) D/8 + t] (c1).
+  l += __shfl_xor_sync(kFullMask, l, 1);
+  l += __shfl_xor_sync(kFullMask, l, 2);
+  if (g < nh) {
+    if (t4 == 0) sm_ml[warp][g][0] = m * kLn2, sm_ml[warp][g][1] = l;  // natural units, as the combine reads them
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      sm_acc[warp][g][(2 * t4) * (D / 8) + t] = o[t][0];
+      sm_acc[warp][g][(2 * t4 + 1) * (D / 8) + t] = o[t][1];
+    }
+  }
+  __syncthreads();
+  write_chunk_partials(sm_ml, sm_acc, nh, D, (int64_t(b) * H + h0) * chunks + c, chunks, part_o, part_ml, out);
+}
+
 // out[b, h] = the row's chunks combined in chunk order. One block per (b, h).
 __global__ void decode_combine_kernel(bf16* __restrict__ out, const float* __restrict__ part_o,
                                       const float* __restrict__ part_ml, const int32_t* __restrict__ len, int H,
@@ -367,15 +544,18 @@ __global__ void copy_rows_kernel(bf16* __restrict__ dst, const int32_t* __restri
     Pack<bf16, VEC>::load(src + from + j).store(dst + to + j);
 }
 
-// Row i of src (its first 2 width elements: k, then v) into row rows[i] of k_cache and of v_cache.
+// Row i's KV heads of k (k_src + i src_ld) and of v (v_src + i src_ld) into
+// cache row rows[i] of k_cache and v_cache (kv_cache_at). VEC divides D.
 template <int VEC>
 __global__ void store_kv_kernel(bf16* __restrict__ k_cache, bf16* __restrict__ v_cache,
-                                const int32_t* __restrict__ rows, const bf16* __restrict__ src, int64_t width,
-                                int64_t src_ld) {
-  const int64_t i = blockIdx.x, to = int64_t(rows[i]) * width, from = i * src_ld;
+                                const int32_t* __restrict__ rows, const bf16* __restrict__ k_src,
+                                const bf16* __restrict__ v_src, int64_t src_ld, int KV, int D, int64_t max_len) {
+  const int64_t i = blockIdx.x, width = int64_t(KV) * D;
   for (int64_t j = int64_t(threadIdx.x) * VEC; j < 2 * width; j += int64_t(blockDim.x) * VEC) {
-    const Pack<bf16, VEC> x = Pack<bf16, VEC>::load(src + from + j);
-    x.store(j < width ? k_cache + to + j : v_cache + to + (j - width));
+    const bool is_v = j >= width;
+    const int64_t e = is_v ? j - width : j;
+    const Pack<bf16, VEC> x = Pack<bf16, VEC>::load((is_v ? v_src : k_src) + i * src_ld + e);
+    x.store((is_v ? v_cache : k_cache) + kv_cache_at(rows[i], int(e / D), KV, max_len, D) + e % D);
   }
 }
 
@@ -440,10 +620,16 @@ size_t decode_attention_scratch_bytes(int64_t B, int64_t H, int64_t D, int64_t m
   return partial_bytes(B, H, D, div_up(max_len, chunk_positions(max_len, most)));
 }
 
+bool decode_attention_ropes(int64_t D) {
+  const char* choice = std::getenv("SHARDLM_DECODE_ATTENTION");  // read at each call (graph capture: once)
+  const bool other = choice && (std::strcmp(choice, "scalar") == 0 || std::strcmp(choice, "vec") == 0);
+  return !other && (D == 64 || D == 128);
+}
+
 void decode_attention_forward(bf16* out, const bf16* q, int64_t q_ld, const bf16* k_cache, const bf16* v_cache,
                               const int32_t* slot, const int32_t* len, int64_t B, int64_t H, int64_t KV, int64_t D,
                               int64_t max_len, int64_t chunks, void* scratch, size_t scratch_bytes,
-                              cudaStream_t stream) {
+                              cudaStream_t stream, const DecodeRope* rope) {
   if (B == 0) return;
   SHARDLM_CHECK(KV >= 1 && H % KV == 0, "decode_attention: %lld query heads over %lld kv heads", (long long)H,
                 (long long)KV);
@@ -467,13 +653,30 @@ void decode_attention_forward(bf16* out, const bf16* q, int64_t q_ld, const bf16
                                             align256(size_t(B * H * chunks * D) * sizeof(float)));
   const dim3 grid(unsigned(B), unsigned(KV * head_groups), unsigned(chunks));
   const float scale = float(1.0 / std::sqrt(double(D)));
-  // Head dims of 32, 64, 128 and 256 with 16-byte rows: the vectorised kernel
-  // (SHARDLM_DECODE_ATTENTION=scalar keeps the scalar one, to compare).
+  // Head dims of 64 and 128 with 16-byte rows: the tensor-core kernel; 32 and
+  // 256: the vectorised one; else the scalar one (decode_attention_ropes).
+  const bool rows16 = q_ld % 8 == 0 && aligned(q, 16) && aligned(k_cache, 16) && aligned(v_cache, 16);
+  const bool mma = decode_attention_ropes(D) && rows16;
   const char* choice = std::getenv("SHARDLM_DECODE_ATTENTION");
   const bool scalar_only = choice && std::strcmp(choice, "scalar") == 0;
-  const bool vec = !scalar_only && (D == 32 || D == 64 || D == 128 || D == 256) && q_ld % 8 == 0 &&
-                   aligned(q, 16) && aligned(k_cache, 16) && aligned(v_cache, 16);
-  if (vec) {
+  SHARDLM_CHECK(rope == nullptr || (mma && q_ld >= (H + 2 * KV) * D && rope->k_cache == k_cache &&
+                                    rope->v_cache == v_cache),
+                "internal: decode attention with RoPE needs the tensor-core kernel and the fused q|k|v rows");
+  const bool vec = !scalar_only && !mma && (D == 32 || D == 64 || D == 128 || D == 256) && rows16;
+  if (mma) {
+    const int groups = int(div_up(G, kMmaHeads));
+    const dim3 mgrid(unsigned(B), unsigned(KV * groups), unsigned(chunks));
+    const DecodeRope r = rope ? *rope : DecodeRope{};
+#define SHARDLM_DECODE_MMA(DIM, ROPE)                                                                     \
+  decode_partial_mma_kernel<DIM, ROPE><<<mgrid, kWarps * 32, 0, stream>>>(                               \
+      out, part_o, part_ml, q, k_cache, v_cache, slot, len, int(H), int(KV), q_ld, max_len, int(chunk), \
+      int(chunks), G, groups, scale, r)
+    if (D == 64 && rope) SHARDLM_DECODE_MMA(64, true);
+    else if (D == 64) SHARDLM_DECODE_MMA(64, false);
+    else if (rope) SHARDLM_DECODE_MMA(128, true);
+    else SHARDLM_DECODE_MMA(128, false);
+#undef SHARDLM_DECODE_MMA
+  } else if (vec) {
     // Query heads a block: 4 for groups of up to 4 (bounded to 4 blocks an SM
     // at head dims up to 64: vec_min_blocks; 1.509 against 1.555 ms a decode
     // step with 2 heads a block at the 1B shape, batch 64, alternating in one
@@ -535,15 +738,19 @@ void copy_rows(bf16* dst, const int32_t* dst_row, const bf16* src, const int32_t
   CUDA_CHECK(cudaGetLastError());
 }
 
-void store_kv(bf16* k_cache, bf16* v_cache, const int32_t* rows, const bf16* src, int64_t src_ld, int64_t n,
-              int64_t width, cudaStream_t stream) {
-  if (n == 0 || width == 0) return;
-  SHARDLM_CHECK(n <= INT32_MAX && src_ld >= 2 * width, "store_kv: %lld rows of 2 x %lld (source rows of %lld)",
-                (long long)n, (long long)width, (long long)src_ld);
-  if (width % 8 == 0 && src_ld % 8 == 0 && aligned(src, 16) && aligned(k_cache, 16) && aligned(v_cache, 16))
-    store_kv_kernel<8><<<unsigned(n), 128, 0, stream>>>(k_cache, v_cache, rows, src, width, src_ld);
+void store_kv(bf16* k_cache, bf16* v_cache, const int32_t* rows, const bf16* k_src, const bf16* v_src, int64_t src_ld,
+              int64_t n, int64_t KV, int64_t D, int64_t max_len, cudaStream_t stream) {
+  if (n == 0 || KV == 0 || D == 0) return;
+  SHARDLM_CHECK(n <= INT32_MAX && src_ld >= KV * D && KV <= INT32_MAX && D <= INT32_MAX,
+                "store_kv: %lld rows of %lld x %lld (source rows of %lld)", (long long)n, (long long)KV, (long long)D,
+                (long long)src_ld);
+  if (D % 8 == 0 && src_ld % 8 == 0 && aligned(k_src, 16) && aligned(v_src, 16) && aligned(k_cache, 16) &&
+      aligned(v_cache, 16))
+    store_kv_kernel<8><<<unsigned(n), 128, 0, stream>>>(k_cache, v_cache, rows, k_src, v_src, src_ld, int(KV), int(D),
+                                                         max_len);
   else
-    store_kv_kernel<1><<<unsigned(n), 128, 0, stream>>>(k_cache, v_cache, rows, src, width, src_ld);
+    store_kv_kernel<1><<<unsigned(n), 128, 0, stream>>>(k_cache, v_cache, rows, k_src, v_src, src_ld, int(KV), int(D),
+                                                         max_len);
   CUDA_CHECK(cudaGetLastError());
 }
 

@@ -3,8 +3,8 @@
 //
 // Owns: shardlm::cuda::decode_attention_forward (split-K over the cache length,
 // GQA, fp32 softmax and accumulation, bf16 in and out), its partials' scratch
-// size, copy_rows (the KV cache store and the prefill's last-row gather) and
-// store_kv (the decode step's k and v from its fused rows).
+// size, copy_rows (the prefill's last-row gather) and store_kv (k and v into
+// the cache).
 // The contract is cpu::attention_decode_forward's (cpu/ops.hpp), the reference
 // tests/gpu/test_decode.cpp checks these kernels against.
 // Must not know: the model, MPI, the memory plan. Kernels allocate nothing and
@@ -44,17 +44,35 @@ int64_t decode_attention_chunks(int64_t B, int64_t H, int64_t KV, int64_t max_le
 size_t decode_attention_scratch_bytes(int64_t B, int64_t H, int64_t D, int64_t max_len);
 
 // out (B, H, D) overwritten; q (B, H, D), rows q_ld >= H D elements apart (the
-// decoder's fused q|k|v rows); k_cache, v_cache (slots, max_len, KV, D);
+// decoder's fused q|k|v rows); k_cache, v_cache (slots, KV, max_len, D): a kv
+// head's positions together (kernel_common.cuh's kv_cache_at);
 // slot (B), len (B) int32 on the device, len in [1, max_len]. H a multiple of KV;
 // D <= 256. chunks: 0 for decode_attention_chunks(B, H, KV, max_len), or a
 // count to force (tests). With one chunk the partial kernel writes out itself.
 // scratch: decode_attention_scratch_bytes(B, H, D, max_len).
-// Head dims 32, 64, 128, 256 (16-byte rows) run a kernel that reads 16 bytes a
-// lane; others, or SHARDLM_DECODE_ATTENTION=scalar, a scalar one.
+// Head dims 64 and 128 (16-byte rows) run on the tensor cores; 32 and 256 a
+// kernel that reads 16 bytes a lane; others a scalar one
+// (SHARDLM_DECODE_ATTENTION=vec|scalar forces the latter two, to compare).
+//
+// rope (the decode step's fused q|k|v rows, unrotated): the kernel rotates q
+// and the new k itself (RoPE at positions[b], as rope_store_kv would) and
+// stores k and v into row cache_rows[b] of the caches before it reads them,
+// so no RoPE and store kernel runs first. q then holds the rows of
+// rope_store_kv's qkv (H q heads, KV k heads, KV v heads); cache_rows[b] must
+// be sequence b's position len[b] - 1. Only on the tensor-core kernel:
+// decode_attention_ropes(D) says whether a call would take it.
+struct DecodeRope {
+  const int32_t* positions = nullptr;   // (B) the new token's position
+  const float* inv_freq = nullptr;      // (D / 2) RoPE's inverse frequencies
+  const int32_t* cache_rows = nullptr;  // (B) the cache row its k and v go to
+  __nv_bfloat16* k_cache = nullptr;     // the caches, written (the same as k_cache, v_cache)
+  __nv_bfloat16* v_cache = nullptr;
+};
+bool decode_attention_ropes(int64_t D);
 void decode_attention_forward(__nv_bfloat16* out, const __nv_bfloat16* q, int64_t q_ld, const __nv_bfloat16* k_cache,
                               const __nv_bfloat16* v_cache, const int32_t* slot, const int32_t* len, int64_t B,
                               int64_t H, int64_t KV, int64_t D, int64_t max_len, int64_t chunks, void* scratch,
-                              size_t scratch_bytes, cudaStream_t stream);
+                              size_t scratch_bytes, cudaStream_t stream, const DecodeRope* rope = nullptr);
 
 // dst[dst_row[i]] = src[src_row[i]] for i < n, rows of `width` bf16 elements
 // (source rows src_ld >= width elements apart; 0: width); a null index means
@@ -62,10 +80,12 @@ void decode_attention_forward(__nv_bfloat16* out, const __nv_bfloat16* q, int64_
 void copy_rows(__nv_bfloat16* dst, const int32_t* dst_row, const __nv_bfloat16* src, const int32_t* src_row,
                int64_t n, int64_t width, cudaStream_t stream, int64_t src_ld = 0);
 
-// The decoder's fused q|k|v rows: row i's k (its first `width` elements from
-// src + i src_ld) into row rows[i] of k_cache and its v (the next `width`)
-// into row rows[i] of v_cache, in one launch.
-void store_kv(__nv_bfloat16* k_cache, __nv_bfloat16* v_cache, const int32_t* rows, const __nv_bfloat16* src,
-              int64_t src_ld, int64_t n, int64_t width, cudaStream_t stream);
+// Row i's k (KV heads of D from k_src + i src_ld) and v (from v_src + i src_ld)
+// into cache row rows[i] (slot * max_len + position) of k_cache and v_cache,
+// laid out (slots, KV, max_len, D), in one launch: the prefill's k and v, or
+// the decode step's fused q|k|v rows.
+void store_kv(__nv_bfloat16* k_cache, __nv_bfloat16* v_cache, const int32_t* rows, const __nv_bfloat16* k_src,
+              const __nv_bfloat16* v_src, int64_t src_ld, int64_t n, int64_t KV, int64_t D, int64_t max_len,
+              cudaStream_t stream);
 
 }  // namespace shardlm::cuda

@@ -214,7 +214,7 @@ class CudaDecoder final : public Decoder {
   std::vector<BufferRow> table_;
 
   std::vector<bf16*> unit_w_;                 // per unit: (padded_numel) bf16, the host layout
-  std::vector<bf16*> k_cache_, v_cache_;      // L x (slots, max_len, KV, D)
+  std::vector<bf16*> k_cache_, v_cache_;      // L x (slots, KV, max_len, D): kv_cache_at (kernel_common.cuh)
   bf16 *x_ = nullptr, *x_out_ = nullptr;      // (rows, C) residual stream in, out of a layer
   bf16 *x_mid_ = nullptr, *xn_ = nullptr;     // (rows, C) after attention; normed input of a projection
   bf16 *q_ = nullptr, *q_raw_ = nullptr;      // (rows, H D); q before its norm (qk_norm models)
@@ -257,6 +257,10 @@ class CudaDecoder final : public Decoder {
   bool graphs_ = true;
   // SHARDLM_DECODE_ROPE_STORE=0: the fused q|k|v rows' RoPE and cache store as two kernels.
   bool rope_store_ = true;
+  // The decode attention rotates q and k and stores k and v itself (the
+  // tensor-core kernel, head dims 64 and 128: cuda::decode_attention_ropes);
+  // SHARDLM_DECODE_ROPE_ATTENTION=0 keeps the RoPE-and-store kernel first.
+  bool rope_attention_ = true;
   std::vector<cudaGraphExec_t> step_graphs_;  // the full-batch step's pieces, launched in order
   int64_t decode_steps_ = 0;
   // The decode steps' device time, step_begin_ to step_end_, added once the
@@ -394,6 +398,7 @@ CudaDecoder::CudaDecoder(const InferenceModel& model, const DecoderLimits& limit
   gemm_ = std::make_unique<cuda::Gemm>(stream_, gemm_workspace_, kGemmWorkspace);
   graphs_ = !env_is("SHARDLM_DECODE_GRAPHS", "0");
   rope_store_ = !env_is("SHARDLM_DECODE_ROPE_STORE", "0");
+  rope_attention_ = !env_is("SHARDLM_DECODE_ROPE_ATTENTION", "0");
   if (env_is("SHARDLM_DECODE_PROFILE", "1")) {
     ops_ = std::make_unique<cuda::OpTimer>(stream_);
     graphs_ = false;  // an event per operation, recorded eagerly
@@ -534,8 +539,8 @@ void CudaDecoder::attend(int l, int64_t N, bool prefill, const LayerWeights<cons
   cuda::rope_forward(q_, in(StepInts::Positions), inv_freq_, N, H, D, HD, stream_);
   cuda::rope_forward(k_, in(StepInts::Positions), inv_freq_, N, KV, D, KVD, stream_);
   mark("rope");
-  cuda::copy_rows(k_cache_[size_t(l)], in(StepInts::CacheRows), k_, nullptr, N, KVD, stream_);
-  cuda::copy_rows(v_cache_[size_t(l)], in(StepInts::CacheRows), v_, nullptr, N, KVD, stream_);
+  cuda::store_kv(k_cache_[size_t(l)], v_cache_[size_t(l)], in(StepInts::CacheRows), k_, v_, KVD, N, KV, D,
+                 limits_.max_len, stream_);
   mark("kv store");
   if (prefill)
     // Every prompt of the pass is a document of its own: it sees its own positions 0 .. t.
@@ -554,18 +559,29 @@ void CudaDecoder::attend_fused(int l, int64_t N, const LayerWeights<const bf16>&
   // w.wq (and w.bq) start the three adjacent projections (qkv_adjacent).
   cuda::linear_forward(*gemm_, qkv_, xn_, w.wq, w.bq, N, C, QKV);
   mark("q|k|v gemm");
+  // The tensor-core attention rotates q and k itself and stores k and v before
+  // it reads the cache: no kernel between the GEMM and it.
+  if (rope_attention_ && rope_store_ && cuda::decode_attention_ropes(D)) {
+    const cuda::DecodeRope rope{in(StepInts::Positions), inv_freq_, in(StepInts::CacheRows), k_cache_[size_t(l)],
+                                v_cache_[size_t(l)]};
+    cuda::decode_attention_forward(att_, qkv_, QKV, k_cache_[size_t(l)], v_cache_[size_t(l)], in(StepInts::SlotOf),
+                                   in(StepInts::Lens), N, H, KV, D, limits_.max_len, 0, attention_scratch_,
+                                   attention_scratch_bytes_, stream_, &rope);
+    mark("rope + kv store + attention");
+    return;
+  }
   // q's and k's heads lie side by side in a row: one RoPE over H + KV heads,
   // which also stores k (rotated) and v into the two caches in the same pass
   // (SHARDLM_DECODE_ROPE_STORE=0: RoPE, then the store, as two kernels).
   if (rope_store_) {
     cuda::rope_store_kv(qkv_, in(StepInts::Positions), inv_freq_, N, H, KV, D, QKV, k_cache_[size_t(l)],
-                        v_cache_[size_t(l)], in(StepInts::CacheRows), stream_);
+                        v_cache_[size_t(l)], in(StepInts::CacheRows), limits_.max_len, stream_);
     mark("rope + kv store");
   } else {
     cuda::rope_forward(qkv_, in(StepInts::Positions), inv_freq_, N, H + KV, D, QKV, stream_);
     mark("rope");
-    cuda::store_kv(k_cache_[size_t(l)], v_cache_[size_t(l)], in(StepInts::CacheRows), qkv_ + HD, QKV, N, KVD,
-                   stream_);
+    cuda::store_kv(k_cache_[size_t(l)], v_cache_[size_t(l)], in(StepInts::CacheRows), qkv_ + HD, qkv_ + HD + KVD,
+                   QKV, N, KV, D, limits_.max_len, stream_);
     mark("kv store");
   }
   cuda::decode_attention_forward(att_, qkv_, QKV, k_cache_[size_t(l)], v_cache_[size_t(l)], in(StepInts::SlotOf),

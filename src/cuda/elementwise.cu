@@ -23,12 +23,14 @@ constexpr int64_t kRopeSmallPass = 32768;
 
 // rope_store_kv: the heads from k_first on are k; each also goes (rotated) to
 // k_cache, and the v head after the rotated heads at the same index to v_cache,
-// row rows[t] of (heads - k_first) * D elements. Unused by rope_forward/backward.
+// at cache row rows[t] (the caches (slots, heads - k_first, max_len, D):
+// kv_cache_at). Unused by rope_forward/backward.
 struct RopeCacheStore {
   bf16* k_cache = nullptr;
   bf16* v_cache = nullptr;
   const int32_t* rows = nullptr;
   int k_first = 0;
+  int64_t max_len = 0;
 };
 
 template <int VEC, bool STORE = false, int HPT = kRopeHeadsPerThread>
@@ -71,8 +73,7 @@ rope_kernel(bf16* __restrict__ x, const int32_t* __restrict__ positions,
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
       const float x1 = f32(lo[q].v[j]), x2 = f32(hi[q].v[j]);
-      out_lo.v[j] = to_bf16(x1 * cs[j] - x2 * sn[j]);
-      out_hi.v[j] = to_bf16(x2 * cs[j] + x1 * sn[j]);
+      rope_pair(x1, x2, cs[j], sn[j], out_lo.v[j], out_hi.v[j]);
     }
     bf16* xh = x + t * row_stride + int64_t(h0 + q) * D;
     out_lo.store(xh + i);
@@ -80,7 +81,7 @@ rope_kernel(bf16* __restrict__ x, const int32_t* __restrict__ positions,
     if constexpr (STORE) {
       const int kh = h0 + q - store.k_first;
       if (kh >= 0) {
-        const int64_t row = int64_t(store.rows[t]) * (heads - store.k_first) * D + int64_t(kh) * D;
+        const int64_t row = kv_cache_at(store.rows[t], kh, heads - store.k_first, store.max_len, D);
         out_lo.store(store.k_cache + row + i);
         out_hi.store(store.k_cache + row + i + half);
         const bf16* vh = x + t * row_stride + int64_t(heads + kh) * D;  // v lies after the q and k heads
@@ -273,7 +274,7 @@ void rope_backward(bf16* dx, const int32_t* positions, const float* inv_freq, in
 
 void rope_store_kv(bf16* qkv, const int32_t* positions, const float* inv_freq, int64_t N, int64_t H, int64_t KV,
                    int64_t D, int64_t row_stride, bf16* k_cache, bf16* v_cache, const int32_t* rows,
-                   cudaStream_t stream) {
+                   int64_t max_len, cudaStream_t stream) {
   const char* op = "rope_store_kv";
   const int64_t heads = H + KV;
   check_size(N, INT_MAX, "N", op);
@@ -286,7 +287,7 @@ void rope_store_kv(bf16* qkv, const int32_t* positions, const float* inv_freq, i
   const bool vec = half % 8 == 0 && row_stride % 8 == 0 && aligned(qkv, 16) && aligned(k_cache, 16) &&
                    aligned(v_cache, 16);
   const int64_t hgroups = div_up(heads, kRopeHeadsPerThread);
-  const RopeCacheStore store{k_cache, v_cache, rows, int(H)};
+  const RopeCacheStore store{k_cache, v_cache, rows, int(H), max_len};
   const bool small = N * hgroups * (vec ? half / 8 : half) < kRopeSmallPass;
   if (vec && small) {
     rope_kernel<8, true, 1><<<grid_for(N * heads * (half / 8), kThreads), kThreads, 0, stream>>>(

@@ -45,6 +45,24 @@ struct Pack {
 __device__ __forceinline__ float f32(bf16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ bf16 to_bf16(float x) { return __float2bfloat16_rn(x); }
 
+// The CUDA decoder's KV cache layout, (slots, KV, max_len, D): a kv head's
+// positions lie together, so a decode-attention block (a sequence and a kv
+// head) streams one contiguous range. A cache row (slot * max_len + position,
+// as the decoder numbers them) of kv head kh starts here.
+__device__ __forceinline__ int64_t kv_cache_at(int64_t row, int kh, int KV, int64_t max_len, int D) {
+  const int64_t slot = row / max_len, pos = row - slot * max_len;
+  return ((slot * KV + kh) * max_len + pos) * D;
+}
+
+// RoPE of one pair (x1 at dim i, x2 at i + D/2) at an angle's cos and sin, as
+// transformers' x cos + rotate_half(x) sin. One definition for every kernel
+// that rotates (the training and decode RoPE, the decode attention's own), so
+// they round alike: the decoder's paths give the same bits.
+__device__ __forceinline__ void rope_pair(float x1, float x2, float cs, float sn, bf16& lo, bf16& hi) {
+  lo = to_bf16(x1 * cs - x2 * sn);
+  hi = to_bf16(x2 * cs + x1 * sn);
+}
+
 struct SumOp {
   template <class T> __device__ __forceinline__ T operator()(T a, T b) const { return a + b; }
 };

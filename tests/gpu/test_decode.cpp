@@ -20,6 +20,8 @@
 #include <string>
 #include <vector>
 
+#include <unistd.h>
+
 #include "cpu/ops.hpp"
 #include "cpu/rl_loss.hpp"
 #include "cuda/decode_attention.hpp"
@@ -29,6 +31,8 @@
 #include "infer/generate.hpp"
 #include "infer/model.hpp"
 #include "infer/sampler.hpp"
+#include "model/hf_config.hpp"
+#include "model/safetensors.hpp"
 #include "shardlm/cuda.hpp"
 #include "shardlm/dtype.hpp"
 
@@ -100,7 +104,16 @@ void check_decode_attention(int64_t H, int64_t KV, int64_t D, int64_t max_len, s
     for (size_t i = 0; i < v.size(); ++i) out[i] = f32_to_bf16_rne(v[i]);
     return out;
   };
-  const std::vector<uint16_t> qb = to_bf16(q), kb = to_bf16(kc), vb = to_bf16(vc);
+  // The CPU's caches are (slots, max_len, KV, D); the GPU's (slots, KV, max_len, D).
+  auto head_major = [&](const std::vector<float>& v) {
+    std::vector<float> out(v.size());
+    for (int64_t s = 0; s < slots; ++s)
+      for (int64_t p = 0; p < max_len; ++p)
+        for (int64_t h = 0; h < KV; ++h)
+          std::copy_n(v.begin() + ((s * max_len + p) * KV + h) * D, D, out.begin() + ((s * KV + h) * max_len + p) * D);
+    return out;
+  };
+  const std::vector<uint16_t> qb = to_bf16(q), kb = to_bf16(head_major(kc)), vb = to_bf16(head_major(vc));
   DeviceBytes dq(qb.size() * 2), dk(kb.size() * 2), dv(vb.size() * 2), dout(qb.size() * 2), dslot(B * 4),
       dlen(B * 4);
   const size_t scratch_bytes = cuda::decode_attention_scratch_bytes(B, H, D, max_len);
@@ -119,13 +132,13 @@ void check_decode_attention(int64_t H, int64_t KV, int64_t D, int64_t max_len, s
   // Both kernels (the 16-byte one where D allows it, and the scalar one), q packed and in wide rows,
   // the cache cut as the decoder would (0), whole (1: no combine) and into the most chunks.
   const int64_t most = std::min<int64_t>(cuda::kDecodeMaxChunks, (max_len + 31) / 32);
-  for (const char* kernel : {"default", "scalar"}) {
+  for (const char* kernel : {"default", "vec", "scalar"}) {
     for (const bool wide : {false, true}) {
       for (const int64_t chunks : {int64_t(0), int64_t(1), most}) {
         CAPTURE(kernel);
         CAPTURE(wide);
         CAPTURE(chunks);
-        const ScopedEnv env({{"SHARDLM_DECODE_ATTENTION", std::strcmp(kernel, "scalar") == 0 ? "scalar" : nullptr}});
+        const ScopedEnv env({{"SHARDLM_DECODE_ATTENTION", std::strcmp(kernel, "default") == 0 ? nullptr : kernel}});
         std::vector<uint16_t> runs[2];
         for (auto& got : runs) {
           CUDA_OK(cudaMemset(dout.p, 0xff, qb.size() * 2));  // NaN: an unwritten element fails
@@ -142,11 +155,12 @@ void check_decode_attention(int64_t H, int64_t KV, int64_t D, int64_t max_len, s
         const double err = rel_rms(got.data(), want.data(), got.size());
         bool finite = true;
         for (float x : got) finite &= std::isfinite(x);
-        MESSAGE("decode attention (" << std::string(kernel) << (wide ? ", wide q rows" : ", packed q rows") << ", chunks "
+        MESSAGE("decode attention (" << std::string(kernel) << std::string(wide ? ", wide q rows" : ", packed q rows") << ", chunks "
                                      << chunks << ") H=" << H << " KV=" << KV << " D=" << D << " max_len=" << max_len
                                      << ": |gpu - cpu| / |cpu| = " << err);
         CHECK(finite);
-        // One bf16 rounding of the output (~2e-3 as an RMS ratio); the fp32 sums differ by ~1e-6.
+        // One bf16 rounding of the output (~2e-3 as an RMS ratio); the fp32 sums differ by ~1e-6;
+        // the tensor-core kernel rounds the probabilities to bf16 as well (~1.4e-3 at D = 64 measured).
         CHECK(err < 5e-3);
         CHECK(runs[0] == runs[1]);  // deterministic
       }
@@ -154,10 +168,61 @@ void check_decode_attention(int64_t H, int64_t KV, int64_t D, int64_t max_len, s
   }
 }
 
-// The fixture with every weight rounded to bf16 in the host copy, so the CPU
-// decoder and the GPU's bf16 copy hold the same values.
+// "llama-d64": llama-gqa-tied's config with head dim 64 (4 query heads over
+// one kv head) and seeded random weights, written once per process to a
+// temporary HF directory. The decode attention's tensor-core kernel and its
+// own RoPE and cache store run at head dims 64 and 128 only; the fixtures'
+// are 16 and 32.
+fs::path d64_model_dir() {
+  struct Dir {  // removed when the process exits
+    fs::path path;
+    ~Dir() {
+      std::error_code ec;
+      fs::remove_all(path, ec);
+    }
+  };
+  static const Dir dir{[] {
+    const fs::path d = fs::temp_directory_path() / ("shardlm-test-d64-" + std::to_string(getpid()));
+    fs::create_directories(d);
+    ModelConfig c = read_hf_config("tests/fixtures/llama-gqa-tied");
+    c.head_dim = 64, c.num_heads = 4, c.num_kv_heads = 1;
+    write_hf_config(d, c, "float32");
+    const int64_t C = c.hidden_size, I = c.intermediate_size, HD = c.num_heads * c.head_dim;
+    const int64_t KVD = c.num_kv_heads * c.head_dim;
+    std::vector<std::pair<std::string, std::vector<int64_t>>> shapes = {{"model.embed_tokens.weight", {c.vocab_size, C}},
+                                                                        {"model.norm.weight", {C}}};
+    for (int64_t l = 0; l < c.num_layers; ++l) {
+      const std::string p = "model.layers." + std::to_string(l) + ".";
+      for (const auto& [name, shape] : std::vector<std::pair<std::string, std::vector<int64_t>>>{
+               {"input_layernorm.weight", {C}}, {"post_attention_layernorm.weight", {C}},
+               {"self_attn.q_proj.weight", {HD, C}}, {"self_attn.k_proj.weight", {KVD, C}},
+               {"self_attn.v_proj.weight", {KVD, C}}, {"self_attn.o_proj.weight", {C, HD}},
+               {"mlp.gate_proj.weight", {I, C}}, {"mlp.up_proj.weight", {I, C}}, {"mlp.down_proj.weight", {C, I}}})
+        shapes.push_back({p + name, shape});
+    }
+    std::mt19937_64 rng(64);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    std::vector<std::vector<float>> data;
+    std::vector<TensorToWrite> tensors;
+    for (const auto& [name, shape] : shapes) {
+      int64_t n = 1;
+      for (int64_t x : shape) n *= x;
+      std::vector<float> v(size_t(n), 0.0f);
+      const bool norm = shape.size() == 1;  // norm weights near 1, projections at the fixture's 0.1 (std)
+      for (float& x : v) x = norm ? 1.0f + 0.1f * normal(rng) : 0.1f * normal(rng);
+      data.push_back(std::move(v));
+      tensors.push_back({name, shape, "F32", data.back().data()});
+    }
+    write_safetensors(d / "model.safetensors", tensors);
+    return d;
+  }()};
+  return dir.path;
+}
+
+// The fixture (or "llama-d64") with every weight rounded to bf16 in the host
+// copy, so the CPU decoder and the GPU's bf16 copy hold the same values.
 InferenceModel bf16_fixture(const std::string& name) {
-  InferenceModel m = InferenceModel::from_hf(fs::path("tests/fixtures") / name);
+  InferenceModel m = InferenceModel::from_hf(name == "llama-d64" ? d64_model_dir() : fs::path("tests/fixtures") / name);
   for (auto& unit : m.weights->param)
     for (int64_t i = 0; i < unit.size(); ++i) unit.data()[i] = round_bf16(unit.data()[i]);
   return m;
@@ -232,7 +297,7 @@ TEST_CASE("decode attention kernel = cpu::attention_decode_forward on bf16 input
 
 TEST_CASE("CUDA decoder = CPU decoder on the fixtures: prefill, 16 decode steps, a refreshed weight") {
   require_gpu();
-  for (const std::string name : {"llama-gqa-tied", "qwen2-bias", "qwen3-qknorm"}) {
+  for (const std::string name : {"llama-gqa-tied", "qwen2-bias", "qwen3-qknorm", "llama-d64"}) {
     CAPTURE(name);
     InferenceModel m = bf16_fixture(name);
     const int64_t V = m.config().vocab_size;
@@ -527,7 +592,7 @@ int64_t profiled_calls(const std::string& report, const std::string& op) {
 
 TEST_CASE("CUDA decoder: SHARDLM_DECODE_PROFILE=1 changes no token and times every layer's operations") {
   require_gpu();
-  for (const char* name : {"llama-gqa-tied", "qwen3-qknorm"}) {
+  for (const char* name : {"llama-gqa-tied", "qwen3-qknorm", "llama-d64"}) {
     CAPTURE(name);
     InferenceModel m = bf16_fixture(name);
     const auto prompts = fixture_prompts(m.config().vocab_size);
@@ -553,7 +618,12 @@ TEST_CASE("CUDA decoder: SHARDLM_DECODE_PROFILE=1 changes no token and times eve
     const int64_t L = m.config().num_layers;
     REQUIRE(steps > 0);
     CHECK(profiled_calls(report, "embedding") == steps);
-    CHECK(profiled_calls(report, "attention") == L * steps);
+    // At head dim 64 the attention rotates q and k and stores k and v itself.
+    const bool rope_inside = m.config().head_dim == 64;
+    CHECK(profiled_calls(report, rope_inside ? "rope + kv store + attention" : "attention") == L * steps);
+    const bool fused = !m.config().qk_norm;  // the fixtures' q, k, v weights lie together
+    if (!rope_inside)  // (inside: "rope + kv store" would find the start of "rope + kv store + attention")
+      CHECK(profiled_calls(report, "rope + kv store") == (fused ? L * steps : -1));
     CHECK(profiled_calls(report, "down gemm + add") == L * steps);
     CHECK(profiled_calls(report, "lm-head") == steps);
     // One q|k|v GEMM where the weights lie together and there is no q/k norm; three otherwise.
@@ -567,35 +637,12 @@ TEST_CASE("CUDA decoder: SHARDLM_DECODE_PROFILE=1 changes no token and times eve
 
 // The fused q|k|v rows' RoPE and cache store in one kernel (rope_store_kv) write
 // the bits the two kernels write: the same completions, eager and replayed.
-TEST_CASE("CUDA decoder: RoPE and the cache store in one kernel = the two kernels, bit for bit") {
+TEST_CASE("CUDA decoder: RoPE and the cache store in one kernel, or inside the attention, = the two kernels, bit for bit") {
   require_gpu();
-  InferenceModel m = bf16_fixture("llama-gqa-tied");  // q, k, v adjacent: the fused decode path
-  const auto prompts = fixture_prompts(m.config().vocab_size);
-  const std::vector<GenerateRequest> requests = sample_requests(prompts, 4);
-  const DecoderLimits limits = plan_limits(m.config(), requests, 4, 16, "test");
-  GenerateOptions o;
-  o.sampling = SamplingParams{0.8, 20, 0.9, 3};
-  o.max_new_tokens = 16;
-  for (const char* graphs : {static_cast<const char*>(nullptr), "0"}) {
-    CAPTURE((graphs ? "eager" : "graphs"));
-    auto run = [&](const char* fused) {
-      std::unique_ptr<Decoder> d =
-          cuda_decoder_with({{"SHARDLM_DECODE_GRAPHS", graphs}, {"SHARDLM_DECODE_ROPE_STORE", fused}}, m, limits);
-      CHECK(d->describe().find("q|k|v as one GEMM") != std::string::npos);
-      return generate(*d, requests, o);
-    };
-    check_same_completions(run(nullptr), run("0"), 0.0f);
-  }
-}
-
-// Decode attention blocks of 2, 4 or 8 query heads (SHARDLM_DECODE_HPB; the
-// default takes 2 for groups of up to 4): every head's scores, softmax and sum
-// are its own, so the completions are the same bit for bit, eager and replayed;
-// so they are with the cache rows loaded at each iteration's start instead of
-// one ahead (SHARDLM_DECODE_PREFETCH=0).
-TEST_CASE("CUDA decoder: decode attention with 2, 4 or 8 query heads a block, loads ahead or not, gives the same bits") {
-  require_gpu();
-  for (const char* name : {"llama-gqa-tied", "qwen3-qknorm"}) {
+  // q, k, v adjacent: the fused decode path. At head dim 64 the tensor-core
+  // attention rotates and stores itself by default (SHARDLM_DECODE_ROPE_ATTENTION=0:
+  // the RoPE-and-store kernel first); at 16 it never does.
+  for (const char* name : {"llama-gqa-tied", "llama-d64"}) {
     CAPTURE(name);
     InferenceModel m = bf16_fixture(name);
     const auto prompts = fixture_prompts(m.config().vocab_size);
@@ -606,18 +653,58 @@ TEST_CASE("CUDA decoder: decode attention with 2, 4 or 8 query heads a block, lo
     o.max_new_tokens = 16;
     for (const char* graphs : {static_cast<const char*>(nullptr), "0"}) {
       CAPTURE((graphs ? "eager" : "graphs"));
-      auto run = [&](const char* hpb, const char* prefetch) {  // set while decoding: eager steps read them
-        const ScopedEnv scoped(
-            {{"SHARDLM_DECODE_GRAPHS", graphs}, {"SHARDLM_DECODE_HPB", hpb}, {"SHARDLM_DECODE_PREFETCH", prefetch}});
-        std::unique_ptr<Decoder> d = make_decoder(m, limits, "cuda");
+      auto run = [&](const char* fused, const char* in_attention) {
+        std::unique_ptr<Decoder> d = cuda_decoder_with({{"SHARDLM_DECODE_GRAPHS", graphs},
+                                                        {"SHARDLM_DECODE_ROPE_STORE", fused},
+                                                        {"SHARDLM_DECODE_ROPE_ATTENTION", in_attention}},
+                                                       m, limits);
+        CHECK(d->describe().find("q|k|v as one GEMM") != std::string::npos);
         return generate(*d, requests, o);
       };
       const auto base = run(nullptr, nullptr);
+      check_same_completions(base, run("0", nullptr), 0.0f);
+      check_same_completions(base, run(nullptr, "0"), 0.0f);
+    }
+  }
+}
+
+// The vectorised decode attention (head dims 32 and 256, or forced with
+// SHARDLM_DECODE_ATTENTION=vec) in blocks of 2, 4 or 8 query heads
+// (SHARDLM_DECODE_HPB; the default takes 4 for groups of up to 4): every
+// head's scores, softmax and sum are its own, so the completions are the same
+// bit for bit, eager and replayed; so they are with the cache rows loaded at
+// each iteration's start instead of one ahead (SHARDLM_DECODE_PREFETCH=0). At
+// head dim 64 the default, the tensor-core kernel, gives other bits (its
+// probabilities are rounded to bf16): test_decode's kernel and decoder cases
+// check it against the CPU.
+TEST_CASE("CUDA decoder: decode attention with 2, 4 or 8 query heads a block, loads ahead or not, gives the same bits") {
+  require_gpu();
+  for (const char* name : {"qwen3-qknorm", "llama-d64"}) {
+    CAPTURE(name);
+    InferenceModel m = bf16_fixture(name);
+    const auto prompts = fixture_prompts(m.config().vocab_size);
+    const std::vector<GenerateRequest> requests = sample_requests(prompts, 4);
+    const DecoderLimits limits = plan_limits(m.config(), requests, 4, 16, "test");
+    GenerateOptions o;
+    o.sampling = SamplingParams{0.8, 20, 0.9, 3};
+    o.max_new_tokens = 16;
+    for (const char* graphs : {static_cast<const char*>(nullptr), "0"}) {
+      CAPTURE((graphs ? "eager" : "graphs"));
+      // Set while decoding: eager steps read them.
+      auto run = [&](const char* kernel, const char* hpb, const char* prefetch) {
+        const ScopedEnv scoped({{"SHARDLM_DECODE_GRAPHS", graphs},
+                                {"SHARDLM_DECODE_ATTENTION", kernel},
+                                {"SHARDLM_DECODE_HPB", hpb},
+                                {"SHARDLM_DECODE_PREFETCH", prefetch}});
+        std::unique_ptr<Decoder> d = make_decoder(m, limits, "cuda");
+        return generate(*d, requests, o);
+      };
+      const auto vec = run("vec", nullptr, nullptr);
       for (const char* hpb : {"2", "4", "8"})
         for (const char* prefetch : {static_cast<const char*>(nullptr), "0"}) {
           CAPTURE(hpb);
           CAPTURE((prefetch ? "loads at each iteration" : "loads ahead"));
-          check_same_completions(base, run(hpb, prefetch), 0.0f);
+          check_same_completions(vec, run("vec", hpb, prefetch), 0.0f);
         }
     }
   }
@@ -625,7 +712,7 @@ TEST_CASE("CUDA decoder: decode attention with 2, 4 or 8 query heads a block, lo
 
 TEST_CASE("CUDA decoder: full-batch steps replayed as the CUDA graphs captured at start-up (in pieces, or one) = the same steps eagerly") {
   require_gpu();
-  for (const char* name : {"llama-gqa-tied", "qwen3-qknorm"}) {
+  for (const char* name : {"llama-gqa-tied", "qwen3-qknorm", "llama-d64"}) {
     CAPTURE(name);
     InferenceModel m = bf16_fixture(name);
     const auto prompts = fixture_prompts(m.config().vocab_size);
