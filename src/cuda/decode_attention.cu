@@ -348,7 +348,7 @@ decode_partial_vec_kernel(bf16* __restrict__ out, float* __restrict__ part_o, fl
 // in Q's fragments) and O's columns are (dim n D/8 + t of n-tile t). Per 16
 // positions and up to 8 heads a warp issues ~80 instructions where the
 // vectorised kernel issues ~1,800 (the conversions, FMAs and shuffles of
-// every head); docs/benchmarks.md "Session 20's calls".
+// every head); docs/benchmarks.md "Session 20's decode calls".
 __device__ __forceinline__ void mma_bf16_16816(float (&c)[4], uint32_t a0, uint32_t a2, uint32_t b0, uint32_t b1) {
   asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
@@ -447,7 +447,7 @@ decode_partial_mma_kernel(bf16* __restrict__ out, float* __restrict__ part_o, fl
   // (n-tile 1), this lane's dims; V rows p0 + 2 t4, + 1, p0 + 8 + 2 t4, + 1 (P's k
   // index = position - p0), dims g D/8 ... Loading the next step's rows into
   // registers ahead, or asking them into L2, measured no faster (1.302 and
-  // 1.298 against 1.288 ms a decode step; docs/benchmarks.md "Session 20's calls").
+  // 1.298 against 1.288 ms a decode step; docs/benchmarks.md "Session 20's decode calls").
   for (int p0 = start + warp * 16; p0 < end; p0 += kWarps * 16) {
     uint4 kr[2][QV], vr[4][VV];
 #pragma unroll
