@@ -95,7 +95,7 @@ UNIT_OBJS := $(patsubst %.cpp,$(BUILD)/obj/%.o,$(wildcard tests/unit/*.cpp)) $(B
 MPI_OBJS  := $(patsubst %.cpp,$(BUILD)/obj/%.o,$(wildcard tests/mpi/*.cpp)) $(BUILD)/obj/tests/main_mpi.o
 GPU_OBJS  := $(patsubst %.cpp,$(BUILD)/obj/%.o,$(wildcard tests/gpu/*.cpp)) $(BUILD)/obj/tests/main_unit.o
 
-.PHONY: all run run-text test test-gpu test-sanitize test-suites clean deps bench-cpu-adamw bench-h2d
+.PHONY: all run run-text test test-gpu test-sanitize test-suites clean deps bench-cpu-adamw bench-h2d bench-gemm-algos
 all: $(BUILD)/shardlm $(BUILD)/test_unit $(BUILD)/test_mpi
 
 $(BUILD)/shardlm: $(BUILD)/obj/src/main.o $(LIB_OBJS)
@@ -128,6 +128,14 @@ bench-h2d: $(BUILD)/bench_h2d
 $(BUILD)/bench_h2d: tools/bench_h2d.cu
 	@mkdir -p $(dir $@)
 	$(NVCC) -O2 -std=c++17 $(CUDA_ARCH) -Xcompiler -fopenmp,-Wall,-Wextra $< -o $@ -lgomp
+
+# The decode GEMMs' candidate algorithms timed one by one (tools/bench_gemm_algos.cu);
+# standalone, not part of `all`.
+bench-gemm-algos: $(BUILD)/bench_gemm_algos
+
+$(BUILD)/bench_gemm_algos: tools/bench_gemm_algos.cu
+	@mkdir -p $(dir $@)
+	$(NVCC) -O2 -std=c++17 $(CUDA_ARCH) -Xcompiler -Wall,-Wextra $< -o $@ -lcublasLt
 
 $(BUILD)/obj/%.o: %.cpp
 	@mkdir -p $(dir $@)

@@ -82,6 +82,7 @@ def run_shardlm(args, model_dir, prompts, out, sampling, graphs=True, host_sampl
     p = subprocess.run(cmd, capture_output=True, text=True, env=env)
     wall = time.time() - t0
     sys.stdout.write(p.stdout)
+    sys.stdout.write("".join(line + "\n" for line in p.stderr.splitlines() if line.startswith("decoder:")))
     if p.returncode != 0:
         sys.stdout.write(p.stderr)
         sys.exit(f"shardlm generate failed ({p.returncode}): {' '.join(cmd)}")

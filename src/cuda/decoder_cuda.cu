@@ -183,11 +183,11 @@ class CudaDecoder final : public Decoder {
   // plans), as inference engines capture theirs at start-up; every full-batch
   // step replays them. ~230 launches a step at the 1B shape cost more host time
   // than the GPU needs. In pieces (step_pieces): the embedding alone, then 1,
-  // 2, 4, 4, ... layers, the head with the last, so that the GPU waits only for
-  // the first, one-kernel piece's launch and the host launches each next piece
-  // while the GPU runs the one before (one graph of ~200 nodes took the host
-  // 0.24 ms to launch, the GPU idle all that time; SHARDLM_DECODE_GRAPH_PIECES=1
-  // captures the one graph, to compare).
+  // 2, 4, 8, 8, ... layers, the head with the last, so that the GPU waits only
+  // for the first, one-kernel piece's launch and the host launches each next
+  // piece while the GPU runs the one before (one graph of ~200 nodes took the
+  // host 0.24 ms to launch, the GPU idle all that time;
+  // SHARDLM_DECODE_GRAPH_PIECES=1 captures the one graph, to compare).
   void capture_full_step();
   struct StepPiece {
     bool embed;        // the embedding first
@@ -781,9 +781,18 @@ void CudaDecoder::capture_full_step() {
     in.h(StepInts::Lens)[b] = 1;
   }
   send_inputs(decode_in_);
+  // SHARDLM_DECODE_GEMM_TUNE=1: the full-batch step's GEMMs time cuBLASLt's
+  // candidates here and keep the fastest (Gemm::set_autotune).
+  const bool tune = env_is("SHARDLM_DECODE_GEMM_TUNE", "1");
+  gemm_->set_autotune(tune);
   run_layers(S, /*prefill=*/false);
   head(x_, S);
+  gemm_->set_autotune(false);
   CUDA_CHECK(cudaStreamSynchronize(stream_));
+  if (tune)
+    for (const cuda::Gemm::Tuned& t : gemm_->tuned())
+      std::fprintf(stderr, "decoder: GEMM %lld x %lld x %lld: candidate %d of %d, %.2f us (the heuristic's first %.2f)\n",
+                   (long long)t.M, (long long)t.N, (long long)t.K, t.chosen, t.candidates, t.chosen_us, t.first_us);
   // Every pointer the step reads is fixed: its inputs are decode_in_'s, the
   // weights and cache never move, the decode attention's grid depends on
   // max_len only. x_ and x_out_ swap once per layer inside layers(): each piece
@@ -809,8 +818,13 @@ void CudaDecoder::capture_full_step() {
 std::vector<CudaDecoder::StepPiece> CudaDecoder::step_pieces() const {
   const int L = int(model_.config().num_layers);
   if (env_is("SHARDLM_DECODE_GRAPH_PIECES", "1")) return {{true, 0, L}};  // the one graph
+  // The embedding alone first (the host launches a graph at ~3.5 us a node: with
+  // the first layer in it the GPU waited ~40 us for it, against ~9 + 21 us for
+  // the embedding's and then the layer's), then 1, 2, 4, 8, 8, ... layers: few
+  // boundaries (each costs the GPU ~4 us), each piece launched while the one
+  // before runs (docs/benchmarks.md "Session 21's decode calls").
   std::vector<StepPiece> pieces = {{true, 0, 0}};
-  for (int first = 0, size = 1; first < L; first += size, size = std::min(2 * size, 4))
+  for (int first = 0, size = 1; first < L; first += size, size = std::min(2 * size, 8))
     pieces.push_back({false, first, std::min(L, first + size)});
   return pieces;
 }
