@@ -364,7 +364,8 @@ class CudaBackend final : public Backend {
       rows.push_back(bytes_row("ring.query_bounds", w, R::bounds_bytes(d.N), &ring_buffers_.query_bounds));
     }
     if (o.fp8 != Fp8Mode::None) {  // the projections' FP8 operands (cuda/fp8_linear.hpp)
-      const cuda::Fp8Linear::Sizes s = cuda::Fp8Linear::sizes(c, d.N, o.fp8_weight_cache);
+      const bool one_pass = cuda::Fp8Linear::dout_one_pass(o.fp8, c, d.N);
+      const cuda::Fp8Linear::Sizes s = cuda::Fp8Linear::sizes(c, d.N, o.fp8_weight_cache, one_pass);
       if (o.fp8_weight_cache) {  // every layer's weights' codes, kept across micro-batches
         rows.push_back(row("fp8.weight_cache_codes", w, s.cache_code_bytes, &fp8_buffers_.cache_codes));
         rows.push_back(row("fp8.weight_cache_scales", w, s.cache_scale_count, &fp8_buffers_.cache_scales));
@@ -372,6 +373,7 @@ class CudaBackend final : public Backend {
       rows.push_back(row("fp8.a_codes", w, s.a_code_bytes, &fp8_buffers_.a_codes));
       rows.push_back(row("fp8.b_codes", w, s.b_code_bytes, &fp8_buffers_.b_codes));
       rows.push_back(row("fp8.x_codes", w, s.x_code_bytes, &fp8_buffers_.x_codes));
+      if (one_pass) rows.push_back(row("fp8.t_codes", w, s.t_code_bytes, &fp8_buffers_.t_codes));
       rows.push_back(row("fp8.a_scales", w, 3 * s.scale_count, &fp8_buffers_.a_scales));
       rows.push_back(row("fp8.b_scales", w, 3 * s.scale_count, &fp8_buffers_.b_scales));
       rows.push_back(row("fp8.x_scales", w, 3 * s.scale_count, &fp8_buffers_.x_scales));

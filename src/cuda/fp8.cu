@@ -202,7 +202,8 @@ __global__ void quantize_vec_kernel(const bf16* __restrict__ x, int64_t rows, in
 constexpr int kTile = 64, kTilePad = 68;  // a padded row keeps a column's 8 bytes on 8 banks
 __global__ void __launch_bounds__(kThreads)
 quantize_transpose_vec_kernel(const bf16* __restrict__ x, int64_t rows, int64_t cols, int64_t ld,
-                              const ScaleSource src, Fp8Scaling scaling, Fp8Format f, uint8_t* __restrict__ codes) {
+                              const ScaleSource src, Fp8Scaling scaling, Fp8Format f, uint8_t* __restrict__ codes,
+                              uint8_t* __restrict__ plain) {
   __shared__ __align__(16) uint8_t tile[kTile][kTilePad];
   const __nv_fp8_interpretation_t kind = interpretation(f);
   const Scales sc = scales_of(src, scaling);
@@ -212,12 +213,16 @@ quantize_transpose_vec_kernel(const bf16* __restrict__ x, int64_t rows, int64_t 
     const int64_t r = r0 + y, c = c0 + 8 * seg;
     const uint4 raw = *reinterpret_cast<const uint4*>(x + r * ld + c);
     const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+    uint2 out = {0u, 0u};
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       const float v = j % 2 == 0 ? __low2float(h[j / 2]) : __high2float(h[j / 2]);
       const float s = sc.at(scaling, r, c + j);
-      tile[y][8 * seg + j] = __nv_cvt_float_to_fp8(__fmul_rn(v, s), __NV_SATFINITE, kind);
+      const uint8_t code = __nv_cvt_float_to_fp8(__fmul_rn(v, s), __NV_SATFINITE, kind);
+      tile[y][8 * seg + j] = code;
+      (j < 4 ? out.x : out.y) |= uint32_t(code) << (8 * (j % 4));
     }
+    if (plain) *reinterpret_cast<uint2*>(plain + r * cols + c) = out;  // the same codes, (rows, cols)
   }
   __syncthreads();
   for (int y = line; y < kTile; y += kThreads / 8) {  // codes row c0 + y: tile column y, rows 8 seg .. 8 seg + 7
@@ -311,14 +316,22 @@ void fp8_scales(const float* amax, int64_t n, Fp8Format f, float* scale, float* 
 
 namespace {
 
+// Whether the 64 x 64 transpose kernel takes x (and can write the plain codes beside).
+bool transpose_vec_ok(const bf16* x, int64_t rows, int64_t cols, int64_t ld, const uint8_t* codes,
+                      const uint8_t* plain) {
+  const bool x16 = reinterpret_cast<uintptr_t>(x) % 16 == 0 && ld % 8 == 0;  // every row 16-byte aligned
+  return rows % kTile == 0 && cols % kTile == 0 && x16 && reinterpret_cast<uintptr_t>(codes) % 8 == 0 &&
+         reinterpret_cast<uintptr_t>(plain) % 8 == 0 && rows / kTile <= 65535;
+}
+
 void launch_quantize(const bf16* x, int64_t rows, int64_t cols, const ScaleSource& scale, Fp8Scaling scaling,
-                     Fp8Format f, uint8_t* codes, bool transpose, cudaStream_t stream, int64_t ld) {
+                     Fp8Format f, uint8_t* codes, bool transpose, cudaStream_t stream, int64_t ld,
+                     uint8_t* plain = nullptr) {
   if (ld == 0) ld = cols;
   const bool x16 = reinterpret_cast<uintptr_t>(x) % 16 == 0 && ld % 8 == 0;  // every row 16-byte aligned
-  if (transpose && rows % kTile == 0 && cols % kTile == 0 && x16 && reinterpret_cast<uintptr_t>(codes) % 8 == 0 &&
-      rows / kTile <= 65535) {
+  if (transpose && transpose_vec_ok(x, rows, cols, ld, codes, plain)) {
     const dim3 grid(static_cast<unsigned>(cols / kTile), static_cast<unsigned>(rows / kTile));
-    quantize_transpose_vec_kernel<<<grid, kThreads, 0, stream>>>(x, rows, cols, ld, scale, scaling, f, codes);
+    quantize_transpose_vec_kernel<<<grid, kThreads, 0, stream>>>(x, rows, cols, ld, scale, scaling, f, codes, plain);
   } else if (transpose) {
     const dim3 grid(static_cast<unsigned>((cols + 31) / 32), static_cast<unsigned>((rows + 31) / 32));
     quantize_transpose_kernel<<<grid, dim3(32, 8), 0, stream>>>(x, rows, cols, ld, scale, scaling, f, codes);
@@ -346,6 +359,18 @@ void fp8_quantize_tensor(const bf16* x, int64_t rows, int64_t cols, const float*
   if (rows == 0 || cols == 0) return fp8_scales(amax, 1, f, scale, inv_scale, stream);
   launch_quantize(x, rows, cols, {nullptr, amax, cpu::fp8_max(f), scale, inv_scale}, Fp8Scaling::Tensor, f, codes,
                   transpose, stream, ld);
+}
+
+void fp8_quantize_tensor_both(const bf16* x, int64_t rows, int64_t cols, const float* amax, Fp8Format f,
+                              float* scale, float* inv_scale, uint8_t* plain, uint8_t* transposed,
+                              cudaStream_t stream, int64_t ld) {
+  if (rows == 0 || cols == 0) return fp8_scales(amax, 1, f, scale, inv_scale, stream);
+  if (ld == 0) ld = cols;
+  const ScaleSource src{nullptr, amax, cpu::fp8_max(f), scale, inv_scale};
+  if (transpose_vec_ok(x, rows, cols, ld, transposed, plain))
+    return launch_quantize(x, rows, cols, src, Fp8Scaling::Tensor, f, transposed, true, stream, ld, plain);
+  launch_quantize(x, rows, cols, src, Fp8Scaling::Tensor, f, plain, false, stream, ld);  // two passes
+  launch_quantize(x, rows, cols, src, Fp8Scaling::Tensor, f, transposed, true, stream, ld);
 }
 
 Fp8Gemm::Fp8Gemm(cudaStream_t stream, void* workspace, size_t workspace_bytes)

@@ -51,6 +51,12 @@ void fp8_quantize(const bf16* x, int64_t rows, int64_t cols, const float* scale,
 // fp8_scales does and writes it and its inverse): the same codes and scales.
 void fp8_quantize_tensor(const bf16* x, int64_t rows, int64_t cols, const float* amax, Fp8Format f, float* scale,
                          float* inv_scale, uint8_t* codes, bool transpose, cudaStream_t stream, int64_t ld = 0);
+// Both copies at one tensor scale: plain (rows, cols) and transposed (cols, rows)
+// codes, as fp8_quantize_tensor writes each, from one read of x where the 64 x 64
+// transpose kernel takes it (rows and cols multiples of 64, aligned; else two passes).
+void fp8_quantize_tensor_both(const bf16* x, int64_t rows, int64_t cols, const float* amax, Fp8Format f,
+                              float* scale, float* inv_scale, uint8_t* plain, uint8_t* transposed,
+                              cudaStream_t stream, int64_t ld = 0);
 
 // C (M, N) = alpha (a_inv A) (b_inv B)^T + beta C_in, row-major: A (M, K) and B (N, K)
 // FP8 codes with K contiguous (row strides lda, ldb), a_inv / b_inv device fp32

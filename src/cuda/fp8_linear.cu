@@ -2,6 +2,8 @@
 #include "cuda/fp8_linear.hpp"
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 #include <utility>
 
 #include "cuda/check.hpp"
@@ -36,11 +38,18 @@ std::pair<int64_t, int64_t> Fp8Linear::weight_shape(const ModelConfig& c, Weight
   SHARDLM_FAIL("internal: no FP8 weight %d", int(w));
 }
 
-Fp8Linear::Sizes Fp8Linear::sizes(const ModelConfig& c, int64_t N, bool cache) {
+bool Fp8Linear::dout_one_pass(Fp8Mode mode, const ModelConfig& c, int64_t N) {
+  const char* env = std::getenv("SHARDLM_FP8_DOUT_ONE_PASS");
+  return mode == Fp8Mode::Tensorwise && N * widest(c) <= kOnePassBytes && !(env && std::strcmp(env, "0") == 0);
+}
+
+Fp8Linear::Sizes Fp8Linear::sizes(const ModelConfig& c, int64_t N, bool cache, bool one_pass) {
   const int64_t width = widest(c);
   // A: x (N, IC), dout (N, OC), dout^T (OC, N). B: W (OC, IC), W^T (IC, OC). X: x^T (IC, N).
+  // T: dout^T (OC, N) beside dout in A (one_pass).
   // Scales: A's rows are N tokens or OC channels; B's OC or IC channels; X's IC channels.
   Sizes s{N * width, largest_weight(c), N * width, scale_block(std::max(N, width))};
+  if (one_pass) s.t_code_bytes = N * width;
   if (cache)
     for (int w = 0; w < kWeights; ++w) {  // per layer: both orientations' codes and scale blocks
       const auto [oc, ic] = weight_shape(c, Weight(w));
@@ -119,6 +128,17 @@ void Fp8Linear::quantize(const bf16* x, int64_t rows, int64_t cols, Fp8Scaling s
   fp8_quantize(x, rows, cols, scale, scaling, f, codes, transpose, stream_, ld);
 }
 
+void Fp8Linear::quantize_both(const bf16* x, int64_t rows, int64_t cols, Fp8Format f, uint8_t* plain,
+                              uint8_t* transposed, float* scales, int64_t ld, Amax given) {
+  SHARDLM_CHECK(!rowwise_ && (given.at != nullptr || !given.ready), "internal: FP8 one-pass codes under rowwise "
+                "scaling or an amax said ready with nowhere to read it");
+  float* inv = scales;
+  float* amax = given.at ? given.at : scales + scale_block(1);
+  float* scale = scales + 2 * scale_block(1);
+  if (!given.ready) fp8_amax(x, rows, cols, ld ? ld : cols, amax, stream_);
+  fp8_quantize_tensor_both(x, rows, cols, amax, f, scale, inv, plain, transposed, stream_, ld);
+}
+
 void Fp8Linear::forward(bf16* out, int64_t ldc, const bf16* inp, const bf16* weight, const bf16* bias, int64_t N,
                         int64_t IC, int64_t OC, const bf16* residual, bool same_input, int slot, Amax inp_amax) {
   const Fp8Scaling along_k = rowwise_ ? Fp8Scaling::Rows : Fp8Scaling::Tensor;
@@ -145,24 +165,35 @@ void Fp8Linear::backward(bf16* dinp, bool accumulate_dinp, float* dweight, float
                 static_cast<long long>(ldo));
   const Fp8Scaling rows = rowwise_ ? Fp8Scaling::Rows : Fp8Scaling::Tensor;
   const Fp8Scaling cols = rowwise_ ? Fp8Scaling::Cols : Fp8Scaling::Tensor;
+  // dout^T's codes for dweight: written with dout's plain ones from one read when
+  // there is room for both (t_codes, tensorwise), else a second pass after dinp's GEMM.
+  uint8_t* dout_t = nullptr;
   if (dinp != nullptr) {
     // dinp (N, IC) = dout (N, OC) W (OC, IC): A = dout, B = W^T (IC, OC).
-    quantize(dout, N, OC, rows, cpu::kFp8GradFormat, false, buf_.a_codes, buf_.a_scales, ldo, false, dout_amax);
+    if (buf_.t_codes && !rowwise_) {
+      quantize_both(dout, N, OC, cpu::kFp8GradFormat, buf_.a_codes, buf_.t_codes, buf_.a_scales, ldo, dout_amax);
+      dout_t = buf_.t_codes;
+    } else {
+      quantize(dout, N, OC, rows, cpu::kFp8GradFormat, false, buf_.a_codes, buf_.a_scales, ldo, false, dout_amax);
+    }
     const Operand w = weight_operand(weight, OC, IC, /*transposed=*/true, slot);
     gemm_.matmul(N, IC, OC, buf_.a_codes, cpu::kFp8GradFormat, OC, buf_.a_scales, w.codes, Fp8Format::E4M3,
                  OC, w.scales, rowwise_, dinp, IC, GemmOut::BF16, 1.0f, accumulate_dinp ? 1.0f : 0.0f);
   }
   // dweight (OC, IC) += dout^T (OC, N) inp (N, IC): A = dout^T, B = inp^T (IC, N).
   // One tensor scale serves dout's two copies: the amax above is dout's whole.
-  quantize(dout, N, OC, cols, cpu::kFp8GradFormat, true, buf_.a_codes, buf_.a_scales, ldo,
-           /*reuse_scales=*/dinp != nullptr && !rowwise_, dout_amax);
+  if (dout_t == nullptr) {
+    quantize(dout, N, OC, cols, cpu::kFp8GradFormat, true, buf_.a_codes, buf_.a_scales, ldo,
+             /*reuse_scales=*/dinp != nullptr && !rowwise_, dout_amax);
+    dout_t = buf_.a_codes;
+  }
   if (same_input) {
     SHARDLM_CHECK(x_held_.is(inp, N, IC), "internal: an FP8 backward reusing input codes of another input or shape");
   } else {
     quantize(inp, N, IC, cols, Fp8Format::E4M3, true, buf_.x_codes, buf_.x_scales, 0, false, inp_amax);
     x_held_ = {inp, N, IC};
   }
-  gemm_.matmul(OC, IC, N, buf_.a_codes, cpu::kFp8GradFormat, N, buf_.a_scales, buf_.x_codes, Fp8Format::E4M3, N,
+  gemm_.matmul(OC, IC, N, dout_t, cpu::kFp8GradFormat, N, buf_.a_scales, buf_.x_codes, Fp8Format::E4M3, N,
                buf_.x_scales, rowwise_, dweight, IC, GemmOut::F32, 1.0f, 1.0f);
   if (dbias != nullptr) bias_grad(dbias, dout, N, OC, bias_scratch, bias_scratch_bytes, stream_);
 }

@@ -13,7 +13,8 @@
 // operand twice where the emulation's codes are the same: projections sharing
 // an input (q, k, v; gate, up) quantise it once in the forward and its
 // transpose once in the backward; under tensorwise scaling dout's one scale
-// serves both its copies (plain for dinp, transposed for dweight); a residual
+// serves both its copies (plain for dinp, transposed for dweight), written
+// from one read where the T buffer is planned (dout_one_pass); a residual
 // is the GEMM's C, not a copy into the output; dgate and dup are read in place
 // inside dgate|dup. With model.fp8_weight_cache each layer's weights keep
 // their codes (plain for the forward, transposed for dinp) from their first
@@ -61,6 +62,9 @@ class Fp8Linear {
     float* b_scales = nullptr;   // (3 x scale_count)
     uint8_t* x_codes = nullptr;  // (x_code_bytes) the backward's inp^T codes, kept while the input is shared
     float* x_scales = nullptr;   // (3 x scale_count)
+    // (t_code_bytes; nullptr: none) dout^T's codes, written with dout's plain ones
+    // in one read (dout_one_pass).
+    uint8_t* t_codes = nullptr;
     // model.fp8_weight_cache: every layer's weights' codes, both orientations
     // (cache_code_bytes), and their scale blocks (cache_scale_count floats).
     uint8_t* cache_codes = nullptr;
@@ -69,9 +73,18 @@ class Fp8Linear {
   struct Sizes {
     int64_t a_code_bytes, b_code_bytes, x_code_bytes, scale_count;
     int64_t cache_code_bytes = 0, cache_scale_count = 0;  // 0 without the weight cache
+    int64_t t_code_bytes = 0;                             // 0 without dout_one_pass
   };
-  // For layers of model c over up to N tokens (the weight cache's for every layer when `cache`).
-  static Sizes sizes(const ModelConfig& c, int64_t N, bool cache = false);
+  // For layers of model c over up to N tokens (the weight cache's for every layer
+  // when `cache`; dout^T's buffer when `one_pass`).
+  static Sizes sizes(const ModelConfig& c, int64_t N, bool cache = false, bool one_pass = false);
+  // Whether the backward quantises dout's plain and transposed codes in one read
+  // (tensorwise: one scale serves both): it needs a second buffer of N x the widest
+  // projection's bytes, so only while that is at most kOnePassBytes (the 1B shape
+  // to 32K tokens; the 8B shape's 131K tokens would need 1.9 GB). The default;
+  // SHARDLM_FP8_DOUT_ONE_PASS=0 keeps two passes, to compare.
+  static constexpr int64_t kOnePassBytes = int64_t(256) << 20;
+  static bool dout_one_pass(Fp8Mode mode, const ModelConfig& c, int64_t N);
   // A layer's projection weights, in the order of their cache slots.
   enum Weight { Q, K, V, O, Gate, Up, Down, kWeights };
   // A weight's (OC, IC).
@@ -115,6 +128,9 @@ class Fp8Linear {
   // under tensorwise scaling `amax` says where x's amax is or goes.
   void quantize(const bf16* x, int64_t rows, int64_t cols, Fp8Scaling scaling, Fp8Format f, bool transpose,
                 uint8_t* codes, float* scales, int64_t ld = 0, bool reuse_scales = false, Amax amax = {});
+  // Tensorwise: x's plain and transposed codes at one scale (fp8_quantize_tensor_both).
+  void quantize_both(const bf16* x, int64_t rows, int64_t cols, Fp8Format f, uint8_t* plain, uint8_t* transposed,
+                     float* scales, int64_t ld, Amax amax);
 
   bool rowwise_;
   Buffers buf_;

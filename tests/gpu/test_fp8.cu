@@ -248,6 +248,28 @@ void kernel_checks(uint64_t seed, cudaStream_t stream) {
             check_count(std::string("quantize ") + name_of(f) + " per tensor, scale in the kernel" +
                             (transpose ? ", transposed " : " ") + shape,
                         bad, n + 1);
+            if (transpose) {
+              // Both copies from one read (fp8_quantize_tensor_both): the plain
+              // codes as the plain pass writes them, the transposed as above.
+              uint8_t* plain = device_alloc<uint8_t>(size_t(n));
+              CUDA_CHECK(cudaMemsetAsync(codes, 0xAB, size_t(n), stream));
+              CUDA_CHECK(cudaMemsetAsync(plain, 0xAB, size_t(n), stream));
+              gpu::fp8_quantize_tensor_both(xw, rows, cols, amax, f, scale2, inv2, plain, codes, stream, ld);
+              CUDA_CHECK(cudaStreamSynchronize(stream));
+              const auto got_t = download(codes, size_t(n)), got_p = download(plain, size_t(n));
+              bad = 0;
+              for (int64_t r = 0; r < rows; ++r)
+                for (int64_t c = 0; c < cols; ++c) {
+                  const uint8_t want = cpu::fp8_bits(xf[size_t(r * cols + c)] * ref_scale[0], f);
+                  bad += got_p[size_t(r * cols + c)] != want;
+                  bad += got_t[size_t(c * rows + r)] != want;
+                }
+              bad += download(scale2, 1)[0] != ref_scale[0] || download(inv2, 1)[0] != 1.0f / ref_scale[0];
+              check_count(std::string("quantize ") + name_of(f) + " per tensor, plain and transposed in one pass " +
+                              shape,
+                          bad, 2 * n + 1);
+              CUDA_CHECK(cudaFree(plain));
+            }
             CUDA_CHECK(cudaFree(scale2));
             CUDA_CHECK(cudaFree(inv2));
           }

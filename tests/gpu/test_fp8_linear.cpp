@@ -210,6 +210,25 @@ TEST_CASE("fp8 linear: cuBLASLt FP8 forward and backward equal the CPU emulation
     CHECK(e_db < 1e-5);
     CHECK(g_y.host() == g_y2.host());  // deterministic
 
+    if (mode == Fp8Mode::Tensorwise) {
+      // dout's plain and transposed codes from one read (t_codes, the default
+      // where there is room): the same codes, so dinp and dweight bit for bit.
+      const cuda::Fp8Linear::Sizes s1 = cuda::Fp8Linear::sizes(c, N, false, /*one_pass=*/true);
+      REQUIRE(s1.t_code_bytes == s.a_code_bytes);
+      DeviceArray<uint8_t> t_codes(size_t(s1.t_code_bytes));
+      cuda::Fp8Linear one(mode, {a_codes.ptr, b_codes.ptr, a_scales.ptr, b_scales.ptr, x_codes.ptr, x_scales.ptr,
+                                 t_codes.ptr},
+                          stream, workspace.ptr, workspace_bytes);
+      DeviceArray<uint16_t> o_dx(size_t(N * IC));
+      DeviceArray<float> o_dw(dw0), o_db(db0);
+      one.backward(o_dx.bf(), false, o_dw.ptr, o_db.ptr, d_dy.bf(), OC, d_x.bf(), d_w.bf(), N, IC, OC,
+                   bias_scratch.ptr, bias_scratch_bytes);
+      TEST_CUDA(cudaStreamSynchronize(stream));
+      CHECK(o_dx.host() == g_dx.host());
+      CHECK(o_dw.host() == g_dw.host());
+      CHECK(o_db.host() == g_db.host());
+    }
+
     // The accumulating forms (beta = 1 onto a bf16 C): the down projection's
     // residual, and k's and v's dinp added to q's.
     std::vector<float> y_plain(size_t(N * OC));
