@@ -44,6 +44,7 @@ struct Shape {
   const char* name;
   long N, K;
   bool f32_out, residual;
+  int parts = 1;  // > 1: K cut into that many parts, one batched GEMM, fp32 parts out
 };
 
 __global__ void fill(__nv_bfloat16* p, size_t n, unsigned seed) {
@@ -75,6 +76,9 @@ int main(int argc, char** argv) {
                           {"o", C, HD, false, false},
                           {"gate|up", 2 * I, C, false, false},
                           {"down + residual", C, I, false, true},
+                          {"down in 2 K-parts (batched, fp32)", C, I, true, false, 2},
+                          {"down in 4 K-parts (batched, fp32)", C, I, true, false, 4},
+                          {"down in 8 K-parts (batched, fp32)", C, I, true, false, 8},
                           {"lm-head (fp32 out)", V, C, true, false}};
   const size_t workspace_bytes = size_t(32) << 20;
   void* workspace;
@@ -101,7 +105,7 @@ int main(int argc, char** argv) {
     const size_t osize = s.f32_out ? 4 : 2;
     CK(cudaMalloc(&a, size_t(M) * s.K * 2));
     CK(cudaMalloc(&cin, size_t(M) * s.N * 2));
-    CK(cudaMalloc(&out, size_t(M) * s.N * osize));
+    CK(cudaMalloc(&out, size_t(M) * s.N * osize * s.parts));
     fill<<<256, 256, 0, stream>>>(a, size_t(M) * s.K, 3u);
     fill<<<256, 256, 0, stream>>>(cin, size_t(M) * s.N, 5u);
 
@@ -112,10 +116,23 @@ int main(int argc, char** argv) {
     LK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &t, sizeof(t)));
     LK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &n, sizeof(n)));
     cublasLtMatrixLayout_t la, lb, lc, ld;
-    LK(cublasLtMatrixLayoutCreate(&la, CUDA_R_16BF, s.K, s.N, s.K));
-    LK(cublasLtMatrixLayoutCreate(&lb, CUDA_R_16BF, s.K, M, s.K));
+    const long kp = s.K / s.parts;  // each product's K; the rows keep their full length
+    LK(cublasLtMatrixLayoutCreate(&la, CUDA_R_16BF, kp, s.N, s.K));
+    LK(cublasLtMatrixLayoutCreate(&lb, CUDA_R_16BF, kp, M, s.K));
     LK(cublasLtMatrixLayoutCreate(&lc, s.f32_out ? CUDA_R_32F : CUDA_R_16BF, s.N, M, s.N));
     LK(cublasLtMatrixLayoutCreate(&ld, s.f32_out ? CUDA_R_32F : CUDA_R_16BF, s.N, M, s.N));
+    if (s.parts > 1) {
+      const int32_t count = s.parts;
+      const int64_t stride_k = kp, stride_c = int64_t(M) * s.N;
+      for (cublasLtMatrixLayout_t l : {la, lb, lc, ld})
+        LK(cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count, sizeof(count)));
+      for (cublasLtMatrixLayout_t l : {la, lb})
+        LK(cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride_k,
+                                            sizeof(stride_k)));
+      for (cublasLtMatrixLayout_t l : {lc, ld})
+        LK(cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride_c,
+                                            sizeof(stride_c)));
+    }
     cublasLtMatmulPreference_t pref;
     LK(cublasLtMatmulPreferenceCreate(&pref));
     const uint64_t ws = workspace_bytes;
@@ -125,7 +142,7 @@ int main(int argc, char** argv) {
     int found = 0;
     LK(cublasLtMatmulAlgoGetHeuristic(lt, op, la, lb, lc, ld, pref, kWant, res, &found));
     const float alpha = 1.0f, beta = s.residual ? 1.0f : 0.0f;
-    const double bytes = double(wbytes) + double(M) * s.K * 2 + double(M) * s.N * osize * (s.residual ? 2 : 1);
+    const double bytes = double(wbytes) + double(M) * s.K * 2 + double(M) * s.N * osize * (s.residual ? 2 : s.parts);
     std::printf("\n%s: N %ld K %ld, %.1f MB a call, floor %.2f us at 4.8 TB/s; %d candidates\n", s.name, s.N, s.K,
                 bytes / 1e6, bytes / 4.8e12 * 1e6, found);
     std::printf("  #  algo tile stages splitK red  cluster   us      TB/s\n");

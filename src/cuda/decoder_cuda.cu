@@ -124,7 +124,8 @@ class CudaDecoder final : public Decoder {
            (!graphs_ ? ""
             : step_graphs_.size() == 1 ? ", decode steps as one CUDA graph"
                                        : ", decode steps as " + std::to_string(step_graphs_.size()) + " CUDA graphs") +
-           (fused_qkv_ ? ", q|k|v as one GEMM" : "");
+           (fused_qkv_ ? ", q|k|v as one GEMM" : "") +
+           (down_split_ ? ", down in " + std::to_string(down_split_) + " K-parts with the next norm" : "");
   }
   int64_t decode_steps() const override { return decode_steps_; }
   double decode_seconds() const override {
@@ -225,6 +226,12 @@ class CudaDecoder final : public Decoder {
   // apart) and their weights adjacent in every layer; SHARDLM_DECODE_FUSED_QKV=0
   // turns it off (to compare).
   bool fused_qkv_ = false;
+  // Decode steps' down projection as S K-parts (4 by default; S in {2, 4, 8}
+  // dividing I into multiples of 8, SHARDLM_DECODE_DOWN_SPLIT=S) reduced with the
+  // residual and the next input norm (layers()); 0: one GEMM with the residual
+  // in its epilogue (cuBLASLt's split-K and its reduce, then the norm's kernel).
+  int down_split_ = 0;
+  float* down_parts_ = nullptr;               // (S, slots, C) fp32: the parts
   bf16 *gu_ = nullptr, *h_ = nullptr;         // (rows, 2 I) gate|up; (rows, I) swiglu
   float *rstd_ = nullptr;                     // (rows H) every norm's rstd (not kept: no backward)
   float *lse_ = nullptr;                      // (rows, H) the flash attention's logsumexp
@@ -310,7 +317,15 @@ void CudaDecoder::plan_buffers(const ModelConfig& c, const ModelLayout& layout, 
   const size_t attention_scratch = cuda::decode_attention_scratch_bytes(limits.slots, c.num_heads, c.head_dim,
                                                                        limits.max_len);
   const int64_t prefill_ints = 4 * rows + 4 * limits.slots, decode_ints = 8 * limits.slots;
+  // The down projection in 4 K-parts by default (1.235 against 1.283 ms a step at
+  // the 1B shape, batch 64: docs/benchmarks.md "Session 21's calls");
+  // SHARDLM_DECODE_DOWN_SPLIT=0 keeps cuBLASLt's one GEMM with the residual.
+  const char* split_env = std::getenv("SHARDLM_DECODE_DOWN_SPLIT");
+  int down_split = split_env ? std::atoi(split_env) : 4;
+  if (!cuda::splitk_residual_rmsnorm_takes(down_split, c.hidden_size) || c.intermediate_size % (8 * down_split) != 0)
+    down_split = 0;
   if (self) {
+    self->down_split_ = down_split;
     self->prefill_rows_ = prefill_rows;
     self->rows_ = rows;
     self->fused_qkv_ = fused;
@@ -351,6 +366,7 @@ void CudaDecoder::plan_buffers(const ModelConfig& c, const ModelLayout& layout, 
   if (fused) add("qkv", Mem::Workspace, S * (HD + 2 * KVD), at(&CudaDecoder::qkv_));
   add("gate_up", Mem::Workspace, R * 2 * I, at(&CudaDecoder::gu_));
   add("h", Mem::Workspace, R * I, at(&CudaDecoder::h_));
+  if (down_split) add("down_parts", Mem::Workspace, down_split * S * C, at(&CudaDecoder::down_parts_));
   add("rstd", Mem::Workspace, R * std::max<int64_t>(H, 1), at(&CudaDecoder::rstd_));
   add("lse", Mem::Workspace, R * H, at(&CudaDecoder::lse_));
   add("doc_start", Mem::Workspace, R, at(&CudaDecoder::doc_start_));
@@ -499,10 +515,18 @@ void CudaDecoder::layers(int64_t N, bool prefill, int first, int last) {
   const ModelLayout& layout = model_.weights->layout;
   const int64_t C = c.hidden_size, I = c.intermediate_size, HD = c.num_heads * c.head_dim;
   const double eps = c.rms_norm_eps;
+  const int L = int(c.num_layers);
+  // Decode steps with SHARDLM_DECODE_DOWN_SPLIT=S: the down projection as S
+  // K-parts (one batched GEMM, fp32 parts), reduced by one kernel with the
+  // residual and the next layer's input norm (cuBLASLt's split-K reduce and the
+  // norm's launch in one), so layers after the first find their input normed.
+  const bool split = !prefill && down_split_ > 1;
   for (int l = first; l < last; ++l) {
     const LayerWeights<const bf16> w = layer_weights(layout.layer(l), static_cast<const bf16*>(unit_w_[size_t(1 + l)]));
-    cuda::rmsnorm_forward(xn_, rstd_, x_, w.input_norm, N, C, eps, stream_);
-    mark("input norm");
+    if (!split || l == 0) {
+      cuda::rmsnorm_forward(xn_, rstd_, x_, w.input_norm, N, C, eps, stream_);
+      mark("input norm");
+    }
     if (!prefill && fused_qkv_)
       attend_fused(l, N, w);
     else
@@ -516,8 +540,22 @@ void CudaDecoder::layers(int64_t N, bool prefill, int first, int last) {
     mark("gate|up gemm");
     cuda::swiglu_forward(h_, I, gu_, 2 * I, gu_ + I, 2 * I, N, I, stream_);
     mark("swiglu");
-    cuda::linear_forward(*gemm_, x_out_, h_, w.w_down, nullptr, N, I, C, /*residual=*/x_mid_);
-    mark("down gemm + add");
+    if (split) {
+      const int64_t part = I / down_split_;
+      gemm_->matmul_batched(false, true, N, C, part, h_, I, part, w.w_down, I, part, down_parts_, C, N * C,
+                            down_split_, cuda::GemmOut::F32);
+      mark("down gemm (K parts)");
+      const bool next = l + 1 < L;
+      const cuda::NormWeight norm =
+          next ? layer_weights(layout.layer(l + 1), static_cast<const bf16*>(unit_w_[size_t(2 + l)])).input_norm
+               : cuda::NormWeight(static_cast<const bf16*>(nullptr));
+      cuda::splitk_residual_rmsnorm_forward(x_out_, next ? xn_ : nullptr, rstd_, x_mid_, down_parts_, down_split_,
+                                            N * C, norm, N, C, eps, stream_);
+      mark("parts + add + next norm");
+    } else {
+      cuda::linear_forward(*gemm_, x_out_, h_, w.w_down, nullptr, N, I, C, /*residual=*/x_mid_);
+      mark("down gemm + add");
+    }
     std::swap(x_, x_out_);
   }
 }

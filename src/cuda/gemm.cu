@@ -78,6 +78,17 @@ Gemm::Plan& Gemm::plan(const Key& key, const Operands& ops) {
     CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.b, CUDA_R_16BF, key.K, key.M, key.lda));
   const cudaDataType_t ctype = key.out == GemmOut::BF16 ? CUDA_R_16BF : CUDA_R_32F;
   CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.c, ctype, key.N, key.M, key.ldc));
+  if (key.batch > 1) {
+    const auto batched = [&](cublasLtMatrixLayout_t l, int64_t stride) {
+      const int32_t count = key.batch;
+      CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count, sizeof(count)));
+      CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride,
+                                                    sizeof(stride)));
+    };
+    batched(p.a, key.stride_b);  // library A = our B
+    batched(p.b, key.stride_a);
+    batched(p.c, key.stride_c);
+  }
 
   cublasLtMatmulPreference_t pref = nullptr;
   CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
@@ -117,7 +128,9 @@ cublasLtMatmulAlgo_t Gemm::fastest(const Key& key, const Plan& p, const Operands
   // The candidates write a scratch D (C may be C_in: the real output is not
   // touched); a 256 MiB memset between runs evicts the L2 (50 MiB on an H100/H200).
   const size_t esize = key.out == GemmOut::BF16 ? sizeof(bf16) : sizeof(float);
-  const size_t d_bytes = size_t(key.ldc) * size_t(key.M) * esize, flush_bytes = size_t(256) << 20;
+  const size_t d_bytes = (key.batch > 1 ? size_t(key.stride_c) * size_t(key.batch) : size_t(key.ldc) * size_t(key.M)) *
+                         esize,
+               flush_bytes = size_t(256) << 20;
   void *d = nullptr, *flush = nullptr;
   cudaEvent_t e0 = nullptr, e1 = nullptr;
   CUDA_CHECK(cudaStreamSynchronize(stream_));
@@ -188,6 +201,29 @@ void Gemm::matmul(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, c
   if (bias) set_desc(p.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, static_cast<const void*>(bias));
   CUBLAS_CHECK(cublasLtMatmul(handle_, p.op, &alpha, B, p.a, A, p.b, &beta, C_in, p.c, C, p.c,
                               &p.algo, workspace_, workspace_bytes_, stream_));
+}
+
+void Gemm::matmul_batched(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const bf16* A,
+                          int64_t lda, int64_t stride_a, const bf16* B, int64_t ldb, int64_t stride_b, void* C,
+                          int64_t ldc, int64_t stride_c, int batch, GemmOut out) {
+  SHARDLM_CHECK(M > 0 && N > 0 && K > 0 && batch >= 1 && lda >= (trans_a ? M : K) && ldb >= (trans_b ? K : N) &&
+                    ldc >= N && stride_c >= ldc * (M - 1) + N,
+                "gemm: bad batched sizes M %lld N %lld K %lld lda %lld ldb %lld ldc %lld, %d products %lld apart",
+                static_cast<long long>(M), static_cast<long long>(N), static_cast<long long>(K),
+                static_cast<long long>(lda), static_cast<long long>(ldb), static_cast<long long>(ldc), batch,
+                static_cast<long long>(stride_c));
+  Key key{trans_a, trans_b, M, N, K, lda, ldb, ldc, out, false,
+          alignment_of(A), alignment_of(B), alignment_of(C), alignment_of(nullptr)};
+  key.batch = batch, key.stride_a = stride_a, key.stride_b = stride_b, key.stride_c = stride_c;
+  // Every product's operands must keep the alignment the plan was asked for.
+  const size_t esize = out == GemmOut::BF16 ? sizeof(bf16) : sizeof(float);
+  key.align_a = std::min(key.align_a, alignment_of(reinterpret_cast<const void*>(stride_a * sizeof(bf16))));
+  key.align_b = std::min(key.align_b, alignment_of(reinterpret_cast<const void*>(stride_b * sizeof(bf16))));
+  key.align_c = std::min(key.align_c, alignment_of(reinterpret_cast<const void*>(stride_c * esize)));
+  const float alpha = 1.0f, beta = 0.0f;
+  Plan& p = plan(key, {A, B, C, nullptr, &alpha, &beta});
+  CUBLAS_CHECK(cublasLtMatmul(handle_, p.op, &alpha, B, p.a, A, p.b, &beta, C, p.c, C, p.c, &p.algo, workspace_,
+                              workspace_bytes_, stream_));
 }
 
 void linear_forward(Gemm& gemm, bf16* out, const bf16* inp, const bf16* weight,

@@ -66,6 +66,14 @@ class Gemm {
   void matmul(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const bf16* A,
               int64_t lda, const bf16* B, int64_t ldb, void* C, int64_t ldc, GemmOut out,
               float alpha, float beta, const bf16* bias = nullptr, const void* C_in = nullptr);
+  // `batch` products of that shape in one call (beta 0, no bias): product i reads
+  // A + i stride_a and B + i stride_b and writes C + i stride_c (elements). With
+  // strides along K it is a split-K whose fp32 parts the caller reduces
+  // (the decoder's down projection: the reduction fused with the residual add and
+  // the next norm).
+  void matmul_batched(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const bf16* A,
+                      int64_t lda, int64_t stride_a, const bf16* B, int64_t ldb, int64_t stride_b, void* C,
+                      int64_t ldc, int64_t stride_c, int batch, GemmOut out);
 
   cudaStream_t stream() const { return stream_; }
   size_t plans_cached() const { return plans_.size(); }  // distinct shapes seen
@@ -93,6 +101,8 @@ class Gemm {
     GemmOut out;
     bool bias;
     uint32_t align_a, align_b, align_c, align_bias;
+    int batch = 1;
+    int64_t stride_a = 0, stride_b = 0, stride_c = 0;
     auto operator<=>(const Key&) const = default;
   };
   struct Plan {

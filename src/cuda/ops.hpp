@@ -90,6 +90,19 @@ void residual_rmsnorm_forward(bf16* residual_out, bf16* normed, float* rstd,
                               int64_t rows, int64_t C, double eps, cudaStream_t stream,
                               float* amax = nullptr);
 
+// A split-K GEMM's reduction with its residual, then the next norm: out (rows, C) =
+// bf16(a + sum_s parts[s]) (parts: S fp32 (rows, C) blocks part_stride elements
+// apart, summed in s order, the residual added last as a GEMM epilogue adds its
+// C), and, when normed is not nullptr, normed = rmsnorm(out) with weight, rstd per
+// row (residual_rmsnorm_forward's arithmetic on the rounded out). out must not
+// alias a; every pointer 16-byte aligned. Takes S in {2, 4, 8} and C a multiple of
+// 8 up to 8192 (splitk_residual_rmsnorm_takes). The CUDA decoder's down
+// projection (src/cuda/decoder_cuda.cu).
+bool splitk_residual_rmsnorm_takes(int S, int64_t C);
+void splitk_residual_rmsnorm_forward(bf16* out, bf16* normed, float* rstd, const bf16* a, const float* parts,
+                                     int S, int64_t part_stride, NormWeight weight, int64_t rows, int64_t C,
+                                     double eps, cudaStream_t stream);
+
 // model.residual_dtype = "fp32": the residual stream (inp, a, residual_out) in fp32.
 // The sum a + b is not rounded (b, a projection's bf16 output, is added exactly as
 // transformers adds a bf16 module output to its fp32 residual under autocast).

@@ -314,6 +314,58 @@ rmsnorm_backward_kernel(TX* dinp, bf16* dinp_bf16, float* __restrict__ partial, 
   block_amax_into<kNormThreads>(amax, m, red);
 }
 
+// One block a row, 8 columns a thread (KMAX x 2048 columns at most): every load
+// (the S parts, the residual, the norm weights) is issued before any arithmetic,
+// so a row costs one memory latency; then the block reduces the squares.
+constexpr int kSplitThreads = 256;
+template <int S, int KMAX>
+__global__ void __launch_bounds__(kSplitThreads)
+splitk_residual_rmsnorm_kernel(bf16* __restrict__ out, bf16* __restrict__ normed, float* __restrict__ rstd,
+                               const bf16* __restrict__ a, const float* __restrict__ parts, int64_t part_stride,
+                               const bf16* __restrict__ wb, const float* __restrict__ wf, int C, float eps) {
+  using P = Pack<bf16, 8>;
+  using F = StreamVec<float, 8>;
+  __shared__ float red[kSplitThreads / 32];
+  const int64_t row = blockIdx.x;
+  float x[KMAX][8], w[KMAX][8];
+  float ss = 0.0f;
+#pragma unroll
+  for (int k = 0; k < KMAX; ++k) {
+    const int c = (k * kSplitThreads + int(threadIdx.x)) * 8;
+    if (c >= C) continue;
+    const int64_t off = row * C + c;
+    F p[S];
+#pragma unroll
+    for (int s = 0; s < S; ++s) p[s] = F::load(parts + s * part_stride + off);
+    const P av = P::load(a + off);
+    if (normed) load_norm_weight(w[k], wb, wf, c);
+    P xo;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      float acc = p[0].get(j);
+#pragma unroll
+      for (int s = 1; s < S; ++s) acc += p[s].get(j);
+      xo.v[j] = to_bf16(acc + f32(av.v[j]));  // as a GEMM epilogue adds its C
+      x[k][j] = f32(xo.v[j]);
+      ss += x[k][j] * x[k][j];
+    }
+    xo.store(out + off);
+  }
+  if (normed == nullptr) return;  // uniform over the block
+  ss = block_reduce<kSplitThreads>(ss, SumOp{}, red);
+  const float r = 1.0f / sqrtf(ss / float(C) + eps);  // as rmsnorm_forward_kernel
+  if (threadIdx.x == 0) rstd[row] = r;
+#pragma unroll
+  for (int k = 0; k < KMAX; ++k) {
+    const int c = (k * kSplitThreads + int(threadIdx.x)) * 8;
+    if (c >= C) continue;
+    P y;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) y.v[j] = to_bf16(w[k][j] * (x[k][j] * r));
+    y.store(normed + row * C + c);
+  }
+}
+
 int64_t norm_rows_per_block(int64_t rows, const NormGeom& g) {
   const int64_t rpi = g.rows_per_iter();
   return rpi * std::max<int64_t>(1, div_up(rows, rpi * kNormMaxPartials));
@@ -369,6 +421,36 @@ void residual_rmsnorm_forward(float* residual_out, bf16* normed, float* rstd, co
                               double eps, cudaStream_t stream, float* amax) {
   launch_rmsnorm_forward<true, float>(residual_out, normed, rstd, a, b, weight, rows, C, eps, stream,
                                       "residual_rmsnorm_forward (fp32 stream)", amax);
+}
+
+bool splitk_residual_rmsnorm_takes(int S, int64_t C) {
+  return (S == 2 || S == 4 || S == 8) && C % 8 == 0 && C <= 4 * 8 * kSplitThreads;
+}
+
+void splitk_residual_rmsnorm_forward(bf16* out, bf16* normed, float* rstd, const bf16* a, const float* parts,
+                                     int S, int64_t part_stride, NormWeight weight, int64_t rows, int64_t C,
+                                     double eps, cudaStream_t stream) {
+  const char* op = "splitk_residual_rmsnorm_forward";
+  check_size(rows, INT_MAX, "rows", op);
+  SHARDLM_CHECK(splitk_residual_rmsnorm_takes(S, C) && part_stride >= rows * C && part_stride % 4 == 0 &&
+                    norm_vec_ok(C, {out, normed, a, parts, weight.ptr()}) && aligned(parts, 16),
+                "%s: %d parts %lld apart for (%lld, %lld), or a pointer not 16-byte aligned", op, S,
+                (long long)part_stride, (long long)rows, (long long)C);
+  if (rows == 0) return;
+  const int K = int(div_up(C, 8 * kSplitThreads));
+#define SHARDLM_SPLIT(SS, KK)                                                                              \
+  splitk_residual_rmsnorm_kernel<SS, KK><<<unsigned(rows), kSplitThreads, 0, stream>>>(                \
+      out, normed, rstd, a, parts, part_stride, weight.b, weight.f, int(C), float(eps))
+#define SHARDLM_SPLIT_K(SS)          \
+  if (K == 1) SHARDLM_SPLIT(SS, 1);  \
+  else if (K == 2) SHARDLM_SPLIT(SS, 2); \
+  else SHARDLM_SPLIT(SS, 4)
+  if (S == 2) { SHARDLM_SPLIT_K(2); }
+  else if (S == 4) { SHARDLM_SPLIT_K(4); }
+  else { SHARDLM_SPLIT_K(8); }
+#undef SHARDLM_SPLIT_K
+#undef SHARDLM_SPLIT
+  CUDA_CHECK(cudaGetLastError());
 }
 
 size_t rmsnorm_backward_scratch_bytes(int64_t rows, int64_t C) {

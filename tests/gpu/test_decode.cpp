@@ -297,16 +297,23 @@ TEST_CASE("decode attention kernel = cpu::attention_decode_forward on bf16 input
 
 TEST_CASE("CUDA decoder = CPU decoder on the fixtures: prefill, 16 decode steps, a refreshed weight") {
   require_gpu();
+  // The down projection in K-parts reduced with the residual and the next input
+  // norm (the default, 4 parts; and 2) or one GEMM with its residual
+  // (SHARDLM_DECODE_DOWN_SPLIT=0): other summation orders, the same bounds.
+  for (const char* split : {static_cast<const char*>(nullptr), "2", "0"})
   for (const std::string name : {"llama-gqa-tied", "qwen2-bias", "qwen3-qknorm", "llama-d64"}) {
     CAPTURE(name);
+    CAPTURE(split);
     InferenceModel m = bf16_fixture(name);
     const int64_t V = m.config().vocab_size;
     const auto prompts = fixture_prompts(V);
     constexpr int kSteps = 16;
     const DecoderLimits limits{4, 17 + kSteps};
     CpuDecoder cpu(m, limits);
-    const std::unique_ptr<Decoder> gpu = make_decoder(m, limits, "cuda");
+    const std::unique_ptr<Decoder> gpu = cuda_decoder_with({{"SHARDLM_DECODE_DOWN_SPLIT", split}}, m, limits);
     REQUIRE(gpu->weight_bytes() > 0);
+    const std::string parts = split == nullptr ? "down in 4 K-parts" : "down in 2 K-parts";
+    CHECK((gpu->describe().find(parts) != std::string::npos) == (split == nullptr || std::string(split) == "2"));
 
     // Prefill into slots out of order; all four prompts in one pass.
     const std::vector<int32_t> slots = {2, 0, 3, 1};
@@ -724,9 +731,11 @@ TEST_CASE("CUDA decoder: full-batch steps replayed as the CUDA graphs captured a
     o.sampling = SamplingParams{0.8, 20, 0.9, 3};
     o.max_new_tokens = 16;
     // The default: the embedding, then pieces of 1, 2, 4, ... layers (2 layers: 3 graphs).
-    auto run = [&](const char* graphs, const char* pieces, const char* described) {
-      std::unique_ptr<Decoder> d = cuda_decoder_with(
-          {{"SHARDLM_DECODE_GRAPHS", graphs}, {"SHARDLM_DECODE_GRAPH_PIECES", pieces}}, m, limits);
+    auto run = [&](const char* graphs, const char* pieces, const char* described, const char* split = nullptr) {
+      std::unique_ptr<Decoder> d = cuda_decoder_with({{"SHARDLM_DECODE_GRAPHS", graphs},
+                                                      {"SHARDLM_DECODE_GRAPH_PIECES", pieces},
+                                                      {"SHARDLM_DECODE_DOWN_SPLIT", split}},
+                                                     m, limits);
       const std::string says = d->describe();
       CAPTURE(says);
       if (described) CHECK(says.find(described) != std::string::npos);
@@ -737,5 +746,9 @@ TEST_CASE("CUDA decoder: full-batch steps replayed as the CUDA graphs captured a
     REQUIRE(m.config().num_layers == 2);
     check_same_completions(run(nullptr, nullptr, "decode steps as 3 CUDA graphs"), eager, 0.0f);
     check_same_completions(run(nullptr, "1", "decode steps as one CUDA graph"), eager, 0.0f);
+    // The down projection in 2 K-parts, or one GEMM with its residual: graphs = eager as well.
+    for (const char* split : {"2", "0"})
+      check_same_completions(run(nullptr, nullptr, "decode steps as 3 CUDA graphs", split),
+                             run("0", nullptr, nullptr, split), 0.0f);
   }
 }
