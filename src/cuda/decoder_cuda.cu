@@ -158,6 +158,10 @@ class CudaDecoder final : public Decoder {
   const bf16* param(const Unit& u, const char* name) const {
     return unit_w_[size_t(&u - model_.weights->layout.units.data())] + u.param(name).offset;
   }
+  // Layer l's weights in its unit's device copy (unit 1 + l).
+  LayerWeights<const bf16> weights_of_layer(int l) const {
+    return layer_weights(model_.weights->layout.layer(l), static_cast<const bf16*>(unit_w_[size_t(1 + l)]));
+  }
   // A pass's int32 inputs: begin_inputs waits until the device has read the
   // last ones (the host mirror is then free); send_inputs uploads `in` and makes
   // it the block run_layers reads.
@@ -512,17 +516,16 @@ void CudaDecoder::embed(int64_t N) {
 
 void CudaDecoder::layers(int64_t N, bool prefill, int first, int last) {
   const ModelConfig& c = model_.config();
-  const ModelLayout& layout = model_.weights->layout;
   const int64_t C = c.hidden_size, I = c.intermediate_size, HD = c.num_heads * c.head_dim;
   const double eps = c.rms_norm_eps;
   const int L = int(c.num_layers);
-  // Decode steps with SHARDLM_DECODE_DOWN_SPLIT=S: the down projection as S
+  // Decode steps (down_split_ = S, 4 by default): the down projection as S
   // K-parts (one batched GEMM, fp32 parts), reduced by one kernel with the
   // residual and the next layer's input norm (cuBLASLt's split-K reduce and the
   // norm's launch in one), so layers after the first find their input normed.
   const bool split = !prefill && down_split_ > 1;
   for (int l = first; l < last; ++l) {
-    const LayerWeights<const bf16> w = layer_weights(layout.layer(l), static_cast<const bf16*>(unit_w_[size_t(1 + l)]));
+    const LayerWeights<const bf16> w = weights_of_layer(l);
     if (!split || l == 0) {
       cuda::rmsnorm_forward(xn_, rstd_, x_, w.input_norm, N, C, eps, stream_);
       mark("input norm");
@@ -546,9 +549,8 @@ void CudaDecoder::layers(int64_t N, bool prefill, int first, int last) {
                             down_split_, cuda::GemmOut::F32);
       mark("down gemm (K parts)");
       const bool next = l + 1 < L;
-      const cuda::NormWeight norm =
-          next ? layer_weights(layout.layer(l + 1), static_cast<const bf16*>(unit_w_[size_t(2 + l)])).input_norm
-               : cuda::NormWeight(static_cast<const bf16*>(nullptr));
+      const cuda::NormWeight norm = next ? weights_of_layer(l + 1).input_norm
+                                         : cuda::NormWeight(static_cast<const bf16*>(nullptr));
       cuda::splitk_residual_rmsnorm_forward(x_out_, next ? xn_ : nullptr, rstd_, x_mid_, down_parts_, down_split_,
                                             N * C, norm, N, C, eps, stream_);
       mark("parts + add + next norm");

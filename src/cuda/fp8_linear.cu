@@ -106,7 +106,9 @@ Fp8Linear::Operand Fp8Linear::weight_operand(const bf16* weight, int64_t OC, int
 }
 
 void Fp8Linear::quantize(const bf16* x, int64_t rows, int64_t cols, Fp8Scaling scaling, Fp8Format f, bool transpose,
-                         uint8_t* codes, float* scales, int64_t ld, bool reuse_scales, Amax given) {
+                         uint8_t* codes, float* scales, int64_t ld, bool reuse_scales, Amax given, uint8_t* plain) {
+  SHARDLM_CHECK(plain == nullptr || (transpose && scaling == Fp8Scaling::Tensor && !reuse_scales),
+                "internal: FP8 plain codes beside the transposed ones only under one tensor scale");
   const int64_t n = scaling == Fp8Scaling::Tensor ? 1 : scaling == Fp8Scaling::Rows ? rows : cols;
   // The inverse scales cuBLASLt reads first, at the block's (256-byte aligned)
   // start: at an offset of 2n floats (8 bytes for one scale) it refused the
@@ -119,6 +121,7 @@ void Fp8Linear::quantize(const bf16* x, int64_t rows, int64_t cols, Fp8Scaling s
   if (scaling == Fp8Scaling::Tensor) {  // the scale made inside the quantise kernel: one launch fewer
     if (given.at) amax = given.at;
     if (!given.ready) fp8_amax(x, rows, cols, ld ? ld : cols, amax, stream_);
+    if (plain) return fp8_quantize_tensor_both(x, rows, cols, amax, f, scale, inv, plain, codes, stream_, ld);
     return fp8_quantize_tensor(x, rows, cols, amax, f, scale, inv, codes, transpose, stream_, ld);
   }
   SHARDLM_CHECK(given.at == nullptr, "internal: an FP8 amax handed in under rowwise scaling");
@@ -126,17 +129,6 @@ void Fp8Linear::quantize(const bf16* x, int64_t rows, int64_t cols, Fp8Scaling s
   else fp8_amax_cols(x, rows, cols, amax, stream_, ld);
   fp8_scales(amax, n, f, scale, inv, stream_);
   fp8_quantize(x, rows, cols, scale, scaling, f, codes, transpose, stream_, ld);
-}
-
-void Fp8Linear::quantize_both(const bf16* x, int64_t rows, int64_t cols, Fp8Format f, uint8_t* plain,
-                              uint8_t* transposed, float* scales, int64_t ld, Amax given) {
-  SHARDLM_CHECK(!rowwise_ && (given.at != nullptr || !given.ready), "internal: FP8 one-pass codes under rowwise "
-                "scaling or an amax said ready with nowhere to read it");
-  float* inv = scales;
-  float* amax = given.at ? given.at : scales + scale_block(1);
-  float* scale = scales + 2 * scale_block(1);
-  if (!given.ready) fp8_amax(x, rows, cols, ld ? ld : cols, amax, stream_);
-  fp8_quantize_tensor_both(x, rows, cols, amax, f, scale, inv, plain, transposed, stream_, ld);
 }
 
 void Fp8Linear::forward(bf16* out, int64_t ldc, const bf16* inp, const bf16* weight, const bf16* bias, int64_t N,
@@ -171,7 +163,8 @@ void Fp8Linear::backward(bf16* dinp, bool accumulate_dinp, float* dweight, float
   if (dinp != nullptr) {
     // dinp (N, IC) = dout (N, OC) W (OC, IC): A = dout, B = W^T (IC, OC).
     if (buf_.t_codes && !rowwise_) {
-      quantize_both(dout, N, OC, cpu::kFp8GradFormat, buf_.a_codes, buf_.t_codes, buf_.a_scales, ldo, dout_amax);
+      quantize(dout, N, OC, rows, cpu::kFp8GradFormat, true, buf_.t_codes, buf_.a_scales, ldo, false, dout_amax,
+               /*plain=*/buf_.a_codes);
       dout_t = buf_.t_codes;
     } else {
       quantize(dout, N, OC, rows, cpu::kFp8GradFormat, false, buf_.a_codes, buf_.a_scales, ldo, false, dout_amax);

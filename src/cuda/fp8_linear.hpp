@@ -125,12 +125,12 @@ class Fp8Linear {
   // Quantises x (rows, cols; rows ld elements apart, 0: cols) with scales over
   // `scaling` into one operand's codes (transposed: (cols, rows)) and its scale
   // block; with reuse_scales the block already holds x's scales (amax skipped);
-  // under tensorwise scaling `amax` says where x's amax is or goes.
+  // under tensorwise scaling `amax` says where x's amax is or goes; `plain`
+  // (transposed, tensorwise only) also takes x's plain codes from the same read
+  // (fp8_quantize_tensor_both).
   void quantize(const bf16* x, int64_t rows, int64_t cols, Fp8Scaling scaling, Fp8Format f, bool transpose,
-                uint8_t* codes, float* scales, int64_t ld = 0, bool reuse_scales = false, Amax amax = {});
-  // Tensorwise: x's plain and transposed codes at one scale (fp8_quantize_tensor_both).
-  void quantize_both(const bf16* x, int64_t rows, int64_t cols, Fp8Format f, uint8_t* plain, uint8_t* transposed,
-                     float* scales, int64_t ld, Amax amax);
+                uint8_t* codes, float* scales, int64_t ld = 0, bool reuse_scales = false, Amax amax = {},
+                uint8_t* plain = nullptr);
 
   bool rowwise_;
   Buffers buf_;
