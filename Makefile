@@ -95,7 +95,7 @@ UNIT_OBJS := $(patsubst %.cpp,$(BUILD)/obj/%.o,$(wildcard tests/unit/*.cpp)) $(B
 MPI_OBJS  := $(patsubst %.cpp,$(BUILD)/obj/%.o,$(wildcard tests/mpi/*.cpp)) $(BUILD)/obj/tests/main_mpi.o
 GPU_OBJS  := $(patsubst %.cpp,$(BUILD)/obj/%.o,$(wildcard tests/gpu/*.cpp)) $(BUILD)/obj/tests/main_unit.o
 
-.PHONY: all run run-text test test-gpu test-sanitize test-suites clean deps bench-cpu-adamw bench-h2d bench-gemm-algos
+.PHONY: all run run-text test test-gpu test-sanitize test-suites clean deps bench-cpu-adamw bench-h2d bench-gemm-algos bench-cudnn-fp8-attention
 all: $(BUILD)/shardlm $(BUILD)/test_unit $(BUILD)/test_mpi
 
 $(BUILD)/shardlm: $(BUILD)/obj/src/main.o $(LIB_OBJS)
@@ -136,6 +136,17 @@ bench-gemm-algos: $(BUILD)/bench_gemm_algos
 $(BUILD)/bench_gemm_algos: tools/bench_gemm_algos.cu
 	@mkdir -p $(dir $@)
 	$(NVCC) -O2 -std=c++17 $(CUDA_ARCH) -Xcompiler -Wall,-Wextra $< -o $@ -lcublasLt
+
+# cuDNN's FP8 attention against bf16 at the training shapes (#30;
+# tools/bench_cudnn_fp8_attention.cu); standalone, not part of `all`: needs NVIDIA's
+# header-only cudnn-frontend (CUDNN_FRONTEND=.../cudnn-frontend/include).
+bench-cudnn-fp8-attention: $(BUILD)/bench_cudnn_fp8_attention
+
+$(BUILD)/bench_cudnn_fp8_attention: tools/bench_cudnn_fp8_attention.cu
+	@test -n "$(CUDNN_FRONTEND)" -a -f "$(CUDNN_FRONTEND)/cudnn_frontend.h" || \
+	  { echo "bench-cudnn-fp8-attention: set CUDNN_FRONTEND to cudnn-frontend's include directory"; exit 1; }
+	@mkdir -p $(dir $@)
+	$(NVCC) -O2 -std=c++17 $(CUDA_ARCH) -I$(CUDNN_FRONTEND) -I$(CUDNN_HOME)/include $< -o $@ -L$(CUDNN_HOME)/lib64 -lcudnn -lnvrtc -lcuda
 
 $(BUILD)/obj/%.o: %.cpp
 	@mkdir -p $(dir $@)

@@ -5,6 +5,9 @@
 #include <cuda_fp8.h>
 
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
 #include <utility>
 
 #include "cuda/check.hpp"
@@ -442,6 +445,30 @@ Fp8Gemm::Plan& Fp8Gemm::plan(const Key& key, const float* a_inv, const float* b_
                 key.rowwise ? "row" : "tensor", key.out == GemmOut::BF16 ? "bf16" : "fp32",
                 key.bias ? "with bias " : "", cublasLtGetStatusString(st2));
   p.algo = result.algo;
+  // SHARDLM_FP8_GEMM_LOG=1: each plan's algorithm on stderr, once (docs/benchmarks.md
+  // "Session 22's calls": every training GEMM at 1B/4096 is algorithm 66 without split-K).
+  if (const char* log = std::getenv("SHARDLM_FP8_GEMM_LOG"); log && std::string(log) == "1") {
+    // One config attribute (uint32_t, or uint16_t as the cluster shape's is).
+    const auto config = [&](cublasLtMatmulAlgoConfigAttributes_t attr) {
+      uint32_t v32 = 0;
+      uint16_t v16 = 0;
+      size_t written = 0;
+      if (cublasLtMatmulAlgoConfigGetAttribute(&p.algo, attr, &v32, sizeof(v32), &written) == CUBLAS_STATUS_SUCCESS)
+        return static_cast<long long>(v32);
+      if (cublasLtMatmulAlgoConfigGetAttribute(&p.algo, attr, &v16, sizeof(v16), &written) == CUBLAS_STATUS_SUCCESS)
+        return static_cast<long long>(v16);
+      return -1LL;
+    };
+    std::fprintf(stderr,
+                 "shardlm: fp8 gemm M %lld N %lld K %lld: algo %lld tile %lld stages %lld cluster %lld splitk %lld "
+                 "reduction %lld swizzle %lld custom %lld, workspace %zu bytes\n",
+                 static_cast<long long>(key.M), static_cast<long long>(key.N), static_cast<long long>(key.K),
+                 config(CUBLASLT_ALGO_CONFIG_ID), config(CUBLASLT_ALGO_CONFIG_TILE_ID),
+                 config(CUBLASLT_ALGO_CONFIG_STAGES_ID), config(CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID),
+                 config(CUBLASLT_ALGO_CONFIG_SPLITK_NUM), config(CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME),
+                 config(CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING), config(CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION),
+                 result.workspaceSize);
+  }
   return plans_.emplace(key, p).first->second;
 }
 
