@@ -83,7 +83,7 @@ fi
 if [ "${SHARDLM_TEST_GPU:-0}" = 1 ]; then
   OMP_NUM_THREADS=$cores run_suite gpu 900 "$BUILD/test_gpu"
   for t in tests/gpu/build_and_run.sh tests/gpu/build_attention.sh tests/gpu/build_rl_loss.sh \
-           tests/gpu/build_ring_attention.sh tests/gpu/build_fp8.sh; do
+           tests/gpu/build_ring_attention.sh tests/gpu/build_fp8.sh tests/gpu/build_sdpa_fp8.sh; do
     echo "== $t"
     out=$(timeout 900 bash "$t" --no-timing 2>&1); rc=$?
     echo "$out" | tail -40

@@ -85,8 +85,35 @@ class CudnnSdpa {
                 const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
                 const __nv_bfloat16* out, const float* lse, void* backward_buffers);
 
+  // FP8 (e4m3) attention through cuDNN's FP8 engines (#30; not yet used by the
+  // training step): q, k, v, out, dout, dq, dk, dv are e4m3 codes in the layouts
+  // above, each with a per-tensor scale (codes = values * scale; descale =
+  // 1 / scale), all fp32 scalars in device memory. The forward's softmax P is
+  // coded with scale_s (P <= 1: 448 fills e4m3's range) and out with scale_o
+  // (|out| <= max |v|, the rows of P summing to 1); amax_s and amax_o receive
+  // max P and max |out| before scale_o. The backward's dP (the scaled score
+  // gradient), dq, dk and dv are coded with scales given in advance (the
+  // previous step's amaxes: delayed scaling) and their amaxes written for the
+  // next. lse is the forward's. Both take documents of one length only (not a
+  // ragged batch: see sdpa_cudnn.cu); on Hopper cuDNN takes the FP8 forward at
+  // head dims <= 256 and the FP8 backward only at head dim 128. Both return
+  // false, touching nothing, when refused.
+  struct Fp8Scales {
+    const float *descale_q, *descale_k, *descale_v, *descale_o, *descale_do, *descale_s, *descale_dp;
+    const float *scale_s, *scale_o, *scale_dp, *scale_dq, *scale_dk, *scale_dv;
+    float *amax_s, *amax_o, *amax_dp, *amax_dq, *amax_dk, *amax_dv;
+  };
+  bool forward_fp8(uint8_t* out, float* lse, const uint8_t* q, const uint8_t* k, const uint8_t* v,
+                   const Fp8Scales& scales);
+  // workspace: fp8_backward_workspace_bytes(...) of device memory, live only
+  // during the call (cuDNN's FP8 backward keeps fp32 accumulators for dq, dk and
+  // dv there, ~3 x N x H x D x 4 bytes).
+  static size_t fp8_backward_workspace_bytes(int64_t max_tokens, int64_t H, int64_t D);
+  bool backward_fp8(uint8_t* dq, uint8_t* dk, uint8_t* dv, const uint8_t* dout, const uint8_t* q, const uint8_t* k,
+                    const uint8_t* v, const uint8_t* out, const float* lse, const Fp8Scales& scales, void* workspace);
+
   // Plans built so far (each shape builds one forward and, when trained, one
-  // backward plan), for logs and tests.
+  // backward plan, in each precision used), for logs and tests.
   int plans_built() const { return plans_built_; }
   // The most recently built plan: pass, shape, engine, workspace, build time.
   const std::string& last_plan_note() const { return last_plan_note_; }
@@ -94,13 +121,16 @@ class CudnnSdpa {
   struct Plan;  // one finalised execution plan and its workspace size (sdpa_cudnn.cu)
 
  private:
+  enum Pass { kForward, kBackward, kForwardFp8, kBackwardFp8, kPasses };
   struct Bucket {
-    std::unique_ptr<Plan> fwd, bwd;
-    bool fwd_failed = false, bwd_failed = false;
+    std::unique_ptr<Plan> plan[kPasses];
+    bool failed[kPasses] = {};
   };
   // This micro-batch's plan for one pass, built at first use; false when refused.
-  bool plan_for(bool backward_pass);
-  void run(std::vector<int64_t> uids, std::vector<void*> ptrs);
+  // max_workspace: what the plan may need (the persistent kPlanWorkspaceBytes, or
+  // the workspace the call lends).
+  bool plan_for(Pass pass, size_t max_workspace = kPlanWorkspaceBytes);
+  void run(std::vector<int64_t> uids, std::vector<void*> ptrs, void* workspace = nullptr);
 
   int64_t max_tokens_, H_, KV_, D_;
   cudaStream_t stream_;

@@ -55,6 +55,11 @@ size_t CudnnSdpa::backward_buffer_bytes(int64_t max_tokens, int64_t H, int64_t K
   return align_up(n * H * D * 4) + align_up(n * H * 4) + full_head_grads;
 }
 
+size_t CudnnSdpa::fp8_backward_workspace_bytes(int64_t max_tokens, int64_t H, int64_t D) {
+  const size_t n = static_cast<size_t>(max_tokens);
+  return 3 * align_up(n * H * D * 4) + align_up(n * H * 4) + kPlanWorkspaceBytes;
+}
+
 size_t CudnnSdpa::persistent_bytes(int64_t max_tokens) {
   const size_t n = static_cast<size_t>(max_tokens);
   return align_up(n * 4) + 3 * align_up((n + 1) * 4) + kPlanWorkspaceBytes;
@@ -79,6 +84,13 @@ bool CudnnSdpa::forward(__nv_bfloat16*, float*, const __nv_bfloat16*, const __nv
 bool CudnnSdpa::backward(__nv_bfloat16*, __nv_bfloat16*, __nv_bfloat16*, const __nv_bfloat16*,
                          const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*,
                          const __nv_bfloat16*, const float*, void*) {
+  return false;
+}
+bool CudnnSdpa::forward_fp8(uint8_t*, float*, const uint8_t*, const uint8_t*, const uint8_t*, const Fp8Scales&) {
+  return false;
+}
+bool CudnnSdpa::backward_fp8(uint8_t*, uint8_t*, uint8_t*, const uint8_t*, const uint8_t*, const uint8_t*,
+                             const uint8_t*, const uint8_t*, const float*, const Fp8Scales&, void*) {
   return false;
 }
 
@@ -369,6 +381,10 @@ std::unique_ptr<CudnnSdpa::Plan> GraphBuilder::plan(size_t max_workspace, std::s
 enum Uid : int64_t {
   kQ = 1, kK, kV, kO, kStats, kSeqLenQ, kSeqLenKv, kOffQ, kOffKv, kOffStats, kScale, kNegInf,
   kDO, kDQ, kDK, kDV, kOne, kSoftmaxSum, kDQAccum, kDKFull, kDVFull,
+  // FP8's per-tensor scales and amaxes (device scalars), CudnnSdpa::Fp8Scales' order
+  kDescaleQ, kDescaleK, kDescaleV, kDescaleO, kDescaleDO, kDescaleS, kDescaleDP,
+  kScaleS, kScaleO, kScaleDP, kScaleDQ, kScaleDK, kScaleDV,
+  kAmaxS, kAmaxO, kAmaxDP, kAmaxDQ, kAmaxDK, kAmaxDV,
 };
 
 // The shape every graph of one bucket shares, and the tensors both graphs declare.
@@ -558,6 +574,164 @@ void build_backward(GraphBuilder& g, const Shape& s) {
   g.pointwise(CUDNN_POINTWISE_IDENTITY, CUDNN_DATA_FLOAT, dq_accum, nullptr, nullptr, dq);
 }
 
+// ------------------------------------------------------------ FP8 graphs
+//
+// The patterns cuDNN's FP8 fused-attention engines take (the order of cuDNN's
+// own frontend, cudnn-frontend's sdpa_fp8 and sdpa_fp8_backward nodes): every
+// matmul of e4m3 operands accumulates in fp32 and is followed by the
+// descales of its two operands; a result stored in FP8 has its amax taken
+// before its scale is applied.
+
+// A per-tensor fp32 scalar in device memory (a scale, a descale or an amax out).
+const Desc& device_scalar(GraphBuilder& g, int64_t uid) {
+  return g.tensor(uid, CUDNN_DATA_FLOAT, {1, 1, 1, 1}, {1, 1, 1, 1});
+}
+
+// y = x * a * b, in fp32 (a matmul's two descales).
+const Desc& descaled(GraphBuilder& g, const Desc& x, const Desc& a, const Desc& b, const Dims& dim, const Dims& stride) {
+  const Desc& xa = g.virt(CUDNN_DATA_FLOAT, dim, stride);
+  g.pointwise(CUDNN_POINTWISE_MUL, CUDNN_DATA_FLOAT, x, &a, nullptr, xa);
+  const Desc& xab = g.virt(CUDNN_DATA_FLOAT, dim, stride);
+  g.pointwise(CUDNN_POINTWISE_MUL, CUDNN_DATA_FLOAT, xa, &b, nullptr, xab);
+  return xab;
+}
+
+// out = x * scale (FP8), amax = max |x| (before the scale).
+void scaled_out(GraphBuilder& g, const Desc& x, const Desc& scale, const Desc& out, const Desc& amax) {
+  g.reduction(CUDNN_REDUCE_TENSOR_AMAX, x, amax);
+  g.pointwise(CUDNN_POINTWISE_MUL, CUDNN_DATA_FLOAT, x, &scale, nullptr, out);
+}
+
+Dims contiguous(const Dims& d) { return {d[1] * d[2] * d[3], d[2] * d[3], d[3], 1}; }
+
+void build_forward_fp8(GraphBuilder& g, const Shape& s) {
+  const cudnnDataType_t f8 = CUDNN_DATA_FP8_E4M3;
+  const Common c = declare_common(g, s);
+  const Desc& q = g.tensor(kQ, f8, s.q_dim(), s.q_stride(), false, c.off_q);
+  const Desc& kt = g.tensor(kK, f8, s.kvt_dim(), s.kvt_stride(), false, c.off_kv);
+  const Desc& v = g.tensor(kV, f8, s.kv_dim(), s.kv_stride(), false, c.off_kv);
+  const Desc& o = g.tensor(kO, f8, s.q_dim(), s.q_stride(), false, c.off_q);
+  const Desc& lse = g.tensor(kStats, CUDNN_DATA_FLOAT, s.stats_dim(), s.stats_stride(), false, c.off_stats);
+  const Desc &descale_q = device_scalar(g, kDescaleQ), &descale_k = device_scalar(g, kDescaleK),
+             &descale_v = device_scalar(g, kDescaleV), &descale_s = device_scalar(g, kDescaleS),
+             &scale_s = device_scalar(g, kScaleS), &scale_o = device_scalar(g, kScaleO),
+             &amax_s = device_scalar(g, kAmaxS), &amax_o = device_scalar(g, kAmaxO);
+  const Dims sd = s.score_dim(), ss = s.score_stride(), rd = s.row_dim(), rs = s.row_stride();
+
+  const Desc& qk = g.virt(CUDNN_DATA_FLOAT, sd, ss);
+  g.matmul(q, kt, qk, c.seq_q, c.seq_kv, nullptr);
+  const Desc& scaled = g.virt(CUDNN_DATA_FLOAT, sd, ss);
+  g.pointwise(CUDNN_POINTWISE_MUL, CUDNN_DATA_FLOAT, qk, c.scale, nullptr, scaled);
+  const Desc& scores = descaled(g, scaled, descale_q, descale_k, sd, ss);
+  const Desc& masked = causal_mask(g, s, c, s.ragged ? padding_mask(g, s, c, scores) : scores);
+  const Desc& row_max = g.virt(CUDNN_DATA_FLOAT, rd, rs);
+  g.reduction(CUDNN_REDUCE_TENSOR_MAX, masked, row_max);
+  const Desc& shifted = g.virt(CUDNN_DATA_FLOAT, sd, ss);
+  g.pointwise(CUDNN_POINTWISE_SUB, CUDNN_DATA_FLOAT, masked, &row_max, nullptr, shifted);
+  const Desc& e = g.virt(CUDNN_DATA_FLOAT, sd, ss);
+  g.pointwise(CUDNN_POINTWISE_EXP, CUDNN_DATA_FLOAT, shifted, nullptr, nullptr, e);
+  const Desc& row_sum = g.virt(CUDNN_DATA_FLOAT, rd, rs);
+  g.reduction(CUDNN_REDUCE_TENSOR_ADD, e, row_sum);
+  const Desc& log_sum = g.virt(CUDNN_DATA_FLOAT, rd, rs);
+  g.pointwise(CUDNN_POINTWISE_LOG, CUDNN_DATA_FLOAT, row_sum, nullptr, nullptr, log_sum);
+  g.pointwise(CUDNN_POINTWISE_ADD, CUDNN_DATA_FLOAT, row_max, &log_sum, nullptr, lse);
+  const Desc& p = g.virt(CUDNN_DATA_FLOAT, sd, ss);
+  g.pointwise(CUDNN_POINTWISE_DIV, CUDNN_DATA_FLOAT, e, &row_sum, nullptr, p);
+  const Desc& p8 = g.virt(f8, sd, ss);
+  scaled_out(g, p, scale_s, p8, amax_s);
+  const Desc& pv = g.virt(CUDNN_DATA_FLOAT, s.q_dim(), contiguous(s.q_dim()));
+  g.matmul(p8, v, pv, c.seq_q, nullptr, c.seq_kv);
+  scaled_out(g, descaled(g, pv, descale_s, descale_v, s.q_dim(), contiguous(s.q_dim())), scale_o, o, amax_o);
+}
+
+void build_backward_fp8(GraphBuilder& g, const Shape& s) {
+  const cudnnDataType_t f8 = CUDNN_DATA_FP8_E4M3;
+  const Common c = declare_common(g, s);
+  const Desc& q = g.tensor(kQ, f8, s.q_dim(), s.q_stride(), false, c.off_q);
+  const Desc& kt = g.tensor(kK, f8, s.kvt_dim(), s.kvt_stride(), false, c.off_kv);
+  const Desc& vt = g.tensor(kV, f8, s.kvt_dim(), s.kvt_stride(), false, c.off_kv);
+  const Desc& o = g.tensor(kO, f8, s.q_dim(), s.q_stride(), false, c.off_q);
+  const Desc& lse = g.tensor(kStats, CUDNN_DATA_FLOAT, s.stats_dim(), s.stats_stride(), false, c.off_stats);
+  const Desc& dout = g.tensor(kDO, f8, s.q_dim(), s.q_stride(), false, c.off_q);
+  const Desc& dq = g.tensor(kDQ, f8, s.q_dim(), s.q_stride(), false, c.off_q);
+  const Desc& dk = g.tensor(kDK, f8, s.kv_dim(), s.kv_stride(), false, c.off_kv);
+  const Desc& dv = g.tensor(kDV, f8, s.kv_dim(), s.kv_stride(), false, c.off_kv);
+  const Desc &descale_q = device_scalar(g, kDescaleQ), &descale_k = device_scalar(g, kDescaleK),
+             &descale_v = device_scalar(g, kDescaleV), &descale_o = device_scalar(g, kDescaleO),
+             &descale_do = device_scalar(g, kDescaleDO), &descale_s = device_scalar(g, kDescaleS),
+             &descale_dp = device_scalar(g, kDescaleDP), &scale_s = device_scalar(g, kScaleS),
+             &scale_dp = device_scalar(g, kScaleDP), &scale_dq = device_scalar(g, kScaleDQ),
+             &scale_dk = device_scalar(g, kScaleDK), &scale_dv = device_scalar(g, kScaleDV),
+             &amax_dp = device_scalar(g, kAmaxDP), &amax_dq = device_scalar(g, kAmaxDQ),
+             &amax_dk = device_scalar(g, kAmaxDK), &amax_dv = device_scalar(g, kAmaxDV);
+  const Dims sd = s.score_dim(), ss = s.score_stride(), rd = s.row_dim(), rs = s.row_stride();
+  const Dims full = s.q_dim(), full_stride = contiguous(s.q_dim());  // per query head
+  const Dims kv = s.kv_dim(), kv_stride = contiguous(s.kv_dim());
+  const bool grouped = s.H != s.KV;
+
+  // softmax_sum = rowsum(dO * O), descaled
+  const Desc& do_o = g.virt(CUDNN_DATA_FLOAT, full, full_stride);
+  g.pointwise(CUDNN_POINTWISE_MUL, CUDNN_DATA_FLOAT, dout, &o, nullptr, do_o);
+  const Desc& row_dot = g.virt(CUDNN_DATA_FLOAT, rd, rs);
+  g.reduction(CUDNN_REDUCE_TENSOR_ADD, do_o, row_dot);
+  const Desc& softmax_sum = descaled(g, row_dot, descale_do, descale_o, rd, rs);
+
+  // E = exp(mask(S * scale * descales) - lse); P = E coded with scale_s
+  const Desc& qk = g.virt(CUDNN_DATA_FLOAT, sd, ss);
+  g.matmul(q, kt, qk, c.seq_q, c.seq_kv, nullptr);
+  const Desc& scaled = g.virt(CUDNN_DATA_FLOAT, sd, ss);
+  g.pointwise(CUDNN_POINTWISE_MUL, CUDNN_DATA_FLOAT, qk, c.scale, nullptr, scaled);
+  const Desc& scores = descaled(g, scaled, descale_q, descale_k, sd, ss);
+  const Desc& masked = causal_mask(g, s, c, s.ragged ? padding_mask(g, s, c, scores) : scores);
+  const Desc& shifted = g.virt(CUDNN_DATA_FLOAT, sd, ss);
+  g.pointwise(CUDNN_POINTWISE_SUB, CUDNN_DATA_FLOAT, masked, &lse, nullptr, shifted);
+  const Desc& e = g.virt(CUDNN_DATA_FLOAT, sd, ss);
+  g.pointwise(CUDNN_POINTWISE_EXP, CUDNN_DATA_FLOAT, shifted, nullptr, nullptr, e);
+  const Desc& p8 = g.virt(f8, sd, ss);
+  g.pointwise(CUDNN_POINTWISE_MUL, CUDNN_DATA_FLOAT, e, &scale_s, nullptr, p8);
+  const Desc& p8_t = g.virt(f8, sd, s.score_t_stride());
+  g.reshape(p8, p8_t);
+
+  // An FP8 matmul's result per query head, summed over each kv head's group when
+  // grouped, then descaled, its amax taken and coded into out.
+  auto fp8_result = [&](const Desc& a, const Desc& b, const Desc& descale_a, const Desc& descale_b, const Desc& scale,
+                        const Desc& out, const Desc& amax, bool reduce_groups, const Desc* m, const Desc* k) {
+    const Desc& prod = g.virt(CUDNN_DATA_FLOAT, full, full_stride);
+    g.matmul(a, b, prod, m, nullptr, k);
+    const Desc* x = &prod;
+    if (reduce_groups) {
+      const Desc& summed = g.virt(CUDNN_DATA_FLOAT, kv, kv_stride);
+      g.reduction(CUDNN_REDUCE_TENSOR_ADD, prod, summed);
+      x = &summed;
+    }
+    const Dims& d = reduce_groups ? kv : full;
+    scaled_out(g, descaled(g, *x, descale_a, descale_b, d, contiguous(d)), scale, out, amax);
+  };
+  // dV = P^T dO
+  fp8_result(p8_t, dout, descale_s, descale_do, scale_dv, dv, amax_dv, grouped, c.seq_kv, c.seq_q);
+
+  // dP = (dO V^T descaled - softmax_sum) * E * scale, coded with scale_dp
+  const Desc& dov = g.virt(CUDNN_DATA_FLOAT, sd, ss);
+  g.matmul(dout, vt, dov, c.seq_q, c.seq_kv, nullptr);
+  const Desc& dp_raw = descaled(g, dov, descale_do, descale_v, sd, ss);
+  const Desc& dp_centered = g.virt(CUDNN_DATA_FLOAT, sd, ss);
+  g.pointwise(CUDNN_POINTWISE_SUB, CUDNN_DATA_FLOAT, dp_raw, &softmax_sum, nullptr, dp_centered);
+  const Desc& ds_unscaled = g.virt(CUDNN_DATA_FLOAT, sd, ss);
+  g.pointwise(CUDNN_POINTWISE_MUL, CUDNN_DATA_FLOAT, dp_centered, &e, nullptr, ds_unscaled);
+  const Desc& ds = g.virt(CUDNN_DATA_FLOAT, sd, ss);
+  g.pointwise(CUDNN_POINTWISE_MUL, CUDNN_DATA_FLOAT, ds_unscaled, c.scale, nullptr, ds);
+  const Desc& ds8 = g.virt(f8, sd, ss);
+  scaled_out(g, ds, scale_dp, ds8, amax_dp);
+
+  // dQ = dS K; dK = dS^T Q
+  const Desc& k_rows = g.tensor(0, f8, s.kv_dim(), s.kv_stride(), true, c.off_kv);
+  g.reshape(kt, k_rows);
+  fp8_result(ds8, k_rows, descale_dp, descale_k, scale_dq, dq, amax_dq, false, c.seq_q, c.seq_kv);
+  const Desc& ds8_t = g.virt(f8, sd, s.score_t_stride());
+  g.reshape(ds8, ds8_t);
+  fp8_result(ds8_t, q, descale_dp, descale_q, scale_dk, dk, amax_dk, grouped, c.seq_kv, c.seq_q);
+}
+
 void execute(cudnnHandle_t handle, const CudnnSdpa::Plan& plan, const std::vector<int64_t>& uids,
              const std::vector<void*>& ptrs, void* workspace) {
   Desc pack(CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR);
@@ -667,25 +841,30 @@ void CudnnSdpa::set_documents(const int32_t* seq_id, int64_t N) {
   up(off_stats_, ost, B + 1);
 }
 
-bool CudnnSdpa::plan_for(bool backward_pass) {
+bool CudnnSdpa::plan_for(Pass pass, size_t max_workspace) {
   // int32 element offsets: the last row of q must be addressable.
   if (docs_ == 0 || double(max_tokens_) * double(H_) * double(D_) >= double(std::numeric_limits<int32_t>::max()))
     return false;
   Bucket& b = buckets_[{batch_, max_len_, ragged_}];
-  std::unique_ptr<Plan>& plan = backward_pass ? b.bwd : b.fwd;
-  bool& failed = backward_pass ? b.bwd_failed : b.fwd_failed;
+  std::unique_ptr<Plan>& plan = b.plan[pass];
+  bool& failed = b.failed[pass];
   if (!plan && !failed) {
     const auto t0 = std::chrono::steady_clock::now();
     GraphBuilder g(static_cast<cudnnHandle_t>(handle_));
     const Shape shape{batch_, max_len_, H_, KV_, D_, ragged_};
-    if (backward_pass) build_backward(g, shape);
-    else build_forward(g, shape);
+    switch (pass) {
+      case kForward: build_forward(g, shape); break;
+      case kBackward: build_backward(g, shape); break;
+      case kForwardFp8: build_forward_fp8(g, shape); break;
+      default: build_backward_fp8(g, shape); break;
+    }
     std::string note;
-    plan = g.plan(kPlanWorkspaceBytes, &note);
+    plan = g.plan(max_workspace, &note);
     failed = !plan;
     plans_built_ += plan != nullptr;
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-    last_plan_note_ = fmt("%s %s B=%lld S=%lld: %s; built in %.0f ms", backward_pass ? "backward" : "forward",
+    static const char* const names[kPasses] = {"forward", "backward", "FP8 forward", "FP8 backward"};
+    last_plan_note_ = fmt("%s %s B=%lld S=%lld: %s; built in %.0f ms", names[pass],
                           ragged_ ? "ragged" : "uniform", (long long)batch_, (long long)max_len_, note.c_str(), ms);
   }
   current_ = plan.get();
@@ -693,17 +872,17 @@ bool CudnnSdpa::plan_for(bool backward_pass) {
 }
 
 // The variant pack: the tensors every graph binds, then the ragged layout's.
-void CudnnSdpa::run(std::vector<int64_t> uids, std::vector<void*> ptrs) {
+void CudnnSdpa::run(std::vector<int64_t> uids, std::vector<void*> ptrs, void* workspace) {
   if (ragged_) {
     uids.insert(uids.end(), {kSeqLenQ, kSeqLenKv, kOffQ, kOffKv, kOffStats});
     ptrs.insert(ptrs.end(), {seq_len_, seq_len_, off_q_, off_kv_, off_stats_});
   }
-  execute(static_cast<cudnnHandle_t>(handle_), *current_, uids, ptrs, plan_workspace_);
+  execute(static_cast<cudnnHandle_t>(handle_), *current_, uids, ptrs, workspace ? workspace : plan_workspace_);
 }
 
 bool CudnnSdpa::forward(__nv_bfloat16* out, float* lse, const __nv_bfloat16* q, const __nv_bfloat16* k,
                         const __nv_bfloat16* v) {
-  if (!plan_for(false)) return false;
+  if (!plan_for(kForward)) return false;
   float scale = 1.0f / std::sqrt(float(D_));
   float neg_inf = -std::numeric_limits<float>::infinity();
   run({kQ, kK, kV, kO, kStats, kScale, kNegInf}, {(void*)q, (void*)k, (void*)v, out, lse, &scale, &neg_inf});
@@ -713,7 +892,7 @@ bool CudnnSdpa::forward(__nv_bfloat16* out, float* lse, const __nv_bfloat16* q, 
 bool CudnnSdpa::backward(__nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat16* dv, const __nv_bfloat16* dout,
                          const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
                          const __nv_bfloat16* out, const float* lse, void* backward_buffers) {
-  if (!plan_for(true)) return false;
+  if (!plan_for(kBackward)) return false;
   // backward_buffer_bytes' layout: dq accumulator, row sums, then (GQA) dk and dv per query head.
   const size_t n = static_cast<size_t>(max_tokens_);
   char* p = static_cast<char*>(backward_buffers);
@@ -732,6 +911,56 @@ bool CudnnSdpa::backward(__nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat16* dv
     ptrs.insert(ptrs.end(), {dk_full, dv_full});
   }
   run(std::move(uids), std::move(ptrs));
+  return true;
+}
+
+namespace {
+// The scales' variant-pack entries, in Fp8Scales' order (the uids kDescaleQ ..).
+void add_fp8_scales(const CudnnSdpa::Fp8Scales& s, bool backward_pass, std::vector<int64_t>& uids,
+                    std::vector<void*>& ptrs) {
+  auto add = [&](Uid uid, const void* p) {
+    uids.push_back(uid);
+    ptrs.push_back(const_cast<void*>(p));
+  };
+  add(kDescaleQ, s.descale_q), add(kDescaleK, s.descale_k), add(kDescaleV, s.descale_v);
+  add(kDescaleS, s.descale_s), add(kScaleS, s.scale_s);
+  if (!backward_pass) {
+    add(kScaleO, s.scale_o), add(kAmaxS, s.amax_s), add(kAmaxO, s.amax_o);
+    return;
+  }
+  add(kDescaleO, s.descale_o), add(kDescaleDO, s.descale_do), add(kDescaleDP, s.descale_dp);
+  add(kScaleDP, s.scale_dp), add(kScaleDQ, s.scale_dq), add(kScaleDK, s.scale_dk), add(kScaleDV, s.scale_dv);
+  add(kAmaxDP, s.amax_dp), add(kAmaxDQ, s.amax_dq), add(kAmaxDK, s.amax_dk), add(kAmaxDV, s.amax_dv);
+}
+}  // namespace
+
+// Both FP8 passes take documents of one length only: on Hopper cuDNN refuses a
+// ragged FP8 backward, and its FP8 forward accepted a ragged graph but faulted
+// (an illegal instruction) when run, with 9.14 and 9.19 alike (tests/gpu/
+// test_sdpa_fp8.cu, session 22).
+bool CudnnSdpa::forward_fp8(uint8_t* out, float* lse, const uint8_t* q, const uint8_t* k, const uint8_t* v,
+                            const Fp8Scales& scales) {
+  if (ragged_ || !plan_for(kForwardFp8)) return false;
+  float scale = 1.0f / std::sqrt(float(D_));
+  float neg_inf = -std::numeric_limits<float>::infinity();
+  std::vector<int64_t> uids{kQ, kK, kV, kO, kStats, kScale, kNegInf};
+  std::vector<void*> ptrs{(void*)q, (void*)k, (void*)v, out, lse, &scale, &neg_inf};
+  add_fp8_scales(scales, false, uids, ptrs);
+  run(std::move(uids), std::move(ptrs));
+  return true;
+}
+
+bool CudnnSdpa::backward_fp8(uint8_t* dq, uint8_t* dk, uint8_t* dv, const uint8_t* dout, const uint8_t* q,
+                             const uint8_t* k, const uint8_t* v, const uint8_t* out, const float* lse,
+                             const Fp8Scales& scales, void* workspace) {
+  if (ragged_ || !plan_for(kBackwardFp8, fp8_backward_workspace_bytes(max_tokens_, H_, D_))) return false;
+  float scale = 1.0f / std::sqrt(float(D_));
+  float neg_inf = -std::numeric_limits<float>::infinity();
+  std::vector<int64_t> uids{kQ, kK, kV, kO, kStats, kDO, kDQ, kDK, kDV, kScale, kNegInf};
+  std::vector<void*> ptrs{(void*)q, (void*)k, (void*)v, (void*)out, (void*)lse, (void*)dout, dq, dk, dv, &scale,
+                          &neg_inf};
+  add_fp8_scales(scales, true, uids, ptrs);
+  run(std::move(uids), std::move(ptrs), workspace);
   return true;
 }
 
