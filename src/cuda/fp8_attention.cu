@@ -1,0 +1,168 @@
+// fp8_attention.cu — attention with FP8 operands for training. See
+// src/cuda/fp8_attention.hpp.
+#include "cuda/fp8_attention.hpp"
+
+#include <cuda_fp8.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "cuda/check.hpp"
+#include "cuda/fp8.hpp"
+#include "shardlm/error.hpp"
+
+namespace shardlm::cuda {
+
+namespace {
+
+using bf16 = __nv_bfloat16;
+constexpr int kThreads = 256;
+
+size_t align_up(size_t bytes) { return (bytes + 255) / 256 * 256; }
+
+// One scale from one amax: scale = 2^floor(log2(448 / (amax * headroom))), 1
+// where the amax is 0 or not finite; descale = 1 / scale (exact: a power of two).
+struct ScaleFrom {
+  int amax, scale, descale;
+  float headroom;
+};
+struct ScaleList {
+  ScaleFrom item[6];
+  int n;
+};
+__global__ void pow2_scales_kernel(float* slots, ScaleList list) {
+  const int i = threadIdx.x;
+  if (i >= list.n) return;
+  const ScaleFrom f = list.item[i];
+  const float amax = slots[f.amax] * f.headroom;
+  float scale = 1.0f;
+  if (amax > 0.0f && isfinite(amax)) scale = exp2f(floorf(log2f(cpu::kFp8E4M3Max / amax)));
+  scale = fminf(fmaxf(scale, 0x1p-100f), 0x1p100f);
+  slots[f.scale] = scale;
+  slots[f.descale] = 1.0f / scale;
+}
+
+// out = codes (e4m3) * descale, rounded to bf16 (exact for a power-of-two descale).
+__global__ void decode_kernel(const uint8_t* __restrict__ codes, int64_t n, const float* __restrict__ descale,
+                              bf16* __restrict__ out) {
+  const float d = *descale;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const __half_raw h = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(codes[i]), __NV_E4M3);
+    out[i] = __float2bfloat16(__half2float(__half(h)) * d);
+  }
+}
+
+unsigned blocks_for(int64_t n) {
+  return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>((n + kThreads - 1) / kThreads, 132 * 8)));
+}
+
+}  // namespace
+
+size_t Fp8Attention::workspace_bytes(int64_t max_tokens, int64_t H, int64_t KV, int64_t D, int64_t layers) {
+  const size_t n = static_cast<size_t>(max_tokens), q = n * H * D, kv = n * KV * D;
+  return 4 * align_up(q) + 4 * align_up(kv) + align_up(sizeof(float) * kSlots * layers) +
+         CudnnSdpa::fp8_backward_workspace_bytes(max_tokens, H, D);
+}
+
+Fp8Attention::Fp8Attention(CudnnSdpa& sdpa, int64_t max_tokens, int64_t H, int64_t KV, int64_t D, int64_t layers,
+                           void* workspace, cudaStream_t stream)
+    : sdpa_(sdpa), max_tokens_(max_tokens), H_(H), KV_(KV), D_(D), layers_(layers), stream_(stream),
+      has_history_(static_cast<size_t>(layers), false) {
+  const size_t n = static_cast<size_t>(max_tokens), q = n * H * D, kv = n * KV * D;
+  char* p = static_cast<char*>(workspace);
+  auto take = [&](size_t bytes) {
+    char* at = p;
+    p += align_up(bytes);
+    return at;
+  };
+  auto codes = [&](size_t count) { return reinterpret_cast<uint8_t*>(take(count)); };
+  q8_ = codes(q), o8_ = codes(q), do8_ = codes(q), dq8_ = codes(q);
+  k8_ = codes(kv), v8_ = codes(kv), dk8_ = codes(kv), dv8_ = codes(kv);
+  scalars_ = reinterpret_cast<float*>(take(sizeof(float) * kSlots * layers));
+  bwd_workspace_ = p;
+  // Every scale and descale 1 (the delayed ones' first run), P's 448; amaxes 0.
+  std::vector<float> init(size_t(kSlots * layers), 0.0f);
+  for (int64_t l = 0; l < layers; ++l) {
+    float* at = init.data() + l * kSlots;
+    std::fill(at + kScaleQ, at + kDescaleDV + 1, 1.0f);
+    at[kScaleS] = cpu::kFp8E4M3Max, at[kDescaleS] = 1.0f / cpu::kFp8E4M3Max;
+  }
+  CUDA_CHECK(cudaMemcpyAsync(scalars_, init.data(), sizeof(float) * init.size(), cudaMemcpyHostToDevice, stream));
+  CUDA_CHECK(cudaStreamSynchronize(stream));  // init is the host's
+}
+
+CudnnSdpa::Fp8Scales Fp8Attention::scales(int64_t layer) const {
+  float* s = scalars_ + layer * kSlots;
+  return CudnnSdpa::Fp8Scales{s + kDescaleQ, s + kDescaleK, s + kDescaleV, s + kDescaleO, s + kDescaleDO,
+                              s + kDescaleS, s + kDescaleDP, s + kScaleS,  s + kScaleO,   s + kScaleDP,
+                              s + kScaleDQ,  s + kScaleDK,  s + kScaleDV,  s + kAmaxS,    s + kAmaxO,
+                              s + kAmaxDP,   s + kAmaxDQ,   s + kAmaxDK,   s + kAmaxDV};
+}
+
+bool Fp8Attention::forward(int64_t layer, bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v,
+                           int64_t N) {
+  SHARDLM_CHECK(layer >= 0 && layer < layers_ && N >= 1 && N <= max_tokens_,
+                "internal: FP8 attention layer %lld of %lld, %lld tokens (planned %lld)", (long long)layer,
+                (long long)layers_, (long long)N, (long long)max_tokens_);
+  float* s = scalars_ + layer * kSlots;
+  fp8_amax(q, N * H_ * D_, s + kAmaxQ, stream_);
+  fp8_amax(k, N * KV_ * D_, s + kAmaxK, stream_);
+  fp8_amax(v, N * KV_ * D_, s + kAmaxV, stream_);
+  const ScaleList list{{{kAmaxQ, kScaleQ, kDescaleQ, 1.0f},
+                        {kAmaxK, kScaleK, kDescaleK, 1.0f},
+                        {kAmaxV, kScaleV, kDescaleV, 1.0f},
+                        {kAmaxV, kScaleO, kDescaleO, 1.0f}},
+                       4};
+  pow2_scales_kernel<<<1, 32, 0, stream_>>>(s, list);
+  CUDA_CHECK(cudaGetLastError());
+  fp8_quantize(q, N, H_ * D_, s + kScaleQ, Fp8Scaling::Tensor, Fp8Format::E4M3, q8_, false, stream_);
+  fp8_quantize(k, N, KV_ * D_, s + kScaleK, Fp8Scaling::Tensor, Fp8Format::E4M3, k8_, false, stream_);
+  fp8_quantize(v, N, KV_ * D_, s + kScaleV, Fp8Scaling::Tensor, Fp8Format::E4M3, v8_, false, stream_);
+  if (!sdpa_.forward_fp8(o8_, lse, q8_, k8_, v8_, scales(layer))) return false;
+  decode_kernel<<<blocks_for(N * H_ * D_), kThreads, 0, stream_>>>(o8_, N * H_ * D_, s + kDescaleO, out);
+  CUDA_CHECK(cudaGetLastError());
+  return true;
+}
+
+bool Fp8Attention::backward(int64_t layer, bf16* dq, bf16* dk, bf16* dv, const bf16* dout, const bf16* q,
+                            const bf16* k, const bf16* v, const bf16* out, const float* lse, int64_t N) {
+  SHARDLM_CHECK(layer >= 0 && layer < layers_ && N >= 1 && N <= max_tokens_,
+                "internal: FP8 attention layer %lld of %lld, %lld tokens (planned %lld)", (long long)layer,
+                (long long)layers_, (long long)N, (long long)max_tokens_);
+  float* s = scalars_ + layer * kSlots;
+  // The forward's codes again, at the forward's scales (kept in the layer's slots).
+  fp8_quantize(q, N, H_ * D_, s + kScaleQ, Fp8Scaling::Tensor, Fp8Format::E4M3, q8_, false, stream_);
+  fp8_quantize(k, N, KV_ * D_, s + kScaleK, Fp8Scaling::Tensor, Fp8Format::E4M3, k8_, false, stream_);
+  fp8_quantize(v, N, KV_ * D_, s + kScaleV, Fp8Scaling::Tensor, Fp8Format::E4M3, v8_, false, stream_);
+  fp8_quantize(out, N, H_ * D_, s + kScaleO, Fp8Scaling::Tensor, Fp8Format::E4M3, o8_, false, stream_);
+  fp8_amax(dout, N * H_ * D_, s + kAmaxDO, stream_);
+  const ScaleList current{{{kAmaxDO, kScaleDO, kDescaleDO, 1.0f}}, 1};
+  pow2_scales_kernel<<<1, 32, 0, stream_>>>(s, current);
+  CUDA_CHECK(cudaGetLastError());
+  fp8_quantize(dout, N, H_ * D_, s + kScaleDO, Fp8Scaling::Tensor, Fp8Format::E4M3, do8_, false, stream_);
+  // Delayed: dP's, dq's, dk's and dv's scales from the amaxes the graph wrote last
+  // time. A layer's first backward runs the graph twice more before: at unit
+  // scales (dP's and dv's amaxes, taken before their scales, are right; dq's and
+  // dk's are of dP's unit-scale codes), then at dP's scale (dq's and dk's right).
+  const ScaleList delayed{{{kAmaxDP, kScaleDP, kDescaleDP, 2.0f},
+                           {kAmaxDQ, kScaleDQ, kDescaleDQ, 2.0f},
+                           {kAmaxDK, kScaleDK, kDescaleDK, 2.0f},
+                           {kAmaxDV, kScaleDV, kDescaleDV, 2.0f}},
+                          4};
+  const CudnnSdpa::Fp8Scales sc = scales(layer);
+  for (int warmup = has_history_[size_t(layer)] ? 0 : 2; warmup > 0; --warmup) {
+    if (warmup == 1) pow2_scales_kernel<<<1, 32, 0, stream_>>>(s, delayed);
+    if (!sdpa_.backward_fp8(dq8_, dk8_, dv8_, do8_, q8_, k8_, v8_, o8_, lse, sc, bwd_workspace_)) return false;
+  }
+  has_history_[size_t(layer)] = true;
+  pow2_scales_kernel<<<1, 32, 0, stream_>>>(s, delayed);
+  CUDA_CHECK(cudaGetLastError());
+  if (!sdpa_.backward_fp8(dq8_, dk8_, dv8_, do8_, q8_, k8_, v8_, o8_, lse, sc, bwd_workspace_)) return false;
+  decode_kernel<<<blocks_for(N * H_ * D_), kThreads, 0, stream_>>>(dq8_, N * H_ * D_, s + kDescaleDQ, dq);
+  decode_kernel<<<blocks_for(N * KV_ * D_), kThreads, 0, stream_>>>(dk8_, N * KV_ * D_, s + kDescaleDK, dk);
+  decode_kernel<<<blocks_for(N * KV_ * D_), kThreads, 0, stream_>>>(dv8_, N * KV_ * D_, s + kDescaleDV, dv);
+  CUDA_CHECK(cudaGetLastError());
+  return true;
+}
+
+}  // namespace shardlm::cuda

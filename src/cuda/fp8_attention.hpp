@@ -1,0 +1,77 @@
+// cuda/fp8_attention.hpp — attention with FP8 operands for training (#30): bf16
+// q, k, v in, bf16 out and gradients, cuDNN's FP8 graphs inside
+// (CudnnSdpa::forward_fp8 / backward_fp8). Not yet used by the training step:
+// the building block its integration will call per layer.
+//
+// Owns: the e4m3 codes of one micro-batch's attention operands (q, k, v, out,
+// dout, dq, dk, dv), their per-layer scales, and the FP8 backward's workspace.
+// Must not know: the model, the deck, MPI.
+//
+// Scaling (each scale a power of two, so a code decoded into bf16 and coded
+// again with the same scale gives the same code: the backward re-codes out from
+// the bf16 copy the forward wrote, and q, k, v from theirs):
+//   q, k, v, dout  current: 2^floor(log2(448 / amax)) from their amaxes
+//   out            from v's amax: |out| <= max |v| (the rows of P sum to 1)
+//   P              448 (P <= 1)
+//   dP, dq, dk, dv delayed: from the layer's amaxes of its previous backward,
+//                  with a factor 2 of headroom; a layer's first backward runs
+//                  the FP8 graph twice, the first time only for the amaxes
+//                  (cuDNN takes them before the scale: right at any scale).
+// The passes return false, touching nothing the caller reads, where cuDNN
+// refuses the graph (on Hopper: the backward at head dims other than 128;
+// documents of different lengths): the caller then runs its bf16 attention.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "cuda/sdpa.hpp"
+
+namespace shardlm::cuda {
+
+class Fp8Attention {
+ public:
+  // Device memory for micro-batches of up to max_tokens tokens over `layers` layers.
+  static size_t workspace_bytes(int64_t max_tokens, int64_t H, int64_t KV, int64_t D, int64_t layers);
+
+  // sdpa: the micro-batch's documents set (CudnnSdpa::set_documents) before each
+  // pass. workspace: workspace_bytes(...) of device memory, 256-byte aligned, the
+  // object's while it lives.
+  Fp8Attention(CudnnSdpa& sdpa, int64_t max_tokens, int64_t H, int64_t KV, int64_t D, int64_t layers,
+               void* workspace, cudaStream_t stream);
+
+  // out (N, H, D) bf16 and lse (N, H) as cuda::attention_forward's, of q, k, v
+  // coded as e4m3; out is the decoded FP8 output (exact codes / scale).
+  bool forward(int64_t layer, __nv_bfloat16* out, float* lse, const __nv_bfloat16* q, const __nv_bfloat16* k,
+               const __nv_bfloat16* v, int64_t N);
+  // dq, dk, dv bf16 (decoded) from dout and the forward's q, k, v, out and lse
+  // (forward() of this layer must have run on this micro-batch).
+  bool backward(int64_t layer, __nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat16* dv, const __nv_bfloat16* dout,
+                const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v, const __nv_bfloat16* out,
+                const float* lse, int64_t N);
+
+  // A layer's scalars (fp32, device): the slots below, kSlots a layer.
+  enum Slot {
+    kScaleQ, kScaleK, kScaleV, kScaleO, kScaleDO, kScaleS, kScaleDP, kScaleDQ, kScaleDK, kScaleDV,
+    kDescaleQ, kDescaleK, kDescaleV, kDescaleO, kDescaleDO, kDescaleS, kDescaleDP, kDescaleDQ, kDescaleDK, kDescaleDV,
+    kAmaxQ, kAmaxK, kAmaxV, kAmaxDO, kAmaxS, kAmaxO, kAmaxDP, kAmaxDQ, kAmaxDK, kAmaxDV,
+    kSlots
+  };
+  const float* scalars(int64_t layer) const { return scalars_ + layer * kSlots; }
+
+ private:
+  CudnnSdpa::Fp8Scales scales(int64_t layer) const;
+  CudnnSdpa& sdpa_;
+  int64_t max_tokens_, H_, KV_, D_, layers_;
+  cudaStream_t stream_;
+  uint8_t *q8_, *k8_, *v8_, *o8_, *do8_, *dq8_, *dk8_, *dv8_;
+  float* scalars_;
+  void* bwd_workspace_;
+  std::vector<bool> has_history_;  // per layer: its backward amaxes exist
+};
+
+}  // namespace shardlm::cuda
