@@ -371,6 +371,15 @@ void bench(int64_t S) {
   std::printf("S %6lld (H 32, KV 8, D 128): forward bf16 %8.3f ms, FP8 %8.3f ms (%.2fx); backward bf16 %8.3f ms, "
               "FP8 %8.3f ms (%.2fx)\n",
               (long long)S, f16, f8, f16 / f8, b16, b8, b16 / b8);
+  // cuda::Fp8Attention: the graphs with its coding and decoding passes (bf16 in and out).
+  Dev<char> fa_ws(sc::Fp8Attention::workspace_bytes(S, H, KV, D, 1));
+  sc::Fp8Attention fa(sdpa, S, H, KV, D, 1, fa_ws.p, cudaStream_t(0));
+  const double ff = time([&] { return fa.forward(0, o16.p, lse.p, q16.p, k16.p, v16.p, S); });
+  const double fb = time([&] {
+    return fa.backward(0, dq16.p, dk16.p, dv16.p, do16.p, q16.p, k16.p, v16.p, o16.p, lse.p, S);
+  });
+  std::printf("  Fp8Attention (bf16 in and out): forward %8.3f ms (%.2fx bf16), backward %8.3f ms (%.2fx)\n", ff,
+              f16 / ff, fb, b16 / fb);
   std::printf("  last plan: %s\n", sdpa.last_plan_note().c_str());
 }
 
