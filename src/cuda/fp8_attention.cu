@@ -76,8 +76,14 @@ Fp8Attention::Fp8Attention(CudnnSdpa& sdpa, int64_t max_tokens, int64_t H, int64
     return at;
   };
   auto codes = [&](size_t count) { return reinterpret_cast<uint8_t*>(take(count)); };
-  q8_ = codes(q), o8_ = codes(q), do8_ = codes(q), dq8_ = codes(q);
-  k8_ = codes(kv), v8_ = codes(kv), dk8_ = codes(kv), dv8_ = codes(kv);
+  q8_ = codes(q);
+  o8_ = codes(q);
+  do8_ = codes(q);
+  dq8_ = codes(q);
+  k8_ = codes(kv);
+  v8_ = codes(kv);
+  dk8_ = codes(kv);
+  dv8_ = codes(kv);
   scalars_ = reinterpret_cast<float*>(take(sizeof(float) * kSlots * layers));
   bwd_workspace_ = p;
   // Every scale and descale 1 (the delayed ones' first run), P's 448; amaxes 0.
@@ -85,7 +91,8 @@ Fp8Attention::Fp8Attention(CudnnSdpa& sdpa, int64_t max_tokens, int64_t H, int64
   for (int64_t l = 0; l < layers; ++l) {
     float* at = init.data() + l * kSlots;
     std::fill(at + kScaleQ, at + kDescaleDV + 1, 1.0f);
-    at[kScaleS] = cpu::kFp8E4M3Max, at[kDescaleS] = 1.0f / cpu::kFp8E4M3Max;
+    at[kScaleS] = cpu::kFp8E4M3Max;
+    at[kDescaleS] = 1.0f / cpu::kFp8E4M3Max;
   }
   CUDA_CHECK(cudaMemcpyAsync(scalars_, init.data(), sizeof(float) * init.size(), cudaMemcpyHostToDevice, stream));
   CUDA_CHECK(cudaStreamSynchronize(stream));  // init is the host's

@@ -29,6 +29,7 @@
 #include <limits>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 #include "cuda/ops.hpp"
 #include "shardlm/error.hpp"
@@ -915,22 +916,26 @@ bool CudnnSdpa::backward(__nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat16* dv
 }
 
 namespace {
-// The scales' variant-pack entries, in Fp8Scales' order (the uids kDescaleQ ..).
+// The scales' variant-pack entries: what both passes read, then each pass's own.
 void add_fp8_scales(const CudnnSdpa::Fp8Scales& s, bool backward_pass, std::vector<int64_t>& uids,
                     std::vector<void*>& ptrs) {
-  auto add = [&](Uid uid, const void* p) {
-    uids.push_back(uid);
-    ptrs.push_back(const_cast<void*>(p));
+  using Entry = std::pair<Uid, const void*>;
+  const Entry both[] = {{kDescaleQ, s.descale_q}, {kDescaleK, s.descale_k}, {kDescaleV, s.descale_v},
+                        {kDescaleS, s.descale_s}, {kScaleS, s.scale_s}};
+  const Entry forward[] = {{kScaleO, s.scale_o}, {kAmaxS, s.amax_s}, {kAmaxO, s.amax_o}};
+  const Entry backward[] = {{kDescaleO, s.descale_o}, {kDescaleDO, s.descale_do}, {kDescaleDP, s.descale_dp},
+                            {kScaleDP, s.scale_dp},   {kScaleDQ, s.scale_dq},     {kScaleDK, s.scale_dk},
+                            {kScaleDV, s.scale_dv},   {kAmaxDP, s.amax_dp},       {kAmaxDQ, s.amax_dq},
+                            {kAmaxDK, s.amax_dk},     {kAmaxDV, s.amax_dv}};
+  auto add = [&](const auto& entries) {
+    for (const auto& [uid, p] : entries) {
+      uids.push_back(uid);
+      ptrs.push_back(const_cast<void*>(p));
+    }
   };
-  add(kDescaleQ, s.descale_q), add(kDescaleK, s.descale_k), add(kDescaleV, s.descale_v);
-  add(kDescaleS, s.descale_s), add(kScaleS, s.scale_s);
-  if (!backward_pass) {
-    add(kScaleO, s.scale_o), add(kAmaxS, s.amax_s), add(kAmaxO, s.amax_o);
-    return;
-  }
-  add(kDescaleO, s.descale_o), add(kDescaleDO, s.descale_do), add(kDescaleDP, s.descale_dp);
-  add(kScaleDP, s.scale_dp), add(kScaleDQ, s.scale_dq), add(kScaleDK, s.scale_dk), add(kScaleDV, s.scale_dv);
-  add(kAmaxDP, s.amax_dp), add(kAmaxDQ, s.amax_dq), add(kAmaxDK, s.amax_dk), add(kAmaxDV, s.amax_dv);
+  add(both);
+  if (backward_pass) add(backward);
+  else add(forward);
 }
 }  // namespace
 
