@@ -9,6 +9,7 @@
 
 #include "cuda/check.hpp"
 #include "cuda/fp8.hpp"
+#include "cuda/ops_common.cuh"
 #include "shardlm/error.hpp"
 
 namespace shardlm::cuda {
@@ -16,9 +17,9 @@ namespace shardlm::cuda {
 namespace {
 
 using bf16 = __nv_bfloat16;
-constexpr int kThreads = 256;
-
-size_t align_up(size_t bytes) { return (bytes + 255) / 256 * 256; }
+using dev::align256;
+using dev::grid_capped;
+using dev::kThreads;
 
 // One scale from one amax: scale = 2^floor(log2(448 / (amax * headroom))), 1
 // where the amax is 0 or not finite; descale = 1 / scale (exact: a power of two).
@@ -52,15 +53,11 @@ __global__ void decode_kernel(const uint8_t* __restrict__ codes, int64_t n, cons
   }
 }
 
-unsigned blocks_for(int64_t n) {
-  return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>((n + kThreads - 1) / kThreads, 132 * 8)));
-}
-
 }  // namespace
 
 size_t Fp8Attention::workspace_bytes(int64_t max_tokens, int64_t H, int64_t KV, int64_t D, int64_t layers) {
   const size_t n = static_cast<size_t>(max_tokens), q = n * H * D, kv = n * KV * D;
-  return 4 * align_up(q) + 4 * align_up(kv) + align_up(sizeof(float) * kSlots * layers) +
+  return 4 * align256(q) + 4 * align256(kv) + align256(sizeof(float) * kSlots * layers) +
          CudnnSdpa::fp8_backward_workspace_bytes(max_tokens, H, D);
 }
 
@@ -72,7 +69,7 @@ Fp8Attention::Fp8Attention(CudnnSdpa& sdpa, int64_t max_tokens, int64_t H, int64
   char* p = static_cast<char*>(workspace);
   auto take = [&](size_t bytes) {
     char* at = p;
-    p += align_up(bytes);
+    p += align256(bytes);
     return at;
   };
   auto codes = [&](size_t count) { return reinterpret_cast<uint8_t*>(take(count)); };
@@ -126,7 +123,7 @@ bool Fp8Attention::forward(int64_t layer, bf16* out, float* lse, const bf16* q, 
   fp8_quantize(k, N, KV_ * D_, s + kScaleK, Fp8Scaling::Tensor, Fp8Format::E4M3, k8_, false, stream_);
   fp8_quantize(v, N, KV_ * D_, s + kScaleV, Fp8Scaling::Tensor, Fp8Format::E4M3, v8_, false, stream_);
   if (!sdpa_.forward_fp8(o8_, lse, q8_, k8_, v8_, scales(layer))) return false;
-  decode_kernel<<<blocks_for(N * H_ * D_), kThreads, 0, stream_>>>(o8_, N * H_ * D_, s + kDescaleO, out);
+  decode_kernel<<<grid_capped(N * H_ * D_, kThreads), kThreads, 0, stream_>>>(o8_, N * H_ * D_, s + kDescaleO, out);
   CUDA_CHECK(cudaGetLastError());
   return true;
 }
@@ -165,9 +162,9 @@ bool Fp8Attention::backward(int64_t layer, bf16* dq, bf16* dk, bf16* dv, const b
   pow2_scales_kernel<<<1, 32, 0, stream_>>>(s, delayed);
   CUDA_CHECK(cudaGetLastError());
   if (!sdpa_.backward_fp8(dq8_, dk8_, dv8_, do8_, q8_, k8_, v8_, o8_, lse, sc, bwd_workspace_)) return false;
-  decode_kernel<<<blocks_for(N * H_ * D_), kThreads, 0, stream_>>>(dq8_, N * H_ * D_, s + kDescaleDQ, dq);
-  decode_kernel<<<blocks_for(N * KV_ * D_), kThreads, 0, stream_>>>(dk8_, N * KV_ * D_, s + kDescaleDK, dk);
-  decode_kernel<<<blocks_for(N * KV_ * D_), kThreads, 0, stream_>>>(dv8_, N * KV_ * D_, s + kDescaleDV, dv);
+  decode_kernel<<<grid_capped(N * H_ * D_, kThreads), kThreads, 0, stream_>>>(dq8_, N * H_ * D_, s + kDescaleDQ, dq);
+  decode_kernel<<<grid_capped(N * KV_ * D_, kThreads), kThreads, 0, stream_>>>(dk8_, N * KV_ * D_, s + kDescaleDK, dk);
+  decode_kernel<<<grid_capped(N * KV_ * D_, kThreads), kThreads, 0, stream_>>>(dv8_, N * KV_ * D_, s + kDescaleDV, dv);
   CUDA_CHECK(cudaGetLastError());
   return true;
 }

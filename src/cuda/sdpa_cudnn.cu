@@ -467,21 +467,20 @@ const Desc& causal_mask(GraphBuilder& g, const Shape& s, const Common& c, const 
   return masked;
 }
 
-void build_forward(GraphBuilder& g, const Shape& s) {
-  const Common c = declare_common(g, s);
-  const Desc& q = g.tensor(kQ, CUDNN_DATA_BFLOAT16, s.q_dim(), s.q_stride(), false, c.off_q);
-  const Desc& kt = g.tensor(kK, CUDNN_DATA_BFLOAT16, s.kvt_dim(), s.kvt_stride(), false, c.off_kv);
-  const Desc& v = g.tensor(kV, CUDNN_DATA_BFLOAT16, s.kv_dim(), s.kv_stride(), false, c.off_kv);
-  const Desc& o = g.tensor(kO, CUDNN_DATA_BFLOAT16, s.q_dim(), s.q_stride(), false, c.off_q);
-  const Desc& lse = g.tensor(kStats, CUDNN_DATA_FLOAT, s.stats_dim(), s.stats_stride(), false, c.off_stats);
-  const Dims sd = s.score_dim(), ss = s.score_stride(), rd = s.row_dim(), rs = s.row_stride();
-
+// S = (Q K^T) * scale, fp32: the first matmul of every graph.
+const Desc& scaled_scores(GraphBuilder& g, const Shape& s, const Common& c, const Desc& q, const Desc& kt) {
+  const Dims sd = s.score_dim(), ss = s.score_stride();
   const Desc& qk = g.virt(CUDNN_DATA_FLOAT, sd, ss);
   g.matmul(q, kt, qk, c.seq_q, c.seq_kv, nullptr);
   const Desc& scaled = g.virt(CUDNN_DATA_FLOAT, sd, ss);
   g.pointwise(CUDNN_POINTWISE_MUL, CUDNN_DATA_FLOAT, qk, c.scale, nullptr, scaled);
-  const Desc& masked = causal_mask(g, s, c, s.ragged ? padding_mask(g, s, c, scaled) : scaled);
-  // softmax, keeping lse = max + log(sum) for backward
+  return scaled;
+}
+
+// The forward's softmax of the masked scores: P (in p_type) = E / rowsum E with
+// E = exp(S - rowmax S), keeping lse = rowmax + log(rowsum) for the backward.
+const Desc& softmax(GraphBuilder& g, const Shape& s, const Desc& masked, const Desc& lse, cudnnDataType_t p_type) {
+  const Dims sd = s.score_dim(), ss = s.score_stride(), rd = s.row_dim(), rs = s.row_stride();
   const Desc& row_max = g.virt(CUDNN_DATA_FLOAT, rd, rs);
   g.reduction(CUDNN_REDUCE_TENSOR_MAX, masked, row_max);
   const Desc& shifted = g.virt(CUDNN_DATA_FLOAT, sd, ss);
@@ -493,8 +492,22 @@ void build_forward(GraphBuilder& g, const Shape& s) {
   const Desc& log_sum = g.virt(CUDNN_DATA_FLOAT, rd, rs);
   g.pointwise(CUDNN_POINTWISE_LOG, CUDNN_DATA_FLOAT, row_sum, nullptr, nullptr, log_sum);
   g.pointwise(CUDNN_POINTWISE_ADD, CUDNN_DATA_FLOAT, row_max, &log_sum, nullptr, lse);
-  const Desc& p = g.virt(CUDNN_DATA_BFLOAT16, sd, ss);  // P in the inputs' type for the second matmul
+  const Desc& p = g.virt(p_type, sd, ss);
   g.pointwise(CUDNN_POINTWISE_DIV, CUDNN_DATA_FLOAT, e, &row_sum, nullptr, p);
+  return p;
+}
+
+void build_forward(GraphBuilder& g, const Shape& s) {
+  const Common c = declare_common(g, s);
+  const Desc& q = g.tensor(kQ, CUDNN_DATA_BFLOAT16, s.q_dim(), s.q_stride(), false, c.off_q);
+  const Desc& kt = g.tensor(kK, CUDNN_DATA_BFLOAT16, s.kvt_dim(), s.kvt_stride(), false, c.off_kv);
+  const Desc& v = g.tensor(kV, CUDNN_DATA_BFLOAT16, s.kv_dim(), s.kv_stride(), false, c.off_kv);
+  const Desc& o = g.tensor(kO, CUDNN_DATA_BFLOAT16, s.q_dim(), s.q_stride(), false, c.off_q);
+  const Desc& lse = g.tensor(kStats, CUDNN_DATA_FLOAT, s.stats_dim(), s.stats_stride(), false, c.off_stats);
+
+  const Desc& scaled = scaled_scores(g, s, c, q, kt);
+  const Desc& masked = causal_mask(g, s, c, s.ragged ? padding_mask(g, s, c, scaled) : scaled);
+  const Desc& p = softmax(g, s, masked, lse, CUDNN_DATA_BFLOAT16);  // P in the inputs' type for the second matmul
   g.matmul(p, v, o, c.seq_q, nullptr, c.seq_kv);
 }
 
@@ -525,10 +538,7 @@ void build_backward(GraphBuilder& g, const Shape& s) {
   g.pointwise(CUDNN_POINTWISE_MUL, CUDNN_DATA_FLOAT, row_dot, &one, nullptr, softmax_sum);
 
   // E = exp(mask(S * scale) - lse); dV = E^T dO
-  const Desc& qk = g.virt(CUDNN_DATA_FLOAT, sd, ss);
-  g.matmul(q, kt, qk, c.seq_q, c.seq_kv, nullptr);
-  const Desc& scaled = g.virt(CUDNN_DATA_FLOAT, sd, ss);
-  g.pointwise(CUDNN_POINTWISE_MUL, CUDNN_DATA_FLOAT, qk, c.scale, nullptr, scaled);
+  const Desc& scaled = scaled_scores(g, s, c, q, kt);
   const Desc& padded = s.ragged ? padding_mask(g, s, c, scaled) : scaled;
   const Desc& shifted = g.virt(CUDNN_DATA_FLOAT, sd, ss);
   g.pointwise(CUDNN_POINTWISE_SUB, CUDNN_DATA_FLOAT, padded, &lse, nullptr, shifted);
@@ -617,27 +627,12 @@ void build_forward_fp8(GraphBuilder& g, const Shape& s) {
              &descale_v = device_scalar(g, kDescaleV), &descale_s = device_scalar(g, kDescaleS),
              &scale_s = device_scalar(g, kScaleS), &scale_o = device_scalar(g, kScaleO),
              &amax_s = device_scalar(g, kAmaxS), &amax_o = device_scalar(g, kAmaxO);
-  const Dims sd = s.score_dim(), ss = s.score_stride(), rd = s.row_dim(), rs = s.row_stride();
+  const Dims sd = s.score_dim(), ss = s.score_stride();
 
-  const Desc& qk = g.virt(CUDNN_DATA_FLOAT, sd, ss);
-  g.matmul(q, kt, qk, c.seq_q, c.seq_kv, nullptr);
-  const Desc& scaled = g.virt(CUDNN_DATA_FLOAT, sd, ss);
-  g.pointwise(CUDNN_POINTWISE_MUL, CUDNN_DATA_FLOAT, qk, c.scale, nullptr, scaled);
+  const Desc& scaled = scaled_scores(g, s, c, q, kt);
   const Desc& scores = descaled(g, scaled, descale_q, descale_k, sd, ss);
   const Desc& masked = causal_mask(g, s, c, s.ragged ? padding_mask(g, s, c, scores) : scores);
-  const Desc& row_max = g.virt(CUDNN_DATA_FLOAT, rd, rs);
-  g.reduction(CUDNN_REDUCE_TENSOR_MAX, masked, row_max);
-  const Desc& shifted = g.virt(CUDNN_DATA_FLOAT, sd, ss);
-  g.pointwise(CUDNN_POINTWISE_SUB, CUDNN_DATA_FLOAT, masked, &row_max, nullptr, shifted);
-  const Desc& e = g.virt(CUDNN_DATA_FLOAT, sd, ss);
-  g.pointwise(CUDNN_POINTWISE_EXP, CUDNN_DATA_FLOAT, shifted, nullptr, nullptr, e);
-  const Desc& row_sum = g.virt(CUDNN_DATA_FLOAT, rd, rs);
-  g.reduction(CUDNN_REDUCE_TENSOR_ADD, e, row_sum);
-  const Desc& log_sum = g.virt(CUDNN_DATA_FLOAT, rd, rs);
-  g.pointwise(CUDNN_POINTWISE_LOG, CUDNN_DATA_FLOAT, row_sum, nullptr, nullptr, log_sum);
-  g.pointwise(CUDNN_POINTWISE_ADD, CUDNN_DATA_FLOAT, row_max, &log_sum, nullptr, lse);
-  const Desc& p = g.virt(CUDNN_DATA_FLOAT, sd, ss);
-  g.pointwise(CUDNN_POINTWISE_DIV, CUDNN_DATA_FLOAT, e, &row_sum, nullptr, p);
+  const Desc& p = softmax(g, s, masked, lse, CUDNN_DATA_FLOAT);  // coded below, its amax taken first
   const Desc& p8 = g.virt(f8, sd, ss);
   scaled_out(g, p, scale_s, p8, amax_s);
   const Desc& pv = g.virt(CUDNN_DATA_FLOAT, s.q_dim(), contiguous(s.q_dim()));
@@ -678,10 +673,7 @@ void build_backward_fp8(GraphBuilder& g, const Shape& s) {
   const Desc& softmax_sum = descaled(g, row_dot, descale_do, descale_o, rd, rs);
 
   // E = exp(mask(S * scale * descales) - lse); P = E coded with scale_s
-  const Desc& qk = g.virt(CUDNN_DATA_FLOAT, sd, ss);
-  g.matmul(q, kt, qk, c.seq_q, c.seq_kv, nullptr);
-  const Desc& scaled = g.virt(CUDNN_DATA_FLOAT, sd, ss);
-  g.pointwise(CUDNN_POINTWISE_MUL, CUDNN_DATA_FLOAT, qk, c.scale, nullptr, scaled);
+  const Desc& scaled = scaled_scores(g, s, c, q, kt);
   const Desc& scores = descaled(g, scaled, descale_q, descale_k, sd, ss);
   const Desc& masked = causal_mask(g, s, c, s.ragged ? padding_mask(g, s, c, scores) : scores);
   const Desc& shifted = g.virt(CUDNN_DATA_FLOAT, sd, ss);
