@@ -32,6 +32,8 @@
 #                                 model.fp8 = tensorwise / rowwise, issue #30; compare with 1b / 1b-32k /
 #                                 8b-32k-offload-selective in the same call)
 #   ATTN=flash tools/bench.sh 1b  (device.attention for every run: auto | cudnn | flash)
+#   FP8_ATTENTION=1 tools/bench.sh 8b-131k-offload-selective-fp8  (model.fp8_attention = true for every run,
+#                                 its name and log with -fp8attn; #30)
 #   SHARDLM=path/to/shardlm tools/bench.sh 1b
 #   BENCH_TIMEOUT=120 tools/bench.sh 7b     (kill each run after 120 s)
 #
@@ -57,6 +59,7 @@ settle_host_memory() {
 }
 run() {
   local name=$1 deck=$2; shift 2
+  [ -n "${FP8_ATTENTION:-}" ] && { name=$name-fp8attn; set -- "$@" --set model.fp8_attention=true; }
   echo "== $name: $SHARDLM train $deck $*"
   # A fresh run each time, no checkpoints (a 7B one is ~80 GB); the whole log in
   # runs/bench-NAME.log. BENCH_TIMEOUT=S kills the trainer after S seconds with
@@ -258,7 +261,8 @@ for n in $names; do
       run 8b-131k-offload-selective-fp8 inputs/bench/llama-8b.toml --set data.path=runs/bench-data/random-128k-131k.h5 \
         --set data.seq_len=131072 --set data.global_batch=1 --set model.optim_offload_grads=device --set run.max_steps=3 \
         --set model.residual_dtype=bf16 \
-        --set model.activation_checkpointing=selective --set model.fp8=tensorwise ;;
+        --set model.activation_checkpointing=selective --set model.fp8=tensorwise \
+        ${LAYERS:+--set model.selective_layers=$LAYERS} ;;
     # Saves every 2 steps synchronously (the loop waits for each), then async saves
     # spaced wider than one background write (12-15 s on the H200 machine's disk:
     # 80 steps of 0.26 s with device state, 40 of 0.62 s offloaded), so none waits

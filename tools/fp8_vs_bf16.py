@@ -16,6 +16,8 @@ learnable data and order, one call on the GPU machine.
 
   python3 tools/fp8_vs_bf16.py --shardlm build/shardlm --shape llama-1b --steps 1000 --out runs/fp8-1b
   python3 tools/fp8_vs_bf16.py ... --mode rowwise
+  python3 tools/fp8_vs_bf16.py ... --fp8-attention          (the FP8 run with model.fp8_attention too)
+  python3 tools/fp8_vs_bf16.py ... --mode none --fp8-attention   (FP8 attention alone against bf16)
   python3 tools/fp8_vs_bf16.py --model tests/fixtures/llama-gqa-tied --device cpu --seq 32 --steps 60 ...
       (a check of the script on the CPU)
 
@@ -91,7 +93,9 @@ def main():
     ap.add_argument("--shardlm", default="build/shardlm")
     ap.add_argument("--shape", choices=sorted(F.SHAPES), default="llama-1b")
     ap.add_argument("--model", default="", help="an existing HF model directory instead of --shape's random init")
-    ap.add_argument("--mode", choices=["tensorwise", "rowwise"], default="tensorwise")
+    ap.add_argument("--mode", choices=["tensorwise", "rowwise", "none"], default="tensorwise",
+                    help="the FP8 run's model.fp8 (none: only with --fp8-attention)")
+    ap.add_argument("--fp8-attention", action="store_true", help="the FP8 run sets model.fp8_attention = true")
     ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--rows", type=int, default=4, help="rows (documents) a step")
     ap.add_argument("--seq", type=int, default=4096)
@@ -104,19 +108,25 @@ def main():
     ap.add_argument("--out", default="runs/fp8-vs-bf16")
     ap.add_argument("--device", default="cuda", help="shardlm's device.backend (cpu: a check of this script)")
     args = ap.parse_args()
+    if args.mode == "none" and not args.fp8_attention:
+        ap.error("--mode none compares bf16 with itself: add --fp8-attention")
     args.out = os.path.abspath(args.out)
     os.makedirs(args.out, exist_ok=True)
     model_dir, tag, data_path = F.model_and_data(args, f"-{args.docs}")
     base = list(args.set) + [f"sched.warmup={args.warmup}"]  # fidelity_vs_hf.py's deck: constant after it
     curves = {}
-    for label, fp8 in (("bf16", "none"), (f"fp8-{args.mode}", args.mode)):
-        args.set = base + [f"model.fp8={fp8}"]
+    fp8_label = "+".join(([f"fp8-{args.mode}"] if args.mode != "none" else []) +
+                         (["fp8-attention"] if args.fp8_attention else []))
+    runs = (("bf16", ["model.fp8=none"]),
+            (fp8_label, [f"model.fp8={args.mode}"] + (["model.fp8_attention=true"] if args.fp8_attention else [])))
+    for label, sets in runs:
+        args.set = base + sets
         curves[label] = F.run_shardlm(args, model_dir, data_path, os.path.join(args.out, f"run-{label}"), label)
         with open(os.path.join(args.out, "losses.json"), "w") as f:  # after each run: a cut-off call keeps the first
             json.dump(curves, f)
-    lines, _ = compare(curves["bf16"], curves[f"fp8-{args.mode}"], args.window, args.spike)
+    lines, _ = compare(curves["bf16"], curves[fp8_label], args.window, args.spike)
     print(f"\n{tag}, {args.steps} steps of {args.rows} x {args.seq} tokens, lr {args.lr} after {args.warmup} "
-          f"warmup steps; model.fp8 = {args.mode} against bf16:\n")
+          f"warmup steps; {fp8_label} against bf16:\n")
     print("\n".join(lines))
 
 

@@ -69,6 +69,7 @@ struct EngineOptions {
   bool deterministic = false;        // run.deterministic: only bitwise-reproducible kernels
   Fp8Mode fp8 = Fp8Mode::None;       // model.fp8
   bool fp8_weight_cache = false;     // model.fp8_weight_cache: each layer's weight codes kept until the parameters change
+  bool fp8_attention = false;        // model.fp8_attention: cuDNN's FP8 attention where it takes the shape (CUDA)
   // model.residual_dtype = "fp32": the residual stream and its gradient in fp32
   // between kernels (the GEMM operands stay bf16). The CPU backend is fp32 throughout.
   bool residual_fp32 = false;

@@ -127,6 +127,7 @@ const std::vector<KeySpec>& key_table() {
       up_to(positive(key("model.context_parallel", Type::Int, FIELD(model.context_parallel))), 65536),
       one_of(key("model.fp8", Type::String, FIELD(model.fp8)), {"none", "tensorwise", "rowwise"}),
       key("model.fp8_weight_cache", Type::Bool, FIELD(model.fp8_weight_cache)),
+      key("model.fp8_attention", Type::Bool, FIELD(model.fp8_attention)),
       one_of(key("model.residual_dtype", Type::String, FIELD(model.residual_dtype)), {"bf16", "fp32"}),
       one_of(key("model.norm_dtype", Type::String, FIELD(model.norm_dtype)), {"bf16", "fp32"}),
 
@@ -625,6 +626,20 @@ void validate(const Config& c, int world, const std::set<std::string>& given, st
   if (c.device.attention == "cudnn" && c.run.deterministic)
     err("device.attention = \"cudnn\" with run.deterministic = true: cuDNN's attention backward is not bitwise "
         "reproducible on Hopper; use device.attention = \"auto\" or \"flash\" (shardlm's deterministic kernels)");
+  if (c.model.fp8_attention) {  // cuDNN's FP8 graphs (cuda/fp8_attention.hpp): wherever cuDNN's attention runs
+    if (c.device.backend == "cpu")
+      err("model.fp8_attention = true runs cuDNN's FP8 attention on the GPU: it needs device.backend = \"cuda\" (or "
+          "\"auto\" on a GPU machine); the CPU backend has no emulation of it");
+    else if (c.device.attention == "flash")
+      err("model.fp8_attention = true runs cuDNN's FP8 attention, but device.attention = \"flash\" keeps shardlm's "
+          "bf16 kernels: set device.attention = \"auto\" or \"cudnn\", or leave model.fp8_attention off");
+    else if (c.run.deterministic)
+      err("model.fp8_attention = true with run.deterministic = true: cuDNN's attention backward is not bitwise "
+          "reproducible on Hopper, so deterministic runs keep shardlm's bf16 kernels; leave model.fp8_attention off");
+    else if (cp > 1)
+      err("model.fp8_attention = true with model.context_parallel > 1: the ring attends block by block with "
+          "shardlm's bf16 kernels; leave model.fp8_attention off");
+  }
   if (c.comm.backend == "nccl" && c.device.backend == "cpu")
     err("comm.backend = \"nccl\" needs device.backend = \"cuda\" (NCCL moves device memory only; the CPU backend "
         "uses MPI)");

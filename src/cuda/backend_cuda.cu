@@ -20,6 +20,7 @@
 #include "shardlm/cuda.hpp"
 #include "cpu/ops.hpp"
 #include "cuda/attention.hpp"
+#include "cuda/fp8_attention.hpp"
 #include "cuda/fp8_linear.hpp"
 #include "cuda/gemm.hpp"
 #include "cuda/ops.hpp"
@@ -56,6 +57,7 @@ class CudaBackend final : public Backend {
     cudaStreamSynchronize(stream_);
     ring_.reset();
     ring_comm_.reset();  // its collectives are ordered against stream_: gone before it
+    fp8_attention_.reset();  // it holds a reference to sdpa_
     sdpa_.reset();
     fp8_.reset();
     gemm_.reset();
@@ -186,6 +188,9 @@ class CudaBackend final : public Backend {
   //   attn bwd   d_att, dq, dk, dv and cuDNN's backward buffers, made after the
   //              MLP's backward has read gate/up for the last time, dead once the
   //              q/k/v projections' backward has read them.
+  // (With model.fp8_attention the region after dv also lends the FP8 attention's
+  // scratch to its forward: the layer's gate/up is written only after attention,
+  // and the shared region holds nothing live during a forward.)
   // So the attention phase lives in the layer's gate/up buffer (N, 2I), and so does
   // the logits chunk under activation checkpointing (the activations are
   // recomputed in backward, so the shared set is dead during the head); dh and
@@ -197,14 +202,15 @@ class CudaBackend final : public Backend {
     size_t shared = 0;                                   // the shared region's bytes
   };
   static size_t aligned(size_t b) { return (b + 255) / 256 * 256; }
-  static Phases phases(const Dims& d, bool sdpa, bool checkpointing) {
+  static Phases phases(const Dims& d, bool sdpa, bool fp8_attention, bool checkpointing) {
     Phases p;
     p.gu_bytes = 2 * size_t(d.N * 2 * d.I);
     p.dq = aligned(2 * size_t(d.N * d.HD));
     p.dk = p.dq + aligned(2 * size_t(d.N * d.HD));
     p.dv = p.dk + aligned(2 * size_t(d.N * d.KVD));
     p.sdpa = p.dv + aligned(2 * size_t(d.N * d.KVD));
-    p.attention = p.sdpa + (sdpa ? cuda::CudnnSdpa::backward_buffer_bytes(d.N, d.H, d.KV, d.D) : 0);
+    p.attention = p.sdpa + std::max(sdpa ? cuda::CudnnSdpa::backward_buffer_bytes(d.N, d.H, d.KV, d.D) : 0,
+                                    fp8_attention ? cuda::Fp8Attention::scratch_bytes(d.N, d.H, d.KV, d.D) : 0);
     const size_t logits = 2 * size_t(d.chunk * d.V);
     p.attention_in_gu = p.attention <= p.gu_bytes;
     p.logits_in_gu = checkpointing && logits <= p.gu_bytes;
@@ -217,7 +223,10 @@ class CudaBackend final : public Backend {
   static bool sdpa_planned(const EngineOptions& o) {
     return o.attention != "flash" && !o.deterministic && o.context_parallel <= 1;
   }
+  static bool fp8_attention_planned(const EngineOptions& o) { return o.fp8_attention && sdpa_planned(o); }
   // The attention phase's buffers, in `base` (a layer's gate/up or the shared region).
+  // The attention phase's base for a layer whose gate/up buffer is `gu`.
+  char* attention_phase(bf16* gu) const { return phases_.attention_in_gu ? reinterpret_cast<char*>(gu) : shared_; }
   void place_attention_phase(char* base) {
     d_att_ = reinterpret_cast<bf16*>(base), dq_ = reinterpret_cast<bf16*>(base + phases_.dq);
     dk_ = reinterpret_cast<bf16*>(base + phases_.dk), dv_ = reinterpret_cast<bf16*>(base + phases_.dv);
@@ -337,7 +346,7 @@ class CudaBackend final : public Backend {
       rows.push_back(row("d_stream_bf16", w, d.N * d.C, &d_stream_bf16_));  // d_x or d_mid rounded for a GEMM
     }
     rows.push_back(row("d_xn", w, d.N * d.C, &d_xn_));
-    phases_ = phases(d, sdpa_planned(o), o.checkpoint_activations);
+    phases_ = phases(d, sdpa_planned(o), fp8_attention_planned(o), o.checkpoint_activations);
     rows.push_back(bytes_row("phase_shared", w, phases_.shared, &shared_));  // dh, logits, attention backward
     if (c.qk_norm) {
       rows.push_back(row("dq_raw", w, d.N * d.HD, &dq_raw_));
@@ -355,6 +364,8 @@ class CudaBackend final : public Backend {
     // Allocated by choose_attention when cuDNN's attention loads; planned whenever it may be chosen.
     if (sdpa_planned(o))
       rows.push_back({"cudnn_sdpa_persistent", w, int64_t(cuda::CudnnSdpa::persistent_bytes(d.N)), 1, nullptr});
+    if (fp8_attention_planned(o))  // its per-layer scales; its scratch is the attention phase's (Phases)
+      rows.push_back(bytes_row("fp8_attention_state", w, cuda::Fp8Attention::state_bytes(L), &fp8_attention_state_));
     if (o.context_parallel > 1) {  // the ring (cuda/ring_attention.hpp); its staged Comm's pinned buffers: engine.cpp
       using R = cuda::RingBuffers;
       rows.push_back(row("token_index", w, d.N, &token_index_));
@@ -395,7 +406,7 @@ class CudaBackend final : public Backend {
     if (o.checkpoint_activations) shared_att_ = acts_[0].att, shared_lse_ = acts_[0].lse;
     dh_ = reinterpret_cast<bf16*>(shared_);
     logits_ = phases_.logits_in_gu ? acts_[0].gu : reinterpret_cast<bf16*>(shared_);
-    place_attention_phase(phases_.attention_in_gu ? reinterpret_cast<char*>(acts_[0].gu) : shared_);
+    place_attention_phase(attention_phase(acts_[0].gu));
     CUDA_CHECK(cudaMemsetAsync(loss_sum_, 0, 8, stream_));
     choose_attention(d_);
     if (o.fp8 != Fp8Mode::None)
@@ -403,7 +414,12 @@ class CudaBackend final : public Backend {
                                                o.fp8_weight_cache ? c.num_layers : 0);
   }
 
-  std::string kernels_note() const override { return attention_note_; }
+  std::string kernels_note() const override {
+    if (!fp8_attention_) return attention_note_;
+    return attention_note_ + fmt("; FP8 ran %lld of %lld attention passes so far%s", (long long)fp8_attention_passes_,
+                                 (long long)attention_passes_,
+                                 fp8_attention_on_ ? "" : " (off since cuDNN refused its backward)");
+  }
 
   // device.attention: "flash" (shardlm's kernels), "cudnn" (cuDNN's fused SDPA,
   // an error where it cannot load), "auto" (cuDNN where it loads, else shardlm's,
@@ -429,6 +445,7 @@ class CudaBackend final : public Backend {
     if (!cuda::cudnn_sdpa_available(&why)) {
       SHARDLM_CHECK(options_.attention != "cudnn", "device.attention = \"cudnn\", but cuDNN cannot be used: %s",
                     why.c_str());
+      SHARDLM_CHECK(!options_.fp8_attention, "model.fp8_attention = true, but cuDNN cannot be used: %s", why.c_str());
       attention_note_ = own_kernels + "; cuDNN's attention is not used: " + why;
       return;
     }
@@ -436,12 +453,33 @@ class CudaBackend final : public Backend {
     sdpa_ = std::make_unique<cuda::CudnnSdpa>(d.N, d.H, d.KV, d.D, persistent, stream_);
     attention_note_ = "cuDNN fused attention, " + cuda::cudnn_sdpa_version() + "; shardlm's kernels where an "
                       "engine refuses a shape";
+    if (options_.fp8_attention) {
+      fp8_attention_ = std::make_unique<cuda::Fp8Attention>(*sdpa_, d.N, d.H, d.KV, d.D, config_.num_layers,
+                                                            fp8_attention_state_, stream_);
+      fp8_attention_used_.assign(size_t(config_.num_layers), false);
+      attention_note_ = "cuDNN fused attention in FP8 (model.fp8_attention), " + cuda::cudnn_sdpa_version() +
+                        "; bf16 where cuDNN refuses FP8 for a shape (documents of different lengths; on Hopper the "
+                        "backward at head dims other than 128), shardlm's kernels where it refuses both";
+    }
   }
 
   // cuDNN's attention when it takes this micro-batch's shape, else shardlm's
   // kernels (same tensors, same meaning); a refusal is reported once per shape.
+  // With model.fp8_attention, cuDNN's FP8 graphs first (cuda/fp8_attention.hpp);
+  // the backward runs in FP8 where the layer's forward did.
   void attention_forward(Acts& a, int64_t N) {
     if (ring_) return ring_->forward(a.att, a.lse, a.q, a.k, a.v, token_index_, seq_ids_, N, d_.H, d_.KV, d_.D);
+    if (fp8_attention_) {
+      ++attention_passes_;
+      fp8_attention_used_[size_t(layer_)] =
+          fp8_attention_on_ &&
+          fp8_attention_->forward(layer_, a.att, a.lse, a.q, a.k, a.v, N, attention_phase(a.gu) + phases_.sdpa);
+      if (fp8_attention_used_[size_t(layer_)]) {
+        ++fp8_attention_passes_;
+        return;
+      }
+      note_fp8_attention_refusal("forward");
+    }
     if (sdpa_ && sdpa_->forward(a.att, a.lse, a.q, a.k, a.v)) return;
     note_sdpa_refusal();
     cuda::attention_forward(a.att, a.lse, a.q, a.k, a.v, seq_ids_, doc_start_, N, d_.H, d_.KV, d_.D, stream_);
@@ -450,10 +488,30 @@ class CudaBackend final : public Backend {
     if (ring_)
       return ring_->backward(dq_, dk_, dv_, d_att_, a.q, a.k, a.v, a.att, a.lse, token_index_, seq_ids_,
                              static_cast<float*>(delta_), N, d_.H, d_.KV, d_.D);
+    if (fp8_attention_) ++attention_passes_;
+    if (fp8_attention_ && fp8_attention_used_[size_t(layer_)]) {
+      if (fp8_attention_->backward(layer_, dq_, dk_, dv_, d_att_, a.q, a.k, a.v, a.att, a.lse, N,
+                                   sdpa_backward_buffers_)) {
+        ++fp8_attention_passes_;
+        return;
+      }
+      // Refused for a shape every micro-batch has (the head dim): bf16 from here on,
+      // this backward from the FP8 forward's output and logsumexp.
+      fp8_attention_on_ = false;
+      note_fp8_attention_refusal("backward");
+    }
     if (sdpa_ && sdpa_->backward(dq_, dk_, dv_, d_att_, a.q, a.k, a.v, a.att, a.lse, sdpa_backward_buffers_)) return;
     note_sdpa_refusal();
     cuda::attention_backward(dq_, dk_, dv_, d_att_, a.q, a.k, a.v, a.att, a.lse, seq_ids_, doc_start_,
                              static_cast<float*>(delta_), N, d_.H, d_.KV, d_.D, stream_);
+  }
+  void note_fp8_attention_refusal(const char* pass) {
+    if (!fp8_attention_on_ && std::string(pass) == "forward") return;  // said when it was turned off
+    const std::string note = std::string(pass) + ": " + sdpa_->last_plan_note();
+    if (note == reported_fp8_refusal_) return;
+    reported_fp8_refusal_ = note;
+    std::fprintf(stderr, "shardlm: cuDNN refused FP8 attention (model.fp8_attention), bf16 attention runs %s: %s\n",
+                 fp8_attention_on_ ? "this shape" : "every layer from here on", note.c_str());
   }
   void note_sdpa_refusal() {
     if (!sdpa_) return;
@@ -921,6 +979,15 @@ class CudaBackend final : public Backend {
   void* scratch_ = nullptr;
   size_t scratch_bytes_ = 0;
   std::unique_ptr<cuda::CudnnSdpa> sdpa_;  // cuDNN's attention, when chosen (choose_attention)
+  // model.fp8_attention: cuDNN's FP8 graphs over sdpa_, its scales' memory, which
+  // layers' forward ran in FP8 this micro-batch, and whether FP8 is still tried
+  // (off for good once a backward is refused).
+  std::unique_ptr<cuda::Fp8Attention> fp8_attention_;
+  void* fp8_attention_state_ = nullptr;
+  std::vector<bool> fp8_attention_used_;
+  bool fp8_attention_on_ = true;
+  int64_t attention_passes_ = 0, fp8_attention_passes_ = 0;  // kernels_note's count
+  std::string reported_fp8_refusal_;
   int32_t* token_index_ = nullptr;         // context parallelism: (N) index in the group's micro-batch
   cuda::RingBuffers ring_buffers_;         // context parallelism: the ring's blocks and accumulators
   std::unique_ptr<Comm> ring_comm_;        // set_context_parallel: the device Comm over the group

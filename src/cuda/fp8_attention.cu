@@ -55,34 +55,17 @@ __global__ void decode_kernel(const uint8_t* __restrict__ codes, int64_t n, cons
 
 }  // namespace
 
-size_t Fp8Attention::workspace_bytes(int64_t max_tokens, int64_t H, int64_t KV, int64_t D, int64_t layers) {
+size_t Fp8Attention::state_bytes(int64_t layers) { return align256(sizeof(float) * kSlots * layers); }
+
+size_t Fp8Attention::scratch_bytes(int64_t max_tokens, int64_t H, int64_t KV, int64_t D) {
   const size_t n = static_cast<size_t>(max_tokens), q = n * H * D, kv = n * KV * D;
-  return 4 * align256(q) + 4 * align256(kv) + align256(sizeof(float) * kSlots * layers) +
-         CudnnSdpa::fp8_backward_workspace_bytes(max_tokens, H, D);
+  return 4 * align256(q) + 4 * align256(kv) + CudnnSdpa::fp8_backward_workspace_bytes(max_tokens, H, D);
 }
 
 Fp8Attention::Fp8Attention(CudnnSdpa& sdpa, int64_t max_tokens, int64_t H, int64_t KV, int64_t D, int64_t layers,
-                           void* workspace, cudaStream_t stream)
+                           void* state, cudaStream_t stream)
     : sdpa_(sdpa), max_tokens_(max_tokens), H_(H), KV_(KV), D_(D), layers_(layers), stream_(stream),
-      has_history_(static_cast<size_t>(layers), false) {
-  const size_t n = static_cast<size_t>(max_tokens), q = n * H * D, kv = n * KV * D;
-  char* p = static_cast<char*>(workspace);
-  auto take = [&](size_t bytes) {
-    char* at = p;
-    p += align256(bytes);
-    return at;
-  };
-  auto codes = [&](size_t count) { return reinterpret_cast<uint8_t*>(take(count)); };
-  q8_ = codes(q);
-  o8_ = codes(q);
-  do8_ = codes(q);
-  dq8_ = codes(q);
-  k8_ = codes(kv);
-  v8_ = codes(kv);
-  dk8_ = codes(kv);
-  dv8_ = codes(kv);
-  scalars_ = reinterpret_cast<float*>(take(sizeof(float) * kSlots * layers));
-  bwd_workspace_ = p;
+      scalars_(static_cast<float*>(state)), has_history_(static_cast<size_t>(layers), false) {
   // Every scale and descale 1 (the delayed ones' first run), P's 448; amaxes 0.
   std::vector<float> init(size_t(kSlots * layers), 0.0f);
   for (int64_t l = 0; l < layers; ++l) {
@@ -95,6 +78,33 @@ Fp8Attention::Fp8Attention(CudnnSdpa& sdpa, int64_t max_tokens, int64_t H, int64
   CUDA_CHECK(cudaStreamSynchronize(stream));  // init is the host's
 }
 
+Fp8Attention::Scratch Fp8Attention::carve(void* scratch) const {
+  const size_t n = static_cast<size_t>(max_tokens_), q = n * H_ * D_, kv = n * KV_ * D_;
+  char* p = static_cast<char*>(scratch);
+  auto codes = [&](size_t count) {
+    uint8_t* at = reinterpret_cast<uint8_t*>(p);
+    p += align256(count);
+    return at;
+  };
+  Scratch s;
+  s.q8 = codes(q);
+  s.o8 = codes(q);
+  s.do8 = codes(q);
+  s.dq8 = codes(q);
+  s.k8 = codes(kv);
+  s.v8 = codes(kv);
+  s.dk8 = codes(kv);
+  s.dv8 = codes(kv);
+  s.backward_workspace = p;
+  return s;
+}
+
+void Fp8Attention::check_call(int64_t layer, int64_t N) const {
+  SHARDLM_CHECK(layer >= 0 && layer < layers_ && N >= 1 && N <= max_tokens_,
+                "internal: FP8 attention layer %lld of %lld, %lld tokens (planned %lld)", (long long)layer,
+                (long long)layers_, (long long)N, (long long)max_tokens_);
+}
+
 CudnnSdpa::Fp8Scales Fp8Attention::scales(int64_t layer) const {
   float* s = scalars_ + layer * kSlots;
   return CudnnSdpa::Fp8Scales{s + kDescaleQ, s + kDescaleK, s + kDescaleV, s + kDescaleO, s + kDescaleDO,
@@ -104,10 +114,9 @@ CudnnSdpa::Fp8Scales Fp8Attention::scales(int64_t layer) const {
 }
 
 bool Fp8Attention::forward(int64_t layer, bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v,
-                           int64_t N) {
-  SHARDLM_CHECK(layer >= 0 && layer < layers_ && N >= 1 && N <= max_tokens_,
-                "internal: FP8 attention layer %lld of %lld, %lld tokens (planned %lld)", (long long)layer,
-                (long long)layers_, (long long)N, (long long)max_tokens_);
+                           int64_t N, void* scratch) {
+  check_call(layer, N);
+  const Scratch c = carve(scratch);
   float* s = scalars_ + layer * kSlots;
   fp8_amax(q, N * H_ * D_, s + kAmaxQ, stream_);
   fp8_amax(k, N * KV_ * D_, s + kAmaxK, stream_);
@@ -119,31 +128,30 @@ bool Fp8Attention::forward(int64_t layer, bf16* out, float* lse, const bf16* q, 
                        4};
   pow2_scales_kernel<<<1, 32, 0, stream_>>>(s, list);
   CUDA_CHECK(cudaGetLastError());
-  fp8_quantize(q, N, H_ * D_, s + kScaleQ, Fp8Scaling::Tensor, Fp8Format::E4M3, q8_, false, stream_);
-  fp8_quantize(k, N, KV_ * D_, s + kScaleK, Fp8Scaling::Tensor, Fp8Format::E4M3, k8_, false, stream_);
-  fp8_quantize(v, N, KV_ * D_, s + kScaleV, Fp8Scaling::Tensor, Fp8Format::E4M3, v8_, false, stream_);
-  if (!sdpa_.forward_fp8(o8_, lse, q8_, k8_, v8_, scales(layer))) return false;
-  decode_kernel<<<grid_capped(N * H_ * D_, kThreads), kThreads, 0, stream_>>>(o8_, N * H_ * D_, s + kDescaleO, out);
+  fp8_quantize(q, N, H_ * D_, s + kScaleQ, Fp8Scaling::Tensor, Fp8Format::E4M3, c.q8, false, stream_);
+  fp8_quantize(k, N, KV_ * D_, s + kScaleK, Fp8Scaling::Tensor, Fp8Format::E4M3, c.k8, false, stream_);
+  fp8_quantize(v, N, KV_ * D_, s + kScaleV, Fp8Scaling::Tensor, Fp8Format::E4M3, c.v8, false, stream_);
+  if (!sdpa_.forward_fp8(c.o8, lse, c.q8, c.k8, c.v8, scales(layer))) return false;
+  decode_kernel<<<grid_capped(N * H_ * D_, kThreads), kThreads, 0, stream_>>>(c.o8, N * H_ * D_, s + kDescaleO, out);
   CUDA_CHECK(cudaGetLastError());
   return true;
 }
 
 bool Fp8Attention::backward(int64_t layer, bf16* dq, bf16* dk, bf16* dv, const bf16* dout, const bf16* q,
-                            const bf16* k, const bf16* v, const bf16* out, const float* lse, int64_t N) {
-  SHARDLM_CHECK(layer >= 0 && layer < layers_ && N >= 1 && N <= max_tokens_,
-                "internal: FP8 attention layer %lld of %lld, %lld tokens (planned %lld)", (long long)layer,
-                (long long)layers_, (long long)N, (long long)max_tokens_);
+                            const bf16* k, const bf16* v, const bf16* out, const float* lse, int64_t N, void* scratch) {
+  check_call(layer, N);
+  const Scratch c = carve(scratch);
   float* s = scalars_ + layer * kSlots;
   // The forward's codes again, at the forward's scales (kept in the layer's slots).
-  fp8_quantize(q, N, H_ * D_, s + kScaleQ, Fp8Scaling::Tensor, Fp8Format::E4M3, q8_, false, stream_);
-  fp8_quantize(k, N, KV_ * D_, s + kScaleK, Fp8Scaling::Tensor, Fp8Format::E4M3, k8_, false, stream_);
-  fp8_quantize(v, N, KV_ * D_, s + kScaleV, Fp8Scaling::Tensor, Fp8Format::E4M3, v8_, false, stream_);
-  fp8_quantize(out, N, H_ * D_, s + kScaleO, Fp8Scaling::Tensor, Fp8Format::E4M3, o8_, false, stream_);
+  fp8_quantize(q, N, H_ * D_, s + kScaleQ, Fp8Scaling::Tensor, Fp8Format::E4M3, c.q8, false, stream_);
+  fp8_quantize(k, N, KV_ * D_, s + kScaleK, Fp8Scaling::Tensor, Fp8Format::E4M3, c.k8, false, stream_);
+  fp8_quantize(v, N, KV_ * D_, s + kScaleV, Fp8Scaling::Tensor, Fp8Format::E4M3, c.v8, false, stream_);
+  fp8_quantize(out, N, H_ * D_, s + kScaleO, Fp8Scaling::Tensor, Fp8Format::E4M3, c.o8, false, stream_);
   fp8_amax(dout, N * H_ * D_, s + kAmaxDO, stream_);
   const ScaleList current{{{kAmaxDO, kScaleDO, kDescaleDO, 1.0f}}, 1};
   pow2_scales_kernel<<<1, 32, 0, stream_>>>(s, current);
   CUDA_CHECK(cudaGetLastError());
-  fp8_quantize(dout, N, H_ * D_, s + kScaleDO, Fp8Scaling::Tensor, Fp8Format::E4M3, do8_, false, stream_);
+  fp8_quantize(dout, N, H_ * D_, s + kScaleDO, Fp8Scaling::Tensor, Fp8Format::E4M3, c.do8, false, stream_);
   // Delayed: dP's, dq's, dk's and dv's scales from the amaxes the graph wrote last
   // time. A layer's first backward runs the graph twice more before: at unit
   // scales (dP's and dv's amaxes, taken before their scales, are right; dq's and
@@ -156,15 +164,15 @@ bool Fp8Attention::backward(int64_t layer, bf16* dq, bf16* dk, bf16* dv, const b
   const CudnnSdpa::Fp8Scales sc = scales(layer);
   for (int warmup = has_history_[size_t(layer)] ? 0 : 2; warmup > 0; --warmup) {
     if (warmup == 1) pow2_scales_kernel<<<1, 32, 0, stream_>>>(s, delayed);
-    if (!sdpa_.backward_fp8(dq8_, dk8_, dv8_, do8_, q8_, k8_, v8_, o8_, lse, sc, bwd_workspace_)) return false;
+    if (!sdpa_.backward_fp8(c.dq8, c.dk8, c.dv8, c.do8, c.q8, c.k8, c.v8, c.o8, lse, sc, c.backward_workspace)) return false;
   }
   has_history_[size_t(layer)] = true;
   pow2_scales_kernel<<<1, 32, 0, stream_>>>(s, delayed);
   CUDA_CHECK(cudaGetLastError());
-  if (!sdpa_.backward_fp8(dq8_, dk8_, dv8_, do8_, q8_, k8_, v8_, o8_, lse, sc, bwd_workspace_)) return false;
-  decode_kernel<<<grid_capped(N * H_ * D_, kThreads), kThreads, 0, stream_>>>(dq8_, N * H_ * D_, s + kDescaleDQ, dq);
-  decode_kernel<<<grid_capped(N * KV_ * D_, kThreads), kThreads, 0, stream_>>>(dk8_, N * KV_ * D_, s + kDescaleDK, dk);
-  decode_kernel<<<grid_capped(N * KV_ * D_, kThreads), kThreads, 0, stream_>>>(dv8_, N * KV_ * D_, s + kDescaleDV, dv);
+  if (!sdpa_.backward_fp8(c.dq8, c.dk8, c.dv8, c.do8, c.q8, c.k8, c.v8, c.o8, lse, sc, c.backward_workspace)) return false;
+  decode_kernel<<<grid_capped(N * H_ * D_, kThreads), kThreads, 0, stream_>>>(c.dq8, N * H_ * D_, s + kDescaleDQ, dq);
+  decode_kernel<<<grid_capped(N * KV_ * D_, kThreads), kThreads, 0, stream_>>>(c.dk8, N * KV_ * D_, s + kDescaleDK, dk);
+  decode_kernel<<<grid_capped(N * KV_ * D_, kThreads), kThreads, 0, stream_>>>(c.dv8, N * KV_ * D_, s + kDescaleDV, dv);
   CUDA_CHECK(cudaGetLastError());
   return true;
 }

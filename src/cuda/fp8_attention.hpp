@@ -1,10 +1,12 @@
-// cuda/fp8_attention.hpp — attention with FP8 operands for training (#30): bf16
-// q, k, v in, bf16 out and gradients, cuDNN's FP8 graphs inside
-// (CudnnSdpa::forward_fp8 / backward_fp8). Not yet used by the training step:
-// the building block its integration will call per layer.
+// cuda/fp8_attention.hpp — attention with FP8 operands for training (#30,
+// model.fp8_attention): bf16 q, k, v in, bf16 out and gradients, cuDNN's FP8
+// graphs inside (CudnnSdpa::forward_fp8 / backward_fp8). The CUDA backend calls
+// it per layer in place of CudnnSdpa's bf16 passes.
 //
-// Owns: the e4m3 codes of one micro-batch's attention operands (q, k, v, out,
-// dout, dq, dk, dv), their per-layer scales, and the FP8 backward's workspace.
+// Owns: each layer's scales and amaxes (the only state kept between calls).
+// Borrows per call: scratch for the e4m3 codes of the operands (q, k, v, out,
+// dout, dq, dk, dv) and the FP8 backward's accumulators, dead outside the call
+// (the backend lends its attention phase's memory).
 // Must not know: the model, the deck, MPI.
 //
 // Scaling (each scale a power of two, so a code decoded into bf16 and coded
@@ -35,24 +37,29 @@ namespace shardlm::cuda {
 
 class Fp8Attention {
  public:
-  // Device memory for micro-batches of up to max_tokens tokens over `layers` layers.
-  static size_t workspace_bytes(int64_t max_tokens, int64_t H, int64_t KV, int64_t D, int64_t layers);
+  // Device memory kept while the object lives: `layers` layers' scalars.
+  static size_t state_bytes(int64_t layers);
+  // Device memory one call borrows, for micro-batches of up to max_tokens
+  // tokens: the codes (forward: q, k, v, out; backward: all eight) and the
+  // backward's workspace (CudnnSdpa::fp8_backward_workspace_bytes).
+  static size_t scratch_bytes(int64_t max_tokens, int64_t H, int64_t KV, int64_t D);
 
   // sdpa: the micro-batch's documents set (CudnnSdpa::set_documents) before each
-  // pass. workspace: workspace_bytes(...) of device memory, 256-byte aligned, the
+  // pass. state: state_bytes(layers) of device memory, 256-byte aligned, the
   // object's while it lives.
-  Fp8Attention(CudnnSdpa& sdpa, int64_t max_tokens, int64_t H, int64_t KV, int64_t D, int64_t layers,
-               void* workspace, cudaStream_t stream);
+  Fp8Attention(CudnnSdpa& sdpa, int64_t max_tokens, int64_t H, int64_t KV, int64_t D, int64_t layers, void* state,
+               cudaStream_t stream);
 
   // out (N, H, D) bf16 and lse (N, H) as cuda::attention_forward's, of q, k, v
   // coded as e4m3; out is the decoded FP8 output (exact codes / scale).
+  // scratch: scratch_bytes(...) of device memory, 256-byte aligned, free during the call.
   bool forward(int64_t layer, __nv_bfloat16* out, float* lse, const __nv_bfloat16* q, const __nv_bfloat16* k,
-               const __nv_bfloat16* v, int64_t N);
+               const __nv_bfloat16* v, int64_t N, void* scratch);
   // dq, dk, dv bf16 (decoded) from dout and the forward's q, k, v, out and lse
   // (forward() of this layer must have run on this micro-batch).
   bool backward(int64_t layer, __nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat16* dv, const __nv_bfloat16* dout,
                 const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v, const __nv_bfloat16* out,
-                const float* lse, int64_t N);
+                const float* lse, int64_t N, void* scratch);
 
   // A layer's scalars (fp32, device): the slots below, kSlots a layer.
   enum Slot {
@@ -64,13 +71,18 @@ class Fp8Attention {
   const float* scalars(int64_t layer) const { return scalars_ + layer * kSlots; }
 
  private:
+  // A call's scratch, carved: the codes, then the backward's workspace.
+  struct Scratch {
+    uint8_t *q8, *k8, *v8, *o8, *do8, *dq8, *dk8, *dv8;
+    void* backward_workspace;
+  };
+  Scratch carve(void* scratch) const;
   CudnnSdpa::Fp8Scales scales(int64_t layer) const;
+  void check_call(int64_t layer, int64_t N) const;
   CudnnSdpa& sdpa_;
   int64_t max_tokens_, H_, KV_, D_, layers_;
   cudaStream_t stream_;
-  uint8_t *q8_, *k8_, *v8_, *o8_, *do8_, *dq8_, *dk8_, *dv8_;
   float* scalars_;
-  void* bwd_workspace_;
   std::vector<bool> has_history_;  // per layer: its backward amaxes exist
 };
 

@@ -130,6 +130,8 @@ class CudnnSdpa {
   // max_workspace: what the plan may need (the persistent kPlanWorkspaceBytes, or
   // the workspace the call lends).
   bool plan_for(Pass pass, size_t max_workspace = kPlanWorkspaceBytes);
+  // True, with last_plan_note() saying why, when this micro-batch is ragged.
+  bool refuse_ragged_fp8(const char* pass);
   void run(std::vector<int64_t> uids, std::vector<void*> ptrs, void* workspace = nullptr);
 
   int64_t max_tokens_, H_, KV_, D_;

@@ -935,9 +935,18 @@ void add_fp8_scales(const CudnnSdpa::Fp8Scales& s, bool backward_pass, std::vect
 // ragged FP8 backward, and its FP8 forward accepted a ragged graph but faulted
 // (an illegal instruction) when run, with 9.14 and 9.19 alike (tests/gpu/
 // test_sdpa_fp8.cu, session 22).
+// The FP8 graphs take documents of one length only (a ragged FP8 forward faulted
+// in cuDNN 9.14 and 9.19; the FP8 backward refuses ragged layouts on Hopper).
+bool CudnnSdpa::refuse_ragged_fp8(const char* pass) {
+  if (!ragged_) return false;
+  last_plan_note_ = fmt("FP8 %s: this micro-batch's %lld documents differ in length; cuDNN's FP8 graphs take "
+                        "documents of one length", pass, (long long)docs_);
+  return true;
+}
+
 bool CudnnSdpa::forward_fp8(uint8_t* out, float* lse, const uint8_t* q, const uint8_t* k, const uint8_t* v,
                             const Fp8Scales& scales) {
-  if (ragged_ || !plan_for(kForwardFp8)) return false;
+  if (refuse_ragged_fp8("forward") || !plan_for(kForwardFp8)) return false;
   float scale = 1.0f / std::sqrt(float(D_));
   float neg_inf = -std::numeric_limits<float>::infinity();
   std::vector<int64_t> uids{kQ, kK, kV, kO, kStats, kScale, kNegInf};
@@ -950,7 +959,8 @@ bool CudnnSdpa::forward_fp8(uint8_t* out, float* lse, const uint8_t* q, const ui
 bool CudnnSdpa::backward_fp8(uint8_t* dq, uint8_t* dk, uint8_t* dv, const uint8_t* dout, const uint8_t* q,
                              const uint8_t* k, const uint8_t* v, const uint8_t* out, const float* lse,
                              const Fp8Scales& scales, void* workspace) {
-  if (ragged_ || !plan_for(kBackwardFp8, fp8_backward_workspace_bytes(max_tokens_, H_, D_))) return false;
+  if (refuse_ragged_fp8("backward") || !plan_for(kBackwardFp8, fp8_backward_workspace_bytes(max_tokens_, H_, D_)))
+    return false;
   float scale = 1.0f / std::sqrt(float(D_));
   float neg_inf = -std::numeric_limits<float>::infinity();
   std::vector<int64_t> uids{kQ, kK, kV, kO, kStats, kDO, kDQ, kDK, kDV, kScale, kNegInf};

@@ -60,6 +60,7 @@ EngineOptions engine_options_for(const Config& config) {
   o.deterministic = config.run.deterministic;
   o.fp8 = fp8_mode(config.model.fp8);
   o.fp8_weight_cache = o.fp8 != Fp8Mode::None && config.model.fp8_weight_cache;
+  o.fp8_attention = config.model.fp8_attention;
   o.residual_fp32 = config.model.residual_dtype == "fp32";
   o.norm_fp32 = config.model.norm_dtype == "fp32";
   return o;

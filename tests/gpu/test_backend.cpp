@@ -455,14 +455,19 @@ TEST_CASE("GPU determinism: two runs give bit-identical losses; checkpointing ch
   }
 }
 
+// Whether cuDNN's attention runs here; where not, says why (a failure when
+// SHARDLM_REQUIRE_CUDNN is set, as on the GPU machine).
+static bool cudnn_here() {
+  std::string why;
+  if (cuda::cudnn_sdpa_available(&why)) return true;
+  MESSAGE("cuDNN attention not available here: " << why);
+  CHECK_MESSAGE(std::getenv("SHARDLM_REQUIRE_CUDNN") == nullptr, "SHARDLM_REQUIRE_CUDNN is set but " << why);
+  return false;
+}
+
 TEST_CASE("cuDNN's attention trains like shardlm's kernels (bf16 tolerance), with and without selective checkpointing") {
   GpuSetup gpu;
-  std::string why;
-  if (!cuda::cudnn_sdpa_available(&why)) {
-    MESSAGE("cuDNN attention not available here: " << why);
-    CHECK_MESSAGE(std::getenv("SHARDLM_REQUIRE_CUDNN") == nullptr, "SHARDLM_REQUIRE_CUDNN is set but " << why);
-    return;
-  }
+  if (!cudnn_here()) return;
   // Head dim 64 (GQA 2:1), a size cuDNN's engines take; device.attention = "cudnn"
   // fails rather than falls back, so these runs are cuDNN's.
   const std::vector<std::string> d64 = {"device.backend=cuda", "model.hidden_size=128", "model.num_heads=2",
@@ -484,6 +489,105 @@ TEST_CASE("cuDNN's attention trains like shardlm's kernels (bf16 tolerance), wit
   CHECK(worst < 1e-2);
   CHECK(worst_sel < 1e-2);
   CHECK(cudnn.back() < cudnn.front() - 2.0);
+}
+
+// tiny.h5's text as one document: every row of a micro-batch is then one
+// document of data.seq_len tokens (documents of one length, as cuDNN's FP8
+// attention takes them).
+static std::string one_document_data() {
+  const std::string path = (fs::temp_directory_path() / fmt("shardlm-one-doc-%d.h5", int(getpid()))).string();
+  const auto tokens = read_h5<int32_t>("inputs/data/tiny.h5", "tokens", H5T_NATIVE_INT32);
+  const std::vector<int64_t> offsets = {0, int64_t(tokens.size())};
+  using h5::Handle;
+  Handle f(H5_CHECK(H5Fcreate(path.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT)), H5Fclose);
+  auto write = [&](const char* name, hid_t type, const void* data, hsize_t n) {
+    Handle space(H5_CHECK(H5Screate_simple(1, &n, nullptr)), H5Sclose);
+    Handle d(H5_CHECK(H5Dcreate2(f, name, type, space, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT)), H5Dclose);
+    H5_CHECK(H5Dwrite(d, type, H5S_ALL, H5S_ALL, H5P_DEFAULT, data));
+  };
+  write("tokens", H5T_NATIVE_INT32, tokens.data(), tokens.size());
+  write("offsets", H5T_NATIVE_INT64, offsets.data(), offsets.size());
+  return path;
+}
+
+struct AttentionRun {
+  std::vector<double> losses;
+  std::string note;  // the backend's kernels_note() after the last step
+};
+static AttentionRun attention_run(std::vector<std::string> extra, int steps) {
+  extra.insert(extra.begin(), {"device.backend=cuda", "device.attention=cudnn"});
+  auto comm = make_self_comm();
+  TrainSession s(deck("inputs/tiny-sft.toml", extra), *comm);
+  AttentionRun r;
+  for (int i = 0; i < steps; ++i) r.losses.push_back(s.step(i).loss);
+  r.note = s.engine.backend().kernels_note();
+  return r;
+}
+
+static double worst_relative(const std::vector<double>& got, const std::vector<double>& ref) {
+  double worst = 0;
+  for (size_t i = 0; i < ref.size(); ++i) worst = std::max(worst, std::fabs(got[i] - ref[i]) / ref[i]);
+  return worst;
+}
+
+// model.fp8_attention: cuDNN's FP8 graphs in training, against its bf16 graphs
+// on the same data and order. Head dim 128 and documents of one length: every
+// attention pass (forward, recompute and backward) runs in FP8 and the losses
+// follow bf16's. Documents of different lengths: every pass falls back to bf16
+// (cuDNN refuses ragged FP8 batches on Hopper). Head dim 64: cuDNN on Hopper
+// has no FP8 backward, so FP8 is turned off at the first backward.
+TEST_CASE("model.fp8_attention: trains like bf16 attention; falls back to bf16 where cuDNN refuses FP8") {
+  GpuSetup gpu;
+  if (!cudnn_here()) return;
+  const int steps = 30;
+  const std::string data = one_document_data();
+  const std::vector<std::string> d128 = {"model.hidden_size=256", "model.num_heads=2", "model.num_kv_heads=1",
+                                         "data.path=" + data};
+  auto with = [&](std::vector<std::string> base, std::vector<std::string> extra) {
+    base.insert(base.end(), extra.begin(), extra.end());
+    return attention_run(base, steps);
+  };
+  const AttentionRun bf16 = with(d128, {});
+  const AttentionRun fp8 = with(d128, {"model.fp8_attention=true"});
+  const AttentionRun fp8_full = with(d128, {"model.fp8_attention=true", "model.activation_checkpointing=full"});
+  const AttentionRun fp8_sel = with(d128, {"model.fp8_attention=true", "model.activation_checkpointing=selective"});
+  fs::remove(data);
+  // 2 layers x 4 micro-batches a step, a forward and a backward each; a recompute
+  // under full checkpointing adds a forward.
+  const int64_t passes = int64_t(steps) * 2 * 4 * 2, recompute = int64_t(steps) * 2 * 4;
+  CHECK(fp8.note.find(fmt("FP8 ran %lld of %lld attention passes", (long long)passes, (long long)passes)) !=
+        std::string::npos);
+  CHECK(fp8_full.note.find(fmt("FP8 ran %lld of %lld attention passes", (long long)(passes + recompute),
+                               (long long)(passes + recompute))) != std::string::npos);
+  CHECK(fp8_sel.note.find(fmt("FP8 ran %lld of %lld attention passes", (long long)passes, (long long)passes)) !=
+        std::string::npos);
+  const double worst = worst_relative(fp8.losses, bf16.losses), worst_full = worst_relative(fp8_full.losses, bf16.losses),
+               worst_sel = worst_relative(fp8_sel.losses, bf16.losses);
+  MESSAGE("head dim 128, 30 steps: worst relative loss difference FP8 attention vs bf16 " << worst << ", with full "
+          "checkpointing " << worst_full << ", selective " << worst_sel << "; final " << fp8.losses.back() << " vs "
+          << bf16.losses.back() << "; " << fp8.note);
+  CHECK(worst < 3e-2);
+  CHECK(worst_full < 3e-2);
+  CHECK(worst_sel < 3e-2);
+  CHECK(fp8.losses.back() < fp8.losses.front() - 2.0);
+
+  // Packed documents of different lengths (tiny.h5): bf16 in every pass.
+  const std::vector<std::string> ragged = {"model.hidden_size=256", "model.num_heads=2", "model.num_kv_heads=1"};
+  const AttentionRun ragged_bf16 = with(ragged, {}), ragged_fp8 = with(ragged, {"model.fp8_attention=true"});
+  CHECK(ragged_fp8.note.find(fmt("FP8 ran 0 of %lld attention passes", (long long)passes)) != std::string::npos);
+  const double worst_ragged = worst_relative(ragged_fp8.losses, ragged_bf16.losses);
+  MESSAGE("ragged documents: " << ragged_fp8.note << "; worst relative difference to bf16 " << worst_ragged);
+  CHECK(worst_ragged < 1e-3);  // both cuDNN's bf16 graphs (its backward's atomics differ in the last bits)
+
+  // Head dim 64: FP8's forward, then its backward refused (Hopper) and bf16 from there on.
+  const std::vector<std::string> d64 = {"model.hidden_size=128", "model.num_heads=2", "model.num_kv_heads=1",
+                                        "data.path=" + one_document_data()};
+  const AttentionRun d64_bf16 = with(d64, {}), d64_fp8 = with(d64, {"model.fp8_attention=true"});
+  fs::remove(d64.back().substr(std::string("data.path=").size()));
+  MESSAGE("head dim 64: " << d64_fp8.note);
+  if (d64_fp8.note.find("off since cuDNN refused its backward") != std::string::npos)  // the 2 forwards of the first micro-batch
+    CHECK(d64_fp8.note.find(fmt("FP8 ran 2 of %lld attention passes", (long long)passes)) != std::string::npos);
+  CHECK(worst_relative(d64_fp8.losses, d64_bf16.losses) < 3e-2);
 }
 
 TEST_CASE("model.fp8: GPU steps (cuBLASLt FP8) follow the CPU emulation within bf16 tolerance; deterministic") {

@@ -281,15 +281,15 @@ void run_layer(std::mt19937& rng) {
   Dev<char> workspace(sc::CudnnSdpa::workspace_bytes(N, H, KV, D));
   sc::CudnnSdpa sdpa(N, H, KV, D, workspace.p + sc::CudnnSdpa::backward_buffer_bytes(N, H, KV, D), cudaStream_t(0));
   sdpa.set_documents(seq_id.data(), N);
-  Dev<char> fa_ws(sc::Fp8Attention::workspace_bytes(N, H, KV, D, 2));
-  sc::Fp8Attention fa(sdpa, N, H, KV, D, 2, fa_ws.p, cudaStream_t(0));
+  Dev<char> fa_state(sc::Fp8Attention::state_bytes(2)), fa_scratch(sc::Fp8Attention::scratch_bytes(N, H, KV, D));
+  sc::Fp8Attention fa(sdpa, N, H, KV, D, 2, fa_state.p, cudaStream_t(0));
   Dev<__nv_bfloat16> q(nq), k(nkv), v(nkv), dout(nq), o16(nq), o8(nq), dq16(nq), dk16(nkv), dv16(nkv), dq(nq),
       dk(nkv), dv(nkv);
   Dev<float> lse16(N * H), lse8(N * H);
   q.up(draw(nq, 1.0f)), k.up(draw(nkv, 1.0f)), v.up(draw(nkv, 1.0f)), dout.up(draw(nq, 0.01f));
   const bool ok16 = sdpa.forward(o16.p, lse16.p, q.p, k.p, v.p) &&
                     sdpa.backward(dq16.p, dk16.p, dv16.p, dout.p, q.p, k.p, v.p, o16.p, lse16.p, workspace.p);
-  if (!ok16 || !fa.forward(1, o8.p, lse8.p, q.p, k.p, v.p, N)) {
+  if (!ok16 || !fa.forward(1, o8.p, lse8.p, q.p, k.p, v.p, N, fa_scratch.p)) {
     std::printf("  refused: %s\n", sdpa.last_plan_note().c_str());
     ++g_failures;
     return;
@@ -306,7 +306,7 @@ void run_layer(std::mt19937& rng) {
                            dv_ref = from_bf16(dv16.down());
   for (int call = 1; call <= 2; ++call) {
     dq.fill(0xFF), dk.fill(0xFF), dv.fill(0xFF);
-    if (!fa.backward(1, dq.p, dk.p, dv.p, dout.p, q.p, k.p, v.p, o8.p, lse8.p, N)) {
+    if (!fa.backward(1, dq.p, dk.p, dv.p, dout.p, q.p, k.p, v.p, o8.p, lse8.p, N, fa_scratch.p)) {
       std::printf("  backward refused: %s\n", sdpa.last_plan_note().c_str());
       ++g_failures;
       return;
@@ -372,11 +372,11 @@ void bench(int64_t S) {
               "FP8 %8.3f ms (%.2fx)\n",
               (long long)S, f16, f8, f16 / f8, b16, b8, b16 / b8);
   // cuda::Fp8Attention: the graphs with its coding and decoding passes (bf16 in and out).
-  Dev<char> fa_ws(sc::Fp8Attention::workspace_bytes(S, H, KV, D, 1));
-  sc::Fp8Attention fa(sdpa, S, H, KV, D, 1, fa_ws.p, cudaStream_t(0));
-  const double ff = time([&] { return fa.forward(0, o16.p, lse.p, q16.p, k16.p, v16.p, S); });
+  Dev<char> fa_state(sc::Fp8Attention::state_bytes(1)), fa_scratch(sc::Fp8Attention::scratch_bytes(S, H, KV, D));
+  sc::Fp8Attention fa(sdpa, S, H, KV, D, 1, fa_state.p, cudaStream_t(0));
+  const double ff = time([&] { return fa.forward(0, o16.p, lse.p, q16.p, k16.p, v16.p, S, fa_scratch.p); });
   const double fb = time([&] {
-    return fa.backward(0, dq16.p, dk16.p, dv16.p, do16.p, q16.p, k16.p, v16.p, o16.p, lse.p, S);
+    return fa.backward(0, dq16.p, dk16.p, dv16.p, do16.p, q16.p, k16.p, v16.p, o16.p, lse.p, S, fa_scratch.p);
   });
   std::printf("  Fp8Attention (bf16 in and out): forward %8.3f ms (%.2fx bf16), backward %8.3f ms (%.2fx)\n", ff,
               f16 / ff, fb, b16 / fb);

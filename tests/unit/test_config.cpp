@@ -176,6 +176,30 @@ TEST_CASE("model.fp8_weight_cache: off by default; on only with model.fp8") {
         "model.fp8 = \"tensorwise\" or \"rowwise\", or leave the cache off");
 }
 
+TEST_CASE("model.fp8_attention: off by default; on with cuDNN's attention on the GPU only") {
+  CHECK_FALSE(parse(kValid).config.model.fp8_attention);
+  CHECK_FALSE(engine_options_for(parse(kValid).config).fp8_attention);
+  const DeckResult r = parse(kValid, {"device.backend=cuda", "model.fp8_attention=true"});
+  REQUIRE(r.ok());
+  CHECK(engine_options_for(r.config).fp8_attention);
+  CHECK(parse(kValid, {"device.backend=auto", "device.attention=cudnn", "model.fp8_attention=true",
+                       "model.fp8=tensorwise"}).ok());
+  CHECK(only_error(parse(kValid, {"device.backend=cpu", "model.fp8_attention=true"})) ==
+        "deck.toml: model.fp8_attention = true runs cuDNN's FP8 attention on the GPU: it needs device.backend = "
+        "\"cuda\" (or \"auto\" on a GPU machine); the CPU backend has no emulation of it");
+  CHECK(only_error(parse(kValid, {"device.backend=cuda", "device.attention=flash", "model.fp8_attention=true"})) ==
+        "deck.toml: model.fp8_attention = true runs cuDNN's FP8 attention, but device.attention = \"flash\" keeps "
+        "shardlm's bf16 kernels: set device.attention = \"auto\" or \"cudnn\", or leave model.fp8_attention off");
+  CHECK(only_error(parse(kValid, {"device.backend=cuda", "run.deterministic=true", "model.fp8_attention=true"})) ==
+        "deck.toml: model.fp8_attention = true with run.deterministic = true: cuDNN's attention backward is not "
+        "bitwise reproducible on Hopper, so deterministic runs keep shardlm's bf16 kernels; leave "
+        "model.fp8_attention off");
+  CHECK(only_error(parse(kValid, {"device.backend=cuda", "model.context_parallel=2", "model.fp8_attention=true"},
+                         2)) ==
+        "deck.toml: model.fp8_attention = true with model.context_parallel > 1: the ring attends block by block "
+        "with shardlm's bf16 kernels; leave model.fp8_attention off");
+}
+
 TEST_CASE("model.norm_dtype: bf16 by default, or fp32; nothing else") {
   CHECK(parse(kValid).config.model.norm_dtype == "bf16");
   CHECK_FALSE(engine_options_for(parse(kValid).config).norm_fp32);
