@@ -107,6 +107,8 @@ def main():
     ap.add_argument("--set", action="append", default=[], help="a shardlm --set override for both runs")
     ap.add_argument("--out", default="runs/fp8-vs-bf16")
     ap.add_argument("--device", default="cuda", help="shardlm's device.backend (cpu: a check of this script)")
+    ap.add_argument("--reuse", default="", help="a losses.json of an earlier call: its curves of the same label and "
+                    "length are taken instead of run again (a call cut off after the first run)")
     args = ap.parse_args()
     if args.mode == "none" and not args.fp8_attention:
         ap.error("--mode none compares bf16 with itself: add --fp8-attention")
@@ -115,11 +117,18 @@ def main():
     model_dir, tag, data_path = F.model_and_data(args, f"-{args.docs}")
     base = list(args.set) + [f"sched.warmup={args.warmup}"]  # fidelity_vs_hf.py's deck: constant after it
     curves = {}
+    if args.reuse:
+        with open(args.reuse) as f:
+            earlier = json.load(f)
     fp8_label = "+".join(([f"fp8-{args.mode}"] if args.mode != "none" else []) +
                          (["fp8-attention"] if args.fp8_attention else []))
     runs = (("bf16", ["model.fp8=none"]),
             (fp8_label, [f"model.fp8={args.mode}"] + (["model.fp8_attention=true"] if args.fp8_attention else [])))
     for label, sets in runs:
+        if args.reuse and len(earlier.get(label, [])) == args.steps:
+            curves[label] = earlier[label]
+            print(f"{label}: {args.steps} steps from {args.reuse}")
+            continue
         args.set = base + sets
         curves[label] = F.run_shardlm(args, model_dir, data_path, os.path.join(args.out, f"run-{label}"), label)
         with open(os.path.join(args.out, "losses.json"), "w") as f:  # after each run: a cut-off call keeps the first

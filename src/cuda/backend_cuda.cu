@@ -415,7 +415,7 @@ class CudaBackend final : public Backend {
   }
 
   std::string kernels_note() const override {
-    if (!fp8_attention_) return attention_note_;
+    if (!fp8_attention_ || attention_passes_ == 0) return attention_note_;
     return attention_note_ + fmt("; FP8 ran %lld of %lld attention passes so far%s", (long long)fp8_attention_passes_,
                                  (long long)attention_passes_,
                                  fp8_attention_on_ ? "" : " (off since cuDNN refused its backward)");

@@ -254,6 +254,8 @@ void end_of_run_report(const Runtime& rt, const Config& config, TrainSession& se
     std::printf("memory: activations peak %.3f MiB %s on the largest rank, planned %.3f MiB\n",
                 double(activations_peak) / 1048576.0, s.backend.host_resident() ? "host" : "GPU",
                 double(plan.activations) / 1048576.0);
+  if (config.model.fp8_attention && s.rank == 0)  // how many attention passes cuDNN took in FP8
+    std::printf("attention at the end: %s\n", s.backend.kernels_note().c_str());
   if (const std::string line = s.state.summary(); !line.empty() && s.rank == 0) std::printf("%s\n", line.c_str());
   if (const std::string line = broadcaster.timing_summary(); !line.empty() && s.rank == 0)
     std::printf("%s s\n", line.c_str());

@@ -7,10 +7,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "../test_util.hpp"
@@ -491,13 +493,15 @@ TEST_CASE("cuDNN's attention trains like shardlm's kernels (bf16 tolerance), wit
   CHECK(cudnn.back() < cudnn.front() - 2.0);
 }
 
-// tiny.h5's text as one document: every row of a micro-batch is then one
-// document of data.seq_len tokens (documents of one length, as cuDNN's FP8
-// attention takes them).
-static std::string one_document_data() {
-  const std::string path = (fs::temp_directory_path() / fmt("shardlm-one-doc-%d.h5", int(getpid()))).string();
-  const auto tokens = read_h5<int32_t>("inputs/data/tiny.h5", "tokens", H5T_NATIVE_INT32);
-  const std::vector<int64_t> offsets = {0, int64_t(tokens.size())};
+// tiny.h5's text cut into documents of row_tokens (data.seq_len + 1) tokens:
+// every row of a micro-batch is then one document of data.seq_len tokens
+// (documents of one length, as cuDNN's FP8 attention takes them).
+static std::string uniform_documents(int64_t row_tokens) {
+  const std::string path = (fs::temp_directory_path() / fmt("shardlm-uniform-docs-%d.h5", int(getpid()))).string();
+  auto tokens = read_h5<int32_t>("inputs/data/tiny.h5", "tokens", H5T_NATIVE_INT32);
+  tokens.resize(tokens.size() / size_t(row_tokens) * size_t(row_tokens));
+  std::vector<int64_t> offsets;
+  for (int64_t at = 0; at <= int64_t(tokens.size()); at += row_tokens) offsets.push_back(at);
   using h5::Handle;
   Handle f(H5_CHECK(H5Fcreate(path.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT)), H5Fclose);
   auto write = [&](const char* name, hid_t type, const void* data, hsize_t n) {
@@ -524,28 +528,49 @@ static AttentionRun attention_run(std::vector<std::string> extra, int steps) {
   return r;
 }
 
+// The backend's count in its kernels note: (passes in FP8, attention passes).
+static std::pair<int64_t, int64_t> fp8_passes(const std::string& note) {
+  long long ran = -1, of = -1;
+  const size_t at = note.find("FP8 ran ");
+  if (at != std::string::npos) std::sscanf(note.c_str() + at, "FP8 ran %lld of %lld", &ran, &of);
+  return {ran, of};
+}
+
 static double worst_relative(const std::vector<double>& got, const std::vector<double>& ref) {
   double worst = 0;
-  for (size_t i = 0; i < ref.size(); ++i) worst = std::max(worst, std::fabs(got[i] - ref[i]) / ref[i]);
+  size_t at = 0;
+  for (size_t i = 0; i < ref.size(); ++i)
+    if (std::fabs(got[i] - ref[i]) / ref[i] > worst) worst = std::fabs(got[i] - ref[i]) / ref[i], at = i;
+  MESSAGE("worst relative difference " << worst << " at step " << at + 1 << ": " << got[at] << " against "
+          << ref[at] << "; steps 1-3: " << got[0] << " " << got[1] << " " << got[2] << " against " << ref[0]
+          << " " << ref[1] << " " << ref[2]);
   return worst;
 }
 
 // model.fp8_attention: cuDNN's FP8 graphs in training, against its bf16 graphs
-// on the same data and order. Head dim 128 and documents of one length: every
+// on the same data and order. Head dim 128 and rows of one document each: every
 // attention pass (forward, recompute and backward) runs in FP8 and the losses
-// follow bf16's. Documents of different lengths: every pass falls back to bf16
-// (cuDNN refuses ragged FP8 batches on Hopper). Head dim 64: cuDNN on Hopper
-// has no FP8 backward, so FP8 is turned off at the first backward.
+// follow bf16's. Packed documents of different lengths: those micro-batches run
+// bf16 (cuDNN's FP8 graphs take documents of one length). Head dim 64: cuDNN on
+// Hopper has no FP8 backward, so FP8 is turned off at the first backward.
 TEST_CASE("model.fp8_attention: trains like bf16 attention; falls back to bf16 where cuDNN refuses FP8") {
   GpuSetup gpu;
   if (!cudnn_here()) return;
   const int steps = 30;
-  const std::string data = one_document_data();
+  const std::string data = uniform_documents(65);  // tiny-sft's data.seq_len + 1
   const std::vector<std::string> d128 = {"model.hidden_size=256", "model.num_heads=2", "model.num_kv_heads=1",
                                          "data.path=" + data};
   auto with = [&](std::vector<std::string> base, std::vector<std::string> extra) {
     base.insert(base.end(), extra.begin(), extra.end());
     return attention_run(base, steps);
+  };
+  // The first step's loss is the forward's alone (the same weights): FP8's
+  // rounding moves it by ~3e-4 relative (H200); later steps drift apart as two
+  // trainings do (2.4% at worst over 30 steps at this size, the loss still falling).
+  auto near_bf16 = [](const AttentionRun& got, const AttentionRun& ref, double step1, double worst) {
+    CHECK(std::fabs(got.losses[0] - ref.losses[0]) / ref.losses[0] < step1);
+    CHECK(worst_relative(got.losses, ref.losses) < worst);
+    CHECK(got.losses.back() < got.losses.front() - 2.0);
   };
   const AttentionRun bf16 = with(d128, {});
   const AttentionRun fp8 = with(d128, {"model.fp8_attention=true"});
@@ -555,39 +580,34 @@ TEST_CASE("model.fp8_attention: trains like bf16 attention; falls back to bf16 w
   // 2 layers x 4 micro-batches a step, a forward and a backward each; a recompute
   // under full checkpointing adds a forward.
   const int64_t passes = int64_t(steps) * 2 * 4 * 2, recompute = int64_t(steps) * 2 * 4;
-  CHECK(fp8.note.find(fmt("FP8 ran %lld of %lld attention passes", (long long)passes, (long long)passes)) !=
-        std::string::npos);
-  CHECK(fp8_full.note.find(fmt("FP8 ran %lld of %lld attention passes", (long long)(passes + recompute),
-                               (long long)(passes + recompute))) != std::string::npos);
-  CHECK(fp8_sel.note.find(fmt("FP8 ran %lld of %lld attention passes", (long long)passes, (long long)passes)) !=
-        std::string::npos);
-  const double worst = worst_relative(fp8.losses, bf16.losses), worst_full = worst_relative(fp8_full.losses, bf16.losses),
-               worst_sel = worst_relative(fp8_sel.losses, bf16.losses);
-  MESSAGE("head dim 128, 30 steps: worst relative loss difference FP8 attention vs bf16 " << worst << ", with full "
-          "checkpointing " << worst_full << ", selective " << worst_sel << "; final " << fp8.losses.back() << " vs "
-          << bf16.losses.back() << "; " << fp8.note);
-  CHECK(worst < 3e-2);
-  CHECK(worst_full < 3e-2);
-  CHECK(worst_sel < 3e-2);
-  CHECK(fp8.losses.back() < fp8.losses.front() - 2.0);
+  CHECK(fp8_passes(fp8.note) == std::pair{passes, passes});
+  CHECK(fp8_passes(fp8_full.note) == std::pair{passes + recompute, passes + recompute});
+  CHECK(fp8_passes(fp8_sel.note) == std::pair{passes, passes});
+  MESSAGE("head dim 128: " << fp8.note);
+  near_bf16(fp8, bf16, 2e-3, 6e-2);
+  near_bf16(fp8_full, bf16, 2e-3, 6e-2);
+  near_bf16(fp8_sel, bf16, 2e-3, 6e-2);
 
-  // Packed documents of different lengths (tiny.h5): bf16 in every pass.
+  // Packed documents of different lengths (tiny.h5): a micro-batch whose rows
+  // differ runs bf16, one whose rows are each one piece of a document FP8.
   const std::vector<std::string> ragged = {"model.hidden_size=256", "model.num_heads=2", "model.num_kv_heads=1"};
   const AttentionRun ragged_bf16 = with(ragged, {}), ragged_fp8 = with(ragged, {"model.fp8_attention=true"});
-  CHECK(ragged_fp8.note.find(fmt("FP8 ran 0 of %lld attention passes", (long long)passes)) != std::string::npos);
-  const double worst_ragged = worst_relative(ragged_fp8.losses, ragged_bf16.losses);
-  MESSAGE("ragged documents: " << ragged_fp8.note << "; worst relative difference to bf16 " << worst_ragged);
-  CHECK(worst_ragged < 1e-3);  // both cuDNN's bf16 graphs (its backward's atomics differ in the last bits)
+  const auto [ran, of] = fp8_passes(ragged_fp8.note);
+  MESSAGE("documents of different lengths: " << ragged_fp8.note);
+  CHECK(of == passes);
+  CHECK(ran > 0);
+  CHECK(ran < passes);
+  near_bf16(ragged_fp8, ragged_bf16, 2e-3, 1e-1);
 
   // Head dim 64: FP8's forward, then its backward refused (Hopper) and bf16 from there on.
   const std::vector<std::string> d64 = {"model.hidden_size=128", "model.num_heads=2", "model.num_kv_heads=1",
-                                        "data.path=" + one_document_data()};
+                                        "data.path=" + uniform_documents(65)};
   const AttentionRun d64_bf16 = with(d64, {}), d64_fp8 = with(d64, {"model.fp8_attention=true"});
   fs::remove(d64.back().substr(std::string("data.path=").size()));
   MESSAGE("head dim 64: " << d64_fp8.note);
-  if (d64_fp8.note.find("off since cuDNN refused its backward") != std::string::npos)  // the 2 forwards of the first micro-batch
-    CHECK(d64_fp8.note.find(fmt("FP8 ran 2 of %lld attention passes", (long long)passes)) != std::string::npos);
-  CHECK(worst_relative(d64_fp8.losses, d64_bf16.losses) < 3e-2);
+  if (d64_fp8.note.find("off since cuDNN refused its backward") != std::string::npos)
+    CHECK(fp8_passes(d64_fp8.note) == std::pair{int64_t(2), passes});  // the first micro-batch's 2 forwards
+  near_bf16(d64_fp8, d64_bf16, 2e-3, 6e-2);
 }
 
 TEST_CASE("model.fp8: GPU steps (cuBLASLt FP8) follow the CPU emulation within bf16 tolerance; deterministic") {
