@@ -85,9 +85,10 @@ class CudnnSdpa {
                 const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
                 const __nv_bfloat16* out, const float* lse, void* backward_buffers);
 
-  // FP8 (e4m3) attention through cuDNN's FP8 engines (#30; not yet used by the
-  // training step): q, k, v, out, dout, dq, dk, dv are e4m3 codes in the layouts
-  // above, each with a per-tensor scale (codes = values * scale; descale =
+  // FP8 (e4m3) attention through cuDNN's FP8 engines (#30; the training step
+  // calls them through cuda::Fp8Attention under model.fp8_attention): q, k, v,
+  // out, dout, dq, dk, dv are e4m3 codes in the layouts above, each with a
+  // per-tensor scale (codes = values * scale; descale =
   // 1 / scale), all fp32 scalars in device memory. The forward's softmax P is
   // coded with scale_s (P <= 1: 448 fills e4m3's range) and out with scale_o
   // (|out| <= max |v|, the rows of P summing to 1); amax_s and amax_o receive

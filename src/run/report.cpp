@@ -226,7 +226,10 @@ void setup_report(const Config& config, TrainSession& session, double setup_s) {
                 "fp32 accumulation; %s)\n",
                 config.model.fp8 == "rowwise" ? "per-row" : "per-tensor",
                 s.backend.host_resident() ? "emulated in fp32 on the CPU"
-                                          : "cuBLASLt, amax and quantisation in separate passes");
+                                          : config.model.fp8 == "tensorwise"
+                                              ? "cuBLASLt; the amaxes from the kernels that write the operands, "
+                                                "quantisation in its own passes"
+                                              : "cuBLASLt, amax and quantisation in their own passes");
   const std::string kernels = s.backend.kernels_note();
   if (!kernels.empty()) std::printf("attention: %s\n", kernels.c_str());
   std::printf("setup %.1f s: model, data, optimizer, engine", setup_s);
