@@ -181,6 +181,29 @@ TEST_CASE("check on the CUDA backend: cuDNN's attention adds only its persistent
         doctest::Approx(persistent_mib).epsilon(1e-3));
 }
 
+TEST_CASE("check on the CUDA backend: model.fp8_attention's scratch moves the attention phase out of gate/up") {
+  // The 1B shape at 32K: the attention phase (d_att, dq, dk, dv, then the larger of
+  // cuDNN's bf16 backward buffers and the FP8 scratch) fits in a layer's gate/up
+  // (N x 2I bf16, 1 GiB) with bf16 attention; with the FP8 scratch (e4m3 codes of
+  // q, out, dout, dq and of k, v, dk, dv; the FP8 backward's fp32 dq/dk/dv
+  // accumulators, row sums and 64 MiB) it does not, so it becomes the shared
+  // region (which held dh, N x I bf16); plus the 16 layers' scales (30 floats each).
+  const std::string deck = " check inputs/bench/llama-1b.toml --set data.path=inputs/data/tiny.h5 "
+                           "--set device.backend=cuda --set data.seq_len=32768 --set data.global_batch=1 "
+                           "--set model.activation_checkpointing=selective";
+  auto bf16 = run(shardlm_bin() + deck);
+  if (!has_cuda_plan(bf16)) return;
+  auto fp8 = run(shardlm_bin() + deck + " --set model.fp8_attention=true");
+  REQUIRE(bf16.status == 0);
+  REQUIRE(fp8.status == 0);
+  const double N = 32768, H = 32, KV = 8, D = 64, I = 8192;
+  const double grads = 2 * (2 * N * H * D + 2 * N * KV * D);  // d_att, dq (N, H, D); dk, dv (N, KV, D) bf16
+  const double scratch = 4 * N * H * D + 4 * N * KV * D + 3 * N * H * D * 4 + N * H * 4 + 64.0 * 1048576;
+  const double scales = 256 * 8;  // 16 x 30 floats, 256-byte aligned
+  CHECK(plan_mib(fp8.output, kGpuTotal) - plan_mib(bf16.output, kGpuTotal) ==
+        doctest::Approx((grads + scratch - 2 * N * I + scales) / 1048576.0).epsilon(1e-4));
+}
+
 TEST_CASE("check on the CUDA backend: model.selective_layers keeps K layers' attention, each N·H·(2·D + 4) bytes") {
   const std::string deck = " check inputs/bench/llama-1b.toml --set data.path=inputs/data/tiny.h5 "
                            "--set device.backend=cuda --set data.seq_len=32768 --set data.global_batch=1 "
