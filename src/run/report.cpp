@@ -182,6 +182,14 @@ void check_report(const Config& deck_config, const std::string& deck, int world)
                 cuda ? "e4m3 codes of one GEMM's two operands and of the backward's transposed input, their scales"
                      : "the emulation's quantised operands as fp32, their scales, the weight gradient's product");
   }
+  if (config.model.fp8_attention && cuda) {  // its scratch and scales, against the same deck with bf16 attention
+    Config plain = config;
+    plain.model.fp8_attention = false;
+    const MemoryPlan without = run_memory_plan(plain, layout, *make_cuda_backend());
+    std::printf("model.fp8_attention: %.3f MiB more GPU memory per rank (its e4m3 codes and the FP8 backward's fp32 "
+                "accumulators, in the attention phase's memory where they fit; each layer's scales)\n",
+                double(plan.device_total() - without.device_total()) / kMiB);
+  }
   if (plan.fp32_stream > 0)  // the fp32 residual stream (the default) against a bf16 one
     std::printf("model.residual_dtype = \"fp32\": %.3f MiB of the activations and workspace per rank are the fp32 "
                 "stream's (model.residual_dtype = \"bf16\" gives them back)\n",

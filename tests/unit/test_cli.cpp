@@ -200,8 +200,12 @@ TEST_CASE("check on the CUDA backend: model.fp8_attention's scratch moves the at
   const double grads = 2 * (2 * N * H * D + 2 * N * KV * D);  // d_att, dq (N, H, D); dk, dv (N, KV, D) bf16
   const double scratch = 4 * N * H * D + 4 * N * KV * D + 3 * N * H * D * 4 + N * H * 4 + 64.0 * 1048576;
   const double scales = 256 * 8;  // 16 x 30 floats, 256-byte aligned
-  CHECK(plan_mib(fp8.output, kGpuTotal) - plan_mib(bf16.output, kGpuTotal) ==
-        doctest::Approx((grads + scratch - 2 * N * I + scales) / 1048576.0).epsilon(1e-4));
+  const double extra = plan_mib(fp8.output, kGpuTotal) - plan_mib(bf16.output, kGpuTotal);
+  CHECK(extra == doctest::Approx((grads + scratch - 2 * N * I + scales) / 1048576.0).epsilon(1e-4));
+  const size_t at = fp8.output.find("model.fp8_attention: ");
+  REQUIRE(at != std::string::npos);
+  CHECK(std::stod(fp8.output.substr(at + 21)) == doctest::Approx(extra).epsilon(1e-6));
+  CHECK(bf16.output.find("model.fp8_attention: ") == std::string::npos);
 }
 
 TEST_CASE("check on the CUDA backend: model.selective_layers keeps K layers' attention, each N·H·(2·D + 4) bytes") {
