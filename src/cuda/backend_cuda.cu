@@ -224,9 +224,9 @@ class CudaBackend final : public Backend {
     return o.attention != "flash" && !o.deterministic && o.context_parallel <= 1;
   }
   static bool fp8_attention_planned(const EngineOptions& o) { return o.fp8_attention && sdpa_planned(o); }
-  // The attention phase's buffers, in `base` (a layer's gate/up or the shared region).
   // The attention phase's base for a layer whose gate/up buffer is `gu`.
   char* attention_phase(bf16* gu) const { return phases_.attention_in_gu ? reinterpret_cast<char*>(gu) : shared_; }
+  // The attention phase's buffers, in `base` (a layer's gate/up or the shared region).
   void place_attention_phase(char* base) {
     d_att_ = reinterpret_cast<bf16*>(base), dq_ = reinterpret_cast<bf16*>(base + phases_.dq);
     dk_ = reinterpret_cast<bf16*>(base + phases_.dk), dv_ = reinterpret_cast<bf16*>(base + phases_.dv);
@@ -489,14 +489,14 @@ class CudaBackend final : public Backend {
       return ring_->backward(dq_, dk_, dv_, d_att_, a.q, a.k, a.v, a.att, a.lse, token_index_, seq_ids_,
                              static_cast<float*>(delta_), N, d_.H, d_.KV, d_.D);
     if (fp8_attention_) ++attention_passes_;
-    if (fp8_attention_ && fp8_attention_used_[size_t(layer_)]) {
+    if (fp8_attention_ && fp8_attention_on_ && fp8_attention_used_[size_t(layer_)]) {
       if (fp8_attention_->backward(layer_, dq_, dk_, dv_, d_att_, a.q, a.k, a.v, a.att, a.lse, N,
                                    sdpa_backward_buffers_)) {
         ++fp8_attention_passes_;
         return;
       }
-      // Refused for a shape every micro-batch has (the head dim): bf16 from here on,
-      // this backward from the FP8 forward's output and logsumexp.
+      // Refused for a shape every micro-batch has (the head dim): bf16 from here on;
+      // this micro-batch's backwards from its FP8 forwards' outputs and logsumexps.
       fp8_attention_on_ = false;
       note_fp8_attention_refusal("backward");
     }

@@ -17,8 +17,9 @@
 //   P              448 (P <= 1)
 //   dP, dq, dk, dv delayed: from the layer's amaxes of its previous backward,
 //                  with a factor 2 of headroom; a layer's first backward runs
-//                  the FP8 graph twice, the first time only for the amaxes
-//                  (cuDNN takes them before the scale: right at any scale).
+//                  the FP8 graph three times, the first two only for the
+//                  amaxes (cuDNN takes them before the scale: dP's and dv's
+//                  are right at unit scales, dq's and dk's at dP's scale).
 // The passes return false, touching nothing the caller reads, where cuDNN
 // refuses the graph (on Hopper: the backward at head dims other than 128;
 // documents of different lengths): the caller then runs its bf16 attention.
