@@ -187,8 +187,12 @@ void check_report(const Config& deck_config, const std::string& deck, int world)
     plain.model.fp8_attention = false;
     const MemoryPlan without = run_memory_plan(plain, layout, *make_cuda_backend());
     std::printf("model.fp8_attention: %.3f MiB more GPU memory per rank (its e4m3 codes and the FP8 backward's fp32 "
-                "accumulators, in the attention phase's memory where they fit; each layer's scales)\n",
-                double(plan.device_total() - without.device_total()) / kMiB);
+                "accumulators, in the attention phase's memory where they fit; each layer's scales)%s\n",
+                double(plan.device_total() - without.device_total()) / kMiB,
+                arch.head_dim == 128 ? ""
+                                     : fmt("; on Hopper cuDNN's FP8 attention backward takes head dim 128 only, and "
+                                           "this model's is %lld: there FP8 attention turns off at the first backward",
+                                           (long long)arch.head_dim).c_str());
   }
   if (plan.fp32_stream > 0)  // the fp32 residual stream (the default) against a bf16 one
     std::printf("model.residual_dtype = \"fp32\": %.3f MiB of the activations and workspace per rank are the fp32 "
