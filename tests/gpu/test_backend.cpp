@@ -576,7 +576,6 @@ TEST_CASE("model.fp8_attention: trains like bf16 attention; falls back to bf16 w
   const AttentionRun fp8 = with(d128, {"model.fp8_attention=true"});
   const AttentionRun fp8_full = with(d128, {"model.fp8_attention=true", "model.activation_checkpointing=full"});
   const AttentionRun fp8_sel = with(d128, {"model.fp8_attention=true", "model.activation_checkpointing=selective"});
-  fs::remove(data);
   // 2 layers x 4 micro-batches a step, a forward and a backward each; a recompute
   // under full checkpointing adds a forward.
   const int64_t passes = int64_t(steps) * 2 * 4 * 2, recompute = int64_t(steps) * 2 * 4;
@@ -601,9 +600,9 @@ TEST_CASE("model.fp8_attention: trains like bf16 attention; falls back to bf16 w
 
   // Head dim 64: FP8's forward, then its backward refused (Hopper) and bf16 from there on.
   const std::vector<std::string> d64 = {"model.hidden_size=128", "model.num_heads=2", "model.num_kv_heads=1",
-                                        "data.path=" + uniform_documents(65)};
+                                        "data.path=" + data};
   const AttentionRun d64_bf16 = with(d64, {}), d64_fp8 = with(d64, {"model.fp8_attention=true"});
-  fs::remove(d64.back().substr(std::string("data.path=").size()));
+  fs::remove(data);
   MESSAGE("head dim 64: " << d64_fp8.note);
   if (d64_fp8.note.find("off since cuDNN refused its backward") != std::string::npos)
     CHECK(fp8_passes(d64_fp8.note) == std::pair{int64_t(2), passes});  // the first micro-batch's 2 forwards
