@@ -478,7 +478,7 @@ class CudaBackend final : public Backend {
         ++fp8_attention_passes_;
         return;
       }
-      note_fp8_attention_refusal("forward");
+      if (fp8_attention_on_) note_fp8_attention_refusal("forward");
     }
     if (sdpa_ && sdpa_->forward(a.att, a.lse, a.q, a.k, a.v)) return;
     note_sdpa_refusal();
@@ -506,7 +506,6 @@ class CudaBackend final : public Backend {
                              static_cast<float*>(delta_), N, d_.H, d_.KV, d_.D, stream_);
   }
   void note_fp8_attention_refusal(const char* pass) {
-    if (!fp8_attention_on_ && std::string(pass) == "forward") return;  // said when it was turned off
     const std::string note = std::string(pass) + ": " + sdpa_->last_plan_note();
     if (note == reported_fp8_refusal_) return;
     reported_fp8_refusal_ = note;

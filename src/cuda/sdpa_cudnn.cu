@@ -934,9 +934,7 @@ void add_fp8_scales(const CudnnSdpa::Fp8Scales& s, bool backward_pass, std::vect
 // Both FP8 passes take documents of one length only: on Hopper cuDNN refuses a
 // ragged FP8 backward, and its FP8 forward accepted a ragged graph but faulted
 // (an illegal instruction) when run, with 9.14 and 9.19 alike (tests/gpu/
-// test_sdpa_fp8.cu, session 22).
-// The FP8 graphs take documents of one length only (a ragged FP8 forward faulted
-// in cuDNN 9.14 and 9.19; the FP8 backward refuses ragged layouts on Hopper).
+// test_sdpa_fp8.cu, session 22). This refuses both, saying why.
 bool CudnnSdpa::refuse_ragged_fp8(const char* pass) {
   if (!ragged_) return false;
   last_plan_note_ = fmt("FP8 %s: this micro-batch's %lld documents differ in length; cuDNN's FP8 graphs take "

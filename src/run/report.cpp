@@ -137,7 +137,11 @@ void check_report(const Config& deck_config, const std::string& deck, int world)
     gpu_bytes = gpu_bytes > 0 ? std::min<int64_t>(gpu_bytes, int64_t(config.device.memory_limit_gib * 1073741824.0))
                               : int64_t(config.device.memory_limit_gib * 1073741824.0);
   if (cuda) config.model.optim_gpu_units = offload_gpu_units(config, layout, *make_cuda_backend(), gpu_bytes);
-  MemoryPlan plan = run_memory_plan(config, layout, cuda ? *make_cuda_backend() : *make_cpu_backend());
+  // The plan of a deck on this deck's backend (this deck's, and the same deck with one lever moved).
+  auto plan_of = [&](const Config& c) {
+    return run_memory_plan(c, layout, cuda ? *make_cuda_backend() : *make_cpu_backend());
+  };
+  MemoryPlan plan = plan_of(config);
   std::string data_note;
   plan.data_reader = data_reader_bytes(config, arch.vocab_size, &data_note);
   std::printf("%s: valid for %d training rank%s\n\n%s\nmodel: %s, %lld parameters (%lld in matmuls)\n%s",
@@ -175,7 +179,7 @@ void check_report(const Config& deck_config, const std::string& deck, int world)
   if (config.model.fp8 != "none") {  // FP8's scratch, against the same deck without it
     Config plain = config;
     plain.model.fp8 = "none";
-    const MemoryPlan without = run_memory_plan(plain, layout, cuda ? *make_cuda_backend() : *make_cpu_backend());
+    const MemoryPlan without = plan_of(plain);
     const int64_t extra = plan.device_total() + plan.host_total() - without.device_total() - without.host_total();
     std::printf("model.fp8 = \"%s\": %.3f MiB of the workspace per rank are its scratch (%s)\n",
                 config.model.fp8.c_str(), double(extra) / kMiB,
@@ -185,7 +189,7 @@ void check_report(const Config& deck_config, const std::string& deck, int world)
   if (config.model.fp8_attention && cuda) {  // its scratch and scales, against the same deck with bf16 attention
     Config plain = config;
     plain.model.fp8_attention = false;
-    const MemoryPlan without = run_memory_plan(plain, layout, *make_cuda_backend());
+    const MemoryPlan without = plan_of(plain);
     std::printf("model.fp8_attention: %.3f MiB more GPU memory per rank (its e4m3 codes and the FP8 backward's fp32 "
                 "accumulators, in the attention phase's memory where they fit; each layer's scales)%s\n",
                 double(plan.device_total() - without.device_total()) / kMiB,
@@ -203,7 +207,7 @@ void check_report(const Config& deck_config, const std::string& deck, int world)
   if (cuda && config.model.optim_cpu_offload) {  // what the lever buys, against the state on the GPU
     Config on_gpu = config;
     on_gpu.model.optim_cpu_offload = false;
-    const MemoryPlan without = run_memory_plan(on_gpu, layout, *make_cuda_backend());
+    const MemoryPlan without = plan_of(on_gpu);
     std::printf("optim_cpu_offload: %.3f MiB less GPU memory per rank (%.3f MiB with the state on the GPU), "
                 "%.3f MiB more host memory\n",
                 double(without.device_total() - plan.device_total()) / kMiB, double(without.device_total()) / kMiB,
