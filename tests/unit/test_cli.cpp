@@ -164,12 +164,16 @@ TEST_CASE("check with optim_cpu_offload on the CUDA backend prints the GPU bytes
                        "none on the GPU, units 0..17 (embed..head) offloaded") != std::string::npos);
 }
 
+// `shardlm check` of the 1B shape at 32K tokens, one row a step, selective
+// checkpointing, on the CUDA backend's plan: the plan tests below move one key from it.
+const std::string kCheck1b32kSelective =
+    " check inputs/bench/llama-1b.toml --set data.path=inputs/data/tiny.h5 --set device.backend=cuda "
+    "--set data.seq_len=32768 --set data.global_batch=1 --set model.activation_checkpointing=selective";
+
 TEST_CASE("check on the CUDA backend: cuDNN's attention adds only its persistent 64.5 MiB at 32K tokens") {
   // Its backward buffers (dq accumulator, row sums, per-head dk/dv: 537 MiB at the
   // 1B shape and 32768 tokens) live in each layer's gate/up buffer, dead by then.
-  const std::string deck = " check inputs/bench/llama-1b.toml --set data.path=inputs/data/tiny.h5 "
-                                 "--set device.backend=cuda --set data.seq_len=32768 "
-                           "--set data.global_batch=1 --set model.activation_checkpointing=selective";
+  const std::string deck = kCheck1b32kSelective;
   auto flash = run(shardlm_bin() + deck + " --set device.attention=flash");
   if (!has_cuda_plan(flash)) return;
   auto cudnn = run(shardlm_bin() + deck + " --set device.attention=auto");
@@ -188,9 +192,7 @@ TEST_CASE("check on the CUDA backend: model.fp8_attention's scratch moves the at
   // q, out, dout, dq and of k, v, dk, dv; the FP8 backward's fp32 dq/dk/dv
   // accumulators, row sums and 64 MiB) it does not, so it becomes the shared
   // region (which held dh, N x I bf16); plus the 16 layers' scales (30 floats each).
-  const std::string deck = " check inputs/bench/llama-1b.toml --set data.path=inputs/data/tiny.h5 "
-                           "--set device.backend=cuda --set data.seq_len=32768 --set data.global_batch=1 "
-                           "--set model.activation_checkpointing=selective";
+  const std::string deck = kCheck1b32kSelective;
   auto bf16 = run(shardlm_bin() + deck);
   if (!has_cuda_plan(bf16)) return;
   auto fp8 = run(shardlm_bin() + deck + " --set model.fp8_attention=true");
@@ -211,9 +213,7 @@ TEST_CASE("check on the CUDA backend: model.fp8_attention's scratch moves the at
 }
 
 TEST_CASE("check on the CUDA backend: model.selective_layers keeps K layers' attention, each N·H·(2·D + 4) bytes") {
-  const std::string deck = " check inputs/bench/llama-1b.toml --set data.path=inputs/data/tiny.h5 "
-                           "--set device.backend=cuda --set data.seq_len=32768 --set data.global_batch=1 "
-                           "--set model.activation_checkpointing=selective";
+  const std::string deck = kCheck1b32kSelective;
   auto all = run(shardlm_bin() + deck);
   if (!has_cuda_plan(all)) return;
   auto half = run(shardlm_bin() + deck + " --set model.selective_layers=8");
