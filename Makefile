@@ -72,8 +72,8 @@ GIT_REV := $(shell git rev-parse --short HEAD 2>/dev/null || echo unknown)
 # every file would make each build after a commit miss ccache everywhere.
 VERSION_FLAGS := -DSHARDLM_VERSION='"$(VERSION)"' -DSHARDLM_GIT_REV='"$(GIT_REV)"'
 
-LIB_SRCS := $(filter-out src/cuda/stub.cpp,$(wildcard src/*/*.cpp))
-CU_SRCS  := $(wildcard src/cuda/*.cu)
+LIB_SRCS := $(wildcard src/*/*.cpp)
+CU_SRCS  := $(wildcard src/*/*.cu)
 ifeq ($(CUDA),1)
 NVCCFLAGS ?= $(OPT) -lineinfo
 NVCCFLAGS += -std=c++20 $(CUDA_ARCH) -Iinclude -Isrc $(MPI_CFLAGS) -DOMPI_SKIP_MPICXX -ccbin $(firstword $(CXX)) \
@@ -88,7 +88,7 @@ CUDNN      ?= $(if $(wildcard $(CUDNN_HOME)/include/cudnn_graph.h),1,0)
 NVCCFLAGS  += -DSHARDLM_CUDNN=$(CUDNN) $(if $(filter 1,$(CUDNN)),-I$(CUDNN_HOME)/include)
 LDLIBS     += -ldl
 else
-LIB_OBJS := $(LIB_SRCS:%.cpp=$(BUILD)/obj/%.o) $(BUILD)/obj/src/cuda/stub.o
+LIB_OBJS := $(LIB_SRCS:%.cpp=$(BUILD)/obj/%.o) $(BUILD)/obj/src/no_cuda.o
 endif
 
 UNIT_OBJS := $(patsubst %.cpp,$(BUILD)/obj/%.o,$(wildcard tests/unit/*.cpp)) $(BUILD)/obj/tests/main_unit.o

@@ -4,7 +4,7 @@
 // loss, backward, clip, optimizer (session.step), eval, metrics, broadcast,
 // checkpoint (the Checkpointer decides: save, go on or stop). Each phase is one
 // call; a phase that grows past a screen lives in its own file (the reports in
-// run/report.cpp, the memory plan in run/plan.cpp).
+// app/report.cpp, the memory plan in app/plan.cpp).
 #include <omp.h>
 
 #include <chrono>
@@ -13,7 +13,7 @@
 #include <memory>
 #include <string>
 
-#include "comm/broadcast.hpp"
+#include "broadcast/broadcast.hpp"
 #include "checkpoint/checkpoint.hpp"
 #include "checkpoint/async.hpp"
 #include "config/cli.hpp"
@@ -24,11 +24,11 @@
 #include "train/forward.hpp"
 #include "model/tokenizer_files.hpp"
 #include "shardlm/memory.hpp"
-#include "run/metrics.hpp"
-#include "run/plan.hpp"
-#include "run/report.hpp"
-#include "run/run_dir.hpp"
-#include "run/run_start.hpp"
+#include "app/metrics.hpp"
+#include "app/plan.hpp"
+#include "app/report.hpp"
+#include "base/run_dir.hpp"
+#include "app/run_start.hpp"
 #include "shardlm/runtime.hpp"
 #include "shardlm/watchdog.hpp"
 #include "train/train.hpp"

@@ -6,7 +6,7 @@
 //   build/bench_gemm_algos [M] [hidden intermediate q_dim kv_dim vocab]
 //
 // Defaults: M = 64 rows, the 1B Llama shape (2048 8192 2048 512 128256). The GEMMs
-// are the decoder's (src/cuda/decoder_cuda.cu): q|k|v, o, gate|up, down (+ the
+// are the decoder's (src/infer/decoder_cuda.cu): q|k|v, o, gate|up, down (+ the
 // residual as C), the lm-head (fp32 out). Row-major C (M, N) = A (M, K) W (N, K)^T,
 // mapped onto column-major cuBLASLt as src/cuda/gemm.cu does. Each candidate runs
 // as a CUDA graph of 20 launches cycling through enough weight copies (>= 256 MiB)

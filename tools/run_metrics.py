@@ -20,7 +20,7 @@ except ImportError:  # Python < 3.11
 
 STALE_LOCK_S = 120
 # Muon's keys: a deck resolves them from optim.lr / weight_decay even when Muon is not used.
-MUON_ONLY = {"optim.adamw_lr", "optim.adamw_weight_decay", "optim.muon_momentum", "optim.ns_steps"}  # a lock from another host untouched this long is stale (src/run/run_dir.cpp)
+MUON_ONLY = {"optim.adamw_lr", "optim.adamw_weight_decay", "optim.muon_momentum", "optim.ns_steps"}  # a lock from another host untouched this long is stale (src/base/run_dir.cpp)
 
 
 class Run:

@@ -46,7 +46,7 @@ struct ModelSection {
   // bit-identical either way. 12 B per offloaded parameter of host memory.
   bool optim_offload_speculate = false;
   // Not a deck key: optim_gpu_state_gib resolved at start-up against the plan
-  // and the GPU (run/plan.hpp, resolve_offload_split): units [0, n) keep their
+  // and the GPU (app/plan.hpp, resolve_offload_split): units [0, n) keep their
   // state on the GPU. 0 in a session built without it (tests, tools).
   int64_t optim_gpu_units = 0;
   std::string activation_checkpointing = "none";  // none | full | selective (full, keeping attention's output)

@@ -3,7 +3,7 @@
 // Owns: the device queries, the device communicators, and plain device buffers
 // and copies for host code that moves bytes but computes nothing (the RL weight
 // broadcast and its receiver). In a CPU-only build these report "no CUDA"
-// (src/cuda/stub.cpp); the CUDA build implements them in src/cuda/device.cu and
+// (src/no_cuda.cpp); the CUDA build implements them in src/cuda/device.cu and
 // src/cuda/comm_cuda.cu. Knows nothing about the deck or the model.
 #pragma once
 
@@ -54,7 +54,7 @@ void cuda_copy_async(void* dst, const void* src, int64_t bytes, void* stream);
 void cuda_owned_rows(float* out, const int32_t* ids, int64_t n, const float* shard, int64_t shard_begin,
                      int64_t shard_numel, int64_t C, void* stream);
 void cuda_synchronize(void* stream);
-// The weight broadcast's checksum (bf16_checksum, comm/broadcast.hpp) of n bf16
+// The weight broadcast's checksum (bf16_checksum, broadcast/broadcast.hpp) of n bf16
 // values in device memory at flat indices [begin, begin + n), computed on
 // `stream` and waited for: bit-equal to the host's for the same bits.
 // sum_scratch: kChecksumScratchBytes of device memory the caller owns (planned

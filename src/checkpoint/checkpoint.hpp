@@ -30,7 +30,7 @@
 
 #include "checkpoint/checksum.hpp"
 #include "checkpoint/retention.hpp"
-#include "run/signals.hpp"
+#include "base/signals.hpp"
 #include "shardlm/config.hpp"
 #include "data/data.hpp"
 #include "shardlm/error.hpp"

@@ -1,8 +1,8 @@
 // checkpoint/step_end.cpp — the Checkpointer's decisions (async.hpp): at the
 // end of every step, whether to save and whether the run stops; at the end of
 // the run, how it ends. The exit codes are what the job scripts act on
-// (run/signals.hpp): 75 requeues, 74 reports a lost checkpoint, 73 says another
-// run took run.dir (run/run_dir.hpp): then nothing more is saved there.
+// (base/signals.hpp): 75 requeues, 74 reports a lost checkpoint, 73 says another
+// run took run.dir (base/run_dir.hpp): then nothing more is saved there.
 //
 // Every branch below is taken on every rank alike: poll, the stop signal and a
 // save's outcome are agreed over the trainers before they are returned, so the
@@ -13,8 +13,8 @@
 #include "checkpoint/agree.hpp"  // comm_rank
 #include "checkpoint/async.hpp"
 #include "checkpoint/retention.hpp"
-#include "run/run_dir.hpp"  // kExitRunDirInUse
-#include "run/signals.hpp"
+#include "base/run_dir.hpp"  // kExitRunDirInUse
+#include "base/signals.hpp"
 #include "shardlm/runtime.hpp"
 #include "train/train.hpp"
 

@@ -3,7 +3,7 @@
 // ops.hpp, the flash attention of attention.hpp (or cuDNN's, sdpa.hpp) and the
 // optimizer kernels of optim_kernels.hpp, all on one compute stream. It keeps a bf16 copy
 // of every unit shard for the all-gathers, which the training state (train/state.hpp)
-// writes: the device update (cuda/device_state.cu), the offload pipeline's uploads, or
+// writes: the device update (train/device_state.cu), the offload pipeline's uploads, or
 // set_param_shard from the host masters. Every buffer of the step comes from one table
 // (buffer_table) that both allocates and counts the memory plan. With model.fp8 the
 // decoder blocks' projections run through cuda::Fp8Linear (cuBLASLt FP8) instead.

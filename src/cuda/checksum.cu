@@ -1,13 +1,13 @@
 // checksum.cu — the weight broadcast's checksum of bf16 values in device
 // memory (cuda_bf16_checksum, shardlm/cuda.hpp): the host's bf16_checksum
-// (comm/broadcast.cpp) computed where the bytes lie, from the same per-element
-// term (comm/checksum_term.hpp), bit for bit.
+// (broadcast/broadcast.cpp) computed where the bytes lie, from the same per-element
+// term (shardlm/checksum_term.hpp), bit for bit.
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdint>
 
-#include "comm/checksum_term.hpp"
+#include "shardlm/checksum_term.hpp"
 #include "cuda/check.hpp"
 #include "cuda/ops_common.cuh"
 #include "shardlm/cuda.hpp"

@@ -1,11 +1,11 @@
-// cuda_newton_schulz.hpp — Muon's Newton–Schulz in bf16 on the GPU, as host code
-// sees it: a factory for muon.hpp's Orthogonalizer and the bytes it holds.
+// newton_schulz.hpp — Muon's Newton–Schulz in bf16 on the GPU, as host code
+// sees it: a factory for shardlm/orthogonalizer.hpp's Orthogonalizer and the bytes it holds.
 //
 // Owns: the GPU orthogonaliser (src/cuda/newton_schulz.cu) — its device buffers,
 // stream, cuBLASLt plans and pinned staging — and the tolerances its tests hold it
 // to against the host fp32 newton_schulz. No CUDA types: TrainSession (train.hpp),
 // the memory plan (optim.cpp) and the doctest GPU suite include it; a CPU-only
-// build links src/cuda/stub.cpp, whose factory fails with a message and whose
+// build links src/no_cuda.cpp, whose factory fails with a message and whose
 // byte counts are 0.
 // Must not know: MPI, the exchange, the deck, the model (MuonStep hands it whole
 // matrices and says how large they get).
@@ -30,7 +30,7 @@
 #include <cstdint>
 #include <memory>
 
-#include "train/muon.hpp"
+#include "shardlm/orthogonalizer.hpp"
 
 namespace shardlm {
 

@@ -97,7 +97,7 @@ void residual_rmsnorm_forward(bf16* residual_out, bf16* normed, float* rstd,
 // row (residual_rmsnorm_forward's arithmetic on the rounded out). out must not
 // alias a; every pointer 16-byte aligned. Takes S in {2, 4, 8} and C a multiple of
 // 8 up to 8192 (splitk_residual_rmsnorm_takes). The CUDA decoder's down
-// projection (src/cuda/decoder_cuda.cu).
+// projection (src/infer/decoder_cuda.cu).
 bool splitk_residual_rmsnorm_takes(int S, int64_t C);
 void splitk_residual_rmsnorm_forward(bf16* out, bf16* normed, float* rstd, const bf16* a, const float* parts,
                                      int S, int64_t part_stride, NormWeight weight, int64_t rows, int64_t C,

@@ -1,8 +1,8 @@
 // decoder_cuda.hpp — the GPU decoder's factory, seen from host code without
 // CUDA types.
 //
-// Owns: make_cuda_decoder, plan_cuda_decoder. The decoder itself lives in src/cuda/decoder_cuda.cu
-// (the Makefile compiles src/cuda/*.cu only in CUDA builds; src/cuda/stub.cpp
+// Owns: make_cuda_decoder, plan_cuda_decoder. The decoder itself lives in src/infer/decoder_cuda.cu
+// (the Makefile compiles src/*/*.cu only in CUDA builds; src/no_cuda.cpp
 // answers for a CPU-only build with a sentence saying there is no CUDA).
 // It holds the whole model in bf16 on the current device (uploaded from the
 // InferenceModel's fp32 host copy, refreshed parameter by parameter from the

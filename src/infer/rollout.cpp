@@ -19,7 +19,7 @@
 #include <fstream>
 #include <memory>
 
-#include "comm/broadcast.hpp"
+#include "broadcast/broadcast.hpp"
 #include "data/prompts.hpp"
 #include "data/rollouts.hpp"
 #include "data/tokenizer.hpp"

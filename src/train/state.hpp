@@ -215,7 +215,7 @@ std::unique_ptr<TrainingState> make_training_state(const EngineOptions& options,
 // The host placement without an optimizer: what an Engine used on its own
 // (forward passes, tests) puts its gradients into.
 std::unique_ptr<TrainingState> make_host_state(ShardedModel& model, Optimizer* optimizer, Backend& backend);
-// The device placement's implementation (src/cuda/device_state.cu; a CPU-only
+// The device placement's implementation (src/train/device_state.cu; a CPU-only
 // build refuses it).
 std::unique_ptr<TrainingState> make_cuda_device_state(ShardedModel& model, Optimizer& optimizer,
                                                       const OptimSection& optim, Backend& backend);
@@ -236,7 +236,7 @@ class DeviceUnits {
   virtual void push() = 0;  // device <- host shards, and the bf16 parameter shards cast from them
   virtual const float* master(int unit) const = 0;  // unit's fp32 master shard (device memory)
 };
-// The CUDA implementation (src/cuda/device_state.cu): units [0, count), the
+// The CUDA implementation (src/train/device_state.cu): units [0, count), the
 // update reading grads[u] (fp32 shard, device memory).
 std::unique_ptr<DeviceUnits> make_cuda_device_units(ShardedModel& model, Optimizer& optimizer,
                                                     const OptimSection& optim, Backend& backend, int count,

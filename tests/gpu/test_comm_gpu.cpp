@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "comm/broadcast.hpp"
+#include "broadcast/broadcast.hpp"
 #include "shardlm/comm.hpp"
 #include "shardlm/cuda.hpp"
 #include "shardlm/error.hpp"

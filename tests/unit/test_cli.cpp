@@ -14,7 +14,7 @@
 #include "config/cli.hpp"
 #include "shardlm/comm.hpp"
 #include "shardlm/error.hpp"
-#include "run/run_dir.hpp"
+#include "base/run_dir.hpp"
 #include "shardlm/h5util.hpp"
 #include "run_command.hpp"
 

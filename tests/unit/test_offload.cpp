@@ -21,7 +21,7 @@
 
 #include "cpu/adamw.hpp"
 #include "cpu/ops.hpp"
-#include "run/plan.hpp"
+#include "app/plan.hpp"
 #include "shardlm/backend.hpp"
 #include "shardlm/config.hpp"
 #include "shardlm/dtype.hpp"
@@ -383,7 +383,7 @@ TEST_CASE("speculative offload pipeline: the update under the backward, redone o
 
 // The split: the most units, from the embedding on, whose fp32 masters and
 // moments fit the budget; and model.optim_gpu_state_gib resolved against the
-// plan (run/plan.hpp) for a given GPU size.
+// plan (app/plan.hpp) for a given GPU size.
 TEST_CASE("offload split: device units from the embedding on, within the cap and what the plan leaves") {
   const ModelConfig arch = small_arch();
   const ModelLayout layout(arch, 1);

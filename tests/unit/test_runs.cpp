@@ -25,9 +25,9 @@
 #include <nlohmann/json.hpp>
 
 #include "model/tokenizer_files.hpp"
-#include "run/metrics.hpp"
-#include "run/run_dir.hpp"
-#include "run/tensorboard.hpp"
+#include "app/metrics.hpp"
+#include "base/run_dir.hpp"
+#include "app/tensorboard.hpp"
 #include "train/optim.hpp"
 #include "run_command.hpp"
 

@@ -1,5 +1,5 @@
 // metrics.cpp — progress lines, metrics.jsonl (rows and events), TensorBoard scalars, the run summary.
-#include "run/metrics.hpp"
+#include "app/metrics.hpp"
 
 #include <cerrno>
 #include <cmath>
@@ -11,7 +11,7 @@
 
 #include "shardlm/error.hpp"
 #include "shardlm/memory.hpp"
-#include "run/tensorboard.hpp"
+#include "app/tensorboard.hpp"
 
 namespace shardlm {
 namespace {

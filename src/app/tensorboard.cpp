@@ -8,7 +8,7 @@
 //   Summary:      1 value repeated Summary.Value
 //   Summary.Value 1 tag string, 2 simple_value float
 //   SessionLog:   1 status enum (START = 1)
-#include "run/tensorboard.hpp"
+#include "app/tensorboard.hpp"
 
 #include <unistd.h>
 

@@ -1,4 +1,8 @@
-// cuda_stub.cpp — the CUDA entry points of a CPU-only build: no devices.
+// no_cuda.cpp — what a build without nvcc links in place of every .cu file
+// (src/*/*.cu: the CUDA backend and kernels, the device training state, the GPU
+// decoder): no devices, and each factory fails with a sentence saying this
+// shardlm was built without CUDA. The Makefile makes the choice, here and only
+// here; it stands above every folder so that it may name their interfaces.
 #include "shardlm/backend.hpp"
 #include "shardlm/cuda.hpp"
 #include "cuda/newton_schulz.hpp"

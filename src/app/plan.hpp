@@ -1,4 +1,4 @@
-// run/plan.hpp — the memory plan of a whole run, and the refusal of a run
+// app/plan.hpp — the memory plan of a whole run, and the refusal of a run
 // whose plan does not fit the machine.
 //
 // Owns: what a run adds to the engine's plan (optimizer workspaces, the

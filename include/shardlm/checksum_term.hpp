@@ -1,5 +1,5 @@
 // checksum_term.hpp — the weight broadcast's per-element hash, one definition
-// for the host (comm/broadcast.cpp's bf16_checksum) and the GPU
+// for the host (broadcast/broadcast.cpp's bf16_checksum) and the GPU
 // (cuda_bf16_checksum, cuda/checksum.cu): splitmix64's finaliser of the element's
 // flat index and bits. Its sum mod 2^64 over a tensor is the checksum, the same
 // for any split over threads, ranks or blocks.

@@ -12,7 +12,7 @@
 #include <mutex>
 #include <thread>
 
-#include "run/signals.hpp"
+#include "base/signals.hpp"
 #include "shardlm/comm.hpp"
 #include "shardlm/error.hpp"
 #include "shardlm/runtime.hpp"

@@ -13,8 +13,8 @@
 
 #include "checkpoint/checkpoint.hpp"
 #include "shardlm/config.hpp"
-#include "run/metrics.hpp"
-#include "run/run_dir.hpp"
+#include "app/metrics.hpp"
+#include "base/run_dir.hpp"
 #include "shardlm/runtime.hpp"
 
 namespace shardlm {

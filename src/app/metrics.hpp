@@ -18,7 +18,7 @@
 
 #include "shardlm/config.hpp"
 #include "train/engine.hpp"
-#include "run/run_dir.hpp"
+#include "base/run_dir.hpp"
 #include "train/train.hpp"
 
 namespace shardlm {

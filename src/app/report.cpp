@@ -1,6 +1,6 @@
-// run/report.cpp — `shardlm check`'s report, the setup lines and the
+// app/report.cpp — `shardlm check`'s report, the setup lines and the
 // end-of-run report (report.hpp).
-#include "run/report.hpp"
+#include "app/report.hpp"
 
 #include <mpi.h>
 
@@ -14,7 +14,7 @@
 #include "data/rollouts.hpp"
 #include "infer/decoder.hpp"
 #include "infer/rollout.hpp"
-#include "run/plan.hpp"
+#include "app/plan.hpp"
 #include "shardlm/backend.hpp"
 #include "shardlm/cuda.hpp"
 #include "shardlm/memory.hpp"

@@ -1,5 +1,5 @@
 // run_start.cpp — the run directory and the record of a start, for cmd_train.
-#include "run/run_start.hpp"
+#include "app/run_start.hpp"
 
 #include <fcntl.h>
 #include <unistd.h>
@@ -10,7 +10,7 @@
 #include <filesystem>
 
 #include "checkpoint/retention.hpp"
-#include "run/signals.hpp"
+#include "base/signals.hpp"
 #include "train/optim.hpp"
 
 namespace shardlm {

@@ -1,10 +1,10 @@
-// run/plan.cpp — the run's memory plan and its check against the machine (plan.hpp).
-#include "run/plan.hpp"
+// app/plan.cpp — the run's memory plan and its check against the machine (plan.hpp).
+#include "app/plan.hpp"
 
 #include <algorithm>
 
 #include "checkpoint/async.hpp"
-#include "comm/broadcast.hpp"
+#include "broadcast/broadcast.hpp"
 #include "shardlm/cuda.hpp"
 #include "shardlm/memory.hpp"
 #include "train/engine.hpp"

@@ -1,5 +1,5 @@
 // checkpoint_signals.cpp — the stop flag and its agreement (checkpoint_signals.hpp).
-#include "run/signals.hpp"
+#include "base/signals.hpp"
 
 #include <unistd.h>
 

@@ -1,4 +1,4 @@
-// run/report.hpp — what a run prints about itself beyond the step lines:
+// app/report.hpp — what a run prints about itself beyond the step lines:
 // `shardlm check`'s report of a deck, the setup lines once the session is
 // built, and the end-of-run report.
 //
@@ -14,8 +14,8 @@
 #include <string>
 
 #include "checkpoint/async.hpp"
-#include "comm/broadcast.hpp"
-#include "run/metrics.hpp"
+#include "broadcast/broadcast.hpp"
+#include "app/metrics.hpp"
 #include "shardlm/config.hpp"
 #include "shardlm/runtime.hpp"
 

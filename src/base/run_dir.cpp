@@ -1,5 +1,5 @@
 // run_dir.cpp — run.lock, the decks of every start, deck comparison.
-#include "run/run_dir.hpp"
+#include "base/run_dir.hpp"
 
 #include <fcntl.h>
 #include <sys/file.h>

@@ -16,8 +16,8 @@
 // trainer rank 0 an acknowledgement (kAckTag: the step, 0) once it has read and
 // checked a step directory, and a last one (its last step, 1) after DONE, when
 // it reads nothing more. Retention removes only what every receiver acknowledged.
-#include "comm/broadcast.hpp"
-#include "comm/checksum_term.hpp"
+#include "broadcast/broadcast.hpp"
+#include "shardlm/checksum_term.hpp"
 
 #include <algorithm>
 #include <chrono>
@@ -36,7 +36,7 @@
 #include "shardlm/cuda.hpp"
 #include "shardlm/dtype.hpp"
 #include "shardlm/memory.hpp"
-#include "run/signals.hpp"  // kExitRequeue, stop_signal
+#include "base/signals.hpp"  // kExitRequeue, stop_signal
 #include "train/engine.hpp"
 #include "train/train.hpp"
 
