@@ -135,7 +135,7 @@ struct CkptSection {
   std::string resume = "latest";    // latest | none | path
   std::string on_error = "stop";    // stop | continue
   bool save_final = true;           // false: no checkpoint at run.max_steps (benchmarks)
-  bool async = true;                // snapshot, then a background writer (checkpoint_async.hpp)
+  bool async = true;                // snapshot, then a background writer (src/checkpoint/async.hpp)
   double async_host_gib = 0;        // bound on the async snapshot's host memory per rank (0: the whole state)
 };
 

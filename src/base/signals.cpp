@@ -1,4 +1,4 @@
-// checkpoint_signals.cpp — the stop flag and its agreement (checkpoint_signals.hpp).
+// signals.cpp — the stop flag and its agreement (base/signals.hpp).
 #include "base/signals.hpp"
 
 #include <unistd.h>

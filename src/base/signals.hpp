@@ -1,4 +1,4 @@
-// checkpoint_signals.hpp — the stop request a job scheduler sends, and the exit
+// signals.hpp — the stop request a job scheduler sends, and the exit
 // codes the job scripts act on.
 //
 // Owns: the signal handlers (SIGUSR1, SIGTERM, SIGINT set a flag; a second SIGINT

@@ -1,4 +1,4 @@
-// checkpoint_agree.cpp — collective phases agreed by all ranks (checkpoint_agree.hpp).
+// agree.cpp — collective phases agreed by all ranks (checkpoint/agree.hpp).
 #include "checkpoint/agree.hpp"
 
 #include <cstdint>

@@ -1,4 +1,4 @@
-// checkpoint_agree.hpp — every collective phase of a save, load or export ends
+// agree.hpp — every collective phase of a save, load or export ends
 // agreed by all ranks.
 //
 // Owns: agreed(comm, phase): the phase runs on every rank and is followed by

@@ -20,7 +20,7 @@
 // initialised MPI_THREAD_FUNNELED (runtime.cpp), parallel HDF5 is not
 // thread-safe, and the training thread keeps using both (collectives every
 // step, rollout files in RL), so the writer moves bytes with POSIX
-// pwrite/O_DIRECT at the offsets HDF5 allocated (checkpoint_io's RawFile),
+// pwrite/O_DIRECT at the offsets HDF5 allocated (checkpoint/io.hpp's RawFile),
 // each rank its own pieces; every HDF5 and MPI call of a save, the agreement
 // on its outcome included, happens on the training thread. Across nodes this
 // relies on the file system applying disjoint byte-range writes from several
@@ -115,7 +115,7 @@ class Checkpointer {
   std::optional<SaveResult> wait();
   bool in_flight() const;
 
-  struct Writer;  // the background write in flight (checkpoint_async.cpp)
+  struct Writer;  // the background write in flight (async.cpp)
 
  private:
   SaveResult start(int64_t steps_done, int64_t tokens_seen);

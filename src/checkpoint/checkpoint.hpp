@@ -1,12 +1,12 @@
 // checkpoint.hpp — HDF5 checkpoints: the collective sharded save, the verified
 // load at any world size, the resume choice, inspect and export. What other
 // files call; the pieces live in their own headers:
-//   checkpoint_layout.hpp    the file layout: groups, datasets, attributes, names
-//   checkpoint_io.hpp        how bytes move: MPI-IO or POSIX/O_DIRECT, durability
-//   checkpoint_checksum.hpp  the world-size-independent per-dataset checksum
-//   checkpoint_agree.hpp     every collective phase ends agreed by all ranks
-//   checkpoint_retention.hpp file names, retention, the order resume tries files
-//   checkpoint_signals.hpp   SIGUSR1/SIGTERM stop flag and the exit codes
+//   checkpoint/layout.hpp     the file layout: groups, datasets, attributes, names
+//   checkpoint/io.hpp         how bytes move: MPI-IO or POSIX/O_DIRECT, durability
+//   checkpoint/checksum.hpp   the world-size-independent per-dataset checksum
+//   checkpoint/agree.hpp      every collective phase ends agreed by all ranks
+//   checkpoint/retention.hpp  file names, retention, the order resume tries files
+//   base/signals.hpp          SIGUSR1/SIGTERM stop flag and the exit codes
 //
 // Owns: the save protocol (all ranks write step_N.h5.tmp: metadata through
 // parallel HDF5, raw data by collective MPI-IO across nodes or O_DIRECT pwrite

@@ -1,4 +1,4 @@
-// checkpoint_checksum.cpp — the per-dataset checksum (checkpoint_checksum.hpp).
+// checksum.cpp — the checkpoint's per-dataset checksum (checkpoint/checksum.hpp).
 #include "checkpoint/checksum.hpp"
 
 #include <cstring>

@@ -1,4 +1,4 @@
-// checkpoint_checksum.hpp — the checkpoint's per-dataset checksum.
+// checksum.hpp — the checkpoint's per-dataset checksum.
 //
 // Owns: the 64-bit checksum every dataset of a checkpoint carries (the formula
 // is in docs/checkpoint.md, "Checksums"). It does not depend on how many ranks

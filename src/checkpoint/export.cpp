@@ -1,4 +1,4 @@
-// checkpoint_export.cpp — `shardlm export`: /model of a checkpoint streamed into
+// export.cpp — `shardlm export`: /model of a checkpoint streamed into
 // a Hugging Face directory (config.json + model.safetensors), checksums
 // verified on the way. Serial HDF5 on rank 0; knows nothing about the training
 // state.

@@ -1,4 +1,4 @@
-// checkpoint_inspect.cpp — `shardlm inspect`: what a checkpoint holds, every
+// inspect.cpp — `shardlm inspect`: what a checkpoint holds, every
 // dataset the layout requires checked by name, every checksum verified.
 // Serial HDF5 on rank 0; knows nothing about the training state.
 #include <algorithm>

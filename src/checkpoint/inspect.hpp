@@ -1,4 +1,4 @@
-// checkpoint_inspect.hpp — what inspect and export share: turning the path a
+// inspect.hpp — what inspect and export share: turning the path a
 // user gives (a file, a checkpoints directory, a run directory) into a file.
 //
 // Owns: that resolution only. Knows the retention naming (the `latest`

@@ -1,4 +1,4 @@
-// checkpoint_io.cpp — raw I/O modes, RawFile, durability (checkpoint_io.hpp).
+// io.cpp — raw I/O modes, RawFile, durability (checkpoint/io.hpp).
 #include "checkpoint/io.hpp"
 
 #include <fcntl.h>

@@ -1,4 +1,4 @@
-// checkpoint_io.hpp — how a checkpoint's bytes move between shards and disk,
+// io.hpp — how a checkpoint's bytes move between shards and disk,
 // and how a file becomes durable.
 //
 // Owns: the raw I/O modes (collective MPI-IO, independent MPI-IO, direct
@@ -6,7 +6,7 @@
 // transfers in bounded calls, the RawFile that bypasses the page cache, file
 // access property lists, fsync / atomic small-file writes / space
 // reservation. Knows HDF5, MPI and POSIX; knows nothing about what the
-// datasets mean (checkpoint_layout), the training state or retention.
+// datasets mean (checkpoint/layout.hpp), the training state or retention.
 #pragma once
 
 #include <hdf5.h>

@@ -1,5 +1,5 @@
-// checkpoint_layout.cpp — dataset names, attributes and the metadata phase of a
-// save (checkpoint_layout.hpp).
+// layout.cpp — dataset names, attributes and the metadata phase of a
+// save (checkpoint/layout.hpp).
 #include "checkpoint/layout.hpp"
 
 #include <algorithm>

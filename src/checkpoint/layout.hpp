@@ -1,4 +1,4 @@
-// checkpoint_layout.hpp — what a checkpoint file holds and what its datasets
+// layout.hpp — what a checkpoint file holds and what its datasets
 // are called (docs/checkpoint.md, "Layout").
 //
 // Owns: the dataset names (/model/<HF name>, /optim/<HF name>/<state>,
@@ -7,7 +7,7 @@
 // architecture, the optimizer's name and step count) and how they are written
 // and read, the metadata phase of a save (groups, attributes, datasets with
 // their checksums). Knows HDF5 objects and the TrainSession's shards; knows
-// nothing about how raw bytes reach the disk (checkpoint_io), MPI agreement,
+// nothing about how raw bytes reach the disk (checkpoint/io.hpp), MPI agreement,
 // retention or signals.
 #pragma once
 

@@ -1,4 +1,4 @@
-// checkpoint_load.cpp — the collective, verified load at any world size, the
+// load.cpp — the collective, verified load at any world size, the
 // report of everything that does not fit this run, and resume's fallback past
 // damaged files.
 #include <algorithm>

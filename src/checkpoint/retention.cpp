@@ -1,5 +1,5 @@
-// checkpoint_retention.cpp — step file names, retention, the order resume tries
-// files in (checkpoint_retention.hpp).
+// retention.cpp — step file names, retention, the order resume tries
+// files in (checkpoint/retention.hpp).
 #include "checkpoint/retention.hpp"
 
 #include <algorithm>

@@ -1,11 +1,11 @@
-// checkpoint_retention.hpp — which checkpoint files exist, which to keep, and
+// retention.hpp — which checkpoint files exist, which to keep, and
 // which one a resume tries first.
 //
 // Owns: the step_<N>.h5 naming of a checkpoint directory, the retention rule
 // (ckpt.keep_last, ckpt.keep_interval), the order resume "latest" tries files
 // in (the `latest` pointer, then older step files) and when a save is due.
 // Pure file-name and number logic: knows nothing about HDF5, MPI, the file's
-// contents or the training state (loading a candidate is checkpoint_load's).
+// contents or the training state (loading a candidate is checkpoint/load.cpp's).
 #pragma once
 
 #include <cstdint>

@@ -1,7 +1,7 @@
-// checkpoint_save.cpp — the collective save: prepare the directory, checksum,
+// save.cpp — the collective save: prepare the directory, checksum,
 // metadata, raw data, close, fsync, rename, `latest`, retention (the protocol
-// in docs/checkpoint.md, "Files"). The layout is checkpoint_layout's, the byte
-// movement checkpoint_io's.
+// in docs/checkpoint.md, "Files"). The layout is checkpoint/layout.hpp's, the byte
+// movement checkpoint/io.hpp's.
 #include <sys/statvfs.h>
 
 #include <chrono>

@@ -1,11 +1,11 @@
-// checkpoint_save.hpp — the steps of the save protocol that the synchronous
-// save (checkpoint_save.cpp) and the background one (checkpoint_async.cpp)
+// save.hpp — the steps of the save protocol that the synchronous
+// save (save.cpp) and the background one (async.cpp)
 // share, so both produce the same file the same way.
 //
 // Owns: directory preparation (stale .tmp removal, the free-space check), the
 // test fault hooks, making a finished .tmp visible (fsync, rename, `latest`,
 // retention) and the one log line per save. Knows the retention rules and the
-// checkpoint_io durability helpers; knows nothing about where the bytes came
+// checkpoint/io.hpp durability helpers; knows nothing about where the bytes came
 // from (live shards or a snapshot) or about threads.
 #pragma once
 

@@ -1,4 +1,4 @@
-// comm_mpi.cpp — Comm over MPI for host buffers.
+// mpi.cpp — Comm over MPI for host buffers.
 #include <sched.h>
 
 #include <algorithm>

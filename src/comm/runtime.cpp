@@ -229,7 +229,7 @@ std::string select_broadcast_comm(const Runtime& rt) {
   if (!ranks_share_a_gpu(rt, rt.broadcast_comm)) return "nccl";
   // Ranks sharing a GPU: device to device through CUDA IPC when all of them are
   // on one node that shows them one GPU (the RL job on one GPU: 0.030 s a 1B
-  // broadcast against 0.398 s staged, docs/benchmarks.md "Session 18's calls"),
+  // broadcast against 0.398 s staged, measured on an H200: docs/benchmarks.md),
   // or SHARDLM_BROADCAST_IPC=1 on every rank (all on one node); staged through
   // host memory otherwise, or with SHARDLM_BROADCAST_IPC=0.
   const char* env = std::getenv("SHARDLM_BROADCAST_IPC");

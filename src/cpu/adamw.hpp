@@ -1,4 +1,4 @@
-// cpu_adamw.hpp — the host AdamW on flat fp32 shards: vectorised (AVX-512F, AVX2,
+// adamw.hpp — the host AdamW on flat fp32 shards: vectorised (AVX-512F, AVX2,
 // scalar; chosen at run time), multithreaded (OpenMP), with an optional bf16 copy
 // of the updated parameters written in the same pass.
 //

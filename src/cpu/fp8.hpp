@@ -1,6 +1,6 @@
 // fp8.hpp — FP8 quantisation as Hopper's tensor cores see it, emulated in fp32:
 // the reference the CUDA FP8 kernels (src/cuda/fp8.hpp) are checked against,
-// and what the CPU backend will compute with model.fp8 (issue #30).
+// and what the CPU backend computes with model.fp8 (src/cpu/fp8_linear.hpp).
 //
 // Owns: shardlm::cpu::{fp8_round, fp8_bits, fp8_value, fp8_scale,
 // quantize_fp8, quantize_fp8_rows, quantize_fp8_values, matmul_fp8_reference},

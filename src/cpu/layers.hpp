@@ -1,5 +1,5 @@
-// cpu_layers.hpp — one decoder layer and the lm-head loss on the CPU backend,
-// composed from the kernels in cpu_ops.hpp.
+// layers.hpp — one decoder layer and the lm-head loss on the CPU backend,
+// composed from the kernels in cpu/ops.hpp.
 //
 // Owns: the saved-activation layout of a layer (LayerActs) and the rows it and the
 // backward and head scratch add to the CPU backend's buffer table, layer forward and

@@ -1,4 +1,4 @@
-// cpu_ops.hpp — CPU reference kernels (forward + backward) for the transformer ops.
+// ops.hpp — CPU reference kernels (forward + backward) for the transformer ops.
 //
 // Owns: shardlm::cpu::{gemm, linear, embedding, rmsnorm, rope, swiglu, attention,
 // cross_entropy, add/accumulate/scale/copy/sum_squares}, templated on T (float for the

@@ -1,6 +1,6 @@
 // check.hpp — CUDA_CHECK, the one check of CUDA runtime calls in shardlm: a call
 // that fails throws shardlm::Error naming the call, the file and line, and the
-// runtime's reason ("CUDA error: cudaMemcpyAsync(...) failed at src/cuda/x.cu:12:
+// runtime's reason ("CUDA error: cudaMemcpyAsync(...) failed at src/cuda/device.cu:12:
 // an illegal memory access was encountered"); main()'s handler reports it once and
 // aborts the job. After every kernel launch: CUDA_CHECK(cudaGetLastError()).
 // Where a throw cannot be reported (a destructor, code that runs before main() has

@@ -445,8 +445,8 @@ Fp8Gemm::Plan& Fp8Gemm::plan(const Key& key, const float* a_inv, const float* b_
                 key.rowwise ? "row" : "tensor", key.out == GemmOut::BF16 ? "bf16" : "fp32",
                 key.bias ? "with bias " : "", cublasLtGetStatusString(st2));
   p.algo = result.algo;
-  // SHARDLM_FP8_GEMM_LOG=1: each plan's algorithm on stderr, once (docs/benchmarks.md
-  // "Session 22's calls": every training GEMM at 1B/4096 is algorithm 66 without split-K).
+  // SHARDLM_FP8_GEMM_LOG=1: each plan's algorithm on stderr, once (on an H200 every
+  // training GEMM at 1B/4096 is algorithm 66 without split-K: docs/benchmarks.md).
   if (const char* log = std::getenv("SHARDLM_FP8_GEMM_LOG"); log && std::string(log) == "1") {
     // One config attribute (uint32_t, or uint16_t as the cluster shape's is).
     const auto config = [&](cublasLtMatmulAlgoConfigAttributes_t attr) {

@@ -1,5 +1,5 @@
 // cuda/fp8.hpp — FP8 on Hopper: amaxes, scales, quantisation (plain and
-// transposed) and the FP8 GEMM through cuBLASLt (issue #30; cuda/fp8_linear.hpp
+// transposed) and the FP8 GEMM through cuBLASLt (cuda/fp8_linear.hpp
 // wires them into the decoder blocks' projections).
 //
 // Owns: shardlm::cuda::{fp8_amax, fp8_amax_rows, fp8_amax_cols, fp8_scales,

@@ -1,5 +1,5 @@
-// cuda/fp8_attention.hpp — attention with FP8 operands for training (#30,
-// model.fp8_attention): bf16 q, k, v in, bf16 out and gradients, cuDNN's FP8
+// cuda/fp8_attention.hpp — attention with FP8 operands for training
+// (model.fp8_attention): bf16 q, k, v in, bf16 out and gradients, cuDNN's FP8
 // graphs inside (CudnnSdpa::forward_fp8 / backward_fp8). The CUDA backend calls
 // it per layer in place of CudnnSdpa's bf16 passes.
 //

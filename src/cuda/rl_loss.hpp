@@ -1,4 +1,4 @@
-// cuda_rl_loss.hpp — the RL policy loss on the GPU: fused forward + backward on a
+// rl_loss.hpp — the RL policy loss on the GPU: fused forward + backward on a
 // chunk of bf16 lm-head logits, in place (the RL counterpart of
 // cuda::cross_entropy_forward_backward), and its statistics.
 //

@@ -1,6 +1,6 @@
-// cuda_sdpa.hpp — causal, GQA, packed-document attention through cuDNN's fused
+// sdpa.hpp — causal, GQA, packed-document attention through cuDNN's fused
 // flash attention (the cuDNN 9 graph API), with shardlm's own kernels
-// (cuda_attention.hpp) as the reference and the fallback.
+// (cuda/attention.hpp) as the reference and the fallback.
 //
 // Owns: loading cuDNN at run time (dlopen of libcudnn.so.9, so a binary built
 // with cuDNN's headers starts, and says why it runs on its own kernels, where the
@@ -12,7 +12,7 @@
 // of workspace_bytes() and allocates no device memory of its own).
 //
 // Semantics: exactly those of cuda::attention_forward / attention_backward
-// (cuda_attention.hpp): q (N, H, D), k and v (N, KV, D), out (N, H, D) bf16,
+// (cuda/attention.hpp): q (N, H, D), k and v (N, KV, D), out (N, H, D) bf16,
 // token-major; lse (N, H) fp32, the natural logsumexp of the scaled scores; token
 // i attends to j iff j <= i within i's document (a run of equal seq_id). Each
 // document is one batch entry, so no token attends across a document edge and no
@@ -85,7 +85,7 @@ class CudnnSdpa {
                 const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
                 const __nv_bfloat16* out, const float* lse, void* backward_buffers);
 
-  // FP8 (e4m3) attention through cuDNN's FP8 engines (#30; the training step
+  // FP8 (e4m3) attention through cuDNN's FP8 engines (the training step
   // calls them through cuda::Fp8Attention under model.fp8_attention): q, k, v,
   // out, dout, dq, dk, dv are e4m3 codes in the layouts above, each with a
   // per-tensor scale (codes = values * scale; descale =

@@ -1,5 +1,5 @@
 // sdpa_cudnn.cu — cuDNN's fused flash attention (graph API) for shardlm's
-// causal, GQA, packed-document attention. See cuda_sdpa.hpp for the contract.
+// causal, GQA, packed-document attention. See cuda/sdpa.hpp for the contract.
 //
 // The graphs are the operation patterns cuDNN's fused-attention engines recognise
 // (cuDNN developer guide, "Scaled Dot Product Attention"), written against the
@@ -934,7 +934,7 @@ void add_fp8_scales(const CudnnSdpa::Fp8Scales& s, bool backward_pass, std::vect
 // Both FP8 passes take documents of one length only: on Hopper cuDNN refuses a
 // ragged FP8 backward, and its FP8 forward accepted a ragged graph but faulted
 // (an illegal instruction) when run, with 9.14 and 9.19 alike (tests/gpu/
-// test_sdpa_fp8.cu, session 22). This refuses both, saying why.
+// test_sdpa_fp8.cu). This refuses both, saying why.
 bool CudnnSdpa::refuse_ragged_fp8(const char* pass) {
   if (!ragged_) return false;
   last_plan_note_ = fmt("FP8 %s: this micro-batch's %lld documents differ in length; cuDNN's FP8 graphs take "

@@ -4,8 +4,8 @@
 // rope_theta + rope_scaling, 5.x rope_parameters) and what shardlm refuses
 // (architectures, activations, biases, attention kinds it cannot run exactly).
 // Knows nothing about weights, tensors, shards, devices or MPI: it maps
-// config.json to ModelConfig and back (the size fields through
-// model/size_fields.hpp's table).
+// config.json to ModelConfig and back (through the table of ModelConfig's
+// fields in shardlm/model_config.hpp).
 #pragma once
 
 #include <filesystem>
