@@ -1,5 +1,5 @@
-// checkpoint_async.cpp — the Checkpointer: synchronous saves, or a snapshot and
-// a background writer (checkpoint_async.hpp says why the writer makes no MPI
+// async.cpp — the Checkpointer: synchronous saves, or a snapshot and
+// a background writer (checkpoint/async.hpp says why the writer makes no MPI
 // or HDF5 call).
 #include "checkpoint/async.hpp"
 

@@ -1,4 +1,4 @@
-// cuda_gemm.hpp — bf16 GEMMs through cuBLASLt, with row-major semantics, and the
+// gemm.hpp — bf16 GEMMs through cuBLASLt, with row-major semantics, and the
 // linear layer built on them.
 //
 // Owns: shardlm::cuda::Gemm (a cuBLASLt handle, its workspace, and the cache of

@@ -322,7 +322,7 @@ void CudaDecoder::plan_buffers(const ModelConfig& c, const ModelLayout& layout, 
                                                                        limits.max_len);
   const int64_t prefill_ints = 4 * rows + 4 * limits.slots, decode_ints = 8 * limits.slots;
   // The down projection in 4 K-parts by default (1.235 against 1.283 ms a step at
-  // the 1B shape, batch 64: docs/benchmarks.md "Session 21's calls");
+  // the 1B shape, batch 64, on an H200: docs/benchmarks.md);
   // SHARDLM_DECODE_DOWN_SPLIT=0 keeps cuBLASLt's one GEMM with the residual.
   const char* split_env = std::getenv("SHARDLM_DECODE_DOWN_SPLIT");
   int down_split = split_env ? std::atoi(split_env) : 4;
@@ -862,7 +862,7 @@ std::vector<CudaDecoder::StepPiece> CudaDecoder::step_pieces() const {
   // the first layer in it the GPU waited ~40 us for it, against ~9 + 21 us for
   // the embedding's and then the layer's), then 1, 2, 4, 8, 8, ... layers: few
   // boundaries (each costs the GPU ~4 us), each piece launched while the one
-  // before runs (docs/benchmarks.md "Session 21's decode calls").
+  // before runs (measured on an H200: docs/benchmarks.md).
   std::vector<StepPiece> pieces = {{true, 0, 0}};
   for (int first = 0, size = 1; first < L; first += size, size = std::min(2 * size, 8))
     pieces.push_back({false, first, std::min(L, first + size)});
