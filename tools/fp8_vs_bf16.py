@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""fp8_vs_bf16.py — issue #30's loss comparison: shardlm with `model.fp8` against bf16 on the same model,
+"""fp8_vs_bf16.py — the FP8 loss test: shardlm with `model.fp8` against bf16 on the same model,
 learnable data and order, one call on the GPU machine.
 
   1. the model and data of tools/fidelity_vs_hf.py (--shape llama-1b | qwen3-1.7b, random init by
@@ -11,7 +11,7 @@ learnable data and order, one call on the GPU machine.
      the last 100 steps' mean losses; loss spikes of each curve (a step more than --spike above the
      median of the 20 before it) and whether the other curve rises by at least half that within 5
      steps of it (a threshold with hysteresis: a hard batch lifts both);
-  4. the verdict of the issue's test: the last 100 steps agree within 1% relative, and neither
+  4. the verdict of the FP8 loss test: the last 100 steps agree within 1% relative, and neither
      spikes where the other does not. losses.json keeps both curves.
 
   python3 tools/fp8_vs_bf16.py --shardlm build/shardlm --shape llama-1b --steps 1000 --out runs/fp8-1b
@@ -83,7 +83,7 @@ def compare(bf16, fp8, window, rise, last=100, tolerance=0.01):
                  f"unmatched (the other rises by less than {MATCH_FRACTION * rise:.1%} within {SPIKE_MATCH} "
                  f"steps): bf16 {ub or 'none'}, fp8 {uf or 'none'}")
     holds = abs(diff) <= tolerance and not ub and not uf
-    lines.append(f"issue #30's test (last {k} within {tolerance:.0%}; no spike without the other): "
+    lines.append(f"FP8 loss test (last {k} within {tolerance:.0%}; no spike without the other): "
                  f"{'HOLDS' if holds else 'does not hold'}")
     return lines, holds
 

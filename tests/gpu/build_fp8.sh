@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# tests/gpu/build_fp8.sh — build the FP8 test into build-gpu/ and run it (issue #30;
-# the exit status is the test's). The host part (the CPU emulation against
+# tests/gpu/build_fp8.sh — build the FP8 test into build-gpu/ and run it (the
+# exit status is the test's). The host part (the CPU emulation against
 # cuda_fp8.h's conversions) runs anywhere: --host-only; the rest needs a Hopper GPU.
 #   bash tests/gpu/build_fp8.sh [--seed N] [--host-only] [--no-timing]
 #   BUILD_ONLY=1 bash tests/gpu/build_fp8.sh       compile and link only

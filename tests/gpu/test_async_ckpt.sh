@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# test_async_ckpt.sh — async checkpoints of device-resident state (#27 item 1
-# and the snapshot on a copy stream), run by `make test-gpu`:
+# test_async_ckpt.sh — async checkpoints of device-resident state (the host
+# mirror the writer reads, and the snapshot on a copy stream), run by `make test-gpu`:
 # an RL job (1 trainer + 1 receiver) whose filesystem weight broadcast pulls the
 # state into the host mirror every step while a deliberately slow background
 # writer (SHARDLM_CKPT_FAULT=slow) still reads that mirror for the save before.

@@ -50,7 +50,7 @@ constexpr double kTolOut = 5e-3, kTolGrad = 1e-2, kTolLse = 1e-4;
 constexpr double kPeakTflops = 800.0;  // bf16 dense, measured on this H100 (KINDS.md)
 
 int g_failures = 0, g_checks = 0;
-// While set, forward()/backward() run cuDNN's attention (cuda_sdpa.hpp) instead of
+// While set, forward()/backward() run cuDNN's attention (cuda/sdpa.hpp) instead of
 // shardlm's kernels; a shape cuDNN refuses is a failure.
 sc::CudnnSdpa* g_sdpa = nullptr;
 void* g_sdpa_buffers = nullptr;  // its backward buffers
@@ -698,7 +698,7 @@ int main(int argc, char** argv) {
     run_case({"D128 8 docs x 512", 4096, 32, 8, 128, equal_docs(8, 512), 1.f, 64}, big, ++seed);
   }
   if (want("cudnn") && g_cudnn_ok) {
-    // cuDNN's attention (cuda_sdpa.hpp) on tiny and odd shapes, every row checked:
+    // cuDNN's attention (cuda/sdpa.hpp) on tiny and odd shapes, every row checked:
     // documents of 1 token, padding entries (3 documents run as a batch of 4),
     // MHA and GQA, D 32 / 64 / 128.
     const RunOpts c{{}, false, false, false, true};

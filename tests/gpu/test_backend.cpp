@@ -344,7 +344,7 @@ TEST_CASE("fp32 stream: the embedding rows are the masters', on the device as on
 
 // The fp32 norm weights bring the GPU nearer the CPU's fp32 run than bf16 ones,
 // deterministically, with and without checkpointing (measured with a bf16
-// residual stream, as session 16 first did: both runs pin it).
+// residual stream: both runs pin it).
 TEST_CASE("model.norm_dtype = fp32: 50 GPU steps nearer the CPU (fp32) losses; deterministic; checkpointing changes nothing") {
   GpuSetup gpu;
   const auto cpu = train_losses(deck("inputs/tiny-sft.toml", {"device.backend=cpu"}), 50);

@@ -6,7 +6,7 @@
 # memory, the same ring code as with NCCL. Prints one PASS/FAIL line per check.
 #
 #   bash tests/gpu/test_context_parallel.sh          tiny decks, ~1 minute
-#   bash tests/gpu/test_context_parallel.sh 1b-32k   the case: the 1B shape
+#   bash tests/gpu/test_context_parallel.sh 1b-32k   the long-context case: the 1B shape
 #        (inputs/bench/llama-1b.toml) at data.seq_len = 32768, C = 2 on two ranks
 #        sharing the GPU against C = 1 on one rank, 10 steps: both loss sequences,
 #        each run's activation memory (measured and planned), and the checks that

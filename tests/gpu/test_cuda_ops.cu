@@ -1,5 +1,5 @@
 // test_cuda_ops.cu — the CUDA kernels (cuda/ops.hpp, cuda/optim_kernels.hpp) and the cuBLASLt GEMMs
-// (cuda_gemm.hpp) against the CPU reference kernels (cpu_ops.hpp, in fp32 on the same
+// (cuda/gemm.hpp) against the CPU reference kernels (cpu/ops.hpp, in fp32 on the same
 // bf16-rounded inputs) on fresh random inputs, at tiny odd sizes and at the
 // Llama-3.2-1B shapes; determinism (two runs, bitwise equal); then timings of every
 // kernel at the 1B shapes. One line per check: name, ||gpu - ref|| / ||ref||,

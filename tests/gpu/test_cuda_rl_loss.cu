@@ -1,4 +1,4 @@
-// test_cuda_rl_loss.cu — the CUDA RL policy loss (cuda_rl_loss.hpp) against the CPU
+// test_cuda_rl_loss.cu — the CUDA RL policy loss (cuda/rl_loss.hpp) against the CPU
 // reference cpu::rl_loss_forward_backward<float> (rl_loss.hpp) on the same
 // bf16-rounded logits, on fresh random inputs: tiny and odd sizes (scalar path),
 // V = 128256 (a 4-CTA cluster) and V = 151936 (8 CTAs); both mask thresholds,

@@ -1,4 +1,4 @@
-// test_fp8.cu — FP8 (issue #30): the CPU emulation (src/cpu/fp8.hpp) against
+// test_fp8.cu — FP8: the CPU emulation (src/cpu/fp8.hpp) against
 // cuda_fp8.h's own conversions, then the CUDA kernels (src/cuda/fp8.hpp) against
 // the emulation, then the cuBLASLt FP8 GEMM against the exact product of what it
 // reads, and its speed beside the bf16 GEMM at the training shapes.

@@ -1,4 +1,4 @@
-// test_muon_gpu.cpp — Muon's bf16 Newton–Schulz on the GPU (cuda_newton_schulz.hpp)
+// test_muon_gpu.cpp — Muon's bf16 Newton–Schulz on the GPU (cuda/newton_schulz.hpp)
 // against the host fp32 newton_schulz, its singular values, its memory, and the
 // tiny deck trained with it against the CPU backend (build/test_gpu, run by
 // `make test-gpu` on a GPU; `build/test_gpu -tc='*Newton*'` for these alone).

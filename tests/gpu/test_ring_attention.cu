@@ -334,7 +334,7 @@ void run_case(const Case& c, std::mt19937_64& rng) {
   sc::attention_set_kernel(sc::AttentionKernel::kAuto);
 }
 
-// The 1B shape at 32K tokens over C = 2 (one document), the issue's GPU case: one
+// The 1B shape at 32K tokens over C = 2 (one document), the long-context GPU case: one
 // rank's forward and backward over both blocks, timed (median of 5 after 2 warm-ups),
 // against the local kernels over the whole 32K on one GPU. No reference (O(N^2) on the
 // CPU); its correctness is the cases above at smaller N.

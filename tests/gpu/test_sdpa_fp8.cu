@@ -1,5 +1,5 @@
 // test_sdpa_fp8.cu — cuDNN's FP8 attention graphs (CudnnSdpa::forward_fp8 and
-// backward_fp8, #30) against cuDNN's bf16 attention on the same values.
+// backward_fp8) against cuDNN's bf16 attention on the same values.
 //
 // Q, K, V and dO are drawn, coded as e4m3 with power-of-two scales and decoded
 // again: the bf16 graphs get exactly the values the FP8 graphs read, so what
@@ -323,7 +323,7 @@ void run_layer(std::mt19937& rng) {
 // --bench S...: shardlm's own FP8 graphs timed against its bf16 ones (one
 // document of S tokens, the 8B shape's attention: 32 q heads over 8, head dim
 // 128; median of 5 runs, 3 from 65,536 tokens). No checks: a benchmark
-// (docs/benchmarks.md "Session 22's calls").
+// (docs/benchmarks.md).
 void bench(int64_t S) {
   const int64_t H = 32, KV = 8, D = 128, nq = S * H * D, nkv = S * KV * D;
   std::vector<int32_t> seq_id(static_cast<size_t>(S), 0);

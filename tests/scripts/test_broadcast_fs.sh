@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# test_broadcast_fs.sh — #27 item 4: the filesystem weight broadcast never
+# test_broadcast_fs.sh — the filesystem weight broadcast never
 # removes a step directory a receiver has not finished reading.
 #   a slow receiver (SHARDLM_FAULT=receive_slow) beside a fast one, a broadcast
 #     every step, broadcast.keep = 2: every receiver reads every step, the job

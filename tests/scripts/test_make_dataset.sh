@@ -2,7 +2,7 @@
 # test_make_dataset.sh — runs tools/make_dataset.py on tiny inputs and checks
 # exit codes, error messages and the HDF5 contents. Prints PASS/FAIL per check
 # and exits non-zero if any failed. Run from anywhere:
-#   bash tests/tools/test_make_dataset.sh
+#   bash tests/scripts/test_make_dataset.sh
 # PYTHON overrides the interpreter (it needs h5py and numpy).
 set -u
 PYTHON=${PYTHON:-/usr/bin/python3}

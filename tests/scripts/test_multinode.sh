@@ -418,8 +418,8 @@ for id in "$sweep" "$j2x1" "$j2x2" "$j4x1" "$j4x2" "$jres" "$jrl"; do wait_done 
 # while the ranks wire up on a loaded machine ("connect() to ... failed:
 # Operation now in progress (115)", then a crash; open-mpi/ompi#10734, its
 # error path fixed upstream after 4.1.4), and sometimes a rank dies of SIGSEGV
-# inside MPI_Init_thread itself, before shardlm's first MPI call (seen twice in
-# CI: session 15's and 0d32ff9's, both on the RL job; shardlm's crash line says
+# inside MPI_Init_thread itself, before shardlm's first MPI call (seen in CI,
+# on the RL job; shardlm's crash line says
 # "inside MPI_Init_thread" and where). A job that died so before its first step
 # is requeued once, with a NOTE (and the crash's lines); anything else, or a
 # second time, fails.

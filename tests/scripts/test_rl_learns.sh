@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# test_rl_learns.sh — issue #29: RL end to end on the CPU, and the reward rises.
+# test_rl_learns.sh — RL end to end on the CPU, and the reward rises.
 #   warm start: inputs/copy-sft.toml, 60 SFT steps on "repeat the last digit of
 #     the prompt" (tools/make_copy_task.py): the model samples the right digit
 #     about one time in six;

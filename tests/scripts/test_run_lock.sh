@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# test_run_lock.sh — #27 item 7: run.lock held by one run only.
+# test_run_lock.sh — run.lock held by one run only.
 #   A run whose run.lock is rewritten mid-run by another holder (as a run on
 #   another host taking it over does) stops at the end of that step, with a
 #   message naming the new holder and exit 73, saves no checkpoint and writes no

@@ -246,12 +246,12 @@ json.dump({"transformers eager": e, "transformers compile": [x * (1 + k) for x i
     test "$(grep -A1 "mean curve (.*shardlm default: 2 runs" "$T/fid-4.log" | tail -1 | cut -c1-22)" = "shardlm default: HOLDS"
   check "fidelity_vs_hf.py: a rerun on the CPU moves no window (range 0)" has "$T/fid-4.log" "| 1–10 | 0.0e+00 | 0.0e+00 | 0.0e+00 |"
   check "fidelity_vs_hf.py: compile 3e-4: does not hold" has "$T/fid-3.log" "shardlm default: does not hold: 1–10 5.0e-04 vs 1.5 x 3.0e-04 NO"
-  # fp8_vs_bf16.py (#30's loss test): both shardlm runs on the CPU with the llama fixture, then its
+  # fp8_vs_bf16.py (the FP8 loss test): both shardlm runs on the CPU with the llama fixture, then its
   # verdict on made-up curves: equal ones hold; 2% apart, or a spike in one only, do not
   OMP_NUM_THREADS=1 "$PY" tools/fp8_vs_bf16.py --shardlm build/shardlm --model tests/fixtures/llama-gqa-tied \
     --device cpu --seq 32 --rows 2 --docs 40 --steps 40 --warmup 5 --window 20 --out "$T/fp8" > "$T/fp8.log" 2>&1
   check "fp8_vs_bf16.py: two CPU runs and a verdict (exit $?)" \
-    grep -qE "^issue #30's test \(last 40 within 1%; no spike without the other\): (HOLDS|does not hold)$" "$T/fp8.log"
+    grep -qE "^FP8 loss test \(last 40 within 1%; no spike without the other\): (HOLDS|does not hold)$" "$T/fp8.log"
   check "fp8_vs_bf16.py: the fp8 run's deck sets model.fp8 = tensorwise" has "$T/fp8/shardlm-fp8-tensorwise.log" \
     'model.fp8 = "tensorwise"'
   check "fp8_vs_bf16.py: the two curves differ (the CPU emulates the FP8 rounding)" \

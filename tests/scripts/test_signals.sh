@@ -2,10 +2,10 @@
 # test_signals.sh — stop signals (SIGUSR1, as Slurm's --signal=USR1@T sends)
 # where test_runs.sh and test_checkpoint_faults.sh do not reach:
 #   an RL MPMD job (a trainer and a receiver, signalled through mpirun): exit 75,
-#     a checkpoint, a resume that goes on (#27 item 3);
+#     a checkpoint, a resume that goes on;
 #   a signal during setup (before the first step): exit 75, run.lock released,
-#     a rerun starts (#27 item 5);
-#   a signal on the final step: the run completes, exit 0 (#27 item 9).
+#     a rerun starts;
+#   a signal on the final step: the run completes, exit 0.
 # Prints PASS/FAIL lines; exits non-zero when anything failed.
 set -u
 cd "$(dirname "$0")/../.."

@@ -12,7 +12,7 @@
 # that end FAILED, not requeued; a run that keeps exiting 75 stopped by
 # SHARDLM_MAX_REQUEUES; the local runner on the same sweep file (same dir names,
 # same losses), stopped by a signal and resumed.
-# Signals at known points (#27), each job held at a gate the test opens after
+# Signals at known points, each job held at a gate the test opens after
 # `scancel --signal=USR1`: an RL MPMD job (jobs/slurm-rl.sbatch, a trainer and a
 # receiver) stopped mid-run that requeues, resumes from the step it stopped at and
 # completes, the receiver ending with the trainers' 75; a signal during setup
@@ -268,7 +268,7 @@ chmod +x "$tmp/always75"
 loop=$(SHARDLM_BIN=$tmp/always75 SHARDLM_MAX_REQUEUES=1 submit "${one_cpu[@]}" \
        jobs/slurm-node.sbatch inputs/tiny-sft.toml)
 
-# Signals at known points (#27 under Slurm). Each job waits at a gate that the
+# Signals at known points under Slurm. Each job waits at a gate that the
 # test opens: an RL trainer for its next rollout file (the inference server's
 # output, which the test writes here, renamed into place as a server would), a
 # setup for a run.lock that "this job step on another host" left (a requeue
@@ -321,7 +321,7 @@ give_rollouts runs/rl-last/rollouts 1 $(( last_steps - 1 ))
 last_job=$(submit "${one_cpu[@]}" jobs/slurm-node.sbatch inputs/tiny-rl.toml "${rl_opts[@]}" --set broadcast.backend=none \
            --set run.max_steps=$last_steps --set ckpt.interval=$(( last_steps - 1 )) --set run.dir=runs/rl-last \
            --set data.rollout_dir=runs/rl-last/rollouts)
-# A rank hung in checkpoint I/O with a stop signal pending (#27): rank 1's
+# A rank hung in checkpoint I/O with a stop signal pending: rank 1's
 # background write of step 6 stalls; the save of step 9 waits for it; USR1
 # comes; the watchdog ends the job after comm.timeout_s with exit 75, through
 # srun, and the job requeues. The stall is part 1's only: the wrapper drops the

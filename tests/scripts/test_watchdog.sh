@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# test_watchdog.sh — no wait lasts past comm.timeout_s (#27 items 2, 6):
+# test_watchdog.sh — no wait lasts past comm.timeout_s:
 #   a rank stuck in a background checkpoint write ends the job within the bound,
 #     naming the rank and the write; the previous checkpoint stays `latest` and whole;
 #   the same with SIGUSR1 pending exits 75 (requeue);

@@ -1,6 +1,6 @@
-// reference_data.hpp — the token reader as it was before streaming (commit
-// 9ba7b99: the whole file read into memory), kept verbatim but for names as
-// the reference the streamed reader must match row for row. Tests only.
+// reference_data.hpp — the in-memory token reader (the whole file read into
+// memory), the reference the streamed reader must match row for row. Tests
+// only.
 #pragma once
 
 #include <algorithm>

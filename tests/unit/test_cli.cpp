@@ -358,7 +358,7 @@ TEST_CASE("train with [eval] and two mixed files: eval loss in the progress line
   CHECK(check.status == 0);
   CHECK(check.output.find("data reader        host ") != std::string::npos);
   auto missing = run(shardlm_bin() + " check inputs/tiny-sft.toml --set data.path=/nonexistent/x.h5");
-  CHECK(missing.status == 1);  // check opens the data as train does (#17)
+  CHECK(missing.status == 1);  // check opens the data as train does
   CHECK(missing.output.find("data file '/nonexistent/x.h5' does not exist") != std::string::npos);
   std::filesystem::remove_all(dir);
 }
@@ -716,7 +716,7 @@ std::string crashed_run(const std::string& fault, int np, bool* made_run_dir = n
   return r.output;
 }
 
-TEST_CASE("a crashing rank names itself before it dies (#27 item 9)") {
+TEST_CASE("a crashing rank names itself before it dies") {
   const std::string out = crashed_run("segv@1", 2);
   CHECK_MESSAGE(out.find("shardlm: rank 1 of 2 (trainer rank 1 of 2, " + host_name() + ", pid ") != std::string::npos,
                 out);
@@ -741,7 +741,7 @@ TEST_CASE("a crash inside MPI_Init_thread is reported as one, before any rank is
   CHECK_FALSE(made_run_dir);  // nothing ran: no run dir
 }
 
-TEST_CASE("where a peer is, for a timed-out collective's message: ahead is not a mismatch (#27 item 9)") {
+TEST_CASE("where a peer is, for a timed-out collective's message: ahead is not a mismatch") {
   CHECK(shardlm::where_is_peer("all_gather", 57, "all_gather", 57) == shardlm::PeerPlace::Waiting);
   CHECK(shardlm::where_is_peer("all_gather", 57, "reduce_scatter", 58) == shardlm::PeerPlace::Ahead);
   CHECK(shardlm::where_is_peer("all_gather", 57, "broadcast", 56) == shardlm::PeerPlace::Behind);

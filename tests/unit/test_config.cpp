@@ -420,7 +420,7 @@ TEST_CASE("cross-field checks run before any work") {
 }
 
 TEST_CASE("sizes past their bounds are refused by key with the accepted range, never wrapped") {
-  // micro_batch x world used to wrap to 0 and divide by it (SIGFPE).
+  // micro_batch x world must not wrap to 0 and divide by it (SIGFPE).
   CHECK(only_error(parse(kValid, {"data.micro_batch=4611686018427387904"}, 4)) ==
         "--set data.micro_batch=4611686018427387904: data.micro_batch = 4611686018427387904 is out of range: it must "
         "be between 1 and 2147483647");

@@ -197,7 +197,7 @@ TEST_CASE("fuzz safetensors headers: hostile shapes, dtypes and offsets; byte fl
   c.report("safetensors");
 }
 
-// ---- headers that declare a huge size (#27 item 8)
+// ---- headers that declare a huge size
 
 // A file of 1-D contiguous datasets of `n` elements each (name, HDF5 type),
 // then every 8-byte little-endian `n` in it rewritten to `declared`: the

@@ -624,7 +624,7 @@ TEST_CASE("read_hf_config refuses bad configs with the file, key and value") {
               .find("'intermediate_size' must be an integer, got 8192.5") != std::string::npos);
   }
   SUBCASE("sizes past shardlm's bounds, and a parameter count that would overflow") {
-    // 10^9 layers used to build a name per parameter until the OOM killer came.
+    // 10^9 layers are refused before a name is built per parameter (the OOM killer would come first).
     CHECK(config_error(llama_config_with("num_hidden_layers", "1000000000"))
               .find("config.json: 'num_hidden_layers' = 1000000000 is out of range: shardlm accepts 1 to 16384") !=
           std::string::npos);
@@ -897,7 +897,7 @@ TEST_CASE("SafetensorsReader refuses damaged files and unknown names with clear 
           std::string::npos);
   }
   // data_offsets must tile the data exactly (the safetensors rule): an overlap
-  // used to load q_proj from the embedding's bytes and train on it.
+  // would load q_proj from the embedding's bytes and train on it.
   SUBCASE("overlapping data_offsets") {
     write_raw_safetensors(file,
                           R"({"embed":{"dtype":"F32","shape":[4],"data_offsets":[0,16]},)"

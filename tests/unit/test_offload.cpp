@@ -295,7 +295,7 @@ TEST_CASE("offload pipeline with device units: only the offloaded units go throu
   }
 }
 
-// The update under the backward (#31): each offloaded unit is updated as its
+// The update under the backward: each offloaded unit is updated as its
 // gradient is handed over, as if the step were neither clipped nor skipped;
 // update() confirms it (clip 1) or redoes every unit from the copy of its
 // state with the clip factor; discard() (a NaN/Inf step) restores them. Every
@@ -499,7 +499,7 @@ TEST_CASE("Optimizer::step_unit writes the bf16 copy of every updated element (A
 
 }  // TEST_SUITE
 
-// #27 item 1: an async save's writer reads the device state's host mirror
+// An async save's writer reads the device state's host mirror
 // while training goes on; pull_state() (the filesystem broadcast pulls every
 // broadcast step) must not overwrite it before the writer's last read.
 TEST_CASE("HostShardReader: pull waits until the reader has read the mirror, following its progress") {

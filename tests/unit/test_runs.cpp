@@ -258,7 +258,7 @@ TEST_CASE("run.lock: another host's lock is refused while touched, taken over on
   }
 }
 
-// #27 item 7: the same Slurm job and step ids prove nothing (two steps of one
+// The same Slurm job and step ids prove nothing (two steps of one
 // allocation, or a requeue racing its old node): only a stale heartbeat does.
 TEST_CASE("run.lock: a fresh lock with this Slurm job step's ids from another host is refused; a stale one is taken") {
   TempDir t("slurm");

@@ -38,7 +38,8 @@ def first_difference(a, b):
 
 
 def corpus(tok):
-    """(name, text) pairs: every kind of text the issue names."""
+    """(name, text) pairs: every kind of text a tokenizer meets (prose, code, numbers, scripts, emoji,
+    broken UTF-8, added tokens) and random mixes of them."""
     texts = []
     with open(os.path.join(ROOT, "inputs", "data", "tiny.txt"), encoding="utf-8") as f:
         texts.append(("english prose", f.read()))
