@@ -576,7 +576,7 @@ class CudaBackend final : public Backend {
   // write the operands, and the forward's inputs' amaxes serve the backward's
   // transposed copies; no amax pass of its own. The same amaxes, so the same
   // codes and losses bit for bit (test_backend.cpp); on the H200 at 1B/4096
-  // with the weight cache 236.1 against 243.4 ms a step (docs/benchmarks.md).
+  // with the weight cache 236.1 against 243.4 ms a step.
   // fp8_amaxes_ holds, per layer,
   // its four projection inputs' (kXn1 .. kH: written in the forward, read again
   // in the backward, and rewritten alike by a recompute), then the stream

@@ -220,7 +220,7 @@ decode_partial_vec_kernel(bf16* __restrict__ out, float* __restrict__ part_o, fl
   // the iteration after that are asked into L2. A block has only ~8 KiB an
   // iteration to load (the cache is 33.5 MB a layer over 512 blocks at the 1B
   // shape, batch 64), and the kernel ran at ~1.4 TB/s. Measured: ~0.01-0.02 ms
-  // of a 1.56-1.58 ms step on an H200 (docs/benchmarks.md); the
+  // of a 1.56-1.58 ms step, measured on an H200; the
   // kernel is still ~3x its floor. Same positions, same order of arithmetic:
   // the same bits. SHARDLM_DECODE_PREFETCH=0 loads each iteration's rows at
   // its start.
@@ -348,7 +348,7 @@ decode_partial_vec_kernel(bf16* __restrict__ out, float* __restrict__ part_o, fl
 // in Q's fragments) and O's columns are (dim n D/8 + t of n-tile t). Per 16
 // positions and up to 8 heads a warp issues ~80 instructions where the
 // vectorised kernel issues ~1,800 (the conversions, FMAs and shuffles of
-// every head); measured on an H200, docs/benchmarks.md.
+// every head), counted on an H200.
 __device__ __forceinline__ void mma_bf16_16816(float (&c)[4], uint32_t a0, uint32_t a2, uint32_t b0, uint32_t b1) {
   asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
@@ -447,7 +447,7 @@ decode_partial_mma_kernel(bf16* __restrict__ out, float* __restrict__ part_o, fl
   // (n-tile 1), this lane's dims; V rows p0 + 2 t4, + 1, p0 + 8 + 2 t4, + 1 (P's k
   // index = position - p0), dims g D/8 ... Loading the next step's rows into
   // registers ahead, or asking them into L2, measured no faster (1.302 and
-  // 1.298 against 1.288 ms a decode step on an H200; docs/benchmarks.md).
+  // 1.298 against 1.288 ms a decode step on an H200).
   for (int p0 = start + warp * 16; p0 < end; p0 += kWarps * 16) {
     uint4 kr[2][QV], vr[4][VV];
 #pragma unroll
@@ -680,7 +680,7 @@ void decode_attention_forward(bf16* out, const bf16* q, int64_t q_ld, const bf16
     // Query heads a block: 4 for groups of up to 4 (bounded to 4 blocks an SM
     // at head dims up to 64: vec_min_blocks; 1.509 against 1.555 ms a decode
     // step with 2 heads a block at the 1B shape, batch 64, alternating in one
-    // call on an H200: docs/benchmarks.md), 8 for larger groups (not
+    // call on an H200), 8 for larger groups (not
     // measured). Every head's arithmetic is its own, so the bits are the same
     // at any count; SHARDLM_DECODE_HPB=2|4|8 forces one, to compare.
     const char* forced_env = std::getenv("SHARDLM_DECODE_HPB");  // read at each call (graph capture: once)

@@ -862,7 +862,7 @@ std::vector<CudaDecoder::StepPiece> CudaDecoder::step_pieces() const {
   // the first layer in it the GPU waited ~40 us for it, against ~9 + 21 us for
   // the embedding's and then the layer's), then 1, 2, 4, 8, 8, ... layers: few
   // boundaries (each costs the GPU ~4 us), each piece launched while the one
-  // before runs (measured on an H200: docs/benchmarks.md).
+  // before runs (measured on an H200).
   std::vector<StepPiece> pieces = {{true, 0, 0}};
   for (int first = 0, size = 1; first < L; first += size, size = std::min(2 * size, 8))
     pieces.push_back({false, first, std::min(L, first + size)});
