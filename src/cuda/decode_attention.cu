@@ -7,8 +7,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
-#include <cstring>
 
 namespace shardlm::cuda {
 
@@ -163,19 +161,20 @@ __device__ __forceinline__ void unpack8(const uint4& r, float f[8]) {
   }
 }
 
-// The same partials as decode_partial_kernel for D = 8 LG (32, 64, 128, 256),
-// read 16 bytes a lane: LG lanes hold one cache row (8 elements each), a warp
-// P = 32 / LG rows per load and U = 8 / P loads an iteration (8 positions a
+// The same partials as decode_partial_kernel for D = 8 LG (32 and 256; 64 and
+// 128 run on the tensor cores, below), read 16 bytes a lane: LG lanes hold one
+// cache row (8 elements each), a warp P = 32 / LG rows per load and U = 8 / P loads an iteration (8 positions a
 // warp, 32 a block, as the scalar kernel: the same chunks). A score is LG
 // lanes' partial dots added by log2(LG) shuffles (the scalar kernel: 5 per
 // position and head), and each group of LG lanes keeps its own online softmax
 // over its positions; the groups, then the warps, are merged in a fixed order.
-// Blocks an SM must hold at once (__launch_bounds__'s minimum): at head dim 64
-// with 4 query heads a block the kernel takes 147 registers a thread
-// unbounded, 3 blocks an SM, so the 512 blocks of the 1B shape at batch 64 ran
-// in two rounds on 132 SMs; bounded to 4 blocks (128 registers, no spills:
-// ptxas -v) they run in one. Elsewhere the bound would spill (head dim 128 at
-// 4 heads: 336 bytes), and the compiler's choice stands.
+// Blocks an SM must hold at once (__launch_bounds__'s minimum): 4 at head dim
+// 32 with 4 query heads a block (at most 128 registers a thread). Measured at
+// head dim 64, which this kernel served before the tensor-core one: unbounded
+// it took 147 registers a thread, 3 blocks an SM, so the 512 blocks of the 1B
+// shape at batch 64 ran in two rounds on 132 SMs; bounded to 4 blocks (no
+// spills: ptxas -v) they ran in one. Elsewhere the bound would spill (head dim
+// 128 at 4 heads: 336 bytes), and the compiler's choice stands.
 constexpr int vec_min_blocks(int LG, int HPB) { return HPB == 4 && LG <= 8 ? 4 : 1; }
 
 template <int LG, int HPB>
@@ -183,8 +182,7 @@ __global__ void __launch_bounds__(kWarps * 32, vec_min_blocks(LG, HPB))
 decode_partial_vec_kernel(bf16* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml, const bf16* __restrict__ q,
                           const bf16* __restrict__ k_cache, const bf16* __restrict__ v_cache,
                           const int32_t* __restrict__ slot, const int32_t* __restrict__ len, int H, int KV,
-                          int64_t q_ld, int64_t max_len, int chunk, int chunks, int G, int head_groups, float scale,
-                          bool prefetch) {
+                          int64_t q_ld, int64_t max_len, int chunk, int chunks, int G, int head_groups, float scale) {
   constexpr int D = 8 * LG, P = 32 / LG, U = kUnroll / P;
   static_assert(P * U == kUnroll, "a warp takes kUnroll positions an iteration");
   __shared__ float sm_ml[kWarps][HPB][2];
@@ -222,8 +220,7 @@ decode_partial_vec_kernel(bf16* __restrict__ out, float* __restrict__ part_o, fl
   // shape, batch 64), and the kernel ran at ~1.4 TB/s. Measured: ~0.01-0.02 ms
   // of a 1.56-1.58 ms step, measured on an H200; the
   // kernel is still ~3x its floor. Same positions, same order of arithmetic:
-  // the same bits. SHARDLM_DECODE_PREFETCH=0 loads each iteration's rows at
-  // its start.
+  // the same bits as loading each iteration's rows at its start.
   constexpr int kStep = kWarps * kUnroll;
   auto row_of = [&](int p0, int u) {
     const int p = min(p0 + u * P + sub, end - 1);  // past the end: a valid row, never used
@@ -231,7 +228,7 @@ decode_partial_vec_kernel(bf16* __restrict__ out, float* __restrict__ part_o, fl
   };
   uint4 kn[U], vn[U];
   const int first = start + warp * kUnroll;
-  if (prefetch && first < end) {
+  if (first < end) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       kn[u] = *reinterpret_cast<const uint4*>(k_cache + row_of(first, u));
@@ -241,15 +238,8 @@ decode_partial_vec_kernel(bf16* __restrict__ out, float* __restrict__ part_o, fl
   for (int p0 = first; p0 < end; p0 += kStep) {
     uint4 kr[U], vr[U];
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      if (prefetch) {
-        kr[u] = kn[u], vr[u] = vn[u];
-      } else {
-        kr[u] = *reinterpret_cast<const uint4*>(k_cache + row_of(p0, u));
-        vr[u] = *reinterpret_cast<const uint4*>(v_cache + row_of(p0, u));
-      }
-    }
-    if (prefetch && p0 + kStep < end) {
+    for (int u = 0; u < U; ++u) kr[u] = kn[u], vr[u] = vn[u];
+    if (p0 + kStep < end) {
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         const int64_t row = row_of(p0 + kStep, u);
@@ -257,7 +247,7 @@ decode_partial_vec_kernel(bf16* __restrict__ out, float* __restrict__ part_o, fl
         vn[u] = *reinterpret_cast<const uint4*>(v_cache + row);
       }
     }
-    if (prefetch && p0 + 2 * kStep < end) {
+    if (p0 + 2 * kStep < end) {
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         const int64_t row = row_of(p0 + 2 * kStep, u);
@@ -561,19 +551,6 @@ __global__ void store_kv_kernel(bf16* __restrict__ k_cache, bf16* __restrict__ v
 
 }  // namespace
 
-int64_t decode_attention_max_chunks() {
-  static const int64_t most = [] {
-    const char* v = std::getenv("SHARDLM_DECODE_MAX_CHUNKS");
-    if (!v || !*v) return kDecodeMaxChunks;
-    char* end = nullptr;
-    const long long n = std::strtoll(v, &end, 10);
-    SHARDLM_CHECK(*end == '\0' && n >= 1 && n <= kDecodeMaxChunks,
-                  "SHARDLM_DECODE_MAX_CHUNKS=%s: give a whole number from 1 to %lld", v, (long long)kDecodeMaxChunks);
-    return int64_t(n);
-  }();
-  return most;
-}
-
 namespace {
 
 // Blocks one chunk of B rows takes: a block per (row, kv head, group of query heads).
@@ -608,7 +585,7 @@ size_t partial_bytes(int64_t B, int64_t H, int64_t D, int64_t chunks) {
 int64_t decode_attention_chunks(int64_t B, int64_t H, int64_t KV, int64_t max_len) {
   const int64_t blocks = row_blocks(B, H, KV);
   const int64_t want = std::max<int64_t>(1, sm_count() / std::max<int64_t>(1, blocks));
-  const int64_t most = std::min(decode_attention_max_chunks(), div_up(max_len, kWarps * kUnroll));
+  const int64_t most = std::min(kDecodeMaxChunks, div_up(max_len, kWarps * kUnroll));
   return std::clamp<int64_t>(want, 1, most);
 }
 
@@ -616,15 +593,11 @@ size_t decode_attention_scratch_bytes(int64_t B, int64_t H, int64_t D, int64_t m
   // Enough for any pass of at most B rows and any chunk count the forward takes
   // (b rows cut into more chunks than B rows never hold more partials than B rows
   // at the most chunks), with no device to ask: `check` plans on machines without one.
-  const int64_t most = std::min(decode_attention_max_chunks(), div_up(max_len, kWarps * kUnroll));
+  const int64_t most = std::min(kDecodeMaxChunks, div_up(max_len, kWarps * kUnroll));
   return partial_bytes(B, H, D, div_up(max_len, chunk_positions(max_len, most)));
 }
 
-bool decode_attention_ropes(int64_t D) {
-  const char* choice = std::getenv("SHARDLM_DECODE_ATTENTION");  // read at each call (graph capture: once)
-  const bool other = choice && (std::strcmp(choice, "scalar") == 0 || std::strcmp(choice, "vec") == 0);
-  return !other && (D == 64 || D == 128);
-}
+bool decode_attention_ropes(int64_t D) { return D == 64 || D == 128; }
 
 void decode_attention_forward(bf16* out, const bf16* q, int64_t q_ld, const bf16* k_cache, const bf16* v_cache,
                               const int32_t* slot, const int32_t* len, int64_t B, int64_t H, int64_t KV, int64_t D,
@@ -657,12 +630,10 @@ void decode_attention_forward(bf16* out, const bf16* q, int64_t q_ld, const bf16
   // 256: the vectorised one; else the scalar one (decode_attention_ropes).
   const bool rows16 = q_ld % 8 == 0 && aligned(q, 16) && aligned(k_cache, 16) && aligned(v_cache, 16);
   const bool mma = decode_attention_ropes(D) && rows16;
-  const char* choice = std::getenv("SHARDLM_DECODE_ATTENTION");
-  const bool scalar_only = choice && std::strcmp(choice, "scalar") == 0;
   SHARDLM_CHECK(rope == nullptr || (mma && q_ld >= (H + 2 * KV) * D && rope->k_cache == k_cache &&
                                     rope->v_cache == v_cache),
                 "internal: decode attention with RoPE needs the tensor-core kernel and the fused q|k|v rows");
-  const bool vec = !scalar_only && !mma && (D == 32 || D == 64 || D == 128 || D == 256) && rows16;
+  const bool vec = (D == 32 || D == 256) && rows16;
   if (mma) {
     const int groups = int(div_up(G, kMmaHeads));
     const dim3 mgrid(unsigned(B), unsigned(KV * groups), unsigned(chunks));
@@ -677,35 +648,21 @@ void decode_attention_forward(bf16* out, const bf16* q, int64_t q_ld, const bf16
     else SHARDLM_DECODE_MMA(128, false);
 #undef SHARDLM_DECODE_MMA
   } else if (vec) {
-    // Query heads a block: 4 for groups of up to 4 (bounded to 4 blocks an SM
-    // at head dims up to 64: vec_min_blocks; 1.509 against 1.555 ms a decode
-    // step with 2 heads a block at the 1B shape, batch 64, alternating in one
-    // call on an H200), 8 for larger groups (not
-    // measured). Every head's arithmetic is its own, so the bits are the same
-    // at any count; SHARDLM_DECODE_HPB=2|4|8 forces one, to compare.
-    const char* forced_env = std::getenv("SHARDLM_DECODE_HPB");  // read at each call (graph capture: once)
-    const int v = forced_env ? std::atoi(forced_env) : 0, forced = v == 2 || v == 4 || v == 8 ? v : 0;
-    const int hpb = forced ? forced : G <= 4 ? 4 : 8, groups = int(div_up(G, hpb));
-    const char* prefetch_env = std::getenv("SHARDLM_DECODE_PREFETCH");
-    const bool prefetch = !(prefetch_env && std::strcmp(prefetch_env, "0") == 0);
+    // Query heads a block: 4 for groups of up to 4 (measured at head dim 64,
+    // where this kernel ran before the tensor-core one: 1.509 against 1.555 ms
+    // a decode step with 2 heads a block at the 1B shape, batch 64, on an H200:
+    // docs/benchmarks.md), 8 for larger groups (not measured). Every head's
+    // arithmetic is its own, so the bits are the same at any count.
+    const int hpb = G <= 4 ? 4 : 8, groups = int(div_up(G, hpb));
     const dim3 vgrid(unsigned(B), unsigned(KV * groups), unsigned(chunks));
 #define SHARDLM_DECODE_VEC(LG, HPB)                                                                       \
   decode_partial_vec_kernel<LG, HPB><<<vgrid, kWarps * 32, 0, stream>>>(                                  \
       out, part_o, part_ml, q, k_cache, v_cache, slot, len, int(H), int(KV), q_ld, max_len, int(chunk), \
-      int(chunks), G, groups, scale, prefetch)
-#define SHARDLM_DECODE_VEC_D(HPB)                     \
-  if (D == 32) SHARDLM_DECODE_VEC(4, HPB);             \
-  else if (D == 64) SHARDLM_DECODE_VEC(8, HPB);        \
-  else if (D == 128) SHARDLM_DECODE_VEC(16, HPB);      \
-  else SHARDLM_DECODE_VEC(32, HPB)
-    if (hpb == 2) {
-      SHARDLM_DECODE_VEC_D(2);
-    } else if (hpb == 4) {
-      SHARDLM_DECODE_VEC_D(4);
-    } else {
-      SHARDLM_DECODE_VEC_D(8);
-    }
-#undef SHARDLM_DECODE_VEC_D
+      int(chunks), G, groups, scale)
+    if (D == 32 && hpb == 4) SHARDLM_DECODE_VEC(4, 4);
+    else if (D == 32) SHARDLM_DECODE_VEC(4, 8);
+    else if (hpb == 4) SHARDLM_DECODE_VEC(32, 4);
+    else SHARDLM_DECODE_VEC(32, 8);
 #undef SHARDLM_DECODE_VEC
   } else {
 #define SHARDLM_DECODE_PARTIAL(E)                                                                              \

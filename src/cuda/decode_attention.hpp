@@ -34,10 +34,8 @@ namespace shardlm::cuda {
 // on the 1B shape (512 blocks over 132 SMs) that is one chunk: measured the
 // fastest (on an H200, 1.557 ms a step against 1.929 with 12 chunks of 32
 // positions); a few rows over a long
-// cache take many. SHARDLM_DECODE_MAX_CHUNKS=N (1 to 64) caps it lower, to
-// measure; read once. Asks the current device its SM count (once).
+// cache take many. Asks the current device its SM count (once).
 inline constexpr int64_t kDecodeMaxChunks = 64;
-int64_t decode_attention_max_chunks();
 int64_t decode_attention_chunks(int64_t B, int64_t H, int64_t KV, int64_t max_len);
 // Bytes of the partials any pass of at most B rows needs, whatever its chunks:
 // (B, H, most chunks) x (D + 2) fp32. Asks no device.
@@ -51,8 +49,8 @@ size_t decode_attention_scratch_bytes(int64_t B, int64_t H, int64_t D, int64_t m
 // count to force (tests). With one chunk the partial kernel writes out itself.
 // scratch: decode_attention_scratch_bytes(B, H, D, max_len).
 // Head dims 64 and 128 (16-byte rows) run on the tensor cores; 32 and 256 a
-// kernel that reads 16 bytes a lane; others a scalar one
-// (SHARDLM_DECODE_ATTENTION=vec|scalar forces the latter two, to compare).
+// kernel that reads 16 bytes a lane; others (or rows not 16-byte aligned) a
+// scalar one.
 //
 // rope (the decode step's fused q|k|v rows, unrotated): the kernel rotates q
 // and the new k itself (RoPE at positions[b], as rope_store_kv would) and

@@ -50,9 +50,8 @@ Gemm::~Gemm() {
 // = op(B)^T op(A)^T, so the library's "A" is our B and its "B" is our A, with
 // m = N, n = M, k = K; a row-major matrix with row stride ld is the column-major
 // transpose with leading dimension ld, which is why no data moves.
-Gemm::Plan& Gemm::plan(const Key& key, const Operands& ops) {
+Gemm::Plan& Gemm::plan(const Key& key, const void* bias) {
   if (auto it = plans_.find(key); it != plans_.end()) return it->second;
-  const void* bias = ops.bias;
 
   Plan p;
   CUBLAS_CHECK(cublasLtMatmulDescCreate(&p.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
@@ -92,8 +91,7 @@ Gemm::Plan& Gemm::plan(const Key& key, const Operands& ops) {
 
   cublasLtMatmulPreference_t pref = nullptr;
   CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
-  cublasLtMatmulHeuristicResult_t results[kTuneCandidates] = {};
-  const int want = autotune_ ? kTuneCandidates : 1;
+  cublasLtMatmulHeuristicResult_t result = {};
   int found = 0;
   try {
     set_pref(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, uint64_t(workspace_bytes_));
@@ -101,13 +99,12 @@ Gemm::Plan& Gemm::plan(const Key& key, const Operands& ops) {
     set_pref(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, key.align_a);
     set_pref(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, key.align_c);
     set_pref(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, key.align_c);
-    CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(handle_, p.op, p.a, p.b, p.c, p.c, pref, want, results, &found));
+    CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(handle_, p.op, p.a, p.b, p.c, p.c, pref, 1, &result, &found));
   } catch (...) {
     cublasLtMatmulPreferenceDestroy(pref);
     throw;
   }
   cublasLtMatmulPreferenceDestroy(pref);
-  const cublasLtMatmulHeuristicResult_t& result = results[0];
   SHARDLM_CHECK(found > 0 && result.state == CUBLAS_STATUS_SUCCESS,
                 "cuBLASLt has no algorithm for C(%lld, %lld) = op(A) op(B), K = %lld, "
                 "trans_a %d trans_b %d, lda %lld ldb %lld ldc %lld, %s output%s",
@@ -116,59 +113,8 @@ Gemm::Plan& Gemm::plan(const Key& key, const Operands& ops) {
                 static_cast<long long>(key.lda), static_cast<long long>(key.ldb),
                 static_cast<long long>(key.ldc), key.out == GemmOut::BF16 ? "bf16" : "fp32",
                 key.bias ? " with bias" : "");
-  p.algo = found > 1 ? fastest(key, p, ops, results, found) : result.algo;
+  p.algo = result.algo;
   return plans_.emplace(key, p).first->second;
-}
-
-cublasLtMatmulAlgo_t Gemm::fastest(const Key& key, const Plan& p, const Operands& ops,
-                                   const cublasLtMatmulHeuristicResult_t* results, int found) {
-  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
-  CUDA_CHECK(cudaStreamIsCapturing(stream_, &capturing));
-  if (capturing != cudaStreamCaptureStatusNone) return results[0].algo;  // nothing may be timed
-  // The candidates write a scratch D (C may be C_in: the real output is not
-  // touched); a 256 MiB memset between runs evicts the L2 (50 MiB on an H100/H200).
-  const size_t esize = key.out == GemmOut::BF16 ? sizeof(bf16) : sizeof(float);
-  const size_t d_bytes = (key.batch > 1 ? size_t(key.stride_c) * size_t(key.batch) : size_t(key.ldc) * size_t(key.M)) *
-                         esize,
-               flush_bytes = size_t(256) << 20;
-  void *d = nullptr, *flush = nullptr;
-  cudaEvent_t e0 = nullptr, e1 = nullptr;
-  CUDA_CHECK(cudaStreamSynchronize(stream_));
-  CUDA_CHECK(cudaMalloc(&d, d_bytes));
-  CUDA_CHECK(cudaMalloc(&flush, flush_bytes));
-  CUDA_CHECK(cudaEventCreate(&e0));
-  CUDA_CHECK(cudaEventCreate(&e1));
-  int best = 0, ran = 0;
-  float best_us = 0.0f, first_us = 0.0f;
-  for (int i = 0; i < found; ++i) {
-    if (results[i].state != CUBLAS_STATUS_SUCCESS) continue;
-    const auto run = [&] {
-      return cublasLtMatmul(handle_, p.op, ops.alpha, ops.B, p.a, ops.A, p.b, ops.beta, ops.C_in, p.c, d, p.c,
-                            &results[i].algo, workspace_, workspace_bytes_, stream_);
-    };
-    if (run() != CUBLAS_STATUS_SUCCESS) continue;  // a candidate the library refuses at launch
-    float us[5];
-    for (float& t : us) {
-      CUDA_CHECK(cudaMemsetAsync(flush, i & 0xff, flush_bytes, stream_));
-      CUDA_CHECK(cudaEventRecord(e0, stream_));
-      CUBLAS_CHECK(run());
-      CUDA_CHECK(cudaEventRecord(e1, stream_));
-      CUDA_CHECK(cudaEventSynchronize(e1));
-      float ms = 0.0f;
-      CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
-      t = ms * 1e3f;
-    }
-    std::sort(us, us + 5);
-    if (i == 0) first_us = us[2];
-    if (ran++ == 0 || us[2] < best_us) best = i, best_us = us[2];
-  }
-  CUDA_CHECK(cudaStreamSynchronize(stream_));
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
-  CUDA_CHECK(cudaFree(flush));
-  CUDA_CHECK(cudaFree(d));
-  tuned_.push_back({key.M, key.N, key.K, best, ran, first_us, best_us});
-  return results[best].algo;
 }
 
 void Gemm::matmul(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const bf16* A,
@@ -197,7 +143,7 @@ void Gemm::matmul(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, c
   const Key key{trans_a, trans_b, M, N, K, lda, ldb, ldc, out, bias != nullptr,
                 alignment_of(A), alignment_of(B), std::min(alignment_of(C), alignment_of(C_in)),
                 alignment_of(bias)};
-  Plan& p = plan(key, {A, B, C_in, bias, &alpha, &beta});
+  Plan& p = plan(key, bias);
   if (bias) set_desc(p.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, static_cast<const void*>(bias));
   CUBLAS_CHECK(cublasLtMatmul(handle_, p.op, &alpha, B, p.a, A, p.b, &beta, C_in, p.c, C, p.c,
                               &p.algo, workspace_, workspace_bytes_, stream_));
@@ -221,7 +167,7 @@ void Gemm::matmul_batched(bool trans_a, bool trans_b, int64_t M, int64_t N, int6
   key.align_b = std::min(key.align_b, alignment_of(reinterpret_cast<const void*>(stride_b * sizeof(bf16))));
   key.align_c = std::min(key.align_c, alignment_of(reinterpret_cast<const void*>(stride_c * esize)));
   const float alpha = 1.0f, beta = 0.0f;
-  Plan& p = plan(key, {A, B, C, nullptr, &alpha, &beta});
+  Plan& p = plan(key, nullptr);
   CUBLAS_CHECK(cublasLtMatmul(handle_, p.op, &alpha, B, p.a, A, p.b, &beta, C, p.c, C, p.c, &p.algo, workspace_,
                               workspace_bytes_, stream_));
 }

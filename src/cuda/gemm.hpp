@@ -78,22 +78,6 @@ class Gemm {
   cudaStream_t stream() const { return stream_; }
   size_t plans_cached() const { return plans_.size(); }  // distinct shapes seen
 
-  // While on, a shape's first call (outside a graph capture) times up to
-  // kTuneCandidates of the heuristic's algorithms on its own operands, each after
-  // the L2 is flushed (a decode step streams its weights from HBM), and keeps the
-  // fastest; off (the default), the heuristic's first. The choice is by timing, so
-  // two runs may pick different algorithms and differ in the last bits: the
-  // decoder tunes its full-batch step only (SHARDLM_DECODE_GEMM_TUNE), never
-  // training. Tuned shapes are reported by tuned().
-  static constexpr int kTuneCandidates = 16;
-  void set_autotune(bool on) { autotune_ = on; }
-  struct Tuned {
-    int64_t M, N, K;
-    int chosen, candidates;        // the index in the heuristic's order, how many ran
-    float first_us, chosen_us;     // the heuristic's first and the chosen, median of 5
-  };
-  const std::vector<Tuned>& tuned() const { return tuned_; }
-
  private:
   struct Key {
     bool trans_a, trans_b;
@@ -110,22 +94,14 @@ class Gemm {
     cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
     cublasLtMatmulAlgo_t algo{};
   };
-  // The operands of the call that builds a plan: autotuning runs the candidates on them.
-  struct Operands {
-    const void *A, *B, *C_in, *bias;
-    const float *alpha, *beta;
-  };
-  Plan& plan(const Key& key, const Operands& ops);
-  cublasLtMatmulAlgo_t fastest(const Key& key, const Plan& p, const Operands& ops,
-                               const cublasLtMatmulHeuristicResult_t* results, int found);
+  // bias: the call's bias pointer (the heuristic reads its alignment), or nullptr.
+  Plan& plan(const Key& key, const void* bias);
 
   cudaStream_t stream_;
   void* workspace_;
   size_t workspace_bytes_;
   cublasLtHandle_t handle_ = nullptr;
   std::map<Key, Plan> plans_;
-  bool autotune_ = false;
-  std::vector<Tuned> tuned_;
 };
 
 // torch.nn.Linear on the GPU, mirroring cpu::linear_forward / linear_backward:

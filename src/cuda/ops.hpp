@@ -95,13 +95,15 @@ void residual_rmsnorm_forward(bf16* residual_out, bf16* normed, float* rstd,
 // apart, summed in s order, the residual added last as a GEMM epilogue adds its
 // C), and, when normed is not nullptr, normed = rmsnorm(out) with weight, rstd per
 // row (residual_rmsnorm_forward's arithmetic on the rounded out). out must not
-// alias a; every pointer 16-byte aligned. Takes S in {2, 4, 8} and C a multiple of
-// 8 up to 8192 (splitk_residual_rmsnorm_takes). The CUDA decoder's down
-// projection (src/infer/decoder_cuda.cu).
-bool splitk_residual_rmsnorm_takes(int S, int64_t C);
+// alias a; every pointer 16-byte aligned. S = kSplitkParts; C a multiple of 8 up
+// to 8192 (splitk_residual_rmsnorm_takes). The CUDA decoder's down projection
+// (src/infer/decoder_cuda.cu: 4 parts, 1.235 against 1.283 ms a decode step with
+// one GEMM at the 1B shape, batch 64, on an H200: docs/benchmarks.md).
+inline constexpr int kSplitkParts = 4;
+bool splitk_residual_rmsnorm_takes(int64_t C);
 void splitk_residual_rmsnorm_forward(bf16* out, bf16* normed, float* rstd, const bf16* a, const float* parts,
-                                     int S, int64_t part_stride, NormWeight weight, int64_t rows, int64_t C,
-                                     double eps, cudaStream_t stream);
+                                     int64_t part_stride, NormWeight weight, int64_t rows, int64_t C, double eps,
+                                     cudaStream_t stream);
 
 // model.residual_dtype = "fp32": the residual stream (inp, a, residual_out) in fp32.
 // The sum a + b is not rounded (b, a projection's bf16 output, is added exactly as

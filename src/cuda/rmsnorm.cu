@@ -423,32 +423,26 @@ void residual_rmsnorm_forward(float* residual_out, bf16* normed, float* rstd, co
                                       "residual_rmsnorm_forward (fp32 stream)", amax);
 }
 
-bool splitk_residual_rmsnorm_takes(int S, int64_t C) {
-  return (S == 2 || S == 4 || S == 8) && C % 8 == 0 && C <= 4 * 8 * kSplitThreads;
-}
+bool splitk_residual_rmsnorm_takes(int64_t C) { return C % 8 == 0 && C <= 4 * 8 * kSplitThreads; }
 
 void splitk_residual_rmsnorm_forward(bf16* out, bf16* normed, float* rstd, const bf16* a, const float* parts,
-                                     int S, int64_t part_stride, NormWeight weight, int64_t rows, int64_t C,
-                                     double eps, cudaStream_t stream) {
+                                     int64_t part_stride, NormWeight weight, int64_t rows, int64_t C, double eps,
+                                     cudaStream_t stream) {
   const char* op = "splitk_residual_rmsnorm_forward";
+  constexpr int S = kSplitkParts;
   check_size(rows, INT_MAX, "rows", op);
-  SHARDLM_CHECK(splitk_residual_rmsnorm_takes(S, C) && part_stride >= rows * C && part_stride % 4 == 0 &&
+  SHARDLM_CHECK(splitk_residual_rmsnorm_takes(C) && part_stride >= rows * C && part_stride % 4 == 0 &&
                     norm_vec_ok(C, {out, normed, a, parts, weight.ptr()}) && aligned(parts, 16),
                 "%s: %d parts %lld apart for (%lld, %lld), or a pointer not 16-byte aligned", op, S,
                 (long long)part_stride, (long long)rows, (long long)C);
   if (rows == 0) return;
   const int K = int(div_up(C, 8 * kSplitThreads));
-#define SHARDLM_SPLIT(SS, KK)                                                                              \
-  splitk_residual_rmsnorm_kernel<SS, KK><<<unsigned(rows), kSplitThreads, 0, stream>>>(                \
+#define SHARDLM_SPLIT(KK)                                                               \
+  splitk_residual_rmsnorm_kernel<S, KK><<<unsigned(rows), kSplitThreads, 0, stream>>>( \
       out, normed, rstd, a, parts, part_stride, weight.b, weight.f, int(C), float(eps))
-#define SHARDLM_SPLIT_K(SS)          \
-  if (K == 1) SHARDLM_SPLIT(SS, 1);  \
-  else if (K == 2) SHARDLM_SPLIT(SS, 2); \
-  else SHARDLM_SPLIT(SS, 4)
-  if (S == 2) { SHARDLM_SPLIT_K(2); }
-  else if (S == 4) { SHARDLM_SPLIT_K(4); }
-  else { SHARDLM_SPLIT_K(8); }
-#undef SHARDLM_SPLIT_K
+  if (K == 1) SHARDLM_SPLIT(1);
+  else if (K == 2) SHARDLM_SPLIT(2);
+  else SHARDLM_SPLIT(4);
 #undef SHARDLM_SPLIT
   CUDA_CHECK(cudaGetLastError());
 }

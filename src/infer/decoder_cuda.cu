@@ -121,11 +121,9 @@ class CudaDecoder final : public Decoder {
   const ModelConfig& config() const override { return model_.config(); }
   std::string describe() const override {
     return "cuda bf16 on " + cuda_device_name(device_) +
-           (!graphs_ ? ""
-            : step_graphs_.size() == 1 ? ", decode steps as one CUDA graph"
-                                       : ", decode steps as " + std::to_string(step_graphs_.size()) + " CUDA graphs") +
+           (graphs_ ? ", decode steps as " + std::to_string(step_graphs_.size()) + " CUDA graphs" : "") +
            (fused_qkv_ ? ", q|k|v as one GEMM" : "") +
-           (down_split_ ? ", down in " + std::to_string(down_split_) + " K-parts with the next norm" : "");
+           (split_down_ ? ", down in " + std::to_string(cuda::kSplitkParts) + " K-parts with the next norm" : "");
   }
   int64_t decode_steps() const override { return decode_steps_; }
   double decode_seconds() const override {
@@ -191,8 +189,7 @@ class CudaDecoder final : public Decoder {
   // 2, 4, 8, 8, ... layers, the head with the last, so that the GPU waits only
   // for the first, one-kernel piece's launch and the host launches each next
   // piece while the GPU runs the one before (one graph of ~200 nodes took the
-  // host 0.24 ms to launch, the GPU idle all that time;
-  // SHARDLM_DECODE_GRAPH_PIECES=1 captures the one graph, to compare).
+  // host 0.24 ms to launch, the GPU idle all that time).
   void capture_full_step();
   struct StepPiece {
     bool embed;        // the embedding first
@@ -227,14 +224,13 @@ class CudaDecoder final : public Decoder {
   bf16 *att_ = nullptr;                       // (rows, H D)
   bf16 *qkv_ = nullptr;                       // (slots, H D + 2 KV D) a decode step's fused q|k|v
   // q|k|v as one GEMM in decode steps: no q/k norm (Qwen3's needs q and k
-  // apart) and their weights adjacent in every layer; SHARDLM_DECODE_FUSED_QKV=0
-  // turns it off (to compare).
+  // apart) and their weights adjacent in every layer.
   bool fused_qkv_ = false;
-  // Decode steps' down projection as S K-parts (4 by default; S in {2, 4, 8}
-  // dividing I into multiples of 8, SHARDLM_DECODE_DOWN_SPLIT=S) reduced with the
-  // residual and the next input norm (layers()); 0: one GEMM with the residual
-  // in its epilogue (cuBLASLt's split-K and its reduce, then the norm's kernel).
-  int down_split_ = 0;
+  // Decode steps' down projection as S = cuda::kSplitkParts K-parts (where S
+  // divides I into multiples of 8) reduced with the residual and the next
+  // input norm (layers()); otherwise one GEMM with the residual in its
+  // epilogue (cuBLASLt's split-K and its reduce, then the norm's kernel).
+  bool split_down_ = false;
   float* down_parts_ = nullptr;               // (S, slots, C) fp32: the parts
   bf16 *gu_ = nullptr, *h_ = nullptr;         // (rows, 2 I) gate|up; (rows, I) swiglu
   float *rstd_ = nullptr;                     // (rows H) every norm's rstd (not kept: no backward)
@@ -264,14 +260,9 @@ class CudaDecoder final : public Decoder {
   uint16_t* upload_host_ = nullptr;           // (kUploadElems) pinned bf16 staging
 
   std::vector<int32_t> slot_len_;             // (slots) positions filled per slot
-  // SHARDLM_DECODE_GRAPHS=0 turns the graph off (to measure what it saves).
+  // SHARDLM_DECODE_GRAPHS=0 turns the graphs off (every step eager: to rule
+  // them out, or to measure what they save).
   bool graphs_ = true;
-  // SHARDLM_DECODE_ROPE_STORE=0: the fused q|k|v rows' RoPE and cache store as two kernels.
-  bool rope_store_ = true;
-  // The decode attention rotates q and k and stores k and v itself (the
-  // tensor-core kernel, head dims 64 and 128: cuda::decode_attention_ropes);
-  // SHARDLM_DECODE_ROPE_ATTENTION=0 keeps the RoPE-and-store kernel first.
-  bool rope_attention_ = true;
   std::vector<cudaGraphExec_t> step_graphs_;  // the full-batch step's pieces, launched in order
   int64_t decode_steps_ = 0;
   // The decode steps' device time, step_begin_ to step_end_, added once the
@@ -316,20 +307,18 @@ void CudaDecoder::plan_buffers(const ModelConfig& c, const ModelLayout& layout, 
   const int64_t prefill_rows = std::max(limits.max_len, std::min(limits.slots * limits.max_len, kPrefillTokens));
   const int64_t rows = std::max(prefill_rows, limits.slots);
   if (std::string e = model_scale_error(c, rows, 1); !e.empty()) SHARDLM_FAIL("generate: %s", e.c_str());
-  bool fused = !c.qk_norm && !env_is("SHARDLM_DECODE_FUSED_QKV", "0");
+  bool fused = !c.qk_norm;
   for (int64_t l = 0; l < c.num_layers && fused; ++l) fused = qkv_adjacent(layout.layer(int(l)));
   const size_t attention_scratch = cuda::decode_attention_scratch_bytes(limits.slots, c.num_heads, c.head_dim,
                                                                        limits.max_len);
   const int64_t prefill_ints = 4 * rows + 4 * limits.slots, decode_ints = 8 * limits.slots;
-  // The down projection in 4 K-parts by default (1.235 against 1.283 ms a step at
-  // the 1B shape, batch 64, on an H200: docs/benchmarks.md);
-  // SHARDLM_DECODE_DOWN_SPLIT=0 keeps cuBLASLt's one GEMM with the residual.
-  const char* split_env = std::getenv("SHARDLM_DECODE_DOWN_SPLIT");
-  int down_split = split_env ? std::atoi(split_env) : 4;
-  if (!cuda::splitk_residual_rmsnorm_takes(down_split, c.hidden_size) || c.intermediate_size % (8 * down_split) != 0)
-    down_split = 0;
+  // The down projection in 4 K-parts where the sizes allow (1.235 against 1.283
+  // ms a step with cuBLASLt's one GEMM at the 1B shape, batch 64, on an H200:
+  // docs/benchmarks.md).
+  const bool split_down = cuda::splitk_residual_rmsnorm_takes(c.hidden_size) &&
+                          c.intermediate_size % (8 * cuda::kSplitkParts) == 0;
   if (self) {
-    self->down_split_ = down_split;
+    self->split_down_ = split_down;
     self->prefill_rows_ = prefill_rows;
     self->rows_ = rows;
     self->fused_qkv_ = fused;
@@ -370,7 +359,7 @@ void CudaDecoder::plan_buffers(const ModelConfig& c, const ModelLayout& layout, 
   if (fused) add("qkv", Mem::Workspace, S * (HD + 2 * KVD), at(&CudaDecoder::qkv_));
   add("gate_up", Mem::Workspace, R * 2 * I, at(&CudaDecoder::gu_));
   add("h", Mem::Workspace, R * I, at(&CudaDecoder::h_));
-  if (down_split) add("down_parts", Mem::Workspace, down_split * S * C, at(&CudaDecoder::down_parts_));
+  if (split_down) add("down_parts", Mem::Workspace, cuda::kSplitkParts * S * C, at(&CudaDecoder::down_parts_));
   add("rstd", Mem::Workspace, R * std::max<int64_t>(H, 1), at(&CudaDecoder::rstd_));
   add("lse", Mem::Workspace, R * H, at(&CudaDecoder::lse_));
   add("doc_start", Mem::Workspace, R, at(&CudaDecoder::doc_start_));
@@ -417,8 +406,6 @@ CudaDecoder::CudaDecoder(const InferenceModel& model, const DecoderLimits& limit
   CUDA_CHECK(cudaEventCreate(&step_end_));
   gemm_ = std::make_unique<cuda::Gemm>(stream_, gemm_workspace_, kGemmWorkspace);
   graphs_ = !env_is("SHARDLM_DECODE_GRAPHS", "0");
-  rope_store_ = !env_is("SHARDLM_DECODE_ROPE_STORE", "0");
-  rope_attention_ = !env_is("SHARDLM_DECODE_ROPE_ATTENTION", "0");
   if (env_is("SHARDLM_DECODE_PROFILE", "1")) {
     ops_ = std::make_unique<cuda::OpTimer>(stream_);
     graphs_ = false;  // an event per operation, recorded eagerly
@@ -519,11 +506,11 @@ void CudaDecoder::layers(int64_t N, bool prefill, int first, int last) {
   const int64_t C = c.hidden_size, I = c.intermediate_size, HD = c.num_heads * c.head_dim;
   const double eps = c.rms_norm_eps;
   const int L = int(c.num_layers);
-  // Decode steps (down_split_ = S, 4 by default): the down projection as S
+  // Decode steps (split_down_): the down projection as S = cuda::kSplitkParts
   // K-parts (one batched GEMM, fp32 parts), reduced by one kernel with the
   // residual and the next layer's input norm (cuBLASLt's split-K reduce and the
   // norm's launch in one), so layers after the first find their input normed.
-  const bool split = !prefill && down_split_ > 1;
+  const bool split = !prefill && split_down_;
   for (int l = first; l < last; ++l) {
     const LayerWeights<const bf16> w = weights_of_layer(l);
     if (!split || l == 0) {
@@ -544,15 +531,15 @@ void CudaDecoder::layers(int64_t N, bool prefill, int first, int last) {
     cuda::swiglu_forward(h_, I, gu_, 2 * I, gu_ + I, 2 * I, N, I, stream_);
     mark("swiglu");
     if (split) {
-      const int64_t part = I / down_split_;
+      const int64_t part = I / cuda::kSplitkParts;
       gemm_->matmul_batched(false, true, N, C, part, h_, I, part, w.w_down, I, part, down_parts_, C, N * C,
-                            down_split_, cuda::GemmOut::F32);
+                            cuda::kSplitkParts, cuda::GemmOut::F32);
       mark("down gemm (K parts)");
       const bool next = l + 1 < L;
       const cuda::NormWeight norm = next ? weights_of_layer(l + 1).input_norm
                                          : cuda::NormWeight(static_cast<const bf16*>(nullptr));
-      cuda::splitk_residual_rmsnorm_forward(x_out_, next ? xn_ : nullptr, rstd_, x_mid_, down_parts_, down_split_,
-                                            N * C, norm, N, C, eps, stream_);
+      cuda::splitk_residual_rmsnorm_forward(x_out_, next ? xn_ : nullptr, rstd_, x_mid_, down_parts_, N * C, norm, N,
+                                            C, eps, stream_);
       mark("parts + add + next norm");
     } else {
       cuda::linear_forward(*gemm_, x_out_, h_, w.w_down, nullptr, N, I, C, /*residual=*/x_mid_);
@@ -601,7 +588,7 @@ void CudaDecoder::attend_fused(int l, int64_t N, const LayerWeights<const bf16>&
   mark("q|k|v gemm");
   // The tensor-core attention rotates q and k itself and stores k and v before
   // it reads the cache: no kernel between the GEMM and it.
-  if (rope_attention_ && rope_store_ && cuda::decode_attention_ropes(D)) {
+  if (cuda::decode_attention_ropes(D)) {
     const cuda::DecodeRope rope{in(StepInts::Positions), inv_freq_, in(StepInts::CacheRows), k_cache_[size_t(l)],
                                 v_cache_[size_t(l)]};
     cuda::decode_attention_forward(att_, qkv_, QKV, k_cache_[size_t(l)], v_cache_[size_t(l)], in(StepInts::SlotOf),
@@ -611,19 +598,10 @@ void CudaDecoder::attend_fused(int l, int64_t N, const LayerWeights<const bf16>&
     return;
   }
   // q's and k's heads lie side by side in a row: one RoPE over H + KV heads,
-  // which also stores k (rotated) and v into the two caches in the same pass
-  // (SHARDLM_DECODE_ROPE_STORE=0: RoPE, then the store, as two kernels).
-  if (rope_store_) {
-    cuda::rope_store_kv(qkv_, in(StepInts::Positions), inv_freq_, N, H, KV, D, QKV, k_cache_[size_t(l)],
-                        v_cache_[size_t(l)], in(StepInts::CacheRows), limits_.max_len, stream_);
-    mark("rope + kv store");
-  } else {
-    cuda::rope_forward(qkv_, in(StepInts::Positions), inv_freq_, N, H + KV, D, QKV, stream_);
-    mark("rope");
-    cuda::store_kv(k_cache_[size_t(l)], v_cache_[size_t(l)], in(StepInts::CacheRows), qkv_ + HD, qkv_ + HD + KVD,
-                   QKV, N, KV, D, limits_.max_len, stream_);
-    mark("kv store");
-  }
+  // which also stores k (rotated) and v into the two caches in the same pass.
+  cuda::rope_store_kv(qkv_, in(StepInts::Positions), inv_freq_, N, H, KV, D, QKV, k_cache_[size_t(l)],
+                      v_cache_[size_t(l)], in(StepInts::CacheRows), limits_.max_len, stream_);
+  mark("rope + kv store");
   cuda::decode_attention_forward(att_, qkv_, QKV, k_cache_[size_t(l)], v_cache_[size_t(l)], in(StepInts::SlotOf),
                                  in(StepInts::Lens), N, H, KV, D, limits_.max_len, 0, attention_scratch_,
                                  attention_scratch_bytes_, stream_);
@@ -821,18 +799,9 @@ void CudaDecoder::capture_full_step() {
     in.h(StepInts::Lens)[b] = 1;
   }
   send_inputs(decode_in_);
-  // SHARDLM_DECODE_GEMM_TUNE=1: the full-batch step's GEMMs time cuBLASLt's
-  // candidates here and keep the fastest (Gemm::set_autotune).
-  const bool tune = env_is("SHARDLM_DECODE_GEMM_TUNE", "1");
-  gemm_->set_autotune(tune);
   run_layers(S, /*prefill=*/false);
   head(x_, S);
-  gemm_->set_autotune(false);
   CUDA_CHECK(cudaStreamSynchronize(stream_));
-  if (tune)
-    for (const cuda::Gemm::Tuned& t : gemm_->tuned())
-      std::fprintf(stderr, "decoder: GEMM %lld x %lld x %lld: candidate %d of %d, %.2f us (the heuristic's first %.2f)\n",
-                   (long long)t.M, (long long)t.N, (long long)t.K, t.chosen, t.candidates, t.chosen_us, t.first_us);
   // Every pointer the step reads is fixed: its inputs are decode_in_'s, the
   // weights and cache never move, the decode attention's grid depends on
   // max_len only. x_ and x_out_ swap once per layer inside layers(): each piece
@@ -857,7 +826,6 @@ void CudaDecoder::capture_full_step() {
 
 std::vector<CudaDecoder::StepPiece> CudaDecoder::step_pieces() const {
   const int L = int(model_.config().num_layers);
-  if (env_is("SHARDLM_DECODE_GRAPH_PIECES", "1")) return {{true, 0, L}};  // the one graph
   // The embedding alone first (the host launches a graph at ~3.5 us a node: with
   // the first layer in it the GPU waited ~40 us for it, against ~9 + 21 us for
   // the embedding's and then the layer's), then 1, 2, 4, 8, 8, ... layers: few

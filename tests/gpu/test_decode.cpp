@@ -12,7 +12,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <filesystem>
 #include <initializer_list>
 #include <memory>
@@ -129,41 +128,38 @@ void check_decode_attention(int64_t H, int64_t KV, int64_t D, int64_t max_len, s
   for (int64_t b = 0; b < B; ++b) std::copy_n(qb.begin() + b * H * D, H * D, qwide.begin() + b * q_ld);
   DeviceBytes dqw(qwide.size() * 2);
   CUDA_OK(cudaMemcpy(dqw.p, qwide.data(), qwide.size() * 2, cudaMemcpyHostToDevice));
-  // Both kernels (the 16-byte one where D allows it, and the scalar one), q packed and in wide rows,
-  // the cache cut as the decoder would (0), whole (1: no combine) and into the most chunks.
+  // The kernel D takes (tensor cores at 64 and 128, 16 bytes a lane at 32 and 256, the scalar one
+  // otherwise), q packed and in wide rows, the cache cut as the decoder would (0), whole (1: no
+  // combine) and into the most chunks.
   const int64_t most = std::min<int64_t>(cuda::kDecodeMaxChunks, (max_len + 31) / 32);
-  for (const char* kernel : {"default", "vec", "scalar"}) {
-    for (const bool wide : {false, true}) {
-      for (const int64_t chunks : {int64_t(0), int64_t(1), most}) {
-        CAPTURE(kernel);
-        CAPTURE(wide);
-        CAPTURE(chunks);
-        const ScopedEnv env({{"SHARDLM_DECODE_ATTENTION", std::strcmp(kernel, "default") == 0 ? nullptr : kernel}});
-        std::vector<uint16_t> runs[2];
-        for (auto& got : runs) {
-          CUDA_OK(cudaMemset(dout.p, 0xff, qb.size() * 2));  // NaN: an unwritten element fails
-          cuda::decode_attention_forward(dout.as<__nv_bfloat16>(), wide ? dqw.as<__nv_bfloat16>() : dq.as<__nv_bfloat16>(),
-                                         wide ? q_ld : H * D, dk.as<__nv_bfloat16>(), dv.as<__nv_bfloat16>(),
-                                         dslot.as<int32_t>(), dlen.as<int32_t>(), B, H, KV, D, max_len, chunks, scratch.p,
-                                         scratch_bytes, nullptr);
-          CUDA_OK(cudaDeviceSynchronize());
-          got.resize(qb.size());
-          CUDA_OK(cudaMemcpy(got.data(), dout.p, got.size() * 2, cudaMemcpyDeviceToHost));
-        }
-        std::vector<float> got(q.size());
-        for (size_t i = 0; i < got.size(); ++i) got[i] = bf16_to_f32(runs[0][i]);
-        const double err = rel_rms(got.data(), want.data(), got.size());
-        bool finite = true;
-        for (float x : got) finite &= std::isfinite(x);
-        MESSAGE("decode attention (" << std::string(kernel) << std::string(wide ? ", wide q rows" : ", packed q rows") << ", chunks "
-                                     << chunks << ") H=" << H << " KV=" << KV << " D=" << D << " max_len=" << max_len
-                                     << ": |gpu - cpu| / |cpu| = " << err);
-        CHECK(finite);
-        // One bf16 rounding of the output (~2e-3 as an RMS ratio); the fp32 sums differ by ~1e-6;
-        // the tensor-core kernel rounds the probabilities to bf16 as well (~1.4e-3 at D = 64 measured).
-        CHECK(err < 5e-3);
-        CHECK(runs[0] == runs[1]);  // deterministic
+  for (const bool wide : {false, true}) {
+    for (const int64_t chunks : {int64_t(0), int64_t(1), most}) {
+      CAPTURE(wide);
+      CAPTURE(chunks);
+      std::vector<uint16_t> runs[2];
+      for (auto& got : runs) {
+        CUDA_OK(cudaMemset(dout.p, 0xff, qb.size() * 2));  // NaN: an unwritten element fails
+        cuda::decode_attention_forward(dout.as<__nv_bfloat16>(), wide ? dqw.as<__nv_bfloat16>() : dq.as<__nv_bfloat16>(),
+                                       wide ? q_ld : H * D, dk.as<__nv_bfloat16>(), dv.as<__nv_bfloat16>(),
+                                       dslot.as<int32_t>(), dlen.as<int32_t>(), B, H, KV, D, max_len, chunks, scratch.p,
+                                       scratch_bytes, nullptr);
+        CUDA_OK(cudaDeviceSynchronize());
+        got.resize(qb.size());
+        CUDA_OK(cudaMemcpy(got.data(), dout.p, got.size() * 2, cudaMemcpyDeviceToHost));
       }
+      std::vector<float> got(q.size());
+      for (size_t i = 0; i < got.size(); ++i) got[i] = bf16_to_f32(runs[0][i]);
+      const double err = rel_rms(got.data(), want.data(), got.size());
+      bool finite = true;
+      for (float x : got) finite &= std::isfinite(x);
+      MESSAGE("decode attention (" << std::string(wide ? "wide q rows" : "packed q rows") << ", chunks "
+                                   << chunks << ") H=" << H << " KV=" << KV << " D=" << D << " max_len=" << max_len
+                                   << ": |gpu - cpu| / |cpu| = " << err);
+      CHECK(finite);
+      // One bf16 rounding of the output (~2e-3 as an RMS ratio); the fp32 sums differ by ~1e-6;
+      // the tensor-core kernel rounds the probabilities to bf16 as well (~1.4e-3 at D = 64 measured).
+      CHECK(err < 5e-3);
+      CHECK(runs[0] == runs[1]);  // deterministic
     }
   }
 }
@@ -290,30 +286,30 @@ TEST_CASE("decode attention kernel = cpu::attention_decode_forward on bf16 input
   check_decode_attention(32, 8, 128, 1500, {1, 700, 1500, 95}, 2);  // at the most, 47 chunks of 32 positions
   check_decode_attention(12, 1, 40, 100, {3, 100, 64}, 3);          // D not a multiple of 32; 12 heads per kv head
   check_decode_attention(4, 4, 16, 9, {9, 1}, 4);                   // no GQA, tiny head dim
-  check_decode_attention(32, 8, 64, 383, {383, 1, 2, 3, 4, 5, 129, 250}, 5);  // the 1B shape (G = 4), lane-group tails
-  check_decode_attention(16, 2, 32, 70, {70, 33, 7}, 6);             // D = 32 (4 lanes a row), G = 8
-  check_decode_attention(8, 1, 256, 40, {40, 3}, 7);                 // D = 256 (a warp a row)
+  check_decode_attention(32, 8, 64, 383, {383, 1, 2, 3, 4, 5, 129, 250}, 5);  // the 1B shape (G = 4), short rows
+  check_decode_attention(16, 2, 32, 70, {70, 33, 7}, 6);             // D = 32 (4 lanes a row), G = 8: 8 heads a block
+  check_decode_attention(8, 1, 256, 40, {40, 3}, 7);                 // D = 256 (a warp a row), G = 8
+  check_decode_attention(8, 2, 32, 70, {70, 5, 40}, 8);              // D = 32, G = 4: 4 heads a block
+  check_decode_attention(4, 2, 256, 40, {40, 17}, 9);                // D = 256, G = 2: 4 heads a block
+  check_decode_attention(8, 2, 96, 130, {130, 1, 64}, 10);           // D = 96: the scalar kernel, 4 elements a lane
+  check_decode_attention(4, 1, 160, 40, {40, 7}, 11);                // D = 160: the scalar kernel, 8 elements a lane
 }
 
 TEST_CASE("CUDA decoder = CPU decoder on the fixtures: prefill, 16 decode steps, a refreshed weight") {
   require_gpu();
-  // The down projection in K-parts reduced with the residual and the next input
-  // norm (the default, 4 parts; and 2) or one GEMM with its residual
-  // (SHARDLM_DECODE_DOWN_SPLIT=0): other summation orders, the same bounds.
-  for (const char* split : {static_cast<const char*>(nullptr), "2", "0"})
   for (const std::string name : {"llama-gqa-tied", "qwen2-bias", "qwen3-qknorm", "llama-d64"}) {
     CAPTURE(name);
-    CAPTURE(split);
     InferenceModel m = bf16_fixture(name);
     const int64_t V = m.config().vocab_size;
     const auto prompts = fixture_prompts(V);
     constexpr int kSteps = 16;
     const DecoderLimits limits{4, 17 + kSteps};
     CpuDecoder cpu(m, limits);
-    const std::unique_ptr<Decoder> gpu = cuda_decoder_with({{"SHARDLM_DECODE_DOWN_SPLIT", split}}, m, limits);
+    const std::unique_ptr<Decoder> gpu = make_decoder(m, limits, "cuda");
     REQUIRE(gpu->weight_bytes() > 0);
-    const std::string parts = split == nullptr ? "down in 4 K-parts" : "down in 2 K-parts";
-    CHECK((gpu->describe().find(parts) != std::string::npos) == (split == nullptr || std::string(split) == "2"));
+    // Decode steps' down projection in K-parts reduced with the residual and the
+    // next input norm: another summation order than the CPU's, the same bounds.
+    CHECK(gpu->describe().find("down in 4 K-parts") != std::string::npos);
 
     // Prefill into slots out of order; all four prompts in one pass.
     const std::vector<int32_t> slots = {2, 0, 3, 1};
@@ -646,82 +642,7 @@ TEST_CASE("CUDA decoder: SHARDLM_DECODE_PROFILE=1 changes no token and times eve
   }
 }
 
-// The fused q|k|v rows' RoPE and cache store in one kernel (rope_store_kv) write
-// the bits the two kernels write: the same completions, eager and replayed.
-TEST_CASE("CUDA decoder: RoPE and the cache store in one kernel, or inside the attention, = the two kernels, bit for bit") {
-  require_gpu();
-  // q, k, v adjacent: the fused decode path. At head dim 64 the tensor-core
-  // attention rotates and stores itself by default (SHARDLM_DECODE_ROPE_ATTENTION=0:
-  // the RoPE-and-store kernel first); at 16 it never does.
-  for (const char* name : {"llama-gqa-tied", "llama-d64"}) {
-    CAPTURE(name);
-    InferenceModel m = bf16_fixture(name);
-    const auto prompts = fixture_prompts(m.config().vocab_size);
-    const std::vector<GenerateRequest> requests = sample_requests(prompts, 4);
-    const DecoderLimits limits = plan_limits(m.config(), requests, 4, 16, "test");
-    GenerateOptions o;
-    o.sampling = SamplingParams{0.8, 20, 0.9, 3};
-    o.max_new_tokens = 16;
-    for (const char* graphs : {static_cast<const char*>(nullptr), "0"}) {
-      CAPTURE((graphs ? "eager" : "graphs"));
-      auto run = [&](const char* fused, const char* in_attention) {
-        std::unique_ptr<Decoder> d = cuda_decoder_with({{"SHARDLM_DECODE_GRAPHS", graphs},
-                                                        {"SHARDLM_DECODE_ROPE_STORE", fused},
-                                                        {"SHARDLM_DECODE_ROPE_ATTENTION", in_attention}},
-                                                       m, limits);
-        CHECK(d->describe().find("q|k|v as one GEMM") != std::string::npos);
-        return generate(*d, requests, o);
-      };
-      const auto base = run(nullptr, nullptr);
-      check_same_completions(base, run("0", nullptr), 0.0f);
-      check_same_completions(base, run(nullptr, "0"), 0.0f);
-    }
-  }
-}
-
-// The vectorised decode attention (head dims 32 and 256, or forced with
-// SHARDLM_DECODE_ATTENTION=vec) in blocks of 2, 4 or 8 query heads
-// (SHARDLM_DECODE_HPB; the default takes 4 for groups of up to 4): every
-// head's scores, softmax and sum are its own, so the completions are the same
-// bit for bit, eager and replayed; so they are with the cache rows loaded at
-// each iteration's start instead of one ahead (SHARDLM_DECODE_PREFETCH=0). At
-// head dim 64 the default, the tensor-core kernel, gives other bits (its
-// probabilities are rounded to bf16): test_decode's kernel and decoder cases
-// check it against the CPU.
-TEST_CASE("CUDA decoder: decode attention with 2, 4 or 8 query heads a block, loads ahead or not, gives the same bits") {
-  require_gpu();
-  for (const char* name : {"qwen3-qknorm", "llama-d64"}) {
-    CAPTURE(name);
-    InferenceModel m = bf16_fixture(name);
-    const auto prompts = fixture_prompts(m.config().vocab_size);
-    const std::vector<GenerateRequest> requests = sample_requests(prompts, 4);
-    const DecoderLimits limits = plan_limits(m.config(), requests, 4, 16, "test");
-    GenerateOptions o;
-    o.sampling = SamplingParams{0.8, 20, 0.9, 3};
-    o.max_new_tokens = 16;
-    for (const char* graphs : {static_cast<const char*>(nullptr), "0"}) {
-      CAPTURE((graphs ? "eager" : "graphs"));
-      // Set while decoding: eager steps read them.
-      auto run = [&](const char* kernel, const char* hpb, const char* prefetch) {
-        const ScopedEnv scoped({{"SHARDLM_DECODE_GRAPHS", graphs},
-                                {"SHARDLM_DECODE_ATTENTION", kernel},
-                                {"SHARDLM_DECODE_HPB", hpb},
-                                {"SHARDLM_DECODE_PREFETCH", prefetch}});
-        std::unique_ptr<Decoder> d = make_decoder(m, limits, "cuda");
-        return generate(*d, requests, o);
-      };
-      const auto vec = run("vec", nullptr, nullptr);
-      for (const char* hpb : {"2", "4", "8"})
-        for (const char* prefetch : {static_cast<const char*>(nullptr), "0"}) {
-          CAPTURE(hpb);
-          CAPTURE((prefetch ? "loads at each iteration" : "loads ahead"));
-          check_same_completions(vec, run("vec", hpb, prefetch), 0.0f);
-        }
-    }
-  }
-}
-
-TEST_CASE("CUDA decoder: full-batch steps replayed as the CUDA graphs captured at start-up (in pieces, or one) = the same steps eagerly") {
+TEST_CASE("CUDA decoder: full-batch steps replayed as the CUDA graphs captured at start-up = the same steps eagerly") {
   require_gpu();
   for (const char* name : {"llama-gqa-tied", "qwen3-qknorm", "llama-d64"}) {
     CAPTURE(name);
@@ -734,25 +655,17 @@ TEST_CASE("CUDA decoder: full-batch steps replayed as the CUDA graphs captured a
     GenerateOptions o;
     o.sampling = SamplingParams{0.8, 20, 0.9, 3};
     o.max_new_tokens = 16;
-    // The default: the embedding, then pieces of 1, 2, 4, ... layers (2 layers: 3 graphs).
-    auto run = [&](const char* graphs, const char* pieces, const char* described, const char* split = nullptr) {
-      std::unique_ptr<Decoder> d = cuda_decoder_with({{"SHARDLM_DECODE_GRAPHS", graphs},
-                                                      {"SHARDLM_DECODE_GRAPH_PIECES", pieces},
-                                                      {"SHARDLM_DECODE_DOWN_SPLIT", split}},
-                                                     m, limits);
+    // The graphs: the embedding, then pieces of 1, 2, 4, ... layers (2 layers: 3 graphs).
+    auto run = [&](const char* graphs, const char* described) {
+      std::unique_ptr<Decoder> d = cuda_decoder_with({{"SHARDLM_DECODE_GRAPHS", graphs}}, m, limits);
       const std::string says = d->describe();
       CAPTURE(says);
       if (described) CHECK(says.find(described) != std::string::npos);
       else CHECK(says.find("CUDA graph") == std::string::npos);
       return generate(*d, requests, o);
     };
-    const auto eager = run("0", nullptr, nullptr);
+    const auto eager = run("0", nullptr);
     REQUIRE(m.config().num_layers == 2);
-    check_same_completions(run(nullptr, nullptr, "decode steps as 3 CUDA graphs"), eager, 0.0f);
-    check_same_completions(run(nullptr, "1", "decode steps as one CUDA graph"), eager, 0.0f);
-    // The down projection in 2 K-parts, or one GEMM with its residual: graphs = eager as well.
-    for (const char* split : {"2", "0"})
-      check_same_completions(run(nullptr, nullptr, "decode steps as 3 CUDA graphs", split),
-                             run("0", nullptr, nullptr, split), 0.0f);
+    check_same_completions(run(nullptr, "decode steps as 3 CUDA graphs"), eager, 0.0f);
   }
 }
