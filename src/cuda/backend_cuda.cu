@@ -571,23 +571,19 @@ class CudaBackend final : public Backend {
     cuda::embedding_forward(bf(residual_[0]), tokens_, bf(table), n_, d_.V, d_.C, stream_);
   }
 
-  // Under tensorwise FP8 (the default; SHARDLM_FP8_FUSED_AMAX=0 turns it off,
-  // to compare) the projections' operands' amaxes come from the kernels that
-  // write the operands, and the forward's inputs' amaxes serve the backward's
-  // transposed copies; no amax pass of its own. The same amaxes, so the same
-  // codes and losses bit for bit (test_backend.cpp); on the H200 at 1B/4096
-  // with the weight cache 236.1 against 243.4 ms a step.
-  // fp8_amaxes_ holds, per layer,
-  // its four projection inputs' (kXn1 .. kH: written in the forward, read again
-  // in the backward, and rewritten alike by a recompute), then the stream
-  // gradient's (the last norm backward's: the down and o projections' dout),
-  // dgate's and dup's.
+  // Under tensorwise FP8 the projections' operands' amaxes come from the
+  // kernels that write the operands, and the forward's inputs' amaxes serve the
+  // backward's transposed copies; no amax pass of its own. The same amaxes as
+  // an amax pass finds (tests/gpu/test_cuda_ops.cu), so the same codes and
+  // losses bit for bit; on the H200 at 1B/4096 with the weight cache 236.1
+  // against 243.4 ms a step with the amax passes (docs/kernels.md).
+  // fp8_amaxes_ holds, per layer, its four projection inputs' (kXn1 .. kH:
+  // written in the forward, read again in the backward, and rewritten alike by
+  // a recompute), then the stream gradient's (the last norm backward's: the
+  // down and o projections' dout), dgate's and dup's.
   enum AmaxSlot { kXn1, kAtt, kXn2, kH, kAmaxPerLayer };
   enum GradAmax { kStreamGrad, kDgate, kDup, kGradAmaxes };
-  static bool fused_amax(const EngineOptions& o) {
-    const char* env = std::getenv("SHARDLM_FP8_FUSED_AMAX");
-    return o.fp8 == Fp8Mode::Tensorwise && !(env && std::string(env) == "0");
-  }
+  static bool fused_amax(const EngineOptions& o) { return o.fp8 == Fp8Mode::Tensorwise; }
   float* amax_at(AmaxSlot s) const { return fp8_amaxes_ ? fp8_amaxes_ + layer_ * kAmaxPerLayer + s : nullptr; }
   float* grad_amax_at(GradAmax g) const {
     return fp8_amaxes_ ? fp8_amaxes_ + config_.num_layers * kAmaxPerLayer + g : nullptr;

@@ -2,8 +2,6 @@
 #include "cuda/fp8_linear.hpp"
 
 #include <algorithm>
-#include <cstdlib>
-#include <cstring>
 #include <utility>
 
 #include "cuda/check.hpp"
@@ -39,8 +37,7 @@ std::pair<int64_t, int64_t> Fp8Linear::weight_shape(const ModelConfig& c, Weight
 }
 
 bool Fp8Linear::dout_one_pass(Fp8Mode mode, const ModelConfig& c, int64_t N) {
-  const char* env = std::getenv("SHARDLM_FP8_DOUT_ONE_PASS");
-  return mode == Fp8Mode::Tensorwise && N * widest(c) <= kOnePassBytes && !(env && std::strcmp(env, "0") == 0);
+  return mode == Fp8Mode::Tensorwise && N * widest(c) <= kOnePassBytes;
 }
 
 Fp8Linear::Sizes Fp8Linear::sizes(const ModelConfig& c, int64_t N, bool cache, bool one_pass) {

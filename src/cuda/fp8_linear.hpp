@@ -81,8 +81,7 @@ class Fp8Linear {
   // Whether the backward quantises dout's plain and transposed codes in one read
   // (tensorwise: one scale serves both): it needs a second buffer of N x the widest
   // projection's bytes, so only while that is at most kOnePassBytes (the 1B shape
-  // to 32K tokens; the 8B shape's 131K tokens would need 1.9 GB). The default;
-  // SHARDLM_FP8_DOUT_ONE_PASS=0 keeps two passes, to compare.
+  // to 32K tokens; the 8B shape's 131K tokens would need 1.9 GB).
   static constexpr int64_t kOnePassBytes = int64_t(256) << 20;
   static bool dout_one_pass(Fp8Mode mode, const ModelConfig& c, int64_t N);
   // A layer's projection weights, in the order of their cache slots.

@@ -725,10 +725,11 @@ void test_swiglu(Rng& rng, const char* tag, int64_t rows, int64_t I, bool fused)
 
 // ---------------------------------------------------------------- fused FP8 amaxes
 
-// model.fp8's amaxes written by the kernels that produce the operands
-// (SHARDLM_FP8_FUSED_AMAX): each kernel with an amax gives the same output bits
-// as without, and an amax equal bit for bit to max |output| over what it wrote
-// (the bf16 values), which is what cuda::fp8_amax reads back otherwise.
+// model.fp8's amaxes written by the kernels that produce the operands (the
+// CUDA backend's, under tensorwise scaling): each kernel with an amax gives the
+// same output bits as without, and an amax equal bit for bit to max |output|
+// over what it wrote (the bf16 values), which is what cuda::fp8_amax reads back
+// otherwise.
 void test_fused_amax(Rng& rng, const char* tag, int64_t rows, int64_t C, int64_t I) {
   const std::string dims = fmt("%s(rows=%lld C=%lld I=%lld)", tag, (long long)rows, (long long)C, (long long)I);
   const double eps = 1e-5;
