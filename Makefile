@@ -137,8 +137,8 @@ $(BUILD)/bench_gemm_algos: tools/bench_gemm_algos.cu
 	@mkdir -p $(dir $@)
 	$(NVCC) -O2 -std=c++17 $(CUDA_ARCH) -Xcompiler -Wall,-Wextra $< -o $@ -lcublasLt
 
-# cuDNN's FP8 attention against bf16 at the training shapes (#30;
-# tools/bench_cudnn_fp8_attention.cu); standalone, not part of `all`: needs NVIDIA's
+# cuDNN's FP8 attention against bf16 at the training shapes
+# (tools/bench_cudnn_fp8_attention.cu); standalone, not part of `all`: needs NVIDIA's
 # header-only cudnn-frontend (CUDNN_FRONTEND=.../cudnn-frontend/include).
 bench-cudnn-fp8-attention: $(BUILD)/bench_cudnn_fp8_attention
 

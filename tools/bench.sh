@@ -13,27 +13,27 @@
 #                                 1b-32k-selective 8b-32k-offload 8b-32k-offload-selective 8b-131k-offload
 #                                 8b-131k-offload-selective (LAYERS=K: model.selective_layers)
 #                                 8b-32k-offload-selective-pipeline 8b-64k-offload 8b-64k-offload-pipeline
-#                                 8b-131k-offload-pipeline (#31: -pipeline = model.optim_gpu_state_gib = 0,
+#                                 8b-131k-offload-pipeline (-pipeline = model.optim_gpu_state_gib = 0,
 #                                 every unit offloaded; without it the split is automatic)
-#                                 8b-32k-offload-selective-speculate 8b-64k-offload-speculate (#31: and
+#                                 8b-32k-offload-selective-speculate 8b-64k-offload-speculate (-speculate: and
 #                                 model.optim_offload_speculate = true)
 #                                 (long context on one GPU, docs/benchmarks.md "Attention")
 #                                 ckpt-1b ckpt-1b-offload ckpt-8b4-offload (on request: checkpoints every 2 steps sync,
 #                                 every 80 / 40 steps async, against dd on the same disk;
 #                                 docs/benchmarks.md "Asynchronous checkpoints"; ~3 min each)
 #                                 1b-bf16-residual 1b-32k-selective-bf16-residual (on request:
-#                                 model.residual_dtype = bf16, issue #34; beside 1b / 1b-32k-selective, whose
+#                                 model.residual_dtype = bf16; beside 1b / 1b-32k-selective, whose
 #                                 fp32 stream is the default; the 8b-131k cases run a bf16 stream: an fp32 one
 #                                 adds 39 GiB there and does not fit one H200)
-#                                 1b-fp32-norms 1b-32k-selective-fp32-norms (model.norm_dtype = fp32, #34)
-#                                 1b-fp8-cache 1b-32k-fp8-cache (model.fp8_weight_cache = true, #30);
-#                                 8b-131k-offload-selective-fp8 (#30, beside 8b-131k-offload-selective)
+#                                 1b-fp32-norms 1b-32k-selective-fp32-norms (model.norm_dtype = fp32)
+#                                 1b-fp8-cache 1b-32k-fp8-cache (model.fp8_weight_cache = true);
+#                                 8b-131k-offload-selective-fp8 (beside 8b-131k-offload-selective)
 #                                 1b-fp8 1b-mb4-fp8 1b-fp8-rowwise 1b-32k-fp8 8b-32k-offload-selective-fp8 (on request:
-#                                 model.fp8 = tensorwise / rowwise, issue #30; compare with 1b / 1b-32k /
+#                                 model.fp8 = tensorwise / rowwise; compare with 1b / 1b-32k /
 #                                 8b-32k-offload-selective in the same call)
 #   ATTN=flash tools/bench.sh 1b  (device.attention for every run: auto | cudnn | flash)
 #   FP8_ATTENTION=1 tools/bench.sh 8b-131k-offload-selective-fp8  (model.fp8_attention = true for every run,
-#                                 its name and log with -fp8attn; #30)
+#                                 its name and log with -fp8attn)
 #   SHARDLM=path/to/shardlm tools/bench.sh 1b
 #   BENCH_TIMEOUT=120 tools/bench.sh 7b     (kill each run after 120 s)
 #
@@ -130,8 +130,8 @@ for n in $names; do
     # GEMMs and half / a quarter of the fp32 gradient accumulations.
     1b-mb2) run 1b-mb2 inputs/bench/llama-1b.toml --set data.micro_batch=2 ;;
     1b-mb4) run 1b-mb4 inputs/bench/llama-1b.toml --set data.micro_batch=4 ;;
-    # model.fp8 (issue #30): the decoder blocks' linears in FP8; against 1b / 1b-32k run in the same call.
-    # model.residual_dtype = "bf16" (#34): what the default fp32 stream costs, beside 1b and 1b-32k-selective.
+    # model.fp8: the decoder blocks' linears in FP8; against 1b / 1b-32k run in the same call.
+    # model.residual_dtype = "bf16": what the default fp32 stream costs, beside 1b and 1b-32k-selective.
     1b-bf16-residual) run 1b-bf16-residual inputs/bench/llama-1b.toml --set model.residual_dtype=bf16 ;;
     1b-32k-selective-bf16-residual)
       run 1b-32k-selective-bf16-residual inputs/bench/llama-1b.toml --set data.seq_len=32768 --set data.global_batch=1 \
@@ -207,7 +207,7 @@ for n in $names; do
                                     --set data.seq_len=32768 --set data.global_batch=1 \
                                     --set model.optim_offload_grads=device --set model.activation_checkpointing=selective \
                                     --set run.max_steps=4 --set model.fp8=tensorwise ;;
-    # #31: the first units' optimizer state on the GPU (model.optim_gpu_state_gib,
+    # The first units' optimizer state on the GPU (model.optim_gpu_state_gib,
     # automatic) against every unit offloaded (= 0, the pipeline alone), in one
     # call: `tools/bench.sh 8b-32k-offload-selective 8b-32k-offload-selective-pipeline
     # 8b-64k-offload 8b-64k-offload-pipeline 8b-131k-offload 8b-131k-offload-pipeline`.
@@ -255,7 +255,7 @@ for n in $names; do
         --set data.seq_len=131072 --set data.global_batch=1 --set model.optim_offload_grads=device --set run.max_steps=3 \
         --set model.residual_dtype=bf16 \
         --set model.activation_checkpointing=selective ${LAYERS:+--set model.selective_layers=$LAYERS} ;;
-    8b-131k-offload-selective-fp8)  # #30: the 8B shape's 131K step with FP8 linears (bf16: 41.7 s)
+    8b-131k-offload-selective-fp8)  # the 8B shape's 131K step with FP8 linears (bf16: 41.7 s)
       [ -f runs/bench-data/random-128k-131k.h5 ] || $PY tools/make_synthetic_data.py runs/bench-data/random-128k-131k.h5 \
         --vocab 128256 --tokens 600000 --doc-len 131073
       run 8b-131k-offload-selective-fp8 inputs/bench/llama-8b.toml --set data.path=runs/bench-data/random-128k-131k.h5 \

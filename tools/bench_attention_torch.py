@@ -8,7 +8,7 @@ Packed documents of equal length (test_attention's "8 x 512", "64 x 512") run as
 batch of B sequences, the call a trainer without varlen attention makes, and what
 shardlm's cuDNN path does for them.
 
-Run it on the GPU machine in the same session as
+Run it on the GPU machine in the same call as
     bash tests/gpu/build_attention.sh --only cmp
 (docs/benchmarks.md, "Attention"). Needs torch with CUDA.
 """

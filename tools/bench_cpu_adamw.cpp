@@ -1,4 +1,4 @@
-// bench_cpu_adamw.cpp — time the host AdamW (cpu_adamw.hpp) on one flat fp32 shard,
+// bench_cpu_adamw.cpp — time the host AdamW (src/cpu/adamw.hpp) on one flat fp32 shard,
 // per ISA, bf16 copy on/off and thread count, next to this host's memory
 // bandwidth from a STREAM-style triad at the same thread count.
 //

@@ -1,6 +1,6 @@
 // bench_cudnn_fp8_attention.cu — cuDNN's fused attention with FP8 operands
 // (e4m3, per-tensor scales) against bf16, forward and backward, at shardlm's
-// training shapes: what #30 asks to measure before adopting FP8 attention.
+// training shapes: what decides whether FP8 attention pays in training.
 //
 //   make bench-cudnn-fp8-attention CUDNN_FRONTEND=/path/to/cudnn-frontend/include
 //   build/bench_cudnn_fp8_attention [S ...]        default S: 4096 32768 131072

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# bench_rl_arith.sh — issue #29's RL run on one GPU: a 0.97 B-parameter model of
+# bench_rl_arith.sh — the arithmetic RL run on one GPU: a 0.97 B-parameter model of
 # Llama-3.2-1B's layers (16-id vocabulary) learns a + b of two-digit numbers
 # (tools/make_arith_task.py; 1,000 problems held out of SFT and RL).
 #   1. SFT warm start (inputs/bench/arith-sft.toml) in segments of SEG steps, each

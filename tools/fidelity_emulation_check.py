@@ -137,7 +137,7 @@ def main():
           all(torch.equal(p, p.to(torch.bfloat16).float()) for p in made[1].parameters()))
     check("bf16-params: the curve differs from plain autocast's", curves["eager+bf16-params"] != curves["eager"])
 
-    # issue #34's verdict on made-up curves: eager falls from 10 to 2; compile sits
+    # the fidelity test's verdict on made-up curves: eager falls from 10 to 2; compile sits
     # 5e-4 above it; one shardlm curve 7e-4 above (1.4x: within 1.5x), one 8e-4 (not),
     # one within every window but 0.2% high over the last 10 steps (not).
     eager = list(np.linspace(10, 2, 150))
@@ -147,9 +147,9 @@ def main():
     lines, verdict = F.issue_test(made_up)
     for line in lines:
         print("   ", line)
-    check("issue #34's test: 1.4x compile's spread in every window holds", verdict.get("shardlm near") is True)
-    check("issue #34's test: 1.6x compile's spread does not", verdict.get("shardlm far") is False)
-    check("issue #34's test: 0.2% over the last 10 steps does not", verdict.get("shardlm late") is False)
+    check("fidelity test: 1.4x compile's spread in every window holds", verdict.get("shardlm near") is True)
+    check("fidelity test: 1.6x compile's spread does not", verdict.get("shardlm far") is False)
+    check("fidelity test: 0.2% over the last 10 steps does not", verdict.get("shardlm late") is False)
     print(f"{len(failures)} failed")
     sys.exit(1 if failures else 0)
 

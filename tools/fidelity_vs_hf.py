@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """fidelity_vs_hf.py — shardlm's loss curve beside Hugging Face transformers' over a long run
-(issue #34): the same model, data, order and optimizer, on the GPU machine, in one call.
+with the same model, data, order and optimizer, on the GPU machine, in one call.
 
   1. a model of the Llama-3.2-1B (--shape llama-1b) or Qwen3-1.7B (--shape qwen3-1.7b) shape,
      random init by transformers (seed 0), saved in fp32 (shardlm reads it through model.hf);
@@ -303,7 +303,7 @@ def table(curves, reference="transformers eager"):
     return "\n".join(lines)
 
 
-# Issue #34's test: in each of these windows the mean relative difference to
+# The fidelity test: in each of these windows the mean relative difference to
 # transformers eager is within 1.5x transformers' own compile - eager mean, and
 # the last 10 steps' mean loss within 0.1% of eager's.
 ISSUE_WINDOWS = [(1, 10), (11, 20), (21, 40), (41, 65)]
@@ -314,7 +314,7 @@ def issue_test(curves, reference="transformers eager", spread="transformers comp
     """One line per shardlm curve: each window's |mean| against factor x |spread's mean|, and the last 10.
     Returns (lines, {curve: holds})."""
     if reference not in curves or spread not in curves:
-        return [f"(issue #34's test needs '{reference}' and '{spread}')"], {}
+        return [f"(the fidelity test needs '{reference}' and '{spread}')"], {}
     ref, comp = np.asarray(curves[reference]), np.asarray(curves[spread])
     lines, verdicts = [], {}
     for k, v in curves.items():
@@ -436,7 +436,7 @@ def main():
     print(f"\n{tag}, {args.steps} steps of {args.rows} x {args.seq} tokens, lr {args.lr}; "
           f"relative loss difference to transformers eager:\n")
     print(table(curves))
-    print("\nissue #34's test (each window's |mean| within 1.5x transformers' compile - eager; last 10 within 0.1%):")
+    print("\nfidelity test (each window's |mean| within 1.5x transformers' compile - eager; last 10 within 0.1%):")
     print("\n".join(issue_test(curves)[0]))
     spread = spread_table(curves)
     if spread:
@@ -444,7 +444,7 @@ def main():
         print("\nrun-to-run: each window's mean relative difference to transformers eager (mean of its runs), "
               "max - min over a setting's runs:\n")
         print(spread)
-        print("\nissue #34's test on each setting's mean curve (" +
+        print("\nfidelity test on each setting's mean curve (" +
               ", ".join(f"{k}: {n} run{'s' if n > 1 else ''}" for k, n in counts.items()) + "):")
         print("\n".join(issue_test(means)[0]))
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # fidelity_vs_hf.sh — shardlm's loss curve beside transformers' (eager and
-# torch.compile) over a long run on the GPU machine (issue #34;
-# tools/fidelity_vs_hf.py says what it runs). The 1B shape's 150 steps take about
+# torch.compile) over a long run on the GPU machine
+# (tools/fidelity_vs_hf.py says what it runs). The 1B shape's 150 steps take about
 # 3 minutes for shardlm and 4-5 for each transformers run on an H200.
 #
 #   tools/fidelity_vs_hf.sh --shape llama-1b --steps 150 --out runs/fidelity

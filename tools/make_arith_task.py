@@ -18,7 +18,7 @@ answer is digits(a + b) followed by EOS. Every pair is a problem; a seeded
 
     /usr/bin/python3 tools/make_arith_task.py --out-dir runs/arith-task [--digits 2] [--heldout 1000]
 
-Used by tools/bench_rl_arith.sh (issue #29's RL run on the GPU).
+Used by tools/bench_rl_arith.sh (the arithmetic RL run on the GPU).
 """
 
 import argparse

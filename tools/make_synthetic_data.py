@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Random-token HDF5 data for benchmarks (docs/data.md layout): documents of
-random ids in [0, vocab). Run with an interpreter that has h5py and numpy.
+"""make_synthetic_data.py — random-token HDF5 data for benchmarks (docs/data.md layout):
+documents of random ids in [0, vocab). Run with an interpreter that has h5py and numpy.
 
     python3 tools/make_synthetic_data.py OUT.h5 --vocab 128256 --tokens 2000000 --doc-len 4097
 """

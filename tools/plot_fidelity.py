@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """plot_fidelity.py — the curves of tools/fidelity_vs_hf.py's losses.json as a figure: each curve's
 relative loss difference to transformers eager, step by step (top), and the losses (bottom, log
-scale), with the windows of issue #34's test shaded.
+scale), with the windows of the fidelity test (tools/fidelity_vs_hf.py) shaded.
 
   /usr/bin/python3 tools/plot_fidelity.py runs/fid-qwen3-150/losses.json docs/images/fidelity-qwen3.png \
       --title "Qwen3-1.7B shape, 150 steps"
@@ -18,7 +18,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-WINDOWS = "11-20,41-65"  # shaded: every other window of #34's test (1–10, 21–40 and 66–90 unshaded)
+WINDOWS = "11-20,41-65"  # shaded: every other window of the fidelity test (1–10, 21–40 and 66–90 unshaded)
 
 
 def main():
