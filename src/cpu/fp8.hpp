@@ -33,8 +33,8 @@ constexpr float kFp8E5M2Max = 57344.0f;
 inline float fp8_max(Fp8Format f) { return f == Fp8Format::E4M3 ? kFp8E4M3Max : kFp8E5M2Max; }
 
 // The format of the output gradient in model.fp8's backward GEMMs (the one place
-// that says it; the CPU emulation and the CUDA linears both read it). e4m3 for
-// the first version: its 3 mantissa bits against e5m2's 2, and with a scale per
+// that says it; the CPU emulation and the CUDA linears both read it). e4m3: its
+// 3 mantissa bits against e5m2's 2, and with a scale per
 // tensor or row from the current amax, e5m2's wider range is not needed to
 // avoid overflow (torchao's and Megatron's current scaling do the same).
 constexpr Fp8Format kFp8GradFormat = Fp8Format::E4M3;

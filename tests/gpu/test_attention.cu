@@ -44,10 +44,10 @@ namespace {
 using bf16 = __nv_bfloat16;
 namespace sc = shardlm::cuda;
 
-// Run 1 on an H100 (2026-11-29) measured at most 2.0e-3 (out), 2.5e-3 (dq, dk, dv)
+// Measured on an H100 (2026-11-29): at most 2.0e-3 (out), 2.5e-3 (dq, dk, dv)
 // and 3e-6 (lse): the tolerances leave at least a 2.5x margin.
 constexpr double kTolOut = 5e-3, kTolGrad = 1e-2, kTolLse = 1e-4;
-constexpr double kPeakTflops = 800.0;  // bf16 dense, measured on this H100 (KINDS.md)
+constexpr double kPeakTflops = 800.0;  // bf16 dense, measured on an H100
 
 int g_failures = 0, g_checks = 0;
 // While set, forward()/backward() run cuDNN's attention (cuda/sdpa.hpp) instead of

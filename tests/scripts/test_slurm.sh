@@ -540,8 +540,8 @@ check "local runner: same run dir names as the Slurm sweep, same losses for each
 # but a background job ignores SIGINT): every run checkpoints and stops, the
 # runner exits 75; the same command again resumes them and finishes.
 # 400 steps (a few seconds each): long enough that the first task is still
-# training when the second has started, also on a loaded machine (at 60, the
-# first once finished before the signal: CI, 2026-12-02).
+# training when the second has started, also on a loaded machine (at 60 steps
+# the first can finish before the signal).
 long=(--set data.global_batch=2 --set data.micro_batch=1 --set log.interval=1 --set run.max_steps=400)
 tools/sweep.sh local -j 2 --base runs/local-stop inputs/tiny-sft.toml inputs/sweep-test.txt "${long[@]}" > "$tmp/local-stop.out" 2>&1 &
 runner=$!
