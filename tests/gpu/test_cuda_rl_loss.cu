@@ -1,5 +1,5 @@
 // test_cuda_rl_loss.cu — the CUDA RL policy loss (cuda/rl_loss.hpp) against the CPU
-// reference cpu::rl_loss_forward_backward<float> (rl_loss.hpp) on the same
+// reference cpu::rl_loss_forward_backward<float> (cpu/rl_loss.hpp) on the same
 // bf16-rounded logits, on fresh random inputs: tiny and odd sizes (scalar path),
 // V = 128256 (a 4-CTA cluster) and V = 151936 (8 CTAs); both mask thresholds,
 // temperatures != 1, weights, rows without loss, mixed SFT (ce_coef), the on-policy

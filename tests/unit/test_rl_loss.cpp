@@ -38,7 +38,7 @@ struct Chunk {
   FVec temperatures;              // (n)
 };
 
-// The formula of rl_loss.hpp, straight from its definition, in double.
+// The formula of cpu/rl_loss.hpp, straight from its definition, in double.
 // force_kept: -1 = decide masking by the rule; 0 / 1 = every loss token masked /
 // kept (for tokens exactly at a threshold, where the reference's own logp, a few
 // ulps from the kernel's, could fall on the other side).
