@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
+#include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -13,6 +14,7 @@
 #include <cstring>
 #include <nlohmann/json.hpp>
 #include <regex>
+#include <string_view>
 
 #include "shardlm/error.hpp"
 
@@ -76,10 +78,90 @@ class RegexReward final : public Reward {
   std::string pattern_;
 };
 
+// Bounds of one exchange with a reward program.
+constexpr size_t kMaxAnswerLineBytes = 4096;  // one reward: a number, whitespace around it
+constexpr size_t kQuotedBytes = 64;           // of a bad line, in an error message
+constexpr int kExitPollMs = 20;               // how often the program's exit is looked for
+
+// A short, printable quote of what a program printed: at most kQuotedBytes,
+// other bytes than printable ASCII as \xNN, "..." where it was cut.
+std::string quote_prefix(std::string_view text, bool cut = false) {
+  std::string out = "'";
+  for (size_t i = 0; i < text.size() && i < kQuotedBytes; ++i) {
+    const auto c = static_cast<unsigned char>(text[i]);
+    out += c >= 0x20 && c < 0x7F && c != '\'' ? std::string(1, char(c)) : fmt("\\x%02X", unsigned(c));
+  }
+  return out + (cut || text.size() > kQuotedBytes ? "...'" : "'");
+}
+
+// The program's stdout, read as the protocol defines it: one reward per line,
+// as many lines as completions. Holds at most one line of kMaxAnswerLineBytes;
+// the first fault (a line too long, not a number, one too many) stops it.
+class AnswerReader {
+ public:
+  explicit AnswerReader(size_t expected) : expected_(expected) {}
+  void feed(const char* data, size_t n) {
+    for (size_t i = 0; i < n && fault_.empty(); ++i) {
+      if (rewards_.size() == expected_) {
+        const size_t end = std::min(n, i + kQuotedBytes);
+        const std::string extra = quote_prefix(std::string_view(data + i, end - i), end < n);
+        fault_ = fmt("answered more than %zu rewards for %zu completions (one line each; after line %zu it printed %s)",
+                     expected_, expected_, expected_, extra.c_str());
+      } else if (data[i] == '\n') {
+        end_line();
+      } else if (line_.size() == kMaxAnswerLineBytes) {
+        fault_ = fmt("line %zu of its output is longer than %zu bytes, not one reward (it starts %s)",
+                     rewards_.size() + 1, kMaxAnswerLineBytes, quote_prefix(line_, true).c_str());
+      } else {
+        line_ += data[i];
+      }
+    }
+  }
+  // At the program's end: a last line without its newline counts.
+  void finish() {
+    if (fault_.empty() && !line_.empty()) end_line();
+  }
+  const std::string& fault() const { return fault_; }  // "" while the output keeps to the protocol
+  const std::vector<double>& rewards() const { return rewards_; }
+
+ private:
+  void end_line() {
+    const std::string text = trim(line_);
+    char* stop = nullptr;
+    const double v = std::strtod(text.c_str(), &stop);
+    if (text.empty() || *stop != '\0' || !std::isfinite(v))
+      fault_ = fmt("line %zu of its output is %s, not a finite number (one reward per line, in the order of the "
+                   "input lines)", rewards_.size() + 1, quote_prefix(line_).c_str());
+    else
+      rewards_.push_back(v);
+    line_.clear();
+  }
+  size_t expected_;
+  std::vector<double> rewards_;
+  std::string line_;  // the line being read, at most kMaxAnswerLineBytes
+  std::string fault_;
+};
+
+// A pipe end above stderr (a rank whose stdin or stdout is closed gets those
+// numbers back from pipe()), closed on exec.
+int above_stdio(int fd) {
+  if (fd > STDERR_FILENO) return fd;
+  const int moved = fcntl(fd, F_DUPFD_CLOEXEC, STDERR_FILENO + 1);
+  close(fd);
+  return moved;
+}
+
+bool is_stop_signal(int sig) { return sig == SIGUSR1 || sig == SIGTERM || sig == SIGINT; }
+
 // `/bin/sh -c PROGRAM` once per step: every completion as one JSON line on its
 // stdin, then EOF; one reward per line back on its stdout; its stderr is ours.
-// Both pipes are served by one poll loop, so a program that answers while it
-// reads cannot deadlock with us; past rollout.reward_timeout_s it is killed.
+// It runs in a process group of its own, so the stop signals that mpirun or a
+// terminal sends to the rank's group are the job's (the trainers save and the
+// job exits 75), not the program's. The exchange is bounded: the whole of it by
+// rollout.reward_timeout_s (the program's exit included, not only its reads),
+// its output by AnswerReader; at the end the program's whole group is killed,
+// so nothing it left running holds on. Both pipes are served by one poll loop,
+// so a program that answers while it reads cannot deadlock with us.
 class ProgramReward final : public Reward {
  public:
   ProgramReward(std::string command, double timeout_s) : command_(std::move(command)), timeout_s_(timeout_s) {}
@@ -95,86 +177,149 @@ class ProgramReward final : public Reward {
     }
     const std::string where = fmt("reward program '%s' (rollout.reward_program, rollout step %lld)",
                                   command_.c_str(), (long long)step);
-    int to_child[2], from_child[2];
-    SHARDLM_CHECK(pipe(to_child) == 0 && pipe(from_child) == 0, "%s: pipe: %s", where.c_str(), std::strerror(errno));
-    const pid_t pid = fork();
-    SHARDLM_CHECK(pid >= 0, "%s: fork: %s", where.c_str(), std::strerror(errno));
-    if (pid == 0) {  // the child: only async-signal-safe calls until exec
-      dup2(to_child[0], STDIN_FILENO);
-      dup2(from_child[1], STDOUT_FILENO);
-      close(to_child[0]), close(to_child[1]), close(from_child[0]), close(from_child[1]);
-      execl("/bin/sh", "sh", "-c", command_.c_str(), static_cast<char*>(nullptr));
-      _exit(127);
+    Outcome run = exchange(input, items.size(), where);
+    // Killed by a stop signal (Slurm signals every process of the job step,
+    // whatever its group): the job is stopping, the answer was not given. The
+    // trainers wait for this step's file before they save, so it runs again.
+    if (run.stopped()) {
+      std::fprintf(stderr, "%s was killed by signal %d (%s), a stop signal to the job: running it once more\n",
+                   where.c_str(), WTERMSIG(run.status), strsignal(WTERMSIG(run.status)));
+      run = exchange(input, items.size(), where);
+      SHARDLM_CHECK(!run.stopped(), "%s was killed by signal %d (%s) twice: once may be the job's stop signal, "
+                    "twice is the program's failure", where.c_str(), WTERMSIG(run.status),
+                    strsignal(WTERMSIG(run.status)));
     }
+    SHARDLM_CHECK(!run.timed_out, "%s gave no complete answer within rollout.reward_timeout_s = %g s (%zu "
+                  "completions sent, %zu rewards read); it was killed, with its process group", where.c_str(),
+                  timeout_s_, items.size(), run.answers.rewards().size());
+    SHARDLM_CHECK(run.answers.fault().empty(), "%s: %s", where.c_str(), run.answers.fault().c_str());
+    if (WIFSIGNALED(run.status))
+      SHARDLM_FAIL("%s was killed by signal %d (%s)", where.c_str(), WTERMSIG(run.status),
+                   strsignal(WTERMSIG(run.status)));
+    SHARDLM_CHECK(WEXITSTATUS(run.status) != 127, "%s: the shell could not run it (exit 127: command not found?)",
+                  where.c_str());
+    SHARDLM_CHECK(WEXITSTATUS(run.status) == 0, "%s exited with status %d", where.c_str(), WEXITSTATUS(run.status));
+    run.answers.finish();
+    SHARDLM_CHECK(run.answers.fault().empty(), "%s: %s", where.c_str(), run.answers.fault().c_str());
+    SHARDLM_CHECK(run.answers.rewards().size() == items.size(), "%s answered %zu rewards for %zu completions (one "
+                  "line each)", where.c_str(), run.answers.rewards().size(), items.size());
+    return run.answers.rewards();
+  }
+
+ private:
+  struct Outcome {
+    AnswerReader answers;
+    bool timed_out = false;
+    int status = 0;  // waitpid's, of /bin/sh
+    bool stopped() const {
+      return !timed_out && answers.fault().empty() && WIFSIGNALED(status) && is_stop_signal(WTERMSIG(status));
+    }
+  };
+
+  // One run of the program, bounded. The program's end is its shell's exit
+  // (what it printed by then is its answer), or a fault in its output, or the
+  // timeout: the last two kill it.
+  Outcome exchange(const std::string& input, size_t expected, const std::string& where) const {
+    Outcome out{AnswerReader(expected)};
+    int to_child[2], from_child[2];
+    SHARDLM_CHECK(pipe2(to_child, O_CLOEXEC) == 0, "%s: pipe: %s", where.c_str(), std::strerror(errno));
+    SHARDLM_CHECK(pipe2(from_child, O_CLOEXEC) == 0, "%s: pipe: %s", where.c_str(), std::strerror(errno));
+    for (int* fd : {&to_child[0], &to_child[1], &from_child[0], &from_child[1]}) *fd = above_stdio(*fd);
+    posix_spawn_file_actions_t files;
+    posix_spawnattr_t attr;
+    posix_spawn_file_actions_init(&files);
+    posix_spawn_file_actions_adddup2(&files, to_child[0], STDIN_FILENO);
+    posix_spawn_file_actions_adddup2(&files, from_child[1], STDOUT_FILENO);
+    posix_spawnattr_init(&attr);
+    // Its own process group; the signals a rank ignores or handles back at their defaults, none blocked.
+    sigset_t defaults, none;
+    sigemptyset(&defaults);
+    for (int sig : {SIGPIPE, SIGUSR1, SIGUSR2, SIGTERM, SIGINT, SIGHUP, SIGQUIT}) sigaddset(&defaults, sig);
+    sigemptyset(&none);
+    posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETPGROUP | POSIX_SPAWN_SETSIGDEF | POSIX_SPAWN_SETSIGMASK);
+    posix_spawnattr_setpgroup(&attr, 0);
+    posix_spawnattr_setsigdefault(&attr, &defaults);
+    posix_spawnattr_setsigmask(&attr, &none);
+    std::string sh = "sh", dash_c = "-c", command = command_;
+    char* argv[] = {sh.data(), dash_c.data(), command.data(), nullptr};
+    pid_t pid = -1;
+    const int spawned = posix_spawn(&pid, "/bin/sh", &files, &attr, argv, environ);
+    posix_spawn_file_actions_destroy(&files);
+    posix_spawnattr_destroy(&attr);
     close(to_child[0]);
     close(from_child[1]);
     int in_fd = to_child[1], out_fd = from_child[0];
+    if (spawned != 0) {
+      close(in_fd), close(out_fd);
+      SHARDLM_FAIL("%s: cannot start /bin/sh: %s", where.c_str(), std::strerror(spawned));
+    }
     fcntl(in_fd, F_SETFL, O_NONBLOCK);
+    fcntl(out_fd, F_SETFL, O_NONBLOCK);
     // A program that exits without reading all its input must not kill us with SIGPIPE.
     struct sigaction ignore {}, old {};
     ignore.sa_handler = SIG_IGN;
     sigaction(SIGPIPE, &ignore, &old);
-    std::string output;
+    // What it has printed, up to a fault: Read::More when there may be more to read now.
+    enum class Read { More, Empty, End };
+    const auto read_output = [&] {
+      char buf[65536];
+      for (int reads = 0; reads < 16; ++reads) {
+        if (!out.answers.fault().empty()) return Read::Empty;
+        const ssize_t n = read(out_fd, buf, sizeof buf);
+        if (n > 0) out.answers.feed(buf, size_t(n));
+        else if (n < 0 && (errno == EAGAIN || errno == EINTR)) return Read::Empty;
+        else return Read::End;
+      }
+      return Read::More;
+    };
     size_t sent = 0;
+    bool exited = false;
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s_);
-    bool timed_out = false;
-    while (out_fd >= 0) {
+    while (!exited && out.answers.fault().empty()) {
       if (in_fd >= 0 && sent == input.size()) close(in_fd), in_fd = -1;
-      pollfd fds[2] = {{out_fd, POLLIN, 0}, {in_fd, POLLOUT, 0}};
-      const auto left_ms = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now()).count();
+      const auto left_ms = std::chrono::duration_cast<std::chrono::milliseconds>(
+                               deadline - std::chrono::steady_clock::now()).count();
       if (left_ms <= 0) {
-        timed_out = true;
+        out.timed_out = true;
         break;
       }
-      const int ready = poll(fds, in_fd >= 0 ? 2 : 1, int(std::min<int64_t>(left_ms, 1000)));
-      if (ready < 0 && errno == EINTR) continue;
-      SHARDLM_CHECK(ready >= 0, "%s: poll: %s", where.c_str(), std::strerror(errno));
-      if (in_fd >= 0 && (fds[1].revents & (POLLOUT | POLLERR | POLLHUP))) {
+      // Its exit is looked for every kExitPollMs: a child it left behind may hold its stdout open.
+      pollfd fds[2] = {{out_fd, POLLIN, 0}, {in_fd, POLLOUT, 0}};
+      const int ready = poll(fds, 2, int(std::min<int64_t>(left_ms, kExitPollMs)));
+      if (ready < 0 && errno != EINTR) {
+        const int error = errno;
+        sigaction(SIGPIPE, &old, nullptr);
+        kill(-pid, SIGKILL);
+        while (waitpid(pid, &out.status, 0) < 0 && errno == EINTR) {
+        }
+        SHARDLM_FAIL("%s: poll: %s", where.c_str(), std::strerror(error));
+      }
+      if (ready > 0 && in_fd >= 0 && (fds[1].revents & (POLLOUT | POLLERR | POLLHUP))) {
         const ssize_t n = write(in_fd, input.data() + sent, input.size() - sent);
         if (n > 0) sent += size_t(n);
         else if (n < 0 && errno != EAGAIN && errno != EINTR) close(in_fd), in_fd = -1;  // it stopped reading
       }
-      if (fds[0].revents & (POLLIN | POLLHUP | POLLERR)) {
-        char buf[65536];
-        const ssize_t n = read(out_fd, buf, sizeof buf);
-        if (n > 0) output.append(buf, size_t(n));
-        else if (n == 0 || (errno != EAGAIN && errno != EINTR)) close(out_fd), out_fd = -1;
-      }
+      if (ready > 0 && out_fd >= 0 && (fds[0].revents & (POLLIN | POLLHUP | POLLERR)) &&
+          read_output() == Read::End)
+        close(out_fd), out_fd = -1;  // its stdout's end; it may still be running
+      siginfo_t info{};
+      exited = waitid(P_PID, id_t(pid), &info, WEXITED | WNOHANG | WNOWAIT) == 0 && info.si_pid == pid;
+      // All it printed before it exited is in the pipe now (AnswerReader bounds
+      // what a child it left behind may add).
+      if (exited && out_fd >= 0)
+        while (read_output() == Read::More) {
+        }
     }
     sigaction(SIGPIPE, &old, nullptr);
     if (in_fd >= 0) close(in_fd);
     if (out_fd >= 0) close(out_fd);
-    if (timed_out) kill(pid, SIGKILL);
-    int status = 0;
-    while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+    // The group first, while its leader is not yet reaped (so the group's id is not reused).
+    kill(-pid, SIGKILL);
+    while (waitpid(pid, &out.status, 0) < 0 && errno == EINTR) {
     }
-    SHARDLM_CHECK(!timed_out, "%s gave no complete answer within rollout.reward_timeout_s = %g s (%zu completions "
-                  "sent); it was killed", where.c_str(), timeout_s_, items.size());
-    if (WIFSIGNALED(status))
-      SHARDLM_FAIL("%s was killed by signal %d", where.c_str(), WTERMSIG(status));
-    SHARDLM_CHECK(WEXITSTATUS(status) != 127, "%s: the shell could not run it (exit 127: command not found?)",
-                  where.c_str());
-    SHARDLM_CHECK(WEXITSTATUS(status) == 0, "%s exited with status %d", where.c_str(), WEXITSTATUS(status));
-    std::vector<double> rewards;
-    size_t line_start = 0;
-    for (int64_t line = 1; line_start < output.size(); ++line) {
-      size_t end = output.find('\n', line_start);
-      if (end == std::string::npos) end = output.size();
-      const std::string text = trim(output.substr(line_start, end - line_start));
-      line_start = end + 1;
-      char* stop = nullptr;
-      const double v = std::strtod(text.c_str(), &stop);
-      SHARDLM_CHECK(!text.empty() && *stop == '\0' && std::isfinite(v),
-                    "%s: line %lld of its output is '%s', not a finite number (one reward per line, in the order "
-                    "of the input lines)", where.c_str(), (long long)line, text.c_str());
-      rewards.push_back(v);
-    }
-    SHARDLM_CHECK(rewards.size() == items.size(), "%s answered %zu rewards for %zu completions (one line each)",
-                  where.c_str(), rewards.size(), items.size());
-    return rewards;
+    return out;
   }
 
- private:
   std::string command_;
   double timeout_s_;
 };
