@@ -14,6 +14,9 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
+#include <utility>
+#include <variant>
 
 namespace shardlm {
 
@@ -65,25 +68,82 @@ constexpr int64_t kMaxTokensPerMicroBatch = 2147483647;     // micro_batch x seq
 // the plan's byte counts (x 4 B, x a few buffers) stay below 2^62.
 constexpr int64_t kMaxActivationFloats = int64_t(1) << 56;
 
-// One size that shapes the weights. `name` is its deck key (model.<name>), its
-// attribute in a checkpoint's /model group and its name in messages;
-// config.json calls it `hf_key`. Accepted: 1 .. max.
-struct ModelSizeField {
-  using Member = int64_t ModelConfig::*;
-  const char* name;
-  const char* hf_key;
-  Member member;
-  int64_t max;
+// How config.json gives a member (model/hf_config.cpp reads and writes each form).
+enum class HfForm {
+  ModelType,      // arch: "model_type" (or the model class in "architectures")
+  Integer,        // an integer 1 .. max; a `derived` size may be left out
+  Number,         // a number > 0, required
+  RopeTheta,      // the RoPE base: at the top level, or in "rope_scaling" / "rope_parameters"
+  RopeScaling,    // a key of the "rope_scaling" object (4.x; "rope_parameters" in 5.x); null: no scaling
+  Flag,           // true or false; absent: false
+  AttentionBias,  // implied by qwen2; llama's and qwen3's would add an o_proj bias too, so only false is taken
+  QkNorm,         // no key: qwen3 has q/k norms, llama and qwen2 do not
+  TokenId,        // an id or a list of ids (the first taken); absent or null: -1
+};
+
+// One member of ModelConfig with every name and rule it has. The deck's [model]
+// keys (and the deck `shardlm check` prints), config.json's read and write, a
+// checkpoint's /model attributes, the load-mismatch report and `inspect` all walk
+// model_fields(), so a member is named and bounded once. Its default is the
+// struct's initialiser above.
+struct ModelField {
+  template <class T>
+  using Member = T& (*)(ModelConfig&);
+  using Ref = std::variant<Member<std::string>, Member<int64_t>, Member<double>, Member<bool>>;
+
+  const char* name;               // deck key model.<name>, and its name in messages; nullptr: not a deck key
+  const char* attribute;          // its attribute in a checkpoint's /model group
+  const char* hf_key;             // config.json's key (RopeScaling: within that object); nullptr: none
+  HfForm hf;
+  Ref ref;                        // the member
+  double max = 0;                 // numbers: accepted > 0 and <= max (config.json's floats: > 0)
+  std::span<const char* const> choices = {};  // strings: the accepted values
+  // The weights' shape and tensors depend on it: a checkpoint loads only into a
+  // model with the same value (the load-mismatch report), `inspect` shows it.
+  bool shapes_weights = false;
   // May be left out of a deck or config.json: num_kv_heads (= num_heads, no
   // grouped-query attention) and head_dim (= hidden_size / num_heads).
   bool derived = false;
+  const char* note = nullptr;     // a flag's words in inspect's summary when it is on
 };
 
-// vocab_size, hidden_size, intermediate_size, num_layers, num_heads,
-// num_kv_heads, head_dim: in this order everywhere they are written
-// (config.json, checkpoint attributes, reports). max_position_embeddings is
-// not among them: it bounds the positions, not the weights (no parameter
-// count, no load comparison), and each schema gives it its own default.
+// Every member of ModelConfig, in the order they are written everywhere (the
+// deck, config.json, checkpoint attributes, reports).
+std::span<const ModelField> model_fields();
+// The row of deck key `name`; nullptr if none.
+const ModelField* model_field(std::string_view name);
+
+// `f`'s member of `c` as its type (member_of<int64_t>(f, c)); another type throws
+// std::bad_variant_access.
+template <class T>
+T& member_of(const ModelField& f, ModelConfig& c) {
+  return std::get<ModelField::Member<T>>(f.ref)(c);
+}
+template <class T>
+const T& member_of(const ModelField& f, const ModelConfig& c) {
+  return std::get<ModelField::Member<T>>(f.ref)(const_cast<ModelConfig&>(c));  // read only
+}
+template <class T>
+bool field_is(const ModelField& f) {
+  return std::holds_alternative<ModelField::Member<T>>(f.ref);
+}
+// fn(member) with `f`'s member of `c`, whatever its type (one of Ref's four).
+template <class Fn>
+decltype(auto) visit_member(const ModelField& f, ModelConfig& c, Fn&& fn) {
+  return std::visit([&](auto member) -> decltype(auto) { return fn(member(c)); }, f.ref);
+}
+template <class Fn>
+decltype(auto) visit_member(const ModelField& f, const ModelConfig& c, Fn&& fn) {
+  return std::visit([&](auto member) -> decltype(auto) { return fn(std::as_const(member(const_cast<ModelConfig&>(c)))); },
+                    f.ref);
+}
+
+// The sizes that shape the weights (integers with shapes_weights): vocab_size,
+// hidden_size, intermediate_size, num_layers, num_heads, num_kv_heads,
+// head_dim, a run of model_fields(). max_position_embeddings is not among them:
+// it bounds the positions, not the weights (no parameter count, no load
+// comparison), and each schema gives it its own default.
+using ModelSizeField = ModelField;
 std::span<const ModelSizeField> model_size_fields();
 
 // What check_model_sizes found first; each caller words it in its own schema's

@@ -69,19 +69,21 @@ int inspect_checkpoint(const fs::path& given, MPI_Comm comm, std::FILE* out) {
       const ModelConfig& a = info.arch;
       std::string sizes;  // "vocab_size 256, hidden_size 64, ...": the table's names, as in the deck
       for (const ModelSizeField& f : model_size_fields())
-        sizes += fmt("%s%s %lld", sizes.empty() ? "" : ", ", f.name, (long long)(a.*f.member));
+        sizes += fmt("%s%s %lld", sizes.empty() ? "" : ", ", f.name, (long long)member_of<int64_t>(f, a));
+      std::string options;  // the options that are on, in the table's words: the tied embedding, then the layers'
+      for (const char* name : {"tie_word_embeddings", "attention_bias", "qk_norm"})
+        if (const ModelField& f = *model_field(name); member_of<bool>(f, a)) options += fmt(", %s", f.note);
       std::fprintf(out,
                    "checkpoint %s\n"
                    "  format %lld, written by shardlm %s at %s\n"
                    "  step %lld (steps completed), tokens seen %lld, world size at save %lld\n"
-                   "  model %s: %s%s%s%s\n"
+                   "  model %s: %s%s\n"
                    "  %lld parameters in %lld tensors\n"
                    "  optimizer %s, state [%s], %lld steps taken; bad steps %lld in a row, %lld total\n"
                    "  data: step %lld starts at row %lld; seq_len %lld, seed %llu, %lld documents, shuffle %s\n",
                    path.c_str(), (long long)info.format, info.shardlm_version.c_str(), info.saved_at.c_str(),
                    (long long)info.step, (long long)info.tokens_seen, (long long)info.world_size_at_save,
-                   a.arch.c_str(), sizes.c_str(), a.tie_word_embeddings ? ", tied embeddings" : "",
-                   a.attention_bias ? ", qkv bias" : "", a.qk_norm ? ", qk norm" : "", (long long)info.parameter_count, (long long)info.tensors,
+                   a.arch.c_str(), sizes.c_str(), options.c_str(), (long long)info.parameter_count, (long long)info.tensors,
                    info.optimizer.c_str(), join(info.optimizer_states, ", ").c_str(), (long long)info.optimizer_steps,
                    (long long)info.bad_steps_in_a_row, (long long)info.bad_steps_total, (long long)info.data.step,
                    (long long)info.data.rows_consumed, (long long)info.data.seq_len,

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <ctime>
 #include <set>
+#include <type_traits>
 
 #include "checkpoint/checksum.hpp"
 #include "train/muon.hpp"
@@ -85,42 +86,27 @@ namespace {
 // The architecture as attributes of /model: enough to rebuild the layout
 // (export, inspect) without the deck or model.hf.
 void write_arch(hid_t g, const ModelConfig& a, int64_t parameter_count, int64_t tensors) {
-  attr_str(g, "arch", a.arch);
-  for (const ModelSizeField& f : model_size_fields()) attr_i64(g, f.name, a.*f.member);
-  attr_i64(g, "max_position_embeddings", a.max_position_embeddings);
-  attr_f64(g, "rms_norm_eps", a.rms_norm_eps);
-  attr_f64(g, "rope_theta", a.rope_theta);
-  attr_str(g, "rope_scaling_type", a.rope_scaling.type);
-  attr_f64(g, "rope_scaling_factor", a.rope_scaling.factor);
-  attr_f64(g, "rope_scaling_low_freq_factor", a.rope_scaling.low_freq_factor);
-  attr_f64(g, "rope_scaling_high_freq_factor", a.rope_scaling.high_freq_factor);
-  attr_i64(g, "rope_scaling_original_max_position_embeddings", a.rope_scaling.original_max_position_embeddings);
-  attr_i64(g, "attention_bias", a.attention_bias);
-  attr_i64(g, "qk_norm", a.qk_norm);
-  attr_i64(g, "tie_word_embeddings", a.tie_word_embeddings);
-  attr_i64(g, "bos_token_id", a.bos_token_id);
-  attr_i64(g, "eos_token_id", a.eos_token_id);
+  for (const ModelField& f : model_fields())
+    visit_member(f, a, [&](const auto& v) {
+      using T = std::decay_t<decltype(v)>;
+      if constexpr (std::is_same_v<T, std::string>) attr_str(g, f.attribute, v);
+      else if constexpr (std::is_same_v<T, double>) attr_f64(g, f.attribute, v);
+      else attr_i64(g, f.attribute, v);  // integers; flags as 0 or 1
+    });
   attr_i64(g, "parameter_count", parameter_count);
   attr_i64(g, "tensors", tensors);
 }
 
 ModelConfig read_arch(hid_t g) {
   ModelConfig a;
-  a.arch = read_str(g, "arch");
-  for (const ModelSizeField& f : model_size_fields()) a.*f.member = read_i64(g, f.name);
-  a.max_position_embeddings = read_i64(g, "max_position_embeddings");
-  a.rms_norm_eps = read_f64(g, "rms_norm_eps");
-  a.rope_theta = read_f64(g, "rope_theta");
-  a.rope_scaling.type = read_str(g, "rope_scaling_type");
-  a.rope_scaling.factor = read_f64(g, "rope_scaling_factor");
-  a.rope_scaling.low_freq_factor = read_f64(g, "rope_scaling_low_freq_factor");
-  a.rope_scaling.high_freq_factor = read_f64(g, "rope_scaling_high_freq_factor");
-  a.rope_scaling.original_max_position_embeddings = read_i64(g, "rope_scaling_original_max_position_embeddings");
-  a.attention_bias = read_i64(g, "attention_bias") != 0;
-  a.qk_norm = read_i64(g, "qk_norm") != 0;
-  a.tie_word_embeddings = read_i64(g, "tie_word_embeddings") != 0;
-  a.bos_token_id = read_i64(g, "bos_token_id");
-  a.eos_token_id = read_i64(g, "eos_token_id");
+  for (const ModelField& f : model_fields())
+    visit_member(f, a, [&](auto& v) {
+      using T = std::decay_t<decltype(v)>;
+      if constexpr (std::is_same_v<T, std::string>) v = read_str(g, f.attribute);
+      else if constexpr (std::is_same_v<T, double>) v = read_f64(g, f.attribute);
+      else if constexpr (std::is_same_v<T, bool>) v = read_i64(g, f.attribute) != 0;
+      else v = read_i64(g, f.attribute);
+    });
   return a;
 }
 

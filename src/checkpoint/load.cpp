@@ -48,11 +48,14 @@ std::vector<std::string> mismatches_of(TrainSession& s, hid_t file, const Checkp
     else a = std::to_string(saved), b = std::to_string(now);
     out.push_back(fmt("model.%s: %s in the checkpoint, %s in this run", key, a.c_str(), b.c_str()));
   };
-  cmp("arch", theirs.arch, mine.arch);
-  for (const ModelSizeField& f : model_size_fields()) cmp(f.name, theirs.*f.member, mine.*f.member);
-  cmp("attention_bias", static_cast<int>(theirs.attention_bias), static_cast<int>(mine.attention_bias));
-  cmp("qk_norm", static_cast<int>(theirs.qk_norm), static_cast<int>(mine.qk_norm));
-  cmp("tie_word_embeddings", static_cast<int>(theirs.tie_word_embeddings), static_cast<int>(mine.tie_word_embeddings));
+  for (const ModelField& f : model_fields())
+    if (f.shapes_weights)
+      visit_member(f, theirs, [&](const auto& saved) {
+        using T = std::decay_t<decltype(saved)>;
+        const T& now = member_of<T>(f, mine);
+        if constexpr (std::is_same_v<T, bool>) cmp(f.name, static_cast<int>(saved), static_cast<int>(now));
+        else cmp(f.name, saved, now);
+      });
 
   // Tensors: each one this run needs, with its shape; /model entries this run does not know.
   const auto names = state_names(s.optimizer);

@@ -75,19 +75,27 @@ KeySpec one_of(KeySpec k, std::vector<std::string> choices, std::vector<std::str
 
 #define FIELD(expr) [](Config& c) -> auto& { return c.expr; }
 
-// The [model] keys of the sizes that shape the weights: one row of
-// model_config.hpp's table each, after model.arch.
-std::vector<KeySpec> with_model_sizes(std::vector<KeySpec> table) {
-  auto at = std::find_if(table.begin(), table.end(), [](const KeySpec& k) { return k.path == "model.arch"; }) + 1;
-  for (const ModelSizeField& f : model_size_fields()) {
-    auto field = [member = f.member](Config& c) -> int64_t& { return c.model.arch.*member; };
-    at = table.insert(at, up_to(positive(key(std::string("model.") + f.name, Type::Int, field)), f.max)) + 1;
+// The [model] keys of ModelConfig's members, one row of model_config.hpp's
+// table each, after model.hf: a number > 0 and at most the row's max, a string
+// one of its choices.
+std::vector<KeySpec> with_model_fields(std::vector<KeySpec> table) {
+  auto at = std::find_if(table.begin(), table.end(), [](const KeySpec& k) { return k.path == "model.hf"; }) + 1;
+  for (const ModelField& f : model_fields()) {
+    if (!f.name) continue;  // bos_token_id, eos_token_id: config.json's only
+    KeySpec k;
+    k.path = std::string("model.") + f.name;
+    k.type = field_is<bool>(f) ? Type::Bool : field_is<int64_t>(f) ? Type::Int
+           : field_is<double>(f) ? Type::Float : Type::String;
+    k.ref = [&f](Config& c) -> void* { return visit_member(f, c.model.arch, [](auto& v) -> void* { return &v; }); };
+    if (k.type == Type::Int || k.type == Type::Float) k = up_to(positive(std::move(k)), f.max);
+    if (k.type == Type::String) k = one_of(std::move(k), std::vector<std::string>(f.choices.begin(), f.choices.end()));
+    at = table.insert(at, std::move(k)) + 1;
   }
   return table;
 }
 
 const std::vector<KeySpec>& key_table() {
-  static const std::vector<KeySpec> table = with_model_sizes({
+  static const std::vector<KeySpec> table = with_model_fields({
       key("run.name", Type::String, FIELD(run.name)),
       key("run.dir", Type::String, FIELD(run.dir)),
       at_least(key("run.seed", Type::Int, FIELD(run.seed)), 0),
@@ -98,22 +106,6 @@ const std::vector<KeySpec>& key_table() {
       one_of(key("run.export_dtype", Type::String, FIELD(run.export_dtype)), {"bf16", "fp32"}),
 
       key("model.hf", Type::String, FIELD(model.hf)),
-      one_of(key("model.arch", Type::String, FIELD(model.arch.arch)), {"llama", "qwen2", "qwen3"}),
-      up_to(positive(key("model.max_position_embeddings", Type::Int, FIELD(model.arch.max_position_embeddings))),
-            kMaxPositions),
-      up_to(positive(key("model.rms_norm_eps", Type::Float, FIELD(model.arch.rms_norm_eps))), 1),
-      up_to(positive(key("model.rope_theta", Type::Float, FIELD(model.arch.rope_theta))), 1e15),
-      one_of(key("model.rope_scaling", Type::String, FIELD(model.arch.rope_scaling.type)), {"none", "llama3"}),
-      up_to(positive(key("model.rope_factor", Type::Float, FIELD(model.arch.rope_scaling.factor))), 1e6),
-      up_to(positive(key("model.rope_low_freq_factor", Type::Float, FIELD(model.arch.rope_scaling.low_freq_factor))), 1e6),
-      up_to(positive(key("model.rope_high_freq_factor", Type::Float, FIELD(model.arch.rope_scaling.high_freq_factor))),
-            1e6),
-      up_to(positive(key("model.rope_original_max_position_embeddings", Type::Int,
-                         FIELD(model.arch.rope_scaling.original_max_position_embeddings))),
-            kMaxPositions),
-      key("model.attention_bias", Type::Bool, FIELD(model.arch.attention_bias)),
-      key("model.qk_norm", Type::Bool, FIELD(model.arch.qk_norm)),
-      key("model.tie_word_embeddings", Type::Bool, FIELD(model.arch.tie_word_embeddings)),
       up_to(positive(key("model.init_std", Type::Float, FIELD(model.init_std))), 100),
       key("model.optim_cpu_offload", Type::Bool, FIELD(model.optim_cpu_offload)),
       one_of(key("model.optim_offload_grads", Type::String, FIELD(model.optim_offload_grads)), {"host", "device"}),
@@ -511,7 +503,7 @@ void validate(const Config& c, int world, const std::set<std::string>& given, st
     std::string required;  // the sizes with no default: "vocab_size, hidden_size, ..."
     for (const ModelSizeField& f : model_size_fields()) {
       if (f.derived) continue;
-      if (!missing && a.*f.member <= 0) missing = f.name;
+      if (!missing && member_of<int64_t>(f, a) <= 0) missing = f.name;
       required += (required.empty() ? "" : ", ") + std::string(f.name);
     }
     const bool head_dim_given = given.count("model.head_dim") != 0;

@@ -153,22 +153,28 @@ RopeDesc parse_rope_dict(const ConfigReader& cr, const std::string& key, const j
   if (type == "default") {
     out.scaling.type = "none";
   } else if (type == "llama3") {
-    auto need = [&](const char* k) -> const json& {
-      const json* v = ConfigReader::find(*dict, k);
-      if (!v) cr.fail(fmt("'%s' has rope_type llama3 but no '%s'", where.c_str(), k));
-      return *v;
-    };
-    out.scaling.type = "llama3";
-    out.scaling.factor = cr.to_double(need("factor"), where + ".factor");
-    out.scaling.low_freq_factor = cr.to_double(need("low_freq_factor"), where + ".low_freq_factor");
-    out.scaling.high_freq_factor = cr.to_double(need("high_freq_factor"), where + ".high_freq_factor");
-    const json* omax = ConfigReader::find(*dict, "original_max_position_embeddings");
-    if (!omax) omax = ConfigReader::find(cr.root, "original_max_position_embeddings");  // 5.x may keep it outside
-    if (!omax) cr.fail(fmt("'%s' has rope_type llama3 but no 'original_max_position_embeddings'", where.c_str()));
-    out.scaling.original_max_position_embeddings = cr.to_int(*omax, where + ".original_max_position_embeddings");
-    if (out.scaling.original_max_position_embeddings > kMaxPositions)
-      cr.fail(fmt("'%s.original_max_position_embeddings' = %lld is out of range: shardlm accepts 1 to %lld",
-                  where.c_str(), (long long)out.scaling.original_max_position_embeddings, (long long)kMaxPositions));
+    // Every number of the table's rope_scaling rows is required: factor,
+    // low_freq_factor, high_freq_factor, original_max_position_embeddings
+    // (read into a ModelConfig, where the rows point).
+    ModelConfig read;
+    read.rope_scaling.type = "llama3";
+    for (const ModelField& f : model_fields()) {
+      if (f.hf != HfForm::RopeScaling || field_is<std::string>(f)) continue;  // rope_type: read above
+      const json* v = ConfigReader::find(*dict, f.hf_key);
+      if (!v && std::string_view(f.hf_key) == "original_max_position_embeddings")
+        v = ConfigReader::find(cr.root, f.hf_key);  // 5.x may keep it outside
+      if (!v) cr.fail(fmt("'%s' has rope_type llama3 but no '%s'", where.c_str(), f.hf_key));
+      const std::string key = where + "." + f.hf_key;
+      if (field_is<double>(f)) {
+        member_of<double>(f, read) = cr.to_double(*v, key);
+        continue;
+      }
+      const int64_t n = member_of<int64_t>(f, read) = cr.to_int(*v, key);
+      if (n > f.max)
+        cr.fail(fmt("'%s' = %lld is out of range: shardlm accepts 1 to %lld", key.c_str(), (long long)n,
+                    (long long)f.max));
+    }
+    out.scaling = read.rope_scaling;
     if (!(out.scaling.factor > 0) || !(out.scaling.low_freq_factor > 0) || !(out.scaling.high_freq_factor > 0) ||
         out.scaling.original_max_position_embeddings <= 0)
       cr.fail(fmt("'%s': llama3 factor, low_freq_factor, high_freq_factor and original_max_position_embeddings must be "
@@ -258,42 +264,64 @@ ModelConfig read_hf_config(const fs::path& dir) {
   }
 
   ModelConfig c;
-  c.arch = model_type;
-  for (const ModelSizeField& f : model_size_fields()) {
+  // The integers first (the sizes, then max_position_embeddings): a size
+  // config.json leaves out comes from those before it, and the heads' rule
+  // needs them all.
+  for (const ModelField& f : model_fields()) {
+    if (f.hf != HfForm::Integer) continue;
+    int64_t& size = member_of<int64_t>(f, c);
     std::optional<int64_t> fallback;  // for the sizes config.json may leave out
-    if (f.member == &ModelConfig::num_kv_heads) fallback = c.num_heads;  // no grouped-query attention
-    if (f.member == &ModelConfig::head_dim) {
+    if (&size == &c.num_kv_heads) fallback = c.num_heads;  // no grouped-query attention
+    if (&size == &c.head_dim) {
       if (!ConfigReader::find(root, f.hf_key) && c.hidden_size % c.num_heads != 0)
         cr.fail(fmt("no 'head_dim' and hidden_size %lld is not divisible by num_attention_heads %lld",
                     (long long)c.hidden_size, (long long)c.num_heads));
       fallback = c.hidden_size / c.num_heads;
     }
-    c.*f.member = cr.positive_int(f.hf_key, f.max, fallback);
+    size = cr.positive_int(f.hf_key, (int64_t)f.max, fallback);
   }
-  c.max_position_embeddings = cr.positive_int("max_position_embeddings", kMaxPositions);
   if (check_model_sizes(c).rule == ModelSizeProblem::Rule::HeadsNotMultipleOfKvHeads)
     cr.fail(fmt("num_attention_heads %lld is not divisible by num_key_value_heads %lld", (long long)c.num_heads,
                 (long long)c.num_kv_heads));
-  {
-    const json* eps = ConfigReader::find(root, "rms_norm_eps");
-    if (!eps) cr.fail("required key 'rms_norm_eps' is missing");
-    c.rms_norm_eps = cr.to_double(*eps, "rms_norm_eps");
-    if (!(c.rms_norm_eps > 0)) cr.fail(fmt("'rms_norm_eps' must be positive, got %g", c.rms_norm_eps));
+  for (const ModelField& f : model_fields()) {
+    switch (f.hf) {
+      case HfForm::ModelType:
+        member_of<std::string>(f, c) = model_type;
+        break;
+      case HfForm::Integer:  // above
+      case HfForm::RopeTheta:  // below, from any of RoPE's three forms
+      case HfForm::RopeScaling:
+        break;
+      case HfForm::Number: {
+        const json* v = ConfigReader::find(root, f.hf_key);
+        if (!v) cr.fail(fmt("required key '%s' is missing", f.hf_key));
+        double& number = member_of<double>(f, c);
+        number = cr.to_double(*v, f.hf_key);
+        if (!(number > 0)) cr.fail(fmt("'%s' must be positive, got %g", f.hf_key, number));
+        break;
+      }
+      case HfForm::Flag:
+        member_of<bool>(f, c) = cr.boolean(f.hf_key, false);
+        break;
+      // Qwen2 always has q/k/v biases (and none on o_proj), whatever the config says.
+      // In Llama and Qwen3, attention_bias also puts a bias on o_proj, which
+      // ModelConfig::attention_bias (q/k/v only) does not describe: refuse it.
+      case HfForm::AttentionBias:
+        if (model_type == "qwen2") {
+          member_of<bool>(f, c) = true;
+        } else if (cr.boolean(f.hf_key, false)) {
+          cr.fail(fmt("'%s' = true is not supported for %s (it also adds an o_proj bias, which shardlm does "
+                      "not implement)", f.hf_key, model_type.c_str()));
+        }
+        break;
+      case HfForm::QkNorm:
+        member_of<bool>(f, c) = (model_type == "qwen3");
+        break;
+      case HfForm::TokenId:
+        member_of<int64_t>(f, c) = cr.token_id(f.hf_key);
+        break;
+    }
   }
-  c.tie_word_embeddings = cr.boolean("tie_word_embeddings", false);
-
-  // Qwen2 always has q/k/v biases (and none on o_proj), whatever the config says.
-  // In Llama and Qwen3, attention_bias also puts a bias on o_proj, which
-  // ModelConfig::attention_bias (q/k/v only) does not describe: refuse it.
-  if (model_type == "qwen2") {
-    c.attention_bias = true;
-  } else if (cr.boolean("attention_bias", false)) {
-    cr.fail(fmt("'attention_bias' = true is not supported for %s (it also adds an o_proj bias, which shardlm does "
-                "not implement)", model_type.c_str()));
-  }
-  c.qk_norm = (model_type == "qwen3");
-  c.bos_token_id = cr.token_id("bos_token_id");
-  c.eos_token_id = cr.token_id("eos_token_id");
 
   // --- RoPE: 5.x rope_parameters and/or 4.x rope_theta + rope_scaling
   std::optional<double> top_theta;
@@ -347,9 +375,8 @@ void write_hf_config(const fs::path& dir, const ModelConfig& c, const std::strin
   SHARDLM_CHECK(c.qk_norm == (c.arch == "qwen3"),
                 "write_hf_config: qk_norm = %s cannot be expressed for arch '%s' (q/k norms exist in qwen3 only)",
                 c.qk_norm ? "true" : "false", c.arch.c_str());
-  const bool sizes_positive =
-      c.max_position_embeddings > 0 &&
-      std::ranges::all_of(model_size_fields(), [&](const ModelSizeField& f) { return c.*f.member > 0; });
+  const bool sizes_positive = std::ranges::all_of(
+      model_fields(), [&](const ModelField& f) { return f.hf != HfForm::Integer || member_of<int64_t>(f, c) > 0; });
   SHARDLM_CHECK(sizes_positive && check_model_sizes(c).rule != ModelSizeProblem::Rule::HeadsNotMultipleOfKvHeads,
                 "write_hf_config: sizes must be positive and num_heads (%lld) divisible by num_kv_heads (%lld)",
                 (long long)c.num_heads, (long long)c.num_kv_heads);
@@ -358,24 +385,32 @@ void write_hf_config(const fs::path& dir, const ModelConfig& c, const std::strin
 
   ordered_json j;
   j["architectures"] = {architecture};
-  j["model_type"] = c.arch;
-  for (const ModelSizeField& f : model_size_fields()) j[f.hf_key] = c.*f.member;
-  j["hidden_act"] = "silu";
-  j["max_position_embeddings"] = c.max_position_embeddings;
-  j["rms_norm_eps"] = c.rms_norm_eps;
-  j["rope_theta"] = c.rope_theta;
-  if (c.rope_scaling.type == "llama3") {
-    j["rope_scaling"] = ordered_json{
-        {"rope_type", "llama3"},
-        {"factor", c.rope_scaling.factor},
-        {"low_freq_factor", c.rope_scaling.low_freq_factor},
-        {"high_freq_factor", c.rope_scaling.high_freq_factor},
-        {"original_max_position_embeddings", c.rope_scaling.original_max_position_embeddings},
-    };
-  } else {
-    j["rope_scaling"] = nullptr;
+  for (const ModelField& f : model_fields()) {
+    const ordered_json value = visit_member(f, c, [](const auto& v) { return ordered_json(v); });
+    switch (f.hf) {
+      case HfForm::ModelType:
+      case HfForm::Integer:
+      case HfForm::Number:
+      case HfForm::RopeTheta:
+      case HfForm::Flag:
+        j[f.hf_key] = value;
+        break;
+      case HfForm::RopeScaling:  // one object (the 4.x form vLLM reads), or null without scaling
+        if (c.rope_scaling.type == "none") j["rope_scaling"] = nullptr;
+        else j["rope_scaling"][f.hf_key] = value;
+        break;
+      case HfForm::AttentionBias:
+        if (c.arch != "qwen2") j[f.hf_key] = value;  // qwen2's biases are implied
+        break;
+      case HfForm::QkNorm:  // implied by model_type (checked above)
+        break;
+      case HfForm::TokenId:
+        if (value.get<int64_t>() >= 0) j[f.hf_key] = value;
+        break;
+    }
   }
-  if (c.arch != "qwen2") j["attention_bias"] = c.attention_bias;  // qwen2's biases are implied
+  // What every shardlm model is, in transformers' words; then the file's dtype.
+  j["hidden_act"] = "silu";
   if (c.arch == "llama") j["mlp_bias"] = false;
   if (c.arch != "llama") {
     j["use_sliding_window"] = false;
@@ -383,9 +418,6 @@ void write_hf_config(const fs::path& dir, const ModelConfig& c, const std::strin
     j["max_window_layers"] = c.num_layers;
   }
   j["attention_dropout"] = 0.0;
-  j["tie_word_embeddings"] = c.tie_word_embeddings;
-  if (c.bos_token_id >= 0) j["bos_token_id"] = c.bos_token_id;
-  if (c.eos_token_id >= 0) j["eos_token_id"] = c.eos_token_id;
   j["torch_dtype"] = torch_dtype;
   j["use_cache"] = true;
 

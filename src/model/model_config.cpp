@@ -3,6 +3,7 @@
 #include "shardlm/model_config.hpp"
 
 #include <algorithm>
+#include <iterator>
 
 #include "shardlm/checked_math.hpp"
 #include "shardlm/error.hpp"
@@ -10,15 +11,71 @@
 namespace shardlm {
 namespace {
 
-constexpr ModelSizeField kSizeFields[] = {
-    {"vocab_size", "vocab_size", &ModelConfig::vocab_size, kMaxVocabSize},
-    {"hidden_size", "hidden_size", &ModelConfig::hidden_size, kMaxHiddenSize},
-    {"intermediate_size", "intermediate_size", &ModelConfig::intermediate_size, kMaxIntermediateSize},
-    {"num_layers", "num_hidden_layers", &ModelConfig::num_layers, kMaxLayers},
-    {"num_heads", "num_attention_heads", &ModelConfig::num_heads, kMaxHeads},
-    {"num_kv_heads", "num_key_value_heads", &ModelConfig::num_kv_heads, kMaxHeads, /*derived=*/true},
-    {"head_dim", "head_dim", &ModelConfig::head_dim, kMaxHeadDim, /*derived=*/true},
+// A row's accessor: the member at `path` of a ModelConfig (rope_scaling.factor too).
+#define MEMBER(path) +[](ModelConfig& c) -> auto& { return c.path; }
+constexpr const char* kArchs[] = {"llama", "qwen2", "qwen3"};
+constexpr const char* kRopeTypes[] = {"none", "llama3"};
+
+constexpr ModelField kFields[] = {
+    {.name = "arch", .attribute = "arch", .hf_key = "model_type", .hf = HfForm::ModelType, .ref = MEMBER(arch),
+     .choices = kArchs, .shapes_weights = true},
+    // The sizes: model_size_fields().
+    {.name = "vocab_size", .attribute = "vocab_size", .hf_key = "vocab_size", .hf = HfForm::Integer,
+     .ref = MEMBER(vocab_size), .max = kMaxVocabSize, .shapes_weights = true},
+    {.name = "hidden_size", .attribute = "hidden_size", .hf_key = "hidden_size", .hf = HfForm::Integer,
+     .ref = MEMBER(hidden_size), .max = kMaxHiddenSize, .shapes_weights = true},
+    {.name = "intermediate_size", .attribute = "intermediate_size", .hf_key = "intermediate_size",
+     .hf = HfForm::Integer, .ref = MEMBER(intermediate_size), .max = kMaxIntermediateSize, .shapes_weights = true},
+    {.name = "num_layers", .attribute = "num_layers", .hf_key = "num_hidden_layers", .hf = HfForm::Integer,
+     .ref = MEMBER(num_layers), .max = kMaxLayers, .shapes_weights = true},
+    {.name = "num_heads", .attribute = "num_heads", .hf_key = "num_attention_heads", .hf = HfForm::Integer,
+     .ref = MEMBER(num_heads), .max = kMaxHeads, .shapes_weights = true},
+    {.name = "num_kv_heads", .attribute = "num_kv_heads", .hf_key = "num_key_value_heads", .hf = HfForm::Integer,
+     .ref = MEMBER(num_kv_heads), .max = kMaxHeads, .shapes_weights = true, .derived = true},
+    {.name = "head_dim", .attribute = "head_dim", .hf_key = "head_dim", .hf = HfForm::Integer,
+     .ref = MEMBER(head_dim), .max = kMaxHeadDim, .shapes_weights = true, .derived = true},
+    // Positions and numerics: no tensor depends on them.
+    {.name = "max_position_embeddings", .attribute = "max_position_embeddings", .hf_key = "max_position_embeddings",
+     .hf = HfForm::Integer, .ref = MEMBER(max_position_embeddings), .max = kMaxPositions},
+    {.name = "rms_norm_eps", .attribute = "rms_norm_eps", .hf_key = "rms_norm_eps", .hf = HfForm::Number,
+     .ref = MEMBER(rms_norm_eps), .max = 1},
+    {.name = "rope_theta", .attribute = "rope_theta", .hf_key = "rope_theta", .hf = HfForm::RopeTheta,
+     .ref = MEMBER(rope_theta), .max = 1e15},
+    {.name = "rope_scaling", .attribute = "rope_scaling_type", .hf_key = "rope_type", .hf = HfForm::RopeScaling,
+     .ref = MEMBER(rope_scaling.type), .choices = kRopeTypes},
+    {.name = "rope_factor", .attribute = "rope_scaling_factor", .hf_key = "factor", .hf = HfForm::RopeScaling,
+     .ref = MEMBER(rope_scaling.factor), .max = 1e6},
+    {.name = "rope_low_freq_factor", .attribute = "rope_scaling_low_freq_factor", .hf_key = "low_freq_factor",
+     .hf = HfForm::RopeScaling, .ref = MEMBER(rope_scaling.low_freq_factor), .max = 1e6},
+    {.name = "rope_high_freq_factor", .attribute = "rope_scaling_high_freq_factor", .hf_key = "high_freq_factor",
+     .hf = HfForm::RopeScaling, .ref = MEMBER(rope_scaling.high_freq_factor), .max = 1e6},
+    {.name = "rope_original_max_position_embeddings", .attribute = "rope_scaling_original_max_position_embeddings",
+     .hf_key = "original_max_position_embeddings", .hf = HfForm::RopeScaling,
+     .ref = MEMBER(rope_scaling.original_max_position_embeddings), .max = kMaxPositions},
+    // The options that add or remove tensors.
+    {.name = "attention_bias", .attribute = "attention_bias", .hf_key = "attention_bias", .hf = HfForm::AttentionBias,
+     .ref = MEMBER(attention_bias), .shapes_weights = true, .note = "qkv bias"},
+    {.name = "qk_norm", .attribute = "qk_norm", .hf_key = nullptr, .hf = HfForm::QkNorm, .ref = MEMBER(qk_norm),
+     .shapes_weights = true, .note = "qk norm"},
+    {.name = "tie_word_embeddings", .attribute = "tie_word_embeddings", .hf_key = "tie_word_embeddings",
+     .hf = HfForm::Flag, .ref = MEMBER(tie_word_embeddings), .shapes_weights = true, .note = "tied embeddings"},
+    // The tokenizer's ids, from config.json only (a deck's model has no tokenizer).
+    {.name = nullptr, .attribute = "bos_token_id", .hf_key = "bos_token_id", .hf = HfForm::TokenId,
+     .ref = MEMBER(bos_token_id)},
+    {.name = nullptr, .attribute = "eos_token_id", .hf_key = "eos_token_id", .hf = HfForm::TokenId,
+     .ref = MEMBER(eos_token_id)},
 };
+#undef MEMBER
+
+// The sizes: the run of integers that shape the weights, from vocab_size.
+constexpr size_t kFirstSize = 1, kSizes = 7;
+static_assert([] {
+  for (size_t i = 0; i < std::size(kFields); ++i) {
+    const bool size = std::holds_alternative<ModelField::Member<int64_t>>(kFields[i].ref) && kFields[i].shapes_weights;
+    if (size != (i >= kFirstSize && i < kFirstSize + kSizes)) return false;
+  }
+  return true;
+}(), "model_size_fields() is the run of integer rows with shapes_weights");
 
 // Parameters of one decoder layer and of the whole model, as ModelLayout lays
 // them out; nullopt when the count leaves int64.
@@ -44,7 +101,15 @@ std::optional<int64_t> model_parameters(const ModelConfig& c) {
 
 }  // namespace
 
-std::span<const ModelSizeField> model_size_fields() { return kSizeFields; }
+std::span<const ModelField> model_fields() { return kFields; }
+
+const ModelField* model_field(std::string_view name) {
+  for (const ModelField& f : kFields)
+    if (f.name && name == f.name) return &f;
+  return nullptr;
+}
+
+std::span<const ModelSizeField> model_size_fields() { return model_fields().subspan(kFirstSize, kSizes); }
 
 ModelSizeProblem check_model_sizes(const ModelConfig& c) {
   using Rule = ModelSizeProblem::Rule;
@@ -53,9 +118,9 @@ ModelSizeProblem check_model_sizes(const ModelConfig& c) {
     p.rule = Rule::HeadsNotMultipleOfKvHeads;
     return p;
   }
-  for (const ModelSizeField& f : kSizeFields)
-    if (c.*f.member < 1 || c.*f.member > f.max) {
-      p.rule = Rule::OutOfRange, p.field = &f, p.value = c.*f.member;
+  for (const ModelSizeField& f : model_size_fields())
+    if (const int64_t value = member_of<int64_t>(f, c); value < 1 || value > f.max) {
+      p.rule = Rule::OutOfRange, p.field = &f, p.value = value;
       return p;
     }
   p.parameters = model_parameters(c);
