@@ -483,16 +483,25 @@ std::string regex_error(std::string pattern) {
   return "";
 }
 
-// The cross-field rules, on the resolved values; `given` holds every key the
-// deck or a --set gave (the rest are defaults or filled in from others).
-void validate(const Config& c, int world, const std::set<std::string>& given, std::vector<std::string>& errors) {
-  auto err = [&](const std::string& m) { errors.push_back(c.deck_path + ": " + m); };
-  const auto& a = c.model.arch;
+// validate()'s messages, each after the deck's name.
+struct Errors {
+  const std::string& deck;
+  std::vector<std::string>& messages;
+  void operator()(const std::string& message) const { messages.push_back(deck + ": " + message); }
+};
 
+// ckpt.resume: a checkpoint that exists, when it names one.
+void check_resume(const Config& c, const Errors& err) {
   if (c.ckpt.resume != "latest" && c.ckpt.resume != "none" && !std::filesystem::is_regular_file(c.ckpt.resume))
     err("ckpt.resume = \"" + c.ckpt.resume + "\" is not a file: give \"latest\", \"none\" or the path of a "
         "checkpoint (<run.dir>/checkpoints/step_<N>.h5)");
+}
 
+// A micro-batch's tokens; without model.hf, the deck's sizes against each other,
+// the positions, the activations and model.fp8's GEMMs (config.json's sizes are
+// checked where it is read).
+void check_model(const Config& c, const std::set<std::string>& given, const Errors& err) {
+  const ModelConfig& a = c.model.arch;
   const auto tokens = checked_product({c.data.micro_batch, c.data.seq_len});
   if (!tokens || *tokens > kMaxTokensPerMicroBatch)
     err(fmt("data.micro_batch x data.seq_len = %lld x %lld tokens per micro-batch is more than %lld (positions are "
@@ -528,12 +537,20 @@ void validate(const Config& c, int world, const std::set<std::string>& given, st
     if (c.model.fp8 != "none" && c.model.context_parallel > 0)
       if (std::string e = fp8_shape_error(a, c.data.seq_len / c.model.context_parallel); !e.empty()) err(e);
   }
+}
+
+// Where the batches come from: SFT token files or RL rollouts.
+void check_data_source(const Config& c, const Errors& err) {
   if (c.loss.type == "sft" && c.data.path.empty())
     err("data.path is not set: SFT needs a token file (see docs/data.md)");
   if (c.loss.type == "rl" && c.data.rollout_dir.empty())
     err("loss.type = \"rl\" needs data.rollout_dir (where step_<N>.h5 rollout files appear; docs/rollouts.md)");
   if (c.loss.type == "rl" && !c.data.path.empty())
     err("data.path is for SFT token files; with loss.type = \"rl\" the batches come from data.rollout_dir");
+}
+
+// model.context_parallel: groups of ranks that share one sequence.
+void check_context_parallel(const Config& c, int world, const Errors& err) {
   const int64_t cp = c.model.context_parallel;
   if (cp > 1) {
     if (world > 0 && world % cp != 0)
@@ -548,6 +565,11 @@ void validate(const Config& c, int world, const std::set<std::string>& given, st
       err("device.attention = \"cudnn\" with model.context_parallel > 1: the ring attends block by block with "
           "shardlm's masked flash kernels, not cuDNN's; set device.attention = \"auto\" or \"flash\"");
   }
+}
+
+// model.fp8 and its weight cache.
+void check_fp8(const Config& c, const Errors& err) {
+  const int64_t cp = c.model.context_parallel;
   if (c.model.fp8 != "none" && cp > 1)
     err("model.fp8 with model.context_parallel > 1 is not built yet: the scales that run over tokens (an activation "
         "tensor's, or under \"rowwise\" the weight gradient's per column) would be each rank's share's, so the "
@@ -556,6 +578,11 @@ void validate(const Config& c, int world, const std::set<std::string>& given, st
   if (c.model.fp8_weight_cache && c.model.fp8 == "none")
     err("model.fp8_weight_cache = true keeps the FP8 codes of the weights, but model.fp8 = \"none\" makes none: set "
         "model.fp8 = \"tensorwise\" or \"rowwise\", or leave the cache off");
+}
+
+// data.global_batch against the training ranks (SFT).
+void check_global_batch(const Config& c, int world, const Errors& err) {
+  const int64_t cp = c.model.context_parallel;
   // One micro-batch on every data-parallel group (a group of context_parallel ranks reads the same rows).
   // (When the groups do not divide the ranks, that is the error to fix first.)
   const bool groups_fit = world > 0 && world % cp == 0;
@@ -567,6 +594,10 @@ void validate(const Config& c, int world, const std::set<std::string>& given, st
                                                    : "training ranks",
             (long long)c.data.micro_batch, dp_world,
             rows_per_round ? std::to_string(*rows_per_round).c_str() : "more than 2^63"));
+}
+
+// sched: the warmup within the run, one end of the decay.
+void check_schedule(const Config& c, const Errors& err) {
   if (c.sched.warmup > c.run.max_steps)
     err(fmt("sched.warmup = %lld is longer than run.max_steps = %lld", (long long)c.sched.warmup,
             (long long)c.run.max_steps));
@@ -576,9 +607,18 @@ void validate(const Config& c, int world, const std::set<std::string>& given, st
   else if (c.sched.min_lr > c.optim.lr)
     err(fmt("sched.min_lr = %g is larger than optim.lr = %g (min_lr is absolute; sched.min_lr_ratio gives the floor "
             "as a fraction of optim.lr)", c.sched.min_lr, c.optim.lr));
+}
+
+// Keys given that mean nothing with the rest of the deck (another optimizer's,
+// the RL loss's without RL, ...).
+void check_meaningless_keys(const Config& c, const std::set<std::string>& given, const Errors& err) {
   for (const auto& k : key_table())
     if (given.count(k.path))
       if (std::string why = meaningless_with_the_rest(c, k.path); !why.empty()) err(k.path + " " + why);
+}
+
+// Where the optimizer runs: Muon on a GPU, the offload pipeline's keys.
+void check_optimizer(const Config& c, const std::set<std::string>& given, const Errors& err) {
   if (c.optim.name == "muon" && c.device.backend == "cuda" && !c.model.optim_cpu_offload)
     err("optim.name = \"muon\" with device.backend = \"cuda\" needs model.optim_cpu_offload = true (the GPU-resident "
         "optimizer is AdamW/SGD; offloaded, Muon's momentum and exchange run on the host and its Newton–Schulz in bf16 "
@@ -605,9 +645,20 @@ void validate(const Config& c, int world, const std::set<std::string>& given, st
       err("model.optim_offload_grads = \"device\" is for AdamW and SGD: Muon's offloaded step reads every gradient "
           "on the host (docs/muon.md)");
   }
+}
+
+// model.selective_layers: no more than the deck's layers.
+void check_selective_layers(const Config& c, const Errors& err) {
+  const ModelConfig& a = c.model.arch;
   if (c.model.hf.empty() && a.num_layers > 0 && c.model.selective_layers > a.num_layers)
     err(fmt("model.selective_layers = %lld is more than model.num_layers = %lld", (long long)c.model.selective_layers,
             (long long)a.num_layers));
+}
+
+// Options for the GPU backend (CUDA, cuDNN, NCCL): refused on the CPU backend,
+// and where the GPU kernels cannot honour another option.
+void check_device(const Config& c, const Errors& err) {
+  const int64_t cp = c.model.context_parallel;
   if (c.model.reduce_dtype == "bf16" && c.device.backend == "cpu")
     err("model.reduce_dtype = \"bf16\" needs device.backend = \"cuda\" (the CPU backend is the fp32 reference)");
   if (c.device.memory_limit_gib > 0 && c.device.backend == "cpu")
@@ -635,6 +686,11 @@ void validate(const Config& c, int world, const std::set<std::string>& given, st
   if (c.comm.backend == "nccl" && c.device.backend == "cpu")
     err("comm.backend = \"nccl\" needs device.backend = \"cuda\" (NCCL moves device memory only; the CPU backend "
         "uses MPI)");
+}
+
+// RL: rollouts the trainer can wait for (data.max_async against
+// broadcast.interval), and the reward's components.
+void check_rl(const Config& c, const Errors& err) {
   if (c.loss.type == "rl" && c.broadcast.backend != "none" && c.data.max_async < c.broadcast.interval - 1)
     err(fmt("data.max_async = %lld is smaller than broadcast.interval - 1 = %lld: the trainer takes rollouts for "
             "step N sampled at policy step N - data.max_async or later, but new weights reach the inference ranks "
@@ -667,8 +723,16 @@ void validate(const Config& c, int world, const std::set<std::string>& given, st
   if (uses("program") && c.rollout.reward_program.empty())
     err("rollout.reward = \"program\" needs rollout.reward_program (a command: completions as JSONL on its stdin, "
         "one reward per line on its stdout; docs/rl.md)");
+}
+
+// broadcast: where the weights go.
+void check_broadcast(const Config& c, const Errors& err) {
   if (c.broadcast.backend == "filesystem" && c.broadcast.dir.empty())
     err("broadcast.backend = \"filesystem\" needs broadcast.dir (where step_<N>/ directories are written)");
+}
+
+// data: packing, and the mix of several token files.
+void check_data_mix(const Config& c, const Errors& err) {
   if (!c.data.packing) err("data.packing = false is not implemented yet (rows are always packed)");
   if (!c.data.weights.empty() && c.data.weights.size() != c.data.path.size())
     err(fmt("data.weights has %zu entr%s but data.path lists %zu file%s: give one weight per file", c.data.weights.size(),
@@ -676,6 +740,10 @@ void validate(const Config& c, int world, const std::set<std::string>& given, st
   else if (!c.data.weights.empty() &&
            std::all_of(c.data.weights.begin(), c.data.weights.end(), [](double w) { return w == 0; }))
     err("data.weights are all 0: at least one file needs a positive weight");
+}
+
+// eval: a token file, and when its loss is computed.
+void check_eval(const Config& c, const Errors& err) {
   if (c.eval.path.empty()) {  // a non-default eval key means an evaluation was wanted
     const char* set = c.eval.interval != 0 ? "eval.interval" : c.eval.rows != 0 ? "eval.rows"
                     : !c.eval.at_end ? "eval.at_end" : nullptr;
@@ -683,7 +751,34 @@ void validate(const Config& c, int world, const std::set<std::string>& given, st
   }
   if (!c.eval.path.empty() && c.eval.interval == 0 && !c.eval.at_end)
     err("eval.path is set but the loss is never evaluated: set eval.interval > 0 or eval.at_end = true");
+}
+
+// run.dir: where the outputs go.
+void check_run_dir(const Config& c, const Errors& err) {
   if (c.run.dir.empty()) err("run.dir is empty: give the directory where the run writes its outputs");
+}
+
+// The cross-field rules, on the resolved values; `given` holds every key the
+// deck or a --set gave (the rest are defaults or filled in from others). One
+// concern after another; the messages come in this order.
+void validate(const Config& c, int world, const std::set<std::string>& given, std::vector<std::string>& errors) {
+  const Errors err{c.deck_path, errors};
+  check_resume(c, err);
+  check_model(c, given, err);
+  check_data_source(c, err);
+  check_context_parallel(c, world, err);
+  check_fp8(c, err);
+  check_global_batch(c, world, err);
+  check_schedule(c, err);
+  check_meaningless_keys(c, given, err);
+  check_optimizer(c, given, err);
+  check_selective_layers(c, err);
+  check_device(c, err);
+  check_rl(c, err);
+  check_broadcast(c, err);
+  check_data_mix(c, err);
+  check_eval(c, err);
+  check_run_dir(c, err);
 }
 
 }  // namespace
