@@ -72,8 +72,13 @@ std::vector<int32_t> read_stop_ids(hid_t file, const std::string& path) {
   return ids;
 }
 
-// The optional 'answer' dataset: P UTF-8 strings (variable length, as h5py writes them; fixed length too).
-std::vector<std::string> read_answers(hid_t file, const std::string& path, int64_t prompts) {
+// A reference answer is short (a number, a word, an expression); a longer one
+// is a damaged or forged file, refused before its strings are allocated.
+constexpr size_t kMaxAnswerBytes = size_t(1) << 20;
+
+// The optional 'answer' dataset: P UTF-8 strings (variable length, as h5py writes
+// them; fixed length too), their declared bytes checked against the file's first.
+std::vector<std::string> read_answers(hid_t file, const std::string& path, int64_t prompts, int64_t file_bytes) {
   std::vector<std::string> answers;
   if (H5_CHECK(H5Lexists(file, "answer", H5P_DEFAULT)) <= 0) return answers;
   h5::Handle d = h5::open_dataset(file, "answer", fmt("prompt file '%s'", path.c_str()));
@@ -90,12 +95,27 @@ std::vector<std::string> read_answers(hid_t file, const std::string& path, int64
   H5_CHECK(H5Tset_cset(mem, H5Tget_cset(type)));
   if (H5_CHECK(H5Tis_variable_str(type)) > 0) {
     H5_CHECK(H5Tset_size(mem, H5T_VARIABLE));
+    hsize_t text_bytes = 0;  // every string's bytes: they lie in the file, uncompressed
+    if (length > 0) H5_CHECK(H5Dvlen_get_buf_size(d, mem, space, &text_bytes));
+    SHARDLM_CHECK(int64_t(text_bytes) <= file_bytes,
+                  "prompt file '%s': dataset 'answer' declares %llu strings of %llu bytes in all but the file has %lld "
+                  "bytes: a damaged or forged file; nothing was read for it", path.c_str(),
+                  (unsigned long long)length, (unsigned long long)text_bytes, (long long)file_bytes);
     std::vector<char*> texts(length, nullptr);
     if (length > 0) H5_CHECK(H5Dread(d, mem, H5S_ALL, H5S_ALL, H5P_DEFAULT, texts.data()));
     for (char* t : texts) answers.emplace_back(t ? t : "");
     if (length > 0) H5_CHECK(H5Dvlen_reclaim(mem, space, H5P_DEFAULT, texts.data()));
+    for (size_t i = 0; i < answers.size(); ++i)
+      SHARDLM_CHECK(answers[i].size() <= kMaxAnswerBytes, "prompt file '%s': answer %zu has %zu bytes; an answer "
+                    "holds at most %zu bytes", path.c_str(), i, answers[i].size(), kMaxAnswerBytes);
   } else {
     const size_t size = H5Tget_size(type);
+    SHARDLM_CHECK(size <= kMaxAnswerBytes,
+                  "prompt file '%s': dataset 'answer' declares %llu strings of %zu bytes; an answer holds at most %zu "
+                  "bytes (a damaged or forged file?)", path.c_str(), (unsigned long long)length, size,
+                  kMaxAnswerBytes);
+    h5::check_declared_size(d, "answer", static_cast<int64_t>(length), size, file_bytes,
+                            fmt("prompt file '%s'", path.c_str()));
     H5_CHECK(H5Tset_size(mem, size + 1));
     std::vector<char> text(length * (size + 1), '\0');
     if (length > 0) H5_CHECK(H5Dread(d, mem, H5S_ALL, H5S_ALL, H5P_DEFAULT, text.data()));
@@ -150,7 +170,7 @@ PromptSet read_prompts(const std::string& path, int64_t vocab_size) {
                 "prompt file '%s': the last offset is %lld but 'tokens' holds %zu ids", path.c_str(),
                 (long long)p.offsets.back(), p.tokens.size());
   check_ids(p, vocab_size);
-  p.answers = read_answers(file, path, p.size());
+  p.answers = read_answers(file, path, p.size(), file_bytes);
   return p;
 }
 

@@ -98,6 +98,17 @@ const std::vector<std::string>& byte_alphabet() {
   return table;
 }
 
+// An id of the file (`entry` names it) within [0, kMaxTokenizerIds): a negative
+// or huge one is a damaged file, refused before it is kept.
+int32_t checked_token_id(const nlohmann::json& id, const std::string& entry, const std::string& where) {
+  SHARDLM_CHECK(id.is_number_integer(), "%s: %s is not an id", where.c_str(), entry.c_str());
+  const bool in_range = id.is_number_unsigned() ? id.get<uint64_t>() < uint64_t(kMaxTokenizerIds)
+                                                : id.get<int64_t>() >= 0 && id.get<int64_t>() < kMaxTokenizerIds;
+  SHARDLM_CHECK(in_range, "%s: %s has id %s; an id must be in [0, %lld)", where.c_str(), entry.c_str(),
+                id.dump().c_str(), static_cast<long long>(kMaxTokenizerIds));
+  return static_cast<int32_t>(id.get<int64_t>());
+}
+
 }  // namespace
 
 struct TokenEncoder::Regex {
@@ -146,21 +157,39 @@ TokenEncoder TokenEncoder::from_json_text(std::string_view json_text, const std:
                   "%s: BPE dropout is not supported", where.c_str());
     SHARDLM_CHECK(model.contains("vocab") && model["vocab"].is_object() && !model["vocab"].empty(),
                   "%s: model.vocab must be a non-empty object", where.c_str());
-    for (const auto& [piece, id] : model["vocab"].items()) enc.vocab_[piece] = id.get<int32_t>();
+    for (const auto& [piece, id] : model["vocab"].items())
+      enc.vocab_[piece] = checked_token_id(id, "model.vocab['" + piece + "']", where);
     enc.ignore_merges_ = model.value("ignore_merges", false);
-    if (model.contains("merges") && model["merges"].is_array()) {
+    // Merges as the `tokenizers` package takes them: two vocabulary pieces, as
+    // "left right" or [left, right], whose concatenation is in the vocabulary
+    // too. A merge that can never apply would leave text byte by byte, silently.
+    if (model.contains("merges") && !model["merges"].is_null()) {
+      const json& merges = model["merges"];
+      const std::string type = merges.type_name();
+      SHARDLM_CHECK(merges.is_array(), "%s: model.merges must be an array of pairs, found a%s %s", where.c_str(),
+                    type[0] == 'a' || type[0] == 'o' ? "n" : "", type.c_str());
       int32_t rank = 0;
-      for (const json& m : model["merges"]) {
-        std::string key;
+      for (const json& m : merges) {
+        std::string left, right, shown;
         if (m.is_string()) {
-          key = m.get<std::string>();
-          SHARDLM_CHECK(key.find(' ') != std::string::npos, "%s: model.merges[%d] is not a pair: '%s'",
-                        where.c_str(), rank, key.c_str());
+          shown = m.get<std::string>();
+          const size_t space = shown.find(' ');
+          SHARDLM_CHECK(space != std::string::npos && space > 0 && space + 1 < shown.size() &&
+                            shown.find(' ', space + 1) == std::string::npos,
+                        "%s: model.merges[%d] '%s' is not two pieces separated by one space", where.c_str(), rank,
+                        shown.c_str());
+          left = shown.substr(0, space), right = shown.substr(space + 1);
         } else {
-          SHARDLM_CHECK(m.is_array() && m.size() == 2, "%s: model.merges[%d] is not a pair", where.c_str(), rank);
-          key = m[0].get<std::string>() + " " + m[1].get<std::string>();
+          SHARDLM_CHECK(m.is_array() && m.size() == 2 && m[0].is_string() && m[1].is_string() &&
+                            !m[0].get<std::string>().empty() && !m[1].get<std::string>().empty(),
+                        "%s: model.merges[%d] is not a pair of strings", where.c_str(), rank);
+          left = m[0].get<std::string>(), right = m[1].get<std::string>();
+          shown = left + " " + right;
         }
-        enc.ranks_.emplace(std::move(key), rank++);  // the first rank of a pair counts
+        for (const std::string& piece : {left, right, left + right})
+          SHARDLM_CHECK(enc.vocab_.count(piece), "%s: model.merges[%d] '%s': '%s' is not in model.vocab",
+                        where.c_str(), rank, shown.c_str(), piece.c_str());
+        enc.ranks_.emplace(left + " " + right, rank++);  // the first rank of a pair counts
       }
     }
     // ---- normalizer: none or NFC
@@ -229,13 +258,20 @@ TokenEncoder TokenEncoder::from_json_text(std::string_view json_text, const std:
     }
     pcre2_jit_compile(enc.split_->code, PCRE2_JIT_COMPLETE);  // faster where the JIT exists; optional
     // ---- added tokens
-    for (const json& e : spec.value("added_tokens", json::array())) {
-      SHARDLM_CHECK(e.is_object() && e.contains("id") && e.contains("content"),
-                    "%s: an added_tokens entry needs 'id' and 'content'", where.c_str());
+    const json added = spec.contains("added_tokens") && !spec["added_tokens"].is_null() ? spec["added_tokens"]
+                                                                                          : json::array();
+    SHARDLM_CHECK(added.is_array(), "%s: added_tokens must be an array", where.c_str());
+    for (size_t index = 0; index < added.size(); ++index) {
+      const json& e = added[index];
+      SHARDLM_CHECK(e.is_object() && e.contains("id") && e.contains("content") && e["content"].is_string(),
+                    "%s: added_tokens[%zu] needs an integer 'id' and a string 'content'", where.c_str(), index);
+      const std::string content = e["content"].get<std::string>();
+      // An empty token would match at every position of every text.
+      SHARDLM_CHECK(!content.empty(), "%s: added_tokens[%zu] has an empty 'content'", where.c_str(), index);
+      const int32_t id = checked_token_id(e["id"], fmt("added_tokens[%zu] '%s'", index, content.c_str()), where);
       SHARDLM_CHECK(!e.value("single_word", false), "%s: added token '%s' has single_word = true, which this "
-                    "encoder does not support", where.c_str(), e["content"].get<std::string>().c_str());
-      enc.added_.push_back({e["content"].get<std::string>(), e["id"].get<int32_t>(), e.value("lstrip", false),
-                            e.value("rstrip", false)});
+                    "encoder does not support", where.c_str(), content.c_str());
+      enc.added_.push_back({content, id, e.value("lstrip", false), e.value("rstrip", false)});
     }
     // Longest first (then by text), as tools/hf_tokenizer.py's alternation.
     std::sort(enc.added_.begin(), enc.added_.end(), [](const Added& a, const Added& b) {

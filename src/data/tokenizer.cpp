@@ -172,24 +172,33 @@ TokenDecoder TokenDecoder::from_json_text(std::string_view json_text, const std:
   };
   std::vector<Entry> entries;
   const auto table = alphabet_to_byte();
+  // An id is checked before it sizes or indexes anything.
+  const auto checked_id = [&](const nlohmann::json& id, const std::string& entry) {
+    const bool in_range = id.is_number_unsigned() ? id.get<uint64_t>() < uint64_t(kMaxTokenizerIds)
+                                                  : id.get<int64_t>() >= 0 && id.get<int64_t>() < kMaxTokenizerIds;
+    SHARDLM_CHECK(in_range, "%s: %s has id %s; an id must be in [0, %lld)", where.c_str(), entry.c_str(),
+                  id.dump().c_str(), static_cast<long long>(kMaxTokenizerIds));
+    return id.get<int64_t>();
+  };
   for (const auto& [piece, id] : model["vocab"].items()) {
-    SHARDLM_CHECK(id.is_number_integer() && id.get<int64_t>() >= 0, "%s: model.vocab['%s'] is not an id",
-                  where.c_str(), piece.c_str());
-    entries.push_back({id.get<int64_t>(), piece_bytes(piece, table), false});
+    SHARDLM_CHECK(id.is_number_integer(), "%s: model.vocab['%s'] is not an id", where.c_str(), piece.c_str());
+    entries.push_back({checked_id(id, "model.vocab['" + piece + "']"), piece_bytes(piece, table), false});
   }
-  if (spec.contains("added_tokens") && spec["added_tokens"].is_array()) {
+  if (spec.contains("added_tokens") && !spec["added_tokens"].is_null()) {
+    SHARDLM_CHECK(spec["added_tokens"].is_array(), "%s: added_tokens must be an array", where.c_str());
+    size_t index = 0;
     for (const auto& token : spec["added_tokens"]) {
       SHARDLM_CHECK(token.is_object() && token.contains("id") && token["id"].is_number_integer() &&
                         token.contains("content") && token["content"].is_string(),
-                    "%s: an added_tokens entry needs an integer 'id' and a string 'content'", where.c_str());
-      entries.push_back({token["id"].get<int64_t>(), token["content"].get<std::string>(),
+                    "%s: added_tokens[%zu] needs an integer 'id' and a string 'content'", where.c_str(), index);
+      const std::string content = token["content"].get<std::string>();
+      entries.push_back({checked_id(token["id"], fmt("added_tokens[%zu] '%s'", index, content.c_str())), content,
                          token.value("special", false)});
+      ++index;
     }
   }
   int64_t size = 0;
   for (const auto& e : entries) size = std::max(size, e.id + 1);
-  SHARDLM_CHECK(size <= (int64_t{1} << 31), "%s: token id %lld is too large", where.c_str(),
-                static_cast<long long>(size - 1));
   TokenDecoder decoder;
   decoder.where_ = where;
   decoder.token_bytes_.resize(static_cast<size_t>(size));

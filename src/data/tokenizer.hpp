@@ -18,6 +18,11 @@
 
 namespace shardlm {
 
+// Token ids a tokenizer.json may use: [0, kMaxTokenizerIds). The largest real
+// vocabularies hold about 262K tokens; an id past this is a damaged file, refused
+// (naming the entry) before the tables indexed by id are allocated.
+constexpr int64_t kMaxTokenizerIds = int64_t(1) << 22;
+
 // The text of a tokenizer.json, given as the file or a model folder that holds
 // one; `file` gets the file's path (for messages). Throws Error naming what is
 // missing or unreadable. TokenDecoder::load and TokenEncoder::load read through it.
