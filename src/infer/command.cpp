@@ -173,6 +173,188 @@ void attr_string(hid_t file, const char* name, const std::string& value) {
   H5_CHECK(H5Awrite(a, t, &p));
 }
 
+// ---------------------------------------------------------------- run_generate's phases
+
+// What every rank holds once the model, the prompts and the decoder are set up.
+struct GenerateSetup {
+  GenerateArgs args;                        // as given, with the deck's defaults filled in
+  InferenceModel model;
+  PromptSet prompts;
+  std::vector<GenerateRequest> requests;    // this rank's: prompts r, r + W, ..., all n samples of each
+  GenerateOptions options;
+  std::unique_ptr<Decoder> decoder;
+  std::unique_ptr<TokenDecoder> tokenizer;  // rank 0, when the model has a tokenizer.json: the completions' text
+};
+
+// --deck: its seed and device where the options give none, and its model
+// where neither --hf nor --checkpoint is given (its run's latest checkpoint,
+// else its model.hf). Throws on a bad deck or one that names no model.
+void apply_deck_defaults(GenerateArgs& args) {
+  DeckResult deck = parse_deck(args.deck, args.overrides, 1);
+  if (!deck.ok()) {
+    std::string all;
+    for (const auto& e : deck.errors) all += "\n  " + e;
+    SHARDLM_FAIL("the deck %s has %zu error%s:%s", args.deck.c_str(), deck.errors.size(),
+                 deck.errors.size() == 1 ? "" : "s", all.c_str());
+  }
+  if (!args.seed_given) args.sampling.seed = deck.config.run.seed;
+  if (args.device.empty()) args.device = deck.config.device.backend;
+  if (args.hf.empty() && args.checkpoint.empty()) {
+    std::error_code ec;
+    const fs::path ckpts = fs::path(deck.config.run.dir) / "checkpoints";
+    if (fs::is_directory(ckpts, ec) && !fs::is_empty(ckpts, ec)) args.checkpoint = deck.config.run.dir;
+    else if (!deck.config.model.hf.empty()) args.hf = deck.config.model.hf;
+    else SHARDLM_FAIL("the deck %s names no model to sample: run.dir %s has no checkpoint and model.hf is "
+                      "not set (give --hf or --checkpoint)", args.deck.c_str(), deck.config.run.dir.c_str());
+  }
+}
+
+// The prompts: --prompt TEXT through the model's tokenizer.json, else
+// --prompt-ids or --prompts FILE; every id checked against the vocabulary.
+PromptSet read_prompt_set(const GenerateArgs& args, const InferenceModel& model) {
+  const ModelConfig& c = model.config();
+  std::error_code ec;
+  if (args.has_prompt_text) {
+    // The text as it is (add_special_tokens = False): a BOS or a chat template's
+    // markup is written into it, its added tokens are matched there.
+    SHARDLM_CHECK(!model.tokenizer_dir.empty() && fs::exists(model.tokenizer_dir / "tokenizer.json", ec),
+                  "--prompt needs the model's tokenizer.json (%s has none): tokenize the prompt with "
+                  "tools/make_prompts.py and give --prompts, or give --prompt-ids",
+                  model.tokenizer_dir.empty() ? model.source.c_str() : model.tokenizer_dir.c_str());
+    const TokenEncoder encoder = TokenEncoder::load(model.tokenizer_dir.string());
+    return prompt_from_tokens(encoder.encode(args.prompt_text), "--prompt", c.vocab_size);
+  }
+  return args.prompts_file.empty() ? prompt_from_ids(args.prompt_ids, c.vocab_size)
+                                   : read_prompts(args.prompts_file, c.vocab_size);
+}
+
+// The sampling options: the prompt file's stop ids, then the model's EOS ids
+// not among them, each checked against the vocabulary.
+GenerateOptions sampling_options(const GenerateArgs& args, const PromptSet& prompts, const InferenceModel& model) {
+  const ModelConfig& c = model.config();
+  GenerateOptions options;
+  options.sampling = args.sampling;
+  options.max_new_tokens = args.max_new_tokens;
+  options.stop_ids = prompts.stop_ids;
+  for (int32_t id : model.eos_ids)
+    if (std::find(options.stop_ids.begin(), options.stop_ids.end(), id) == options.stop_ids.end())
+      options.stop_ids.push_back(id);
+  for (int32_t id : options.stop_ids)
+    SHARDLM_CHECK(id < c.vocab_size, "%s: stop token id %d is outside the model's vocabulary [0, %lld)",
+                  prompts.path.c_str(), id, (long long)c.vocab_size);
+  return options;
+}
+
+// The model, its tokenizer (rank 0), the prompts, this rank's share of them,
+// the options, and the decoder on its backend. Throws on any bad input.
+void set_up(GenerateSetup& g, int rank, int world, int local_rank) {
+  GenerateArgs& args = g.args;
+  if (!args.deck.empty()) apply_deck_defaults(args);
+  g.model = args.hf.empty() ? InferenceModel::from_checkpoint(args.checkpoint) : InferenceModel::from_hf(args.hf);
+  const ModelConfig& c = g.model.config();
+  std::error_code ec;
+  if (rank == 0 && !g.model.tokenizer_dir.empty() && fs::exists(g.model.tokenizer_dir / "tokenizer.json", ec))
+    g.tokenizer = std::make_unique<TokenDecoder>(TokenDecoder::load(g.model.tokenizer_dir.string()));
+  g.prompts = read_prompt_set(args, g.model);
+  // Rank r: prompts r, r + W, ...; all n samples of a prompt on one rank.
+  for (int64_t p = rank; p < g.prompts.size(); p += world)
+    for (int64_t s = 0; s < args.n; ++s) g.requests.push_back({p, s, g.prompts.prompt(p)});
+  g.options = sampling_options(args, g.prompts, g.model);
+  // Every prompt is checked on every rank (the message is the same everywhere).
+  std::vector<GenerateRequest> all;
+  for (int64_t p = 0; p < g.prompts.size(); ++p) all.push_back({p, 0, g.prompts.prompt(p)});
+  plan_limits(c, all, args.batch, args.max_new_tokens, g.prompts.path);
+  const std::string backend = bind_backend(args.device.empty() ? "auto" : args.device, local_rank);
+  g.decoder =
+      make_decoder(g.model, plan_limits(c, g.requests, args.batch, args.max_new_tokens, g.prompts.path), backend);
+}
+
+// Rank 0: the model, the prompts and ranks, the decoder, its cache and weights, the sampling.
+void print_setup(const GenerateSetup& g, int world) {
+  const GenerateArgs& args = g.args;
+  const Decoder& decoder = *g.decoder;
+  const DecoderLimits& l = decoder.limits();
+  std::printf("generate: %s | %lld prompt%s x %lld sample%s over %d rank%s | %s | batch %lld, cache %lld positions "
+              "(%.1f MiB), weights %.1f MiB | temperature %g, top-k %lld, top-p %g, seed %llu, stop ids %zu\n",
+              g.model.source.c_str(), (long long)g.prompts.size(), g.prompts.size() == 1 ? "" : "s",
+              (long long)args.n, args.n == 1 ? "" : "s", world, world == 1 ? "" : "s", decoder.describe().c_str(),
+              (long long)l.slots, (long long)l.max_len, decoder.cache_bytes() / 1048576.0,
+              (decoder.weight_bytes() ? decoder.weight_bytes() : g.model.bytes()) / 1048576.0,
+              args.sampling.temperature,
+              (long long)args.sampling.top_k, args.sampling.top_p, (unsigned long long)args.sampling.seed,
+              g.options.stop_ids.size());
+  std::fflush(stdout);
+}
+
+// Every rank's completions on rank 0, with the tokens they hold over all ranks
+// and this rank's sampling time.
+struct GatheredCompletions {
+  std::vector<Completion> completions;  // rank 0: all, sorted by (prompt, sample); elsewhere none
+  int64_t tokens = 0;                   // rank 0: over every rank
+  double seconds = 0;                   // this rank's generate()
+};
+
+// Collective: this rank's requests sampled (rank 0 prints the decoder's
+// timings), then gathered to rank 0.
+GatheredCompletions sample_and_gather(GenerateSetup& g, int rank, MPI_Comm comm) {
+  Decoder& decoder = *g.decoder;
+  GatheredCompletions out;
+  const auto t0 = std::chrono::steady_clock::now();
+  std::vector<Completion> mine = generate(decoder, g.requests, g.options);
+  int64_t my_tokens = 0;
+  for (const Completion& c : mine) my_tokens += int64_t(c.tokens.size());
+  out.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (rank == 0 && decoder.decode_steps() > 0)
+    std::printf("generate: rank 0: %lld decode steps, %.3f ms each on the device (forward and lm-head, event-timed; "
+                "the logits' download and the sampling not counted)\n",
+                (long long)decoder.decode_steps(), 1e3 * decoder.decode_seconds() / double(decoder.decode_steps()));
+  if (const std::string profile = decoder.profile_report(out.seconds); rank == 0 && !profile.empty())
+    std::printf("generate: rank 0: %s", profile.c_str());
+  out.completions = gather(std::move(mine), comm);
+  MPI_CHECK(MPI_Reduce(&my_tokens, &out.tokens, 1, MPI_INT64_T, MPI_SUM, 0, comm));
+  return out;
+}
+
+// Rank 0: the output file (with each completion's text when the model has a
+// tokenizer.json) and the summary line. Throws when the file cannot be written.
+void write_output(const GenerateSetup& setup, GatheredCompletions gathered, int world) {
+  const GenerateArgs& args = setup.args;
+  GenerationsFile g;
+  g.model_source = setup.model.source;
+  g.prompts_source = setup.prompts.path;
+  g.prompt_tokens = setup.prompts.tokens;
+  g.prompt_offsets = setup.prompts.offsets;
+  g.completions = std::move(gathered.completions);
+  g.stop_ids = setup.options.stop_ids;
+  g.sampling = args.sampling;
+  g.n = args.n;
+  g.max_new_tokens = args.max_new_tokens;
+  g.world = world;
+  std::string text_note = "no tokenizer.json: no text";
+  if (const TokenDecoder* tokenizer = setup.tokenizer.get()) {
+    // A model's vocabulary may be padded past its tokenizer's: such ids have no text.
+    std::vector<int32_t> known;
+    for (const Completion& c : g.completions) {
+      known.clear();
+      for (int32_t id : c.tokens)
+        if (id < tokenizer->vocab_size()) known.push_back(id);
+      g.texts.push_back(tokenizer->text(known, /*skip_special=*/false));
+    }
+    text_note = "text from " + tokenizer->where();
+  }
+  write_generations(args.out, g);
+  int64_t stopped = 0;
+  for (const Completion& c : g.completions) stopped += c.finish == Finish::Stop;
+  const int64_t tokens = gathered.tokens;
+  const double seconds = gathered.seconds;
+  std::printf("generate: %zu completions, %lld tokens in %.2f s (%.1f tokens/s per rank), %lld stopped by a "
+              "stop id, %lld at --max-new-tokens; %s -> %s\n",
+              g.completions.size(), (long long)tokens, seconds, seconds > 0 ? tokens / seconds / world : 0.0,
+              (long long)stopped, (long long)(g.completions.size() - stopped), text_note.c_str(),
+              args.out.c_str());
+  std::fflush(stdout);
+}
+
 }  // namespace
 
 void write_generations(const std::string& path, const GenerationsFile& g) {
@@ -274,142 +456,24 @@ GenerateArgs parse_generate_args(const std::map<std::string, std::string>& o, co
 int run_generate(const GenerateArgs& given, MPI_Comm comm) {
   const int rank = ckpt::comm_rank(comm), world = ckpt::comm_size(comm);
   const int local_rank = node_local_rank(comm);
-  GenerateArgs args = given;
-  std::string backend = "cpu";
-  InferenceModel model;
-  PromptSet prompts;
-  std::vector<GenerateRequest> requests;
-  GenerateOptions options;
-  std::unique_ptr<Decoder> decoder;
-  std::unique_ptr<TokenDecoder> tokenizer;  // when the model has a tokenizer.json: the completions' text
+  GenerateSetup setup;
+  setup.args = given;
   try {
     // Every rank loads the whole model and reads the prompts; a bad input is
     // the same on every rank, and agreed so that all stop together.
-    ckpt::agreed(comm, [&] {
-      if (!args.deck.empty()) {
-        DeckResult deck = parse_deck(args.deck, args.overrides, 1);
-        if (!deck.ok()) {
-          std::string all;
-          for (const auto& e : deck.errors) all += "\n  " + e;
-          SHARDLM_FAIL("the deck %s has %zu error%s:%s", args.deck.c_str(), deck.errors.size(),
-                       deck.errors.size() == 1 ? "" : "s", all.c_str());
-        }
-        if (!args.seed_given) args.sampling.seed = deck.config.run.seed;
-        if (args.device.empty()) args.device = deck.config.device.backend;
-        if (args.hf.empty() && args.checkpoint.empty()) {
-          std::error_code ec;
-          const fs::path ckpts = fs::path(deck.config.run.dir) / "checkpoints";
-          if (fs::is_directory(ckpts, ec) && !fs::is_empty(ckpts, ec)) args.checkpoint = deck.config.run.dir;
-          else if (!deck.config.model.hf.empty()) args.hf = deck.config.model.hf;
-          else SHARDLM_FAIL("the deck %s names no model to sample: run.dir %s has no checkpoint and model.hf is "
-                            "not set (give --hf or --checkpoint)", args.deck.c_str(), deck.config.run.dir.c_str());
-        }
-      }
-      model = args.hf.empty() ? InferenceModel::from_checkpoint(args.checkpoint) : InferenceModel::from_hf(args.hf);
-      const ModelConfig& c = model.config();
-      std::error_code ec;
-      if (rank == 0 && !model.tokenizer_dir.empty() && fs::exists(model.tokenizer_dir / "tokenizer.json", ec))
-        tokenizer = std::make_unique<TokenDecoder>(TokenDecoder::load(model.tokenizer_dir.string()));
-      if (args.has_prompt_text) {
-        // The text as it is (add_special_tokens = False): a BOS or a chat template's
-        // markup is written into it, its added tokens are matched there.
-        SHARDLM_CHECK(!model.tokenizer_dir.empty() && fs::exists(model.tokenizer_dir / "tokenizer.json", ec),
-                      "--prompt needs the model's tokenizer.json (%s has none): tokenize the prompt with "
-                      "tools/make_prompts.py and give --prompts, or give --prompt-ids",
-                      model.tokenizer_dir.empty() ? model.source.c_str() : model.tokenizer_dir.c_str());
-        const TokenEncoder encoder = TokenEncoder::load(model.tokenizer_dir.string());
-        prompts = prompt_from_tokens(encoder.encode(args.prompt_text), "--prompt", c.vocab_size);
-      } else {
-        prompts = args.prompts_file.empty() ? prompt_from_ids(args.prompt_ids, c.vocab_size)
-                                            : read_prompts(args.prompts_file, c.vocab_size);
-      }
-      // Rank r: prompts r, r + W, ...; all n samples of a prompt on one rank.
-      for (int64_t p = rank; p < prompts.size(); p += world)
-        for (int64_t s = 0; s < args.n; ++s) requests.push_back({p, s, prompts.prompt(p)});
-      options.sampling = args.sampling;
-      options.max_new_tokens = args.max_new_tokens;
-      options.stop_ids = prompts.stop_ids;
-      for (int32_t id : model.eos_ids)
-        if (std::find(options.stop_ids.begin(), options.stop_ids.end(), id) == options.stop_ids.end())
-          options.stop_ids.push_back(id);
-      for (int32_t id : options.stop_ids)
-        SHARDLM_CHECK(id < c.vocab_size, "%s: stop token id %d is outside the model's vocabulary [0, %lld)",
-                      prompts.path.c_str(), id, (long long)c.vocab_size);
-      // Every prompt is checked on every rank (the message is the same everywhere).
-      std::vector<GenerateRequest> all;
-      for (int64_t p = 0; p < prompts.size(); ++p) all.push_back({p, 0, prompts.prompt(p)});
-      plan_limits(c, all, args.batch, args.max_new_tokens, prompts.path);
-      backend = bind_backend(args.device.empty() ? "auto" : args.device, local_rank);
-      decoder = make_decoder(model, plan_limits(c, requests, args.batch, args.max_new_tokens, prompts.path), backend);
-    });
+    ckpt::agreed(comm, [&] { set_up(setup, rank, world, local_rank); });
   } catch (const std::exception& e) {
     if (rank == 0) std::fprintf(stderr, "shardlm generate: error: %s\n", e.what());
     return 1;
   }
-  if (rank == 0) {
-    const DecoderLimits& l = decoder->limits();
-    std::printf("generate: %s | %lld prompt%s x %lld sample%s over %d rank%s | %s | batch %lld, cache %lld positions "
-                "(%.1f MiB), weights %.1f MiB | temperature %g, top-k %lld, top-p %g, seed %llu, stop ids %zu\n",
-                model.source.c_str(), (long long)prompts.size(), prompts.size() == 1 ? "" : "s", (long long)args.n,
-                args.n == 1 ? "" : "s", world, world == 1 ? "" : "s", decoder->describe().c_str(),
-                (long long)l.slots, (long long)l.max_len, decoder->cache_bytes() / 1048576.0,
-                (decoder->weight_bytes() ? decoder->weight_bytes() : model.bytes()) / 1048576.0,
-                args.sampling.temperature,
-                (long long)args.sampling.top_k, args.sampling.top_p, (unsigned long long)args.sampling.seed,
-                options.stop_ids.size());
-    std::fflush(stdout);
-  }
-  const auto t0 = std::chrono::steady_clock::now();
-  std::vector<Completion> mine = generate(*decoder, requests, options);
-  int64_t my_tokens = 0;
-  for (const Completion& c : mine) my_tokens += int64_t(c.tokens.size());
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  if (rank == 0 && decoder->decode_steps() > 0)
-    std::printf("generate: rank 0: %lld decode steps, %.3f ms each on the device (forward and lm-head, event-timed; "
-                "the logits' download and the sampling not counted)\n",
-                (long long)decoder->decode_steps(), 1e3 * decoder->decode_seconds() / double(decoder->decode_steps()));
-  if (const std::string profile = decoder->profile_report(seconds); rank == 0 && !profile.empty())
-    std::printf("generate: rank 0: %s", profile.c_str());
-  std::vector<Completion> all = gather(std::move(mine), comm);
-  int64_t tokens = 0;
-  MPI_CHECK(MPI_Reduce(&my_tokens, &tokens, 1, MPI_INT64_T, MPI_SUM, 0, comm));
+  if (rank == 0) print_setup(setup, world);
+  GatheredCompletions gathered = sample_and_gather(setup, rank, comm);
 
   int failed = 0;
   std::string message;
   if (rank == 0) {
     try {
-      GenerationsFile g;
-      g.model_source = model.source;
-      g.prompts_source = prompts.path;
-      g.prompt_tokens = prompts.tokens;
-      g.prompt_offsets = prompts.offsets;
-      g.completions = std::move(all);
-      g.stop_ids = options.stop_ids;
-      g.sampling = args.sampling;
-      g.n = args.n;
-      g.max_new_tokens = args.max_new_tokens;
-      g.world = world;
-      std::string text_note = "no tokenizer.json: no text";
-      if (tokenizer) {
-        // A model's vocabulary may be padded past its tokenizer's: such ids have no text.
-        std::vector<int32_t> known;
-        for (const Completion& c : g.completions) {
-          known.clear();
-          for (int32_t id : c.tokens)
-            if (id < tokenizer->vocab_size()) known.push_back(id);
-          g.texts.push_back(tokenizer->text(known, /*skip_special=*/false));
-        }
-        text_note = "text from " + tokenizer->where();
-      }
-      write_generations(args.out, g);
-      int64_t stopped = 0;
-      for (const Completion& c : g.completions) stopped += c.finish == Finish::Stop;
-      std::printf("generate: %zu completions, %lld tokens in %.2f s (%.1f tokens/s per rank), %lld stopped by a "
-                  "stop id, %lld at --max-new-tokens; %s -> %s\n",
-                  g.completions.size(), (long long)tokens, seconds, seconds > 0 ? tokens / seconds / world : 0.0,
-                  (long long)stopped, (long long)(g.completions.size() - stopped), text_note.c_str(),
-                  args.out.c_str());
-      std::fflush(stdout);
+      write_output(setup, std::move(gathered), world);
     } catch (const std::exception& e) {
       failed = 1;
       message = e.what();
