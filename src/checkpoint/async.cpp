@@ -390,6 +390,83 @@ std::optional<SaveResult> Checkpointer::wait() {
   return complete();
 }
 
+namespace {
+
+// The file's HDF5 part of the save of w.steps_done steps, by rank 0 alone
+// through the serial driver, with the checksums still 0: the same objects as a
+// synchronous save, so complete() overwrites each checksum in place. The ranks
+// write the raw data through RawFile, never through HDF5, so no collective
+// metadata and no MPI-IO sync hold the loop. Every rank learns where each
+// tensor's space is (w.offsets); rank 0's writer reserves it (w.reserve_end).
+// Collective over `comm`.
+void write_file_metadata(Checkpointer::Writer& w, TrainSession& s, MPI_Comm comm, int64_t tokens_seen) {
+  const int rank = comm_rank(comm);
+  const int64_t steps_done = w.steps_done;
+  const std::vector<Tensor>& tensors = w.tensors;
+  const std::vector<int64_t> position =
+      s.data ? s.data->position(steps_done).to_vector() : DataPosition{steps_done}.to_vector();
+  const std::vector<uint64_t> zeros(tensors.size(), 0);
+  SaveMetadata meta;
+  meta.steps_done = steps_done;
+  meta.tokens_seen = tokens_seen;
+  meta.world_size = comm_size(comm);
+  meta.saved_at = bcast_string(comm, rank == 0 ? now_text() : "");
+  meta.sums = &zeros;
+  meta.position_sum = checksum_i64(position.data(), 0, static_cast<int64_t>(position.size()));
+  meta.position_size = static_cast<int64_t>(position.size());
+  w.offsets.resize(tensors.size());
+  agreed(comm, [&] {
+    if (rank != 0) return;
+    h5::Handle fapl(H5_CHECK(H5Pcreate(H5P_FILE_ACCESS)), H5Pclose);
+    H5_CHECK(H5Pset_file_locking(fapl, false, true));
+    FileId file;
+    file.reset(H5_CHECK(H5Fcreate(w.tmp.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, fapl)));
+    std::vector<h5::Handle> dsets = write_metadata(file, s, tensors, meta);
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      const haddr_t offset = H5Dget_offset(dsets[i]);
+      SHARDLM_CHECK(offset != HADDR_UNDEF, "no file space for %s", tensors[i].path.c_str());
+      w.offsets[i] = static_cast<int64_t>(offset);
+      w.reserve_end = std::max(w.reserve_end, w.offsets[i] + tensors[i].param->numel * 4);
+    }
+    H5_CHECK(H5Dwrite(dsets.back(), H5T_NATIVE_INT64, H5S_ALL, H5S_ALL, H5P_DEFAULT, position.data()));
+    dsets.clear();
+    file.close();  // every HDF5 byte is written; the writers fill the space HDF5 allocated
+  });
+  bcast(comm, w.offsets.data(), static_cast<int>(w.offsets.size()), MPI_INT64_T, 0);
+}
+
+// The pieces the writer writes: one per (array, unit), in the order of
+// tensors_of; what each reads (the pinned mirror of device state, or the pool
+// the copier fills from host state) and the ranges of this rank's shards.
+void lay_out_pieces(Checkpointer::Writer& w, TrainSession& s, bool mirror, int64_t mark, bool downloading) {
+  const std::vector<Tensor>& tensors = w.tensors;
+  w.ranges.resize(tensors.size());
+  w.sums.assign(tensors.size(), 0);
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const Tensor& t = tensors[i];
+    w.ranges[i] = local_range(s.model, t);
+    const float* live = (*t.shards)[t.unit].data();
+    if (w.pieces.empty() || w.pieces.back().live != live)
+      w.pieces.push_back({live, nullptr, (*t.shards)[t.unit].size(), static_cast<int>(t.unit), {}});
+    w.pieces.back().tensors.push_back(i);
+  }
+  w.mark = mark;
+  if (!mirror) {  // unit-major, so that the copier opens each unit's next update as early as it can
+    std::stable_sort(w.pieces.begin(), w.pieces.end(), [](const Piece& a, const Piece& b) { return a.unit < b.unit; });
+    w.host_state = s.state.get();
+  }
+  w.downloading = downloading ? s.state.get() : nullptr;
+  if (mirror) {
+    for (auto& p : w.pieces) p.data = const_cast<float*>(p.live);
+    // The writer reads the mirror after this returns: the filesystem
+    // broadcast's pull_state() waits for it rather than overwrite it.
+    w.mirror_reader = &s.state->host_reader;
+    w.mirror_reader->begin(&w.progress);
+  }
+}
+
+}  // namespace
+
 SaveResult Checkpointer::start(int64_t steps_done, int64_t tokens_seen) {
   h5::silence_error_stack();  // failures become one shardlm::Error line
   TrainSession& s = session_;
@@ -424,73 +501,15 @@ SaveResult Checkpointer::start(int64_t steps_done, int64_t tokens_seen) {
     agreed(comm_, [&] {
       if (rank == 0) prepare_dir(dir, bytes_needed_for(data_bytes, tensors.size()), s.config.ckpt.keep_last);
     });
-    // The metadata now, with the checksums still 0: the same objects as a
-    // synchronous save, so complete() overwrites each checksum in place.
-    const std::vector<int64_t> position =
-        s.data ? s.data->position(steps_done).to_vector() : DataPosition{steps_done}.to_vector();
-    const std::vector<uint64_t> zeros(tensors.size(), 0);
-    SaveMetadata meta;
-    meta.steps_done = steps_done;
-    meta.tokens_seen = tokens_seen;
-    meta.world_size = comm_size(comm_);
-    meta.saved_at = bcast_string(comm_, rank == 0 ? now_text() : "");
-    meta.sums = &zeros;
-    meta.position_sum = checksum_i64(position.data(), 0, static_cast<int64_t>(position.size()));
-    meta.position_size = static_cast<int64_t>(position.size());
-    // The file's HDF5 part, by rank 0 alone through the serial driver: the
-    // ranks write the raw data through RawFile, never through HDF5, so no
-    // collective metadata and no MPI-IO sync hold the loop. The other ranks
-    // learn where each tensor's space is; rank 0's writer reserves it.
-    w->offsets.resize(tensors.size());
-    agreed(comm_, [&] {
-      if (rank != 0) return;
-      h5::Handle fapl(H5_CHECK(H5Pcreate(H5P_FILE_ACCESS)), H5Pclose);
-      H5_CHECK(H5Pset_file_locking(fapl, false, true));
-      FileId file;
-      file.reset(H5_CHECK(H5Fcreate(w->tmp.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, fapl)));
-      std::vector<h5::Handle> dsets = write_metadata(file, s, tensors, meta);
-      for (size_t i = 0; i < tensors.size(); ++i) {
-        const haddr_t offset = H5Dget_offset(dsets[i]);
-        SHARDLM_CHECK(offset != HADDR_UNDEF, "no file space for %s", tensors[i].path.c_str());
-        w->offsets[i] = static_cast<int64_t>(offset);
-        w->reserve_end = std::max(w->reserve_end, w->offsets[i] + tensors[i].param->numel * 4);
-      }
-      H5_CHECK(H5Dwrite(dsets.back(), H5T_NATIVE_INT64, H5S_ALL, H5S_ALL, H5P_DEFAULT, position.data()));
-      dsets.clear();
-      file.close();  // every HDF5 byte is written; the writers fill the space HDF5 allocated
-    });
-    bcast(comm_, w->offsets.data(), static_cast<int>(w->offsets.size()), MPI_INT64_T, 0);
+    write_file_metadata(*w, s, comm_, tokens_seen);
     const char* skip = std::getenv("SHARDLM_CKPT_SKIP_SPACE_CHECK");  // tests: reach ENOSPC in the writes
     if (rank != 0 || (skip && *skip)) w->reserve_end = 0;
     agreed(comm_, [&] { w->raw = std::make_unique<RawFile>(w->tmp, true); });
     result.metadata_s = seconds_since(t_meta);
 
-    // The pieces: one per (array, unit), in the order of tensors_of.
     const auto t_snap = Clock::now();
-    w->ranges.resize(tensors.size());
-    w->sums.assign(tensors.size(), 0);
-    for (size_t i = 0; i < tensors.size(); ++i) {
-      const Tensor& t = tensors[i];
-      w->ranges[i] = local_range(s.model, t);
-      const float* live = (*t.shards)[t.unit].data();
-      if (w->pieces.empty() || w->pieces.back().live != live)
-        w->pieces.push_back({live, nullptr, (*t.shards)[t.unit].size(), static_cast<int>(t.unit), {}});
-      w->pieces.back().tensors.push_back(i);
-    }
     w->pool = mirror ? nullptr : pool_.get();
-    w->mark = mark;
-    if (!mirror) {  // unit-major, so that the copier opens each unit's next update as early as it can
-      std::stable_sort(w->pieces.begin(), w->pieces.end(), [](const Piece& a, const Piece& b) { return a.unit < b.unit; });
-      w->host_state = s.state.get();
-    }
-    w->downloading = downloading ? s.state.get() : nullptr;
-    if (mirror) {
-      for (auto& p : w->pieces) p.data = const_cast<float*>(p.live);
-      // The writer reads the mirror after this returns: the filesystem
-      // broadcast's pull_state() waits for it rather than overwrite it.
-      w->mirror_reader = &s.state->host_reader;
-      w->mirror_reader->begin(&w->progress);
-    }
+    lay_out_pieces(*w, s, mirror, mark, downloading);
     Writer* writer = w.get();
     writer->thread = std::thread([writer] { writer->run(); });
     writer_ = std::move(w);

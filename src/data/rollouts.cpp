@@ -130,18 +130,13 @@ std::string describe(float v) {
   return fmt("%g", double(v));
 }
 
-}  // namespace
+// ------------------------------------------------------------------- read_rollouts' phases
 
-// ------------------------------------------------------------------- reading
-
-std::string rollout_path(const std::string& dir, int64_t step) {
-  return (fs::path(dir) / fmt("step_%lld.h5", static_cast<long long>(step))).string();
-}
-
-RolloutBatch read_rollouts(const std::string& path_text, int64_t vocab_size) {
+// The file at `path_text`, opened read-only after the checks that name what is
+// wrong with it (missing, not a regular file, empty, not HDF5). No file
+// locking, serial driver: every rank reads it at once.
+h5::Handle open_rollout_file(const std::string& path_text) {
   const char* path = path_text.c_str();
-  SHARDLM_CHECK(vocab_size >= 1, "rollouts: vocab_size = %lld, the model's vocabulary size must be set",
-                static_cast<long long>(vocab_size));
   std::error_code ec;
   SHARDLM_CHECK(fs::exists(path_text, ec), "rollout file '%s' does not exist", path);
   SHARDLM_CHECK(fs::is_regular_file(path_text, ec), "rollout file '%s' is not a regular file", path);
@@ -154,33 +149,15 @@ RolloutBatch read_rollouts(const std::string& path_text, int64_t vocab_size) {
   H5Eclear2(H5E_DEFAULT);
   SHARDLM_CHECK(is_hdf5 > 0, "rollout file '%s' is not an HDF5 file (see docs/rollouts.md)", path);
 
-  // Read-only, no file locking, serial driver: every rank reads it at once.
   h5::Handle fapl(H5_CHECK(H5Pcreate(H5P_FILE_ACCESS)), H5Pclose);
   H5_CHECK(H5Pset_file_locking(fapl, false, true));
-  h5::Handle file(H5_CHECK(H5Fopen(path, H5F_ACC_RDONLY, fapl)), H5Fclose);
+  return h5::Handle(H5_CHECK(H5Fopen(path, H5F_ACC_RDONLY, fapl)), H5Fclose);
+}
 
-  RolloutBatch b;
-  b.path = path_text;
-  // Presence of every required dataset first, so a file missing several names the first in this order.
-  for (const char* name : {"tokens", "offsets", "loss_mask", "advantages", "inference_logprobs"})
-    SHARDLM_CHECK(has_link(file, name), "rollout file '%s' has no dataset '%s' (%s)", path, name, kFormatHint);
-  b.tokens = read_1d<int32_t>(file, path_text, "tokens", Kind::Int, "int32", H5T_NATIVE_INT32, true);
-  b.offsets = read_1d<int64_t>(file, path_text, "offsets", Kind::Int, "int64", H5T_NATIVE_INT64, true);
-  b.loss_mask = read_1d<uint8_t>(file, path_text, "loss_mask", Kind::UInt, "uint8", H5T_NATIVE_UINT8, true);
-  b.advantages = read_1d<float>(file, path_text, "advantages", Kind::Float, "float32", H5T_NATIVE_FLOAT, true);
-  b.inference_logprobs =
-      read_1d<float>(file, path_text, "inference_logprobs", Kind::Float, "float32", H5T_NATIVE_FLOAT, true);
-  bool has_temperature = false, has_loss_weight = false;
-  b.temperature = read_1d<float>(file, path_text, "temperature", Kind::Float, "float32", H5T_NATIVE_FLOAT,
-                                 false, &has_temperature);
-  b.loss_weight = read_1d<float>(file, path_text, "loss_weight", Kind::Float, "float32", H5T_NATIVE_FLOAT,
-                                 false, &has_loss_weight);
-  b.metrics = read_metrics(file, path_text);
-  b.step = read_int_attribute(file, path_text, "step", "the trainer step these rollouts are for");
-  b.policy_step =
-      read_int_attribute(file, path_text, "policy_step", "the trainer step whose weights generated them");
-
-  // offsets and sample count
+// The offsets (from 0 to len(tokens), never decreasing, at least one sample)
+// and every array's length against them; sets b.advantages_per_sample.
+void check_offsets_and_lengths(RolloutBatch& b, bool has_temperature, bool has_loss_weight) {
+  const char* path = b.path.c_str();
   const auto n_tokens = static_cast<int64_t>(b.tokens.size());
   const std::vector<int64_t>& off = b.offsets;
   SHARDLM_CHECK(!off.empty(), "rollout file '%s': dataset 'offsets' is empty; it must hold at least "
@@ -199,7 +176,6 @@ RolloutBatch read_rollouts(const std::string& path_text, int64_t vocab_size) {
   SHARDLM_CHECK(n_samples > 0 && n_tokens > 0, "rollout file '%s' holds no samples (%lld samples, %lld tokens)",
                 path, static_cast<long long>(n_samples), static_cast<long long>(n_tokens));
 
-  // lengths
   auto check_length = [&](const char* name, size_t got, int64_t want, const char* per) {
     SHARDLM_CHECK(static_cast<int64_t>(got) == want,
                   "rollout file '%s': '%s' has %zu elements, expected %lld (one per %s)", path, name, got,
@@ -217,8 +193,16 @@ RolloutBatch read_rollouts(const std::string& path_text, int64_t vocab_size) {
                 static_cast<long long>(n_samples));
   // With n_tokens == n_samples every sample is one token: both readings agree.
   b.advantages_per_sample = n_adv == n_samples && n_adv != n_tokens;
+}
 
-  // values everywhere
+// The values that must hold everywhere: token ids in the vocabulary, a 0/1
+// loss mask, positive finite temperatures (1 where absent), finite weights
+// >= 0 (1 where absent), finite per-sample advantages (then spread per token).
+void check_values(RolloutBatch& b, int64_t vocab_size, bool has_temperature, bool has_loss_weight) {
+  const char* path = b.path.c_str();
+  const auto n_tokens = static_cast<int64_t>(b.tokens.size());
+  const int64_t n_samples = b.samples();
+  const std::vector<int64_t>& off = b.offsets;
   for (int64_t t = 0; t < n_tokens; ++t)
     SHARDLM_CHECK(b.tokens[t] >= 0 && b.tokens[t] < vocab_size,
                   "rollout file '%s': tokens[%lld] = %d (%s) is outside the model's vocabulary [0, %lld)", path,
@@ -253,8 +237,15 @@ RolloutBatch read_rollouts(const std::string& path_text, int64_t vocab_size) {
       std::fill(per_token.begin() + off[s], per_token.begin() + off[s + 1], b.advantages[s]);
     b.advantages = std::move(per_token);
   }
+}
 
-  // values at loss tokens (other positions are never read and may hold anything)
+// The values at loss tokens (other positions are never read and may hold
+// anything): finite log-probabilities <= 0 and finite advantages. Counts them
+// into b.loss_tokens, which must not be 0.
+void count_loss_tokens(RolloutBatch& b) {
+  const char* path = b.path.c_str();
+  const int64_t n_samples = b.samples();
+  const std::vector<int64_t>& off = b.offsets;
   for (int64_t s = 0; s < n_samples; ++s) {
     for (int64_t t = off[s] + 1; t < off[s + 1]; ++t) {
       if (b.loss_mask[t] == 0 || !(b.loss_weight[t] > 0.0f)) continue;
@@ -277,6 +268,45 @@ RolloutBatch read_rollouts(const std::string& path_text, int64_t vocab_size) {
                 "rollout file '%s': no token carries loss (loss_mask * loss_weight is 0 at every token after the "
                 "first of its sample); there is nothing to train on",
                 path);
+}
+
+}  // namespace
+
+// ------------------------------------------------------------------- reading
+
+std::string rollout_path(const std::string& dir, int64_t step) {
+  return (fs::path(dir) / fmt("step_%lld.h5", static_cast<long long>(step))).string();
+}
+
+RolloutBatch read_rollouts(const std::string& path_text, int64_t vocab_size) {
+  SHARDLM_CHECK(vocab_size >= 1, "rollouts: vocab_size = %lld, the model's vocabulary size must be set",
+                static_cast<long long>(vocab_size));
+  const h5::Handle file = open_rollout_file(path_text);
+  RolloutBatch b;
+  b.path = path_text;
+  const char* path = path_text.c_str();
+  // Presence of every required dataset first, so a file missing several names the first in this order.
+  for (const char* name : {"tokens", "offsets", "loss_mask", "advantages", "inference_logprobs"})
+    SHARDLM_CHECK(has_link(file, name), "rollout file '%s' has no dataset '%s' (%s)", path, name, kFormatHint);
+  b.tokens = read_1d<int32_t>(file, path_text, "tokens", Kind::Int, "int32", H5T_NATIVE_INT32, true);
+  b.offsets = read_1d<int64_t>(file, path_text, "offsets", Kind::Int, "int64", H5T_NATIVE_INT64, true);
+  b.loss_mask = read_1d<uint8_t>(file, path_text, "loss_mask", Kind::UInt, "uint8", H5T_NATIVE_UINT8, true);
+  b.advantages = read_1d<float>(file, path_text, "advantages", Kind::Float, "float32", H5T_NATIVE_FLOAT, true);
+  b.inference_logprobs =
+      read_1d<float>(file, path_text, "inference_logprobs", Kind::Float, "float32", H5T_NATIVE_FLOAT, true);
+  bool has_temperature = false, has_loss_weight = false;
+  b.temperature = read_1d<float>(file, path_text, "temperature", Kind::Float, "float32", H5T_NATIVE_FLOAT,
+                                 false, &has_temperature);
+  b.loss_weight = read_1d<float>(file, path_text, "loss_weight", Kind::Float, "float32", H5T_NATIVE_FLOAT,
+                                 false, &has_loss_weight);
+  b.metrics = read_metrics(file, path_text);
+  b.step = read_int_attribute(file, path_text, "step", "the trainer step these rollouts are for");
+  b.policy_step =
+      read_int_attribute(file, path_text, "policy_step", "the trainer step whose weights generated them");
+
+  check_offsets_and_lengths(b, has_temperature, has_loss_weight);
+  check_values(b, vocab_size, has_temperature, has_loss_weight);
+  count_loss_tokens(b);
   return b;
 }
 
@@ -289,17 +319,50 @@ void validate_rollout_dir(const std::string& dir) {
                 "appear", dir.c_str());
 }
 
+uint64_t read_rollout_job_id(const std::string& path) {
+  h5::Handle fapl(H5_CHECK(H5Pcreate(H5P_FILE_ACCESS)), H5Pclose);
+  H5_CHECK(H5Pset_file_locking(fapl, false, true));  // every rank reads it at once
+  h5::silence_error_stack();
+  h5::Handle file(H5Fopen(path.c_str(), H5F_ACC_RDONLY, fapl), H5Fclose);
+  SHARDLM_CHECK(file.get() >= 0, "rollout file '%s' cannot be opened as HDF5 (%s)", path.c_str(),
+                h5::error_stack_message().c_str());
+  if (H5_CHECK(H5Aexists(file, "job_id")) <= 0) return 0;
+  h5::Handle attr(H5_CHECK(H5Aopen(file, "job_id", H5P_DEFAULT)), H5Aclose);
+  h5::Handle space(H5_CHECK(H5Aget_space(attr)), H5Sclose);
+  SHARDLM_CHECK(H5Sget_simple_extent_npoints(space) == 1, "rollout file '%s': attribute 'job_id' must be one integer",
+                path.c_str());
+  uint64_t id = 0;
+  H5_CHECK(H5Aread(attr, H5T_NATIVE_UINT64, &id));
+  return id;
+}
+
 std::string wait_for_rollouts(const std::string& dir, int64_t step, double timeout_s,
                               const std::function<void(const std::string&)>& progress,
-                              double progress_interval_s) {
+                              double progress_interval_s, uint64_t job_id) {
   using clock = std::chrono::steady_clock;
   const std::string path = rollout_path(dir, step);
   validate_rollout_dir(dir);
   const auto start = clock::now();
   double next_progress_s = progress_interval_s;
+  bool foreign_said = false;
   for (;;) {
     std::error_code ec;
-    if (fs::exists(path, ec)) return path;
+    if (fs::exists(path, ec)) {
+      if (job_id == 0) return path;
+      // Renamed into place whole, so the id read is that of a complete file.
+      const uint64_t found = read_rollout_job_id(path);
+      if (found == job_id) return path;
+      if (!foreign_said && progress)
+        progress(found == 0 ? fmt("waiting for rollouts for step %lld: %s has no job id; it belongs to another job "
+                                  "(offline rollouts), not this one (job %016llx): waiting for this job's inference "
+                                  "ranks to replace it",
+                                  static_cast<long long>(step), path.c_str(), static_cast<unsigned long long>(job_id))
+                            : fmt("waiting for rollouts for step %lld: %s belongs to another job (job %016llx), not "
+                                  "this one (job %016llx): waiting for this job's inference ranks to replace it",
+                                  static_cast<long long>(step), path.c_str(), static_cast<unsigned long long>(found),
+                                  static_cast<unsigned long long>(job_id)));
+      foreign_said = true;
+    }
     const double waited_s = std::chrono::duration<double>(clock::now() - start).count();
     if (waited_s >= timeout_s)
       SHARDLM_FAIL("no rollouts for step %lld in %s after %g s (is the inference server running?)",
@@ -331,6 +394,7 @@ void write_rollouts(const std::string& dir, const RolloutFile& r) {
     h5::write_1d(f, "temperature", H5T_IEEE_F32LE, H5T_NATIVE_FLOAT, r.temperature);
     h5::write_attr(f, "step", H5T_STD_I64LE, H5T_NATIVE_INT64, std::vector<int64_t>{r.step});
     h5::write_attr(f, "policy_step", H5T_STD_I64LE, H5T_NATIVE_INT64, std::vector<int64_t>{r.policy_step});
+    if (r.job_id != 0) h5::write_attr(f, "job_id", H5T_STD_U64LE, H5T_NATIVE_UINT64, std::vector<uint64_t>{r.job_id});
     if (!r.rewards.empty()) h5::write_1d(f, "rewards", H5T_IEEE_F64LE, H5T_NATIVE_DOUBLE, r.rewards);
     if (!r.metrics.empty()) {
       h5::Handle group(H5_CHECK(H5Gcreate2(f, "metrics", H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT)), H5Gclose);

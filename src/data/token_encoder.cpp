@@ -98,15 +98,134 @@ const std::vector<std::string>& byte_alphabet() {
   return table;
 }
 
+// ---------------------------------------------------------------- tokenizer.json's parts
+
+using nlohmann::json;
+
 // An id of the file (`entry` names it) within [0, kMaxTokenizerIds): a negative
 // or huge one is a damaged file, refused before it is kept.
-int32_t checked_token_id(const nlohmann::json& id, const std::string& entry, const std::string& where) {
+int32_t checked_token_id(const json& id, const std::string& entry, const std::string& where) {
   SHARDLM_CHECK(id.is_number_integer(), "%s: %s is not an id", where.c_str(), entry.c_str());
   const bool in_range = id.is_number_unsigned() ? id.get<uint64_t>() < uint64_t(kMaxTokenizerIds)
                                                 : id.get<int64_t>() >= 0 && id.get<int64_t>() < kMaxTokenizerIds;
   SHARDLM_CHECK(in_range, "%s: %s has id %s; an id must be in [0, %lld)", where.c_str(), entry.c_str(),
                 id.dump().c_str(), static_cast<long long>(kMaxTokenizerIds));
   return static_cast<int32_t>(id.get<int64_t>());
+}
+
+// model: byte-level BPE. Fills the vocabulary (alphabet string -> id) and the
+// merges' ranks ("left right" -> rank); throws on what this encoder does not support.
+void read_bpe(const json& model, const std::string& where, std::unordered_map<std::string, int32_t>& vocab,
+              std::unordered_map<std::string, int32_t>& ranks, bool& ignore_merges) {
+  const std::string kind = model.value("type", model.contains("merges") ? "BPE" : "");
+  SHARDLM_CHECK(kind == "BPE", "%s: model type '%s' is not supported (only byte-level BPE)", where.c_str(),
+                kind.c_str());
+  SHARDLM_CHECK(!model.value("byte_fallback", false),
+                "%s: BPE with byte_fallback (SentencePiece-style, Llama 2) is not supported", where.c_str());
+  const auto nonempty = [&](const char* key) {
+    return model.contains(key) && model[key].is_string() && !model[key].get<std::string>().empty();
+  };
+  SHARDLM_CHECK(!nonempty("continuing_subword_prefix") && !nonempty("end_of_word_suffix"),
+                "%s: BPE with a subword prefix or suffix is not supported", where.c_str());
+  SHARDLM_CHECK(!model.contains("dropout") || model["dropout"].is_null() || model["dropout"].get<double>() == 0.0,
+                "%s: BPE dropout is not supported", where.c_str());
+  SHARDLM_CHECK(model.contains("vocab") && model["vocab"].is_object() && !model["vocab"].empty(),
+                "%s: model.vocab must be a non-empty object", where.c_str());
+  for (const auto& [piece, id] : model["vocab"].items())
+    vocab[piece] = checked_token_id(id, "model.vocab['" + piece + "']", where);
+  ignore_merges = model.value("ignore_merges", false);
+  // Merges as the `tokenizers` package takes them: two vocabulary pieces, as
+  // "left right" or [left, right], whose concatenation is in the vocabulary
+  // too. A merge that can never apply would leave text byte by byte, silently.
+  if (!model.contains("merges") || model["merges"].is_null()) return;
+  const json& merges = model["merges"];
+  const std::string type = merges.type_name();
+  SHARDLM_CHECK(merges.is_array(), "%s: model.merges must be an array of pairs, found a%s %s", where.c_str(),
+                type[0] == 'a' || type[0] == 'o' ? "n" : "", type.c_str());
+  int32_t rank = 0;
+  for (const json& m : merges) {
+    std::string left, right, shown;
+    if (m.is_string()) {
+      shown = m.get<std::string>();
+      const size_t space = shown.find(' ');
+      SHARDLM_CHECK(space != std::string::npos && space > 0 && space + 1 < shown.size() &&
+                        shown.find(' ', space + 1) == std::string::npos,
+                    "%s: model.merges[%d] '%s' is not two pieces separated by one space", where.c_str(), rank,
+                    shown.c_str());
+      left = shown.substr(0, space), right = shown.substr(space + 1);
+    } else {
+      SHARDLM_CHECK(m.is_array() && m.size() == 2 && m[0].is_string() && m[1].is_string() &&
+                        !m[0].get<std::string>().empty() && !m[1].get<std::string>().empty(),
+                    "%s: model.merges[%d] is not a pair of strings", where.c_str(), rank);
+      left = m[0].get<std::string>(), right = m[1].get<std::string>();
+      shown = left + " " + right;
+    }
+    for (const std::string& piece : {left, right, left + right})
+      SHARDLM_CHECK(vocab.count(piece), "%s: model.merges[%d] '%s': '%s' is not in model.vocab", where.c_str(), rank,
+                    shown.c_str(), piece.c_str());
+    ranks.emplace(left + " " + right, rank++);  // the first rank of a pair counts
+  }
+}
+
+// normalizer: none (false) or NFC (true); throws on any other.
+bool nfc_normalizer(const json& spec, const std::string& where) {
+  if (!spec.contains("normalizer") || spec["normalizer"].is_null()) return false;
+  const json& n = spec["normalizer"];
+  const std::string type = n.value("type", "");
+  if (type == "NFC") return true;
+  SHARDLM_CHECK(type == "Sequence" && (!n.contains("normalizers") || n["normalizers"].empty()),
+                "%s: normalizer '%s' is not supported (none or NFC)", where.c_str(), type.c_str());
+  return false;
+}
+
+// pre-tokenizer: [Split(regex, Isolated)] then ByteLevel. The pattern that
+// splits the text into pre-tokens (ByteLevel's GPT-2 pattern when it has
+// use_regex; the whole text when there is none); throws on any other.
+std::string pre_tokenizer_pattern(const json& spec, const std::string& where) {
+  std::string pattern;
+  bool have_pattern = false, byte_level = false;
+  std::vector<json> steps;
+  if (spec.contains("pre_tokenizer") && !spec["pre_tokenizer"].is_null()) {
+    const json& pre = spec["pre_tokenizer"];
+    if (pre.value("type", "") == "Sequence")
+      for (const json& s : pre.value("pretokenizers", json::array())) steps.push_back(s);
+    else
+      steps.push_back(pre);
+  }
+  for (const json& step : steps) {
+    const std::string type = step.value("type", "");
+    if (type == "Split") {
+      SHARDLM_CHECK(!have_pattern && !byte_level, "%s: only one Split, before ByteLevel, is supported",
+                    where.c_str());
+      SHARDLM_CHECK(step.value("behavior", "") == "Isolated" && !step.value("invert", false),
+                    "%s: Split with behavior '%s' is not supported (Isolated only)", where.c_str(),
+                    step.value("behavior", "").c_str());
+      const json& source = step.value("pattern", json::object());
+      if (source.contains("Regex")) {
+        pattern = source["Regex"].get<std::string>();
+      } else {
+        SHARDLM_CHECK(source.contains("String"), "%s: Split pattern has no Regex or String", where.c_str());
+        pattern = "\\Q" + source["String"].get<std::string>() + "\\E";
+      }
+      have_pattern = true;
+    } else if (type == "ByteLevel") {
+      byte_level = true;
+      SHARDLM_CHECK(!step.value("add_prefix_space", false),
+                    "%s: ByteLevel add_prefix_space = true is not supported", where.c_str());
+      if (step.value("use_regex", true)) {
+        SHARDLM_CHECK(!have_pattern, "%s: a Split followed by ByteLevel use_regex is not supported",
+                      where.c_str());
+        pattern = kGpt2Pattern;
+        have_pattern = true;
+      }
+    } else {
+      SHARDLM_FAIL("%s: pre-tokenizer '%s' is not supported (Split and ByteLevel only)", where.c_str(),
+                   type.c_str());
+    }
+  }
+  SHARDLM_CHECK(byte_level, "%s: no ByteLevel pre-tokenizer; only byte-level BPE is supported", where.c_str());
+  if (!have_pattern) pattern = "(?s).+";
+  return pattern;
 }
 
 }  // namespace
@@ -141,110 +260,9 @@ TokenEncoder TokenEncoder::from_json_text(std::string_view json_text, const std:
   TokenEncoder enc;
   enc.where_ = where;
   try {
-    // ---- model: byte-level BPE
-    const json& model = spec["model"];
-    const std::string kind = model.value("type", model.contains("merges") ? "BPE" : "");
-    SHARDLM_CHECK(kind == "BPE", "%s: model type '%s' is not supported (only byte-level BPE)", where.c_str(),
-                  kind.c_str());
-    SHARDLM_CHECK(!model.value("byte_fallback", false),
-                  "%s: BPE with byte_fallback (SentencePiece-style, Llama 2) is not supported", where.c_str());
-    const auto nonempty = [&](const char* key) {
-      return model.contains(key) && model[key].is_string() && !model[key].get<std::string>().empty();
-    };
-    SHARDLM_CHECK(!nonempty("continuing_subword_prefix") && !nonempty("end_of_word_suffix"),
-                  "%s: BPE with a subword prefix or suffix is not supported", where.c_str());
-    SHARDLM_CHECK(!model.contains("dropout") || model["dropout"].is_null() || model["dropout"].get<double>() == 0.0,
-                  "%s: BPE dropout is not supported", where.c_str());
-    SHARDLM_CHECK(model.contains("vocab") && model["vocab"].is_object() && !model["vocab"].empty(),
-                  "%s: model.vocab must be a non-empty object", where.c_str());
-    for (const auto& [piece, id] : model["vocab"].items())
-      enc.vocab_[piece] = checked_token_id(id, "model.vocab['" + piece + "']", where);
-    enc.ignore_merges_ = model.value("ignore_merges", false);
-    // Merges as the `tokenizers` package takes them: two vocabulary pieces, as
-    // "left right" or [left, right], whose concatenation is in the vocabulary
-    // too. A merge that can never apply would leave text byte by byte, silently.
-    if (model.contains("merges") && !model["merges"].is_null()) {
-      const json& merges = model["merges"];
-      const std::string type = merges.type_name();
-      SHARDLM_CHECK(merges.is_array(), "%s: model.merges must be an array of pairs, found a%s %s", where.c_str(),
-                    type[0] == 'a' || type[0] == 'o' ? "n" : "", type.c_str());
-      int32_t rank = 0;
-      for (const json& m : merges) {
-        std::string left, right, shown;
-        if (m.is_string()) {
-          shown = m.get<std::string>();
-          const size_t space = shown.find(' ');
-          SHARDLM_CHECK(space != std::string::npos && space > 0 && space + 1 < shown.size() &&
-                            shown.find(' ', space + 1) == std::string::npos,
-                        "%s: model.merges[%d] '%s' is not two pieces separated by one space", where.c_str(), rank,
-                        shown.c_str());
-          left = shown.substr(0, space), right = shown.substr(space + 1);
-        } else {
-          SHARDLM_CHECK(m.is_array() && m.size() == 2 && m[0].is_string() && m[1].is_string() &&
-                            !m[0].get<std::string>().empty() && !m[1].get<std::string>().empty(),
-                        "%s: model.merges[%d] is not a pair of strings", where.c_str(), rank);
-          left = m[0].get<std::string>(), right = m[1].get<std::string>();
-          shown = left + " " + right;
-        }
-        for (const std::string& piece : {left, right, left + right})
-          SHARDLM_CHECK(enc.vocab_.count(piece), "%s: model.merges[%d] '%s': '%s' is not in model.vocab",
-                        where.c_str(), rank, shown.c_str(), piece.c_str());
-        enc.ranks_.emplace(left + " " + right, rank++);  // the first rank of a pair counts
-      }
-    }
-    // ---- normalizer: none or NFC
-    if (spec.contains("normalizer") && !spec["normalizer"].is_null()) {
-      const json& n = spec["normalizer"];
-      const std::string type = n.value("type", "");
-      if (type == "NFC") enc.nfc_ = true;
-      else
-        SHARDLM_CHECK(type == "Sequence" && (!n.contains("normalizers") || n["normalizers"].empty()),
-                      "%s: normalizer '%s' is not supported (none or NFC)", where.c_str(), type.c_str());
-    }
-    // ---- pre-tokenizer: [Split(regex, Isolated)] then ByteLevel
-    std::string pattern;
-    bool have_pattern = false, byte_level = false;
-    std::vector<json> steps;
-    if (spec.contains("pre_tokenizer") && !spec["pre_tokenizer"].is_null()) {
-      const json& pre = spec["pre_tokenizer"];
-      if (pre.value("type", "") == "Sequence")
-        for (const json& s : pre.value("pretokenizers", json::array())) steps.push_back(s);
-      else
-        steps.push_back(pre);
-    }
-    for (const json& step : steps) {
-      const std::string type = step.value("type", "");
-      if (type == "Split") {
-        SHARDLM_CHECK(!have_pattern && !byte_level, "%s: only one Split, before ByteLevel, is supported",
-                      where.c_str());
-        SHARDLM_CHECK(step.value("behavior", "") == "Isolated" && !step.value("invert", false),
-                      "%s: Split with behavior '%s' is not supported (Isolated only)", where.c_str(),
-                      step.value("behavior", "").c_str());
-        const json& source = step.value("pattern", json::object());
-        if (source.contains("Regex")) {
-          pattern = source["Regex"].get<std::string>();
-        } else {
-          SHARDLM_CHECK(source.contains("String"), "%s: Split pattern has no Regex or String", where.c_str());
-          pattern = "\\Q" + source["String"].get<std::string>() + "\\E";
-        }
-        have_pattern = true;
-      } else if (type == "ByteLevel") {
-        byte_level = true;
-        SHARDLM_CHECK(!step.value("add_prefix_space", false),
-                      "%s: ByteLevel add_prefix_space = true is not supported", where.c_str());
-        if (step.value("use_regex", true)) {
-          SHARDLM_CHECK(!have_pattern, "%s: a Split followed by ByteLevel use_regex is not supported",
-                        where.c_str());
-          pattern = kGpt2Pattern;
-          have_pattern = true;
-        }
-      } else {
-        SHARDLM_FAIL("%s: pre-tokenizer '%s' is not supported (Split and ByteLevel only)", where.c_str(),
-                     type.c_str());
-      }
-    }
-    SHARDLM_CHECK(byte_level, "%s: no ByteLevel pre-tokenizer; only byte-level BPE is supported", where.c_str());
-    if (!have_pattern) pattern = "(?s).+";
+    read_bpe(spec["model"], where, enc.vocab_, enc.ranks_, enc.ignore_merges_);
+    enc.nfc_ = nfc_normalizer(spec, where);
+    const std::string pattern = pre_tokenizer_pattern(spec, where);
     int error = 0;
     PCRE2_SIZE offset = 0;
     enc.split_ = std::make_unique<Regex>();
