@@ -1,11 +1,12 @@
 // model_config.hpp — the architecture of a decoder-only model (Llama/Qwen family).
 //
 // Owns: ModelConfig, the sizes and options every other part reads; the table
-// of the sizes that shape the weights (model_size_fields: each one's deck key,
-// checkpoint attribute, config.json key and bound), which the deck, config.json
-// read and write, the checkpoint's attributes, the load-mismatch report and
-// `inspect` all walk; and the one check of the sizes' rules
-// (check_model_sizes), all defined in src/model/model_config.cpp.
+// of all its members (model_fields: each one's deck key, checkpoint attribute,
+// config.json key and form, bound or choices, whether it shapes the weights),
+// which the deck's [model] keys, config.json read and write, the checkpoint's
+// attributes, the load-mismatch report and `inspect` all walk
+// (model_size_fields is its run of sizes); and the one check of the sizes'
+// rules (check_model_sizes), all defined in src/model/model_config.cpp.
 // Filled from the deck ([model] section) or from a Hugging Face config.json
 // (model/hf_config.hpp). Knows nothing about shards, devices or MPI.
 #pragma once

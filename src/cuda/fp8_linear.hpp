@@ -24,8 +24,7 @@
 // amax in (Amax): written by the kernel that produced the data (RMSNorm,
 // SwiGLU, the norm and SwiGLU backward passes), or kept from the forward for
 // the backward's transposed input — the amax passes' reads gone, the same
-// bits (the CUDA backend's default under tensorwise scaling;
-// SHARDLM_FP8_FUSED_AMAX=0 turns it off). Every kernel is deterministic (amaxes are maxima), so run.deterministic reruns stay
+// bits (what the CUDA backend always does under tensorwise scaling). Every kernel is deterministic (amaxes are maxima), so run.deterministic reruns stay
 // bit-identical.
 #pragma once
 

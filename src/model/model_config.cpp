@@ -1,5 +1,6 @@
-// model_config.cpp — the table of the model's sizes and the one check of
-// their rules (see shardlm/model_config.hpp).
+// model_config.cpp — the rows of ModelConfig's table (every member: deck key,
+// checkpoint attribute, config.json form, bounds) and the one check of the
+// sizes' rules (see shardlm/model_config.hpp).
 #include "shardlm/model_config.hpp"
 
 #include <algorithm>
