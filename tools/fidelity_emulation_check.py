@@ -7,7 +7,13 @@ in the layer's own forward).
   bf16-residual: the hooked model's logits and parameter gradients equal those of the same model
                  written with rounding nodes (bf16 forward and backward) producing the stream;
   bf16-params:   after training steps the model's parameters are bf16 values, the run differs from
-                 plain autocast, and every variant's loss falls.
+                 plain autocast, and every variant's loss falls;
+  fp32-wgrad:    under autocast a patched linear's output and input gradient equal autocast's, its
+                 weight gradient equals g^T x of the bf16 operands summed in float64 (to fp32
+                 rounding) where autocast's is bf16-rounded; every linear of the model is patched,
+                 and the run's loss falls;
+  bf16-dembed:   the logits are unchanged and the embedding's gradient is the sum of the bf16-rounded
+                 gradients of its output rows.
 
   /usr/bin/python3 tools/fidelity_emulation_check.py      (Debian: apt-get install python3-torch)
 """
@@ -75,6 +81,9 @@ class Model(nn.Module):
         self.lm_head = nn.Linear(C, V, bias=False)
         self.config = types.SimpleNamespace(use_cache=True)
 
+    def get_input_embeddings(self):  # as transformers' models (run_hf's bf16-embed finds the table so)
+        return self.model.embed_tokens
+
     def forward(self, input_ids, rnd=None):
         """rnd: the stream written with explicit rounding nodes (the reference of bf16-residual)."""
         r = rnd or (lambda t: t)
@@ -119,6 +128,54 @@ def main():
     check(f"bf16-residual: and differ from no rounding (max relative diff {rel(plain, explicit):.1e})",
           rel(plain, explicit) > 1e-4)
 
+    # fp32-wgrad on one linear: the forward and dx as autocast's, dw unrounded
+    torch.manual_seed(2)
+    lin = nn.Linear(48, 40, bias=False)
+    x = torch.randn(3, 24, 48, requires_grad=True)
+    g = torch.randn(3, 24, 40)
+    ys, grads = [], []
+    for patch in (False, True):
+        m = nn.Linear(48, 40, bias=False)
+        m.load_state_dict(lin.state_dict())
+        if patch:
+            F.emulate_fp32_wgrad(m)
+        x.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = m(x)
+        y.backward(g.to(y.dtype))
+        ys.append(y.detach())
+        grads.append((x.grad.clone(), m.weight.grad.clone()))
+    xb, gb = x.detach().to(torch.bfloat16).double(), g.to(torch.bfloat16).double()
+    ref = gb.reshape(-1, 40).t() @ xb.reshape(-1, 48)
+    err = lambda w: float((w.double() - ref).abs().max() / ref.abs().max())
+    check("fp32-wgrad: the output is autocast's (bf16, equal)", ys[0].dtype == ys[1].dtype == torch.bfloat16 and
+          torch.equal(ys[0], ys[1]))
+    check(f"fp32-wgrad: the input gradient is autocast's (max diff {float((grads[0][0] - grads[1][0]).abs().max()):.1e})",
+          torch.allclose(grads[0][0], grads[1][0], rtol=1e-2, atol=1e-2))
+    check(f"fp32-wgrad: the weight gradient is the unrounded sum (error {err(grads[1][1]):.1e} < 1e-6; "
+          f"autocast's {err(grads[0][1]):.1e} > 1e-4)", err(grads[1][1]) < 1e-6 and err(grads[0][1]) > 1e-4)
+    model = fresh()
+    check("fp32-wgrad: every linear of the model patched (3 layers x 3 + the lm head)", F.emulate_fp32_wgrad(model) == 10)
+
+    # bf16-dembed: the table's gradient from bf16-rounded output gradients
+    plain2, hooked2 = fresh(), fresh()
+    F.emulate_bf16_dembed(hooked2.model.embed_tokens)
+    captured = {}
+    def capture(m, i, out):
+        out.register_hook(lambda g: captured.__setitem__("g", g))
+
+    plain2.model.embed_tokens.register_forward_hook(capture)
+    la, lb = plain2(ids).logits, hooked2(ids).logits
+    la.pow(2).sum().backward()
+    lb.pow(2).sum().backward()
+    want = torch.zeros_like(plain2.model.embed_tokens.weight).index_add_(
+        0, ids.reshape(-1), captured["g"].reshape(-1, 32).to(torch.bfloat16).float())
+    got = hooked2.model.embed_tokens.weight.grad
+    check("bf16-dembed: the logits are unchanged", torch.equal(la, lb))
+    check(f"bf16-dembed: the table's gradient sums the rounded rows (max diff {float((got - want).abs().max()):.1e}); "
+          f"the plain one differs", torch.allclose(got, want, rtol=1e-6, atol=1e-7) and
+          not torch.equal(plain2.model.embed_tokens.weight.grad, got))
+
     made = []
 
     def from_pretrained(directory, torch_dtype=None):
@@ -130,12 +187,14 @@ def main():
     args = types.SimpleNamespace(lr=1e-3, steps=12, rows=2)
     rows = (np.random.default_rng(0).integers(0, 64, size=(1, 17)) + np.arange(8)[:, None] % 3) % 64
     curves = {}
-    for v in ("eager", "eager+bf16-params", "eager+bf16-residual", "eager+bf16-residual+bf16-params"):
+    for v in ("eager", "eager+bf16-params", "eager+bf16-residual", "eager+bf16-residual+bf16-params",
+              "eager+fp32-wgrad", "eager+bf16-dembed"):
         curves[v] = F.run_hf(args, "unused", rows, v, device="cpu")
         check(f"{v}: the loss falls ({curves[v][0]:.4f} -> {curves[v][-1]:.4f})", curves[v][-1] < curves[v][0] - 0.3)
     check("bf16-params: after 12 steps the model's parameters are bf16 values",
           all(torch.equal(p, p.to(torch.bfloat16).float()) for p in made[1].parameters()))
     check("bf16-params: the curve differs from plain autocast's", curves["eager+bf16-params"] != curves["eager"])
+    check("fp32-wgrad: the curve differs from plain autocast's", curves["eager+fp32-wgrad"] != curves["eager"])
 
     # the fidelity test's verdict on made-up curves: eager falls from 10 to 2; compile sits
     # 5e-4 above it; one shardlm curve 7e-4 above (1.4x: within 1.5x), one 8e-4 (not),

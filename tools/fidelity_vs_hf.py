@@ -4,9 +4,16 @@ with the same model, data, order and optimizer, on the GPU machine, in one call.
 
   1. a model of the Llama-3.2-1B (--shape llama-1b) or Qwen3-1.7B (--shape qwen3-1.7b) shape,
      random init by transformers (seed 0), saved in fp32 (shardlm reads it through model.hf);
-  2. a learnable token stream: --docs documents of seq + 1 tokens, each a run of "words" drawn
-     (Zipf) from a fixed dictionary of random token sequences (seeded), so one document fills
-     one row and the loss falls fast from ln(vocab);
+  2. a learnable token stream of --docs documents of seq + 1 tokens (one document fills one row,
+     and the loss falls fast from ln(vocab)), seeded; --stream picks it:
+       zipf    each document a run of "words" drawn (Zipf) from a fixed dictionary of random
+               token sequences;
+       markov  a Markov chain over --markov-ids active ids drawn at random from the vocabulary:
+               the next id is the current one's fixed successor (a random permutation of the
+               active ids) with probability --markov-p, else uniform over the active ids; each
+               document starts at a uniform active id. The rest of the vocabulary never occurs,
+               so the fast descent is mostly the model learning to push 124K never-seen ids
+               down (at the 1B shape) and the successor table;
   3. shardlm train on it: rows in file order (data.shuffle = false), --rows rows a step,
      AdamW (lr --lr constant, betas 0.9 / 0.95, eps 1e-8, weight decay 0.1 on matrices and the
      embedding, clip 1.0), `--set` overrides appended (the precision switches under study);
@@ -24,9 +31,18 @@ with the same model, data, order and optimizer, on the GPU machine, in one call.
        bf16-norms     the same for the norm weights alone (RMSNorms, Qwen3's q/k norms: every 1-D
                       parameter), bf16-embed for the embedding alone: which half of bf16-params
                       moves the curve;
+       fp32-wgrad     every linear's weight gradient (the tied lm head's too) leaves its GEMM in fp32,
+                      as shardlm's cuBLASLt GEMMs accumulate into the fp32 gradient (autocast's bf16
+                      GEMM rounds each micro-batch's weight gradient to bf16 before the fp32 sum);
+                      the forward and the input gradients stay autocast's;
+       bf16-dembed    the stream's gradient at the embedding's output rounded to bf16 before the
+                      table's fp32 sum (the forward unchanged), as shardlm's fp32 stream hands the
+                      embedding backward its bf16 copy;
   5. the table: per window of steps, the mean relative loss difference to transformers eager
      (and its max |.|) for shardlm and for compile (transformers' own spread), and the mean
-     loss of the last 10 steps; losses.json with every curve.
+     loss of the last 10 steps; each window's mean gradient norm (before clipping) per curve;
+     losses.json with every curve and gradnorms.json with their norms, both rewritten after
+     each run (a call cut short keeps the runs it finished).
 
   python3 tools/fidelity_vs_hf.py --shardlm build/shardlm --shape llama-1b --steps 150 --out runs/fidelity
   python3 tools/fidelity_vs_hf.py ... --label bf16-stream --set model.residual_dtype=bf16   (a switch)
@@ -35,6 +51,10 @@ with the same model, data, order and optimizer, on the GPU machine, in one call.
   python3 tools/fidelity_vs_hf.py ... --variants eager,eager+bf16-norms,eager+bf16-embed
   python3 tools/fidelity_vs_hf.py ... --repeats 3 --hf-repeats 2   (shardlm 3 times, each transformers variant
       twice: how far a rerun alone moves a window, and the test on the mean curves)
+  python3 tools/fidelity_vs_hf.py ... --stream markov --steps 65   (the Markov stream; tools/fidelity_markov.sh)
+  python3 tools/fidelity_vs_hf.py ... --skip-hf OUT/losses.json --skip-done --repeats 2   (add runs to OUT's
+      curves: only those losses.json lacks, here shardlm's second run)
+  python3 tools/fidelity_vs_hf.py ... --skip-hf OUT/losses.json --variants "" --repeats 0   (the tables alone)
 
 Needs torch, transformers, h5py and numpy (tools/fidelity_vs_hf.sh finds that python).
 """
@@ -95,22 +115,62 @@ def make_data(path, vocab, docs, doc_len, seed):
     return out.reshape(docs, doc_len)
 
 
+def make_markov(path, vocab, docs, doc_len, seed, active=4096, p_next=0.8):
+    """Documents of doc_len tokens: a Markov chain over `active` ids drawn at random from the vocabulary.
+    From id a the next id is succ(a) (a fixed random permutation of the active ids) with probability
+    p_next, else uniform over the active ids (succ(a) included); each document starts uniformly.
+    Documents are independent draws, written in the order drawn."""
+    rng = np.random.default_rng(seed)
+    ids = np.sort(rng.choice(vocab, size=active, replace=False)).astype(np.int32)
+    succ = rng.permutation(active)
+    state = rng.integers(0, active, size=docs)
+    out = np.empty((docs, doc_len), dtype=np.int32)
+    for t in range(doc_len):  # all documents a position at a time
+        out[:, t] = ids[state]
+        jump = rng.random(docs) >= p_next
+        state = np.where(jump, rng.integers(0, active, size=docs), succ[state])
+    with h5py.File(path + ".tmp", "w") as f:
+        f.create_dataset("tokens", data=out.reshape(-1))
+        f.create_dataset("offsets", data=np.arange(0, out.size + 1, doc_len, dtype=np.int64))
+        f.attrs["vocab_size"] = np.int64(vocab)
+        f.attrs["tokenizer"] = f"fidelity_vs_hf.py: Markov chain over {active} random ids, successor p {p_next}"
+        f.attrs["markov_ids"] = ids
+        f.attrs["markov_successor"] = ids[succ]
+    os.replace(path + ".tmp", path)
+    return out
+
+
+def markov_entropy(active, p_next):
+    """The chain's entropy rate in nats a token: the loss a model that knows the chain reaches."""
+    q = (1 - p_next) / active
+    return -((p_next + q) * np.log(p_next + q) + (active - 1) * q * np.log(q))
+
+
 def model_and_data(args, data_suffix=""):
     """The model directory (--model, or --shape's random init made once under --out), its tag, and
-    the data file data-TAG{data_suffix}.h5 under --out (--docs documents, made once)."""
+    the data file data-TAG{data_suffix}.h5 under --out (--docs documents of --stream, made once; the
+    Markov stream's name says its parameters)."""
     model_dir = os.path.abspath(args.model) if args.model else os.path.join(args.out, f"model-{args.shape}")
     tag = os.path.basename(model_dir.rstrip("/")) if args.model else args.shape
     if not os.path.isfile(os.path.join(model_dir, "config.json")):
         make_model(model_dir, args.shape, args.seq)
     with open(os.path.join(model_dir, "config.json")) as f:
         vocab = json.load(f)["vocab_size"]
+    stream = getattr(args, "stream", "zipf")
+    if stream == "markov":
+        data_suffix = f"-markov{args.markov_ids}-p{args.markov_p:g}-s{args.markov_seed}{data_suffix}"
     data_path = os.path.join(args.out, f"data-{tag}{data_suffix}.h5")
     if not os.path.isfile(data_path):
-        make_data(data_path, vocab, args.docs, args.seq + 1, seed=1)
+        if stream == "markov":
+            make_markov(data_path, vocab, args.docs, args.seq + 1, args.markov_seed, args.markov_ids, args.markov_p)
+        else:
+            make_data(data_path, vocab, args.docs, args.seq + 1, seed=1)
     return model_dir, tag, data_path
 
 
-def run_shardlm(args, model_dir, data_path, run_dir, label):
+def run_shardlm(args, model_dir, data_path, run_dir, label, norms=None):
+    """shardlm train on the deck below (+ --set): its losses a step; norms, if given, gets its gradient
+    norms (before clipping)."""
     deck = os.path.join(args.out, f"fidelity-{label}.toml")
     with open(deck, "w") as f:
         f.write(f"""[run]
@@ -162,17 +222,21 @@ interval = 1
         f.write(p.stdout + p.stderr)
     if p.returncode != 0:
         sys.exit(f"shardlm train failed ({p.returncode}); log in {args.out}/shardlm-{label}.log:\n{p.stderr[-3000:]}")
-    losses = {}
+    losses, gnorms = {}, {}
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         for line in f:
             r = json.loads(line)
             if "step" in r and "loss" in r:
                 losses[int(r["step"])] = float(r["loss"])
+                if "grad_norm" in r:
+                    gnorms[int(r["step"])] = float(r["grad_norm"])
     print(f"shardlm {label}: {len(losses)} steps in {time.time() - t0:.0f} s", flush=True)
+    if norms is not None:
+        norms.extend(gnorms.get(s, float("nan")) for s in sorted(losses))
     return [losses[s] for s in sorted(losses)]
 
 
-EMULATIONS = ("bf16-residual", "bf16-params", "bf16-norms", "bf16-embed")
+EMULATIONS = ("bf16-residual", "bf16-params", "bf16-norms", "bf16-embed", "fp32-wgrad", "bf16-dembed")
 
 
 def round_bf16_fn():
@@ -189,6 +253,28 @@ def round_bf16_fn():
             return g.to(torch.bfloat16).to(g.dtype)
 
     return RoundBF16.apply
+
+
+def round_grad_bf16_fn():
+    """x -> x unchanged, its gradient rounded to bf16 (kept in its dtype) on the way back."""
+    import torch
+
+    class RoundGradBF16(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, g):
+            return g.to(torch.bfloat16).to(g.dtype)
+
+    return RoundGradBF16.apply
+
+
+def emulate_bf16_dembed(embed):
+    """A hook that rounds the gradient reaching the embedding's output to bf16."""
+    rnd = round_grad_bf16_fn()
+    return embed.register_forward_hook(lambda m, i, out: rnd(out))
 
 
 def emulate_bf16_residual(model, decoder_layers, embed):
@@ -229,8 +315,70 @@ def emulate_bf16_residual(model, decoder_layers, embed):
     return handles
 
 
-def run_hf(args, model_dir, rows, variant, device="cuda"):
-    """One transformers run: variant = eager | compile, optionally +EMULATION..."""
+def wgrad_fp32_product(g, x):
+    """g^T x of bf16 matrices with fp32 accumulation and an fp32 result (no bf16 rounding of the sum)."""
+    import torch
+    if g.is_cuda:
+        try:
+            return torch.mm(g.t(), x, out_dtype=torch.float32)
+        except (TypeError, RuntimeError):  # an older torch: tf32 holds bf16 values exactly
+            prev = torch.backends.cuda.matmul.allow_tf32
+            torch.backends.cuda.matmul.allow_tf32 = True
+            try:
+                return g.t().float() @ x.float()
+            finally:
+                torch.backends.cuda.matmul.allow_tf32 = prev
+    return g.t().float() @ x.float()
+
+
+def linear_fp32_wgrad_fn():
+    """(x, w) -> x w^T as autocast computes it (bf16 operands, bf16 out, dx from a bf16 GEMM), except
+    that dw leaves its GEMM in fp32."""
+    import torch
+    import torch.nn.functional as F
+
+    class LinearF32WGrad(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w):
+            xb, wb = x.to(torch.bfloat16), w.to(torch.bfloat16)
+            ctx.save_for_backward(xb, wb)
+            ctx.x_dtype = x.dtype
+            return F.linear(xb, wb)
+
+        @staticmethod
+        def backward(ctx, g):
+            xb, wb = ctx.saved_tensors
+            gb = g.to(torch.bfloat16)
+            dx = (gb @ wb).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
+            dw = None
+            if ctx.needs_input_grad[1]:
+                dw = wgrad_fp32_product(gb.reshape(-1, gb.shape[-1]), xb.reshape(-1, xb.shape[-1]))
+            return dx, dw
+
+    return LinearF32WGrad.apply
+
+
+def emulate_fp32_wgrad(model):
+    """Every nn.Linear of the model (the lm head too) through linear_fp32_wgrad_fn; returns how many."""
+    import types
+    import torch.nn as nn
+    fn = linear_fp32_wgrad_fn()
+
+    def forward(self, x):
+        out = fn(x, self.weight)
+        return out if self.bias is None else out + self.bias.to(out.dtype)
+
+    n = 0
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            m.forward = types.MethodType(forward, m)
+            n += 1
+    return n
+
+
+def run_hf(args, model_dir, rows, variant, device="cuda", norms=None):
+    """One transformers run: variant = eager | compile, optionally +EMULATION...; norms, if given, gets
+    its gradient norms (before clipping)."""
     import torch
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM
@@ -252,6 +400,10 @@ def run_hf(args, model_dir, rows, variant, device="cuda"):
                             lr=args.lr, betas=(0.9, 0.95), eps=1e-8, **({"fused": True} if device == "cuda" else {}))
     if "bf16-residual" in emulate:
         emulate_bf16_residual(model, model.model.layers, model.model.embed_tokens)
+    if "fp32-wgrad" in emulate:
+        emulate_fp32_wgrad(model)
+    if "bf16-dembed" in emulate:
+        emulate_bf16_dembed(model.model.embed_tokens)
     step_fn = torch.compile(model) if base == "compile" else model
     losses = []
     t0 = time.time()
@@ -272,10 +424,12 @@ def run_hf(args, model_dir, rows, variant, device="cuda"):
         for p, m, r in zip(params, masters, rounded):
             if r:
                 m.grad, p.grad = p.grad, None
-        torch.nn.utils.clip_grad_norm_(masters, 1.0)
+        gnorm = torch.nn.utils.clip_grad_norm_(masters, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(total)
+        if norms is not None:
+            norms.append(float(gnorm))
     print(f"transformers {variant}: {args.steps} steps in {time.time() - t0:.0f} s", flush=True)
     del model, opt, step_fn, masters, params
     if device == "cuda":
@@ -300,6 +454,21 @@ def table(curves, reference="transformers eager"):
         lines.append(f"| {a}–{b} | " + " | ".join(cells) + " |")
     last = " | ".join(f"{k} {np.mean(v[-10:]):.4f}" for k, v in curves.items())
     lines.append(f"\nlast 10 steps, mean loss: {last}")
+    return "\n".join(lines)
+
+
+def norm_table(norms, steps):
+    """Each window's mean gradient norm (before clipping) per curve."""
+    names = [k for k, v in norms.items() if v]
+    if not names:
+        return ""
+    lines = ["| steps | " + " | ".join(names) + " |", "| --- |" + " --- |" * len(names)]
+    for a, b in WINDOWS:
+        if a > steps:
+            break
+        b = min(b, steps)
+        lines.append(f"| {a}–{b} | " + " | ".join(f"{np.nanmean(norms[k][a - 1:b]):.3f}" if len(norms[k]) >= b
+                                                   else "" for k in names) + " |")
     return "\n".join(lines)
 
 
@@ -392,6 +561,10 @@ def main():
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--docs", type=int, default=600)
+    ap.add_argument("--stream", choices=("zipf", "markov"), default="zipf", help="the token stream (see above)")
+    ap.add_argument("--markov-ids", type=int, default=4096, help="markov: active ids")
+    ap.add_argument("--markov-p", type=float, default=0.8, help="markov: the chance of the fixed successor")
+    ap.add_argument("--markov-seed", type=int, default=1, help="markov: the seed of the ids, successors and documents")
     ap.add_argument("--out", default="runs/fidelity")
     ap.add_argument("--label", default="default", help="the shardlm curve's name (a switch under study)")
     ap.add_argument("--set", action="append", default=[], help="a shardlm --set override (repeatable)")
@@ -403,6 +576,8 @@ def main():
     ap.add_argument("--hf-repeats", type=int, default=1, help="runs of each transformers variant in --variants")
     ap.add_argument("--skip-hf", default="", help="a losses.json of an earlier call: its transformers curves "
                     "(--variants then runs only those it does not have)")
+    ap.add_argument("--skip-done", action="store_true", help="run no shardlm repeat that losses.json under --out "
+                    "already has (without it a label's runs are made again)")
     ap.add_argument("--model", default="", help="an existing HF model directory instead of --shape's random init")
     ap.add_argument("--device", default="cuda", help="shardlm's device.backend (cpu: a check of this script)")
     args = ap.parse_args()
@@ -411,31 +586,63 @@ def main():
     model_dir, tag, data_path = model_and_data(args)
     with h5py.File(data_path) as f:
         rows = f["tokens"][()].reshape(-1, args.seq + 1)
-    curves = {}
+    if args.stream == "markov":
+        with open(os.path.join(model_dir, "config.json")) as f:
+            vocab = json.load(f)["vocab_size"]
+        print(f"Markov stream: {args.markov_ids} active ids, successor p {args.markov_p}, seed {args.markov_seed}; "
+              f"entropy rate {markov_entropy(args.markov_ids, args.markov_p):.4f} nats a token "
+              f"(ln(vocab) {np.log(vocab):.4f})", flush=True)
+    curves, norms = {}, {}
     saved = os.path.join(args.out, "losses.json")
+    saved_norms = os.path.join(args.out, "gradnorms.json")
     if os.path.isfile(saved):  # the curves of earlier calls (other switches) stay in the table
         with open(saved) as f:
             curves.update({k: v for k, v in json.load(f).items() if k.startswith("shardlm")})
+    if os.path.isfile(saved_norms):
+        with open(saved_norms) as f:
+            norms.update(json.load(f))
     if args.skip_hf:
         with open(args.skip_hf) as f:
             earlier = json.load(f)
         curves.update({k: v for k, v in earlier.items() if k.startswith("transformers")})
+    norms = {k: v for k, v in norms.items() if k in curves}
+
+    def save():  # after every run: a call cut short keeps what it finished
+        for path, what in ((saved, curves), (saved_norms, norms)):
+            with open(path + ".tmp", "w") as f:
+                json.dump(what, f)
+            os.replace(path + ".tmp", path)
+
     def repeat(name, i):
         return name if i == 1 else f"{name} #{i}"
 
     for v in filter(None, args.variants.split(",")):  # the ones --skip-hf's file does not have
         for i in range(1, args.hf_repeats + 1):
-            if repeat(f"transformers {v}", i) not in curves:
-                curves[repeat(f"transformers {v}", i)] = run_hf(args, model_dir, rows, v)
+            name = repeat(f"transformers {v}", i)
+            if name not in curves:
+                norms[name] = []
+                curves[name] = run_hf(args, model_dir, rows, v, norms=norms[name])
+                save()
     for i in range(1, args.repeats + 1):
         label = args.label if i == 1 else f"{args.label}-{i}"  # file and run names: no '#'
-        curves[f"shardlm {repeat(args.label, i)}"] = run_shardlm(args, model_dir, data_path,
-                                                                 os.path.join(args.out, f"run-{label}"), label)
-    with open(saved, "w") as f:
-        json.dump(curves, f)
-    print(f"\n{tag}, {args.steps} steps of {args.rows} x {args.seq} tokens, lr {args.lr}; "
+        name = f"shardlm {repeat(args.label, i)}"
+        if args.skip_done and name in curves:
+            continue
+        norms[name] = []
+        curves[name] = run_shardlm(args, model_dir, data_path, os.path.join(args.out, f"run-{label}"), label,
+                                   norms=norms[name])
+        save()
+    save()
+    if "transformers eager" not in curves:
+        print("\n(no 'transformers eager' curve: no table)")
+        return
+    print(f"\n{tag}, {args.stream} stream, {args.steps} steps of {args.rows} x {args.seq} tokens, lr {args.lr}; "
           f"relative loss difference to transformers eager:\n")
     print(table(curves))
+    nt = norm_table(norms, len(curves["transformers eager"]))
+    if nt:
+        print("\ngradient norm before clipping, window means:\n")
+        print(nt)
     print("\nfidelity test (each window's |mean| within 1.5x transformers' compile - eager; last 10 within 0.1%):")
     print("\n".join(issue_test(curves)[0]))
     spread = spread_table(curves)

@@ -7,6 +7,8 @@
 #   tools/fidelity_vs_hf.sh --shape llama-1b --steps 150 --out runs/fidelity
 #   tools/fidelity_vs_hf.sh --shape llama-1b --out runs/fidelity --skip-hf runs/fidelity/losses.json \
 #       --label SWITCH --set KEY=VALUE          (another shardlm curve against the same transformers runs)
+#   tools/fidelity_vs_hf.sh --stream markov --steps 65 --out runs/fidelity-markov   (the Markov stream;
+#       tools/fidelity_markov.sh runs it with the precision emulations in one call)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive}
