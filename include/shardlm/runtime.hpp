@@ -37,6 +37,7 @@ struct Runtime {
   int rank = 0, size = 1;               // within role_comm
   int num_trainers = 1, num_receivers = 0;  // receivers: every rank that is not a trainer
   int num_generators = 0;               // of the receivers, those running `shardlm generate`
+  uint64_t job_id = 0;                  // random, drawn by world rank 0 at runtime_init, the same on every rank
   bool trainers_first = true;           // the trainers are world ranks 0..num_trainers-1 (else a launch error)
   MPI_Comm broadcast_comm = MPI_COMM_NULL;  // trainer rank 0 + every receiver; NULL elsewhere
   std::string hostname;
@@ -70,6 +71,12 @@ std::string select_comm(const Runtime& rt, const std::string& requested);
 // memory; e.g. a trainer and a receiver on one GPU). Collective over
 // rt.broadcast_comm.
 std::string select_broadcast_comm(const Runtime& rt);
+
+// The job's id (Runtime::job_id) and its `shardlm generate` ranks, as
+// runtime_init found them (0 and 0 before it): the trainers' rollout source
+// takes only files of its own job when the job makes them.
+uint64_t job_id();
+int job_generators();
 
 // The host of a world rank, as that rank named itself at runtime_init ("?" before
 // it or out of range): error messages name the node of a rank.

@@ -74,6 +74,17 @@ std::string check_data(const Config& config, int64_t vocab_size) {
   }
   validate_rollout_dir(config.data.rollout_dir);
   const std::string first = rollout_path(config.data.rollout_dir, 0);
+  // With [rollout] prompts the deck's job makes its own files, stamped with its
+  // id: what is there now is another job's, which the trainers wait past.
+  const bool job_makes_its_own = !config.rollout.prompts.empty();
+  if (std::filesystem::exists(first) && job_makes_its_own) {
+    const uint64_t found = read_rollout_job_id(first);
+    const std::string whose = found == 0 ? std::string("no job id (offline rollouts)")
+                                         : fmt("job %016llx", static_cast<unsigned long long>(found));
+    return lines + fmt("data: rollouts from %s/step_<N>.h5, made by this deck's inference ranks; step_0.h5 there "
+                       "belongs to another job (%s): not this job's, the trainers wait for their own to replace it\n",
+                       config.data.rollout_dir.c_str(), whose.c_str());
+  }
   if (std::filesystem::exists(first)) read_rollouts(first, vocab_size);
   lines += fmt("data: rollouts from %s/step_<N>.h5 (%s)\n", config.data.rollout_dir.c_str(),
                std::filesystem::exists(first) ? "step_0.h5 read and valid"

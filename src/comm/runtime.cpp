@@ -13,6 +13,8 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
+#include <random>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -35,6 +37,8 @@ struct RankPlacement {
   int local_rank, local_size, num_nodes;
 };
 std::vector<RankPlacement> g_placement;
+uint64_t g_job_id = 0;        // runtime_init: world rank 0's draw, the same on every rank
+int g_job_generators = 0;     // runtime_init: the job's `shardlm generate` ranks
 }  // namespace
 
 #ifndef SHARDLM_VERSION
@@ -108,6 +112,17 @@ Runtime runtime_init(int* argc, char*** argv, Role role) {
   rt.num_receivers = rt.world_size - rt.num_trainers;
   int is_generator = rt.role == Role::Generate;
   MPI_CHECK(MPI_Allreduce(&is_generator, &rt.num_generators, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD));
+  // The job's identity, drawn once by world rank 0 (every app of an MPMD launch
+  // shares MPI_COMM_WORLD): the inference ranks stamp it on their rollout files
+  // and the trainers take only files with it, never an earlier job's.
+  if (rt.world_rank == 0) {
+    std::random_device entropy;
+    rt.job_id = (uint64_t(entropy()) << 32 | uint64_t(entropy())) ^ uint64_t(std::time(nullptr)) * 0x9E3779B97F4A7C15ull;
+    if (rt.job_id == 0) rt.job_id = 1;  // 0 means "no job" in a rollout file's reader
+  }
+  MPI_CHECK(MPI_Bcast(&rt.job_id, 1, MPI_UINT64_T, 0, MPI_COMM_WORLD));
+  g_job_id = rt.job_id;
+  g_job_generators = rt.num_generators;
   // Trainer rank 0 must be world rank 0 (it owns the run dir and the banner): under
   // srun --multi-prog the order is the user's, so it is checked (main's launch check).
   int last_trainer = is_trainer ? rt.world_rank : -1, first_receiver = is_trainer ? rt.world_size : rt.world_rank;
@@ -127,6 +142,9 @@ Runtime runtime_init(int* argc, char*** argv, Role role) {
   if (rt.num_receivers == 0 && rt.broadcast_comm != MPI_COMM_NULL) MPI_CHECK(MPI_Comm_free(&rt.broadcast_comm));
   return rt;
 }
+
+uint64_t job_id() { return g_job_id; }
+int job_generators() { return g_job_generators; }
 
 const char* world_rank_host(int world_rank) {
   if (world_rank < 0 || static_cast<size_t>(world_rank) >= g_placement.size()) return "?";

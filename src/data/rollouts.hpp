@@ -58,6 +58,7 @@ struct RolloutFile {
   std::vector<float> temperature;          // (S)
   std::vector<double> rewards;             // (S) optional: each sample's reward (the advantages' input)
   std::vector<std::pair<std::string, double>> metrics;  // optional: the group 'metrics', one attribute each
+  uint64_t job_id = 0;  // the writing job's id (root attribute 'job_id'); 0: none written (offline rollouts)
 };
 // Writes rollout_path(dir, file.step) as <it>.tmp, then renames it: the
 // trainers never see a half-written file. Throws Error naming the path.
@@ -76,15 +77,23 @@ void validate_rollout_dir(const std::string& dir);
 // logprob at a loss token, no samples, no loss token, ...; docs/rollouts.md).
 RolloutBatch read_rollouts(const std::string& path, int64_t vocab_size);
 
+// The root attribute 'job_id' of a rollout file: the id of the job whose
+// inference ranks wrote it, 0 when it has none (offline rollouts). Throws when
+// the file cannot be opened as HDF5.
+uint64_t read_rollout_job_id(const std::string& path);
+
 // Waits until rollout_path(dir, step) exists. Writers create step_<N>.h5.tmp and
 // rename it when complete, so the final name appearing means the file is whole.
+// job_id != 0 (the job has inference ranks): only a file whose 'job_id' is
+// that counts; one of another job (or none) is said once through progress and
+// waited past, until this job's inference rank renames its own over it.
 // Polls every 0.1 s; calls progress(message) every progress_interval_s while
 // waiting (nullptr: silent). Returns the path. Throws shardlm::Error
 // "no rollouts for step N in DIR after T s (is the inference server running?)"
 // once timeout_s have passed.
 std::string wait_for_rollouts(const std::string& dir, int64_t step, double timeout_s,
                               const std::function<void(const std::string&)>& progress,
-                              double progress_interval_s = 10.0);
+                              double progress_interval_s = 10.0, uint64_t job_id = 0);
 
 // The file belongs to `step` (its step attribute) and its policy lag is allowed:
 // step - max_async <= policy_step <= step (data.max_async). Throws otherwise.

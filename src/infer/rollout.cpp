@@ -19,6 +19,9 @@
 #include <fstream>
 #include <memory>
 
+#include <nlohmann/json.hpp>
+
+#include "base/run_dir.hpp"
 #include "broadcast/broadcast.hpp"
 #include "data/prompts.hpp"
 #include "data/rollouts.hpp"
@@ -106,7 +109,16 @@ struct Publisher {
   const PromptSet& prompts;
   const TokenDecoder* tokenizer;
   RewardSet& reward;
-  std::ofstream jsonl;
+  uint64_t job_id;  // stamped on every rollout file: the trainers of this job take only these
+  std::ofstream jsonl;  // <run.dir>/rollouts.jsonl, opened at the first step (open_jsonl)
+
+  // Rows of steps before first_step are kept; those at or past it are an
+  // earlier launch's timeline that this one rewrites (a resume, or a new run in
+  // the same run.dir from step 0), as metrics.jsonl drops them.
+  void open_jsonl(const fs::path& path, int64_t first_step) {
+    drop_rollout_rows_from(path, first_step);
+    jsonl.open(path, std::ios::app);
+  }
 
   void publish(int64_t step, int64_t policy_step, const std::vector<int64_t>& items,
                const std::vector<Completion>& completions, double sample_s, double wait_s) {
@@ -134,6 +146,7 @@ struct Publisher {
     RolloutFile f;
     f.step = step;
     f.policy_step = policy_step;
+    f.job_id = job_id;
     f.offsets.push_back(0);
     int64_t generated = 0, stopped = 0;
     for (size_t i = 0; i < completions.size(); ++i) {
@@ -184,6 +197,29 @@ struct Publisher {
 };
 
 }  // namespace
+
+int64_t drop_rollout_rows_from(const fs::path& path, int64_t first_step) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return 0;
+  std::string kept, line;
+  int64_t dropped = 0;
+  while (std::getline(in, line)) {
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    bool keep = false;
+    try {
+      const auto row = nlohmann::json::parse(line);
+      keep = row.is_object() && row.contains("step") && row["step"].is_number_integer() &&
+             row["step"].get<int64_t>() < first_step;
+    } catch (const nlohmann::json::exception&) {  // a torn line from a crash
+    }
+    if (keep) kept += line + "\n";
+    else ++dropped;
+  }
+  SHARDLM_CHECK(!in.bad(), "cannot read %s", path.c_str());
+  in.close();
+  if (dropped > 0) write_file_atomically(path.parent_path(), path.filename().string(), kept);
+  return dropped;
+}
 
 void check_prompts(const Config& config, const PromptSet& prompts, const ModelConfig& mc) {
   const RolloutSection& ro = config.rollout;
@@ -274,9 +310,7 @@ int run_inference_role(const Config& config, Runtime& rt) {
       tokenizer = std::make_unique<TokenDecoder>(TokenDecoder::load(model.tokenizer_dir.string()));
     reward = std::make_unique<RewardSet>(ro);
     fs::create_directories(config.run.dir, ec);
-    publisher = std::make_unique<Publisher>(Publisher{config, prompts, tokenizer.get(), *reward,
-                                                      std::ofstream(fs::path(config.run.dir) / "rollouts.jsonl",
-                                                                    std::ios::app)});
+    publisher = std::make_unique<Publisher>(Publisher{config, prompts, tokenizer.get(), *reward, rt.job_id, {}});
     std::printf("generate: %d inference rank%s | %lld prompts from %s, %lld per step x %lld samples | reward %s, "
                 "advantages %s | temperature %g, top-k %lld, top-p %g | max %lld new tokens, %lld slots, cache %.1f "
                 "MiB, %s | %s | rollouts to %s, at most data.max_async = %lld steps behind the trainers' weights\n",
@@ -314,6 +348,7 @@ int run_inference_role(const Config& config, Runtime& rt) {
   };
   // The trainers broadcast their starting weights once (WeightBroadcaster::start).
   if (next() == WeightReceiver::Got::Done) return ended();
+  if (rank == 0) publisher->open_jsonl(fs::path(config.run.dir) / "rollouts.jsonl", receiver.step());
 
   for (int64_t step = receiver.step(); step < config.run.max_steps; ++step) {
     // tests: SHARDLM_FAULT=generate_crash@R kills inference rank R (world rank) before rollout step 4

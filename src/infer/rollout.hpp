@@ -13,6 +13,7 @@
 #pragma once
 
 #include <cstdint>
+#include <filesystem>
 #include <vector>
 
 #include "data/prompts.hpp"
@@ -31,6 +32,12 @@ std::vector<int64_t> prompts_for_step(uint64_t seed, int64_t step, int64_t promp
 // prompt with rollout.max_new_tokens within data.seq_len + 1, stop ids within
 // the vocabulary. Throws Error naming the file and the prompt.
 void check_prompts(const Config& config, const PromptSet& prompts, const ModelConfig& mc);
+
+// <run.dir>/rollouts.jsonl at a launch whose first rollout step is
+// first_step: rewrites `path` (atomically) without the rows of steps at or past
+// it and without torn lines, as metrics.jsonl is rewritten at a resume. Returns
+// how many lines went; an absent file is fine (0).
+int64_t drop_rollout_rows_from(const std::filesystem::path& path, int64_t first_step);
 
 // The decoder's limits on one of `generators` inference ranks: the file's
 // longest prompt + rollout.max_new_tokens positions (checked against the

@@ -7,6 +7,7 @@
 #include <optional>
 #include <string>
 
+#include "shardlm/runtime.hpp"
 #include "train/context_split.hpp"
 
 namespace shardlm {
@@ -81,7 +82,7 @@ class RolloutSource final : public StepSource {
     const std::string path = wait_for_rollouts(data_.rollout_dir, step, data_.rollout_timeout_s,
                                                [&](const std::string& m) {
                                                  if (comm_.rank() == 0) std::printf("%s\n", m.c_str()), std::fflush(stdout);
-                                               });
+                                               }, 10.0, own_job_id_);
     plan.rollout_wait_s = seconds_since(wait0);
     RolloutBatch file = read_rollouts(path, vocab_size_);
     check_rollout_step(file, step, data_.max_async);
@@ -102,6 +103,9 @@ class RolloutSource final : public StepSource {
 
  private:
   const DataSection data_;
+  // The job's id when its own inference ranks write the files (only those are
+  // taken); 0 when they come from outside the job (any file is taken).
+  const uint64_t own_job_id_ = job_generators() > 0 ? job_id() : 0;
   const bool per_sequence_;  // loss.normalize = "sequence"
   const int64_t vocab_size_;
   Comm& comm_;
