@@ -95,7 +95,10 @@ void print_deck_echo(const Runtime& rt, const Config& config) {
   if (rt.world_rank != 0) return;
   Config defaults;
   defaults.deck_path = config.deck_path;
-  const std::vector<DeckChange> set = deck_changes(resolved_deck(defaults), resolved_deck(config), "the defaults");
+  std::vector<DeckChange> set = deck_changes(resolved_deck(defaults), resolved_deck(config), "the defaults");
+  // A key with no meaning for the rest of this deck (loss.mask_high under the
+  // clipped objective) is commented out of its resolved deck: not set, not shown.
+  std::erase_if(set, [](const DeckChange& c) { return c.after.empty(); });
   std::printf("deck: %zu key%s set (the full resolved deck: %s/config.toml)\n", set.size(), set.size() == 1 ? "" : "s",
               config.run.dir.c_str());
   for (const auto& c : set) std::printf("  %s = %s\n", c.key.c_str(), c.after.c_str());

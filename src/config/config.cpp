@@ -720,6 +720,10 @@ void check_rl(const Config& c, const Errors& err) {
     else if (std::string e = regex_error(c.rollout.reward_regex); !e.empty())
       err("rollout.reward_regex = \"" + c.rollout.reward_regex + "\" is not a regular expression: " + e);
   }
+  if (c.loss.type == "rl" && c.rollout.n == 1)
+    err(fmt("rollout.n = 1 with rollout.advantage = \"%s\": each prompt's group is one sample, its advantage "
+            "(reward - group mean) is 0 and the step trains nothing; set rollout.n >= 2 (e.g. 4 or 8 samples per "
+            "prompt)", c.rollout.advantage.c_str()));
   if (uses("program") && c.rollout.reward_program.empty())
     err("rollout.reward = \"program\" needs rollout.reward_program (a command: completions as JSONL on its stdin, "
         "one reward per line on its stdout; docs/rl.md)");

@@ -1,0 +1,104 @@
+#!/usr/bin/env bash
+# test_rl_jobs.sh — RL jobs that meet another job's files, and decks that cannot
+# train (CPU, the copy task of inputs/copy-rl.toml, a few steps each, -np 1 train
+# : -np 1 generate). Each check states what it reproduces:
+#   a second job (run.seed 12) with the data.rollout_dir of a finished one (seed
+#     11): its trainers say that step_0.h5 belongs to another job, wait for their
+#     own inference rank's files (root attribute job_id, one id in every file) and
+#     train on those. Without job ids the second job trained on the first job's
+#     files, silently: its losses equalled the first job's bit for bit
+#       mpirun -np 1 shardlm train copy-rl.toml : -np 1 shardlm generate copy-rl.toml
+#       (twice, the second with --set run.seed=12 --set run.dir=B, same rollout_dir);
+#   `shardlm check` of that deck did call the other job's step_0.h5 "read and valid";
+#   an inference rank that dies before rollout step 4 (checkpoint at step 2), then
+#     the job resumed: rollouts.jsonl held steps 2 and 3 twice (8 rows for 6
+#     steps), now steps 0..5 once each, and the resumed trainers waited past the
+#     dead launch's step_2.h5;
+#   `check` accepted rollout.n = 1 (every group advantage 0: nothing trains), now
+#     refuses it naming rollout.n and rollout.advantage;
+#   the clipped objective's deck echo printed `loss.mask_high = ` with no value.
+# Prints PASS/FAIL lines; exits non-zero when anything failed.
+set -u
+cd "$(dirname "$0")/../.."
+BIN=${SHARDLM:-${BUILD:-build}/shardlm}
+PY=${PYTHON:-/usr/bin/python3}
+MPIRUN=${MPIRUN:-mpirun}
+if [ "$(id -u)" = 0 ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; fi
+export OMP_NUM_THREADS=1 OMP_WAIT_POLICY=passive
+if [ ! -x "$BIN" ]; then echo "FAIL rl_jobs: $BIN is not built"; exit 1; fi
+
+T=$(mktemp -d /tmp/shardlm-rljobs-XXXXXX)
+cleanup() { [ -n "${KEEP:-}" ] && { echo "logs in $T"; return; }; rm -rf "$T"; }
+trap cleanup EXIT
+source tests/scripts/lib/checks.sh  # failures, pass, fail, check, has
+MPI=($MPIRUN --oversubscribe --bind-to none -x OMP_NUM_THREADS -x OMP_WAIT_POLICY)
+start=$(date +%s)
+
+"$PY" tools/make_copy_task.py --out-dir "$T/task" > "$T/task.log" 2>&1 || { fail "make_copy_task.py"; cat "$T/task.log"; }
+timeout 120 "$BIN" train inputs/copy-sft.toml --set "data.path=$T/task/sft.h5" --set "run.dir=$T/sft" \
+  --set "run.export_dir=$T/sft/export" --set run.max_steps=20 > "$T/sft.log" 2>&1
+check "SFT warm start exported" test -f "$T/sft/export/model.safetensors"
+
+# rl RUN_DIR EXTRA...: ARGS = the deck for a run in RUN_DIR, rollouts in $T/shared, then EXTRA.
+rl() {
+  local dir=$1
+  shift
+  ARGS=(inputs/copy-rl.toml --set "model.hf=$T/sft/export" --set "run.dir=$dir" --set "data.rollout_dir=$T/shared"
+        --set "rollout.prompts=$T/task/prompts.h5" --set run.max_steps=3 --set log.interval=1 "$@")
+}
+job() { timeout 120 "${MPI[@]}" "$@" -np 1 "$BIN" train "${ARGS[@]}" : -np 1 "$BIN" generate "${ARGS[@]}"; }
+losses() { "$PY" -c "import json,sys; print([r['loss'] for r in map(json.loads, open(sys.argv[1])) if 'loss' in r])" "$1"; }
+
+# --- a second job in the same rollout directory
+rl "$T/a"
+job > "$T/a.log" 2>&1
+check "job A (seed 11): exit 0" test $? = 0
+check "... its deck echo shows no key without a value (was 'loss.mask_high = ')" \
+  bash -c "! grep -qE '^  [a-z_.]+ = \$' '$T/a.log' && grep -qF '  loss.clip_high = 0.28' '$T/a.log'"
+rl "$T/b" --set run.seed=12
+"$BIN" check "${ARGS[@]}" > "$T/check-b.log" 2>&1
+check "check of job B's deck: exit 0 (got $?), and A's step_0.h5 is not called valid" \
+  bash -c "! grep -q 'read and valid' '$T/check-b.log'"
+check "... it says step_0.h5 belongs to another job" has "$T/check-b.log" "step_0.h5 there belongs to another job (job "
+job > "$T/b.log" 2>&1
+check "job B (seed 12, A's rollout_dir): exit 0" test $? = 0
+check "... its trainers said once that A's step_0.h5 belongs to another job" \
+  test "$(grep -c "$T/shared/step_0.h5 belongs to another job" "$T/b.log")" = 1
+la=$(losses "$T/a/metrics.jsonl"); lb=$(losses "$T/b/metrics.jsonl")
+check "... and trained on its own rollouts: its losses are not A's (A $la, B $lb)" \
+  test "$la" != "$lb" -a "$lb" != "[]"
+check "every rollout file carries one job id, B's" "$PY" - "$T/shared" <<'EOF'
+import sys, h5py
+ids = set()
+for s in range(3):
+    with h5py.File(f"{sys.argv[1]}/step_{s}.h5") as f:
+        ids.add(int(f.attrs["job_id"]))
+assert len(ids) == 1 and 0 not in ids, ids
+EOF
+
+# --- an inference rank dies, the job resumes: rollouts.jsonl without the dead launch's rows past the checkpoint
+rl "$T/die" --set run.max_steps=6 --set ckpt.interval=2 --set "data.rollout_dir=$T/die/rollouts"
+SHARDLM_FAULT=generate_crash@1 job -x SHARDLM_FAULT > "$T/die.log" 2>&1
+rc=$?
+check "an inference rank dying before rollout step 4 ends the job (exit $rc)" test $rc != 0 -a $rc != 124
+job > "$T/resume.log" 2>&1
+check "the same job again resumes and finishes (exit $?)" test $? = 0
+check "... from step 2" grep -qE "checkpoint: resumed from .*/step_2\.h5" "$T/resume.log"
+check "... its trainers waited past the dead launch's step_2.h5" \
+  has "$T/resume.log" "$T/die/rollouts/step_2.h5 belongs to another job"
+check "rollouts.jsonl holds steps 0..5 once each (were steps 2 and 3 twice)" "$PY" - "$T/die/rollouts.jsonl" <<'EOF'
+import json, sys
+steps = [json.loads(l)["step"] for l in open(sys.argv[1])]
+assert steps == list(range(6)), steps
+EOF
+
+# --- decks that cannot train
+rl "$T/n1" --set rollout.n=1
+"$BIN" check "${ARGS[@]}" > "$T/n1.log" 2>&1
+rc=$?
+check "check refuses rollout.n = 1 with group advantages (exit $rc)" test $rc = 1
+check "... naming rollout.n and rollout.advantage" \
+  has "$T/n1.log" "rollout.n = 1 with rollout.advantage = \"mean_std\": each prompt's group is one sample"
+
+echo "test_rl_jobs: $(( $(date +%s) - start )) s"
+exit $((failures > 0))
