@@ -60,7 +60,7 @@ struct ModelSection {
   bool fp8_weight_cache = false;    // keep each layer's weight codes until the parameters change (GPU, model.fp8)
   bool fp8_attention = false;       // cuDNN's FP8 attention where it takes the shape (GPU; docs/config.md)
   std::string residual_dtype = "fp32";  // fp32 | bf16: the residual stream between kernels (GPU)
-  std::string norm_dtype = "bf16";      // bf16 | fp32: the norm weights the RMSNorm kernels read (GPU)
+  std::string norm_dtype = "fp32";      // fp32 | bf16: the norm weights the RMSNorm kernels read (GPU)
 };
 
 struct DataSection {

@@ -352,7 +352,7 @@ TEST_CASE("model.norm_dtype = fp32: 50 GPU steps nearer the CPU (fp32) losses; d
     extra.push_back("model.residual_dtype=bf16");
     return deterministic_gpu_losses(extra, steps);
   };
-  const auto bf16 = run({}, 50), fp32 = run({"model.norm_dtype=fp32"}, 50);
+  const auto bf16 = run({"model.norm_dtype=bf16"}, 50), fp32 = run({"model.norm_dtype=fp32"}, 50);
   const RelativeDiff db = relative_diff(bf16, cpu), df = relative_diff(fp32, cpu);
   MESSAGE("tiny deck vs CPU over 50 steps, relative loss difference: bf16 norm weights mean " << db.mean
           << ", fp32 mean " << df.mean << " (worst " << df.worst << ")");

@@ -29,6 +29,7 @@ train np2-noreshard 2 comm.backend=mpi model.reshard_after_forward=false model.a
 # The residual stream is fp32 by default (model.residual_dtype); the bf16 one beside it.
 train np1-bf16res 1 model.residual_dtype=bf16 || exit 1
 train np2-bf16res 2 comm.backend=mpi model.residual_dtype=bf16 || exit 1
+train np1-bf16norm 1 model.norm_dtype=bf16 || exit 1
 train np1-fp32norm 1 model.norm_dtype=fp32 || exit 1
 train np2-fp32norm 2 comm.backend=mpi model.norm_dtype=fp32 || exit 1
 # The fp32 rows in chunks of 7 tokens a rank (the parts buffer bounded; docs/memory.md):
@@ -52,7 +53,7 @@ compare np1 np1-bf16res 2e-2 "model.residual_dtype = fp32 (default) vs bf16 at -
 # The fp32 norm weights at two ranks come through an all-gather of each rank's pieces.
 compare np2-fp32norm np1-fp32norm 2e-2 "model.norm_dtype = fp32: -np 2 on one GPU (staged MPI) vs -np 1"
 compare np2-fp32norm-offload np2-fp32norm 2e-2 "model.norm_dtype = fp32: -np 2 with optim_cpu_offload vs device-resident state"
-compare np1-fp32norm np1 2e-2 "model.norm_dtype = fp32 vs bf16 at -np 1 (bf16 tolerance)"
+compare np1-fp32norm np1-bf16norm 2e-2 "model.norm_dtype = fp32 vs bf16 at -np 1 (bf16 tolerance)"
 
 # The resolved deck records the communicator the run chose.
 if grep -q "backend = 'mpi'" "$out/np2/config.toml"; then echo "PASS config.toml records comm.backend = \"mpi\""

@@ -200,12 +200,12 @@ TEST_CASE("model.fp8_attention: off by default; on with cuDNN's attention on the
         "with shardlm's bf16 kernels; leave model.fp8_attention off");
 }
 
-TEST_CASE("model.norm_dtype: bf16 by default, or fp32; nothing else") {
-  CHECK(parse(kValid).config.model.norm_dtype == "bf16");
-  CHECK_FALSE(engine_options_for(parse(kValid).config).norm_fp32);
-  const DeckResult r = parse(kValid, {"model.norm_dtype=fp32"});
+TEST_CASE("model.norm_dtype: fp32 by default, or bf16; nothing else") {
+  CHECK(parse(kValid).config.model.norm_dtype == "fp32");
+  CHECK(engine_options_for(parse(kValid).config).norm_fp32);
+  const DeckResult r = parse(kValid, {"model.norm_dtype=bf16"});
   REQUIRE(r.ok());
-  CHECK(engine_options_for(r.config).norm_fp32);
+  CHECK_FALSE(engine_options_for(r.config).norm_fp32);
   CHECK(only_error(parse(kValid, {"model.norm_dtype=fp16"})) ==
         "--set model.norm_dtype=fp16: model.norm_dtype = \"fp16\" is not accepted: it must be one of "
         "\"bf16\", \"fp32\"");
