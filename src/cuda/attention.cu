@@ -1,18 +1,37 @@
-// attention.cu — causal GQA packed-document flash attention, forward and backward.
-// Contract: src/cuda/attention.hpp. Reference: shardlm::cpu::attention_*.
+// attention.cu — shardlm's flash attention kernels, forward and backward, causal and
+// GQA: over one packed micro-batch (attention_forward / attention_backward) and over
+// one K/V block of the context-parallel ring (attention_masked_*).
+// Contract: src/cuda/attention.hpp. Reference: shardlm::cpu::attention_*. The ring
+// that calls the block kernels, and keeps the blocks, is cuda/ring_attention.cu.
 //
-// Kernels (all deterministic, none uses atomics):
-//   doc_start_kernel   one block scans seq_id: doc_start[i] = first token of i's run.
+// One kernel body per pass, each a template over a parameter block that carries a
+// mask policy and an output policy (all deterministic, none uses atomics):
 //   fwd_kernel         FlashAttention-2 forward: a block owns BM queries of one head,
-//                      walks key tiles [doc_start[first query], last query], online
-//                      softmax in fp32 registers, O accumulated by mma.sync.
-//   delta_kernel       delta = rowsum(dout * out) (N, H) fp32.
+//                      walks the key tiles its mask lets it see, online softmax in fp32
+//                      registers, O accumulated by mma.sync.
 //   dkdv_kernel        a block owns BNK keys of one kv head; it sums over the group's
 //                      query heads (in order) and their query tiles (in order).
 //   dq_kernel          a block owns BM queries of one head; walks key tiles like
 //                      forward (recomputes P and dP: 7 matrix products instead of 5,
 //                      the price of no atomics).
-//   generic_*          one warp per row, fp32 dot products: any D <= 256, slow.
+//   generic_*_kernel   the same three passes, one warp per row, fp32 dot products: any
+//                      D <= 256, slow.
+// Beside them: doc_start_kernel (one block scans seq_id: doc_start[i] = first token of
+// i's run), tile_bounds_kernel (the ring's per-16-token bounds), delta_kernel
+// (delta = rowsum(dout * out) (N, H) fp32).
+//
+// Policies (compile-time: each instantiation has the inner loops of a hand-written
+// kernel for its case):
+//   DocumentMask   one packed micro-batch, queries and keys the same tokens: key j is
+//                  visible to query i iff j <= i and j >= doc_start[i]. Key tiles run
+//                  contiguously from the block's first document start to its last query.
+//   RingMask       the ring's block: queries and keys are separate token arrays (this
+//                  rank's queries, another rank's K/V block), visible iff
+//                  key index <= query index and the seq_ids match; tiles are BN-aligned
+//                  and those that per-16-token bounds show fully masked are skipped.
+//   StoreOutput, StoreGrads   the one-rank passes: bf16 outputs, overwritten.
+//   MergeOutput, AddGrads     the ring's: forward merged by log-sum-exp into fp32
+//                             accumulators, gradients added to fp32 accumulators.
 //
 // Tensor-core tiles: mma.sync.m16n8k16 bf16 -> fp32. Operands come from shared
 // memory through ldmatrix (rows padded by 16 bytes so the 8 row addresses of an
@@ -20,8 +39,9 @@
 // into A fragments (the accumulator layout of two n8 tiles is the A layout of one
 // k16 slice). Tiles are loaded with cp.async, two stages deep. A warp owns MT
 // tiles of 16 rows (MT = 2 halves the B-fragment reads from shared memory per mma).
-// Templates: <D, warps per block, MT, tile length>; dispatch_fwd / dispatch_bwd pick
-// the tiling per D (measured numbers in docs/kernels-attention.md).
+// Templates: <parameters, D, warps per block, MT, tile length>; kFwdTilings and
+// kBwdTilings list the one-rank tilings per variant and D (measured numbers in
+// docs/kernels-attention.md), ring_tiling the ring's.
 //
 // Fragment layouts used below (PTX ISA, mma.m16n8k16, g = lane / 4, t = lane % 4):
 //   A (16x16, row): a0 = (g, 2t..2t+1), a1 = (g+8, 2t..), a2 = (g, 2t+8..), a3 = (g+8, 2t+8..)
@@ -34,6 +54,7 @@
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <utility>
 
 #include "cuda/check.hpp"
 #include "shardlm/error.hpp"
@@ -149,6 +170,20 @@ __device__ __forceinline__ void load_tile(bf16* tile, const bf16* base, int64_t 
   }
 }
 
+// The two-stage pipeline's step: start loading the next stage (`load`, when there is
+// one) and wait for the current one.
+template <class Load>
+__device__ __forceinline__ void next_stage(bool has_next, Load&& load) {
+  if (has_next) {
+    load();
+    cp_async_commit();
+    cp_async_wait<1>();
+  } else {
+    cp_async_wait<0>();
+  }
+  __syncthreads();
+}
+
 // A fragment (16x16) of a row-major shared tile at (row0, col0).
 template <int D>
 __device__ __forceinline__ void load_a(uint32_t (&a)[4], const bf16* tile, int row0, int col0) {
@@ -176,6 +211,93 @@ __device__ __forceinline__ void acc_to_a(uint32_t (&a)[4], const float (&lo)[4],
   a[1] = pack_bf16(lo[2], lo[3]);
   a[2] = pack_bf16(hi[0], hi[1]);
   a[3] = pack_bf16(hi[2], hi[3]);
+}
+// acc[mt] (n8 tiles 2np and 2np+1) += a[mt] * b, for each of a warp's MT row tiles:
+// each B fragment feeds MT row tiles.
+template <int MT, int NT>
+__device__ __forceinline__ void mma_rows(float (&acc)[MT][NT][4], const uint32_t (&a)[MT][4], int np,
+                                         const uint32_t (&b)[4]) {
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    mma_bf16(acc[mt][2 * np], a[mt], b[0], b[1]);
+    mma_bf16(acc[mt][2 * np + 1], a[mt], b[2], b[3]);
+  }
+}
+// Every element of a (nested) float array = 0.
+template <int N>
+__device__ __forceinline__ void zero(float (&x)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) x[i] = 0.f;
+}
+template <int N, class T, int M>
+__device__ __forceinline__ void zero(T (&x)[N][M]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) zero(x[i]);
+}
+
+// f(mt, hh) for each row a thread holds: rows g and g + 8 (hh) of each of its
+// warp's MT row tiles, in order.
+template <int MT, class F>
+__device__ __forceinline__ void for_each_row(F&& f) {
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) f(mt, hh);
+}
+
+// acc[x] += A_x B_x for each of NP products, over KS k16 slices: per slice, the
+// A fragments first (a_frag(af, x, mt, ks) fills af for row tile mt of product x),
+// then for each n16 pair np the B fragments (b_frag(bf, x, ks, np)), each feeding
+// the warp's MT row tiles.
+template <int KS, int NP, int MT, int NT, class AFrag, class BFrag>
+__device__ __forceinline__ void mma_products(float (&acc)[NP][MT][NT][4], AFrag&& a_frag, BFrag&& b_frag) {
+#pragma unroll
+  for (int ks = 0; ks < KS; ++ks) {
+    uint32_t af[NP][MT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int x = 0; x < NP; ++x) a_frag(af[x][mt], x, mt, ks);
+#pragma unroll
+    for (int np = 0; np < NT / 2; ++np)
+#pragma unroll
+      for (int x = 0; x < NP; ++x) {
+        uint32_t bf[4];
+        b_frag(bf, x, ks, np);
+        mma_rows(acc[x], af[x], np, bf);
+      }
+  }
+}
+// acc[x] += A_x B_x^T, k < D: A_x the warp's MT row tiles (rows row0 + 16 mt) of the
+// shared tile a_x, B_x(k, n) = b_x[n][k] (K in Q K^T). NP = 1 or 2 products (a0, b0
+// and a1, b1).
+template <int D, int NP, int MT, int NT>
+__device__ __forceinline__ void mma_smem_nk(float (&acc)[NP][MT][NT][4], int row0, const bf16* a0, const bf16* b0,
+                                            const bf16* a1 = nullptr, const bf16* b1 = nullptr) {
+  mma_products<D / 16>(
+      acc, [&](uint32_t(&af)[4], int x, int mt, int kk) { load_a<D>(af, x ? a1 : a0, row0 + mt * 16, kk * 16); },
+      [&](uint32_t(&bf)[4], int x, int kk, int np) { load_b_nk<D>(bf, x ? b1 : b0, np * 16, kk * 16); });
+}
+// acc[x] (MT row tiles x D columns) += P_x B_x: P_x the warp's fp32 accumulators
+// (MT x KT n8 tiles) rounded to bf16 A fragments (as FlashAttention rounds P and
+// dS), B_x(k, n) = b_x[k][n] (V in P V).
+template <int D, int NP, int MT, int KT>
+__device__ __forceinline__ void mma_acc_kn(float (&acc)[NP][MT][D / 8][4], const float (&pm)[NP][MT][KT][4],
+                                           const bf16* b0, const bf16* b1 = nullptr) {
+  mma_products<KT / 2>(
+      acc, [&](uint32_t(&af)[4], int x, int mt, int kc) { acc_to_a(af, pm[x][mt][2 * kc], pm[x][mt][2 * kc + 1]); },
+      [&](uint32_t(&bf)[4], int x, int kc, int dp) { load_b_kn<D>(bf, x ? b1 : b0, kc * 16, dp * 16); });
+}
+// One product on a single accumulator.
+template <int MT, int NT>
+using Acc1 = float[1][MT][NT][4];
+template <int D, int MT, int NT>
+__device__ __forceinline__ void mma_smem_nk(float (&acc)[MT][NT][4], int row0, const bf16* a, const bf16* b) {
+  mma_smem_nk<D>(reinterpret_cast<Acc1<MT, NT>&>(acc), row0, a, b);
+}
+template <int D, int MT, int KT>
+__device__ __forceinline__ void mma_acc_kn(float (&acc)[MT][D / 8][4], const float (&pm)[MT][KT][4], const bf16* b) {
+  mma_acc_kn<D>(reinterpret_cast<Acc1<MT, D / 8>&>(acc), reinterpret_cast<const Acc1<MT, KT>&>(pm), b);
 }
 
 // The first query after key j that cannot see j: the first i > j whose document
@@ -263,17 +385,549 @@ __global__ void __launch_bounds__(kScanThreads) doc_start_kernel(int32_t* doc_st
   }
 }
 
-// ---------------------------------------------------------------- forward (mma)
+// ---------------------------------------------------------------- the ring's tile bounds
 
+struct RingTokens {
+  const int32_t* index;  // (n)
+  const int32_t* seq;    // (n)
+  const int4* bounds;    // (ceil(n / 16)): min index, max index, min seq, max seq
+  int n;
+};
+
+RingTokens ring_tokens(const AttentionTokens& t) {
+  return {t.index, t.seq, reinterpret_cast<const int4*>(t.bounds), int(t.n)};
+}
+
+// One thread per run of 16 tokens.
+__global__ void tile_bounds_kernel(int4* bounds, const int32_t* index, const int32_t* seq, int n) {
+  const int r = blockIdx.x * blockDim.x + threadIdx.x;
+  if (r * 16 >= n) return;
+  int4 b = make_int4(INT_MAX, INT_MIN, INT_MAX, INT_MIN);
+  for (int i = r * 16; i < min(r * 16 + 16, n); ++i) {
+    b.x = min(b.x, index[i]), b.y = max(b.y, index[i]);
+    b.z = min(b.z, seq[i]), b.w = max(b.w, seq[i]);
+  }
+  bounds[r] = b;
+}
+
+// The bounds of tokens [first, first + count) (first a multiple of 16, clipped to n).
+__device__ __forceinline__ int4 span_bounds(const RingTokens& t, int first, int count) {
+  const int r0 = first >> 4, r1 = (min(first + count, t.n) + 15) >> 4;
+  int4 b = t.bounds[r0];
+  for (int r = r0 + 1; r < r1; ++r) {
+    const int4 x = t.bounds[r];
+    b.x = min(b.x, x.x), b.y = max(b.y, x.y), b.z = min(b.z, x.z), b.w = max(b.w, x.w);
+  }
+  return b;
+}
+// No key of span k is visible to any query of span q.
+__device__ __forceinline__ bool spans_apart(const int4& q, const int4& k) {
+  return k.x > q.y || k.w < q.z || k.z > q.w;
+}
+// Every key of span k is visible to every query of span q (one document, keys first).
+__device__ __forceinline__ bool spans_full(const int4& q, const int4& k) {
+  return k.y <= q.x && k.z == k.w && q.z == q.w && k.z == q.z;
+}
+
+// ---------------------------------------------------------------- mask policies
+//
+// What a mask policy gives the kernels:
+//   Query, Key          what the visibility test needs of a query or a key token;
+//   query(i)            that of query token i; query_or_none(i) and key_or_none(j)
+//                       the same where i or j may be padding past the end of its array
+//                       (padding sees, or is seen by, nothing);
+//   allowed(q, k)       key k is visible to query q (dkdv, per element);
+//   if_sees(q, j, x, hidden)  x if key token j, anywhere in a key tile, is visible
+//                       to query q, else hidden (fwd and dq, per element);
+//   key_tiles(i0, bm, bn)  the key tiles a block of queries walks (fwd, dq): tile t
+//                       starts at key first_key + t * bn, t < count; first() and
+//                       from(t) give the first tile at or after t that may hold a
+//                       visible key; needs_mask(kt): some key of the tile starting at
+//                       kt is hidden from some query of the block;
+//   query_tiles(j0, bnk, bmq, group)  the same for the (head, query tile) items a block
+//                       of keys walks (dkdv): item i's tile starts at query
+//                       first_query + (i % per_head) * bmq, i < items; full(start,
+//                       staged): every query of the tile sees every key of the block;
+//   Cursor              a walk's position: the tile (or item) and its pipeline stage;
+//   stage_query(), staged_query()  the kQueryInts int32 arrays per query that dkdv
+//                       stages in shared memory beside each Q tile;
+//   for_each_key(q, f), for_each_query(j, f)  the generic kernels' walk, in order;
+//   kMayBeEmpty         a block may have no tile to walk at all.
+// The expressions are written as the kernels' inner loops want them: small structs
+// by value, a member read before a short circuit rather than in it, a per-element
+// test that returns the value (a bool returned across a short circuit with loads
+// comes back as a byte and costs branches), so each instantiation compiles to the
+// inner loops of a hand-written kernel (ptxas counts in docs/kernels-attention.md).
+
+// One packed micro-batch: token i sees j iff j <= i and j lies in i's document.
+struct DocumentMask {
+  const int32_t* doc_start;  // (n) the first token of each token's document
+  int n;
+
+  static constexpr bool kMayBeEmpty = false;  // every query sees itself
+  static constexpr int kQueryInts = 1;        // doc_start
+
+  struct Query {
+    int pos, doc_start;
+  };
+  struct Key {
+    int pos;
+  };
+  __host__ __device__ int num_queries() const { return n; }
+  __host__ __device__ int num_keys() const { return n; }
+  __device__ __forceinline__ Query query(int i) const { return {i, doc_start[i]}; }
+  __device__ __forceinline__ Query query_or_none(int i) const { return {i, i < n ? doc_start[i] : INT_MAX}; }
+  __device__ __forceinline__ Key key_or_none(int j) const { return {j}; }
+  __device__ __forceinline__ static bool allowed(Query q, Key k) { return k.pos <= q.pos && k.pos >= q.doc_start; }
+  __device__ __forceinline__ float if_sees(Query q, int j, float x, float hidden) const {
+    return (j > q.pos || j < q.doc_start) ? hidden : x;
+  }
+
+  // A walk over tiles (or items) 0, 1, 2, ...: stage() is the pipeline stage.
+  struct Cursor {
+    int tile;
+    __device__ __forceinline__ int stage() const { return tile & 1; }
+    __device__ __forceinline__ void advance(int next) { tile = next; }
+  };
+
+  // Queries [i0, i0 + bm) read the keys [doc_start[i0], last query] in tiles of bn
+  // (not bn-aligned). Only tiles that cross the diagonal or a document start need
+  // the mask.
+  struct KeyTiles {
+    int first_key, count, i0, ds_last, bn;
+    __device__ __forceinline__ Cursor first() const { return {0}; }
+    __device__ __forceinline__ int from(int tile) const { return tile; }
+    __device__ __forceinline__ bool needs_mask(int kt) const { return (kt + bn - 1 > i0) || (kt < ds_last); }
+  };
+  __device__ __forceinline__ KeyTiles key_tiles(int i0, int bm, int bn) const {
+    const int i_last = min(i0 + bm, n) - 1;
+    const int begin = doc_start[i0];
+    return {begin, (i_last - begin) / bn + 1, i0, doc_start[i_last], bn};
+  }
+
+  // Keys [j0, j0 + bnk) are seen by queries [j0, q_end), q_end the end of the last
+  // key's document; every head of the group walks the same query tiles. A tile
+  // needs the mask unless every query is at or after every key, is a real token,
+  // and its document started at or before the block's first key.
+  struct QueryTiles {
+    int first_query, j_last, per_head, items, bmq, n;
+    __device__ __forceinline__ Cursor first() const { return {0}; }
+    __device__ __forceinline__ int from(int item) const { return item; }
+    __device__ __forceinline__ bool full(int i_start, const int32_t* staged) const {
+      return i_start >= j_last && i_start + bmq <= n && staged[bmq - 1] <= first_query;
+    }
+  };
+  __device__ __forceinline__ QueryTiles query_tiles(int j0, int bnk, int bmq, int group) const {
+    const int j_last = min(j0 + bnk, n) - 1;
+    const int q_end = find_doc_end(doc_start, j_last, n);
+    const int per_head = (q_end - j0 + bmq - 1) / bmq;
+    return {j0, j_last, per_head, group * per_head, bmq, n};
+  }
+  __device__ __forceinline__ void stage_query(int32_t* ints, int c, int i, bool valid, int /*bmq*/) const {
+    cp_async4(smem_addr(ints + c), doc_start + (valid ? i : 0), valid);
+  }
+  __device__ __forceinline__ Query staged_query(const int32_t* ints, int c, int i, int /*bmq*/) const {
+    return {i, ints[c]};
+  }
+
+  template <class F>
+  __device__ __forceinline__ void for_each_key(const Query& q, F&& f) const {
+    for (int j = q.doc_start; j <= q.pos; ++j) f(j);
+  }
+  template <class F>
+  __device__ __forceinline__ void for_each_query(int j, F&& f) const {
+    for (int i = j; i < n && doc_start[i] <= j; ++i) f(i);
+  }
+};
+
+// The ring's block: queries and keys are separate token arrays, each token carrying
+// its index in the micro-batch and its seq_id; key k is visible to query q iff
+// k.index <= q.index and k.seq == q.seq (attention.hpp). Tiles are aligned to their
+// length; one that the bounds of its 16-token runs show to be wholly hidden from a
+// block is never loaded.
+struct RingMask {
+  RingTokens queries, keys;
+
+  static constexpr bool kMayBeEmpty = true;
+  static constexpr int kQueryInts = 2;  // index, seq
+
+  struct Query {
+    int index, seq;
+  };
+  struct Key {
+    int index, seq;
+  };
+  __host__ __device__ int num_queries() const { return queries.n; }
+  __host__ __device__ int num_keys() const { return keys.n; }
+  __device__ __forceinline__ Query query(int i) const { return {queries.index[i], queries.seq[i]}; }
+  // A padding query sees no key: key indices are >= 0.
+  __device__ __forceinline__ Query query_or_none(int i) const {
+    return {i < queries.n ? queries.index[i] : -1, i < queries.n ? queries.seq[i] : 0};
+  }
+  // A padding key is visible to no query: query indices are < INT_MAX.
+  __device__ __forceinline__ Key key_or_none(int j) const {
+    return {j < keys.n ? keys.index[j] : INT_MAX, j < keys.n ? keys.seq[j] : 0};
+  }
+  __device__ __forceinline__ static bool allowed(Query q, Key k) { return k.index <= q.index && k.seq == q.seq; }
+  __device__ __forceinline__ float if_sees(Query q, int j, float x, float hidden) const {
+    if (j >= keys.n || keys.index[j] > q.index || keys.seq[j] != q.seq) return hidden;
+    return x;
+  }
+
+  // A walk over the tiles (or items) not skipped: stage() is the pipeline stage.
+  struct Cursor {
+    int tile, st;
+    __device__ __forceinline__ int stage() const { return st; }
+    __device__ __forceinline__ void advance(int next) { tile = next, st ^= 1; }
+  };
+
+  struct KeyTiles {
+    const RingMask& mask;
+    int4 qb;  // the block's queries' bounds
+    int first_key, count, i0, bm, bn;
+    __device__ __forceinline__ Cursor first() const { return {from(0), 0}; }
+    __device__ __forceinline__ int from(int tile) const {
+      while (tile < count && spans_apart(qb, span_bounds(mask.keys, tile * bn, bn))) ++tile;
+      return tile;
+    }
+    __device__ __forceinline__ bool needs_mask(int kt) const {
+      return !(i0 + bm <= mask.queries.n && kt + bn <= mask.keys.n &&
+               spans_full(qb, span_bounds(mask.keys, kt, bn)));
+    }
+  };
+  __device__ __forceinline__ KeyTiles key_tiles(int i0, int bm, int bn) const {
+    return {*this, span_bounds(queries, i0, bm), 0, (keys.n + bn - 1) / bn, i0, bm, bn};
+  }
+
+  struct QueryTiles {
+    const RingMask& mask;
+    int4 kb;  // the block's keys' bounds
+    int first_query, j0, bnk, per_head, items, bmq;
+    __device__ __forceinline__ Cursor first() const { return {from(0), 0}; }
+    __device__ __forceinline__ int from(int item) const {
+      while (item < items && spans_apart(span_bounds(mask.queries, (item % per_head) * bmq, bmq), kb)) ++item;
+      return item;
+    }
+    __device__ __forceinline__ bool full(int i_start, const int32_t* /*staged*/) const {
+      return i_start + bmq <= mask.queries.n && j0 + bnk <= mask.keys.n &&
+             spans_full(span_bounds(mask.queries, i_start, bmq), kb);
+    }
+  };
+  __device__ __forceinline__ QueryTiles query_tiles(int j0, int bnk, int bmq, int group) const {
+    const int per_head = (queries.n + bmq - 1) / bmq;
+    return {*this, span_bounds(keys, j0, bnk), 0, j0, bnk, per_head, group * per_head, bmq};
+  }
+  __device__ __forceinline__ void stage_query(int32_t* ints, int c, int i, bool valid, int bmq) const {
+    cp_async4(smem_addr(ints + c), queries.index + (valid ? i : 0), valid);
+    cp_async4(smem_addr(ints + bmq + c), queries.seq + (valid ? i : 0), valid);
+  }
+  __device__ __forceinline__ Query staged_query(const int32_t* ints, int c, int /*i*/, int bmq) const {
+    return {ints[c], ints[bmq + c]};
+  }
+
+  // Runs of 16 keys whose bounds rule out the query are skipped whole.
+  template <class F>
+  __device__ __forceinline__ void for_each_key(const Query& q, F&& f) const {
+    const int runs = (keys.n + 15) / 16;
+    for (int run = 0; run < runs; ++run) {
+      const int4 b = keys.bounds[run];
+      if (!(b.x <= q.index && b.z <= q.seq && q.seq <= b.w)) continue;
+      for (int j = run * 16; j < min(run * 16 + 16, keys.n); ++j)
+        if (keys.index[j] <= q.index && keys.seq[j] == q.seq) f(j);
+    }
+  }
+  template <class F>
+  __device__ __forceinline__ void for_each_query(int j, F&& f) const {
+    const int kj_index = keys.index[j], kj_seq = keys.seq[j];
+    const int runs = (queries.n + 15) / 16;
+    for (int run = 0; run < runs; ++run) {
+      const int4 b = queries.bounds[run];
+      if (b.y < kj_index || kj_seq < b.z || kj_seq > b.w) continue;
+      for (int i = run * 16; i < min(run * 16 + 16, queries.n); ++i) {
+        const int qi_index = queries.index[i], qi_seq = queries.seq[i];
+        if (keys.index[j] <= qi_index && keys.seq[j] == qi_seq) f(i);
+      }
+    }
+  }
+};
+
+// ---------------------------------------------------------------- output policies
+
+// The generic kernels' rows: a lane owns dims lane, lane + 32, ... (D <= 256).
+constexpr int kMaxDimPerLane = 8;
+using LaneDims = float[kMaxDimPerLane];
+// f(c, d) for each of the lane's dims d = lane + 32 c below D.
+template <class F>
+__device__ __forceinline__ void for_lane_dims(int lane, int D, F&& f) {
+#pragma unroll
+  for (int c = 0; c < kMaxDimPerLane; ++c) {
+    const int d = lane + 32 * c;
+    if (d < D) f(c, d);
+  }
+}
+
+// The one-rank forward: out (N, H, D) bf16 and lse (N, H) fp32, overwritten.
+struct StoreOutput {
+  bf16* out;
+  float* lse;
+
+  // The mma forward's row r (head h) from the thread's columns o (2 of every 8) of
+  // its row tile, the row's max m (log2 domain) and sum l_row.
+  struct Held {};  // nothing to merge with
+  template <int MT>
+  __device__ __forceinline__ void hold(Held (&)[MT][2], const int (&)[MT][2], int, int, int) const {}
+  template <int D8>
+  __device__ __forceinline__ void put_row(const float (&o)[D8][4], int hh, float m, float l_row, Held, int r,
+                                          int h, int H, int t) const {
+    const float inv = 1.f / l_row;
+    bf16* out_row = out + (int64_t(r) * H + h) * (D8 * 8);
+#pragma unroll
+    for (int dt = 0; dt < D8; ++dt)
+      *reinterpret_cast<uint32_t*>(out_row + dt * 8 + 2 * t) =
+          pack_bf16(o[dt][2 * hh] * inv, o[dt][2 * hh + 1] * inv);
+    if (t == 0) lse[int64_t(r) * H + h] = (m + log2f(l_row)) * kLn2;
+  }
+
+  // The generic forward's row r, from the running max m and sum l of its first
+  // pass: second_pass(lse, acc) adds sum_j exp(s_j - lse) v_j into the lane's dims.
+  template <class SecondPass>
+  __device__ __forceinline__ void finish_row(int64_t r, float m, float l, int lane, int D,
+                                             SecondPass&& second_pass) const {
+    const float lse_r = m + logf(l);
+    float acc[kMaxDimPerLane] = {};
+    second_pass(lse_r, acc);
+    for_lane_dims(lane, D, [&](int c, int d) { out[r * D + d] = __float2bfloat16(acc[c]); });
+    if (lane == 0) lse[r] = lse_r;
+  }
+};
+
+// The ring's forward block, merged into out_acc (Nq, H, D) and lse_acc (Nq, H) fp32
+// by log-sum-exp (first: overwritten; a row that sees none of the block's keys
+// gets out 0, lse -inf then, and is left alone otherwise).
+struct MergeOutput {
+  float* out_acc;
+  float* lse_acc;
+  bool first;
+
+  // log(e^held + e^block) without overflow; keep = e^(held - merged).
+  __device__ __forceinline__ static float merged_lse(float held, float lse_block, float& keep) {
+    const float hi = fmaxf(held, lse_block), lo = fminf(held, lse_block);
+    const float lse_new = hi + log1pf(expf(lo - hi));
+    keep = expf(held - lse_new);
+    return lse_new;
+  }
+
+  // The four threads of a quad read a row's lse before any of them writes it
+  // (hence hold() for every row, then __syncwarp, then put_row()).
+  using Held = float;  // the row's lse before this block
+  template <int MT>
+  __device__ __forceinline__ void hold(float (&held)[MT][2], const int (&row)[MT][2], int n, int h, int H) const {
+    for_each_row<MT>([&](int mt, int hh) {
+      const int r = row[mt][hh];
+      held[mt][hh] = (first || r >= n) ? -INFINITY : lse_acc[int64_t(r) * H + h];
+    });
+    __syncwarp();
+  }
+  template <int D8>
+  __device__ __forceinline__ void put_row(const float (&o)[D8][4], int hh, float m, float l_row, float held, int r,
+                                          int h, int H, int t) const {
+    float* acc = out_acc + (int64_t(r) * H + h) * (D8 * 8);
+    float* lse_slot = lse_acc + int64_t(r) * H + h;
+    if (l_row == 0.f) {  // nothing of this block is visible to the row
+      if (first) {
+#pragma unroll
+        for (int dt = 0; dt < D8; ++dt) *reinterpret_cast<float2*>(acc + dt * 8 + 2 * t) = make_float2(0.f, 0.f);
+        if (t == 0) *lse_slot = -INFINITY;
+      }
+      return;
+    }
+    const float lse_block = (m + log2f(l_row)) * kLn2;
+    float lse_new = lse_block, keep = 0.f;
+    if (held != -INFINITY) lse_new = merged_lse(held, lse_block, keep);
+    const float take = expf(lse_block - lse_new) / l_row;
+#pragma unroll
+    for (int dt = 0; dt < D8; ++dt) {
+      float2* slot = reinterpret_cast<float2*>(acc + dt * 8 + 2 * t);
+      float2 x = make_float2(0.f, 0.f);
+      if (held != -INFINITY) x = *slot;
+      x.x = x.x * keep + o[dt][2 * hh] * take;
+      x.y = x.y * keep + o[dt][2 * hh + 1] * take;
+      *slot = x;
+    }
+    if (t == 0) *lse_slot = lse_new;
+  }
+
+  // Generic forward: the second pass normalises by the merged lse, so the held
+  // output only needs scaling by `keep`.
+  template <class SecondPass>
+  __device__ __forceinline__ void finish_row(int64_t r, float m, float l, int lane, int D,
+                                             SecondPass&& second_pass) const {
+    float* acc_row = out_acc + r * D;
+    const float held = first ? -INFINITY : lse_acc[r];
+    __syncwarp();
+    if (l == 0.f) {
+      if (first) {
+        for (int d = lane; d < D; d += 32) acc_row[d] = 0.f;
+        if (lane == 0) lse_acc[r] = -INFINITY;
+      }
+      return;
+    }
+    const float lse_block = m + logf(l);
+    float lse_new = lse_block, keep = 0.f;
+    if (held != -INFINITY) lse_new = merged_lse(held, lse_block, keep);
+    float acc[kMaxDimPerLane] = {};
+    second_pass(lse_new, acc);
+    for_lane_dims(lane, D, [&](int c, int d) {
+      acc_row[d] = (held != -INFINITY ? acc_row[d] * keep : 0.f) + acc[c];
+    });
+    if (lane == 0) lse_acc[r] = lse_new;
+  }
+};
+
+// The one-rank backward: dq (N, H, D), dk and dv (N, KV, D) bf16, overwritten.
+// put_q / put_kv write a pair of columns (the mma kernels) or one (the generic
+// kernels) at element offset `off`.
+struct StoreGrads {
+  bf16* dq;
+  bf16* dk;
+  bf16* dv;
+
+  __device__ __forceinline__ void put_q(int64_t off, float x, float y) const {
+    *reinterpret_cast<uint32_t*>(dq + off) = pack_bf16(x, y);
+  }
+  __device__ __forceinline__ void put_kv(int64_t off, float dk_x, float dk_y, float dv_x, float dv_y) const {
+    *reinterpret_cast<uint32_t*>(dk + off) = pack_bf16(dk_x, dk_y);
+    *reinterpret_cast<uint32_t*>(dv + off) = pack_bf16(dv_x, dv_y);
+  }
+  __device__ __forceinline__ void put_q(int64_t off, float x) const { dq[off] = __float2bfloat16(x); }
+  __device__ __forceinline__ void put_kv(int64_t off, float dk_x, float dv_x) const {
+    dk[off] = __float2bfloat16(dk_x);
+    dv[off] = __float2bfloat16(dv_x);
+  }
+};
+
+// The ring's backward block, added to dq (Nq, H, D), dk and dv (Nk, KV, D) fp32
+// accumulators.
+struct AddGrads {
+  float* dq;
+  float* dk;
+  float* dv;
+
+  __device__ __forceinline__ void put_q(int64_t off, float x, float y) const {
+    float2* slot = reinterpret_cast<float2*>(dq + off);
+    float2 a = *slot;
+    a.x += x, a.y += y;
+    *slot = a;
+  }
+  __device__ __forceinline__ void put_kv(int64_t off, float dk_x, float dk_y, float dv_x, float dv_y) const {
+    float2* dk_slot = reinterpret_cast<float2*>(dk + off);
+    float2* dv_slot = reinterpret_cast<float2*>(dv + off);
+    float2 a = *dk_slot, b = *dv_slot;
+    a.x += dk_x, a.y += dk_y;
+    b.x += dv_x, b.y += dv_y;
+    *dk_slot = a, *dv_slot = b;
+  }
+  __device__ __forceinline__ void put_q(int64_t off, float x) const { dq[off] += x; }
+  __device__ __forceinline__ void put_kv(int64_t off, float dk_x, float dv_x) const {
+    dk[off] += dk_x;
+    dv[off] += dv_x;
+  }
+};
+
+// ---------------------------------------------------------------- parameters
+
+template <class MaskPolicy, class OutputPolicy>
 struct FwdParams {
-  bf16* out;              // (N, H, D)
-  float* lse;             // (N, H)
-  const bf16* q;          // (N, H, D)
-  const bf16* k;          // (N, KV, D)
-  const bf16* v;          // (N, KV, D)
-  const int32_t* doc_start;  // (N)
-  int N, H, KV, group;
-  float scale_log2;       // log2(e) / sqrt(D)
+  using Mask = MaskPolicy;
+  using Output = OutputPolicy;
+  Output out;
+  const bf16* q;  // (Nq, H, D)
+  const bf16* k;  // (Nk, KV, D)
+  const bf16* v;  // (Nk, KV, D)
+  Mask mask;
+  int H, KV, group;
+  float scale_log2;  // log2(e) / sqrt(D)
+};
+
+template <class MaskPolicy, class GradsPolicy>
+struct BwdParams {
+  using Mask = MaskPolicy;
+  GradsPolicy grads;   // dq (Nq, H, D); dk, dv (Nk, KV, D)
+  const bf16* dout;    // (Nq, H, D)
+  const bf16* q;       // (Nq, H, D)
+  const bf16* k;       // (Nk, KV, D)
+  const bf16* v;       // (Nk, KV, D)
+  const float* lse;    // (Nq, H)
+  const float* delta;  // (Nq, H)
+  Mask mask;
+  int H, KV, group;
+  float scale;       // 1 / sqrt(D)
+  float scale_log2;  // log2(e) / sqrt(D)
+};
+
+using LocalFwdParams = FwdParams<DocumentMask, StoreOutput>;
+using LocalBwdParams = BwdParams<DocumentMask, StoreGrads>;
+using RingFwdParams = FwdParams<RingMask, MergeOutput>;
+using RingBwdParams = BwdParams<RingMask, AddGrads>;
+
+// ---------------------------------------------------------------- the mma kernels
+
+// A block of BM queries of one head walking key tiles of BN (fwd, dq): where it
+// is, and the K/V pipeline. (Scalars only: the row arrays stay in the kernels,
+// which keeps them in registers.)
+template <class Params, int D, int MT, int BM, int BN, int NTHREADS>
+struct QueryBlock {
+  using Mask = typename Params::Mask;
+  int h, i0, kvh, n_queries, n_keys;
+  decltype(std::declval<const Mask&>().key_tiles(0, 0, 0)) tiles;
+  int warp, g, t;
+  int64_t q_stride, kv_stride;
+
+  // Blocks of later queries see more keys: they are launched first.
+  __device__ __forceinline__ explicit QueryBlock(const Params& p)
+      : h(blockIdx.x),
+        i0((gridDim.y - 1 - blockIdx.y) * BM),
+        kvh(h / p.group),
+        n_queries(p.mask.num_queries()),
+        n_keys(p.mask.num_keys()),
+        tiles(p.mask.key_tiles(i0, BM, BN)) {
+    const int lane = threadIdx.x & 31;
+    warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    q_stride = int64_t(p.H) * D, kv_stride = int64_t(p.KV) * D;
+  }
+  // Warp w owns rows w*16*MT + mt*16 + {g, g+8} of the block (mt < MT); the query
+  // index of the thread's row (mt, hh), >= n_queries for padding.
+  __device__ __forceinline__ int row(int mt, int hh) const { return i0 + warp * 16 * MT + mt * 16 + g + 8 * hh; }
+
+  // The key tiles the mask lets the block see, K and V two stages deep in sK and sV
+  // (each 2 x (BN, D+8)): body(k_tile, v_tile, kt, needs_mask) for each, kt its
+  // first key, needs_mask() whether some of its keys are hidden from some of the
+  // block's queries (forward asks after its product, dq before its two: where each
+  // keeps its registers lowest). The caller's own tile loads (Q, dO) are committed
+  // with the first K/V tile.
+  template <class Body>
+  __device__ __forceinline__ void walk(const Params& p, bf16* sK, bf16* sV, Body&& body) const {
+    constexpr int kSR = smem_row<D>();
+    const bf16* k_head = p.k + int64_t(kvh) * D;
+    const bf16* v_head = p.v + int64_t(kvh) * D;
+    const int kv_begin = tiles.first_key, ntiles = tiles.count;  // tile t starts at key kv_begin + t * BN
+    auto load_kv = [&](int tile, int s) {
+      load_tile<BN, D, NTHREADS>(sK + s * BN * kSR, k_head, kv_stride, kv_begin + tile * BN, n_keys);
+      load_tile<BN, D, NTHREADS>(sV + s * BN * kSR, v_head, kv_stride, kv_begin + tile * BN, n_keys);
+    };
+    auto at = tiles.first();
+    if (!Mask::kMayBeEmpty || at.tile < ntiles) load_kv(at.tile, 0);
+    cp_async_commit();
+    while (at.tile < ntiles) {
+      const int st = at.stage(), next = tiles.from(at.tile + 1);
+      next_stage(next < ntiles, [&] { load_kv(next, st ^ 1); });
+      const int kt = kv_begin + at.tile * BN;
+      body(sK + st * BN * kSR, sV + st * BN * kSR, kt, [&] { return tiles.needs_mask(kt); });
+      __syncthreads();  // this stage is refilled next iteration
+      at.advance(next);
+    }
+    if constexpr (Mask::kMayBeEmpty) cp_async_wait<0>();  // the caller's tiles, when no key tile was visible
+  }
 };
 
 template <int D, int NWARPS, int MT, int BN>
@@ -283,206 +937,104 @@ struct FwdTile {
   static constexpr size_t kSmemBytes = size_t(kBM + 4 * BN) * smem_row<D>() * sizeof(bf16);
 };
 
-// Warp w owns query rows w*16*MT + mt*16 + {g, g+8} of the block (mt < MT); MT = 2
-// halves the shared-memory reads per mma (each K/V fragment feeds two row tiles).
-template <int D, int NWARPS, int MT, int BN>
-__global__ void __launch_bounds__(NWARPS * 32) fwd_kernel(const FwdParams p) {
+// MT = 2 halves the shared-memory reads per mma (each K/V fragment feeds two row
+// tiles).
+template <class Params, int D, int NWARPS, int MT, int BN>
+__global__ void __launch_bounds__(NWARPS * 32) fwd_kernel(const Params p) {
   using Tile = FwdTile<D, NWARPS, MT, BN>;
   constexpr int kBM = Tile::kBM, kSR = smem_row<D>();
   extern __shared__ __align__(16) unsigned char smem_raw[];
   bf16* sQ = reinterpret_cast<bf16*>(smem_raw);  // (BM, D+8)
   bf16* sK = sQ + kBM * kSR;                      // 2 stages x (BN, D+8)
   bf16* sV = sK + 2 * BN * kSR;                   // 2 stages x (BN, D+8)
-
-  const int h = blockIdx.x;
-  const int i0 = (gridDim.y - 1 - blockIdx.y) * kBM;  // heaviest (last) blocks first
-  const int i_last = min(i0 + kBM, p.N) - 1;
-  const int kvh = h / p.group;
-  const int kv_begin = p.doc_start[i0];
-  const int ds_last = p.doc_start[i_last];  // the largest doc start in the block
-  const int ntiles = (i_last - kv_begin) / BN + 1;
-
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int g = lane >> 2, t = lane & 3;
-  const int64_t q_stride = int64_t(p.H) * D, kv_stride = int64_t(p.KV) * D;
-  const bf16* q_head = p.q + int64_t(h) * D;
-  const bf16* k_head = p.k + int64_t(kvh) * D;
-  const bf16* v_head = p.v + int64_t(kvh) * D;
-
-  int row[MT][2], row_ds[MT][2];
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      row[mt][hh] = i0 + warp * 16 * MT + mt * 16 + g + 8 * hh;
-      // A padding row (>= N) sees no key.
-      row_ds[mt][hh] = row[mt][hh] < p.N ? p.doc_start[row[mt][hh]] : INT_MAX;
-    }
+  const QueryBlock<Params, D, MT, kBM, BN, Tile::kThreads> blk(p);
+  const int warp = blk.warp, t = blk.t;
+  int row[MT][2];
+  typename Params::Mask::Query query[MT][2];
+  for_each_row<MT>([&](int mt, int hh) {
+    row[mt][hh] = blk.row(mt, hh);
+    query[mt][hh] = p.mask.query_or_none(row[mt][hh]);
+  });
 
   float o[MT][D / 8][4];
   float m[MT][2], l[MT][2];
+  zero(o);
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-    for (int dt = 0; dt < D / 8; ++dt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) o[mt][dt][e] = 0.f;
     m[mt][0] = m[mt][1] = -INFINITY;
     l[mt][0] = l[mt][1] = 0.f;
   }
 
-  load_tile<kBM, D, Tile::kThreads>(sQ, q_head, q_stride, i0, p.N);
-  load_tile<BN, D, Tile::kThreads>(sK, k_head, kv_stride, kv_begin, p.N);
-  load_tile<BN, D, Tile::kThreads>(sV, v_head, kv_stride, kv_begin, p.N);
-  cp_async_commit();
-
-  for (int it = 0; it < ntiles; ++it) {
-    const int st = it & 1;
-    if (it + 1 < ntiles) {
-      const int next = kv_begin + (it + 1) * BN;
-      load_tile<BN, D, Tile::kThreads>(sK + (st ^ 1) * BN * kSR, k_head, kv_stride, next, p.N);
-      load_tile<BN, D, Tile::kThreads>(sV + (st ^ 1) * BN * kSR, v_head, kv_stride, next, p.N);
-      cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    __syncthreads();
-    const bf16* k_tile = sK + st * BN * kSR;
-    const bf16* v_tile = sV + st * BN * kSR;
-    const int kt = kv_begin + it * BN;
-
+  load_tile<kBM, D, Tile::kThreads>(sQ, p.q + int64_t(blk.h) * D, blk.q_stride, blk.i0, blk.n_queries);
+  blk.walk(p, sK, sV, [&](const bf16* k_tile, const bf16* v_tile, int kt, auto&& needs_mask) {
     // S = Q K^T (fp32).
     float s[MT][BN / 8][4];
+    zero(s);
+    mma_smem_nk<D>(s, warp * 16 * MT, sQ, k_tile);
+    // Mask (only tiles with a hidden key need it: one uniform branch around the
+    // whole pass), then the online softmax in the log2 domain: m is the running max
+    // of the scaled scores, p = exp2(s * scale_log2 - m) in one FFMA. A row with no
+    // visible key yet keeps m = -inf and subtracts 0 instead, so exp2 gives 0, never
+    // NaN.
+    if (needs_mask()) {
+      for_each_row<MT>([&](int mt, int hh) {
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
+        for (int nt = 0; nt < BN / 8; ++nt)
+#pragma unroll
+          for (int e2 = 0; e2 < 2; ++e2) {
+            float& x = s[mt][nt][2 * hh + e2];
+            x = p.mask.if_sees(query[mt][hh], kt + nt * 8 + 2 * t + e2, x, -INFINITY);
+          }
+      });
+    }
+    for_each_row<MT>([&](int mt, int hh) {
+      float mx = -INFINITY;
 #pragma unroll
       for (int nt = 0; nt < BN / 8; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.f;
+        for (int e2 = 0; e2 < 2; ++e2) mx = fmaxf(mx, s[mt][nt][2 * hh + e2]);
+      mx = quad_max(mx) * p.scale_log2;  // scale > 0 keeps the order; -inf stays -inf
+      const float m_new = fmaxf(m[mt][hh], mx);
+      const float base = m_new == -INFINITY ? 0.f : m_new;
+      const float alpha = ex2(m[mt][hh] - base);
+      m[mt][hh] = m_new;
+      float rowsum = 0.f;
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      uint32_t a[MT][4];
+      for (int nt = 0; nt < BN / 8; ++nt)
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt) load_a<D>(a[mt], sQ, warp * 16 * MT + mt * 16, kk * 16);
-#pragma unroll
-      for (int np = 0; np < BN / 16; ++np) {
-        uint32_t b[4];
-        load_b_nk<D>(b, k_tile, np * 16, kk * 16);
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          mma_bf16(s[mt][2 * np], a[mt], b[0], b[1]);
-          mma_bf16(s[mt][2 * np + 1], a[mt], b[2], b[3]);
+        for (int e2 = 0; e2 < 2; ++e2) {
+          const float pr = ex2(fmaf(s[mt][nt][2 * hh + e2], p.scale_log2, -base));
+          s[mt][nt][2 * hh + e2] = pr;
+          rowsum += pr;
         }
+      l[mt][hh] = l[mt][hh] * alpha + rowsum;  // this thread's columns; quad sum at the end
+#pragma unroll
+      for (int dt = 0; dt < D / 8; ++dt) {
+        o[mt][dt][2 * hh] *= alpha;
+        o[mt][dt][2 * hh + 1] *= alpha;
       }
-    }
-
-    // Mask (only tiles that cross the diagonal or a document start need it), then
-    // the online softmax in the log2 domain: m is the running max of the scaled
-    // scores, p = exp2(s * scale_log2 - m) in one FFMA. A row with no visible key
-    // yet keeps m = -inf and subtracts 0 instead, so exp2 gives 0, never NaN.
-    const bool need_mask = (kt + BN - 1 > i0) || (kt < ds_last);
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        float mx = -INFINITY;
-#pragma unroll
-        for (int nt = 0; nt < BN / 8; ++nt)
-#pragma unroll
-          for (int e2 = 0; e2 < 2; ++e2) {
-            float x = s[mt][nt][2 * hh + e2];
-            if (need_mask) {
-              const int j = kt + nt * 8 + 2 * t + e2;
-              if (j > row[mt][hh] || j < row_ds[mt][hh]) x = -INFINITY;
-            }
-            s[mt][nt][2 * hh + e2] = x;
-            mx = fmaxf(mx, x);
-          }
-        mx = quad_max(mx) * p.scale_log2;  // scale > 0 keeps the order; -inf stays -inf
-        const float m_new = fmaxf(m[mt][hh], mx);
-        const float base = m_new == -INFINITY ? 0.f : m_new;
-        const float alpha = ex2(m[mt][hh] - base);
-        m[mt][hh] = m_new;
-        float rowsum = 0.f;
-#pragma unroll
-        for (int nt = 0; nt < BN / 8; ++nt)
-#pragma unroll
-          for (int e2 = 0; e2 < 2; ++e2) {
-            const float pr = ex2(fmaf(s[mt][nt][2 * hh + e2], p.scale_log2, -base));
-            s[mt][nt][2 * hh + e2] = pr;
-            rowsum += pr;
-          }
-        l[mt][hh] = l[mt][hh] * alpha + rowsum;  // this thread's columns; quad sum at the end
-#pragma unroll
-        for (int dt = 0; dt < D / 8; ++dt) {
-          o[mt][dt][2 * hh] *= alpha;
-          o[mt][dt][2 * hh + 1] *= alpha;
-        }
-      }
+    });
 
     // O += P V, P rounded to bf16 (as FlashAttention does).
-#pragma unroll
-    for (int kc = 0; kc < BN / 16; ++kc) {
-      uint32_t a[MT][4];
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) acc_to_a(a[mt], s[mt][2 * kc], s[mt][2 * kc + 1]);
-#pragma unroll
-      for (int dp = 0; dp < D / 16; ++dp) {
-        uint32_t b[4];
-        load_b_kn<D>(b, v_tile, kc * 16, dp * 16);
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          mma_bf16(o[mt][2 * dp], a[mt], b[0], b[1]);
-          mma_bf16(o[mt][2 * dp + 1], a[mt], b[2], b[3]);
-        }
-      }
-    }
-    __syncthreads();  // this stage is refilled next iteration
-  }
+    mma_acc_kn<D>(o, s, v_tile);
+  });
 
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const float l_row = quad_sum(l[mt][hh]);
-      const int r = row[mt][hh];
-      if (r >= p.N) continue;
-      const float inv = 1.f / l_row;
-      bf16* out_row = p.out + (int64_t(r) * p.H + h) * D;
-#pragma unroll
-      for (int dt = 0; dt < D / 8; ++dt)
-        *reinterpret_cast<uint32_t*>(out_row + dt * 8 + 2 * t) =
-            pack_bf16(o[mt][dt][2 * hh] * inv, o[mt][dt][2 * hh + 1] * inv);
-      if (t == 0) p.lse[int64_t(r) * p.H + h] = (m[mt][hh] + log2f(l_row)) * kLn2;
-    }
+  typename Params::Output::Held held[MT][2];
+  p.out.hold(held, row, blk.n_queries, blk.h, p.H);
+  for_each_row<MT>([&](int mt, int hh) {
+    const float l_row = quad_sum(l[mt][hh]);
+    const int r = row[mt][hh];
+    if (r < blk.n_queries) p.out.put_row(o[mt], hh, m[mt][hh], l_row, held[mt][hh], r, blk.h, p.H, t);
+  });
 }
 
-// ---------------------------------------------------------------- backward (mma)
-
-struct BwdParams {
-  bf16* dq;                  // (N, H, D)
-  bf16* dk;                  // (N, KV, D)
-  bf16* dv;                  // (N, KV, D)
-  const bf16* dout;          // (N, H, D)
-  const bf16* q;             // (N, H, D)
-  const bf16* k;             // (N, KV, D)
-  const bf16* v;             // (N, KV, D)
-  const float* lse;          // (N, H)
-  const float* delta;        // (N, H)
-  const int32_t* doc_start;  // (N)
-  int N, H, KV, group;
-  float scale;               // 1 / sqrt(D)
-  float scale_log2;          // log2(e) / sqrt(D)
-};
-
-template <int D, int NWARPS, int MT, int BMQ>
+template <int D, int NWARPS, int MT, int BMQ, int QUERY_INTS>
 struct DkdvTile {
   static constexpr int kThreads = NWARPS * 32;
   static constexpr int kBNK = NWARPS * 16 * MT;  // keys per block
-  // K, V tiles; two stages of (Q, dO tiles, lse, delta, doc_start of the queries).
+  // K, V tiles; two stages of (Q, dO tiles, lse, delta, the mask's ints per query).
   static constexpr size_t kStageBytes =
-      size_t(2 * BMQ) * smem_row<D>() * sizeof(bf16) + 3 * BMQ * sizeof(float);
+      size_t(2 * BMQ) * smem_row<D>() * sizeof(bf16) + (2 + QUERY_INTS) * BMQ * sizeof(float);
   static constexpr size_t kSmemBytes =
       size_t(2 * kBNK) * smem_row<D>() * sizeof(bf16) + 2 * kStageBytes;
   static_assert(kStageBytes % 16 == 0, "cp.async needs 16-byte aligned stages");
@@ -492,9 +1044,10 @@ struct DkdvTile {
 // the transposed products S^T = K Q^T and dP^T = V dO^T, so dV += P^T dO and
 // dK += dS^T Q land in its own accumulators: no reduction between warps. MT = 2
 // halves the shared-memory reads per mma (each Q/dO fragment feeds two key tiles).
-template <int D, int NWARPS, int MT, int BMQ>
-__global__ void __launch_bounds__(NWARPS * 32) dkdv_kernel(const BwdParams p) {
-  using Tile = DkdvTile<D, NWARPS, MT, BMQ>;
+template <class Params, int D, int NWARPS, int MT, int BMQ>
+__global__ void __launch_bounds__(NWARPS * 32) dkdv_kernel(const Params p) {
+  using Mask = typename Params::Mask;
+  using Tile = DkdvTile<D, NWARPS, MT, BMQ, Mask::kQueryInts>;
   constexpr int kBNK = Tile::kBNK, kSR = smem_row<D>(), kT = Tile::kThreads;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   bf16* sK = reinterpret_cast<bf16*>(smem_raw);  // (BNK, D+8)
@@ -504,176 +1057,105 @@ __global__ void __launch_bounds__(NWARPS * 32) dkdv_kernel(const BwdParams p) {
   auto sdO = [&](int s) { return sQ(s) + BMQ * kSR; };
   auto sLse = [&](int s) { return reinterpret_cast<float*>(sdO(s) + BMQ * kSR); };
   auto sDelta = [&](int s) { return sLse(s) + BMQ; };
-  auto sDocStart = [&](int s) { return reinterpret_cast<int32_t*>(sDelta(s) + BMQ); };
+  auto sQueryInts = [&](int s) { return reinterpret_cast<int32_t*>(sDelta(s) + BMQ); };
 
   const int kvh = blockIdx.x;
   const int j0 = blockIdx.y * kBNK;  // first blocks own the most queries: launched first
-  const int j_last = min(j0 + kBNK, p.N) - 1;
+  const int Nq = p.mask.num_queries(), Nk = p.mask.num_keys();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int64_t q_stride = int64_t(p.H) * D, kv_stride = int64_t(p.KV) * D;
-
-  // Queries [j0, q_end) can see some key of the block; every head of the group
-  // walks the same query tiles.
-  const int q_end = find_doc_end(p.doc_start, j_last, p.N);
-  const int nq = (q_end - j0 + BMQ - 1) / BMQ;
-  const int items = p.group * nq;
+  // Items are (head of the group, query tile), heads outer; item i's tile starts at
+  // query q_first + (i % nq) * BMQ.
+  const auto tiles = p.mask.query_tiles(j0, kBNK, BMQ, p.group);
+  const int nq = tiles.per_head, q_first = tiles.first_query;
 
   auto load_item = [&](int item, int s) {
     const int h = kvh * p.group + item / nq;
-    const int i_start = j0 + (item % nq) * BMQ;
-    load_tile<BMQ, D, kT>(sQ(s), p.q + int64_t(h) * D, q_stride, i_start, p.N);
-    load_tile<BMQ, D, kT>(sdO(s), p.dout + int64_t(h) * D, q_stride, i_start, p.N);
+    const int i_start = q_first + (item % nq) * BMQ;
+    load_tile<BMQ, D, kT>(sQ(s), p.q + int64_t(h) * D, q_stride, i_start, Nq);
+    load_tile<BMQ, D, kT>(sdO(s), p.dout + int64_t(h) * D, q_stride, i_start, Nq);
     for (int c = threadIdx.x; c < BMQ; c += kT) {
       const int i = i_start + c;
-      const bool valid = i < p.N;
+      const bool valid = i < Nq;
       const int64_t ih = valid ? int64_t(i) * p.H + h : 0;
       cp_async4(smem_addr(sLse(s) + c), p.lse + ih, valid);
       cp_async4(smem_addr(sDelta(s) + c), p.delta + ih, valid);
-      cp_async4(smem_addr(sDocStart(s) + c), p.doc_start + (valid ? i : 0), valid);
+      p.mask.stage_query(sQueryInts(s), c, i, valid, BMQ);
     }
   };
 
-  load_tile<kBNK, D, kT>(sK, p.k + int64_t(kvh) * D, kv_stride, j0, p.N);
-  load_tile<kBNK, D, kT>(sV, p.v + int64_t(kvh) * D, kv_stride, j0, p.N);
-  load_item(0, 0);
+  auto at = tiles.first();
+  load_tile<kBNK, D, kT>(sK, p.k + int64_t(kvh) * D, kv_stride, j0, Nk);
+  load_tile<kBNK, D, kT>(sV, p.v + int64_t(kvh) * D, kv_stride, j0, Nk);
+  if (!Mask::kMayBeEmpty || at.tile < tiles.items) load_item(at.tile, 0);
   cp_async_commit();
 
-  float dk[MT][D / 8][4], dv[MT][D / 8][4];
+  float dvk[2][MT][D / 8][4];  // dV, dK
   int key[MT][2];
+  typename Mask::Key key_of[MT][2];
+  zero(dvk);
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-    for (int dt = 0; dt < D / 8; ++dt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) dk[mt][dt][e] = dv[mt][dt][e] = 0.f;
     key[mt][0] = j0 + warp * 16 * MT + mt * 16 + g;
     key[mt][1] = key[mt][0] + 8;
+    key_of[mt][0] = p.mask.key_or_none(key[mt][0]);
+    key_of[mt][1] = p.mask.key_or_none(key[mt][1]);
   }
 
-  for (int item = 0; item < items; ++item) {
-    const int st = item & 1;
-    if (item + 1 < items) {
-      load_item(item + 1, st ^ 1);
-      cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    __syncthreads();
+  while (at.tile < tiles.items) {
+    const int st = at.stage(), next = tiles.from(at.tile + 1);
+    next_stage(next < tiles.items, [&] { load_item(next, st ^ 1); });
     const bf16* q_tile = sQ(st);
     const bf16* do_tile = sdO(st);
     const float* lse_t = sLse(st);
     const float* delta_t = sDelta(st);
-    const int32_t* ds_t = sDocStart(st);
-    const int i_start = j0 + (item % nq) * BMQ;
+    const int32_t* ints_t = sQueryInts(st);
+    const int i_start = q_first + (at.tile % nq) * BMQ;
 
     // S^T = K Q^T and dP^T = V dO^T: (16 keys) x (BMQ queries) per key tile.
-    float sT[MT][BMQ / 8][4], dpT[MT][BMQ / 8][4];
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int nt = 0; nt < BMQ / 8; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) sT[mt][nt][e] = dpT[mt][nt][e] = 0.f;
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      uint32_t ak[MT][4], av[MT][4];
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        load_a<D>(ak[mt], sK, warp * 16 * MT + mt * 16, kk * 16);
-        load_a<D>(av[mt], sV, warp * 16 * MT + mt * 16, kk * 16);
-      }
-#pragma unroll
-      for (int np = 0; np < BMQ / 16; ++np) {
-        uint32_t b[4];
-        load_b_nk<D>(b, q_tile, np * 16, kk * 16);
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          mma_bf16(sT[mt][2 * np], ak[mt], b[0], b[1]);
-          mma_bf16(sT[mt][2 * np + 1], ak[mt], b[2], b[3]);
-        }
-        load_b_nk<D>(b, do_tile, np * 16, kk * 16);
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          mma_bf16(dpT[mt][2 * np], av[mt], b[0], b[1]);
-          mma_bf16(dpT[mt][2 * np + 1], av[mt], b[2], b[3]);
-        }
-      }
-    }
+    float sdpT[2][MT][BMQ / 8][4];  // S^T, dP^T
+    zero(sdpT);
+    mma_smem_nk<D>(sdpT, warp * 16 * MT, sK, q_tile, sV, do_tile);
 
-    // P^T = exp(S^T * scale - lse), dS^T = P^T (dP^T - delta). A tile needs the mask
-    // unless every query is at or after every key, is a real token, and its
-    // document started at or before the block's first key.
-    const bool full = i_start >= j_last && i_start + BMQ <= p.N && ds_t[BMQ - 1] <= j0;
+    // P^T = exp(S^T * scale - lse), dS^T = P^T (dP^T - delta), in place.
+    auto& sT = sdpT[0];
+    auto& dpT = sdpT[1];
+    const bool full = tiles.full(i_start, ints_t);
 #pragma unroll
     for (int nt = 0; nt < BMQ / 8; ++nt)
 #pragma unroll
       for (int e2 = 0; e2 < 2; ++e2) {
         const int qc = nt * 8 + 2 * t + e2;
         const float lse2 = lse_t[qc] * kLog2e, delta_q = delta_t[qc];
-        const int i = i_start + qc, ds_i = ds_t[qc];
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-          for (int hh = 0; hh < 2; ++hh) {
-            const int e = 2 * hh + e2;
-            const float pr = ex2(fmaf(sT[mt][nt][e], p.scale_log2, -lse2));
-            bool visible = true;
-            if (!full) {
-              const int j = key[mt][hh];
-              visible = i < p.N && j <= i && j >= ds_i;
-            }
-            const float pv = visible ? pr : 0.f;
-            sT[mt][nt][e] = pv;
-            dpT[mt][nt][e] = pv * (dpT[mt][nt][e] - delta_q);
-          }
+        const int i = i_start + qc;
+        const typename Mask::Query query = p.mask.staged_query(ints_t, qc, i, BMQ);
+        for_each_row<MT>([&](int mt, int hh) {
+          const int e = 2 * hh + e2;
+          const float pr = ex2(fmaf(sT[mt][nt][e], p.scale_log2, -lse2));
+          const bool visible = full || (i < Nq && Mask::allowed(query, key_of[mt][hh]));
+          const float pv = visible ? pr : 0.f;
+          sT[mt][nt][e] = pv;
+          dpT[mt][nt][e] = pv * (dpT[mt][nt][e] - delta_q);
+        });
       }
 
     // dV += P^T dO, dK += dS^T Q (bf16 operands, fp32 accumulators).
-#pragma unroll
-    for (int kc = 0; kc < BMQ / 16; ++kc) {
-      uint32_t ap[MT][4], ads[MT][4];
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        acc_to_a(ap[mt], sT[mt][2 * kc], sT[mt][2 * kc + 1]);
-        acc_to_a(ads[mt], dpT[mt][2 * kc], dpT[mt][2 * kc + 1]);
-      }
-#pragma unroll
-      for (int dp = 0; dp < D / 16; ++dp) {
-        uint32_t b[4];
-        load_b_kn<D>(b, do_tile, kc * 16, dp * 16);
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          mma_bf16(dv[mt][2 * dp], ap[mt], b[0], b[1]);
-          mma_bf16(dv[mt][2 * dp + 1], ap[mt], b[2], b[3]);
-        }
-        load_b_kn<D>(b, q_tile, kc * 16, dp * 16);
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          mma_bf16(dk[mt][2 * dp], ads[mt], b[0], b[1]);
-          mma_bf16(dk[mt][2 * dp + 1], ads[mt], b[2], b[3]);
-        }
-      }
-    }
+    mma_acc_kn<D>(dvk, sdpT, do_tile, q_tile);
     __syncthreads();  // this stage is refilled next iteration
+    at.advance(next);
   }
+  if constexpr (Mask::kMayBeEmpty) cp_async_wait<0>();  // the K/V tiles, when no query tile was visible
 
+  for_each_row<MT>([&](int mt, int hh) {
+    const int j = key[mt][hh];
+    if (j >= Nk) return;
+    const int64_t off = (int64_t(j) * p.KV + kvh) * D;
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const int j = key[mt][hh];
-      if (j >= p.N) continue;
-      const int64_t off = (int64_t(j) * p.KV + kvh) * D;
-#pragma unroll
-      for (int dt = 0; dt < D / 8; ++dt) {
-        *reinterpret_cast<uint32_t*>(p.dk + off + dt * 8 + 2 * t) =
-            pack_bf16(dk[mt][dt][2 * hh] * p.scale, dk[mt][dt][2 * hh + 1] * p.scale);
-        *reinterpret_cast<uint32_t*>(p.dv + off + dt * 8 + 2 * t) =
-            pack_bf16(dv[mt][dt][2 * hh], dv[mt][dt][2 * hh + 1]);
-      }
-    }
+    for (int dt = 0; dt < D / 8; ++dt)
+      p.grads.put_kv(off + dt * 8 + 2 * t, dvk[1][mt][dt][2 * hh] * p.scale, dvk[1][mt][dt][2 * hh + 1] * p.scale,
+                     dvk[0][mt][dt][2 * hh], dvk[0][mt][dt][2 * hh + 1]);
+  });
 }
 
 template <int D, int NWARPS, int MT, int BN>
@@ -684,9 +1166,9 @@ struct DqTile {
   static constexpr size_t kSmemBytes = size_t(2 * kBM + 4 * BN) * smem_row<D>() * sizeof(bf16);
 };
 
-// Warp w owns query rows w*16*MT + mt*16 + {g, g+8}; key tiles as in forward.
-template <int D, int NWARPS, int MT, int BN>
-__global__ void __launch_bounds__(NWARPS * 32) dq_kernel(const BwdParams p) {
+// Query rows and key tiles as in forward.
+template <class Params, int D, int NWARPS, int MT, int BN>
+__global__ void __launch_bounds__(NWARPS * 32) dq_kernel(const Params p) {
   using Tile = DqTile<D, NWARPS, MT, BN>;
   constexpr int kBM = Tile::kBM, kSR = smem_row<D>(), kT = Tile::kThreads;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -694,99 +1176,33 @@ __global__ void __launch_bounds__(NWARPS * 32) dq_kernel(const BwdParams p) {
   bf16* sdO = sQ + kBM * kSR;                     // (BM, D+8)
   bf16* sK = sdO + kBM * kSR;                     // 2 stages x (BN, D+8)
   bf16* sV = sK + 2 * BN * kSR;                   // 2 stages x (BN, D+8)
+  const QueryBlock<Params, D, MT, kBM, BN, kT> blk(p);
+  const int warp = blk.warp, t = blk.t;
 
-  const int h = blockIdx.x;
-  const int i0 = (gridDim.y - 1 - blockIdx.y) * kBM;
-  const int i_last = min(i0 + kBM, p.N) - 1;
-  const int kvh = h / p.group;
-  const int kv_begin = p.doc_start[i0];
-  const int ds_last = p.doc_start[i_last];
-  const int ntiles = (i_last - kv_begin) / BN + 1;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int g = lane >> 2, t = lane & 3;
-  const int64_t q_stride = int64_t(p.H) * D, kv_stride = int64_t(p.KV) * D;
-  const bf16* k_head = p.k + int64_t(kvh) * D;
-  const bf16* v_head = p.v + int64_t(kvh) * D;
-
-  int row[MT][2], row_ds[MT][2];
+  int row[MT][2];
+  typename Params::Mask::Query query[MT][2];
   float lse2[MT][2], delta[MT][2];
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const int r = i0 + warp * 16 * MT + mt * 16 + g + 8 * hh;
-      const bool valid = r < p.N;
-      row[mt][hh] = r;
-      row_ds[mt][hh] = valid ? p.doc_start[r] : INT_MAX;
-      lse2[mt][hh] = valid ? p.lse[int64_t(r) * p.H + h] * kLog2e : 0.f;
-      delta[mt][hh] = valid ? p.delta[int64_t(r) * p.H + h] : 0.f;
-    }
-
-  load_tile<kBM, D, kT>(sQ, p.q + int64_t(h) * D, q_stride, i0, p.N);
-  load_tile<kBM, D, kT>(sdO, p.dout + int64_t(h) * D, q_stride, i0, p.N);
-  load_tile<BN, D, kT>(sK, k_head, kv_stride, kv_begin, p.N);
-  load_tile<BN, D, kT>(sV, v_head, kv_stride, kv_begin, p.N);
-  cp_async_commit();
+  for_each_row<MT>([&](int mt, int hh) {
+    const int r = blk.row(mt, hh);
+    const bool valid = r < blk.n_queries;
+    row[mt][hh] = r;
+    query[mt][hh] = p.mask.query_or_none(r);
+    lse2[mt][hh] = valid ? p.lse[int64_t(r) * p.H + blk.h] * kLog2e : 0.f;
+    delta[mt][hh] = valid ? p.delta[int64_t(r) * p.H + blk.h] : 0.f;
+  });
+  load_tile<kBM, D, kT>(sQ, p.q + int64_t(blk.h) * D, blk.q_stride, blk.i0, blk.n_queries);
+  load_tile<kBM, D, kT>(sdO, p.dout + int64_t(blk.h) * D, blk.q_stride, blk.i0, blk.n_queries);
 
   float dq[MT][D / 8][4];
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int dt = 0; dt < D / 8; ++dt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) dq[mt][dt][e] = 0.f;
-
-  for (int it = 0; it < ntiles; ++it) {
-    const int st = it & 1;
-    if (it + 1 < ntiles) {
-      const int next = kv_begin + (it + 1) * BN;
-      load_tile<BN, D, kT>(sK + (st ^ 1) * BN * kSR, k_head, kv_stride, next, p.N);
-      load_tile<BN, D, kT>(sV + (st ^ 1) * BN * kSR, v_head, kv_stride, next, p.N);
-      cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    __syncthreads();
-    const bf16* k_tile = sK + st * BN * kSR;
-    const bf16* v_tile = sV + st * BN * kSR;
-    const int kt = kv_begin + it * BN;
-
+  zero(dq);
+  blk.walk(p, sK, sV, [&](const bf16* k_tile, const bf16* v_tile, int kt, auto&& needs_mask) {
     // S = Q K^T, dP = dO V^T.
-    float s[MT][BN / 8][4], dp[MT][BN / 8][4];
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int nt = 0; nt < BN / 8; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[mt][nt][e] = dp[mt][nt][e] = 0.f;
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      uint32_t aq[MT][4], ado[MT][4];
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        load_a<D>(aq[mt], sQ, warp * 16 * MT + mt * 16, kk * 16);
-        load_a<D>(ado[mt], sdO, warp * 16 * MT + mt * 16, kk * 16);
-      }
-#pragma unroll
-      for (int np = 0; np < BN / 16; ++np) {
-        uint32_t b[4];
-        load_b_nk<D>(b, k_tile, np * 16, kk * 16);
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          mma_bf16(s[mt][2 * np], aq[mt], b[0], b[1]);
-          mma_bf16(s[mt][2 * np + 1], aq[mt], b[2], b[3]);
-        }
-        load_b_nk<D>(b, v_tile, np * 16, kk * 16);
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          mma_bf16(dp[mt][2 * np], ado[mt], b[0], b[1]);
-          mma_bf16(dp[mt][2 * np + 1], ado[mt], b[2], b[3]);
-        }
-      }
-    }
+    const bool need_mask = needs_mask();
+    float sdp[2][MT][BN / 8][4];  // S, dP
+    zero(sdp);
+    mma_smem_nk<D>(sdp, warp * 16 * MT, sQ, k_tile, sdO, v_tile);
 
-    const bool need_mask = (kt + BN - 1 > i0) || (kt < ds_last);
+    // dS = P (dP - delta), into dP.
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -794,45 +1210,22 @@ __global__ void __launch_bounds__(NWARPS * 32) dq_kernel(const BwdParams p) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int hh = e >> 1;
-          float pr = ex2(fmaf(s[mt][nt][e], p.scale_log2, -lse2[mt][hh]));
-          if (need_mask) {
-            const int j = kt + nt * 8 + 2 * t + (e & 1);
-            if (j > row[mt][hh] || j < row_ds[mt][hh]) pr = 0.f;
-          }
-          dp[mt][nt][e] = pr * (dp[mt][nt][e] - delta[mt][hh]);  // dS
+          float pr = ex2(fmaf(sdp[0][mt][nt][e], p.scale_log2, -lse2[mt][hh]));
+          if (need_mask) pr = p.mask.if_sees(query[mt][hh], kt + nt * 8 + 2 * t + (e & 1), pr, 0.f);
+          sdp[1][mt][nt][e] = pr * (sdp[1][mt][nt][e] - delta[mt][hh]);
         }
 
     // dQ += dS K.
-#pragma unroll
-    for (int kc = 0; kc < BN / 16; ++kc) {
-      uint32_t a[MT][4];
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) acc_to_a(a[mt], dp[mt][2 * kc], dp[mt][2 * kc + 1]);
-#pragma unroll
-      for (int dpair = 0; dpair < D / 16; ++dpair) {
-        uint32_t b[4];
-        load_b_kn<D>(b, k_tile, kc * 16, dpair * 16);
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          mma_bf16(dq[mt][2 * dpair], a[mt], b[0], b[1]);
-          mma_bf16(dq[mt][2 * dpair + 1], a[mt], b[2], b[3]);
-        }
-      }
-    }
-    __syncthreads();
-  }
+    mma_acc_kn<D>(dq, sdp[1], k_tile);
+  });
 
+  for_each_row<MT>([&](int mt, int hh) {
+    if (row[mt][hh] >= blk.n_queries) return;
+    const int64_t off = (int64_t(row[mt][hh]) * p.H + blk.h) * D;
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      if (row[mt][hh] >= p.N) continue;
-      bf16* dq_row = p.dq + (int64_t(row[mt][hh]) * p.H + h) * D;
-#pragma unroll
-      for (int dt = 0; dt < D / 8; ++dt)
-        *reinterpret_cast<uint32_t*>(dq_row + dt * 8 + 2 * t) =
-            pack_bf16(dq[mt][dt][2 * hh] * p.scale, dq[mt][dt][2 * hh + 1] * p.scale);
-    }
+    for (int dt = 0; dt < D / 8; ++dt)
+      p.grads.put_q(off + dt * 8 + 2 * t, dq[mt][dt][2 * hh] * p.scale, dq[mt][dt][2 * hh + 1] * p.scale);
+  });
 }
 
 // delta[r] = sum_d dout[r, d] * out[r, d] for the N*H rows: one warp per row.
@@ -852,158 +1245,112 @@ __global__ void __launch_bounds__(kRowWarps * 32)
 
 // ---------------------------------------------------------------- generic fallback
 
-// One warp per (token, head); lane owns dims lane, lane + 32, ... (D <= 256). Two
-// passes like the CPU reference: logsumexp, then out = sum_j exp(s_j - lse) v_j.
-constexpr int kMaxDimPerLane = 8;
+// One warp per (token, head); lane owns dims lane, lane + 32, ... (D <= 256).
 
-__global__ void __launch_bounds__(kRowWarps * 32)
-    generic_fwd_kernel(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v,
-                       const int32_t* doc_start, int N, int H, int KV, int D, float scale) {
-  const int64_t r = int64_t(blockIdx.x) * kRowWarps + (threadIdx.x >> 5);
-  if (r >= int64_t(N) * H) return;
-  const int lane = threadIdx.x & 31;
-  const int i = int(r / H), h = int(r % H), kvh = h / (H / KV);
-  float qr[kMaxDimPerLane];
+// x = the lane's dims of `row`, 0 past D.
+__device__ __forceinline__ void lane_load(LaneDims& x, const bf16* row, int lane, int D) {
 #pragma unroll
   for (int c = 0; c < kMaxDimPerLane; ++c) {
     const int d = lane + 32 * c;
-    qr[c] = d < D ? __bfloat162float(q[r * D + d]) : 0.f;
+    x[c] = d < D ? __bfloat162float(row[d]) : 0.f;
   }
+}
+// The lane's shares of x . a and y . b (warp_sum them).
+__device__ __forceinline__ void lane_dots(float& xa, const LaneDims& x, const bf16* a, float& yb,
+                                          const LaneDims& y, const bf16* b, int lane, int D) {
+  for_lane_dims(lane, D, [&](int c, int d) {
+    xa += x[c] * __bfloat162float(a[d]);
+    yb += y[c] * __bfloat162float(b[d]);
+  });
+}
+// acc += w * row over the lane's dims.
+__device__ __forceinline__ void lane_axpy(LaneDims& acc, float w, const bf16* row, int lane, int D) {
+  for_lane_dims(lane, D, [&](int c, int d) { acc[c] += w * __bfloat162float(row[d]); });
+}
+
+// Two passes like the CPU reference: logsumexp, then out = sum_j exp(s_j - lse) v_j.
+template <class Params>
+__global__ void __launch_bounds__(kRowWarps * 32) generic_fwd_kernel(const Params p, int D, float scale) {
+  const int64_t r = int64_t(blockIdx.x) * kRowWarps + (threadIdx.x >> 5);
+  if (r >= int64_t(p.mask.num_queries()) * p.H) return;
+  const int lane = threadIdx.x & 31;
+  const int i = int(r / p.H), h = int(r % p.H), kvh = h / p.group;
+  const auto query = p.mask.query(i);
+  LaneDims qr;
+  lane_load(qr, p.q + r * D, lane, D);
   auto score = [&](int j) {
-    const bf16* kj = k + (int64_t(j) * KV + kvh) * D;
+    const bf16* kj = p.k + (int64_t(j) * p.KV + kvh) * D;
     float acc = 0.f;
-#pragma unroll
-    for (int c = 0; c < kMaxDimPerLane; ++c) {
-      const int d = lane + 32 * c;
-      if (d < D) acc += qr[c] * __bfloat162float(kj[d]);
-    }
+    for_lane_dims(lane, D, [&](int c, int d) { acc += qr[c] * __bfloat162float(kj[d]); });
     return warp_sum(acc) * scale;
   };
-  const int j0 = doc_start[i];
   float m = -INFINITY, l = 0.f;
-  for (int j = j0; j <= i; ++j) {
+  p.mask.for_each_key(query, [&](int j) {
     const float s = score(j);
     if (s > m) {
       l *= expf(m - s);
       m = s;
     }
     l += expf(s - m);
-  }
-  const float lse_r = m + logf(l);
-  float acc[kMaxDimPerLane] = {};
-  for (int j = j0; j <= i; ++j) {
-    const float pr = expf(score(j) - lse_r);
-    const bf16* vj = v + (int64_t(j) * KV + kvh) * D;
-#pragma unroll
-    for (int c = 0; c < kMaxDimPerLane; ++c) {
-      const int d = lane + 32 * c;
-      if (d < D) acc[c] += pr * __bfloat162float(vj[d]);
-    }
-  }
-#pragma unroll
-  for (int c = 0; c < kMaxDimPerLane; ++c) {
-    const int d = lane + 32 * c;
-    if (d < D) out[r * D + d] = __float2bfloat16(acc[c]);
-  }
-  if (lane == 0) lse[r] = lse_r;
+  });
+  p.out.finish_row(r, m, l, lane, D, [&](float lse_r, LaneDims& acc) {
+    p.mask.for_each_key(query, [&](int j) {
+      lane_axpy(acc, expf(score(j) - lse_r), p.v + (int64_t(j) * p.KV + kvh) * D, lane, D);
+    });
+  });
 }
 
 // dq: one warp per (token, head) over its keys.
-__global__ void __launch_bounds__(kRowWarps * 32)
-    generic_dq_kernel(bf16* dq, const bf16* dout, const bf16* q, const bf16* k, const bf16* v,
-                      const float* lse, const float* delta, const int32_t* doc_start, int N,
-                      int H, int KV, int D, float scale) {
+template <class Params>
+__global__ void __launch_bounds__(kRowWarps * 32) generic_dq_kernel(const Params p, int D) {
   const int64_t r = int64_t(blockIdx.x) * kRowWarps + (threadIdx.x >> 5);
-  if (r >= int64_t(N) * H) return;
+  if (r >= int64_t(p.mask.num_queries()) * p.H) return;
   const int lane = threadIdx.x & 31;
-  const int i = int(r / H), h = int(r % H), kvh = h / (H / KV);
-  float qr[kMaxDimPerLane], dor[kMaxDimPerLane], acc[kMaxDimPerLane] = {};
-#pragma unroll
-  for (int c = 0; c < kMaxDimPerLane; ++c) {
-    const int d = lane + 32 * c;
-    qr[c] = d < D ? __bfloat162float(q[r * D + d]) : 0.f;
-    dor[c] = d < D ? __bfloat162float(dout[r * D + d]) : 0.f;
-  }
-  const float lse_r = lse[r], delta_r = delta[r];
-  for (int j = doc_start[i]; j <= i; ++j) {
-    const bf16* kj = k + (int64_t(j) * KV + kvh) * D;
-    const bf16* vj = v + (int64_t(j) * KV + kvh) * D;
+  const int i = int(r / p.H), h = int(r % p.H), kvh = h / p.group;
+  const auto query = p.mask.query(i);
+  LaneDims qr, dor;
+  float acc[kMaxDimPerLane] = {};
+  lane_load(qr, p.q + r * D, lane, D);
+  lane_load(dor, p.dout + r * D, lane, D);
+  const float lse_r = p.lse[r], delta_r = p.delta[r];
+  p.mask.for_each_key(query, [&](int j) {
+    const bf16* kj = p.k + (int64_t(j) * p.KV + kvh) * D;
+    const bf16* vj = p.v + (int64_t(j) * p.KV + kvh) * D;
     float s = 0.f, dpv = 0.f;
-#pragma unroll
-    for (int c = 0; c < kMaxDimPerLane; ++c) {
-      const int d = lane + 32 * c;
-      if (d < D) {
-        s += qr[c] * __bfloat162float(kj[d]);
-        dpv += dor[c] * __bfloat162float(vj[d]);
-      }
-    }
-    const float pr = expf(warp_sum(s) * scale - lse_r);
+    lane_dots(s, qr, kj, dpv, dor, vj, lane, D);
+    const float pr = expf(warp_sum(s) * p.scale - lse_r);
     const float ds = pr * (warp_sum(dpv) - delta_r);
-#pragma unroll
-    for (int c = 0; c < kMaxDimPerLane; ++c) {
-      const int d = lane + 32 * c;
-      if (d < D) acc[c] += ds * __bfloat162float(kj[d]);
-    }
-  }
-#pragma unroll
-  for (int c = 0; c < kMaxDimPerLane; ++c) {
-    const int d = lane + 32 * c;
-    if (d < D) dq[r * D + d] = __float2bfloat16(acc[c] * scale);
-  }
+    lane_axpy(acc, ds, kj, lane, D);
+  });
+  for_lane_dims(lane, D, [&](int c, int d) { p.grads.put_q(r * D + d, acc[c] * p.scale); });
 }
 
-// dk, dv: one warp per (key token, kv head) over queries i >= j of its document,
-// and the group's heads for each query.
-__global__ void __launch_bounds__(kRowWarps * 32)
-    generic_dkdv_kernel(bf16* dk, bf16* dv, const bf16* dout, const bf16* q, const bf16* k,
-                        const bf16* v, const float* lse, const float* delta,
-                        const int32_t* doc_start, int N, int H, int KV, int D, float scale) {
+// dk, dv: one warp per (key token, kv head) over the queries that see it, and the
+// group's heads for each query.
+template <class Params>
+__global__ void __launch_bounds__(kRowWarps * 32) generic_dkdv_kernel(const Params p, int D) {
   const int64_t r = int64_t(blockIdx.x) * kRowWarps + (threadIdx.x >> 5);
-  if (r >= int64_t(N) * KV) return;
+  if (r >= int64_t(p.mask.num_keys()) * p.KV) return;
   const int lane = threadIdx.x & 31;
-  const int j = int(r / KV), kvh = int(r % KV), group = H / KV;
-  float kr[kMaxDimPerLane], vr[kMaxDimPerLane], dka[kMaxDimPerLane] = {},
-      dva[kMaxDimPerLane] = {};
-#pragma unroll
-  for (int c = 0; c < kMaxDimPerLane; ++c) {
-    const int d = lane + 32 * c;
-    kr[c] = d < D ? __bfloat162float(k[r * D + d]) : 0.f;
-    vr[c] = d < D ? __bfloat162float(v[r * D + d]) : 0.f;
-  }
-  for (int i = j; i < N && doc_start[i] <= j; ++i) {
-    for (int h = kvh * group; h < (kvh + 1) * group; ++h) {
-      const int64_t ih = int64_t(i) * H + h;
-      const bf16* qi = q + ih * D;
-      const bf16* doi = dout + ih * D;
+  const int j = int(r / p.KV), kvh = int(r % p.KV);
+  LaneDims kr, vr;
+  float dka[kMaxDimPerLane] = {}, dva[kMaxDimPerLane] = {};
+  lane_load(kr, p.k + r * D, lane, D);
+  lane_load(vr, p.v + r * D, lane, D);
+  p.mask.for_each_query(j, [&](int i) {
+    for (int h = kvh * p.group; h < (kvh + 1) * p.group; ++h) {
+      const int64_t ih = int64_t(i) * p.H + h;
+      const bf16* qi = p.q + ih * D;
+      const bf16* doi = p.dout + ih * D;
       float s = 0.f, dpv = 0.f;
-#pragma unroll
-      for (int c = 0; c < kMaxDimPerLane; ++c) {
-        const int d = lane + 32 * c;
-        if (d < D) {
-          s += kr[c] * __bfloat162float(qi[d]);
-          dpv += vr[c] * __bfloat162float(doi[d]);
-        }
-      }
-      const float pr = expf(warp_sum(s) * scale - lse[ih]);
-      const float ds = pr * (warp_sum(dpv) - delta[ih]);
-#pragma unroll
-      for (int c = 0; c < kMaxDimPerLane; ++c) {
-        const int d = lane + 32 * c;
-        if (d < D) {
-          dva[c] += pr * __bfloat162float(doi[d]);
-          dka[c] += ds * __bfloat162float(qi[d]);
-        }
-      }
+      lane_dots(s, kr, qi, dpv, vr, doi, lane, D);
+      const float pr = expf(warp_sum(s) * p.scale - p.lse[ih]);
+      const float ds = pr * (warp_sum(dpv) - p.delta[ih]);
+      lane_axpy(dva, pr, doi, lane, D);
+      lane_axpy(dka, ds, qi, lane, D);
     }
-  }
-#pragma unroll
-  for (int c = 0; c < kMaxDimPerLane; ++c) {
-    const int d = lane + 32 * c;
-    if (d < D) {
-      dk[r * D + d] = __float2bfloat16(dka[c] * scale);
-      dv[r * D + d] = __float2bfloat16(dva[c]);
-    }
-  }
+  });
+  for_lane_dims(lane, D, [&](int c, int d) { p.grads.put_kv(r * D + d, dka[c] * p.scale, dva[c]); });
 }
 
 // ---------------------------------------------------------------- launchers
@@ -1018,32 +1365,32 @@ void set_smem(Kernel kernel, size_t bytes) {
                                          int(bytes)));
 }
 
-template <int D, int NWARPS, int MT, int BN>
-void launch_fwd(const FwdParams& p, cudaStream_t stream) {
+// kKernel on a grid of (blocks_x, ceil(rows / rows_per_block)) blocks; the first
+// launch of each kernel raises its dynamic shared-memory limit.
+template <auto kKernel, class Params>
+void launch_tiles(const Params& p, int blocks_x, int rows, int rows_per_block, int threads, size_t smem_bytes,
+                  cudaStream_t stream) {
+  static const bool configured = (set_smem(kKernel, smem_bytes), true);
+  (void)configured;
+  kKernel<<<dim3(blocks_x, (rows + rows_per_block - 1) / rows_per_block), threads, smem_bytes, stream>>>(p);
+}
+template <int D, int NWARPS, int MT, int BN, class Params>
+void launch_fwd(const Params& p, cudaStream_t stream) {
   using Tile = FwdTile<D, NWARPS, MT, BN>;
-  static const bool configured = (set_smem(fwd_kernel<D, NWARPS, MT, BN>, Tile::kSmemBytes), true);
-  (void)configured;
-  const dim3 grid(p.H, (p.N + Tile::kBM - 1) / Tile::kBM);
-  fwd_kernel<D, NWARPS, MT, BN><<<grid, Tile::kThreads, Tile::kSmemBytes, stream>>>(p);
+  launch_tiles<fwd_kernel<Params, D, NWARPS, MT, BN>>(p, p.H, p.mask.num_queries(), Tile::kBM, Tile::kThreads,
+                                                      Tile::kSmemBytes, stream);
 }
-
-template <int D, int NWARPS, int MT, int BMQ>
-void launch_dkdv(const BwdParams& p, cudaStream_t stream) {
-  using Tile = DkdvTile<D, NWARPS, MT, BMQ>;
-  static const bool configured =
-      (set_smem(dkdv_kernel<D, NWARPS, MT, BMQ>, Tile::kSmemBytes), true);
-  (void)configured;
-  const dim3 grid(p.KV, (p.N + Tile::kBNK - 1) / Tile::kBNK);
-  dkdv_kernel<D, NWARPS, MT, BMQ><<<grid, Tile::kThreads, Tile::kSmemBytes, stream>>>(p);
+template <int D, int NWARPS, int MT, int BMQ, class Params>
+void launch_dkdv(const Params& p, cudaStream_t stream) {
+  using Tile = DkdvTile<D, NWARPS, MT, BMQ, Params::Mask::kQueryInts>;
+  launch_tiles<dkdv_kernel<Params, D, NWARPS, MT, BMQ>>(p, p.KV, p.mask.num_keys(), Tile::kBNK, Tile::kThreads,
+                                                        Tile::kSmemBytes, stream);
 }
-
-template <int D, int NWARPS, int MT, int BN>
-void launch_dq(const BwdParams& p, cudaStream_t stream) {
+template <int D, int NWARPS, int MT, int BN, class Params>
+void launch_dq(const Params& p, cudaStream_t stream) {
   using Tile = DqTile<D, NWARPS, MT, BN>;
-  static const bool configured = (set_smem(dq_kernel<D, NWARPS, MT, BN>, Tile::kSmemBytes), true);
-  (void)configured;
-  const dim3 grid(p.H, (p.N + Tile::kBM - 1) / Tile::kBM);
-  dq_kernel<D, NWARPS, MT, BN><<<grid, Tile::kThreads, Tile::kSmemBytes, stream>>>(p);
+  launch_tiles<dq_kernel<Params, D, NWARPS, MT, BN>>(p, p.H, p.mask.num_queries(), Tile::kBM, Tile::kThreads,
+                                                     Tile::kSmemBytes, stream);
 }
 
 // The tensor-core tiling for (D, kernel choice), -1 when the generic fallback
@@ -1061,71 +1408,73 @@ int variant_for(int64_t D) {
   }
 }
 
-// Forward tilings <D, warps, row tiles per warp, key tile>; keep kFwdNames in step.
-// Variant 0 (the default) is the fastest measured on an H100 (2026-11-29, N = 4096,
-// one document): D 64 237 TFLOP/s (it spills 92 bytes and still beats the
-// spill-free 4w x2 BN64 at 216), D 128 247 TFLOP/s. docs/kernels-attention.md has
-// the table for every variant.
-template <int D>
-void dispatch_fwd(int variant, const FwdParams& p, cudaStream_t stream) {
-  if constexpr (D == 128) {
-    switch (variant) {
-      case 1: return launch_fwd<D, 4, 1, 64>(p, stream);
-      case 2: return launch_fwd<D, 8, 1, 64>(p, stream);
-      case 3: return launch_fwd<D, 8, 1, 32>(p, stream);
-      case 4: return launch_fwd<D, 4, 1, 32>(p, stream);
-      default: return launch_fwd<D, 4, 2, 32>(p, stream);
-    }
-  } else {
-    switch (variant) {
-      case 1: return launch_fwd<D, 4, 2, 64>(p, stream);
-      case 2: return launch_fwd<D, 4, 1, 64>(p, stream);
-      case 3: return launch_fwd<D, 4, 2, 32>(p, stream);
-      case 4: return launch_fwd<D, 4, 1, 128>(p, stream);
-      default: return launch_fwd<D, 4, 2, 128>(p, stream);
-    }
-  }
-}
-const char* const kFwdNames128[5] = {"4w x2 BM128 BN32", "4w BM64 BN64", "8w BM128 BN64",
-                                     "8w BM128 BN32", "4w BM64 BN32"};
-const char* const kFwdNames[5] = {"4w x2 BM128 BN128", "4w x2 BM128 BN64", "4w BM64 BN64",
-                                  "4w x2 BM128 BN32", "4w BM64 BN128"};
+// The one-rank tilings, per variant: the launches for D 32, 64 and 128 (D 32 takes
+// D 64's shapes) and their names for D <= 64 and D 128.
+template <class Launch>
+struct Tiling {
+  Launch d32, d64, d128;
+  const char* name;
+  const char* name128;
+  Launch for_dim(int64_t D) const { return D == 32 ? d32 : D == 64 ? d64 : d128; }
+};
 
-// Backward tilings: dkdv <D, warps, key tiles per warp, query tile>, dq <D, warps,
-// row tiles per warp, key tile>; keep kBwdNames in step. Variant 0 is the fastest
-// pair measured (2026-11-29, H100): D 64 164 TFLOP/s, D 128 173 TFLOP/s. Variant 1
-// for D 64 pairs that dkdv with the dq tiling ncu measured 23% faster than the 8-warp
-// one (dq 4w x2 BN32); the pair itself is not yet timed.
-template <int D>
-void dispatch_bwd(int variant, const BwdParams& p, cudaStream_t stream) {
-  if constexpr (D == 128) {
-    switch (variant) {
-      case 1: launch_dkdv<D, 4, 1, 32>(p, stream); return launch_dq<D, 4, 1, 64>(p, stream);
-      case 2: launch_dkdv<D, 8, 1, 32>(p, stream); return launch_dq<D, 8, 1, 64>(p, stream);
-      case 3: launch_dkdv<D, 4, 1, 16>(p, stream); return launch_dq<D, 4, 2, 32>(p, stream);
-      case 4: launch_dkdv<D, 2, 1, 32>(p, stream); return launch_dq<D, 4, 2, 16>(p, stream);
-      default: launch_dkdv<D, 8, 1, 64>(p, stream); return launch_dq<D, 8, 1, 32>(p, stream);
-    }
-  } else {
-    switch (variant) {
-      case 1: launch_dkdv<D, 4, 1, 64>(p, stream); return launch_dq<D, 4, 2, 32>(p, stream);
-      case 2: launch_dkdv<D, 8, 1, 64>(p, stream); return launch_dq<D, 8, 1, 64>(p, stream);
-      case 3: launch_dkdv<D, 4, 2, 32>(p, stream); return launch_dq<D, 4, 2, 32>(p, stream);
-      case 4: launch_dkdv<D, 2, 2, 32>(p, stream); return launch_dq<D, 2, 2, 32>(p, stream);
-      default: launch_dkdv<D, 4, 1, 64>(p, stream); return launch_dq<D, 4, 1, 64>(p, stream);
-    }
-  }
+// Forward <D, warps, row tiles per warp, key tile>. Variant 0 (the default) is the
+// fastest measured on an H100 (2026-11-29, N = 4096, one document): D 64 237 TFLOP/s
+// (spilling 92 bytes then, it still beat the spill-free 4w x2 BN64 at 216), D 128
+// 247 TFLOP/s. docs/kernels-attention.md has the table for every variant.
+using FwdLaunch = void (*)(const LocalFwdParams&, cudaStream_t);
+const Tiling<FwdLaunch> kFwdTilings[5] = {
+    {launch_fwd<32, 4, 2, 128>, launch_fwd<64, 4, 2, 128>, launch_fwd<128, 4, 2, 32>,
+     "4w x2 BM128 BN128", "4w x2 BM128 BN32"},
+    {launch_fwd<32, 4, 2, 64>, launch_fwd<64, 4, 2, 64>, launch_fwd<128, 4, 1, 64>,
+     "4w x2 BM128 BN64", "4w BM64 BN64"},
+    {launch_fwd<32, 4, 1, 64>, launch_fwd<64, 4, 1, 64>, launch_fwd<128, 8, 1, 64>,
+     "4w BM64 BN64", "8w BM128 BN64"},
+    {launch_fwd<32, 4, 2, 32>, launch_fwd<64, 4, 2, 32>, launch_fwd<128, 8, 1, 32>,
+     "4w x2 BM128 BN32", "8w BM128 BN32"},
+    {launch_fwd<32, 4, 1, 128>, launch_fwd<64, 4, 1, 128>, launch_fwd<128, 4, 1, 32>,
+     "4w BM64 BN128", "4w BM64 BN32"},
+};
+
+// Backward: dkdv <D, warps, key tiles per warp, query tile>, then dq <D, warps, row
+// tiles per warp, key tile>. Variant 0 is the fastest pair measured (2026-11-29,
+// H100): D 64 164 TFLOP/s, D 128 173 TFLOP/s. Variant 1 for D 64 pairs that dkdv
+// with the dq tiling ncu measured 23% faster than the 8-warp one (dq 4w x2 BN32);
+// the pair itself is not yet timed.
+using BwdLaunch = void (*)(const LocalBwdParams&, cudaStream_t);
+template <int D, int DKDV_WARPS, int DKDV_MT, int BMQ, int DQ_WARPS, int DQ_MT, int BN>
+void launch_bwd(const LocalBwdParams& p, cudaStream_t stream) {
+  launch_dkdv<D, DKDV_WARPS, DKDV_MT, BMQ>(p, stream);
+  launch_dq<D, DQ_WARPS, DQ_MT, BN>(p, stream);
 }
-const char* const kBwdNames128[5] = {"dkdv 8w BNK128 BMQ64, dq 8w BM128 BN32",
-                                     "dkdv 4w BNK64 BMQ32, dq 4w BM64 BN64",
-                                     "dkdv 8w BNK128 BMQ32, dq 8w BM128 BN64",
-                                     "dkdv 4w BNK64 BMQ16, dq 4w x2 BM128 BN32",
-                                     "dkdv 2w BNK32 BMQ32, dq 4w x2 BM128 BN16"};
-const char* const kBwdNames[5] = {"dkdv 4w BNK64 BMQ64, dq 4w BM64 BN64",
-                                  "dkdv 4w BNK64 BMQ64, dq 4w x2 BM128 BN32",
-                                  "dkdv 8w BNK128 BMQ64, dq 8w BM128 BN64",
-                                  "dkdv 4w x2 BNK128 BMQ32, dq 4w x2 BM128 BN32",
-                                  "dkdv 2w x2 BNK64 BMQ32, dq 2w x2 BM64 BN32"};
+const Tiling<BwdLaunch> kBwdTilings[5] = {
+    {launch_bwd<32, 4, 1, 64, 4, 1, 64>, launch_bwd<64, 4, 1, 64, 4, 1, 64>, launch_bwd<128, 8, 1, 64, 8, 1, 32>,
+     "dkdv 4w BNK64 BMQ64, dq 4w BM64 BN64", "dkdv 8w BNK128 BMQ64, dq 8w BM128 BN32"},
+    {launch_bwd<32, 4, 1, 64, 4, 2, 32>, launch_bwd<64, 4, 1, 64, 4, 2, 32>, launch_bwd<128, 4, 1, 32, 4, 1, 64>,
+     "dkdv 4w BNK64 BMQ64, dq 4w x2 BM128 BN32", "dkdv 4w BNK64 BMQ32, dq 4w BM64 BN64"},
+    {launch_bwd<32, 8, 1, 64, 8, 1, 64>, launch_bwd<64, 8, 1, 64, 8, 1, 64>, launch_bwd<128, 8, 1, 32, 8, 1, 64>,
+     "dkdv 8w BNK128 BMQ64, dq 8w BM128 BN64", "dkdv 8w BNK128 BMQ32, dq 8w BM128 BN64"},
+    {launch_bwd<32, 4, 2, 32, 4, 2, 32>, launch_bwd<64, 4, 2, 32, 4, 2, 32>, launch_bwd<128, 4, 1, 16, 4, 2, 32>,
+     "dkdv 4w x2 BNK128 BMQ32, dq 4w x2 BM128 BN32", "dkdv 4w BNK64 BMQ16, dq 4w x2 BM128 BN32"},
+    {launch_bwd<32, 2, 2, 32, 2, 2, 32>, launch_bwd<64, 2, 2, 32, 2, 2, 32>, launch_bwd<128, 2, 1, 32, 4, 2, 16>,
+     "dkdv 2w x2 BNK64 BMQ32, dq 2w x2 BM64 BN32", "dkdv 2w BNK32 BMQ32, dq 4w x2 BM128 BN16"},
+};
+
+// The ring's block kernels, one tiling per D: the one-rank defaults' shapes where
+// they do not spill (fwd D 64 takes BN 64, the spill-free one of
+// docs/kernels-attention.md). nullptr (D 32, the generic fallback forced, or a D
+// without tensor-core kernels): the generic kernels.
+struct RingTiling {
+  void (*fwd)(const RingFwdParams&, cudaStream_t);
+  void (*dkdv)(const RingBwdParams&, cudaStream_t);
+  void (*dq)(const RingBwdParams&, cudaStream_t);
+};
+const RingTiling kRingTiling64 = {launch_fwd<64, 4, 2, 64>, launch_dkdv<64, 4, 1, 64>, launch_dq<64, 4, 1, 64>};
+const RingTiling kRingTiling128 = {launch_fwd<128, 4, 2, 32>, launch_dkdv<128, 8, 1, 64>, launch_dq<128, 8, 1, 32>};
+const RingTiling* ring_tiling(int64_t D) {
+  if (variant_for(D) < 0 || D == 32) return nullptr;
+  return D == 64 ? &kRingTiling64 : &kRingTiling128;
+}
 
 void check_shape(int64_t N, int64_t H, int64_t KV, int64_t D) {
   SHARDLM_CHECK(N > 0 && N < INT_MAX / 2, "attention: N = %lld tokens is out of range",
@@ -1139,884 +1488,6 @@ void check_shape(int64_t N, int64_t H, int64_t KV, int64_t D) {
                 static_cast<long long>(H));
 }
 
-// ---------------------------------------------------------------- masked (ring) kernels
-//
-// Context parallelism's block kernels (attention.hpp, "context parallelism's ring"):
-// the tiles and fragments of fwd/dkdv/dq above, with queries and keys in separate
-// arrays, the mask from (index, seq) pairs instead of doc_start, fully masked tiles
-// skipped from per-16-token bounds, and epilogues that add into fp32 accumulators
-// (forward: a log-sum-exp merge) instead of writing bf16.
-
-struct MaskedTokens {
-  const int32_t* index;  // (n)
-  const int32_t* seq;    // (n)
-  const int4* bounds;    // (ceil(n / 16)): min index, max index, min seq, max seq
-  int n;
-};
-
-MaskedTokens masked_tokens(const AttentionTokens& t) {
-  return {t.index, t.seq, reinterpret_cast<const int4*>(t.bounds), int(t.n)};
-}
-
-// One thread per run of 16 tokens.
-__global__ void tile_bounds_kernel(int4* bounds, const int32_t* index, const int32_t* seq, int n) {
-  const int r = blockIdx.x * blockDim.x + threadIdx.x;
-  if (r * 16 >= n) return;
-  int4 b = make_int4(INT_MAX, INT_MIN, INT_MAX, INT_MIN);
-  for (int i = r * 16; i < min(r * 16 + 16, n); ++i) {
-    b.x = min(b.x, index[i]), b.y = max(b.y, index[i]);
-    b.z = min(b.z, seq[i]), b.w = max(b.w, seq[i]);
-  }
-  bounds[r] = b;
-}
-
-// The bounds of tokens [first, first + count) (first a multiple of 16, clipped to n).
-__device__ __forceinline__ int4 span_bounds(const MaskedTokens& t, int first, int count) {
-  const int r0 = first >> 4, r1 = (min(first + count, t.n) + 15) >> 4;
-  int4 b = t.bounds[r0];
-  for (int r = r0 + 1; r < r1; ++r) {
-    const int4 x = t.bounds[r];
-    b.x = min(b.x, x.x), b.y = max(b.y, x.y), b.z = min(b.z, x.z), b.w = max(b.w, x.w);
-  }
-  return b;
-}
-// No key of span k is visible to any query of span q.
-__device__ __forceinline__ bool spans_apart(const int4& q, const int4& k) {
-  return k.x > q.y || k.w < q.z || k.z > q.w;
-}
-// Every key of span k is visible to every query of span q (one document, keys first).
-__device__ __forceinline__ bool spans_full(const int4& q, const int4& k) {
-  return k.y <= q.x && k.z == k.w && q.z == q.w && k.z == q.z;
-}
-
-struct MaskedFwdParams {
-  float* out_acc;  // (Nq, H, D)
-  float* lse_acc;  // (Nq, H)
-  const bf16* q;   // (Nq, H, D)
-  const bf16* k;   // (Nk, KV, D)
-  const bf16* v;   // (Nk, KV, D)
-  MaskedTokens qt, kt;
-  int H, KV, group;
-  float scale_log2;
-  bool first;
-};
-
-template <int D, int NWARPS, int MT, int BN>
-__global__ void __launch_bounds__(NWARPS * 32) masked_fwd_kernel(const MaskedFwdParams p) {
-  using Tile = FwdTile<D, NWARPS, MT, BN>;
-  constexpr int kBM = Tile::kBM, kSR = smem_row<D>();
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  bf16* sQ = reinterpret_cast<bf16*>(smem_raw);  // (BM, D+8)
-  bf16* sK = sQ + kBM * kSR;                      // 2 stages x (BN, D+8)
-  bf16* sV = sK + 2 * BN * kSR;                   // 2 stages x (BN, D+8)
-
-  const int h = blockIdx.x;
-  const int i0 = (gridDim.y - 1 - blockIdx.y) * kBM;  // later queries see more keys: first
-  const int kvh = h / p.group;
-  const int Nq = p.qt.n, Nk = p.kt.n;
-  const int4 qb = span_bounds(p.qt, i0, kBM);
-  const int ntiles = (Nk + BN - 1) / BN;
-  // The next key tile from `tile` on that some query of the block can see (every
-  // thread computes the same).
-  auto next_tile = [&](int tile) {
-    while (tile < ntiles && spans_apart(qb, span_bounds(p.kt, tile * BN, BN))) ++tile;
-    return tile;
-  };
-
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int g = lane >> 2, t = lane & 3;
-  const int64_t q_stride = int64_t(p.H) * D, kv_stride = int64_t(p.KV) * D;
-  const bf16* q_head = p.q + int64_t(h) * D;
-  const bf16* k_head = p.k + int64_t(kvh) * D;
-  const bf16* v_head = p.v + int64_t(kvh) * D;
-
-  int row[MT][2], row_index[MT][2], row_seq[MT][2];
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const int r = i0 + warp * 16 * MT + mt * 16 + g + 8 * hh;
-      row[mt][hh] = r;
-      // A padding row (>= Nq) sees no key: key indices are >= 0.
-      row_index[mt][hh] = r < Nq ? p.qt.index[r] : -1;
-      row_seq[mt][hh] = r < Nq ? p.qt.seq[r] : 0;
-    }
-
-  float o[MT][D / 8][4];
-  float m[MT][2], l[MT][2];
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-    for (int dt = 0; dt < D / 8; ++dt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) o[mt][dt][e] = 0.f;
-    m[mt][0] = m[mt][1] = -INFINITY;
-    l[mt][0] = l[mt][1] = 0.f;
-  }
-
-  int tile = next_tile(0);
-  load_tile<kBM, D, Tile::kThreads>(sQ, q_head, q_stride, i0, Nq);
-  if (tile < ntiles) {
-    load_tile<BN, D, Tile::kThreads>(sK, k_head, kv_stride, tile * BN, Nk);
-    load_tile<BN, D, Tile::kThreads>(sV, v_head, kv_stride, tile * BN, Nk);
-  }
-  cp_async_commit();
-
-  for (int st = 0; tile < ntiles; st ^= 1) {
-    const int next = next_tile(tile + 1);
-    if (next < ntiles) {
-      load_tile<BN, D, Tile::kThreads>(sK + (st ^ 1) * BN * kSR, k_head, kv_stride, next * BN, Nk);
-      load_tile<BN, D, Tile::kThreads>(sV + (st ^ 1) * BN * kSR, v_head, kv_stride, next * BN, Nk);
-      cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    __syncthreads();
-    const bf16* k_tile = sK + st * BN * kSR;
-    const bf16* v_tile = sV + st * BN * kSR;
-    const int kt = tile * BN;
-
-    float s[MT][BN / 8][4];
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int nt = 0; nt < BN / 8; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.f;
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      uint32_t a[MT][4];
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) load_a<D>(a[mt], sQ, warp * 16 * MT + mt * 16, kk * 16);
-#pragma unroll
-      for (int np = 0; np < BN / 16; ++np) {
-        uint32_t b[4];
-        load_b_nk<D>(b, k_tile, np * 16, kk * 16);
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          mma_bf16(s[mt][2 * np], a[mt], b[0], b[1]);
-          mma_bf16(s[mt][2 * np + 1], a[mt], b[2], b[3]);
-        }
-      }
-    }
-
-    // The online softmax of fwd_kernel; the mask reads the keys' (index, seq).
-    const bool need_mask =
-        !(i0 + kBM <= Nq && kt + BN <= Nk && spans_full(qb, span_bounds(p.kt, kt, BN)));
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        float mx = -INFINITY;
-#pragma unroll
-        for (int nt = 0; nt < BN / 8; ++nt)
-#pragma unroll
-          for (int e2 = 0; e2 < 2; ++e2) {
-            float x = s[mt][nt][2 * hh + e2];
-            if (need_mask) {
-              const int j = kt + nt * 8 + 2 * t + e2;
-              if (j >= Nk || p.kt.index[j] > row_index[mt][hh] || p.kt.seq[j] != row_seq[mt][hh])
-                x = -INFINITY;
-            }
-            s[mt][nt][2 * hh + e2] = x;
-            mx = fmaxf(mx, x);
-          }
-        mx = quad_max(mx) * p.scale_log2;
-        const float m_new = fmaxf(m[mt][hh], mx);
-        const float base = m_new == -INFINITY ? 0.f : m_new;
-        const float alpha = ex2(m[mt][hh] - base);
-        m[mt][hh] = m_new;
-        float rowsum = 0.f;
-#pragma unroll
-        for (int nt = 0; nt < BN / 8; ++nt)
-#pragma unroll
-          for (int e2 = 0; e2 < 2; ++e2) {
-            const float pr = ex2(fmaf(s[mt][nt][2 * hh + e2], p.scale_log2, -base));
-            s[mt][nt][2 * hh + e2] = pr;
-            rowsum += pr;
-          }
-        l[mt][hh] = l[mt][hh] * alpha + rowsum;
-#pragma unroll
-        for (int dt = 0; dt < D / 8; ++dt) {
-          o[mt][dt][2 * hh] *= alpha;
-          o[mt][dt][2 * hh + 1] *= alpha;
-        }
-      }
-
-#pragma unroll
-    for (int kc = 0; kc < BN / 16; ++kc) {
-      uint32_t a[MT][4];
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) acc_to_a(a[mt], s[mt][2 * kc], s[mt][2 * kc + 1]);
-#pragma unroll
-      for (int dp = 0; dp < D / 16; ++dp) {
-        uint32_t b[4];
-        load_b_kn<D>(b, v_tile, kc * 16, dp * 16);
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          mma_bf16(o[mt][2 * dp], a[mt], b[0], b[1]);
-          mma_bf16(o[mt][2 * dp + 1], a[mt], b[2], b[3]);
-        }
-      }
-    }
-    __syncthreads();  // this stage is refilled next iteration
-    tile = next;
-  }
-  cp_async_wait<0>();  // the Q tile, when no key tile was visible
-
-  // Merge into the accumulators. The four threads of a quad read a row's lse
-  // before any of them writes it (hence two passes around __syncwarp).
-  float lse_held[MT][2];
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const int r = row[mt][hh];
-      lse_held[mt][hh] = (p.first || r >= Nq) ? -INFINITY : p.lse_acc[int64_t(r) * p.H + h];
-    }
-  __syncwarp();
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const float l_row = quad_sum(l[mt][hh]);
-      const int r = row[mt][hh];
-      if (r >= Nq) continue;
-      float* acc = p.out_acc + (int64_t(r) * p.H + h) * D;
-      float* lse_slot = p.lse_acc + int64_t(r) * p.H + h;
-      if (l_row == 0.f) {  // nothing of this block is visible to the row
-        if (p.first) {
-#pragma unroll
-          for (int dt = 0; dt < D / 8; ++dt)
-            *reinterpret_cast<float2*>(acc + dt * 8 + 2 * t) = make_float2(0.f, 0.f);
-          if (t == 0) *lse_slot = -INFINITY;
-        }
-        continue;
-      }
-      const float lse_block = (m[mt][hh] + log2f(l_row)) * kLn2;
-      const float held = lse_held[mt][hh];
-      float lse_new = lse_block, keep = 0.f;
-      if (held != -INFINITY) {
-        const float hi = fmaxf(held, lse_block), lo = fminf(held, lse_block);
-        lse_new = hi + log1pf(expf(lo - hi));
-        keep = expf(held - lse_new);
-      }
-      const float take = expf(lse_block - lse_new) / l_row;
-#pragma unroll
-      for (int dt = 0; dt < D / 8; ++dt) {
-        float2* slot = reinterpret_cast<float2*>(acc + dt * 8 + 2 * t);
-        float2 x = make_float2(0.f, 0.f);
-        if (held != -INFINITY) x = *slot;
-        x.x = x.x * keep + o[mt][dt][2 * hh] * take;
-        x.y = x.y * keep + o[mt][dt][2 * hh + 1] * take;
-        *slot = x;
-      }
-      if (t == 0) *lse_slot = lse_new;
-    }
-}
-
-struct MaskedBwdParams {
-  float* dq_acc;        // (Nq, H, D)
-  float* dk_acc;        // (Nk, KV, D)
-  float* dv_acc;        // (Nk, KV, D)
-  const bf16* dout;     // (Nq, H, D)
-  const bf16* q;        // (Nq, H, D)
-  const bf16* k;        // (Nk, KV, D)
-  const bf16* v;        // (Nk, KV, D)
-  const float* lse;     // (Nq, H)
-  const float* delta;   // (Nq, H)
-  MaskedTokens qt, kt;
-  int H, KV, group;
-  float scale;          // 1 / sqrt(D)
-  float scale_log2;     // log2(e) / sqrt(D)
-};
-
-template <int D, int NWARPS, int MT, int BMQ>
-struct MaskedDkdvTile {
-  static constexpr int kThreads = NWARPS * 32;
-  static constexpr int kBNK = NWARPS * 16 * MT;
-  // K, V tiles; two stages of (Q, dO tiles, lse, delta, index, seq of the queries).
-  static constexpr size_t kStageBytes =
-      size_t(2 * BMQ) * smem_row<D>() * sizeof(bf16) + 4 * BMQ * sizeof(float);
-  static constexpr size_t kSmemBytes =
-      size_t(2 * kBNK) * smem_row<D>() * sizeof(bf16) + 2 * kStageBytes;
-  static_assert(kStageBytes % 16 == 0, "cp.async needs 16-byte aligned stages");
-};
-
-template <int D, int NWARPS, int MT, int BMQ>
-__global__ void __launch_bounds__(NWARPS * 32) masked_dkdv_kernel(const MaskedBwdParams p) {
-  using Tile = MaskedDkdvTile<D, NWARPS, MT, BMQ>;
-  constexpr int kBNK = Tile::kBNK, kSR = smem_row<D>(), kT = Tile::kThreads;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  bf16* sK = reinterpret_cast<bf16*>(smem_raw);  // (BNK, D+8)
-  bf16* sV = sK + kBNK * kSR;                     // (BNK, D+8)
-  unsigned char* stage_base = reinterpret_cast<unsigned char*>(sV + kBNK * kSR);
-  auto sQ = [&](int s) { return reinterpret_cast<bf16*>(stage_base + s * Tile::kStageBytes); };
-  auto sdO = [&](int s) { return sQ(s) + BMQ * kSR; };
-  auto sLse = [&](int s) { return reinterpret_cast<float*>(sdO(s) + BMQ * kSR); };
-  auto sDelta = [&](int s) { return sLse(s) + BMQ; };
-  auto sIndex = [&](int s) { return reinterpret_cast<int32_t*>(sDelta(s) + BMQ); };
-  auto sSeq = [&](int s) { return sIndex(s) + BMQ; };
-
-  const int kvh = blockIdx.x;
-  const int j0 = blockIdx.y * kBNK;
-  const int Nq = p.qt.n, Nk = p.kt.n;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int g = lane >> 2, t = lane & 3;
-  const int64_t q_stride = int64_t(p.H) * D, kv_stride = int64_t(p.KV) * D;
-  const int4 kb = span_bounds(p.kt, j0, kBNK);
-  const int nq = (Nq + BMQ - 1) / BMQ;
-  const int items = p.group * nq;  // (head of the group, query tile), heads outer
-  auto next_item = [&](int item) {
-    while (item < items && spans_apart(span_bounds(p.qt, (item % nq) * BMQ, BMQ), kb)) ++item;
-    return item;
-  };
-
-  auto load_item = [&](int item, int s) {
-    const int h = kvh * p.group + item / nq;
-    const int i_start = (item % nq) * BMQ;
-    load_tile<BMQ, D, kT>(sQ(s), p.q + int64_t(h) * D, q_stride, i_start, Nq);
-    load_tile<BMQ, D, kT>(sdO(s), p.dout + int64_t(h) * D, q_stride, i_start, Nq);
-    for (int c = threadIdx.x; c < BMQ; c += kT) {
-      const int i = i_start + c;
-      const bool valid = i < Nq;
-      const int64_t ih = valid ? int64_t(i) * p.H + h : 0;
-      cp_async4(smem_addr(sLse(s) + c), p.lse + ih, valid);
-      cp_async4(smem_addr(sDelta(s) + c), p.delta + ih, valid);
-      cp_async4(smem_addr(sIndex(s) + c), p.qt.index + (valid ? i : 0), valid);
-      cp_async4(smem_addr(sSeq(s) + c), p.qt.seq + (valid ? i : 0), valid);
-    }
-  };
-
-  int item = next_item(0);
-  load_tile<kBNK, D, kT>(sK, p.k + int64_t(kvh) * D, kv_stride, j0, Nk);
-  load_tile<kBNK, D, kT>(sV, p.v + int64_t(kvh) * D, kv_stride, j0, Nk);
-  if (item < items) load_item(item, 0);
-  cp_async_commit();
-
-  float dk[MT][D / 8][4], dv[MT][D / 8][4];
-  int key[MT][2], key_index[MT][2], key_seq[MT][2];
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-    for (int dt = 0; dt < D / 8; ++dt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) dk[mt][dt][e] = dv[mt][dt][e] = 0.f;
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const int j = j0 + warp * 16 * MT + mt * 16 + g + 8 * hh;
-      key[mt][hh] = j;
-      // A padding key (>= Nk) is visible to no query: query indices are < INT_MAX.
-      key_index[mt][hh] = j < Nk ? p.kt.index[j] : INT_MAX;
-      key_seq[mt][hh] = j < Nk ? p.kt.seq[j] : 0;
-    }
-  }
-
-  for (int st = 0; item < items; st ^= 1) {
-    const int next = next_item(item + 1);
-    if (next < items) {
-      load_item(next, st ^ 1);
-      cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    __syncthreads();
-    const bf16* q_tile = sQ(st);
-    const bf16* do_tile = sdO(st);
-    const float* lse_t = sLse(st);
-    const float* delta_t = sDelta(st);
-    const int32_t* index_t = sIndex(st);
-    const int32_t* seq_t = sSeq(st);
-    const int i_start = (item % nq) * BMQ;
-
-    float sT[MT][BMQ / 8][4], dpT[MT][BMQ / 8][4];
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int nt = 0; nt < BMQ / 8; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) sT[mt][nt][e] = dpT[mt][nt][e] = 0.f;
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      uint32_t ak[MT][4], av[MT][4];
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        load_a<D>(ak[mt], sK, warp * 16 * MT + mt * 16, kk * 16);
-        load_a<D>(av[mt], sV, warp * 16 * MT + mt * 16, kk * 16);
-      }
-#pragma unroll
-      for (int np = 0; np < BMQ / 16; ++np) {
-        uint32_t b[4];
-        load_b_nk<D>(b, q_tile, np * 16, kk * 16);
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          mma_bf16(sT[mt][2 * np], ak[mt], b[0], b[1]);
-          mma_bf16(sT[mt][2 * np + 1], ak[mt], b[2], b[3]);
-        }
-        load_b_nk<D>(b, do_tile, np * 16, kk * 16);
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          mma_bf16(dpT[mt][2 * np], av[mt], b[0], b[1]);
-          mma_bf16(dpT[mt][2 * np + 1], av[mt], b[2], b[3]);
-        }
-      }
-    }
-
-    const bool full = i_start + BMQ <= Nq && j0 + kBNK <= Nk &&
-                      spans_full(span_bounds(p.qt, i_start, BMQ), kb);
-#pragma unroll
-    for (int nt = 0; nt < BMQ / 8; ++nt)
-#pragma unroll
-      for (int e2 = 0; e2 < 2; ++e2) {
-        const int qc = nt * 8 + 2 * t + e2;
-        const float lse2 = lse_t[qc] * kLog2e, delta_q = delta_t[qc];
-        const int i = i_start + qc, index_i = index_t[qc], seq_i = seq_t[qc];
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-          for (int hh = 0; hh < 2; ++hh) {
-            const int e = 2 * hh + e2;
-            const float pr = ex2(fmaf(sT[mt][nt][e], p.scale_log2, -lse2));
-            const bool visible =
-                full || (i < Nq && key_index[mt][hh] <= index_i && key_seq[mt][hh] == seq_i);
-            const float pv = visible ? pr : 0.f;
-            sT[mt][nt][e] = pv;
-            dpT[mt][nt][e] = pv * (dpT[mt][nt][e] - delta_q);
-          }
-      }
-
-#pragma unroll
-    for (int kc = 0; kc < BMQ / 16; ++kc) {
-      uint32_t ap[MT][4], ads[MT][4];
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        acc_to_a(ap[mt], sT[mt][2 * kc], sT[mt][2 * kc + 1]);
-        acc_to_a(ads[mt], dpT[mt][2 * kc], dpT[mt][2 * kc + 1]);
-      }
-#pragma unroll
-      for (int dp = 0; dp < D / 16; ++dp) {
-        uint32_t b[4];
-        load_b_kn<D>(b, do_tile, kc * 16, dp * 16);
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          mma_bf16(dv[mt][2 * dp], ap[mt], b[0], b[1]);
-          mma_bf16(dv[mt][2 * dp + 1], ap[mt], b[2], b[3]);
-        }
-        load_b_kn<D>(b, q_tile, kc * 16, dp * 16);
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          mma_bf16(dk[mt][2 * dp], ads[mt], b[0], b[1]);
-          mma_bf16(dk[mt][2 * dp + 1], ads[mt], b[2], b[3]);
-        }
-      }
-    }
-    __syncthreads();
-    item = next;
-  }
-  cp_async_wait<0>();  // the K/V tiles, when no query tile was visible
-
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const int j = key[mt][hh];
-      if (j >= Nk) continue;
-      const int64_t off = (int64_t(j) * p.KV + kvh) * D;
-#pragma unroll
-      for (int dt = 0; dt < D / 8; ++dt) {
-        float2* dk_slot = reinterpret_cast<float2*>(p.dk_acc + off + dt * 8 + 2 * t);
-        float2* dv_slot = reinterpret_cast<float2*>(p.dv_acc + off + dt * 8 + 2 * t);
-        float2 a = *dk_slot, b = *dv_slot;
-        a.x += dk[mt][dt][2 * hh] * p.scale, a.y += dk[mt][dt][2 * hh + 1] * p.scale;
-        b.x += dv[mt][dt][2 * hh], b.y += dv[mt][dt][2 * hh + 1];
-        *dk_slot = a, *dv_slot = b;
-      }
-    }
-}
-
-template <int D, int NWARPS, int MT, int BN>
-__global__ void __launch_bounds__(NWARPS * 32) masked_dq_kernel(const MaskedBwdParams p) {
-  using Tile = DqTile<D, NWARPS, MT, BN>;
-  constexpr int kBM = Tile::kBM, kSR = smem_row<D>(), kT = Tile::kThreads;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  bf16* sQ = reinterpret_cast<bf16*>(smem_raw);  // (BM, D+8)
-  bf16* sdO = sQ + kBM * kSR;                     // (BM, D+8)
-  bf16* sK = sdO + kBM * kSR;                     // 2 stages x (BN, D+8)
-  bf16* sV = sK + 2 * BN * kSR;                   // 2 stages x (BN, D+8)
-
-  const int h = blockIdx.x;
-  const int i0 = (gridDim.y - 1 - blockIdx.y) * kBM;
-  const int kvh = h / p.group;
-  const int Nq = p.qt.n, Nk = p.kt.n;
-  const int4 qb = span_bounds(p.qt, i0, kBM);
-  const int ntiles = (Nk + BN - 1) / BN;
-  auto next_tile = [&](int tile) {
-    while (tile < ntiles && spans_apart(qb, span_bounds(p.kt, tile * BN, BN))) ++tile;
-    return tile;
-  };
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int g = lane >> 2, t = lane & 3;
-  const int64_t q_stride = int64_t(p.H) * D, kv_stride = int64_t(p.KV) * D;
-  const bf16* k_head = p.k + int64_t(kvh) * D;
-  const bf16* v_head = p.v + int64_t(kvh) * D;
-
-  int row[MT][2], row_index[MT][2], row_seq[MT][2];
-  float lse2[MT][2], delta[MT][2];
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const int r = i0 + warp * 16 * MT + mt * 16 + g + 8 * hh;
-      const bool valid = r < Nq;
-      row[mt][hh] = r;
-      row_index[mt][hh] = valid ? p.qt.index[r] : -1;
-      row_seq[mt][hh] = valid ? p.qt.seq[r] : 0;
-      lse2[mt][hh] = valid ? p.lse[int64_t(r) * p.H + h] * kLog2e : 0.f;
-      delta[mt][hh] = valid ? p.delta[int64_t(r) * p.H + h] : 0.f;
-    }
-
-  int tile = next_tile(0);
-  load_tile<kBM, D, kT>(sQ, p.q + int64_t(h) * D, q_stride, i0, Nq);
-  load_tile<kBM, D, kT>(sdO, p.dout + int64_t(h) * D, q_stride, i0, Nq);
-  if (tile < ntiles) {
-    load_tile<BN, D, kT>(sK, k_head, kv_stride, tile * BN, Nk);
-    load_tile<BN, D, kT>(sV, v_head, kv_stride, tile * BN, Nk);
-  }
-  cp_async_commit();
-
-  float dq[MT][D / 8][4];
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int dt = 0; dt < D / 8; ++dt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) dq[mt][dt][e] = 0.f;
-
-  for (int st = 0; tile < ntiles; st ^= 1) {
-    const int next = next_tile(tile + 1);
-    if (next < ntiles) {
-      load_tile<BN, D, kT>(sK + (st ^ 1) * BN * kSR, k_head, kv_stride, next * BN, Nk);
-      load_tile<BN, D, kT>(sV + (st ^ 1) * BN * kSR, v_head, kv_stride, next * BN, Nk);
-      cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    __syncthreads();
-    const bf16* k_tile = sK + st * BN * kSR;
-    const bf16* v_tile = sV + st * BN * kSR;
-    const int kt = tile * BN;
-
-    float s[MT][BN / 8][4], dp[MT][BN / 8][4];
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int nt = 0; nt < BN / 8; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[mt][nt][e] = dp[mt][nt][e] = 0.f;
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      uint32_t aq[MT][4], ado[MT][4];
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        load_a<D>(aq[mt], sQ, warp * 16 * MT + mt * 16, kk * 16);
-        load_a<D>(ado[mt], sdO, warp * 16 * MT + mt * 16, kk * 16);
-      }
-#pragma unroll
-      for (int np = 0; np < BN / 16; ++np) {
-        uint32_t b[4];
-        load_b_nk<D>(b, k_tile, np * 16, kk * 16);
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          mma_bf16(s[mt][2 * np], aq[mt], b[0], b[1]);
-          mma_bf16(s[mt][2 * np + 1], aq[mt], b[2], b[3]);
-        }
-        load_b_nk<D>(b, v_tile, np * 16, kk * 16);
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          mma_bf16(dp[mt][2 * np], ado[mt], b[0], b[1]);
-          mma_bf16(dp[mt][2 * np + 1], ado[mt], b[2], b[3]);
-        }
-      }
-    }
-
-    const bool need_mask =
-        !(i0 + kBM <= Nq && kt + BN <= Nk && spans_full(qb, span_bounds(p.kt, kt, BN)));
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int nt = 0; nt < BN / 8; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int hh = e >> 1;
-          float pr = ex2(fmaf(s[mt][nt][e], p.scale_log2, -lse2[mt][hh]));
-          if (need_mask) {
-            const int j = kt + nt * 8 + 2 * t + (e & 1);
-            if (j >= Nk || p.kt.index[j] > row_index[mt][hh] || p.kt.seq[j] != row_seq[mt][hh])
-              pr = 0.f;
-          }
-          dp[mt][nt][e] = pr * (dp[mt][nt][e] - delta[mt][hh]);  // dS
-        }
-
-#pragma unroll
-    for (int kc = 0; kc < BN / 16; ++kc) {
-      uint32_t a[MT][4];
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) acc_to_a(a[mt], dp[mt][2 * kc], dp[mt][2 * kc + 1]);
-#pragma unroll
-      for (int dpair = 0; dpair < D / 16; ++dpair) {
-        uint32_t b[4];
-        load_b_kn<D>(b, k_tile, kc * 16, dpair * 16);
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          mma_bf16(dq[mt][2 * dpair], a[mt], b[0], b[1]);
-          mma_bf16(dq[mt][2 * dpair + 1], a[mt], b[2], b[3]);
-        }
-      }
-    }
-    __syncthreads();
-    tile = next;
-  }
-  cp_async_wait<0>();
-
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      if (row[mt][hh] >= Nq) continue;
-      float* dq_row = p.dq_acc + (int64_t(row[mt][hh]) * p.H + h) * D;
-#pragma unroll
-      for (int dt = 0; dt < D / 8; ++dt) {
-        float2* slot = reinterpret_cast<float2*>(dq_row + dt * 8 + 2 * t);
-        float2 x = *slot;
-        x.x += dq[mt][dt][2 * hh] * p.scale, x.y += dq[mt][dt][2 * hh + 1] * p.scale;
-        *slot = x;
-      }
-    }
-}
-
-// ---- generic masked fallback: one warp per row, fp32 dot products, any D <= 256.
-
-__device__ __forceinline__ bool masked_visible(const MaskedTokens& kt, int j, int q_index, int q_seq) {
-  return kt.index[j] <= q_index && kt.seq[j] == q_seq;
-}
-// Whether run r (16 tokens) of kt may hold a key visible to a query (index, seq).
-__device__ __forceinline__ bool run_reaches(const MaskedTokens& kt, int r, int q_index, int q_seq) {
-  const int4 b = kt.bounds[r];
-  return b.x <= q_index && b.z <= q_seq && q_seq <= b.w;
-}
-
-__global__ void __launch_bounds__(kRowWarps * 32)
-    generic_masked_fwd_kernel(const MaskedFwdParams p, int D, float scale) {
-  const int64_t r = int64_t(blockIdx.x) * kRowWarps + (threadIdx.x >> 5);
-  if (r >= int64_t(p.qt.n) * p.H) return;
-  const int lane = threadIdx.x & 31;
-  const int i = int(r / p.H), h = int(r % p.H), kvh = h / p.group;
-  const int qi_index = p.qt.index[i], qi_seq = p.qt.seq[i];
-  float qr[kMaxDimPerLane];
-#pragma unroll
-  for (int c = 0; c < kMaxDimPerLane; ++c) {
-    const int d = lane + 32 * c;
-    qr[c] = d < D ? __bfloat162float(p.q[r * D + d]) : 0.f;
-  }
-  auto score = [&](int j) {
-    const bf16* kj = p.k + (int64_t(j) * p.KV + kvh) * D;
-    float acc = 0.f;
-#pragma unroll
-    for (int c = 0; c < kMaxDimPerLane; ++c) {
-      const int d = lane + 32 * c;
-      if (d < D) acc += qr[c] * __bfloat162float(kj[d]);
-    }
-    return warp_sum(acc) * scale;
-  };
-  const int runs = (p.kt.n + 15) / 16;
-  float m = -INFINITY, l = 0.f;
-  for (int run = 0; run < runs; ++run) {
-    if (!run_reaches(p.kt, run, qi_index, qi_seq)) continue;
-    for (int j = run * 16; j < min(run * 16 + 16, p.kt.n); ++j) {
-      if (!masked_visible(p.kt, j, qi_index, qi_seq)) continue;
-      const float s = score(j);
-      if (s > m) {
-        l *= expf(m - s);
-        m = s;
-      }
-      l += expf(s - m);
-    }
-  }
-  float* acc_row = p.out_acc + r * D;
-  const float held = p.first ? -INFINITY : p.lse_acc[r];
-  __syncwarp();
-  if (l == 0.f) {
-    if (p.first) {
-      for (int d = lane; d < D; d += 32) acc_row[d] = 0.f;
-      if (lane == 0) p.lse_acc[r] = -INFINITY;
-    }
-    return;
-  }
-  const float lse_block = m + logf(l);
-  float lse_new = lse_block, keep = 0.f;
-  if (held != -INFINITY) {
-    const float hi = fmaxf(held, lse_block), lo = fminf(held, lse_block);
-    lse_new = hi + log1pf(expf(lo - hi));
-    keep = expf(held - lse_new);
-  }
-  float acc[kMaxDimPerLane] = {};
-  for (int run = 0; run < runs; ++run) {
-    if (!run_reaches(p.kt, run, qi_index, qi_seq)) continue;
-    for (int j = run * 16; j < min(run * 16 + 16, p.kt.n); ++j) {
-      if (!masked_visible(p.kt, j, qi_index, qi_seq)) continue;
-      const float pr = expf(score(j) - lse_new);
-      const bf16* vj = p.v + (int64_t(j) * p.KV + kvh) * D;
-#pragma unroll
-      for (int c = 0; c < kMaxDimPerLane; ++c) {
-        const int d = lane + 32 * c;
-        if (d < D) acc[c] += pr * __bfloat162float(vj[d]);
-      }
-    }
-  }
-#pragma unroll
-  for (int c = 0; c < kMaxDimPerLane; ++c) {
-    const int d = lane + 32 * c;
-    if (d < D) acc_row[d] = (held != -INFINITY ? acc_row[d] * keep : 0.f) + acc[c];
-  }
-  if (lane == 0) p.lse_acc[r] = lse_new;
-}
-
-__global__ void __launch_bounds__(kRowWarps * 32)
-    generic_masked_dq_kernel(const MaskedBwdParams p, int D) {
-  const int64_t r = int64_t(blockIdx.x) * kRowWarps + (threadIdx.x >> 5);
-  if (r >= int64_t(p.qt.n) * p.H) return;
-  const int lane = threadIdx.x & 31;
-  const int i = int(r / p.H), h = int(r % p.H), kvh = h / p.group;
-  const int qi_index = p.qt.index[i], qi_seq = p.qt.seq[i];
-  float qr[kMaxDimPerLane], dor[kMaxDimPerLane], acc[kMaxDimPerLane] = {};
-#pragma unroll
-  for (int c = 0; c < kMaxDimPerLane; ++c) {
-    const int d = lane + 32 * c;
-    qr[c] = d < D ? __bfloat162float(p.q[r * D + d]) : 0.f;
-    dor[c] = d < D ? __bfloat162float(p.dout[r * D + d]) : 0.f;
-  }
-  const float lse_r = p.lse[r], delta_r = p.delta[r];
-  const int runs = (p.kt.n + 15) / 16;
-  for (int run = 0; run < runs; ++run) {
-    if (!run_reaches(p.kt, run, qi_index, qi_seq)) continue;
-    for (int j = run * 16; j < min(run * 16 + 16, p.kt.n); ++j) {
-      if (!masked_visible(p.kt, j, qi_index, qi_seq)) continue;
-      const bf16* kj = p.k + (int64_t(j) * p.KV + kvh) * D;
-      const bf16* vj = p.v + (int64_t(j) * p.KV + kvh) * D;
-      float s = 0.f, dpv = 0.f;
-#pragma unroll
-      for (int c = 0; c < kMaxDimPerLane; ++c) {
-        const int d = lane + 32 * c;
-        if (d < D) {
-          s += qr[c] * __bfloat162float(kj[d]);
-          dpv += dor[c] * __bfloat162float(vj[d]);
-        }
-      }
-      const float pr = expf(warp_sum(s) * p.scale - lse_r);
-      const float ds = pr * (warp_sum(dpv) - delta_r);
-#pragma unroll
-      for (int c = 0; c < kMaxDimPerLane; ++c) {
-        const int d = lane + 32 * c;
-        if (d < D) acc[c] += ds * __bfloat162float(kj[d]);
-      }
-    }
-  }
-#pragma unroll
-  for (int c = 0; c < kMaxDimPerLane; ++c) {
-    const int d = lane + 32 * c;
-    if (d < D) p.dq_acc[r * D + d] += acc[c] * p.scale;
-  }
-}
-
-__global__ void __launch_bounds__(kRowWarps * 32)
-    generic_masked_dkdv_kernel(const MaskedBwdParams p, int D) {
-  const int64_t r = int64_t(blockIdx.x) * kRowWarps + (threadIdx.x >> 5);
-  if (r >= int64_t(p.kt.n) * p.KV) return;
-  const int lane = threadIdx.x & 31;
-  const int j = int(r / p.KV), kvh = int(r % p.KV);
-  const int kj_index = p.kt.index[j], kj_seq = p.kt.seq[j];
-  float kr[kMaxDimPerLane], vr[kMaxDimPerLane], dka[kMaxDimPerLane] = {}, dva[kMaxDimPerLane] = {};
-#pragma unroll
-  for (int c = 0; c < kMaxDimPerLane; ++c) {
-    const int d = lane + 32 * c;
-    kr[c] = d < D ? __bfloat162float(p.k[r * D + d]) : 0.f;
-    vr[c] = d < D ? __bfloat162float(p.v[r * D + d]) : 0.f;
-  }
-  const int runs = (p.qt.n + 15) / 16;
-  for (int run = 0; run < runs; ++run) {
-    const int4 b = p.qt.bounds[run];
-    if (b.y < kj_index || kj_seq < b.z || kj_seq > b.w) continue;
-    for (int i = run * 16; i < min(run * 16 + 16, p.qt.n); ++i) {
-      if (!masked_visible(p.kt, j, p.qt.index[i], p.qt.seq[i])) continue;
-      for (int h = kvh * p.group; h < (kvh + 1) * p.group; ++h) {
-        const int64_t ih = int64_t(i) * p.H + h;
-        const bf16* qi = p.q + ih * D;
-        const bf16* doi = p.dout + ih * D;
-        float s = 0.f, dpv = 0.f;
-#pragma unroll
-        for (int c = 0; c < kMaxDimPerLane; ++c) {
-          const int d = lane + 32 * c;
-          if (d < D) {
-            s += kr[c] * __bfloat162float(qi[d]);
-            dpv += vr[c] * __bfloat162float(doi[d]);
-          }
-        }
-        const float pr = expf(warp_sum(s) * p.scale - p.lse[ih]);
-        const float ds = pr * (warp_sum(dpv) - p.delta[ih]);
-#pragma unroll
-        for (int c = 0; c < kMaxDimPerLane; ++c) {
-          const int d = lane + 32 * c;
-          if (d < D) {
-            dva[c] += pr * __bfloat162float(doi[d]);
-            dka[c] += ds * __bfloat162float(qi[d]);
-          }
-        }
-      }
-    }
-  }
-#pragma unroll
-  for (int c = 0; c < kMaxDimPerLane; ++c) {
-    const int d = lane + 32 * c;
-    if (d < D) {
-      p.dk_acc[r * D + d] += dka[c] * p.scale;
-      p.dv_acc[r * D + d] += dva[c];
-    }
-  }
-}
-
-// One tiling per D for the ring's kernels: the tuned defaults' shapes where they do
-// not spill (fwd D 64 takes BN 64, the spill-free one of docs/kernels-attention.md).
-template <int D, int NWARPS, int MT, int BN>
-void launch_masked_fwd(const MaskedFwdParams& p, cudaStream_t stream) {
-  using Tile = FwdTile<D, NWARPS, MT, BN>;
-  static const bool configured =
-      (set_smem(masked_fwd_kernel<D, NWARPS, MT, BN>, Tile::kSmemBytes), true);
-  (void)configured;
-  const dim3 grid(p.H, (p.qt.n + Tile::kBM - 1) / Tile::kBM);
-  masked_fwd_kernel<D, NWARPS, MT, BN><<<grid, Tile::kThreads, Tile::kSmemBytes, stream>>>(p);
-}
-template <int D, int NWARPS, int MT, int BMQ>
-void launch_masked_dkdv(const MaskedBwdParams& p, cudaStream_t stream) {
-  using Tile = MaskedDkdvTile<D, NWARPS, MT, BMQ>;
-  static const bool configured =
-      (set_smem(masked_dkdv_kernel<D, NWARPS, MT, BMQ>, Tile::kSmemBytes), true);
-  (void)configured;
-  const dim3 grid(p.KV, (p.kt.n + Tile::kBNK - 1) / Tile::kBNK);
-  masked_dkdv_kernel<D, NWARPS, MT, BMQ><<<grid, Tile::kThreads, Tile::kSmemBytes, stream>>>(p);
-}
-template <int D, int NWARPS, int MT, int BN>
-void launch_masked_dq(const MaskedBwdParams& p, cudaStream_t stream) {
-  using Tile = DqTile<D, NWARPS, MT, BN>;
-  static const bool configured =
-      (set_smem(masked_dq_kernel<D, NWARPS, MT, BN>, Tile::kSmemBytes), true);
-  (void)configured;
-  const dim3 grid(p.H, (p.qt.n + Tile::kBM - 1) / Tile::kBM);
-  masked_dq_kernel<D, NWARPS, MT, BN><<<grid, Tile::kThreads, Tile::kSmemBytes, stream>>>(p);
-}
-
 void check_masked_shape(const AttentionTokens& queries, const AttentionTokens& keys, int64_t H,
                         int64_t KV, int64_t D) {
   check_shape(std::max<int64_t>(1, queries.n), H, KV, D);
@@ -2024,6 +1495,9 @@ void check_masked_shape(const AttentionTokens& queries, const AttentionTokens& k
   SHARDLM_CHECK(queries.index && queries.seq && queries.bounds && keys.index && keys.seq && keys.bounds,
                 "internal: masked attention without token indices, seq_ids or tile bounds");
 }
+
+float scale_of(int64_t D) { return float(1.0 / std::sqrt(double(D))); }
+float scale_log2_of(int64_t D) { return float(1.4426950408889634 / std::sqrt(double(D))); }
 
 }  // namespace
 
@@ -2039,17 +1513,13 @@ void attention_forward(__nv_bfloat16* out, float* lse, const __nv_bfloat16* q,
                        int64_t H, int64_t KV, int64_t D, cudaStream_t stream) {
   check_shape(N, H, KV, D);
   attention_doc_start(doc_start_scratch, seq_id, N, stream);
+  const LocalFwdParams p{{out, lse}, q, k, v, {doc_start_scratch, int(N)}, int(H), int(KV),
+                         int(H / KV), scale_log2_of(D)};
   const int variant = variant_for(D);
   if (variant < 0) {
-    generic_fwd_kernel<<<row_blocks(N * H), kRowWarps * 32, 0, stream>>>(
-        out, lse, q, k, v, doc_start_scratch, int(N), int(H), int(KV), int(D),
-        float(1.0 / std::sqrt(double(D))));
+    generic_fwd_kernel<<<row_blocks(N * H), kRowWarps * 32, 0, stream>>>(p, int(D), scale_of(D));
   } else {
-    const FwdParams p{out, lse, q, k, v, doc_start_scratch, int(N), int(H), int(KV),
-                      int(H / KV), float(1.4426950408889634 / std::sqrt(double(D)))};
-    if (D == 32) dispatch_fwd<32>(variant, p, stream);
-    else if (D == 64) dispatch_fwd<64>(variant, p, stream);
-    else dispatch_fwd<128>(variant, p, stream);
+    kFwdTilings[variant].for_dim(D)(p, stream);
   }
   CUDA_CHECK(cudaGetLastError());
 }
@@ -2070,26 +1540,21 @@ void attention_backward(__nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat16* dv,
   delta_kernel<<<row_blocks(N * H), kRowWarps * 32, 0, stream>>>(delta_scratch, dout, out,
                                                                  N * H, int(D));
   CUDA_CHECK(cudaGetLastError());
-  const float scale = float(1.0 / std::sqrt(double(D)));
+  const LocalBwdParams p{{dq, dk, dv}, dout, q, k, v, lse, delta_scratch, {doc_start_scratch, int(N)},
+                         int(H), int(KV), int(H / KV), scale_of(D), scale_log2_of(D)};
   const int variant = variant_for(D);
   if (variant < 0) {
-    generic_dq_kernel<<<row_blocks(N * H), kRowWarps * 32, 0, stream>>>(
-        dq, dout, q, k, v, lse, delta_scratch, doc_start_scratch, int(N), int(H), int(KV),
-        int(D), scale);
+    generic_dq_kernel<<<row_blocks(N * H), kRowWarps * 32, 0, stream>>>(p, int(D));
     CUDA_CHECK(cudaGetLastError());
-    generic_dkdv_kernel<<<row_blocks(N * KV), kRowWarps * 32, 0, stream>>>(
-        dk, dv, dout, q, k, v, lse, delta_scratch, doc_start_scratch, int(N), int(H),
-        int(KV), int(D), scale);
+    generic_dkdv_kernel<<<row_blocks(N * KV), kRowWarps * 32, 0, stream>>>(p, int(D));
   } else {
-    const BwdParams p{dq, dk, dv, dout, q, k, v, lse, delta_scratch, doc_start_scratch,
-                      int(N), int(H), int(KV), int(H / KV), scale,
-                      float(1.4426950408889634 / std::sqrt(double(D)))};
-    if (D == 32) dispatch_bwd<32>(variant, p, stream);
-    else if (D == 64) dispatch_bwd<64>(variant, p, stream);
-    else dispatch_bwd<128>(variant, p, stream);
+    kBwdTilings[variant].for_dim(D)(p, stream);
   }
   CUDA_CHECK(cudaGetLastError());
 }
+
+// ---- the ring's block entry points (attention.hpp): the same kernels, with RingMask
+// and the accumulating outputs (ring_tiling).
 
 size_t attention_tile_bounds_bytes(int64_t n) { return size_t((n + 15) / 16) * 4 * sizeof(int32_t); }
 
@@ -2108,18 +1573,10 @@ void attention_masked_forward(float* out_acc, float* lse_acc, bool first, const 
                               int64_t KV, int64_t D, cudaStream_t stream) {
   check_masked_shape(queries, keys, H, KV, D);
   if (queries.n == 0) return;
-  const MaskedFwdParams p{out_acc, lse_acc, q, k, v, masked_tokens(queries), masked_tokens(keys),
-                          int(H), int(KV), int(H / KV),
-                          float(1.4426950408889634 / std::sqrt(double(D))), first};
-  const int variant = variant_for(D);
-  if (variant < 0 || D == 32) {
-    generic_masked_fwd_kernel<<<row_blocks(queries.n * H), kRowWarps * 32, 0, stream>>>(
-        p, int(D), float(1.0 / std::sqrt(double(D))));
-  } else if (D == 64) {
-    launch_masked_fwd<64, 4, 2, 64>(p, stream);
-  } else {
-    launch_masked_fwd<128, 4, 2, 32>(p, stream);
-  }
+  const RingFwdParams p{{out_acc, lse_acc, first}, q, k, v, {ring_tokens(queries), ring_tokens(keys)},
+                        int(H), int(KV), int(H / KV), scale_log2_of(D)};
+  if (const RingTiling* tiling = ring_tiling(D)) tiling->fwd(p, stream);
+  else generic_fwd_kernel<<<row_blocks(queries.n * H), kRowWarps * 32, 0, stream>>>(p, int(D), scale_of(D));
   CUDA_CHECK(cudaGetLastError());
 }
 
@@ -2138,25 +1595,20 @@ void attention_masked_backward(float* dq_acc, float* dk_acc, float* dv_acc,
                                int64_t KV, int64_t D, cudaStream_t stream) {
   check_masked_shape(queries, keys, H, KV, D);
   if (queries.n == 0 || keys.n == 0) return;
-  const MaskedBwdParams p{dq_acc, dk_acc, dv_acc, dout, q, k, v, lse, delta,
-                          masked_tokens(queries), masked_tokens(keys), int(H), int(KV), int(H / KV),
-                          float(1.0 / std::sqrt(double(D))),
-                          float(1.4426950408889634 / std::sqrt(double(D)))};
-  const int variant = variant_for(D);
+  const RingBwdParams p{{dq_acc, dk_acc, dv_acc}, dout, q, k, v, lse, delta,
+                        {ring_tokens(queries), ring_tokens(keys)}, int(H), int(KV), int(H / KV),
+                        scale_of(D), scale_log2_of(D)};
   SHARDLM_CHECK((dk_acc == nullptr) == (dv_acc == nullptr),
                 "internal: masked attention backward with one of dk and dv");
+  const RingTiling* tiling = ring_tiling(D);
   if (dk_acc) {
-    if (variant < 0 || D == 32)
-      generic_masked_dkdv_kernel<<<row_blocks(keys.n * KV), kRowWarps * 32, 0, stream>>>(p, int(D));
-    else if (D == 64) launch_masked_dkdv<64, 4, 1, 64>(p, stream);
-    else launch_masked_dkdv<128, 8, 1, 64>(p, stream);
+    if (tiling) tiling->dkdv(p, stream);
+    else generic_dkdv_kernel<<<row_blocks(keys.n * KV), kRowWarps * 32, 0, stream>>>(p, int(D));
     CUDA_CHECK(cudaGetLastError());
   }
   if (dq_acc) {
-    if (variant < 0 || D == 32)
-      generic_masked_dq_kernel<<<row_blocks(queries.n * H), kRowWarps * 32, 0, stream>>>(p, int(D));
-    else if (D == 64) launch_masked_dq<64, 4, 1, 64>(p, stream);
-    else launch_masked_dq<128, 8, 1, 32>(p, stream);
+    if (tiling) tiling->dq(p, stream);
+    else generic_dq_kernel<<<row_blocks(queries.n * H), kRowWarps * 32, 0, stream>>>(p, int(D));
     CUDA_CHECK(cudaGetLastError());
   }
 }
@@ -2169,8 +1621,9 @@ const char* attention_kernel_name(int64_t D) {
   if (variant < 0) {
     name = "generic (warp per row, fp32 dot products)";
   } else {
-    name = std::string("fwd ") + (D == 128 ? kFwdNames128 : kFwdNames)[variant] + " | " +
-           (D == 128 ? kBwdNames128 : kBwdNames)[variant];
+    const auto& fwd = kFwdTilings[variant];
+    const auto& bwd = kBwdTilings[variant];
+    name = std::string("fwd ") + (D == 128 ? fwd.name128 : fwd.name) + " | " + (D == 128 ? bwd.name128 : bwd.name);
   }
   return name.c_str();
 }

@@ -1,10 +1,12 @@
-// cuda_attention.hpp — causal, GQA, packed-document flash attention on the GPU.
+// attention.hpp — causal, GQA, packed-document flash attention on the GPU, and the
+// per-block passes of context parallelism's ring.
 //
 // Owns: shardlm::cuda::attention_forward / attention_backward (bf16 in and out,
 // fp32 softmax, accumulation and logsumexp), the document-start scan they use, and
 // the scratch size backward needs. The same contract as shardlm::cpu::attention_*
-// (cpu_ops.hpp), which is the reference these kernels are tested against
-// (tests/gpu/test_attention.cu).
+// (cpu/ops.hpp), which is the reference these kernels are tested against
+// (tests/gpu/test_attention.cu). Also the ring's block passes (attention_masked_*,
+// below; the same kernels under another mask), which cuda/ring_attention.cu runs.
 // Must not know: the model, MPI, NCCL, the memory plan. Kernels allocate nothing
 // and never synchronise the host; every launch goes on the caller's stream.
 //

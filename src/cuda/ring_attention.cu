@@ -1,6 +1,9 @@
 // ring_attention.cu — the context-parallel ring on the CUDA backend (bf16 blocks,
-// fp32 accumulators). Contract: cuda/ring_attention.hpp; reference:
-// cpu/ring_attention.cpp (the same steps, in the same order).
+// fp32 accumulators): the blocks' layout, packing this rank's own, and the walk of
+// the C steps with their exchanges. Contract: cuda/ring_attention.hpp; reference:
+// cpu/ring_attention.cpp (the same steps, in the same order). Each step's attention
+// is attention.hpp's attention_masked_*: attention.cu's kernels under its RingMask,
+// forward merged by log-sum-exp, gradients added to fp32 accumulators.
 #include "cuda/ring_attention.hpp"
 
 #include "cuda/attention.hpp"
@@ -44,42 +47,61 @@ void check_inputs(const int32_t* token_index, const int32_t* seq_id, int64_t n, 
                 (long long)capacity);
 }
 
+// This rank's own block, the first the ring attends to, packed into block[0]; returns
+// this rank's queries (their tile bounds computed into query_bounds).
+AttentionTokens start_ring(const RingBuffers& b, const __nv_bfloat16* k, const __nv_bfloat16* v,
+                           const int32_t* token_index, const int32_t* seq_id, int64_t n, int64_t KVD,
+                           int64_t capacity, cudaStream_t stream) {
+  check_inputs(token_index, seq_id, n, capacity);
+  const Block own = block_at(b.block[0], n, KVD);
+  CUDA_CHECK(cudaMemcpyAsync(own.k, k, size_t(2 * n * KVD), cudaMemcpyDeviceToDevice, stream));
+  CUDA_CHECK(cudaMemcpyAsync(own.v, v, size_t(2 * n * KVD), cudaMemcpyDeviceToDevice, stream));
+  CUDA_CHECK(cudaMemcpyAsync(own.index, token_index, size_t(4 * n), cudaMemcpyDeviceToDevice, stream));
+  CUDA_CHECK(cudaMemcpyAsync(own.seq, seq_id, size_t(4 * n), cudaMemcpyDeviceToDevice, stream));
+  attention_tile_bounds(own.bounds, own.index, own.seq, n, stream);
+  attention_tile_bounds(b.query_bounds, token_index, seq_id, n, stream);
+  return {token_index, seq_id, b.query_bounds, n};
+}
+
+// The ring's C steps. Step s holds rank (r - s)'s block in block[held] while rank
+// (r - s - 1)'s arrives in the other buffer: while_moving(step, block, held) runs
+// before the arrival is waited for, once_arrived(block, held) after (the held block
+// is intact until the next step's exchange overwrites it). Returns the buffer the
+// last step's exchange delivered into: where accumulators that travel with the
+// blocks are after their C hops.
+template <class WhileMoving, class OnceArrived>
+int walk_ring(Comm& group, const RingBuffers& b, int64_t n, int64_t KVD, WhileMoving&& while_moving,
+              OnceArrived&& once_arrived) {
+  int held = 0;
+  for (int step = 0; step < group.size(); ++step) {
+    const Block block = block_at(b.block[held], n, KVD);
+    CommRequest arriving;
+    if (step + 1 < group.size()) arriving = group.ring_exchange(b.block[held], b.block[1 - held], block.bytes);
+    while_moving(step, block, held);
+    arriving.wait();
+    once_arrived(block, held);
+    held = 1 - held;
+  }
+  return held;
+}
+
 }  // namespace
 
 int64_t RingBuffers::block_bytes(int64_t N, int64_t KVD) { return block_at(nullptr, N, KVD).bytes; }
 int64_t RingBuffers::bounds_bytes(int64_t N) { return int64_t(attention_tile_bounds_bytes(N)); }
 
-// This rank's own block, the first the ring attends to.
-static Block pack_own(void* base, const __nv_bfloat16* k, const __nv_bfloat16* v, const int32_t* token_index,
-                      const int32_t* seq_id, int64_t n, int64_t KVD, cudaStream_t stream) {
-  const Block b = block_at(base, n, KVD);
-  CUDA_CHECK(cudaMemcpyAsync(b.k, k, size_t(2 * n * KVD), cudaMemcpyDeviceToDevice, stream));
-  CUDA_CHECK(cudaMemcpyAsync(b.v, v, size_t(2 * n * KVD), cudaMemcpyDeviceToDevice, stream));
-  CUDA_CHECK(cudaMemcpyAsync(b.index, token_index, size_t(4 * n), cudaMemcpyDeviceToDevice, stream));
-  CUDA_CHECK(cudaMemcpyAsync(b.seq, seq_id, size_t(4 * n), cudaMemcpyDeviceToDevice, stream));
-  attention_tile_bounds(b.bounds, b.index, b.seq, n, stream);
-  return b;
-}
-
 void RingAttention::forward(__nv_bfloat16* out, float* lse, const __nv_bfloat16* q, const __nv_bfloat16* k,
                             const __nv_bfloat16* v, const int32_t* token_index, const int32_t* seq_id, int64_t n,
                             int64_t H, int64_t KV, int64_t D) {
-  check_inputs(token_index, seq_id, n, capacity_);
   const int64_t KVD = KV * D;
-  pack_own(b_.block[0], k, v, token_index, seq_id, n, KVD, stream_);
-  attention_tile_bounds(b_.query_bounds, token_index, seq_id, n, stream_);
-  const AttentionTokens queries{token_index, seq_id, b_.query_bounds, n};
-  // Step s attends to rank (r - s)'s block while rank (r - s - 1)'s arrives; the
-  // first block overwrites the accumulators, the others merge into them.
-  int held = 0;
-  for (int step = 0; step < group_.size(); ++step) {
-    const Block b = block_at(b_.block[held], n, KVD);
-    CommRequest arriving;
-    if (step + 1 < group_.size()) arriving = group_.ring_exchange(b_.block[held], b_.block[1 - held], b.bytes);
-    attention_masked_forward(b_.acc, lse, step == 0, q, queries, b.k, b.v, b.tokens(n), H, KV, D, stream_);
-    arriving.wait();
-    held = 1 - held;
-  }
+  const AttentionTokens queries = start_ring(b_, k, v, token_index, seq_id, n, KVD, capacity_, stream_);
+  // The first block overwrites the accumulators, the others merge into them.
+  walk_ring(
+      group_, b_, n, KVD,
+      [&](int step, const Block& b, int /*held*/) {
+        attention_masked_forward(b_.acc, lse, step == 0, q, queries, b.k, b.v, b.tokens(n), H, KV, D, stream_);
+      },
+      [](const Block&, int) {});
   cast_f32_to_bf16(out, b_.acc, n * H * D, stream_);
 }
 
@@ -87,36 +109,31 @@ void RingAttention::backward(__nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat16
                              const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
                              const __nv_bfloat16* out, const float* lse, const int32_t* token_index,
                              const int32_t* seq_id, float* delta, int64_t n, int64_t H, int64_t KV, int64_t D) {
-  check_inputs(token_index, seq_id, n, capacity_);
   const int64_t KVD = KV * D, grad_bytes = RingBuffers::grad_bytes(n, KVD);
+  const AttentionTokens queries = start_ring(b_, k, v, token_index, seq_id, n, KVD, capacity_, stream_);
   attention_masked_delta(delta, dout, out, n, H, D, stream_);
   float* dq_acc = b_.acc;  // forward's accumulator is dead by now
   CUDA_CHECK(cudaMemsetAsync(dq_acc, 0, size_t(4 * n * H * D), stream_));
   CUDA_CHECK(cudaMemsetAsync(b_.grad[0], 0, size_t(grad_bytes), stream_));
-  pack_own(b_.block[0], k, v, token_index, seq_id, n, KVD, stream_);
-  attention_tile_bounds(b_.query_bounds, token_index, seq_id, n, stream_);
-  const AttentionTokens queries{token_index, seq_id, b_.query_bounds, n};
-  // Step s: rank (r - s)'s block and its dk/dv accumulators. The block moves on
-  // while its dk/dv are added; the accumulators move on while dq is added. After
-  // C hops the accumulators are back with their owner.
-  int held = 0;
-  for (int step = 0; step < group_.size(); ++step) {
-    const Block b = block_at(b_.block[held], n, KVD);
-    CommRequest arriving;
-    if (step + 1 < group_.size()) arriving = group_.ring_exchange(b_.block[held], b_.block[1 - held], b.bytes);
-    float* grad = b_.grad[held];
-    attention_masked_backward(nullptr, grad, grad + n * KVD, dout, q, lse, delta, queries, b.k, b.v, b.tokens(n),
-                              H, KV, D, stream_);
-    arriving.wait();
-    CommRequest grads = group_.ring_exchange(grad, b_.grad[1 - held], grad_bytes);
-    attention_masked_backward(dq_acc, nullptr, nullptr, dout, q, lse, delta, queries, b.k, b.v, b.tokens(n), H, KV,
-                              D, stream_);
-    grads.wait();
-    held = 1 - held;
-  }
+  // Each block travels with its dk/dv accumulators: the block moves on while its
+  // dk/dv are added; the accumulators move on while dq is added. After C hops the
+  // accumulators are back with their owner.
+  const int last = walk_ring(
+      group_, b_, n, KVD,
+      [&](int /*step*/, const Block& b, int held) {
+        float* grad = b_.grad[held];
+        attention_masked_backward(nullptr, grad, grad + n * KVD, dout, q, lse, delta, queries, b.k, b.v,
+                                  b.tokens(n), H, KV, D, stream_);
+      },
+      [&](const Block& b, int held) {
+        CommRequest grads = group_.ring_exchange(b_.grad[held], b_.grad[1 - held], grad_bytes);
+        attention_masked_backward(dq_acc, nullptr, nullptr, dout, q, lse, delta, queries, b.k, b.v, b.tokens(n),
+                                  H, KV, D, stream_);
+        grads.wait();
+      });
   cast_f32_to_bf16(dq, dq_acc, n * H * D, stream_);
-  cast_f32_to_bf16(dk, b_.grad[held], n * KVD, stream_);
-  cast_f32_to_bf16(dv, b_.grad[held] + n * KVD, n * KVD, stream_);
+  cast_f32_to_bf16(dk, b_.grad[last], n * KVD, stream_);
+  cast_f32_to_bf16(dv, b_.grad[last] + n * KVD, n * KVD, stream_);
 }
 
 }  // namespace shardlm::cuda
