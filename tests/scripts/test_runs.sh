@@ -226,7 +226,7 @@ json.dump(c, open("'"$T"'/losses.json", "w"))'
   # fidelity_vs_hf.py's shardlm side and its verdicts, on the CPU with the llama fixture (no transformers here):
   # transformers' curves made from shardlm's own, 5e-4 below it, with compile 4e-4 (holds: 5e-4 <= 1.5 x 4e-4)
   # or 3e-4 (does not) above eager
-  FID="$PY tools/fidelity_vs_hf.py --shardlm build/shardlm --model tests/fixtures/llama-gqa-tied --seq 32 --rows 2
+  FID="$PY tools/fidelity_vs_hf.py --shardlm $BIN --model tests/fixtures/llama-gqa-tied --seq 32 --rows 2
     --docs 20 --steps 12 --device cpu --out $T/fid --repeats 2 --hf-repeats 2"
   mkdir -p "$T/fid"
   echo '{"transformers eager": [1.0], "transformers compile": [1.0], "transformers eager #2": [1.0], "transformers compile #2": [1.0]}' > "$T/fid/first.json"
@@ -248,7 +248,7 @@ json.dump({"transformers eager": e, "transformers compile": [x * (1 + k) for x i
   check "fidelity_vs_hf.py: compile 3e-4: does not hold" has "$T/fid-3.log" "shardlm default: does not hold: 1–10 5.0e-04 vs 1.5 x 3.0e-04 NO"
   # fp8_vs_bf16.py (the FP8 loss test): both shardlm runs on the CPU with the llama fixture, then its
   # verdict on made-up curves: equal ones hold; 2% apart, or a spike in one only, do not
-  OMP_NUM_THREADS=1 "$PY" tools/fp8_vs_bf16.py --shardlm build/shardlm --model tests/fixtures/llama-gqa-tied \
+  OMP_NUM_THREADS=1 "$PY" tools/fp8_vs_bf16.py --shardlm "$BIN" --model tests/fixtures/llama-gqa-tied \
     --device cpu --seq 32 --rows 2 --docs 40 --steps 40 --warmup 5 --window 20 --out "$T/fp8" > "$T/fp8.log" 2>&1
   check "fp8_vs_bf16.py: two CPU runs and a verdict (exit $?)" \
     grep -qE "^FP8 loss test \(last 40 within 1%; no spike without the other\): (HOLDS|does not hold)$" "$T/fp8.log"
