@@ -43,31 +43,6 @@ std::string json_row(const nlohmann::ordered_json& row) {
   return out + "}";
 }
 
-// Rewrites `path` with the rows whose "step" (steps completed) is at most `step`:
-// the rows of the timeline a resume abandons go, as do torn lines from a crash.
-// Returns how many lines were dropped.
-int64_t keep_rows_up_to(const fs::path& path, int64_t step) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return 0;
-  std::string kept, line;
-  int64_t dropped = 0;
-  while (std::getline(in, line)) {
-    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
-    bool keep = false;
-    try {
-      const auto row = nlohmann::json::parse(line);
-      keep = row.is_object() && row.contains("step") && row["step"].is_number_integer() &&
-             row["step"].get<int64_t>() <= step;
-    } catch (const nlohmann::json::exception&) {
-    }
-    if (keep) kept += line + "\n";
-    else ++dropped;
-  }
-  SHARDLM_CHECK(!in.bad(), "cannot read %s: %s", path.c_str(), std::strerror(errno));
-  if (dropped > 0) write_file_atomically(path.parent_path(), path.filename().string(), kept);
-  return dropped;
-}
-
 }  // namespace
 
 Metrics::Metrics(const Config& config, bool writer, const RunStart& start, double flops_per_token, double peak_flops)
@@ -83,7 +58,7 @@ Metrics::Metrics(const Config& config, bool writer, const RunStart& start, doubl
   std::error_code ec;
   fs::create_directories(path.parent_path(), ec);
   const bool resumed = !start.checkpoint.empty();
-  if (resumed) dropped_rows_ = keep_rows_up_to(path, start.step);
+  if (resumed) dropped_rows_ = keep_jsonl_rows_before(path, start.step + 1);  // rows of steps <= start.step stay
   jsonl_ = std::fopen(path.c_str(), resumed ? "a" : "w");
   SHARDLM_CHECK(jsonl_, "cannot open %s for writing: %s", path.c_str(), std::strerror(errno));
 

@@ -21,6 +21,7 @@
 #include <thread>
 #include <utility>
 
+#include <nlohmann/json.hpp>
 #include <toml++/toml.h>
 
 namespace shardlm {
@@ -377,6 +378,28 @@ std::vector<DeckChange> deck_changes(const std::string& before, const std::strin
   std::vector<DeckChange> out;
   for (auto& f : found) out.push_back(std::move(f.second));
   return out;
+}
+
+int64_t keep_jsonl_rows_before(const fs::path& path, int64_t end_step) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return 0;
+  std::string kept, line;
+  int64_t dropped = 0;
+  while (std::getline(in, line)) {
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    bool keep = false;
+    try {
+      const auto row = nlohmann::json::parse(line);
+      keep = row.is_object() && row.contains("step") && row["step"].is_number_integer() &&
+             row["step"].get<int64_t>() < end_step;
+    } catch (const nlohmann::json::exception&) {
+    }
+    if (keep) kept += line + "\n";
+    else ++dropped;
+  }
+  SHARDLM_CHECK(!in.bad(), "cannot read %s: %s", path.c_str(), std::strerror(errno));
+  if (dropped > 0) write_file_atomically(path.parent_path(), path.filename().string(), kept);
+  return dropped;
 }
 
 void write_file_atomically(const fs::path& dir, const std::string& name, const std::string& text) {

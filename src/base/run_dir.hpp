@@ -113,6 +113,12 @@ std::vector<DeckChange> deck_changes(const std::string& before, const std::strin
 // leaves the old file, never a short one. Throws Error naming the file and why.
 void write_file_atomically(const std::filesystem::path& dir, const std::string& name, const std::string& text);
 
+// Rewrites the JSON-lines file `path` (metrics.jsonl, rollouts.jsonl) with only
+// the rows whose integer "step" is below `end_step`: the rows of a timeline a
+// resume abandons go, as do torn lines from a crash (atomically, and only when
+// something goes). Returns how many lines went; a missing file is 0.
+int64_t keep_jsonl_rows_before(const std::filesystem::path& path, int64_t end_step);
+
 // Keeps the resolved deck of a start at `step` as config-step<step>.toml (beside
 // config.toml, which main.cpp writes before setup and each start replaces). When
 // that file exists with other text (a start at the same step with another deck),

@@ -116,7 +116,7 @@ struct Publisher {
   // earlier launch's timeline that this one rewrites (a resume, or a new run in
   // the same run.dir from step 0), as metrics.jsonl drops them.
   void open_jsonl(const fs::path& path, int64_t first_step) {
-    drop_rollout_rows_from(path, first_step);
+    keep_jsonl_rows_before(path, first_step);
     jsonl.open(path, std::ios::app);
   }
 
@@ -197,29 +197,6 @@ struct Publisher {
 };
 
 }  // namespace
-
-int64_t drop_rollout_rows_from(const fs::path& path, int64_t first_step) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return 0;
-  std::string kept, line;
-  int64_t dropped = 0;
-  while (std::getline(in, line)) {
-    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
-    bool keep = false;
-    try {
-      const auto row = nlohmann::json::parse(line);
-      keep = row.is_object() && row.contains("step") && row["step"].is_number_integer() &&
-             row["step"].get<int64_t>() < first_step;
-    } catch (const nlohmann::json::exception&) {  // a torn line from a crash
-    }
-    if (keep) kept += line + "\n";
-    else ++dropped;
-  }
-  SHARDLM_CHECK(!in.bad(), "cannot read %s", path.c_str());
-  in.close();
-  if (dropped > 0) write_file_atomically(path.parent_path(), path.filename().string(), kept);
-  return dropped;
-}
 
 void check_prompts(const Config& config, const PromptSet& prompts, const ModelConfig& mc) {
   const RolloutSection& ro = config.rollout;

@@ -33,12 +33,6 @@ std::vector<int64_t> prompts_for_step(uint64_t seed, int64_t step, int64_t promp
 // the vocabulary. Throws Error naming the file and the prompt.
 void check_prompts(const Config& config, const PromptSet& prompts, const ModelConfig& mc);
 
-// <run.dir>/rollouts.jsonl at a launch whose first rollout step is
-// first_step: rewrites `path` (atomically) without the rows of steps at or past
-// it and without torn lines, as metrics.jsonl is rewritten at a resume. Returns
-// how many lines went; an absent file is fine (0).
-int64_t drop_rollout_rows_from(const std::filesystem::path& path, int64_t first_step);
-
 // The decoder's limits on one of `generators` inference ranks: the file's
 // longest prompt + rollout.max_new_tokens positions (checked against the
 // model), min(rollout.batch, the rank's share of prompts_per_step x n) slots.

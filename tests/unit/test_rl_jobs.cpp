@@ -15,6 +15,7 @@
 #include <thread>
 #include <vector>
 
+#include "base/run_dir.hpp"
 #include "data/rollouts.hpp"
 #include "infer/rollout.hpp"
 #include "shardlm/error.hpp"
@@ -100,13 +101,13 @@ TEST_CASE("rl jobs: rollouts.jsonl loses the rows at or past a launch's first st
     for (int s = 0; s < 4; ++s) out << "{\"step\": " << s << ", \"reward_mean\": 0.5}\n";
     out << "{\"step\": 4, \"rew";  // a crash mid-row
   }
-  CHECK(drop_rollout_rows_from(jsonl, 2) == 3);
+  CHECK(keep_jsonl_rows_before(jsonl, 2) == 3);
   std::ifstream in(jsonl);
   std::vector<std::string> rows;
   for (std::string line; std::getline(in, line);) rows.push_back(line);
   CHECK(rows == std::vector<std::string>{"{\"step\": 0, \"reward_mean\": 0.5}", "{\"step\": 1, \"reward_mean\": 0.5}"});
-  CHECK(drop_rollout_rows_from(jsonl, 2) == 0);
-  CHECK(drop_rollout_rows_from(dir.path / "absent.jsonl", 0) == 0);
+  CHECK(keep_jsonl_rows_before(jsonl, 2) == 0);
+  CHECK(keep_jsonl_rows_before(dir.path / "absent.jsonl", 0) == 0);
 }
 
 }  // TEST_SUITE
