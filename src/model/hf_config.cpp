@@ -202,24 +202,8 @@ std::string model_type_of_architecture(const std::string& arch) {
   return "";
 }
 
-}  // namespace
-
-ModelConfig read_hf_config(const fs::path& dir) {
-  const fs::path path = dir / "config.json";
-  const std::string file = path.string();
-  std::ifstream in(path);
-  SHARDLM_CHECK(in.good(), "%s: cannot open (is %s a Hugging Face model directory?)", file.c_str(),
-                dir.string().c_str());
-  json root;
-  try {
-    root = json::parse(in);
-  } catch (const json::exception& e) {
-    SHARDLM_FAIL("%s: not valid JSON: %s", file.c_str(), e.what());
-  }
-  SHARDLM_CHECK(root.is_object(), "%s: the top level must be a JSON object", file.c_str());
-  const ConfigReader cr{file, root};
-
-  // --- architecture
+// config.json's model_type, checked against its architectures entry.
+std::string read_model_type(const ConfigReader& cr, const json& root) {
   std::string model_type;
   std::string architecture;
   if (const json* a = ConfigReader::find(root, "architectures")) {
@@ -246,7 +230,11 @@ ModelConfig read_hf_config(const fs::path& dir) {
     cr.fail(fmt("architecture '%s' is not supported for model_type '%s' (expected '%s')", architecture.c_str(),
                 model_type.c_str(), expected_arch));
 
-  // --- features shardlm does not implement: refuse rather than run something else
+  return model_type;
+}
+
+// Features shardlm does not implement: refused rather than run as something else.
+void refuse_unsupported(const ConfigReader& cr, const json& root) {
   if (ConfigReader::find(root, "quantization_config"))
     cr.fail("'quantization_config' is set: quantized checkpoints are not supported; use a bf16/fp16/fp32 one");
   if (const json* act = ConfigReader::find(root, "hidden_act")) {
@@ -263,10 +251,12 @@ ModelConfig read_hf_config(const fs::path& dir) {
         cr.fail(fmt("'layer_types' contains %s; shardlm runs full attention in every layer", ConfigReader::show(t).c_str()));
   }
 
-  ModelConfig c;
-  // The integers first (the sizes, then max_position_embeddings): a size
-  // config.json leaves out comes from those before it, and the heads' rule
-  // needs them all.
+}
+
+// The integers first (the sizes, then max_position_embeddings): a size
+// config.json leaves out comes from those before it, and the heads' rule
+// needs them all.
+void read_sizes(const ConfigReader& cr, const json& root, ModelConfig& c) {
   for (const ModelField& f : model_fields()) {
     if (f.hf != HfForm::Integer) continue;
     int64_t& size = member_of<int64_t>(f, c);
@@ -283,6 +273,10 @@ ModelConfig read_hf_config(const fs::path& dir) {
   if (check_model_sizes(c).rule == ModelSizeProblem::Rule::HeadsNotMultipleOfKvHeads)
     cr.fail(fmt("num_attention_heads %lld is not divisible by num_key_value_heads %lld", (long long)c.num_heads,
                 (long long)c.num_kv_heads));
+}
+
+// The members after the sizes, in the table's order (RoPE's apart).
+void read_members(const ConfigReader& cr, const json& root, const std::string& model_type, ModelConfig& c) {
   for (const ModelField& f : model_fields()) {
     switch (f.hf) {
       case HfForm::ModelType:
@@ -323,7 +317,10 @@ ModelConfig read_hf_config(const fs::path& dir) {
     }
   }
 
-  // --- RoPE: 5.x rope_parameters and/or 4.x rope_theta + rope_scaling
+}
+
+// RoPE: 5.x rope_parameters and/or 4.x rope_theta + rope_scaling.
+void read_rope(const ConfigReader& cr, const json& root, ModelConfig& c) {
   std::optional<double> top_theta;
   if (const json* th = ConfigReader::find(root, "rope_theta")) top_theta = cr.to_double(*th, "rope_theta");
   std::optional<RopeDesc> from_params, from_scaling;
@@ -353,6 +350,31 @@ ModelConfig read_hf_config(const fs::path& dir) {
   if (!(*theta > 0)) cr.fail(fmt("'rope_theta' must be positive, got %g", *theta));
   c.rope_theta = *theta;
   c.rope_scaling = scaling;
+}
+
+}  // namespace
+
+ModelConfig read_hf_config(const fs::path& dir) {
+  const fs::path path = dir / "config.json";
+  const std::string file = path.string();
+  std::ifstream in(path);
+  SHARDLM_CHECK(in.good(), "%s: cannot open (is %s a Hugging Face model directory?)", file.c_str(),
+                dir.string().c_str());
+  json root;
+  try {
+    root = json::parse(in);
+  } catch (const json::exception& e) {
+    SHARDLM_FAIL("%s: not valid JSON: %s", file.c_str(), e.what());
+  }
+  SHARDLM_CHECK(root.is_object(), "%s: the top level must be a JSON object", file.c_str());
+  const ConfigReader cr{file, root};
+
+  const std::string model_type = read_model_type(cr, root);
+  refuse_unsupported(cr, root);
+  ModelConfig c;
+  read_sizes(cr, root, c);
+  read_members(cr, root, model_type, c);
+  read_rope(cr, root, c);
   // Every size is in range; their product (the parameter count) must be too.
   if (const std::string e = model_size_error(c); !e.empty()) cr.fail(e);
   return c;
