@@ -5,8 +5,8 @@
 // fp32 softmax, accumulation and logsumexp), the document-start scan they use, and
 // the scratch size backward needs. The same contract as shardlm::cpu::attention_*
 // (cpu/ops.hpp), which is the reference these kernels are tested against
-// (tests/gpu/test_attention.cu). Also the ring's block passes (attention_masked_*,
-// below; the same kernels under another mask), which cuda/ring_attention.cu runs.
+// (tests/gpu/test_attention.cu). Context parallelism's block passes, the same
+// kernels under another mask, are cuda/ring_attention.hpp's attention_masked_*.
 // Must not know: the model, MPI, NCCL, the memory plan. Kernels allocate nothing
 // and never synchronise the host; every launch goes on the caller's stream.
 //
@@ -68,66 +68,13 @@ void attention_backward(__nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat16* dv,
 void attention_doc_start(int32_t* doc_start, const int32_t* seq_id, int64_t N,
                          cudaStream_t stream);
 
-// ---- context parallelism's ring (cuda/ring_attention.hpp) ----
-//
-// Queries and keys are separate token arrays (this rank's queries; the K/V block of
-// some rank of the group), each token carrying its index in the group's whole
-// micro-batch and its seq_id: key j is visible to query i iff
-// k.index[j] <= q.index[i] and k.seq[j] == q.seq[i]. Indices increase along each
-// array (context_split.hpp), so a tile of keys whose smallest index is past a tile of
-// queries' largest, or whose seq_ids do not meet theirs, is skipped whole.
-//
-// `bounds` is per run of 16 tokens (min index, max index, min seq, max seq), int32 x 4
-// (attention_tile_bounds); the kernels combine runs into their own tile sizes.
-struct AttentionTokens {
-  const int32_t* index = nullptr;   // (n) index in the group's micro-batch, increasing
-  const int32_t* seq = nullptr;     // (n) seq_id
-  const int32_t* bounds = nullptr;  // (attention_tile_bounds_bytes(n) / 4) from attention_tile_bounds
-  int64_t n = 0;
-};
-
-size_t attention_tile_bounds_bytes(int64_t n);
-void attention_tile_bounds(int32_t* bounds, const int32_t* index, const int32_t* seq, int64_t n,
-                           cudaStream_t stream);
-
-// One block of the ring's forward, merged into fp32 accumulators by log-sum-exp:
-//   out_acc (Nq, H, D) fp32 and lse_acc (Nq, H) fp32 hold the result over the blocks
-//   seen so far (normalised: out_acc = sum_j softmax_j v_j over those keys). first =
-//   true overwrites them with this block's result (out 0, lse -inf for a row that
-//   sees none of its keys); first = false merges: lse' = log(e^lse + e^lse_block),
-//   out' = out e^(lse - lse') + out_block e^(lse_block - lse'). Each (row, head) is
-//   owned by one thread group, so the merge is deterministic. The caller rounds
-//   out_acc to bf16 once, after the last block.
-// q (Nq, H, D); k, v (Nk, KV, D) bf16.
-void attention_masked_forward(float* out_acc, float* lse_acc, bool first, const __nv_bfloat16* q,
-                              const AttentionTokens& queries, const __nv_bfloat16* k,
-                              const __nv_bfloat16* v, const AttentionTokens& keys, int64_t H,
-                              int64_t KV, int64_t D, cudaStream_t stream);
-
-// delta (N, H) fp32 = rowsum(dout * out) over the final out (FlashAttention-2):
-// computed once per backward, before the blocks.
-void attention_masked_delta(float* delta, const __nv_bfloat16* dout, const __nv_bfloat16* out,
-                            int64_t N, int64_t H, int64_t D, cudaStream_t stream);
-
-// One block of the ring's backward with the final lse (Nq, H) and delta:
-//   dq_acc (Nq, H, D) fp32 += the block's keys' share of dq;
-//   dk_acc, dv_acc (Nk, KV, D) fp32 += this rank's queries' share of the block's dk, dv
-//   (the accumulators that travel the ring with the block).
-// Additions are owned per element (dq by query rows, dk/dv by key rows): no atomics.
-// dq_acc = nullptr skips the dq kernel, dk_acc = dv_acc = nullptr the dk/dv kernel
-// (the ring sends the dk/dv accumulators on while dq is computed).
-void attention_masked_backward(float* dq_acc, float* dk_acc, float* dv_acc,
-                               const __nv_bfloat16* dout, const __nv_bfloat16* q,
-                               const float* lse, const float* delta,
-                               const AttentionTokens& queries, const __nv_bfloat16* k,
-                               const __nv_bfloat16* v, const AttentionTokens& keys, int64_t H,
-                               int64_t KV, int64_t D, cudaStream_t stream);
-
 // ---- testing and tuning only (tests/gpu/test_attention.cu) ----
 // Which kernel configuration the calls above use. kAuto picks the tuned tensor-core
 // kernels (generic fallback for unsupported D); kGeneric forces the simple
 // fallback for any D; kVariantN picks an alternative tensor-core tiling, so the test
-// can check and time each one. Not thread-safe; leave it at kAuto in the trainer.
+// can check and time each one. kGeneric also sends the ring's block passes
+// (ring_attention.hpp) to the generic kernels. Not thread-safe; leave it at kAuto
+// in the trainer.
 enum class AttentionKernel { kAuto, kGeneric, kVariant1, kVariant2, kVariant3, kVariant4 };
 void attention_set_kernel(AttentionKernel kernel);
 // A one-line description of the kernels attention_* would launch for head dim D

@@ -3,27 +3,90 @@
 // twin (the reference) is cpu/ring_attention.hpp; same algorithm, same order of
 // ring exchanges, so the two backends' rings are numbered alike by the watchdog.
 //
-// Owns: cuda::RingAttention and the sizes of its buffers (the backend's table
-// allocates them and counts them in the memory plan). Each rank holds its own
-// tokens' q, k, v; a block (k | v | token_index | seq_id | tile bounds) travels
-// rank to rank through a device Comm's ring_exchange (NCCL, or MPI staged through
-// pinned host memory when ranks share a GPU) while the masked flash kernels
-// (attention.hpp) attend this rank's queries to the block held, merging into fp32
-// accumulators by log-sum-exp. Backward passes the blocks round again with their
-// fp32 dK/dV accumulators, which are back at their owners after C hops.
+// Owns: the passes over one K/V block (attention_masked_*, ring_attention.cu: the
+// flash kernels of attention_kernels.cuh under the ring's mask, forward merged by
+// log-sum-exp) and cuda::RingAttention with the sizes of its buffers (ring_walk.cu;
+// the backend's table allocates them and counts them in the memory plan). Each rank
+// holds its own tokens' q, k, v; a block (k | v | token_index | seq_id | tile
+// bounds) travels rank to rank through a device Comm's ring_exchange (NCCL, or MPI
+// staged through pinned host memory when ranks share a GPU) while the block passes
+// attend this rank's queries to the block held, merging into fp32 accumulators by
+// log-sum-exp. Backward passes the blocks round again with their fp32 dK/dV
+// accumulators, which are back at their owners after C hops.
 // Overlap: forward attends to block s while block s+1 travels; backward computes
 // dK/dV of block s while block s+1 travels, then dQ while the accumulators travel.
-// Must not know: MPI, NCCL, the model, units or shards.
+// Must not know: MPI, NCCL, the model, units or shards. The Comm is only named
+// here, so the block passes' test builds without MPI.
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <cstddef>
 #include <cstdint>
 
-#include "shardlm/comm.hpp"
+namespace shardlm {
+class Comm;
+}
 
 namespace shardlm::cuda {
+
+// ---- one K/V block of the ring (ring_attention.cu) ----
+//
+// Queries and keys are separate token arrays (this rank's queries; the K/V block of
+// some rank of the group), each token carrying its index in the group's whole
+// micro-batch and its seq_id: key j is visible to query i iff
+// k.index[j] <= q.index[i] and k.seq[j] == q.seq[i]. Indices increase along each
+// array (context_split.hpp), so a tile of keys whose smallest index is past a tile of
+// queries' largest, or whose seq_ids do not meet theirs, is skipped whole.
+//
+// `bounds` is per run of 16 tokens (min index, max index, min seq, max seq), int32 x 4
+// (attention_tile_bounds); the kernels combine runs into their own tile sizes.
+struct AttentionTokens {
+  const int32_t* index = nullptr;   // (n) index in the group's micro-batch, increasing
+  const int32_t* seq = nullptr;     // (n) seq_id
+  const int32_t* bounds = nullptr;  // (attention_tile_bounds_bytes(n) / 4) from attention_tile_bounds
+  int64_t n = 0;
+};
+
+size_t attention_tile_bounds_bytes(int64_t n);
+void attention_tile_bounds(int32_t* bounds, const int32_t* index, const int32_t* seq, int64_t n,
+                           cudaStream_t stream);
+
+// One block of the ring's forward, merged into fp32 accumulators by log-sum-exp:
+//   out_acc (Nq, H, D) fp32 and lse_acc (Nq, H) fp32 hold the result over the blocks
+//   seen so far (normalised: out_acc = sum_j softmax_j v_j over those keys). first =
+//   true overwrites them with this block's result (out 0, lse -inf for a row that
+//   sees none of its keys); first = false merges: lse' = log(e^lse + e^lse_block),
+//   out' = out e^(lse - lse') + out_block e^(lse_block - lse'). Each (row, head) is
+//   owned by one thread group, so the merge is deterministic. The caller rounds
+//   out_acc to bf16 once, after the last block.
+// q (Nq, H, D); k, v (Nk, KV, D) bf16.
+void attention_masked_forward(float* out_acc, float* lse_acc, bool first, const __nv_bfloat16* q,
+                              const AttentionTokens& queries, const __nv_bfloat16* k,
+                              const __nv_bfloat16* v, const AttentionTokens& keys, int64_t H,
+                              int64_t KV, int64_t D, cudaStream_t stream);
+
+// delta (N, H) fp32 = rowsum(dout * out) over the final out (FlashAttention-2):
+// computed once per backward, before the blocks.
+void attention_masked_delta(float* delta, const __nv_bfloat16* dout, const __nv_bfloat16* out,
+                            int64_t N, int64_t H, int64_t D, cudaStream_t stream);
+
+// One block of the ring's backward with the final lse (Nq, H) and delta:
+//   dq_acc (Nq, H, D) fp32 += the block's keys' share of dq;
+//   dk_acc, dv_acc (Nk, KV, D) fp32 += this rank's queries' share of the block's dk, dv
+//   (the accumulators that travel the ring with the block).
+// Additions are owned per element (dq by query rows, dk/dv by key rows): no atomics.
+// dq_acc = nullptr skips the dq kernel, dk_acc = dv_acc = nullptr the dk/dv kernel
+// (the ring sends the dk/dv accumulators on while dq is computed).
+void attention_masked_backward(float* dq_acc, float* dk_acc, float* dv_acc,
+                               const __nv_bfloat16* dout, const __nv_bfloat16* q,
+                               const float* lse, const float* delta,
+                               const AttentionTokens& queries, const __nv_bfloat16* k,
+                               const __nv_bfloat16* v, const AttentionTokens& keys, int64_t H,
+                               int64_t KV, int64_t D, cudaStream_t stream);
+
+// ---- the ring over the group (ring_walk.cu) ----
 
 // The ring's device buffers for up to N tokens per rank (kv width KVD = KV * D,
 // H * D query width), allocated by the backend from its table.

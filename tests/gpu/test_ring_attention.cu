@@ -1,5 +1,5 @@
 // test_ring_attention.cu — the context-parallel ring's masked kernels
-// (shardlm::cuda::attention_masked_*, attention.hpp) against the CPU reference.
+// (shardlm::cuda::attention_masked_*, ring_attention.hpp) against the CPU reference.
 //
 // Standalone (no doctest, no MPI): tests/gpu/build_ring_attention.sh builds and runs
 // it; exit status 0 only when every check passed. Each case is a micro-batch of
@@ -12,7 +12,7 @@
 // rank r attends to block (r - s) mod C at step s, forward merging into fp32
 // accumulators (first block overwrites), backward adding dq into rank r's fp32
 // accumulator and dk/dv into the block's, which travel. The ring class itself
-// (cuda/ring_attention.cu) is exercised by tests/gpu/test_context_parallel.sh.
+// (cuda/ring_walk.cu) is exercised by tests/gpu/test_context_parallel.sh.
 //
 // Checks per case: ||gpu - ref|| / ||ref|| of out (bf16, 5e-3), dq, dk, dv (bf16
 // rounding of the fp32 accumulators, 1e-2), max |lse - ref| (fp32, 1e-4): the
@@ -39,6 +39,7 @@
 
 #include "cpu/ops.hpp"
 #include "cuda/attention.hpp"
+#include "cuda/ring_attention.hpp"
 
 #define CHECK_CUDA(call)                                                                 \
   do {                                                                                   \
