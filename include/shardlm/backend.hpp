@@ -93,7 +93,18 @@ struct TokenBatch {
   // RL only (nullptr for SFT), per position, taken at the target token:
   const float* advantages = nullptr;
   const float* inference_logprobs = nullptr;
+  const float* sampling_logprobs = nullptr;  // the distribution sampled from; nullptr: inference_logprobs
   const float* temperatures = nullptr;
+  const int32_t* sample_ids = nullptr;       // the target's sample in the step's file; -1: padding
+  // The loss's sums over each token's sample, when it needs them (RlTokenInputs;
+  // the step's forward-only pass fills them in, train/sequence_pass.hpp).
+  const double* sequence_log_ratio = nullptr;
+  const double* sequence_log_is = nullptr;
+
+  // The RL loss's per-token inputs among these (host memory).
+  RlTokenInputs rl_inputs() const {
+    return {advantages, inference_logprobs, sampling_logprobs, temperatures, sequence_log_ratio, sequence_log_is};
+  }
 };
 
 class Backend {
@@ -169,6 +180,12 @@ class Backend {
   virtual void embed_backward(float* table_grad) = 0;
   // Forward only: logits (N, V) into host memory.
   virtual void head_logits(const void* norm_weight, const void* lm_head, float* logits) = 0;
+  // Forward only (RL): each row's log_softmax(logits / temperature)[target], as
+  // the RL loss forms it, into host memory (N floats; 0 on rows without a
+  // target). The loss's whole-sample sums come from these.
+  virtual void head_token_logprobs(const void*, const void*, float*) {
+    SHARDLM_FAIL("the %s backend has no forward-only token logprobs", name());
+  }
   // Context parallelism: attention runs as a ring over `group` (the ranks
   // sharing this rank's sequences; borrowed for the backend's life), and every
   // micro-batch carries token_index. Before the first micro-batch.

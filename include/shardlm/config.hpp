@@ -116,16 +116,34 @@ struct LossSection {
   double mask_low = 0.2;
   double kl_coef = 1e-3;
   double ce_coef = 0.0;
-  // The policy term: "masked" (-A r, tokens whose probability moved past
-  // mask_high / mask_low dropped) or "clipped" (the PPO/GRPO surrogate
-  // -min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)).
-  std::string objective = "masked";  // masked | clipped
+  // The policy term (docs/rl.md, "The trainers' loss"): "masked" (-A r,
+  // tokens whose probability moved past mask_high / mask_low dropped),
+  // "clipped" (the PPO/GRPO surrogate -min(r A, clip(r, 1 - clip_low,
+  // 1 + clip_high) A)), "gspo" (the same clip on the sequence's ratio, the
+  // geometric mean of its tokens' r) or "cispo" (-sg(clip(r)) A log p on
+  // every token).
+  std::string objective = "masked";  // masked | clipped | gspo | cispo
+  // The clip's bounds. Not given, they follow the objective: clipped 0.2 /
+  // 0.28, gspo 3e-4 / 4e-4 (GSPO's sequence ratios sit much closer to 1),
+  // cispo 1 (no lower bound) / 0.28.
   double clip_low = 0.2;
   double clip_high = 0.28;
   // How a step's token losses are averaged: "token" (sum / loss tokens of the
-  // step) or "sequence" (each sample's mean over its loss tokens, then the
-  // mean over samples).
-  std::string normalize = "token";   // token | sequence
+  // step), "sequence" (each sample's mean over its loss tokens, then the
+  // mean over samples) or "constant" (sum / normalize_constant, Dr. GRPO).
+  std::string normalize = "token";   // token | sequence | constant
+  // normalize = "constant": the divisor; not given, rollout.max_new_tokens x
+  // rollout.prompts_per_step x rollout.n (the most tokens a step can hold).
+  double normalize_constant = 0;
+  // Importance sampling against the train/inference mismatch: the ratio
+  // rho = exp(logp_train - logp_sampling) per token ("token") or its product
+  // over the sample ("sequence"); the policy term is multiplied by
+  // min(rho, is_cap) (stop-gradient), and with is_mask > 0 tokens / samples
+  // whose rho is outside [1 / is_mask, is_mask] carry no loss.
+  std::string is_level = "none";     // none | token | sequence
+  double is_cap = 2.0;               // >= 1
+  double is_mask = 0.0;              // 0 = off, else > 1
+  double entropy_coef = 0.0;         // weight of -H(softmax(logits / tau)) on every loss token
 };
 
 struct CkptSection {
@@ -165,7 +183,10 @@ struct RolloutSection {
   std::string reward_regex;         // reward = "regex": 1 when the completion matches ({answer}: the reference)
   std::string reward_program;       // reward = "program": a command; JSONL on its stdin, one reward per line back
   double reward_timeout_s = 60.0;   // the program's answer for one step, at most
-  std::string advantage = "mean_std";  // mean_std | mean: group-normalised (reward - mean) [/ (std + 1e-6)]
+  // mean_std | mean | rloo | batch_std: reward - the group's mean [/ (the group's std + 1e-6)];
+  // rloo: reward - the mean of the group's other samples; batch_std: reward - the
+  // group's mean, / (the std of the step's rewards + 1e-6) (docs/rl.md).
+  std::string advantage = "mean_std";
 };
 
 struct LogSection {

@@ -142,12 +142,14 @@ void Metrics::log(const StepStats& s) {
     std::string reward_text;  // the rollout file's mean reward, when the inference side measured it
     for (const auto& [name, v] : s.rollout_metrics)
       if (name == "reward_mean") reward_text = fmt(" | rollout reward %.4f", v);
-    std::printf("        rl | entropy %.4f | mismatch kl %.3e | %s | mean advantage %+.4f | "
+    const std::string is_text = config_.loss.is_level == "none" ? ""
+        : fmt(" | is ratio %.4f capped %.3f masked %.3f", s.is_ratio, s.is_capped_fraction, s.is_masked_fraction);
+    std::printf("        rl | entropy %.4f | mismatch kl %.3e | %s%s | mean advantage %+.4f | "
                 "waited %.2f s for rollouts%s\n",
                 s.entropy, s.mismatch_kl,
-                config_.loss.objective == "clipped" ? fmt("clip fraction %.3f", s.clip_fraction).c_str()
-                                                    : fmt("masked high %.3f low %.3f", s.masked_high, s.masked_low).c_str(),
-                s.advantage, s.rollout_wait_s, reward_text.c_str());
+                config_.loss.objective != "masked" ? fmt("clip fraction %.3f", s.clip_fraction).c_str()
+                                                   : fmt("masked high %.3f low %.3f", s.masked_high, s.masked_low).c_str(),
+                is_text.c_str(), s.advantage, s.rollout_wait_s, reward_text.c_str());
   }
   std::fflush(stdout);
 
@@ -169,6 +171,11 @@ void Metrics::log(const StepStats& s) {
                                  {"masked_fraction", s.masked_fraction}, {"clip_fraction", s.clip_fraction},
                                  {"mean_advantage", s.advantage}})
       row += fmt(", \"%s\": %s", key, number(key, v, nonfinite).c_str());
+    if (config_.loss.is_level != "none")
+      for (const auto& [key, v] : {std::pair<const char*, double>{"is_ratio", s.is_ratio},
+                                   {"is_capped_fraction", s.is_capped_fraction},
+                                   {"is_masked_fraction", s.is_masked_fraction}})
+        row += fmt(", \"%s\": %s", key, number(key, v, nonfinite).c_str());
     row += fmt(", \"rollout_wait_s\": %.6g", s.rollout_wait_s);
     // The step's rollout file's own measurements, prefixed: "rollout_reward_mean", ...
     for (const auto& [name, v] : s.rollout_metrics) {
@@ -203,6 +210,11 @@ void Metrics::log(const StepStats& s) {
                                    {"rl/masked_high", s.masked_high}, {"rl/masked_low", s.masked_low},
                                    {"rl/masked_fraction", s.masked_fraction}, {"rl/clip_fraction", s.clip_fraction},
                                    {"rl/mean_advantage", s.advantage}, {"rl/rollout_wait_s", s.rollout_wait_s}})
+        scalars.push_back({tag, float(v)});
+    if (s.rl && config_.loss.is_level != "none")
+      for (const auto& [tag, v] : {std::pair<const char*, double>{"rl/is_ratio", s.is_ratio},
+                                   {"rl/is_capped_fraction", s.is_capped_fraction},
+                                   {"rl/is_masked_fraction", s.is_masked_fraction}})
         scalars.push_back({tag, float(v)});
     for (const auto& [name, v] : s.rollout_metrics) scalars.push_back({"rollout/" + name, float(v)});
     if (s.evaluated) scalars.push_back({"eval/loss", float(s.eval_loss)});

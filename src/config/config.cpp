@@ -164,10 +164,15 @@ const std::vector<KeySpec>& key_table() {
       within(key("loss.mask_low", Type::Float, FIELD(loss.mask_low)), 0, 1000),
       within(key("loss.kl_coef", Type::Float, FIELD(loss.kl_coef)), 0, 1e6),
       within(key("loss.ce_coef", Type::Float, FIELD(loss.ce_coef)), 0, 1e6),
-      one_of(key("loss.objective", Type::String, FIELD(loss.objective)), {"masked", "clipped"}),
+      one_of(key("loss.objective", Type::String, FIELD(loss.objective)), {"masked", "clipped", "gspo", "cispo"}),
       within(key("loss.clip_low", Type::Float, FIELD(loss.clip_low)), 0, 1),
       within(key("loss.clip_high", Type::Float, FIELD(loss.clip_high)), 0, 1000),
-      one_of(key("loss.normalize", Type::String, FIELD(loss.normalize)), {"token", "sequence"}),
+      one_of(key("loss.normalize", Type::String, FIELD(loss.normalize)), {"token", "sequence", "constant"}),
+      up_to(positive(key("loss.normalize_constant", Type::Float, FIELD(loss.normalize_constant))), 1e15),
+      one_of(key("loss.is_level", Type::String, FIELD(loss.is_level)), {"none", "token", "sequence"}),
+      within(key("loss.is_cap", Type::Float, FIELD(loss.is_cap)), 1, 1e6),
+      within(key("loss.is_mask", Type::Float, FIELD(loss.is_mask)), 0, 1e6),
+      within(key("loss.entropy_coef", Type::Float, FIELD(loss.entropy_coef)), 0, 1e6),
 
       at_least(key("ckpt.interval", Type::Int, FIELD(ckpt.interval)), 0),
       at_least(key("ckpt.keep_last", Type::Int, FIELD(ckpt.keep_last)), 1),
@@ -196,7 +201,7 @@ const std::vector<KeySpec>& key_table() {
       key("rollout.reward_regex", Type::String, FIELD(rollout.reward_regex)),
       key("rollout.reward_program", Type::String, FIELD(rollout.reward_program)),
       up_to(positive(key("rollout.reward_timeout_s", Type::Float, FIELD(rollout.reward_timeout_s))), kMaxSeconds),
-      one_of(key("rollout.advantage", Type::String, FIELD(rollout.advantage)), {"mean_std", "mean"}),
+      one_of(key("rollout.advantage", Type::String, FIELD(rollout.advantage)), {"mean_std", "mean", "rloo", "batch_std"}),
 
       positive(key("log.interval", Type::Int, FIELD(log.interval))),
       key("log.jsonl", Type::String, FIELD(log.jsonl)),
@@ -460,12 +465,19 @@ std::string meaningless_with_the_rest(const Config& c, const std::string& path) 
                          path == "optim.adamw_weight_decay"))
     return fmt("has no meaning for optim.name = \"%s\" (it sets Muon; see docs/muon.md)", name.c_str());
   if (c.loss.type != "rl" && (path == "loss.objective" || path == "loss.normalize" || path == "loss.clip_low" ||
-                              path == "loss.clip_high"))
+                              path == "loss.clip_high" || path == "loss.normalize_constant" || path == "loss.is_level" ||
+                              path == "loss.is_cap" || path == "loss.is_mask" || path == "loss.entropy_coef"))
     return "sets the RL policy loss; it needs loss.type = \"rl\"";
   if (c.loss.objective == "masked" && (path == "loss.clip_low" || path == "loss.clip_high"))
-    return "bounds the ratio of loss.objective = \"clipped\"; loss.objective is \"masked\" here";
-  if (c.loss.objective == "clipped" && (path == "loss.mask_high" || path == "loss.mask_low"))
-    return "is loss.objective = \"masked\"'s; with \"clipped\" the ratio is bounded by loss.clip_low / loss.clip_high";
+    return "bounds the ratio of loss.objective = \"clipped\", \"gspo\" or \"cispo\"; loss.objective is \"masked\" here";
+  if (c.loss.objective != "masked" && (path == "loss.mask_high" || path == "loss.mask_low"))
+    return fmt("is loss.objective = \"masked\"'s; with \"%s\" the ratio is bounded by loss.clip_low / loss.clip_high",
+               c.loss.objective.c_str());
+  if (c.loss.normalize != "constant" && path == "loss.normalize_constant")
+    return fmt("is the divisor of loss.normalize = \"constant\"; loss.normalize is \"%s\" here",
+               c.loss.normalize.c_str());
+  if (c.loss.is_level == "none" && (path == "loss.is_cap" || path == "loss.is_mask"))
+    return "bounds the importance weight of loss.is_level = \"token\" or \"sequence\"; loss.is_level is \"none\" here";
   if (path == "model.selective_layers" && c.model.activation_checkpointing != "selective")
     return fmt("says how many layers keep their attention output under model.activation_checkpointing = "
                "\"selective\"; it is \"%s\" here", c.model.activation_checkpointing.c_str());
@@ -720,6 +732,9 @@ void check_rl(const Config& c, const Errors& err) {
     else if (std::string e = regex_error(c.rollout.reward_regex); !e.empty())
       err("rollout.reward_regex = \"" + c.rollout.reward_regex + "\" is not a regular expression: " + e);
   }
+  if (c.loss.is_mask != 0 && c.loss.is_mask <= 1)
+    err(fmt("loss.is_mask = %g: tokens (samples) whose importance ratio is outside [1 / is_mask, is_mask] carry no "
+            "loss, so it must be > 1 (e.g. 2 or 8), or 0 to keep them all", c.loss.is_mask));
   if (c.loss.type == "rl" && c.rollout.n == 1)
     err(fmt("rollout.n = 1 with rollout.advantage = \"%s\": each prompt's group is one sample, its advantage "
             "(reward - group mean) is 0 and the step trains nothing; set rollout.n >= 2 (e.g. 4 or 8 samples per "
@@ -760,6 +775,19 @@ void check_eval(const Config& c, const Errors& err) {
 // run.dir: where the outputs go.
 void check_run_dir(const Config& c, const Errors& err) {
   if (c.run.dir.empty()) err("run.dir is empty: give the directory where the run writes its outputs");
+}
+
+// [loss] defaults that follow other keys, resolved so that the echoed deck is
+// concrete: the clip's bounds by objective (GSPO's sequence ratios are means of
+// log-ratios, so its paper clips at 3e-4 / 4e-4; CISPO puts no lower bound on
+// its weight), and normalize = "constant"'s divisor, the most loss tokens a
+// step's rollouts can hold (Dr. GRPO divides by the generation budget).
+void resolve_loss_defaults(Config& c, const std::set<std::string>& given) {
+  LossSection& l = c.loss;
+  if (!given.count("loss.clip_low")) l.clip_low = l.objective == "gspo" ? 3e-4 : l.objective == "cispo" ? 1.0 : 0.2;
+  if (!given.count("loss.clip_high")) l.clip_high = l.objective == "gspo" ? 4e-4 : 0.28;
+  if (l.normalize == "constant" && !given.count("loss.normalize_constant"))
+    l.normalize_constant = double(c.rollout.max_new_tokens) * double(c.rollout.prompts_per_step) * double(c.rollout.n);
 }
 
 // The cross-field rules, on the resolved values; `given` holds every key the
@@ -871,6 +899,7 @@ DeckResult parse_deck_text(const std::string& text, const std::string& source_na
     if (config.optim.name == "muon" && config.optim.adamw_lr <= 0) config.optim.adamw_lr = config.optim.lr;
     if (config.optim.name == "muon" && config.optim.adamw_weight_decay < 0)
       config.optim.adamw_weight_decay = config.optim.weight_decay;
+    resolve_loss_defaults(config, given);
     validate(config, world, given, errors);
   }
   return result;

@@ -88,7 +88,7 @@ class CpuBackend final : public Backend {
   LossStats head_loss_backward(const void* norm_weight, const void* lm_head, float* norm_grad, float* lm_head_grad,
                                float grad_scale) override {
     const int L = static_cast<int>(config_.num_layers);
-    cpu::RlInputs rl{batch_.advantages, batch_.inference_logprobs, batch_.temperatures, options_.rl_params};
+    cpu::RlInputs rl{batch_.rl_inputs(), options_.rl_params};
     if (options_.rl)
       SHARDLM_CHECK(batch_.advantages && batch_.inference_logprobs && batch_.temperatures,
                     "internal: an RL micro-batch without advantages, logprobs or temperatures");
@@ -117,6 +117,13 @@ class CpuBackend final : public Backend {
     SHARDLM_CHECK(batch_.targets && batch_.weights, "internal: a forward-only loss without targets or weights");
     return cpu::head_loss(config_, f32(norm_weight), f32(lm_head), residual_[L].data(), batch_.targets, batch_.weights,
                           batch_.N, head_);
+  }
+
+  void head_token_logprobs(const void* norm_weight, const void* lm_head, float* logprobs) override {
+    const int L = static_cast<int>(config_.num_layers);
+    SHARDLM_CHECK(batch_.targets && batch_.temperatures, "internal: token logprobs without targets or temperatures");
+    cpu::head_token_logprobs(config_, f32(norm_weight), f32(lm_head), residual_[L].data(), batch_.targets,
+                             batch_.temperatures, batch_.N, logprobs, head_);
   }
 
   void head_logits(const void* norm_weight, const void* lm_head, float* logits) override {

@@ -202,9 +202,8 @@ RlChunkStats head_loss_backward(const ModelConfig& c, const float* norm_w, const
     const float* xf = s.xf.data() + t0 * C;
     linear_forward(s.logits.data(), xf, lm_head, kNoBias, n, C, V);
     if (rl) {
-      stats += rl_loss_forward_backward<float>(s.logits.data(), targets + t0, weights + t0, rl->advantages + t0,
-                                               rl->inference_logprobs + t0, rl->temperatures + t0, rl->params,
-                                               grad_scale, n, V);
+      stats += rl_loss_forward_backward<float>(s.logits.data(), targets + t0, weights + t0, rl->tokens.at(t0),
+                                               rl->params, grad_scale, n, V);
     } else {
       stats.loss += cross_entropy_forward_backward(s.logits.data(), targets + t0, weights + t0, grad_scale, n, V);
       for (int64_t i = 0; i < n; ++i) stats.loss_tokens += targets[t0 + i] >= 0 && weights[t0 + i] > 0.0f;
@@ -231,6 +230,24 @@ RlChunkStats head_loss(const ModelConfig& c, const float* norm_w, const float* l
     for (int64_t i = 0; i < n; ++i) stats.loss_tokens += targets[t0 + i] >= 0 && weights[t0 + i] > 0.0f;
   }
   return stats;
+}
+
+void head_token_logprobs(const ModelConfig& c, const float* norm_w, const float* lm_head, const float* x,
+                         const int32_t* targets, const float* temperatures, int64_t N, float* logprobs,
+                         HeadScratch& s) {
+  const int64_t C = c.hidden_size, V = c.vocab_size;
+  rmsnorm_forward(s.xf.data(), s.rstd.data(), x, norm_w, N, C, c.rms_norm_eps);
+  for (int64_t t0 = 0; t0 < N; t0 += s.chunk) {
+    const int64_t n = std::min(s.chunk, N - t0);
+    bool any_target = false;
+    for (int64_t i = 0; i < n && !any_target; ++i) any_target = targets[t0 + i] >= 0;
+    if (!any_target) {
+      std::fill(logprobs + t0, logprobs + t0 + n, 0.0f);
+      continue;
+    }
+    linear_forward(s.logits.data(), s.xf.data() + t0 * C, lm_head, kNoBias, n, C, V);
+    token_logprobs<float>(logprobs + t0, s.logits.data(), targets + t0, temperatures + t0, n, V);
+  }
 }
 
 void head_logits(const ModelConfig& c, const float* norm_w, const float* lm_head, const float* x, int64_t N,

@@ -155,15 +155,21 @@ struct HeadScratch {
 // g_lm (V, C). `lm_head` is the embedding when tied.
 // With `rl` set, the RL policy loss replaces cross-entropy (rl_loss.hpp).
 struct RlInputs {
-  const float* advantages;          // (N)
-  const float* inference_logprobs;  // (N)
-  const float* temperatures;        // (N)
+  RlTokenInputs tokens;  // (N) each
   RlLossParams params;
 };
 RlChunkStats head_loss_backward(const ModelConfig& c, const float* norm_w, const float* lm_head, float* g_norm,
                                 float* g_lm, const float* x, const int32_t* targets, const float* weights,
                                 float grad_scale, int64_t N, float* d_x, HeadScratch& s,
                                 const RlInputs* rl = nullptr);
+
+// Forward only: logprobs (N) = log_softmax(logits / tau)[target] of each row
+// with a target (0 elsewhere), chunk by chunk as head_loss_backward forms the
+// logits, so each is the logp the RL loss computes for the row (the step's
+// forward-only pass before a sequence-level loss, train/sequence_pass.hpp).
+void head_token_logprobs(const ModelConfig& c, const float* norm_w, const float* lm_head, const float* x,
+                         const int32_t* targets, const float* temperatures, int64_t N, float* logprobs,
+                         HeadScratch& s);
 
 // Logits (N, V) for the forward command and tests.
 void head_logits(const ModelConfig& c, const float* norm_w, const float* lm_head, const float* x, int64_t N,

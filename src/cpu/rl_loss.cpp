@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "cpu/rl_terms.hpp"
 #include "shardlm/error.hpp"
 
 namespace shardlm::cpu {
@@ -19,7 +20,9 @@ constexpr int64_t kReduceBlocks = 256;
 template <class T>
 struct RowSoftmax {
   T logp;          // log_softmax(x / tau)[target], rounded to T
+  T max;           // max_c x_c
   double sum;      // sum_c exp((x_c - max) / tau)
+  double log_sum;  // log(sum)
   double entropy;  // -sum_c p_c log p_c
 };
 
@@ -41,7 +44,7 @@ RowSoftmax<T> row_softmax(const T* x, T* exp_out, int32_t target, T tau, int64_t
   }
   const double log_sum = std::log(sum);
   // H = -sum p (d - log_sum) = log_sum - sum(e d) / sum
-  return {T(double(d_target) - log_sum), sum, log_sum - sum_e_d / sum};
+  return {T(double(d_target) - log_sum), m, sum, log_sum, log_sum - sum_e_d / sum};
 }
 
 void check_targets(const int32_t* targets, int64_t n, int64_t V, const char* what) {
@@ -59,14 +62,16 @@ void check_temperature(float tau, int64_t row, const char* what) {
 }  // namespace
 
 template <class T>
-RlChunkStats rl_loss_forward_backward(T* logits, const int32_t* targets, const T* weights,
-                                      const float* advantages, const float* inference_logprobs,
-                                      const float* temperatures, const RlLossParams& p,
-                                      T grad_scale, int64_t n, int64_t V) {
+RlChunkStats rl_loss_forward_backward(T* logits, const int32_t* targets, const T* weights, const RlTokenInputs& in,
+                                      const RlLossParams& p, T grad_scale, int64_t n, int64_t V) {
   check_targets(targets, n, V, "rl_loss");
   for (int64_t r = 0; r < n; ++r)
     if (targets[r] >= 0 && (weights ? weights[r] : T(1)) > T(0))
-      check_temperature(temperatures[r], r, "rl_loss");
+      check_temperature(in.temperatures[r], r, "rl_loss");
+  const bool gspo_sums = p.objective == RlObjective::Gspo && p.is_level == IsLevel::None;
+  SHARDLM_CHECK(n == 0 || ((!gspo_sums || in.sequence_log_ratio) && (p.is_level != IsLevel::Sequence || in.sequence_log_is)),
+                "internal: rl_loss without the sample sums its objective or importance weights need");
+  const bool entropy_grad = p.entropy_coef != 0.0;
 
   RlChunkStats partial[kReduceBlocks] = {};
 #pragma omp parallel for schedule(dynamic, 1)
@@ -81,49 +86,41 @@ RlChunkStats rl_loss_forward_backward(T* logits, const int32_t* targets, const T
         std::fill(x, x + V, T(0));
         continue;
       }
-      const T tau = T(temperatures[r]);
-      const RowSoftmax<T> sm = row_softmax(x, x, y, tau, V);  // x becomes exp((x - m) / tau)
-
-      const double A = advantages[r];
-      const double lp_inf = inference_logprobs[r];
-      const double logp = double(sm.logp);
-      const double log_r = logp - lp_inf;
-      const double ratio = std::exp(log_r);
-      const double dp = std::exp(logp) - std::exp(lp_inf);  // p_train - p_inference
-      bool masked_high, masked_low;
-      double pg, dpg_dlogp;  // the policy term and its derivative in logp (d r / d logp = r)
-      if (p.clipped) {
-        // min(r A, clip(r) A): the clipped term is the smaller exactly when the
-        // clip is active in the direction that limits the update; it is a
-        // constant in r there, so no gradient.
-        masked_high = A > 0 && ratio > 1.0 + p.clip_high;
-        masked_low = A < 0 && ratio < 1.0 - p.clip_low;
-        const double clipped_ratio = masked_high ? 1.0 + p.clip_high : masked_low ? 1.0 - p.clip_low : ratio;
-        pg = -A * clipped_ratio;
-        dpg_dlogp = (masked_high || masked_low) ? 0.0 : -A * ratio;
+      const T tau = T(in.temperatures[r]);
+      // Without the entropy's gradient x becomes exp((x - m) / tau) here; with it
+      // the logits stay, as the gradient needs each log p_c too.
+      const RowSoftmax<T> sm = row_softmax(x, entropy_grad ? nullptr : x, y, tau, V);
+      const double lp_inf = in.inference_logprobs[r];
+      const RlRowTerms k = rl_row_terms(p, double(sm.logp), sm.entropy, double(w), double(in.advantages[r]), lp_inf,
+                                        in.sampling_logprobs ? double(in.sampling_logprobs[r]) : lp_inf,
+                                        gspo_sums ? in.sequence_log_ratio[r] : 0.0,
+                                        p.is_level == IsLevel::Sequence ? in.sequence_log_is[r] : 0.0);
+      st.loss += k.loss;
+      // d logp / d x = (onehot - softmax) / tau; d H / d x = -softmax (log softmax + H) / tau.
+      const double coef = double(grad_scale) * k.dloss_dlogp / double(tau);
+      if (!entropy_grad) {
+        const T scale_exp = T(-coef / sm.sum);
+        for (int64_t c = 0; c < V; ++c) x[c] *= scale_exp;
       } else {
-        masked_high = A > 0 && dp > p.mask_high;
-        masked_low = A <= 0 && dp < -p.mask_low;
-        // A branch, not a 0/1 factor: a masked token may have ratio = inf.
-        pg = (masked_high || masked_low) ? 0.0 : -A * ratio;
-        dpg_dlogp = pg;
+        const double entropy_coef = double(grad_scale) * k.dloss_dentropy / double(tau);
+        const double shift = sm.entropy - sm.log_sum;  // log p_c + H = d_c + shift
+        for (int64_t c = 0; c < V; ++c) {
+          const T d = (x[c] - sm.max) / tau;
+          const double prob = double(std::exp(d)) / sm.sum;
+          x[c] = T(-prob * (coef + entropy_coef * (double(d) + shift)));
+        }
       }
-      const double wd = double(w);
-
-      st.loss += wd * (pg + p.kl_coef * log_r * log_r) - p.ce_coef * wd * logp;
-      // d loss / d logp (d r / d logp = r), then d logp / d x = (onehot - softmax) / tau.
-      const double dloss_dlogp = wd * (dpg_dlogp + 2.0 * p.kl_coef * log_r) - p.ce_coef * wd;
-      const double coef = double(grad_scale) * dloss_dlogp / double(tau);
-      const T scale_exp = T(-coef / sm.sum);
-      for (int64_t c = 0; c < V; ++c) x[c] *= scale_exp;
       x[y] += T(coef);
 
       st.loss_tokens += 1;
-      st.masked_high += masked_high;
-      st.masked_low += masked_low;
+      st.masked_high += k.masked_high;
+      st.masked_low += k.masked_low;
       st.entropy_sum += sm.entropy;
-      st.mismatch_kl_sum += std::expm1(log_r) - log_r;  // r - log r - 1 without cancellation
-      st.advantage_sum += A;
+      st.mismatch_kl_sum += k.mismatch_kl;
+      st.advantage_sum += double(in.advantages[r]);
+      st.is_ratio_sum += k.is_ratio;
+      st.is_capped += k.is_capped;
+      st.is_masked += k.is_masked;
     }
     partial[blk] = st;
   }
@@ -132,31 +129,30 @@ RlChunkStats rl_loss_forward_backward(T* logits, const int32_t* targets, const T
   return total;
 }
 
-template <class T>
-void token_logprobs(float* logprobs, const T* logits, const int32_t* targets,
-                    const float* temperatures, int64_t n, int64_t V) {
+template <class T, class Out>
+void token_logprobs(Out* logprobs, const T* logits, const int32_t* targets, const float* temperatures, int64_t n,
+                    int64_t V) {
   check_targets(targets, n, V, "token_logprobs");
   for (int64_t r = 0; r < n; ++r)
     if (targets[r] >= 0) check_temperature(temperatures[r], r, "token_logprobs");
 #pragma omp parallel for schedule(dynamic, 16)
   for (int64_t r = 0; r < n; ++r) {
     if (targets[r] < 0) {
-      logprobs[r] = 0.0f;
+      logprobs[r] = Out(0);
       continue;
     }
-    logprobs[r] = float(row_softmax(logits + r * V, static_cast<T*>(nullptr), targets[r],
-                                    T(temperatures[r]), V).logp);
+    logprobs[r] = Out(row_softmax(logits + r * V, static_cast<T*>(nullptr), targets[r], T(temperatures[r]), V).logp);
   }
 }
 
-#define SHARDLM_RL_LOSS_INSTANTIATE(T)                                                          \
-  template RlChunkStats rl_loss_forward_backward<T>(T*, const int32_t*, const T*, const float*, \
-                                                    const float*, const float*,                 \
-                                                    const RlLossParams&, T, int64_t, int64_t);  \
-  template void token_logprobs<T>(float*, const T*, const int32_t*, const float*, int64_t, int64_t);
+#define SHARDLM_RL_LOSS_INSTANTIATE(T)                                                                    \
+  template RlChunkStats rl_loss_forward_backward<T>(T*, const int32_t*, const T*, const RlTokenInputs&,   \
+                                                    const RlLossParams&, T, int64_t, int64_t);            \
+  template void token_logprobs<T, float>(float*, const T*, const int32_t*, const float*, int64_t, int64_t);
 
 SHARDLM_RL_LOSS_INSTANTIATE(float)
 SHARDLM_RL_LOSS_INSTANTIATE(double)
+template void token_logprobs<double, double>(double*, const double*, const int32_t*, const float*, int64_t, int64_t);
 
 #undef SHARDLM_RL_LOSS_INSTANTIATE
 

@@ -304,6 +304,12 @@ class CudaBackend final : public Backend {
       rows.push_back(row("temperatures", w, d.N, &temperatures_));
       rows.push_back(bytes_row("rl_row_stats", w, cuda::rl_loss_row_stats_bytes(d.chunk), &rl_row_stats_));
       rows.push_back(row("rl_stats", w, cuda::kRlStatsFields, &rl_stats_));
+      if (o.rl_params.is_level != IsLevel::None) rows.push_back(row("sampling_logprobs", w, d.N, &sampling_logprobs_));
+      if (o.rl_params.needs_sequence_terms()) {  // the sample sums and the forward-only pass's logprobs
+        rows.push_back(row("sequence_log_ratio", w, d.N, &sequence_log_ratio_));
+        rows.push_back(row("sequence_log_is", w, d.N, &sequence_log_is_));
+        rows.push_back(row("token_logprobs", w, d.N, &token_logprobs_));
+      }
     }
 
     residual_.assign(size_t(L + 1), nullptr);
@@ -544,6 +550,15 @@ class CudaBackend final : public Backend {
       upload(advantages_, b.advantages, 4 * b.N);
       upload(inference_logprobs_, b.inference_logprobs, 4 * b.N);
       upload(temperatures_, b.temperatures, 4 * b.N);
+      has_sampling_logprobs_ = sampling_logprobs_ && b.sampling_logprobs;
+      if (has_sampling_logprobs_) upload(sampling_logprobs_, b.sampling_logprobs, 4 * b.N);
+      // The sample sums come with the training micro-batches, not with the
+      // forward-only pass that makes them.
+      has_sequence_terms_ = sequence_log_ratio_ && b.sequence_log_ratio && b.sequence_log_is;
+      if (has_sequence_terms_) {
+        upload(sequence_log_ratio_, b.sequence_log_ratio, 8 * b.N);
+        upload(sequence_log_is_, b.sequence_log_is, 8 * b.N);
+      }
     }
     if (ring_) {
       SHARDLM_CHECK(b.token_index, "internal: a context-parallel micro-batch without token indices");
@@ -620,8 +635,8 @@ class CudaBackend final : public Backend {
       cuda::linear_forward(*gemm_, logits_, xf_ + t0 * d.C, bf(lm_head), nullptr, n, d.C, d.V);
       if (options_.rl) {
         cuda::rl_loss_forward_backward(logits_, rl_row_stats_, rl_stats_, targets_ + t0, weights_ + t0,
-                                       advantages_ + t0, inference_logprobs_ + t0, temperatures_ + t0,
-                                       options_.rl_params, grad_scale, n, d.V, /*accumulate=*/true, stream_);
+                                       rl_device_inputs().at(t0), options_.rl_params, grad_scale, n, d.V,
+                                       /*accumulate=*/true, stream_);
       } else {
         cuda::cross_entropy_forward_backward(logits_, row_loss_, targets_ + t0, weights_ + t0, grad_scale, n, d.V,
                                              stream_);
@@ -731,6 +746,26 @@ class CudaBackend final : public Backend {
     return stats;
   }
 
+  // Forward only: the RL loss's logp of each row, chunk by chunk as
+  // head_loss_backward forms the logits; one copy to the host at the end.
+  void head_token_logprobs(const void* norm_weight, const void* lm_head, float* logprobs) override {
+    const Dims& d = d_;
+    SHARDLM_CHECK(token_logprobs_ && has_rl_inputs_,
+                  "internal: token logprobs need an RL micro-batch on a backend planned for a sequence-level loss");
+    norm_forward(xf_, rstdf_, residual_[config_.num_layers], final_norm(norm_weight));
+    for (int64_t t0 = 0; t0 < n_; t0 += d.chunk) {
+      const int64_t n = std::min(d.chunk, n_ - t0);
+      if (std::none_of(host_targets_.begin() + t0, host_targets_.begin() + t0 + n, [](int32_t y) { return y >= 0; })) {
+        CUDA_CHECK(cudaMemsetAsync(token_logprobs_ + t0, 0, 4 * n, stream_));
+        continue;
+      }
+      cuda::linear_forward(*gemm_, logits_, xf_ + t0 * d.C, bf(lm_head), nullptr, n, d.C, d.V);
+      cuda::rl_token_logprobs(token_logprobs_ + t0, logits_, targets_ + t0, temperatures_ + t0, n, d.V, stream_);
+    }
+    CUDA_CHECK(cudaMemcpyAsync(logprobs, token_logprobs_, 4 * n_, cudaMemcpyDeviceToHost, stream_));
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+  }
+
   void head_logits(const void* norm_weight, const void* lm_head, float* logits) override {
     const Dims& d = d_;
     norm_forward(xf_, rstdf_, residual_[config_.num_layers], final_norm(norm_weight));
@@ -752,6 +787,12 @@ class CudaBackend final : public Backend {
     CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     gemm_workspace_ = own(Mem::Workspace, kGemmWorkspace);
     gemm_ = std::make_unique<cuda::Gemm>(stream_, gemm_workspace_, kGemmWorkspace);
+  }
+
+  // The RL loss's per-token inputs of the loaded micro-batch, in device memory.
+  RlTokenInputs rl_device_inputs() const {
+    return {advantages_, inference_logprobs_, has_sampling_logprobs_ ? sampling_logprobs_ : nullptr, temperatures_,
+            has_sequence_terms_ ? sequence_log_ratio_ : nullptr, has_sequence_terms_ ? sequence_log_is_ : nullptr};
   }
 
   static const bf16* bf(const void* p) { return static_cast<const bf16*>(p); }
@@ -947,6 +988,10 @@ class CudaBackend final : public Backend {
   int32_t *tokens_ = nullptr, *targets_ = nullptr, *positions_ = nullptr, *seq_ids_ = nullptr, *doc_start_ = nullptr;
   float* weights_ = nullptr;
   float *advantages_ = nullptr, *inference_logprobs_ = nullptr, *temperatures_ = nullptr;  // RL, (N) each
+  float* sampling_logprobs_ = nullptr;   // RL with loss.is_level: (N); used when the micro-batch has them
+  double *sequence_log_ratio_ = nullptr, *sequence_log_is_ = nullptr;  // RL, a loss over whole samples: (N) each
+  float* token_logprobs_ = nullptr;      // RL, a loss over whole samples: (N) the forward-only pass's logprobs
+  bool has_sampling_logprobs_ = false, has_sequence_terms_ = false;  // the loaded micro-batch's
   float* inv_freq_ = nullptr;
   std::vector<void*> residual_;          // (L + 1) x (N, C) of the stream's type (stream_bytes_)
   int64_t stream_bytes_ = 2;             // the residual stream's element: 2 (bf16) or 4 (fp32)

@@ -16,6 +16,7 @@
 #include <regex>
 #include <string_view>
 
+#include "shardlm/comm.hpp"  // answer_collective_queries
 #include "shardlm/error.hpp"
 
 namespace shardlm {
@@ -283,6 +284,8 @@ class ProgramReward final : public Reward {
         out.timed_out = true;
         break;
       }
+      // The trainers that ask where this rank is hear it is busy, scoring.
+      answer_collective_queries("scoring: the reward program");
       // Its exit is looked for every kExitPollMs: a child it left behind may hold its stdout open.
       pollfd fds[2] = {{out_fd, POLLIN, 0}, {in_fd, POLLOUT, 0}};
       const int ready = poll(fds, 2, int(std::min<int64_t>(left_ms, kExitPollMs)));
@@ -358,16 +361,30 @@ bool extract_number(const std::string& text, double* value) {
   return std::isfinite(*value);
 }
 
-std::vector<float> group_advantages(const std::vector<double>& rewards, int64_t n, bool divide_by_std) {
+std::vector<float> group_advantages(const std::vector<double>& rewards, int64_t n, const std::string& kind) {
+  SHARDLM_CHECK(kind == "mean_std" || kind == "mean" || kind == "rloo" || kind == "batch_std",
+                "rollout.advantage = \"%s\" is not one of \"mean_std\", \"mean\", \"rloo\", \"batch_std\"",
+                kind.c_str());
   SHARDLM_CHECK(n >= 1 && int64_t(rewards.size()) % n == 0, "internal: %zu rewards in groups of %lld",
                 rewards.size(), (long long)n);
+  SHARDLM_CHECK(kind != "rloo" || n >= 2, "rollout.advantage = \"rloo\" needs groups of at least 2 samples, not %lld",
+                (long long)n);
+  auto mean_and_std = [](const double* r, size_t count) {
+    double mean = 0, var = 0;
+    for (size_t i = 0; i < count; ++i) mean += r[i];
+    mean /= double(count);
+    for (size_t i = 0; i < count; ++i) var += (r[i] - mean) * (r[i] - mean);
+    return std::pair{mean, std::sqrt(var / double(count))};
+  };
+  const double batch_std = rewards.empty() ? 0.0 : mean_and_std(rewards.data(), rewards.size()).second;
   std::vector<float> adv(rewards.size());
   for (size_t g = 0; g < rewards.size(); g += size_t(n)) {
-    double mean = 0, var = 0;
-    for (int64_t i = 0; i < n; ++i) mean += rewards[g + size_t(i)];
-    mean /= double(n);
-    for (int64_t i = 0; i < n; ++i) var += (rewards[g + size_t(i)] - mean) * (rewards[g + size_t(i)] - mean);
-    const double scale = divide_by_std ? 1.0 / (std::sqrt(var / double(n)) + 1e-6) : 1.0;
+    const auto [mean, std] = mean_and_std(rewards.data() + g, size_t(n));
+    // rloo: r - (sum - r) / (n - 1) = n / (n - 1) (r - mean).
+    const double scale = kind == "mean_std"    ? 1.0 / (std + 1e-6)
+                         : kind == "batch_std" ? 1.0 / (batch_std + 1e-6)
+                         : kind == "rloo"      ? double(n) / double(n - 1)
+                                               : 1.0;
     for (int64_t i = 0; i < n; ++i) adv[g + size_t(i)] = float((rewards[g + size_t(i)] - mean) * scale);
   }
   return adv;

@@ -73,9 +73,15 @@ std::string extract_answer(const std::string& text);
 // The last number in the text (commas between digits ignored), if any.
 bool extract_number(const std::string& text, double* value);
 
-// Group-normalised advantages of rewards (P groups of n consecutive samples):
-// A = r - mean(group), divided by (std(group) + 1e-6) when divide_by_std
-// (population std; a group whose rewards are all equal gets 0).
-std::vector<float> group_advantages(const std::vector<double>& rewards, int64_t n, bool divide_by_std);
+// Advantages of rewards in P groups of n consecutive samples (the prompts'),
+// by rollout.advantage (population stds; a group whose rewards are all equal
+// gets 0 under each):
+//   "mean_std"   A = (r - mean(group)) / (std(group) + 1e-6)   (GRPO)
+//   "mean"       A = r - mean(group)                            (Dr. GRPO)
+//   "rloo"       A = r - mean of the group's other n - 1 rewards (RLOO's
+//                leave-one-out baseline; = n / (n - 1) (r - mean(group)))
+//   "batch_std"  A = (r - mean(group)) / (std of all the step's rewards + 1e-6)
+// Throws for another kind, or rewards that are not whole groups.
+std::vector<float> group_advantages(const std::vector<double>& rewards, int64_t n, const std::string& kind);
 
 }  // namespace shardlm

@@ -141,7 +141,7 @@ struct Publisher {
     const RewardSet::Scores scores = reward.score(scored, step);
     const std::vector<double>& rewards = scores.total;
     const double score_s = seconds_since(t_score);
-    const std::vector<float> advantages = group_advantages(rewards, ro.n, ro.advantage == "mean_std");
+    const std::vector<float> advantages = group_advantages(rewards, ro.n, ro.advantage);
 
     RolloutFile f;
     f.step = step;

@@ -47,17 +47,18 @@ TokenBatch ContextShare::take(const MicroBatch& full) {
   return b;
 }
 
-TokenBatch ContextShare::take(const RlMicroBatch& full) {
+TokenBatch ContextShare::take(const RlMicroBatch& full, const float* sampling_logprobs) {
   TokenBatch b = take(full.batch);
-  for (auto [share, whole] : {std::pair{&advantages_, &full.advantages},
-                              std::pair{&inference_logprobs_, &full.inference_logprobs},
-                              std::pair{&temperatures_, &full.temperatures}}) {
-    share->resize(index_.size());
-    for (size_t i = 0; i < index_.size(); ++i) (*share)[i] = (*whole)[size_t(index_[i])];
-  }
-  b.advantages = advantages_.data();
-  b.inference_logprobs = inference_logprobs_.data();
-  b.temperatures = temperatures_.data();
+  auto gather = [&](auto& share, const auto* whole) {
+    share.resize(index_.size());
+    for (size_t i = 0; i < index_.size(); ++i) share[i] = whole[size_t(index_[i])];
+    return share.data();
+  };
+  b.advantages = gather(advantages_, full.advantages.data());
+  b.inference_logprobs = gather(inference_logprobs_, full.inference_logprobs.data());
+  b.sampling_logprobs = sampling_logprobs ? gather(sampling_logprobs_, sampling_logprobs) : nullptr;
+  b.temperatures = gather(temperatures_, full.temperatures.data());
+  b.sample_ids = gather(sample_ids_, full.sample_ids.data());
   return b;
 }
 

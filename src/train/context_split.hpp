@@ -29,15 +29,16 @@ class ContextShare {
   // This rank's share of `full` (every rank of the group reads the same rows);
   // valid until the next call. Allocates only when the shape changes.
   TokenBatch take(const MicroBatch& full);
-  // The same for an RL micro-batch: its advantages, inference logprobs and
-  // temperatures (per target position) come with the tokens.
-  TokenBatch take(const RlMicroBatch& full);
+  // The same for an RL micro-batch: its advantages, inference (and sampling)
+  // logprobs, temperatures and sample ids (per target position) come with the
+  // tokens. `sampling_logprobs` (rows * seq_len) or nullptr: none.
+  TokenBatch take(const RlMicroBatch& full, const float* sampling_logprobs);
 
  private:
   int cp_rank_, cp_size_;
   int64_t rows_ = -1, seq_len_ = -1;
-  std::vector<int32_t> index_, tokens_, targets_, positions_, seq_ids_;
-  std::vector<float> weights_, advantages_, inference_logprobs_, temperatures_;
+  std::vector<int32_t> index_, tokens_, targets_, positions_, seq_ids_, sample_ids_;
+  std::vector<float> weights_, advantages_, inference_logprobs_, sampling_logprobs_, temperatures_;
 };
 
 }  // namespace shardlm

@@ -532,4 +532,16 @@ void Engine::forward_logits(const TokenBatch& b, float* logits) {
   release(0);
 }
 
+void Engine::forward_token_logprobs(const TokenBatch& b, float* logprobs) {
+  const int head = model_.layout.num_layers() + 1;
+  state();
+  forward(b, /*keep_for_backward=*/false);
+  const void* hw = params(head);
+  const void* lm_w = lm_head_weights();
+  backend_->head_token_logprobs(param_at(*backend_, hw, model_.layout.head().param("model.norm.weight").offset), lm_w,
+                                logprobs);
+  release(head);
+  release(0);
+}
+
 }  // namespace shardlm

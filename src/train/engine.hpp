@@ -92,6 +92,11 @@ class Engine {
   // Forward only: logits (N, V) for every position.
   void forward_logits(const TokenBatch& batch, float* logits);
 
+  // Forward only (RL): logprobs (N) of each position's target at its
+  // temperature, as the RL loss computes them (0 without a target). Collective
+  // over the ranks like forward_backward; gradients are untouched.
+  void forward_token_logprobs(const TokenBatch& batch, float* logprobs);
+
   const Backend& backend() const { return *backend_; }
   Backend& backend() { return *backend_; }
   const EngineOptions& options() const { return options_; }

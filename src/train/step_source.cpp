@@ -7,6 +7,7 @@
 #include <optional>
 #include <string>
 
+#include "shardlm/comm.hpp"
 #include "shardlm/runtime.hpp"
 #include "train/context_split.hpp"
 
@@ -16,11 +17,24 @@ namespace {
 using Clock = std::chrono::steady_clock;
 double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
+// The logprobs of the distribution each token was sampled from (top-k / top-p
+// applied), when the rollout file carries them; nullptr: the loss takes the
+// inference logprobs for them.
+template <class RlBatch>
+const float* sampling_logprobs(const RlBatch& mb) {
+  if constexpr (requires { mb.sampling_logprobs.data(); })
+    return mb.sampling_logprobs.empty() ? nullptr : mb.sampling_logprobs.data();
+  else
+    return nullptr;
+}
+
 TokenBatch token_batch(const RlMicroBatch& mb) {
   TokenBatch b = token_batch(mb.batch);
   b.advantages = mb.advantages.data();
   b.inference_logprobs = mb.inference_logprobs.data();
+  b.sampling_logprobs = sampling_logprobs(mb);
   b.temperatures = mb.temperatures.data();
+  b.sample_ids = mb.sample_ids.data();
   return b;
 }
 
@@ -67,7 +81,8 @@ class TokenSource final : public StepSource {
 class RolloutSource final : public StepSource {
  public:
   RolloutSource(const Config& config, int64_t vocab_size, Comm& comm, Comm* cp_group)
-      : data_(config.data), per_sequence_(config.loss.normalize == "sequence"), vocab_size_(vocab_size), comm_(comm),
+      : data_(config.data), loss_(config.loss), per_sequence_(config.loss.normalize == "sequence"),
+        vocab_size_(vocab_size), comm_(comm),
         cp_size_(cp_group ? cp_group->size() : 1), dp_rank_(comm.rank() / cp_size_), dp_world_(comm.size() / cp_size_) {
     if (cp_size_ > 1) share_.emplace(cp_group->rank(), cp_size_);
   }
@@ -91,14 +106,18 @@ class RolloutSource final : public StepSource {
     rollouts_ = pack_rollouts(file, data_.seq_len, data_.micro_batch, dp_rank_, dp_world_);
     plan.micro_batches = static_cast<int64_t>(rollouts_.micro_batches.size());
     plan.loss_tokens_global = rollouts_.loss_tokens_global;
-    plan.loss_divisor = per_sequence_ ? samples : rollouts_.loss_tokens_global;
+    plan.loss_divisor = rl_loss_divisor(loss_, samples, rollouts_.loss_tokens_global);
     plan.tokens_global = rollouts_.tokens_global;
+    plan.samples = file.samples();
     return plan;
   }
 
   TokenBatch micro_batch(int64_t, int64_t index) override {
+    // The inference ranks that wait for this job's next weights and ask where
+    // this rank is hear it is busy (shardlm/comm.hpp).
+    answer_collective_queries("training");
     const RlMicroBatch& mb = rollouts_.micro_batches[size_t(index)];
-    return share_ ? share_->take(mb) : token_batch(mb);
+    return share_ ? share_->take(mb, sampling_logprobs(mb)) : token_batch(mb);
   }
 
  private:
@@ -106,6 +125,7 @@ class RolloutSource final : public StepSource {
   // The job's id when its own inference ranks write the files (only those are
   // taken); 0 when they come from outside the job (any file is taken).
   const uint64_t own_job_id_ = job_generators() > 0 ? job_id() : 0;
+  const LossSection loss_;
   const bool per_sequence_;  // loss.normalize = "sequence"
   const int64_t vocab_size_;
   Comm& comm_;
@@ -115,6 +135,12 @@ class RolloutSource final : public StepSource {
 };
 
 }  // namespace
+
+double rl_loss_divisor(const LossSection& loss, int64_t samples_with_loss, int64_t loss_tokens) {
+  if (loss.normalize == "sequence") return double(samples_with_loss);
+  if (loss.normalize == "constant") return loss.normalize_constant;
+  return double(loss_tokens);
+}
 
 DataSpec data_spec_for(const Config& c, int64_t vocab) {
   DataSpec s;

@@ -28,8 +28,9 @@ struct StepPlan {
   int64_t micro_batches = 0;       // this rank's (equal on every rank)
   int64_t tokens_global = 0;       // non-padding tokens of the step, all ranks
   int64_t loss_tokens_global = 0;  // tokens that carry loss, all ranks
-  int64_t loss_divisor = 0;        // the loss's denominator: loss_tokens_global, or the samples
-                                   // under loss.normalize = "sequence"
+  double loss_divisor = 0;         // the loss's denominator: loss_tokens_global, the samples under
+                                   // loss.normalize = "sequence", loss.normalize_constant under "constant"
+  int64_t samples = 0;             // RL: the samples of the step's file (TokenBatch::sample_ids are below it)
   double rollout_wait_s = 0;       // waiting for the step's rollout file to appear
   std::vector<std::pair<std::string, double>> rollout_metrics;  // the file's group 'metrics' (rewards, sampling)
   double collective_s = 0;         // in a collective: waiting for the slowest rank, not data time
@@ -45,6 +46,11 @@ class StepSource {
   // This rank's micro-batch `index` of `step` (begin(step) first); valid until the next call.
   virtual TokenBatch micro_batch(int64_t step, int64_t index) = 0;
 };
+
+// The RL loss's divisor by loss.normalize: the step's loss tokens ("token"), its
+// samples that carry loss ("sequence", whose loss weights normalize_per_sequence
+// divided by each sample's loss tokens), or loss.normalize_constant ("constant").
+double rl_loss_divisor(const LossSection& loss, int64_t samples_with_loss, int64_t loss_tokens);
 
 // The training reader's spec for a deck ([data] and run.seed), the model's vocabulary.
 DataSpec data_spec_for(const Config& config, int64_t vocab_size);

@@ -34,11 +34,21 @@ ModelConfig model_config_for(const Config& config) {
   return arch;
 }
 
+RlLossParams rl_loss_params(const LossSection& l) {
+  const std::string& o = l.objective;
+  const RlObjective objective = o == "clipped" ? RlObjective::Clipped : o == "gspo" ? RlObjective::Gspo
+                              : o == "cispo"   ? RlObjective::Cispo   : RlObjective::Masked;
+  const IsLevel is_level = l.is_level == "token" ? IsLevel::Token : l.is_level == "sequence" ? IsLevel::Sequence
+                                                                                            : IsLevel::None;
+  return {.mask_high = l.mask_high, .mask_low = l.mask_low, .kl_coef = l.kl_coef, .ce_coef = l.ce_coef,
+          .objective = objective, .clip_low = l.clip_low, .clip_high = l.clip_high, .is_level = is_level,
+          .is_cap = l.is_cap, .is_mask = l.is_mask, .entropy_coef = l.entropy_coef};
+}
+
 EngineOptions engine_options_for(const Config& config) {
   EngineOptions o;
   o.rl = config.loss.type == "rl";
-  o.rl_params = {config.loss.mask_high, config.loss.mask_low, config.loss.kl_coef, config.loss.ce_coef,
-                 config.loss.objective == "clipped", config.loss.clip_low, config.loss.clip_high};
+  o.rl_params = rl_loss_params(config.loss);
   // Under context parallelism each rank holds 1/C of every row: its activations are sized for its share.
   o.context_parallel = config.model.context_parallel;
   o.max_tokens = config.data.micro_batch * config.data.seq_len / std::max<int64_t>(1, o.context_parallel);
@@ -119,7 +129,9 @@ TrainSession::TrainSession(const Config& c, Comm& comm_)
       engine(model, comm_, engine_options_for(c),
              c.device.backend == "cuda" ? make_cuda_backend() : make_cpu_backend()),
       source(data ? make_token_source(*data, comm_, cp_group.get())
-                  : make_rollout_source(c, arch.vocab_size, comm_, cp_group.get())) {
+                  : make_rollout_source(c, arch.vocab_size, comm_, cp_group.get())),
+      sequence_pass(make_sequence_pass(engine.options().rl, engine.options().rl_params, engine, comm_,
+                                       engine.options().max_tokens)) {
   if (cp_group) engine.backend().set_context_parallel(*cp_group);
   // Muon on a GPU: Newton–Schulz in bf16 on this rank's device (cuda/newton_schulz.hpp);
   // the CPU backend keeps the host fp32 one, the reference.
@@ -148,15 +160,18 @@ StepStats TrainSession::step(int64_t step) {
   s.rollout_metrics = batch.rollout_metrics;
   s.data_s = seconds_since(t0) - batch.collective_s;
   s.compute_s = batch.collective_s;  // a collective's wait for the slowest rank is not data time
-  const float grad_scale = batch.loss_divisor > 0 ? 1.0f / static_cast<float>(batch.loss_divisor) : 0.0f;
+  const float grad_scale = batch.loss_divisor > 0 ? static_cast<float>(1.0 / batch.loss_divisor) : 0.0f;
 
   const auto t_sync = Clock::now();
   state->begin_step(batch.micro_batches);  // gradients from zero, the backend's parameter copies current
   s.param_sync_s = seconds_since(t_sync);
+  // A loss over whole samples (GSPO, sequence-level importance sampling): their
+  // sums from a forward-only pass over the step's micro-batches first.
+  s.compute_s += sequence_pass->run(*source, step, batch);
   LossStats sums;
   for (int64_t a = 0; a < batch.micro_batches; ++a) {
     const auto t_data = Clock::now();
-    const TokenBatch micro = source->micro_batch(step, a);
+    const TokenBatch micro = sequence_pass->attach(source->micro_batch(step, a));
     s.data_s += seconds_since(t_data);
     // The offloaded units' updates may start under the last backward (as if unclipped).
     if (a + 1 == batch.micro_batches) state->speculate(lr_at(config.sched, config.optim.lr, config.run.max_steps, step));
@@ -182,26 +197,29 @@ StepStats TrainSession::step(int64_t step) {
   return s;
 }
 
-void TrainSession::record_loss(StepStats& s, LossStats sums, int64_t loss_divisor) {
+void TrainSession::record_loss(StepStats& s, LossStats sums, double loss_divisor) {
   auto totals = sums.to_array();
   comm.all_reduce_sum(totals.data(), static_cast<int64_t>(totals.size()));
   sums = LossStats::from_array(totals);
-  // The loss is divided as its gradient was (the step's loss tokens, or its
-  // samples under loss.normalize = "sequence"); the per-token statistics by
-  // the loss tokens themselves.
-  const double denom = loss_divisor > 0 ? static_cast<double>(loss_divisor) : 1.0;
+  // The loss is divided as its gradient was (the step's loss tokens, its
+  // samples under loss.normalize = "sequence", or loss.normalize_constant);
+  // the per-token statistics by the loss tokens themselves.
+  const double denom = loss_divisor > 0 ? loss_divisor : 1.0;
   const double tokens = sums.loss_tokens > 0 ? static_cast<double>(sums.loss_tokens) : 1.0;
   s.loss = sums.loss / denom;
   // The RL statistics (zero sums under the SFT loss).
   s.entropy = sums.entropy_sum / tokens;
   s.mismatch_kl = sums.mismatch_kl_sum / tokens;
   const double moved = static_cast<double>(sums.masked_high + sums.masked_low) / tokens;
-  const bool clipped = config.loss.objective == "clipped";
+  const bool clipped = config.loss.objective != "masked";  // the bound is a clip: clipped, gspo, cispo
   s.masked_high = clipped ? 0.0 : static_cast<double>(sums.masked_high) / tokens;
   s.masked_low = clipped ? 0.0 : static_cast<double>(sums.masked_low) / tokens;
   s.masked_fraction = clipped ? 0.0 : moved;
   s.clip_fraction = clipped ? moved : 0.0;
   s.advantage = sums.advantage_sum / tokens;
+  s.is_ratio = sums.is_ratio_sum / tokens;
+  s.is_capped_fraction = static_cast<double>(sums.is_capped) / tokens;
+  s.is_masked_fraction = static_cast<double>(sums.is_masked) / tokens;
 }
 
 void TrainSession::apply_update(StepStats& s) {

@@ -20,6 +20,7 @@
 #include "train/engine.hpp"
 #include "train/eval.hpp"
 #include "train/optim.hpp"
+#include "train/sequence_pass.hpp"
 #include "train/shard.hpp"
 #include "train/state.hpp"
 #include "train/step_source.hpp"
@@ -40,7 +41,10 @@ struct StepStats {
   bool rl = false;
   double entropy = 0, mismatch_kl = 0, masked_high = 0, masked_low = 0, advantage = 0;
   double masked_fraction = 0;  // loss.objective = "masked": tokens masked, either side
-  double clip_fraction = 0;    // loss.objective = "clipped": tokens whose ratio the clip held
+  double clip_fraction = 0;    // "clipped", "gspo": tokens whose ratio the clip held; "cispo": whose weight it truncated
+  // loss.is_level != "none": the importance ratio's mean (each bounded to
+  // [e^-20, e^20]), the tokens whose weight was capped, whose loss was masked.
+  double is_ratio = 0, is_capped_fraction = 0, is_masked_fraction = 0;
   double rollout_wait_s = 0;   // time spent waiting for the rollout file
   // What the inference side measured making the step's rollout file (its
   // group 'metrics': reward_mean, reward_<component>, sampling_tokens_per_s, ...).
@@ -63,6 +67,8 @@ double flops_per_token(const ModelLayout& layout, int64_t seq_len);
 // The model's architecture for a deck: model.hf's config.json, else the deck's sizes.
 ModelConfig model_config_for(const Config& config);
 EngineOptions engine_options_for(const Config& config);
+// The deck's [loss] as the RL loss kernels take it.
+RlLossParams rl_loss_params(const LossSection& loss);
 
 struct TrainSession {
   Config config;
@@ -77,6 +83,7 @@ struct TrainSession {
   Optimizer optimizer;
   Engine engine;
   std::unique_ptr<StepSource> source;   // token files | rollouts
+  std::unique_ptr<SequencePass> sequence_pass;  // the RL loss's sums over whole samples | nothing
   std::unique_ptr<TrainingState> state; // host | device | offload
   int64_t bad_steps_in_a_row = 0;
   int64_t bad_steps_total = 0;
@@ -100,7 +107,7 @@ struct TrainSession {
 
  private:
   // The loss sums of the step's micro-batches, over all ranks, as means.
-  void record_loss(StepStats& s, LossStats sums, int64_t loss_divisor);
+  void record_loss(StepStats& s, LossStats sums, double loss_divisor);
   // Clip by the global norm and update, or skip a NaN/Inf step.
   void apply_update(StepStats& s);
 };

@@ -4,8 +4,11 @@
 // V = 128256 (a 4-CTA cluster) and V = 151936 (8 CTAs); both mask thresholds,
 // temperatures != 1, weights, rows without loss, mixed SFT (ce_coef), the on-policy
 // zero-advantage case, the clipped surrogate (both clip sides, with kl and SFT terms),
-// bad rows, chunk accumulation, and determinism (two runs,
-// bitwise equal). One line per check: name, error, threshold, PASS/FAIL; the last
+// GSPO (its sequence ratio given per token, the paper's clip and a wider one), CISPO
+// (with and without a lower bound), truncated importance sampling per token and per
+// sequence (caps and masks, sampling logprobs), the entropy bonus, the forward-only
+// token logprobs (rl_token_logprobs against cpu::token_logprobs), bad rows, chunk
+// accumulation, and determinism (two runs, bitwise equal). One line per check: name, error, threshold, PASS/FAIL; the last
 // line "N passed, M failed"; non-zero exit status on any failure. Thresholds and
 // their reasons: tests/gpu/README.md.
 //
@@ -34,9 +37,11 @@ namespace gpu = shardlm::cuda;
 using bf16 = __nv_bfloat16;
 using shardlm::fmt;
 constexpr int kFields = gpu::kRlStatsFields;
-enum Field { kLoss, kTokens, kMaskedHigh, kMaskedLow, kEntropy, kKl, kAdvantage };
-const char* const kFieldNames[kFields] = {"loss", "loss_tokens", "masked_high", "masked_low",
-                                          "entropy", "mismatch_kl", "advantage"};
+enum Field { kLoss, kTokens, kMaskedHigh, kMaskedLow, kEntropy, kKl, kAdvantage, kIsRatio, kIsCapped, kIsMasked };
+const char* const kFieldNames[kFields] = {"loss",    "loss_tokens", "masked_high", "masked_low", "entropy",
+                                          "mismatch_kl", "advantage", "is_ratio",   "is_capped",  "is_masked"};
+// Fields that count rows: exact on the GPU.
+bool count_field(int f) { return f == kTokens || f == kMaskedHigh || f == kMaskedLow || f == kIsCapped || f == kIsMasked; }
 
 // ---------------------------------------------------------------- thresholds
 
@@ -144,13 +149,23 @@ struct Case {
   int64_t n, V;
   cpu::RlLossParams params;
   bool on_policy_zero_advantage = false;  // A = 0, lp_inf = the CPU's own logp, ce_coef = 0
+  double sequence_spread = 0.3;  // the per-token sample sums' spread (gspo: log s_i; is sequence: log rho_i)
+  bool both_sides = true;        // the inputs must clip or mask on both sides (not CISPO without a lower
+                                 // bound, not under importance sampling, where the ratio is 1)
 };
 
 struct Inputs {
   std::vector<bf16> logits;      // (n, V) what the GPU reads
   std::vector<float> logits_f;   // (n, V) the same values, for the CPU reference
   std::vector<int32_t> targets;
-  std::vector<float> weights, advantages, lp_inf, temperatures;
+  std::vector<float> weights, advantages, lp_inf, lp_sampling, temperatures;
+  std::vector<double> sequence_log_ratio, sequence_log_is;  // (n) a sample's sums as the step's pass gives them
+  // The RL inputs at these host arrays, as the case's parameters read them.
+  shardlm::RlTokenInputs host(const cpu::RlLossParams& p) const {
+    const bool is = p.is_level != shardlm::IsLevel::None;
+    return {advantages.data(), lp_inf.data(), is ? lp_sampling.data() : nullptr, temperatures.data(),
+            sequence_log_ratio.data(), sequence_log_is.data()};
+  }
 };
 
 // Rows cycle through 8 kinds so that every branch of the loss is taken: on-policy,
@@ -212,6 +227,16 @@ Inputs make_inputs(Random& rng, const Case& c) {
     if (kind == 0 || kind == 7 || c.on_policy_zero_advantage) in.lp_inf[size_t(r)] = logp[size_t(r)];
     else in.lp_inf[size_t(r)] = float(std::log(std::min(p_inf, 0.999)));
   }
+  // Sampling logprobs (top-k / top-p raise the sampled token's probability) and
+  // the sample sums, both free inputs of the kernel here.
+  in.lp_sampling.resize(static_cast<size_t>(n));
+  in.sequence_log_ratio.resize(static_cast<size_t>(n));
+  in.sequence_log_is.resize(static_cast<size_t>(n));
+  for (int64_t r = 0; r < n; ++r) {
+    in.lp_sampling[size_t(r)] = std::min(0.0f, in.lp_inf[size_t(r)] + float(std::fabs(rng.gaussian(1, 0.5)[0])));
+    in.sequence_log_ratio[size_t(r)] = c.sequence_spread * rng.gaussian(1, 1.0)[0];
+    in.sequence_log_is[size_t(r)] = 5 * c.sequence_spread * rng.gaussian(1, 1.0)[0];
+  }
   in.logits.resize(static_cast<size_t>(n * V));
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < n * V; ++i) in.logits[size_t(i)] = __float2bfloat16_rn(in.logits_f[size_t(i)]);
@@ -228,15 +253,25 @@ struct GpuResult {
 struct DeviceInputs {
   Device<bf16> logits;
   Device<int32_t> targets;
-  Device<float> weights, adv, lp, temps;
+  Device<float> weights, adv, lp, lp_sampling, temps;
+  Device<double> sequence_log_ratio, sequence_log_is;
   DeviceInputs(const Inputs& in, int64_t n, int64_t V)
-      : logits(size_t(n * V)), targets(size_t(n)), weights(size_t(n)), adv(size_t(n)), lp(size_t(n)), temps(size_t(n)) {
+      : logits(size_t(n * V)), targets(size_t(n)), weights(size_t(n)), adv(size_t(n)), lp(size_t(n)),
+        lp_sampling(size_t(n)), temps(size_t(n)), sequence_log_ratio(size_t(n)), sequence_log_is(size_t(n)) {
     logits.upload(in.logits);
     targets.upload(in.targets);
     weights.upload(in.weights);
     adv.upload(in.advantages);
     lp.upload(in.lp_inf);
+    lp_sampling.upload(in.lp_sampling);
     temps.upload(in.temperatures);
+    sequence_log_ratio.upload(in.sequence_log_ratio);
+    sequence_log_is.upload(in.sequence_log_is);
+  }
+  // The device pointers, as Inputs::host gives the host ones.
+  shardlm::RlTokenInputs device(const cpu::RlLossParams& p) const {
+    const bool is = p.is_level != shardlm::IsLevel::None;
+    return {adv.ptr, lp.ptr, is ? lp_sampling.ptr : nullptr, temps.ptr, sequence_log_ratio.ptr, sequence_log_is.ptr};
   }
 };
 
@@ -246,8 +281,8 @@ GpuResult run_gpu(const Inputs& in, const Case& c, float grad_scale) {
   Device<double> row_stats(gpu::rl_loss_row_stats_bytes(n) / sizeof(double)), stats(kFields);
   row_stats.poison();
   stats.poison();
-  gpu::rl_loss_forward_backward(dev.logits.ptr, row_stats.ptr, stats.ptr, dev.targets.ptr, dev.weights.ptr, dev.adv.ptr,
-                                dev.lp.ptr, dev.temps.ptr, c.params, grad_scale, n, V, /*accumulate=*/false, nullptr);
+  gpu::rl_loss_forward_backward(dev.logits.ptr, row_stats.ptr, stats.ptr, dev.targets.ptr, dev.weights.ptr,
+                                dev.device(c.params), c.params, grad_scale, n, V, /*accumulate=*/false, nullptr);
   CUDA_CHECK(cudaDeviceSynchronize());
   return {dev.logits.download(), row_stats.download(), stats.download()};
 }
@@ -282,16 +317,14 @@ void test_case(Random& rng, const Case& c) {
   // CPU reference: all rows at once (gradient, sums) and row by row (per-row stats).
   std::vector<float> ref_grad = in.logits_f;
   const cpu::RlChunkStats ref = cpu::rl_loss_forward_backward<float>(
-      ref_grad.data(), in.targets.data(), in.weights.data(), in.advantages.data(), in.lp_inf.data(),
-      in.temperatures.data(), c.params, grad_scale, n, V);
+      ref_grad.data(), in.targets.data(), in.weights.data(), in.host(c.params), c.params, grad_scale, n, V);
   std::vector<double> ref_rows(static_cast<size_t>(kFields * n));
   {
     std::vector<float> row(static_cast<size_t>(V));
     for (int64_t r = 0; r < n; ++r) {
       std::copy(in.logits_f.begin() + r * V, in.logits_f.begin() + (r + 1) * V, row.begin());
       const auto s = cpu::rl_loss_forward_backward<float>(row.data(), &in.targets[size_t(r)], &in.weights[size_t(r)],
-                                                          &in.advantages[size_t(r)], &in.lp_inf[size_t(r)],
-                                                          &in.temperatures[size_t(r)], c.params, grad_scale, 1, V)
+                                                          in.host(c.params).at(r), c.params, grad_scale, 1, V)
                            .to_array();
       for (int f = 0; f < kFields; ++f) ref_rows[size_t(f * n + r)] = s[size_t(f)];
     }
@@ -347,7 +380,7 @@ void test_case(Random& rng, const Case& c) {
   }
 
   // Per-row statistics.
-  for (int f : {kLoss, kEntropy, kKl}) {
+  for (int f : {kLoss, kEntropy, kKl, kIsRatio}) {
     if (c.on_policy_zero_advantage && f == kKl) continue;  // checked above: the reference is 0
     std::vector<double> g(a.row_stats.begin() + f * n, a.row_stats.begin() + (f + 1) * n);
     std::vector<double> r(ref_rows.begin() + f * n, ref_rows.begin() + (f + 1) * n);
@@ -363,7 +396,7 @@ void test_case(Random& rng, const Case& c) {
   }
   {
     int64_t flag_diff = 0;
-    for (int f : {kTokens, kMaskedHigh, kMaskedLow, kAdvantage})
+    for (int f : {kTokens, kMaskedHigh, kMaskedLow, kAdvantage, kIsCapped, kIsMasked})
       for (int64_t r = 0; r < n; ++r) flag_diff += a.row_stats[size_t(f * n + r)] != ref_rows[size_t(f * n + r)];
     report.check_true(name + " per-row token / mask flags and advantages equal", flag_diff == 0,
                       fmt("%lld differ", (long long)flag_diff));
@@ -372,7 +405,7 @@ void test_case(Random& rng, const Case& c) {
   // Sums: counts exact; the rest per loss token (advantages: relative to sum |A|).
   for (int f = 0; f < kFields; ++f) {
     const std::string what = fmt("%s sum %s", name.c_str(), kFieldNames[f]);
-    if (f == kTokens || f == kMaskedHigh || f == kMaskedLow) {
+    if (count_field(f)) {
       report.check_true(fmt("%s = %.0f (cpu %.0f)", what.c_str(), a.stats[size_t(f)], ref_sums[size_t(f)]),
                         a.stats[size_t(f)] == ref_sums[size_t(f)]);
       continue;
@@ -390,10 +423,14 @@ void test_case(Random& rng, const Case& c) {
                  f == kAdvantage ? kTolAdvantage : kTolStat);
   }
   // The inputs really exercise both masks (else the checks above prove little).
-  if (!c.on_policy_zero_advantage && n >= 16)
+  if (!c.on_policy_zero_advantage && n >= 16 && c.both_sides)
     report.check_true(fmt("%s inputs mask both ways (high %.0f, low %.0f)", name.c_str(), ref_sums[kMaskedHigh],
                           ref_sums[kMaskedLow]),
                       ref_sums[kMaskedHigh] > 0 && ref_sums[kMaskedLow] > 0);
+  if (c.params.is_level != shardlm::IsLevel::None && n >= 16)
+    report.check_true(fmt("%s inputs cap and mask importance weights (capped %.0f, masked %.0f)", name.c_str(),
+                          ref_sums[kIsCapped], ref_sums[kIsMasked]),
+                      ref_sums[kIsCapped] > 0 && (c.params.is_mask == 0 || ref_sums[kIsMasked] > 0));
 
   // Determinism: a second run gives the same bits everywhere.
   const int64_t d = bitwise_differences(a.dlogits, b.dlogits) + bitwise_differences(a.row_stats, b.row_stats) +
@@ -414,11 +451,11 @@ void test_accumulate(Random& rng) {
   DeviceInputs dev(in, n, V);
   Device<double> row_stats(static_cast<size_t>(kFields * n)), stats(kFields);
   stats.poison();
-  gpu::rl_loss_forward_backward(dev.logits.ptr, row_stats.ptr, stats.ptr, dev.targets.ptr, dev.weights.ptr, dev.adv.ptr,
-                                dev.lp.ptr, dev.temps.ptr, c.params, grad_scale, k, V, false, nullptr);
+  gpu::rl_loss_forward_backward(dev.logits.ptr, row_stats.ptr, stats.ptr, dev.targets.ptr, dev.weights.ptr,
+                                dev.device(c.params), c.params, grad_scale, k, V, false, nullptr);
   gpu::rl_loss_forward_backward(dev.logits.ptr + k * V, row_stats.ptr, stats.ptr, dev.targets.ptr + k,
-                                dev.weights.ptr + k, dev.adv.ptr + k, dev.lp.ptr + k, dev.temps.ptr + k, c.params,
-                                grad_scale, n - k, V, true, nullptr);
+                                dev.weights.ptr + k, dev.device(c.params).at(k), c.params, grad_scale, n - k, V, true,
+                                nullptr);
   CUDA_CHECK(cudaDeviceSynchronize());
   const auto split_grad = dev.logits.download();
   const auto split_stats = stats.download();
@@ -435,12 +472,12 @@ void test_accumulate(Random& rng) {
 
   // n = 0: overwrite zeroes the sums, accumulate leaves them.
   stats.upload(std::vector<double>(kFields, 3.0));
-  gpu::rl_loss_forward_backward(dev.logits.ptr, row_stats.ptr, stats.ptr, dev.targets.ptr, dev.weights.ptr, dev.adv.ptr,
-                                dev.lp.ptr, dev.temps.ptr, c.params, grad_scale, 0, V, true, nullptr);
+  gpu::rl_loss_forward_backward(dev.logits.ptr, row_stats.ptr, stats.ptr, dev.targets.ptr, dev.weights.ptr,
+                                dev.device(c.params), c.params, grad_scale, 0, V, true, nullptr);
   CUDA_CHECK(cudaDeviceSynchronize());
   const auto kept = stats.download();
-  gpu::rl_loss_forward_backward(dev.logits.ptr, row_stats.ptr, stats.ptr, dev.targets.ptr, dev.weights.ptr, dev.adv.ptr,
-                                dev.lp.ptr, dev.temps.ptr, c.params, grad_scale, 0, V, false, nullptr);
+  gpu::rl_loss_forward_backward(dev.logits.ptr, row_stats.ptr, stats.ptr, dev.targets.ptr, dev.weights.ptr,
+                                dev.device(c.params), c.params, grad_scale, 0, V, false, nullptr);
   CUDA_CHECK(cudaDeviceSynchronize());
   const auto zeroed = stats.download();
   bool ok = true;
@@ -467,8 +504,8 @@ void test_bad_rows(Random& rng) {
   report.check_true("rl_loss bad rows: NaN row loss, counted as loss tokens, NaN sum", nan_loss && std::isnan(g.stats[kLoss]));
   // Row 0 (a good row) matches the CPU.
   std::vector<float> row(in.logits_f.begin(), in.logits_f.begin() + c.V);
-  cpu::rl_loss_forward_backward<float>(row.data(), &in.targets[0], &in.weights[0], &in.advantages[0], &in.lp_inf[0],
-                                       &in.temperatures[0], c.params, grad_scale, 1, c.V);
+  cpu::rl_loss_forward_backward<float>(row.data(), &in.targets[0], &in.weights[0], in.host(c.params), c.params,
+                                       grad_scale, 1, c.V);
   double num = 0, den = 0;
   for (int64_t col = 0; col < c.V; ++col) {
     const double d = __bfloat162float(g.dlogits[size_t(col)]) - double(row[size_t(col)]);
@@ -476,6 +513,40 @@ void test_bad_rows(Random& rng) {
     den += double(row[size_t(col)]) * row[size_t(col)];
   }
   report.check("rl_loss bad rows: a good row of the same chunk ||gpu-ref||/||ref||", std::sqrt(num / den), kTolGrad);
+}
+
+// The forward-only pass's logprobs (rl_token_logprobs) against the CPU's
+// token_logprobs on the same bf16-rounded logits: a few float ulps of logp; 0
+// on rows without a target, NaN on a row with a bad temperature.
+void test_token_logprobs(Random& rng) {
+  for (const int64_t V : {int64_t(1001), int64_t(151936)}) {
+    const Case c{"token logprobs", 40, V, cpu::RlLossParams{}};
+    Inputs in = make_inputs(rng, c);
+    in.targets[3] = -1;
+    in.temperatures[5] = 0.0f;
+    in.weights[5] = 0.0f;  // a row without loss: the CPU reference does not check it either way
+    std::vector<float> want(size_t(c.n));
+    std::vector<float> temps = in.temperatures;
+    temps[5] = 1.0f;  // the CPU refuses a bad temperature on a row with a target
+    cpu::token_logprobs<float>(want.data(), in.logits_f.data(), in.targets.data(), temps.data(), c.n, V);
+    DeviceInputs dev(in, c.n, V);
+    Device<float> out(size_t(c.n));
+    out.poison();
+    gpu::rl_token_logprobs(out.ptr, dev.logits.ptr, dev.targets.ptr, dev.temps.ptr, c.n, V, nullptr);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    const std::vector<float> got = out.download();
+    double worst = 0;
+    bool others = got[3] == 0.0f && std::isnan(got[5]);
+    for (int64_t r = 0; r < c.n; ++r) {
+      if (r == 3 || r == 5) continue;
+      const double bound = kLogpAbs + kLogpRel * std::fabs(double(want[size_t(r)]));
+      worst = std::max(worst, std::fabs(double(got[size_t(r)]) - double(want[size_t(r)])) / bound);
+    }
+    report.check(fmt("rl_token_logprobs (n=40 V=%lld) |gpu-cpu| / (a few float ulps of logp)", (long long)V), worst,
+                 1.0);
+    report.check_true(fmt("rl_token_logprobs (V=%lld) row without a target 0, bad temperature NaN", (long long)V),
+                      others);
+  }
 }
 
 // The kernel at the Llama-3 shape: 4096 rows of 128256 (1.05 GB of bf16 logits read
@@ -498,8 +569,10 @@ void run_timing() {
   std::vector<float> ms;
   for (int i = 0; i < 13; ++i) {
     CUDA_CHECK(cudaEventRecord(start));
-    gpu::rl_loss_forward_backward(logits.ptr, row_stats.ptr, stats.ptr, targets.ptr, weights.ptr, adv.ptr, lp.ptr,
-                                  temps.ptr, cpu::RlLossParams{}, 1e-3f, n, V, false, nullptr);
+    gpu::rl_loss_forward_backward(logits.ptr, row_stats.ptr, stats.ptr, targets.ptr, weights.ptr,
+                                  shardlm::RlTokenInputs{.advantages = adv.ptr, .inference_logprobs = lp.ptr,
+                                                         .temperatures = temps.ptr},
+                                  cpu::RlLossParams{}, 1e-3f, n, V, false, nullptr);
     CUDA_CHECK(cudaEventRecord(stop));
     CUDA_CHECK(cudaEventSynchronize(stop));
     float t = 0;
@@ -542,8 +615,23 @@ int main(int argc, char** argv) {
     cpu::RlLossParams mixed{0.2, 0.2, 0.05, 0.1};  // a larger kl term and an SFT term
     cpu::RlLossParams tight{0.1, 0.3, 1e-3, 0.0};  // asymmetric thresholds
     cpu::RlLossParams clipped;                      // the clipped surrogate, clip 0.2 / 0.28
-    clipped.clipped = true;
-    cpu::RlLossParams clipped_mixed{0.2, 0.2, 0.05, 0.1, true, 0.1, 0.5};  // asymmetric clip, kl and SFT terms
+    clipped.objective = shardlm::RlObjective::Clipped;
+    cpu::RlLossParams clipped_mixed{0.2, 0.2, 0.05, 0.1, shardlm::RlObjective::Clipped, 0.1, 0.5};  // asymmetric clip, kl, SFT
+    using shardlm::IsLevel, shardlm::RlObjective;
+    const cpu::RlLossParams gspo{.objective = RlObjective::Gspo, .clip_low = 0.2, .clip_high = 0.28};
+    const cpu::RlLossParams gspo_paper{.kl_coef = 0.0, .objective = RlObjective::Gspo, .clip_low = 3e-4,
+                                       .clip_high = 4e-4};
+    const cpu::RlLossParams cispo{.objective = RlObjective::Cispo, .clip_low = 0.3, .clip_high = 0.28};
+    const cpu::RlLossParams cispo_no_low{.ce_coef = 0.1, .objective = RlObjective::Cispo, .clip_low = 1.0,
+                                         .clip_high = 0.28};
+    const cpu::RlLossParams is_token{.objective = RlObjective::Clipped, .is_level = IsLevel::Token, .is_cap = 1.2,
+                                     .is_mask = 4.0};
+    const cpu::RlLossParams is_sequence{.objective = RlObjective::Gspo, .clip_low = 3e-4, .clip_high = 4e-4,
+                                        .is_level = IsLevel::Sequence, .is_cap = 2.0, .is_mask = 4.0};
+    const cpu::RlLossParams entropy{.kl_coef = 0.01, .entropy_coef = 0.05};
+    const cpu::RlLossParams everything{.kl_coef = 0.02, .ce_coef = 0.05, .objective = RlObjective::Cispo,
+                                       .clip_low = 0.3, .clip_high = 0.28, .is_level = IsLevel::Token,
+                                       .is_cap = 1.2, .is_mask = 4.0, .entropy_coef = 0.05};
     const auto t0 = std::chrono::steady_clock::now();
     test_case(rng, {"tiny", 13, 67, defaults});        // scalar path (V odd), one CTA
     test_case(rng, {"odd", 17, 1001, mixed});          // scalar path
@@ -557,6 +645,18 @@ int main(int argc, char** argv) {
     test_case(rng, {"clipped tiny", 13, 67, clipped});  // scalar path
     test_case(rng, {"clipped llama3", 64, 128256, clipped});
     test_case(rng, {"clipped qwen mixed", 24, 151936, clipped_mixed});
+    test_case(rng, {"gspo tiny", 13, 67, gspo});
+    test_case(rng, {"gspo llama3", 64, 128256, gspo});
+    test_case(rng, {"gspo paper clip qwen", 24, 151936, gspo_paper, false, 4e-4});
+    test_case(rng, {"cispo llama3", 64, 128256, cispo});
+    test_case(rng, {"cispo no lower bound odd", 17, 1001, cispo_no_low, false, 0.3, false});
+    // Under importance sampling the objectives' ratio is 1: their clips never act.
+    test_case(rng, {"is token clipped llama3", 64, 128256, is_token, false, 0.3, false});
+    test_case(rng, {"is sequence gspo qwen", 24, 151936, is_sequence, false, 0.3, false});
+    test_case(rng, {"entropy bonus llama3", 64, 128256, entropy});
+    test_case(rng, {"entropy cispo is-token odd", 17, 1001, everything, false, 0.3, false});
+    test_case(rng, {"entropy cispo is-token qwen", 24, 151936, everything, false, 0.3, false});
+    test_token_logprobs(rng);
     test_accumulate(rng);
     test_bad_rows(rng);
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

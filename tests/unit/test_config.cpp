@@ -609,3 +609,128 @@ TEST_CASE("every key the project relies on exists") {
 }
 
 }  // TEST_SUITE
+
+namespace {
+
+// An RL deck: rollout files instead of token files.
+const char* kRl = R"(
+[run]
+name = "rl"
+dir = "runs/rl"
+max_steps = 10
+[model]
+vocab_size = 16
+hidden_size = 32
+intermediate_size = 64
+num_layers = 2
+num_heads = 2
+[data]
+rollout_dir = "runs/rl/rollouts"
+seq_len = 16
+micro_batch = 4
+[loss]
+type = "rl"
+)";
+
+}  // namespace
+
+TEST_SUITE("config") {
+
+TEST_CASE("RL loss keys: the objectives, their clip defaults, aggregation, importance sampling, entropy, advantages") {
+  // Not given, the clip's bounds follow the objective: GSPO's paper values, CISPO without a lower bound.
+  const DeckResult gspo = parse(kRl, {"loss.objective=gspo"});
+  REQUIRE(gspo.ok());
+  CHECK(gspo.config.loss.clip_low == 3e-4);
+  CHECK(gspo.config.loss.clip_high == 4e-4);
+  const DeckResult cispo = parse(kRl, {"loss.objective=cispo"});
+  REQUIRE(cispo.ok());
+  CHECK(cispo.config.loss.clip_low == 1.0);
+  CHECK(cispo.config.loss.clip_high == 0.28);
+  const DeckResult clipped = parse(kRl, {"loss.objective=clipped"});
+  CHECK(clipped.config.loss.clip_low == 0.2);
+  CHECK(clipped.config.loss.clip_high == 0.28);
+  const DeckResult given = parse(kRl, {"loss.objective=gspo", "loss.clip_low=0.01", "loss.clip_high=0.02"});
+  REQUIRE(given.ok());
+  CHECK(given.config.loss.clip_low == 0.01);
+  CHECK(given.config.loss.clip_high == 0.02);
+
+  // normalize = "constant": by default the most tokens a step's rollouts can hold (64 x 8 x 4).
+  const DeckResult constant = parse(kRl, {"loss.normalize=constant"});
+  REQUIRE(constant.ok());
+  CHECK(constant.config.loss.normalize_constant == 64.0 * 8 * 4);
+  const DeckResult budget = parse(kRl, {"loss.normalize=constant", "rollout.max_new_tokens=100", "rollout.n=8"});
+  CHECK(budget.config.loss.normalize_constant == 100.0 * 8 * 8);
+  CHECK(parse(kRl, {"loss.normalize=constant", "loss.normalize_constant=512"}).config.loss.normalize_constant == 512.0);
+
+  const DeckResult is = parse(kRl, {"loss.is_level=sequence", "loss.is_cap=3", "loss.is_mask=8", "loss.entropy_coef=0.01",
+                                    "rollout.advantage=rloo"});
+  for (const auto& e : is.errors) MESSAGE(e);
+  REQUIRE(is.ok());
+  const RlLossParams p = rl_loss_params(is.config.loss);
+  CHECK(p.is_level == IsLevel::Sequence);
+  CHECK(p.is_cap == 3.0);
+  CHECK(p.is_mask == 8.0);
+  CHECK(p.entropy_coef == 0.01);
+  CHECK(p.needs_sequence_terms());
+  CHECK(is.config.rollout.advantage == "rloo");
+  CHECK(parse(kRl, {"rollout.advantage=batch_std"}).ok());
+  CHECK(rl_loss_params(gspo.config.loss).objective == RlObjective::Gspo);
+  CHECK(rl_loss_params(gspo.config.loss).needs_sequence_terms());          // GSPO's ratio needs its sample
+  CHECK(!rl_loss_params(parse(kRl, {"loss.objective=gspo", "loss.is_level=token"}).config.loss).needs_sequence_terms());
+  CHECK(rl_loss_params(cispo.config.loss).objective == RlObjective::Cispo);
+  CHECK(!rl_loss_params(cispo.config.loss).needs_sequence_terms());
+
+  // The echo writes the resolved values and reads back as the same deck.
+  const std::string echo = resolved_deck(gspo.config);
+  CHECK(echo.find("clip_low = 0.0003\n") != std::string::npos);
+  CHECK(echo.find("# mask_high = ") != std::string::npos);  // the masked objective's, shown as a comment
+  const DeckResult back = parse_deck_text(echo, "config.toml", {}, 1);
+  for (const auto& e : back.errors) MESSAGE(e);
+  CHECK(back.ok());
+  CHECK(back.config.loss.clip_high == 4e-4);
+}
+
+TEST_CASE("RL loss keys: unknown values list the accepted ones, bad numbers and keys without meaning are refused") {
+  CHECK(only_error(parse(kRl, {"loss.objective=ppo"})) ==
+        "--set loss.objective=ppo: loss.objective = \"ppo\" is not accepted: it must be one of \"masked\", \"clipped\", "
+        "\"gspo\", \"cispo\"");
+  CHECK(only_error(parse(kRl, {"loss.normalize=mean"})) ==
+        "--set loss.normalize=mean: loss.normalize = \"mean\" is not accepted: it must be one of \"token\", "
+        "\"sequence\", \"constant\"");
+  CHECK(only_error(parse(kRl, {"loss.is_level=sample"})) ==
+        "--set loss.is_level=sample: loss.is_level = \"sample\" is not accepted: it must be one of \"none\", \"token\", "
+        "\"sequence\"");
+  CHECK(only_error(parse(kRl, {"rollout.advantage=median"})) ==
+        "--set rollout.advantage=median: rollout.advantage = \"median\" is not accepted: it must be one of "
+        "\"mean_std\", \"mean\", \"rloo\", \"batch_std\"");
+  CHECK(only_error(parse(kRl, {"loss.is_level=token", "loss.is_cap=0.5"})) ==
+        "--set loss.is_cap=0.5: loss.is_cap = 0.5 is out of range: it must be a finite number between 1 and 1000000");
+  CHECK(only_error(parse(kRl, {"loss.normalize=constant", "loss.normalize_constant=0"})) ==
+        "--set loss.normalize_constant=0: loss.normalize_constant = 0 is out of range: it must be a finite number > 0 "
+        "and <= 1e+15");
+  CHECK(only_error(parse(kRl, {"loss.entropy_coef=-1"})) ==
+        "--set loss.entropy_coef=-1: loss.entropy_coef = -1 is out of range: it must be a finite number between 0 "
+        "and 1000000");
+  CHECK(only_error(parse(kRl, {"loss.is_level=token", "loss.is_mask=0.5"})) ==
+        "deck.toml: loss.is_mask = 0.5: tokens (samples) whose importance ratio is outside [1 / is_mask, is_mask] "
+        "carry no loss, so it must be > 1 (e.g. 2 or 8), or 0 to keep them all");
+  CHECK(only_error(parse(kRl, {"loss.normalize_constant=100"})) ==
+        "deck.toml: loss.normalize_constant is the divisor of loss.normalize = \"constant\"; loss.normalize is \"token\" "
+        "here");
+  CHECK(only_error(parse(kRl, {"loss.is_cap=3"})) ==
+        "deck.toml: loss.is_cap bounds the importance weight of loss.is_level = \"token\" or \"sequence\"; "
+        "loss.is_level is \"none\" here");
+  CHECK(only_error(parse(kRl, {"loss.objective=cispo", "loss.mask_low=0.1"})) ==
+        "deck.toml: loss.mask_low is loss.objective = \"masked\"'s; with \"cispo\" the ratio is bounded by "
+        "loss.clip_low / loss.clip_high");
+  CHECK(only_error(parse(kRl, {"loss.clip_high=0.3"})) ==
+        "deck.toml: loss.clip_high bounds the ratio of loss.objective = \"clipped\", \"gspo\" or \"cispo\"; "
+        "loss.objective is \"masked\" here");
+  // The RL loss's keys in an SFT deck.
+  CHECK(only_error(parse(kValid, {"loss.entropy_coef=0.01"})) ==
+        "deck.toml: loss.entropy_coef sets the RL policy loss; it needs loss.type = \"rl\"");
+  CHECK(only_error(parse(kValid, {"loss.is_level=token"})) ==
+        "deck.toml: loss.is_level sets the RL policy loss; it needs loss.type = \"rl\"");
+}
+
+}  // TEST_SUITE

@@ -93,9 +93,9 @@ template <class T>
 RlChunkStats run_kernel(const Chunk& c, const RlLossParams& p, double grad_scale, std::vector<T>& dlogits) {
   dlogits.assign(c.logits.begin(), c.logits.end());
   const std::vector<T> w(c.weights.begin(), c.weights.end());
-  return cpu::rl_loss_forward_backward<T>(dlogits.data(), c.targets.data(), w.data(), c.advantages.data(),
-                                          c.logprobs_inf.data(), c.temperatures.data(), p, T(grad_scale), c.n,
-                                          c.V);
+  const shardlm::RlTokenInputs in{.advantages = c.advantages.data(), .inference_logprobs = c.logprobs_inf.data(),
+                                  .temperatures = c.temperatures.data()};
+  return cpu::rl_loss_forward_backward<T>(dlogits.data(), c.targets.data(), w.data(), in, p, T(grad_scale), c.n, c.V);
 }
 
 // The kernel's own logp for every row (float, as an inference server would send).
@@ -179,7 +179,7 @@ TEST_CASE("loss, gradients and statistics match a float64 reference (temperature
   std::mt19937_64 rng(21);
   const Chunk c = random_chunk(rng, 60, 9);
   const double grad_scale = 1.0 / 37;
-  for (const RlLossParams p : {RlLossParams{}, RlLossParams{.mask_high = 0.1, .mask_low = 0.3,
+  for (const RlLossParams& p : {RlLossParams{}, RlLossParams{.mask_high = 0.1, .mask_low = 0.3,
                                                             .kl_coef = 0.05, .ce_coef = 0.4}}) {
     CAPTURE(p.ce_coef);
     const Reference ref = reference(c, p, grad_scale);
@@ -456,7 +456,7 @@ TEST_CASE("clipped surrogate: a hand-computed chunk, both clip sides, gradient z
   c.temperatures = {1, 1, 1, 1};
   c.logprobs_inf = {std::log(0.4f), std::log(0.4f), std::log(0.8f), std::log(0.8f)};
   RlLossParams p;
-  p.clipped = true;
+  p.objective = shardlm::RlObjective::Clipped;
   p.clip_low = 0.2;
   p.clip_high = 0.2;
   p.kl_coef = 0;
@@ -482,7 +482,7 @@ TEST_CASE("clipped surrogate: finite differences in double away from the clip bo
   std::mt19937_64 rng(31);
   Chunk c = random_chunk(rng, 24, 7);
   RlLossParams p;
-  p.clipped = true;
+  p.objective = shardlm::RlObjective::Clipped;
   p.clip_low = 0.2;
   p.clip_high = 0.28;
   p.kl_coef = 0.05;

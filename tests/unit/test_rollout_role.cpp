@@ -145,18 +145,34 @@ TEST_CASE("several components: the reward is their weighted sum, each component'
         std::vector<double>{1.5, 2.0, -0.5});
 }
 
-TEST_CASE("group advantages by hand: mean and std per prompt, or the mean only") {
+TEST_CASE("group advantages by hand: mean and std per prompt, the mean only, leave-one-out, the batch std") {
   const std::vector<double> rewards = {1, 0, 0, 1, 1, 1, 1, 1, 0, 0, 0, 3};
-  const std::vector<float> a = group_advantages(rewards, 4, true);
+  const std::vector<float> a = group_advantages(rewards, 4, "mean_std");
   // group 0: mean 0.5, population std 0.5; group 1: all equal -> 0; group 2: mean 0.75, std sqrt(27/16)
   const double s0 = 0.5 / (0.5 + 1e-6), s2 = 1.0 / (std::sqrt(27.0 / 16.0) + 1e-6);
   const std::vector<double> expected = {s0, -s0, -s0, s0, 0, 0, 0, 0, -0.75 * s2, -0.75 * s2, -0.75 * s2, 2.25 * s2};
   for (size_t i = 0; i < expected.size(); ++i) CHECK(a[i] == doctest::Approx(expected[i]).epsilon(1e-6));
-  const std::vector<float> m = group_advantages(rewards, 4, false);
+  const std::vector<float> m = group_advantages(rewards, 4, "mean");
   CHECK(m[0] == doctest::Approx(0.5));
   CHECK(m[1] == doctest::Approx(-0.5));
   CHECK(m[4] == 0.0f);
   CHECK(m[11] == doctest::Approx(2.25));
+  // Leave-one-out (RLOO): group 0's first sample, 1 - mean(0, 0, 1) = 2/3; group 2's last, 3 - 0 = 3.
+  const std::vector<float> l = group_advantages(rewards, 4, "rloo");
+  CHECK(l[0] == doctest::Approx(2.0 / 3.0));
+  CHECK(l[1] == doctest::Approx(-2.0 / 3.0));
+  CHECK(l[4] == 0.0f);
+  CHECK(l[11] == doctest::Approx(3.0));
+  // batch_std: each group's mean, then the population std of all 12 rewards.
+  double mean = 0, var = 0;
+  for (double r : rewards) mean += r / 12;
+  for (double r : rewards) var += (r - mean) * (r - mean) / 12;
+  const std::vector<float> b = group_advantages(rewards, 4, "batch_std");
+  CHECK(b[0] == doctest::Approx(0.5 / (std::sqrt(var) + 1e-6)).epsilon(1e-6));
+  CHECK(b[11] == doctest::Approx(2.25 / (std::sqrt(var) + 1e-6)).epsilon(1e-6));
+  CHECK_THROWS_WITH_AS(group_advantages(rewards, 4, "median"),
+                       "rollout.advantage = \"median\" is not one of \"mean_std\", \"mean\", \"rloo\", \"batch_std\"",
+                       Error);
 }
 
 TEST_CASE("prompts of each step: every prompt once per pass over the file, seeded") {
