@@ -48,10 +48,12 @@ int cmd_check(const Runtime& rt, const CliArgs& args) {
 // `shardlm generate DECK` beside the trainers: the RL job's inference ranks
 // (src/infer/rollout.hpp). Stop signals as for the receiver: the trainers decide.
 int cmd_inference_role(Runtime& rt, const CliArgs& args) {
-  install_stop_signal_handlers();
   Config config;
   if (!load_deck(rt, args, rt.num_trainers, config)) return 1;
   if (config.device.cpu_threads > 0) omp_set_num_threads(static_cast<int>(config.device.cpu_threads));
+  // Its waits for the trainers and for each other are watched (shardlm/comm.hpp).
+  set_collective_timeout(config.comm.timeout_s);
+  start_watchdog(config.comm.timeout_s);
   // The sampler's backend, as the trainers resolve theirs ("auto": cuda when a GPU is there).
   select_device(rt, config.device.backend);
   return run_inference_role(config, rt);
@@ -59,10 +61,11 @@ int cmd_inference_role(Runtime& rt, const CliArgs& args) {
 
 int cmd_receive(Runtime& rt, const CliArgs& args) {
   // Slurm (--signal=USR1@T) and mpirun signal every task: the receiver takes
-  // the same stop signals as the trainers and exits with their decision.
-  install_stop_signal_handlers();
+  // the same stop signals as the trainers (handlers from main's start) and
+  // exits with their decision.
   Config config;
   if (!load_deck(rt, args, rt.num_trainers, config)) return 1;
+  set_collective_timeout(config.comm.timeout_s);  // its waits for the trainers (shardlm/comm.hpp)
   start_watchdog(config.comm.timeout_s);  // the filesystem path's reads and fsyncs are watched like the trainers'
   const auto out = args.options.count("out") ? args.options.at("out") : std::string();
   return run_receiver(config, rt, out);
@@ -106,10 +109,9 @@ void export_final_weights(const Config& config, TrainSession& session, Comm& com
 }
 
 int cmd_train(Runtime& rt, const CliArgs& args) {
-  // SIGUSR1/SIGTERM/SIGINT set a flag from the very start: a stop during setup
-  // (the run-dir lock, the session build: minutes at 8B) ends the run cleanly
-  // below, with run.lock released, instead of killing the process.
-  install_stop_signal_handlers();
+  // SIGUSR1/SIGTERM/SIGINT set a flag from main's start: a stop during setup
+  // (MPI's start-up, the run-dir lock, the session build: minutes at 8B) ends
+  // the run cleanly below, with run.lock released, instead of killing the process.
   // config: the deck, agreed by the whole job; runtime: watchdogs, device, communicators
   Config config;
   if (!load_deck(rt, args, rt.num_trainers, config)) return 1;
@@ -203,10 +205,18 @@ int main(int argc, char** argv) {
     }
   }
 
+  // A job's ranks take stop signals as a stop from their first instruction on:
+  // MPI's start-up takes a fraction of a second, and Slurm or mpirun may signal
+  // a task that is still in it (the flag is read once the run is set up).
+  const bool job_command = args.command == "train" || args.command == "receive" || args.command == "generate";
+  if (job_command) install_stop_signal_handlers();
   Runtime rt = runtime_init(&argc, &argv,
                             args.command == "receive"    ? Role::Receive
                             : args.command == "generate" ? Role::Generate
                                                          : Role::Train);
+  // `generate` without trainers samples standalone: a stop signal ends it as it
+  // would any program (one seen during start-up is delivered now).
+  if (args.command == "generate" && rt.num_trainers == 0) restore_default_stop_signals();
   int rc = 1;
   try {
     rc = args.command == "check" ? cmd_check(rt, args)

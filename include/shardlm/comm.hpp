@@ -59,6 +59,33 @@ void set_collective_timeout(double seconds);
 // agreements: MPI_Iallreduce and the like) under the same watch as the Comm's
 // collectives on that communicator. `what` names it in the message.
 void wait_collective(MPI_Comm comm, MPI_Request* request, const char* what);
+// The two sides of an RL job (the trainers, the inference ranks) meet on one
+// link communicator: trainer rank 0 and the inference ranks, the weight
+// broadcast's. Waiting for the other side is watched by that side's progress
+// and bounded by data.rollout_timeout_s, never ended because one collective
+// outlasted comm.timeout_s:
+//   - a rank waiting on the link answers its own side's queries as busy (its
+//     side waits on for it), and asks the other side where it is after
+//     comm.timeout_s; that side answers at its progress points (decode steps,
+//     the reward program's wait, micro-batches, its own collectives), and one
+//     that gives no answer for another comm.timeout_s is stopped, dead or stuck:
+//     the job ends naming it and its side;
+//   - a rank waiting in a collective of its own side answers the link's queries
+//     as busy;
+//   - the whole wait on the link ends the job past `bound_s` seconds.
+void mark_link_communicator(MPI_Comm link);
+// Waits for `request`, an operation with the other side started on `link`
+// (marked as the link); `what` names it and must be the same on both sides.
+// watch_peers = false: the other side is not asked where it is, only bound_s
+// ends the wait (the trainers' setup, minutes at 8B, answers nobody).
+void wait_for_other_side(MPI_Comm link, MPI_Request* request, const char* what, double bound_s,
+                         bool watch_peers = true);
+// For a rank of the link waiting for the other side outside any collective
+// (trainer rank 0 polling for rollout files), called as it polls, `waited_s`
+// into the wait: every comm.timeout_s it asks the other side where it is, and
+// ends the job naming the ranks that give no answer within comm.timeout_s.
+// Does nothing on a rank that is not on a link.
+void watch_other_side(const char* what, double waited_s);
 // Where a peer that answered a timed-out collective's query is, relative to
 // collective `what` #seq on this rank: in it, in the next ones (it finished
 // this one: a collective can complete on one rank first, e.g. a broadcast's

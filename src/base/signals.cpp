@@ -41,6 +41,11 @@ void install_stop_signal_handlers() {
   sigaction(SIGINT, &sa, nullptr);
 }
 
+void restore_default_stop_signals() {
+  for (int sig : {SIGUSR1, SIGTERM, SIGINT}) signal(sig, SIG_DFL);
+  if (g_stop_signal != 0) raise(g_stop_signal);
+}
+
 bool stop_requested(MPI_Comm comm) {
   int mine[2] = {g_stop_signal, g_run_dir_lost.load()}, any[2] = {0, 0};
   MPI_Request request;  // watched: a rank that never arrives ends the job

@@ -21,6 +21,9 @@ constexpr int kExitCheckpointFailed = 74;  // EX_IOERR: a save failed and ckpt.o
 // SIGUSR1, SIGTERM and SIGINT set a flag; a second SIGINT ends the process at once
 // (the handler only writes one line to stderr and sets the flag).
 void install_stop_signal_handlers();
+// The default actions back (a program that does not read the flag); a stop
+// signal already seen is raised again, so it ends the process as it would have.
+void restore_default_stop_signals();
 // Collective: true on every rank when any rank has seen a stop signal.
 bool stop_requested(MPI_Comm trainers);
 // The same through the trainers' Comm, whose all-reduce is watched (comm.timeout_s):

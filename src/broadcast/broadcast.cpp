@@ -70,6 +70,20 @@ void bcast_bytes(void* data, int64_t bytes, MPI_Comm comm) {
   }
 }
 
+// The header of a broadcast, from trainer rank 0 to the receivers, then a
+// barrier: the units that follow go to receivers that are all there, never to
+// one still sampling (the trainers would wait on it in a collective of theirs).
+// A wait for the other side of the job (comm.hpp): watched by its progress,
+// bounded by `bound_s`; `watch_peers` false while the trainers may still be
+// setting up (the first broadcast).
+void exchange_header(Header& h, MPI_Comm link, double bound_s, bool watch_peers) {
+  MPI_Request r;
+  MPI_CHECK(MPI_Ibcast(&h, sizeof h, MPI_BYTE, 0, link, &r));
+  wait_for_other_side(link, &r, "weight broadcast header", bound_s, watch_peers);
+  MPI_CHECK(MPI_Ibarrier(link, &r));
+  wait_for_other_side(link, &r, "weight broadcast start", bound_s, watch_peers);
+}
+
 int64_t max_padded(const ModelLayout& l) {
   int64_t n = 0;
   for (const auto& u : l.units) n = std::max(n, u.padded_numel);
@@ -239,7 +253,7 @@ void WeightBroadcaster::send_over_comm(const ShardedModel& model, int64_t step) 
   h.step = step;
   h.units = static_cast<int64_t>(layout.units.size());
   for (const auto& u : layout.units) h.bytes += 2 * u.numel;
-  if (root) bcast_bytes(&h, sizeof h, bcomm);
+  if (root) exchange_header(h, bcomm, config_.data.rollout_timeout_s, true);
   // Transient memory: one gathered unit (fp32 here) and its bf16 copy.
   Buffer<float> full(Mem::Workspace, max_padded(layout));
   Buffer<uint16_t> bf16(Mem::Workspace, max_padded(layout));
@@ -277,7 +291,7 @@ void WeightBroadcaster::send_from_device(Engine& engine, const ModelLayout& layo
   h.units = static_cast<int64_t>(layout.units.size());
   for (const auto& u : layout.units) h.bytes += 2 * u.numel;
   if (root) {
-    bcast_bytes(&h, sizeof h, bcomm);
+    exchange_header(h, bcomm, config_.data.rollout_timeout_s, true);
     if (!device_bcast_) {  // collective with the receivers, which make theirs on this header
       device_bcast_ = make_device_comm(*host_bcast_, device_kind_, backend.stream(), 2 * max_padded(layout),
                                        config_.comm.timeout_s);
@@ -470,7 +484,7 @@ void WeightBroadcaster::finish(int exit_code) {
       Header h;
       h.kind = kDone;
       h.exit_code = exit_code;
-      bcast_bytes(&h, sizeof h, rt_.broadcast_comm);
+      exchange_header(h, rt_.broadcast_comm, config_.data.rollout_timeout_s, true);
     }
     device_bcast_.reset();
     release_gathered_unit();
@@ -591,7 +605,11 @@ WeightReceiver::Got WeightReceiver::next(bool wait, bool newest_only, const Sink
 WeightReceiver::Got WeightReceiver::next_over_comm(const Sink& sink, const DeviceSink& device_sink) {
   State& st = *state_;
   Header h;
-  bcast_bytes(&h, sizeof h, rt_.broadcast_comm);
+  // Sampling ranks wait for the trainers at most data.rollout_timeout_s (the
+  // first weights after the trainers' setup, the next after a step); a
+  // `receive` rank waits as long as the trainers train between broadcasts.
+  const bool sampler = rt_.role == Role::Generate;
+  exchange_header(h, rt_.broadcast_comm, sampler ? config_.data.rollout_timeout_s : 0, received_ > 0);
   maybe_inject_fault("receive");
   SHARDLM_CHECK(h.magic == kMagic, "receive: the trainer sent a header that is not shardlm's");
   if (h.kind == kDone) {

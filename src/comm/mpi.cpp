@@ -62,15 +62,21 @@ class CollectiveWatch {
   CollectiveWatch(const CollectiveWatch&) = delete;
   CollectiveWatch& operator=(const CollectiveWatch&) = delete;
   int64_t next_seq() { return ++issued_; }
+  void mark_link() { link_ = true; }
 
-  void wait(MPI_Request* request, const char* what, int64_t seq) {
+  // bound_s > 0: the whole wait is bounded (a wait for the other side of an RL
+  // job: data.rollout_timeout_s), however busy the ranks waited for are.
+  // watch_peers false: the ranks waited for are not asked where they are (a
+  // side still setting up, which answers nobody): only bound_s ends the wait.
+  void wait(MPI_Request* request, const char* what, int64_t seq, double bound_s = 0, bool watch_peers = true) {
     if (g_collective_timeout_s <= 0) {
       MPI_CHECK(MPI_Wait(request, MPI_STATUS_IGNORE));
       return;
     }
     const InCollective in_collective;  // this clock bounds the wait, not the enclosing Activity's
     using clock = std::chrono::steady_clock;
-    auto start = clock::now();  // restarts while a rank waited for is busy and progressing
+    const auto first = clock::now();
+    auto start = first;         // restarts while a rank waited for is busy and progressing
     double next_look_s = 0.01;  // answer queries and check the clock's verdict every 10 ms
     for (int64_t polls = 0;; ++polls) {
       int done = 0;
@@ -85,11 +91,31 @@ class CollectiveWatch {
       if (waited_s < next_look_s) continue;
       next_look_s = waited_s + 0.01;
       answer_queries(what, seq, false);
-      if (waited_s > g_collective_timeout_s && peers_busy(what, seq, waited_s)) {
+      answer_other_communicators(what);
+      const double total_s = std::chrono::duration<double>(clock::now() - first).count();
+      if (bound_s > 0 && total_s > bound_s)
+        fatal(fmt("%s has waited %.1f s for the other side of the job, past data.rollout_timeout_s = %g: %s kept "
+                  "working (it answered as busy) but did not arrive",
+                  what, total_s, bound_s, rank_ == 0 ? "the inference ranks" : "the trainers"),
+              hang_exit_code());
+      if (watch_peers && waited_s > g_collective_timeout_s && peers_busy(what, seq, waited_s)) {
         start = clock::now();
         next_look_s = 0.01;
       }
     }
+  }
+
+  // While this rank waits in a collective here, the ranks that ask from its
+  // other communicators hear that it is busy: a wait on the link (the two
+  // sides of an RL job) is busy work for its own side, which waits on, and a
+  // wait among one side's ranks is busy work as the other side sees it. Both
+  // stay bounded: the link's waits by data.rollout_timeout_s, a side's own
+  // collectives by their watch. (Within one side, a rank in a collective of
+  // one communicator is never called busy on another: two ranks waiting on
+  // each other there would wait forever.)
+  void answer_other_communicators(const char* what) {
+    for (CollectiveWatch* w : live_watches())
+      if (w != this && (link_ || w->link_)) w->answer_queries(what, -1, true);
   }
 
   // Tell every rank that asked where this rank is: waiting in collective
@@ -118,9 +144,16 @@ class CollectiveWatch {
   // query answered (an answer that comes after its round ended is ignored).
   struct Answer { int64_t query_id; int64_t seq; char what[96]; };
 
-  // Past the bound: asks every rank where it is. Returns true when every rank
-  // answered and some are busy making progress (wait on); ends the job otherwise.
-  bool peers_busy(const char* what, int64_t seq, double waited_s) {
+  // One round of "where are you?": every other rank asked, the answers
+  // collected for a grace period. This rank is in collective `what` #seq, or
+  // busy in `what` outside any collective (seq < 0).
+  struct Round {
+    std::vector<int> answered;
+    std::vector<Answer> answer;
+    int count = 1;    // ranks that answered, this one included
+    double grace_s = 0;
+  };
+  Round ask_everyone(const char* what, int64_t seq) {
     const int64_t query_id = queries_.emplace_back(int64_t(queries_.size()) + 1);  // stable address for the sends
     for (int r = 0; r < size_; ++r) {
       if (r == rank_) continue;
@@ -130,17 +163,28 @@ class CollectiveWatch {
     }
     // A grace period for the answers: a rank that is waiting answers within
     // milliseconds, a busy one at its next progress; one that is stopped, dead
-    // or stuck never does.
-    const double grace_s = std::min(10.0, std::max(1.0, 0.2 * g_collective_timeout_s));
-    std::vector<int> answered(size_t(size_), 0);
-    std::vector<Answer> answer(static_cast<size_t>(size_));
+    // or stuck never does. On the link, the other side answers at its progress
+    // points (a decode step, a micro-batch), which may be seconds apart: it has
+    // comm.timeout_s to answer.
+    Round round;
+    round.grace_s = link_ ? g_collective_timeout_s : std::min(10.0, std::max(1.0, 0.2 * g_collective_timeout_s));
+    // A rank last heard busy answers at its next progress point: as on the link.
+    last_busy_.resize(size_t(size_));
+    for (const std::string& b : last_busy_)
+      if (!b.empty()) round.grace_s = std::max(round.grace_s, g_collective_timeout_s);
+    round.answered.assign(size_t(size_), 0);
+    round.answer.assign(size_t(size_), Answer{});
+    std::vector<int>& answered = round.answered;
+    std::vector<Answer>& answer = round.answer;
+    int& count = round.count;
     answered[size_t(rank_)] = 1;
     answer[size_t(rank_)].seq = seq;
     std::snprintf(answer[size_t(rank_)].what, sizeof(Answer::what), "%s", what);
     const auto start = std::chrono::steady_clock::now();
-    int count = 1;
-    while (count < size_ && std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() < grace_s) {
-      answer_queries(what, seq, false);  // the others time out too and ask us
+    while (count < size_ &&
+           std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() < round.grace_s) {
+      answer_queries(what, seq, seq < 0);  // the others time out too and ask us
+      if (seq >= 0) answer_other_communicators(what);
       int flag = 0;
       MPI_Status status;
       MPI_CHECK(MPI_Iprobe(MPI_ANY_SOURCE, kAnswerTag, comm_, &flag, &status));
@@ -156,6 +200,35 @@ class CollectiveWatch {
       answered[size_t(status.MPI_SOURCE)] = 1;
       answer[size_t(status.MPI_SOURCE)] = a;
     }
+    for (int r = 0; r < size_; ++r)
+      if (answered[size_t(r)] && r != rank_) last_busy_[size_t(r)] = answer[size_t(r)].seq < 0 ? answer[size_t(r)].what : "";
+    return round;
+  }
+
+ public:
+  // Outside any collective here (trainer rank 0 waiting for rollout files):
+  // asks the other ranks where they are; any answer will do. One that gives
+  // none within the grace period is stopped, dead or stuck: the job ends naming it.
+  void expect_answers(const char* what, double waited_s) {
+    const Round round = ask_everyone(what, -1);
+    if (round.count == size_) return;
+    std::vector<int> missing;
+    for (int r = 0; r < size_; ++r)
+      if (!round.answered[size_t(r)]) missing.push_back(r);
+    fatal(fmt("%s for %.1f s: rank%s %s gave no answer within %.1f s (stopped, dead, or stuck)", what, waited_s,
+              missing.size() == 1 ? "" : "s", ranks_on_nodes(missing).c_str(), round.grace_s),
+          hang_exit_code());
+  }
+
+ private:
+  // Past the bound: asks every rank where it is. Returns true when every rank
+  // answered and some are busy making progress (wait on); ends the job otherwise.
+  bool peers_busy(const char* what, int64_t seq, double waited_s) {
+    const Round round = ask_everyone(what, seq);
+    const std::vector<int>& answered = round.answered;
+    const std::vector<Answer>& answer = round.answer;
+    const int count = round.count;
+    const double grace_s = round.grace_s;
     bool any_busy = false;
     for (int r = 0; r < size_; ++r) any_busy |= answered[size_t(r)] && answer[size_t(r)].seq == -1;
     if (count == size_ && any_busy) return true;  // everyone is alive; the busy ones are working
@@ -176,17 +249,23 @@ class CollectiveWatch {
     // one in an earlier collective has not reached this one yet; only a rank in
     // a different collective with the same number called something else.
     std::vector<int> missing_ranks, waiting_ranks;
-    std::string ahead, behind, mismatched;
+    std::string ahead, behind, mismatched, quiet;
     for (int r = 0; r < size_; ++r) {
       const int world = world_rank_[size_t(r)];
       const Answer& a = answer[size_t(r)];
-      const std::string where = fmt("%d on %s in %s #%lld", world, world_rank_host(world), a.what, (long long)a.seq);
+      const std::string where = fmt("%d on %s%s in %s #%lld", world, world_rank_host(world), side_of(r).c_str(),
+                                    a.what, (long long)a.seq);
+      if (!answered[size_t(r)] && !last_busy_[size_t(r)].empty()) {  // it may be ending the job itself
+        quiet += fmt("%s%d on %s%s, last heard busy in %s", quiet.empty() ? "" : ", ", world, world_rank_host(world),
+                     side_of(r).c_str(), last_busy_[size_t(r)].c_str());
+        continue;
+      }
       if (!answered[size_t(r)]) {
-        missing_ranks.push_back(world);
+        missing_ranks.push_back(r);
         continue;
       }
       switch (where_is_peer(what, seq, a.what, a.seq)) {
-        case PeerPlace::Waiting: waiting_ranks.push_back(world); break;
+        case PeerPlace::Waiting: waiting_ranks.push_back(r); break;
         case PeerPlace::Mismatch: mismatched += (mismatched.empty() ? "" : ", ") + where; break;
         case PeerPlace::Ahead: ahead += (ahead.empty() ? "" : ", ") + where; break;
         case PeerPlace::Behind: behind += (behind.empty() ? "" : ", ") + where; break;
@@ -194,11 +273,14 @@ class CollectiveWatch {
       }
     }
     const std::string missing = ranks_on_nodes(missing_ranks), waiting = ranks_on_nodes(waiting_ranks);
+    const char* stalled = link_ ? " (stopped, dead, or stuck: it has not answered for comm.timeout_s)"
+                                : " (stopped, dead, or stuck outside any collective)";
     std::string message = fmt("collective %s (#%lld of a communicator of %d ranks) has not completed after %.1f s "
                               "(comm.timeout_s = %g): ", what, (long long)seq, size_, waited_s, g_collective_timeout_s);
     if (!missing.empty())
-      message += fmt("rank%s %s did not arrive (stopped, dead, or stuck outside any collective); ",
-                     missing.find(',') == std::string::npos ? "" : "s", missing.c_str());
+      message += fmt("rank%s %s did not arrive%s; ", missing.find(',') == std::string::npos ? "" : "s",
+                     missing.c_str(), stalled);
+    if (!quiet.empty()) message += "no answer since from rank " + quiet + "; ";
     if (!behind.empty()) message += "not there yet, in an earlier collective: rank " + behind + "; ";
     if (!ahead.empty()) message += "done with it and waiting in the next: rank " + ahead + "; ";
     if (!mismatched.empty()) message += "in a different collective of the same number (a mismatch): rank " + mismatched + "; ";
@@ -206,25 +288,35 @@ class CollectiveWatch {
     fatal(message, hang_exit_code());
   }
 
-  // "2, 3 on mn2, 5 on mn3": world ranks with the node each runs on (from
-  // runtime_init), a node named once after its run of ranks.
-  static std::string ranks_on_nodes(const std::vector<int>& world_ranks) {
+  // "2, 3 on mn2, 5 on mn3": the world ranks of these ranks of the
+  // communicator with the node each runs on (from runtime_init), a node named
+  // once after its run of ranks; on the link, with the side each is on.
+  std::string ranks_on_nodes(const std::vector<int>& ranks) const {
     std::string text;
-    for (size_t i = 0; i < world_ranks.size(); ++i) {
-      const char* host = world_rank_host(world_ranks[i]);
-      text += (i ? ", " : "") + std::to_string(world_ranks[i]);
-      if (i + 1 == world_ranks.size() || std::strcmp(host, world_rank_host(world_ranks[i + 1])) != 0)
+    for (size_t i = 0; i < ranks.size(); ++i) {
+      const int world = world_rank_[size_t(ranks[i])];
+      const char* host = world_rank_host(world);
+      text += (i ? ", " : "") + std::to_string(world);
+      if (i + 1 == ranks.size() || std::strcmp(host, world_rank_host(world_rank_[size_t(ranks[i + 1])])) != 0)
         text += fmt(" on %s", host);
+      text += side_of(ranks[i]);
     }
     return text;
+  }
+  // The link's rank 0 is trainer rank 0, the others the inference ranks in order.
+  std::string side_of(int r) const {
+    if (!link_) return "";
+    return r == 0 ? " (trainer rank 0)" : fmt(" (inference rank %d)", r - 1);
   }
 
   MPI_Comm comm_;
   int rank_ = 0, size_ = 1;
+  bool link_ = false;               // the communicator the two sides of an RL job meet on (mark_link_communicator)
   int64_t issued_ = 0;              // collectives started on this communicator, in the order every rank starts them
   std::vector<int> world_rank_;     // [rank of comm_] -> MPI_COMM_WORLD rank, for the message
   std::deque<Answer> answers_out_;  // buffers of answers in flight (stable addresses)
   std::deque<int64_t> queries_;     // buffers of queries sent, numbered from 1
+  std::vector<std::string> last_busy_;  // [rank]: where it last answered busy ("": not busy, or not asked yet)
 };
 
 PeerPlace where_is_peer(const char* what, int64_t seq, const char* their_what, int64_t their_seq) {
@@ -259,6 +351,30 @@ CollectiveWatch& watch_of(MPI_Comm comm) {
 void wait_collective(MPI_Comm comm, MPI_Request* request, const char* what) {
   CollectiveWatch& watch = watch_of(comm);
   watch.wait(request, what, watch.next_seq());
+}
+
+namespace {
+MPI_Comm g_link = MPI_COMM_NULL;  // this rank's link communicator, once marked
+}  // namespace
+
+void mark_link_communicator(MPI_Comm link) {
+  watch_of(link).mark_link();
+  g_link = link;
+}
+
+void watch_other_side(const char* what, double waited_s) {
+  if (g_link == MPI_COMM_NULL || g_collective_timeout_s <= 0) return;
+  static double last_asked_s = -1;  // per wait: waited_s starts again from 0
+  if (waited_s < last_asked_s) last_asked_s = 0;
+  if (waited_s - last_asked_s < g_collective_timeout_s) return;
+  last_asked_s = waited_s;
+  watch_of(g_link).expect_answers(what, waited_s);
+}
+
+void wait_for_other_side(MPI_Comm link, MPI_Request* request, const char* what, double bound_s, bool watch_peers) {
+  mark_link_communicator(link);
+  CollectiveWatch& watch = watch_of(link);
+  watch.wait(request, what, watch.next_seq(), bound_s, watch_peers);
 }
 
 void answer_collective_queries(const char* busy_in) {

@@ -140,6 +140,8 @@ Runtime runtime_init(int* argc, char*** argv, Role role) {
   const bool joins = rt.role != Role::Train || rt.rank == 0;
   MPI_CHECK(MPI_Comm_split(MPI_COMM_WORLD, joins ? 0 : MPI_UNDEFINED, rt.world_rank, &rt.broadcast_comm));
   if (rt.num_receivers == 0 && rt.broadcast_comm != MPI_COMM_NULL) MPI_CHECK(MPI_Comm_free(&rt.broadcast_comm));
+  // Where the two sides of the job meet: their waits for each other are watched there (comm.hpp).
+  if (rt.broadcast_comm != MPI_COMM_NULL) mark_link_communicator(rt.broadcast_comm);
   return rt;
 }
 

@@ -12,6 +12,7 @@
 #include <thread>
 #include <utility>
 
+#include "shardlm/comm.hpp"  // answer_collective_queries
 #include "shardlm/error.hpp"
 #include "shardlm/h5util.hpp"
 
@@ -372,6 +373,9 @@ std::string wait_for_rollouts(const std::string& dir, int64_t step, double timeo
                    static_cast<long long>(step), path.c_str(), waited_s, timeout_s));
       while (next_progress_s <= waited_s) next_progress_s += progress_interval_s;
     }
+    answer_collective_queries("waiting for rollouts");  // bounded by timeout_s
+    // Trainer rank 0 of a job with inference ranks: are they still there?
+    watch_other_side(fmt("waiting for the rollouts of step %lld", static_cast<long long>(step)).c_str(), waited_s);
     const double sleep_s = std::min(0.1, std::max(0.0, timeout_s - waited_s));
     std::this_thread::sleep_for(std::chrono::duration<double>(sleep_s));
   }

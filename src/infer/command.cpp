@@ -15,6 +15,7 @@
 #include "data/token_encoder.hpp"
 #include "data/tokenizer.hpp"
 #include "infer/decoder_cuda.hpp"
+#include "shardlm/comm.hpp"
 #include "shardlm/config.hpp"
 #include "shardlm/cuda.hpp"
 #include "shardlm/h5util.hpp"
@@ -132,7 +133,11 @@ std::vector<Completion> gather(std::vector<Completion> mine, MPI_Comm comm) {
                 "count (use more ranks or fewer samples per call)", rank, bytes.size());
   int count = int(bytes.size());
   std::vector<int> counts(static_cast<size_t>(world)), displs(static_cast<size_t>(world));
-  MPI_CHECK(MPI_Gather(&count, 1, MPI_INT, counts.data(), 1, MPI_INT, 0, comm));
+  // Watched (comm.timeout_s): a rank still sampling answers as busy, one that
+  // stopped is named. In an RL job the trainers asking this rank hear it is busy.
+  MPI_Request request;
+  MPI_CHECK(MPI_Igather(&count, 1, MPI_INT, counts.data(), 1, MPI_INT, 0, comm, &request));
+  wait_collective(comm, &request, "completions gather");
   std::vector<char> all;
   if (rank == 0) {
     int64_t total = 0;

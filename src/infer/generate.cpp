@@ -6,6 +6,7 @@
 
 #include <omp.h>
 
+#include "shardlm/comm.hpp"  // answer_collective_queries
 #include "shardlm/error.hpp"
 
 namespace shardlm {
@@ -76,6 +77,8 @@ std::vector<Completion> generate(Decoder& decoder, std::span<const GenerateReque
 
   // Draws one token per row of `logits` for step_slots' sequences; ends those that stop.
   auto take = [&] {
+    // A step done: in an RL job, the trainers that ask where this rank is hear it is busy.
+    answer_collective_queries("sampling");
     const int64_t B = int64_t(step_slots.size());
     step_tokens.resize(size_t(B));
     const auto key = [&](int64_t b) {
