@@ -166,11 +166,14 @@ WeightBroadcaster::WeightBroadcaster(const Config& config, const Runtime& rt, Co
     : config_(config), rt_(rt), comm_(train_comm), enabled_(config.broadcast.backend != "none") {
   if (config.broadcast.backend == "filesystem" && rt.num_receivers > 0) {
     if (comm_.rank() != 0) return;
-    // A DONE an earlier job left would end the receivers at once: it is gone
-    // before the hello lets them look.
+    // A DONE an earlier launch left would end the receivers at once, and its
+    // step directories hold weights this launch may not have (a resume starts
+    // at its checkpoint, before them): all go before the hello lets the
+    // receivers look; start() writes the starting weights again.
     std::error_code ec;
     fs::create_directories(config.broadcast.dir, ec);
     fs::remove(fs::path(config.broadcast.dir) / "DONE", ec);
+    remove_step_dirs_after(-1);
     acked_.assign(static_cast<size_t>(rt.num_receivers), -1);
     receiver_done_.assign(static_cast<size_t>(rt.num_receivers), 0);
     Header hello;
@@ -235,7 +238,32 @@ bool WeightBroadcaster::due(int64_t steps_done) const {
 }
 
 void WeightBroadcaster::start(TrainSession& session, int64_t start_step) {
+  // Readers outside the job: the steps past this launch's start are an earlier
+  // launch's future, which this one will write again (or never, differently).
+  if (config_.broadcast.backend == "filesystem" && comm_.rank() == 0) remove_step_dirs_after(start_step);
   if (enabled_ && rt_.num_generators > 0) send(session, start_step);
+}
+
+void WeightBroadcaster::remove_step_dirs_after(int64_t step) {
+  std::vector<int64_t> removed;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(config_.broadcast.dir, ec)) {
+    const std::string name = e.path().filename().string();
+    if (!e.is_directory() || name.rfind("step_", 0) != 0) continue;
+    const int64_t s = std::atoll(name.c_str() + 5);
+    if (s <= step) continue;
+    fs::remove_all(e.path(), ec);
+    SHARDLM_CHECK(!ec, "broadcast: cannot remove %s, an earlier launch's weights: %s", e.path().c_str(),
+                  ec.message().c_str());
+    removed.push_back(s);
+  }
+  if (removed.empty()) return;
+  std::sort(removed.begin(), removed.end());
+  std::printf("broadcast: removed %zu step director%s an earlier launch left in %s (steps %lld..%lld%s): the "
+              "receivers take this launch's weights only\n", removed.size(), removed.size() == 1 ? "y" : "ies",
+              config_.broadcast.dir.c_str(), (long long)removed.front(), (long long)removed.back(),
+              step >= 0 ? fmt(", past the start at step %lld", (long long)step).c_str() : "");
+  std::fflush(stdout);
 }
 
 void WeightBroadcaster::send(TrainSession& session, int64_t steps_done) {

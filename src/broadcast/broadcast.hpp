@@ -98,6 +98,9 @@ class WeightBroadcaster {
   // have arrived; remove the step directories beyond the newest broadcast.keep
   // that every receiver has acknowledged. Returns how many are left.
   void take_acks();
+  // The filesystem path, rank 0: removes the step directories of steps after
+  // `step` (-1: all) that an earlier launch left, and says so.
+  void remove_step_dirs_after(int64_t step);
   size_t retire_step_dirs();
   // Collective over the trainers: while `waiting()` (asked on rank 0, after the
   // acknowledgements that arrived are taken) holds, comm.timeout_s has not

@@ -14,6 +14,9 @@
 #     the job resumed: rollouts.jsonl held steps 2 and 3 twice (8 rows for 6
 #     steps), now steps 0..5 once each, and the files of steps 2..5 are the
 #     resumed launch's;
+#   a job killed (kill -9) after step 5, then run again: its losses equal the
+#     uninterrupted run's over the MPI and the filesystem broadcast (the
+#     filesystem's resumed inference rank took the dead launch's newest weights);
 #   `check` accepted rollout.n = 1 (every group advantage 0: nothing trains), now
 #     refuses it naming rollout.n and rollout.advantage;
 #   the clipped objective's deck echo printed `loss.mask_high = ` with no value.
@@ -102,6 +105,35 @@ import json, sys
 steps = [json.loads(l)["step"] for l in open(sys.argv[1])]
 assert steps == list(range(6)), steps
 EOF
+
+# --- kill -9 mid-run, then the same job again: it trains on exactly the files
+# the uninterrupted run does (every loss equal), over the MPI path and the
+# filesystem path of the weight broadcast. Reproduction (filesystem): the
+# resumed inference rank took the dead launch's newest step directory (weights
+# past the checkpoint) and skipped the rollout steps the trainers needed; they
+# waited for them until data.rollout_timeout_s.
+for path in nccl filesystem; do
+  extra=(--set run.max_steps=8 --set ckpt.interval=2 --set "broadcast.backend=\"$path\"")
+  rl "$T/full-$path" "${extra[@]}" --set "data.rollout_dir=$T/full-$path/rollouts" \
+    --set "broadcast.dir=\"$T/full-$path/weights\""
+  job > "$T/full-$path.log" 2>&1
+  check "$path: the uninterrupted run finishes (exit $?)" test $? = 0
+  rl "$T/kill-$path" "${extra[@]}" --set "data.rollout_dir=$T/kill-$path/rollouts" \
+    --set "broadcast.dir=\"$T/kill-$path/weights\"" --set data.rollout_timeout_s=30
+  job > "$T/kill-$path.log" 2>&1 &
+  pid=$!
+  wait_for 120 grep -qs "step      5/" "$T/kill-$path.log"
+  kill -9 $(tree_pids "$pid") 2>/dev/null
+  wait "$pid" 2>/dev/null
+  job > "$T/kill-$path-2.log" 2>&1
+  check "$path: killed (kill -9) after step 5, the same job again finishes (exit $?)" test $? = 0
+  check "... resumed from a checkpoint" grep -qE "checkpoint: resumed from .*/step_[24]\.h5" "$T/kill-$path-2.log"
+  [ $path = filesystem ] && check "... and says it removed the dead launch's weights" \
+    grep -qE "broadcast: removed [0-9]+ step director(y|ies) an earlier launch left" "$T/kill-$path-2.log"
+  lf=$(losses "$T/full-$path/metrics.jsonl"); lk=$(losses "$T/kill-$path/metrics.jsonl")
+  check "... its 8 losses are the uninterrupted run's (full $lf, killed $lk)" \
+    test "$lf" = "$lk" -a "$(echo "$lf" | tr -cd , | wc -c)" = 7
+done
 
 # --- decks that cannot train
 rl "$T/n1" --set rollout.n=1
