@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <climits>
+#include <cstring>
 #include <cctype>
 #include <cmath>
 #include <filesystem>
@@ -309,6 +310,35 @@ RolloutBatch read_rollouts(const std::string& path_text, int64_t vocab_size) {
   check_values(b, vocab_size, has_temperature, has_loss_weight);
   count_loss_tokens(b);
   return b;
+}
+
+uint64_t rollout_fingerprint(const RolloutBatch& b) {
+  uint64_t h = 0xcbf29ce484222325ull;
+  const auto add = [&](const void* data, size_t bytes) {  // 8 bytes a round: ~50 MB of a large step in ms
+    const auto* p = static_cast<const unsigned char*>(data);
+    size_t i = 0;
+    for (; i + 8 <= bytes; i += 8) {
+      uint64_t w;
+      std::memcpy(&w, p + i, 8);
+      h = (h ^ w) * 0x100000001b3ull;
+    }
+    for (; i < bytes; ++i) h = (h ^ p[i]) * 0x100000001b3ull;
+  };
+  const auto add_vector = [&](const auto& v) {
+    const uint64_t n = v.size();
+    add(&n, sizeof n);
+    add(v.data(), v.size() * sizeof(v[0]));
+  };
+  add(&b.step, sizeof b.step);
+  add(&b.policy_step, sizeof b.policy_step);
+  add_vector(b.tokens);
+  add_vector(b.offsets);
+  add_vector(b.loss_mask);
+  add_vector(b.advantages);
+  add_vector(b.inference_logprobs);
+  add_vector(b.temperature);
+  add_vector(b.loss_weight);
+  return h;
 }
 
 // ------------------------------------------------------------------- waiting

@@ -46,6 +46,10 @@ struct RolloutBatch {
   int64_t sample_pairs(int64_t s) const { return sample_tokens(s) > 1 ? sample_tokens(s) - 1 : 0; }
 };
 
+// A 64-bit fingerprint of everything a batch holds that training reads (FNV-1a
+// over the arrays' 8-byte words and the step attributes): equal on two ranks that read the same file.
+uint64_t rollout_fingerprint(const RolloutBatch& b);
+
 // What the inference side writes for one step (docs/rollouts.md): S samples of
 // prompt + completion, per-sample advantages and temperatures.
 struct RolloutFile {

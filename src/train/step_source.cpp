@@ -99,7 +99,7 @@ class RolloutSource final : public StepSource {
                                                  if (comm_.rank() == 0) std::printf("%s\n", m.c_str()), std::fflush(stdout);
                                                }, 10.0, own_job_id_);
     plan.rollout_wait_s = seconds_since(wait0);
-    RolloutBatch file = read_rollouts(path, vocab_size_);
+    RolloutBatch file = read_agreed(path);
     check_rollout_step(file, step, data_.max_async);
     plan.rollout_metrics = std::move(file.metrics);
     const int64_t samples = per_sequence_ ? normalize_per_sequence(file) : 0;
@@ -110,6 +110,33 @@ class RolloutSource final : public StepSource {
     plan.tokens_global = rollouts_.tokens_global;
     plan.samples = file.samples();
     return plan;
+  }
+
+  // Every trainer rank reads the file itself, and all must have read the same
+  // one: a file replaced while they read it (rollouts written from outside the
+  // job, a new version renamed over the old) gives the ranks different
+  // versions, silently different data when the micro-batch counts agree.
+  // Rank 0's fingerprint decides; on a difference every rank reads again (a
+  // rename is whole, so the next read is of one version).
+  RolloutBatch read_agreed(const std::string& path) {
+    constexpr int kReads = 5;
+    for (int read = 1;; ++read) {
+      RolloutBatch file = read_rollouts(path, vocab_size_);
+      // tests: the rank reads the other version the first time (SHARDLM_FAULT=rollout_other_version@R)
+      if (read == 1 && !file.advantages.empty() && fault_armed("rollout_other_version")) file.advantages[0] += 1.0f;
+      uint64_t rank0 = rollout_fingerprint(file);
+      const uint64_t mine = rank0;
+      comm_.broadcast(&rank0, sizeof rank0, 0);
+      int64_t differ = mine != rank0 ? 1 : 0;
+      comm_.all_reduce_sum(&differ, 1);
+      if (differ == 0) return file;
+      SHARDLM_CHECK(read < kReads, "the trainer ranks read different versions of %s %d times: it is being replaced "
+                    "while they read it (a rollout file must be renamed into place once, whole)", path.c_str(), kReads);
+      if (comm_.rank() == 0)
+        std::printf("rollouts: %lld of %d trainer ranks read another version of %s than rank 0 (replaced while they "
+                    "read it): every rank reads it again\n", (long long)differ, comm_.size(), path.c_str()),
+            std::fflush(stdout);
+    }
   }
 
   TokenBatch micro_batch(int64_t, int64_t index) override {

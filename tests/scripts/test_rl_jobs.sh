@@ -17,6 +17,8 @@
 #   a job killed (kill -9) after step 5, then run again: its losses equal the
 #     uninterrupted run's over the MPI and the filesystem broadcast (the
 #     filesystem's resumed inference rank took the dead launch's newest weights);
+#   two trainer ranks reading two versions of a file replaced as they read it
+#     trained each on its own, silently; now they agree on one;
 #   `check` accepted rollout.n = 1 (every group advantage 0: nothing trains), now
 #     refuses it naming rollout.n and rollout.advantage;
 #   the clipped objective's deck echo printed `loss.mask_high = ` with no value.
@@ -134,6 +136,28 @@ for path in nccl filesystem; do
   check "... its 8 losses are the uninterrupted run's (full $lf, killed $lk)" \
     test "$lf" = "$lk" -a "$(echo "$lf" | tr -cd , | wc -c)" = 7
 done
+
+# --- trainer ranks that read two versions of one file: rollouts written from
+# outside the job (tools/make_rollouts.py, no job id) and replaced while the
+# ranks read them. Reproduction: with equal micro-batch counts each rank trained
+# on its own version, silently (different counts: MPI_ERR_TRUNCATE). The race is
+# pinned by SHARDLM_FAULT=rollout_other_version@1: trainer rank 1's first read of
+# each file comes back as another version (one advantage moved). The ranks now
+# compare fingerprints, read again, and train on one version: the losses are
+# those of the run without the fault.
+"$PY" tools/make_rollouts.py inputs/data/tiny.h5 --out "$T/offline" --steps 4 > "$T/offline.log" 2>&1
+off=(inputs/tiny-rl.toml --set "data.rollout_dir=$T/offline" --set run.max_steps=4 --set log.interval=1
+     --set ckpt.interval=0 --set ckpt.save_final=false --set 'broadcast.backend="none"')
+timeout 120 "${MPI[@]}" -np 2 "$BIN" train "${off[@]}" --set "run.dir=$T/one" > "$T/one.log" 2>&1
+check "two trainers on offline rollouts: exit $?" test $? = 0
+timeout 120 "${MPI[@]}" -x SHARDLM_FAULT=rollout_other_version@1 -np 2 "$BIN" train "${off[@]}" \
+  --set "run.dir=$T/two" > "$T/two.log" 2>&1
+check "... rank 1 reading another version of each file: exit $?" test $? = 0
+check "... rank 0 says so and every rank reads again, each of the 4 steps" \
+  test "$(grep -c 'rollouts: 1 of 2 trainer ranks read another version of .*: every rank reads it again' "$T/two.log")" = 4
+l1=$(losses "$T/one/metrics.jsonl"); l2=$(losses "$T/two/metrics.jsonl")
+check "... and they train on one version: the losses are the run's without the fault ($l1, $l2)" \
+  test "$l1" = "$l2" -a "$l1" != "[]"
 
 # --- decks that cannot train
 rl "$T/n1" --set rollout.n=1
