@@ -8,6 +8,7 @@
 
 #include "shardlm/cuda.hpp"
 #include "shardlm/error.hpp"
+#include "train/sequence_pass.hpp"
 
 namespace shardlm {
 namespace {
@@ -151,6 +152,8 @@ MemoryPlan plan_memory(const ModelConfig& config, int world, const EngineOptions
     plan.comm_staging += 2 * 2 * o.max_tokens * config.num_kv_heads * config.head_dim * 4;
   plan.activations = backend.activation_bytes(config, o);
   plan.workspace += backend.workspace_bytes(config, o);
+  // A loss over whole samples: the forward-only pass's host buffers (train/sequence_pass.hpp).
+  (plan.device ? plan.host_workspace : plan.workspace) += sequence_pass_bytes(o);
   return plan;
 }
 

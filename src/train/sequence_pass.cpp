@@ -6,6 +6,7 @@
 #include <chrono>
 
 #include "shardlm/error.hpp"
+#include "shardlm/memory.hpp"
 
 namespace shardlm {
 
@@ -65,8 +66,8 @@ class NoSequencePass final : public SequencePass {
 class ForwardSequencePass final : public SequencePass {
  public:
   ForwardSequencePass(Engine& engine, Comm& comm, int64_t max_tokens)
-      : engine_(engine), comm_(comm), logprobs_(size_t(max_tokens)), log_ratio_(size_t(max_tokens)),
-        log_is_(size_t(max_tokens)) {}
+      : engine_(engine), comm_(comm), logprobs_(Mem::Workspace, max_tokens), log_ratio_(Mem::Workspace, max_tokens),
+        log_is_(Mem::Workspace, max_tokens) {}
 
   // The same micro-batches the step trains on, forward only, at the weights it
   // trains: each sample's sums are those of the logprobs the loss then forms
@@ -79,8 +80,8 @@ class ForwardSequencePass final : public SequencePass {
     sums_.reset(plan.samples);
     for (int64_t a = 0; a < plan.micro_batches; ++a) {
       const TokenBatch micro = source.micro_batch(step, a);
-      SHARDLM_CHECK(micro.N <= int64_t(logprobs_.size()), "internal: a micro-batch of %lld tokens, planned %zu",
-                    (long long)micro.N, logprobs_.size());
+      SHARDLM_CHECK(micro.N <= logprobs_.size(), "internal: a micro-batch of %lld tokens, planned %lld",
+                    (long long)micro.N, (long long)logprobs_.size());
       engine_.forward_token_logprobs(micro, logprobs_.data());
       sums_.add(micro, logprobs_.data());
     }
@@ -100,11 +101,16 @@ class ForwardSequencePass final : public SequencePass {
   Engine& engine_;
   Comm& comm_;
   SampleSums sums_;
-  std::vector<float> logprobs_;              // (max_tokens) one micro-batch's
-  std::vector<double> log_ratio_, log_is_;   // (max_tokens) the micro-batch being trained
+  Buffer<float> logprobs_;              // (max_tokens) one micro-batch's
+  Buffer<double> log_ratio_, log_is_;   // (max_tokens) the micro-batch being trained
 };
 
 }  // namespace
+
+int64_t sequence_pass_bytes(const EngineOptions& o) {
+  if (!o.rl || !o.rl_params.needs_sequence_terms()) return 0;
+  return o.max_tokens * int64_t(sizeof(float) + 2 * sizeof(double));
+}
 
 std::unique_ptr<SequencePass> make_sequence_pass(bool rl, const RlLossParams& params, Engine& engine, Comm& comm,
                                                  int64_t max_tokens) {

@@ -66,5 +66,9 @@ class SequencePass {
 // that does nothing. max_tokens: the most tokens of a micro-batch (this rank's).
 std::unique_ptr<SequencePass> make_sequence_pass(bool rl, const RlLossParams& params, Engine& engine, Comm& comm,
                                                  int64_t max_tokens);
+// The host memory the pass for `options` allocates (Mem::Workspace; the memory
+// plan's row): a micro-batch's logprobs and its two arrays of sample sums.
+// The sums themselves, 3 doubles a sample of the step's file, come on top.
+int64_t sequence_pass_bytes(const EngineOptions& options);
 
 }  // namespace shardlm

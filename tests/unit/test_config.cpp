@@ -679,6 +679,9 @@ TEST_CASE("RL loss keys: the objectives, their clip defaults, aggregation, impor
   CHECK(!rl_loss_params(parse(kRl, {"loss.objective=gspo", "loss.is_level=token"}).config.loss).needs_sequence_terms());
   CHECK(rl_loss_params(cispo.config.loss).objective == RlObjective::Cispo);
   CHECK(!rl_loss_params(cispo.config.loss).needs_sequence_terms());
+  // The forward-only pass's host buffers in the memory plan: 4 x 16 tokens x (float + 2 doubles); none without it.
+  CHECK(sequence_pass_bytes(engine_options_for(gspo.config)) == 64 * 20);
+  CHECK(sequence_pass_bytes(engine_options_for(cispo.config)) == 0);
 
   // The echo writes the resolved values and reads back as the same deck.
   const std::string echo = resolved_deck(gspo.config);
