@@ -8,9 +8,10 @@
 #     (data.max_async = 0), the clipped surrogate, 32 prompts x 8 samples per
 #     step, 60 steps: the mean reward of the last 10 rollout steps is well above
 #     that of the first 5 (seeded: the same numbers every run);
-#   the same with loss.objective = "gspo" and "cispo" and loss.normalize = "constant":
-#     the reward rises under each; CISPO's rewards equal the clipped surrogate's while
-#     no weight is truncated;
+#   the same with loss.objective = "gspo" and "cispo", loss.normalize = "constant" and
+#     loss.is_level = "sequence" with an entropy bonus: the reward rises under each;
+#     CISPO's rewards equal the clipped surrogate's while no weight is truncated;
+#     on-policy the importance ratio stays near 1;
 #   the filesystem broadcast with two inference ranks, data.max_async = 2,
 #     broadcast.interval = 3 and a reward program: every file's policy step is
 #     within the lag, the program's rewards are the exact verifier's;
@@ -118,9 +119,11 @@ check "... and the trainer's progress line shows the rollout reward" has "$T/rl.
 # max_new_tokens x prompts_per_step x n = 512). GSPO keeps the deck's clip 0.2 / 0.28: its paper's
 # 3e-4 / 4e-4 suit completions of thousands of tokens, whose mean log-ratio averages the bf16
 # broadcast's per-token mismatch (|log r| ~ 2e-3 here) away; these are 2 tokens long, and with
-# 3e-4 / 4e-4 a fifth of them stay clipped. CISPO has no lower bound (clip_low = 1).
+# 3e-4 / 4e-4 a fifth of them stay clipped. CISPO has no lower bound (clip_low = 1). And
+# sequence-level importance sampling (masked outside [1/2, 2]) with an entropy bonus.
 variants=('gspo:loss.objective="gspo"' 'cispo:loss.objective="cispo" loss.clip_low=1.0'
-          'constant:loss.normalize="constant"')
+          'constant:loss.normalize="constant"'
+          'is_sequence:loss.is_level="sequence" loss.is_mask=2.0 loss.entropy_coef=0.001')
 for v in "${variants[@]}"; do
   name=${v%%:*}
   sets=()
@@ -144,6 +147,14 @@ done
 check "the trainer's progress line names its clip fraction under gspo and cispo" \
   test "$(grep -l "clip fraction" "$T/gspo.log" "$T/cispo.log" | wc -l)" = 2
 check "constant: the deck echo has the divisor 2 x 32 x 8 = 512" has "$T/constant.log" "normalize_constant = 512"
+check "is_sequence: on-policy without top-k / top-p the importance ratio stays within 1e-2 of 1, nothing capped or \
+masked, at every logged step" "$PY" - "$T/is_sequence" <<'EOF'
+import json, sys
+m = [json.loads(l) for l in open(f"{sys.argv[1]}/metrics.jsonl") if '"is_ratio"' in l]
+assert len(m) == 12, len(m)
+assert all(abs(r["is_ratio"] - 1) < 1e-2 and r["is_capped_fraction"] == 0 and r["is_masked_fraction"] == 0
+           for r in m), [(r["is_ratio"], r["is_capped_fraction"], r["is_masked_fraction"]) for r in m]
+EOF
 check "cispo: while no weight is truncated (on-policy, clip_fraction 0) its gradient is the clipped surrogate's, \
 -A r d logp: the same rewards at every step; its loss, -clip(r) A logp, is another number" "$PY" - "$T/cispo" "$T/rl" <<'EOF'
 import json, sys
