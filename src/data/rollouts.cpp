@@ -185,6 +185,7 @@ void check_offsets_and_lengths(RolloutBatch& b, bool has_temperature, bool has_l
   };
   check_length("loss_mask", b.loss_mask.size(), n_tokens, "token");
   check_length("inference_logprobs", b.inference_logprobs.size(), n_tokens, "token");
+  if (!b.sampling_logprobs.empty()) check_length("sampling_logprobs", b.sampling_logprobs.size(), n_tokens, "token");
   if (has_temperature) check_length("temperature", b.temperature.size(), n_samples, "sample");
   if (has_loss_weight) check_length("loss_weight", b.loss_weight.size(), n_tokens, "token");
   const auto n_adv = static_cast<int64_t>(b.advantages.size());
@@ -252,14 +253,18 @@ void count_loss_tokens(RolloutBatch& b) {
     for (int64_t t = off[s] + 1; t < off[s + 1]; ++t) {
       if (b.loss_mask[t] == 0 || !(b.loss_weight[t] > 0.0f)) continue;
       ++b.loss_tokens;
-      const float lp = b.inference_logprobs[t];
-      SHARDLM_CHECK(std::isfinite(lp),
-                    "rollout file '%s': inference_logprobs[%lld] (%s) is %s at a token that carries loss", path,
-                    static_cast<long long>(t), where_token(off, t).c_str(), describe(lp).c_str());
-      SHARDLM_CHECK(lp <= 0.0f,
-                    "rollout file '%s': inference_logprobs[%lld] (%s) = %g is positive; log-probabilities must "
-                    "be <= 0 (were probabilities written instead of their logs?)",
-                    path, static_cast<long long>(t), where_token(off, t).c_str(), double(lp));
+      for (const auto& [name, values] : {std::pair<const char*, const std::vector<float>*>{"inference_logprobs",
+                                                                                             &b.inference_logprobs},
+                                         {"sampling_logprobs", &b.sampling_logprobs}}) {
+        if (values->empty()) continue;
+        const float lp = (*values)[t];
+        SHARDLM_CHECK(std::isfinite(lp), "rollout file '%s': %s[%lld] (%s) is %s at a token that carries loss",
+                      path, name, static_cast<long long>(t), where_token(off, t).c_str(), describe(lp).c_str());
+        SHARDLM_CHECK(lp <= 0.0f,
+                      "rollout file '%s': %s[%lld] (%s) = %g is positive; log-probabilities must be <= 0 (were "
+                      "probabilities written instead of their logs?)",
+                      path, name, static_cast<long long>(t), where_token(off, t).c_str(), double(lp));
+      }
       if (!b.advantages_per_sample)
         SHARDLM_CHECK(std::isfinite(b.advantages[t]),
                       "rollout file '%s': advantages[%lld] (%s) is %s at a token that carries loss", path,
@@ -296,7 +301,10 @@ RolloutBatch read_rollouts(const std::string& path_text, int64_t vocab_size) {
   b.advantages = read_1d<float>(file, path_text, "advantages", Kind::Float, "float32", H5T_NATIVE_FLOAT, true);
   b.inference_logprobs =
       read_1d<float>(file, path_text, "inference_logprobs", Kind::Float, "float32", H5T_NATIVE_FLOAT, true);
-  bool has_temperature = false, has_loss_weight = false;
+  bool has_temperature = false, has_loss_weight = false, has_sampling = false;
+  b.sampling_logprobs = read_1d<float>(file, path_text, "sampling_logprobs", Kind::Float, "float32",
+                                       H5T_NATIVE_FLOAT, false, &has_sampling);
+  if (!has_sampling) b.sampling_logprobs.clear();
   b.temperature = read_1d<float>(file, path_text, "temperature", Kind::Float, "float32", H5T_NATIVE_FLOAT,
                                  false, &has_temperature);
   b.loss_weight = read_1d<float>(file, path_text, "loss_weight", Kind::Float, "float32", H5T_NATIVE_FLOAT,
@@ -336,6 +344,7 @@ uint64_t rollout_fingerprint(const RolloutBatch& b) {
   add_vector(b.loss_mask);
   add_vector(b.advantages);
   add_vector(b.inference_logprobs);
+  add_vector(b.sampling_logprobs);
   add_vector(b.temperature);
   add_vector(b.loss_weight);
   return h;
@@ -425,6 +434,8 @@ void write_rollouts(const std::string& dir, const RolloutFile& r) {
     h5::write_1d(f, "loss_mask", H5T_STD_U8LE, H5T_NATIVE_UINT8, r.loss_mask);
     h5::write_1d(f, "advantages", H5T_IEEE_F32LE, H5T_NATIVE_FLOAT, r.advantages);
     h5::write_1d(f, "inference_logprobs", H5T_IEEE_F32LE, H5T_NATIVE_FLOAT, r.inference_logprobs);
+    if (!r.sampling_logprobs.empty())
+      h5::write_1d(f, "sampling_logprobs", H5T_IEEE_F32LE, H5T_NATIVE_FLOAT, r.sampling_logprobs);
     h5::write_1d(f, "temperature", H5T_IEEE_F32LE, H5T_NATIVE_FLOAT, r.temperature);
     h5::write_attr(f, "step", H5T_STD_I64LE, H5T_NATIVE_INT64, std::vector<int64_t>{r.step});
     h5::write_attr(f, "policy_step", H5T_STD_I64LE, H5T_NATIVE_INT64, std::vector<int64_t>{r.policy_step});
@@ -520,7 +531,7 @@ std::vector<std::vector<int64_t>> pack_rows(const RolloutBatch& b, const std::ve
   return rows;
 }
 
-void resize_micro_batch(RlMicroBatch& m, int64_t rows, int64_t seq_len) {
+void resize_micro_batch(RlMicroBatch& m, int64_t rows, int64_t seq_len, bool sampling_logprobs) {
   const auto numel = static_cast<size_t>(rows * seq_len);
   m.batch.rows = rows;
   m.batch.seq_len = seq_len;
@@ -532,6 +543,8 @@ void resize_micro_batch(RlMicroBatch& m, int64_t rows, int64_t seq_len) {
   m.batch.seq_ids.assign(numel, 0);
   m.advantages.assign(numel, 0.0f);
   m.inference_logprobs.assign(numel, 0.0f);
+  if (sampling_logprobs) m.sampling_logprobs.assign(numel, 0.0f);
+  else m.sampling_logprobs.clear();
   m.temperatures.assign(numel, 1.0f);
   m.sample_ids.assign(numel, -1);
 }
@@ -557,6 +570,7 @@ void fill_row(const RolloutBatch& b, const std::vector<int64_t>& samples, int64_
       m.batch.loss_tokens += weight > 0.0f;
       m.advantages[at] = b.advantages[target];
       m.inference_logprobs[at] = b.inference_logprobs[target];
+      if (!b.sampling_logprobs.empty()) m.sampling_logprobs[at] = b.sampling_logprobs[target];
       m.temperatures[at] = b.temperature[s];
       m.sample_ids[at] = static_cast<int32_t>(s);
     }
@@ -619,7 +633,7 @@ RankRollouts pack_rollouts(const RolloutBatch& b, int64_t seq_len, int64_t micro
   out.micro_batches.resize(max_micro_batches);
   for (int64_t i = 0; i < max_micro_batches; ++i) {
     RlMicroBatch& m = out.micro_batches[i];
-    resize_micro_batch(m, micro_batch, seq_len);
+    resize_micro_batch(m, micro_batch, seq_len, !b.sampling_logprobs.empty());
     int32_t next_seq_id = 0;
     static const std::vector<int64_t> kEmptyRow;
     for (int64_t slot = 0; slot < micro_batch; ++slot) {

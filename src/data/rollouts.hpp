@@ -30,7 +30,8 @@ struct RolloutBatch {
   std::vector<uint8_t> loss_mask;          // (T) 1 = completion token that carries loss
   std::vector<float> advantages;           // (T) per token; a per-sample dataset is expanded
   bool advantages_per_sample = false;      // how the file stored them
-  std::vector<float> inference_logprobs;   // (T) log p_inference(token t | tokens < t)
+  std::vector<float> inference_logprobs;   // (T) log p_inference(token t | tokens < t), temperature-scaled full softmax
+  std::vector<float> sampling_logprobs;    // (T) under the distribution drawn from (top-k/top-p); empty: = inference
   std::vector<float> temperature;          // (S) 1 where the file has none
   std::vector<float> loss_weight;          // (T) 1 where the file has none
   // The group 'metrics': what the inference side measured while making the
@@ -58,7 +59,9 @@ struct RolloutFile {
   std::vector<int64_t> offsets;            // (S+1)
   std::vector<uint8_t> loss_mask;          // (T) 1 on completion tokens
   std::vector<float> advantages;           // (S)
-  std::vector<float> inference_logprobs;   // (T) 0 on prompt tokens
+  std::vector<float> inference_logprobs;   // (T) 0 on prompt tokens; log_softmax(logits / temperature)[token]
+  std::vector<float> sampling_logprobs;    // (T) optional, 0 on prompt tokens: under the truncated (top-k, top-p)
+                                           //   distribution the token was drawn from
   std::vector<float> temperature;          // (S)
   std::vector<double> rewards;             // (S) optional: each sample's reward (the advantages' input)
   std::vector<std::pair<std::string, double>> metrics;  // optional: the group 'metrics', one attribute each
@@ -116,6 +119,7 @@ struct RlMicroBatch {
                      // of the target (0 padding), positions, seq_ids, loss_tokens
   std::vector<float> advantages;          // (rows, seq_len) A of the target; 0 padding
   std::vector<float> inference_logprobs;  // (rows, seq_len) logprob of the target; 0 padding
+  std::vector<float> sampling_logprobs;   // (rows, seq_len) the same under the sampling distribution; empty: none
   std::vector<float> temperatures;        // (rows, seq_len) the sample's; 1 padding
   std::vector<int32_t> sample_ids;        // (rows, seq_len) index of the sample in the file; -1 padding
 };

@@ -156,10 +156,14 @@ struct Publisher {
       f.tokens.insert(f.tokens.end(), c.tokens.begin(), c.tokens.end());
       f.loss_mask.insert(f.loss_mask.end(), prompt.size(), 0);
       f.loss_mask.insert(f.loss_mask.end(), c.tokens.size(), 1);
+      // Two logprobs per token (docs/rollouts.md): under the temperature-scaled
+      // full softmax, what the trainer's ratio compares with (it divides its
+      // logits by the same temperature), and under the distribution the token
+      // was drawn from (top-k, top-p truncated), for importance weights.
       f.inference_logprobs.insert(f.inference_logprobs.end(), prompt.size(), 0.0f);
-      // The distribution the token was drawn from (temperature, top-k, top-p):
-      // the trainer divides its logits by the same temperature.
-      f.inference_logprobs.insert(f.inference_logprobs.end(), c.sampling_logprobs.begin(), c.sampling_logprobs.end());
+      f.inference_logprobs.insert(f.inference_logprobs.end(), c.tempered_logprobs.begin(), c.tempered_logprobs.end());
+      f.sampling_logprobs.insert(f.sampling_logprobs.end(), prompt.size(), 0.0f);
+      f.sampling_logprobs.insert(f.sampling_logprobs.end(), c.sampling_logprobs.begin(), c.sampling_logprobs.end());
       f.offsets.push_back(int64_t(f.tokens.size()));
       f.advantages.push_back(advantages[i]);
       f.temperature.push_back(float(ro.temperature));

@@ -17,6 +17,8 @@
 #   a job killed (kill -9) after step 5, then run again: its losses equal the
 #     uninterrupted run's over the MPI and the filesystem broadcast (the
 #     filesystem's resumed inference rank took the dead launch's newest weights);
+#   on-policy with top-p / top-k, the trainer's ratio was biased below 1 on every
+#     affected token (the file held the truncated distribution's logprob);
 #   two trainer ranks reading two versions of a file replaced as they read it
 #     trained each on its own, silently; now they agree on one;
 #   `check` accepted rollout.n = 1 (every group advantage 0: nothing trains), now
@@ -41,7 +43,7 @@ start=$(date +%s)
 
 "$PY" tools/make_copy_task.py --out-dir "$T/task" > "$T/task.log" 2>&1 || { fail "make_copy_task.py"; cat "$T/task.log"; }
 timeout 120 "$BIN" train inputs/copy-sft.toml --set "data.path=$T/task/sft.h5" --set "run.dir=$T/sft" \
-  --set "run.export_dir=$T/sft/export" --set run.max_steps=20 > "$T/sft.log" 2>&1
+  --set "run.export_dir=$T/sft/export" --set run.max_steps=20 --set 'run.export_dtype="bf16"' > "$T/sft.log" 2>&1
 check "SFT warm start exported" test -f "$T/sft/export/model.safetensors"
 
 # rl RUN_DIR EXTRA...: ARGS = the deck for a run in RUN_DIR, rollouts in $T/shared, then EXTRA.
@@ -158,6 +160,27 @@ check "... rank 0 says so and every rank reads again, each of the 4 steps" \
 l1=$(losses "$T/one/metrics.jsonl"); l2=$(losses "$T/two/metrics.jsonl")
 check "... and they train on one version: the losses are the run's without the fault ($l1, $l2)" \
   test "$l1" = "$l2" -a "$l1" != "[]"
+
+# --- strictly on-policy (data.max_async = 0, every step's weights) with
+# rollout.top_p = 0.8 and rollout.top_k = 20: the trainer's ratio r = 1 at the
+# first step (weights of the bf16 warm start on both sides). Reproduction: the
+# rollout file stored the logprob under the truncated, renormalised sampling
+# distribution and the trainer scored the full one: mean k3 = r - log r - 1 was
+# 0.018 (log r < 0 on every affected token). Now inference_logprobs is the
+# temperature-scaled full softmax's, sampling_logprobs the truncated one's.
+rl "$T/topp" --set rollout.top_p=0.8 --set rollout.top_k=20 --set run.max_steps=1 --set "data.rollout_dir=$T/topp/rollouts"
+job > "$T/topp.log" 2>&1
+check "on-policy with top-p 0.8 and top-k 20: exit $?" test $? = 0
+check "... r = 1 at the first step: mean k3 of log r below 5e-13 (|log r| ~ 1e-6)" "$PY" - "$T/topp" <<'EOF'
+import json, sys, h5py, numpy as np
+rows = [json.loads(l) for l in open(f"{sys.argv[1]}/metrics.jsonl") if '"mismatch_kl"' in l]
+assert rows and rows[0]["mismatch_kl"] < 5e-13, rows[:1]
+with h5py.File(f"{sys.argv[1]}/rollouts/step_0.h5") as f:
+    full, drawn, mask = f["inference_logprobs"][:], f["sampling_logprobs"][:], f["loss_mask"][:] == 1
+# the truncated distribution puts at least as much mass on a token it keeps, more on some
+assert np.all(drawn[mask] >= full[mask] - 1e-6) and np.any(drawn[mask] > full[mask] + 1e-3)
+print("mismatch_kl", rows[0]["mismatch_kl"])
+EOF
 
 # --- decks that cannot train
 rl "$T/n1" --set rollout.n=1
