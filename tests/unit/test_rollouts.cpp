@@ -72,7 +72,7 @@ struct RolloutFile {
   std::vector<int32_t> tokens;
   std::vector<int64_t> offsets;
   std::vector<uint8_t> loss_mask;
-  std::vector<float> advantages, inference_logprobs, temperature, loss_weight;
+  std::vector<float> advantages, inference_logprobs, temperature, loss_weight, sampling_logprobs;
   std::optional<int64_t> step = 5, policy_step = 4;
   std::set<std::string> omit;   // required datasets to leave out
   std::string wrong_dtype;      // write this dataset with another dtype
@@ -124,6 +124,7 @@ void write_rollouts(const std::string& path, const RolloutFile& f) {
   put("inference_logprobs", f.inference_logprobs, H5T_IEEE_F32LE, H5T_IEEE_F64LE, H5T_NATIVE_FLOAT, false);
   put("temperature", f.temperature, H5T_IEEE_F32LE, H5T_IEEE_F64LE, H5T_NATIVE_FLOAT, true);
   put("loss_weight", f.loss_weight, H5T_IEEE_F32LE, H5T_IEEE_F64LE, H5T_NATIVE_FLOAT, true);
+  put("sampling_logprobs", f.sampling_logprobs, H5T_IEEE_F32LE, H5T_IEEE_F64LE, H5T_NATIVE_FLOAT, true);
   if (f.step) write_attribute(file, "step", *f.step);
   if (f.policy_step) write_attribute(file, "policy_step", *f.policy_step);
 }
@@ -283,6 +284,26 @@ TEST_CASE("reads a file: attributes, per-sample advantages expanded, default tem
   CHECK(c.temperature == f.temperature);
   CHECK(c.loss_tokens == 8);
   CHECK(shardlm::rollout_path("/runs/r", 12) == "/runs/r/step_12.h5");
+  CHECK(c.sampling_logprobs.empty());  // absent: the importance weights use inference_logprobs
+
+  // sampling_logprobs, when present, is read as it is and packed at the target like inference_logprobs.
+  f = hand_made();
+  for (int t = 0; t < 16; ++t) f.sampling_logprobs.push_back(-0.05f * float(t + 1));
+  write_rollouts(path, f);
+  const RolloutBatch d = shardlm::read_rollouts(path, kVocab);
+  CHECK(d.sampling_logprobs == f.sampling_logprobs);
+  const shardlm::RankRollouts packed = shardlm::pack_rollouts(d, 8, 2, 0, 1);
+  int64_t checked = 0;
+  for (const auto& m : packed.micro_batches) {
+    REQUIRE(m.sampling_logprobs.size() == m.inference_logprobs.size());
+    for (size_t at = 0; at < m.inference_logprobs.size(); ++at)
+      if (m.batch.targets[at] >= 0) {
+        CHECK(m.sampling_logprobs[at] == doctest::Approx(0.5 * double(m.inference_logprobs[at])));
+        ++checked;
+      }
+  }
+  CHECK(checked == 12);  // every target of the 4 samples (4 + 2 + 0 + 6)
+  CHECK(shardlm::rollout_fingerprint(d) != shardlm::rollout_fingerprint(c));
 }
 
 TEST_CASE("reader errors name the file and what is wrong") {
@@ -364,6 +385,12 @@ TEST_CASE("reader errors name the file and what is wrong") {
          {in + ": inference_logprobs[13] (sample 3, token 4) is -inf at a token that carries loss"});
   expect([](RolloutFile& f) { f.inference_logprobs[6] = 0.5f; },
          {in + ": inference_logprobs[6] (sample 1, token 1) = 0.5 is positive; log-probabilities must be <= 0"});
+  expect([](RolloutFile& f) { f.sampling_logprobs.assign(15, -1.0f); },
+         {in + ": 'sampling_logprobs' has 15 elements, expected 16 (one per token)"});
+  expect([&](RolloutFile& f) { f.sampling_logprobs.assign(16, -1.0f); f.sampling_logprobs[7] = nan; },
+         {in + ": sampling_logprobs[7] (sample 1, token 2) is NaN at a token that carries loss"});
+  expect([](RolloutFile& f) { f.sampling_logprobs.assign(16, -1.0f); f.sampling_logprobs[14] = 0.25f; },
+         {in + ": sampling_logprobs[14] (sample 3, token 5) = 0.25 is positive; log-probabilities must be <= 0"});
   expect([&](RolloutFile& f) { f.advantages[1] = nan; }, {in + ": advantages[1] (sample 1) is NaN"});
   expect([&](RolloutFile& f) { f.advantages.assign(16, 1.0f); f.advantages[7] = inf; },
          {in + ": advantages[7] (sample 1, token 2) is inf at a token that carries loss"});
