@@ -97,6 +97,8 @@ if [ "${SHARDLM_TEST_GPU:-0}" = 1 ]; then
   run_script tests/gpu/test_async_ckpt.sh 600
   # The RL job on one GPU: the weights device to device into the GPU decoder.
   run_script tests/gpu/test_rl_gpu.sh 900
+  # ... a busy sampler over both device communicators, kill -9 and resume, top-p / top-k on-policy.
+  run_script tests/gpu/test_rl_gpu_faults.sh 900
   # Context parallelism: the ring in the trainer, ranks sharing the GPU (staged MPI).
   run_script tests/gpu/test_context_parallel.sh 900
 fi
