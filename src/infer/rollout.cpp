@@ -120,14 +120,39 @@ struct Publisher {
     jsonl.open(path, std::ios::app);
   }
 
-  void publish(int64_t step, int64_t policy_step, const std::vector<int64_t>& items,
-               const std::vector<Completion>& completions, double sample_s, double wait_s) {
+  // What rank 0 keeps of a step's rounds (one round unless rollout.dynamic_sampling).
+  struct Kept {
+    std::vector<Completion> completions;  // groups of n, in the order kept
+    std::vector<int64_t> prompts;         // each completion's prompt (file index)
+    std::vector<double> rewards;          // each completion's reward
+    RewardSet::Scores scores;             // every sample of every round, for the metrics
+    std::vector<Completion> sampled;      // every round's completions (the metrics' lengths)
+    int64_t rounds = 0, dropped_groups = 0;
+    double score_s = 0, overlong_penalty = 0;
+  } kept;
+
+  void begin_step() { kept = Kept{}; }
+
+  // DAPO's soft overlong penalty (arXiv:2503.14476, eq. 13): 0 up to the last
+  // `window` tokens of the budget, then falling linearly to -1 at its end.
+  double overlong_penalty(int64_t length) const {
+    const int64_t budget = config.rollout.max_new_tokens;
+    const int64_t window = config.rollout.overlong_window > 0 ? config.rollout.overlong_window
+                                                              : std::max<int64_t>(1, budget / 5);
+    return length <= budget - window ? 0.0 : double(budget - window - length) / double(window);
+  }
+
+  // One round's completions of `items` (draw keys key_base + item), gathered:
+  // scored, and their groups kept (with dynamic sampling only those whose
+  // rewards differ, up to prompts_per_step). Returns whether the step needs
+  // another round.
+  bool add_round(int64_t step, const std::vector<int64_t>& items, int64_t key_base,
+                 std::vector<Completion> completions) {
     const RolloutSection& ro = config.rollout;
-    const int64_t base = step * ro.prompts_per_step;  // completions' draw keys: base + item
     std::vector<RewardItem> scored;
     for (const Completion& c : completions) {
       RewardItem r;
-      r.prompt = items[size_t(c.prompt - base)];
+      r.prompt = items[size_t(c.prompt - key_base)];
       r.sample = c.sample;
       if (!prompts.answers.empty()) r.answer = prompts.answers[size_t(r.prompt)];
       r.text = completion_text(c, tokenizer);
@@ -138,9 +163,52 @@ struct Publisher {
       scored.push_back(std::move(r));
     }
     const auto t_score = Clock::now();
-    const RewardSet::Scores scores = reward.score(scored, step);
-    const std::vector<double>& rewards = scores.total;
-    const double score_s = seconds_since(t_score);
+    RewardSet::Scores scores = reward.score(scored, step);
+    if (ro.truncated == "penalty")
+      for (size_t i = 0; i < completions.size(); ++i) {
+        const double penalty = overlong_penalty(int64_t(completions[i].tokens.size()));
+        scores.total[i] += penalty;
+        kept.overlong_penalty += penalty;
+      }
+    kept.score_s += seconds_since(t_score);
+    ++kept.rounds;
+    // Completions come sorted by prompt, then sample: group g is [g n, (g + 1) n).
+    const size_t n = size_t(ro.n);
+    for (size_t g = 0; g * n < completions.size(); ++g) {
+      const auto first = scores.total.begin() + std::ptrdiff_t(g * n);
+      const bool informative = std::any_of(first, first + std::ptrdiff_t(n), [&](double r) { return r != *first; });
+      const bool room = !ro.dynamic_sampling || int64_t(kept.prompts.size() / n) < ro.prompts_per_step;
+      if (ro.dynamic_sampling && (!informative || !room)) {
+        kept.dropped_groups += !informative;
+        continue;
+      }
+      for (size_t i = g * n; i < (g + 1) * n; ++i) {
+        kept.completions.push_back(completions[i]);
+        kept.prompts.push_back(scored[i].prompt);
+        kept.rewards.push_back(scores.total[i]);
+      }
+    }
+    kept.scores.total.insert(kept.scores.total.end(), scores.total.begin(), scores.total.end());
+    kept.scores.component.resize(scores.component.size());
+    for (size_t c = 0; c < scores.component.size(); ++c)
+      kept.scores.component[c].insert(kept.scores.component[c].end(), scores.component[c].begin(),
+                                      scores.component[c].end());
+    for (Completion& c : completions) kept.sampled.push_back(std::move(c));
+    return ro.dynamic_sampling && int64_t(kept.prompts.size() / n) < ro.prompts_per_step &&
+           kept.rounds < ro.dynamic_max_rounds;
+  }
+
+  // The step's rollout file from what was kept, its metrics and log lines.
+  void publish(int64_t step, int64_t policy_step, double sample_s, double wait_s) {
+    const RolloutSection& ro = config.rollout;
+    SHARDLM_CHECK(!kept.completions.empty(),
+                  "rollout step %lld: no group of samples with differing rewards in %lld rounds of %lld prompts "
+                  "(rollout.dynamic_sampling drops groups whose rewards are all equal): every group scored the "
+                  "same, so the step has nothing to train; the task is too easy or too hard for the policy, or "
+                  "rollout.dynamic_max_rounds too low", (long long)step, (long long)kept.rounds,
+                  (long long)ro.prompts_per_step);
+    const std::vector<Completion>& completions = kept.completions;
+    const std::vector<double>& rewards = kept.rewards;
     const std::vector<float> advantages = group_advantages(rewards, ro.n, ro.advantage);
 
     RolloutFile f;
@@ -151,11 +219,13 @@ struct Publisher {
     int64_t generated = 0, stopped = 0;
     for (size_t i = 0; i < completions.size(); ++i) {
       const Completion& c = completions[i];
-      const auto prompt = prompts.prompt(scored[i].prompt);
+      const auto prompt = prompts.prompt(kept.prompts[i]);
+      // rollout.truncated = "mask": a completion cut at max_new_tokens carries no loss.
+      const uint8_t trains = ro.truncated == "mask" && c.finish == Finish::Length ? 0 : 1;
       f.tokens.insert(f.tokens.end(), prompt.begin(), prompt.end());
       f.tokens.insert(f.tokens.end(), c.tokens.begin(), c.tokens.end());
       f.loss_mask.insert(f.loss_mask.end(), prompt.size(), 0);
-      f.loss_mask.insert(f.loss_mask.end(), c.tokens.size(), 1);
+      f.loss_mask.insert(f.loss_mask.end(), c.tokens.size(), trains);
       // Two logprobs per token (docs/rollouts.md): under the temperature-scaled
       // full softmax, what the trainer's ratio compares with (it divides its
       // logits by the same temperature), and under the distribution the token
@@ -170,8 +240,14 @@ struct Publisher {
       generated += int64_t(c.tokens.size());
       stopped += c.finish == Finish::Stop;
     }
-    const std::vector<std::pair<std::string, double>> metrics =
-        rollout_metrics(scores, reward, completions, sample_s, score_s, wait_s);
+    std::vector<std::pair<std::string, double>> metrics =
+        rollout_metrics(kept.scores, reward, kept.sampled, sample_s, kept.score_s, wait_s);
+    if (ro.dynamic_sampling)
+      metrics.insert(metrics.end(), {{"dynamic_rounds", double(kept.rounds)},
+                                     {"dynamic_dropped_groups", double(kept.dropped_groups)},
+                                     {"dynamic_groups", double(completions.size() / size_t(ro.n))}});
+    if (ro.truncated == "penalty")
+      metrics.push_back({"overlong_penalty_mean", kept.overlong_penalty / double(std::max<size_t>(kept.sampled.size(), 1))});
     f.rewards = rewards;
     f.metrics = metrics;
     write_rollouts(config.data.rollout_dir, f);
@@ -248,6 +324,19 @@ std::vector<int64_t> prompts_for_step(uint64_t seed, int64_t step, int64_t per_s
   return out;
 }
 
+std::vector<int64_t> round_prompts(uint64_t seed, int64_t step, int64_t round, int64_t per_step, int64_t file_prompts) {
+  if (round == 0) return prompts_for_step(seed, step, per_step, file_prompts);
+  // A stream of its own per (step, round): a shuffled pass over the file as round 0's are.
+  const uint64_t stream = splitmix64(seed ^ splitmix64(uint64_t(step) * 0x9E3779B97F4A7C15ull + uint64_t(round)));
+  return prompts_for_step(stream, 0, per_step, file_prompts);
+}
+
+int64_t round_key_base(int64_t step, int64_t round, int64_t per_step) {
+  // Round 0: step x per_step + item, as without dynamic sampling; later rounds
+  // below zero, never meeting any step's round 0.
+  return round == 0 ? step * per_step : -1 - ((step * kMaxDynamicRounds + round) * per_step + per_step - 1);
+}
+
 DecoderLimits rollout_decoder_limits(const Config& config, const ModelConfig& mc, const PromptSet& prompts,
                                      int generators) {
   const RolloutSection& ro = config.rollout;
@@ -291,7 +380,7 @@ int run_inference_role(const Config& config, Runtime& rt) {
       tokenizer = std::make_unique<TokenDecoder>(TokenDecoder::load(model.tokenizer_dir.string()));
     reward = std::make_unique<RewardSet>(ro);
     fs::create_directories(config.run.dir, ec);
-    publisher = std::make_unique<Publisher>(Publisher{config, prompts, tokenizer.get(), *reward, rt.job_id, {}});
+    publisher = std::make_unique<Publisher>(Publisher{config, prompts, tokenizer.get(), *reward, rt.job_id, {}, {}});
     std::printf("generate: %d inference rank%s | %lld prompts from %s, %lld per step x %lld samples | reward %s, "
                 "advantages %s | temperature %g, top-k %lld, top-p %g | max %lld new tokens, %lld slots, cache %.1f "
                 "MiB, %s | %s | rollouts to %s, at most data.max_async = %lld steps behind the trainers' weights\n",
@@ -339,17 +428,29 @@ int run_inference_role(const Config& config, Runtime& rt) {
       if (next() == WeightReceiver::Got::Done) return ended();
     const double wait_s = seconds_since(t_wait);
 
-    const std::vector<int64_t> items = prompts_for_step(uint64_t(config.run.seed), step, ro.prompts_per_step,
-                                                        prompts.size());
-    std::vector<GenerateRequest> requests;
-    const int64_t base = step * ro.prompts_per_step;  // draw keys: unique per (step, item)
-    for (int64_t i = rank; i < int64_t(items.size()); i += world)
-      for (int64_t s = 0; s < ro.n; ++s) requests.push_back({base + i, s, prompts.prompt(items[size_t(i)])});
-    const auto t_sample = Clock::now();
-    std::vector<Completion> mine = generate(decoder, requests, options);
-    const double sample_s = seconds_since(t_sample);
-    const std::vector<Completion> all = gather_completions(std::move(mine), comm);
-    if (rank == 0) publisher->publish(step, receiver.step(), items, all, sample_s, wait_s);
+    // Round 0 draws the step's prompts; with rollout.dynamic_sampling, rank 0
+    // may ask for further rounds of as many prompts, each from its own stream.
+    if (rank == 0) publisher->begin_step();
+    double sample_s = 0;
+    for (int64_t round = 0;; ++round) {
+      const std::vector<int64_t> items = round_prompts(uint64_t(config.run.seed), step, round, ro.prompts_per_step,
+                                                       prompts.size());
+      const int64_t base = round_key_base(step, round, ro.prompts_per_step);  // draw keys: unique per (step, round, item)
+      std::vector<GenerateRequest> requests;
+      for (int64_t i = rank; i < int64_t(items.size()); i += world)
+        for (int64_t s = 0; s < ro.n; ++s) requests.push_back({base + i, s, prompts.prompt(items[size_t(i)])});
+      const auto t_sample = Clock::now();
+      std::vector<Completion> mine = generate(decoder, requests, options);
+      sample_s += seconds_since(t_sample);
+      std::vector<Completion> all = gather_completions(std::move(mine), comm);
+      int64_t more = rank == 0 && publisher->add_round(step, items, base, std::move(all)) ? 1 : 0;
+      if (!ro.dynamic_sampling) break;
+      MPI_Request request;  // every inference rank samples the next round, or none does
+      MPI_CHECK(MPI_Ibcast(&more, 1, MPI_INT64_T, 0, comm, &request));
+      wait_collective(comm, &request, "dynamic sampling round");
+      if (!more) break;
+    }
+    if (rank == 0) publisher->publish(step, receiver.step(), sample_s, wait_s);
   }
   // The rest of the broadcasts, to the trainers' end (and its exit code).
   while (next() == WeightReceiver::Got::Weights) {

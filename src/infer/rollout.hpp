@@ -28,6 +28,17 @@ namespace shardlm {
 // file (a new order each pass). A function of (seed, step, sizes) alone.
 std::vector<int64_t> prompts_for_step(uint64_t seed, int64_t step, int64_t prompts_per_step, int64_t file_prompts);
 
+// Round `round` of a step under rollout.dynamic_sampling: round 0 is
+// prompts_for_step's; each later round draws prompts_per_step prompts from a
+// stream of its own per (step, round). The draw keys of a round's prompts are
+// round_key_base + item: round 0's are step x prompts_per_step + item (as
+// without dynamic sampling), later rounds' are negative and unique per (step,
+// round) for round < kMaxDynamicRounds (rollout.dynamic_max_rounds' bound).
+constexpr int64_t kMaxDynamicRounds = 1000;
+std::vector<int64_t> round_prompts(uint64_t seed, int64_t step, int64_t round, int64_t prompts_per_step,
+                                   int64_t file_prompts);
+int64_t round_key_base(int64_t step, int64_t round, int64_t prompts_per_step);
+
 // The prompt file against the deck: the answers its verifiers need, each
 // prompt with rollout.max_new_tokens within data.seq_len + 1, stop ids within
 // the vocabulary. Throws Error naming the file and the prompt.
