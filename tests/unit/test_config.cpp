@@ -736,4 +736,31 @@ TEST_CASE("RL loss keys: unknown values list the accepted ones, bad numbers and 
         "deck.toml: loss.is_level sets the RL policy loss; it needs loss.type = \"rl\"");
 }
 
+TEST_CASE("DAPO's data rules: dynamic sampling, truncated completions and the overlong window") {
+  const DeckResult r = parse(kRl);
+  REQUIRE(r.ok());
+  const shardlm::Config& d = r.config;
+  CHECK_FALSE(d.rollout.dynamic_sampling);
+  CHECK(d.rollout.dynamic_max_rounds == 8);
+  CHECK(d.rollout.truncated == "train");
+  CHECK(d.rollout.overlong_window == 0);
+  CHECK(parse(kRl, {"rollout.dynamic_sampling=true", "rollout.dynamic_max_rounds=3", "rollout.truncated=\"penalty\"",
+                    "rollout.overlong_window=2"}).ok());
+  CHECK(only_error(parse(kRl, {"rollout.truncated=\"drop\""})) ==
+        "--set rollout.truncated=\"drop\": rollout.truncated = \"drop\" is not accepted: it must be one of \"train\", "
+        "\"mask\", \"penalty\"");
+  CHECK(only_error(parse(kRl, {"rollout.dynamic_max_rounds=0"})) ==
+        "--set rollout.dynamic_max_rounds=0: rollout.dynamic_max_rounds = 0 is out of range: it must be between 1 and "
+        "1000");
+  CHECK(only_error(parse(kRl, {"rollout.overlong_window=2"})) ==
+        "deck.toml: rollout.overlong_window = 2 is set but rollout.truncated = \"train\": the window belongs to "
+        "truncated = \"penalty\"");
+  CHECK(only_error(parse(kRl, {"rollout.truncated=\"penalty\"", "rollout.overlong_window=1000"})).find(
+            "rollout.overlong_window = 1000 is longer than rollout.max_new_tokens") != std::string::npos);
+  const DeckResult one = parse(kRl, {"rollout.dynamic_sampling=true", "rollout.n=1"});
+  REQUIRE(one.errors.size() == 2);  // beside rollout.n = 1's own: nothing trains
+  CHECK(one.errors[1].find("rollout.dynamic_sampling = true with rollout.n = 1: a group of one sample always has "
+                           "equal rewards") != std::string::npos);
+}
+
 }  // TEST_SUITE
