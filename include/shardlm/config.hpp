@@ -187,6 +187,17 @@ struct RolloutSection {
   // rloo: reward - the mean of the group's other samples; batch_std: reward - the
   // group's mean, / (the std of the step's rewards + 1e-6) (docs/rl.md).
   std::string advantage = "mean_std";
+  // DAPO's data rules (docs/rl.md). dynamic_sampling: groups whose rewards are
+  // all equal are dropped and more prompts sampled, in at most
+  // dynamic_max_rounds rounds, until the step has prompts_per_step groups that train.
+  bool dynamic_sampling = false;
+  int64_t dynamic_max_rounds = 8;
+  // Completions cut at max_new_tokens: "train" as any other, "mask" (no loss on
+  // their tokens), "penalty" (the soft overlong penalty over the last
+  // overlong_window tokens of the budget, added to every completion's reward;
+  // 0 = max_new_tokens / 5, at least 1).
+  std::string truncated = "train";   // train | mask | penalty
+  int64_t overlong_window = 0;
 };
 
 struct LogSection {
@@ -210,17 +221,6 @@ struct CommSection {
 struct Config {
   std::string deck_path;
   RunSection run;
-  // DAPO's data rules (docs/rl.md). dynamic_sampling: groups whose rewards are
-  // all equal are dropped and more prompts sampled, in at most
-  // dynamic_max_rounds rounds, until the step has prompts_per_step groups that train.
-  bool dynamic_sampling = false;
-  int64_t dynamic_max_rounds = 8;
-  // Completions cut at max_new_tokens: "train" as any other, "mask" (no loss on
-  // their tokens), "penalty" (the soft overlong penalty over the last
-  // overlong_window tokens of the budget, added to every completion's reward;
-  // 0 = max_new_tokens / 5, at least 1).
-  std::string truncated = "train";   // train | mask | penalty
-  int64_t overlong_window = 0;
   ModelSection model;
   DataSection data;
   EvalSection eval;

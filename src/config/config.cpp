@@ -202,6 +202,10 @@ const std::vector<KeySpec>& key_table() {
       key("rollout.reward_program", Type::String, FIELD(rollout.reward_program)),
       up_to(positive(key("rollout.reward_timeout_s", Type::Float, FIELD(rollout.reward_timeout_s))), kMaxSeconds),
       one_of(key("rollout.advantage", Type::String, FIELD(rollout.advantage)), {"mean_std", "mean", "rloo", "batch_std"}),
+      key("rollout.dynamic_sampling", Type::Bool, FIELD(rollout.dynamic_sampling)),
+      up_to(positive(key("rollout.dynamic_max_rounds", Type::Int, FIELD(rollout.dynamic_max_rounds))), 1000),
+      one_of(key("rollout.truncated", Type::String, FIELD(rollout.truncated)), {"train", "mask", "penalty"}),
+      within(key("rollout.overlong_window", Type::Int, FIELD(rollout.overlong_window)), 0, kMaxPositions),
 
       positive(key("log.interval", Type::Int, FIELD(log.interval))),
       key("log.jsonl", Type::String, FIELD(log.jsonl)),
@@ -211,10 +215,6 @@ const std::vector<KeySpec>& key_table() {
       within(key("device.cpu_threads", Type::Int, FIELD(device.cpu_threads)), 0, 4096),
       within(key("device.memory_limit_gib", Type::Float, FIELD(device.memory_limit_gib)), 0, 1e6),
       one_of(key("device.attention", Type::String, FIELD(device.attention)), {"auto", "cudnn", "flash"}),
-      key("rollout.dynamic_sampling", Type::Bool, FIELD(rollout.dynamic_sampling)),
-      up_to(positive(key("rollout.dynamic_max_rounds", Type::Int, FIELD(rollout.dynamic_max_rounds))), 1000),
-      one_of(key("rollout.truncated", Type::String, FIELD(rollout.truncated)), {"train", "mask", "penalty"}),
-      within(key("rollout.overlong_window", Type::Int, FIELD(rollout.overlong_window)), 0, kMaxPositions),
 
       one_of(key("comm.backend", Type::String, FIELD(comm.backend)), {"auto", "mpi", "nccl"}),
       up_to(positive(key("comm.timeout_s", Type::Float, FIELD(comm.timeout_s))), kMaxSeconds),
@@ -743,6 +743,16 @@ void check_rl(const Config& c, const Errors& err) {
     err(fmt("rollout.n = 1 with rollout.advantage = \"%s\": each prompt's group is one sample, its advantage "
             "(reward - group mean) is 0 and the step trains nothing; set rollout.n >= 2 (e.g. 4 or 8 samples per "
             "prompt)", c.rollout.advantage.c_str()));
+  if (c.rollout.overlong_window > c.rollout.max_new_tokens)
+    err(fmt("rollout.overlong_window = %lld is longer than rollout.max_new_tokens = %lld: the soft overlong penalty "
+            "ramps over the last overlong_window tokens of the budget", (long long)c.rollout.overlong_window,
+            (long long)c.rollout.max_new_tokens));
+  if (c.rollout.overlong_window > 0 && c.rollout.truncated != "penalty")
+    err(fmt("rollout.overlong_window = %lld is set but rollout.truncated = \"%s\": the window belongs to "
+            "truncated = \"penalty\"", (long long)c.rollout.overlong_window, c.rollout.truncated.c_str()));
+  if (c.rollout.dynamic_sampling && c.rollout.n == 1)
+    err("rollout.dynamic_sampling = true with rollout.n = 1: a group of one sample always has equal rewards, so "
+        "every group would be dropped");
   if (uses("program") && c.rollout.reward_program.empty())
     err("rollout.reward = \"program\" needs rollout.reward_program (a command: completions as JSONL on its stdin, "
         "one reward per line on its stdout; docs/rl.md)");
@@ -763,16 +773,6 @@ void check_data_mix(const Config& c, const Errors& err) {
   else if (!c.data.weights.empty() &&
            std::all_of(c.data.weights.begin(), c.data.weights.end(), [](double w) { return w == 0; }))
     err("data.weights are all 0: at least one file needs a positive weight");
-  if (c.rollout.overlong_window > c.rollout.max_new_tokens)
-    err(fmt("rollout.overlong_window = %lld is longer than rollout.max_new_tokens = %lld: the soft overlong penalty "
-            "ramps over the last overlong_window tokens of the budget", (long long)c.rollout.overlong_window,
-            (long long)c.rollout.max_new_tokens));
-  if (c.rollout.overlong_window > 0 && c.rollout.truncated != "penalty")
-    err(fmt("rollout.overlong_window = %lld is set but rollout.truncated = \"%s\": the window belongs to "
-            "truncated = \"penalty\"", (long long)c.rollout.overlong_window, c.rollout.truncated.c_str()));
-  if (c.rollout.dynamic_sampling && c.rollout.n == 1)
-    err("rollout.dynamic_sampling = true with rollout.n = 1: a group of one sample always has equal rewards, so "
-        "every group would be dropped");
 }
 
 // eval: a token file, and when its loss is computed.

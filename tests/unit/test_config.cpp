@@ -763,4 +763,5 @@ TEST_CASE("DAPO's data rules: dynamic sampling, truncated completions and the ov
                            "equal rewards") != std::string::npos);
 }
 
+
 }  // TEST_SUITE
