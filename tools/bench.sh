@@ -25,7 +25,8 @@
 #                                 model.residual_dtype = bf16; beside 1b / 1b-32k-selective, whose
 #                                 fp32 stream is the default; the 8b-131k cases run a bf16 stream: an fp32 one
 #                                 adds 39 GiB there and does not fit one H200)
-#                                 1b-fp32-norms 1b-32k-selective-fp32-norms (model.norm_dtype = fp32)
+#                                 1b-fp32-norms 1b-32k-selective-fp32-norms (model.norm_dtype = fp32, the default);
+#                                 1b-bf16-norms (model.norm_dtype = bf16: what the fp32 norm weights cost, beside 1b)
 #                                 1b-fp8-cache 1b-32k-fp8-cache (model.fp8_weight_cache = true);
 #                                 8b-131k-offload-selective-fp8 (beside 8b-131k-offload-selective)
 #                                 1b-fp8 1b-mb4-fp8 1b-fp8-rowwise 1b-32k-fp8 8b-32k-offload-selective-fp8 (on request:
@@ -137,6 +138,7 @@ for n in $names; do
       run 1b-32k-selective-bf16-residual inputs/bench/llama-1b.toml --set data.seq_len=32768 --set data.global_batch=1 \
         --set model.activation_checkpointing=selective --set run.max_steps=5 --set model.residual_dtype=bf16 ;;
     1b-fp32-norms) run 1b-fp32-norms inputs/bench/llama-1b.toml --set model.norm_dtype=fp32 ;;
+    1b-bf16-norms) run 1b-bf16-norms inputs/bench/llama-1b.toml --set model.norm_dtype=bf16 ;;
     1b-32k-selective-fp32-norms)
       run 1b-32k-selective-fp32-norms inputs/bench/llama-1b.toml --set data.seq_len=32768 --set data.global_batch=1 \
         --set model.activation_checkpointing=selective --set run.max_steps=5 --set model.norm_dtype=fp32 ;;

@@ -209,6 +209,21 @@ def main():
     check("fidelity test: 1.4x compile's spread in every window holds", verdict.get("shardlm near") is True)
     check("fidelity test: 1.6x compile's spread does not", verdict.get("shardlm far") is False)
     check("fidelity test: 0.2% over the last 10 steps does not", verdict.get("shardlm late") is False)
+
+    # the rerun bound on made-up curves: eager's rerun sits 3e-4 below it to step 40, then 2e-3
+    # above; the bound is 2 x compile's 5e-4 = 1e-3 to step 40, the rerun's 2e-3 after. One
+    # shardlm curve 9e-4 then 1.9e-3 above (within), one 1.1e-3 everywhere (not, in 1-10).
+    made_up = {"transformers eager": eager, "transformers compile": made_up["transformers compile"],
+               "transformers eager #2": [x * (0.9997 if i < 40 else 1.002) for i, x in enumerate(eager)],
+               "shardlm held": [x * (1.0009 if i < 40 else 1.0019) for i, x in enumerate(eager)],
+               "shardlm over": [x * 1.0011 for x in eager]}
+    lines, verdict = F.bound_test(made_up)
+    for line in lines:
+        print("   ", line)
+    check("rerun bound: 0.9x of 2x compile, then 0.95x of the rerun, holds", verdict.get("shardlm held") is True)
+    check("rerun bound: 1.1x of 2x compile does not", verdict.get("shardlm over") is False)
+    check("rerun bound: 2x compile sets it to step 40, the rerun after",
+          "(2 × compile)" in lines[2] and "(rerun)" in lines[5] and len(lines) == 2 + 5)
     print(f"{len(failures)} failed")
     sys.exit(1 if failures else 0)
 

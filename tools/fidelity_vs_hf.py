@@ -55,6 +55,8 @@ with the same model, data, order and optimizer, on the GPU machine, in one call.
   python3 tools/fidelity_vs_hf.py ... --skip-hf OUT/losses.json --skip-done --repeats 2   (add runs to OUT's
       curves: only those losses.json lacks, here shardlm's second run)
   python3 tools/fidelity_vs_hf.py ... --skip-hf OUT/losses.json --variants "" --repeats 0   (the tables alone)
+  python3 tools/fidelity_vs_hf.py ... --variants eager,compile --hf-repeats 2   (with eager's rerun: the table
+      then adds the rerun bound, each window within the larger of 2x |compile - eager| and |eager #2 - eager|)
 
 Needs torch, transformers, h5py and numpy (tools/fidelity_vs_hf.sh finds that python).
 """
@@ -508,6 +510,51 @@ def issue_test(curves, reference="transformers eager", spread="transformers comp
     return lines, verdicts
 
 
+# The rerun bound: each window's mean relative difference of shardlm to transformers eager is
+# within the larger of 2x transformers' own compile - eager and eager's rerun - eager: what a
+# change of kernels alone, or no change at all, moves the curve by.
+BOUND_WINDOWS = [(1, 10), (11, 20), (21, 40), (41, 65), (66, 100)]
+
+
+def bound_test(curves, reference="transformers eager", rerun="transformers eager #2",
+               spread="transformers compile", factor=2.0):
+    """A table, one row per window: each shardlm setting's mean relative difference to the reference
+    (the mean of its runs' window means), compile - eager, rerun - eager, the bound (the larger of
+    factor x |compile - eager| and |rerun - eager|, and which set it) and whether every setting is
+    within it. Returns (lines, {setting: holds}); empty without the three transformers curves."""
+    if not all(k in curves for k in (reference, rerun, spread)):
+        return [], {}
+    ref = np.asarray(curves[reference])
+    _, counts = mean_curves(curves)
+    settings = [k for k in counts if k.startswith("shardlm")]
+
+    def window_mean(v, a, b):
+        v = np.asarray(v)
+        return float(np.mean((v[a - 1:b] - ref[a - 1:b]) / ref[a - 1:b]))
+
+    lines = ["| steps | " + " | ".join(f"{k} (n = {counts[k]})" for k in settings) +
+             " | compile − eager | rerun − eager | bound | within |",
+             "| --- |" + " --- |" * (len(settings) + 4)]
+    verdicts = {k: True for k in settings}
+    for a, b in BOUND_WINDOWS:
+        if b > len(ref):
+            break
+        comp, again = window_mean(curves[spread], a, b), window_mean(curves[rerun], a, b)
+        bound = max(factor * abs(comp), abs(again))
+        which = f"{factor:g} × compile" if factor * abs(comp) >= abs(again) else "rerun"
+        cells, ok_all = [], True
+        for k in settings:
+            runs = [v for name, v in curves.items() if base_name(name) == k]
+            mine = float(np.mean([window_mean(v, a, b) for v in runs]))
+            ok = abs(mine) <= bound
+            verdicts[k] &= ok
+            ok_all &= ok
+            cells.append(f"{mine:+.1e}")
+        lines.append(f"| {a}–{b} | " + " | ".join(cells) +
+                     f" | {comp:+.1e} | {again:+.1e} | {bound:.1e} ({which}) | {'yes' if ok_all else 'NO'} |")
+    return lines, verdicts
+
+
 def base_name(curve):
     """'shardlm default #2' -> 'shardlm default': the setting a repeated run belongs to."""
     return curve.split(" #")[0]
@@ -645,6 +692,11 @@ def main():
         print(nt)
     print("\nfidelity test (each window's |mean| within 1.5x transformers' compile - eager; last 10 within 0.1%):")
     print("\n".join(issue_test(curves)[0]))
+    bound_lines, bound_verdicts = bound_test(curves)
+    if bound_lines:
+        print("\nrerun bound (each window within the larger of 2x |compile - eager| and |eager #2 - eager|):\n")
+        print("\n".join(bound_lines))
+        print("\n".join(f"{k}: {'WITHIN' if ok else 'OUTSIDE'} the rerun bound" for k, ok in bound_verdicts.items()))
     spread = spread_table(curves)
     if spread:
         means, counts = mean_curves(curves)
