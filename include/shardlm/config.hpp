@@ -76,12 +76,19 @@ struct DataSection {
   double rollout_timeout_s = 600.0;
 };
 
-// A held-out token file whose loss is computed (forward only) during and after training.
+// Held-out evaluation: a token file whose loss the trainers compute (forward
+// only) during and after training, and, in an RL job, a prompt file whose
+// accuracy the inference ranks measure on the weights they hold (docs/rl.md).
 struct EvalSection {
-  std::string path;                 // token file like data.path; "" = no evaluation
-  int64_t interval = 0;             // every this many steps; 0 = only at the end
+  std::string path;                 // token file like data.path; "" = no loss evaluation
+  int64_t interval = 0;             // every this many steps (policy steps for prompts); 0 = only at the end
   int64_t rows = 0;                 // rows of seq_len from the start of the file; 0 = the whole file
   bool at_end = true;               // evaluate after the last step
+  std::string prompts;              // prompt file (tools/make_prompts.py) with answers; "" = no accuracy evaluation
+  int64_t samples = 0;              // sampled completions per prompt for pass@k; 0 = greedy only
+  int64_t max_new_tokens = 0;       // 0 = rollout.max_new_tokens (filled in when eval.prompts is set)
+  int64_t batch = 0;                // sequences decoded at once per inference rank; 0 = rollout.batch (filled in)
+  double correct_above = 0.0;       // a completion is correct when its reward is above this
 };
 
 struct OptimSection {

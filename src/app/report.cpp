@@ -13,6 +13,7 @@
 #include "data/prompts.hpp"
 #include "data/rollouts.hpp"
 #include "infer/decoder.hpp"
+#include "infer/eval.hpp"
 #include "infer/rollout.hpp"
 #include "app/plan.hpp"
 #include "shardlm/backend.hpp"
@@ -102,20 +103,25 @@ std::string inference_report(const Config& config, const ModelConfig& arch, bool
                              int64_t gpu_bytes) {
   const RolloutSection& ro = config.rollout;
   if (config.loss.type != "rl" || ro.prompts.empty()) return "";
+  const PromptSet eval_prompts = read_eval_prompts(config, arch);  // checked as at start; none without eval.prompts
   if (!std::filesystem::exists(ro.prompts))
-    return fmt("inference ranks: rollout.prompts '%s' does not exist yet (their plan needs its longest prompt)\n",
+    return eval_plan_line(config, eval_prompts) +
+           fmt("inference ranks: rollout.prompts '%s' does not exist yet (their plan needs its longest prompt)\n",
                ro.prompts.c_str());
   const PromptSet prompts = read_prompts(ro.prompts, arch.vocab_size);
   check_prompts(config, prompts, arch);
-  const DecoderLimits limits = rollout_decoder_limits(config, arch, prompts, 1);
+  const DecoderLimits limits =
+      with_eval_limits(config, arch, eval_prompts, 1, rollout_decoder_limits(config, arch, prompts, 1));
   const DecoderPlan d = plan_decoder(arch, limits, cuda ? "cuda" : "cpu");
   int64_t model_host = 0;  // the InferenceModel the broadcast lands in: fp32, whole
   for (const Unit& u : ModelLayout(arch, 1).units) model_host += u.padded_numel * int64_t(sizeof(float));
   const char* where = cuda ? "GPU" : "host";
-  std::string out = fmt("inference rank plan (`shardlm generate DECK`, one of them: %lld slots x %lld positions: the "
-                        "longest of the %lld prompts, then rollout.max_new_tokens = %lld)\n",
-                        (long long)limits.slots, (long long)limits.max_len, (long long)prompts.size(),
-                        (long long)ro.max_new_tokens);
+  std::string out = eval_plan_line(config, eval_prompts);
+  out += fmt("inference rank plan (`shardlm generate DECK`, one of them: %lld slots x %lld positions: the "
+             "longest of the %lld prompts, then rollout.max_new_tokens = %lld%s)\n",
+             (long long)limits.slots, (long long)limits.max_len, (long long)prompts.size(),
+             (long long)ro.max_new_tokens,
+             eval_prompts.path.empty() ? "" : "; eval.batch's slots and eval.prompts' positions where they are more");
   const std::tuple<const char*, const char*, int64_t> rows[] = {
       {"weights (bf16)", where, d.weights}, {"KV cache", where, d.cache},   {"activations", where, d.scratch},
       {"logits, staging", "host", d.host},  {"model (fp32)", "host", model_host}};

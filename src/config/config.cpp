@@ -138,6 +138,11 @@ const std::vector<KeySpec>& key_table() {
       at_least(key("eval.interval", Type::Int, FIELD(eval.interval)), 0),
       at_least(key("eval.rows", Type::Int, FIELD(eval.rows)), 0),
       key("eval.at_end", Type::Bool, FIELD(eval.at_end)),
+      key("eval.prompts", Type::String, FIELD(eval.prompts)),
+      within(key("eval.samples", Type::Int, FIELD(eval.samples)), 0, 1 << 16),
+      up_to(positive(key("eval.max_new_tokens", Type::Int, FIELD(eval.max_new_tokens))), kMaxPositions),
+      up_to(positive(key("eval.batch", Type::Int, FIELD(eval.batch))), 65536),
+      within(key("eval.correct_above", Type::Float, FIELD(eval.correct_above)), -1e6, 1e6),
 
       one_of(key("optim.name", Type::String, FIELD(optim.name)), {"adamw", "sgd", "muon"}),
       up_to(positive(key("optim.lr", Type::Float, FIELD(optim.lr))), 1000),
@@ -482,6 +487,13 @@ std::string meaningless_with_the_rest(const Config& c, const std::string& path) 
                c.loss.normalize.c_str());
   if (c.loss.is_level == "none" && (path == "loss.is_cap" || path == "loss.is_mask"))
     return "bounds the importance weight of loss.is_level = \"token\" or \"sequence\"; loss.is_level is \"none\" here";
+  if (path == "eval.prompts" && !c.eval.prompts.empty() && (c.loss.type != "rl" || c.rollout.prompts.empty()))
+    return "is scored by an RL job's inference ranks (`shardlm generate DECK` beside the trainers): it needs "
+           "loss.type = \"rl\" and rollout.prompts (to score an exported model, run `shardlm generate` and "
+           "tools/score_generate.py)";
+  if (c.eval.prompts.empty() && (path == "eval.samples" || path == "eval.max_new_tokens" || path == "eval.batch" ||
+                                 path == "eval.correct_above"))
+    return "sets the accuracy evaluation on eval.prompts, which is not set";
   if (path == "model.selective_layers" && c.model.activation_checkpointing != "selective")
     return fmt("says how many layers keep their attention output under model.activation_checkpointing = "
                "\"selective\"; it is \"%s\" here", c.model.activation_checkpointing.c_str());
@@ -778,9 +790,13 @@ void check_data_mix(const Config& c, const Errors& err) {
 // eval: a token file, and when its loss is computed.
 void check_eval(const Config& c, const Errors& err) {
   if (c.eval.path.empty()) {  // a non-default eval key means an evaluation was wanted
-    const char* set = c.eval.interval != 0 ? "eval.interval" : c.eval.rows != 0 ? "eval.rows"
-                    : !c.eval.at_end ? "eval.at_end" : nullptr;
-    if (set) err(fmt("%s is set but eval.path is not: give the token file to evaluate on (docs/data.md)", set));
+    const bool when = c.eval.interval != 0 || !c.eval.at_end;  // eval.prompts' schedule as well
+    const char* set = c.eval.rows != 0                        ? "eval.rows"
+                      : when && c.eval.prompts.empty()        ? (c.eval.interval != 0 ? "eval.interval" : "eval.at_end")
+                                                              : nullptr;
+    if (set) err(fmt("%s is set but eval.path is not: give the token file to evaluate on (docs/data.md)%s", set,
+                     c.eval.rows != 0 ? "" : ", or eval.prompts, a prompt file whose accuracy an RL job's inference "
+                                             "ranks measure (docs/rl.md)"));
   }
   if (!c.eval.path.empty() && c.eval.interval == 0 && !c.eval.at_end)
     err("eval.path is set but the loss is never evaluated: set eval.interval > 0 or eval.at_end = true");
@@ -914,6 +930,10 @@ DeckResult parse_deck_text(const std::string& text, const std::string& source_na
     if (config.optim.name == "muon" && config.optim.adamw_weight_decay < 0)
       config.optim.adamw_weight_decay = config.optim.weight_decay;
     resolve_loss_defaults(config, given);
+    // The accuracy evaluation samples as the rollouts do unless told otherwise.
+    if (!config.eval.prompts.empty() && config.eval.max_new_tokens == 0)
+      config.eval.max_new_tokens = config.rollout.max_new_tokens;
+    if (!config.eval.prompts.empty() && config.eval.batch == 0) config.eval.batch = config.rollout.batch;
     validate(config, world, given, errors);
   }
   return result;

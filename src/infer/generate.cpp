@@ -37,7 +37,8 @@ DecoderLimits plan_limits(const ModelConfig& c, std::span<const GenerateRequest>
 std::vector<Completion> generate(Decoder& decoder, std::span<const GenerateRequest> requests,
                                  const GenerateOptions& o) {
   const ModelConfig& c = decoder.config();
-  const int64_t V = c.vocab_size, slots = decoder.limits().slots;
+  const int64_t V = c.vocab_size;
+  const int64_t slots = o.slots > 0 ? std::min(o.slots, decoder.limits().slots) : decoder.limits().slots;
   SHARDLM_CHECK(o.max_new_tokens >= 1, "--max-new-tokens %lld must be at least 1", (long long)o.max_new_tokens);
   // Checked here for both paths: the device's draw() assumes usable values as the host Sampler does.
   if (std::string e = sampling_params_error(o.sampling); !e.empty()) SHARDLM_FAIL("%s", e.c_str());

@@ -48,6 +48,10 @@ struct GenerateOptions {
   SamplingParams sampling;
   int64_t max_new_tokens = 64;
   std::vector<int32_t> stop_ids;           // EOS, end of turn: a sampled one ends the sequence
+  // At most this many of the decoder's slots (0 = all of them): an inference
+  // rank's decoder is planned for both its rollouts and its evaluation, and
+  // each keeps to its own batch.
+  int64_t slots = 0;
   // The order free slots are taken in (empty: 0, 1, ...). Tests permute it to
   // show that a completion does not depend on its slot.
   std::vector<int32_t> slot_order;

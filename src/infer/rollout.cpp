@@ -27,6 +27,7 @@
 #include "data/rollouts.hpp"
 #include "data/tokenizer.hpp"
 #include "infer/command.hpp"
+#include "infer/eval.hpp"
 #include "infer/generate.hpp"
 #include "infer/model.hpp"
 #include "infer/reward.hpp"
@@ -47,8 +48,8 @@ uint64_t splitmix64(uint64_t x) {
   return x ^ (x >> 31);
 }
 
-// What a reward sees as the completion's text: decoded when there is a
-// tokenizer, else its ids in decimal; a final stop id is not part of it.
+}  // namespace
+
 std::string completion_text(const Completion& c, const TokenDecoder* tokenizer) {
   std::vector<int32_t> ids(c.tokens.begin(), c.tokens.end());
   if (c.finish == Finish::Stop && !ids.empty()) ids.pop_back();
@@ -62,6 +63,8 @@ std::string completion_text(const Completion& c, const TokenDecoder* tokenizer) 
   for (int32_t id : ids) text += (text.empty() ? "" : " ") + std::to_string(id);
   return text;
 }
+
+namespace {
 
 // What a rollout step measured, as the rollout file's group 'metrics' carries
 // it (the trainers log it with the step that trains on the file, prefixed
@@ -358,6 +361,7 @@ int run_inference_role(const Config& config, Runtime& rt) {
   // Bad input first, before the trainers' first broadcast: the same on every generator.
   const PromptSet prompts = read_prompts(ro.prompts, mc.vocab_size);
   check_prompts(config, prompts, mc);
+  const PromptSet eval_prompts = read_eval_prompts(config, mc);  // none without eval.prompts
   InferenceModel model = InferenceModel::for_broadcast(mc, config.model.hf);
   GenerateOptions options;
   options.sampling = {ro.temperature, ro.top_k, ro.top_p, uint64_t(config.run.seed)};
@@ -366,7 +370,9 @@ int run_inference_role(const Config& config, Runtime& rt) {
   for (int32_t id : model.eos_ids)
     if (std::find(options.stop_ids.begin(), options.stop_ids.end(), id) == options.stop_ids.end())
       options.stop_ids.push_back(id);
-  const DecoderLimits limits = rollout_decoder_limits(config, mc, prompts, world);
+  options.slots = rollout_decoder_limits(config, mc, prompts, world).slots;  // the decoder may hold more, to evaluate
+  const DecoderLimits limits =
+      with_eval_limits(config, mc, eval_prompts, world, rollout_decoder_limits(config, mc, prompts, world));
   // The backend runtime_init resolved (device.backend, "auto" -> cuda when a GPU is there).
   const std::unique_ptr<Decoder> decoder_owner = make_decoder(model, limits, rt.backend);
   Decoder& decoder = *decoder_owner;
@@ -393,6 +399,8 @@ int run_inference_role(const Config& config, Runtime& rt) {
     std::fflush(stdout);
   }
 
+  // Accuracy on eval.prompts, on the weights held when due: before they are replaced, after a rollout step.
+  Evaluator evaluator(config, eval_prompts, decoder, model.eos_ids, comm, reward.get(), tokenizer.get());
   WeightReceiver receiver(config, rt, model.weights->layout);
   // Weights that arrive in host memory: the host copy first, then the decoder's
   // own (the GPU's bf16 weights, refreshed parameter by parameter). Weights that
@@ -409,7 +417,10 @@ int run_inference_role(const Config& config, Runtime& rt) {
     to_device = [&](const ParamInfo& p, const void* values) { decoder.load_bf16_device(p, values); };
   // In order when several ranks read the filesystem, so that they all hold the same step.
   const bool newest_only = world == 1;
-  const auto next = [&] { return receiver.next(/*wait=*/true, newest_only, to_host, to_device); };
+  const auto next = [&] {
+    evaluator.if_due(receiver.step());
+    return receiver.next(/*wait=*/true, newest_only, to_host, to_device);
+  };
   const auto ended = [&] {
     if (rank == 0)
       std::printf("generate: the trainers ended (exit %d) after %lld broadcast%s\n", receiver.exit_code(),
@@ -419,6 +430,7 @@ int run_inference_role(const Config& config, Runtime& rt) {
   // The trainers broadcast their starting weights once (WeightBroadcaster::start).
   if (next() == WeightReceiver::Got::Done) return ended();
   if (rank == 0) publisher->open_jsonl(fs::path(config.run.dir) / "rollouts.jsonl", receiver.step());
+  evaluator.open_jsonl(config.run.dir, receiver.step());
 
   for (int64_t step = receiver.step(); step < config.run.max_steps; ++step) {
     // tests: SHARDLM_FAULT=generate_crash@R kills inference rank R (world rank) before rollout step 4
@@ -451,10 +463,12 @@ int run_inference_role(const Config& config, Runtime& rt) {
       if (!more) break;
     }
     if (rank == 0) publisher->publish(step, receiver.step(), sample_s, wait_s);
+    evaluator.if_due(receiver.step());  // while the trainers train on this step
   }
   // The rest of the broadcasts, to the trainers' end (and its exit code).
   while (next() == WeightReceiver::Got::Weights) {
   }
+  evaluator.at_end(receiver.step(), receiver.exit_code());
   return ended();
 }
 

@@ -14,10 +14,12 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <string>
 #include <vector>
 
 #include "data/prompts.hpp"
 #include "infer/decoder.hpp"
+#include "infer/generate.hpp"
 #include "shardlm/config.hpp"
 #include "shardlm/runtime.hpp"
 
@@ -38,6 +40,13 @@ constexpr int64_t kMaxDynamicRounds = 1000;
 std::vector<int64_t> round_prompts(uint64_t seed, int64_t step, int64_t round, int64_t prompts_per_step,
                                    int64_t file_prompts);
 int64_t round_key_base(int64_t step, int64_t round, int64_t prompts_per_step);
+
+class TokenDecoder;
+
+// What a reward sees as the completion's text: decoded when there is a
+// tokenizer, else its ids in decimal separated by spaces; a final stop id is
+// not part of it (the rollouts' rewards and the evaluation's, infer/eval.hpp).
+std::string completion_text(const Completion& c, const TokenDecoder* tokenizer);
 
 // The prompt file against the deck: the answers its verifiers need, each
 // prompt with rollout.max_new_tokens within data.seq_len + 1, stop ids within

@@ -590,7 +590,8 @@ TEST_CASE("[eval]: path, interval, rows, at_end; keys without a path and a path 
   CHECK(r.config.eval.at_end);  // default
   CHECK(parse(kValid).config.eval.path.empty());
   CHECK(only_error(parse(kValid, {"eval.interval=5"})) ==
-        "deck.toml: eval.interval is set but eval.path is not: give the token file to evaluate on (docs/data.md)");
+        "deck.toml: eval.interval is set but eval.path is not: give the token file to evaluate on (docs/data.md), or "
+        "eval.prompts, a prompt file whose accuracy an RL job's inference ranks measure (docs/rl.md)");
   CHECK(only_error(parse(kValid, {"eval.rows=4"})) ==
         "deck.toml: eval.rows is set but eval.path is not: give the token file to evaluate on (docs/data.md)");
   CHECK(only_error(parse(kValid, {"eval.path=held.h5", "eval.at_end=false"})) ==
@@ -734,6 +735,73 @@ TEST_CASE("RL loss keys: unknown values list the accepted ones, bad numbers and 
         "deck.toml: loss.entropy_coef sets the RL policy loss; it needs loss.type = \"rl\"");
   CHECK(only_error(parse(kValid, {"loss.is_level=token"})) ==
         "deck.toml: loss.is_level sets the RL policy loss; it needs loss.type = \"rl\"");
+}
+
+TEST_CASE("[eval] on prompts (RL): the keys, their defaults from [rollout], the echo, and the decks that refuse them") {
+  const DeckResult r = parse(kRl, {"rollout.prompts=\"p.h5\"", "rollout.max_new_tokens=6", "rollout.batch=12",
+                                   "eval.prompts=\"held.h5\"", "eval.interval=4", "eval.samples=8"});
+  for (const auto& e : r.errors) MESSAGE(e);
+  REQUIRE(r.ok());
+  const EvalSection& e = r.config.eval;
+  CHECK(e.prompts == "held.h5");
+  CHECK(e.interval == 4);  // without eval.path: the prompts' alone
+  CHECK(e.samples == 8);
+  CHECK(e.max_new_tokens == 6);  // rollout.max_new_tokens
+  CHECK(e.batch == 12);          // rollout.batch
+  CHECK(e.correct_above == 0.0);
+  CHECK(e.at_end);
+  CHECK(e.path.empty());
+  const DeckResult back = parse_deck_text(resolved_deck(r.config), "config.toml", {}, 1);  // the echo is concrete
+  for (const auto& m : back.errors) MESSAGE(m);
+  REQUIRE(back.ok());
+  CHECK(back.config.eval.prompts == "held.h5");
+  CHECK(back.config.eval.max_new_tokens == 6);
+  CHECK(back.config.eval.batch == 12);
+  CHECK(back.config.eval.samples == 8);
+  const DeckResult given = parse(kRl, {"rollout.prompts=\"p.h5\"", "eval.prompts=\"held.h5\"",
+                                       "eval.max_new_tokens=3", "eval.batch=5", "eval.correct_above=0.5"});
+  REQUIRE(given.ok());
+  CHECK(given.config.eval.max_new_tokens == 3);
+  CHECK(given.config.eval.batch == 5);
+  CHECK(given.config.eval.correct_above == 0.5);
+  CHECK(given.config.eval.samples == 0);  // greedy only
+  // Without eval.prompts its keys stay 0 and are left out of the echo (a comment says why).
+  const DeckResult none = parse(kRl, {"rollout.prompts=\"p.h5\""});
+  REQUIRE(none.ok());
+  CHECK(none.config.eval.max_new_tokens == 0);
+  CHECK(resolved_deck(none.config).find("# max_new_tokens = 0  # eval.max_new_tokens sets the accuracy evaluation on "
+                                        "eval.prompts, which is not set") != std::string::npos);
+
+  const std::string needs_rl = " eval.prompts is scored by an RL job's inference ranks (`shardlm generate DECK` beside "
+                               "the trainers): it needs loss.type = \"rl\" and rollout.prompts (to score an exported "
+                               "model, run `shardlm generate` and tools/score_generate.py)";
+  CHECK(only_error(parse(kRl, {"eval.prompts=\"held.h5\""})) == "deck.toml:" + needs_rl);    // no inference ranks
+  CHECK(only_error(parse(kValid, {"eval.prompts=\"held.h5\""})) == "deck.toml:" + needs_rl);  // an SFT deck
+  for (const char* key : {"eval.samples=4", "eval.max_new_tokens=4", "eval.batch=4", "eval.correct_above=0.5"}) {
+    const std::string name = std::string(key).substr(0, std::string(key).find('='));
+    CHECK(only_error(parse(kRl, {"rollout.prompts=\"p.h5\"", key})) ==
+          "deck.toml: " + name + " sets the accuracy evaluation on eval.prompts, which is not set");
+  }
+  const std::vector<std::string> rl_eval = {"rollout.prompts=\"p.h5\"", "eval.prompts=\"held.h5\""};
+  auto with = [&](const char* extra) {
+    std::vector<std::string> sets = rl_eval;
+    sets.push_back(extra);
+    return parse(kRl, sets);
+  };
+  CHECK(only_error(with("eval.samples=-1")) ==
+        "--set eval.samples=-1: eval.samples = -1 is out of range: it must be between 0 and 65536");
+  CHECK(only_error(with("eval.max_new_tokens=0")).find("eval.max_new_tokens = 0 is out of range: it must be between 1 "
+                                                        "and ") != std::string::npos);
+  CHECK(only_error(with("eval.batch=0")) ==
+        "--set eval.batch=0: eval.batch = 0 is out of range: it must be between 1 and 65536");
+  CHECK(only_error(with("eval.correct_above=\"x\"")) ==
+        "--set eval.correct_above=\"x\": eval.correct_above = \"x\" has the wrong type: expected a number");
+  CHECK(only_error(with("eval.rows=4")) ==
+        "deck.toml: eval.rows is set but eval.path is not: give the token file to evaluate on (docs/data.md)");
+  CHECK(with("eval.at_end=false").ok());  // the starting weights are evaluated all the same
+  CHECK(with("eval.path=\"held-tokens.h5\"").ok());  // the trainers' loss and the inference ranks' accuracy
+  CHECK(only_error(parse(kRl, {"rollout.prompts=\"p.h5\"", "eval.sample=2"})) ==
+        "--set eval.sample=2: unknown key 'eval.sample' (did you mean 'eval.samples'?)");
 }
 
 TEST_CASE("DAPO's data rules: dynamic sampling, truncated completions and the overlong window") {
