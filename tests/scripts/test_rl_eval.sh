@@ -12,6 +12,8 @@
 #     and the RL job's final export (step 4), greedy and with 4 samples at the
 #     evaluation's seed, scored by tools/score_generate.py: the same correct
 #     counts, accuracy, pass@4 and pass@1 as the job logged;
+#   the job resumed to step 6 from its step-2 checkpoint: eval.jsonl holds policy
+#     steps 0, 2, 4, 6 once each, 2 and 4 scored again with the same numbers;
 #   bad input: `check` and a job refuse a missing eval prompt file, one without
 #     answers, and eval.max_new_tokens past data.seq_len, each naming it.
 # Prints PASS/FAIL lines; exits non-zero when anything failed.
@@ -41,7 +43,7 @@ check "SFT warm start: 60 steps, exported in bf16" test -f "$T/sft/export/model.
 ARGS=(inputs/copy-rl.toml --set "model.hf=$T/sft/export" --set "run.dir=$T/rl" --set "data.rollout_dir=$T/rl/rollouts"
       --set "rollout.prompts=$T/task/prompts.h5" --set run.max_steps=4 --set "run.export_dir=$T/rl/export"
       --set 'run.export_dtype="bf16"' --set 'rollout.reward="regex"' --set 'rollout.reward_regex="^{answer}$"'
-      --set "eval.prompts=$T/held/prompts.h5" --set eval.interval=2 --set eval.samples=4)
+      --set "eval.prompts=$T/held/prompts.h5" --set eval.interval=2 --set eval.samples=4 --set ckpt.interval=2)
 
 "$BIN" check "${ARGS[@]}" > "$T/check.log" 2>&1
 check "check passes the deck with eval.prompts and names what is evaluated" \
@@ -104,6 +106,26 @@ echo "held-out accuracy, offline / in the job: step 0 $r0 / $e0 of 64, step 4 $r
 check "in-run evaluation = score_generate.py on the same weights (greedy at steps 0 and 4, pass@4 and pass@1 at step 4)" \
   test "$same" = 1
 check "... on numbers that can tell them apart: 0 < correct < 64 at step 0 ($e0)" test "${e0:-0}" -gt 0 -a "${e0:-64}" -lt 64
+
+# --- resumed to step 6 from the step-2 checkpoint (ckpt.interval = 2; the deck saves no final one): the
+# launch drops eval.jsonl's rows from step 2 on and scores steps 2 and 4 again, with the same numbers (the
+# CPU backend retrains them bit for bit), then step 6; each policy step once
+cp "$T/rl/eval.jsonl" "$T/eval-before-resume.jsonl"
+timeout 300 "${MPI[@]}" -np 1 "$BIN" train "${ARGS[@]}" --set run.max_steps=6 : \
+  -np 2 "$BIN" generate "${ARGS[@]}" --set run.max_steps=6 > "$T/resume.log" 2>&1
+rc=$?
+check "the job resumed to step 6 exits 0" test $rc = 0
+check "... from the step-2 checkpoint" grep -qE "checkpoint: resumed from .*/step_2\.h5" "$T/resume.log"
+check "eval.jsonl after the resume: policy steps 0, 2, 4, 6 once each; steps 2 and 4 scored again with the same numbers" \
+  "$PY" - "$T/rl/eval.jsonl" "$T/eval-before-resume.jsonl" <<'EOF2'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+before = {r["step"]: r for r in (json.loads(l) for l in open(sys.argv[2]))}
+assert [r["step"] for r in rows] == [0, 2, 4, 6], rows
+keys = ("eval_correct", "eval_accuracy", "eval_pass_at_k", "eval_pass_at_1", "eval_reward_mean")
+assert all(rows[i][k] == before[s][k] for i, s in ((1, 2), (2, 4)) for k in keys), (rows, before)
+assert rows[0] == before[0]
+EOF2
 
 # --- bad input, named
 "$PY" - "$T/held/prompts.h5" "$T/no-answers.h5" <<'EOF'
