@@ -344,8 +344,12 @@ TEST_CASE("fp32 stream: the embedding rows are the masters', on the device as on
 
 // The fp32 norm weights bring the GPU nearer the CPU's fp32 run than bf16 ones,
 // deterministically, with and without checkpointing (measured with a bf16
-// residual stream: both runs pin it).
-TEST_CASE("model.norm_dtype = fp32: 50 GPU steps nearer the CPU (fp32) losses; deterministic; checkpointing changes nothing") {
+// residual stream: both runs pin it). Nearer over the first 10 steps, while the
+// runs follow one trajectory: H100, mean relative difference 2.1e-5 (fp32 norm
+// weights) against 1.9e-4 (bf16). Past step ~15 the loss sits near 3.0 and the
+// runs branch: over 50 steps the means were 1.5e-3 and 6.2e-4, the order set
+// by where each branched, not by precision.
+TEST_CASE("model.norm_dtype = fp32: GPU steps nearer the CPU (fp32) losses; deterministic; checkpointing changes nothing") {
   GpuSetup gpu;
   const auto cpu = train_losses(deck("inputs/tiny-sft.toml", {"device.backend=cpu"}), 50);
   const auto run = [](std::vector<std::string> extra, int steps) {
@@ -353,11 +357,12 @@ TEST_CASE("model.norm_dtype = fp32: 50 GPU steps nearer the CPU (fp32) losses; d
     return deterministic_gpu_losses(extra, steps);
   };
   const auto bf16 = run({"model.norm_dtype=bf16"}, 50), fp32 = run({"model.norm_dtype=fp32"}, 50);
-  const RelativeDiff db = relative_diff(bf16, cpu), df = relative_diff(fp32, cpu);
-  MESSAGE("tiny deck vs CPU over 50 steps, relative loss difference: bf16 norm weights mean " << db.mean
-          << ", fp32 mean " << df.mean << " (worst " << df.worst << ")");
-  CHECK(df.worst < 3e-2);
-  CHECK(df.mean < db.mean);
+  const auto first10 = [](const std::vector<double>& v) { return std::vector<double>(v.begin(), v.begin() + 10); };
+  const RelativeDiff db = relative_diff(first10(bf16), first10(cpu)), df = relative_diff(first10(fp32), first10(cpu));
+  MESSAGE("tiny deck vs CPU over the first 10 steps, relative loss difference: bf16 norm weights mean " << db.mean
+          << ", fp32 mean " << df.mean << "; over 50 steps, fp32 worst " << relative_diff(fp32, cpu).worst);
+  CHECK(relative_diff(fp32, cpu).worst < 3e-2);
+  CHECK(df.mean * 3 < db.mean);
   const auto again = run({"model.norm_dtype=fp32"}, 10);
   const auto sel = run({"model.norm_dtype=fp32", "model.activation_checkpointing=selective"}, 10);
   for (int i = 0; i < 10; ++i) {
@@ -439,8 +444,17 @@ TEST_CASE("cuDNN's attention trains like shardlm's kernels (bf16 tolerance), wit
   }
   MESSAGE("tiny deck over 30 steps: worst relative loss difference cuDNN vs shardlm kernels " << worst
           << ", cuDNN + selective checkpointing " << worst_sel << "; final " << cudnn.back() << " vs " << flash.back());
-  CHECK(worst < 1e-2);
-  CHECK(worst_sel < 1e-2);
+  // bf16 tolerance while the runs follow one trajectory (H100, fp32 norm
+  // weights: 5.9e-5 over the first 10 steps), then the size of a branch: over 30
+  // steps one step differed by 1.4% (bf16 norm weights: 0.33%), as far as flash
+  // with bf16 against fp32 norm weights (1.1%).
+  double first10 = 0;
+  for (int i = 0; i < 10; ++i) first10 = std::max(first10, std::fabs(cudnn[i] - flash[i]) / flash[i]);
+  MESSAGE("first 10 steps: worst " << first10);
+  CHECK(first10 < 1e-3);
+  CHECK(worst < 3e-2);
+  CHECK(worst_sel < 3e-2);
+  CHECK(std::fabs(cudnn.back() - flash.back()) / flash.back() < 1e-2);
   CHECK(cudnn.back() < cudnn.front() - 2.0);
 }
 
