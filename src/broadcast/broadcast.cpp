@@ -60,12 +60,17 @@ struct Header {
   int64_t exit_code = 0;  // kDone: the trainers' exit code (75: stopped by a signal), the receivers' too
 };
 
-// MPI counts are int: big payloads go in chunks.
-void bcast_bytes(void* data, int64_t bytes, MPI_Comm comm) {
+// From trainer rank 0 to the receivers over the link (MPI counts are int: big
+// payloads go in chunks). Watched as every wait for the other side is
+// (comm.hpp): a peer stopped in the middle of a transfer is named, not waited
+// for. watch_peers false for the hello, sent while the trainers set up.
+void bcast_bytes(void* data, int64_t bytes, MPI_Comm comm, bool watch_peers = true) {
   auto* p = static_cast<char*>(data);
   for (int64_t done = 0; done < bytes;) {
     const int n = static_cast<int>(std::min<int64_t>(bytes - done, INT_MAX / 2));
-    MPI_CHECK(MPI_Bcast(p + done, n, MPI_BYTE, 0, comm));
+    MPI_Request r;
+    MPI_CHECK(MPI_Ibcast(p + done, n, MPI_BYTE, 0, comm, &r));
+    wait_for_other_side(comm, &r, "weight broadcast transfer", 0, watch_peers);
     done += n;
   }
 }
@@ -178,7 +183,7 @@ WeightBroadcaster::WeightBroadcaster(const Config& config, const Runtime& rt, Co
     receiver_done_.assign(static_cast<size_t>(rt.num_receivers), 0);
     Header hello;
     hello.kind = kHello;
-    bcast_bytes(&hello, sizeof hello, rt.broadcast_comm);
+    bcast_bytes(&hello, sizeof hello, rt.broadcast_comm, /*watch_peers=*/false);
     return;
   }
   if (config.broadcast.backend != "nccl") return;
@@ -191,7 +196,7 @@ WeightBroadcaster::WeightBroadcaster(const Config& config, const Runtime& rt, Co
   Header hello;
   hello.kind = kHello;
   hello.device = device_;
-  bcast_bytes(&hello, sizeof hello, rt.broadcast_comm);
+  bcast_bytes(&hello, sizeof hello, rt.broadcast_comm, /*watch_peers=*/false);
   if (!device_) return;
   device_kind_ = select_broadcast_comm(rt);
   host_bcast_ = make_mpi_comm(rt.broadcast_comm);
@@ -609,7 +614,7 @@ WeightReceiver::WeightReceiver(const Config& config, Runtime& rt, const ModelLay
                 "receive: the deck has broadcast.backend = \"none\"; set \"nccl\" or \"filesystem\"");
   // Trainer rank 0 says hello at start-up (on the filesystem path once it has removed an earlier job's DONE).
   Header hello;
-  bcast_bytes(&hello, sizeof hello, rt.broadcast_comm);
+  bcast_bytes(&hello, sizeof hello, rt.broadcast_comm, /*watch_peers=*/false);
   SHARDLM_CHECK(hello.magic == kMagic && hello.kind == kHello,
                 "receive: the trainer sent a header that is not shardlm's");
   if (!filesystem_ && hello.device) {
