@@ -100,10 +100,14 @@ struct TokenBatch {
   // the step's forward-only pass fills them in, train/sequence_pass.hpp).
   const double* sequence_log_ratio = nullptr;
   const double* sequence_log_is = nullptr;
+  // loss.ref_kl_coef > 0: the frozen reference weights' logprob of each target
+  // (the step's reference pass, train/reference_pass.hpp).
+  const float* ref_logprobs = nullptr;
 
   // The RL loss's per-token inputs among these (host memory).
   RlTokenInputs rl_inputs() const {
-    return {advantages, inference_logprobs, sampling_logprobs, temperatures, sequence_log_ratio, sequence_log_is};
+    return {advantages,         inference_logprobs, sampling_logprobs, temperatures,
+            sequence_log_ratio, sequence_log_is,    ref_logprobs};
   }
 };
 

@@ -151,6 +151,22 @@ struct LossSection {
   double is_cap = 2.0;               // >= 1
   double is_mask = 0.0;              // 0 = off, else > 1
   double entropy_coef = 0.0;         // weight of -H(softmax(logits / tau)) on every loss token
+  // Several optimizer updates per rollout step (docs/rl.md, "Several updates
+  // per rollout step"): the step's samples split into mini_batches parts of
+  // whole samples (in file order, the same on every rank), each part one
+  // update normalised over its own samples, all of it repeated epochs times.
+  // The ratio stays against the rollout file's logprobs, so from the second
+  // update on the clips act. run.max_steps, the schedule and checkpoints
+  // count rollout steps.
+  int64_t epochs = 1;
+  int64_t mini_batches = 1;
+  // A KL penalty against the run's starting weights (model.hf, or the seeded
+  // init), kept frozen: ref_kl_coef x an estimator of KL(pi || pi_ref) on
+  // every loss token, k1 = log(pi / pi_ref), k2 = (log(pi / pi_ref))^2 / 2 or
+  // k3 = pi_ref / pi - log(pi_ref / pi) - 1 (Schulman 2020, "Approximating KL
+  // divergence"). 0 = off: no frozen copy, no reference pass.
+  double ref_kl_coef = 0.0;
+  std::string ref_kl_estimator = "k3";  // k1 | k2 | k3
 };
 
 struct CkptSection {

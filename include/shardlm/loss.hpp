@@ -14,6 +14,10 @@ namespace shardlm {
 enum class RlObjective : uint8_t { Masked, Clipped, Gspo, Cispo };
 // loss.is_level: importance sampling against the train/inference mismatch.
 enum class IsLevel : uint8_t { None, Token, Sequence };
+// loss.ref_kl_estimator: the per-token estimator of KL(pi || pi_ref), with
+// x = lp_ref - logp (Schulman 2020, "Approximating KL divergence"):
+// k1 = -x, k2 = x^2 / 2, k3 = e^x - x - 1.
+enum class RefKlEstimator : uint8_t { K1, K2, K3 };
 
 struct RlLossParams {
   double mask_high = 0.2;  // mask A > 0 tokens whose probability rose by more than this
@@ -27,6 +31,8 @@ struct RlLossParams {
   double is_cap = 2.0;        // the importance weight is min(rho, is_cap)
   double is_mask = 0.0;       // > 0: rho outside [1 / is_mask, is_mask] carries no loss
   double entropy_coef = 0.0;  // weight of -H(softmax(logits / tau)) on every loss token
+  double ref_kl_coef = 0.0;   // weight of the KL estimator against the frozen reference's logprob; 0: off
+  RefKlEstimator ref_kl_estimator = RefKlEstimator::K3;
 
   // Whether the loss needs sums over whole samples before its backward (GSPO's
   // sequence ratio, sequence-level importance weights): the step's forward-only
@@ -49,12 +55,15 @@ struct RlTokenInputs {
   // Sums over the token's whole sample (RlLossParams::needs_sequence_terms, else nullptr):
   const double* sequence_log_ratio = nullptr; // (n) gspo: mean over the sample's loss tokens of logp - lp_inf
   const double* sequence_log_is = nullptr;    // (n) is_level = sequence: sum over them of logp - lp_sampling
+  // RlLossParams::ref_kl_coef > 0: the frozen reference weights' logprob of the
+  // target at tau (train/reference_pass.hpp); else nullptr.
+  const float* ref_logprobs = nullptr;        // (n)
 
   // The same inputs from row `offset` on (a chunk of a micro-batch).
   RlTokenInputs at(int64_t offset) const {
     auto shift = [offset](auto* p) { return p ? p + offset : p; };
     return {shift(advantages),   shift(inference_logprobs), shift(sampling_logprobs),
-            shift(temperatures), shift(sequence_log_ratio), shift(sequence_log_is)};
+            shift(temperatures), shift(sequence_log_ratio), shift(sequence_log_is), shift(ref_logprobs)};
   }
 };
 
@@ -74,8 +83,9 @@ struct LossStats {
   double is_ratio_sum = 0;     // is_level != none: sum of rho (each bounded to [e^-20, e^20])
   int64_t is_capped = 0;       // tokens whose rho > is_cap (weight truncated)
   int64_t is_masked = 0;       // tokens whose rho is outside [1 / is_mask, is_mask] (no loss)
+  double ref_kl_sum = 0;       // ref_kl_coef > 0: sum of the KL estimator against the reference, unweighted
 
-  static constexpr int kFields = 10;
+  static constexpr int kFields = 11;
   LossStats& operator+=(const LossStats& o) {
     loss += o.loss;
     loss_tokens += o.loss_tokens;
@@ -87,14 +97,17 @@ struct LossStats {
     is_ratio_sum += o.is_ratio_sum;
     is_capped += o.is_capped;
     is_masked += o.is_masked;
+    ref_kl_sum += o.ref_kl_sum;
     return *this;
   }
   std::array<double, kFields> to_array() const {
     return {loss,          double(loss_tokens), double(masked_high), double(masked_low), entropy_sum,
-            mismatch_kl_sum, advantage_sum,     is_ratio_sum,        double(is_capped),  double(is_masked)};
+            mismatch_kl_sum, advantage_sum,     is_ratio_sum,        double(is_capped),  double(is_masked),
+            ref_kl_sum};
   }
   static LossStats from_array(const std::array<double, kFields>& a) {
-    return {a[0], int64_t(a[1]), int64_t(a[2]), int64_t(a[3]), a[4], a[5], a[6], a[7], int64_t(a[8]), int64_t(a[9])};
+    return {a[0], int64_t(a[1]), int64_t(a[2]), int64_t(a[3]), a[4], a[5], a[6], a[7], int64_t(a[8]), int64_t(a[9]),
+            a[10]};
   }
 };
 

@@ -144,12 +144,20 @@ void Metrics::log(const StepStats& s) {
       if (name == "reward_mean") reward_text = fmt(" | rollout reward %.4f", v);
     const std::string is_text = config_.loss.is_level == "none" ? ""
         : fmt(" | is ratio %.4f capped %.3f masked %.3f", s.is_ratio, s.is_capped_fraction, s.is_masked_fraction);
-    std::printf("        rl | entropy %.4f | mismatch kl %.3e | %s%s | mean advantage %+.4f | "
+    const std::string ref_text = config_.loss.ref_kl_coef > 0 ? fmt(" | ref kl %.3e", s.ref_kl) : "";
+    // Several updates a step: each one's clip (mask) fraction, in order.
+    std::string updates_text;
+    if (s.updates.size() > 1) {
+      updates_text = fmt(" (%zu updates:", s.updates.size());
+      for (const UpdateStats& u : s.updates) updates_text += fmt(" %.3f", u.bound_fraction);
+      updates_text += ")";
+    }
+    std::printf("        rl | entropy %.4f | mismatch kl %.3e%s | %s%s%s | mean advantage %+.4f | "
                 "waited %.2f s for rollouts%s\n",
-                s.entropy, s.mismatch_kl,
+                s.entropy, s.mismatch_kl, ref_text.c_str(),
                 config_.loss.objective != "masked" ? fmt("clip fraction %.3f", s.clip_fraction).c_str()
                                                    : fmt("masked high %.3f low %.3f", s.masked_high, s.masked_low).c_str(),
-                is_text.c_str(), s.advantage, s.rollout_wait_s, reward_text.c_str());
+                updates_text.c_str(), is_text.c_str(), s.advantage, s.rollout_wait_s, reward_text.c_str());
   }
   std::fflush(stdout);
 
@@ -176,6 +184,19 @@ void Metrics::log(const StepStats& s) {
                                    {"is_capped_fraction", s.is_capped_fraction},
                                    {"is_masked_fraction", s.is_masked_fraction}})
         row += fmt(", \"%s\": %s", key, number(key, v, nonfinite).c_str());
+    if (config_.loss.ref_kl_coef > 0) row += fmt(", \"ref_kl\": %s", number("ref_kl", s.ref_kl, nonfinite).c_str());
+    // loss.epochs x loss.mini_batches > 1: each update's numbers, in order.
+    if (s.updates.size() > 1) {
+      const char* bound = config_.loss.objective != "masked" ? "update_clip_fraction" : "update_masked_fraction";
+      row += fmt(", \"updates\": %zu", s.updates.size());
+      for (const auto& [key, field] : {std::pair{"update_loss", &UpdateStats::loss},
+                                       std::pair{"update_grad_norm", &UpdateStats::grad_norm},
+                                       std::pair{bound, &UpdateStats::bound_fraction}}) {
+        row += fmt(", \"%s\": [", key);
+        for (size_t i = 0; i < s.updates.size(); ++i) row += (i ? ", " : "") + number(key, s.updates[i].*field, nonfinite);
+        row += "]";
+      }
+    }
     row += fmt(", \"rollout_wait_s\": %.6g", s.rollout_wait_s);
     // The step's rollout file's own measurements, prefixed: "rollout_reward_mean", ...
     for (const auto& [name, v] : s.rollout_metrics) {
@@ -211,6 +232,7 @@ void Metrics::log(const StepStats& s) {
                                    {"rl/masked_fraction", s.masked_fraction}, {"rl/clip_fraction", s.clip_fraction},
                                    {"rl/mean_advantage", s.advantage}, {"rl/rollout_wait_s", s.rollout_wait_s}})
         scalars.push_back({tag, float(v)});
+    if (s.rl && config_.loss.ref_kl_coef > 0) scalars.push_back({"rl/ref_kl", float(s.ref_kl)});
     if (s.rl && config_.loss.is_level != "none")
       for (const auto& [tag, v] : {std::pair<const char*, double>{"rl/is_ratio", s.is_ratio},
                                    {"rl/is_capped_fraction", s.is_capped_fraction},

@@ -142,7 +142,10 @@ CheckpointInfo load_checkpoint(TrainSession& s, MPI_Comm comm, const fs::path& p
       if (checksum_i64(position.data(), 0, shape[0]) != want)
         SHARDLM_FAIL("checksum mismatch in /data/position");
       const DataPosition saved = DataPosition::from_vector(position);
-      SHARDLM_CHECK(saved.step == info.step && info.optimizer_steps >= 0 && info.optimizer_steps <= info.step,
+      // An RL step makes loss.epochs x loss.mini_batches optimizer updates: the saved run's deck's, or this one's.
+      const int64_t updates = std::max(updates_per_step(s.config),
+                                       updates_per_step(parse_deck_text(info.deck, path.string(), {}, 1).config));
+      SHARDLM_CHECK(saved.step == info.step && info.optimizer_steps >= 0 && info.optimizer_steps <= info.step * updates,
                     "the counters disagree: step %lld, /data/position's step %lld, /optim steps_taken %lld",
                     (long long)info.step, (long long)saved.step, (long long)info.optimizer_steps);
     });

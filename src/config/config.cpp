@@ -178,6 +178,10 @@ const std::vector<KeySpec>& key_table() {
       within(key("loss.is_cap", Type::Float, FIELD(loss.is_cap)), 1, 1e6),
       within(key("loss.is_mask", Type::Float, FIELD(loss.is_mask)), 0, 1e6),
       within(key("loss.entropy_coef", Type::Float, FIELD(loss.entropy_coef)), 0, 1e6),
+      within(key("loss.epochs", Type::Int, FIELD(loss.epochs)), 1, 1000),
+      within(key("loss.mini_batches", Type::Int, FIELD(loss.mini_batches)), 1, 1 << 20),
+      not_implemented(within(key("loss.ref_kl_coef", Type::Float, FIELD(loss.ref_kl_coef)), 0, 1e6)),
+      not_implemented(one_of(key("loss.ref_kl_estimator", Type::String, FIELD(loss.ref_kl_estimator)), {"k1", "k2", "k3"})),
 
       at_least(key("ckpt.interval", Type::Int, FIELD(ckpt.interval)), 0),
       at_least(key("ckpt.keep_last", Type::Int, FIELD(ckpt.keep_last)), 1),
@@ -475,7 +479,9 @@ std::string meaningless_with_the_rest(const Config& c, const std::string& path) 
     return fmt("has no meaning for optim.name = \"%s\" (it sets Muon; see docs/muon.md)", name.c_str());
   if (c.loss.type != "rl" && (path == "loss.objective" || path == "loss.normalize" || path == "loss.clip_low" ||
                               path == "loss.clip_high" || path == "loss.normalize_constant" || path == "loss.is_level" ||
-                              path == "loss.is_cap" || path == "loss.is_mask" || path == "loss.entropy_coef"))
+                              path == "loss.is_cap" || path == "loss.is_mask" || path == "loss.entropy_coef" ||
+                              path == "loss.epochs" || path == "loss.mini_batches" || path == "loss.ref_kl_coef" ||
+                              path == "loss.ref_kl_estimator"))
     return "sets the RL policy loss; it needs loss.type = \"rl\"";
   if (c.loss.objective == "masked" && (path == "loss.clip_low" || path == "loss.clip_high"))
     return "bounds the ratio of loss.objective = \"clipped\", \"gspo\" or \"cispo\"; loss.objective is \"masked\" here";
@@ -487,6 +493,8 @@ std::string meaningless_with_the_rest(const Config& c, const std::string& path) 
                c.loss.normalize.c_str());
   if (c.loss.is_level == "none" && (path == "loss.is_cap" || path == "loss.is_mask"))
     return "bounds the importance weight of loss.is_level = \"token\" or \"sequence\"; loss.is_level is \"none\" here";
+  if (c.loss.ref_kl_coef == 0 && path == "loss.ref_kl_estimator")
+    return "estimates the KL term against the starting weights, which loss.ref_kl_coef = 0 turns off";
   if (path == "eval.prompts" && !c.eval.prompts.empty() && (c.loss.type != "rl" || c.rollout.prompts.empty()))
     return "is scored by an RL job's inference ranks (`shardlm generate DECK` beside the trainers): it needs "
            "loss.type = \"rl\" and rollout.prompts (to score an exported model, run `shardlm generate` and "
@@ -765,6 +773,9 @@ void check_rl(const Config& c, const Errors& err) {
   if (c.rollout.dynamic_sampling && c.rollout.n == 1)
     err("rollout.dynamic_sampling = true with rollout.n = 1: a group of one sample always has equal rewards, so "
         "every group would be dropped");
+  if (c.loss.type == "rl" && c.loss.ref_kl_coef > 0 && c.device.backend == "cuda")
+    err("loss.ref_kl_coef > 0 runs on the CPU backend only so far (the frozen reference weights and their forward "
+        "pass are not built for device.backend = \"cuda\"); set loss.ref_kl_coef = 0 or device.backend = \"cpu\"");
   if (uses("program") && c.rollout.reward_program.empty())
     err("rollout.reward = \"program\" needs rollout.reward_program (a command: completions as JSONL on its stdin, "
         "one reward per line on its stdout; docs/rl.md)");
@@ -811,13 +822,16 @@ void check_run_dir(const Config& c, const Errors& err) {
 // concrete: the clip's bounds by objective (GSPO's sequence ratios are means of
 // log-ratios, so its paper clips at 3e-4 / 4e-4; CISPO puts no lower bound on
 // its weight), and normalize = "constant"'s divisor, the most loss tokens a
-// step's rollouts can hold (Dr. GRPO divides by the generation budget).
+// step's rollouts (one update's part of them) can hold (Dr. GRPO divides by
+// the generation budget).
 void resolve_loss_defaults(Config& c, const std::set<std::string>& given) {
   LossSection& l = c.loss;
   if (!given.count("loss.clip_low")) l.clip_low = l.objective == "gspo" ? 3e-4 : l.objective == "cispo" ? 1.0 : 0.2;
   if (!given.count("loss.clip_high")) l.clip_high = l.objective == "gspo" ? 4e-4 : 0.28;
+  // The divisor is each update's: with loss.mini_batches parts, a part's share of the budget.
   if (l.normalize == "constant" && !given.count("loss.normalize_constant"))
-    l.normalize_constant = double(c.rollout.max_new_tokens) * double(c.rollout.prompts_per_step) * double(c.rollout.n);
+    l.normalize_constant = double(c.rollout.max_new_tokens) * double(c.rollout.prompts_per_step) *
+                           double(c.rollout.n) / double(l.mini_batches);
 }
 
 // The cross-field rules, on the resolved values; `given` holds every key the

@@ -71,6 +71,8 @@ RlChunkStats rl_loss_forward_backward(T* logits, const int32_t* targets, const T
   const bool gspo_sums = p.objective == RlObjective::Gspo && p.is_level == IsLevel::None;
   SHARDLM_CHECK(n == 0 || ((!gspo_sums || in.sequence_log_ratio) && (p.is_level != IsLevel::Sequence || in.sequence_log_is)),
                 "internal: rl_loss without the sample sums its objective or importance weights need");
+  SHARDLM_CHECK(n == 0 || p.ref_kl_coef == 0.0 || in.ref_logprobs,
+                "internal: rl_loss with loss.ref_kl_coef > 0 but no reference logprobs");
   const bool entropy_grad = p.entropy_coef != 0.0;
 
   RlChunkStats partial[kReduceBlocks] = {};
@@ -94,7 +96,8 @@ RlChunkStats rl_loss_forward_backward(T* logits, const int32_t* targets, const T
       const RlRowTerms k = rl_row_terms(p, double(sm.logp), sm.entropy, double(w), double(in.advantages[r]), lp_inf,
                                         in.sampling_logprobs ? double(in.sampling_logprobs[r]) : lp_inf,
                                         gspo_sums ? in.sequence_log_ratio[r] : 0.0,
-                                        p.is_level == IsLevel::Sequence ? in.sequence_log_is[r] : 0.0);
+                                        p.is_level == IsLevel::Sequence ? in.sequence_log_is[r] : 0.0,
+                                        p.ref_kl_coef != 0.0 ? double(in.ref_logprobs[r]) : 0.0);
       st.loss += k.loss;
       // d logp / d x = (onehot - softmax) / tau; d H / d x = -softmax (log softmax + H) / tau.
       const double coef = double(grad_scale) * k.dloss_dlogp / double(tau);
@@ -121,6 +124,7 @@ RlChunkStats rl_loss_forward_backward(T* logits, const int32_t* targets, const T
       st.is_ratio_sum += k.is_ratio;
       st.is_capped += k.is_capped;
       st.is_masked += k.is_masked;
+      st.ref_kl_sum += k.ref_kl;
     }
     partial[blk] = st;
   }

@@ -27,14 +27,34 @@ struct RlRowTerms {
   bool is_capped = false, is_masked = false;
   double is_ratio = 0;     // rho bounded to [e^-20, e^20] for the log; 0 without importance sampling
   double mismatch_kl = 0;  // k3 of logp - lp_inf
+  double ref_kl = 0;       // the KL estimator against the reference (p.ref_kl_coef > 0), unweighted
 };
+
+// KL(pi || pi_ref)'s per-token estimator at a sampled token and its derivative
+// in logp, with x = lp_ref - logp (Schulman 2020, "Approximating KL
+// divergence"): k1 = -x (d/dlogp 1), k2 = x^2 / 2 (d/dlogp -x),
+// k3 = e^x - x - 1 (d/dlogp 1 - e^x). k3 is unbiased and never negative; k1
+// is unbiased; k2 is biased, low-variance.
+struct RefKlTerm {
+  double value = 0, dvalue_dlogp = 0;
+};
+SHARDLM_RL_HD inline RefKlTerm ref_kl_term(RefKlEstimator e, double logp, double lp_ref) {
+  const double x = lp_ref - logp;
+  switch (e) {
+    case RefKlEstimator::K1: return {-x, 1.0};
+    case RefKlEstimator::K2: return {0.5 * x * x, -x};
+    case RefKlEstimator::K3: break;
+  }
+  return {expm1(x) - x, -expm1(x)};  // e^x - x - 1 and 1 - e^x without cancellation near x = 0
+}
 
 // One loss token: logp = log_softmax(z)[y] and H = entropy of softmax(z) (the
 // trainer's, z = logits / tau), weight w > 0, advantage A, the inference and
-// sampling logprobs, and the sample's sums (read only where p needs them).
+// sampling logprobs, the sample's sums and the reference's logprob (read only
+// where p needs them).
 SHARDLM_RL_HD inline RlRowTerms rl_row_terms(const RlLossParams& p, double logp, double entropy, double w, double A,
                                              double lp_inf, double lp_sampling, double sequence_log_ratio,
-                                             double sequence_log_is) {
+                                             double sequence_log_is, double lp_ref = 0.0) {
   RlRowTerms t;
   const double log_r_inf = logp - lp_inf;  // against the sampler's full distribution: the kl term, the statistics
   t.mismatch_kl = expm1(log_r_inf) - log_r_inf;  // r - log r - 1 without cancellation
@@ -100,6 +120,12 @@ SHARDLM_RL_HD inline RlRowTerms rl_row_terms(const RlLossParams& p, double logp,
   dpg_dlogp *= is_weight;
   t.loss = w * (pg + p.kl_coef * log_r_inf * log_r_inf - p.entropy_coef * entropy) - p.ce_coef * w * logp;
   t.dloss_dlogp = w * (dpg_dlogp + 2.0 * p.kl_coef * log_r_inf) - p.ce_coef * w;
+  if (p.ref_kl_coef != 0.0) {  // a branch: with the term off the sums above stay the same bits
+    const RefKlTerm kl = ref_kl_term(p.ref_kl_estimator, logp, lp_ref);
+    t.ref_kl = kl.value;
+    t.loss += w * p.ref_kl_coef * kl.value;
+    t.dloss_dlogp += w * p.ref_kl_coef * kl.dvalue_dlogp;
+  }
   t.dloss_dentropy = -p.entropy_coef * w;
   return t;
 }

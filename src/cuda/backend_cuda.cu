@@ -792,7 +792,8 @@ class CudaBackend final : public Backend {
   // The RL loss's per-token inputs of the loaded micro-batch, in device memory.
   RlTokenInputs rl_device_inputs() const {
     return {advantages_, inference_logprobs_, has_sampling_logprobs_ ? sampling_logprobs_ : nullptr, temperatures_,
-            has_sequence_terms_ ? sequence_log_ratio_ : nullptr, has_sequence_terms_ ? sequence_log_is_ : nullptr};
+            has_sequence_terms_ ? sequence_log_ratio_ : nullptr, has_sequence_terms_ ? sequence_log_is_ : nullptr,
+            /*ref_logprobs: loss.ref_kl_coef runs on the CPU backend only*/ nullptr};
   }
 
   static const bf16* bf(const void* p) { return static_cast<const bf16*>(p); }

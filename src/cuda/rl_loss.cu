@@ -77,6 +77,7 @@ rl_loss_kernel(bf16* __restrict__ logits, double* __restrict__ row_stats,
       out[7 * n] = 0.0;
       out[8 * n] = 0.0;
       out[9 * n] = 0.0;
+      out[10 * n] = loss_row && in.ref_logprobs ? nan : 0.0;
     }
     return;
   }
@@ -134,7 +135,8 @@ rl_loss_kernel(bf16* __restrict__ logits, double* __restrict__ row_stats,
     const cpu::RlRowTerms k = cpu::rl_row_terms(
         p, logp, entropy, double(w), double(in.advantages[row]), lp_inf,
         in.sampling_logprobs ? double(in.sampling_logprobs[row]) : lp_inf, gspo_sums ? in.sequence_log_ratio[row] : 0.0,
-        p.is_level == IsLevel::Sequence ? in.sequence_log_is[row] : 0.0);
+        p.is_level == IsLevel::Sequence ? in.sequence_log_is[row] : 0.0,
+        p.ref_kl_coef != 0.0 && in.ref_logprobs ? double(in.ref_logprobs[row]) : 0.0);
     const double coef = double(grad_scale) * k.dloss_dlogp / double(tau);
     const double entropy_coef = double(grad_scale) * k.dloss_dentropy / double(tau);
     grad_exp_scale = float(-coef / row_sum);
@@ -152,6 +154,7 @@ rl_loss_kernel(bf16* __restrict__ logits, double* __restrict__ row_stats,
       out[7 * n] = k.is_ratio;
       out[8 * n] = k.is_capped ? 1.0 : 0.0;
       out[9 * n] = k.is_masked ? 1.0 : 0.0;
+      out[10 * n] = k.ref_kl;
     }
   }
   __syncthreads();

@@ -59,7 +59,7 @@ using Clock = std::chrono::steady_clock;
 // A loss whose terms are all per token: nothing to do.
 class NoSequencePass final : public SequencePass {
  public:
-  double run(StepSource&, int64_t, const StepPlan&) override { return 0.0; }
+  double run(StepSource&, int64_t, int64_t, const UpdatePlan&) override { return 0.0; }
   TokenBatch attach(const TokenBatch& micro) override { return micro; }
 };
 
@@ -75,11 +75,11 @@ class ForwardSequencePass final : public SequencePass {
   // sequence-level importance sampling are. Each loss token is on exactly one
   // rank (whole samples per data-parallel group, disjoint shares within a
   // context-parallel group), so one sum over all ranks completes every sample.
-  double run(StepSource& source, int64_t step, const StepPlan& plan) override {
+  double run(StepSource& source, int64_t step, int64_t part, const UpdatePlan& plan) override {
     const auto t0 = Clock::now();
     sums_.reset(plan.samples);
     for (int64_t a = 0; a < plan.micro_batches; ++a) {
-      const TokenBatch micro = source.micro_batch(step, a);
+      const TokenBatch micro = source.micro_batch(step, part, a);
       SHARDLM_CHECK(micro.N <= logprobs_.size(), "internal: a micro-batch of %lld tokens, planned %lld",
                     (long long)micro.N, (long long)logprobs_.size());
       engine_.forward_token_logprobs(micro, logprobs_.data());

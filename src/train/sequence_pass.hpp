@@ -53,10 +53,11 @@ class SampleSums {
 class SequencePass {
  public:
   virtual ~SequencePass() = default;
-  // After TrainingState::begin_step, before the step's first training
-  // micro-batch: the pass over the step's micro-batches (collective over the
-  // trainer ranks). Returns the seconds it took.
-  virtual double run(StepSource& source, int64_t step, const StepPlan& plan) = 0;
+  // After TrainingState::begin_step, before an update's first training
+  // micro-batch: the pass over the micro-batches of the step's part `part`
+  // (collective over the trainer ranks), at the weights the update trains:
+  // every update of a step runs it again. Returns the seconds it took.
+  virtual double run(StepSource& source, int64_t step, int64_t part, const UpdatePlan& plan) = 0;
   // A micro-batch of the step with its sample sums filled in; the arrays are
   // valid until the next call.
   virtual TokenBatch attach(const TokenBatch& micro) = 0;

@@ -58,13 +58,14 @@ class TokenSource final : public StepSource {
     StepPlan plan;
     plan.collective_s = seconds_since(t_reduce);
     plan.loss_tokens_global = totals[0];
-    plan.loss_divisor = totals[0];
     plan.tokens_global = totals[1];
-    plan.micro_batches = data_.micro_batches_per_rank(dp_world_);
+    plan.parts = {{.micro_batches = data_.micro_batches_per_rank(dp_world_), .tokens_global = totals[1],
+                   .loss_tokens_global = totals[0], .loss_divisor = double(totals[0])}};
     return plan;
   }
 
-  TokenBatch micro_batch(int64_t step, int64_t index) override {
+  TokenBatch micro_batch(int64_t step, int64_t part, int64_t index) override {
+    SHARDLM_CHECK(part == 0, "internal: part %lld of an SFT step (one part)", (long long)part);
     data_.micro_batch(step, static_cast<int>(index), dp_rank_, dp_world_, micro_);
     return share_ ? share_->take(micro_) : token_batch(micro_);
   }
@@ -85,12 +86,15 @@ class RolloutSource final : public StepSource {
         vocab_size_(vocab_size), comm_(comm),
         cp_size_(cp_group ? cp_group->size() : 1), dp_rank_(comm.rank() / cp_size_), dp_world_(comm.size() / cp_size_) {
     if (cp_size_ > 1) share_.emplace(cp_group->rank(), cp_size_);
+    parts_.resize(size_t(config.loss.mini_batches));
   }
   bool rl() const override { return true; }
 
   // Every rank reads the whole file and packs the same assignment: the counts
   // need no communication. Under context parallelism the samples go to the
   // data-parallel groups, whose ranks pack the same rows and take their shares.
+  // With loss.mini_batches > 1 each part of the file is normalised and packed
+  // as a file of its own would be.
   StepPlan begin(int64_t step) override {
     StepPlan plan;
     const auto wait0 = Clock::now();
@@ -102,13 +106,26 @@ class RolloutSource final : public StepSource {
     RolloutBatch file = read_agreed(path);
     check_rollout_step(file, step, data_.max_async);
     plan.rollout_metrics = std::move(file.metrics);
-    const int64_t samples = per_sequence_ ? normalize_per_sequence(file) : 0;
-    rollouts_ = pack_rollouts(file, data_.seq_len, data_.micro_batch, dp_rank_, dp_world_);
-    plan.micro_batches = static_cast<int64_t>(rollouts_.micro_batches.size());
-    plan.loss_tokens_global = rollouts_.loss_tokens_global;
-    plan.loss_divisor = rl_loss_divisor(loss_, samples, rollouts_.loss_tokens_global);
-    plan.tokens_global = rollouts_.tokens_global;
-    plan.samples = file.samples();
+    const int64_t parts = int64_t(parts_.size());
+    SHARDLM_CHECK(file.samples() >= parts,
+                  "rollout file '%s' holds %lld samples, fewer than loss.mini_batches = %lld: every update needs a "
+                  "sample at least; lower loss.mini_batches to at most %lld or write more samples per step",
+                  path.c_str(), (long long)file.samples(), (long long)parts, (long long)file.samples());
+    plan.parts.resize(size_t(parts));
+    for (int64_t k = 0; k < parts; ++k) {
+      RolloutBatch part = parts == 1 ? std::move(file) : rollout_part(file, k, parts);
+      const int64_t samples_with_loss = per_sequence_ ? normalize_per_sequence(part) : 0;
+      RankRollouts& packed = parts_[size_t(k)];
+      packed = pack_rollouts(part, data_.seq_len, data_.micro_batch, dp_rank_, dp_world_);
+      UpdatePlan& u = plan.parts[size_t(k)];
+      u.micro_batches = static_cast<int64_t>(packed.micro_batches.size());
+      u.loss_tokens_global = packed.loss_tokens_global;
+      u.loss_divisor = rl_loss_divisor(loss_, samples_with_loss, packed.loss_tokens_global);
+      u.tokens_global = packed.tokens_global;
+      u.samples = part.samples();
+      plan.loss_tokens_global += u.loss_tokens_global;
+      plan.tokens_global += u.tokens_global;
+    }
     return plan;
   }
 
@@ -139,11 +156,11 @@ class RolloutSource final : public StepSource {
     }
   }
 
-  TokenBatch micro_batch(int64_t, int64_t index) override {
+  TokenBatch micro_batch(int64_t, int64_t part, int64_t index) override {
     // The inference ranks that wait for this job's next weights and ask where
     // this rank is hear it is busy (shardlm/comm.hpp).
     answer_collective_queries("training");
-    const RlMicroBatch& mb = rollouts_.micro_batches[size_t(index)];
+    const RlMicroBatch& mb = parts_[size_t(part)].micro_batches[size_t(index)];
     return share_ ? share_->take(mb, sampling_logprobs(mb)) : token_batch(mb);
   }
 
@@ -158,10 +175,42 @@ class RolloutSource final : public StepSource {
   Comm& comm_;
   const int cp_size_, dp_rank_, dp_world_;  // context parallelism: the group size, this rank's group, their number
   std::optional<ContextShare> share_;       // context parallelism: this rank's share of each micro-batch
-  RankRollouts rollouts_;  // this step's micro-batches of this rank's group
+  std::vector<RankRollouts> parts_;  // this step's micro-batches of this rank's group, per part (loss.mini_batches)
 };
 
 }  // namespace
+
+RolloutBatch rollout_part(const RolloutBatch& file, int64_t part, int64_t parts) {
+  const int64_t S = file.samples();
+  SHARDLM_CHECK(parts >= 1 && part >= 0 && part < parts && S >= parts,
+                "internal: part %lld of %lld of a batch of %lld samples", (long long)part, (long long)parts,
+                (long long)S);
+  const int64_t first = S * part / parts, last = S * (part + 1) / parts;  // samples [first, last)
+  const int64_t t0 = file.offsets[size_t(first)], t1 = file.offsets[size_t(last)];
+  RolloutBatch b;
+  b.path = file.path;
+  b.step = file.step;
+  b.policy_step = file.policy_step;
+  b.advantages_per_sample = file.advantages_per_sample;
+  // Per-token arrays: the part's range (an optional one left empty).
+  auto tokens = [&]<class T>(const std::vector<T>& v) {
+    return v.empty() ? std::vector<T>() : std::vector<T>(v.begin() + t0, v.begin() + t1);
+  };
+  b.tokens = tokens(file.tokens);
+  b.loss_mask = tokens(file.loss_mask);
+  b.advantages = tokens(file.advantages);
+  b.inference_logprobs = tokens(file.inference_logprobs);
+  b.sampling_logprobs = tokens(file.sampling_logprobs);
+  b.loss_weight = tokens(file.loss_weight);
+  b.temperature.assign(file.temperature.begin() + first, file.temperature.begin() + last);
+  b.offsets.reserve(size_t(last - first + 1));
+  for (int64_t s = first; s <= last; ++s) b.offsets.push_back(file.offsets[size_t(s)] - t0);
+  // The loss tokens as read_rollouts counts them: a sample's first token is never a target.
+  for (int64_t s = 0; s < b.samples(); ++s)
+    for (int64_t t = b.offsets[size_t(s)] + 1; t < b.offsets[size_t(s + 1)]; ++t)
+      b.loss_tokens += b.loss_mask[size_t(t)] != 0 && b.loss_weight[size_t(t)] > 0.0f;
+  return b;
+}
 
 double rl_loss_divisor(const LossSection& loss, int64_t samples_with_loss, int64_t loss_tokens) {
   if (loss.normalize == "sequence") return double(samples_with_loss);

@@ -23,14 +23,24 @@
 
 namespace shardlm {
 
+// What one optimizer update trains on: the step's whole batch, or (RL,
+// loss.mini_batches > 1) one part of its samples.
+struct UpdatePlan {
+  int64_t micro_batches = 0;       // this rank's (equal on every rank)
+  int64_t tokens_global = 0;       // non-padding tokens of the part, all ranks
+  int64_t loss_tokens_global = 0;  // tokens that carry loss, all ranks
+  double loss_divisor = 0;         // the loss's denominator: loss_tokens_global, the part's samples under
+                                   // loss.normalize = "sequence", loss.normalize_constant under "constant"
+  int64_t samples = 0;             // RL: the part's samples (TokenBatch::sample_ids are below it)
+};
+
 // What a step trains on, known before its first micro-batch.
 struct StepPlan {
-  int64_t micro_batches = 0;       // this rank's (equal on every rank)
-  int64_t tokens_global = 0;       // non-padding tokens of the step, all ranks
-  int64_t loss_tokens_global = 0;  // tokens that carry loss, all ranks
-  double loss_divisor = 0;         // the loss's denominator: loss_tokens_global, the samples under
-                                   // loss.normalize = "sequence", loss.normalize_constant under "constant"
-  int64_t samples = 0;             // RL: the samples of the step's file (TokenBatch::sample_ids are below it)
+  // The step's batch in parts, one optimizer update each (per epoch): one
+  // part, or loss.mini_batches parts of whole samples (RL).
+  std::vector<UpdatePlan> parts;
+  int64_t tokens_global = 0;       // non-padding tokens of the step (every part), all ranks
+  int64_t loss_tokens_global = 0;  // tokens that carry loss (every part), all ranks
   double rollout_wait_s = 0;       // waiting for the step's rollout file to appear
   std::vector<std::pair<std::string, double>> rollout_metrics;  // the file's group 'metrics' (rewards, sampling)
   double collective_s = 0;         // in a collective: waiting for the slowest rank, not data time
@@ -43,9 +53,16 @@ class StepSource {
   virtual bool rl() const = 0;
   // The step's plan; collective over the trainer ranks.
   virtual StepPlan begin(int64_t step) = 0;
-  // This rank's micro-batch `index` of `step` (begin(step) first); valid until the next call.
-  virtual TokenBatch micro_batch(int64_t step, int64_t index) = 0;
+  // This rank's micro-batch `index` of part `part` of `step` (begin(step)
+  // first); valid until the next call.
+  virtual TokenBatch micro_batch(int64_t step, int64_t part, int64_t index) = 0;
 };
+
+// Part `part` of `parts` of a rollout batch, as a batch of its own: the
+// samples [S part / parts, S (part + 1) / parts) of its S, in file order, with
+// their loss tokens counted (so the part's loss divisor is its own). Every
+// rank splits the same file the same way.
+RolloutBatch rollout_part(const RolloutBatch& file, int64_t part, int64_t parts);
 
 // The RL loss's divisor by loss.normalize: the step's loss tokens ("token"), its
 // samples that carry loss ("sequence", whose loss weights normalize_per_sequence

@@ -42,8 +42,13 @@ RlLossParams rl_loss_params(const LossSection& l) {
                                                                                             : IsLevel::None;
   return {.mask_high = l.mask_high, .mask_low = l.mask_low, .kl_coef = l.kl_coef, .ce_coef = l.ce_coef,
           .objective = objective, .clip_low = l.clip_low, .clip_high = l.clip_high, .is_level = is_level,
-          .is_cap = l.is_cap, .is_mask = l.is_mask, .entropy_coef = l.entropy_coef};
+          .is_cap = l.is_cap, .is_mask = l.is_mask, .entropy_coef = l.entropy_coef, .ref_kl_coef = l.ref_kl_coef,
+          .ref_kl_estimator = l.ref_kl_estimator == "k1"   ? RefKlEstimator::K1
+                              : l.ref_kl_estimator == "k2" ? RefKlEstimator::K2
+                                                           : RefKlEstimator::K3};
 }
+
+int64_t updates_per_step(const Config& c) { return c.loss.type == "rl" ? c.loss.epochs * c.loss.mini_batches : 1; }
 
 EngineOptions engine_options_for(const Config& config) {
   EngineOptions o;
@@ -147,67 +152,91 @@ TrainSession::TrainSession(const Config& c, Comm& comm_)
                 (long long)c.data.seq_len, (long long)arch.max_position_embeddings);
 }
 
-// batch, forward / loss / backward per micro-batch, clip, update: one path for
-// every placement of the state and every source of tokens.
+// batch, then per update: forward / loss / backward per micro-batch, clip,
+// update. One path for every placement of the state and every source of
+// tokens; an SFT step and an RL step with loss.epochs = loss.mini_batches = 1
+// are one update.
 StepStats TrainSession::step(int64_t step) {
   const auto t0 = Clock::now();
   StepStats s;
   s.step = step;
   s.rl = source->rl();
-  // batch: this rank's micro-batches; losses are divided by the step's global loss-token count
+  // batch: this rank's micro-batches of each part; each part's loss is divided by its own global count
   const StepPlan batch = source->begin(step);
   s.tokens = batch.tokens_global, s.loss_tokens = batch.loss_tokens_global, s.rollout_wait_s = batch.rollout_wait_s;
   s.rollout_metrics = batch.rollout_metrics;
   s.data_s = seconds_since(t0) - batch.collective_s;
   s.compute_s = batch.collective_s;  // a collective's wait for the slowest rank is not data time
-  const float grad_scale = batch.loss_divisor > 0 ? static_cast<float>(1.0 / batch.loss_divisor) : 0.0f;
-
-  const auto t_sync = Clock::now();
-  state->begin_step(batch.micro_batches);  // gradients from zero, the backend's parameter copies current
-  s.param_sync_s = seconds_since(t_sync);
-  // A loss over whole samples (GSPO, sequence-level importance sampling): their
-  // sums from a forward-only pass over the step's micro-batches first.
-  s.compute_s += sequence_pass->run(*source, step, batch);
-  LossStats sums;
-  for (int64_t a = 0; a < batch.micro_batches; ++a) {
-    const auto t_data = Clock::now();
-    const TokenBatch micro = sequence_pass->attach(source->micro_batch(step, a));
-    s.data_s += seconds_since(t_data);
-    // The offloaded units' updates may start under the last backward (as if unclipped).
-    if (a + 1 == batch.micro_batches) state->speculate(lr_at(config.sched, config.optim.lr, config.run.max_steps, step));
-    const auto t_compute = Clock::now();
-    sums += engine.forward_backward(micro, grad_scale);
-    // The norm below waits for the device anyway; waiting here instead puts the
-    // backward's device time in compute_s rather than in optimizer_s.
-    if (a + 1 == batch.micro_batches) engine.backend().synchronize();
-    s.compute_s += seconds_since(t_compute);
-  }
-  const auto t_opt = Clock::now();
-  record_loss(s, sums, batch.loss_divisor);
-  double sumsq = state->grad_sumsq();  // clip by the global norm: one all-reduce over the ranks' sums
-  comm.all_reduce_sum(&sumsq, 1);
-  if (step + 1 == injected_nan_step()) sumsq = std::nan("");
-  s.grad_norm = std::sqrt(sumsq);
+  // The schedule counts steps: every update of the step takes the step's learning rate.
   s.lr = lr_at(config.sched, config.optim.lr, config.run.max_steps, step);
-  apply_update(s);  // on the device, the host, or the CPU per unit overlapping the next forward
-  s.redone_steps = state->redone_steps();
-  engine.backend().synchronize();
-  s.optimizer_s = seconds_since(t_opt);
+  // loss.epochs passes over the parts (loss.mini_batches), one update each.
+  // The ratio stays against the rollout file's logprobs, the policy that
+  // sampled: from the second update on the weights have moved and the clips act.
+  const int64_t epochs = s.rl ? config.loss.epochs : 1;
+  LossStats sums;  // over all ranks and updates
+  for (int64_t epoch = 0; epoch < epochs; ++epoch)
+    for (int64_t part = 0; part < int64_t(batch.parts.size()); ++part)
+      s.updates.push_back(update(step, part, batch.parts[size_t(part)], s, sums));
+  record_loss(s, sums);
   s.step_time_s = seconds_since(t0);
   return s;
 }
 
-void TrainSession::record_loss(StepStats& s, LossStats sums, double loss_divisor) {
-  auto totals = sums.to_array();
+UpdateStats TrainSession::update(int64_t step, int64_t part, const UpdatePlan& plan, StepStats& s, LossStats& sums) {
+  UpdateStats u;
+  const float grad_scale = plan.loss_divisor > 0 ? static_cast<float>(1.0 / plan.loss_divisor) : 0.0f;
+  const auto t_sync = Clock::now();
+  state->begin_step(plan.micro_batches);  // gradients from zero, the backend's parameter copies current
+  s.param_sync_s += seconds_since(t_sync);
+  // A loss over whole samples (GSPO, sequence-level importance sampling): their
+  // sums from a forward-only pass over the part's micro-batches first, at the
+  // weights this update trains.
+  s.compute_s += sequence_pass->run(*source, step, part, plan);
+  LossStats mine;
+  for (int64_t a = 0; a < plan.micro_batches; ++a) {
+    const auto t_data = Clock::now();
+    const TokenBatch micro = sequence_pass->attach(source->micro_batch(step, part, a));
+    s.data_s += seconds_since(t_data);
+    // The offloaded units' updates may start under the last backward (as if unclipped).
+    if (a + 1 == plan.micro_batches) state->speculate(s.lr);
+    const auto t_compute = Clock::now();
+    mine += engine.forward_backward(micro, grad_scale);
+    // The norm below waits for the device anyway; waiting here instead puts the
+    // backward's device time in compute_s rather than in optimizer_s.
+    if (a + 1 == plan.micro_batches) engine.backend().synchronize();
+    s.compute_s += seconds_since(t_compute);
+  }
+  const auto t_opt = Clock::now();
+  auto totals = mine.to_array();
   comm.all_reduce_sum(totals.data(), static_cast<int64_t>(totals.size()));
-  sums = LossStats::from_array(totals);
-  // The loss is divided as its gradient was (the step's loss tokens, its
-  // samples under loss.normalize = "sequence", or loss.normalize_constant);
-  // the per-token statistics by the loss tokens themselves.
-  const double denom = loss_divisor > 0 ? loss_divisor : 1.0;
+  const LossStats reduced = LossStats::from_array(totals);
+  sums += reduced;
+  // The loss is divided as its gradient was (the part's loss tokens, its
+  // samples under loss.normalize = "sequence", or loss.normalize_constant).
+  u.loss = reduced.loss / (plan.loss_divisor > 0 ? plan.loss_divisor : 1.0);
+  const double tokens = reduced.loss_tokens > 0 ? static_cast<double>(reduced.loss_tokens) : 1.0;
+  u.bound_fraction = static_cast<double>(reduced.masked_high + reduced.masked_low) / tokens;
+  double sumsq = state->grad_sumsq();  // clip by the global norm: one all-reduce over the ranks' sums
+  comm.all_reduce_sum(&sumsq, 1);
+  if (step + 1 == injected_nan_step()) sumsq = std::nan("");
+  u.grad_norm = std::sqrt(sumsq);
+  apply_update(step, s.lr, u);  // on the device, the host, or the CPU per unit overlapping the next forward
+  s.redone_steps = state->redone_steps();
+  engine.backend().synchronize();
+  s.optimizer_s += seconds_since(t_opt);
+  return u;
+}
+
+void TrainSession::record_loss(StepStats& s, const LossStats& sums) const {
+  // The updates' losses and norms, averaged (one update: its own, exactly).
+  double loss = s.updates[0].loss, grad_norm = s.updates[0].grad_norm;
+  for (size_t i = 1; i < s.updates.size(); ++i) loss += s.updates[i].loss, grad_norm += s.updates[i].grad_norm;
+  const double updates = static_cast<double>(s.updates.size());
+  s.loss = loss / updates;
+  s.grad_norm = grad_norm / updates;
+  s.skipped = std::any_of(s.updates.begin(), s.updates.end(), [](const UpdateStats& u) { return u.skipped; });
+  // The per-token statistics over every update's loss tokens (zero sums under the SFT loss).
   const double tokens = sums.loss_tokens > 0 ? static_cast<double>(sums.loss_tokens) : 1.0;
-  s.loss = sums.loss / denom;
-  // The RL statistics (zero sums under the SFT loss).
   s.entropy = sums.entropy_sum / tokens;
   s.mismatch_kl = sums.mismatch_kl_sum / tokens;
   const double moved = static_cast<double>(sums.masked_high + sums.masked_low) / tokens;
@@ -220,23 +249,24 @@ void TrainSession::record_loss(StepStats& s, LossStats sums, double loss_divisor
   s.is_ratio = sums.is_ratio_sum / tokens;
   s.is_capped_fraction = static_cast<double>(sums.is_capped) / tokens;
   s.is_masked_fraction = static_cast<double>(sums.is_masked) / tokens;
+  s.ref_kl = sums.ref_kl_sum / tokens;
 }
 
-void TrainSession::apply_update(StepStats& s) {
-  if (!std::isfinite(s.grad_norm) || !std::isfinite(s.loss)) {  // NaN/Inf: no update
-    s.skipped = true;
+void TrainSession::apply_update(int64_t step, double lr, UpdateStats& u) {
+  if (!std::isfinite(u.grad_norm) || !std::isfinite(u.loss)) {  // NaN/Inf: no update
+    u.skipped = true;
     state->discard();  // what was updated under the backward goes back
     ++bad_steps_total;
     SHARDLM_CHECK(++bad_steps_in_a_row < config.run.max_bad_steps,
                   "step %lld: loss or gradient is NaN/Inf for %lld steps in a row (run.max_bad_steps = %lld); "
                   "lower optim.lr or check the data",
-                  (long long)s.step + 1, (long long)bad_steps_in_a_row, (long long)config.run.max_bad_steps);
+                  (long long)step + 1, (long long)bad_steps_in_a_row, (long long)config.run.max_bad_steps);
     return;
   }
   bad_steps_in_a_row = 0;
   const double max_norm = config.optim.max_norm;
-  const float clip = (max_norm > 0 && s.grad_norm > max_norm) ? static_cast<float>(max_norm / (s.grad_norm + 1e-6)) : 1.0f;
-  state->update(s.lr, clip);
+  const float clip = (max_norm > 0 && u.grad_norm > max_norm) ? static_cast<float>(max_norm / (u.grad_norm + 1e-6)) : 1.0f;
+  state->update(lr, clip);
 }
 
 bool TrainSession::eval_due(int64_t steps_done) const {

@@ -27,14 +27,26 @@
 
 namespace shardlm {
 
+// One optimizer update of a step (RL: loss.epochs x loss.mini_batches of them).
+struct UpdateStats {
+  double loss = 0;             // its loss, normalised over its part of the step
+  double grad_norm = 0;        // before clipping
+  // RL: the fraction of its loss tokens whose ratio the bound held: the clip
+  // ("clipped", "gspo"; "cispo": whose weight it truncated) or the mask ("masked").
+  double bound_fraction = 0;
+  bool skipped = false;        // NaN/Inf: no update (several updates: one of them at least)
+  std::vector<UpdateStats> updates;  // each optimizer update of the step, in order
+};
+
 struct StepStats {
   int64_t step = 0;            // 0-based
-  double loss = 0;             // mean NLL over the step's loss tokens (all ranks)
-  double grad_norm = 0;        // before clipping
-  double lr = 0;
+  double loss = 0;             // mean NLL over the step's loss tokens (all ranks); RL: the mean of its updates' losses
+  double grad_norm = 0;        // before clipping; several updates: the mean of theirs
+  double lr = 0;               // every update of the step takes it (the schedule counts steps)
   int64_t tokens = 0;          // non-padding tokens in the step (all ranks)
   int64_t loss_tokens = 0;
-  bool skipped = false;        // NaN/Inf: no update
+  bool skipped = false;        // NaN/Inf: no update (several updates: one of them at least)
+  std::vector<UpdateStats> updates;  // each optimizer update of the step, in order
   int64_t redone_steps = -1;   // model.optim_offload_speculate: steps redone (clipped) or discarded so far; -1: off
   double step_time_s = 0;
   // RL (loss.type = "rl"), means over the step's loss tokens:
@@ -45,6 +57,7 @@ struct StepStats {
   // loss.is_level != "none": the importance ratio's mean (each bounded to
   // [e^-20, e^20]), the tokens whose weight was capped, whose loss was masked.
   double is_ratio = 0, is_capped_fraction = 0, is_masked_fraction = 0;
+  double ref_kl = 0;           // loss.ref_kl_coef > 0: the KL estimator against the starting weights
   double rollout_wait_s = 0;   // time spent waiting for the rollout file
   // What the inference side measured making the step's rollout file (its
   // group 'metrics': reward_mean, reward_<component>, sampling_tokens_per_s, ...).
@@ -69,6 +82,9 @@ ModelConfig model_config_for(const Config& config);
 EngineOptions engine_options_for(const Config& config);
 // The deck's [loss] as the RL loss kernels take it.
 RlLossParams rl_loss_params(const LossSection& loss);
+// Optimizer updates a step makes: loss.epochs x loss.mini_batches under the RL
+// loss, else 1. The optimizer's step count advances by this much a step.
+int64_t updates_per_step(const Config& config);
 
 struct TrainSession {
   Config config;
@@ -106,10 +122,15 @@ struct TrainSession {
   void push_state() { state->push(); }
 
  private:
-  // The loss sums of the step's micro-batches, over all ranks, as means.
-  void record_loss(StepStats& s, LossStats sums, double loss_divisor);
-  // Clip by the global norm and update, or skip a NaN/Inf step.
-  void apply_update(StepStats& s);
+  // One optimizer update on part `part` of the step: the sample sums at the
+  // weights it trains, forward / loss / backward per micro-batch, the global
+  // norm, clip and update. Adds its loss sums over all ranks into `sums` and
+  // its times into `s`.
+  UpdateStats update(int64_t step, int64_t part, const UpdatePlan& plan, StepStats& s, LossStats& sums);
+  // The step's loss statistics (sums over all ranks and updates) as means.
+  void record_loss(StepStats& s, const LossStats& sums) const;
+  // Clip by the global norm and update, or skip a NaN/Inf update.
+  void apply_update(int64_t step, double lr, UpdateStats& u);
 };
 
 }  // namespace shardlm

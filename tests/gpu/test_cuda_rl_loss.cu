@@ -37,9 +37,10 @@ namespace gpu = shardlm::cuda;
 using bf16 = __nv_bfloat16;
 using shardlm::fmt;
 constexpr int kFields = gpu::kRlStatsFields;
-enum Field { kLoss, kTokens, kMaskedHigh, kMaskedLow, kEntropy, kKl, kAdvantage, kIsRatio, kIsCapped, kIsMasked };
-const char* const kFieldNames[kFields] = {"loss",    "loss_tokens", "masked_high", "masked_low", "entropy",
-                                          "mismatch_kl", "advantage", "is_ratio",   "is_capped",  "is_masked"};
+enum Field { kLoss, kTokens, kMaskedHigh, kMaskedLow, kEntropy, kKl, kAdvantage, kIsRatio, kIsCapped, kIsMasked, kRefKl };
+const char* const kFieldNames[kFields] = {"loss",        "loss_tokens", "masked_high", "masked_low",
+                                          "entropy",     "mismatch_kl", "advantage",   "is_ratio",
+                                          "is_capped",   "is_masked",   "ref_kl"};
 // Fields that count rows: exact on the GPU.
 bool count_field(int f) { return f == kTokens || f == kMaskedHigh || f == kMaskedLow || f == kIsCapped || f == kIsMasked; }
 

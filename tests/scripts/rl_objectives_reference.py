@@ -28,11 +28,21 @@ gradient, r_t = exp(logp_t - lp_inf_t):
            min(rho, cap); with is_mask > 0 a token (sample) whose rho is outside
            [1 / is_mask, is_mask] is rejected (no loss). The objectives' ratio is
            then taken against the trainer's own old logprob: r = pi / sg(pi).
-  loss_t = w_t (policy_t + kl (log r_t)^2 - entropy_coef H_t) - ce w_t logp_t
+  ref KL   a penalty against frozen reference weights, ref_kl_coef times an
+           estimator of KL(pi || pi_ref) at the sampled token, x = lp_ref - logp
+           (Schulman 2020, "Approximating KL divergence",
+           http://joschu.net/blog/kl-approx.html): k1 = -x, k2 = x^2 / 2,
+           k3 = e^x - x - 1 (GRPO's, Shao et al. 2024, arXiv:2402.03300, eq. 4).
+  loss_t = w_t (policy_t + kl (log r_t)^2 - entropy_coef H_t + ref_kl_coef k_t) - ce w_t logp_t
   normalize: "token" divides the sum by the step's loss tokens; "sequence" (the
            GRPO paper's sample mean, GSPO's 1/|y_i|) weighs sample i's tokens by
            1 / its loss tokens and divides by the samples with loss; "constant"
            (Dr. GRPO, Liu et al. 2025, arXiv:2503.20783) divides by a constant.
+  parts    several updates per rollout step (PPO's minibatches, Schulman et al.
+           2017, arXiv:1707.06347, Algorithm 1): the samples split into P parts
+           in order (part k: samples [S k / P, S (k + 1) / P)), each part's loss
+           normalised as above over its own samples (its loss tokens, its
+           samples with loss, or the constant).
 
 Advantages (rewards in groups of n): mean_std (GRPO), mean (Dr. GRPO), rloo
 (r_i - mean_{j != i} r_j, RLOO, Ahmadian et al. 2024, arXiv:2402.14740),
@@ -50,6 +60,7 @@ import sys
 import numpy as np
 
 OBJECTIVES = ["masked", "clipped", "gspo", "cispo"]
+REF_KL = ["k1", "k2", "k3"]
 NORMALIZE = ["token", "sequence", "constant"]
 IS_LEVELS = ["none", "token", "sequence"]
 ADVANTAGES = ["mean_std", "mean", "rloo", "batch_std"]
@@ -71,8 +82,9 @@ class Case:
     """One step's samples, flattened to rows = the target positions of every
     sample (sample i's position j predicts its token j + 1)."""
 
-    def __init__(self, rng, name, objective, normalize, is_level, scale):
+    def __init__(self, rng, name, objective, normalize, is_level, scale, parts=1, ref_kl=None):
         self.name, self.objective, self.normalize, self.is_level = name, objective, normalize, is_level
+        self.parts, self.ref_kl = parts, ref_kl
         self.V = int(rng.integers(5, 14))
         S = int(rng.integers(3, 7))
         self.samples = []
@@ -118,6 +130,27 @@ class Case:
             self.lp_samp = f32(np.minimum(self.lp_inf + np.abs(rng.normal(0, max(scale, 0.05), size=self.n)), 0.0))
         else:
             self.lp_samp = self.lp_inf.copy()
+        # The frozen reference's logprobs: the policy has drifted from them by
+        # |log ratio| ~ 0.3, a tenth of the tokens by up to 4.
+        self.ref_kl_coef = 0.0
+        self.lp_ref = np.zeros(self.n)
+        if ref_kl is not None:
+            self.ref_kl_coef = float(rng.choice([0.05, 0.3]))
+            drift = rng.normal(0, 0.3, size=self.n)
+            far = rng.uniform(size=self.n) < 0.1
+            drift[far] = rng.uniform(-4, 4, size=far.sum())
+            self.lp_ref = f32(np.minimum(logp + drift, -1e-4))
+        # Part of each sample (PPO minibatches in sample order) and each part's divisor.
+        S = len(self.samples)
+        self.part_of_sample = np.array([next(k for k in range(parts) if i < S * (k + 1) // parts) for i in range(S)])
+        self.part_of = self.part_of_sample[self.sample_of]
+        counts = np.bincount(self.sample_of[self.loss], minlength=S)
+        self.part_divisors = []
+        for k in range(parts):
+            in_k = self.part_of == k
+            self.part_divisors.append({"token": float((self.loss & in_k).sum()),
+                                       "sequence": float(((counts > 0) & (self.part_of_sample == k)).sum()),
+                                       "constant": self.p["normalize_constant"]}[self.normalize])
 
     def _flatten(self):
         rows = []
@@ -213,7 +246,9 @@ class Case:
             policy = policy * np.minimum(rho, p["is_cap"])
             ratio_stat = np.exp(np.clip(log_rho, -20, 20))
         w = self.w
-        L = w * (policy + p["kl_coef"] * log_r_inf ** 2 - p["entropy_coef"] * H) - p["ce_coef"] * w * logp
+        ref_kl = self.ref_kl_value(logp)
+        L = w * (policy + p["kl_coef"] * log_r_inf ** 2 - p["entropy_coef"] * H + self.ref_kl_coef * ref_kl) \
+            - p["ce_coef"] * w * logp
         keep = self.loss & ~rejected
         L = np.where(keep, L, 0.0)
         loss_rows = self.loss
@@ -222,8 +257,26 @@ class Case:
                      is_masked=int((rejected & loss_rows).sum()),
                      entropy_sum=float(H[loss_rows].sum()),
                      mismatch_kl_sum=float((np.exp(log_r_inf) - log_r_inf - 1)[loss_rows].sum()),
-                     is_ratio_sum=float(ratio_stat[loss_rows].sum()))
+                     is_ratio_sum=float(ratio_stat[loss_rows].sum()),
+                     ref_kl_sum=float(ref_kl[keep].sum()) if self.ref_kl else 0.0)
         return L, stats
+
+    def ref_kl_value(self, logp):
+        """The reference KL estimator per row (0 without the term), straight from
+        its definition: x = log(pi_ref / pi) at the sampled token."""
+        x = self.lp_ref - logp
+        if self.ref_kl == "k1":
+            return -x
+        if self.ref_kl == "k2":
+            return 0.5 * x ** 2
+        if self.ref_kl == "k3":
+            return np.exp(x) - x - 1
+        return np.zeros_like(logp)
+
+    def ref_kl_derivative(self, logp):
+        """d ref_kl_value / d logp, written out by hand (checked by central differences below)."""
+        x = self.lp_ref - logp
+        return {"k1": np.ones_like(x), "k2": -x, "k3": 1 - np.exp(x)}.get(self.ref_kl, np.zeros_like(x))
 
     def analytic_grad(self, fz):
         """d (sum L_t) / d logits, from the formulas' derivatives in logp and H."""
@@ -252,7 +305,8 @@ class Case:
                 keep &= ~((rho < 1 / p["is_mask"]) | (rho > p["is_mask"]))
             d_policy = d_policy * np.minimum(rho, p["is_cap"])
         w = self.w
-        d_logp = np.where(keep, w * (d_policy + 2 * p["kl_coef"] * log_r_inf) - p["ce_coef"] * w, 0.0)
+        d_ref = self.ref_kl_coef * self.ref_kl_derivative(logp)
+        d_logp = np.where(keep, w * (d_policy + 2 * p["kl_coef"] * log_r_inf + d_ref) - p["ce_coef"] * w, 0.0)
         d_H = np.where(keep, -p["entropy_coef"] * w, 0.0)
         onehot = np.zeros_like(prob)
         onehot[np.arange(self.n), self.target] = 1.0
@@ -301,13 +355,18 @@ class Case:
         fd_err = np.abs(fd - grad).max() / max(np.abs(grad).max(), 1e-300)
         if fd_err > 1e-6:
             sys.exit(f"{self.name}: the analytic gradient is {fd_err:.2e} from central differences")
-        D = self.divisor
-        return dict(loss=L.sum() / D, scale=np.abs(L).sum() / D, grad=grad / D, stats=stats, fd_err=fd_err)
+        # Each part's sums over its own divisor (one part: the step's); a part
+        # without loss tokens has no loss and no gradient (its divisor taken as 1).
+        D = np.array([d if d > 0 else 1.0 for d in self.part_divisors])
+        parts = [dict(loss=L[self.part_of == k].sum() / D[k], scale=np.abs(L[self.part_of == k]).sum() / D[k],
+                      divisor=self.part_divisors[k]) for k in range(self.parts)]
+        return dict(parts=parts, grad=grad / D[self.part_of][:, None], stats=stats, fd_err=fd_err)
 
     def write(self, out, ref):
         p = self.p
         out.write(f"case {self.name}\nobjective {self.objective}\nnormalize {self.normalize}\n"
-                  f"is_level {self.is_level}\nV {self.V}\nhas_sampling {int(self.has_sampling)}\n")
+                  f"is_level {self.is_level}\nV {self.V}\nhas_sampling {int(self.has_sampling)}\n"
+                  f"parts {self.parts}\nref_kl {self.ref_kl or 'none'} {self.ref_kl_coef!r}\n")
         keys = ["mask_high", "mask_low", "kl_coef", "ce_coef", "clip_low", "clip_high", "is_cap", "is_mask",
                 "entropy_coef", "normalize_constant"]
         out.write("params " + " ".join(repr(float(p[k])) for k in keys) + "\n")
@@ -318,19 +377,23 @@ class Case:
             T = s["T"]
             inf = np.concatenate([[0.0], self.lp_inf[rows]])
             samp = np.concatenate([[0.0], self.lp_samp[rows]])
+            lp_ref = np.concatenate([[0.0], self.lp_ref[rows]])
             out.write(f"sample {T} {s['tau']!r} {s['A']!r}\n")
             out.write("tokens " + " ".join(str(int(t)) for t in s["tokens"]) + "\n")
             out.write("loss_mask " + " ".join(str(int(m)) for m in s["mask"]) + "\n")
             out.write("loss_weight " + " ".join(repr(float(w)) for w in s["weight"]) + "\n")
             out.write("lp_inf " + " ".join(repr(float(v)) for v in inf) + "\n")
             out.write("lp_sampling " + " ".join(repr(float(v)) for v in samp) + "\n")
+            out.write("lp_ref " + " ".join(repr(float(v)) for v in lp_ref) + "\n")
             out.write("logits " + " ".join(repr(float(v)) for v in s["logits"].ravel()) + "\n")
             out.write("grad " + " ".join(repr(float(v)) for v in ref["grad"][rows].ravel()) + "\n")
         st = ref["stats"]
-        out.write(f"expect {ref['loss']!r} {ref['scale']!r} {self.divisor!r}\n")
+        for part in ref["parts"]:
+            out.write(f"expect {part['loss']!r} {part['scale']!r} {part['divisor']!r}\n")
         out.write("stats " + " ".join(str(st[k]) for k in ["loss_tokens", "masked_high", "masked_low", "is_capped",
                                                             "is_masked"]) + " " +
-                  " ".join(repr(st[k]) for k in ["entropy_sum", "mismatch_kl_sum", "is_ratio_sum"]) + "\n")
+                  " ".join(repr(st[k]) for k in ["entropy_sum", "mismatch_kl_sum", "is_ratio_sum", "ref_kl_sum"])
+                  + "\n")
         out.write("end\n")
 
 
@@ -364,6 +427,19 @@ def main():
         name = f"{objective}/{normalize}/is={is_level}"
         for _ in range(100):
             c = Case(rng, name, objective, normalize, is_level, scale)
+            if not c.near_boundary(c.frozen()):
+                break
+        else:
+            sys.exit(f"{name}: no case away from the boundaries in 100 draws")
+        cases.append(c)
+    # Several updates per step (2 or 3 parts) with the reference KL term, each
+    # estimator under every aggregation.
+    for i, (objective, normalize) in enumerate(itertools.product(OBJECTIVES, NORMALIZE)):
+        is_level, parts, ref_kl = IS_LEVELS[(i // 3) % 3], 2 + i % 2, REF_KL[i % 3]
+        scale = 3e-4 if objective == "gspo" else 0.3
+        name = f"{objective}/{normalize}/is={is_level}/parts={parts}/{ref_kl}"
+        for _ in range(100):
+            c = Case(rng, name, objective, normalize, is_level, scale, parts=parts, ref_kl=ref_kl)
             if not c.near_boundary(c.frozen()):
                 break
         else:

@@ -8,8 +8,10 @@
 #     (data.max_async = 0), the clipped surrogate, 32 prompts x 8 samples per
 #     step, 60 steps: the mean reward of the last 10 rollout steps is well above
 #     that of the first 5 (seeded: the same numbers every run);
-#   the same with loss.objective = "gspo" and "cispo", loss.normalize = "constant" and
-#     loss.is_level = "sequence" with an entropy bonus: the reward rises under each;
+#   the same with loss.objective = "gspo" and "cispo", loss.normalize = "constant",
+#     loss.is_level = "sequence" with an entropy bonus, and two epochs over two parts a
+#     step (four updates): the reward rises under each; with several updates the clip
+#     acts from the second update of a step on, never in the first (on-policy);
 #     CISPO's rewards equal the clipped surrogate's while no weight is truncated;
 #     on-policy the importance ratio stays near 1;
 #   the filesystem broadcast with two inference ranks, data.max_async = 2,
@@ -123,7 +125,8 @@ check "... and the trainer's progress line shows the rollout reward" has "$T/rl.
 # sequence-level importance sampling (masked outside [1/2, 2]) with an entropy bonus.
 variants=('gspo:loss.objective="gspo"' 'cispo:loss.objective="cispo" loss.clip_low=1.0'
           'constant:loss.normalize="constant"'
-          'is_sequence:loss.is_level="sequence" loss.is_mask=2.0 loss.entropy_coef=0.001')
+          'is_sequence:loss.is_level="sequence" loss.is_mask=2.0 loss.entropy_coef=0.001'
+          'updates:loss.epochs=2 loss.mini_batches=2')
 for v in "${variants[@]}"; do
   name=${v%%:*}
   sets=()
@@ -147,6 +150,20 @@ done
 check "the trainer's progress line names its clip fraction under gspo and cispo" \
   test "$(grep -l "clip fraction" "$T/gspo.log" "$T/cispo.log" | wc -l)" = 2
 check "constant: the deck echo has the divisor 2 x 32 x 8 = 512" has "$T/constant.log" "normalize_constant = 512"
+# PPO's several updates on one batch (Schulman et al. 2017, arXiv:1707.06347, Algorithm 1): the ratio is
+# against the sampling policy's logprobs, so the first update of a step is on-policy (its clip idle, up to
+# the bf16 broadcast's mismatch) and the later ones have moved the weights past the clip on some tokens.
+check "updates: 4 updates a step; the first's clip fraction <= 0.05 at every logged step, every later one's > 0 \
+through step 30 (the clip acts from the second update on)" "$PY" - "$T/updates" <<'EOF'
+import json, sys
+m = [json.loads(l) for l in open(f"{sys.argv[1]}/metrics.jsonl") if '"update_clip_fraction"' in l]
+assert len(m) == 12 and all(r["updates"] == 4 for r in m), m
+clip = [r["update_clip_fraction"] for r in m]
+assert all(c[0] <= 0.05 for c in clip), clip
+assert all(x > 0 for c in clip[:6] for x in c[1:]), clip
+print("first update", max(c[0] for c in clip), "later updates, steps 5..30:", min(x for c in clip[:6] for x in c[1:]),
+      "to", max(x for c in clip[:6] for x in c[1:]))
+EOF
 check "is_sequence: on-policy without top-k / top-p the importance ratio stays within 1e-2 of 1, nothing capped or \
 masked, at every logged step" "$PY" - "$T/is_sequence" <<'EOF'
 import json, sys

@@ -1,18 +1,20 @@
 // test_rl_objectives.cpp — every RL objective (masked, clipped, GSPO, CISPO),
 // aggregation (token, sequence, constant), importance-sampling level (none,
-// token, sequence, with caps and masks), the entropy bonus and the
+// token, sequence, with caps and masks), the entropy bonus, the KL term
+// against frozen reference weights (k1, k2, k3), several updates per step
+// (the samples in 2 or 3 parts, each normalised over its own) and the
 // advantages (mean_std, mean, RLOO, batch std) against numpy references
 // written from the papers' formulas (tests/scripts/rl_objectives_reference.py
 // cites them and checks its own gradients by central differences).
 //
 // Each case goes the trainer's way on the CPU, in double: a rollout batch of
 // ragged samples (prompts, tokens without loss, a sample without any), the
-// per-sequence weights (normalize_per_sequence), packing into micro-batches of
-// padded rows (pack_rollouts), the loss's divisor (rl_loss_divisor), the
-// sample sums over every micro-batch from the token logprobs (SampleSums, as
-// the step's forward-only pass makes them), then the loss kernel per
-// micro-batch. Loss and d loss / d logits must equal the reference to 1e-6
-// relative.
+// split into the step's parts (rollout_part), and per part the per-sequence
+// weights (normalize_per_sequence), packing into micro-batches of padded rows
+// (pack_rollouts), the loss's divisor (rl_loss_divisor), the sample sums over
+// every micro-batch from the token logprobs (SampleSums, as the forward-only
+// pass makes them), then the loss kernel per micro-batch. Each part's loss and
+// d loss / d logits must equal the reference to 1e-6 relative.
 //
 // The suite is skipped in a plain test_unit run: tests/scripts/
 // test_rl_objectives.sh makes the cases and runs it (SHARDLM_RL_REFERENCE=FILE
@@ -74,7 +76,7 @@ struct Sample {
   float tau = 1, A = 0;
   std::vector<int32_t> tokens;
   std::vector<uint8_t> loss_mask;
-  std::vector<float> loss_weight, lp_inf, lp_sampling;
+  std::vector<float> loss_weight, lp_inf, lp_sampling, lp_ref;
   std::vector<double> logits, grad;  // (T - 1, V): position j predicts token j + 1
 };
 
@@ -82,10 +84,14 @@ struct LossCase {
   std::string name, objective, normalize, is_level;
   int64_t V = 0;
   bool has_sampling = false;
+  int64_t parts = 1;
   RlLossParams params;
   double normalize_constant = 0;
   std::vector<Sample> samples;
-  double loss = 0, scale = 0, divisor = 0;
+  struct Part {
+    double loss = 0, scale = 0, divisor = 0;
+  };
+  std::vector<Part> expected;  // per part
   LossStats stats;
 };
 
@@ -97,6 +103,10 @@ LossCase read_case(Words& f) {
   f.expect("is_level"), c.is_level = f.word();
   f.expect("V"), c.V = f.value<int64_t>();
   f.expect("has_sampling"), c.has_sampling = f.value<int>() != 0;
+  f.expect("parts"), c.parts = f.value<int64_t>();
+  f.expect("ref_kl");
+  const std::string estimator = f.word();
+  const double ref_kl_coef = f.value<double>();
   const auto p = f.values<double>("params", 10);
   LossSection section;
   section.objective = c.objective;
@@ -105,6 +115,8 @@ LossCase read_case(Words& f) {
   section.mask_high = p[0], section.mask_low = p[1], section.kl_coef = p[2], section.ce_coef = p[3];
   section.clip_low = p[4], section.clip_high = p[5], section.is_cap = p[6], section.is_mask = p[7];
   section.entropy_coef = p[8], section.normalize_constant = p[9];
+  section.ref_kl_coef = ref_kl_coef;
+  if (estimator != "none") section.ref_kl_estimator = estimator;
   c.params = rl_loss_params(section);
   c.normalize_constant = p[9];
   f.expect("samples");
@@ -119,17 +131,22 @@ LossCase read_case(Words& f) {
     s.loss_weight = f.values<float>("loss_weight", T);
     s.lp_inf = f.values<float>("lp_inf", T);
     s.lp_sampling = f.values<float>("lp_sampling", T);
+    s.lp_ref = f.values<float>("lp_ref", T);
     s.logits = f.values<double>("logits", pairs);
     s.grad = f.values<double>("grad", pairs);
   }
-  f.expect("expect");
-  c.loss = f.value<double>(), c.scale = f.value<double>(), c.divisor = f.value<double>();
+  c.expected.resize(size_t(c.parts));
+  for (LossCase::Part& part : c.expected) {
+    f.expect("expect");
+    part.loss = f.value<double>(), part.scale = f.value<double>(), part.divisor = f.value<double>();
+  }
   f.expect("stats");
   c.stats.loss_tokens = f.value<int64_t>(), c.stats.masked_high = f.value<int64_t>();
   c.stats.masked_low = f.value<int64_t>(), c.stats.is_capped = f.value<int64_t>();
   c.stats.is_masked = f.value<int64_t>();
   c.stats.entropy_sum = f.value<double>(), c.stats.mismatch_kl_sum = f.value<double>();
   c.stats.is_ratio_sum = f.value<double>();
+  c.stats.ref_kl_sum = f.value<double>();
   f.expect("end");
   return c;
 }
@@ -158,88 +175,108 @@ struct Errors {
   double loss = 0, grad = 0;
 };
 
-// The trainer's path for one case; returns the relative errors.
+// The trainer's path for one case, part by part; returns the worst relative errors.
 Errors run_case(const LossCase& c) {
   CAPTURE(c.name);
-  RolloutBatch file = rollout_batch(c);
+  const RolloutBatch file = rollout_batch(c);
   LossSection loss;
   loss.normalize = c.normalize;
   loss.normalize_constant = c.normalize_constant;
-  const int64_t samples_with_loss = c.normalize == "sequence" ? normalize_per_sequence(file) : 0;
-  const double divisor = rl_loss_divisor(loss, samples_with_loss, file.loss_tokens);
-  CHECK(divisor == c.divisor);
   int64_t longest = 0;
   for (const Sample& s : c.samples) longest = std::max(longest, s.T - 1);
-  // Rows one position longer than the longest sample, one row a micro-batch:
-  // three or more samples take two rows or more, some padded.
-  const RankRollouts packed = pack_rollouts(file, longest + 1, 1, 0, 1);
-  REQUIRE(packed.micro_batches.size() >= 2);
-
-  struct Micro {
-    TokenBatch batch;
-    std::vector<double> logits, logprobs;
-    std::vector<float> sampling;
-  };
-  std::vector<Micro> micro(packed.micro_batches.size());
-  const int64_t V = c.V;
-  for (size_t m = 0; m < micro.size(); ++m) {
-    const RlMicroBatch& mb = packed.micro_batches[m];
-    Micro& u = micro[m];
-    u.batch = token_batch(mb.batch);
-    u.batch.advantages = mb.advantages.data();
-    u.batch.inference_logprobs = mb.inference_logprobs.data();
-    u.batch.temperatures = mb.temperatures.data();
-    u.batch.sample_ids = mb.sample_ids.data();
-    const int64_t N = u.batch.N;
-    u.logits.assign(sz(N * V), 0.0);
-    u.sampling.assign(sz(N), 0.0f);
-    for (int64_t t = 0; t < N; ++t) {
-      const int32_t s = mb.sample_ids[sz(t)];
-      if (s < 0) continue;
-      const Sample& smp = c.samples[sz(s)];
-      const int64_t j = mb.batch.positions[sz(t)];
-      std::copy_n(smp.logits.begin() + j * V, V, u.logits.begin() + t * V);
-      u.sampling[sz(t)] = smp.lp_sampling[sz(j + 1)];
-    }
-    if (c.has_sampling) u.batch.sampling_logprobs = u.sampling.data();
-    u.logprobs.assign(sz(N), 0.0);
-    cpu::token_logprobs<double, double>(u.logprobs.data(), u.logits.data(), u.batch.targets, u.batch.temperatures, N,
-                                        V);
-  }
-  // The sample sums over every micro-batch, as the forward-only pass adds them.
-  SampleSums sums;
-  sums.reset(file.samples());
-  for (const Micro& u : micro) sums.add(u.batch, u.logprobs.data());
-
   LossStats got;
   Errors err;
-  double grad_diff = 0, grad_max = 0;
-  for (size_t m = 0; m < micro.size(); ++m) {
-    Micro& u = micro[m];
-    const RlMicroBatch& mb = packed.micro_batches[m];
-    const int64_t N = u.batch.N;
-    std::vector<double> log_ratio(sz(N)), log_is(sz(N));
-    sums.expand(u.batch, log_ratio.data(), log_is.data());
-    u.batch.sequence_log_ratio = log_ratio.data();
-    u.batch.sequence_log_is = log_is.data();
-    const std::vector<double> weights(u.batch.weights, u.batch.weights + N);
-    std::vector<double> g = u.logits;
-    got += cpu::rl_loss_forward_backward<double>(g.data(), u.batch.targets, weights.data(), u.batch.rl_inputs(),
-                                                 c.params, 1.0 / divisor, N, V);
-    for (int64_t t = 0; t < N; ++t) {
-      const int32_t s = mb.sample_ids[sz(t)];
-      const int64_t j = mb.batch.positions[sz(t)];
-      for (int64_t v = 0; v < V; ++v) {
-        const double want = s < 0 ? 0.0 : c.samples[sz(s)].grad[sz(j * V + v)];
-        grad_diff = std::max(grad_diff, std::abs(g[sz(t * V + v)] - want));
-        grad_max = std::max(grad_max, std::abs(want));
+  double biggest_grad = 0;  // over every part
+  int64_t first_sample = 0;  // the part's first sample in the file
+  for (int64_t k = 0; k < c.parts; ++k) {
+    CAPTURE(k);
+    RolloutBatch part = c.parts == 1 ? file : rollout_part(file, k, c.parts);
+    const int64_t samples_with_loss = c.normalize == "sequence" ? normalize_per_sequence(part) : 0;
+    const double divisor = rl_loss_divisor(loss, samples_with_loss, part.loss_tokens);
+    CHECK(divisor == c.expected[sz(k)].divisor);
+    // Rows one position longer than the longest sample, one row a micro-batch:
+    // three or more samples take two rows or more, some padded.
+    const RankRollouts packed = pack_rollouts(part, longest + 1, 1, 0, 1);
+    if (c.parts == 1) REQUIRE(packed.micro_batches.size() >= 2);
+
+    struct Micro {
+      TokenBatch batch;
+      std::vector<double> logits, logprobs;
+      std::vector<float> sampling, ref;
+    };
+    std::vector<Micro> micro(packed.micro_batches.size());
+    const int64_t V = c.V;
+    for (size_t m = 0; m < micro.size(); ++m) {
+      const RlMicroBatch& mb = packed.micro_batches[m];
+      Micro& u = micro[m];
+      u.batch = token_batch(mb.batch);
+      u.batch.advantages = mb.advantages.data();
+      u.batch.inference_logprobs = mb.inference_logprobs.data();
+      u.batch.temperatures = mb.temperatures.data();
+      u.batch.sample_ids = mb.sample_ids.data();
+      const int64_t N = u.batch.N;
+      u.logits.assign(sz(N * V), 0.0);
+      u.sampling.assign(sz(N), 0.0f);
+      u.ref.assign(sz(N), 0.0f);
+      for (int64_t t = 0; t < N; ++t) {
+        const int32_t s = mb.sample_ids[sz(t)];
+        if (s < 0) continue;
+        const Sample& smp = c.samples[sz(first_sample + s)];
+        const int64_t j = mb.batch.positions[sz(t)];
+        std::copy_n(smp.logits.begin() + j * V, V, u.logits.begin() + t * V);
+        u.sampling[sz(t)] = smp.lp_sampling[sz(j + 1)];
+        u.ref[sz(t)] = smp.lp_ref[sz(j + 1)];
+      }
+      if (c.has_sampling) u.batch.sampling_logprobs = u.sampling.data();
+      if (c.params.ref_kl_coef > 0) u.batch.ref_logprobs = u.ref.data();
+      u.logprobs.assign(sz(N), 0.0);
+      cpu::token_logprobs<double, double>(u.logprobs.data(), u.logits.data(), u.batch.targets, u.batch.temperatures,
+                                          N, V);
+    }
+    // The part's sample sums over every micro-batch, as the forward-only pass adds them.
+    SampleSums sums;
+    sums.reset(part.samples());
+    for (const Micro& u : micro) sums.add(u.batch, u.logprobs.data());
+
+    LossStats part_stats;
+    double grad_diff = 0, grad_max = 0;
+    const double scale = divisor > 0 ? 1.0 / divisor : 0.0;
+    for (size_t m = 0; m < micro.size(); ++m) {
+      Micro& u = micro[m];
+      const RlMicroBatch& mb = packed.micro_batches[m];
+      const int64_t N = u.batch.N;
+      std::vector<double> log_ratio(sz(N)), log_is(sz(N));
+      sums.expand(u.batch, log_ratio.data(), log_is.data());
+      u.batch.sequence_log_ratio = log_ratio.data();
+      u.batch.sequence_log_is = log_is.data();
+      const std::vector<double> weights(u.batch.weights, u.batch.weights + N);
+      std::vector<double> g = u.logits;
+      part_stats += cpu::rl_loss_forward_backward<double>(g.data(), u.batch.targets, weights.data(),
+                                                          u.batch.rl_inputs(), c.params, scale, N, V);
+      for (int64_t t = 0; t < N; ++t) {
+        const int32_t s = mb.sample_ids[sz(t)];
+        const int64_t j = mb.batch.positions[sz(t)];
+        for (int64_t v = 0; v < V; ++v) {
+          const double want = s < 0 ? 0.0 : c.samples[sz(first_sample + s)].grad[sz(j * V + v)];
+          grad_diff = std::max(grad_diff, std::abs(g[sz(t * V + v)] - want));
+          grad_max = std::max(grad_max, std::abs(want));
+        }
       }
     }
+    biggest_grad = std::max(biggest_grad, grad_max);
+    // A part without loss has no gradient to compare.
+    if (grad_max > 0) err.grad = std::max(err.grad, grad_diff / grad_max);
+    else CHECK(grad_diff == 0.0);
+    // The loss against the scale of its terms (sum |loss_t| / divisor), so a
+    // part whose terms cancel is not judged by a near-zero total.
+    const LossCase::Part& want = c.expected[sz(k)];
+    const double part_loss = part_stats.loss / (divisor > 0 ? divisor : 1.0);
+    if (want.scale > 0) err.loss = std::max(err.loss, std::abs(part_loss - want.loss) / want.scale);
+    else CHECK(part_loss == 0.0);
+    got += part_stats;
+    first_sample += part.samples();
   }
-  err.grad = grad_diff / std::max(grad_max, 1e-300);
-  // The loss against the scale of its terms (sum |loss_t| / divisor), so a
-  // step whose terms cancel is not judged by a near-zero total.
-  err.loss = std::abs(got.loss / divisor - c.loss) / std::max(c.scale, 1e-300);
+  CHECK(first_sample == int64_t(c.samples.size()));  // the parts cover every sample once
   CHECK(got.loss_tokens == c.stats.loss_tokens);
   CHECK(got.masked_high == c.stats.masked_high);
   CHECK(got.masked_low == c.stats.masked_low);
@@ -248,9 +285,11 @@ Errors run_case(const LossCase& c) {
   CHECK(got.entropy_sum == doctest::Approx(c.stats.entropy_sum).epsilon(1e-9));
   CHECK(got.mismatch_kl_sum == doctest::Approx(c.stats.mismatch_kl_sum).epsilon(1e-9));
   CHECK(got.is_ratio_sum == doctest::Approx(c.stats.is_ratio_sum).epsilon(1e-9));
+  CHECK(got.ref_kl_sum == doctest::Approx(c.stats.ref_kl_sum).epsilon(1e-9));
+  if (c.params.ref_kl_coef > 0) CHECK(std::abs(got.ref_kl_sum) > 1e-3);  // the term was there to compare
   CHECK(err.loss < 1e-6);
   CHECK(err.grad < 1e-6);
-  CHECK(grad_max > 1e-4);  // the comparison compares something
+  CHECK(biggest_grad > 1e-4);  // the comparison compares something
   return err;
 }
 
@@ -265,17 +304,20 @@ TEST_CASE("every objective, aggregation, importance-sampling level and advantage
   int cases = 0, advantage_cases = 0;
   double worst_loss = 0, worst_grad = 0, worst_adv = 0;
   LossStats seen;  // the branches the cases took, over all of them
+  int parted = 0, with_ref_kl = 0;
   for (std::string key = f.word(); !key.empty(); key = f.word()) {
     if (key == "case") {
       const LossCase c = read_case(f);
       const Errors e = run_case(c);
-      std::printf("rl_objectives %-32s loss rel err %.1e  grad rel err %.1e  (clip/mask %lld/%lld, IS capped %lld "
+      std::printf("rl_objectives %-44s loss rel err %.1e  grad rel err %.1e  (clip/mask %lld/%lld, IS capped %lld "
                   "masked %lld of %lld tokens)\n",
                   c.name.c_str(), e.loss, e.grad, (long long)c.stats.masked_high, (long long)c.stats.masked_low,
                   (long long)c.stats.is_capped, (long long)c.stats.is_masked, (long long)c.stats.loss_tokens);
       worst_loss = std::max(worst_loss, e.loss);
       worst_grad = std::max(worst_grad, e.grad);
       seen += c.stats;
+      parted += c.parts > 1;
+      with_ref_kl += c.params.ref_kl_coef > 0;
       ++cases;
     } else {
       REQUIRE_MESSAGE(key == "advantage", "reference file: unexpected '" << key << "'");
@@ -300,12 +342,14 @@ TEST_CASE("every objective, aggregation, importance-sampling level and advantage
   std::printf("rl_objectives: %d loss cases, worst loss rel err %.1e, worst grad rel err %.1e; %d advantage kinds, "
               "worst rel err %.1e\n",
               cases, worst_loss, worst_grad, advantage_cases, worst_adv);
-  CHECK(cases == 36);
+  CHECK(cases == 48);
   CHECK(advantage_cases == 4);
   CHECK(seen.masked_high > 0);
   CHECK(seen.masked_low > 0);
   CHECK(seen.is_capped > 0);
   CHECK(seen.is_masked > 0);
+  CHECK(parted == 12);
+  CHECK(with_ref_kl == 12);
 }
 
 }  // TEST_SUITE
