@@ -110,6 +110,7 @@ struct MemoryPlan {
   int64_t device_grads = 0;  // GPU: the offload pipeline's fp32 gradient accumulators
   int64_t data_reader = 0;   // host: token readers of data.path and eval.path (data.hpp's DataMemory)
   int64_t checkpoint_snapshot = 0;  // host: the async checkpoint's copy of the state (ckpt.async)
+  int64_t reference_weights = 0;    // host: RL's frozen starting weights (loss.ref_kl_coef > 0, CPU backend)
   // Of which the pool gives up on a host without room (ckpt.async_host_gib = 0:
   // it then takes half of what is left and stages saves); the plan fits without it.
   int64_t checkpoint_snapshot_flexible = 0;
@@ -123,7 +124,7 @@ struct MemoryPlan {
   int64_t fp32_stream = 0;
   int64_t host_total() const {
     return param_shards + grad_shards + optim_state + host_workspace + comm_staging + offload_buffers + data_reader +
-           checkpoint_snapshot +
+           checkpoint_snapshot + reference_weights +
            (device ? 0 : gathered + activations + workspace);
   }
   int64_t device_total() const {

@@ -180,8 +180,8 @@ const std::vector<KeySpec>& key_table() {
       within(key("loss.entropy_coef", Type::Float, FIELD(loss.entropy_coef)), 0, 1e6),
       within(key("loss.epochs", Type::Int, FIELD(loss.epochs)), 1, 1000),
       within(key("loss.mini_batches", Type::Int, FIELD(loss.mini_batches)), 1, 1 << 20),
-      not_implemented(within(key("loss.ref_kl_coef", Type::Float, FIELD(loss.ref_kl_coef)), 0, 1e6)),
-      not_implemented(one_of(key("loss.ref_kl_estimator", Type::String, FIELD(loss.ref_kl_estimator)), {"k1", "k2", "k3"})),
+      within(key("loss.ref_kl_coef", Type::Float, FIELD(loss.ref_kl_coef)), 0, 1e6),
+      one_of(key("loss.ref_kl_estimator", Type::String, FIELD(loss.ref_kl_estimator)), {"k1", "k2", "k3"}),
 
       at_least(key("ckpt.interval", Type::Int, FIELD(ckpt.interval)), 0),
       at_least(key("ckpt.keep_last", Type::Int, FIELD(ckpt.keep_last)), 1),

@@ -12,7 +12,7 @@
 //   logp       = log_softmax(z)[y_t]                      computed in double, rounded to T
 //   H          = entropy of softmax(z)                    (double)
 //   log r      = logp - lp_inf_t,  r = exp(log r)          (lp_inf_t: inference logprob)
-//   loss_t     = w_t * (pg_t + kl_coef * (log r)^2 - entropy_coef * H) - ce_coef * w_t * logp
+//   loss_t     = w_t * (pg_t + kl_coef * (log r)^2 - entropy_coef * H + ref_kl_coef * k_t) - ce_coef * w_t * logp
 //   dlogits_t  = grad_scale * (d loss_t/d logp * (onehot(y_t) - softmax(z))
 //                              - d loss_t/d H * softmax(z) * (log softmax(z) + H)) / tau_t
 // The policy term pg_t by objective (p.objective); "constant" means no gradient
@@ -45,6 +45,11 @@
 //              lp_inf: r = pi / sg[pi] = 1 in value, d r / d logp = 1 (GSPO's s = 1),
 //              so the trainer/sampler gap is weighted once, by rho.
 // The kl term and the mismatch KL statistic always use log r against lp_inf.
+// The reference KL (p.ref_kl_coef > 0): k_t estimates KL(pi || pi_ref) at the
+// sampled token from x = lp_ref_t - logp (in.ref_logprobs: the frozen starting
+// weights' logprob; Schulman 2020, "Approximating KL divergence"): k1 = -x,
+// k2 = x^2 / 2, k3 = e^x - x - 1, the gradient through logp (ref_kl_term in
+// cpu/rl_terms.hpp); counted unweighted in ref_kl_sum.
 // Masks and clips are constants in the derivative (no gradient through an
 // indicator). Other rows add nothing and get a zero gradient. The per-token
 // scalars are rl_row_terms (cpu/rl_terms.hpp), shared with the CUDA kernel.

@@ -8,6 +8,7 @@
 
 #include "shardlm/cuda.hpp"
 #include "shardlm/error.hpp"
+#include "train/reference_pass.hpp"
 #include "train/sequence_pass.hpp"
 
 namespace shardlm {
@@ -154,6 +155,8 @@ MemoryPlan plan_memory(const ModelConfig& config, int world, const EngineOptions
   plan.workspace += backend.workspace_bytes(config, o);
   // A loss over whole samples: the forward-only pass's host buffers (train/sequence_pass.hpp).
   (plan.device ? plan.host_workspace : plan.workspace) += sequence_pass_bytes(o);
+  // The KL term against the starting weights: their frozen copy (train/reference_pass.hpp).
+  plan.reference_weights += reference_weights_bytes(o, layout, backend);
   return plan;
 }
 
@@ -329,6 +332,8 @@ Engine::~Engine() {
 
 // ---------------------------------------------------------------- gathering
 
+const void* Engine::shard(int unit) const { return weights_ ? (*weights_)[size_t(unit)] : backend_->param_shard(unit); }
+
 void Engine::prefetch(int unit) {
   if (!sharded_) return;
   for (auto& s : param_slots_)
@@ -338,8 +343,7 @@ void Engine::prefetch(int unit) {
     s.unit = unit;
     state_->param_ready(unit);
     // In the backend's own precision: fp32 on the CPU, bf16 on GPUs.
-    s.request = unit_comm_->all_gather(backend_->param_shard(unit), s.full, model_.layout.units[unit].shard_numel,
-                                       gather_type_);
+    s.request = unit_comm_->all_gather(shard(unit), s.full, model_.layout.units[unit].shard_numel, gather_type_);
     return;
   }
   // No free slot: the unit is gathered when it is needed instead.
@@ -348,7 +352,7 @@ void Engine::prefetch(int unit) {
 const void* Engine::params(int unit) {
   state_->param_ready(unit);
   refresh_norms(unit);
-  if (!sharded_) return backend_->param_shard(unit);  // one rank: the shard is the whole unit
+  if (!sharded_) return shard(unit);  // one rank: the shard is the whole unit
   prefetch(unit);
   for (auto& s : param_slots_)
     if (s.unit == unit) {
@@ -535,9 +539,23 @@ void Engine::forward_logits(const TokenBatch& b, float* logits) {
   release(0);
 }
 
-void Engine::forward_token_logprobs(const TokenBatch& b, float* logprobs) {
+void Engine::forward_token_logprobs(const TokenBatch& b, float* logprobs, const std::vector<const void*>* weights) {
   const int head = model_.layout.num_layers() + 1;
   state();
+  if (weights) {
+    // Only the CPU backend computes from the shards it is handed; a device
+    // backend's norm weights and fp32 embedding rows come from the masters.
+    SHARDLM_CHECK(backend_->host_resident() && weights->size() == model_.layout.units.size(),
+                  "internal: a forward pass on other weights needs the CPU backend and a shard per unit");
+    // A gathered unit of the training weights must not stand in for the other weights'.
+    for (const auto& slot : param_slots_)
+      SHARDLM_CHECK(slot.unit == -1, "internal: unit %d still gathered before a pass on other weights", slot.unit);
+  }
+  weights_ = weights;
+  struct Restore {
+    Engine& e;
+    ~Restore() { e.weights_ = nullptr; }
+  } restore{*this};
   forward(b, /*keep_for_backward=*/false);
   const void* hw = params(head);
   const void* lm_w = lm_head_weights();

@@ -94,8 +94,13 @@ class Engine {
 
   // Forward only (RL): logprobs (N) of each position's target at its
   // temperature, as the RL loss computes them (0 without a target). Collective
-  // over the ranks like forward_backward; gradients are untouched.
-  void forward_token_logprobs(const TokenBatch& batch, float* logprobs);
+  // over the ranks like forward_backward; gradients are untouched. With
+  // `weights` (one pointer per unit: this rank's shard of other weights, laid
+  // out as the backend's own, e.g. the frozen reference of
+  // train/reference_pass.hpp) the pass runs on them instead of the training
+  // weights (the CPU backend, whose parameters are the shards it reads).
+  void forward_token_logprobs(const TokenBatch& batch, float* logprobs,
+                              const std::vector<const void*>* weights = nullptr);
 
   const Backend& backend() const { return *backend_; }
   Backend& backend() { return *backend_; }
@@ -124,6 +129,7 @@ class Engine {
   };
 
   const void* params(int unit);         // gathered weights of `unit` (waits)
+  const void* shard(int unit) const;    // this rank's shard of `unit`: the backend's, or weights_'s
   void plan_norm_copies();              // model.norm_dtype = "fp32": the pieces below
   void refresh_norms(int unit);         // the backend's fp32 norm weights <- the masters, when they changed
   void embed_rows_fp32(const TokenBatch& b, float* rows);  // the fp32 stream's start from the masters
@@ -146,6 +152,9 @@ class Engine {
   std::unique_ptr<Comm> device_comm_;   // device backends at world > 1: device-buffer collectives
   TrainingState* state_ = nullptr;      // where gradients go (not owned), or own_state_
   std::unique_ptr<TrainingState> own_state_;
+  // Other weights a forward-only pass reads instead of the training ones
+  // (forward_token_logprobs); nullptr otherwise.
+  const std::vector<const void*>* weights_ = nullptr;
   Comm* unit_comm_ = nullptr;           // device_comm_, or comm_ for host buffers
   DType gather_type_ = DType::F32, reduce_type_ = DType::F32;
   bool grad_slots_used_ = false;        // sharded, or gradients outside host memory

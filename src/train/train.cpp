@@ -136,7 +136,8 @@ TrainSession::TrainSession(const Config& c, Comm& comm_)
       source(data ? make_token_source(*data, comm_, cp_group.get())
                   : make_rollout_source(c, arch.vocab_size, comm_, cp_group.get())),
       sequence_pass(make_sequence_pass(engine.options().rl, engine.options().rl_params, engine, comm_,
-                                       engine.options().max_tokens)) {
+                                       engine.options().max_tokens)),
+      reference_pass(make_reference_pass(engine.options().rl, engine.options().rl_params, engine, model)) {
   if (cp_group) engine.backend().set_context_parallel(*cp_group);
   // Muon on a GPU: Newton–Schulz in bf16 on this rank's device (cuda/newton_schulz.hpp);
   // the CPU backend keeps the host fp32 one, the reference.
@@ -167,6 +168,9 @@ StepStats TrainSession::step(int64_t step) {
   s.rollout_metrics = batch.rollout_metrics;
   s.data_s = seconds_since(t0) - batch.collective_s;
   s.compute_s = batch.collective_s;  // a collective's wait for the slowest rank is not data time
+  // The KL term against the starting weights: their logprobs of every
+  // micro-batch of the step, once for all its updates.
+  s.compute_s += reference_pass->run(*source, step, batch);
   // The schedule counts steps: every update of the step takes the step's learning rate.
   s.lr = lr_at(config.sched, config.optim.lr, config.run.max_steps, step);
   // loss.epochs passes over the parts (loss.mini_batches), one update each.
@@ -195,7 +199,7 @@ UpdateStats TrainSession::update(int64_t step, int64_t part, const UpdatePlan& p
   LossStats mine;
   for (int64_t a = 0; a < plan.micro_batches; ++a) {
     const auto t_data = Clock::now();
-    const TokenBatch micro = sequence_pass->attach(source->micro_batch(step, part, a));
+    const TokenBatch micro = reference_pass->attach(part, a, sequence_pass->attach(source->micro_batch(step, part, a)));
     s.data_s += seconds_since(t_data);
     // The offloaded units' updates may start under the last backward (as if unclipped).
     if (a + 1 == plan.micro_batches) state->speculate(s.lr);

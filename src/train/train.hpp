@@ -20,6 +20,7 @@
 #include "train/engine.hpp"
 #include "train/eval.hpp"
 #include "train/optim.hpp"
+#include "train/reference_pass.hpp"
 #include "train/sequence_pass.hpp"
 #include "train/shard.hpp"
 #include "train/state.hpp"
@@ -100,6 +101,9 @@ struct TrainSession {
   Engine engine;
   std::unique_ptr<StepSource> source;   // token files | rollouts
   std::unique_ptr<SequencePass> sequence_pass;  // the RL loss's sums over whole samples | nothing
+  // The KL term against the starting weights: their frozen copy (taken here,
+  // before any update or checkpoint load) and logprobs | nothing.
+  std::unique_ptr<ReferencePass> reference_pass;
   std::unique_ptr<TrainingState> state; // host | device | offload
   int64_t bad_steps_in_a_row = 0;
   int64_t bad_steps_total = 0;
