@@ -3,7 +3,11 @@
 // split of the ranks: the step's forward-only pass sums each sample over the
 // micro-batches and shares that hold its tokens and all-reduces the sums, so
 // data parallelism over every rank and context parallelism (C = 2) give the
-// losses of one rank alone (train/sequence_pass.hpp).
+// losses of one rank alone (train/sequence_pass.hpp). The same for GSPO with
+// four updates a step (2 epochs x 2 parts, the sums formed again per update)
+// and the KL term against the starting weights, whose forward pass on the
+// frozen shards gathers and splits like the training weights'
+// (train/reference_pass.hpp).
 #include <doctest/doctest.h>
 
 #include <mpi.h>
@@ -102,6 +106,8 @@ TEST_CASE("GSPO and sequence-level importance sampling: the same losses on one r
   } cases[] = {
       {"gspo", "objective = \"gspo\"\nclip_low = 0.2\nclip_high = 0.28\n"},
       {"sequence IS", "is_level = \"sequence\"\nis_cap = 2.0\nentropy_coef = 0.01\n"},
+      {"gspo, 2 x 2 updates, ref KL",
+       "objective = \"gspo\"\nclip_low = 0.2\nclip_high = 0.28\nepochs = 2\nmini_batches = 2\nref_kl_coef = 0.5\n"},
   };
   for (const auto& c : cases) {
     CAPTURE(c.name);
