@@ -19,18 +19,7 @@
 # Prints PASS/FAIL lines; exits non-zero when anything failed.
 set -u
 cd "$(dirname "$0")/../.."
-BIN=${SHARDLM:-${BUILD:-build}/shardlm}
-PY=${PYTHON:-/usr/bin/python3}
-MPIRUN=${MPIRUN:-mpirun}
-if [ "$(id -u)" = 0 ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; fi
-export OMP_NUM_THREADS=1 OMP_WAIT_POLICY=passive
-if [ ! -x "$BIN" ]; then echo "FAIL rl_eval: $BIN is not built"; exit 1; fi
-
-T=$(mktemp -d /tmp/shardlm-rl-eval-XXXXXX)
-cleanup() { [ -n "${KEEP:-}" ] && { echo "logs in $T"; return; }; rm -rf "$T"; }
-trap cleanup EXIT
-source tests/scripts/lib/checks.sh  # failures, pass, fail, check, has
-MPI=($MPIRUN --oversubscribe --bind-to none -x OMP_NUM_THREADS -x OMP_WAIT_POLICY)
+source tests/scripts/lib/setup.sh rl_eval  # BIN, PY, MPI, T, checks.sh
 t_start=$(date +%s.%N)
 
 "$PY" tools/make_copy_task.py --out-dir "$T/task" > "$T/task.log" 2>&1 || { fail "make_copy_task.py"; cat "$T/task.log"; }
