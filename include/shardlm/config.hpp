@@ -199,6 +199,7 @@ struct RolloutSection {
   double top_p = 1.0;
   int64_t top_k = 0;
   int64_t batch = 16;               // sequences decoded at once per inference rank
+  int64_t kv_cache_tokens = 0;      // the paged KV pool of an inference rank, in positions; 0 = every slot at its longest
   // The reward's components (exact | numeric | regex | program, each at most
   // once) and their weights (empty = 1 each): reward = sum of weight * component.
   std::vector<std::string> reward = {"exact"};

@@ -118,10 +118,13 @@ std::string inference_report(const Config& config, const ModelConfig& arch, bool
   const char* where = cuda ? "GPU" : "host";
   std::string out = eval_plan_line(config, eval_prompts);
   out += fmt("inference rank plan (`shardlm generate DECK`, one of them: %lld slots x %lld positions: the "
-             "longest of the %lld prompts, then rollout.max_new_tokens = %lld%s)\n",
+             "longest of the %lld prompts, then rollout.max_new_tokens = %lld%s; a KV pool of %lld blocks of %lld "
+             "positions, %s)\n",
              (long long)limits.slots, (long long)limits.max_len, (long long)prompts.size(),
              (long long)ro.max_new_tokens,
-             eval_prompts.path.empty() ? "" : "; eval.batch's slots and eval.prompts' positions where they are more");
+             eval_prompts.path.empty() ? "" : "; eval.batch's slots and eval.prompts' positions where they are more",
+             (long long)pool_blocks(limits), (long long)limits.block_size,
+             limits.blocks > 0 ? "rollout.kv_cache_tokens" : "every slot at its longest");
   const std::tuple<const char*, const char*, int64_t> rows[] = {
       {"weights (bf16)", where, d.weights}, {"KV cache", where, d.cache},   {"activations", where, d.scratch},
       {"logits, staging", "host", d.host},  {"model (fp32)", "host", model_host}};

@@ -389,28 +389,29 @@ void attention_forward(T* out, T* lse, const T* q, const T* k, const T* v,
 }
 
 template <class T>
-void attention_decode_forward(T* out, const T* q, const T* k_cache, const T* v_cache, const int32_t* slot,
-                              const int32_t* len, int64_t B, int64_t H, int64_t KV, int64_t D, int64_t max_len) {
+void attention_decode_forward(T* out, const T* q, const T* k_cache, const T* v_cache, const KvPages& pages,
+                              const int32_t* seq, const int32_t* len, int64_t B, int64_t H, int64_t KV, int64_t D) {
   SHARDLM_CHECK(KV > 0 && H % KV == 0, "attention: num_heads %lld is not a multiple of "
                 "num_kv_heads %lld", static_cast<long long>(H), static_cast<long long>(KV));
   for (int64_t b = 0; b < B; ++b)
-    SHARDLM_CHECK(len[b] >= 1 && len[b] <= max_len, "attention_decode: row %lld attends to %d cached tokens, "
-                  "outside [1, %lld]", static_cast<long long>(b), len[b], static_cast<long long>(max_len));
+    SHARDLM_CHECK(len[b] >= 1 && len[b] <= pages.capacity(), "attention_decode: row %lld attends to %d cached "
+                  "tokens, outside [1, %lld]", static_cast<long long>(b), len[b],
+                  static_cast<long long>(pages.capacity()));
   const int64_t group = H / KV;
   const T scale = T(1) / std::sqrt(T(D));
 #pragma omp parallel for collapse(2) schedule(dynamic, 4)
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t h = 0; h < H; ++h) {
       const int64_t g = h / group, n = len[b];
-      const T* k = k_cache + int64_t(slot[b]) * max_len * KV * D;  // (max_len, KV, D) of this slot
-      const T* v = v_cache + int64_t(slot[b]) * max_len * KV * D;
+      // Position j's (KV, D) row: kv_cache_row of (seq[b], j).
+      const auto row = [&](int64_t j) { return kv_cache_row(pages, seq[b], j) * KV * D; };
       const T* qi = q + (b * H + h) * D;  // (D)
       T* oi = out + (b * H + h) * D;      // (D)
       // attention_forward's two passes with j0 = 0, i = n - 1.
       T m = -INFINITY;
       double l = 0;
       for (int64_t j = 0; j < n; ++j) {
-        const T s = dot(qi, k + (j * KV + g) * D, D) * scale;
+        const T s = dot(qi, k_cache + row(j) + g * D, D) * scale;
         if (s > m) {
           l *= std::exp(double(m) - double(s));
           m = s;
@@ -420,8 +421,8 @@ void attention_decode_forward(T* out, const T* q, const T* k_cache, const T* v_c
       const T lse_ih = m + T(std::log(l));
       std::fill(oi, oi + D, T(0));
       for (int64_t j = 0; j < n; ++j) {
-        const T p = std::exp(dot(qi, k + (j * KV + g) * D, D) * scale - lse_ih);
-        const T* vj = v + (j * KV + g) * D;  // (D)
+        const T p = std::exp(dot(qi, k_cache + row(j) + g * D, D) * scale - lse_ih);
+        const T* vj = v_cache + row(j) + g * D;  // (D)
         for (int64_t d = 0; d < D; ++d) oi[d] += p * vj[d];
       }
     }
@@ -601,8 +602,8 @@ double sum_squares(const T* x, int64_t n) {
   template void attention_forward<T>(T*, T*, const T*, const T*, const T*,               \
                                      const int32_t*, int64_t, int64_t, int64_t, int64_t); \
   template void linear_rowwise_forward<T>(T*, const T*, const T*, const T*, int64_t, int64_t, int64_t);          \
-  template void attention_decode_forward<T>(T*, const T*, const T*, const T*, const int32_t*, const int32_t*,  \
-                                            int64_t, int64_t, int64_t, int64_t, int64_t);                    \
+  template void attention_decode_forward<T>(T*, const T*, const T*, const T*, const KvPages&, const int32_t*,  \
+                                            const int32_t*, int64_t, int64_t, int64_t, int64_t);             \
   template void attention_backward<T>(T*, T*, T*, const T*, const T*, const T*,          \
                                       const T*, const T*, const T*, const int32_t*,      \
                                       int64_t, int64_t, int64_t, int64_t);               \

@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "shardlm/kv_pages.hpp"
 #include "shardlm/model_config.hpp"
 
 namespace shardlm::cpu {
@@ -158,18 +159,20 @@ void attention_backward(T* dq, T* dk, T* dv, const T* dout, const T* q, const T*
                         const int32_t* seq_id, int64_t N, int64_t H, int64_t KV,
                         int64_t D);
 
-// Decode with a KV cache: one new token per sequence attends to its slot's
+// Decode with a paged KV cache: one new token per sequence attends to its
 // cached keys and values, positions [0, len[b]) (its own key and value already
-// written at len[b] - 1). Term for term the arithmetic attention_forward does
-// for the last token of a document of len[b] tokens (same dot products, same
-// online max and double sum, same second pass), so a decoded token sees what
-// the full forward computes at that position. Query head h reads kv head
-// h / (H / KV); scale 1/sqrt(D).
-//   out (B, H, D) overwritten; q (B, H, D); k_cache, v_cache (slots, max_len, KV, D);
-//   slot (B): the cache slot row b reads; len (B) in [1, max_len].
+// written at len[b] - 1), read through the block table (shardlm/kv_pages.hpp).
+// Term for term the arithmetic attention_forward does for the last token of a
+// document of len[b] tokens (same dot products, same online max and double
+// sum, same second pass), so a decoded token sees what the full forward
+// computes at that position, wherever its blocks lie. Query head h reads kv
+// head h / (H / KV); scale 1/sqrt(D).
+//   out (B, H, D) overwritten; q (B, H, D); k_cache, v_cache (blocks,
+//   block_size, KV, D); seq (B): the table row query b reads; len (B) in
+//   [1, pages.capacity()].
 template <class T>
-void attention_decode_forward(T* out, const T* q, const T* k_cache, const T* v_cache, const int32_t* slot,
-                              const int32_t* len, int64_t B, int64_t H, int64_t KV, int64_t D, int64_t max_len);
+void attention_decode_forward(T* out, const T* q, const T* k_cache, const T* v_cache, const KvPages& pages,
+                              const int32_t* seq, const int32_t* len, int64_t B, int64_t H, int64_t KV, int64_t D);
 
 // ---------------------------------------------------------------- cross-entropy
 

@@ -271,7 +271,9 @@ void set_up(GenerateSetup& g, int rank, int world, int local_rank) {
   plan_limits(c, all, args.batch, args.max_new_tokens, g.prompts.path);
   const std::string backend = bind_backend(args.device.empty() ? "auto" : args.device, local_rank);
   g.decoder =
-      make_decoder(g.model, plan_limits(c, g.requests, args.batch, args.max_new_tokens, g.prompts.path), backend);
+      make_decoder(g.model,
+                   plan_limits(c, g.requests, args.batch, args.max_new_tokens, g.prompts.path, args.kv_cache_tokens),
+                   backend);
 }
 
 // Rank 0: the model, the prompts and ranks, the decoder, its cache and weights, the sampling.
@@ -439,6 +441,7 @@ GenerateArgs parse_generate_args(const std::map<std::string, std::string>& o, co
   a.n = int_option(o, "n", 1, 1, 1 << 20);
   a.max_new_tokens = int_option(o, "max-new-tokens", 64, 1, kMaxPositions);
   a.batch = int_option(o, "batch", 8, 1, 65536);
+  a.kv_cache_tokens = int_option(o, "kv-cache-tokens", 0, 0, INT32_MAX);
   a.device = text("device");
   SHARDLM_CHECK(a.device.empty() || a.device == "auto" || a.device == "cpu" || a.device == "cuda",
                 "--device expects auto, cpu or cuda, got '%s'", a.device.c_str());

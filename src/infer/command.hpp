@@ -28,6 +28,7 @@ struct GenerateArgs {
   int64_t n = 1;
   int64_t max_new_tokens = 64;
   int64_t batch = 8;                    // sequences decoded at once per rank (KV cache slots)
+  int64_t kv_cache_tokens = 0;          // the KV pool in positions; 0 = every slot at its longest
   std::string device;                   // --device auto|cpu|cuda ("": the deck's device.backend, else auto)
   SamplingParams sampling;
   bool seed_given = false;

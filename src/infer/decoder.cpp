@@ -18,12 +18,113 @@ std::unique_ptr<Decoder> make_decoder(const InferenceModel& model, const Decoder
   return std::make_unique<CpuDecoder>(model, limits);
 }
 
+int64_t pool_blocks(const DecoderLimits& limits) {
+  return limits.blocks > 0 ? limits.blocks : limits.slots * ((limits.max_len + limits.block_size - 1) / limits.block_size);
+}
+
 void check_decoder_limits(const ModelConfig& c, const DecoderLimits& limits) {
   SHARDLM_CHECK(limits.slots >= 1 && limits.slots <= 65536, "generate: a batch of %lld sequences; give 1 to 65536",
                 (long long)limits.slots);
   SHARDLM_CHECK(limits.max_len >= 1 && limits.max_len <= c.max_position_embeddings,
                 "generate: %lld positions per sequence, but the model has max_position_embeddings = %lld",
                 (long long)limits.max_len, (long long)c.max_position_embeddings);
+  SHARDLM_CHECK(limits.block_size >= 1 && limits.block_size <= 65536,
+                "generate: KV blocks of %lld positions; give 1 to 65536", (long long)limits.block_size);
+  const int64_t one = (limits.max_len + limits.block_size - 1) / limits.block_size;
+  SHARDLM_CHECK(limits.blocks == 0 || limits.blocks >= one,
+                "generate: a KV cache of %lld tokens (%lld blocks of %lld) cannot hold one sequence of %lld positions "
+                "(the longest prompt + max_new_tokens - 1); give it at least %lld tokens",
+                (long long)(limits.blocks * limits.block_size), (long long)limits.blocks, (long long)limits.block_size,
+                (long long)limits.max_len, (long long)(one * limits.block_size));
+  SHARDLM_CHECK(limits.blocks >= 0 && pool_blocks(limits) <= INT32_MAX / limits.block_size,
+                "generate: a KV cache of %lld blocks of %lld positions is over 2^31 positions", 
+                (long long)pool_blocks(limits), (long long)limits.block_size);
+}
+
+namespace {
+
+const DecoderLimits& checked(const ModelConfig& c, const DecoderLimits& limits) {
+  check_decoder_limits(c, limits);
+  return limits;
+}
+
+}  // namespace
+
+Decoder::Decoder(const ModelConfig& c, const DecoderLimits& limits)
+    : limits_(checked(c, limits)), kv_(pool_blocks(limits), limits.block_size, limits.slots, limits.max_len) {}
+
+int64_t Decoder::prefill_blocks(std::span<const std::span<const int32_t>> prompts) const {
+  int64_t need = 0;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    const auto& p = prompts[i];
+    const bool shared = std::any_of(prompts.begin(), prompts.begin() + ptrdiff_t(i), [&](const auto& q) {
+      return q.data() == p.data() && q.size() == p.size();
+    });
+    // A group's first sample fills the prompt's blocks; the others copy the last one when it is partly filled.
+    need += shared ? int64_t(p.size() % size_t(kv_.block_size()) != 0) : kv_.blocks_for(int64_t(p.size()));
+  }
+  return need;
+}
+
+int64_t Decoder::decode_blocks(std::span<const int32_t> slots) const {
+  int64_t need = 0;
+  for (int32_t s : slots) need += kv_.blocks_to_grow(s, kv_.length(s) + 1);
+  return need;
+}
+
+void Decoder::prefill(std::span<const int32_t> slots, std::span<const std::span<const int32_t>> prompts,
+                      float* logits) {
+  const int64_t n = static_cast<int64_t>(prompts.size());
+  SHARDLM_CHECK(n == int64_t(slots.size()) && n >= 1 && n <= limits_.slots,
+                "internal: prefill of %lld prompts into %zu slots (at most %lld)", (long long)n, slots.size(),
+                (long long)limits_.slots);
+  SHARDLM_CHECK(prefill_blocks(prompts) <= kv_.free_blocks(), "internal: a prefill needs %lld KV blocks, %lld free",
+                (long long)prefill_blocks(prompts), (long long)kv_.free_blocks());
+  unique_slots_.clear();
+  unique_prompts_.clear();
+  copies_.clear();
+  source_.assign(size_t(n), -1);
+  for (int64_t i = 0; i < n; ++i) {
+    const int32_t slot = slots[size_t(i)];
+    const auto& p = prompts[size_t(i)];
+    SHARDLM_CHECK(slot >= 0 && slot < limits_.slots && kv_.length(slot) == 0,
+                  "internal: a prefill into slot %d of %lld (holding %lld positions)", slot,
+                  (long long)limits_.slots, (long long)(slot >= 0 && slot < limits_.slots ? kv_.length(slot) : 0));
+    SHARDLM_CHECK(!p.empty() && int64_t(p.size()) <= limits_.max_len,
+                  "internal: a prompt of %zu tokens for sequences of %lld positions", p.size(),
+                  (long long)limits_.max_len);
+    prefill_given_ += int64_t(p.size());
+    for (size_t u = 0; u < unique_prompts_.size(); ++u)
+      if (unique_prompts_[u].data() == p.data() && unique_prompts_[u].size() == p.size()) source_[size_t(i)] = int32_t(u);
+    if (source_[size_t(i)] >= 0) continue;
+    source_[size_t(i)] = int32_t(unique_prompts_.size());
+    unique_slots_.push_back(slot);
+    unique_prompts_.push_back(p);
+    kv_.grow(slot, int64_t(p.size()));
+    prefill_computed_ += int64_t(p.size());
+  }
+  // The other samples of each group take its blocks once the first holds them.
+  for (int64_t i = 0; i < n; ++i) {
+    const int32_t first = unique_slots_[size_t(source_[size_t(i)])];
+    if (first == slots[size_t(i)]) continue;
+    if (const BlockCopy copy = kv_.share(first, slots[size_t(i)]); copy.from >= 0) copies_.push_back(copy);
+  }
+  prefill_forward(unique_slots_, unique_prompts_, copies_, source_, logits);
+}
+
+void Decoder::decode(std::span<const int32_t> slots, std::span<const int32_t> tokens, float* logits) {
+  const int64_t B = static_cast<int64_t>(slots.size());
+  SHARDLM_CHECK(B == int64_t(tokens.size()) && B >= 1 && B <= limits_.slots,
+                "internal: decode of %zu tokens into %lld slots", tokens.size(), (long long)B);
+  SHARDLM_CHECK(decode_blocks(slots) <= kv_.free_blocks(), "internal: a decode step needs %lld KV blocks, %lld free",
+                (long long)decode_blocks(slots), (long long)kv_.free_blocks());
+  for (int32_t s : slots) {
+    SHARDLM_CHECK(s >= 0 && s < limits_.slots, "internal: slot %d of %lld", s, (long long)limits_.slots);
+    SHARDLM_CHECK(kv_.length(s) >= 1 && kv_.length(s) < limits_.max_len, "internal: slot %d holds %lld of %lld positions",
+                  s, (long long)kv_.length(s), (long long)limits_.max_len);
+    kv_.grow(s, kv_.length(s) + 1);
+  }
+  decode_forward(slots, tokens, logits);
 }
 
 DecoderPlan plan_decoder(const ModelConfig& c, const DecoderLimits& limits, const std::string& backend) {
@@ -52,12 +153,11 @@ std::vector<cpu::BufferRow> CpuDecoder::plan_rows(const ModelConfig& c, const De
   }
   const auto at = [self](Buffer<float> CpuDecoder::*member) { return self ? &(self->*member) : nullptr; };
   std::vector<cpu::BufferRow> table;
-  // The cache is the one buffer that grows with slots x max_len: it is what the plan is about.
+  // The cache's pool is the one buffer that grows with the tokens held: it is what the plan is about.
+  const int64_t cache = pool_blocks(limits) * limits.block_size * KVD;
   for (int64_t l = 0; l < L; ++l) {
-    table.push_back({"kv_cache.k", self ? &self->k_cache_[size_t(l)] : nullptr, limits.slots * limits.max_len * KVD,
-                     Mem::Activations});
-    table.push_back({"kv_cache.v", self ? &self->v_cache_[size_t(l)] : nullptr, limits.slots * limits.max_len * KVD,
-                     Mem::Activations});
+    table.push_back({"kv_cache.k", self ? &self->k_cache_[size_t(l)] : nullptr, cache, Mem::Activations});
+    table.push_back({"kv_cache.v", self ? &self->v_cache_[size_t(l)] : nullptr, cache, Mem::Activations});
   }
   table.push_back({"x", at(&CpuDecoder::x_), max_rows * C, Mem::Workspace});
   table.push_back({"x_next", at(&CpuDecoder::x_next_), max_rows * C, Mem::Workspace});
@@ -75,7 +175,8 @@ int64_t CpuDecoder::logits_bytes(const ModelConfig& c, const DecoderLimits& limi
   return limits.slots * c.vocab_size * int64_t(sizeof(float));
 }
 
-CpuDecoder::CpuDecoder(const InferenceModel& model, const DecoderLimits& limits) : model_(model), limits_(limits) {
+CpuDecoder::CpuDecoder(const InferenceModel& model, const DecoderLimits& limits)
+    : Decoder(model.config(), limits), model_(model) {
   const ModelConfig& c = model.config();
   table_ = plan_rows(c, limits, this);
   cpu::allocate_rows(table_);
@@ -85,7 +186,6 @@ CpuDecoder::CpuDecoder(const InferenceModel& model, const DecoderLimits& limits)
   seq_ids_.resize(size_t(max_rows_));
   slot_of_.resize(size_t(max_rows_));
   attend_len_.resize(size_t(limits.slots));
-  slot_len_.assign(size_t(limits.slots), 0);
   host_logits_.resize(size_t(logits_bytes(c, limits)) / sizeof(float));
   temperatures_.resize(size_t(limits.slots));
 }
@@ -109,17 +209,14 @@ void CpuDecoder::token_logprobs(float* out, const float* logits, const int32_t* 
 int64_t CpuDecoder::cache_bytes() const { return cpu::rows_bytes(table_, Mem::Activations); }
 int64_t CpuDecoder::scratch_bytes() const { return cpu::rows_bytes(table_, Mem::Workspace); }
 
-void CpuDecoder::check_slot(int32_t slot) const {
-  SHARDLM_CHECK(slot >= 0 && slot < limits_.slots, "internal: slot %d of %lld", slot, (long long)limits_.slots);
-}
-
 void CpuDecoder::store_kv(int l, int64_t N, const int32_t* slot_of, const int32_t* pos_of) {
   const ModelConfig& c = model_.config();
   const int64_t KVD = c.num_kv_heads * c.head_dim;
+  const KvPages pages = kv_.pages();
   float* kc = k_cache(l);
   float* vc = v_cache(l);
   for (int64_t i = 0; i < N; ++i) {
-    const int64_t at = (int64_t(slot_of[i]) * limits_.max_len + pos_of[i]) * KVD;
+    const int64_t at = kv_cache_row(pages, slot_of[i], pos_of[i]) * KVD;
     std::memcpy(kc + at, acts_.k.data() + i * KVD, sizeof(float) * KVD);
     std::memcpy(vc + at, acts_.v.data() + i * KVD, sizeof(float) * KVD);
   }
@@ -134,72 +231,68 @@ void CpuDecoder::head(const float* rows, int64_t n, float* logits) {
 }
 
 template <class Attend>
-void CpuDecoder::run_layers(int64_t N, cpu::LinearFn linear, Attend&& attend) {
+void CpuDecoder::run_layers(int64_t N, Attend&& attend) {
   const ModelConfig& c = model_.config();
   const cpu::TokenInputs in{N, positions_.data(), seq_ids_.data(), inv_freq_.data()};
   cpu::embedding_forward(x_.data(), tokens_.data(), model_.embedding(), N, c.vocab_size, c.hidden_size);
   for (int l = 0; l < int(c.num_layers); ++l) {
     const LayerWeights<const float> w = model_.layer(l);
-    cpu::layer_qkv_forward(c, w, in, x_.data(), acts_, linear);
+    cpu::layer_qkv_forward(c, w, in, x_.data(), acts_, &cpu::linear_rowwise_forward<float>);
     store_kv(l, N, slot_of_.data(), positions_.data());
     attend(l, in);
-    cpu::layer_out_forward(c, w, N, x_.data(), x_next_.data(), acts_, linear);
+    cpu::layer_out_forward(c, w, N, x_.data(), x_next_.data(), acts_, &cpu::linear_rowwise_forward<float>);
     std::swap(x_, x_next_);
   }
 }
 
-void CpuDecoder::prefill(std::span<const int32_t> slots, std::span<const std::span<const int32_t>> prompts,
-                      float* logits) {
+void CpuDecoder::prefill_forward(std::span<const int32_t> slots, std::span<const std::span<const int32_t>> prompts,
+                                 std::span<const BlockCopy> copies, std::span<const int32_t> source, float* logits) {
   const ModelConfig& c = model_.config();
-  const int64_t n = static_cast<int64_t>(prompts.size());
-  SHARDLM_CHECK(n == int64_t(slots.size()) && n >= 1 && n <= limits_.slots,
-                "internal: prefill of %lld prompts into %zu slots (at most %lld)", (long long)n, slots.size(),
-                (long long)limits_.slots);
-  for (int64_t i = 0; i < n; ++i) {
-    const int32_t slot = slots[size_t(i)];
-    check_slot(slot);
-    const auto& p = prompts[size_t(i)];
+  const int64_t C = c.hidden_size, KVD = c.num_kv_heads * c.head_dim;
+  for (size_t u = 0; u < prompts.size(); ++u) {
+    const auto& p = prompts[u];
     const int64_t N = int64_t(p.size());
-    SHARDLM_CHECK(N >= 1 && N <= limits_.max_len, "internal: a prompt of %lld tokens for a cache of %lld positions",
-                  (long long)N, (long long)limits_.max_len);
-    // One prompt per pass: its matmuls see its rows only (see the header).
+    // One prompt per pass, its own document.
     for (int64_t t = 0; t < N; ++t) {
       tokens_[size_t(t)] = p[size_t(t)];
       positions_[size_t(t)] = static_cast<int32_t>(t);
       seq_ids_[size_t(t)] = 0;
-      slot_of_[size_t(t)] = slot;
+      slot_of_[size_t(t)] = slots[u];
     }
-    run_layers(N, &cpu::linear_forward<float>, [&](int, const cpu::TokenInputs& in) {
+    run_layers(N, [&](int, const cpu::TokenInputs& in) {
       cpu::attention_forward(acts_.att.data(), acts_.lse.data(), acts_.q.data(), acts_.k.data(), acts_.v.data(),
                              in.seq_ids, N, c.num_heads, c.num_kv_heads, c.head_dim);
     });
-    slot_len_[size_t(slot)] = static_cast<int32_t>(N);
-    std::memcpy(last_.data() + i * c.hidden_size, x_.data() + (N - 1) * c.hidden_size, sizeof(float) * c.hidden_size);
+    std::memcpy(last_.data() + int64_t(u) * C, x_.data() + (N - 1) * C, sizeof(float) * C);
   }
-  head(last_.data(), n, logits);
+  const int64_t block = kv_.block_size() * KVD;
+  for (int l = 0; l < int(c.num_layers); ++l)
+    for (const BlockCopy& b : copies) {
+      std::memcpy(k_cache(l) + b.to * block, k_cache(l) + b.from * block, sizeof(float) * block);
+      std::memcpy(v_cache(l) + b.to * block, v_cache(l) + b.from * block, sizeof(float) * block);
+    }
+  // Row i takes its prompt's last state; source[i] <= i, so going down reads rows not yet written.
+  for (int64_t i = int64_t(source.size()) - 1; i >= 0; --i)
+    if (source[size_t(i)] != i)
+      std::memcpy(last_.data() + i * C, last_.data() + int64_t(source[size_t(i)]) * C, sizeof(float) * C);
+  head(last_.data(), int64_t(source.size()), logits);
 }
 
-void CpuDecoder::decode(std::span<const int32_t> slots, std::span<const int32_t> tokens, float* logits) {
+void CpuDecoder::decode_forward(std::span<const int32_t> slots, std::span<const int32_t> tokens, float* logits) {
   const ModelConfig& c = model_.config();
   const int64_t B = static_cast<int64_t>(slots.size());
-  SHARDLM_CHECK(B == int64_t(tokens.size()) && B >= 1 && B <= limits_.slots,
-                "internal: decode of %zu tokens into %lld slots", tokens.size(), (long long)B);
   for (int64_t b = 0; b < B; ++b) {
     const int32_t s = slots[size_t(b)];
-    check_slot(s);
-    SHARDLM_CHECK(slot_len_[size_t(s)] >= 1 && slot_len_[size_t(s)] < limits_.max_len,
-                  "internal: slot %d holds %d of %lld positions", s, slot_len_[size_t(s)], (long long)limits_.max_len);
     tokens_[size_t(b)] = tokens[size_t(b)];
-    positions_[size_t(b)] = slot_len_[size_t(s)];
+    positions_[size_t(b)] = static_cast<int32_t>(kv_.length(s) - 1);
     seq_ids_[size_t(b)] = static_cast<int32_t>(b);
     slot_of_[size_t(b)] = s;
-    attend_len_[size_t(b)] = slot_len_[size_t(s)] + 1;
+    attend_len_[size_t(b)] = static_cast<int32_t>(kv_.length(s));
   }
-  run_layers(B, &cpu::linear_rowwise_forward<float>, [&](int l, const cpu::TokenInputs&) {
-    cpu::attention_decode_forward(acts_.att.data(), acts_.q.data(), k_cache(l), v_cache(l), slot_of_.data(),
-                                  attend_len_.data(), B, c.num_heads, c.num_kv_heads, c.head_dim, limits_.max_len);
+  run_layers(B, [&](int l, const cpu::TokenInputs&) {
+    cpu::attention_decode_forward(acts_.att.data(), acts_.q.data(), k_cache(l), v_cache(l), kv_.pages(),
+                                  slot_of_.data(), attend_len_.data(), B, c.num_heads, c.num_kv_heads, c.head_dim);
   });
-  for (int64_t b = 0; b < B; ++b) ++slot_len_[size_t(slots[size_t(b)])];
   head(x_.data(), B, logits);
 }
 

@@ -1,25 +1,32 @@
 // decoder.hpp — the model's forward for sampling: batched prefill of prompts
-// into a KV cache, then one token per sequence per decode step, attending over
-// the cache. Decoder is the interface generate() drives; CpuDecoder (here, fp32)
-// and the CUDA decoder (infer/decoder_cuda.hpp, bf16) implement it, and
-// make_decoder picks one by the resolved device backend, once.
+// into a paged KV cache, then one token per sequence per decode step, attending
+// over the cache. Decoder is the interface generate() drives; CpuDecoder
+// (here, fp32) and the CUDA decoder (infer/decoder_cuda.hpp, bf16) implement
+// its forward, and make_decoder picks one by the resolved device backend, once.
+//
+// Decoder (the base) keeps the cache's bookkeeping for both (KvBlocks: the
+// pool, the block tables, the lengths): a prefill hands each prompt the blocks
+// it fills, and the samples of a group (the same prompt span in one prefill)
+// share their prompt's blocks, so the prompt is computed once; a decode step
+// adds a block to a sequence that crosses into a new one; release() gives a
+// sequence's blocks back. The backends compute over the blocks they are given.
 //
 // CpuDecoder:
-// A sequence's logits never depend on the other sequences of its batch (so a
-// seeded sample does not either): a prompt is prefilled with matmuls of its
-// own rows only, and decode steps and the lm-head run
-// cpu::linear_rowwise_forward, whose rows do not depend on each other (BLAS
-// picks kernels by the matrix's shape, which changes a row's last bits).
+// A sequence's logits never depend on the other sequences of its batch, nor on
+// how its cache was filled (so a seeded sample does not either): every matmul
+// is cpu::linear_rowwise_forward, whose rows do not depend on each other (BLAS
+// picks kernels by the matrix's shape, which changes a row's last bits), and
+// the prefill's attention (cpu::attention_forward) sums term for term as the
+// decode step's (cpu::attention_decode_forward) does: a prompt prefilled whole
+// leaves the cache bits a token-by-token decode would.
 //
-// Owns: the KV cache (per layer, keys and values (slots, max_len, KV, D)) and
-// every buffer a prefill or decode step uses, planned once from DecoderLimits
-// through one table of (name, numel, plan row) that both allocates and counts
-// (cpu/layers.hpp's BufferRow), so a step allocates nothing; each slot's
-// length. The arithmetic is training's own: cpu::layer_qkv_forward and
-// cpu::layer_out_forward around attention (prefill: cpu::attention_forward,
-// as training attends; decode: cpu::attention_decode_forward, the same sums
-// over the cache), then the final RMSNorm and the lm-head. Must not know:
-// sampling, prompt files, MPI, output.
+// Owns: the KV cache's storage (per layer, keys and values (blocks,
+// block_size, KV, D)) and every buffer a prefill or decode step uses, planned
+// once from DecoderLimits through one table of (name, numel, plan row) that
+// both allocates and counts (cpu/layers.hpp's BufferRow), so a step allocates
+// nothing. The arithmetic is training's own: cpu::layer_qkv_forward and
+// cpu::layer_out_forward around attention, then the final RMSNorm and the
+// lm-head. Must not know: sampling, prompt files, MPI, output.
 #pragma once
 
 #include <cstdint>
@@ -29,15 +36,20 @@
 #include <vector>
 
 #include "cpu/layers.hpp"
+#include "infer/kv_blocks.hpp"
 #include "infer/model.hpp"
 #include "infer/sampler.hpp"
 
 namespace shardlm {
 
 struct DecoderLimits {
-  int64_t slots = 8;             // sequences held at once (the decode batch)
-  int64_t max_len = 0;           // positions per slot: prompt + generated tokens
+  int64_t slots = 8;             // sequences held at once (the decode batch at most)
+  int64_t max_len = 0;           // positions one sequence may reach: prompt + generated tokens
+  int64_t block_size = 16;       // positions per KV block (on the GPU a multiple of 16)
+  int64_t blocks = 0;            // blocks in the pool; 0: every slot at max_len (pool_blocks)
 };
+// The pool's blocks: limits.blocks, or slots x ceil(max_len / block_size).
+int64_t pool_blocks(const DecoderLimits& limits);
 
 // What generate() needs of a forward over a KV cache. Logits are fp32 in host
 // memory, (n, V) row-major, whatever the backend computes in; a decoder that
@@ -46,15 +58,34 @@ struct DecoderLimits {
 // for both).
 class Decoder {
  public:
+  // Checks the limits against the model (Error naming the one out of range)
+  // and sets up the pool.
+  Decoder(const ModelConfig& c, const DecoderLimits& limits);
   virtual ~Decoder() = default;
-  // Prompts[i] into slot slots[i] at positions 0 .. len - 1 (what the slot held
-  // is forgotten); logits (n, V) of each prompt's last position. At most
-  // `slots` prompts, each at most max_len tokens.
-  virtual void prefill(std::span<const int32_t> slots, std::span<const std::span<const int32_t>> prompts,
-                       float* logits) = 0;
+  // Prompts[i] into the empty slot slots[i] at positions 0 .. len - 1; logits
+  // (n, V) of each prompt's last position. Prompts that are the same span (the
+  // same tokens at the same address: the samples of a group) are computed
+  // once; the later slots share the first one's blocks and get its logits row.
+  // At most `slots` prompts, each at most max_len tokens, with
+  // prefill_blocks(prompts) blocks free.
+  void prefill(std::span<const int32_t> slots, std::span<const std::span<const int32_t>> prompts, float* logits);
   // tokens[b] appended to slot slots[b] at position length(slots[b]); logits
-  // (B, V) of those positions. Distinct slots, each with room for one more.
-  virtual void decode(std::span<const int32_t> slots, std::span<const int32_t> tokens, float* logits) = 0;
+  // (B, V) of those positions. Distinct slots, each with room for one more, and
+  // decode_blocks(slots) blocks free.
+  void decode(std::span<const int32_t> slots, std::span<const int32_t> tokens, float* logits);
+  // The slot's blocks back to the pool (those no other slot shares): its
+  // sequence ended or gave way.
+  void release(int32_t slot) { kv_.release(slot); }
+  // Blocks a prefill of these prompts takes / a decode step of these slots adds.
+  int64_t prefill_blocks(std::span<const std::span<const int32_t>> prompts) const;
+  int64_t decode_blocks(std::span<const int32_t> slots) const;
+  const KvBlocks& kv() const { return kv_; }
+  int64_t length(int32_t slot) const { return kv_.length(slot); }
+  const DecoderLimits& limits() const { return limits_; }
+  // Prompt tokens the prefills computed (a group's prompt once), and those they were given.
+  int64_t prefill_tokens_computed() const { return prefill_computed_; }
+  int64_t prefill_tokens_given() const { return prefill_given_; }
+
   // One parameter's new values (bf16, as the weight broadcast carries them),
   // after the InferenceModel took them: a decoder with its own copy of the
   // weights (the GPU's) refreshes that parameter; the CPU reads the model's.
@@ -86,8 +117,6 @@ class Decoder {
   virtual void draw(const SamplingParams& params, const double* uniforms, int64_t n, Sampled* out, float* model_lp,
                     float* tempered_lp);
 
-  virtual int64_t length(int32_t slot) const = 0;
-  virtual const DecoderLimits& limits() const = 0;
   virtual int64_t cache_bytes() const = 0;     // the KV cache
   virtual int64_t scratch_bytes() const = 0;   // activations, logits, head scratch
   virtual int64_t weight_bytes() const = 0;    // weights held beside the InferenceModel's (0: none)
@@ -101,6 +130,28 @@ class Decoder {
   // Where a generate() call of `generate_seconds` went, when the decoder was
   // asked to profile (the GPU's SHARDLM_DECODE_PROFILE=1); "" otherwise.
   virtual std::string profile_report(double /*generate_seconds*/) const { return ""; }
+
+ protected:
+  // The backend's prefill: the forward of `prompts` (distinct spans) into
+  // `slots`, whose blocks kv() already lists; then each layer's keys and
+  // values of copies[i].from into copies[i].to; then logits (n, V) where row
+  // i is the last position of prompt source[i].
+  virtual void prefill_forward(std::span<const int32_t> slots, std::span<const std::span<const int32_t>> prompts,
+                               std::span<const BlockCopy> copies, std::span<const int32_t> source,
+                               float* logits) = 0;
+  // The backend's decode step: tokens[b] at position length(slots[b]) - 1 of
+  // each slot, whose blocks kv() already lists.
+  virtual void decode_forward(std::span<const int32_t> slots, std::span<const int32_t> tokens, float* logits) = 0;
+
+  DecoderLimits limits_;
+  KvBlocks kv_;
+
+ private:
+  int64_t prefill_computed_ = 0, prefill_given_ = 0;
+  // prefill's plan, reused: the distinct prompts, their slots, each slot's source.
+  std::vector<int32_t> unique_slots_, source_;
+  std::vector<std::span<const int32_t>> unique_prompts_;
+  std::vector<BlockCopy> copies_;
 };
 
 // What a decoder holds, counted from the same table it allocates from, before
@@ -128,17 +179,11 @@ class CpuDecoder final : public Decoder {
   // Plans and allocates everything; throws Error when a limit is out of range.
   CpuDecoder(const InferenceModel& model, const DecoderLimits& limits);
 
-  // Each prompt runs its own matmuls (see the header).
-  void prefill(std::span<const int32_t> slots, std::span<const std::span<const int32_t>> prompts,
-               float* logits) override;
-  void decode(std::span<const int32_t> slots, std::span<const int32_t> tokens, float* logits) override;
   void load_bf16(const ParamInfo&, const uint16_t*) override {}
   float* host_logits() override { return host_logits_.data(); }
   void token_logprobs(float* out, const float* logits, const int32_t* tokens, float temperature,
                       int64_t n) override;
 
-  int64_t length(int32_t slot) const override { return slot_len_[size_t(slot)]; }
-  const DecoderLimits& limits() const override { return limits_; }
   int64_t cache_bytes() const override;
   int64_t scratch_bytes() const override;
   int64_t weight_bytes() const override { return 0; }
@@ -150,24 +195,28 @@ class CpuDecoder final : public Decoder {
   static std::vector<cpu::BufferRow> plan_rows(const ModelConfig& c, const DecoderLimits& limits, CpuDecoder* self);
   static int64_t logits_bytes(const ModelConfig& c, const DecoderLimits& limits);  // host_logits()'s
 
+ protected:
+  // Each prompt runs its own pass (see the header).
+  void prefill_forward(std::span<const int32_t> slots, std::span<const std::span<const int32_t>> prompts,
+                       std::span<const BlockCopy> copies, std::span<const int32_t> source, float* logits) override;
+  void decode_forward(std::span<const int32_t> slots, std::span<const int32_t> tokens, float* logits) override;
+
  private:
   // Embedding and layers 0..L-1 over the N tokens of tokens_ / positions_ /
   // slot_of_ (their k and v stored in the cache); `attend` fills acts_.att.
   template <class Attend>
-  void run_layers(int64_t N, cpu::LinearFn linear, Attend&& attend);
+  void run_layers(int64_t N, Attend&& attend);
   // logits (n, V) from the hidden states rows (n, C): final norm, lm-head (row-wise).
   void head(const float* rows, int64_t n, float* logits);
-  void check_slot(int32_t slot) const;
   float* k_cache(int l) { return k_cache_[size_t(l)].data(); }
   float* v_cache(int l) { return v_cache_[size_t(l)].data(); }
-  // Writes the N rows of k and v just computed into (slot_of[i], pos_of[i]) of layer l's cache.
+  // Writes the N rows of k and v just computed into position pos_of[i] of slot slot_of[i], layer l.
   void store_kv(int l, int64_t N, const int32_t* slot_of, const int32_t* pos_of);
 
   const InferenceModel& model_;
-  DecoderLimits limits_;
   int64_t max_rows_ = 0;                 // tokens one step holds: max(max_len (one prompt), slots)
   std::vector<cpu::BufferRow> table_;
-  std::vector<Buffer<float>> k_cache_, v_cache_;  // L x (slots, max_len, KV, D)
+  std::vector<Buffer<float>> k_cache_, v_cache_;  // L x (blocks, block_size, KV, D)
   Buffer<float> x_, x_next_;             // (max_rows, C) residual stream in, out of a layer
   Buffer<float> last_;                   // (slots, C) each prompt's last hidden state
   cpu::LayerActs acts_;                  // one layer's, reused by every layer
@@ -175,7 +224,6 @@ class CpuDecoder final : public Decoder {
   std::vector<double> inv_freq_;         // (D / 2)
   std::vector<int32_t> tokens_, positions_, seq_ids_, slot_of_;  // (max_rows)
   std::vector<int32_t> attend_len_;      // (slots) decode: tokens each row attends to
-  std::vector<int32_t> slot_len_;        // (slots) positions filled per slot
   std::vector<float> host_logits_;       // (slots, V) generate()'s logits
   std::vector<float> temperatures_;      // (slots) token_logprobs' argument
 };

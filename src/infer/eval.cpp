@@ -83,7 +83,9 @@ DecoderLimits with_eval_limits(const Config& config, const ModelConfig& mc, cons
   const DecoderLimits eval = plan_limits(mc, every, ev.batch, ev.max_new_tokens, prompts.path + " (eval.prompts)");
   const int64_t mine = share_of(prompts.size(), 0, generators);  // rank 0 holds the most
   const int64_t slots = std::max<int64_t>(1, std::min(ev.batch, mine * std::max<int64_t>(1, ev.samples)));
-  return {std::max(rollout.slots, slots), std::max(rollout.max_len, eval.max_len)};
+  rollout.slots = std::max(rollout.slots, slots);
+  rollout.max_len = std::max(rollout.max_len, eval.max_len);
+  return rollout;
 }
 
 bool eval_due(int64_t last, int64_t policy_step, int64_t interval) {

@@ -2,6 +2,7 @@
 #include "infer/generate.hpp"
 
 #include <algorithm>
+#include <deque>
 #include <numeric>
 
 #include <omp.h>
@@ -14,7 +15,7 @@ namespace shardlm {
 const char* finish_name(Finish f) { return f == Finish::Stop ? "stop" : "length"; }
 
 DecoderLimits plan_limits(const ModelConfig& c, std::span<const GenerateRequest> requests, int64_t slots,
-                          int64_t max_new_tokens, const std::string& where) {
+                          int64_t max_new_tokens, const std::string& where, int64_t cache_tokens) {
   SHARDLM_CHECK(max_new_tokens >= 1, "--max-new-tokens %lld must be at least 1", (long long)max_new_tokens);
   int64_t longest = 1;
   for (const GenerateRequest& r : requests) {
@@ -31,11 +32,12 @@ DecoderLimits plan_limits(const ModelConfig& c, std::span<const GenerateRequest>
   DecoderLimits limits;
   limits.slots = std::max<int64_t>(1, std::min<int64_t>(slots, std::max<size_t>(requests.size(), 1)));
   limits.max_len = longest + max_new_tokens - 1;
+  limits.blocks = (cache_tokens + limits.block_size - 1) / limits.block_size;
   return limits;
 }
 
 std::vector<Completion> generate(Decoder& decoder, std::span<const GenerateRequest> requests,
-                                 const GenerateOptions& o) {
+                                 const GenerateOptions& o, GenerateStats* stats) {
   const ModelConfig& c = decoder.config();
   const int64_t V = c.vocab_size;
   const int64_t slots = o.slots > 0 ? std::min(o.slots, decoder.limits().slots) : decoder.limits().slots;
@@ -72,9 +74,21 @@ std::vector<Completion> generate(Decoder& decoder, std::span<const GenerateReque
 
   std::vector<Completion> out(requests.size());
   std::vector<int64_t> held(size_t(slots), -1);  // request index per slot, -1 free
+  std::vector<int64_t> since(size_t(slots), 0);  // when each slot's sequence was admitted (the latest gives way)
   std::vector<int32_t> last(size_t(slots), 0);   // the token each slot feeds next
-  size_t next = 0;
-  int64_t active = 0;
+  // Requests not yet in a slot, in order; a sequence that gave way goes back
+  // to the front with its prompt and the tokens it drew (`resume`), which a
+  // prefill then computes whole.
+  std::deque<int64_t> waiting(requests.size());
+  std::iota(waiting.begin(), waiting.end(), int64_t(0));
+  std::vector<std::vector<int32_t>> resume(requests.size());
+  const auto prompt_of = [&](int64_t r) {
+    return resume[size_t(r)].empty() ? requests[size_t(r)].tokens : std::span<const int32_t>(resume[size_t(r)]);
+  };
+  const KvBlocks& kv = decoder.kv();
+  const int64_t block_size = kv.block_size();
+  int64_t active = 0, admitted = 0;
+  GenerateStats counts;
 
   // Draws one token per row of `logits` for step_slots' sequences; ends those that stop.
   auto take = [&] {
@@ -115,7 +129,9 @@ std::vector<Completion> generate(Decoder& decoder, std::span<const GenerateReque
       const bool stop = std::find(o.stop_ids.begin(), o.stop_ids.end(), t) != o.stop_ids.end();
       if (stop || int64_t(done.tokens.size()) == o.max_new_tokens) {
         done.finish = stop ? Finish::Stop : Finish::Length;
+        resume[size_t(held[size_t(slot)])] = {};
         held[size_t(slot)] = -1;
+        decoder.release(slot);
         --active;
       } else {
         last[size_t(slot)] = t;
@@ -123,33 +139,109 @@ std::vector<Completion> generate(Decoder& decoder, std::span<const GenerateReque
     }
   };
 
-  while (next < requests.size() || active > 0) {
-    // Free slots take the next prompts, all in one prefill.
+  // The running sequences, in slot order, and the blocks their next decode step adds.
+  const auto running = [&] {
+    step_slots.clear();
+    for (int32_t slot = 0; slot < int32_t(slots); ++slot)
+      if (held[size_t(slot)] >= 0) step_slots.push_back(slot);
+  };
+
+  while (!waiting.empty() || active > 0) {
+    // Free slots take the waiting requests in order, all in one prefill, while
+    // the pool has the blocks their prompts fill and the next decode step
+    // adds to every sequence then running (a group's samples share their
+    // prompt's blocks: the same span, prefilled once).
+    running();
+    int64_t next_step = decoder.decode_blocks(step_slots);
     step_slots.clear();
     step_prompts.clear();
-    for (int32_t slot : order) {
-      if (held[size_t(slot)] >= 0 || next >= requests.size()) continue;
-      const GenerateRequest& r = requests[next];
-      out[next].prompt = r.prompt;
-      out[next].sample = r.sample;
-      held[size_t(slot)] = int64_t(next++);
-      ++active;
-      step_slots.push_back(slot);
-      step_prompts.push_back(r.tokens);
+    int64_t need = 0;
+    std::vector<int32_t> free_slots;
+    for (int32_t slot : order)
+      if (held[size_t(slot)] < 0) free_slots.push_back(slot);
+    size_t taken = 0;
+    while (!waiting.empty() && taken < free_slots.size()) {
+      // A group: the waiting requests at the front with the front's prompt
+      // span. It is admitted whole, so that its prompt is computed once; only
+      // a group larger than the batch, or one the pool cannot hold at once
+      // while nothing runs, goes in parts.
+      const std::span<const int32_t> p = prompt_of(waiting.front());
+      size_t group = 1;
+      while (group < waiting.size() && resume[size_t(waiting[group])].empty() &&
+             resume[size_t(waiting.front())].empty() && requests[size_t(waiting[group])].tokens.data() == p.data() &&
+             requests[size_t(waiting[group])].tokens.size() == p.size())
+        ++group;
+      const int64_t len = int64_t(p.size());
+      size_t fits = 0;
+      int64_t group_need = 0, group_grows = 0;
+      for (size_t i = 0; i < std::min(group, free_slots.size() - taken); ++i) {
+        const int64_t r = waiting[i];
+        const int64_t blocks = i > 0 ? int64_t(len % block_size != 0) : kv.blocks_for(len);
+        const int64_t grows = len % block_size == 0 && int64_t(out[size_t(r)].tokens.size()) + 1 < o.max_new_tokens;
+        if (need + group_need + blocks + next_step + group_grows + grows > kv.free_blocks()) break;
+        group_need += blocks, group_grows += grows, ++fits;
+      }
+      const bool whole = fits == group;
+      const bool parts_allowed = group > size_t(slots) || (active == 0 && taken == 0);
+      if (fits == 0 || (!whole && !parts_allowed)) break;
+      need += group_need;
+      next_step += group_grows;
+      for (size_t i = 0; i < fits; ++i) {
+        const int64_t r = waiting.front();
+        waiting.pop_front();
+        const int32_t slot = free_slots[taken++];
+        Completion& c = out[size_t(r)];
+        c.prompt = requests[size_t(r)].prompt;
+        c.sample = requests[size_t(r)].sample;
+        held[size_t(slot)] = r;
+        since[size_t(slot)] = admitted++;
+        ++active;
+        step_slots.push_back(slot);
+        step_prompts.push_back(p);
+      }
+      if (!whole) break;
     }
+    SHARDLM_CHECK(!step_slots.empty() || active > 0, "internal: a KV pool of %lld blocks admits no sequence",
+                  (long long)kv.blocks());
     if (!step_slots.empty()) {
       decoder.prefill(step_slots, step_prompts, logits);
+      counts.prefills += 1;
       take();
     }
-    // One token for every sequence still going, in slot order.
-    step_slots.clear();
+    // One token for every sequence still going, in slot order; while the pool
+    // lacks the blocks the step adds, the latest admitted sequence gives way.
+    running();
+    while (!step_slots.empty() && decoder.decode_blocks(step_slots) > kv.free_blocks()) {
+      const auto latest = std::max_element(step_slots.begin(), step_slots.end(), [&](int32_t a, int32_t b) {
+        return since[size_t(a)] < since[size_t(b)];
+      });
+      const int32_t slot = *latest;
+      const int64_t r = held[size_t(slot)];
+      std::vector<int32_t>& again = resume[size_t(r)];
+      const std::span<const int32_t> prompt = requests[size_t(r)].tokens;
+      again.assign(prompt.begin(), prompt.end());
+      again.insert(again.end(), out[size_t(r)].tokens.begin(), out[size_t(r)].tokens.end());
+      decoder.release(slot);
+      held[size_t(slot)] = -1;
+      --active;
+      waiting.push_front(r);
+      step_slots.erase(latest);
+      ++counts.preemptions;
+    }
     step_tokens.clear();
-    for (int32_t slot = 0; slot < int32_t(slots); ++slot)
-      if (held[size_t(slot)] >= 0) step_slots.push_back(slot), step_tokens.push_back(last[size_t(slot)]);
+    for (int32_t slot : step_slots) step_tokens.push_back(last[size_t(slot)]);
     if (!step_slots.empty()) {
       decoder.decode(step_slots, step_tokens, logits);
+      counts.decode_steps += 1;
+      counts.decode_rows += int64_t(step_slots.size());
       take();
     }
+  }
+  if (stats) {
+    stats->preemptions += counts.preemptions;
+    stats->prefills += counts.prefills;
+    stats->decode_steps += counts.decode_steps;
+    stats->decode_rows += counts.decode_rows;
   }
   return out;
 }

@@ -1,7 +1,11 @@
 // generate.hpp — sampling completions for a list of prompts with continuous
-// batching: every slot of the decoder's cache holds one sequence; a sequence
-// that stops frees its slot and the next prompt is prefilled into it, so the
-// decode batch stays full while prompts remain.
+// batching over a paged KV cache: a waiting prompt takes a free slot when the
+// pool has the blocks it fills (the samples of a group, adjacent requests of
+// one prompt span, are prefilled once and share its blocks); a sequence that
+// stops gives its slot and blocks back, so the decode batch stays full while
+// prompts remain. When a decode step needs more blocks than are free, the
+// latest admitted sequence gives way: its blocks go back, and it waits at the
+// front of the queue to be prefilled again whole (prompt and tokens drawn).
 //
 // Owns: GenerateRequest, Completion (tokens, the three logprobs of each token,
 // why it ended), GenerateOptions, generate(), and the planning of the
@@ -57,11 +61,20 @@ struct GenerateOptions {
   std::vector<int32_t> slot_order;
 };
 
-// Limits for `slots` sequences of these prompts and max_new_tokens; throws Error
-// naming the first prompt (by `prompt_name(index)`) that cannot fit the model's
-// max_position_embeddings with max_new_tokens after it.
+// Limits for `slots` sequences of these prompts and max_new_tokens, with a KV
+// pool of cache_tokens positions (0: every slot at its longest); throws Error
+// naming the first prompt that cannot fit the model's max_position_embeddings
+// with max_new_tokens after it.
 DecoderLimits plan_limits(const ModelConfig& c, std::span<const GenerateRequest> requests, int64_t slots,
-                          int64_t max_new_tokens, const std::string& where);
+                          int64_t max_new_tokens, const std::string& where, int64_t cache_tokens = 0);
+
+// What a generate() call did (added to what the struct held).
+struct GenerateStats {
+  int64_t prefills = 0;        // prefill calls
+  int64_t decode_steps = 0;    // decode calls
+  int64_t decode_rows = 0;     // sequences over the decode calls (the mean batch: rows / steps)
+  int64_t preemptions = 0;     // sequences that gave their blocks way and were prefilled again later
+};
 
 // Every request to its end (a stop id or max_new_tokens), in continuous
 // batches; completions in the order of `requests`. Each token is drawn with
@@ -69,6 +82,6 @@ DecoderLimits plan_limits(const ModelConfig& c, std::span<const GenerateRequest>
 // depend on the batch size, the slot order or the other requests, as long as
 // the logits of a row do not (the CPU backend's do not; tests/unit/test_generate.cpp).
 std::vector<Completion> generate(Decoder& decoder, std::span<const GenerateRequest> requests,
-                                 const GenerateOptions& options);
+                                 const GenerateOptions& options, GenerateStats* stats = nullptr);
 
 }  // namespace shardlm

@@ -480,8 +480,10 @@ TEST_CASE("the decoder's plan is the table it allocates from: the CPU's exactly,
     CAPTURE(name);
     const InferenceModel m = InferenceModel::from_hf(fixture(name));
     const ModelConfig& c = m.config();
-    const DecoderLimits limits{3, 20};
-    const int64_t kv_numel = c.num_layers * 2 * limits.slots * limits.max_len * c.num_kv_heads * c.head_dim;
+    const DecoderLimits limits{3, 20};  // blocks of 16: two a slot, every slot at its longest
+    const int64_t kv_numel = c.num_layers * 2 * limits.slots * 32 * c.num_kv_heads * c.head_dim;
+    CHECK(pool_blocks(limits) == 6);
+    CHECK(plan_decoder(c, DecoderLimits{3, 20, 4, 7}, "cpu").cache == c.num_layers * 2 * 7 * 4 * c.num_kv_heads * c.head_dim * 4);
     const DecoderPlan cpu_plan = plan_decoder(c, limits, "cpu");
     const CpuDecoder d(m, limits);
     CHECK(cpu_plan.cache == d.cache_bytes());
@@ -501,6 +503,9 @@ TEST_CASE("the decoder's plan is the table it allocates from: the CPU's exactly,
     // The decoders' own checks, before anything is counted.
     const std::string e = error_of([&] { plan_decoder(c, DecoderLimits{2, 300}, "cpu"); });
     CHECK(e.find("300 positions per sequence, but the model has max_position_embeddings = 256") != std::string::npos);
+    const std::string small = error_of([&] { plan_decoder(c, DecoderLimits{2, 40, 16, 2}, "cpu"); });
+    CHECK(small.find("a KV cache of 32 tokens (2 blocks of 16) cannot hold one sequence of 40 positions (the longest "
+                     "prompt + max_new_tokens - 1); give it at least 48 tokens") != std::string::npos);
   }
 }
 
@@ -523,9 +528,10 @@ TEST_CASE("check on an RL deck: the prompt file checked against the deck, and th
   CHECK(positions == 4);    // the longest prompt (3) + max_new_tokens (2) - 1
   const size_t kv = ok.output.find("KV cache", at);
   REQUIRE(kv != std::string::npos);
-  // 2 layers x (k, v) x slots x positions x 2 kv heads x 16 dims, fp32: 0.125 MiB
-  CHECK(std::stod(ok.output.substr(kv + 30)) == doctest::Approx(2.0 * 2 * slots * positions * 2 * 16 * 4 / 1048576.0));
-  CHECK(ok.output.find("KV cache           host         0.125 MiB") != std::string::npos);
+  // A pool of one 16-position block a slot: 2 layers x (k, v) x slots x 16 x 2 kv heads x 16 dims, fp32: 0.5 MiB
+  CHECK(ok.output.find("a KV pool of 64 blocks of 16 positions, every slot at its longest") != std::string::npos);
+  CHECK(std::stod(ok.output.substr(kv + 30)) == doctest::Approx(2.0 * 2 * slots * 16 * 2 * 16 * 4 / 1048576.0));
+  CHECK(ok.output.find("KV cache           host         0.500 MiB") != std::string::npos);
 
   PromptFileSpec long_prompt;
   long_prompt.tokens = std::vector<int32_t>(8, 5);

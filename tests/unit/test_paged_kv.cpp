@@ -1,0 +1,180 @@
+// test_paged_kv.cpp — the sampler's paged KV cache: the block pool's
+// bookkeeping (KvBlocks), and generate() over it against the unpaged layout.
+// The reference is the decoder with one block of max_len positions per slot
+// (the cache laid out (slots, max_len, KV, D), as before paging) and every
+// sample prefilled on its own; the paged runs use blocks of 4 positions, a
+// group's samples sharing their prompt's blocks, and pools too small for
+// every sequence at once, so sequences wait for blocks and give them way.
+// On the CPU a row's logits do not depend on its batch or on how its cache
+// was filled, so every token and logprob must be equal, bit for bit.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "infer/decoder.hpp"
+#include "infer/generate.hpp"
+#include "infer/kv_blocks.hpp"
+#include "infer/model.hpp"
+
+using namespace shardlm;
+namespace fs = std::filesystem;
+
+namespace {
+
+// Prompts of 1 to 13 tokens, some a whole number of 4-position blocks.
+std::vector<std::vector<int32_t>> mixed_prompts(int count, int64_t vocab) {
+  std::vector<std::vector<int32_t>> out;
+  for (int p = 0; p < count; ++p) {
+    std::vector<int32_t> ids;
+    const int len = 1 + (p * 5) % 13;
+    for (int t = 0; t < len; ++t) ids.push_back(int32_t((p * 29 + t * 13 + 3) % (vocab - 2)));
+    out.push_back(ids);
+  }
+  return out;
+}
+
+struct Run {
+  std::vector<Completion> out;
+  GenerateStats stats;
+  int64_t computed = 0, given = 0, peak_blocks = 0, held_at_peak = 0, blocks = 0;
+};
+
+// n samples of each prompt; `shared`: the samples of a prompt are one span (a
+// group, prefilled once), else each sample has its own copy of the tokens.
+Run sample(const InferenceModel& m, const std::vector<std::vector<int32_t>>& prompts, int64_t n,
+           const GenerateOptions& o, int64_t batch, int64_t block_size, int64_t cache_tokens, bool shared) {
+  std::vector<std::vector<int32_t>> copies;
+  copies.reserve(prompts.size() * size_t(n));
+  std::vector<GenerateRequest> requests;
+  for (size_t p = 0; p < prompts.size(); ++p)
+    for (int64_t s = 0; s < n; ++s) {
+      if (!shared) copies.push_back(prompts[p]);
+      requests.push_back({int64_t(p), s, shared ? std::span<const int32_t>(prompts[p]) : copies.back()});
+    }
+  DecoderLimits limits = plan_limits(m.config(), requests, batch, o.max_new_tokens, "test");
+  limits.block_size = block_size == 0 ? limits.max_len : block_size;
+  limits.blocks = cache_tokens == 0 ? 0 : (cache_tokens + limits.block_size - 1) / limits.block_size;
+  CpuDecoder decoder(m, limits);
+  Run r;
+  r.out = generate(decoder, requests, o, &r.stats);
+  r.computed = decoder.prefill_tokens_computed();
+  r.given = decoder.prefill_tokens_given();
+  r.peak_blocks = decoder.kv().peak_used_blocks();
+  r.held_at_peak = decoder.kv().held_positions_at_peak();
+  r.blocks = decoder.kv().blocks();
+  CHECK(decoder.kv().used_blocks() == 0);  // every sequence gave its blocks back
+  return r;
+}
+
+// Tokens, finish reasons and the three logprobs of every token, bit for bit.
+void check_same(const std::vector<Completion>& got, const std::vector<Completion>& want) {
+  REQUIRE(got.size() == want.size());
+  int64_t tokens = 0, equal = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    CAPTURE(i);
+    CHECK(got[i].tokens == want[i].tokens);
+    CHECK(got[i].finish == want[i].finish);
+    if (got[i].tokens != want[i].tokens) continue;
+    for (size_t t = 0; t < got[i].tokens.size(); ++t, ++tokens)
+      equal += got[i].model_logprobs[t] == want[i].model_logprobs[t] &&
+               got[i].tempered_logprobs[t] == want[i].tempered_logprobs[t] &&
+               got[i].sampling_logprobs[t] == want[i].sampling_logprobs[t];
+  }
+  CHECK(equal == tokens);
+  CHECK(tokens > 0);
+}
+
+}  // namespace
+
+TEST_SUITE("generate") {
+
+TEST_CASE("KvBlocks: blocks taken as a sequence grows, a prompt's full blocks shared, its last block copied, "
+          "each block freed with its last holder") {
+  KvBlocks kv(/*blocks=*/6, /*block_size=*/4, /*slots=*/3, /*max_len=*/12);
+  CHECK(kv.table_ld() == 3);
+  kv.grow(0, 6);  // two blocks: 4 + 2 positions
+  CHECK(kv.used_blocks() == 2);
+  CHECK(kv.held_positions() == 6);
+  CHECK(kv.blocks_to_grow(0, 8) == 0);
+  CHECK(kv.blocks_to_grow(0, 9) == 1);
+  const BlockCopy copy = kv.share(0, 1);  // the full block shared, the half-filled one copied
+  CHECK(copy.from == kv.pages().table[1]);
+  CHECK(copy.to == kv.pages().table[1 * 3 + 1]);
+  CHECK(kv.pages().table[1 * 3] == kv.pages().table[0]);
+  CHECK(kv.used_blocks() == 3);
+  CHECK(kv.held_positions() == 8);  // 4 shared + 2 + 2
+  CHECK(kv.length(1) == 6);
+  kv.grow(1, 9);                    // fills its copy, then one block more
+  CHECK(kv.used_blocks() == 4);
+  CHECK(kv.held_positions() == 4 + 2 + 4 + 1);
+  kv.release(0);                    // the shared block stays with slot 1
+  CHECK(kv.used_blocks() == 3);
+  CHECK(kv.free_blocks() == 3);
+  kv.release(1);
+  CHECK(kv.used_blocks() == 0);
+  CHECK(kv.held_positions() == 0);
+  CHECK(kv.peak_used_blocks() == 4);
+  CHECK(kv.held_positions_at_peak() == 11);
+  // A prompt of whole blocks is shared without a copy.
+  kv.grow(2, 8);
+  CHECK(kv.share(2, 0).from == -1);
+  CHECK(kv.used_blocks() == 2);
+  // More than the pool holds is refused before anything changes.
+  kv.grow(1, 12);
+  kv.grow(0, 12);
+  CHECK(kv.free_blocks() == 0);
+  CHECK_THROWS(kv.grow(2, 9));
+  CHECK(kv.length(2) == 8);
+  CHECK(kv.free_blocks() == 0);
+}
+
+TEST_CASE("paged decoding = the unpaged layout token for token: greedy and sampled, mixed lengths, shared prompts, "
+          "slot churn, sequences that give way") {
+  for (const std::string name : {"llama-gqa-tied", "qwen2-bias", "qwen3-qknorm"}) {
+    CAPTURE(name);
+    const InferenceModel m = InferenceModel::from_hf(fs::path("tests/fixtures") / name);
+    const int64_t V = m.config().vocab_size;
+    const auto prompts = mixed_prompts(7, V);
+    int64_t unique_tokens = 0;
+    for (const auto& p : prompts) unique_tokens += int64_t(p.size());
+    for (const double temperature : {0.0, 0.9}) {
+      CAPTURE(temperature);
+      GenerateOptions o;
+      o.sampling = {.temperature = temperature, .top_k = 50, .top_p = 0.9, .seed = 77};
+      o.max_new_tokens = 14;
+      // Stop ids end about one step in twelve: sequences end at different times and slots churn.
+      for (int32_t id = 0; id < V; id += 12) o.stop_ids.push_back(id);
+      const int64_t n = 3, batch = 6;
+      // One block of max_len positions per slot, each sample prefilled alone.
+      const Run want = sample(m, prompts, n, o, batch, /*block_size=*/0, /*cache_tokens=*/0, /*shared=*/false);
+      CHECK(want.computed == n * unique_tokens);
+      CHECK(want.stats.preemptions == 0);
+
+      // Blocks of 4, a group's samples prefilled once, a pool for every slot at its longest.
+      const Run roomy = sample(m, prompts, n, o, batch, 4, 0, true);
+      check_same(roomy.out, want.out);
+      CHECK(roomy.stats.preemptions == 0);
+      CHECK(roomy.given == n * unique_tokens);
+      CHECK(roomy.computed == unique_tokens);  // each prompt computed once
+      // Paging's waste at the peak: at most a partly filled block per sequence (batch of them).
+      CHECK(roomy.peak_blocks * 4 - roomy.held_at_peak < batch * 4);
+      CHECK(roomy.peak_blocks * 4 >= roomy.held_at_peak);
+
+      // A pool of 40 positions (one sequence at its longest needs 28 of them):
+      // sequences wait for blocks, and give them way mid-sequence.
+      const Run tight = sample(m, prompts, n, o, batch, 4, 40, true);
+      check_same(tight.out, want.out);
+      MESSAGE(name << " T=" << temperature << ": " << tight.stats.preemptions << " sequences gave way; mean batch "
+                   << double(tight.stats.decode_rows) / double(tight.stats.decode_steps) << " against "
+                   << double(roomy.stats.decode_rows) / double(roomy.stats.decode_steps) << " with a roomy pool");
+      CHECK(tight.stats.preemptions > 0);
+      CHECK(tight.peak_blocks <= tight.blocks);
+      CHECK(tight.computed > unique_tokens);  // prompts of sequences that gave way, computed again
+    }
+  }
+}
+
+}  // TEST_SUITE
