@@ -1,5 +1,6 @@
-// decode_attention.cu — one query per sequence over its KV cache, split-K over
-// the cache length (see decode_attention.hpp), and the row copies of the cache.
+// decode_attention.cu — one query per sequence over its paged KV cache (read
+// through the block table), split-K over the cache length (see
+// decode_attention.hpp), and the row copies of the cache.
 #include "cuda/check.hpp"
 #include "cuda/decode_attention.hpp"
 #include "cuda/ops_common.cuh"
@@ -17,6 +18,40 @@ using namespace dev;  // Pack, f32, to_bf16, kFullMask; div_up, aligned, align25
 constexpr int kWarps = 4;          // warps per block, each on every kWarps-th position of the chunk
 constexpr int kHeadsPerBlock = 8;  // query heads of one GQA group a block serves (larger groups: more blocks)
 constexpr int kUnroll = 8;         // positions a warp loads and scores at once
+constexpr int kBlockAlign = 16;    // cache block sizes are multiples: a warp's group of rows lies in one block
+
+// The block table as the kernels read it (KvPages): position p of a table row
+// lies in block row[p / block_size] at offset p % block_size. p / block_size
+// by a multiply-high and a shift instead of a 32-bit division (~10 more
+// instructions), as a warp computes it for every group of rows it reads:
+// div_mul = ceil(2^(31 + l) / block_size), l = ceil(log2(block_size)), exact
+// for p < 2^31 (Granlund and Montgomery's round-up method).
+struct PageTable {
+  const int32_t* table = nullptr;  // (rows, table_ld) block ids, device memory
+  int64_t table_ld = 0;
+  int block_size = 0;
+  uint32_t div_mul = 0, div_shift = 0;
+
+  __device__ __forceinline__ const int32_t* row(int s) const { return table + int64_t(s) * table_ld; }
+  __device__ __forceinline__ int index(int p) const { return int(__umulhi(uint32_t(p), div_mul) >> div_shift); }
+  // The block id of position p of a table row (read-only for the launch).
+  __device__ __forceinline__ int32_t block_of(const int32_t* row, int p) const { return __ldg(row + index(p)); }
+  // Where kv head kh's row of position p, which lies in `block`, starts
+  // (kv_cache_at's (blocks, KV, block_size, D)).
+  __device__ __forceinline__ int64_t at(int32_t block, int p, int kh, int KV, int D) const {
+    return ((int64_t(block) * KV + kh) * block_size + (p - index(p) * block_size)) * D;
+  }
+};
+
+PageTable page_table(const KvPages& pages) {
+  int l = 0;
+  while ((int64_t(1) << l) < pages.block_size) ++l;  // block_size >= 16 (checked): l >= 4
+  PageTable t;
+  t.table = pages.table, t.table_ld = pages.table_ld, t.block_size = int(pages.block_size);
+  t.div_mul = uint32_t(((uint64_t(1) << (31 + l)) + uint64_t(pages.block_size) - 1) / uint64_t(pages.block_size));
+  t.div_shift = uint32_t(l - 1);
+  return t;
+}
 
 // The block's kWarps online softmaxes (max, sum, unnormalised output per
 // head, in shared memory) merged in warp order into chunk c's partials of
@@ -56,8 +91,8 @@ template <int E>
 __global__ void __launch_bounds__(kWarps * 32)
 decode_partial_kernel(bf16* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml, const bf16* __restrict__ q,
                       const bf16* __restrict__ k_cache, const bf16* __restrict__ v_cache,
-                      const int32_t* __restrict__ slot, const int32_t* __restrict__ len, int H, int KV, int D,
-                      int64_t q_ld, int64_t max_len, int chunk, int chunks, int G, int head_groups, float scale) {
+                      PageTable pages, const int32_t* __restrict__ seq, const int32_t* __restrict__ len, int H,
+                      int KV, int D, int64_t q_ld, int chunk, int chunks, int G, int head_groups, float scale) {
   __shared__ float sm_ml[kWarps][kHeadsPerBlock][2];
   __shared__ float sm_acc[kWarps][kHeadsPerBlock][32 * E];
   const int b = blockIdx.x, kvh = blockIdx.y / head_groups, hg = blockIdx.y % head_groups, c = blockIdx.z;
@@ -83,16 +118,22 @@ decode_partial_kernel(bf16* __restrict__ out, float* __restrict__ part_o, float*
 #pragma unroll
     for (int e = 0; e < E; ++e) acc[g][e] = 0.0f;
   }
-  const int64_t kv_base = (int64_t(slot[b]) * KV + kvh) * max_len;  // (slots, KV, max_len, D): kv_cache_at
   // Warp w takes positions start + 8 w .. + 7, then the next 32: the eight rows'
   // keys and values are loaded before any is used, so a lane has 16 loads in
-  // flight instead of one dependent load per position.
-  for (int p0 = start + warp * kUnroll; p0 < end; p0 += kWarps * kUnroll) {
+  // flight instead of one dependent load per position. The eight lie in one
+  // cache block (p0 a multiple of 8); the next group's block id is asked for
+  // a group ahead, so the table's latency is not in front of the rows'.
+  const int32_t* blocks = pages.row(seq[b]);
+  const int first = start + warp * kUnroll;
+  int32_t next_block = first < end ? pages.block_of(blocks, first) : 0;
+  for (int p0 = first; p0 < end; p0 += kWarps * kUnroll) {
+    const int64_t base = pages.at(next_block, p0, kvh, KV, D);
+    if (p0 + kWarps * kUnroll < end) next_block = pages.block_of(blocks, p0 + kWarps * kUnroll);
     float kr[kUnroll][E], vr[kUnroll][E];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const int p = min(p0 + u, end - 1);  // past the end: a valid row, never used
-      const int64_t row = (kv_base + p) * D;
+      const int p = min(p0 + u, end - 1);  // past the end: a valid row (of p0's block), never used
+      const int64_t row = base + int64_t(p - p0) * D;
 #pragma unroll
       for (int e = 0; e < E; ++e) {
         const int d = lane + 32 * e;
@@ -181,8 +222,8 @@ template <int LG, int HPB>
 __global__ void __launch_bounds__(kWarps * 32, vec_min_blocks(LG, HPB))
 decode_partial_vec_kernel(bf16* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml, const bf16* __restrict__ q,
                           const bf16* __restrict__ k_cache, const bf16* __restrict__ v_cache,
-                          const int32_t* __restrict__ slot, const int32_t* __restrict__ len, int H, int KV,
-                          int64_t q_ld, int64_t max_len, int chunk, int chunks, int G, int head_groups, float scale) {
+                          PageTable pages, const int32_t* __restrict__ seq, const int32_t* __restrict__ len, int H,
+                          int KV, int64_t q_ld, int chunk, int chunks, int G, int head_groups, float scale) {
   constexpr int D = 8 * LG, P = 32 / LG, U = kUnroll / P;
   static_assert(P * U == kUnroll, "a warp takes kUnroll positions an iteration");
   __shared__ float sm_ml[kWarps][HPB][2];
@@ -212,7 +253,6 @@ decode_partial_vec_kernel(bf16* __restrict__ out, float* __restrict__ part_o, fl
 #pragma unroll
     for (int j = 0; j < 8; ++j) acc[g][j] = 0.0f;
   }
-  const int64_t kv_base = (int64_t(slot[b]) * KV + kvh) * max_len;  // (slots, KV, max_len, D): kv_cache_at
   // The loads run ahead of the arithmetic: an iteration's K and V rows are in
   // registers before the last iteration's scores are computed, and the rows of
   // the iteration after that are asked into L2. A block has only ~8 KiB an
@@ -221,18 +261,25 @@ decode_partial_vec_kernel(bf16* __restrict__ out, float* __restrict__ part_o, fl
   // of a 1.56-1.58 ms step, measured on an H200; the
   // kernel is still ~3x its floor. Same positions, same order of arithmetic:
   // the same bits as loading each iteration's rows at its start.
+  // A warp's 8 positions an iteration lie in one cache block (p0 a multiple
+  // of 8): the block ids of the next two groups (the register loads' and the
+  // L2 prefetch's) are held, the one after asked for an iteration ahead.
   constexpr int kStep = kWarps * kUnroll;
-  auto row_of = [&](int p0, int u) {
-    const int p = min(p0 + u * P + sub, end - 1);  // past the end: a valid row, never used
-    return (kv_base + p) * D + part * 8;
+  const int32_t* blocks = pages.row(seq[b]);
+  auto block_of = [&](int p) { return p < end ? pages.block_of(blocks, p) : 0; };
+  auto row_of = [&](int32_t block, int p0, int u) {
+    const int p = min(p0 + u * P + sub, end - 1);  // past the end: a valid row (of p0's block), never used
+    return pages.at(block, p0, kvh, KV, D) + int64_t(p - p0) * D + part * 8;
   };
   uint4 kn[U], vn[U];
   const int first = start + warp * kUnroll;
+  int32_t block1 = block_of(first + kStep), block2 = block_of(first + 2 * kStep);
   if (first < end) {
+    const int32_t block0 = block_of(first);
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      kn[u] = *reinterpret_cast<const uint4*>(k_cache + row_of(first, u));
-      vn[u] = *reinterpret_cast<const uint4*>(v_cache + row_of(first, u));
+      kn[u] = *reinterpret_cast<const uint4*>(k_cache + row_of(block0, first, u));
+      vn[u] = *reinterpret_cast<const uint4*>(v_cache + row_of(block0, first, u));
     }
   }
   for (int p0 = first; p0 < end; p0 += kStep) {
@@ -242,7 +289,7 @@ decode_partial_vec_kernel(bf16* __restrict__ out, float* __restrict__ part_o, fl
     if (p0 + kStep < end) {
 #pragma unroll
       for (int u = 0; u < U; ++u) {
-        const int64_t row = row_of(p0 + kStep, u);
+        const int64_t row = row_of(block1, p0 + kStep, u);
         kn[u] = *reinterpret_cast<const uint4*>(k_cache + row);
         vn[u] = *reinterpret_cast<const uint4*>(v_cache + row);
       }
@@ -250,11 +297,12 @@ decode_partial_vec_kernel(bf16* __restrict__ out, float* __restrict__ part_o, fl
     if (p0 + 2 * kStep < end) {
 #pragma unroll
       for (int u = 0; u < U; ++u) {
-        const int64_t row = row_of(p0 + 2 * kStep, u);
+        const int64_t row = row_of(block2, p0 + 2 * kStep, u);
         asm volatile("prefetch.global.L2 [%0];" ::"l"(k_cache + row));
         asm volatile("prefetch.global.L2 [%0];" ::"l"(v_cache + row));
       }
     }
+    block1 = block2, block2 = block_of(p0 + 3 * kStep);
 #pragma unroll
     for (int g = 0; g < HPB; ++g) {
       if (g >= nh) break;
@@ -364,8 +412,8 @@ template <int D, bool ROPE>
 __global__ void __launch_bounds__(kWarps * 32, D == 64 ? 4 : 1)
 decode_partial_mma_kernel(bf16* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml,
                           const bf16* __restrict__ q, const bf16* k_cache, const bf16* v_cache,
-                          const int32_t* __restrict__ slot, const int32_t* __restrict__ len, int H, int KV,
-                          int64_t q_ld, int64_t max_len, int chunk, int chunks, int G, int head_groups, float scale,
+                          PageTable pages, const int32_t* __restrict__ seq, const int32_t* __restrict__ len, int H,
+                          int KV, int64_t q_ld, int chunk, int chunks, int G, int head_groups, float scale,
                           DecodeRope rope) {
   // k_cache and v_cache not __restrict__: with ROPE this kernel writes a row of
   // them (through rope.k_cache, rope.v_cache) and reads it back, so their loads
@@ -385,17 +433,24 @@ decode_partial_mma_kernel(bf16* __restrict__ out, float* __restrict__ part_o, fl
   const int end = min(start + chunk, L);
   const int h0 = kvh * G + hg * kMmaHeads, nh = min(kMmaHeads, G - hg * kMmaHeads);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t4 = lane & 3;
+  // A step's 16 positions lie in one cache block (p0 and the block size
+  // multiples of 16), its kv head's rows together there (kv_cache_at). Each
+  // step's block id is asked for a step ahead (the first before the RoPE and
+  // q loads), so the table's latency is not in front of the rows' loads.
+  const int32_t* blocks = pages.row(seq[b]);
+  auto block_of = [&](int p) { return p < end ? pages.block_of(blocks, p) : 0; };
+  int32_t next_block = block_of(start + warp * 16);
 
-  const int64_t slot_base = int64_t(slot[b]) * max_len;
   // ROPE: the block rotates its query heads into shared memory and, if its
-  // chunk holds the new position, k into the cache and v beside it (every
-  // block of that chunk writes the same bits), before any warp reads a row.
+  // chunk holds the new position (L - 1), k into the cache and v beside it
+  // (every block of that chunk writes the same bits), before any warp reads a
+  // row. Positions decide, not cache rows: the table puts a row anywhere.
   __shared__ __align__(16) bf16 sm_q[ROPE ? kMmaHeads : 1][D];
   if constexpr (ROPE) {
     constexpr int half = D / 2;
     const float pos = float(rope.positions[b]);
     const int64_t crow = rope.cache_rows[b];
-    const bool writer = crow - slot_base >= start && crow - slot_base < end;
+    const bool writer = L - 1 < end;  // start <= L - 1 (returned above otherwise)
     const bf16* row = q + int64_t(b) * q_ld;
     for (int e = threadIdx.x; e < (nh + 1) * half; e += kWarps * 32) {
       const int hh = e / half, i = e % half;
@@ -408,7 +463,7 @@ decode_partial_mma_kernel(bf16* __restrict__ out, float* __restrict__ part_o, fl
       if (hh < nh) {
         sm_q[hh][i] = lo, sm_q[hh][i + half] = hi;
       } else {
-        const int64_t at = kv_cache_at(crow, kvh, KV, max_len, D);
+        const int64_t at = kv_cache_at(crow, kvh, KV, pages.block_size, D);
         const bf16* v = row + int64_t(H + KV + kvh) * D;
         rope.k_cache[at + i] = lo, rope.k_cache[at + i + half] = hi;
         rope.v_cache[at + i] = v[i], rope.v_cache[at + i + half] = v[i + half];
@@ -429,16 +484,16 @@ decode_partial_mma_kernel(bf16* __restrict__ out, float* __restrict__ part_o, fl
   float o[NT][4];
 #pragma unroll
   for (int t = 0; t < NT; ++t) o[t][0] = o[t][1] = o[t][2] = o[t][3] = 0.0f;
-  // (slots, KV, max_len, D): the block's rows lie together (kv_cache_at). Past the end: a valid row, never used.
-  const int64_t kv_base = (int64_t(slot[b]) * KV + kvh) * max_len;
-  auto row_at = [&](int p) { return (kv_base + min(p, end - 1)) * D; };
-
   // The 16 positions' rows a lane reads: K rows p0 + g (n-tile 0) and p0 + 8 + g
   // (n-tile 1), this lane's dims; V rows p0 + 2 t4, + 1, p0 + 8 + 2 t4, + 1 (P's k
   // index = position - p0), dims g D/8 ... Loading the next step's rows into
   // registers ahead, or asking them into L2, measured no faster (1.302 and
   // 1.298 against 1.288 ms a decode step on an H200).
   for (int p0 = start + warp * 16; p0 < end; p0 += kWarps * 16) {
+    const int64_t base = pages.at(next_block, p0, kvh, KV, D);
+    next_block = block_of(p0 + kWarps * 16);
+    // Past the end: a valid row (of p0's block), never used.
+    auto row_at = [&](int p) { return base + int64_t(min(p, end - 1) - p0) * D; };
     uint4 kr[2][QV], vr[4][VV];
 #pragma unroll
     for (int n = 0; n < 2; ++n)
@@ -539,13 +594,13 @@ __global__ void copy_rows_kernel(bf16* __restrict__ dst, const int32_t* __restri
 template <int VEC>
 __global__ void store_kv_kernel(bf16* __restrict__ k_cache, bf16* __restrict__ v_cache,
                                 const int32_t* __restrict__ rows, const bf16* __restrict__ k_src,
-                                const bf16* __restrict__ v_src, int64_t src_ld, int KV, int D, int64_t max_len) {
+                                const bf16* __restrict__ v_src, int64_t src_ld, int KV, int D, int64_t block_size) {
   const int64_t i = blockIdx.x, width = int64_t(KV) * D;
   for (int64_t j = int64_t(threadIdx.x) * VEC; j < 2 * width; j += int64_t(blockDim.x) * VEC) {
     const bool is_v = j >= width;
     const int64_t e = is_v ? j - width : j;
     const Pack<bf16, VEC> x = Pack<bf16, VEC>::load((is_v ? v_src : k_src) + i * src_ld + e);
-    x.store((is_v ? v_cache : k_cache) + kv_cache_at(rows[i], int(e / D), KV, max_len, D) + e % D);
+    x.store((is_v ? v_cache : k_cache) + kv_cache_at(rows[i], int(e / D), KV, block_size, D) + e % D);
   }
 }
 
@@ -570,9 +625,13 @@ int sm_count() {
 }
 
 // Positions a chunk holds when max_len is cut into at most `chunks`: a multiple
-// of kWarps * kUnroll, so every warp's group of rows starts inside the chunk.
+// of kWarps * kUnroll, so every warp's group of rows starts inside the chunk,
+// and of kBlockAlign, so every group (8 positions, or the tensor-core
+// kernel's 16) lies in one cache block.
 int64_t chunk_positions(int64_t max_len, int64_t chunks) {
   constexpr int64_t kStep = kWarps * kUnroll;
+  static_assert(kStep % kBlockAlign == 0 && kBlockAlign % kUnroll == 0 && kBlockAlign % 16 == 0,
+                "a warp's group of positions must not straddle two cache blocks");
   return std::max<int64_t>(kStep, div_up(div_up(max_len, chunks), kStep) * kStep);
 }
 
@@ -600,9 +659,9 @@ size_t decode_attention_scratch_bytes(int64_t B, int64_t H, int64_t D, int64_t m
 bool decode_attention_ropes(int64_t D) { return D == 64 || D == 128; }
 
 void decode_attention_forward(bf16* out, const bf16* q, int64_t q_ld, const bf16* k_cache, const bf16* v_cache,
-                              const int32_t* slot, const int32_t* len, int64_t B, int64_t H, int64_t KV, int64_t D,
-                              int64_t max_len, int64_t chunks, void* scratch, size_t scratch_bytes,
-                              cudaStream_t stream, const DecodeRope* rope) {
+                              const KvPages& pages, const int32_t* seq, const int32_t* len, int64_t B, int64_t H,
+                              int64_t KV, int64_t D, int64_t max_len, int64_t chunks, void* scratch,
+                              size_t scratch_bytes, cudaStream_t stream, const DecodeRope* rope) {
   if (B == 0) return;
   SHARDLM_CHECK(KV >= 1 && H % KV == 0, "decode_attention: %lld query heads over %lld kv heads", (long long)H,
                 (long long)KV);
@@ -611,6 +670,13 @@ void decode_attention_forward(bf16* out, const bf16* q, int64_t q_ld, const bf16
                 (long long)H, (long long)D);
   SHARDLM_CHECK(B <= INT32_MAX && max_len >= 1 && max_len <= INT32_MAX, "decode_attention: %lld rows, %lld positions",
                 (long long)B, (long long)max_len);
+  SHARDLM_CHECK(pages.block_size >= kBlockAlign && pages.block_size % kBlockAlign == 0 && pages.block_size <= INT32_MAX,
+                "decode_attention: a KV cache block of %lld positions; the block size must be a positive "
+                "multiple of %d (a warp reads 16 positions inside one block)",
+                (long long)pages.block_size, kBlockAlign);
+  SHARDLM_CHECK(pages.table != nullptr && max_len <= pages.capacity(),
+                "decode_attention: rows of %lld positions over a block table of %lld blocks of %lld a row",
+                (long long)max_len, (long long)pages.table_ld, (long long)pages.block_size);
   if (chunks == 0) chunks = decode_attention_chunks(B, H, KV, max_len);
   SHARDLM_CHECK(chunks >= 1 && chunks <= kDecodeMaxChunks, "decode_attention: %lld chunks (1 to %lld)",
                 (long long)chunks, (long long)kDecodeMaxChunks);
@@ -626,6 +692,7 @@ void decode_attention_forward(bf16* out, const bf16* q, int64_t q_ld, const bf16
                                             align256(size_t(B * H * chunks * D) * sizeof(float)));
   const dim3 grid(unsigned(B), unsigned(KV * head_groups), unsigned(chunks));
   const float scale = float(1.0 / std::sqrt(double(D)));
+  const PageTable table = page_table(pages);
   // Head dims of 64 and 128 with 16-byte rows: the tensor-core kernel; 32 and
   // 256: the vectorised one; else the scalar one (decode_attention_ropes).
   const bool rows16 = q_ld % 8 == 0 && aligned(q, 16) && aligned(k_cache, 16) && aligned(v_cache, 16);
@@ -640,7 +707,7 @@ void decode_attention_forward(bf16* out, const bf16* q, int64_t q_ld, const bf16
     const DecodeRope r = rope ? *rope : DecodeRope{};
 #define SHARDLM_DECODE_MMA(DIM, ROPE)                                                                     \
   decode_partial_mma_kernel<DIM, ROPE><<<mgrid, kWarps * 32, 0, stream>>>(                               \
-      out, part_o, part_ml, q, k_cache, v_cache, slot, len, int(H), int(KV), q_ld, max_len, int(chunk), \
+      out, part_o, part_ml, q, k_cache, v_cache, table, seq, len, int(H), int(KV), q_ld, int(chunk),   \
       int(chunks), G, groups, scale, r)
     if (D == 64 && rope) SHARDLM_DECODE_MMA(64, true);
     else if (D == 64) SHARDLM_DECODE_MMA(64, false);
@@ -656,7 +723,7 @@ void decode_attention_forward(bf16* out, const bf16* q, int64_t q_ld, const bf16
     const dim3 vgrid(unsigned(B), unsigned(KV * groups), unsigned(chunks));
 #define SHARDLM_DECODE_VEC(LG, HPB)                                                                       \
   decode_partial_vec_kernel<LG, HPB><<<vgrid, kWarps * 32, 0, stream>>>(                                  \
-      out, part_o, part_ml, q, k_cache, v_cache, slot, len, int(H), int(KV), q_ld, max_len, int(chunk), \
+      out, part_o, part_ml, q, k_cache, v_cache, table, seq, len, int(H), int(KV), q_ld, int(chunk),   \
       int(chunks), G, groups, scale)
     if (D == 32 && hpb == 4) SHARDLM_DECODE_VEC(4, 4);
     else if (D == 32) SHARDLM_DECODE_VEC(4, 8);
@@ -665,8 +732,8 @@ void decode_attention_forward(bf16* out, const bf16* q, int64_t q_ld, const bf16
 #undef SHARDLM_DECODE_VEC
   } else {
 #define SHARDLM_DECODE_PARTIAL(E)                                                                              \
-  decode_partial_kernel<E><<<grid, kWarps * 32, 0, stream>>>(out, part_o, part_ml, q, k_cache, v_cache, slot, len, \
-                                                             int(H), int(KV), int(D), q_ld, max_len, int(chunk),  \
+  decode_partial_kernel<E><<<grid, kWarps * 32, 0, stream>>>(out, part_o, part_ml, q, k_cache, v_cache, table, seq, \
+                                                             len, int(H), int(KV), int(D), q_ld, int(chunk),        \
                                                              int(chunks), G, head_groups, scale)
   if (D <= 32) SHARDLM_DECODE_PARTIAL(1);
   else if (D <= 64) SHARDLM_DECODE_PARTIAL(2);
@@ -695,18 +762,18 @@ void copy_rows(bf16* dst, const int32_t* dst_row, const bf16* src, const int32_t
 }
 
 void store_kv(bf16* k_cache, bf16* v_cache, const int32_t* rows, const bf16* k_src, const bf16* v_src, int64_t src_ld,
-              int64_t n, int64_t KV, int64_t D, int64_t max_len, cudaStream_t stream) {
+              int64_t n, int64_t KV, int64_t D, int64_t block_size, cudaStream_t stream) {
   if (n == 0 || KV == 0 || D == 0) return;
-  SHARDLM_CHECK(n <= INT32_MAX && src_ld >= KV * D && KV <= INT32_MAX && D <= INT32_MAX,
-                "store_kv: %lld rows of %lld x %lld (source rows of %lld)", (long long)n, (long long)KV, (long long)D,
-                (long long)src_ld);
+  SHARDLM_CHECK(n <= INT32_MAX && src_ld >= KV * D && KV <= INT32_MAX && D <= INT32_MAX && block_size >= 1,
+                "store_kv: %lld rows of %lld x %lld (source rows of %lld) into blocks of %lld positions", (long long)n,
+                (long long)KV, (long long)D, (long long)src_ld, (long long)block_size);
   if (D % 8 == 0 && src_ld % 8 == 0 && aligned(k_src, 16) && aligned(v_src, 16) && aligned(k_cache, 16) &&
       aligned(v_cache, 16))
     store_kv_kernel<8><<<unsigned(n), 128, 0, stream>>>(k_cache, v_cache, rows, k_src, v_src, src_ld, int(KV), int(D),
-                                                         max_len);
+                                                         block_size);
   else
     store_kv_kernel<1><<<unsigned(n), 128, 0, stream>>>(k_cache, v_cache, rows, k_src, v_src, src_ld, int(KV), int(D),
-                                                         max_len);
+                                                         block_size);
   CUDA_CHECK(cudaGetLastError());
 }
 

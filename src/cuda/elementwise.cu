@@ -23,14 +23,15 @@ constexpr int64_t kRopeSmallPass = 32768;
 
 // rope_store_kv: the heads from k_first on are k; each also goes (rotated) to
 // k_cache, and the v head after the rotated heads at the same index to v_cache,
-// at cache row rows[t] (the caches (slots, heads - k_first, max_len, D):
-// kv_cache_at). Unused by rope_forward/backward.
+// at physical cache row rows[t] (block * block_size + offset; the caches
+// (blocks, heads - k_first, block_size, D): kv_cache_at). Unused by
+// rope_forward/backward.
 struct RopeCacheStore {
   bf16* k_cache = nullptr;
   bf16* v_cache = nullptr;
   const int32_t* rows = nullptr;
   int k_first = 0;
-  int64_t max_len = 0;
+  int64_t block_size = 0;
 };
 
 template <int VEC, bool STORE = false, int HPT = kRopeHeadsPerThread>
@@ -81,7 +82,7 @@ rope_kernel(bf16* __restrict__ x, const int32_t* __restrict__ positions,
     if constexpr (STORE) {
       const int kh = h0 + q - store.k_first;
       if (kh >= 0) {
-        const int64_t row = kv_cache_at(store.rows[t], kh, heads - store.k_first, store.max_len, D);
+        const int64_t row = kv_cache_at(store.rows[t], kh, heads - store.k_first, store.block_size, D);
         out_lo.store(store.k_cache + row + i);
         out_hi.store(store.k_cache + row + i + half);
         const bf16* vh = x + t * row_stride + int64_t(heads + kh) * D;  // v lies after the q and k heads
@@ -274,7 +275,7 @@ void rope_backward(bf16* dx, const int32_t* positions, const float* inv_freq, in
 
 void rope_store_kv(bf16* qkv, const int32_t* positions, const float* inv_freq, int64_t N, int64_t H, int64_t KV,
                    int64_t D, int64_t row_stride, bf16* k_cache, bf16* v_cache, const int32_t* rows,
-                   int64_t max_len, cudaStream_t stream) {
+                   int64_t block_size, cudaStream_t stream) {
   const char* op = "rope_store_kv";
   const int64_t heads = H + KV;
   check_size(N, INT_MAX, "N", op);
@@ -282,12 +283,13 @@ void rope_store_kv(bf16* qkv, const int32_t* positions, const float* inv_freq, i
   SHARDLM_CHECK(D > 0 && D % 2 == 0 && D <= 4096 && KV > 0 && row_stride >= (H + 2 * KV) * D,
                 "%s: %lld q and %lld kv heads of %lld in rows of %lld", op, (long long)H, (long long)KV, (long long)D,
                 (long long)row_stride);
+  SHARDLM_CHECK(block_size >= 1, "%s: KV cache blocks of %lld positions", op, (long long)block_size);
   if (N == 0) return;
   const int64_t half = D / 2;
   const bool vec = half % 8 == 0 && row_stride % 8 == 0 && aligned(qkv, 16) && aligned(k_cache, 16) &&
                    aligned(v_cache, 16);
   const int64_t hgroups = div_up(heads, kRopeHeadsPerThread);
-  const RopeCacheStore store{k_cache, v_cache, rows, int(H), max_len};
+  const RopeCacheStore store{k_cache, v_cache, rows, int(H), block_size};
   const bool small = N * hgroups * (vec ? half / 8 : half) < kRopeSmallPass;
   if (vec && small) {
     rope_kernel<8, true, 1><<<grid_for(N * heads * (half / 8), kThreads), kThreads, 0, stream>>>(

@@ -45,13 +45,14 @@ struct Pack {
 __device__ __forceinline__ float f32(bf16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ bf16 to_bf16(float x) { return __float2bfloat16_rn(x); }
 
-// The CUDA decoder's KV cache layout, (slots, KV, max_len, D): a kv head's
-// positions lie together, so a decode-attention block (a sequence and a kv
-// head) streams one contiguous range. A cache row (slot * max_len + position,
-// as the decoder numbers them) of kv head kh starts here.
-__device__ __forceinline__ int64_t kv_cache_at(int64_t row, int kh, int KV, int64_t max_len, int D) {
-  const int64_t slot = row / max_len, pos = row - slot * max_len;
-  return ((slot * KV + kh) * max_len + pos) * D;
+// The CUDA decoder's paged KV cache layout, (blocks, KV, block_size, D): a
+// kv head's positions of one block lie together, so a decode-attention warp
+// streams a contiguous range for each group of positions inside a block. A
+// physical cache row (block * block_size + offset, shardlm/kv_pages.hpp's
+// kv_cache_row) of kv head kh starts here.
+__device__ __forceinline__ int64_t kv_cache_at(int64_t row, int kh, int KV, int64_t block_size, int D) {
+  const int64_t block = row / block_size, offset = row - block * block_size;
+  return ((block * KV + kh) * block_size + offset) * D;
 }
 
 // RoPE of one pair (x1 at dim i, x2 at i + D/2) at an angle's cos and sin, as

@@ -148,12 +148,14 @@ void rope_forward(bf16* x, const int32_t* positions, const float* inv_freq, int6
                   int64_t heads, int64_t D, int64_t row_stride, cudaStream_t stream);
 // The decode step's fused q|k|v rows (N, (H + 2 KV) * D, row_stride apart): RoPE
 // on the H + KV q and k heads in place, as rope_forward, and in the same pass
-// each token's k heads (rotated) and v heads into cache row rows[t] of k_cache
-// and v_cache ((slots, KV, max_len, D), as store_kv): rope_forward then
-// store_kv, the same bits.
+// each token's k heads (rotated) and v heads into physical cache row rows[t]
+// (block * block_size + offset: the decoder resolves the position through its
+// block table, shardlm/kv_pages.hpp's kv_cache_row) of k_cache and v_cache
+// ((blocks, KV, block_size, D), as store_kv): rope_forward then store_kv, the
+// same bits.
 void rope_store_kv(bf16* qkv, const int32_t* positions, const float* inv_freq, int64_t N, int64_t H, int64_t KV,
-                   int64_t D, int64_t row_stride, bf16* k_cache, bf16* v_cache, const int32_t* rows, int64_t max_len,
-                   cudaStream_t stream);
+                   int64_t D, int64_t row_stride, bf16* k_cache, bf16* v_cache, const int32_t* rows,
+                   int64_t block_size, cudaStream_t stream);
 // The inverse rotation (the transpose), in place on the gradient dx.
 void rope_backward(bf16* dx, const int32_t* positions, const float* inv_freq, int64_t N,
                    int64_t heads, int64_t D, int64_t row_stride, cudaStream_t stream);

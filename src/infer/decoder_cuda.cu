@@ -100,9 +100,6 @@ class CudaDecoder final : public Decoder {
   CudaDecoder(const InferenceModel& model, const DecoderLimits& limits);
   ~CudaDecoder() override;
 
-  void prefill(std::span<const int32_t> slots, std::span<const std::span<const int32_t>> prompts,
-               float* logits) override;
-  void decode(std::span<const int32_t> slots, std::span<const int32_t> tokens, float* logits) override;
   void load_bf16(const ParamInfo& param, const uint16_t* values) override;
   bool loads_from_device() const override { return true; }
   void load_bf16_device(const ParamInfo& param, const void* values) override;
@@ -113,8 +110,6 @@ class CudaDecoder final : public Decoder {
   void draw(const SamplingParams& params, const double* uniforms, int64_t n, Sampled* out, float* model_lp,
             float* tempered_lp) override;
 
-  int64_t length(int32_t slot) const override { return slot_len_[size_t(slot)]; }
-  const DecoderLimits& limits() const override { return limits_; }
   int64_t cache_bytes() const override { return bytes_of(Mem::Activations); }
   int64_t scratch_bytes() const override { return bytes_of(Mem::Workspace); }
   int64_t weight_bytes() const override { return bytes_of(Mem::ParamShard); }
@@ -131,6 +126,13 @@ class CudaDecoder final : public Decoder {
     return decode_seconds_;
   }
   std::string profile_report(double generate_seconds) const override;
+
+ protected:
+  // Passes of whole prompts into their blocks, the shared prompts' last blocks
+  // copied, then the head over each sequence's row.
+  void prefill_forward(std::span<const int32_t> slots, std::span<const std::span<const int32_t>> prompts,
+                       std::span<const BlockCopy> copies, std::span<const int32_t> source, float* logits) override;
+  void decode_forward(std::span<const int32_t> slots, std::span<const int32_t> tokens, float* logits) override;
 
  private:
   // Where a broadcast parameter lives in the decoder's bf16 weights (checked against the layout).
@@ -200,12 +202,12 @@ class CudaDecoder final : public Decoder {
   void mark(const char* op) {
     if (ops_) ops_->mark(op);
   }
-  void check_slot(int32_t slot) const {
-    SHARDLM_CHECK(slot >= 0 && slot < limits_.slots, "internal: slot %d of %lld", slot, (long long)limits_.slots);
-  }
+  // The block table's entries written since the last call (KvBlocks::take_written), onto the device copy.
+  void send_table();
+  // The device block table as the decode attention reads it.
+  KvPages device_pages() const { return {block_table_, kv_.table_ld(), kv_.block_size()}; }
 
   const InferenceModel& model_;
-  DecoderLimits limits_;
   int device_ = 0;
   int64_t rows_ = 0;           // tokens one pass holds: max(prefill pass, slots)
   int64_t prefill_rows_ = 0;   // tokens one prefill pass holds
@@ -216,7 +218,14 @@ class CudaDecoder final : public Decoder {
   std::vector<BufferRow> table_;
 
   std::vector<bf16*> unit_w_;                 // per unit: (padded_numel) bf16, the host layout
-  std::vector<bf16*> k_cache_, v_cache_;      // L x (slots, KV, max_len, D): kv_cache_at (kernel_common.cuh)
+  std::vector<bf16*> k_cache_, v_cache_;      // L x (blocks, KV, block_size, D): kv_cache_at (kernel_common.cuh)
+  int32_t* block_table_ = nullptr;            // (slots, table_ld) the device copy of kv_'s table
+  // Small int32 uploads beside a pass's inputs: block table entries written
+  // (index, block) pairs; a prefill's block copies (from, to) and each row's
+  // prompt. aux_ on the device, aux_host_ its pinned mirror.
+  int32_t* aux_ = nullptr;
+  int32_t* aux_host_ = nullptr;
+  int64_t aux_table_ = 0;                     // 2 x the table's entries: where the copies' region starts
   bf16 *x_ = nullptr, *x_out_ = nullptr;      // (rows, C) residual stream in, out of a layer
   bf16 *x_mid_ = nullptr, *xn_ = nullptr;     // (rows, C) after attention; normed input of a projection
   bf16 *q_ = nullptr, *q_raw_ = nullptr;      // (rows, H D); q before its norm (qk_norm models)
@@ -259,7 +268,6 @@ class CudaDecoder final : public Decoder {
   int64_t last_rows_ = 0;                     // rows of logits_ the last step wrote
   uint16_t* upload_host_ = nullptr;           // (kUploadElems) pinned bf16 staging
 
-  std::vector<int32_t> slot_len_;             // (slots) positions filled per slot
   // SHARDLM_DECODE_GRAPHS=0 turns the graphs off (every step eager: to rule
   // them out, or to measure what they save).
   bool graphs_ = true;
@@ -297,10 +305,9 @@ template <class Add, class Pin>
 void CudaDecoder::plan_buffers(const ModelConfig& c, const ModelLayout& layout, const DecoderLimits& limits,
                                CudaDecoder* self, Add&& add, Pin&& pin) {
   check_decoder_limits(c, limits);
-  // Cache rows are int32 on the device.
-  SHARDLM_CHECK(limits.slots * limits.max_len <= INT32_MAX,
-                "generate: a cache of %lld sequences x %lld positions is over 2^31 rows; lower --batch",
-                (long long)limits.slots, (long long)limits.max_len);
+  // The kernels read 16 positions of a block at a time.
+  SHARDLM_CHECK(limits.block_size % 16 == 0, "generate on the GPU: KV blocks of %lld positions; give a multiple of 16",
+                (long long)limits.block_size);
   SHARDLM_CHECK(c.head_dim <= 256 && c.num_heads % c.num_kv_heads == 0,
                 "generate on the GPU: head_dim %lld (at most 256) with %lld heads over %lld kv heads",
                 (long long)c.head_dim, (long long)c.num_heads, (long long)c.num_kv_heads);
@@ -338,12 +345,19 @@ void CudaDecoder::plan_buffers(const ModelConfig& c, const ModelLayout& layout, 
   const int64_t L = c.num_layers, C = c.hidden_size, V = c.vocab_size, I = c.intermediate_size;
   const int64_t H = c.num_heads, D = c.head_dim, HD = H * D, KVD = c.num_kv_heads * D;
   const int64_t S = limits.slots, R = rows;
+  const int64_t table = S * ((limits.max_len + limits.block_size - 1) / limits.block_size);
+  const int64_t aux = 2 * table + 3 * S;
+  if (self) self->aux_table_ = 2 * table;
   for (size_t u = 0; u < layout.units.size(); ++u)
     add("weights", Mem::ParamShard, layout.units[u].padded_numel, in(&CudaDecoder::unit_w_, u));
   for (int64_t l = 0; l < L; ++l) {
-    add("kv_cache.k", Mem::Activations, S * limits.max_len * KVD, in(&CudaDecoder::k_cache_, size_t(l)));
-    add("kv_cache.v", Mem::Activations, S * limits.max_len * KVD, in(&CudaDecoder::v_cache_, size_t(l)));
+    add("kv_cache.k", Mem::Activations, pool_blocks(limits) * limits.block_size * KVD,
+        in(&CudaDecoder::k_cache_, size_t(l)));
+    add("kv_cache.v", Mem::Activations, pool_blocks(limits) * limits.block_size * KVD,
+        in(&CudaDecoder::v_cache_, size_t(l)));
   }
+  add("block_table", Mem::Workspace, table, at(&CudaDecoder::block_table_));
+  add("kv_aux", Mem::Workspace, aux, at(&CudaDecoder::aux_));
   add("x", Mem::Workspace, R * C, at(&CudaDecoder::x_));
   add("x_out", Mem::Workspace, R * C, at(&CudaDecoder::x_out_));
   add("x_mid", Mem::Workspace, R * C, at(&CudaDecoder::x_mid_));
@@ -379,6 +393,7 @@ void CudaDecoder::plan_buffers(const ModelConfig& c, const ModelLayout& layout, 
   add("decode_inputs", Mem::Workspace, decode_ints, self ? &self->decode_in_.dev : nullptr);
 
   pin(prefill_ints, self ? &self->prefill_in_.host : nullptr);
+  pin(aux, at(&CudaDecoder::aux_host_));
   pin(decode_ints, self ? &self->decode_in_.host : nullptr);
   pin(S * V, at(&CudaDecoder::logits_host_));
   pin(kUploadElems, at(&CudaDecoder::upload_host_));
@@ -388,7 +403,8 @@ void CudaDecoder::plan_buffers(const ModelConfig& c, const ModelLayout& layout, 
   pin(4 * S, at(&CudaDecoder::draw_out_host_));
 }
 
-CudaDecoder::CudaDecoder(const InferenceModel& model, const DecoderLimits& limits) : model_(model), limits_(limits) {
+CudaDecoder::CudaDecoder(const InferenceModel& model, const DecoderLimits& limits)
+    : Decoder(model.config(), limits), model_(model) {
   const ModelConfig& c = model.config();
   plan_buffers(
       c, model.weights->layout, limits, this,
@@ -417,7 +433,10 @@ CudaDecoder::CudaDecoder(const InferenceModel& model, const DecoderLimits& limit
   std::vector<float> inv_f(inv.begin(), inv.end());
   CUDA_CHECK(cudaMemcpy(inv_freq_, inv_f.data(), sizeof(float) * inv_f.size(), cudaMemcpyHostToDevice));
   upload_weights();
-  slot_len_.assign(size_t(limits.slots), 0);
+  // Every entry a valid block (0) until a sequence writes its own: the
+  // captured step's warm-up reads through the table before any prefill.
+  CUDA_CHECK(cudaMemset(block_table_, 0, size_t(limits.slots * kv_.table_ld()) * sizeof(int32_t)));
+  kv_.keep_written();
   if (graphs_) capture_full_step();
 }
 
@@ -428,6 +447,7 @@ CudaDecoder::~CudaDecoder() {
   gemm_.reset();
   for (BufferRow& r : table_) cuda_free(r.category, *r.ptr, r.bytes);
   if (prefill_in_.host) cudaFreeHost(prefill_in_.host);
+  if (aux_host_) cudaFreeHost(aux_host_);
   if (decode_in_.host) cudaFreeHost(decode_in_.host);
   if (logits_host_) cudaFreeHost(logits_host_);
   if (upload_host_) cudaFreeHost(upload_host_);
@@ -567,15 +587,15 @@ void CudaDecoder::attend(int l, int64_t N, bool prefill, const LayerWeights<cons
   cuda::rope_forward(k_, in(StepInts::Positions), inv_freq_, N, KV, D, KVD, stream_);
   mark("rope");
   cuda::store_kv(k_cache_[size_t(l)], v_cache_[size_t(l)], in(StepInts::CacheRows), k_, v_, KVD, N, KV, D,
-                 limits_.max_len, stream_);
+                 kv_.block_size(), stream_);
   mark("kv store");
   if (prefill)
     // Every prompt of the pass is a document of its own: it sees its own positions 0 .. t.
     cuda::attention_forward(att_, lse_, q_, k_, v_, in(StepInts::SeqIds), doc_start_, N, H, KV, D, stream_);
   else
-    cuda::decode_attention_forward(att_, q_, HD, k_cache_[size_t(l)], v_cache_[size_t(l)], in(StepInts::SlotOf),
-                                   in(StepInts::Lens), N, H, KV, D, limits_.max_len, 0, attention_scratch_,
-                                   attention_scratch_bytes_, stream_);
+    cuda::decode_attention_forward(att_, q_, HD, k_cache_[size_t(l)], v_cache_[size_t(l)], device_pages(),
+                                   in(StepInts::SlotOf), in(StepInts::Lens), N, H, KV, D, limits_.max_len, 0,
+                                   attention_scratch_, attention_scratch_bytes_, stream_);
   mark("attention");
 }
 
@@ -591,20 +611,20 @@ void CudaDecoder::attend_fused(int l, int64_t N, const LayerWeights<const bf16>&
   if (cuda::decode_attention_ropes(D)) {
     const cuda::DecodeRope rope{in(StepInts::Positions), inv_freq_, in(StepInts::CacheRows), k_cache_[size_t(l)],
                                 v_cache_[size_t(l)]};
-    cuda::decode_attention_forward(att_, qkv_, QKV, k_cache_[size_t(l)], v_cache_[size_t(l)], in(StepInts::SlotOf),
-                                   in(StepInts::Lens), N, H, KV, D, limits_.max_len, 0, attention_scratch_,
-                                   attention_scratch_bytes_, stream_, &rope);
+    cuda::decode_attention_forward(att_, qkv_, QKV, k_cache_[size_t(l)], v_cache_[size_t(l)], device_pages(),
+                                   in(StepInts::SlotOf), in(StepInts::Lens), N, H, KV, D, limits_.max_len, 0,
+                                   attention_scratch_, attention_scratch_bytes_, stream_, &rope);
     mark("rope + kv store + attention");
     return;
   }
   // q's and k's heads lie side by side in a row: one RoPE over H + KV heads,
   // which also stores k (rotated) and v into the two caches in the same pass.
   cuda::rope_store_kv(qkv_, in(StepInts::Positions), inv_freq_, N, H, KV, D, QKV, k_cache_[size_t(l)],
-                      v_cache_[size_t(l)], in(StepInts::CacheRows), limits_.max_len, stream_);
+                      v_cache_[size_t(l)], in(StepInts::CacheRows), kv_.block_size(), stream_);
   mark("rope + kv store");
-  cuda::decode_attention_forward(att_, qkv_, QKV, k_cache_[size_t(l)], v_cache_[size_t(l)], in(StepInts::SlotOf),
-                                 in(StepInts::Lens), N, H, KV, D, limits_.max_len, 0, attention_scratch_,
-                                 attention_scratch_bytes_, stream_);
+  cuda::decode_attention_forward(att_, qkv_, QKV, k_cache_[size_t(l)], v_cache_[size_t(l)], device_pages(),
+                                 in(StepInts::SlotOf), in(StepInts::Lens), N, H, KV, D, limits_.max_len, 0,
+                                 attention_scratch_, attention_scratch_bytes_, stream_);
   mark("attention");
 }
 
@@ -685,36 +705,54 @@ void CudaDecoder::download_logits(int64_t n, float* logits) {
   CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
 
-void CudaDecoder::prefill(std::span<const int32_t> slots, std::span<const std::span<const int32_t>> prompts,
-                          float* logits) {
-  const int64_t n = int64_t(prompts.size()), C = model_.config().hidden_size;
-  SHARDLM_CHECK(n == int64_t(slots.size()) && n >= 1 && n <= limits_.slots,
-                "internal: prefill of %lld prompts into %zu slots (at most %lld)", (long long)n, slots.size(),
-                (long long)limits_.slots);
+__global__ void set_table_entries_kernel(int32_t* table, const int32_t* pairs, int64_t n) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) table[pairs[2 * i]] = pairs[2 * i + 1];
+}
+
+void CudaDecoder::send_table() {
+  const std::vector<int32_t> written = kv_.take_written();
+  const int64_t n = int64_t(written.size());
+  if (n == 0) return;
+  SHARDLM_CHECK(2 * n <= aux_table_, "internal: %lld block table entries written, %lld held", (long long)n,
+                (long long)(aux_table_ / 2));
+  const KvPages pages = kv_.pages();
+  for (int64_t i = 0; i < n; ++i) {
+    aux_host_[2 * i] = written[size_t(i)];
+    aux_host_[2 * i + 1] = pages.table[written[size_t(i)]];
+  }
+  CUDA_CHECK(cudaMemcpyAsync(aux_, aux_host_, size_t(2 * n) * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
+  set_table_entries_kernel<<<unsigned((n + 255) / 256), 256, 0, stream_>>>(block_table_, aux_, n);
+  CUDA_CHECK(cudaGetLastError());
+  mark("block table");
+}
+
+void CudaDecoder::prefill_forward(std::span<const int32_t> slots, std::span<const std::span<const int32_t>> prompts,
+                                  std::span<const BlockCopy> copies, std::span<const int32_t> source,
+                                  float* logits) {
+  const ModelConfig& c = model_.config();
+  const int64_t n = int64_t(source.size()), unique = int64_t(prompts.size()), C = c.hidden_size;
+  const int64_t KVD = c.num_kv_heads * c.head_dim;
   const CallTimer timed(ops_ != nullptr, prefill_wall_);
-  // Passes of whole prompts, each at most prefill_rows_ tokens.
-  for (int64_t first = 0; first < n;) {
+  const KvPages pages = kv_.pages();
+  // Passes of whole prompts, each at most prefill_rows_ tokens; prompt u's last state into row u of last_.
+  for (int64_t first = 0; first < unique;) {
     begin_inputs();
+    if (first == 0) send_table();
     int64_t N = 0, count = 0;
-    for (int64_t i = first; i < n; ++i) {
-      const int32_t slot = slots[size_t(i)];
-      check_slot(slot);
-      const auto& p = prompts[size_t(i)];
+    for (int64_t u = first; u < unique; ++u) {
+      const auto& p = prompts[size_t(u)];
       const int64_t len = int64_t(p.size());
-      SHARDLM_CHECK(len >= 1 && len <= limits_.max_len,
-                    "internal: a prompt of %lld tokens for a cache of %lld positions", (long long)len,
-                    (long long)limits_.max_len);
       if (count > 0 && N + len > prefill_rows_) break;
       const StepInts& in = prefill_in_;
       for (int64_t t = 0; t < len; ++t) {
         in.h(StepInts::Tokens)[N + t] = p[size_t(t)];
         in.h(StepInts::Positions)[N + t] = int32_t(t);
         in.h(StepInts::SeqIds)[N + t] = int32_t(count);
-        in.h(StepInts::CacheRows)[N + t] = int32_t(int64_t(slot) * limits_.max_len + t);
+        in.h(StepInts::CacheRows)[N + t] = int32_t(kv_cache_row(pages, slots[size_t(u)], t));
       }
       in.h(StepInts::LastSrc)[count] = int32_t(N + len - 1);
-      in.h(StepInts::LastDst)[count] = int32_t(i);
-      slot_len_[size_t(slot)] = int32_t(len);
+      in.h(StepInts::LastDst)[count] = int32_t(u);
       N += len;
       ++count;
     }
@@ -723,26 +761,44 @@ void CudaDecoder::prefill(std::span<const int32_t> slots, std::span<const std::s
     cuda::copy_rows(last_, in(StepInts::LastDst), x_, in(StepInts::LastSrc), count, C, stream_);
     first += count;
   }
-  head(last_, n);
+  // The shared prompts' partly filled last blocks, every layer's keys and
+  // values (a block is one row of KV x block_size x D); then each sequence's
+  // row of last_ from its prompt's.
+  CUDA_CHECK(cudaStreamSynchronize(stream_));  // aux_host_ is free again
+  int32_t* const from = aux_host_ + aux_table_;
+  int32_t* const to = from + limits_.slots;
+  int32_t* const rows = to + limits_.slots;
+  const int64_t k = int64_t(copies.size());
+  for (int64_t i = 0; i < k; ++i) from[i] = copies[size_t(i)].from, to[i] = copies[size_t(i)].to;
+  for (int64_t i = 0; i < n; ++i) rows[i] = source[size_t(i)];
+  CUDA_CHECK(cudaMemcpyAsync(aux_ + aux_table_, aux_host_ + aux_table_, size_t(3 * limits_.slots) * sizeof(int32_t),
+                             cudaMemcpyHostToDevice, stream_));
+  const int32_t* const from_dev = aux_ + aux_table_;
+  const int32_t* const to_dev = from_dev + limits_.slots;
+  const int32_t* const rows_dev = to_dev + limits_.slots;
+  if (k > 0)
+    for (int64_t l = 0; l < c.num_layers; ++l) {
+      cuda::copy_rows(k_cache_[size_t(l)], to_dev, k_cache_[size_t(l)], from_dev, k, KVD * kv_.block_size(), stream_);
+      cuda::copy_rows(v_cache_[size_t(l)], to_dev, v_cache_[size_t(l)], from_dev, k, KVD * kv_.block_size(), stream_);
+    }
+  cuda::copy_rows(xn_, nullptr, last_, rows_dev, n, C, stream_);
+  head(xn_, n);
   download_logits(n, logits);
 }
 
-void CudaDecoder::decode(std::span<const int32_t> slots, std::span<const int32_t> tokens_in, float* logits) {
+void CudaDecoder::decode_forward(std::span<const int32_t> slots, std::span<const int32_t> tokens_in, float* logits) {
   const int64_t B = int64_t(slots.size());
-  SHARDLM_CHECK(B == int64_t(tokens_in.size()) && B >= 1 && B <= limits_.slots,
-                "internal: decode of %zu tokens into %lld slots", tokens_in.size(), (long long)B);
   const CallTimer timed(ops_ != nullptr, decode_wall_);
   begin_inputs();
+  send_table();
   const StepInts& in = decode_in_;
+  const KvPages pages = kv_.pages();
   for (int64_t b = 0; b < B; ++b) {
     const int32_t s = slots[size_t(b)];
-    check_slot(s);
-    const int32_t pos = slot_len_[size_t(s)];
-    SHARDLM_CHECK(pos >= 1 && pos < limits_.max_len, "internal: slot %d holds %d of %lld positions", s, pos,
-                  (long long)limits_.max_len);
+    const int32_t pos = int32_t(kv_.length(s) - 1);
     in.h(StepInts::Tokens)[b] = tokens_in[size_t(b)];
     in.h(StepInts::Positions)[b] = pos;
-    in.h(StepInts::CacheRows)[b] = int32_t(int64_t(s) * limits_.max_len + pos);
+    in.h(StepInts::CacheRows)[b] = int32_t(kv_cache_row(pages, s, pos));
     in.h(StepInts::SlotOf)[b] = s;
     in.h(StepInts::Lens)[b] = pos + 1;
   }
@@ -760,7 +816,6 @@ void CudaDecoder::decode(std::span<const int32_t> slots, std::span<const int32_t
   step_pending_ = true;
   download_logits(B, logits);
   ++decode_steps_;
-  for (int64_t b = 0; b < B; ++b) ++slot_len_[size_t(slots[size_t(b)])];
 }
 
 std::string CudaDecoder::profile_report(double generate_seconds) const {
@@ -794,7 +849,7 @@ void CudaDecoder::capture_full_step() {
   for (int64_t b = 0; b < S; ++b) {
     in.h(StepInts::Tokens)[b] = 0;
     in.h(StepInts::Positions)[b] = 0;
-    in.h(StepInts::CacheRows)[b] = int32_t(b * limits_.max_len);
+    in.h(StepInts::CacheRows)[b] = 0;  // block 0's first row: no sequence holds a block yet
     in.h(StepInts::SlotOf)[b] = int32_t(b);
     in.h(StepInts::Lens)[b] = 1;
   }
