@@ -113,14 +113,17 @@ for path in nccl filesystem; do
   check "$path: the uninterrupted run finishes (exit $?)" test $? = 0
   rl "$T/kill-$path" "${extra[@]}" --set "data.rollout_dir=$T/kill-$path/rollouts" \
     --set "broadcast.dir=\"$T/kill-$path/weights\"" --set data.rollout_timeout_s=30
-  job > "$T/kill-$path.log" 2>&1 &
+  # the trainer holds after step 5 (SHARDLM_TEST_HOLD, a file never made) so
+  # the kill lands between the step-4 checkpoint and the step-6 one however
+  # slow the machine is
+  SHARDLM_TEST_HOLD="5:$T/never" job -x SHARDLM_TEST_HOLD > "$T/kill-$path.log" 2>&1 &
   pid=$!
-  wait_for 120 grep -qs "step      5/" "$T/kill-$path.log"
+  wait_for 120 grep -qs "test hold: after step 5" "$T/kill-$path.log"
   kill -9 $(tree_pids "$pid") 2>/dev/null
   wait "$pid" 2>/dev/null
   job > "$T/kill-$path-2.log" 2>&1
   check "$path: killed (kill -9) after step 5, the same job again finishes (exit $?)" test $? = 0
-  check "... resumed from a checkpoint" grep -qE "checkpoint: resumed from .*/step_[24]\.h5" "$T/kill-$path-2.log"
+  check "... resumed from the step-4 checkpoint" grep -qE "checkpoint: resumed from .*/step_4\.h5" "$T/kill-$path-2.log"
   [ $path = filesystem ] && check "... and says it removed the dead launch's weights" \
     grep -qE "broadcast: removed [0-9]+ step director(y|ies) an earlier launch left" "$T/kill-$path-2.log"
   lf=$(losses "$T/full-$path/metrics.jsonl"); lk=$(losses "$T/kill-$path/metrics.jsonl")
