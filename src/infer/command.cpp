@@ -307,7 +307,8 @@ GatheredCompletions sample_and_gather(GenerateSetup& g, int rank, MPI_Comm comm)
   Decoder& decoder = *g.decoder;
   GatheredCompletions out;
   const auto t0 = std::chrono::steady_clock::now();
-  std::vector<Completion> mine = generate(decoder, g.requests, g.options);
+  GenerateStats stats;
+  std::vector<Completion> mine = generate(decoder, g.requests, g.options, &stats);
   int64_t my_tokens = 0;
   for (const Completion& c : mine) my_tokens += int64_t(c.tokens.size());
   out.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -315,6 +316,21 @@ GatheredCompletions sample_and_gather(GenerateSetup& g, int rank, MPI_Comm comm)
     std::printf("generate: rank 0: %lld decode steps, %.3f ms each on the device (forward and lm-head, event-timed; "
                 "the logits' download and the sampling not counted)\n",
                 (long long)decoder.decode_steps(), 1e3 * decoder.decode_seconds() / double(decoder.decode_steps()));
+  if (rank == 0 && stats.decode_steps > 0) {
+    const KvBlocks& kv = decoder.kv();
+    const int64_t peak = kv.peak_used_blocks() * kv.block_size(), held = kv.held_positions_at_peak();
+    std::printf("generate: rank 0: prefill computed %lld of %lld prompt tokens (a group's prompt once), %lld more "
+                "for sequences that gave way; KV pool peak %lld of %lld blocks of %lld (%lld positions) holding %lld "
+                "(%.1f%% unused); %lld sequence%s gave way and %s prefilled again; decode steps: mean batch %.1f, %.0f "
+                "cached positions read each\n",
+                (long long)(decoder.prefill_tokens_computed() - stats.recomputed),
+                (long long)(decoder.prefill_tokens_given() - stats.recomputed), (long long)stats.recomputed,
+                (long long)kv.peak_used_blocks(), (long long)kv.blocks(), (long long)kv.block_size(),
+                (long long)peak, (long long)held, peak > 0 ? 100.0 * double(peak - held) / double(peak) : 0.0,
+                (long long)stats.preemptions, stats.preemptions == 1 ? "" : "s",
+                stats.preemptions == 1 ? "was" : "were", double(stats.decode_rows) / double(stats.decode_steps),
+                double(decoder.decode_positions_read()) / double(stats.decode_steps));
+  }
   if (const std::string profile = decoder.profile_report(out.seconds); rank == 0 && !profile.empty())
     std::printf("generate: rank 0: %s", profile.c_str());
   out.completions = gather(std::move(mine), comm);

@@ -123,6 +123,7 @@ void Decoder::decode(std::span<const int32_t> slots, std::span<const int32_t> to
     SHARDLM_CHECK(kv_.length(s) >= 1 && kv_.length(s) < limits_.max_len, "internal: slot %d holds %lld of %lld positions",
                   s, (long long)kv_.length(s), (long long)limits_.max_len);
     kv_.grow(s, kv_.length(s) + 1);
+    decode_positions_ += kv_.length(s);
   }
   decode_forward(slots, tokens, logits);
 }

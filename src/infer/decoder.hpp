@@ -85,6 +85,9 @@ class Decoder {
   // Prompt tokens the prefills computed (a group's prompt once), and those they were given.
   int64_t prefill_tokens_computed() const { return prefill_computed_; }
   int64_t prefill_tokens_given() const { return prefill_given_; }
+  // Cached positions the decode steps attended over, summed (a step reads each
+  // of its sequences' keys and values once): the KV part of the HBM floor.
+  int64_t decode_positions_read() const { return decode_positions_; }
 
   // One parameter's new values (bf16, as the weight broadcast carries them),
   // after the InferenceModel took them: a decoder with its own copy of the
@@ -147,7 +150,7 @@ class Decoder {
   KvBlocks kv_;
 
  private:
-  int64_t prefill_computed_ = 0, prefill_given_ = 0;
+  int64_t prefill_computed_ = 0, prefill_given_ = 0, decode_positions_ = 0;
   // prefill's plan, reused: the distinct prompts, their slots, each slot's source.
   std::vector<int32_t> unique_slots_, source_;
   std::vector<std::span<const int32_t>> unique_prompts_;

@@ -196,6 +196,7 @@ std::vector<Completion> generate(Decoder& decoder, std::span<const GenerateReque
         held[size_t(slot)] = r;
         since[size_t(slot)] = admitted++;
         ++active;
+        if (!resume[size_t(r)].empty()) counts.recomputed += len;
         step_slots.push_back(slot);
         step_prompts.push_back(p);
       }
@@ -239,6 +240,7 @@ std::vector<Completion> generate(Decoder& decoder, std::span<const GenerateReque
   }
   if (stats) {
     stats->preemptions += counts.preemptions;
+    stats->recomputed += counts.recomputed;
     stats->prefills += counts.prefills;
     stats->decode_steps += counts.decode_steps;
     stats->decode_rows += counts.decode_rows;

@@ -74,6 +74,7 @@ struct GenerateStats {
   int64_t decode_steps = 0;    // decode calls
   int64_t decode_rows = 0;     // sequences over the decode calls (the mean batch: rows / steps)
   int64_t preemptions = 0;     // sequences that gave their blocks way and were prefilled again later
+  int64_t recomputed = 0;      // positions those later prefills computed again (prompt + tokens drawn)
 };
 
 // Every request to its end (a stop id or max_new_tokens), in continuous

@@ -69,6 +69,20 @@ expect "generate from the exported HF directory" 0 "15 completions" \
   "$BIN" generate --hf "$WORK/hf" "${SAMPLE[@]}" --out "$WORK/hf.h5" --batch 8
 expect "generate under mpirun -np 2" 0 "over 2 ranks" \
   $MPIRUN --oversubscribe --bind-to none -np 2 "$BIN" generate --hf "$WORK/hf" "${SAMPLE[@]}" --out "$WORK/np2.h5" --batch 2
+# A pool of 48 positions (the longest sequence needs 33 + 23): sequences wait for
+# blocks and give them way; the file is the roomy pool's.
+"$BIN" generate --hf "$WORK/hf" "${SAMPLE[@]}" --out "$WORK/pool.h5" --batch 8 --kv-cache-tokens 64 > "$WORK/pool.log" 2>&1
+rc=$?
+if [ $rc = 0 ] && grep -qE "; [1-9][0-9]* sequences? gave way" "$WORK/pool.log"; then
+  pass "generate --kv-cache-tokens 64: a pool smaller than the batch's; sequences gave way"
+else fail "generate --kv-cache-tokens 64 (exit $rc): no sequence gave way"; tail -3 "$WORK/pool.log"; fi
+"$BIN" generate --hf "$WORK/hf" "${SAMPLE[@]}" --out "$WORK/roomy.h5" --batch 15 > "$WORK/roomy.log" 2>&1
+if grep -qE "prefill computed 65 of 195 prompt tokens \(a group's prompt once\), 0 more" "$WORK/roomy.log"; then
+  pass "a roomy pool: the 5 prompts' 65 tokens computed once for their 15 samples (195 given)"
+else fail "a roomy pool's prefill line: $(grep -o 'prefill computed[^;]*' "$WORK/roomy.log")"; fi
+check_py "... and it writes the roomy pool's file, logprobs to the bit" "
+a, _ = load('hf.h5'); b, _ = load('pool.h5')
+ok = all(np.array_equal(a[k], b[k]) for k in a)"
 check_py "checkpoint and fp32 export give the same completions, logprobs to the bit" "
 a, _ = load('ckpt.h5'); b, _ = load('hf.h5')
 ok = all(np.array_equal(a[k], b[k]) for k in ('tokens', 'offsets', 'model_logprobs', 'sampling_logprobs', 'finish_reason'))"

@@ -173,6 +173,11 @@ TEST_CASE("paged decoding = the unpaged layout token for token: greedy and sampl
       CHECK(tight.stats.preemptions > 0);
       CHECK(tight.peak_blocks <= tight.blocks);
       CHECK(tight.computed > unique_tokens);  // prompts of sequences that gave way, computed again
+      CHECK(tight.stats.recomputed > 0);
+      CHECK(roomy.stats.recomputed == 0);
+      MESSAGE(name << " T=" << temperature << ": prefill computed " << tight.computed << " = " << unique_tokens
+                   << " unique + " << tight.stats.recomputed << " again for sequences that gave way");
+      CHECK(tight.computed - tight.stats.recomputed == unique_tokens);  // no group went in parts here
     }
   }
 }
