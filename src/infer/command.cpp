@@ -281,11 +281,13 @@ void print_setup(const GenerateSetup& g, int world) {
   const GenerateArgs& args = g.args;
   const Decoder& decoder = *g.decoder;
   const DecoderLimits& l = decoder.limits();
-  std::printf("generate: %s | %lld prompt%s x %lld sample%s over %d rank%s | %s | batch %lld, cache %lld positions "
-              "(%.1f MiB), weights %.1f MiB | temperature %g, top-k %lld, top-p %g, seed %llu, stop ids %zu\n",
+  std::printf("generate: %s | %lld prompt%s x %lld sample%s over %d rank%s | %s | batch %lld, sequences up to %lld "
+              "positions, KV pool %lld positions (%.1f MiB), weights %.1f MiB | temperature %g, top-k %lld, top-p %g, "
+              "seed %llu, stop ids %zu\n",
               g.model.source.c_str(), (long long)g.prompts.size(), g.prompts.size() == 1 ? "" : "s",
               (long long)args.n, args.n == 1 ? "" : "s", world, world == 1 ? "" : "s", decoder.describe().c_str(),
-              (long long)l.slots, (long long)l.max_len, decoder.cache_bytes() / 1048576.0,
+              (long long)l.slots, (long long)l.max_len, (long long)(pool_blocks(l) * l.block_size),
+              decoder.cache_bytes() / 1048576.0,
               (decoder.weight_bytes() ? decoder.weight_bytes() : g.model.bytes()) / 1048576.0,
               args.sampling.temperature,
               (long long)args.sampling.top_k, args.sampling.top_p, (unsigned long long)args.sampling.seed,

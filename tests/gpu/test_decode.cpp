@@ -515,6 +515,7 @@ TEST_CASE("CUDA decoder = CPU decoder on the fixtures: prefill, 16 decode steps,
     m.load_bf16(norm, halves.data());
     gpu->load_bf16(norm, halves.data());
     std::vector<float> before = lg;
+    for (int32_t slot : slots) cpu.release(slot), gpu->release(slot);  // the sequences end; the prompts again
     cpu.prefill(slots, spans, lc.data());
     gpu->prefill(slots, spans, lg.data());
     const double moved = rel_rms(lg.data(), before.data(), size_t(4 * V));
