@@ -89,6 +89,7 @@ std::vector<Completion> generate(Decoder& decoder, std::span<const GenerateReque
   const int64_t block_size = kv.block_size();
   int64_t active = 0, admitted = 0;
   GenerateStats counts;
+  int64_t version = -1;  // of the weights the step being taken ran with
 
   // Draws one token per row of `logits` for step_slots' sequences; ends those that stop.
   auto take = [&] {
@@ -112,6 +113,8 @@ std::vector<Completion> generate(Decoder& decoder, std::span<const GenerateReque
       Completion& done = out[size_t(held[size_t(step_slots[size_t(b)])])];
       const Sampled& s = drawn[size_t(b)];
       step_tokens[size_t(b)] = s.token;
+      if (done.tokens.empty()) done.policy_first = version;
+      done.policy_last = version;
       done.tokens.push_back(s.token);
       done.sampling_logprobs.push_back(s.sampling_logprob);
     }
@@ -205,6 +208,7 @@ std::vector<Completion> generate(Decoder& decoder, std::span<const GenerateReque
     SHARDLM_CHECK(!step_slots.empty() || active > 0, "internal: a KV pool of %lld blocks admits no sequence",
                   (long long)kv.blocks());
     if (!step_slots.empty()) {
+      if (o.policy) version = o.policy();
       decoder.prefill(step_slots, step_prompts, logits);
       counts.prefills += 1;
       take();
@@ -232,6 +236,7 @@ std::vector<Completion> generate(Decoder& decoder, std::span<const GenerateReque
     step_tokens.clear();
     for (int32_t slot : step_slots) step_tokens.push_back(last[size_t(slot)]);
     if (!step_slots.empty()) {
+      if (o.policy) version = o.policy();
       decoder.decode(step_slots, step_tokens, logits);
       counts.decode_steps += 1;
       counts.decode_rows += int64_t(step_slots.size());

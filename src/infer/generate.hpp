@@ -18,6 +18,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <string>
 #include <vector>
@@ -46,6 +47,9 @@ struct Completion {
   std::vector<float> tempered_logprobs;    // log_softmax(logits / temperature)[token], nothing truncated:
                                            //   what the RL loss compares at that temperature (= model when greedy)
   Finish finish = Finish::Length;
+  // The policy versions (GenerateOptions::policy) its first and last tokens
+  // were drawn with; -1 without a policy callback.
+  int64_t policy_first = -1, policy_last = -1;
 };
 
 struct GenerateOptions {
@@ -59,6 +63,12 @@ struct GenerateOptions {
   // The order free slots are taken in (empty: 0, 1, ...). Tests permute it to
   // show that a completion does not depend on its slot.
   std::vector<int32_t> slot_order;
+  // Called before every prefill and decode step: it may give the decoder new
+  // weights (an in-flight update: the running sequences go on with them, their
+  // cached keys and values staying as they were computed) and returns the
+  // version of the weights that step runs with, which each completion records
+  // (policy_first, policy_last). Empty: no version recorded.
+  std::function<int64_t()> policy;
 };
 
 // Limits for `slots` sequences of these prompts and max_new_tokens, with a KV

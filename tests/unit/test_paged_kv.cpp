@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <numeric>
 #include <string>
 #include <vector>
 
@@ -18,6 +19,7 @@
 #include "infer/generate.hpp"
 #include "infer/kv_blocks.hpp"
 #include "infer/model.hpp"
+#include "shardlm/dtype.hpp"
 
 using namespace shardlm;
 namespace fs = std::filesystem;
@@ -183,3 +185,83 @@ TEST_CASE("paged decoding = the unpaged layout token for token: greedy and sampl
 }
 
 }  // TEST_SUITE
+
+TEST_CASE("an in-flight weight update between two decode steps: the running sequences go on with the new weights") {
+  // Greedy over a batch that holds every sequence (no stop id): the reference
+  // drives the decoder by hand, one prefill then one decode step after another,
+  // and changes the weights before decode step 4; generate() does the same
+  // through GenerateOptions::policy.
+  InferenceModel m = InferenceModel::from_hf(fs::path("tests/fixtures") / "qwen3-qknorm");
+  const int64_t V = m.config().vocab_size;
+  const auto prompts = mixed_prompts(5, V);
+  const ParamInfo& norm = m.weights->layout.head().param("model.norm.weight");
+  std::vector<uint16_t> changed(size_t(norm.numel));
+  for (int64_t i = 0; i < norm.numel; ++i) changed[size_t(i)] = f32_to_bf16_rne(i % 3 == 0 ? 2.0f : 0.25f);
+  const InferenceModel original = InferenceModel::from_hf(fs::path("tests/fixtures") / "qwen3-qknorm");
+  constexpr int64_t kNew = 10, kSwapBefore = 4;  // the swap before decode step 4 (the 5th forward)
+
+  GenerateOptions o;
+  o.sampling = {.temperature = 0.0, .top_k = 0, .top_p = 1.0, .seed = 1};
+  o.max_new_tokens = kNew;
+  std::vector<GenerateRequest> requests;
+  for (size_t p = 0; p < prompts.size(); ++p) requests.push_back({int64_t(p), 0, prompts[p]});
+  const DecoderLimits limits = plan_limits(m.config(), requests, int64_t(prompts.size()), kNew, "test");
+
+  // The reference, by hand.
+  std::vector<std::vector<int32_t>> want(prompts.size());
+  {
+    InferenceModel ref = InferenceModel::from_hf(fs::path("tests/fixtures") / "qwen3-qknorm");
+    CpuDecoder decoder(ref, limits);
+    const int64_t B = int64_t(prompts.size());
+    std::vector<int32_t> slots(static_cast<size_t>(B)), tokens(static_cast<size_t>(B));
+    std::iota(slots.begin(), slots.end(), 0);
+    std::vector<std::span<const int32_t>> spans(prompts.begin(), prompts.end());
+    std::vector<float> logits(size_t(B * V));
+    const auto argmax = [&] {
+      for (int64_t b = 0; b < B; ++b) {
+        const float* row = logits.data() + b * V;
+        tokens[size_t(b)] = int32_t(std::max_element(row, row + V) - row);  // the lowest id on ties
+        want[size_t(b)].push_back(tokens[size_t(b)]);
+      }
+    };
+    decoder.prefill(slots, spans, logits.data());
+    argmax();
+    for (int64_t step = 1; step < kNew; ++step) {
+      if (step == kSwapBefore) ref.load_bf16(ref.weights->layout.head().param("model.norm.weight"), changed.data());
+      decoder.decode(slots, tokens, logits.data());
+      argmax();
+    }
+  }
+
+  // generate() with the update given by the policy callback.
+  int64_t calls = 0;
+  o.policy = [&] {
+    if (++calls == kSwapBefore + 1) m.load_bf16(norm, changed.data());
+    return calls > kSwapBefore ? int64_t(7) : int64_t(6);  // the versions: 6, then 7 from the swap on
+  };
+  std::vector<Completion> got;
+  {
+    CpuDecoder decoder(m, limits);
+    got = generate(decoder, requests, o);
+  }
+  // Without the update.
+  GenerateOptions fixed = o;
+  fixed.policy = nullptr;
+  CpuDecoder plain(original, limits);
+  const std::vector<Completion> unchanged = generate(plain, requests, fixed);
+
+  REQUIRE(got.size() == prompts.size());
+  int changed_after = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    CAPTURE(i);
+    CHECK(got[i].tokens == want[i]);
+    CHECK(got[i].policy_first == 6);
+    CHECK(got[i].policy_last == 7);
+    CHECK(unchanged[i].policy_first == -1);
+    // The first kSwapBefore tokens were drawn before the update: the same as without it.
+    CHECK(std::equal(got[i].tokens.begin(), got[i].tokens.begin() + kSwapBefore, unchanged[i].tokens.begin()));
+    changed_after += got[i].tokens != unchanged[i].tokens;
+  }
+  MESSAGE(changed_after << " of " << got.size() << " sequences changed by the update");
+  CHECK(changed_after >= 1);  // the update did change what was drawn
+}
