@@ -197,7 +197,8 @@ void Metrics::log(const StepStats& s) {
         row += "]";
       }
     }
-    row += fmt(", \"rollout_wait_s\": %.6g", s.rollout_wait_s);
+    row += fmt(", \"rollout_wait_s\": %.6g, \"rollout_wait_fraction\": %.6g", s.rollout_wait_s,
+               s.step_time_s > 0 ? s.rollout_wait_s / s.step_time_s : 0.0);
     // The step's rollout file's own measurements, prefixed: "rollout_reward_mean", ...
     for (const auto& [name, v] : s.rollout_metrics) {
       const std::string key = "rollout_" + name;

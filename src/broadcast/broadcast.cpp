@@ -597,6 +597,10 @@ struct WeightReceiver::State {
   std::vector<uint16_t> data;        // one unit (communicator) or one parameter (filesystem), bf16
   std::vector<float> f32;
   int64_t last = -1;                 // filesystem: the last step read (acknowledged)
+  // Communicator: the next header's receive, posted by a poll (next with wait
+  // = false) and tested by the later ones until it arrives.
+  Header header;
+  MPI_Request header_request = MPI_REQUEST_NULL;
   // From GPU memory to a host sink, `data` holds the largest unit from the
   // start (no reallocation after) and is page-locked: the unit's copy down, and
   // a GPU decoder's copy back up, run at the link's speed (pageable: ~8 GB/s).
@@ -632,17 +636,31 @@ WeightReceiver::~WeightReceiver() = default;
 
 WeightReceiver::Got WeightReceiver::next(bool wait, bool newest_only, const Sink& sink, const DeviceSink& device_sink) {
   if (done_) return Got::Done;
-  return filesystem_ ? next_from_filesystem(wait, newest_only, sink) : next_over_comm(sink, device_sink);
+  return filesystem_ ? next_from_filesystem(wait, newest_only, sink) : next_over_comm(wait, sink, device_sink);
 }
 
-WeightReceiver::Got WeightReceiver::next_over_comm(const Sink& sink, const DeviceSink& device_sink) {
+WeightReceiver::Got WeightReceiver::next_over_comm(bool wait, const Sink& sink, const DeviceSink& device_sink) {
   State& st = *state_;
-  Header h;
+  // The header's receive (exchange_header's first half), posted here or by an
+  // earlier poll; a poll returns while it has not arrived.
+  if (st.header_request == MPI_REQUEST_NULL)
+    MPI_CHECK(MPI_Ibcast(&st.header, sizeof st.header, MPI_BYTE, 0, rt_.broadcast_comm, &st.header_request));
+  if (!wait) {
+    int arrived = 0;  // the request is MPI_REQUEST_NULL once it has
+    MPI_CHECK(MPI_Test(&st.header_request, &arrived, MPI_STATUS_IGNORE));
+    if (!arrived) return Got::Nothing;
+  }
   // Sampling ranks wait for the trainers at most data.rollout_timeout_s (the
   // first weights after the trainers' setup, the next after a step); a
   // `receive` rank waits as long as the trainers train between broadcasts.
   const bool sampler = rt_.role == Role::Generate;
-  exchange_header(h, rt_.broadcast_comm, sampler ? config_.data.rollout_timeout_s : 0, received_ > 0);
+  const double bound_s = sampler ? config_.data.rollout_timeout_s : 0;
+  if (st.header_request != MPI_REQUEST_NULL)
+    wait_for_other_side(rt_.broadcast_comm, &st.header_request, "weight broadcast header", bound_s, received_ > 0);
+  const Header h = st.header;
+  MPI_Request start;  // the second half: every receiver is there before the units go
+  MPI_CHECK(MPI_Ibarrier(rt_.broadcast_comm, &start));
+  wait_for_other_side(rt_.broadcast_comm, &start, "weight broadcast start", bound_s, received_ > 0);
   maybe_inject_fault("receive");
   SHARDLM_CHECK(h.magic == kMagic, "receive: the trainer sent a header that is not shardlm's");
   if (h.kind == kDone) {

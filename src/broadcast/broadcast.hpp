@@ -151,19 +151,22 @@ class WeightReceiver {
   enum class Got { Weights, Nothing, Done };
   // The next step's weights into `sink` (Weights), or the end of training
   // (Done: exit_code() is the trainers'). The communicator path always waits
-  // for the next message. The filesystem path reads the oldest step directory
-  // not read yet, or the newest with `newest_only` (the older ones are
-  // acknowledged with it); with wait = false it returns Nothing when none is
-  // ready. After DONE, acknowledges the end to trainer rank 0.
+  // for the next message, or with wait = false posts the header's receive
+  // (once) and returns Nothing while it has not arrived; once it has, the
+  // whole step is received then (an in-flight update between two decode
+  // steps). The filesystem path reads the oldest step directory not read yet,
+  // or the newest with `newest_only` (the older ones are acknowledged with
+  // it); with wait = false it returns Nothing when none is ready. After DONE,
+  // acknowledges the end to trainer rank 0.
   Got next(bool wait, bool newest_only, const Sink& sink, const DeviceSink& device_sink = nullptr);
-  bool can_poll() const { return filesystem_; }  // next(wait = false) can come back empty-handed
+  bool done() const { return done_; }  // the trainers' end was received
   int64_t step() const { return step_; }          // of the last weights received (-1: none)
   int64_t received() const { return received_; }
   int exit_code() const { return exit_code_; }
   const BroadcastTiming& timing() const { return timing_; }  // of the last weights received over the communicator
 
  private:
-  Got next_over_comm(const Sink& sink, const DeviceSink& device_sink);
+  Got next_over_comm(bool wait, const Sink& sink, const DeviceSink& device_sink);
   Got next_from_filesystem(bool wait, bool newest_only, const Sink& sink);
   struct State;
   const Config& config_;

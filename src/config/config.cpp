@@ -206,6 +206,7 @@ const std::vector<KeySpec>& key_table() {
       within(key("rollout.top_k", Type::Int, FIELD(rollout.top_k)), 0, 2147483647),
       up_to(positive(key("rollout.batch", Type::Int, FIELD(rollout.batch))), 65536),
       within(key("rollout.kv_cache_tokens", Type::Int, FIELD(rollout.kv_cache_tokens)), 0, 2147483647),
+      key("rollout.in_flight_updates", Type::Bool, FIELD(rollout.in_flight_updates)),
       one_of(key("rollout.reward", Type::Strings, FIELD(rollout.reward)), {"exact", "numeric", "regex", "program"}),
       within(key("rollout.reward_weights", Type::Floats, FIELD(rollout.reward_weights)), -1e6, 1e6),
       key("rollout.reward_regex", Type::String, FIELD(rollout.reward_regex)),

@@ -78,6 +78,8 @@ std::vector<char> pack(const std::vector<Completion>& cs) {
     put(b, &c.prompt, sizeof c.prompt);
     put(b, &c.sample, sizeof c.sample);
     put(b, &c.finish, sizeof c.finish);
+    put(b, &c.policy_first, sizeof c.policy_first);
+    put(b, &c.policy_last, sizeof c.policy_last);
     put_vec(b, c.tokens);
     put_vec(b, c.sampling_logprobs);
     put_vec(b, c.model_logprobs);
@@ -92,6 +94,8 @@ void unpack(const char* p, const char* end, std::vector<Completion>& out) {
     get(p, c.prompt);
     get(p, c.sample);
     get(p, c.finish);
+    get(p, c.policy_first);
+    get(p, c.policy_last);
     get_vec(p, c.tokens);
     get_vec(p, c.sampling_logprobs);
     get_vec(p, c.model_logprobs);

@@ -18,6 +18,7 @@
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <thread>
 
 #include <nlohmann/json.hpp>
 
@@ -202,7 +203,9 @@ struct Publisher {
   }
 
   // The step's rollout file from what was kept, its metrics and log lines.
-  void publish(int64_t step, int64_t policy_step, double sample_s, double wait_s) {
+  // policy_step: the weights held when the step began (the file names its oldest sample's); in_flight: weights
+  // taken while it was sampled; step_s: its wall time, waits included.
+  void publish(int64_t step, int64_t policy_step, double sample_s, double wait_s, int64_t in_flight, double step_s) {
     const RolloutSection& ro = config.rollout;
     SHARDLM_CHECK(!kept.completions.empty(),
                   "rollout step %lld: no group of samples with differing rewards in %lld rounds of %lld prompts "
@@ -213,6 +216,17 @@ struct Publisher {
     const std::vector<Completion>& completions = kept.completions;
     const std::vector<double>& rewards = kept.rewards;
     const std::vector<float> advantages = group_advantages(rewards, ro.n, ro.advantage);
+    // The file's policy step is its oldest sample's first token's; how old each
+    // sample's oldest token is when this step trains on it, counted.
+    std::vector<double> staleness(size_t(std::max<int64_t>(config.data.max_async, 0) + 1), 0.0);
+    int64_t oldest = INT64_MAX;
+    for (const Completion& c : completions)
+      if (c.policy_first >= 0) oldest = std::min(oldest, c.policy_first);
+    if (oldest != INT64_MAX) policy_step = oldest;
+    for (const Completion& c : completions) {
+      const int64_t age = step - (c.policy_first >= 0 ? c.policy_first : policy_step);
+      staleness[size_t(std::clamp<int64_t>(age, 0, int64_t(staleness.size()) - 1))] += 1;
+    }
 
     RolloutFile f;
     f.step = step;
@@ -249,6 +263,10 @@ struct Publisher {
       metrics.insert(metrics.end(), {{"dynamic_rounds", double(kept.rounds)},
                                      {"dynamic_dropped_groups", double(kept.dropped_groups)},
                                      {"dynamic_groups", double(completions.size() / size_t(ro.n))}});
+    for (size_t k = 0; k < staleness.size(); ++k)
+      metrics.push_back({"staleness_" + std::to_string(k), staleness[k] / double(completions.size())});
+    metrics.push_back({"in_flight_updates", double(in_flight)});
+    metrics.push_back({"sampler_wait_fraction", step_s > 0 ? wait_s / step_s : 0.0});
     if (ro.truncated == "penalty")
       metrics.push_back({"overlong_penalty_mean", kept.overlong_penalty / double(std::max<size_t>(kept.sampled.size(), 1))});
     f.rewards = rewards;
@@ -427,6 +445,23 @@ int run_inference_role(const Config& config, Runtime& rt) {
                   (long long)receiver.received(), receiver.received() == 1 ? "" : "s"), std::fflush(stdout);
     return receiver.exit_code();
   };
+  // Every prefill and decode step first takes the weights that arrived since
+  // the last (rollout.in_flight_updates, one inference rank) and records the
+  // version it runs with (Completion::policy_first / policy_last).
+  SHARDLM_CHECK(!ro.in_flight_updates || world == 1,
+                "rollout.in_flight_updates = true with %d inference ranks: weights are taken between decode steps on "
+                "one inference rank only (each rank would take them at a step of its own while the others wait in the "
+                "broadcast); run one inference rank or set it false", world);
+  int64_t in_flight = 0;
+  // tests: SHARDLM_FAULT=sample_slow@R makes each of inference rank R's rollout forwards wait first
+  const char* slow_text = std::getenv("SHARDLM_SAMPLE_SLOW_MS");
+  const int64_t slow_ms = fault_armed("sample_slow") ? (slow_text ? std::atoll(slow_text) : 100) : 0;
+  options.policy = [&] {
+    if (slow_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(slow_ms));
+    if (ro.in_flight_updates)
+      while (receiver.next(/*wait=*/false, newest_only, to_host, to_device) == WeightReceiver::Got::Weights) ++in_flight;
+    return receiver.step();
+  };
   // The trainers broadcast their starting weights once (WeightBroadcaster::start).
   if (next() == WeightReceiver::Got::Done) return ended();
   if (rank == 0) publisher->open_jsonl(fs::path(config.run.dir) / "rollouts.jsonl", receiver.step());
@@ -439,6 +474,9 @@ int run_inference_role(const Config& config, Runtime& rt) {
     while (receiver.step() < step - config.data.max_async)
       if (next() == WeightReceiver::Got::Done) return ended();
     const double wait_s = seconds_since(t_wait);
+    if (receiver.done()) break;  // the trainers ended while the last step was sampled
+    const int64_t step_policy = receiver.step();
+    in_flight = 0;
 
     // Round 0 draws the step's prompts; with rollout.dynamic_sampling, rank 0
     // may ask for further rounds of as many prompts, each from its own stream.
@@ -462,7 +500,7 @@ int run_inference_role(const Config& config, Runtime& rt) {
       wait_collective(comm, &request, "dynamic sampling round");
       if (!more) break;
     }
-    if (rank == 0) publisher->publish(step, receiver.step(), sample_s, wait_s);
+    if (rank == 0) publisher->publish(step, step_policy, sample_s, wait_s, in_flight, seconds_since(t_wait));
     evaluator.if_due(receiver.step());  // while the trainers train on this step
   }
   // The rest of the broadcasts, to the trainers' end (and its exit code).
