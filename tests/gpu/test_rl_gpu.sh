@@ -34,7 +34,12 @@ rl() {
               --set "data.rollout_dir=$out/$name/rollouts" --set "rollout.prompts=$out/task/prompts.h5"
               --set device.backend="$dev" --set run.deterministic=true --set run.max_steps=$steps
               --set ckpt.interval=0 --set ckpt.save_final=false --set log.interval=1)
-  if ! env "$@" timeout 600 "${MPI[@]}" -np 1 "$BUILD/shardlm" train "${args[@]}" : -np 1 "$BUILD/shardlm" generate \
+  local e extra=()
+  for e in "$@"; do [[ $e == ARGS_EXTRA=* ]] && read -ra extra <<< "${e#ARGS_EXTRA=}"; done
+  args+=("${extra[@]}")
+  local envs=()
+  for e in "$@"; do [[ $e == ARGS_EXTRA=* ]] || envs+=("$e"); done
+  if ! env "${envs[@]}" timeout 600 "${MPI[@]}" -np 1 "$BUILD/shardlm" train "${args[@]}" : -np 1 "$BUILD/shardlm" generate \
       "${args[@]}" > "$out/$name.log" 2>&1; then
     echo "FAIL $name: the RL job failed:"; tail -8 "$out/$name.log"
     return 1
@@ -44,6 +49,18 @@ rl device SHARDLM_BROADCAST_IPC=0 || exit 1
 rl host SHARDLM_RECEIVE_TO_HOST=1 SHARDLM_BROADCAST_IPC=0 || exit 1
 # The weights through a CUDA IPC handle (the default on a one-GPU machine).
 rl ipc || exit 1
+# In-flight updates on the GPU decoder: weights taken between decode steps
+# (the copy task's steps are short: the sampler is slowed, as in
+# tests/scripts/test_rl_in_flight.sh, so that they arrive mid-step).
+rl in-flight SHARDLM_FAULT=sample_slow@1 SHARDLM_SAMPLE_SLOW_MS=100 ARGS_EXTRA="--set data.max_async=2 --set rollout.batch=64 --set rollout.in_flight_updates=true" || exit 1
+"$PY" - "$out/in-flight" <<'PYEOF'
+import json, sys
+rows = [json.loads(l) for l in open(f"{sys.argv[1]}/rollouts.jsonl")]
+loads = sum(r["in_flight_updates"] for r in rows)
+ok = loads >= 1 and all(0 <= r["step"] - r["policy_step"] <= 2 for r in rows)
+print(f"{'PASS' if ok else 'FAIL'} in-flight updates on the GPU decoder: {loads} weights taken mid-step over {len(rows)} "
+      "steps, every file within data.max_async")
+PYEOF
 
 if [ "$dev" = cuda ]; then
   if grep -q "units arrive in GPU memory" "$out/device.log"; then
