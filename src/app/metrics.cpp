@@ -1,6 +1,7 @@
 // metrics.cpp — progress lines, metrics.jsonl (rows and events), TensorBoard scalars, the run summary.
 #include "app/metrics.hpp"
 
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstring>
@@ -118,8 +119,12 @@ void Metrics::log(const StepStats& s) {
     ++evaluations_, last_eval_loss_ = s.eval_loss, last_eval_step_ = step1;
     if (evaluations_ == 1 || s.eval_loss < best_eval_loss_) best_eval_loss_ = s.eval_loss, best_eval_step_ = step1;
   }
-  // An evaluated step is always shown: the eval loss is rarer than the progress line.
-  if (!writer_ || (step1 % config_.log.interval != 0 && step1 != config_.run.max_steps && !s.evaluated)) return;
+  // An evaluated step is always shown: the eval loss, and the inference ranks'
+  // evaluation its rollout file carries, are rarer than the progress line.
+  const bool accuracy = std::any_of(s.rollout_metrics.begin(), s.rollout_metrics.end(),
+                                    [](const auto& m) { return m.first.starts_with("eval_"); });
+  if (!writer_ || (step1 % config_.log.interval != 0 && step1 != config_.run.max_steps && !s.evaluated && !accuracy))
+    return;
 
   const double elapsed = elapsed_s();
   const double tok_s = window_time_s_ > 0 ? static_cast<double>(window_tokens_) / window_time_s_ : 0.0;
@@ -199,9 +204,10 @@ void Metrics::log(const StepStats& s) {
     }
     row += fmt(", \"rollout_wait_s\": %.6g, \"rollout_wait_fraction\": %.6g", s.rollout_wait_s,
                s.step_time_s > 0 ? s.rollout_wait_s / s.step_time_s : 0.0);
-    // The step's rollout file's own measurements, prefixed: "rollout_reward_mean", ...
+    // The step's rollout file's own measurements, prefixed: "rollout_reward_mean", ...; the
+    // inference ranks' latest evaluation (eval_accuracy, ...) under its own names.
     for (const auto& [name, v] : s.rollout_metrics) {
-      const std::string key = "rollout_" + name;
+      const std::string key = name.starts_with("eval_") ? name : "rollout_" + name;
       row += fmt(", \"%s\": %s", key.c_str(), number(key.c_str(), v, nonfinite).c_str());
     }
   }
@@ -239,7 +245,8 @@ void Metrics::log(const StepStats& s) {
                                    {"rl/is_capped_fraction", s.is_capped_fraction},
                                    {"rl/is_masked_fraction", s.is_masked_fraction}})
         scalars.push_back({tag, float(v)});
-    for (const auto& [name, v] : s.rollout_metrics) scalars.push_back({"rollout/" + name, float(v)});
+    for (const auto& [name, v] : s.rollout_metrics)
+      scalars.push_back({name.starts_with("eval_") ? "eval/" + name.substr(5) : "rollout/" + name, float(v)});
     if (s.evaluated) scalars.push_back({"eval/loss", float(s.eval_loss)});
     tensorboard_->scalars(step1, now, scalars);
   }

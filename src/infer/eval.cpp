@@ -221,6 +221,9 @@ void Evaluator::evaluate(int64_t policy_step) {
               "%.2f | %.2f s\n", (long long)policy_step, s.accuracy, (long long)s.correct, (long long)s.prompts,
               s.reward_mean, sampled_text.c_str(), length_mean, seconds);
   std::fflush(stdout);
+  metrics_ = {{"eval_policy_step", double(policy_step)}, {"eval_accuracy", s.accuracy},
+              {"eval_reward_mean", s.reward_mean}, {"eval_response_length_mean", length_mean}};
+  if (k > 0) metrics_.insert(metrics_.end(), {{"eval_pass_at_k", s.pass_at_k}, {"eval_pass_at_1", s.pass_at_1}});
   if (!jsonl_) return;
   std::string row = fmt("{\"step\": %lld, \"eval_policy_step\": %lld, \"eval_prompts\": %lld, \"eval_samples\": %lld, "
                         "\"eval_correct\": %lld, \"eval_accuracy\": %.9g, \"eval_reward_mean\": %.9g",
@@ -231,5 +234,7 @@ void Evaluator::evaluate(int64_t policy_step) {
   jsonl_ << row;
   jsonl_.flush();
 }
+
+std::vector<std::pair<std::string, double>> Evaluator::take_metrics() { return std::exchange(metrics_, {}); }
 
 }  // namespace shardlm

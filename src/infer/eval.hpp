@@ -18,6 +18,7 @@
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "data/prompts.hpp"
@@ -95,6 +96,10 @@ class Evaluator {
   // already, when eval.at_end and the run ended normally (0).
   void at_end(int64_t policy_step, int exit_code);
   int64_t evaluations() const { return evaluations_; }
+  // Rank 0: the numbers of the evaluations since the last call, the latest's
+  // (eval_policy_step, eval_accuracy, ...; empty when none ran), for the next
+  // rollout file's metrics: the trainers log them beside the training reward.
+  std::vector<std::pair<std::string, double>> take_metrics();
 
  private:
   void evaluate(int64_t policy_step);
@@ -111,6 +116,7 @@ class Evaluator {
   GenerateOptions greedy_, sampled_;
   int64_t last_step_ = -1;  // the policy step evaluated last (-1: none)
   int64_t evaluations_ = 0;
+  std::vector<std::pair<std::string, double>> metrics_;  // the latest evaluation's, until taken
   std::ofstream jsonl_;
 };
 

@@ -205,7 +205,9 @@ struct Publisher {
   // The step's rollout file from what was kept, its metrics and log lines.
   // policy_step: the weights held when the step began (the file names its oldest sample's); in_flight: weights
   // taken while it was sampled; step_s: its wall time, waits included.
-  void publish(int64_t step, int64_t policy_step, double sample_s, double wait_s, int64_t in_flight, double step_s) {
+  // evaluated: the latest evaluation's numbers (Evaluator::take_metrics), carried with the step's.
+  void publish(int64_t step, int64_t policy_step, double sample_s, double wait_s, int64_t in_flight, double step_s,
+               std::vector<std::pair<std::string, double>> evaluated) {
     const RolloutSection& ro = config.rollout;
     SHARDLM_CHECK(!kept.completions.empty(),
                   "rollout step %lld: no group of samples with differing rewards in %lld rounds of %lld prompts "
@@ -267,6 +269,7 @@ struct Publisher {
       metrics.push_back({"staleness_" + std::to_string(k), staleness[k] / double(completions.size())});
     metrics.push_back({"in_flight_updates", double(in_flight)});
     metrics.push_back({"sampler_wait_fraction", step_s > 0 ? wait_s / step_s : 0.0});
+    metrics.insert(metrics.end(), evaluated.begin(), evaluated.end());
     if (ro.truncated == "penalty")
       metrics.push_back({"overlong_penalty_mean", kept.overlong_penalty / double(std::max<size_t>(kept.sampled.size(), 1))});
     f.rewards = rewards;
@@ -500,7 +503,8 @@ int run_inference_role(const Config& config, Runtime& rt) {
       wait_collective(comm, &request, "dynamic sampling round");
       if (!more) break;
     }
-    if (rank == 0) publisher->publish(step, step_policy, sample_s, wait_s, in_flight, seconds_since(t_wait));
+    if (rank == 0)
+      publisher->publish(step, step_policy, sample_s, wait_s, in_flight, seconds_since(t_wait), evaluator.take_metrics());
     evaluator.if_due(receiver.step());  // while the trainers train on this step
   }
   // The rest of the broadcasts, to the trainers' end (and its exit code).

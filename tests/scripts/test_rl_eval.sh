@@ -63,6 +63,19 @@ for r in rows:
     assert r["eval_reward_mean"] == r["eval_accuracy"], r  # the regex reward is 0 or 1
 assert len(open(f"{d}/rollouts.jsonl").readlines()) == 4
 EOF
+check "the trainers log each evaluation beside the training reward (metrics.jsonl eval_*, the next rollout file's \
+step): policy steps 0 and 2, eval.jsonl's numbers" "$PY" - "$T/rl" <<'EOF'
+import json, sys
+d = sys.argv[1]
+evals = {r["step"]: r for r in map(json.loads, open(f"{d}/eval.jsonl"))}
+logged = [r for r in map(json.loads, open(f"{d}/metrics.jsonl")) if "eval_accuracy" in r]
+assert [int(r["eval_policy_step"]) for r in logged] == [0, 2], logged
+for r in logged:
+    e = evals[int(r["eval_policy_step"])]
+    for key in ("eval_accuracy", "eval_reward_mean", "eval_pass_at_k", "eval_pass_at_1"):
+        assert abs(r[key] - e[key]) < 1e-6, (key, r, e)
+    assert "rollout_reward_mean" in r, r
+EOF
 
 # The same weights offline: shardlm generate + tools/score_generate.py.
 offline() {  # offline NAME MODEL_DIR GENERATE_ARGS...: scores in $T/NAME.json
