@@ -32,7 +32,8 @@
 #   tools/bench_rl_objectives.sh [--small]     --small: a tiny model on the CPU (checks the script here)
 #   WORK=runs/rl-objectives RL_STEPS=60 SEG=30 MIN_ACC=0.2 MAX_SFT=120 VARIANTS="clipped gspo" \
 #     PLOT=docs/images/rl-objectives.png tools/bench_rl_objectives.sh
-#   SHARDLM (build/shardlm), PYTHON (one with h5py and numpy; matplotlib for the plot)
+#   SHARDLM (build/shardlm), PYTHON (one with h5py and numpy; matplotlib for the plot),
+#   PLOT (docs/images/rl-objectives.png; with --small, WORK/rl-objectives.png)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=${SHARDLM:-build/shardlm}
