@@ -57,9 +57,8 @@ int64_t Decoder::prefill_blocks(std::span<const std::span<const int32_t>> prompt
   int64_t need = 0;
   for (size_t i = 0; i < prompts.size(); ++i) {
     const auto& p = prompts[i];
-    const bool shared = std::any_of(prompts.begin(), prompts.begin() + ptrdiff_t(i), [&](const auto& q) {
-      return q.data() == p.data() && q.size() == p.size();
-    });
+    const bool shared =
+        std::any_of(prompts.begin(), prompts.begin() + ptrdiff_t(i), [&](const auto& q) { return same_span(q, p); });
     // A group's first sample fills the prompt's blocks; the others copy the last one when it is partly filled.
     need += shared ? int64_t(p.size() % size_t(kv_.block_size()) != 0) : kv_.blocks_for(int64_t(p.size()));
   }
@@ -95,7 +94,7 @@ void Decoder::prefill(std::span<const int32_t> slots, std::span<const std::span<
                   (long long)limits_.max_len);
     prefill_given_ += int64_t(p.size());
     for (size_t u = 0; u < unique_prompts_.size(); ++u)
-      if (unique_prompts_[u].data() == p.data() && unique_prompts_[u].size() == p.size()) source_[size_t(i)] = int32_t(u);
+      if (same_span(unique_prompts_[u], p)) source_[size_t(i)] = int32_t(u);
     if (source_[size_t(i)] >= 0) continue;
     source_[size_t(i)] = int32_t(unique_prompts_.size());
     unique_slots_.push_back(slot);

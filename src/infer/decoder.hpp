@@ -42,6 +42,12 @@
 
 namespace shardlm {
 
+// Two prompts are one group's (computed once, blocks shared) when they are
+// the same span: the same tokens at the same address.
+inline bool same_span(std::span<const int32_t> a, std::span<const int32_t> b) {
+  return a.data() == b.data() && a.size() == b.size();
+}
+
 struct DecoderLimits {
   int64_t slots = 8;             // sequences held at once (the decode batch at most)
   int64_t max_len = 0;           // positions one sequence may reach: prompt + generated tokens

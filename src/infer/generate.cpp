@@ -170,10 +170,7 @@ std::vector<Completion> generate(Decoder& decoder, std::span<const GenerateReque
       // while nothing runs, goes in parts.
       const std::span<const int32_t> p = prompt_of(waiting.front());
       size_t group = 1;
-      while (group < waiting.size() && resume[size_t(waiting[group])].empty() &&
-             resume[size_t(waiting.front())].empty() && requests[size_t(waiting[group])].tokens.data() == p.data() &&
-             requests[size_t(waiting[group])].tokens.size() == p.size())
-        ++group;
+      while (group < waiting.size() && same_span(prompt_of(waiting[group]), p)) ++group;  // a resumed one is alone
       const int64_t len = int64_t(p.size());
       size_t fits = 0;
       int64_t group_need = 0, group_grows = 0;
