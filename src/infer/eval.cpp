@@ -39,30 +39,8 @@ PromptSet read_eval_prompts(const Config& config, const ModelConfig& mc) {
 }
 
 void check_eval_prompts(const Config& config, const PromptSet& prompts, const ModelConfig& mc) {
-  const RolloutSection& ro = config.rollout;
-  const EvalSection& ev = config.eval;
-  for (const std::string& kind : ro.reward) {
-    const bool needs_answers =
-        kind == "exact" || kind == "numeric" || (kind == "regex" && ro.reward_regex.find("{answer}") != std::string::npos);
-    SHARDLM_CHECK(!needs_answers || !prompts.answers.empty(),
-                  "prompt file '%s' (eval.prompts) has no 'answer' dataset, and rollout.reward's \"%s\", which judges "
-                  "the evaluation, compares with a reference answer per prompt (tools/make_prompts.py stores each "
-                  "line's \"answer\")", prompts.path.c_str(), kind.c_str());
-  }
-  for (int64_t p = 0; p < prompts.size(); ++p) {
-    const int64_t len = int64_t(prompts.prompt(p).size());
-    // As for the rollouts' prompts: what the policy is evaluated on is what it could be trained on.
-    SHARDLM_CHECK(len + ev.max_new_tokens <= config.data.seq_len + 1,
-                  "prompt file '%s' (eval.prompts): prompt %lld has %lld tokens; with eval.max_new_tokens = %lld a "
-                  "completion can make %lld tokens, more than data.seq_len + 1 = %lld (lower eval.max_new_tokens or "
-                  "raise data.seq_len)", prompts.path.c_str(), (long long)p, (long long)len,
-                  (long long)ev.max_new_tokens, (long long)(len + ev.max_new_tokens),
-                  (long long)(config.data.seq_len + 1));
-  }
-  for (int32_t id : prompts.stop_ids)
-    SHARDLM_CHECK(id < mc.vocab_size,
-                  "prompt file '%s' (eval.prompts): stop token id %d is outside the model's vocabulary [0, %lld)",
-                  prompts.path.c_str(), id, (long long)mc.vocab_size);
+  check_prompt_file(config, prompts, mc,
+                    {"eval.prompts", "eval.max_new_tokens", config.eval.max_new_tokens, ", which judges the evaluation,"});
 }
 
 namespace {

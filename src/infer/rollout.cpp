@@ -302,29 +302,34 @@ struct Publisher {
 
 }  // namespace
 
-void check_prompts(const Config& config, const PromptSet& prompts, const ModelConfig& mc) {
+void check_prompt_file(const Config& config, const PromptSet& prompts, const ModelConfig& mc, const PromptUse& use) {
   const RolloutSection& ro = config.rollout;
+  const char* file = prompts.path.c_str();
   for (const std::string& kind : ro.reward) {
     const bool needs_answers =
         kind == "exact" || kind == "numeric" || (kind == "regex" && ro.reward_regex.find("{answer}") != std::string::npos);
     SHARDLM_CHECK(!needs_answers || !prompts.answers.empty(),
-                  "prompt file '%s' (rollout.prompts) has no 'answer' dataset, and rollout.reward's \"%s\" compares "
-                  "with a reference answer per prompt (tools/make_prompts.py stores each line's \"answer\")",
-                  prompts.path.c_str(), kind.c_str());
+                  "prompt file '%s' (%s) has no 'answer' dataset, and rollout.reward's \"%s\"%s compares with a "
+                  "reference answer per prompt (tools/make_prompts.py stores each line's \"answer\")",
+                  file, use.key, kind.c_str(), use.judge);
   }
   for (int64_t p = 0; p < prompts.size(); ++p) {
     const int64_t len = int64_t(prompts.prompt(p).size());
-    // A sample of k tokens fills k - 1 positions of a trainer's row.
-    SHARDLM_CHECK(len + ro.max_new_tokens <= config.data.seq_len + 1,
-                  "prompt file '%s': prompt %lld has %lld tokens; with rollout.max_new_tokens = %lld a sample can "
-                  "have %lld tokens, more than data.seq_len + 1 = %lld (raise data.seq_len or lower "
-                  "rollout.max_new_tokens)", prompts.path.c_str(), (long long)p, (long long)len,
-                  (long long)ro.max_new_tokens, (long long)(len + ro.max_new_tokens),
-                  (long long)(config.data.seq_len + 1));
+    // A sample of k tokens fills k - 1 positions of a trainer's row: what the
+    // policy is evaluated on is what it could be trained on.
+    SHARDLM_CHECK(len + use.max_new_tokens <= config.data.seq_len + 1,
+                  "prompt file '%s' (%s): prompt %lld has %lld tokens; with %s = %lld a sample can have %lld tokens, "
+                  "more than data.seq_len + 1 = %lld (lower %s or raise data.seq_len)", file, use.key, (long long)p,
+                  (long long)len, use.budget_key, (long long)use.max_new_tokens, (long long)(len + use.max_new_tokens),
+                  (long long)(config.data.seq_len + 1), use.budget_key);
   }
   for (int32_t id : prompts.stop_ids)
-    SHARDLM_CHECK(id < mc.vocab_size, "prompt file '%s': stop token id %d is outside the model's vocabulary [0, %lld)",
-                  prompts.path.c_str(), id, (long long)mc.vocab_size);
+    SHARDLM_CHECK(id < mc.vocab_size, "prompt file '%s' (%s): stop token id %d is outside the model's vocabulary [0, %lld)",
+                  file, use.key, id, (long long)mc.vocab_size);
+}
+
+void check_prompts(const Config& config, const PromptSet& prompts, const ModelConfig& mc) {
+  check_prompt_file(config, prompts, mc, {"rollout.prompts", "rollout.max_new_tokens", config.rollout.max_new_tokens, ""});
 }
 
 std::vector<int64_t> prompts_for_step(uint64_t seed, int64_t step, int64_t per_step, int64_t file_prompts) {

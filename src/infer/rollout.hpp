@@ -48,9 +48,17 @@ class TokenDecoder;
 // not part of it (the rollouts' rewards and the evaluation's, infer/eval.hpp).
 std::string completion_text(const Completion& c, const TokenDecoder* tokenizer);
 
-// The prompt file against the deck: the answers its verifiers need, each
-// prompt with rollout.max_new_tokens within data.seq_len + 1, stop ids within
-// the vocabulary. Throws Error naming the file and the prompt.
+// A prompt file against the deck: the answers rollout.reward needs, each
+// prompt with its token budget within data.seq_len + 1, stop ids within the
+// vocabulary. Throws Error naming the file, its key and the prompt.
+struct PromptUse {
+  const char* key;          // the deck key that names the file: "rollout.prompts", "eval.prompts"
+  const char* budget_key;   // the key of max_new_tokens
+  int64_t max_new_tokens;
+  const char* judge;        // after the reward's name: "" or ", which judges the evaluation,"
+};
+void check_prompt_file(const Config& config, const PromptSet& prompts, const ModelConfig& mc, const PromptUse& use);
+// rollout.prompts: check_prompt_file with rollout.max_new_tokens.
 void check_prompts(const Config& config, const PromptSet& prompts, const ModelConfig& mc);
 
 // The decoder's limits on one of `generators` inference ranks: the file's

@@ -149,7 +149,7 @@ check "check refuses an eval prompt file without answers for the answer-based re
   refused "$T/bad2.log" "prompt file '$T/no-answers.h5' (eval.prompts) has no 'answer' dataset, and rollout.reward's \"regex\"" \
   --set "eval.prompts=$T/no-answers.h5"
 check "check refuses eval.max_new_tokens = 5 with 5-token prompts and data.seq_len = 8" \
-  refused "$T/bad3.log" "prompt file '$T/held/prompts.h5' (eval.prompts): prompt 0 has 5 tokens; with eval.max_new_tokens = 5 a completion can make 10 tokens, more than data.seq_len + 1 = 9" \
+  refused "$T/bad3.log" "prompt file '$T/held/prompts.h5' (eval.prompts): prompt 0 has 5 tokens; with eval.max_new_tokens = 5 a sample can have 10 tokens, more than data.seq_len + 1 = 9" \
   --set eval.max_new_tokens=5
 ARGS_BAD=("${ARGS[@]}" --set "run.dir=$T/bad" --set "data.rollout_dir=$T/bad/rollouts" --set "eval.prompts=$T/none.h5")
 timeout 120 "${MPI[@]}" -np 1 "$BIN" train "${ARGS_BAD[@]}" : -np 1 "$BIN" generate "${ARGS_BAD[@]}" > "$T/bad4.log" 2>&1

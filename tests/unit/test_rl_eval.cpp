@@ -145,8 +145,8 @@ TEST_CASE("the eval prompt file against the deck: answers, prompt + eval.max_new
                              prompt_set({5}, false), mc);
         }) == "(no error)");
   CHECK(error_of([&] { check_eval_prompts(eval_deck({"eval.max_new_tokens=3"}), prompt_set({5, 7}), mc); }) ==
-        "prompt file 'held.h5' (eval.prompts): prompt 1 has 7 tokens; with eval.max_new_tokens = 3 a completion can "
-        "make 10 tokens, more than data.seq_len + 1 = 9 (lower eval.max_new_tokens or raise data.seq_len)");
+        "prompt file 'held.h5' (eval.prompts): prompt 1 has 7 tokens; with eval.max_new_tokens = 3 a sample can "
+        "have 10 tokens, more than data.seq_len + 1 = 9 (lower eval.max_new_tokens or raise data.seq_len)");
   PromptSet far_stop = prompt_set({5});
   far_stop.stop_ids = {16};
   CHECK(error_of([&] { check_eval_prompts(eval_deck(), far_stop, mc); }) ==
