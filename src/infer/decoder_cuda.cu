@@ -488,16 +488,18 @@ bf16* CudaDecoder::weight_of(const ParamInfo& p) {
 
 void CudaDecoder::load_bf16(const ParamInfo& p, const uint16_t* values) {
   bf16* dst = weight_of(p);
-  // Between generate() calls nothing runs on the stream; the copy is synchronous
-  // (pageable source), so `values` may be reused when this returns.
+  // Between two steps (an in-flight update) or two generate() calls: the
+  // stream drained first, then a synchronous copy (pageable source), so
+  // `values` may be reused when this returns.
   CUDA_CHECK(cudaStreamSynchronize(stream_));
   CUDA_CHECK(cudaMemcpy(dst, values, size_t(p.numel) * sizeof(uint16_t), cudaMemcpyHostToDevice));
 }
 
 void CudaDecoder::load_bf16_device(const ParamInfo& p, const void* values) {
   bf16* dst = weight_of(p);
-  // Between generate() calls nothing else runs on the stream; done before this
-  // returns, so the receiver's buffer may take the next unit.
+  // Between two steps (an in-flight update) or two generate() calls, in the
+  // stream's order; done before this returns, so the receiver's buffer may
+  // take the next unit.
   CUDA_CHECK(cudaMemcpyAsync(dst, values, size_t(p.numel) * sizeof(uint16_t), cudaMemcpyDefault, stream_));
   CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
