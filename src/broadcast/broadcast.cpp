@@ -81,12 +81,19 @@ void bcast_bytes(void* data, int64_t bytes, MPI_Comm comm, bool watch_peers = tr
 // A wait for the other side of the job (comm.hpp): watched by its progress,
 // bounded by `bound_s`; `watch_peers` false while the trainers may still be
 // setting up (the first broadcast).
+// The barrier after the header (its second half; a receiver that posted the
+// header's broadcast itself, to poll it, calls this once it has arrived).
+void header_barrier(MPI_Comm link, double bound_s, bool watch_peers) {
+  MPI_Request r;
+  MPI_CHECK(MPI_Ibarrier(link, &r));
+  wait_for_other_side(link, &r, "weight broadcast start", bound_s, watch_peers);
+}
+
 void exchange_header(Header& h, MPI_Comm link, double bound_s, bool watch_peers) {
   MPI_Request r;
   MPI_CHECK(MPI_Ibcast(&h, sizeof h, MPI_BYTE, 0, link, &r));
   wait_for_other_side(link, &r, "weight broadcast header", bound_s, watch_peers);
-  MPI_CHECK(MPI_Ibarrier(link, &r));
-  wait_for_other_side(link, &r, "weight broadcast start", bound_s, watch_peers);
+  header_barrier(link, bound_s, watch_peers);
 }
 
 int64_t max_padded(const ModelLayout& l) {
@@ -658,9 +665,7 @@ WeightReceiver::Got WeightReceiver::next_over_comm(bool wait, const Sink& sink, 
   if (st.header_request != MPI_REQUEST_NULL)
     wait_for_other_side(rt_.broadcast_comm, &st.header_request, "weight broadcast header", bound_s, received_ > 0);
   const Header h = st.header;
-  MPI_Request start;  // the second half: every receiver is there before the units go
-  MPI_CHECK(MPI_Ibarrier(rt_.broadcast_comm, &start));
-  wait_for_other_side(rt_.broadcast_comm, &start, "weight broadcast start", bound_s, received_ > 0);
+  header_barrier(rt_.broadcast_comm, bound_s, received_ > 0);
   maybe_inject_fault("receive");
   SHARDLM_CHECK(h.magic == kMagic, "receive: the trainer sent a header that is not shardlm's");
   if (h.kind == kDone) {
