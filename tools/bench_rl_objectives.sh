@@ -36,27 +36,15 @@
 #   PLOT (docs/images/rl-objectives.png; with --small, WORK/rl-objectives.png)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-BIN=${SHARDLM:-build/shardlm}
 W=${WORK:-runs/rl-objectives}
 SEG=${SEG:-30}
 MIN_ACC=${MIN_ACC:-0.2}
 MAX_SFT=${MAX_SFT:-120}
 RL_STEPS=${RL_STEPS:-60}
 VARIANTS=${VARIANTS:-masked clipped gspo cispo dr_grpo dapo}
-PY=""
-for p in ${PYTHON:-} python3 /usr/bin/python3; do
-  if "$p" -c 'import h5py, numpy' 2>/dev/null; then PY=$p; break; fi
-done
-[ -n "$PY" ] || { echo "bench_rl_objectives.sh: no python with h5py and numpy (set PYTHON)" >&2; exit 1; }
-if [ "$(id -u)" = 0 ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; fi
-export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive}
-DEV=cuda
-SETS=()
-if [ "${1:-}" = --small ]; then
-  DEV=cpu
-  SETS=(--set model.hidden_size=${SMALL_HIDDEN:-64} --set model.intermediate_size=$((${SMALL_HIDDEN:-64} * 2)) --set model.num_layers=${SMALL_LAYERS:-2}
-        --set model.num_heads=4 --set model.num_kv_heads=2 --set model.head_dim=16 --set device.backend=cpu)
-fi
+NAME=bench_rl_objectives.sh
+source tools/rl_bench_lib.sh
+rl_bench_init "$@"
 # The plot of a --small run stays in its work dir.
 PLOT=${PLOT:-$([ "$DEV" = cuda ] && echo docs/images/rl-objectives.png || echo "$W/rl-objectives.png")}
 
@@ -75,8 +63,6 @@ for v in $VARIANTS; do
   variant_keys "$v" > /dev/null ||
     { echo "bench_rl_objectives.sh: unknown variant '$v' (masked clipped gspo cispo dr_grpo dapo)" >&2; exit 1; }
 done
-now() { date +%s.%N; }
-since() { awk -v t0="$1" -v t1="$(now)" 'BEGIN { printf "%.1f", t1 - t0 }'; }
 
 T_ALL=$(now)
 rm -rf "$W"
@@ -85,37 +71,12 @@ t0=$(now)
 "$PY" tools/make_arith_task.py --out-dir "$W/task" | tee "$W/task.log"
 echo "phase task: $(since "$t0") s"
 
-heldout() {  # heldout LABEL MODEL-ARGS...: greedy on the held-out problems, scored
-  local label=$1
-  shift
-  "$BIN" generate "$@" --prompts "$W/task/heldout.h5" --temperature 0 --max-new-tokens 4 --batch 256 \
-    --device "$DEV" --out "$W/heldout-$label.h5" > "$W/heldout-$label.log" 2>&1 ||
-    { cat "$W/heldout-$label.log"; return 1; }
-  "$PY" tools/score_generate.py "$W/heldout-$label.h5" "$W/task/heldout.h5" --label "$label" \
-    --json "$W/heldout-$label.json"
-}
-accuracy() { "$PY" -c "import json; print(json.load(open('$W/heldout-$1.json'))['accuracy'])"; }
+HELDOUT=$W/task/heldout.h5
 
-# 1. SFT in segments, each starting from the last one's export (a fresh AdamW,
-#    a new data order), evaluated on the held-out problems after each: the
-#    warm start of tools/bench_rl_arith.sh, step for step.
+# 1. The warm start of tools/bench_rl_arith.sh, step for step (tools/rl_bench_lib.sh).
 t0=$(now)
-steps=0
-from=()
-while :; do
-  steps=$((steps + SEG))
-  "$BIN" train inputs/bench/arith-sft.toml --set "run.dir=$W/sft/run-$steps" --set "data.path=$W/task/sft.h5" \
-    --set "run.max_steps=$SEG" --set "run.seed=$((7 + steps))" --set "run.export_dir=$W/sft/export-$steps" \
-    --set 'run.export_dtype="fp32"' --set ckpt.save_final=false "${from[@]}" ${SETS[@]+"${SETS[@]}"} \
-    >> "$W/sft.log" 2>&1 || { tail -30 "$W/sft.log"; exit 1; }
-  [ ${#from[@]} -gt 0 ] && rm -rf "${from[1]#model.hf=}"
-  from=(--set "model.hf=$W/sft/export-$steps" --set sched.warmup=0)
-  heldout "sft-$steps" --hf "$W/sft/export-$steps"
-  acc=$(accuracy "sft-$steps")
-  "$PY" -c "import sys; sys.exit(0 if $acc >= $MIN_ACC or $steps >= $MAX_SFT else 1)" && break
-done
-mv "$W/sft/export-$steps" "$W/sft-export"
-cp "$W/heldout-sft-$steps.json" "$W/heldout-before.json"
+sft_warm_start inputs/bench/arith-sft.toml "$W/task/sft.h5" 4
+steps=$SFT_STEPS
 echo "phase sft: $steps steps, each segment scored on the held-out problems, $(since "$t0") s; warm start: $W/sft-export"
 
 # 2. The shared RL deck, and every variant checked against it before any runs.
@@ -148,7 +109,7 @@ for v in $VARIANTS; do
        -np 1 "$BIN" generate "${RL[@]}" > "$W/rl-$v.log" 2>&1; then
     rl_s=$(since "$t0")
     t1=$(now)
-    if heldout "$v" --hf "$W/rl-$v/export"; then
+    if heldout "$v" 4 --hf "$W/rl-$v/export"; then
       echo "phase rl $v: $RL_STEPS steps in $rl_s s; held-out scoring $(since "$t1") s"
     else
       failed+=("$v")
