@@ -14,6 +14,10 @@ PYTHON=${PYTHON:-/usr/bin/python3}
 export PYTHON BUILD
 results="$BUILD/test-results.txt"
 : > "$results"
+logs="$BUILD/test-logs"  # each suite's output, whose tail the summary repeats when the suite failed
+rm -rf "$logs"
+mkdir -p "$logs"
+log_of() { echo "$logs/$(tr -c 'A-Za-z0-9._-' '_' <<< "$1")"; }
 
 if [ "$(id -u)" = 0 ]; then
   export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
@@ -31,10 +35,14 @@ run_suite() {
   local before
   before=$(grep -c . "$results")
   echo "== $name"
-  SHARDLM_TEST_RESULTS="$results" SHARDLM_TEST_SUITE="$name" timeout --kill-after=10 "$limit" "$@"
-  local rc=$?
+  SHARDLM_TEST_RESULTS="$results" SHARDLM_TEST_SUITE="$name" timeout --kill-after=10 "$limit" "$@" 2>&1 |
+    tee "$(log_of "$name")"
+  local rc=${PIPESTATUS[0]}
   if [ "$(grep -c . "$results")" = "$before" ]; then
-    echo "$name: no result (exit status $rc$([ $rc = 124 ] && echo ', timed out'))" >&2
+    local why=""
+    [ $rc = 124 ] && why=", timed out"
+    [ $rc -gt 128 ] && why=", killed by signal $((rc - 128))"
+    echo "$name: no result (exit status $rc$why)" | tee -a "$(log_of "$name")" >&2
     echo "0 1 $name" >> "$results"
   fi
 }
@@ -58,6 +66,7 @@ run_script() {
   local out rc p f
   out=$(timeout "$limit" bash "$t" 2>&1); rc=$?
   echo "$out"
+  echo "$out" > "$(log_of "$t")"
   p=$(grep -c '^PASS' <<< "$out"); f=$(grep -c '^FAIL' <<< "$out")
   if [ $rc != 0 ] && [ "$f" = 0 ]; then f=1; fi
   echo "$p $f $t" >> "$results"
@@ -106,6 +115,14 @@ fi
 passed=$(awk '{p+=$1} END {print p+0}' "$results")
 failed=$(awk '{f+=$2} END {print f+0}' "$results")
 if [ "$failed" != 0 ]; then
+  # What each failing suite printed last, where a log that shows only the end of the run still has it.
+  awk '$2 > 0 {print $3}' "$results" | while read -r name; do
+    f=$(log_of "$name")
+    [ -s "$f" ] || continue
+    echo "--- $name: the failures and the last lines of its output"
+    grep -E '^FAIL|ERROR:|FAILED|: no result' "$f" | head -20
+    tail -25 "$f"
+  done
   echo "failing suites:"; awk '$2 > 0 {print "  " $3 ": " $2 " failed"}' "$results"
 fi
 echo "$passed passed, $failed failed"

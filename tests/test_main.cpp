@@ -83,6 +83,8 @@ REGISTER_REPORTER("rank_failures", 1, RankFailures);
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Line by line into a pipe or file too: a suite that dies still shows what it printed last.
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);
   // Set by tests/run.sh (and forwarded by mpirun -x): where the counts go.
   const char* results_path = std::getenv("SHARDLM_TEST_RESULTS");
   const char* suite = std::getenv("SHARDLM_TEST_SUITE") ? std::getenv("SHARDLM_TEST_SUITE") : "tests";
