@@ -110,7 +110,8 @@ struct MemoryPlan {
   int64_t device_grads = 0;  // GPU: the offload pipeline's fp32 gradient accumulators
   int64_t data_reader = 0;   // host: token readers of data.path and eval.path (data.hpp's DataMemory)
   int64_t checkpoint_snapshot = 0;  // host: the async checkpoint's copy of the state (ckpt.async)
-  int64_t reference_weights = 0;    // host: RL's frozen starting weights (loss.ref_kl_coef > 0, CPU backend)
+  int64_t reference_weights = 0;    // host: RL's frozen starting weights, fp32 (loss.ref_kl_coef > 0)
+  int64_t reference_copies = 0;     // GPU: their bf16 copy the reference pass reads
   // Of which the pool gives up on a host without room (ckpt.async_host_gib = 0:
   // it then takes half of what is left and stages saves); the plan fits without it.
   int64_t checkpoint_snapshot_flexible = 0;
@@ -128,7 +129,8 @@ struct MemoryPlan {
            (device ? 0 : gathered + activations + workspace);
   }
   int64_t device_total() const {
-    return device ? device_state + device_grads + param_copies + gathered + activations + workspace : 0;
+    return device ? device_state + device_grads + param_copies + reference_copies + gathered + activations + workspace
+                  : 0;
   }
   int64_t total() const { return host_total() + device_total(); }
 };

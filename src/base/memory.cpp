@@ -115,7 +115,7 @@ std::string format_memory_plan(const MemoryPlan& p, int world) {
       {"workspace", where, p.workspace},            {"output staging", "host", p.host_workspace},
       {"comm staging", "host", p.comm_staging},     {"offload buffers", "host", p.offload_buffers},
       {"data reader", "host", p.data_reader},       {"ckpt snapshot", "host", p.checkpoint_snapshot},
-      {"reference weights", "host", p.reference_weights}};
+      {"reference weights", "host", p.reference_weights}, {"reference copies", "GPU", p.reference_copies}};
   for (const auto& [name, place, bytes] : rows)
     if (bytes > 0) out += fmt("  %-18s %-5s %12.3f MiB\n", name, place, mib(bytes));
   out += fmt("  %-18s %-5s %12.3f MiB\n", "total", "host", mib(p.host_total()));

@@ -775,9 +775,6 @@ void check_rl(const Config& c, const Errors& err) {
   if (c.rollout.dynamic_sampling && c.rollout.n == 1)
     err("rollout.dynamic_sampling = true with rollout.n = 1: a group of one sample always has equal rewards, so "
         "every group would be dropped");
-  if (c.loss.type == "rl" && c.loss.ref_kl_coef > 0 && c.device.backend == "cuda")
-    err("loss.ref_kl_coef > 0 runs on the CPU backend only so far (the frozen reference weights and their forward "
-        "pass are not built for device.backend = \"cuda\"); set loss.ref_kl_coef = 0 or device.backend = \"cpu\"");
   if (uses("program") && c.rollout.reward_program.empty())
     err("rollout.reward = \"program\" needs rollout.reward_program (a command: completions as JSONL on its stdin, "
         "one reward per line on its stdout; docs/rl.md)");

@@ -305,11 +305,14 @@ class CudaBackend final : public Backend {
       rows.push_back(bytes_row("rl_row_stats", w, cuda::rl_loss_row_stats_bytes(d.chunk), &rl_row_stats_));
       rows.push_back(row("rl_stats", w, cuda::kRlStatsFields, &rl_stats_));
       if (o.rl_params.is_level != IsLevel::None) rows.push_back(row("sampling_logprobs", w, d.N, &sampling_logprobs_));
-      if (o.rl_params.needs_sequence_terms()) {  // the sample sums and the forward-only pass's logprobs
+      if (o.rl_params.needs_sequence_terms()) {  // the sample sums
         rows.push_back(row("sequence_log_ratio", w, d.N, &sequence_log_ratio_));
         rows.push_back(row("sequence_log_is", w, d.N, &sequence_log_is_));
-        rows.push_back(row("token_logprobs", w, d.N, &token_logprobs_));
       }
+      if (o.rl_params.ref_kl_coef > 0) rows.push_back(row("ref_logprobs", w, d.N, &ref_logprobs_));
+      // The forward-only passes' logprobs: the sample sums', the frozen reference's.
+      if (o.rl_params.needs_sequence_terms() || o.rl_params.ref_kl_coef > 0)
+        rows.push_back(row("token_logprobs", w, d.N, &token_logprobs_));
     }
 
     residual_.assign(size_t(L + 1), nullptr);
@@ -559,6 +562,8 @@ class CudaBackend final : public Backend {
         upload(sequence_log_ratio_, b.sequence_log_ratio, 8 * b.N);
         upload(sequence_log_is_, b.sequence_log_is, 8 * b.N);
       }
+      has_ref_logprobs_ = ref_logprobs_ && b.ref_logprobs;  // likewise the reference's
+      if (has_ref_logprobs_) upload(ref_logprobs_, b.ref_logprobs, 4 * b.N);
     }
     if (ring_) {
       SHARDLM_CHECK(b.token_index, "internal: a context-parallel micro-batch without token indices");
@@ -793,7 +798,7 @@ class CudaBackend final : public Backend {
   RlTokenInputs rl_device_inputs() const {
     return {advantages_, inference_logprobs_, has_sampling_logprobs_ ? sampling_logprobs_ : nullptr, temperatures_,
             has_sequence_terms_ ? sequence_log_ratio_ : nullptr, has_sequence_terms_ ? sequence_log_is_ : nullptr,
-            /*ref_logprobs: loss.ref_kl_coef runs on the CPU backend only*/ nullptr};
+            has_ref_logprobs_ ? ref_logprobs_ : nullptr};
   }
 
   static const bf16* bf(const void* p) { return static_cast<const bf16*>(p); }
@@ -991,8 +996,9 @@ class CudaBackend final : public Backend {
   float *advantages_ = nullptr, *inference_logprobs_ = nullptr, *temperatures_ = nullptr;  // RL, (N) each
   float* sampling_logprobs_ = nullptr;   // RL with loss.is_level: (N); used when the micro-batch has them
   double *sequence_log_ratio_ = nullptr, *sequence_log_is_ = nullptr;  // RL, a loss over whole samples: (N) each
-  float* token_logprobs_ = nullptr;      // RL, a loss over whole samples: (N) the forward-only pass's logprobs
-  bool has_sampling_logprobs_ = false, has_sequence_terms_ = false;  // the loaded micro-batch's
+  float* token_logprobs_ = nullptr;  // RL, a loss over whole samples or a reference KL: (N) a forward-only pass's logprobs
+  float* ref_logprobs_ = nullptr;    // RL, loss.ref_kl_coef > 0: (N) the frozen reference's logprobs
+  bool has_sampling_logprobs_ = false, has_sequence_terms_ = false, has_ref_logprobs_ = false;  // the loaded micro-batch's
   float* inv_freq_ = nullptr;
   std::vector<void*> residual_;          // (L + 1) x (N, C) of the stream's type (stream_bytes_)
   int64_t stream_bytes_ = 2;             // the residual stream's element: 2 (bf16) or 4 (fp32)

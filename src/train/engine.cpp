@@ -12,6 +12,10 @@
 #include "train/sequence_pass.hpp"
 
 namespace shardlm {
+
+// The version a backend's weight caches (FP8 codes) are told during a pass on
+// other weights: never one of the training weights' (0, 1, ...).
+constexpr int64_t kOtherWeightsVersion = -2;
 namespace {
 
 int64_t max_padded(const ModelLayout& layout) {
@@ -156,7 +160,8 @@ MemoryPlan plan_memory(const ModelConfig& config, int world, const EngineOptions
   // A loss over whole samples: the forward-only pass's host buffers (train/sequence_pass.hpp).
   (plan.device ? plan.host_workspace : plan.workspace) += sequence_pass_bytes(o);
   // The KL term against the starting weights: their frozen copy (train/reference_pass.hpp).
-  plan.reference_weights += reference_weights_bytes(o, layout, backend);
+  plan.reference_weights += reference_weights_bytes(o, layout);
+  plan.reference_copies += reference_copies_bytes(o, layout, backend);
   return plan;
 }
 
@@ -221,7 +226,7 @@ void Engine::embed_rows_fp32(const TokenBatch& b, float* rows) {
   const Unit& u = model_.layout.embed();
   const int64_t C = config_.hidden_size, M = options_.max_tokens, W = comm_.size();
   state_->param_ready(0);
-  const float* master = state_->master_shard(0);
+  const float* master = this->master(0);
   void* stream = backend_->stream();
   const int64_t k = row_chunks_.tokens;
   auto chunk_tokens = [&](int64_t j) { return std::min(k, M - j * k); };
@@ -236,7 +241,7 @@ void Engine::embed_rows_fp32(const TokenBatch& b, float* rows) {
   }
   const int64_t chunks = sharded_ ? (used + k - 1) / k : 1;
   const int64_t begin = comm_.rank() * u.shard_numel;
-  const bool on_device = state_->master_on_device(0);
+  const bool on_device = master_on_device(0);
   if (on_device) cuda_copy_async(row_ids_dev_, row_ids_.data(), 4 * (sharded_ ? W * std::min(chunks * k, M) : b.N),
                                  stream);
   for (int64_t j = 0; j < chunks; ++j) {
@@ -280,7 +285,7 @@ void Engine::refresh_norms(int unit) {
   if (norm_version_[size_t(unit)] == version) return;
   norm_version_[size_t(unit)] = version;
   float* dst = backend_->norm_weights_fp32(unit);
-  const float* master = state_->master_shard(unit);
+  const float* master = this->master(unit);
   void* stream = backend_->stream();
   const std::vector<NormPiece>& pieces = norm_pieces_[size_t(unit)];
   if (!sharded_) {
@@ -332,7 +337,15 @@ Engine::~Engine() {
 
 // ---------------------------------------------------------------- gathering
 
-const void* Engine::shard(int unit) const { return weights_ ? (*weights_)[size_t(unit)] : backend_->param_shard(unit); }
+const void* Engine::shard(int unit) const {
+  return weights_ ? weights_->shards[size_t(unit)] : backend_->param_shard(unit);
+}
+const float* Engine::master(int unit) {
+  return weights_ && !weights_->masters.empty() ? weights_->masters[size_t(unit)] : state_->master_shard(unit);
+}
+bool Engine::master_on_device(int unit) const {
+  return weights_ && !weights_->masters.empty() ? false : state_->master_on_device(unit);
+}
 
 void Engine::prefetch(int unit) {
   if (!sharded_) return;
@@ -458,7 +471,8 @@ const void* Engine::lm_head_weights() {
 void Engine::forward(const TokenBatch& b, bool keep_for_backward) {
   const ModelLayout& layout = model_.layout;
   const bool release_after = !keep_for_backward || options_.reshard_after_forward;
-  backend_->set_params_version(state_->param_version());
+  // Caches of the weights (FP8 codes) hold for one version of the training weights; other weights are none.
+  backend_->set_params_version(weights_ ? kOtherWeightsVersion : state_->param_version());
   backend_->load_batch(b);
   prefetch(1);  // the first layer's gather overlaps the embedding lookup
   if (float* rows = backend_->embedding_rows_fp32()) {
@@ -539,22 +553,26 @@ void Engine::forward_logits(const TokenBatch& b, float* logits) {
   release(0);
 }
 
-void Engine::forward_token_logprobs(const TokenBatch& b, float* logprobs, const std::vector<const void*>* weights) {
+void Engine::forward_token_logprobs(const TokenBatch& b, float* logprobs, const OtherWeights* weights) {
   const int head = model_.layout.num_layers() + 1;
   state();
   if (weights) {
-    // Only the CPU backend computes from the shards it is handed; a device
-    // backend's norm weights and fp32 embedding rows come from the masters.
-    SHARDLM_CHECK(backend_->host_resident() && weights->size() == model_.layout.units.size(),
-                  "internal: a forward pass on other weights needs the CPU backend and a shard per unit");
+    const size_t units = model_.layout.units.size();
+    SHARDLM_CHECK(weights->shards.size() == units && (backend_->host_resident() || weights->masters.size() == units),
+                  "internal: a forward pass on other weights needs a shard per unit (and on a GPU their fp32 masters)");
     // A gathered unit of the training weights must not stand in for the other weights'.
     for (const auto& slot : param_slots_)
       SHARDLM_CHECK(slot.unit == -1, "internal: unit %d still gathered before a pass on other weights", slot.unit);
   }
+  // The fp32 norm weights copied from one set of masters are stale for the other.
+  std::fill(norm_version_.begin(), norm_version_.end(), -1);
   weights_ = weights;
   struct Restore {
     Engine& e;
-    ~Restore() { e.weights_ = nullptr; }
+    ~Restore() {
+      e.weights_ = nullptr;
+      std::fill(e.norm_version_.begin(), e.norm_version_.end(), -1);
+    }
   } restore{*this};
   forward(b, /*keep_for_backward=*/false);
   const void* hw = params(head);

@@ -67,6 +67,16 @@ RowChunks fp32_row_chunks(int world, int64_t max_tokens, int64_t hidden, int64_t
 // rank's token count (the chunks past it are not needed).
 int64_t chunk_row_ids(const int32_t* all_ids, int world, int64_t max_tokens, int64_t k, int32_t* out);
 
+// Weights other than the training ones, for a forward-only pass
+// (Engine::forward_token_logprobs): this rank's shard of every unit.
+struct OtherWeights {
+  std::vector<const void*> shards;    // per unit, in the backend's precision and memory (bf16 on a GPU)
+  // Per unit in fp32, host memory: what a GPU backend reads from the masters
+  // (fp32 norm weights, the fp32 stream's embedding rows). Empty on the CPU
+  // backend, whose shards are fp32 already.
+  std::vector<const float*> masters;
+};
+
 class Engine {
  public:
   // The backend is the engine's own; the model and comm are borrowed.
@@ -95,12 +105,9 @@ class Engine {
   // Forward only (RL): logprobs (N) of each position's target at its
   // temperature, as the RL loss computes them (0 without a target). Collective
   // over the ranks like forward_backward; gradients are untouched. With
-  // `weights` (one pointer per unit: this rank's shard of other weights, laid
-  // out as the backend's own, e.g. the frozen reference of
-  // train/reference_pass.hpp) the pass runs on them instead of the training
-  // weights (the CPU backend, whose parameters are the shards it reads).
-  void forward_token_logprobs(const TokenBatch& batch, float* logprobs,
-                              const std::vector<const void*>* weights = nullptr);
+  // `weights` (e.g. the frozen reference of train/reference_pass.hpp) the pass
+  // runs on them instead of the training weights.
+  void forward_token_logprobs(const TokenBatch& batch, float* logprobs, const OtherWeights* weights = nullptr);
 
   const Backend& backend() const { return *backend_; }
   Backend& backend() { return *backend_; }
@@ -130,6 +137,8 @@ class Engine {
 
   const void* params(int unit);         // gathered weights of `unit` (waits)
   const void* shard(int unit) const;    // this rank's shard of `unit`: the backend's, or weights_'s
+  const float* master(int unit);        // its fp32 shard: the state's masters, or weights_'s
+  bool master_on_device(int unit) const;
   void plan_norm_copies();              // model.norm_dtype = "fp32": the pieces below
   void refresh_norms(int unit);         // the backend's fp32 norm weights <- the masters, when they changed
   void embed_rows_fp32(const TokenBatch& b, float* rows);  // the fp32 stream's start from the masters
@@ -154,7 +163,7 @@ class Engine {
   std::unique_ptr<TrainingState> own_state_;
   // Other weights a forward-only pass reads instead of the training ones
   // (forward_token_logprobs); nullptr otherwise.
-  const std::vector<const void*>* weights_ = nullptr;
+  const OtherWeights* weights_ = nullptr;
   Comm* unit_comm_ = nullptr;           // device_comm_, or comm_ for host buffers
   DType gather_type_ = DType::F32, reduce_type_ = DType::F32;
   bool grad_slots_used_ = false;        // sharded, or gradients outside host memory

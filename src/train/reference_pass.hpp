@@ -3,10 +3,11 @@
 // each step's targets.
 //
 // Owns: ReferencePass, chosen once at start-up: for a loss with the term, the
-// frozen reference (this rank's shard of every unit, copied from the model
-// before the first update and before a checkpoint is loaded: model.hf or the
-// seeded init, which every launch builds again, so a resumed run has the same
-// reference as the uninterrupted one) and, per step, a forward-only pass of
+// frozen reference (this rank's shard of every unit in fp32 host memory,
+// copied from the model before the first update and before a checkpoint is
+// loaded: model.hf or the seeded init, which every launch builds again, so a
+// resumed run has the same reference as the uninterrupted one; a GPU backend
+// also keeps it in bf16 device memory, as its own parameters are) and, per step, a forward-only pass of
 // the engine on those weights over every micro-batch of the step, whose
 // logprobs every update's micro-batches then carry (TokenBatch::ref_logprobs);
 // for any other loss, nothing. Knows the Engine, the StepSource and the model's
@@ -45,9 +46,11 @@ class ReferencePass {
 std::unique_ptr<ReferencePass> make_reference_pass(bool rl, const RlLossParams& params, Engine& engine,
                                                    const ShardedModel& model);
 // The host memory the frozen reference takes on this rank (the memory plan's
-// row): every unit's shard in the backend's precision; 0 without the term.
-// The logprobs it keeps, 4 bytes a token of the rank's share of a step, come
-// on top.
-int64_t reference_weights_bytes(const EngineOptions& options, const ModelLayout& layout, const Backend& backend);
+// row): every unit's shard in fp32; 0 without the term. The logprobs it keeps,
+// 4 bytes a token of the rank's share of a step, come on top.
+int64_t reference_weights_bytes(const EngineOptions& options, const ModelLayout& layout);
+// On a GPU backend, the device memory of its bf16 copy (the plan's "reference
+// copies"); 0 on the CPU or without the term.
+int64_t reference_copies_bytes(const EngineOptions& options, const ModelLayout& layout, const Backend& backend);
 
 }  // namespace shardlm

@@ -61,6 +61,28 @@ ok = loads >= 1 and all(0 <= r["step"] - r["policy_step"] <= 2 for r in rows)
 print(f"{'PASS' if ok else 'FAIL'} in-flight updates on the GPU decoder: {loads} weights taken mid-step over {len(rows)} "
       "steps, every file within data.max_async")
 PYEOF
+# The KL term against the starting weights: the frozen reference's forward pass
+# on the GPU (its bf16 copy, the fp32 masters' norms). At step 0 it reads the
+# same bits as the policy, so the term is exactly 0 and the loss is the ipc
+# run's; later the policy moves away from it.
+rl ref-kl ARGS_EXTRA="--set loss.ref_kl_coef=0.1" || exit 1
+"$PY" - "$out" <<'PYEOF'
+import json, math, sys
+out = sys.argv[1]
+def steps(d):
+    rows = [json.loads(l) for l in open(f"{out}/{d}/metrics.jsonl") if l.strip()]
+    return {r["step"]: r for r in rows if "event" not in r and "loss" in r}
+ref, base = steps("ref-kl"), steps("ipc")
+kl = [ref[s].get("ref_kl") for s in sorted(ref)]
+first = min(ref)  # the first step's row: its update at the starting weights
+ok = kl and kl[0] == 0.0 and ref[first]["loss"] == base[first]["loss"]
+print(f"{'PASS' if ok else 'FAIL'} reference KL on the GPU: 0 exactly at the first step (the frozen copy is the policy's "
+      f"bits), the loss there equal to the run without the term: ref_kl {kl[:1]}, loss {ref[first]['loss']!r} vs "
+      f"{base[first]['loss']!r}")
+later = kl[1:]
+ok = len(later) >= 3 and all(k is not None and math.isfinite(k) and k > 0 for k in later)
+print(f"{'PASS' if ok else 'FAIL'} ... then above 0 as the policy moves: {['%.3g' % k for k in later]}")
+PYEOF
 
 if [ "$dev" = cuda ]; then
   if grep -q "units arrive in GPU memory" "$out/device.log"; then
