@@ -140,7 +140,7 @@ void Evaluator::open_jsonl(const fs::path& run_dir, int64_t first_step) {
 }
 
 void Evaluator::if_due(int64_t policy_step) {
-  if (enabled() && policy_step >= 0 && eval_due(last_step_, policy_step, config_.eval.interval)) evaluate(policy_step);
+  if (due(policy_step)) evaluate(policy_step);
 }
 
 void Evaluator::at_end(int64_t policy_step, int exit_code) {

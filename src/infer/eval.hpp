@@ -92,6 +92,9 @@ class Evaluator {
   // The weights of `policy_step` are held: evaluated if due (the first held,
   // or the first at or past a multiple of eval.interval not yet evaluated).
   void if_due(int64_t policy_step);
+  bool due(int64_t policy_step) const {
+    return enabled() && policy_step >= 0 && eval_due(last_step_, policy_step, config_.eval.interval);
+  }
   // The trainers ended with `exit_code`: the last weights, unless evaluated
   // already, when eval.at_end and the run ended normally (0).
   void at_end(int64_t policy_step, int exit_code);

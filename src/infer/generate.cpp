@@ -36,63 +36,75 @@ DecoderLimits plan_limits(const ModelConfig& c, std::span<const GenerateRequest>
   return limits;
 }
 
-std::vector<Completion> generate(Decoder& decoder, std::span<const GenerateRequest> requests,
-                                 const GenerateOptions& o, GenerateStats* stats) {
-  const ModelConfig& c = decoder.config();
-  const int64_t V = c.vocab_size;
-  const int64_t slots = o.slots > 0 ? std::min(o.slots, decoder.limits().slots) : decoder.limits().slots;
-  SHARDLM_CHECK(o.max_new_tokens >= 1, "--max-new-tokens %lld must be at least 1", (long long)o.max_new_tokens);
-  // Checked here for both paths: the device's draw() assumes usable values as the host Sampler does.
-  if (std::string e = sampling_params_error(o.sampling); !e.empty()) SHARDLM_FAIL("%s", e.c_str());
-  std::vector<int32_t> order = o.slot_order;
-  if (order.empty()) order.resize(size_t(slots)), std::iota(order.begin(), order.end(), 0);
-  SHARDLM_CHECK(int64_t(order.size()) == slots, "internal: a slot order of %zu for %lld slots", order.size(),
-                (long long)slots);
-  for (const GenerateRequest& r : requests)
-    SHARDLM_CHECK(!r.tokens.empty() && int64_t(r.tokens.size()) + o.max_new_tokens - 1 <= decoder.limits().max_len,
-                  "internal: prompt %lld (%zu tokens) does not fit the decoder's plan", (long long)r.prompt,
-                  r.tokens.size());
-
+// The stream's state: the slots, the queue and every request's completion so far.
+struct GenerateStream::State {
+  Decoder& decoder;
+  const GenerateOptions o;
+  const int64_t V, slots;
+  std::vector<int32_t> order;
   // Where the logits are drawn from: on the decoder's device (the GPU: no
   // logits cross to the host), or here, with one sampler (its (V) scratch) per
   // thread: rows are drawn in parallel, each from its own key, so the tokens
   // do not depend on the thread count.
-  const bool on_device = decoder.draws_on_device();
+  const bool on_device;
   std::vector<Sampler> samplers;
-  if (!on_device)
-    for (int t = 0; t < std::max(1, omp_get_max_threads()); ++t) samplers.emplace_back(o.sampling, V);
-  // Planned once: one row of logits per slot (the decoder's own buffer) and the per-row values of a step.
-  float* const logits = on_device ? nullptr : decoder.host_logits();
-  std::vector<Sampled> drawn(static_cast<size_t>(slots));
-  std::vector<double> uniforms(static_cast<size_t>(slots));
+  float* logits = nullptr;  // one row per slot (the decoder's own buffer), host-drawn only
+  // Planned once: the per-row values of a step.
+  std::vector<Sampled> drawn;
+  std::vector<double> uniforms;
   std::vector<int32_t> step_slots, step_tokens;
   std::vector<std::span<const int32_t>> step_prompts;
-  std::vector<float> model_lp(static_cast<size_t>(slots)), tempered_lp(static_cast<size_t>(slots));
-  step_slots.reserve(size_t(slots));
-  step_tokens.reserve(size_t(slots));
-  step_prompts.reserve(size_t(slots));
+  std::vector<float> model_lp, tempered_lp;
 
-  std::vector<Completion> out(requests.size());
-  std::vector<int64_t> held(size_t(slots), -1);  // request index per slot, -1 free
-  std::vector<int64_t> since(size_t(slots), 0);  // when each slot's sequence was admitted (the latest gives way)
-  std::vector<int32_t> last(size_t(slots), 0);   // the token each slot feeds next
+  std::vector<GenerateRequest> requests;  // every request added, numbered from 0
+  std::vector<Completion> out;            // each one's completion so far (moved out when taken)
+  std::vector<char> finished;
+  std::vector<int64_t> held;   // request per slot, -1 free
+  std::vector<int64_t> since;  // when each slot's sequence was admitted (the latest gives way)
+  std::vector<int32_t> last;   // the token each slot feeds next
   // Requests not yet in a slot, in order; a sequence that gave way goes back
   // to the front with its prompt and the tokens it drew (`resume`), which a
   // prefill then computes whole.
-  std::deque<int64_t> waiting(requests.size());
-  std::iota(waiting.begin(), waiting.end(), int64_t(0));
-  std::vector<std::vector<int32_t>> resume(requests.size());
-  const auto prompt_of = [&](int64_t r) {
-    return resume[size_t(r)].empty() ? requests[size_t(r)].tokens : std::span<const int32_t>(resume[size_t(r)]);
-  };
-  const KvBlocks& kv = decoder.kv();
-  const int64_t block_size = kv.block_size();
+  std::deque<int64_t> waiting;
+  std::vector<std::vector<int32_t>> resume;
   int64_t active = 0, admitted = 0;
   GenerateStats counts;
   int64_t version = -1;  // of the weights the step being taken ran with
 
+  State(Decoder& d, const GenerateOptions& options)
+      : decoder(d),
+        o(options),
+        V(d.config().vocab_size),
+        slots(options.slots > 0 ? std::min(options.slots, d.limits().slots) : d.limits().slots),
+        order(options.slot_order),
+        on_device(d.draws_on_device()) {
+    SHARDLM_CHECK(o.max_new_tokens >= 1, "--max-new-tokens %lld must be at least 1", (long long)o.max_new_tokens);
+    // Checked here for both paths: the device's draw() assumes usable values as the host Sampler does.
+    if (std::string e = sampling_params_error(o.sampling); !e.empty()) SHARDLM_FAIL("%s", e.c_str());
+    if (order.empty()) order.resize(size_t(slots)), std::iota(order.begin(), order.end(), 0);
+    SHARDLM_CHECK(int64_t(order.size()) == slots, "internal: a slot order of %zu for %lld slots", order.size(),
+                  (long long)slots);
+    if (!on_device)
+      for (int t = 0; t < std::max(1, omp_get_max_threads()); ++t) samplers.emplace_back(o.sampling, V);
+    logits = on_device ? nullptr : decoder.host_logits();
+    drawn.resize(size_t(slots));
+    uniforms.resize(size_t(slots));
+    model_lp.resize(size_t(slots));
+    tempered_lp.resize(size_t(slots));
+    step_slots.reserve(size_t(slots));
+    step_tokens.reserve(size_t(slots));
+    step_prompts.reserve(size_t(slots));
+    held.assign(size_t(slots), -1);
+    since.assign(size_t(slots), 0);
+    last.assign(size_t(slots), 0);
+  }
+
+  std::span<const int32_t> prompt_of(int64_t r) const {
+    return resume[size_t(r)].empty() ? requests[size_t(r)].tokens : std::span<const int32_t>(resume[size_t(r)]);
+  }
+
   // Draws one token per row of `logits` for step_slots' sequences; ends those that stop.
-  auto take = [&] {
+  void take() {
     // A step done: in an RL job, the trainers that ask where this rank is hear it is busy.
     answer_collective_queries("sampling");
     const int64_t B = int64_t(step_slots.size());
@@ -125,14 +137,16 @@ std::vector<Completion> generate(Decoder& decoder, std::span<const GenerateReque
     }
     for (int64_t b = 0; b < B; ++b) {
       const int32_t slot = step_slots[size_t(b)];
-      Completion& done = out[size_t(held[size_t(slot)])];
+      const int64_t r = held[size_t(slot)];
+      Completion& done = out[size_t(r)];
       done.model_logprobs.push_back(model_lp[size_t(b)]);
       done.tempered_logprobs.push_back(o.sampling.temperature > 0 ? tempered_lp[size_t(b)] : model_lp[size_t(b)]);
       const int32_t t = step_tokens[size_t(b)];
       const bool stop = std::find(o.stop_ids.begin(), o.stop_ids.end(), t) != o.stop_ids.end();
       if (stop || int64_t(done.tokens.size()) == o.max_new_tokens) {
         done.finish = stop ? Finish::Stop : Finish::Length;
-        resume[size_t(held[size_t(slot)])] = {};
+        resume[size_t(r)] = {};
+        finished[size_t(r)] = 1;
         held[size_t(slot)] = -1;
         decoder.release(slot);
         --active;
@@ -140,16 +154,23 @@ std::vector<Completion> generate(Decoder& decoder, std::span<const GenerateReque
         last[size_t(slot)] = t;
       }
     }
-  };
+  }
 
-  // The running sequences, in slot order, and the blocks their next decode step adds.
-  const auto running = [&] {
+  // The running sequences, in slot order.
+  void running() {
     step_slots.clear();
     for (int32_t slot = 0; slot < int32_t(slots); ++slot)
       if (held[size_t(slot)] >= 0) step_slots.push_back(slot);
-  };
+  }
 
-  while (!waiting.empty() || active > 0) {
+  // Fewer requests waiting than slots free: the next prefill leaves slots empty.
+  bool queue_short() const { return int64_t(waiting.size()) < slots - active; }
+
+  // One round: free slots take the waiting requests (one prefill), then one
+  // decode step for every sequence running.
+  void step() {
+    const KvBlocks& kv = decoder.kv();
+    const int64_t block_size = kv.block_size();
     // Free slots take the waiting requests in order, all in one prefill, while
     // the pool has the blocks their prompts fill and the next decode step
     // adds to every sequence then running (a group's samples share their
@@ -240,7 +261,67 @@ std::vector<Completion> generate(Decoder& decoder, std::span<const GenerateReque
       take();
     }
   }
+};
+
+GenerateStream::GenerateStream(Decoder& decoder, const GenerateOptions& options)
+    : s_(std::make_unique<State>(decoder, options)) {}
+
+GenerateStream::~GenerateStream() {
+  // Slots still held (a stream given up by an error) go back to the decoder.
+  for (int32_t slot = 0; slot < int32_t(s_->slots); ++slot)
+    if (s_->held[size_t(slot)] >= 0) s_->decoder.release(slot);
+}
+
+int64_t GenerateStream::add(std::span<const GenerateRequest> requests) {
+  State& s = *s_;
+  const int64_t first = int64_t(s.requests.size());
+  for (const GenerateRequest& r : requests) {
+    SHARDLM_CHECK(!r.tokens.empty() && int64_t(r.tokens.size()) + s.o.max_new_tokens - 1 <= s.decoder.limits().max_len,
+                  "internal: prompt %lld (%zu tokens) does not fit the decoder's plan", (long long)r.prompt,
+                  r.tokens.size());
+    s.waiting.push_back(int64_t(s.requests.size()));
+    s.requests.push_back(r);
+  }
+  s.out.resize(s.requests.size());
+  s.finished.resize(s.requests.size(), 0);
+  s.resume.resize(s.requests.size());
+  return first;
+}
+
+std::vector<Completion> GenerateStream::run(int64_t first, int64_t count, const std::function<void()>& more) {
+  State& s = *s_;
+  SHARDLM_CHECK(first >= 0 && count >= 0 && first + count <= int64_t(s.requests.size()),
+                "internal: requests [%lld, %lld) of a stream of %zu", (long long)first, (long long)(first + count),
+                s.requests.size());
+  int64_t left = 0;
+  for (int64_t r = first; r < first + count; ++r) left += !s.finished[size_t(r)];
+  while (left > 0) {
+    if (more && s.queue_short()) more();
+    s.step();
+    left = 0;
+    for (int64_t r = first; r < first + count; ++r) left += !s.finished[size_t(r)];
+  }
+  std::vector<Completion> done(static_cast<size_t>(count));
+  for (int64_t r = first; r < first + count; ++r) done[size_t(r - first)] = std::move(s.out[size_t(r)]);
+  return done;
+}
+
+int64_t GenerateStream::added() const { return int64_t(s_->requests.size()); }
+int64_t GenerateStream::started(int64_t first, int64_t count) const {
+  int64_t n = 0;
+  for (int64_t r = first; r < first + count; ++r) n += s_->finished[size_t(r)] || !s_->out[size_t(r)].tokens.empty();
+  return n;
+}
+bool GenerateStream::idle() const { return s_->waiting.empty() && s_->active == 0; }
+const GenerateStats& GenerateStream::stats() const { return s_->counts; }
+
+std::vector<Completion> generate(Decoder& decoder, std::span<const GenerateRequest> requests,
+                                 const GenerateOptions& o, GenerateStats* stats) {
+  GenerateStream stream(decoder, o);
+  stream.add(requests);
+  std::vector<Completion> out = stream.run(0, int64_t(requests.size()));
   if (stats) {
+    const GenerateStats& counts = stream.stats();
     stats->preemptions += counts.preemptions;
     stats->recomputed += counts.recomputed;
     stats->prefills += counts.prefills;

@@ -19,6 +19,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <span>
 #include <string>
 #include <vector>
@@ -94,5 +95,36 @@ struct GenerateStats {
 // the logits of a row do not (the CPU backend's do not; tests/unit/test_generate.cpp).
 std::vector<Completion> generate(Decoder& decoder, std::span<const GenerateRequest> requests,
                                  const GenerateOptions& options, GenerateStats* stats = nullptr);
+
+// generate() whose requests may come in batches while earlier ones decode: an
+// RL inference rank's rollout steps, the next step's sequences taking the
+// slots the last one's tail leaves free (continuous rollouts). Requests are
+// numbered in the order added, from 0; each draws as generate() draws it, so a
+// completion does not depend on the batch it came in with. The stream holds
+// the decoder's slots between calls: nothing else may use the decoder until
+// idle().
+class GenerateStream {
+ public:
+  GenerateStream(Decoder& decoder, const GenerateOptions& options);
+  ~GenerateStream();
+  // Queues `requests` behind those waiting; their token spans must stay valid
+  // until their completions are taken. Returns the number of the first.
+  int64_t add(std::span<const GenerateRequest> requests);
+  // Prefills and decode steps until requests [first, first + count) have all
+  // finished; their completions, in order. `more` (optional) is called
+  // whenever fewer requests wait than slots are free: it may add() further
+  // requests, which start at once (in the same prefill as the last waiting
+  // ones) and run on after this returns.
+  std::vector<Completion> run(int64_t first, int64_t count, const std::function<void()>& more = {});
+  int64_t added() const;
+  // Of requests [first, first + count), those with a token drawn.
+  int64_t started(int64_t first, int64_t count) const;
+  bool idle() const;  // nothing waiting, nothing running
+  const GenerateStats& stats() const;
+
+ private:
+  struct State;
+  std::unique_ptr<State> s_;
+};
 
 }  // namespace shardlm

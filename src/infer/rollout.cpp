@@ -17,6 +17,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <memory>
 #include <thread>
 
@@ -206,8 +207,9 @@ struct Publisher {
   // policy_step: the weights held when the step began (the file names its oldest sample's); in_flight: weights
   // taken while it was sampled; step_s: its wall time, waits included.
   // evaluated: the latest evaluation's numbers (Evaluator::take_metrics), carried with the step's.
+  // started_ahead: rank 0's samples of the step begun while the step before was sampled (continuous rollouts).
   void publish(int64_t step, int64_t policy_step, double sample_s, double wait_s, int64_t in_flight, double step_s,
-               std::vector<std::pair<std::string, double>> evaluated) {
+               std::vector<std::pair<std::string, double>> evaluated, double started_ahead) {
     const RolloutSection& ro = config.rollout;
     SHARDLM_CHECK(!kept.completions.empty(),
                   "rollout step %lld: no group of samples with differing rewards in %lld rounds of %lld prompts "
@@ -268,6 +270,8 @@ struct Publisher {
     for (size_t k = 0; k < staleness.size(); ++k)
       metrics.push_back({"staleness_" + std::to_string(k), staleness[k] / double(completions.size())});
     metrics.push_back({"in_flight_updates", double(in_flight)});
+    if (ro.in_flight_updates)
+      metrics.push_back({"started_ahead_fraction", started_ahead / double(std::max<size_t>(kept.sampled.size(), 1))});
     metrics.push_back({"sampler_wait_fraction", step_s > 0 ? wait_s / step_s : 0.0});
     metrics.insert(metrics.end(), evaluated.begin(), evaluated.end());
     if (ro.truncated == "penalty")
@@ -427,6 +431,24 @@ int run_inference_role(const Config& config, Runtime& rt) {
 
   // Accuracy on eval.prompts, on the weights held when due: before they are replaced, after a rollout step.
   Evaluator evaluator(config, eval_prompts, decoder, model.eos_ids, comm, reward.get(), tokenizer.get());
+  // The rollouts' sequences, across steps: with in-flight updates the next
+  // step's samples take the slots the current step's tail leaves free
+  // (continuous rollouts), once the weights held are recent enough for it.
+  // An evaluation needs the decoder to itself: the steps started ahead are
+  // finished first (drain) and kept for their turn.
+  std::unique_ptr<GenerateStream> stream;  // made once options.policy is set, below
+  struct Ahead {
+    int64_t first = 0, count = 0;      // the step's requests in the stream
+    int64_t started = 0;               // of them, begun when the step before had all its samples
+    std::vector<Completion> finished;  // when a drain finished them
+    bool done = false;
+  };
+  std::map<int64_t, Ahead> ahead;  // steps whose samples started before their turn
+  const bool look_ahead = ro.in_flight_updates && config.data.max_async > 0 && !ro.dynamic_sampling;
+  const auto drain = [&] {
+    for (auto& [s, a] : ahead)
+      if (!a.done) a.finished = stream->run(a.first, a.count), a.done = true, a.started = a.count;
+  };
   WeightReceiver receiver(config, rt, model.weights->layout);
   // Weights that arrive in host memory: the host copy first, then the decoder's
   // own (the GPU's bf16 weights, refreshed parameter by parameter). Weights that
@@ -443,8 +465,13 @@ int run_inference_role(const Config& config, Runtime& rt) {
     to_device = [&](const ParamInfo& p, const void* values) { decoder.load_bf16_device(p, values); };
   // In order when several ranks read the filesystem, so that they all hold the same step.
   const bool newest_only = world == 1;
-  const auto next = [&] {
+  const auto evaluate_if_due = [&] {
+    if (!evaluator.due(receiver.step())) return;
+    drain();
     evaluator.if_due(receiver.step());
+  };
+  const auto next = [&] {
+    evaluate_if_due();
     return receiver.next(/*wait=*/true, newest_only, to_host, to_device);
   };
   const auto ended = [&] {
@@ -470,6 +497,31 @@ int run_inference_role(const Config& config, Runtime& rt) {
       while (receiver.next(/*wait=*/false, newest_only, to_host, to_device) == WeightReceiver::Got::Weights) ++in_flight;
     return receiver.step();
   };
+  stream = std::make_unique<GenerateStream>(decoder, options);
+  // This rank's requests of a step's round: items g, g + G, ... of its prompts, n samples each.
+  const auto step_requests = [&](int64_t step, int64_t round) {
+    const std::vector<int64_t> items = round_prompts(uint64_t(config.run.seed), step, round, ro.prompts_per_step,
+                                                     prompts.size());
+    const int64_t base = round_key_base(step, round, ro.prompts_per_step);  // draw keys: unique per (step, round, item)
+    std::vector<GenerateRequest> requests;
+    for (int64_t i = rank; i < int64_t(items.size()); i += world)
+      for (int64_t s = 0; s < ro.n; ++s) requests.push_back({base + i, s, prompts.prompt(items[size_t(i)])});
+    return requests;
+  };
+  // While step `step` is sampled and slots are free: start step + 1 when its
+  // samples may be drawn with the weights held (at most data.max_async steps
+  // behind it) and it is one the trainers will take.
+  const auto start_next = [&](int64_t step) -> std::function<void()> {
+    if (!look_ahead) return {};
+    return [&, step] {
+      const int64_t next_step = step + 1;
+      if (next_step >= config.run.max_steps || ahead.count(next_step) || receiver.done() ||
+          receiver.step() < next_step - config.data.max_async)
+        return;
+      const std::vector<GenerateRequest> requests = step_requests(next_step, 0);
+      ahead[next_step] = Ahead{stream->add(requests), int64_t(requests.size()), 0, {}, false};
+    };
+  };
   // The trainers broadcast their starting weights once (WeightBroadcaster::start).
   if (next() == WeightReceiver::Got::Done) return ended();
   if (rank == 0) publisher->open_jsonl(fs::path(config.run.dir) / "rollouts.jsonl", receiver.step());
@@ -490,16 +542,25 @@ int run_inference_role(const Config& config, Runtime& rt) {
     // may ask for further rounds of as many prompts, each from its own stream.
     if (rank == 0) publisher->begin_step();
     double sample_s = 0;
+    double started_ahead = 0;  // of this rank's samples of the step, those begun during the last step
     for (int64_t round = 0;; ++round) {
       const std::vector<int64_t> items = round_prompts(uint64_t(config.run.seed), step, round, ro.prompts_per_step,
                                                        prompts.size());
       const int64_t base = round_key_base(step, round, ro.prompts_per_step);  // draw keys: unique per (step, round, item)
-      std::vector<GenerateRequest> requests;
-      for (int64_t i = rank; i < int64_t(items.size()); i += world)
-        for (int64_t s = 0; s < ro.n; ++s) requests.push_back({base + i, s, prompts.prompt(items[size_t(i)])});
       const auto t_sample = Clock::now();
-      std::vector<Completion> mine = generate(decoder, requests, options);
+      std::vector<Completion> mine;
+      if (auto a = ahead.find(step); a != ahead.end()) {
+        started_ahead = double(a->second.started);
+        mine = a->second.done ? std::move(a->second.finished)
+                              : stream->run(a->second.first, a->second.count, start_next(step));
+        ahead.erase(a);
+      } else {
+        const std::vector<GenerateRequest> requests = step_requests(step, round);
+        mine = stream->run(stream->add(requests), int64_t(requests.size()), start_next(step));
+      }
       sample_s += seconds_since(t_sample);
+      if (auto a = ahead.find(step + 1); a != ahead.end() && !a->second.done)
+        a->second.started = stream->started(a->second.first, a->second.count);
       std::vector<Completion> all = gather_completions(std::move(mine), comm);
       int64_t more = rank == 0 && publisher->add_round(step, items, base, std::move(all)) ? 1 : 0;
       if (!ro.dynamic_sampling) break;
@@ -509,9 +570,14 @@ int run_inference_role(const Config& config, Runtime& rt) {
       if (!more) break;
     }
     if (rank == 0)
-      publisher->publish(step, step_policy, sample_s, wait_s, in_flight, seconds_since(t_wait), evaluator.take_metrics());
-    evaluator.if_due(receiver.step());  // while the trainers train on this step
+      publisher->publish(step, step_policy, sample_s, wait_s, in_flight, seconds_since(t_wait), evaluator.take_metrics(),
+                         started_ahead);
+    evaluate_if_due();  // while the trainers train on this step
   }
+  // Samples started for a step the trainers will not take are dropped; the
+  // decoder is the evaluation's from here.
+  stream.reset();
+  ahead.clear();
   // The rest of the broadcasts, to the trainers' end (and its exit code).
   while (next() == WeightReceiver::Got::Weights) {
   }

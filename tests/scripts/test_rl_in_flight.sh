@@ -3,10 +3,11 @@
 # (rollout.in_flight_updates; docs/rl.md "In-flight weight updates"), on the
 # copy task (tools/make_copy_task.py) with 1 trainer and 1 inference rank,
 # data.max_async = 2, and each of the inference rank's forwards slowed
-# (SHARDLM_FAULT=sample_slow, 100 ms; 64 of a step's 256 sequences at a time) so that a step's sampling outlasts the
+# (SHARDLM_FAULT=sample_slow, 100 ms; 48 of a step's 256 sequences at a time, the last wave 16: free slots for the next step) so that a step's sampling outlasts the
 # trainer's step and weights arrive while it samples:
 #   over the MPI broadcast and the filesystem one, the job ends (exit 0) with
-#     weights taken mid-step; every rollout file's policy_step is its oldest
+#     weights taken mid-step and steps whose samples started while the step
+#     before was sampled (continuous rollouts: rollout_started_ahead_fraction); every rollout file's policy_step is its oldest
 #     sample's and within data.max_async of its step (the trainer accepts it);
 #     each step's staleness histogram (rollout_staleness_0..2) sums to 1 and,
 #     with in-flight updates, some samples are fresher than the step's start;
@@ -29,7 +30,7 @@ rl() {
   local dir=$1
   shift
   ARGS=(inputs/copy-rl.toml --set "model.hf=$T/sft/export" --set "run.dir=$dir" --set "data.rollout_dir=$dir/rollouts"
-        --set "rollout.prompts=$T/task/prompts.h5" --set run.max_steps=8 --set log.interval=1 --set data.max_async=2 --set rollout.batch=64
+        --set "rollout.prompts=$T/task/prompts.h5" --set run.max_steps=8 --set log.interval=1 --set data.max_async=2 --set rollout.batch=48
         --set "broadcast.dir=\"$dir/weights\"" "$@")
 }
 job() {
@@ -55,11 +56,15 @@ for r in rows:
     assert r["step"] - oldest == policy, (r["step"], hist, policy)  # the file's policy step is its oldest sample's
     fresher += any(hist[k] > 0 for k in range(oldest))
     assert 0 <= r["sampler_wait_fraction"] <= 1, r
+ahead = [r.get("started_ahead_fraction", 0) for r in rows]
+assert all(0 <= a <= 1 for a in ahead), ahead
 if in_flight:
-    assert loads >= 2 and fresher >= 1, (loads, fresher)
+    # Continuous rollouts: a step's samples start while the last one's tail decodes.
+    assert loads >= 2 and fresher >= 1 and sum(a > 0 for a in ahead) >= 3, (loads, fresher, ahead)
 else:
-    assert loads == 0 and fresher == 0, (loads, fresher)
-print(f"weights taken mid-step {loads} times; {fresher} of 8 steps hold samples fresher than their oldest")
+    assert loads == 0 and fresher == 0 and not any("started_ahead_fraction" in r for r in rows), (loads, fresher)
+print(f"weights taken mid-step {loads} times; {fresher} of 8 steps hold samples fresher than their oldest; "
+      f"started during the step before: {['%.2f' % a for a in ahead]}")
 EOF
 }
 

@@ -184,6 +184,55 @@ TEST_CASE("paged decoding = the unpaged layout token for token: greedy and sampl
   }
 }
 
+TEST_CASE("a stream fed step by step (the next step's samples admitted while the last one's tail decodes) = "
+          "generate() on all of them, token for token") {
+  const InferenceModel m = InferenceModel::from_hf(fs::path("tests/fixtures") / "qwen3-qknorm");
+  const int64_t V = m.config().vocab_size;
+  const auto prompts = mixed_prompts(12, V);
+  GenerateOptions o;
+  o.sampling = {.temperature = 0.9, .top_k = 0, .top_p = 1.0, .seed = 5};
+  o.max_new_tokens = 16;
+  for (int32_t id = 0; id < V; id += 9) o.stop_ids.push_back(id);  // lengths differ: a step's tail is ragged
+  // Three "steps" of 4 prompts x 3 samples, each a group sharing its prompt span.
+  const int64_t n = 3, per_step = 4, steps = 3;
+  std::vector<std::vector<GenerateRequest>> step_requests(steps);
+  std::vector<GenerateRequest> all;
+  for (int64_t st = 0; st < steps; ++st)
+    for (int64_t i = 0; i < per_step; ++i)
+      for (int64_t s = 0; s < n; ++s) {
+        const int64_t p = st * per_step + i;
+        step_requests[size_t(st)].push_back({p, s, prompts[size_t(p)]});
+        all.push_back(step_requests[size_t(st)].back());
+      }
+  DecoderLimits limits = plan_limits(m.config(), all, /*slots=*/8, o.max_new_tokens, "test");
+  limits.block_size = 4;
+  CpuDecoder whole_decoder(m, limits);
+  const std::vector<Completion> want = generate(whole_decoder, all, o);
+
+  CpuDecoder decoder(m, limits);
+  GenerateStream stream(decoder, o);
+  std::vector<Completion> got;
+  int64_t first = stream.add(step_requests[0]), started_early = 0;
+  for (int64_t st = 0; st < steps; ++st) {
+    const int64_t count = int64_t(step_requests[size_t(st)].size());
+    bool next_added = st + 1 >= steps || stream.added() > first + count;
+    const auto more = [&] {
+      if (next_added) return;
+      stream.add(step_requests[size_t(st + 1)]);
+      next_added = true;
+      ++started_early;
+    };
+    std::vector<Completion> done = stream.run(first, count, more);
+    for (Completion& c : done) got.push_back(std::move(c));
+    if (!next_added) stream.add(step_requests[size_t(st + 1)]);
+    first += count;
+  }
+  CHECK(stream.idle());
+  CHECK(decoder.kv().used_blocks() == 0);
+  CHECK(started_early == steps - 1);  // every later step began before the one before it ended
+  check_same(got, want);
+}
+
 }  // TEST_SUITE
 
 TEST_CASE("an in-flight weight update between two decode steps: the running sequences go on with the new weights") {
