@@ -71,7 +71,7 @@ def main():
     p.add_argument("--max-lines", type=int, default=140)
     p.add_argument("--sft", type=int, default=20000)
     p.add_argument("--prompts", type=int, default=4096)
-    p.add_argument("--heldout", type=int, default=256)
+    p.add_argument("--heldout", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
     if not 1 <= a.min_lines <= a.max_lines <= 999:
