@@ -37,22 +37,15 @@
 #include "shardlm/dtype.hpp"
 #include "shardlm/h5util.hpp"
 #include "train/train.hpp"
+#include "mpi_world.hpp"
 
 using namespace shardlm;
 namespace fs = std::filesystem;
 
 namespace {
 
-int world_rank() {
-  int r = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &r);
-  return r;
-}
-int world_size() {
-  int s = 1;
-  MPI_Comm_size(MPI_COMM_WORLD, &s);
-  return s;
-}
+using shardlm_test::world_rank;
+using shardlm_test::world_size;
 
 // A fresh directory every rank sees (rank 0 makes it); removed by the destructor.
 struct SharedDir {

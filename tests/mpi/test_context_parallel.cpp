@@ -25,21 +25,14 @@
 #include "cpu/ring_attention.hpp"
 #include "train/context_split.hpp"
 #include "train/train.hpp"
+#include "mpi_world.hpp"
 
 using namespace shardlm;
 
 namespace {
 
-int world_rank() {
-  int r = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &r);
-  return r;
-}
-int world_size() {
-  int n = 1;
-  MPI_Comm_size(MPI_COMM_WORLD, &n);
-  return n;
-}
+using shardlm_test::world_rank;
+using shardlm_test::world_size;
 double max_over_world(double x) {
   MPI_Allreduce(MPI_IN_PLACE, &x, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
   return x;

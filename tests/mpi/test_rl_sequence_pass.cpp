@@ -24,21 +24,14 @@
 #include "shardlm/comm.hpp"
 #include "shardlm/config.hpp"
 #include "train/train.hpp"
+#include "mpi_world.hpp"
 
 using namespace shardlm;
 
 namespace {
 
-int world_rank() {
-  int r = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &r);
-  return r;
-}
-int world_size() {
-  int n = 1;
-  MPI_Comm_size(MPI_COMM_WORLD, &n);
-  return n;
-}
+using shardlm_test::world_rank;
+using shardlm_test::world_size;
 
 // tiny-rl.toml's model on tools/make_rollouts.py's files, strictly on-policy
 // files read offline (no broadcast), and the loss under test.
