@@ -17,6 +17,7 @@ int cuda_device_count() { return 0; }
 void cuda_set_device(int) { SHARDLM_FAIL("this shardlm was built without CUDA"); }
 std::string cuda_device_name(int) { return "none"; }
 int64_t cuda_device_memory_bytes(int) { return 0; }
+int cuda_current_device() { return 0; }
 std::unique_ptr<Comm> make_device_comm(Comm&, const std::string&, void*, int64_t, double) {
   SHARDLM_FAIL("this shardlm was built without CUDA (no device communicator)");
 }

@@ -200,6 +200,7 @@ struct RolloutSection {
   int64_t top_k = 0;
   int64_t batch = 16;               // sequences decoded at once per inference rank
   int64_t kv_cache_tokens = 0;      // the paged KV pool of an inference rank, in positions; 0 = every slot at its longest
+  double kv_cache_memory = 0;       // or sized from this fraction of the device's memory (decoder.hpp, size_pool); 0 = off
   bool in_flight_updates = false;   // new weights taken between two decode steps, not only between rollout steps
   // The reward's components (exact | numeric | regex | program, each at most
   // once) and their weights (empty = 1 each): reward = sum of weight * component.

@@ -24,6 +24,7 @@ int cuda_device_count();                 // 0 when none is usable (or CPU-only b
 void cuda_set_device(int device);
 std::string cuda_device_name(int device);
 int64_t cuda_device_memory_bytes(int device);  // total memory of `device`; 0 without CUDA
+int cuda_current_device();                     // the device this thread is bound to; 0 without CUDA
 
 // The unit loop's Comm for a GPU backend over the ranks of `host`: all_gather and
 // reduce_scatter take device buffers; the small collectives go through `host`.

@@ -124,7 +124,22 @@ std::string inference_report(const Config& config, const ModelConfig& arch, bool
              (long long)ro.max_new_tokens,
              eval_prompts.path.empty() ? "" : "; eval.batch's slots and eval.prompts' positions where they are more",
              (long long)pool_blocks(limits), (long long)limits.block_size,
-             limits.blocks > 0 ? "rollout.kv_cache_tokens" : "every slot at its longest");
+             limits.blocks > 0            ? "rollout.kv_cache_tokens"
+             : limits.memory_fraction > 0 ? "at most: rollout.kv_cache_memory sizes it at start"
+                                          : "every slot at its longest");
+  if (limits.memory_fraction > 0) {  // the pool this machine's device would give it
+    const int64_t memory = cuda ? gpu_bytes : machine_host_memory().bytes;
+    if (memory > 0) {
+      try {
+        const DecoderLimits sized = size_pool(arch, limits, cuda ? "cuda" : "cpu", memory);
+        out += fmt("rollout.kv_cache_memory = %g of this machine's %.2f GiB (%s): a pool of %lld positions\n",
+                   limits.memory_fraction, double(memory) / 1073741824.0, cuda ? "GPU" : "host",
+                   (long long)(pool_blocks(sized) * sized.block_size));
+      } catch (const Error& e) {
+        out += fmt("rollout.kv_cache_memory on this machine: %s\n", e.what());
+      }
+    }
+  }
   const std::tuple<const char*, const char*, int64_t> rows[] = {
       {"weights (bf16)", where, d.weights}, {"KV cache", where, d.cache},   {"activations", where, d.scratch},
       {"logits, staging", "host", d.host},  {"model (fp32)", "host", model_host}};

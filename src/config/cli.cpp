@@ -16,7 +16,7 @@ const char* usage() {
          "       mpirun -np T shardlm train DECK : -np G shardlm generate DECK [--set section.key=value]...\n"
          "       shardlm generate --hf DIR | --checkpoint CKPT | --deck DECK  --prompts FILE | --prompt-ids \"1,2,3\" | --prompt \"TEXT\"\n"
          "               --out FILE [--n N] [--max-new-tokens M] [--temperature T] [--top-p P] [--top-k K]\n"
-         "               [--seed S] [--batch B] [--kv-cache-tokens T] [--device auto|cpu|cuda]\n"
+         "               [--seed S] [--batch B] [--kv-cache-tokens T | --kv-cache-memory F] [--device auto|cpu|cuda]\n"
          "       shardlm inspect CHECKPOINT\n"
          "       shardlm export CHECKPOINT --out DIR [--dtype bf16|fp32]\n"
          "       shardlm --help | --version\n"
@@ -61,7 +61,7 @@ CliArgs parse_cli(int argc, const char* const* argv) {
             (name == "--hf" || name == "--checkpoint" || name == "--deck" || name == "--prompts" ||
              name == "--prompt-ids" || name == "--prompt" || name == "--out" || name == "--n" || name == "--max-new-tokens" ||
              name == "--temperature" || name == "--top-p" || name == "--top-k" || name == "--seed" ||
-             name == "--batch" || name == "--kv-cache-tokens" || name == "--device"));
+             name == "--batch" || name == "--kv-cache-tokens" || name == "--kv-cache-memory" || name == "--device"));
   };
 
   for (int i = 2; i < argc; ++i) {

@@ -206,6 +206,7 @@ const std::vector<KeySpec>& key_table() {
       within(key("rollout.top_k", Type::Int, FIELD(rollout.top_k)), 0, 2147483647),
       up_to(positive(key("rollout.batch", Type::Int, FIELD(rollout.batch))), 65536),
       within(key("rollout.kv_cache_tokens", Type::Int, FIELD(rollout.kv_cache_tokens)), 0, 2147483647),
+      within(key("rollout.kv_cache_memory", Type::Float, FIELD(rollout.kv_cache_memory)), 0, 1),
       key("rollout.in_flight_updates", Type::Bool, FIELD(rollout.in_flight_updates)),
       one_of(key("rollout.reward", Type::Strings, FIELD(rollout.reward)), {"exact", "numeric", "regex", "program"}),
       within(key("rollout.reward_weights", Type::Floats, FIELD(rollout.reward_weights)), -1e6, 1e6),
@@ -772,6 +773,10 @@ void check_rl(const Config& c, const Errors& err) {
   if (c.rollout.overlong_window > 0 && c.rollout.truncated != "penalty")
     err(fmt("rollout.overlong_window = %lld is set but rollout.truncated = \"%s\": the window belongs to "
             "truncated = \"penalty\"", (long long)c.rollout.overlong_window, c.rollout.truncated.c_str()));
+  if (c.rollout.kv_cache_memory > 0 && c.rollout.kv_cache_tokens > 0)
+    err(fmt("rollout.kv_cache_memory = %g and rollout.kv_cache_tokens = %lld both size the KV pool: give one (a "
+            "fraction of the device's memory, or the pool in positions)", c.rollout.kv_cache_memory,
+            (long long)c.rollout.kv_cache_tokens));
   if (c.rollout.dynamic_sampling && c.rollout.n == 1)
     err("rollout.dynamic_sampling = true with rollout.n = 1: a group of one sample always has equal rewards, so "
         "every group would be dropped");

@@ -47,6 +47,12 @@ std::string cuda_device_name(int device) {
   return prop.name;
 }
 
+int cuda_current_device() {
+  int device = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  return device;
+}
+
 int64_t cuda_device_memory_bytes(int device) {
   cudaDeviceProp prop{};
   CUDA_CHECK(cudaGetDeviceProperties(&prop, device));

@@ -274,10 +274,10 @@ void set_up(GenerateSetup& g, int rank, int world, int local_rank) {
   for (int64_t p = 0; p < g.prompts.size(); ++p) all.push_back({p, 0, g.prompts.prompt(p)});
   plan_limits(c, all, args.batch, args.max_new_tokens, g.prompts.path);
   const std::string backend = bind_backend(args.device.empty() ? "auto" : args.device, local_rank);
-  g.decoder =
-      make_decoder(g.model,
-                   plan_limits(c, g.requests, args.batch, args.max_new_tokens, g.prompts.path, args.kv_cache_tokens),
-                   backend);
+  DecoderLimits limits =
+      plan_limits(c, g.requests, args.batch, args.max_new_tokens, g.prompts.path, args.kv_cache_tokens);
+  limits.memory_fraction = args.kv_cache_memory;
+  g.decoder = make_decoder(g.model, limits, backend);
 }
 
 // Rank 0: the model, the prompts and ranks, the decoder, its cache and weights, the sampling.
@@ -464,6 +464,13 @@ GenerateArgs parse_generate_args(const std::map<std::string, std::string>& o, co
   a.max_new_tokens = int_option(o, "max-new-tokens", 64, 1, kMaxPositions);
   a.batch = int_option(o, "batch", 8, 1, 65536);
   a.kv_cache_tokens = int_option(o, "kv-cache-tokens", 0, 0, INT32_MAX);
+  a.kv_cache_memory = real_option(o, "kv-cache-memory", 0.0);
+  SHARDLM_CHECK(a.kv_cache_memory >= 0 && a.kv_cache_memory <= 1,
+                "--kv-cache-memory %g: give the fraction of the device's memory the decoder may take, in (0, 1]",
+                a.kv_cache_memory);
+  SHARDLM_CHECK(a.kv_cache_memory == 0 || a.kv_cache_tokens == 0,
+                "give one of --kv-cache-tokens (the pool in positions) and --kv-cache-memory (a fraction of the "
+                "device's memory), not both");
   a.device = text("device");
   SHARDLM_CHECK(a.device.empty() || a.device == "auto" || a.device == "cpu" || a.device == "cuda",
                 "--device expects auto, cpu or cuda, got '%s'", a.device.c_str());

@@ -29,6 +29,7 @@ struct GenerateArgs {
   int64_t max_new_tokens = 64;
   int64_t batch = 8;                    // sequences decoded at once per rank (KV cache slots)
   int64_t kv_cache_tokens = 0;          // the KV pool in positions; 0 = every slot at its longest
+  double kv_cache_memory = 0;           // or from this fraction of the device's memory (DecoderLimits::memory_fraction)
   std::string device;                   // --device auto|cpu|cuda ("": the deck's device.backend, else auto)
   SamplingParams sampling;
   bool seed_given = false;

@@ -7,15 +7,49 @@
 
 #include "cpu/ops.hpp"
 #include "cpu/rl_loss.hpp"
+#include "shardlm/cuda.hpp"
 #include "shardlm/error.hpp"
+#include "shardlm/memory.hpp"
 
 namespace shardlm {
 
 std::unique_ptr<Decoder> make_decoder(const InferenceModel& model, const DecoderLimits& limits,
                                       const std::string& backend) {
-  if (backend == "cuda") return make_cuda_decoder(model, limits);
+  const DecoderLimits sized = size_pool(model.config(), limits, backend, decoder_device_memory(backend));
+  if (backend == "cuda") return make_cuda_decoder(model, sized);
   SHARDLM_CHECK(backend == "cpu", "internal: generate on backend '%s'", backend.c_str());
-  return std::make_unique<CpuDecoder>(model, limits);
+  return std::make_unique<CpuDecoder>(model, sized);
+}
+
+int64_t decoder_device_memory(const std::string& backend) {
+  return backend == "cuda" ? cuda_device_memory_bytes(cuda_current_device()) : machine_host_memory().bytes;
+}
+
+DecoderLimits size_pool(const ModelConfig& c, DecoderLimits limits, const std::string& backend, int64_t memory_bytes) {
+  if (limits.memory_fraction <= 0 || limits.blocks > 0) return limits;
+  const double fraction = limits.memory_fraction;
+  SHARDLM_CHECK(fraction <= 1, "generate: a KV pool sized from %g of the device's memory; give (0, 1]", fraction);
+  const int64_t longest = pool_blocks(DecoderLimits{limits.slots, limits.max_len, limits.block_size, 0, 0});
+  const int64_t one = (limits.max_len + limits.block_size - 1) / limits.block_size;
+  // The plan is linear in the pool's blocks: what one sequence's blocks cost, and what does not grow.
+  DecoderLimits a = limits, b = limits;
+  a.blocks = one, b.blocks = 2 * one;
+  a.memory_fraction = b.memory_fraction = 0;
+  const DecoderPlan pa = plan_decoder(c, a, backend), pb = plan_decoder(c, b, backend);
+  const double per_block = double(pb.cache - pa.cache) / double(one);
+  const int64_t fixed = pa.weights + pa.scratch + (backend == "cpu" ? pa.host : 0);
+  const double budget = fraction * double(memory_bytes) - double(fixed);
+  const int64_t blocks = budget > 0 ? int64_t(budget / per_block) : 0;
+  SHARDLM_CHECK(blocks >= one,
+                "generate: %g of the %s's %.2f GiB is %.2f GiB, and the decoder's weights and scratch take %.2f GiB "
+                "of it: no room for one sequence's KV blocks (%lld blocks of %lld positions, %.1f MiB); raise the "
+                "fraction (rollout.kv_cache_memory, --kv-cache-memory) or give the pool in tokens",
+                fraction, backend == "cuda" ? "GPU" : "host", double(memory_bytes) / 1073741824.0,
+                fraction * double(memory_bytes) / 1073741824.0, double(fixed) / 1073741824.0, (long long)one,
+                (long long)limits.block_size, per_block * double(one) / 1048576.0);
+  limits.blocks = std::min(blocks, longest);
+  limits.memory_fraction = 0;
+  return limits;
 }
 
 int64_t pool_blocks(const DecoderLimits& limits) {

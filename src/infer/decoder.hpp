@@ -53,6 +53,11 @@ struct DecoderLimits {
   int64_t max_len = 0;           // positions one sequence may reach: prompt + generated tokens
   int64_t block_size = 16;       // positions per KV block (on the GPU a multiple of 16)
   int64_t blocks = 0;            // blocks in the pool; 0: every slot at max_len (pool_blocks)
+  // With blocks = 0: the decoder may take this fraction of its device's memory
+  // (the GPU's; the CPU backend's: the host's) for its weights copy, scratch
+  // and KV pool, the pool getting what is left, at most every slot at max_len.
+  // Sized when the decoder is made (size_pool); 0: off.
+  double memory_fraction = 0;
 };
 // The pool's blocks: limits.blocks, or slots x ceil(max_len / block_size).
 int64_t pool_blocks(const DecoderLimits& limits);
@@ -178,8 +183,19 @@ void check_decoder_limits(const ModelConfig& c, const DecoderLimits& limits);
 // on the device (computed without one). Throws Error naming a limit out of range.
 DecoderPlan plan_decoder(const ModelConfig& c, const DecoderLimits& limits, const std::string& backend);
 
+// limits with memory_fraction set and blocks = 0: blocks sized from that
+// fraction of `memory_bytes` less the decoder's weights copy and scratch (and
+// on the CPU its host buffers), at most every slot at max_len; throws Error
+// naming the fraction when that leaves less than one sequence's blocks. Other
+// limits are returned as they are.
+DecoderLimits size_pool(const ModelConfig& c, DecoderLimits limits, const std::string& backend, int64_t memory_bytes);
+// The memory a decoder on `backend` plans against: the bound GPU's total, or
+// the host's (machine_host_memory).
+int64_t decoder_device_memory(const std::string& backend);
+
 // backend: "cpu" or "cuda" (device.backend after "auto" is resolved; the CUDA
 // device already bound). Throws Error for "cuda" in a build without CUDA.
+// limits.memory_fraction sizes the pool here (size_pool).
 std::unique_ptr<Decoder> make_decoder(const InferenceModel& model, const DecoderLimits& limits,
                                       const std::string& backend);
 

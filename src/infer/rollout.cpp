@@ -377,6 +377,7 @@ DecoderLimits rollout_decoder_limits(const Config& config, const ModelConfig& mc
   std::vector<GenerateRequest> every;
   for (int64_t p = 0; p < prompts.size(); ++p) every.push_back({p, 0, prompts.prompt(p)});
   DecoderLimits limits = plan_limits(mc, every, ro.batch, ro.max_new_tokens, prompts.path, ro.kv_cache_tokens);
+  limits.memory_fraction = ro.kv_cache_memory;
   const int64_t my_items = (ro.prompts_per_step + generators - 1) / generators;
   limits.slots = std::max<int64_t>(1, std::min(ro.batch, my_items * ro.n));
   return limits;

@@ -76,6 +76,23 @@ rc=$?
 if [ $rc = 0 ] && grep -qE "; [1-9][0-9]* sequences? gave way" "$WORK/pool.log"; then
   pass "generate --kv-cache-tokens 64: a pool smaller than the batch's; sequences gave way"
 else fail "generate --kv-cache-tokens 64 (exit $rc): no sequence gave way"; tail -3 "$WORK/pool.log"; fi
+# A pool sized from a fraction of the host's memory: half of it is more than the
+# batch ever needs (the pool stops at every slot at its longest, the default's);
+# a billionth has no room for one sequence.
+"$BIN" generate --hf "$WORK/hf" "${SAMPLE[@]}" --out "$WORK/frac.h5" --batch 8 --kv-cache-memory 0.5 > "$WORK/frac.log" 2>&1
+"$BIN" generate --hf "$WORK/hf" "${SAMPLE[@]}" --out "$WORK/hf2.h5" --batch 8 > "$WORK/hf2.log" 2>&1
+pool_of() { grep -o 'KV pool [0-9]* positions' "$1"; }
+if [ -n "$(pool_of "$WORK/frac.log")" ] && [ "$(pool_of "$WORK/frac.log")" = "$(pool_of "$WORK/hf2.log")" ] &&
+   cmp -s <("$PYTHON" -c "import h5py,sys; f=h5py.File(sys.argv[1]); print(list(f['tokens'][()]))" "$WORK/frac.h5") \
+          <("$PYTHON" -c "import h5py,sys; f=h5py.File(sys.argv[1]); print(list(f['tokens'][()]))" "$WORK/hf.h5"); then
+  pass "generate --kv-cache-memory 0.5: the pool stops at every slot at its longest ($(pool_of "$WORK/frac.log")), the same tokens"
+else fail "generate --kv-cache-memory 0.5: $(pool_of "$WORK/frac.log") against $(pool_of "$WORK/hf2.log")"; tail -3 "$WORK/frac.log"; fi
+expect "generate --kv-cache-memory 1e-9: no room for one sequence, said with the numbers" 1 \
+  "no room for one sequence's KV blocks" \
+  "$BIN" generate --hf "$WORK/hf" "${SAMPLE[@]}" --out "$WORK/tiny.h5" --kv-cache-memory 1e-9
+expect "generate with both --kv-cache-tokens and --kv-cache-memory: refused" 1 \
+  "give one of --kv-cache-tokens (the pool in positions) and --kv-cache-memory" \
+  "$BIN" generate --hf "$WORK/hf" "${SAMPLE[@]}" --out "$WORK/both.h5" --kv-cache-memory 0.1 --kv-cache-tokens 64
 "$BIN" generate --hf "$WORK/hf" "${SAMPLE[@]}" --out "$WORK/roomy.h5" --batch 15 > "$WORK/roomy.log" 2>&1
 if grep -qE "prefill computed 65 of 195 prompt tokens \(a group's prompt once\), 0 more" "$WORK/roomy.log"; then
   pass "a roomy pool: the 5 prompts' 65 tokens computed once for their 15 samples (195 given)"

@@ -475,6 +475,41 @@ TEST_CASE("bad inputs: prompt files, ids, a missing model, a prompt longer than 
   }
 }
 
+TEST_CASE("a KV pool sized from a fraction of the device's memory: what is left after weights and scratch, in "
+          "whole blocks, at most every slot at its longest, at least one sequence") {
+  for (const std::string& name : kFixtures) {
+    CAPTURE(name);
+    const InferenceModel m = InferenceModel::from_hf(fixture(name));
+    const ModelConfig& c = m.config();
+    for (const std::string backend : {"cpu", "cuda"}) {
+      if (backend == "cuda" && !cuda_built()) continue;  // arithmetic only: no device is touched
+      CAPTURE(backend);
+      DecoderLimits limits{8, 40};  // blocks of 16: three a sequence, 24 at most
+      limits.memory_fraction = 0.5;
+      const DecoderPlan one = plan_decoder(c, DecoderLimits{8, 40, 16, 3}, backend);
+      const DecoderPlan two = plan_decoder(c, DecoderLimits{8, 40, 16, 6}, backend);
+      const int64_t per_block = (two.cache - one.cache) / 3;
+      const int64_t fixed = one.weights + one.scratch + (backend == "cpu" ? one.host : 0);
+      // Half of a device whose memory leaves room for 10 blocks and a bit: 10 blocks.
+      const int64_t memory = 2 * (fixed + 10 * per_block + per_block / 2);
+      const DecoderLimits ten = size_pool(c, limits, backend, memory);
+      CHECK(ten.blocks == 10);
+      CHECK(ten.memory_fraction == 0);  // sized: what the decoder is made with
+      CHECK(plan_decoder(c, ten, backend).cache == one.cache / 3 * 10);
+      // A large device: every slot at its longest, not more.
+      CHECK(size_pool(c, limits, backend, int64_t(1) << 50).blocks == pool_blocks(DecoderLimits{8, 40}));
+      // Room for two blocks: not one sequence (three); the message says what there is.
+      const std::string e = error_of([&] { size_pool(c, limits, backend, 2 * (fixed + 2 * per_block)); });
+      CHECK(e.find("no room for one sequence's KV blocks (3 blocks of 16 positions") != std::string::npos);
+      // Given in tokens, or not asked for: the limits as they are.
+      DecoderLimits tokens = limits;
+      tokens.blocks = 5;
+      CHECK(size_pool(c, tokens, backend, memory).blocks == 5);
+      CHECK(size_pool(c, DecoderLimits{8, 40}, backend, memory).blocks == 0);
+    }
+  }
+}
+
 TEST_CASE("the decoder's plan is the table it allocates from: the CPU's exactly, the GPU's counted without one") {
   for (const std::string& name : kFixtures) {
     CAPTURE(name);
@@ -532,6 +567,18 @@ TEST_CASE("check on an RL deck: the prompt file checked against the deck, and th
   CHECK(ok.output.find("a KV pool of 64 blocks of 16 positions, every slot at its longest") != std::string::npos);
   CHECK(std::stod(ok.output.substr(kv + 30)) == doctest::Approx(2.0 * 2 * slots * 16 * 2 * 16 * 4 / 1048576.0));
   CHECK(ok.output.find("KV cache           host         0.500 MiB") != std::string::npos);
+  // A pool from a fraction of the memory: sized at start, and what this machine would give it.
+  const auto fraction = shardlm_test::run(deck + prompts.string() + " --set rollout.kv_cache_memory=0.5");
+  CHECK(fraction.status == 0);
+  CHECK(fraction.output.find("a KV pool of 64 blocks of 16 positions, at most: rollout.kv_cache_memory sizes it at "
+                             "start") != std::string::npos);
+  CHECK(fraction.output.find("rollout.kv_cache_memory = 0.5 of this machine's ") != std::string::npos);
+  CHECK(fraction.output.find("GiB (host): a pool of 1024 positions") != std::string::npos);  // 64 x 16: capped
+  const auto both = shardlm_test::run(deck + prompts.string() +
+                                      " --set rollout.kv_cache_memory=0.5 --set rollout.kv_cache_tokens=64");
+  CHECK(both.status != 0);
+  CHECK(both.output.find("rollout.kv_cache_memory = 0.5 and rollout.kv_cache_tokens = 64 both size the KV pool") !=
+        std::string::npos);
 
   PromptFileSpec long_prompt;
   long_prompt.tokens = std::vector<int32_t>(8, 5);
