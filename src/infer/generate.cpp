@@ -67,6 +67,9 @@ struct GenerateStream::State {
   // prefill then computes whole.
   std::deque<int64_t> waiting;
   std::vector<std::vector<int32_t>> resume;
+  // Per request: observation ids still to feed (GenerateOptions::next_turn),
+  // one a decode step; the draws of those steps are not kept.
+  std::vector<std::deque<int32_t>> feed;
   int64_t active = 0, admitted = 0;
   GenerateStats counts;
   int64_t version = -1;  // of the weights the step being taken ran with
@@ -122,13 +125,16 @@ struct GenerateStream::State {
         drawn[size_t(b)] = samplers[size_t(omp_get_thread_num())].sample(logits + b * V, key(b));
     }
     for (int64_t b = 0; b < B; ++b) {
-      Completion& done = out[size_t(held[size_t(step_slots[size_t(b)])])];
+      const int64_t r = held[size_t(step_slots[size_t(b)])];
+      Completion& done = out[size_t(r)];
       const Sampled& s = drawn[size_t(b)];
       step_tokens[size_t(b)] = s.token;
+      if (!feed[size_t(r)].empty()) continue;  // a step that fed an observation id: its draw is not kept
       if (done.tokens.empty()) done.policy_first = version;
       done.policy_last = version;
       done.tokens.push_back(s.token);
       done.sampling_logprobs.push_back(s.sampling_logprob);
+      if (!done.observed.empty()) done.observed.push_back(0);
     }
     if (!on_device) {
       decoder.token_logprobs(model_lp.data(), logits, step_tokens.data(), 1.0f, B);
@@ -139,21 +145,53 @@ struct GenerateStream::State {
       const int32_t slot = step_slots[size_t(b)];
       const int64_t r = held[size_t(slot)];
       Completion& done = out[size_t(r)];
+      std::deque<int32_t>& pending = feed[size_t(r)];
+      if (!pending.empty()) {  // the next observation id goes in next
+        last[size_t(slot)] = pending.front();
+        pending.pop_front();
+        continue;
+      }
       done.model_logprobs.push_back(model_lp[size_t(b)]);
       done.tempered_logprobs.push_back(o.sampling.temperature > 0 ? tempered_lp[size_t(b)] : model_lp[size_t(b)]);
       const int32_t t = step_tokens[size_t(b)];
       const bool stop = std::find(o.stop_ids.begin(), o.stop_ids.end(), t) != o.stop_ids.end();
-      if (stop || int64_t(done.tokens.size()) == o.max_new_tokens) {
-        done.finish = stop ? Finish::Stop : Finish::Length;
-        resume[size_t(r)] = {};
-        finished[size_t(r)] = 1;
-        held[size_t(slot)] = -1;
-        decoder.release(slot);
-        --active;
-      } else {
-        last[size_t(slot)] = t;
+      std::optional<Finish> end;
+      if (stop) end = o.next_turn ? observe(r, done) : Finish::Stop;
+      else if (int64_t(done.tokens.size()) >= o.max_new_tokens) end = Finish::Length;
+      if (!end) {
+        last[size_t(slot)] = t;  // a turn's next token; after a stop id, the stop id, then the observation
+        continue;
       }
+      done.finish = *end;
+      resume[size_t(r)] = {};
+      finished[size_t(r)] = 1;
+      held[size_t(slot)] = -1;
+      decoder.release(slot);
+      --active;
     }
+  }
+
+  // A turn ended on a stop id: the caller's observation, appended to the
+  // completion and queued to be fed (nullopt: the sequence goes on), or how
+  // the sequence ends: Stop without an observation, Length when it would pass
+  // max_new_tokens.
+  std::optional<Finish> observe(int64_t r, Completion& done) {
+    std::optional<std::vector<int32_t>> ids = o.next_turn(requests[size_t(r)], done);
+    if (!ids) return Finish::Stop;
+    SHARDLM_CHECK(!ids->empty(), "generate: an observation of no tokens after turn %lld of prompt %lld sample %lld",
+                  (long long)done.turns, (long long)done.prompt, (long long)done.sample);
+    for (int32_t id : *ids)
+      SHARDLM_CHECK(id >= 0 && id < V, "generate: observation token %d after turn %lld of prompt %lld is outside the "
+                    "vocabulary [0, %lld)", id, (long long)done.turns, (long long)done.prompt, (long long)V);
+    if (int64_t(done.tokens.size() + ids->size()) + 1 > o.max_new_tokens) return Finish::Length;  // no room to answer
+    if (done.observed.empty()) done.observed.assign(done.tokens.size(), 0);
+    done.tokens.insert(done.tokens.end(), ids->begin(), ids->end());
+    done.observed.insert(done.observed.end(), ids->size(), 1);
+    for (auto* v : {&done.sampling_logprobs, &done.model_logprobs, &done.tempered_logprobs})
+      v->insert(v->end(), ids->size(), 0.0f);
+    feed[size_t(r)].assign(ids->begin(), ids->end());
+    ++done.turns;
+    return std::nullopt;
   }
 
   // The running sequences, in slot order.
@@ -244,6 +282,7 @@ struct GenerateStream::State {
       const std::span<const int32_t> prompt = requests[size_t(r)].tokens;
       again.assign(prompt.begin(), prompt.end());
       again.insert(again.end(), out[size_t(r)].tokens.begin(), out[size_t(r)].tokens.end());
+      feed[size_t(r)].clear();  // the prefill of `again` covers the observation ids not fed yet
       decoder.release(slot);
       held[size_t(slot)] = -1;
       --active;
@@ -285,6 +324,7 @@ int64_t GenerateStream::add(std::span<const GenerateRequest> requests) {
   s.out.resize(s.requests.size());
   s.finished.resize(s.requests.size(), 0);
   s.resume.resize(s.requests.size());
+  s.feed.resize(s.requests.size());
   return first;
 }
 

@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -51,6 +52,11 @@ struct Completion {
   // The policy versions (GenerateOptions::policy) its first and last tokens
   // were drawn with; -1 without a policy callback.
   int64_t policy_first = -1, policy_last = -1;
+  // Several turns (GenerateOptions::next_turn): per token of `tokens`, 1 where
+  // it came from the caller (an observation between two turns; its logprobs
+  // are 0), 0 where it was drawn; empty while every token was drawn.
+  std::vector<uint8_t> observed;
+  int64_t turns = 1;  // the turns drawn
 };
 
 struct GenerateOptions {
@@ -70,6 +76,16 @@ struct GenerateOptions {
   // version of the weights that step runs with, which each completion records
   // (policy_first, policy_last). Empty: no version recorded.
   std::function<int64_t()> policy;
+  // Several turns: called when a sequence draws a stop id, with its request and
+  // completion so far. Returning ids (an observation: a tool's result, the next
+  // user turn) goes on with the same sequence: they are fed through the decoder
+  // after the stop id, as if they had been drawn (its KV cache kept: nothing
+  // before them is computed again), recorded in the completion with
+  // `observed` 1, and the next turn is drawn after them. nullopt ends the
+  // sequence (Finish::Stop). Every token after the prompt, drawn or fed, counts
+  // against max_new_tokens: an observation that would pass it ends the
+  // sequence (Finish::Length) with what was drawn. Empty: one turn.
+  std::function<std::optional<std::vector<int32_t>>(const GenerateRequest&, const Completion&)> next_turn;
 };
 
 // Limits for `slots` sequences of these prompts and max_new_tokens, with a KV

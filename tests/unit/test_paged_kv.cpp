@@ -233,6 +233,85 @@ TEST_CASE("a stream fed step by step (the next step's samples admitted while the
   check_same(got, want);
 }
 
+TEST_CASE("several turns: an observation fed after a stop id goes on with the same sequence and cache; the next "
+          "turn = generate() on the whole conversation as its prompt, logprobs to the bit; only the prompt prefilled") {
+  const InferenceModel m = InferenceModel::from_hf(fs::path("tests/fixtures") / "qwen3-qknorm");
+  const int64_t V = m.config().vocab_size;
+  const auto prompts = mixed_prompts(6, V);
+  GenerateOptions o;
+  o.sampling = {.temperature = 0.0, .top_k = 0, .top_p = 1.0, .seed = 3};
+  o.max_new_tokens = 24;
+  const std::vector<int32_t> observation = {int32_t(V - 3), 7, 11, int32_t(V - 5)};
+  int tested = 0;
+  for (size_t p = 0; p < prompts.size(); ++p) {
+    CAPTURE(p);
+    const std::vector<GenerateRequest> one{{int64_t(p), 0, prompts[p]}};
+    DecoderLimits limits = plan_limits(m.config(), one, 1, o.max_new_tokens, "test");
+    limits.block_size = 4;
+    // The first turn ends on its third greedy token, when that one is new.
+    std::vector<Completion> plain;
+    {
+      CpuDecoder d(m, limits);
+      plain = generate(d, one, o);
+    }
+    const std::vector<int32_t>& t = plain[0].tokens;
+    if (t.size() < 3 || t[2] == t[0] || t[2] == t[1]) continue;
+    GenerateOptions turns = o;
+    turns.stop_ids = {t[2]};
+    turns.next_turn = [&](const GenerateRequest&, const Completion& c) -> std::optional<std::vector<int32_t>> {
+      if (c.turns == 1) return observation;
+      return std::nullopt;
+    };
+    CpuDecoder d(m, limits);
+    const Completion got = generate(d, one, turns)[0];
+    CHECK(d.prefill_tokens_computed() == int64_t(prompts[p].size()));  // the history never prefilled again
+    // The conversation so far as a prompt: what the second turn is drawn from.
+    std::vector<int32_t> conversation = prompts[p];
+    conversation.insert(conversation.end(), t.begin(), t.begin() + 3);
+    conversation.insert(conversation.end(), observation.begin(), observation.end());
+    GenerateOptions rest = turns;
+    rest.next_turn = nullptr;
+    rest.max_new_tokens = o.max_new_tokens - 3 - int64_t(observation.size());
+    const std::vector<GenerateRequest> whole{{int64_t(p), 0, conversation}};
+    DecoderLimits whole_limits = plan_limits(m.config(), whole, 1, rest.max_new_tokens, "test");
+    whole_limits.block_size = 4;
+    CpuDecoder fresh(m, whole_limits);
+    const Completion want = generate(fresh, whole, rest)[0];
+
+    REQUIRE(got.tokens.size() == 3 + observation.size() + want.tokens.size());
+    CHECK(got.turns == 2);
+    CHECK(got.finish == want.finish);
+    CHECK(std::equal(t.begin(), t.begin() + 3, got.tokens.begin()));
+    CHECK(std::equal(observation.begin(), observation.end(), got.tokens.begin() + 3));
+    CHECK(std::equal(want.tokens.begin(), want.tokens.end(), got.tokens.begin() + 7));
+    CHECK(std::equal(want.model_logprobs.begin(), want.model_logprobs.end(), got.model_logprobs.begin() + 7));
+    CHECK(std::equal(plain[0].model_logprobs.begin(), plain[0].model_logprobs.begin() + 3, got.model_logprobs.begin()));
+    std::vector<uint8_t> observed(got.tokens.size(), 0);
+    std::fill(observed.begin() + 3, observed.begin() + 7, 1);
+    CHECK(got.observed == observed);
+    CHECK(std::all_of(got.model_logprobs.begin() + 3, got.model_logprobs.begin() + 7, [](float x) { return x == 0; }));
+    ++tested;
+  }
+  MESSAGE(tested << " of " << prompts.size() << " prompts had a first turn to end");
+  CHECK(tested >= 3);
+
+  // An observation that leaves no room for a token of the next turn ends the sequence: Finish::Length.
+  const std::vector<GenerateRequest> one{{0, 0, prompts[1]}};
+  DecoderLimits limits = plan_limits(m.config(), one, 1, 8, "test");
+  GenerateOptions tight = o;
+  tight.max_new_tokens = 8;
+  tight.stop_ids.clear();
+  for (int32_t id = 0; id < V; ++id) tight.stop_ids.push_back(id);  // every token ends a turn
+  tight.next_turn = [&](const GenerateRequest&, const Completion&) -> std::optional<std::vector<int32_t>> {
+    return std::vector<int32_t>{5, 6, 7};
+  };
+  CpuDecoder d(m, limits);
+  const Completion cut = generate(d, one, tight)[0];
+  CHECK(cut.finish == Finish::Length);
+  CHECK(cut.tokens.size() == 4 + 1);  // turn, 3 observed, turn; a third turn would pass 8
+  CHECK(cut.turns == 2);
+}
+
 }  // TEST_SUITE
 
 TEST_CASE("an in-flight weight update between two decode steps: the running sequences go on with the new weights") {
