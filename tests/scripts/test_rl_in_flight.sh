@@ -20,10 +20,7 @@ cd "$(dirname "$0")/../.."
 source tests/scripts/lib/setup.sh rl_in_flight  # BIN, PY, MPI, T, checks.sh
 start=$(date +%s)
 
-"$PY" tools/make_copy_task.py --out-dir "$T/task" > "$T/task.log" 2>&1 || { fail "make_copy_task.py"; cat "$T/task.log"; }
-timeout 120 "$BIN" train inputs/copy-sft.toml --set "data.path=$T/task/sft.h5" --set "run.dir=$T/sft" \
-  --set "run.export_dir=$T/sft/export" --set run.max_steps=20 --set 'run.export_dtype="bf16"' > "$T/sft.log" 2>&1
-check "SFT warm start exported" test -f "$T/sft/export/model.safetensors"
+copy_task_warm_start --set run.max_steps=20 --set 'run.export_dtype="bf16"'
 
 # rl RUN_DIR EXTRA...: ARGS = the deck for a run in RUN_DIR, then EXTRA.
 rl() {
@@ -60,7 +57,7 @@ ahead = [r.get("started_ahead_fraction", 0) for r in rows]
 assert all(0 <= a <= 1 for a in ahead), ahead
 if in_flight:
     # Continuous rollouts: a step's samples start while the last one's tail decodes.
-    assert loads >= 2 and fresher >= 1 and sum(a > 0 for a in ahead) >= 3, (loads, fresher, ahead)
+    assert loads >= 2 and fresher >= 1 and sum(a > 0 for a in ahead) >= 2, (loads, fresher, ahead)
 else:
     assert loads == 0 and fresher == 0 and not any("started_ahead_fraction" in r for r in rows), (loads, fresher)
 print(f"weights taken mid-step {loads} times; {fresher} of 8 steps hold samples fresher than their oldest; "

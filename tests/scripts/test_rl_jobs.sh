@@ -30,10 +30,7 @@ cd "$(dirname "$0")/../.."
 source tests/scripts/lib/setup.sh rl_jobs  # BIN, PY, MPI, T, checks.sh
 start=$(date +%s)
 
-"$PY" tools/make_copy_task.py --out-dir "$T/task" > "$T/task.log" 2>&1 || { fail "make_copy_task.py"; cat "$T/task.log"; }
-timeout 120 "$BIN" train inputs/copy-sft.toml --set "data.path=$T/task/sft.h5" --set "run.dir=$T/sft" \
-  --set "run.export_dir=$T/sft/export" --set run.max_steps=20 --set 'run.export_dtype="bf16"' > "$T/sft.log" 2>&1
-check "SFT warm start exported" test -f "$T/sft/export/model.safetensors"
+copy_task_warm_start --set run.max_steps=20 --set 'run.export_dtype="bf16"'
 
 # rl RUN_DIR EXTRA...: ARGS = the deck for a run in RUN_DIR, rollouts in $T/shared, then EXTRA.
 rl() {

@@ -23,10 +23,7 @@ cd "$(dirname "$0")/../.."
 source tests/scripts/lib/setup.sh rl_ref_kl  # BIN, PY, MPI, T, checks.sh
 
 # --- the penalty keeps the policy near its start (copy task, seeded)
-"$PY" tools/make_copy_task.py --out-dir "$T/task" > "$T/task.log" 2>&1 || { fail "make_copy_task.py"; cat "$T/task.log"; }
-"$BIN" train inputs/copy-sft.toml --set "data.path=$T/task/sft.h5" --set "run.dir=$T/sft" \
-  --set "run.export_dir=$T/sft/export" --set 'run.export_dtype="fp32"' > "$T/sft.log" 2>&1
-check "SFT warm start exported" test -f "$T/sft/export/model.safetensors"
+copy_task_warm_start --set 'run.export_dtype="fp32"'
 # rl RUN_DIR SETTINGS...: 20 on-policy rollout steps of the copy task, the final weights exported in fp32.
 rl() {
   local dir=$1

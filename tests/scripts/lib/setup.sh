@@ -7,6 +7,7 @@
 # waits and root's Open MPI permission, ends the script with "FAIL NAME" when BIN
 # is not built, makes T (/tmp/shardlm-NAME-*, removed on exit unless KEEP is
 # set) and sources checks.sh (pass, fail, check, has, wait_for, tree_pids).
+# copy_task_warm_start makes the copy task and the SFT warm start most of them train from.
 BIN=${SHARDLM:-${BUILD:-build}/shardlm}
 PY=${PYTHON:-/usr/bin/python3}
 MPIRUN=${MPIRUN:-mpirun}
@@ -18,3 +19,13 @@ cleanup() { [ -n "${KEEP:-}" ] && { echo "logs in $T"; return; }; rm -rf "$T"; }
 trap cleanup EXIT
 source tests/scripts/lib/checks.sh
 MPI=($MPIRUN --oversubscribe --bind-to none -x OMP_NUM_THREADS -x OMP_WAIT_POLICY)
+
+# copy_task_warm_start [--set K=V ...]: tools/make_copy_task.py's task in $T/task and
+# inputs/copy-sft.toml trained on it (the deck's steps unless the arguments say
+# otherwise), exported to $T/sft/export; a check line says whether it was.
+copy_task_warm_start() {
+  "$PY" tools/make_copy_task.py --out-dir "$T/task" > "$T/task.log" 2>&1 || { fail "make_copy_task.py"; cat "$T/task.log"; }
+  timeout 300 "$BIN" train inputs/copy-sft.toml --set "data.path=$T/task/sft.h5" --set "run.dir=$T/sft" \
+    --set "run.export_dir=$T/sft/export" "$@" > "$T/sft.log" 2>&1
+  check "SFT warm start exported" test -f "$T/sft/export/model.safetensors"
+}
