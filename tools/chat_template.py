@@ -375,3 +375,68 @@ class ChatTemplate:
         check_messages(messages, where)
         text = self.render(messages, tools=tools, add_generation_prompt=True, where=where)
         return text, self.tokenizer.encode(text)
+
+    def encode_observation(self, messages, observation, tools=None, where="observation"):
+        """The ids an environment hands the policy after its turn: what follows the
+        last assistant message of `messages` (its end-of-turn token, where the
+        policy stopped, included in that turn) through `observation` (tool results,
+        a user message: a list of messages) to the next assistant turn's
+        generation prompt. The prompt's ids, then each drawn turn and each
+        observation's, are the ids apply_chat_template gives the whole chat
+        (tests/scripts/lib/tokenizer_cases.py). Raises ChatError when the
+        template renders the earlier turns otherwise once the chat goes on
+        (Qwen3 drops the think blocks of turns before the last user message: a
+        user turn after a turn that thought, or whose empty think block the
+        template wrote, cannot continue it)."""
+        check_messages(list(messages) + list(observation), where)
+        if not messages or messages[-1].get("role") != "assistant":
+            raise ChatError(f"{where}: the chat so far must end with the assistant's turn")
+        if not observation:
+            raise ChatError(f"{where}: no messages to observe")
+        ids, mask = self.encode_chat(messages, tools, where)
+        last = max((i for i, m in enumerate(mask) if m), default=-1) + 1  # the end of the assistant's last turn
+        _, whole = self.encode_prompt(list(messages) + list(observation), tools, where)
+        if last == 0 or whole[:last] != ids[:last]:
+            k = next((i for i in range(min(last, len(whole))) if whole[i] != ids[i]), min(last, len(whole)))
+            raise ChatError(f"{where}: the template renders the chat so far otherwise once it goes on (from token "
+                            f"{k}: {self.tokenizer.decode(ids[k:k + 12])!r} becomes "
+                            f"{self.tokenizer.decode(whole[k:k + 12])!r}); the policy's ids cannot be continued")
+        return whole[last:]
+
+
+def parse_tool_calls(text):
+    """The tool calls of an assistant turn in Qwen3's (and Qwen2.5's) format,
+    `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, in order: a list of
+    (name, arguments) for the well-formed ones and a list of error strings for
+    the others (not JSON, no name, arguments not an object, an unclosed tag)."""
+    calls, errors = [], []
+    rest = text
+    while True:
+        start = rest.find("<tool_call>")
+        if start < 0:
+            break
+        end = rest.find("</tool_call>", start)
+        if end < 0:
+            errors.append("a <tool_call> without its </tool_call>")
+            break
+        body = rest[start + len("<tool_call>"):end].strip()
+        rest = rest[end + len("</tool_call>"):]
+        try:
+            call = json.loads(body)
+        except ValueError as e:
+            errors.append(f"not JSON ({e}): {body[:80]!r}")
+            continue
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            errors.append(f"no \"name\": {body[:80]!r}")
+            continue
+        arguments = call.get("arguments", {})
+        if isinstance(arguments, str):  # some models write the arguments as a JSON string
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                pass
+        if not isinstance(arguments, dict):
+            errors.append(f"\"arguments\" of {call['name']} is not an object: {body[:80]!r}")
+            continue
+        calls.append((call["name"], arguments))
+    return calls, errors

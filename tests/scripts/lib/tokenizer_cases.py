@@ -16,7 +16,7 @@ import unicodedata
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 from hf_tokenizer import Tokenizer  # noqa: E402
-from chat_template import ChatTemplate, ChatError  # noqa: E402
+from chat_template import ChatTemplate, ChatError, parse_tool_calls  # noqa: E402
 
 failed = 0
 
@@ -130,6 +130,18 @@ def chats(name):
                             {"role": "assistant", "content": "It is 21°C in Paris."}], weather,
              ["<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>" + end,
               think + "It is 21°C in Paris." + end]),
+            # Thinking before each tool call and answer: the turns after the last user
+            # message keep their think blocks, so an episode's ids continue (an empty
+            # think block is dropped from a turn that is not the last).
+            ("tool calls, thinking", [{"role": "user", "content": "Weather in Paris?"},
+                                      {"role": "assistant", "content": "<think>\nAsk the tool.\n</think>\n\n",
+                                       "tool_calls": [{"type": "function", "function": {
+                                           "name": "get_weather", "arguments": {"city": "Paris"}}}]},
+                                      {"role": "tool", "content": "{\"temp_c\": 21}"},
+                                      {"role": "assistant", "content": "<think>\nWarm.\n</think>\n\nIt is 21°C."}],
+             weather, ["<think>\nAsk the tool.\n</think>\n\n<tool_call>\n{\"name\": \"get_weather\", "
+                       "\"arguments\": {\"city\": \"Paris\"}}\n</tool_call>" + end,
+                       "<think>\nWarm.\n</think>\n\nIt is 21°C." + end]),
         ]
     return cases
 
@@ -264,6 +276,56 @@ def main():
             report(ok_ids and len(runs) == 1 and content.strip() in runs[0] and runs[0].endswith(
                 "<|im_end|>" if name == "qwen3" else "<|eot_id|>"),
                    f"{name}: chat '{label}': loss on the assistant's text and end of turn only: {runs!r}")
+
+    # ------------------------------------------- episodes: prompt, drawn turns, observations
+    # An environment's episode as the policy sees it: the prompt (add_generation_prompt),
+    # each assistant turn as drawn (the template's rendering of it when it is the
+    # last, its end-of-turn token included) and each observation's ids
+    # (ChatTemplate.encode_observation) between them, concatenated, against the
+    # reference's tokens of the whole chat; the loss mask on the drawn turns only.
+    episodes = {"llama3": ["multi-turn"], "llama3_1": ["multi-turn"],
+                "qwen3": ["tool calls, thinking"]}
+    for c, (label, messages, tools, _) in enumerate(chat_cases):
+        if label not in episodes.get(name, []):
+            continue
+        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        ids = list(template.encode_prompt(messages[:turns[0]], tools)[1])
+        mask = [0] * len(ids)
+        for k, a in enumerate(turns):
+            if k > 0:
+                obs = template.encode_observation(messages[:prev + 1], messages[prev + 1:a], tools)
+                ids += obs
+                mask += [0] * len(obs)
+            drawn_ids, drawn_mask = template.encode_chat(messages[:a + 1], tools)
+            end = max(i for i, m in enumerate(drawn_mask) if m) + 1  # the turn: its last loss run
+            start = end
+            while start > 0 and drawn_mask[start - 1]:
+                start -= 1
+            ids += drawn_ids[start:end]
+            mask += [1] * (end - start)
+            prev = a
+        ref = answer["render_ids"][2 * c]
+        whole_ids, whole_mask = template.encode_chat(messages, tools)
+        rest = tok.decode(ref[len(ids):])
+        report(ids == ref[:len(ids)] and not any(whole_mask[len(ids):]) and mask == whole_mask[:len(ids)],
+               f"{name}: episode '{label}': prompt + drawn turns + observation ids = the reference's tokens of the "
+               f"whole chat ({len(ids)} of {len(ref)}; after the last turn the template writes {rest!r}), the loss "
+               f"mask exactly on the drawn turns ({sum(mask)} tokens)", f"first difference at {first_difference(ids, ref)}")
+    if name == "qwen3":
+        # A user turn after an assistant turn: Qwen3's template drops the empty think block it
+        # wrote into that turn when it was the last, so the policy's ids cannot be continued.
+        label, messages, tools, _ = next(x for x in chat_cases if x[0] == "multi-turn")
+        try:
+            template.encode_observation(messages[:2], messages[2:3], tools)
+            report(False, f"{name}: a user observation after a turn with a think block is refused")
+        except ChatError as e:
+            report("otherwise once it goes on" in str(e) and "<think>" in str(e),
+                   f"{name}: a user observation after a turn with a think block is refused, naming what changes",
+                   str(e))
+    calls, errors = parse_tool_calls('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+                                     '</tool_call><tool_call>{"name": 3}</tool_call>')
+    report(calls == [("get_weather", {"city": "Paris"})] and len(errors) == 1,
+           f"{name}: parse_tool_calls reads Qwen3's <tool_call> format: {calls}, {errors}")
     return 0
 
 
