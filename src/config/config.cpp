@@ -208,7 +208,8 @@ const std::vector<KeySpec>& key_table() {
       within(key("rollout.kv_cache_tokens", Type::Int, FIELD(rollout.kv_cache_tokens)), 0, 2147483647),
       within(key("rollout.kv_cache_memory", Type::Float, FIELD(rollout.kv_cache_memory)), 0, 1),
       key("rollout.in_flight_updates", Type::Bool, FIELD(rollout.in_flight_updates)),
-      one_of(key("rollout.reward", Type::Strings, FIELD(rollout.reward)), {"exact", "numeric", "regex", "program"}),
+      one_of(key("rollout.reward", Type::Strings, FIELD(rollout.reward)), {"exact", "numeric", "regex", "program", "env"}),
+      up_to(positive(key("rollout.max_turns", Type::Int, FIELD(rollout.max_turns))), 1024),
       within(key("rollout.reward_weights", Type::Floats, FIELD(rollout.reward_weights)), -1e6, 1e6),
       key("rollout.reward_regex", Type::String, FIELD(rollout.reward_regex)),
       key("rollout.reward_program", Type::String, FIELD(rollout.reward_program)),
@@ -218,6 +219,9 @@ const std::vector<KeySpec>& key_table() {
       up_to(positive(key("rollout.dynamic_max_rounds", Type::Int, FIELD(rollout.dynamic_max_rounds))), 1000),
       one_of(key("rollout.truncated", Type::String, FIELD(rollout.truncated)), {"train", "mask", "penalty"}),
       within(key("rollout.overlong_window", Type::Int, FIELD(rollout.overlong_window)), 0, kMaxPositions),
+
+      key("env.program", Type::String, FIELD(env.program)),
+      up_to(positive(key("env.timeout_s", Type::Float, FIELD(env.timeout_s))), kMaxSeconds),
 
       positive(key("log.interval", Type::Int, FIELD(log.interval))),
       key("log.jsonl", Type::String, FIELD(log.jsonl)),
@@ -505,6 +509,8 @@ std::string meaningless_with_the_rest(const Config& c, const std::string& path) 
   if (c.eval.prompts.empty() && (path == "eval.samples" || path == "eval.max_new_tokens" || path == "eval.batch" ||
                                  path == "eval.correct_above"))
     return "sets the accuracy evaluation on eval.prompts, which is not set";
+  if (c.env.program.empty() && (path == "env.timeout_s" || path == "rollout.max_turns"))
+    return "bounds the episodes of an environment program, and env.program is not set";
   if (path == "model.selective_layers" && c.model.activation_checkpointing != "selective")
     return fmt("says how many layers keep their attention output under model.activation_checkpointing = "
                "\"selective\"; it is \"%s\" here", c.model.activation_checkpointing.c_str());
@@ -780,6 +786,11 @@ void check_rl(const Config& c, const Errors& err) {
   if (c.rollout.dynamic_sampling && c.rollout.n == 1)
     err("rollout.dynamic_sampling = true with rollout.n = 1: a group of one sample always has equal rewards, so "
         "every group would be dropped");
+  if (uses("env") && c.env.program.empty())
+    err("rollout.reward = \"env\" needs env.program (the environment program whose episodes end with a reward; "
+        "docs/rl.md \"Environments\")");
+  if (!c.env.program.empty() && c.loss.type != "rl")
+    err("env.program is set but loss.type is not \"rl\": an environment talks to an RL job's inference ranks");
   if (uses("program") && c.rollout.reward_program.empty())
     err("rollout.reward = \"program\" needs rollout.reward_program (a command: completions as JSONL on its stdin, "
         "one reward per line on its stdout; docs/rl.md)");

@@ -84,6 +84,9 @@ std::vector<char> pack(const std::vector<Completion>& cs) {
     put_vec(b, c.sampling_logprobs);
     put_vec(b, c.model_logprobs);
     put_vec(b, c.tempered_logprobs);
+    put_vec(b, c.observed);
+    put(b, &c.turns, sizeof c.turns);
+    put(b, &c.env_reward, sizeof c.env_reward);
   }
   return b;
 }
@@ -100,6 +103,9 @@ void unpack(const char* p, const char* end, std::vector<Completion>& out) {
     get_vec(p, c.sampling_logprobs);
     get_vec(p, c.model_logprobs);
     get_vec(p, c.tempered_logprobs);
+    get_vec(p, c.observed);
+    get(p, c.turns);
+    get(p, c.env_reward);
     out.push_back(std::move(c));
   }
 }

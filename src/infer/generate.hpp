@@ -56,7 +56,8 @@ struct Completion {
   // it came from the caller (an observation between two turns; its logprobs
   // are 0), 0 where it was drawn; empty while every token was drawn.
   std::vector<uint8_t> observed;
-  int64_t turns = 1;  // the turns drawn
+  int64_t turns = 1;      // the turns drawn
+  double env_reward = 0;  // the reward an environment gave the episode (RL with env.program)
 };
 
 struct GenerateOptions {

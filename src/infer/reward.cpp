@@ -154,6 +154,59 @@ int above_stdio(int fd) {
 
 bool is_stop_signal(int sig) { return sig == SIGUSR1 || sig == SIGTERM || sig == SIGINT; }
 
+}  // namespace
+
+// See reward.hpp. The pipes' ends above stderr.
+pid_t spawn_shell(const std::string& command, const std::string& where, int* in_fd_out, int* out_fd_out) {
+  int to_child[2], from_child[2];
+  SHARDLM_CHECK(pipe2(to_child, O_CLOEXEC) == 0, "%s: pipe: %s", where.c_str(), std::strerror(errno));
+  SHARDLM_CHECK(pipe2(from_child, O_CLOEXEC) == 0, "%s: pipe: %s", where.c_str(), std::strerror(errno));
+  for (int* fd : {&to_child[0], &to_child[1], &from_child[0], &from_child[1]}) *fd = above_stdio(*fd);
+  posix_spawn_file_actions_t files;
+  posix_spawnattr_t attr;
+  posix_spawn_file_actions_init(&files);
+  posix_spawn_file_actions_adddup2(&files, to_child[0], STDIN_FILENO);
+  posix_spawn_file_actions_adddup2(&files, from_child[1], STDOUT_FILENO);
+  posix_spawnattr_init(&attr);
+  // Its own process group; the signals a rank ignores or handles back at their defaults, none blocked.
+  sigset_t defaults, none;
+  sigemptyset(&defaults);
+  for (int sig : {SIGPIPE, SIGUSR1, SIGUSR2, SIGTERM, SIGINT, SIGHUP, SIGQUIT}) sigaddset(&defaults, sig);
+  sigemptyset(&none);
+  posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETPGROUP | POSIX_SPAWN_SETSIGDEF | POSIX_SPAWN_SETSIGMASK);
+  posix_spawnattr_setpgroup(&attr, 0);
+  posix_spawnattr_setsigdefault(&attr, &defaults);
+  posix_spawnattr_setsigmask(&attr, &none);
+  std::string sh = "sh", dash_c = "-c", command_copy = command;
+  char* argv[] = {sh.data(), dash_c.data(), command_copy.data(), nullptr};
+  pid_t pid = -1;
+  const int spawned = posix_spawn(&pid, "/bin/sh", &files, &attr, argv, environ);
+  posix_spawn_file_actions_destroy(&files);
+  posix_spawnattr_destroy(&attr);
+  close(to_child[0]);
+  close(from_child[1]);
+  if (spawned != 0) {
+    close(to_child[1]), close(from_child[0]);
+    SHARDLM_FAIL("%s: cannot start /bin/sh: %s", where.c_str(), std::strerror(spawned));
+  }
+  *in_fd_out = to_child[1];
+  *out_fd_out = from_child[0];
+  return pid;
+}
+
+namespace {
+
+// The reward the environment program gave the episode (src/infer/env.hpp).
+class EnvReward final : public Reward {
+ public:
+  std::string name() const override { return "env"; }
+  std::vector<double> score(const std::vector<RewardItem>& items, int64_t) override {
+    std::vector<double> r;
+    for (const RewardItem& it : items) r.push_back(it.env_reward);
+    return r;
+  }
+};
+
 // `/bin/sh -c PROGRAM` once per step: every completion as one JSON line on its
 // stdin, then EOF; one reward per line back on its stdout; its stderr is ours.
 // It runs in a process group of its own, so the stop signals that mpirun or a
@@ -222,38 +275,8 @@ class ProgramReward final : public Reward {
   // timeout: the last two kill it.
   Outcome exchange(const std::string& input, size_t expected, const std::string& where) const {
     Outcome out{AnswerReader(expected)};
-    int to_child[2], from_child[2];
-    SHARDLM_CHECK(pipe2(to_child, O_CLOEXEC) == 0, "%s: pipe: %s", where.c_str(), std::strerror(errno));
-    SHARDLM_CHECK(pipe2(from_child, O_CLOEXEC) == 0, "%s: pipe: %s", where.c_str(), std::strerror(errno));
-    for (int* fd : {&to_child[0], &to_child[1], &from_child[0], &from_child[1]}) *fd = above_stdio(*fd);
-    posix_spawn_file_actions_t files;
-    posix_spawnattr_t attr;
-    posix_spawn_file_actions_init(&files);
-    posix_spawn_file_actions_adddup2(&files, to_child[0], STDIN_FILENO);
-    posix_spawn_file_actions_adddup2(&files, from_child[1], STDOUT_FILENO);
-    posix_spawnattr_init(&attr);
-    // Its own process group; the signals a rank ignores or handles back at their defaults, none blocked.
-    sigset_t defaults, none;
-    sigemptyset(&defaults);
-    for (int sig : {SIGPIPE, SIGUSR1, SIGUSR2, SIGTERM, SIGINT, SIGHUP, SIGQUIT}) sigaddset(&defaults, sig);
-    sigemptyset(&none);
-    posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETPGROUP | POSIX_SPAWN_SETSIGDEF | POSIX_SPAWN_SETSIGMASK);
-    posix_spawnattr_setpgroup(&attr, 0);
-    posix_spawnattr_setsigdefault(&attr, &defaults);
-    posix_spawnattr_setsigmask(&attr, &none);
-    std::string sh = "sh", dash_c = "-c", command = command_;
-    char* argv[] = {sh.data(), dash_c.data(), command.data(), nullptr};
-    pid_t pid = -1;
-    const int spawned = posix_spawn(&pid, "/bin/sh", &files, &attr, argv, environ);
-    posix_spawn_file_actions_destroy(&files);
-    posix_spawnattr_destroy(&attr);
-    close(to_child[0]);
-    close(from_child[1]);
-    int in_fd = to_child[1], out_fd = from_child[0];
-    if (spawned != 0) {
-      close(in_fd), close(out_fd);
-      SHARDLM_FAIL("%s: cannot start /bin/sh: %s", where.c_str(), std::strerror(spawned));
-    }
+    int in_fd = -1, out_fd = -1;
+    const pid_t pid = spawn_shell(command_, where, &in_fd, &out_fd);
     fcntl(in_fd, F_SETFL, O_NONBLOCK);
     fcntl(out_fd, F_SETFL, O_NONBLOCK);
     // A program that exits without reading all its input must not kill us with SIGPIPE.
@@ -395,6 +418,7 @@ std::unique_ptr<Reward> make_reward(const std::string& kind, const RolloutSectio
   if (kind == "numeric") return std::make_unique<NumericReward>();
   if (kind == "regex") return std::make_unique<RegexReward>(r.reward_regex);
   if (kind == "program") return std::make_unique<ProgramReward>(r.reward_program, r.reward_timeout_s);
+  if (kind == "env") return std::make_unique<EnvReward>();
   SHARDLM_FAIL("rollout.reward: unknown component \"%s\" (exact, numeric, regex or program)", kind.c_str());
 }
 

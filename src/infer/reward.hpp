@@ -11,6 +11,8 @@
 // pipes.
 #pragma once
 
+#include <sys/types.h>
+
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -28,6 +30,7 @@ struct RewardItem {
                                        //   spaces when there is no tokenizer; a final stop id left out
   std::vector<int32_t> prompt_ids, completion_ids;  // completion_ids with the stop id, as sampled
   const char* finish = "length";       // "stop" | "length"
+  double env_reward = 0;               // the environment's (env.program), for the "env" component
 };
 
 class Reward {
@@ -83,5 +86,13 @@ bool extract_number(const std::string& text, double* value);
 //   "batch_std"  A = (r - mean(group)) / (std of all the step's rewards + 1e-6)
 // Throws for another kind, or rewards that are not whole groups.
 std::vector<float> group_advantages(const std::vector<double>& rewards, int64_t n, const std::string& kind);
+
+// `/bin/sh -c command` in a process group of its own (so the stop signals
+// sent to the rank's group are the job's, not the program's), the signals a
+// rank ignores or handles back at their defaults, none blocked; its stdin and
+// stdout are pipes whose other ends come back in *in_fd (write to it) and
+// *out_fd (read from it), its stderr is ours. Throws Error naming `where` when
+// it cannot start. Shared by the reward program and the environment program.
+pid_t spawn_shell(const std::string& command, const std::string& where, int* in_fd, int* out_fd);
 
 }  // namespace shardlm

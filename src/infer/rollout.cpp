@@ -17,6 +17,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <memory>
 #include <thread>
@@ -29,6 +30,7 @@
 #include "data/rollouts.hpp"
 #include "data/tokenizer.hpp"
 #include "infer/command.hpp"
+#include "infer/env.hpp"
 #include "infer/eval.hpp"
 #include "infer/generate.hpp"
 #include "infer/model.hpp"
@@ -165,6 +167,7 @@ struct Publisher {
       r.prompt_ids.assign(ids.begin(), ids.end());
       r.completion_ids = c.tokens;
       r.finish = finish_name(c.finish);
+      r.env_reward = c.env_reward;
       scored.push_back(std::move(r));
     }
     const auto t_score = Clock::now();
@@ -247,6 +250,9 @@ struct Publisher {
       f.tokens.insert(f.tokens.end(), c.tokens.begin(), c.tokens.end());
       f.loss_mask.insert(f.loss_mask.end(), prompt.size(), 0);
       f.loss_mask.insert(f.loss_mask.end(), c.tokens.size(), trains);
+      // An environment's observations are context, not the policy's: no loss on them.
+      for (size_t t = 0; t < c.observed.size(); ++t)
+        if (c.observed[t]) f.loss_mask[f.loss_mask.size() - c.tokens.size() + t] = 0;
       // Two logprobs per token (docs/rollouts.md): under the temperature-scaled
       // full softmax, what the trainer's ratio compares with (it divides its
       // logits by the same temperature), and under the distribution the token
@@ -270,6 +276,16 @@ struct Publisher {
     for (size_t k = 0; k < staleness.size(); ++k)
       metrics.push_back({"staleness_" + std::to_string(k), staleness[k] / double(completions.size())});
     metrics.push_back({"in_flight_updates", double(in_flight)});
+    if (!config.env.program.empty()) {  // episodes of several turns
+      double turns = 0, observed = 0;
+      for (const Completion& c : kept.sampled) {
+        turns += double(c.turns);
+        for (uint8_t o : c.observed) observed += o;
+      }
+      const double S = double(std::max<size_t>(kept.sampled.size(), 1));
+      metrics.push_back({"turns_mean", turns / S});
+      metrics.push_back({"observation_tokens_mean", observed / S});
+    }
     if (ro.in_flight_updates)
       metrics.push_back({"started_ahead_fraction", started_ahead / double(std::max<size_t>(kept.sampled.size(), 1))});
     metrics.push_back({"sampler_wait_fraction", step_s > 0 ? wait_s / step_s : 0.0});
@@ -409,6 +425,12 @@ int run_inference_role(const Config& config, Runtime& rt) {
   Decoder& decoder = *decoder_owner;
 
   std::unique_ptr<TokenDecoder> tokenizer;
+  // With an environment every rank tells it its turns' text.
+  if (rank != 0 && !config.env.program.empty()) {
+    std::error_code ec;
+    if (!model.tokenizer_dir.empty() && fs::exists(model.tokenizer_dir / "tokenizer.json", ec))
+      tokenizer = std::make_unique<TokenDecoder>(TokenDecoder::load(model.tokenizer_dir.string()));
+  }
   std::unique_ptr<RewardSet> reward;
   std::unique_ptr<Publisher> publisher;
   if (rank == 0) {
@@ -446,9 +468,13 @@ int run_inference_role(const Config& config, Runtime& rt) {
   };
   std::map<int64_t, Ahead> ahead;  // steps whose samples started before their turn
   const bool look_ahead = ro.in_flight_updates && config.data.max_async > 0 && !ro.dynamic_sampling;
+  std::function<void(std::vector<Completion>&)> finish_episodes;  // with an environment, below
   const auto drain = [&] {
     for (auto& [s, a] : ahead)
-      if (!a.done) a.finished = stream->run(a.first, a.count), a.done = true, a.started = a.count;
+      if (!a.done) {
+        a.finished = stream->run(a.first, a.count), a.done = true, a.started = a.count;
+        finish_episodes(a.finished);
+      }
   };
   WeightReceiver receiver(config, rt, model.weights->layout);
   // Weights that arrive in host memory: the host copy first, then the decoder's
@@ -498,6 +524,46 @@ int run_inference_role(const Config& config, Runtime& rt) {
       while (receiver.next(/*wait=*/false, newest_only, to_host, to_device) == WeightReceiver::Got::Weights) ++in_flight;
     return receiver.step();
   };
+  // Episodes of several turns: this rank's environment program (env.program)
+  // answers each turn with an observation or the episode's reward.
+  std::unique_ptr<EnvProgram> env;
+  std::map<int64_t, int64_t> key_prompt;  // draw key -> prompt file index, for the requests in flight
+  const auto turn_of = [&](const Completion& c, const char* end) {
+    EnvTurn t;
+    t.key = c.prompt, t.sample = c.sample, t.prompt = key_prompt.at(c.prompt), t.turn = c.turns, t.end = end;
+    if (!prompts.answers.empty()) t.answer = prompts.answers[size_t(t.prompt)];
+    size_t from = 0;  // the turn: the ids drawn since the last observation
+    for (size_t i = c.observed.size(); i > 0; --i)
+      if (c.observed[i - 1]) {
+        from = i;
+        break;
+      }
+    t.ids.assign(c.tokens.begin() + std::ptrdiff_t(from), c.tokens.end());
+    Completion turn_only;
+    turn_only.tokens = t.ids;
+    t.text = completion_text(turn_only, tokenizer.get());
+    return t;
+  };
+  if (!config.env.program.empty()) {
+    env = std::make_unique<EnvProgram>(config.env.program, config.env.timeout_s);
+    options.next_turn = [&](const GenerateRequest&, const Completion& c) -> std::optional<std::vector<int32_t>> {
+      return env->turn(turn_of(c, c.turns >= ro.max_turns ? "max_turns" : nullptr));
+    };
+  }
+  // Each episode's reward: the environment's, or, when the policy ended it
+  // (max_new_tokens), what the environment answers to being told so.
+  finish_episodes = [&](std::vector<Completion>& done) {
+    if (!env) return;
+    for (Completion& c : done) {
+      std::optional<double> r = env->reward_of(c.prompt, c.sample);
+      if (!r) {
+        env->turn(turn_of(c, "length"));
+        r = env->reward_of(c.prompt, c.sample);
+      }
+      c.env_reward = *r;
+    }
+    for (const Completion& c : done) key_prompt.erase(c.prompt);  // each key's samples are all here
+  };
   stream = std::make_unique<GenerateStream>(decoder, options);
   // This rank's requests of a step's round: items g, g + G, ... of its prompts, n samples each.
   const auto step_requests = [&](int64_t step, int64_t round) {
@@ -505,8 +571,10 @@ int run_inference_role(const Config& config, Runtime& rt) {
                                                      prompts.size());
     const int64_t base = round_key_base(step, round, ro.prompts_per_step);  // draw keys: unique per (step, round, item)
     std::vector<GenerateRequest> requests;
-    for (int64_t i = rank; i < int64_t(items.size()); i += world)
+    for (int64_t i = rank; i < int64_t(items.size()); i += world) {
+      key_prompt[base + i] = items[size_t(i)];
       for (int64_t s = 0; s < ro.n; ++s) requests.push_back({base + i, s, prompts.prompt(items[size_t(i)])});
+    }
     return requests;
   };
   // While step `step` is sampled and slots are free: start step + 1 when its
@@ -552,12 +620,17 @@ int run_inference_role(const Config& config, Runtime& rt) {
       std::vector<Completion> mine;
       if (auto a = ahead.find(step); a != ahead.end()) {
         started_ahead = double(a->second.started);
-        mine = a->second.done ? std::move(a->second.finished)
-                              : stream->run(a->second.first, a->second.count, start_next(step));
+        if (a->second.done) {
+          mine = std::move(a->second.finished);
+        } else {
+          mine = stream->run(a->second.first, a->second.count, start_next(step));
+          finish_episodes(mine);
+        }
         ahead.erase(a);
       } else {
         const std::vector<GenerateRequest> requests = step_requests(step, round);
         mine = stream->run(stream->add(requests), int64_t(requests.size()), start_next(step));
+        finish_episodes(mine);
       }
       sample_s += seconds_since(t_sample);
       if (auto a = ahead.find(step + 1); a != ahead.end() && !a->second.done)
