@@ -79,6 +79,13 @@ struct DataSection {
 // Held-out evaluation: a token file whose loss the trainers compute (forward
 // only) during and after training, and, in an RL job, a prompt file whose
 // accuracy the inference ranks measure on the weights they hold (docs/rl.md).
+// [env]: an environment program the inference ranks talk to over several turns
+// of an RL episode (src/infer/env.hpp, docs/rl.md "Environments").
+struct EnvSection {
+  std::string program;              // a shell command; "" = one turn, no environment
+  double timeout_s = 60;            // its time to answer one message
+};
+
 struct EvalSection {
   std::string path;                 // token file like data.path; "" = no loss evaluation
   int64_t interval = 0;             // every this many steps (policy steps for prompts); 0 = only at the end
@@ -202,7 +209,8 @@ struct RolloutSection {
   int64_t kv_cache_tokens = 0;      // the paged KV pool of an inference rank, in positions; 0 = every slot at its longest
   double kv_cache_memory = 0;       // or sized from this fraction of the device's memory (decoder.hpp, size_pool); 0 = off
   bool in_flight_updates = false;   // new weights taken between two decode steps, not only between rollout steps
-  // The reward's components (exact | numeric | regex | program, each at most
+  int64_t max_turns = 8;            // with env.program: the assistant turns of an episode at most
+  // The reward's components (exact | numeric | regex | program | env, each at most
   // once) and their weights (empty = 1 each): reward = sum of weight * component.
   std::vector<std::string> reward = {"exact"};
   std::vector<double> reward_weights;
@@ -250,6 +258,7 @@ struct Config {
   ModelSection model;
   DataSection data;
   EvalSection eval;
+  EnvSection env;
   OptimSection optim;
   SchedSection sched;
   LossSection loss;
