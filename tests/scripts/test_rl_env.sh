@@ -74,5 +74,9 @@ done
 "$BIN" check inputs/copy-rl.toml --set 'rollout.reward="env"' > "$T/noenv.log" 2>&1
 check "check refuses rollout.reward = \"env\" without env.program" \
   bash -c "grep -q 'rollout.reward = \"env\" needs env.program' '$T/noenv.log'"
+"$BIN" check inputs/copy-rl.toml --set 'rollout.reward="env"' --set 'env.program="cat"' \
+  --set "eval.prompts=\"$T/task/prompts.h5\"" > "$T/eval.log" 2>&1
+check "check refuses eval.prompts beside rollout.reward = \"env\" (the evaluation has no episodes)" \
+  bash -c "grep -q 'eval.prompts with rollout.reward = \"env\"' '$T/eval.log'"
 echo "test_rl_env: $(( $(date +%s) - start )) s"
 exit $((failures > 0))
