@@ -424,19 +424,15 @@ int run_inference_role(const Config& config, Runtime& rt) {
   const std::unique_ptr<Decoder> decoder_owner = make_decoder(model, limits, rt.backend);
   Decoder& decoder = *decoder_owner;
 
+  // The text rewards see, on rank 0; with an environment every rank tells it its turns' text.
   std::unique_ptr<TokenDecoder> tokenizer;
-  // With an environment every rank tells it its turns' text.
-  if (rank != 0 && !config.env.program.empty()) {
-    std::error_code ec;
-    if (!model.tokenizer_dir.empty() && fs::exists(model.tokenizer_dir / "tokenizer.json", ec))
-      tokenizer = std::make_unique<TokenDecoder>(TokenDecoder::load(model.tokenizer_dir.string()));
-  }
+  std::error_code ec;
+  if ((rank == 0 || !config.env.program.empty()) && !model.tokenizer_dir.empty() &&
+      fs::exists(model.tokenizer_dir / "tokenizer.json", ec))
+    tokenizer = std::make_unique<TokenDecoder>(TokenDecoder::load(model.tokenizer_dir.string()));
   std::unique_ptr<RewardSet> reward;
   std::unique_ptr<Publisher> publisher;
   if (rank == 0) {
-    std::error_code ec;
-    if (!model.tokenizer_dir.empty() && fs::exists(model.tokenizer_dir / "tokenizer.json", ec))
-      tokenizer = std::make_unique<TokenDecoder>(TokenDecoder::load(model.tokenizer_dir.string()));
     reward = std::make_unique<RewardSet>(ro);
     fs::create_directories(config.run.dir, ec);
     publisher = std::make_unique<Publisher>(Publisher{config, prompts, tokenizer.get(), *reward, rt.job_id, {}, {}});
@@ -470,11 +466,13 @@ int run_inference_role(const Config& config, Runtime& rt) {
   const bool look_ahead = ro.in_flight_updates && config.data.max_async > 0 && !ro.dynamic_sampling;
   std::function<void(std::vector<Completion>&)> finish_episodes;  // with an environment, below
   const auto drain = [&] {
-    for (auto& [s, a] : ahead)
-      if (!a.done) {
-        a.finished = stream->run(a.first, a.count), a.done = true, a.started = a.count;
-        finish_episodes(a.finished);
-      }
+    for (auto& [s, a] : ahead) {
+      if (a.done) continue;
+      a.finished = stream->run(a.first, a.count);
+      finish_episodes(a.finished);
+      a.done = true;
+      a.started = a.count;
+    }
   };
   WeightReceiver receiver(config, rt, model.weights->layout);
   // Weights that arrive in host memory: the host copy first, then the decoder's
@@ -565,11 +563,9 @@ int run_inference_role(const Config& config, Runtime& rt) {
     for (const Completion& c : done) key_prompt.erase(c.prompt);  // each key's samples are all here
   };
   stream = std::make_unique<GenerateStream>(decoder, options);
-  // This rank's requests of a step's round: items g, g + G, ... of its prompts, n samples each.
-  const auto step_requests = [&](int64_t step, int64_t round) {
-    const std::vector<int64_t> items = round_prompts(uint64_t(config.run.seed), step, round, ro.prompts_per_step,
-                                                     prompts.size());
-    const int64_t base = round_key_base(step, round, ro.prompts_per_step);  // draw keys: unique per (step, round, item)
+  // This rank's requests of a round's items (prompt file indices) and key base:
+  // items g, g + G, ... of them, n samples each.
+  const auto round_requests = [&](const std::vector<int64_t>& items, int64_t base) {
     std::vector<GenerateRequest> requests;
     for (int64_t i = rank; i < int64_t(items.size()); i += world) {
       key_prompt[base + i] = items[size_t(i)];
@@ -587,7 +583,9 @@ int run_inference_role(const Config& config, Runtime& rt) {
       if (next_step >= config.run.max_steps || ahead.count(next_step) || receiver.done() ||
           receiver.step() < next_step - config.data.max_async)
         return;
-      const std::vector<GenerateRequest> requests = step_requests(next_step, 0);
+      const std::vector<GenerateRequest> requests =
+          round_requests(round_prompts(uint64_t(config.run.seed), next_step, 0, ro.prompts_per_step, prompts.size()),
+                         round_key_base(next_step, 0, ro.prompts_per_step));
       ahead[next_step] = Ahead{stream->add(requests), int64_t(requests.size()), 0, {}, false};
     };
   };
@@ -628,7 +626,7 @@ int run_inference_role(const Config& config, Runtime& rt) {
         }
         ahead.erase(a);
       } else {
-        const std::vector<GenerateRequest> requests = step_requests(step, round);
+        const std::vector<GenerateRequest> requests = round_requests(items, base);
         mine = stream->run(stream->add(requests), int64_t(requests.size()), start_next(step));
         finish_episodes(mine);
       }
