@@ -789,9 +789,6 @@ void check_rl(const Config& c, const Errors& err) {
   if (uses("env") && c.env.program.empty())
     err("rollout.reward = \"env\" needs env.program (the environment program whose episodes end with a reward; "
         "docs/rl.md \"Environments\")");
-  if (uses("env") && !c.eval.prompts.empty())
-    err("eval.prompts with rollout.reward = \"env\": the evaluation scores single completions, not an "
-        "environment's episodes, so its rewards would not be the environment's; leave eval.prompts unset");
   if (!c.env.program.empty() && c.loss.type != "rl")
     err("env.program is set but loss.type is not \"rl\": an environment talks to an RL job's inference ranks");
   if (uses("program") && c.rollout.reward_program.empty())

@@ -72,24 +72,27 @@ std::vector<int32_t> read_stop_ids(hid_t file, const std::string& path) {
   return ids;
 }
 
-// A reference answer is short (a number, a word, an expression); a longer one
-// is a damaged or forged file, refused before its strings are allocated.
+// A reference answer is short (a number, a word, an expression), a prompt's
+// metadata a small JSON object; a longer one is a damaged or forged file,
+// refused before its strings are allocated.
 constexpr size_t kMaxAnswerBytes = size_t(1) << 20;
 
-// The optional 'answer' dataset: P UTF-8 strings (variable length, as h5py writes
-// them; fixed length too), their declared bytes checked against the file's first.
-std::vector<std::string> read_answers(hid_t file, const std::string& path, int64_t prompts, int64_t file_bytes) {
+// An optional dataset of P UTF-8 strings, `name` ('answer', 'metadata'; variable
+// length, as h5py writes them; fixed length too), their declared bytes checked
+// against the file's first. `one` names an entry in errors ("an answer").
+std::vector<std::string> read_strings(hid_t file, const char* name, const char* one, const std::string& path,
+                                      int64_t prompts, int64_t file_bytes) {
   std::vector<std::string> answers;
-  if (H5_CHECK(H5Lexists(file, "answer", H5P_DEFAULT)) <= 0) return answers;
-  h5::Handle d = h5::open_dataset(file, "answer", fmt("prompt file '%s'", path.c_str()));
+  if (H5_CHECK(H5Lexists(file, name, H5P_DEFAULT)) <= 0) return answers;
+  h5::Handle d = h5::open_dataset(file, name, fmt("prompt file '%s'", path.c_str()));
   h5::Handle type(H5_CHECK(H5Dget_type(d)), H5Tclose);
   h5::Handle space(H5_CHECK(H5Dget_space(d)), H5Sclose);
   hsize_t length = 0;
   const int rank = H5_CHECK(H5Sget_simple_extent_ndims(space));
   if (rank == 1) H5_CHECK(H5Sget_simple_extent_dims(space, &length, nullptr));
   SHARDLM_CHECK(H5Tget_class(type) == H5T_STRING && rank == 1 && int64_t(length) == prompts,
-                "prompt file '%s': dataset 'answer' must hold one string per prompt (%lld), found %s of rank %d and "
-                "%llu entries", path.c_str(), (long long)prompts, h5::dtype_name(type).c_str(), rank,
+                "prompt file '%s': dataset '%s' must hold one string per prompt (%lld), found %s of rank %d and "
+                "%llu entries", path.c_str(), name, (long long)prompts, h5::dtype_name(type).c_str(), rank,
                 (unsigned long long)length);
   h5::Handle mem(H5_CHECK(H5Tcopy(H5T_C_S1)), H5Tclose);
   H5_CHECK(H5Tset_cset(mem, H5Tget_cset(type)));
@@ -98,23 +101,23 @@ std::vector<std::string> read_answers(hid_t file, const std::string& path, int64
     hsize_t text_bytes = 0;  // every string's bytes: they lie in the file, uncompressed
     if (length > 0) H5_CHECK(H5Dvlen_get_buf_size(d, mem, space, &text_bytes));
     SHARDLM_CHECK(int64_t(text_bytes) <= file_bytes,
-                  "prompt file '%s': dataset 'answer' declares %llu strings of %llu bytes in all but the file has %lld "
-                  "bytes: a damaged or forged file; nothing was read for it", path.c_str(),
+                  "prompt file '%s': dataset '%s' declares %llu strings of %llu bytes in all but the file has %lld "
+                  "bytes: a damaged or forged file; nothing was read for it", path.c_str(), name,
                   (unsigned long long)length, (unsigned long long)text_bytes, (long long)file_bytes);
     std::vector<char*> texts(length, nullptr);
     if (length > 0) H5_CHECK(H5Dread(d, mem, H5S_ALL, H5S_ALL, H5P_DEFAULT, texts.data()));
     for (char* t : texts) answers.emplace_back(t ? t : "");
     if (length > 0) H5_CHECK(H5Dvlen_reclaim(mem, space, H5P_DEFAULT, texts.data()));
     for (size_t i = 0; i < answers.size(); ++i)
-      SHARDLM_CHECK(answers[i].size() <= kMaxAnswerBytes, "prompt file '%s': answer %zu has %zu bytes; an answer "
-                    "holds at most %zu bytes", path.c_str(), i, answers[i].size(), kMaxAnswerBytes);
+      SHARDLM_CHECK(answers[i].size() <= kMaxAnswerBytes, "prompt file '%s': %s %zu has %zu bytes; %s holds at "
+                    "most %zu bytes", path.c_str(), name, i, answers[i].size(), one, kMaxAnswerBytes);
   } else {
     const size_t size = H5Tget_size(type);
     SHARDLM_CHECK(size <= kMaxAnswerBytes,
-                  "prompt file '%s': dataset 'answer' declares %llu strings of %zu bytes; an answer holds at most %zu "
-                  "bytes (a damaged or forged file?)", path.c_str(), (unsigned long long)length, size,
+                  "prompt file '%s': dataset '%s' declares %llu strings of %zu bytes; %s holds at most %zu "
+                  "bytes (a damaged or forged file?)", path.c_str(), name, (unsigned long long)length, size, one,
                   kMaxAnswerBytes);
-    h5::check_declared_size(d, "answer", static_cast<int64_t>(length), size, file_bytes,
+    h5::check_declared_size(d, name, static_cast<int64_t>(length), size, file_bytes,
                             fmt("prompt file '%s'", path.c_str()));
     H5_CHECK(H5Tset_size(mem, size + 1));
     std::vector<char> text(length * (size + 1), '\0');
@@ -170,7 +173,8 @@ PromptSet read_prompts(const std::string& path, int64_t vocab_size) {
                 "prompt file '%s': the last offset is %lld but 'tokens' holds %zu ids", path.c_str(),
                 (long long)p.offsets.back(), p.tokens.size());
   check_ids(p, vocab_size);
-  p.answers = read_answers(file, path, p.size(), file_bytes);
+  p.answers = read_strings(file, "answer", "an answer", path, p.size(), file_bytes);
+  p.metadata = read_strings(file, "metadata", "a metadata entry", path, p.size(), file_bytes);
   return p;
 }
 

@@ -20,6 +20,7 @@ struct PromptSet {
   std::vector<int64_t> offsets;     // (P+1) prompt p = tokens[offsets[p] .. offsets[p+1])
   std::vector<int32_t> stop_ids;    // the file's stop_token_ids (end of turn, EOS); may be empty
   std::vector<std::string> answers; // (P) the reference answers ('answer'); empty when the file has none
+  std::vector<std::string> metadata;  // (P) each prompt's metadata ('metadata', JSON text); empty when none
   int64_t size() const { return static_cast<int64_t>(offsets.size()) - 1; }
   std::span<const int32_t> prompt(int64_t p) const {
     return {tokens.data() + offsets[size_t(p)], size_t(offsets[size_t(p) + 1] - offsets[size_t(p)])};

@@ -87,6 +87,8 @@ std::vector<char> pack(const std::vector<Completion>& cs) {
     put_vec(b, c.observed);
     put(b, &c.turns, sizeof c.turns);
     put(b, &c.env_reward, sizeof c.env_reward);
+    put_vec(b, std::vector<char>(c.env_metrics.begin(), c.env_metrics.end()));
+    put(b, &c.episode_end, sizeof c.episode_end);
   }
   return b;
 }
@@ -106,6 +108,10 @@ void unpack(const char* p, const char* end, std::vector<Completion>& out) {
     get_vec(p, c.observed);
     get(p, c.turns);
     get(p, c.env_reward);
+    std::vector<char> metrics;
+    get_vec(p, metrics);
+    c.env_metrics.assign(metrics.begin(), metrics.end());
+    get(p, c.episode_end);
     out.push_back(std::move(c));
   }
 }

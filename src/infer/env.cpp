@@ -22,8 +22,18 @@ namespace shardlm {
 namespace {
 
 constexpr size_t kMaxAnswerBytes = size_t(16) << 20;
+constexpr size_t kMaxMetrics = 32;
 
-std::string episode_name(int64_t key, int64_t sample) { return std::to_string(key) + "." + std::to_string(sample); }
+std::string episode_name(bool eval, int64_t key, int64_t sample) {
+  return (eval ? "eval." : "") + std::to_string(key) + "." + std::to_string(sample);
+}
+
+// A metric's name: what a metrics.jsonl key and a TensorBoard tag can hold.
+bool metric_name(const std::string& name) {
+  return !name.empty() && name.size() <= 64 && std::all_of(name.begin(), name.end(), [](char c) {
+    return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_';
+  });
+}
 
 }  // namespace
 
@@ -105,14 +115,21 @@ std::string EnvProgram::exchange(const std::string& line, const std::string& whe
 }
 
 std::optional<std::vector<int32_t>> EnvProgram::turn(const EnvTurn& t) {
-  const std::string episode = episode_name(t.key, t.sample);
+  const std::string episode = episode_name(t.eval, t.key, t.sample);
   const std::string where = fmt("environment program '%s' (env.program), episode %s (prompt %lld, sample %lld), "
                                 "turn %lld", command_.c_str(), episode.c_str(), (long long)t.prompt,
                                 (long long)t.sample, (long long)t.turn);
   nlohmann::json j = {{"episode", episode}, {"prompt", t.prompt}, {"sample", t.sample}, {"answer", t.answer},
                       {"turn", t.turn},      {"ids", t.ids},       {"text", t.text}};
   if (t.end) j["end"] = t.end;
+  if (t.eval) j["eval"] = true;
+  if (!t.metadata.empty()) {  // JSON as make_prompts.py writes it; other text as a string
+    nlohmann::json metadata = nlohmann::json::parse(t.metadata, nullptr, /*allow_exceptions=*/false);
+    j["metadata"] = metadata.is_discarded() ? nlohmann::json(t.metadata) : metadata;
+  }
+  const auto t0 = std::chrono::steady_clock::now();
   const std::string line = exchange(j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n", where);
+  seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   nlohmann::json a;
   try {
     a = nlohmann::json::parse(line);
@@ -130,7 +147,19 @@ std::optional<std::vector<int32_t>> EnvProgram::turn(const EnvTurn& t) {
   if (has_reward) {
     SHARDLM_CHECK(a["reward"].is_number() && std::isfinite(a["reward"].get<double>()),
                   "%s: \"reward\" is not a finite number: '%.120s'", where.c_str(), line.c_str());
-    rewards_[{t.key, t.sample}] = a["reward"].get<double>();
+    EnvOutcome outcome{a["reward"].get<double>(), ""};
+    if (a.contains("metrics")) {
+      const nlohmann::json& m = a["metrics"];
+      SHARDLM_CHECK(m.is_object() && m.size() <= kMaxMetrics,
+                    "%s: \"metrics\" is not an object of at most %zu numbers: '%.120s'", where.c_str(), kMaxMetrics,
+                    line.c_str());
+      for (const auto& [name, value] : m.items())
+        SHARDLM_CHECK(metric_name(name) && value.is_number() && std::isfinite(value.get<double>()),
+                      "%s: metric '%.64s' is not a finite number named by letters, digits and '_' (at most 64): "
+                      "'%.120s'", where.c_str(), name.c_str(), line.c_str());
+      outcome.metrics = m.dump();
+    }
+    outcomes_[{t.eval, t.key, t.sample}] = std::move(outcome);
     return std::nullopt;
   }
   SHARDLM_CHECK(!t.end, "%s: the episode ended (%s) and only a reward may answer, not an observation", where.c_str(),
@@ -142,12 +171,12 @@ std::optional<std::vector<int32_t>> EnvProgram::turn(const EnvTurn& t) {
   return obs.get<std::vector<int32_t>>();
 }
 
-std::optional<double> EnvProgram::reward_of(int64_t key, int64_t sample) {
-  const auto it = rewards_.find({key, sample});
-  if (it == rewards_.end()) return std::nullopt;
-  const double r = it->second;
-  rewards_.erase(it);
-  return r;
+std::optional<EnvOutcome> EnvProgram::outcome_of(bool eval, int64_t key, int64_t sample) {
+  const auto it = outcomes_.find({eval, key, sample});
+  if (it == outcomes_.end()) return std::nullopt;
+  EnvOutcome outcome = std::move(it->second);
+  outcomes_.erase(it);
+  return outcome;
 }
 
 }  // namespace shardlm

@@ -15,6 +15,7 @@
 #include "base/run_dir.hpp"
 #include "data/order.hpp"
 #include "infer/command.hpp"
+#include "infer/episodes.hpp"
 #include "infer/reward.hpp"
 #include "infer/rollout.hpp"
 #include "shardlm/error.hpp"
@@ -110,7 +111,7 @@ std::string eval_plan_line(const Config& config, const PromptSet& prompts) {
 
 Evaluator::Evaluator(const Config& config, const PromptSet& prompts, Decoder& decoder,
                      const std::vector<int32_t>& eos_ids, MPI_Comm comm, RewardSet* reward,
-                     const TokenDecoder* tokenizer)
+                     const TokenDecoder* tokenizer, EnvProgram* env)
     : config_(config), prompts_(prompts), decoder_(decoder), comm_(comm), reward_(reward), tokenizer_(tokenizer) {
   MPI_CHECK(MPI_Comm_rank(comm, &rank_));
   MPI_CHECK(MPI_Comm_size(comm, &world_));
@@ -129,7 +130,14 @@ Evaluator::Evaluator(const Config& config, const PromptSet& prompts, Decoder& de
   sampled_ = greedy_;
   sampled_.sampling = {ro.temperature, ro.top_k, ro.top_p, eval_seed(uint64_t(config.run.seed))};
   sampled_.slots = std::max<int64_t>(1, std::min(ev.batch, mine * std::max<int64_t>(1, ev.samples)));
+  if (env) {
+    episodes_ = std::make_unique<Episodes>(*env, prompts, tokenizer, ro.max_turns, /*eval=*/true);
+    for (GenerateOptions* o : {&greedy_, &sampled_})
+      o->next_turn = [this](const GenerateRequest&, const Completion& c) { return episodes_->next_turn(c); };
+  }
 }
+
+Evaluator::~Evaluator() = default;
 
 void Evaluator::open_jsonl(const fs::path& run_dir, int64_t first_step) {
   if (!enabled() || rank_ != 0) return;
@@ -152,7 +160,9 @@ std::vector<Completion> Evaluator::sample(const GenerateOptions& options, int64_
   std::vector<GenerateRequest> requests;
   for (int64_t p = rank_; p < prompts_.size(); p += world_)
     for (int64_t s = 0; s < k; ++s) requests.push_back({p, s, prompts_.prompt(p)});
-  return gather_completions(generate(decoder_, requests, options), comm_);
+  std::vector<Completion> mine = generate(decoder_, requests, options);
+  if (episodes_) episodes_->finish(mine);
+  return gather_completions(std::move(mine), comm_);
 }
 
 std::vector<double> Evaluator::score(const std::vector<Completion>& completions, int64_t policy_step) {
@@ -167,6 +177,7 @@ std::vector<double> Evaluator::score(const std::vector<Completion>& completions,
     r.prompt_ids.assign(ids.begin(), ids.end());
     r.completion_ids = c.tokens;
     r.finish = finish_name(c.finish);
+    r.env_reward = c.env_reward;
     items.push_back(std::move(r));
   }
   try {
@@ -202,12 +213,17 @@ void Evaluator::evaluate(int64_t policy_step) {
   metrics_ = {{"eval_policy_step", double(policy_step)}, {"eval_accuracy", s.accuracy},
               {"eval_reward_mean", s.reward_mean}, {"eval_response_length_mean", length_mean}};
   if (k > 0) metrics_.insert(metrics_.end(), {{"eval_pass_at_k", s.pass_at_k}, {"eval_pass_at_1", s.pass_at_1}});
+  // Episodes: their turns, ends and the environment's numbers, of the greedy ones.
+  const std::vector<std::pair<std::string, double>> episodes =
+      episodes_ ? episode_metrics(greedy, "eval_") : std::vector<std::pair<std::string, double>>();
+  metrics_.insert(metrics_.end(), episodes.begin(), episodes.end());
   if (!jsonl_) return;
   std::string row = fmt("{\"step\": %lld, \"eval_policy_step\": %lld, \"eval_prompts\": %lld, \"eval_samples\": %lld, "
                         "\"eval_correct\": %lld, \"eval_accuracy\": %.9g, \"eval_reward_mean\": %.9g",
                         (long long)policy_step, (long long)policy_step, (long long)s.prompts, (long long)k,
                         (long long)s.correct, s.accuracy, s.reward_mean);
   if (k > 0) row += fmt(", \"eval_pass_at_k\": %.9g, \"eval_pass_at_1\": %.9g", s.pass_at_k, s.pass_at_1);
+  for (const auto& [name, value] : episodes) row += fmt(", \"%s\": %.9g", name.c_str(), value);
   row += fmt(", \"eval_response_length_mean\": %.9g, \"eval_seconds\": %.6g}\n", length_mean, seconds);
   jsonl_ << row;
   jsonl_.flush();

@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -28,6 +29,8 @@
 
 namespace shardlm {
 
+class EnvProgram;
+class Episodes;
 class RewardSet;
 class TokenDecoder;
 
@@ -83,9 +86,12 @@ std::string eval_plan_line(const Config& config, const PromptSet& prompts);
 class Evaluator {
  public:
   // reward, tokenizer: inference rank 0's (the rollouts'); others pass nullptr.
-  // eos_ids: the model's, stop ids beside the prompt file's.
+  // eos_ids: the model's, stop ids beside the prompt file's. env: this rank's
+  // environment program (RL with env.program; nullptr without): each prompt
+  // is then an episode of several turns, as the rollouts' are.
   Evaluator(const Config& config, const PromptSet& prompts, Decoder& decoder, const std::vector<int32_t>& eos_ids,
-            MPI_Comm comm, RewardSet* reward, const TokenDecoder* tokenizer);
+            MPI_Comm comm, RewardSet* reward, const TokenDecoder* tokenizer, EnvProgram* env = nullptr);
+  ~Evaluator();
   bool enabled() const { return !prompts_.path.empty(); }
   // Rank 0: <run.dir>/eval.jsonl, its rows of policy steps >= first_step dropped (an earlier launch's).
   void open_jsonl(const std::filesystem::path& run_dir, int64_t first_step);
@@ -117,6 +123,7 @@ class Evaluator {
   RewardSet* reward_;
   const TokenDecoder* tokenizer_;
   GenerateOptions greedy_, sampled_;
+  std::unique_ptr<Episodes> episodes_;  // with an environment
   int64_t last_step_ = -1;  // the policy step evaluated last (-1: none)
   int64_t evaluations_ = 0;
   std::vector<std::pair<std::string, double>> metrics_;  // the latest evaluation's, until taken

@@ -38,6 +38,10 @@ struct GenerateRequest {
 
 enum class Finish : uint8_t { Stop = 0, Length = 1 };
 const char* finish_name(Finish f);  // "stop" | "length"
+// How an episode of several turns ended: the environment gave its reward
+// after a turn, or was told the policy ran out of turns (rollout.max_turns) or
+// of tokens (max_new_tokens) and then gave it.
+enum class EpisodeEnd : uint8_t { Env, MaxTurns, Length };
 
 struct Completion {
   int64_t prompt = 0, sample = 0;
@@ -57,7 +61,12 @@ struct Completion {
   // are 0), 0 where it was drawn; empty while every token was drawn.
   std::vector<uint8_t> observed;
   int64_t turns = 1;      // the turns drawn
-  double env_reward = 0;  // the reward an environment gave the episode (RL with env.program)
+  // RL with env.program (infer/episodes.hpp): the episode's reward, its
+  // numbers (the environment's "metrics", a JSON object; "" when none) and
+  // how it ended.
+  double env_reward = 0;
+  std::string env_metrics;
+  EpisodeEnd episode_end = EpisodeEnd::Env;
 };
 
 struct GenerateOptions {

@@ -31,6 +31,7 @@
 #include "data/tokenizer.hpp"
 #include "infer/command.hpp"
 #include "infer/env.hpp"
+#include "infer/episodes.hpp"
 #include "infer/eval.hpp"
 #include "infer/generate.hpp"
 #include "infer/model.hpp"
@@ -136,9 +137,11 @@ struct Publisher {
     std::vector<Completion> sampled;      // every round's completions (the metrics' lengths)
     int64_t rounds = 0, dropped_groups = 0;
     double score_s = 0, overlong_penalty = 0;
+    double env_s = 0;                     // rank 0's time in its environment program
   } kept;
 
   void begin_step() { kept = Kept{}; }
+  void add_env_seconds(double s) { kept.env_s += s; }
 
   // DAPO's soft overlong penalty (arXiv:2503.14476, eq. 13): 0 up to the last
   // `window` tokens of the budget, then falling linearly to -1 at its end.
@@ -277,14 +280,9 @@ struct Publisher {
       metrics.push_back({"staleness_" + std::to_string(k), staleness[k] / double(completions.size())});
     metrics.push_back({"in_flight_updates", double(in_flight)});
     if (!config.env.program.empty()) {  // episodes of several turns
-      double turns = 0, observed = 0;
-      for (const Completion& c : kept.sampled) {
-        turns += double(c.turns);
-        for (uint8_t o : c.observed) observed += o;
-      }
-      const double S = double(std::max<size_t>(kept.sampled.size(), 1));
-      metrics.push_back({"turns_mean", turns / S});
-      metrics.push_back({"observation_tokens_mean", observed / S});
+      const auto episodes = episode_metrics(kept.sampled, "");
+      metrics.insert(metrics.end(), episodes.begin(), episodes.end());
+      metrics.push_back({"env_s", kept.env_s});  // rank 0's wait for its environment while the step was sampled
     }
     if (ro.in_flight_updates)
       metrics.push_back({"started_ahead_fraction", started_ahead / double(std::max<size_t>(kept.sampled.size(), 1))});
@@ -448,8 +446,17 @@ int run_inference_role(const Config& config, Runtime& rt) {
     std::fflush(stdout);
   }
 
+  // Episodes of several turns: this rank's environment program (env.program)
+  // answers each turn with an observation or the episode's reward; the
+  // rollouts and the evaluation each keep their episodes.
+  std::unique_ptr<EnvProgram> env;
+  std::unique_ptr<Episodes> episodes;
+  if (!config.env.program.empty()) {
+    env = std::make_unique<EnvProgram>(config.env.program, config.env.timeout_s);
+    episodes = std::make_unique<Episodes>(*env, prompts, tokenizer.get(), ro.max_turns, /*eval=*/false);
+  }
   // Accuracy on eval.prompts, on the weights held when due: before they are replaced, after a rollout step.
-  Evaluator evaluator(config, eval_prompts, decoder, model.eos_ids, comm, reward.get(), tokenizer.get());
+  Evaluator evaluator(config, eval_prompts, decoder, model.eos_ids, comm, reward.get(), tokenizer.get(), env.get());
   // The rollouts' sequences, across steps: with in-flight updates the next
   // step's samples take the slots the current step's tail leaves free
   // (continuous rollouts), once the weights held are recent enough for it.
@@ -464,7 +471,9 @@ int run_inference_role(const Config& config, Runtime& rt) {
   };
   std::map<int64_t, Ahead> ahead;  // steps whose samples started before their turn
   const bool look_ahead = ro.in_flight_updates && config.data.max_async > 0 && !ro.dynamic_sampling;
-  std::function<void(std::vector<Completion>&)> finish_episodes;  // with an environment, below
+  const auto finish_episodes = [&](std::vector<Completion>& done) {
+    if (episodes) episodes->finish(done);
+  };
   const auto drain = [&] {
     for (auto& [s, a] : ahead) {
       if (a.done) continue;
@@ -522,53 +531,15 @@ int run_inference_role(const Config& config, Runtime& rt) {
       while (receiver.next(/*wait=*/false, newest_only, to_host, to_device) == WeightReceiver::Got::Weights) ++in_flight;
     return receiver.step();
   };
-  // Episodes of several turns: this rank's environment program (env.program)
-  // answers each turn with an observation or the episode's reward.
-  std::unique_ptr<EnvProgram> env;
-  std::map<int64_t, int64_t> key_prompt;  // draw key -> prompt file index, for the requests in flight
-  const auto turn_of = [&](const Completion& c, const char* end) {
-    EnvTurn t;
-    t.key = c.prompt, t.sample = c.sample, t.prompt = key_prompt.at(c.prompt), t.turn = c.turns, t.end = end;
-    if (!prompts.answers.empty()) t.answer = prompts.answers[size_t(t.prompt)];
-    size_t from = 0;  // the turn: the ids drawn since the last observation
-    for (size_t i = c.observed.size(); i > 0; --i)
-      if (c.observed[i - 1]) {
-        from = i;
-        break;
-      }
-    t.ids.assign(c.tokens.begin() + std::ptrdiff_t(from), c.tokens.end());
-    Completion turn_only;
-    turn_only.tokens = t.ids;
-    t.text = completion_text(turn_only, tokenizer.get());
-    return t;
-  };
-  if (!config.env.program.empty()) {
-    env = std::make_unique<EnvProgram>(config.env.program, config.env.timeout_s);
-    options.next_turn = [&](const GenerateRequest&, const Completion& c) -> std::optional<std::vector<int32_t>> {
-      return env->turn(turn_of(c, c.turns >= ro.max_turns ? "max_turns" : nullptr));
-    };
-  }
-  // Each episode's reward: the environment's, or, when the policy ended it
-  // (max_new_tokens), what the environment answers to being told so.
-  finish_episodes = [&](std::vector<Completion>& done) {
-    if (!env) return;
-    for (Completion& c : done) {
-      std::optional<double> r = env->reward_of(c.prompt, c.sample);
-      if (!r) {
-        env->turn(turn_of(c, "length"));
-        r = env->reward_of(c.prompt, c.sample);
-      }
-      c.env_reward = *r;
-    }
-    for (const Completion& c : done) key_prompt.erase(c.prompt);  // each key's samples are all here
-  };
+  if (episodes)
+    options.next_turn = [&](const GenerateRequest&, const Completion& c) { return episodes->next_turn(c); };
   stream = std::make_unique<GenerateStream>(decoder, options);
   // This rank's requests of a round's items (prompt file indices) and key base:
   // items g, g + G, ... of them, n samples each.
   const auto round_requests = [&](const std::vector<int64_t>& items, int64_t base) {
     std::vector<GenerateRequest> requests;
     for (int64_t i = rank; i < int64_t(items.size()); i += world) {
-      key_prompt[base + i] = items[size_t(i)];
+      if (episodes) episodes->begin(base + i, items[size_t(i)]);
       for (int64_t s = 0; s < ro.n; ++s) requests.push_back({base + i, s, prompts.prompt(items[size_t(i)])});
     }
     return requests;
@@ -610,6 +581,7 @@ int run_inference_role(const Config& config, Runtime& rt) {
     if (rank == 0) publisher->begin_step();
     double sample_s = 0;
     double started_ahead = 0;  // of this rank's samples of the step, those begun during the last step
+    const double env_before = env ? env->seconds() : 0.0;
     for (int64_t round = 0;; ++round) {
       const std::vector<int64_t> items = round_prompts(uint64_t(config.run.seed), step, round, ro.prompts_per_step,
                                                        prompts.size());
@@ -641,6 +613,7 @@ int run_inference_role(const Config& config, Runtime& rt) {
       wait_collective(comm, &request, "dynamic sampling round");
       if (!more) break;
     }
+    if (rank == 0 && env) publisher->add_env_seconds(env->seconds() - env_before);
     if (rank == 0)
       publisher->publish(step, step_policy, sample_s, wait_s, in_flight, seconds_since(t_wait), evaluator.take_metrics(),
                          started_ahead);

@@ -11,7 +11,14 @@
 #   an environment that crashes, hangs past env.timeout_s, answers with other
 #     than JSON or for another episode ends the job (exit 1) with one message
 #     naming the program, the episode and what went wrong;
-#   check refuses rollout.reward = "env" without env.program.
+#   check refuses rollout.reward = "env" without env.program;
+#   the evaluation (eval.prompts) plays each prompt as episodes of its own
+#     ("eval.P.S", marked eval) and logs the episode metrics;
+#   an environment that exits mid-run leaves the trainers' checkpoint, and the
+#     same job with a sound environment resumes from it;
+#   the guessing game (tools/make_guess_task.py, tools/envs/guess.py) from its
+#     SFT warm start: the reward rises over 30 RL steps, the environment's
+#     metrics (env_*) and the episode ends logged.
 # Prints PASS/FAIL lines; exits non-zero when anything failed.
 set -u
 cd "$(dirname "$0")/../.."
@@ -74,9 +81,70 @@ done
 "$BIN" check inputs/copy-rl.toml --set 'rollout.reward="env"' > "$T/noenv.log" 2>&1
 check "check refuses rollout.reward = \"env\" without env.program" \
   bash -c "grep -q 'rollout.reward = \"env\" needs env.program' '$T/noenv.log'"
-"$BIN" check inputs/copy-rl.toml --set 'rollout.reward="env"' --set 'env.program="cat"' \
-  --set "eval.prompts=\"$T/task/prompts.h5\"" > "$T/eval.log" 2>&1
-check "check refuses eval.prompts beside rollout.reward = \"env\" (the evaluation has no episodes)" \
-  bash -c "grep -q 'eval.prompts with rollout.reward = \"env\"' '$T/eval.log'"
+# --- the evaluation plays episodes too (eval.prompts with the environment)
+rl "$T/eval" "" --set "eval.prompts=$T/task/prompts.h5" --set eval.interval=2 --set eval.samples=2 --set eval.batch=64
+COPY_ENV_LOG=$T/eval-env.jsonl timeout 180 "${MPI[@]}" -x COPY_ENV_LOG -np 1 "$BIN" train "${ARGS[@]}" : \
+  -np 1 "$BIN" generate "${ARGS[@]}" > "$T/eval.log" 2>&1
+check "3 steps with an evaluation of episodes every 2 policy steps: exit $? (0)" test $? = 0
+check "... each eval prompt played as episodes 'eval.P.S' (greedy, 2 samples), marked eval, apart from the rollouts'; the rows carry the episode metrics" \
+  "$PY" - "$T/eval" "$T/eval-env.jsonl" "$T/task/prompts.h5" <<'PYEOF'
+import json, sys, h5py
+d, log, prompts = sys.argv[1:4]
+with h5py.File(prompts) as f:
+    P = len(f["offsets"]) - 1
+rows = [json.loads(l) for l in open(f"{d}/eval.jsonl")]
+assert [r["eval_policy_step"] for r in rows] == [0, 2, 3], rows  # the start, interval 2, the end
+msgs = [json.loads(l) for l in open(log)]
+ev = [m for m in msgs if m["eval"]]
+assert all(m["episode"].startswith(f"eval.{m['prompt']}.") for m in ev), ev[:3]
+assert not any(m["episode"].startswith("eval.") for m in msgs if not m["eval"])
+first = {m["episode"] for m in ev if m["turn"] == 1}
+assert first == {f"eval.{p}.{s}" for p in range(P) for s in range(2)}, len(first)
+assert any(m["turn"] == 2 for m in ev)
+for r in rows:
+    assert 0 <= r["eval_accuracy"] <= 1 and r["eval_turns_mean"] >= 1, r
+    assert abs(r["eval_episode_end_env"] + r["eval_episode_end_max_turns"] + r["eval_episode_end_length"] - 1) < 1e-9, r
+print(f"{len(rows)} evaluations, accuracy {[r['eval_accuracy'] for r in rows]}, turns {[r['eval_turns_mean'] for r in rows]}")
+PYEOF
+
+# --- an environment that fails mid-run leaves the trainers' checkpoint; the job resumes from it
+rl "$T/mid" "crash-after:1200" --set run.max_steps=5 --set ckpt.interval=1
+job > "$T/mid.log" 2>&1
+check "an environment that exits mid-run ends the job: exit $? (1)" test $? = 1
+check "... naming the program and the episode" \
+  bash -c "grep -q \"environment program '$ENV crash-after:1200' (env.program), episode .*exited with status 3\" '$T/mid.log'"
+check "... and the trainers left a checkpoint" bash -c "ls '$T/mid/checkpoints/'step_*.h5"
+rl "$T/mid" "" --set run.max_steps=5 --set ckpt.interval=1
+job > "$T/mid-resume.log" 2>&1
+check "the same job with a sound environment resumes from it and finishes: exit $? (0)" test $? = 0
+check "... from the checkpoint" grep -qE "checkpoint: resumed from .*/step_[1-9]\.h5" "$T/mid-resume.log"
+check "... and every step up to 5 has a rollout file" test -f "$T/mid/rollouts/step_4.h5"
+
+# --- the guessing game (tools/make_guess_task.py, tools/envs/guess.py): the reward rises
+"$PY" tools/make_guess_task.py --out-dir "$T/guess-task" > /dev/null
+timeout 300 "$BIN" train inputs/guess-sft.toml --set "data.path=$T/guess-task/sft.h5" --set "run.dir=$T/guess-sft" \
+  --set "run.export_dir=$T/guess-sft/export" > "$T/guess-sft.log" 2>&1
+check "the game's SFT warm start: exit $? (0)" test $? = 0
+ARGS=(inputs/guess-rl.toml --set "model.hf=$T/guess-sft/export" --set "run.dir=$T/guess" --set "data.rollout_dir=$T/guess/rollouts"
+      --set "rollout.prompts=$T/guess-task/prompts.h5" --set run.max_steps=30 --set log.interval=1
+      --set "env.program=\"$PY tools/envs/guess.py --max-turns 4\"")
+job > "$T/guess.log" 2>&1
+check "30 RL steps against the game: exit $? (0)" test $? = 0
+check "... the reward rises: the last 5 steps' mean over the first 5's by 0.1; the episode metrics logged" \
+  "$PY" - "$T/guess" <<'PYEOF'
+import json, sys
+rows = [json.loads(l) for l in open(f"{sys.argv[1]}/rollouts.jsonl")]
+r = [row["reward_mean"] for row in rows]
+first, last = sum(r[:5]) / 5, sum(r[-5:]) / 5
+print(f"reward {first:.3f} -> {last:.3f}; turns {rows[0]['turns_mean']:.2f} -> {rows[-1]['turns_mean']:.2f}; "
+      f"inconsistent {rows[0]['env_inconsistent']:.3f} -> {rows[-1]['env_inconsistent']:.3f}")
+assert len(rows) == 30 and last > first + 0.1, (first, last)
+for key in ("env_guesses", "env_invalid", "env_inconsistent", "episode_end_env", "episode_end_max_turns",
+            "episode_end_length"):
+    assert key in rows[-1], key
+assert all(abs(row["episode_end_env"] + row["episode_end_max_turns"] + row["episode_end_length"] - 1) < 1e-9
+           for row in rows)
+PYEOF
 echo "test_rl_env: $(( $(date +%s) - start )) s"
 exit $((failures > 0))
+

@@ -4,22 +4,31 @@ over two turns, for tests/scripts/test_rl_env.sh: after the policy's first turn
 it shows one more digit, (the first turn's first id + 1) mod 10, then SEP; the
 episode's reward is 1 when the second turn starts with that digit, else 0 (and
 0 for an episode the policy ended). A fault, when asked for as the first
-argument, on the first message: crash (exit 3), hang, badjson, wrongepisode.
+argument, on the first message: crash (exit 3), hang, badjson, wrongepisode;
+crash-after:N exits 3 on the message after N answered ones.
+With COPY_ENV_LOG set, each message's episode, prompt, turn and eval flag are
+appended to that file (a line of JSON each).
 
-    python3 copy_env.py [crash|hang|badjson|wrongepisode]
+    python3 copy_env.py [crash|hang|badjson|wrongepisode|crash-after:N]
 """
 
 import json
+import os
 import sys
 import time
 
 SEP = 11
 fault = sys.argv[1] if len(sys.argv) > 1 else ""
+crash_after = int(fault.split(":")[1]) if fault.startswith("crash-after:") else -1
 shown = {}
-for line in sys.stdin:
+for answered, line in enumerate(sys.stdin):
     m = json.loads(line)
     episode, ids = m["episode"], m["ids"]
-    if fault == "crash":
+    if os.environ.get("COPY_ENV_LOG"):
+        with open(os.environ["COPY_ENV_LOG"], "a") as log:
+            log.write(json.dumps({"episode": episode, "prompt": m["prompt"], "eval": m.get("eval", False),
+                                  "turn": m["turn"]}) + "\n")
+    if fault == "crash" or answered == crash_after:
         sys.exit(3)
     if fault == "hang":
         time.sleep(60)
