@@ -44,7 +44,7 @@ def report(run, before):
     n = min(5, len(rew))
     out = [f"### {run['name']} ({run['keys']})",
            f"- held-out greedy accuracy {before['accuracy']:.3f} -> {run['after']['accuracy']:.3f} "
-           f"({run['after']['right']} of {run['after']['samples']}); training reward (temperature 1) first {n} steps "
+           f"({run['after']['right']} of {run['after']['samples']}); training reward (lines right before the first slip, temperature 1) first {n} steps "
            f"{mean(rew[:n]):.3f}, last {n} {mean(rew[-n:]):.3f}; mean response length "
            f"{mean([r['response_length_mean'] for r in ro]):.0f} tokens (longest {max([r['response_length_max'] for r in ro] or [0]):.0f})"]
     if ev:
@@ -114,7 +114,7 @@ def main():
             total = sum(run["stale"].values()) or 1
             ks = sorted(run["stale"])
             right.bar([k + i * width for k in ks], [run["stale"][k] / total for k in ks], width, label=run["name"])
-        left.set(xlabel="RL step", ylabel="mean reward (temperature 1)", ylim=(0, 1), title="training reward")
+        left.set(xlabel="RL step", ylabel="mean reward: lines right (temperature 1)", ylim=(0, 1), title="training reward")
         mid.set(xlabel="policy step", ylabel="held-out", ylim=(0, 1), title="eval during the run")
         right.set(xlabel="steps old (oldest token)", ylabel="fraction of samples", title="staleness")
         for ax in (left, mid, right):

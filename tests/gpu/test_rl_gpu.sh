@@ -63,8 +63,9 @@ print(f"{'PASS' if ok else 'FAIL'} in-flight updates on the GPU decoder: {loads}
 PYEOF
 # The KL term against the starting weights: the frozen reference's forward pass
 # on the GPU (its bf16 copy, the fp32 masters' norms). At step 0 it reads the
-# same bits as the policy, so the term is exactly 0 and the loss is the ipc
-# run's; later the policy moves away from it.
+# same bits as the policy, so the term is 0 to rounding (3.8e-15 on an H100:
+# the forward-only reference pass may pick other GEMM algorithms than the
+# training forward) and the loss is the ipc run's; later the policy moves away.
 rl ref-kl ARGS_EXTRA="--set loss.ref_kl_coef=0.1" || exit 1
 "$PY" - "$out" <<'PYEOF'
 import json, math, sys
@@ -75,8 +76,8 @@ def steps(d):
 ref, base = steps("ref-kl"), steps("ipc")
 kl = [ref[s].get("ref_kl") for s in sorted(ref)]
 first = min(ref)  # the first step's row: its update at the starting weights
-ok = kl and kl[0] == 0.0 and ref[first]["loss"] == base[first]["loss"]
-print(f"{'PASS' if ok else 'FAIL'} reference KL on the GPU: 0 exactly at the first step (the frozen copy is the policy's "
+ok = kl and abs(kl[0]) < 1e-9 and ref[first]["loss"] == base[first]["loss"]
+print(f"{'PASS' if ok else 'FAIL'} reference KL on the GPU: below 1e-9 at the first step (the frozen copy is the policy's "
       f"bits), the loss there equal to the run without the term: ref_kl {kl[:1]}, loss {ref[first]['loss']!r} vs "
       f"{base[first]['loss']!r}")
 later = kl[1:]
