@@ -9,11 +9,13 @@
 #     carry it; each sample's reward is the environment's rule recomputed from
 #     the file's tokens; rollouts.jsonl logs turns_mean and observation_tokens_mean;
 #   an environment that crashes, hangs past env.timeout_s, answers with other
-#     than JSON or for another episode ends the job (exit 1) with one message
-#     naming the program, the episode and what went wrong;
+#     than JSON, for another episode or with metrics that are not named
+#     numbers ends the job (exit 1) with one message naming the program, the
+#     episode and what went wrong;
 #   check refuses rollout.reward = "env" without env.program;
 #   the evaluation (eval.prompts) plays each prompt as episodes of its own
-#     ("eval.P.S", marked eval) and logs the episode metrics;
+#     ("eval.P.S", marked eval, handed the prompt file's metadata) and logs
+#     the episode metrics;
 #   an environment that exits mid-run leaves the trainers' checkpoint, and the
 #     same job with a sound environment resumes from it;
 #   the guessing game (tools/make_guess_task.py, tools/envs/guess.py) from its
@@ -70,7 +72,8 @@ assert all(r["turns_mean"] >= 1 and r["observation_tokens_mean"] > 0 for r in ro
 print(f"{two_turns} episodes of two turns, {right} rewarded; turns_mean {[r['turns_mean'] for r in rows]}")
 EOF
 for fault in crash:"exited with status 3 without answering" hang:"no answer within env.timeout_s = 2 s" \
-             badjson:"the answer is not JSON: 'not json'" wrongepisode:"the answer is for episode "; do
+             badjson:"the answer is not JSON: 'not json'" wrongepisode:"the answer is for episode " \
+             badmetrics:"metric 'tool calls' is not a finite number named by letters, digits and '_'"; do
   name=${fault%%:*} text=${fault#*:}
   rl "$T/$name" "$name" --set env.timeout_s=2 --set data.rollout_timeout_s=60
   job > "$T/$name.log" 2>&1
@@ -82,11 +85,20 @@ done
 check "check refuses rollout.reward = \"env\" without env.program" \
   bash -c "grep -q 'rollout.reward = \"env\" needs env.program' '$T/noenv.log'"
 # --- the evaluation plays episodes too (eval.prompts with the environment)
-rl "$T/eval" "" --set "eval.prompts=$T/task/prompts.h5" --set eval.interval=2 --set eval.samples=2 --set eval.batch=64
+# (its prompt file with a 'metadata' entry each, which the environment must be handed)
+"$PY" - "$T/task/prompts.h5" "$T/task/eval-prompts.h5" <<'PYEOF'
+import json, shutil, sys, h5py, numpy as np
+shutil.copy(sys.argv[1], sys.argv[2])
+with h5py.File(sys.argv[2], "a") as f:
+    P = len(f["offsets"]) - 1
+    f.create_dataset("metadata", data=np.asarray([json.dumps({"p": p}) for p in range(P)], dtype=object),
+                     dtype=h5py.string_dtype("utf-8"))
+PYEOF
+rl "$T/eval" "" --set "eval.prompts=$T/task/eval-prompts.h5" --set eval.interval=2 --set eval.samples=2 --set eval.batch=64
 COPY_ENV_LOG=$T/eval-env.jsonl timeout 180 "${MPI[@]}" -x COPY_ENV_LOG -np 1 "$BIN" train "${ARGS[@]}" : \
   -np 1 "$BIN" generate "${ARGS[@]}" > "$T/eval.log" 2>&1
 check "3 steps with an evaluation of episodes every 2 policy steps: exit $? (0)" test $? = 0
-check "... each eval prompt played as episodes 'eval.P.S' (greedy, 2 samples), marked eval, apart from the rollouts'; the rows carry the episode metrics" \
+check "... each eval prompt played as episodes 'eval.P.S' (greedy, 2 samples), marked eval, apart from the rollouts', handed its metadata; the rows carry the episode metrics" \
   "$PY" - "$T/eval" "$T/eval-env.jsonl" "$T/task/prompts.h5" <<'PYEOF'
 import json, sys, h5py
 d, log, prompts = sys.argv[1:4]
@@ -97,6 +109,8 @@ assert [r["eval_policy_step"] for r in rows] == [0, 2, 3], rows  # the start, in
 msgs = [json.loads(l) for l in open(log)]
 ev = [m for m in msgs if m["eval"]]
 assert all(m["episode"].startswith(f"eval.{m['prompt']}.") for m in ev), ev[:3]
+assert all(m["metadata"] == {"p": m["prompt"]} for m in ev), ev[:3]  # the file's metadata, as JSON
+assert all(m["metadata"] is None for m in msgs if not m["eval"])      # the rollouts' file has none
 assert not any(m["episode"].startswith("eval.") for m in msgs if not m["eval"])
 first = {m["episode"] for m in ev if m["turn"] == 1}
 assert first == {f"eval.{p}.{s}" for p in range(P) for s in range(2)}, len(first)

@@ -4,12 +4,13 @@ over two turns, for tests/scripts/test_rl_env.sh: after the policy's first turn
 it shows one more digit, (the first turn's first id + 1) mod 10, then SEP; the
 episode's reward is 1 when the second turn starts with that digit, else 0 (and
 0 for an episode the policy ended). A fault, when asked for as the first
-argument, on the first message: crash (exit 3), hang, badjson, wrongepisode;
+argument, on the first message: crash (exit 3), hang, badjson, wrongepisode,
+badmetrics (a reward whose metrics are not named numbers);
 crash-after:N exits 3 on the message after N answered ones.
-With COPY_ENV_LOG set, each message's episode, prompt, turn and eval flag are
-appended to that file (a line of JSON each).
+With COPY_ENV_LOG set, each message's episode, prompt, turn, eval flag and
+metadata are appended to that file (a line of JSON each).
 
-    python3 copy_env.py [crash|hang|badjson|wrongepisode|crash-after:N]
+    python3 copy_env.py [crash|hang|badjson|wrongepisode|badmetrics|crash-after:N]
 """
 
 import json
@@ -27,13 +28,16 @@ for answered, line in enumerate(sys.stdin):
     if os.environ.get("COPY_ENV_LOG"):
         with open(os.environ["COPY_ENV_LOG"], "a") as log:
             log.write(json.dumps({"episode": episode, "prompt": m["prompt"], "eval": m.get("eval", False),
-                                  "turn": m["turn"]}) + "\n")
+                                  "turn": m["turn"], "metadata": m.get("metadata")}) + "\n")
     if fault == "crash" or answered == crash_after:
         sys.exit(3)
     if fault == "hang":
         time.sleep(60)
     if fault == "badjson":
         print("not json", flush=True)
+        continue
+    if fault == "badmetrics":
+        print(json.dumps({"episode": episode, "reward": 0, "metrics": {"tool calls": 1}}), flush=True)
         continue
     if fault == "wrongepisode":
         print(json.dumps({"episode": episode + "0", "reward": 0}), flush=True)
