@@ -1,0 +1,238 @@
+// test_moe.cpp — the CPU mixture-of-experts kernels (cpu/moe.hpp): routing
+// against its definition, the experts' forward against a naive per-token sum,
+// the aux loss against transformers' load_balancing_loss_func written out here
+// (one-hot means over every layer's rows), and every gradient against central
+// differences in double, with and without norm_topk_prob.
+#include <doctest/doctest.h>
+
+#include "fd_util.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "cpu/moe.hpp"
+#include "cpu/ops.hpp"
+
+namespace {
+
+namespace cpu = shardlm::cpu;
+using shardlm_test::Vec;
+using shardlm_test::kExactTol, shardlm_test::kFdEps, shardlm_test::kFdTol;
+using shardlm_test::randn, shardlm_test::rel_err, shardlm_test::sz;
+
+// A routing's buffers, owned.
+struct Routed {
+  Vec probs, weight;
+  std::vector<int32_t> expert, slot, row;
+  std::vector<int64_t> offsets;
+  cpu::MoeRouting<double> r;
+  Routed(int64_t N, int64_t E, int64_t K)
+      : probs(sz(N * E)), weight(sz(N * K)), expert(sz(N * K)), slot(sz(N * K)), row(sz(N * K)), offsets(sz(E + 1)) {
+    r = {probs.data(), expert.data(), weight.data(), offsets.data(), slot.data(), row.data()};
+  }
+};
+
+double silu(double g) { return g / (1 + std::exp(-g)); }
+
+// One block's sizes and parameters, and the scalar it is checked through:
+// loss = sum(out * G) + beta * aux(this block's rows).
+struct Block {
+  int64_t N = 7, C = 6, I = 5, E = 5, K = 2;
+  bool norm_topk = true;
+  double beta = 0.3;
+  Vec x, router, w_gate, w_up, w_down, G;
+
+  explicit Block(std::mt19937_64& rng, bool norm) : norm_topk(norm) {
+    x = randn(sz(N * C), rng);
+    router = randn(sz(E * C), rng, 0.8);
+    w_gate = randn(sz(E * I * C), rng, 0.5);
+    w_up = randn(sz(E * I * C), rng, 0.5);
+    w_down = randn(sz(E * C * I), rng, 0.5);
+    G = randn(sz(N * C), rng);
+  }
+
+  double loss() const {
+    Vec logits(sz(N * E)), out(sz(N * C)), xs(sz(N * K * C)), gate(sz(N * K * I)), up(gate.size()), h(gate.size()),
+        y(xs.size());
+    cpu::linear_forward(logits.data(), x.data(), router.data(), static_cast<const double*>(nullptr), N, C, E);
+    Routed rt(N, E, K);
+    cpu::moe_route(rt.r, logits.data(), N, E, K, norm_topk);
+    cpu::moe_experts_forward(out.data(), xs.data(), gate.data(), up.data(), h.data(), y.data(), x.data(), rt.r,
+                             w_gate.data(), w_up.data(), w_down.data(), N, C, I, E, K);
+    Vec counts(sz(E)), sums(sz(E));
+    cpu::moe_aux_counts(counts.data(), sums.data(), rt.r, N, E, K);
+    double l = beta * cpu::moe_aux_loss(counts.data(), sums.data(), N, E);
+    for (size_t i = 0; i < out.size(); ++i) l += out[i] * G[i];
+    return l;
+  }
+
+  // The chosen experts of every token: the finite differences must not move them.
+  std::vector<int32_t> choices() const {
+    Vec logits(sz(N * E));
+    cpu::linear_forward(logits.data(), x.data(), router.data(), static_cast<const double*>(nullptr), N, C, E);
+    Routed rt(N, E, K);
+    cpu::moe_route(rt.r, logits.data(), N, E, K, norm_topk);
+    return rt.expert;
+  }
+};
+
+// Central differences of b.loss() in every entry of `param`.
+Vec numeric(Block& b, Vec& param) {
+  const std::vector<int32_t> chosen = b.choices();
+  Vec g(param.size());
+  for (size_t i = 0; i < param.size(); ++i) {
+    const double keep = param[i];
+    param[i] = keep + kFdEps;
+    const double up = b.loss();
+    REQUIRE(b.choices() == chosen);
+    param[i] = keep - kFdEps;
+    const double down = b.loss();
+    REQUIRE(b.choices() == chosen);
+    param[i] = keep;
+    g[i] = (up - down) / (2 * kFdEps);
+  }
+  return g;
+}
+
+}  // namespace
+
+TEST_CASE("moe routing: softmax, top-k in probability order (the lower index among equals), renormalised weights, "
+          "tokens grouped by expert in token order") {
+  const int64_t N = 3, E = 4, K = 2;
+  // Token 1's experts 1 and 3 tie: the lower index comes first.
+  const Vec logits = {0.5, 2.0, -1.0, 1.0,  0.0, 1.5, 0.2, 1.5,  3.0, -2.0, 0.1, 0.0};
+  for (bool norm : {true, false}) {
+    CAPTURE(norm);
+    Routed rt(N, E, K);
+    cpu::moe_route(rt.r, logits.data(), N, E, K, norm);
+    for (int64_t n = 0; n < N; ++n) {
+      double sum = 0, top = *std::max_element(logits.begin() + n * E, logits.begin() + (n + 1) * E);
+      for (int64_t e = 0; e < E; ++e) sum += std::exp(logits[sz(n * E + e)] - top);
+      for (int64_t e = 0; e < E; ++e)
+        CHECK(std::abs(rt.probs[sz(n * E + e)] - std::exp(logits[sz(n * E + e)] - top) / sum) < kExactTol);
+    }
+    CHECK(rt.expert == std::vector<int32_t>{1, 3, 1, 3, 0, 2});
+    for (int64_t n = 0; n < N; ++n) {
+      const double p0 = rt.probs[sz(n * E + rt.expert[sz(n * K)])], p1 = rt.probs[sz(n * E + rt.expert[sz(n * K + 1)])];
+      CHECK(std::abs(rt.weight[sz(n * K)] - (norm ? p0 / (p0 + p1) : p0)) < kExactTol);
+      CHECK(std::abs(rt.weight[sz(n * K + 1)] - (norm ? p1 / (p0 + p1) : p1)) < kExactTol);
+    }
+    // Expert 0: token 2's first choice; 1: tokens 0, 1; 2: token 2; 3: tokens 0, 1.
+    CHECK(rt.offsets == std::vector<int64_t>{0, 1, 3, 4, 6});
+    CHECK(rt.slot == std::vector<int32_t>{4, 0, 2, 5, 1, 3});
+    for (int32_t s = 0; s < int32_t(N * K); ++s) CHECK(rt.slot[sz(rt.row[sz(s)])] == s);
+  }
+}
+
+TEST_CASE("moe experts: the block's output equals each token's weighted sum of its experts' SwiGLU, computed naively") {
+  std::mt19937_64 rng(11);
+  Block b(rng, true);
+  const int64_t N = b.N, C = b.C, I = b.I, E = b.E, K = b.K;
+  Vec logits(sz(N * E)), out(sz(N * C)), xs(sz(N * K * C)), gate(sz(N * K * I)), up(gate.size()), h(gate.size()),
+      y(xs.size());
+  cpu::linear_forward(logits.data(), b.x.data(), b.router.data(), static_cast<const double*>(nullptr), N, C, E);
+  Routed rt(N, E, K);
+  cpu::moe_route(rt.r, logits.data(), N, E, K, true);
+  cpu::moe_experts_forward(out.data(), xs.data(), gate.data(), up.data(), h.data(), y.data(), b.x.data(), rt.r,
+                           b.w_gate.data(), b.w_up.data(), b.w_down.data(), N, C, I, E, K);
+  Vec want(out.size(), 0.0);
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t j = 0; j < K; ++j) {
+      const int64_t e = rt.expert[sz(n * K + j)];
+      Vec hid(sz(I));
+      for (int64_t i = 0; i < I; ++i) {
+        double g = 0, u = 0;
+        for (int64_t c = 0; c < C; ++c) {
+          g += b.w_gate[sz((e * I + i) * C + c)] * b.x[sz(n * C + c)];
+          u += b.w_up[sz((e * I + i) * C + c)] * b.x[sz(n * C + c)];
+        }
+        hid[sz(i)] = silu(g) * u;
+      }
+      for (int64_t c = 0; c < C; ++c) {
+        double d = 0;
+        for (int64_t i = 0; i < I; ++i) d += b.w_down[sz((e * C + c) * I + i)] * hid[sz(i)];
+        want[sz(n * C + c)] += rt.weight[sz(n * K + j)] * d;
+      }
+    }
+  CHECK(rel_err(out, want) < kExactTol);
+}
+
+TEST_CASE("moe aux loss = transformers' load_balancing_loss_func over two layers' rows: E * sum over (k, e) of the "
+          "one-hot mean times the mean probability") {
+  std::mt19937_64 rng(5);
+  const int64_t N = 9, E = 6, K = 2, L = 2;
+  Vec counts(sz(E)), sums(sz(E));
+  std::vector<Vec> probs;
+  std::vector<std::vector<int32_t>> chosen;
+  for (int64_t l = 0; l < L; ++l) {
+    const Vec logits = randn(sz(N * E), rng, 2.0);
+    Routed rt(N, E, K);
+    cpu::moe_route(rt.r, logits.data(), N, E, K, true);
+    cpu::moe_aux_counts(counts.data(), sums.data(), rt.r, N, E, K);
+    probs.push_back(rt.probs);
+    chosen.push_back(rt.expert);
+  }
+  // tokens_per_expert (K, E) = mean over the L N rows of one_hot(selected); router_prob_per_expert (E) = mean of
+  // the softmax; loss = E * sum(tokens_per_expert * router_prob_per_expert).
+  const double rows = double(L * N);
+  double want = 0;
+  for (int64_t k = 0; k < K; ++k)
+    for (int64_t e = 0; e < E; ++e) {
+      double hot = 0, prob = 0;
+      for (int64_t l = 0; l < L; ++l)
+        for (int64_t n = 0; n < N; ++n) {
+          hot += chosen[sz(l)][sz(n * K + k)] == e;
+          prob += probs[sz(l)][sz(n * E + e)];
+        }
+      want += (hot / rows) * (prob / rows);
+    }
+  want *= double(E);
+  const double got = cpu::moe_aux_loss(counts.data(), sums.data(), L * N, E);
+  MESSAGE("aux loss " << got << " (K = 2 when perfectly balanced)");
+  CHECK(std::abs(got - want) < kExactTol);
+}
+
+TEST_CASE("moe backward: the input, router and experts' gradients, and the aux loss's, equal central differences "
+          "(norm_topk_prob on and off)") {
+  for (bool norm : {true, false}) {
+    CAPTURE(norm);
+    std::mt19937_64 rng(norm ? 3 : 4);
+    Block b(rng, norm);
+    const int64_t N = b.N, C = b.C, I = b.I, E = b.E, K = b.K;
+    // Forward, saving what the backward reads.
+    Vec logits(sz(N * E)), out(sz(N * C)), xs(sz(N * K * C)), gate(sz(N * K * I)), up(gate.size()), h(gate.size()),
+        y(xs.size());
+    cpu::linear_forward(logits.data(), b.x.data(), b.router.data(), static_cast<const double*>(nullptr), N, C, E);
+    Routed rt(N, E, K);
+    cpu::moe_route(rt.r, logits.data(), N, E, K, norm);
+    cpu::moe_experts_forward(out.data(), xs.data(), gate.data(), up.data(), h.data(), y.data(), b.x.data(), rt.r,
+                             b.w_gate.data(), b.w_up.data(), b.w_down.data(), N, C, I, E, K);
+    Vec counts(sz(E)), sums(sz(E));
+    cpu::moe_aux_counts(counts.data(), sums.data(), rt.r, N, E, K);
+    // Backward.
+    Vec dx(sz(N * C)), dweight(sz(N * K)), dw_gate(b.w_gate.size()), dw_up(b.w_up.size()), dw_down(b.w_down.size()),
+        dy(xs.size()), dh(gate.size()), dgate(gate.size()), dup(gate.size()), dxs(xs.size());
+    cpu::moe_experts_backward(dx.data(), dweight.data(), dw_gate.data(), dw_up.data(), dw_down.data(), dy.data(),
+                              dh.data(), dgate.data(), dup.data(), dxs.data(), b.G.data(), xs.data(), gate.data(),
+                              up.data(), h.data(), y.data(), rt.r, b.w_gate.data(), b.w_up.data(), b.w_down.data(), N,
+                              C, I, E, K);
+    Vec dprobs(sz(N * E)), dlogits(sz(N * E)), dx_router(sz(N * C)), drouter(b.router.size());
+    cpu::moe_aux_backward(dprobs.data(), counts.data(), N, N, E, b.beta);
+    cpu::moe_route_backward(dlogits.data(), dweight.data(), dprobs.data(), rt.r, N, E, K, norm);
+    cpu::linear_backward(dx_router.data(), drouter.data(), static_cast<double*>(nullptr), dlogits.data(), b.x.data(),
+                         b.router.data(), N, C, E);
+    for (size_t i = 0; i < dx.size(); ++i) dx[i] += dx_router[i];
+
+    CHECK(rel_err(dx, numeric(b, b.x)) < kFdTol);
+    CHECK(rel_err(drouter, numeric(b, b.router)) < kFdTol);
+    CHECK(rel_err(dw_gate, numeric(b, b.w_gate)) < kFdTol);
+    CHECK(rel_err(dw_up, numeric(b, b.w_up)) < kFdTol);
+    CHECK(rel_err(dw_down, numeric(b, b.w_down)) < kFdTol);
+    // Every expert had rows, so every expert's weights were checked.
+    for (int64_t e = 0; e < E; ++e) CHECK(rt.offsets[sz(e + 1)] > rt.offsets[sz(e)]);
+  }
+}
