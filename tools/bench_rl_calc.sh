@@ -64,7 +64,6 @@ RL=(inputs/bench/calc-rl.toml --set "model.hf=$W/sft-export" --set "run.dir=$W/r
     --set "data.rollout_dir=$W/rl/rollouts" --set "rollout.prompts=$W/task/prompts.h5"
     --set "eval.prompts=$W/task/heldout.h5" --set "env.program=\"$PY tools/envs/calculator.py --tokenizer $W/sft-export\""
     ${SETS[@]+"${SETS[@]}"} ${RL_SETS[@]+"${RL_SETS[@]}"})
-[ "$DEV" = cpu ] && RL+=(--set device.backend=cpu)
 t0=$(now)
 mpirun --oversubscribe --bind-to none -x OMP_WAIT_POLICY -np 1 "$BIN" train "${RL[@]}" : \
   -np 1 "$BIN" generate "${RL[@]}" > "$W/rl.log" 2>&1 || { tail -40 "$W/rl.log"; exit 1; }

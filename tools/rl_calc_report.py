@@ -9,12 +9,9 @@ Reads WORK_DIR/rl/{rollouts,metrics,eval}.jsonl.
 """
 
 import argparse
-import json
 import os
 
-
-def rows(path):
-    return [json.loads(l) for l in open(path) if l.strip()] if os.path.isfile(path) else []
+from run_metrics import jsonl_rows
 
 
 def mean(xs):
@@ -27,8 +24,8 @@ def main():
     p.add_argument("--plot", default="")
     a = p.parse_args()
     d = os.path.join(a.work, "rl")
-    ro, ev = rows(os.path.join(d, "rollouts.jsonl")), rows(os.path.join(d, "eval.jsonl"))
-    tm = [r for r in rows(os.path.join(d, "metrics.jsonl")) if "step_time_s" in r]
+    ro, ev = jsonl_rows(os.path.join(d, "rollouts.jsonl")), jsonl_rows(os.path.join(d, "eval.jsonl"))
+    tm = [r for r in jsonl_rows(os.path.join(d, "metrics.jsonl")) if "step_time_s" in r]
     if not ro or not ev:
         raise SystemExit(f"rl_calc_report.py: no rollouts.jsonl or eval.jsonl rows in {d}")
     first, last = ev[0], ev[-1]

@@ -14,9 +14,7 @@ import argparse
 import json
 import os
 
-
-def rows(path):
-    return [json.loads(l) for l in open(path) if l.strip()] if os.path.isfile(path) else []
+from run_metrics import jsonl_rows
 
 
 def mean(xs):
@@ -25,9 +23,9 @@ def mean(xs):
 
 def load_run(work, name, keys, seconds):
     d = os.path.join(work, f"rl-{name}")
-    ro = rows(os.path.join(d, "rollouts.jsonl"))
-    tm = [r for r in rows(os.path.join(d, "metrics.jsonl")) if "step_time_s" in r]
-    ev = rows(os.path.join(d, "eval.jsonl"))
+    ro = jsonl_rows(os.path.join(d, "rollouts.jsonl"))
+    tm = [r for r in jsonl_rows(os.path.join(d, "metrics.jsonl")) if "step_time_s" in r]
+    ev = jsonl_rows(os.path.join(d, "eval.jsonl"))
     stale = {}
     for r in ro:
         for k, v in r.items():

@@ -15,6 +15,8 @@ import json
 import os
 import re
 
+from run_metrics import jsonl_rows
+
 EDGE = 10  # steps averaged at each end of the reward curve
 SMOOTH = 5  # moving-average window of the plotted curves
 NOTES = {  # why a variant's keys are what they are
@@ -27,10 +29,6 @@ NOTES = {  # why a variant's keys are what they are
             "(the soft overlong penalty would punish every right three-digit answer, whose EOS is the budget's "
             "fourth token).",
 }
-
-
-def rows(path):
-    return [json.loads(l) for l in open(path) if l.strip()] if os.path.isfile(path) else []
 
 
 def load(path):
@@ -73,7 +71,8 @@ def main():
             name, keys, seconds = line.rstrip("\n").split("\t")
             variants.append(dict(name=name, keys=keys, seconds=float(seconds),
                                  after=load(os.path.join(a.work, f"heldout-{name}.json")),
-                                 reward=[r["reward_mean"] for r in rows(os.path.join(a.work, f"rl-{name}", "rollouts.jsonl"))
+                                 reward=[r["reward_mean"]
+                                         for r in jsonl_rows(os.path.join(a.work, f"rl-{name}", "rollouts.jsonl"))
                                          if "reward_mean" in r]))
 
     print(f"RL losses from one SFT warm start ({a.sft_steps} SFT steps, held-out greedy accuracy "

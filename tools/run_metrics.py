@@ -1,4 +1,5 @@
-"""run_metrics.py — read shardlm run directories for tools/plot_runs.py and tools/summarize_runs.py.
+"""run_metrics.py — read shardlm run directories for tools/plot_runs.py, tools/summarize_runs.py and the RL
+benchmarks' reports (tools/rl_*_report.py).
 
 A run directory holds config.toml (the resolved deck of the latest start),
 metrics.jsonl (docs/metrics.md: step rows plus "start", "resume" and "end"
@@ -80,6 +81,15 @@ def read_deck(path):
     with open(path, "rb") as f:
         deck = tomllib.load(f)
     return {f"{s}.{k}": v for s, table in deck.items() if isinstance(table, dict) for k, v in table.items()}
+
+
+def jsonl_rows(path):
+    """Every row of a JSON-lines file (rollouts.jsonl, eval.jsonl, metrics.jsonl) in file order; [] when
+    the file does not exist."""
+    if not os.path.isfile(path):
+        return []
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
 
 
 def read_metrics(path):
