@@ -34,6 +34,7 @@ struct Routed {
       : probs(sz(N * E)), weight(sz(N * K)), expert(sz(N * K)), slot(sz(N * K)), row(sz(N * K)), offsets(sz(E + 1)) {
     r = {probs.data(), expert.data(), weight.data(), offsets.data(), slot.data(), row.data()};
   }
+  Routed(const Routed&) = delete;  // r points into this one's vectors
 };
 
 double silu(double g) { return g / (1 + std::exp(-g)); }
@@ -55,30 +56,37 @@ struct Block {
     G = randn(sz(N * C), rng);
   }
 
-  double loss() const {
-    Vec logits(sz(N * E)), out(sz(N * C)), xs(sz(N * K * C)), gate(sz(N * K * I)), up(gate.size()), h(gate.size()),
-        y(xs.size());
-    cpu::linear_forward(logits.data(), x.data(), router.data(), static_cast<const double*>(nullptr), N, C, E);
-    Routed rt(N, E, K);
-    cpu::moe_route(rt.r, logits.data(), N, E, K, norm_topk);
-    cpu::moe_experts_forward(out.data(), xs.data(), gate.data(), up.data(), h.data(), y.data(), x.data(), rt.r,
-                             w_gate.data(), w_up.data(), w_down.data(), N, C, I, E, K);
-    Vec counts(sz(E)), sums(sz(E));
-    cpu::moe_aux_counts(counts.data(), sums.data(), rt.r, N, E, K);
-    double l = beta * cpu::moe_aux_loss(counts.data(), sums.data(), N, E);
-    for (size_t i = 0; i < out.size(); ++i) l += out[i] * G[i];
-    return l;
-  }
-
+  double loss() const;
   // The chosen experts of every token: the finite differences must not move them.
-  std::vector<int32_t> choices() const {
-    Vec logits(sz(N * E));
-    cpu::linear_forward(logits.data(), x.data(), router.data(), static_cast<const double*>(nullptr), N, C, E);
-    Routed rt(N, E, K);
-    cpu::moe_route(rt.r, logits.data(), N, E, K, norm_topk);
-    return rt.expert;
+  std::vector<int32_t> choices() const;
+};
+
+// The block's forward on b's parameters, with everything the backward reads:
+// the router's logits, the routing, the experts' saved rows, the output and
+// the aux loss's counts over these N rows.
+struct Forward {
+  Vec logits, out, xs, gate, up, h, y, counts, sums;
+  Routed rt;
+  explicit Forward(const Block& b)
+      : logits(sz(b.N * b.E)), out(sz(b.N * b.C)), xs(sz(b.N * b.K * b.C)), gate(sz(b.N * b.K * b.I)), up(gate.size()),
+        h(gate.size()), y(xs.size()), counts(sz(b.E)), sums(sz(b.E)), rt(b.N, b.E, b.K) {
+    cpu::linear_forward(logits.data(), b.x.data(), b.router.data(), static_cast<const double*>(nullptr), b.N, b.C,
+                        b.E);
+    cpu::moe_route(rt.r, logits.data(), b.N, b.E, b.K, b.norm_topk);
+    cpu::moe_experts_forward(out.data(), xs.data(), gate.data(), up.data(), h.data(), y.data(), b.x.data(), rt.r,
+                             b.w_gate.data(), b.w_up.data(), b.w_down.data(), b.N, b.C, b.I, b.E, b.K);
+    cpu::moe_aux_counts(counts.data(), sums.data(), rt.r, b.N, b.E, b.K);
   }
 };
+
+double Block::loss() const {
+  const Forward f(*this);
+  double l = beta * cpu::moe_aux_loss(f.counts.data(), f.sums.data(), N, E);
+  for (size_t i = 0; i < f.out.size(); ++i) l += f.out[i] * G[i];
+  return l;
+}
+
+std::vector<int32_t> Block::choices() const { return Forward(*this).rt.expert; }
 
 // Central differences of b.loss() in every entry of `param`.
 Vec numeric(Block& b, Vec& param) {
@@ -131,15 +139,10 @@ TEST_CASE("moe routing: softmax, top-k in probability order (the lower index amo
 TEST_CASE("moe experts: the block's output equals each token's weighted sum of its experts' SwiGLU, computed naively") {
   std::mt19937_64 rng(11);
   Block b(rng, true);
-  const int64_t N = b.N, C = b.C, I = b.I, E = b.E, K = b.K;
-  Vec logits(sz(N * E)), out(sz(N * C)), xs(sz(N * K * C)), gate(sz(N * K * I)), up(gate.size()), h(gate.size()),
-      y(xs.size());
-  cpu::linear_forward(logits.data(), b.x.data(), b.router.data(), static_cast<const double*>(nullptr), N, C, E);
-  Routed rt(N, E, K);
-  cpu::moe_route(rt.r, logits.data(), N, E, K, true);
-  cpu::moe_experts_forward(out.data(), xs.data(), gate.data(), up.data(), h.data(), y.data(), b.x.data(), rt.r,
-                           b.w_gate.data(), b.w_up.data(), b.w_down.data(), N, C, I, E, K);
-  Vec want(out.size(), 0.0);
+  const int64_t N = b.N, C = b.C, I = b.I, K = b.K;
+  const Forward f(b);
+  const Routed& rt = f.rt;
+  Vec want(f.out.size(), 0.0);
   for (int64_t n = 0; n < N; ++n)
     for (int64_t j = 0; j < K; ++j) {
       const int64_t e = rt.expert[sz(n * K + j)];
@@ -158,7 +161,7 @@ TEST_CASE("moe experts: the block's output equals each token's weighted sum of i
         want[sz(n * C + c)] += rt.weight[sz(n * K + j)] * d;
       }
     }
-  CHECK(rel_err(out, want) < kExactTol);
+  CHECK(rel_err(f.out, want) < kExactTol);
 }
 
 TEST_CASE("moe aux loss = transformers' load_balancing_loss_func over two layers' rows: E * sum over (k, e) of the "
@@ -203,25 +206,16 @@ TEST_CASE("moe backward: the input, router and experts' gradients, and the aux l
     std::mt19937_64 rng(norm ? 3 : 4);
     Block b(rng, norm);
     const int64_t N = b.N, C = b.C, I = b.I, E = b.E, K = b.K;
-    // Forward, saving what the backward reads.
-    Vec logits(sz(N * E)), out(sz(N * C)), xs(sz(N * K * C)), gate(sz(N * K * I)), up(gate.size()), h(gate.size()),
-        y(xs.size());
-    cpu::linear_forward(logits.data(), b.x.data(), b.router.data(), static_cast<const double*>(nullptr), N, C, E);
-    Routed rt(N, E, K);
-    cpu::moe_route(rt.r, logits.data(), N, E, K, norm);
-    cpu::moe_experts_forward(out.data(), xs.data(), gate.data(), up.data(), h.data(), y.data(), b.x.data(), rt.r,
-                             b.w_gate.data(), b.w_up.data(), b.w_down.data(), N, C, I, E, K);
-    Vec counts(sz(E)), sums(sz(E));
-    cpu::moe_aux_counts(counts.data(), sums.data(), rt.r, N, E, K);
-    // Backward.
+    const Forward f(b);  // saving what the backward reads
+    const Routed& rt = f.rt;
     Vec dx(sz(N * C)), dweight(sz(N * K)), dw_gate(b.w_gate.size()), dw_up(b.w_up.size()), dw_down(b.w_down.size()),
-        dy(xs.size()), dh(gate.size()), dgate(gate.size()), dup(gate.size()), dxs(xs.size());
+        dy(f.xs.size()), dh(f.gate.size()), dgate(f.gate.size()), dup(f.gate.size()), dxs(f.xs.size());
     cpu::moe_experts_backward(dx.data(), dweight.data(), dw_gate.data(), dw_up.data(), dw_down.data(), dy.data(),
-                              dh.data(), dgate.data(), dup.data(), dxs.data(), b.G.data(), xs.data(), gate.data(),
-                              up.data(), h.data(), y.data(), rt.r, b.w_gate.data(), b.w_up.data(), b.w_down.data(), N,
-                              C, I, E, K);
+                              dh.data(), dgate.data(), dup.data(), dxs.data(), b.G.data(), f.xs.data(), f.gate.data(),
+                              f.up.data(), f.h.data(), f.y.data(), rt.r, b.w_gate.data(), b.w_up.data(),
+                              b.w_down.data(), N, C, I, E, K);
     Vec dprobs(sz(N * E)), dlogits(sz(N * E)), dx_router(sz(N * C)), drouter(b.router.size());
-    cpu::moe_aux_backward(dprobs.data(), counts.data(), N, N, E, b.beta);
+    cpu::moe_aux_backward(dprobs.data(), f.counts.data(), N, N, E, b.beta);
     cpu::moe_route_backward(dlogits.data(), dweight.data(), dprobs.data(), rt.r, N, E, K, norm);
     cpu::linear_backward(dx_router.data(), drouter.data(), static_cast<double*>(nullptr), dlogits.data(), b.x.data(),
                          b.router.data(), N, C, E);
