@@ -403,6 +403,34 @@ class ChatTemplate:
                             f"{self.tokenizer.decode(whole[k:k + 12])!r}); the policy's ids cannot be continued")
         return whole[last:]
 
+    def encode_episode(self, messages, tools=None, where="episode"):
+        """(ids, mask) of a chat as an environment's episode builds it: the prompt
+        (the messages before the first assistant turn, with the generation
+        prompt), then each assistant turn as the policy draws it (its last loss
+        run when it is the chat's last message: its text and end-of-turn token)
+        and each observation's ids (encode_observation) between the turns; the
+        mask is 1 on the drawn turns only. Ends with the last assistant turn."""
+        turns = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
+        if not turns or turns[0] == 0:
+            raise ChatError(f"{where}: an episode starts with a prompt and holds at least one assistant turn")
+        ids = list(self.encode_prompt(messages[:turns[0]], tools, where)[1])
+        mask = [0] * len(ids)
+        prev = None
+        for a in turns:
+            if prev is not None:
+                obs = self.encode_observation(messages[:prev + 1], messages[prev + 1:a], tools, where)
+                ids += obs
+                mask += [0] * len(obs)
+            drawn_ids, drawn_mask = self.encode_chat(messages[:a + 1], tools, where)
+            end = max(i for i, m in enumerate(drawn_mask) if m) + 1
+            start = end
+            while start > 0 and drawn_mask[start - 1]:
+                start -= 1
+            ids += drawn_ids[start:end]
+            mask += [1] * (end - start)
+            prev = a
+        return ids, mask
+
 
 def parse_tool_calls(text):
     """The tool calls of an assistant turn in Qwen3's (and Qwen2.5's) format,

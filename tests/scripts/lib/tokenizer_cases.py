@@ -288,22 +288,7 @@ def main():
     for c, (label, messages, tools, _) in enumerate(chat_cases):
         if label not in episodes.get(name, []):
             continue
-        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-        ids = list(template.encode_prompt(messages[:turns[0]], tools)[1])
-        mask = [0] * len(ids)
-        for k, a in enumerate(turns):
-            if k > 0:
-                obs = template.encode_observation(messages[:prev + 1], messages[prev + 1:a], tools)
-                ids += obs
-                mask += [0] * len(obs)
-            drawn_ids, drawn_mask = template.encode_chat(messages[:a + 1], tools)
-            end = max(i for i, m in enumerate(drawn_mask) if m) + 1  # the turn: its last loss run
-            start = end
-            while start > 0 and drawn_mask[start - 1]:
-                start -= 1
-            ids += drawn_ids[start:end]
-            mask += [1] * (end - start)
-            prev = a
+        ids, mask = template.encode_episode(messages, tools)
         ref = answer["render_ids"][2 * c]
         whole_ids, whole_mask = template.encode_chat(messages, tools)
         rest = tok.decode(ref[len(ids):])
