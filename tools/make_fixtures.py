@@ -7,7 +7,8 @@ Needs torch, transformers (5.x; 4.x also works), safetensors, h5py, numpy. Runs 
 in a few seconds. docs/fixtures.md describes what each fixture holds and how the tests
 compare against it.
 
-For each fixture (llama-gqa-tied, qwen3-qknorm, qwen2-bias) it
+For each fixture (llama-gqa-tied, qwen3-qknorm, qwen2-bias, and the mixtures of experts
+qwen3-moe and qwen2-moe, whose loss adds the load-balancing loss) it
   1. builds the model with transformers from a config, fills every parameter from a
      seeded generator (weights ~ N(0, 0.1^2), norm weights 1 + 0.1 N(0,1), biases
      0.1 N(0,1)), so every parameter matters and logits are far from uniform;
@@ -109,7 +110,52 @@ FIXTURES = [
         attention_bias=True,
         qk_norm=False,
     ),
+    # Mixtures of experts, the load-balancing loss in the loss (output_router_logits).
+    dict(
+        name="qwen3-moe",
+        model_class="Qwen3MoeForCausalLM",
+        config_class="Qwen3MoeConfig",
+        model_type="qwen3_moe",
+        seed=1004,
+        sizes=dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256),
+        extra=dict(attention_bias=False, use_sliding_window=False),
+        moe=dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+                 decoder_sparse_step=1, mlp_only_layers=[], output_router_logits=True, router_aux_loss_coef=0.05),
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        rope_theta=1e6,
+        rope_scaling=None,
+        attention_bias=False,
+        qk_norm=True,
+    ),
+    dict(
+        # Three layers, decoder_sparse_step 2: layer 1 has the experts, 0 and 2 the dense MLP.
+        name="qwen2-moe",
+        model_class="Qwen2MoeForCausalLM",
+        config_class="Qwen2MoeConfig",
+        model_type="qwen2_moe",
+        seed=1005,
+        sizes=dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256),
+        extra=dict(use_sliding_window=False),
+        moe=dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                 norm_topk_prob=False, decoder_sparse_step=2, mlp_only_layers=[], output_router_logits=True,
+                 router_aux_loss_coef=0.05),
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        rope_theta=1e6,
+        rope_scaling=None,
+        attention_bias=True,
+        qk_norm=False,
+    ),
 ]
+
+
+def sparse_layer(fx, i):
+    """Whether layer i's MLP is the experts (transformers' rule: decoder_sparse_step, mlp_only_layers)."""
+    moe = fx.get("moe")
+    return bool(moe) and i not in moe["mlp_only_layers"] and (i + 1) % moe["decoder_sparse_step"] == 0
 
 # Self-check tolerances, as ||a - b|| / ||b||. transformers computes RMSNorm, RoPE
 # cos/sin and the attention softmax in float32 even for a float64 model, so its
@@ -191,6 +237,7 @@ def make_config(fx):
     config_cls = getattr(transformers, fx["config_class"])
     kwargs = dict(fx["sizes"])
     kwargs.update(fx["extra"])
+    kwargs.update(fx.get("moe", {}))
     kwargs.update(rms_norm_eps=fx["rms_norm_eps"], tie_word_embeddings=fx["tie_word_embeddings"],
                   initializer_range=INIT_STD, hidden_act="silu", bos_token_id=BOS, eos_token_id=EOS,
                   pad_token_id=None, use_cache=False, attention_dropout=0.0)
@@ -277,6 +324,20 @@ def expected_parameters(fx):
         if fx["qk_norm"]:
             out[p + "self_attn.q_norm.weight"] = (D,)
             out[p + "self_attn.k_norm.weight"] = (D,)
+        if sparse_layer(fx, i):
+            m = fx["moe"]
+            E, Im, Is = m["num_experts"], m["moe_intermediate_size"], m.get("shared_expert_intermediate_size", 0)
+            out[p + "mlp.gate.weight"] = (E, C)
+            for e in range(E):
+                out[p + f"mlp.experts.{e}.gate_proj.weight"] = (Im, C)
+                out[p + f"mlp.experts.{e}.up_proj.weight"] = (Im, C)
+                out[p + f"mlp.experts.{e}.down_proj.weight"] = (C, Im)
+            if Is:
+                out[p + "mlp.shared_expert.gate_proj.weight"] = (Is, C)
+                out[p + "mlp.shared_expert.up_proj.weight"] = (Is, C)
+                out[p + "mlp.shared_expert.down_proj.weight"] = (C, Is)
+                out[p + "mlp.shared_expert_gate.weight"] = (1, C)
+            continue
         out[p + "mlp.gate_proj.weight"] = (F, C)
         out[p + "mlp.up_proj.weight"] = (F, C)
         out[p + "mlp.down_proj.weight"] = (C, F)
@@ -285,11 +346,39 @@ def expected_parameters(fx):
     return out
 
 
+def canonical_views(fx, model, grads=False):
+    """name -> tensor in the HF checkpoint naming shardlm uses (expected_parameters):
+    the model's parameters (their .grad with grads=True), each expert's weights a
+    view into transformers 5's fused stacks where the model keeps them fused
+    (mlp.experts.gate_up_proj (E, 2 I, C): gate rows then up rows; mlp.experts.down_proj
+    (E, C, I)), else the per-expert parameters as they are."""
+    named = dict(model.named_parameters())   # tied weights appear once
+    get = (lambda t: t.grad) if grads else (lambda t: t)
+    out = {}
+    for name, p in named.items():
+        t = get(p)
+        if name.endswith("mlp.experts.gate_up_proj"):
+            prefix = name[: -len("gate_up_proj")]
+            I = t.shape[1] // 2
+            for e in range(t.shape[0]):
+                out[f"{prefix}{e}.gate_proj.weight"] = t[e, :I, :]
+                out[f"{prefix}{e}.up_proj.weight"] = t[e, I:, :]
+        elif name.endswith("mlp.experts.down_proj"):
+            prefix = name[: -len("down_proj")]
+            for e in range(t.shape[0]):
+                out[f"{prefix}{e}.down_proj.weight"] = t[e]
+        elif name.endswith("mlp.gate.weight") or not name.endswith("mlp.gate"):
+            out[name] = t
+        else:  # a router kept as a bare parameter
+            out[name + ".weight"] = t
+    return out
+
+
 def randomise_parameters(fx, model):
     """Every parameter from one seeded generator, in name order, independent of transformers' init."""
     torch.manual_seed(fx["seed"])
     gen = torch.Generator().manual_seed(fx["seed"])
-    named = dict(model.named_parameters())   # tied weights appear once
+    named = canonical_views(fx, model)
     want = expected_parameters(fx)
     check(set(named) == set(want),
           f"{fx['name']}: parameter names differ from the HF naming shardlm expects:\n"
@@ -323,7 +412,8 @@ def save_model(fx, model, out_dir):
     st = out_dir / "model.safetensors"
     check(st.is_file(), f"{fx['name']}: save_pretrained wrote no {st.name} "
                         f"(files: {sorted(p.name for p in out_dir.iterdir())})")
-    named = dict(model.named_parameters())
+    # The file holds the checkpoint naming (per-expert tensors), whatever the model keeps in memory.
+    named = canonical_views(fx, model)
     with safe_open(str(st), framework="pt") as f:
         keys = set(f.keys())
         check(keys == set(named), f"{fx['name']}: {st.name} holds {sorted(keys ^ set(named))} unexpectedly")
@@ -344,7 +434,10 @@ def save_model(fx, model, out_dir):
     check(cj.get("rms_norm_eps") == fx["rms_norm_eps"], f"{fx['name']}: config.json rms_norm_eps {cj.get('rms_norm_eps')}")
     check(bool(cj.get("tie_word_embeddings", False)) == fx["tie_word_embeddings"],
           f"{fx['name']}: config.json tie_word_embeddings {cj.get('tie_word_embeddings')}")
-    check(not cj.get("attention_bias", False) or fx["model_type"] == "qwen2", f"{fx['name']}: attention_bias set")
+    check(not cj.get("attention_bias", False) or fx["model_type"] in ("qwen2", "qwen2_moe"),
+          f"{fx['name']}: attention_bias set")
+    for k, v in fx.get("moe", {}).items():
+        check(cj.get(k) == v, f"{fx['name']}: config.json {k} = {cj.get(k)}, expected {v}")
     check(not cj.get("use_sliding_window", False), f"{fx['name']}: sliding window on")
     theta, scaling = effective_rope(cj)
     check_rope(fx, "config.json", theta, scaling)
@@ -371,22 +464,38 @@ def reload_check(fx, model, out_dir, tokens):
 # The reference: transformers, one document at a time, float64
 # ----------------------------------------------------------------------------
 
-def hf_reference(model, tokens, docs, targets, weights):
+def hf_reference(fx, model, tokens, docs, targets, weights):
+    """logits, loss, grads (checkpoint names) and, with experts, the load-balancing loss:
+    transformers' load_balancing_loss_func over every token of the batch (each layer's
+    router logits of every document, concatenated), coefficient times it in the loss."""
     rows = []
+    router = []   # per document: a tuple of each layer of experts' (n, E) logits
     for r, row_docs in enumerate(docs):
         parts = []
         for start, n in row_docs:
             ids = torch.as_tensor(tokens[r, start:start + n], dtype=torch.long).unsqueeze(0)
             pos = torch.arange(n, dtype=torch.long).unsqueeze(0)
-            out = model(input_ids=ids, position_ids=pos, use_cache=False)
+            kwargs = dict(output_router_logits=True) if fx.get("moe") else {}
+            out = model(input_ids=ids, position_ids=pos, use_cache=False, **kwargs)
             parts.append(out.logits[0])
+            if fx.get("moe"):
+                router.append(tuple(out.router_logits))
         rows.append(torch.cat(parts, dim=0))
     logits = torch.stack(rows).to(torch.float64)             # (R, T, V)
     loss = masked_mean_nll(logits, targets, weights)
+    aux = None
+    if fx.get("moe"):
+        m = fx["moe"]
+        module = sys.modules[type(model).__module__]
+        layers = tuple(torch.cat([doc[l] for doc in router], dim=0) for l in range(len(router[0])))
+        check(len(layers) == sum(sparse_layer(fx, i) for i in range(fx["sizes"]["num_hidden_layers"])),
+              f"{fx['name']}: router logits of {len(layers)} layers")
+        aux = module.load_balancing_loss_func(layers, m["num_experts"], m["num_experts_per_tok"], None)
+        loss = loss + m["router_aux_loss_coef"] * aux
     model.zero_grad(set_to_none=True)
     loss.backward()
-    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
-    return logits.detach(), loss.detach(), grads
+    grads = {name: g.detach().clone() for name, g in canonical_views(fx, model, grads=True).items()}
+    return logits.detach(), loss.detach(), grads, (aux.detach() if aux is not None else None)
 
 
 # ----------------------------------------------------------------------------
@@ -423,8 +532,10 @@ def rotate_half(x):
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def independent_forward(fx, P, tokens, positions, seq_ids):
-    """P: name -> float64 leaf tensor. Returns logits (R, T, V)."""
+def independent_forward(fx, P, tokens, positions, seq_ids, router_logits=None):
+    """P: name -> float64 leaf tensor. Returns logits (R, T, V); each layer of experts'
+    router logits (rows, E) are appended to router_logits."""
+    router_logits = [] if router_logits is None else router_logits
     s = fx["sizes"]
     H, KV, D = s["num_attention_heads"], s["num_key_value_heads"], s["head_dim"]
     eps = fx["rms_norm_eps"]
@@ -468,18 +579,61 @@ def independent_forward(fx, P, tokens, positions, seq_ids):
         x = x + o @ P[p + "self_attn.o_proj.weight"].T
 
         h = rms_norm(x, P[p + "post_attention_layernorm.weight"], eps)
-        gate = h @ P[p + "mlp.gate_proj.weight"].T
-        up = h @ P[p + "mlp.up_proj.weight"].T
-        x = x + (torch.nn.functional.silu(gate) * up) @ P[p + "mlp.down_proj.weight"].T
+
+        def swiglu(prefix, hh):
+            return (torch.nn.functional.silu(hh @ P[prefix + "gate_proj.weight"].T)
+                    * (hh @ P[prefix + "up_proj.weight"].T)) @ P[prefix + "down_proj.weight"].T
+
+        if not sparse_layer(fx, i):
+            x = x + swiglu(p + "mlp.", h)
+            continue
+        # Experts: softmax over the router's logits, the top k, their weights (renormalised
+        # with norm_topk_prob), each token's weighted sum of its experts' outputs.
+        m = fx["moe"]
+        E, K = m["num_experts"], m["num_experts_per_tok"]
+        logits_r = h @ P[p + "mlp.gate.weight"].T                                      # (R, T, E)
+        router_logits.append(logits_r.reshape(-1, E))
+        probs = torch.softmax(logits_r, dim=-1)
+        top, chosen = torch.topk(probs, K, dim=-1)
+        if m["norm_topk_prob"]:
+            top = top / top.sum(-1, keepdim=True)
+        y = torch.zeros_like(x)
+        for e in range(E):
+            w = (top * (chosen == e)).sum(-1, keepdim=True)                            # 0 where not chosen
+            y = y + w * swiglu(p + f"mlp.experts.{e}.", h)
+        if m.get("shared_expert_intermediate_size"):
+            y = y + torch.sigmoid(h @ P[p + "mlp.shared_expert_gate.weight"].T) * swiglu(p + "mlp.shared_expert.", h)
+        x = x + y
     x = rms_norm(x, P["model.norm.weight"], eps)
     head = P["model.embed_tokens.weight"] if fx["tie_word_embeddings"] else P["lm_head.weight"]
     return x @ head.T
 
 
-def independent_check(fx, model, tokens, positions, seq_ids, targets, weights, hf_logits, hf_loss, hf_grads):
-    P = {name: p.detach().to(torch.float64).clone().requires_grad_(True) for name, p in model.named_parameters()}
-    logits = independent_forward(fx, P, tokens, positions, seq_ids)
+def independent_aux(fx, router_logits):
+    """The load-balancing loss from its definition: E * sum over experts of (the share of
+    the rows' K choices it got) * (its mean probability), over every layer's rows together."""
+    m = fx["moe"]
+    E, K = m["num_experts"], m["num_experts_per_tok"]
+    z = torch.cat(router_logits, dim=0)
+    probs = torch.softmax(z, dim=-1)
+    chosen = torch.topk(probs, K, dim=-1).indices
+    counts = torch.zeros(E, dtype=torch.float64)
+    for e in range(E):
+        counts[e] = (chosen == e).sum()
+    return E * ((counts / z.shape[0]) * probs.mean(0)).sum()
+
+
+def independent_check(fx, model, tokens, positions, seq_ids, targets, weights, hf_logits, hf_loss, hf_grads, hf_aux):
+    P = {name: p.detach().to(torch.float64).clone().requires_grad_(True)
+         for name, p in canonical_views(fx, model).items()}
+    router_logits = []
+    logits = independent_forward(fx, P, tokens, positions, seq_ids, router_logits)
     loss = masked_mean_nll(logits, targets, weights)
+    if fx.get("moe"):
+        aux = independent_aux(fx, router_logits)
+        check(abs(aux.item() - hf_aux.item()) <= TOL_LOSS * abs(aux.item()),
+              f"{fx['name']}: load-balancing loss {hf_aux.item()} from transformers, {aux.item()} from its definition")
+        loss = loss + fx["moe"]["router_aux_loss_coef"] * aux
     loss.backward()
     errs = {"logits": rel_err(hf_logits, logits), "loss": abs(hf_loss.item() - loss.item()) / abs(loss.item())}
     check(errs["logits"] <= TOL_LOGITS, f"{fx['name']}: transformers and the independent implementation disagree "
@@ -500,7 +654,7 @@ def independent_check(fx, model, tokens, positions, seq_ids, targets, weights, h
 # Output
 # ----------------------------------------------------------------------------
 
-def write_reference(fx, path, batch, logits, loss, grads, attn_impl):
+def write_reference(fx, path, batch, logits, loss, grads, attn_impl, aux=None):
     tokens, positions, seq_ids, targets, weights, docs = batch
     tmp = path.with_name(path.name + ".tmp")
     with h5py.File(tmp, "w") as f:
@@ -511,6 +665,9 @@ def write_reference(fx, path, batch, logits, loss, grads, attn_impl):
         f.create_dataset("weights", data=weights.astype(np.float32))
         f.create_dataset("logits", data=logits.to(torch.float32).numpy())
         f.create_dataset("loss", data=np.float64(loss.item()))
+        if aux is not None:   # loss = the NLL + router_aux_loss_coef * aux_loss
+            f.create_dataset("aux_loss", data=np.float64(aux.item()))
+            f.attrs["router_aux_loss_coef"] = fx["moe"]["router_aux_loss_coef"]
         g = f.create_group("grads")
         for name in sorted(grads):
             g.create_dataset(name, data=grads[name].to(torch.float32).numpy())
@@ -562,13 +719,13 @@ def make_fixture(fx, out_root):
     reload_check(fx, model, build_dir, tokens)
 
     model = model.to(torch.float64)
-    logits, loss, grads = hf_reference(model, tokens, docs, targets, weights)
+    logits, loss, grads, aux = hf_reference(fx, model, tokens, docs, targets, weights)
     check(set(grads) == set(expected_parameters(fx)), f"{fx['name']}: gradient names")
     check(all(torch.isfinite(g).all() for g in grads.values()) and torch.isfinite(logits).all(),
           f"{fx['name']}: non-finite logits or gradients")
-    errs = independent_check(fx, model, tokens, positions, seq_ids, targets, weights, logits, loss, grads)
+    errs = independent_check(fx, model, tokens, positions, seq_ids, targets, weights, logits, loss, grads, aux)
 
-    write_reference(fx, build_dir / "reference.h5", batch, logits, loss, grads, attn_impl)
+    write_reference(fx, build_dir / "reference.h5", batch, logits, loss, grads, attn_impl, aux)
     size = sum(p.stat().st_size for p in build_dir.iterdir())
     check(size <= MAX_DIR_BYTES, f"{fx['name']}: {size} bytes, over the {MAX_DIR_BYTES} budget")
     per_token_std = logits.std(dim=-1).mean().item()
@@ -578,7 +735,8 @@ def make_fixture(fx, out_root):
     os.replace(build_dir, final_dir)
 
     n_loss = int(weights.sum())
-    print(f"   loss {loss.item():.10f} over {n_loss} tokens (uniform would be {math.log(VOCAB):.4f})")
+    print(f"   loss {loss.item():.10f} over {n_loss} tokens (uniform would be {math.log(VOCAB):.4f})"
+          + (f"; load-balancing loss {aux.item():.10f}" if aux is not None else ""))
     print(f"   max|logits| {logits.abs().max().item():.4f}, mean std over vocab {per_token_std:.4f}")
     print(f"   grad norm {math.sqrt(sum(g.pow(2).sum().item() for g in grads.values())):.6f} "
           f"over {len(grads)} parameters")

@@ -103,6 +103,10 @@ struct TokenBatch {
   // loss.ref_kl_coef > 0: the frozen reference weights' logprob of each target
   // (the step's reference pass, train/reference_pass.hpp).
   const float* ref_logprobs = nullptr;
+  // A model of experts with model.router_aux_loss: the weight of this
+  // micro-batch's load-balancing loss in the update's loss
+  // (model.router_aux_loss_coef over the update's micro-batches, all ranks); 0: none.
+  double router_aux_scale = 0;
 
   // The RL loss's per-token inputs among these (host memory).
   RlTokenInputs rl_inputs() const {

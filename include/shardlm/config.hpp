@@ -286,6 +286,11 @@ DeckResult parse_deck(const std::string& deck_path, const std::vector<std::strin
 DeckResult parse_deck_text(const std::string& text, const std::string& source_name,
                            const std::vector<std::string>& overrides, int world);
 
+// What a model of experts (`arch`: the deck's or model.hf's) does not run with
+// yet among the deck's other choices (the CUDA backend, model.fp8,
+// model.context_parallel > 1), as a sentence naming the key; "" when none.
+std::string moe_deck_error(const Config& config, const ModelConfig& arch);
+
 // The resolved deck as TOML: every key with its value, defaults included.
 std::string resolved_deck(const Config& config);
 

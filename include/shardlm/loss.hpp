@@ -84,8 +84,11 @@ struct LossStats {
   int64_t is_capped = 0;       // tokens whose rho > is_cap (weight truncated)
   int64_t is_masked = 0;       // tokens whose rho is outside [1 / is_mask, is_mask] (no loss)
   double ref_kl_sum = 0;       // ref_kl_coef > 0: sum of the KL estimator against the reference, unweighted
+  // Experts (model.router_aux_loss): each micro-batch's load-balancing loss, summed, and the micro-batches.
+  double router_aux_sum = 0;
+  int64_t router_aux_batches = 0;
 
-  static constexpr int kFields = 11;
+  static constexpr int kFields = 13;
   LossStats& operator+=(const LossStats& o) {
     loss += o.loss;
     loss_tokens += o.loss_tokens;
@@ -98,16 +101,18 @@ struct LossStats {
     is_capped += o.is_capped;
     is_masked += o.is_masked;
     ref_kl_sum += o.ref_kl_sum;
+    router_aux_sum += o.router_aux_sum;
+    router_aux_batches += o.router_aux_batches;
     return *this;
   }
   std::array<double, kFields> to_array() const {
     return {loss,          double(loss_tokens), double(masked_high), double(masked_low), entropy_sum,
             mismatch_kl_sum, advantage_sum,     is_ratio_sum,        double(is_capped),  double(is_masked),
-            ref_kl_sum};
+            ref_kl_sum,      router_aux_sum,    double(router_aux_batches)};
   }
   static LossStats from_array(const std::array<double, kFields>& a) {
     return {a[0], int64_t(a[1]), int64_t(a[2]), int64_t(a[3]), a[4], a[5], a[6], a[7], int64_t(a[8]), int64_t(a[9]),
-            a[10]};
+            a[10], a[11], int64_t(a[12])};
   }
 };
 

@@ -59,7 +59,9 @@ struct ModelLayout {
   int num_layers() const { return static_cast<int>(config.num_layers); }
 
   int64_t parameter_count() const;        // logical parameters (tied weights once)
-  int64_t matmul_parameter_count() const; // weights used in matmuls, lm-head included (MFU's N)
+  // Weights a token multiplies by, lm-head included (MFU's N): of the experts,
+  // the num_experts_per_tok a token goes to.
+  int64_t matmul_parameter_count() const;
   // Every parameter with its unit, in unit order (checkpoints, export, loading).
   struct Located { const Unit* unit; const ParamInfo* param; };
   std::vector<Located> all_params() const;
@@ -82,6 +84,10 @@ template <class T>
 struct LayerWeights {
   T *input_norm, *wq, *wk, *wv, *bq, *bk, *bv, *wo, *q_norm, *k_norm;
   T *post_norm, *w_gate, *w_up, *w_down;
+  // A layer of experts (w_gate, w_up, w_down nullptr): the router (E, C), the
+  // experts' stacks (E, I, C), (E, I, C), (E, C, I), and the shared expert's
+  // gate, up, down and gate weight (1, C) where there is one.
+  T *router, *e_gate, *e_up, *e_down, *s_gate, *s_up, *s_down, *s_weight;
 };
 // Views of a layer's parameters (or of gradients laid out like them) inside a
 // unit buffer of element type T. w_gate and w_up are adjacent, so w_gate is also
@@ -95,7 +101,10 @@ LayerWeights<T> layer_weights(const Unit& u, T* base) {
   return {at("input_layernorm.weight"), at("q_proj.weight"), at("k_proj.weight"), at("v_proj.weight"),
           at("q_proj.bias"), at("k_proj.bias"), at("v_proj.bias"), at("o_proj.weight"),
           at("q_norm.weight"), at("k_norm.weight"), at("post_attention_layernorm.weight"),
-          at("gate_proj.weight"), at("up_proj.weight"), at("down_proj.weight")};
+          at("mlp.gate_proj.weight"), at("mlp.up_proj.weight"), at("mlp.down_proj.weight"),
+          at("mlp.gate.weight"), at("experts.0.gate_proj.weight"), at("experts.0.up_proj.weight"),
+          at("experts.0.down_proj.weight"), at("shared_expert.gate_proj.weight"), at("shared_expert.up_proj.weight"),
+          at("shared_expert.down_proj.weight"), at("shared_expert_gate.weight")};
 }
 
 // The initial value of element `index` of parameter `p`: a pure function of

@@ -31,7 +31,7 @@ struct RopeScaling {
 };
 
 struct ModelConfig {
-  std::string arch = "llama";            // "llama" | "qwen2" | "qwen3"
+  std::string arch = "llama";            // "llama" | "qwen2" | "qwen3" | "qwen2_moe" | "qwen3_moe"
   int64_t vocab_size = 0;
   int64_t hidden_size = 0;
   int64_t intermediate_size = 0;
@@ -46,8 +46,28 @@ struct ModelConfig {
   bool attention_bias = false;           // q/k/v projection biases (Qwen2)
   bool qk_norm = false;                  // per-head RMSNorm on q and k (Qwen3)
   bool tie_word_embeddings = false;
+  // Mixture of experts (arch qwen3_moe, qwen2_moe; a dense model has 0 experts).
+  // A sparse layer's MLP is a router (E, C) and E SwiGLU experts of
+  // moe_intermediate_size, each token going to its num_experts_per_tok most
+  // probable; qwen2_moe adds a shared expert every token goes through, scaled
+  // by sigmoid(shared_expert_gate(x)). Layers l with (l + 1) % decoder_sparse_step
+  // != 0 keep the dense MLP of intermediate_size.
+  int64_t num_experts = 0;
+  int64_t num_experts_per_tok = 0;
+  int64_t moe_intermediate_size = 0;
+  int64_t shared_expert_intermediate_size = 0;  // qwen2_moe; 0: no shared expert
+  int64_t decoder_sparse_step = 1;
+  bool norm_topk_prob = false;           // the chosen experts' weights renormalised to sum 1
+  // The load-balancing loss (transformers' output_router_logits) joins the
+  // training loss, times router_aux_loss_coef.
+  bool router_aux_loss = false;
+  double router_aux_loss_coef = 0.001;
   int64_t bos_token_id = -1;
   int64_t eos_token_id = -1;
+
+  bool moe() const { return num_experts > 0; }
+  // Whether layer `l`'s MLP is the experts.
+  bool moe_layer(int64_t l) const { return num_experts > 0 && (l + 1) % decoder_sparse_step == 0; }
 };
 
 // The largest sizes shardlm accepts, from a deck or a config.json. Each is far
@@ -61,6 +81,7 @@ constexpr int64_t kMaxIntermediateSize = int64_t(1) << 22;  // 4194304
 constexpr int64_t kMaxLayers = int64_t(1) << 14;            // 16384
 constexpr int64_t kMaxHeads = int64_t(1) << 14;             // num_heads, num_kv_heads
 constexpr int64_t kMaxHeadDim = int64_t(1) << 14;
+constexpr int64_t kMaxExperts = int64_t(1) << 14;           // num_experts, num_experts_per_tok
 constexpr int64_t kMaxPositions = 2147483647;               // positions are int32
 constexpr int64_t kMaxParameters = int64_t(1) << 45;        // 35e12, with tied weights once
 constexpr int64_t kMaxSeqLen = int64_t(1) << 24;            // data.seq_len
@@ -79,6 +100,7 @@ enum class HfForm {
   Flag,           // true or false; absent: false
   AttentionBias,  // implied by qwen2; llama's and qwen3's would add an o_proj bias too, so only false is taken
   QkNorm,         // no key: qwen3 has q/k norms, llama and qwen2 do not
+  Moe,            // the experts' members: read for qwen2_moe and qwen3_moe only (see moe_config_error)
   TokenId,        // an id or a list of ids (the first taken); absent or null: -1
 };
 
@@ -105,6 +127,8 @@ struct ModelField {
   // May be left out of a deck or config.json: num_kv_heads (= num_heads, no
   // grouped-query attention) and head_dim (= hidden_size / num_heads).
   bool derived = false;
+  // 0 is accepted too (a number >= 0 and <= max): the experts' sizes of a dense model.
+  bool zero_ok = false;
   const char* note = nullptr;     // a flag's words in inspect's summary when it is on
 };
 
@@ -175,6 +199,13 @@ std::string model_size_error(const ModelConfig& c);
 // (and a logits chunk of `chunk_tokens` x vocab_size) against
 // kMaxActivationFloats; "" when they fit.
 std::string model_scale_error(const ModelConfig& c, int64_t tokens_per_micro_batch, int64_t chunk_tokens);
+
+// The experts' rules: a qwen2_moe / qwen3_moe model has num_experts >= 2,
+// 1 <= num_experts_per_tok <= num_experts, moe_intermediate_size and
+// decoder_sparse_step >= 1; qwen2_moe may have a shared expert, qwen3_moe has
+// none; other architectures have no experts (every expert member at its
+// default). "" when they hold; else a sentence naming the member by its deck key.
+std::string moe_config_error(const ModelConfig& c);
 
 // model.fp8: cuBLASLt's FP8 GEMMs take sizes in multiples of 16, so the linears'
 // widths (hidden_size, intermediate_size, num_heads x head_dim, num_kv_heads x

@@ -178,6 +178,8 @@ void Metrics::log(const StepStats& s) {
   row += mfu_known ? fmt(", \"mfu\": %.6g", mfu) : std::string(", \"mfu\": null");
   row += fmt(", \"skipped\": %s, \"time\": %.3f, \"elapsed_s\": %.3f", s.skipped ? "true" : "false", now, elapsed);
   if (s.redone_steps >= 0) row += fmt(", \"redone_steps\": %lld", (long long)s.redone_steps);
+  if (s.router_aux)
+    row += fmt(", \"router_aux_loss\": %s", number("router_aux_loss", s.router_aux_loss, nonfinite).c_str());
   if (s.rl) {
     for (const auto& [key, v] : {std::pair<const char*, double>{"entropy", s.entropy}, {"mismatch_kl", s.mismatch_kl},
                                  {"masked_high", s.masked_high}, {"masked_low", s.masked_low},
@@ -233,6 +235,7 @@ void Metrics::log(const StepStats& s) {
     };
     if (device) scalars.push_back({"perf/device_mem_peak_gib", float(double(device_peak) / 1073741824.0)});
     if (mfu_known) scalars.push_back({"perf/mfu", float(mfu)});
+    if (s.router_aux) scalars.push_back({"train/router_aux_loss", float(s.router_aux_loss)});
     if (s.rl)
       for (const auto& [tag, v] : {std::pair<const char*, double>{"rl/entropy", s.entropy}, {"rl/mismatch_kl", s.mismatch_kl},
                                    {"rl/masked_high", s.masked_high}, {"rl/masked_low", s.masked_low},

@@ -99,7 +99,9 @@ void write_arch(hid_t g, const ModelConfig& a, int64_t parameter_count, int64_t 
 
 ModelConfig read_arch(hid_t g) {
   ModelConfig a;
-  for (const ModelField& f : model_fields())
+  for (const ModelField& f : model_fields()) {
+    // A checkpoint written before models of experts has none of their attributes: a dense model.
+    if (f.hf == HfForm::Moe && H5Aexists(g, f.attribute) <= 0) continue;
     visit_member(f, a, [&](auto& v) {
       using T = std::decay_t<decltype(v)>;
       if constexpr (std::is_same_v<T, std::string>) v = read_str(g, f.attribute);
@@ -107,6 +109,7 @@ ModelConfig read_arch(hid_t g) {
       else if constexpr (std::is_same_v<T, bool>) v = read_i64(g, f.attribute) != 0;
       else v = read_i64(g, f.attribute);
     });
+  }
   return a;
 }
 

@@ -76,8 +76,8 @@ KeySpec one_of(KeySpec k, std::vector<std::string> choices, std::vector<std::str
 #define FIELD(expr) [](Config& c) -> auto& { return c.expr; }
 
 // The [model] keys of ModelConfig's members, one row of model_config.hpp's
-// table each, after model.hf: a number > 0 and at most the row's max, a string
-// one of its choices.
+// table each, after model.hf: a number > 0 (>= 0 where the row takes 0) and at
+// most the row's max, a string one of its choices.
 std::vector<KeySpec> with_model_fields(std::vector<KeySpec> table) {
   auto at = std::find_if(table.begin(), table.end(), [](const KeySpec& k) { return k.path == "model.hf"; }) + 1;
   for (const ModelField& f : model_fields()) {
@@ -87,7 +87,8 @@ std::vector<KeySpec> with_model_fields(std::vector<KeySpec> table) {
     k.type = field_is<bool>(f) ? Type::Bool : field_is<int64_t>(f) ? Type::Int
            : field_is<double>(f) ? Type::Float : Type::String;
     k.ref = [&f](Config& c) -> void* { return visit_member(f, c.model.arch, [](auto& v) -> void* { return &v; }); };
-    if (k.type == Type::Int || k.type == Type::Float) k = up_to(positive(std::move(k)), f.max);
+    if (k.type == Type::Int || k.type == Type::Float)
+      k = f.zero_ok ? within(std::move(k), 0, f.max) : up_to(positive(std::move(k)), f.max);
     if (k.type == Type::String) k = one_of(std::move(k), std::vector<std::string>(f.choices.begin(), f.choices.end()));
     at = table.insert(at, std::move(k)) + 1;
   }
@@ -577,6 +578,10 @@ void check_model(const Config& c, const std::set<std::string>& given, const Erro
     else if (a.max_position_embeddings > 0 && c.data.seq_len > a.max_position_embeddings)
       err(fmt("data.seq_len = %lld is larger than model.max_position_embeddings = %lld",
               (long long)c.data.seq_len, (long long)a.max_position_embeddings));
+    else if (std::string e = moe_config_error(a); !e.empty())
+      err(e);
+    else if (std::string e = moe_deck_error(c, a); !e.empty())
+      err(e);
     else if (tokens && *tokens <= kMaxTokensPerMicroBatch)
       if (std::string e = model_scale_error(a, *tokens, c.loss.chunk_tokens); !e.empty()) err("model: " + e);
     if (c.model.fp8 != "none" && c.model.context_parallel > 0)
@@ -873,6 +878,21 @@ void validate(const Config& c, int world, const std::set<std::string>& given, st
 }
 
 }  // namespace
+
+std::string moe_deck_error(const Config& c, const ModelConfig& arch) {
+  if (!arch.moe()) return "";
+  if (c.device.backend == "cuda")
+    return fmt("a model of experts (arch %s) runs on the CPU backend only so far: set device.backend = \"cpu\"",
+               arch.arch.c_str());
+  if (c.model.fp8 != "none")
+    return fmt("model.fp8 = \"%s\" does not reach the experts of arch %s: set model.fp8 = \"none\"",
+               c.model.fp8.c_str(), arch.arch.c_str());
+  if (c.model.context_parallel > 1)
+    return fmt("model.context_parallel = %lld: the load-balancing loss of arch %s counts a whole micro-batch's "
+               "tokens on one rank; set model.context_parallel = 1", (long long)c.model.context_parallel,
+               arch.arch.c_str());
+  return "";
+}
 
 std::vector<std::string> known_keys() {
   std::vector<std::string> out;

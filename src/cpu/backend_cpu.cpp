@@ -65,6 +65,7 @@ class CpuBackend final : public Backend {
     SHARDLM_CHECK(!ring_ || b.token_index, "internal: a context-parallel micro-batch without token indices");
     batch_ = b;
     inputs_ = {b.N, b.positions, b.seq_ids, inv_freq_.data(), b.token_index, ring_.get(), fp8_.get()};
+    if (config_.moe()) router_aux_.reset(config_.num_experts, b.router_aux_scale);
   }
 
   void set_context_parallel(Comm& group) override {
@@ -83,6 +84,7 @@ class CpuBackend final : public Backend {
     SavedAttention slot(*this, l);
     cpu::layer_forward(config_, layer_weights(unit, f32(params)), inputs_, residual_[l].data(), residual_[l + 1].data(),
                        acts(l));
+    if (config_.moe_layer(l)) router_aux_.add(acts(l), batch_.N, config_.num_experts, config_.num_experts_per_tok);
   }
 
   LossStats head_loss_backward(const void* norm_weight, const void* lm_head, float* norm_grad, float* lm_head_grad,
@@ -92,9 +94,14 @@ class CpuBackend final : public Backend {
     if (options_.rl)
       SHARDLM_CHECK(batch_.advantages && batch_.inference_logprobs && batch_.temperatures,
                     "internal: an RL micro-batch without advantages, logprobs or temperatures");
-    return cpu::head_loss_backward(config_, f32(norm_weight), f32(lm_head), norm_grad, lm_head_grad, residual_[L].data(),
-                                   batch_.targets, batch_.weights, grad_scale, batch_.N, d_x_.data(), head_,
-                                   options_.rl ? &rl : nullptr);
+    LossStats stats = cpu::head_loss_backward(config_, f32(norm_weight), f32(lm_head), norm_grad, lm_head_grad,
+                                              residual_[L].data(), batch_.targets, batch_.weights, grad_scale, batch_.N,
+                                              d_x_.data(), head_, options_.rl ? &rl : nullptr);
+    if (config_.moe() && router_aux_.scale != 0) {
+      stats.router_aux_sum = router_aux_.loss();
+      stats.router_aux_batches = 1;
+    }
+    return stats;
   }
 
   void layer_backward(int l, const Unit& unit, const void* params, float* grads) override {
@@ -104,7 +111,7 @@ class CpuBackend final : public Backend {
       cpu::layer_forward(config_, weights, inputs_, residual_[l].data(), recompute_out_.data(), acts(l),
                          /*run_attention=*/!keeps_attention(l));
     cpu::layer_backward(config_, weights, layer_weights(unit, grads), inputs_, residual_[l].data(), acts(l),
-                        d_x_.data(), scratch_);
+                        d_x_.data(), scratch_, config_.moe_layer(l) ? &router_aux_ : nullptr);
   }
 
   void embed_backward(float* table_grad) override {
@@ -190,6 +197,7 @@ class CpuBackend final : public Backend {
   cpu::TokenInputs inputs_;
   std::vector<Buffer<float>> residual_;  // (L + 1) x (N, C): x_0 = embeddings .. x_L
   std::vector<cpu::LayerActs> acts_;     // L sets, or 1 with activation checkpointing
+  cpu::RouterAux router_aux_;            // the micro-batch's load-balancing loss (a model of experts)
   Buffer<float> recompute_out_;          // (N, C) with activation checkpointing
   std::vector<Buffer<float>> saved_att_, saved_lse_;  // selective: K x (N, H, D) and K x (N, H), layers [0, K)
   Buffer<float> d_x_;                    // (N, C) gradient flowing down the residual stream

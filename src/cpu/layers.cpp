@@ -2,7 +2,10 @@
 #include "cpu/layers.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
+
+#include "shardlm/error.hpp"
 
 #include "cpu/ops.hpp"
 
@@ -15,9 +18,13 @@ constexpr float* kNoBiasGrad = nullptr;
 
 struct Dims {
   int64_t C, I, H, KV, D, HD, KVD;
+  int64_t E, K, Im, Is;  // experts, experts a token, their width, the shared expert's (0: none)
   explicit Dims(const ModelConfig& c)
       : C(c.hidden_size), I(c.intermediate_size), H(c.num_heads), KV(c.num_kv_heads), D(c.head_dim),
-        HD(c.num_heads * c.head_dim), KVD(c.num_kv_heads * c.head_dim) {}
+        HD(c.num_heads * c.head_dim), KVD(c.num_kv_heads * c.head_dim), E(c.num_experts), K(c.num_experts_per_tok),
+        Im(c.moe_intermediate_size), Is(c.shared_expert_intermediate_size) {}
+  // The width of gate, up and h: the dense MLP's, or a layer of experts' shared expert.
+  int64_t mlp_width() const { return std::max(I, Is); }
 };
 
 // The layer's projections: in.linear's (model.fp8) or the fp32 GEMMs.
@@ -30,6 +37,82 @@ void project_backward(const TokenInputs& in, float* dinp, float* dweight, float*
                       const float* inp, const float* weight, int64_t N, int64_t IC, int64_t OC) {
   if (in.linear) in.linear->backward(dinp, dweight, dbias, dout, inp, weight, N, IC, OC);
   else linear_backward(dinp, dweight, dbias, dout, inp, weight, N, IC, OC);
+}
+
+// The expert GEMMs of a `linear` that is one of the two fp32 GEMMs: rowwise
+// (each row independent of the others: decode) or not. model.fp8's projections
+// do not reach the experts (the deck refuses the pair).
+bool rowwise_of(const LinearFn& linear) {
+  using Fn = void (*)(float*, const float*, const float*, const float*, int64_t, int64_t, int64_t);
+  const Fn* fn = linear.target<Fn>();
+  SHARDLM_CHECK(fn && (*fn == &linear_forward<float> || *fn == &linear_rowwise_forward<float>),
+                "internal: a layer of experts runs the fp32 GEMMs only");
+  return *fn == &linear_rowwise_forward<float>;
+}
+
+// A layer of experts' MLP on xn2: out (N, C) = the routed experts' weighted sum
+// (+ the shared expert times sigmoid of its gate), without the residual.
+void experts_forward(const ModelConfig& c, const LayerWeights<const float>& w, int64_t N, float* out, LayerActs& a,
+                     const LinearFn& linear) {
+  const Dims d(c);
+  linear(a.router_logits.data(), a.xn2.data(), w.router, kNoBias, N, d.C, d.E);
+  MoeRouting<float> r = a.routing();
+  moe_route(r, a.router_logits.data(), N, d.E, d.K, c.norm_topk_prob);
+  moe_experts_forward(out, a.xs.data(), a.e_gate.data(), a.e_up.data(), a.e_h.data(), a.y.data(), a.xn2.data(), r,
+                      w.e_gate, w.e_up, w.e_down, N, d.C, d.Im, d.E, d.K, rowwise_of(linear));
+  if (d.Is == 0) return;
+  linear(a.gate.data(), a.xn2.data(), w.s_gate, kNoBias, N, d.C, d.Is);
+  linear(a.up.data(), a.xn2.data(), w.s_up, kNoBias, N, d.C, d.Is);
+  swiglu_forward(a.h.data(), a.gate.data(), a.up.data(), N * d.Is);
+  linear(a.shared_out.data(), a.h.data(), w.s_down, kNoBias, N, d.Is, d.C);
+  linear(a.shared_logit.data(), a.xn2.data(), w.s_weight, kNoBias, N, d.C, 1);
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; ++n) {
+    const float g = 1.0f / (1.0f + std::exp(-a.shared_logit[n]));
+    for (int64_t k = 0; k < d.C; ++k) out[n * d.C + k] += g * a.shared_out[n * d.C + k];
+  }
+}
+
+// Its backward: from d_out (N, C) at the MLP's output, d_xn (N, C) overwritten
+// with the gradient at xn2; parameter gradients accumulated into g.
+void experts_backward(const ModelConfig& c, const LayerWeights<const float>& w, const LayerWeights<float>& g,
+                      const TokenInputs& in, const LayerActs& a, const float* d_out, float* d_xn,
+                      LayerGradScratch& s, const RouterAux* aux) {
+  const Dims d(c);
+  const int64_t N = in.N;
+  const MoeRouting<float> r = a.routing();
+  moe_experts_backward(d_xn, s.d_weight.data(), g.e_gate, g.e_up, g.e_down, s.d_y.data(), s.d_eh.data(),
+                       s.d_egate.data(), s.d_eup.data(), s.d_xs.data(), d_out, a.xs.data(), a.e_gate.data(),
+                       a.e_up.data(), a.e_h.data(), a.y.data(), r, w.e_gate, w.e_up, w.e_down, N, d.C, d.Im, d.E, d.K);
+  const float* d_probs = nullptr;
+  if (aux && aux->scale != 0 && aux->rows > 0) {
+    moe_aux_backward(s.d_probs.data(), aux->counts.data(), aux->rows, N, d.E, aux->scale);
+    d_probs = s.d_probs.data();
+  }
+  moe_route_backward(s.d_logits.data(), s.d_weight.data(), d_probs, r, N, d.E, d.K, c.norm_topk_prob);
+  project_backward(in, s.d_tmp.data(), g.router, kNoBiasGrad, s.d_logits.data(), a.xn2.data(), w.router, N, d.C, d.E);
+  add(d_xn, d_xn, s.d_tmp.data(), N * d.C);
+  if (d.Is == 0) return;
+  // out += sigmoid(z) S(xn2), z = shared_expert_gate(xn2): dS = sigmoid(z) d_out, dz = sigmoid'(z) (d_out . S).
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; ++n) {
+    const float sg = 1.0f / (1.0f + std::exp(-a.shared_logit[n]));
+    double dot = 0;
+    for (int64_t k = 0; k < d.C; ++k) {
+      s.d_shared[n * d.C + k] = sg * d_out[n * d.C + k];
+      dot += double(d_out[n * d.C + k]) * double(a.shared_out[n * d.C + k]);
+    }
+    s.d_shared_logit[n] = float(dot * sg * (1.0 - sg));
+  }
+  project_backward(in, s.dh.data(), g.s_down, kNoBiasGrad, s.d_shared.data(), a.h.data(), w.s_down, N, d.Is, d.C);
+  swiglu_backward(s.dgate.data(), s.dup.data(), s.dh.data(), a.gate.data(), a.up.data(), N * d.Is);
+  project_backward(in, s.d_tmp.data(), g.s_gate, kNoBiasGrad, s.dgate.data(), a.xn2.data(), w.s_gate, N, d.C, d.Is);
+  add(d_xn, d_xn, s.d_tmp.data(), N * d.C);
+  project_backward(in, s.d_tmp.data(), g.s_up, kNoBiasGrad, s.dup.data(), a.xn2.data(), w.s_up, N, d.C, d.Is);
+  add(d_xn, d_xn, s.d_tmp.data(), N * d.C);
+  project_backward(in, s.d_tmp.data(), g.s_weight, kNoBiasGrad, s.d_shared_logit.data(), a.xn2.data(), w.s_weight,
+                   N, d.C, 1);
+  add(d_xn, d_xn, s.d_tmp.data(), N * d.C);
 }
 
 }  // namespace
@@ -53,9 +136,32 @@ void LayerActs::add_rows(const ModelConfig& c, int64_t N, std::vector<BufferRow>
   rows.push_back({"x_mid", &x_mid, N * d.C, m});
   rows.push_back({"rstd2", &rstd2, N, m});
   rows.push_back({"xn2", &xn2, N * d.C, m});
-  rows.push_back({"gate", &gate, N * d.I, m});
-  rows.push_back({"up", &up, N * d.I, m});
-  rows.push_back({"h", &h, N * d.I, m});
+  rows.push_back({"gate", &gate, N * d.mlp_width(), m});
+  rows.push_back({"up", &up, N * d.mlp_width(), m});
+  rows.push_back({"h", &h, N * d.mlp_width(), m});
+  if (!c.moe()) return;
+  const int64_t R = N * d.K;
+  rows.push_back({"router_logits", &router_logits, N * d.E, m});
+  rows.push_back({"probs", &probs, N * d.E, m});
+  rows.push_back({"expert", nullptr, N * d.K, m, &expert});
+  rows.push_back({"slot", nullptr, R, m, &slot});
+  rows.push_back({"row", nullptr, R, m, &row});
+  rows.push_back({"weight", &weight, N * d.K, m});
+  rows.push_back({"offsets", nullptr, d.E + 1, m, nullptr, &offsets});
+  rows.push_back({"xs", &xs, R * d.C, m});
+  rows.push_back({"y", &y, R * d.C, m});
+  rows.push_back({"e_gate", &e_gate, R * d.Im, m});
+  rows.push_back({"e_up", &e_up, R * d.Im, m});
+  rows.push_back({"e_h", &e_h, R * d.Im, m});
+  if (d.Is > 0) {
+    rows.push_back({"shared_out", &shared_out, N * d.C, m});
+    rows.push_back({"shared_logit", &shared_logit, N, m});
+  }
+}
+
+MoeRouting<float> LayerActs::routing() const {
+  auto& a = const_cast<LayerActs&>(*this);
+  return {a.probs.data(), a.expert.data(), a.weight.data(), a.offsets.data(), a.slot.data(), a.row.data()};
 }
 
 void LayerGradScratch::add_rows(const ModelConfig& c, int64_t N, std::vector<BufferRow>& rows) {
@@ -72,9 +178,23 @@ void LayerGradScratch::add_rows(const ModelConfig& c, int64_t N, std::vector<Buf
     rows.push_back({"dq_raw", &dq_raw, N * d.HD, m});
     rows.push_back({"dk_raw", &dk_raw, N * d.KVD, m});
   }
-  rows.push_back({"dh", &dh, N * d.I, m});
-  rows.push_back({"dgate", &dgate, N * d.I, m});
-  rows.push_back({"dup", &dup, N * d.I, m});
+  rows.push_back({"dh", &dh, N * d.mlp_width(), m});
+  rows.push_back({"dgate", &dgate, N * d.mlp_width(), m});
+  rows.push_back({"dup", &dup, N * d.mlp_width(), m});
+  if (!c.moe()) return;
+  const int64_t R = N * d.K;
+  rows.push_back({"d_weight", &d_weight, N * d.K, m});
+  rows.push_back({"d_y", &d_y, R * d.C, m});
+  rows.push_back({"d_eh", &d_eh, R * d.Im, m});
+  rows.push_back({"d_egate", &d_egate, R * d.Im, m});
+  rows.push_back({"d_eup", &d_eup, R * d.Im, m});
+  rows.push_back({"d_xs", &d_xs, R * d.C, m});
+  rows.push_back({"d_logits", &d_logits, N * d.E, m});
+  rows.push_back({"d_probs", &d_probs, N * d.E, m});
+  if (d.Is > 0) {
+    rows.push_back({"d_shared", &d_shared, N * d.C, m});
+    rows.push_back({"d_shared_logit", &d_shared_logit, N, m});
+  }
 }
 
 void HeadScratch::add_rows(const ModelConfig& c, int64_t N, int64_t chunk_tokens, std::vector<BufferRow>& rows) {
@@ -87,14 +207,34 @@ void HeadScratch::add_rows(const ModelConfig& c, int64_t N, int64_t chunk_tokens
 }
 
 void allocate_rows(const std::vector<BufferRow>& rows) {
-  for (const BufferRow& r : rows) *r.slot = Buffer<float>(r.category, r.numel);
+  for (const BufferRow& r : rows) {
+    if (r.slot) *r.slot = Buffer<float>(r.category, r.numel);
+    if (r.index_slot) *r.index_slot = Buffer<int32_t>(r.category, r.numel);
+    if (r.offset_slot) *r.offset_slot = Buffer<int64_t>(r.category, r.numel);
+  }
 }
 
 int64_t rows_bytes(const std::vector<BufferRow>& rows, Mem category) {
   int64_t bytes = 0;
   for (const BufferRow& r : rows)
-    if (r.category == category) bytes += r.numel * int64_t(sizeof(float));
+    if (r.category == category) bytes += r.bytes();
   return bytes;
+}
+
+void RouterAux::reset(int64_t E, double aux_scale) {
+  counts.assign(size_t(E), 0.0);
+  prob_sums.assign(size_t(E), 0.0);
+  rows = 0;
+  scale = aux_scale;
+}
+
+void RouterAux::add(const LayerActs& acts, int64_t N, int64_t E, int64_t K) {
+  moe_aux_counts(counts.data(), prob_sums.data(), acts.routing(), N, E, K);
+  rows += N;
+}
+
+double RouterAux::loss() const {
+  return rows > 0 ? moe_aux_loss(counts.data(), prob_sums.data(), rows, int64_t(counts.size())) : 0.0;
 }
 
 void layer_qkv_forward(const ModelConfig& c, const LayerWeights<const float>& w, const TokenInputs& in,
@@ -123,10 +263,14 @@ void layer_out_forward(const ModelConfig& c, const LayerWeights<const float>& w,
   linear(x_out, a.att.data(), w.wo, kNoBias, N, d.HD, d.C);
   add(a.x_mid.data(), x_in, x_out, N * d.C);
   rmsnorm_forward(a.xn2.data(), a.rstd2.data(), a.x_mid.data(), w.post_norm, N, d.C, c.rms_norm_eps);
-  linear(a.gate.data(), a.xn2.data(), w.w_gate, kNoBias, N, d.C, d.I);
-  linear(a.up.data(), a.xn2.data(), w.w_up, kNoBias, N, d.C, d.I);
-  swiglu_forward(a.h.data(), a.gate.data(), a.up.data(), N * d.I);
-  linear(x_out, a.h.data(), w.w_down, kNoBias, N, d.I, d.C);
+  if (w.router) {
+    experts_forward(c, w, N, x_out, a, linear);
+  } else {
+    linear(a.gate.data(), a.xn2.data(), w.w_gate, kNoBias, N, d.C, d.I);
+    linear(a.up.data(), a.xn2.data(), w.w_up, kNoBias, N, d.C, d.I);
+    swiglu_forward(a.h.data(), a.gate.data(), a.up.data(), N * d.I);
+    linear(x_out, a.h.data(), w.w_down, kNoBias, N, d.I, d.C);
+  }
   add(x_out, x_out, a.x_mid.data(), N * d.C);
 }
 
@@ -145,15 +289,18 @@ void layer_forward(const ModelConfig& c, const LayerWeights<const float>& w, con
 
 void layer_backward(const ModelConfig& c, const LayerWeights<const float>& w, const LayerWeights<float>& g,
                     const TokenInputs& in, const float* x_in, const LayerActs& a, float* d_x,
-                    LayerGradScratch& s) {
+                    LayerGradScratch& s, const RouterAux* router_aux) {
   const Dims d(c);
   const int64_t N = in.N;
-  // MLP branch: x_out = x_mid + down(silu(gate(xn2)) * up(xn2)).
-  project_backward(in, s.dh.data(), g.w_down, kNoBiasGrad, d_x, a.h.data(), w.w_down, N, d.I, d.C);
-  swiglu_backward(s.dgate.data(), s.dup.data(), s.dh.data(), a.gate.data(), a.up.data(), N * d.I);
-  project_backward(in, s.d_xn.data(), g.w_gate, kNoBiasGrad, s.dgate.data(), a.xn2.data(), w.w_gate, N, d.C, d.I);
-  project_backward(in, s.d_tmp.data(), g.w_up, kNoBiasGrad, s.dup.data(), a.xn2.data(), w.w_up, N, d.C, d.I);
-  add(s.d_xn.data(), s.d_xn.data(), s.d_tmp.data(), N * d.C);
+  if (w.router) {  // MLP branch: x_out = x_mid + experts(xn2)
+    experts_backward(c, w, g, in, a, d_x, s.d_xn.data(), s, router_aux);
+  } else {  // x_out = x_mid + down(silu(gate(xn2)) * up(xn2))
+    project_backward(in, s.dh.data(), g.w_down, kNoBiasGrad, d_x, a.h.data(), w.w_down, N, d.I, d.C);
+    swiglu_backward(s.dgate.data(), s.dup.data(), s.dh.data(), a.gate.data(), a.up.data(), N * d.I);
+    project_backward(in, s.d_xn.data(), g.w_gate, kNoBiasGrad, s.dgate.data(), a.xn2.data(), w.w_gate, N, d.C, d.I);
+    project_backward(in, s.d_tmp.data(), g.w_up, kNoBiasGrad, s.dup.data(), a.xn2.data(), w.w_up, N, d.C, d.I);
+    add(s.d_xn.data(), s.d_xn.data(), s.d_tmp.data(), N * d.C);
+  }
   rmsnorm_backward(s.d_tmp.data(), g.post_norm, s.d_xn.data(), a.x_mid.data(), w.post_norm, a.rstd2.data(), N, d.C);
   add(s.d_mid.data(), d_x, s.d_tmp.data(), N * d.C);
 

@@ -16,6 +16,7 @@
 
 #include "shardlm/memory.hpp"
 #include "shardlm/model.hpp"
+#include "cpu/moe.hpp"
 #include "cpu/ops.hpp"
 #include "cpu/rl_loss.hpp"
 
@@ -72,6 +73,10 @@ struct BufferRow {
   Buffer<float>* slot;
   int64_t numel;
   Mem category;
+  // An index buffer instead (the experts' routing): numel elements of its type.
+  Buffer<int32_t>* index_slot = nullptr;
+  Buffer<int64_t>* offset_slot = nullptr;
+  int64_t bytes() const { return numel * (offset_slot ? 8 : 4); }
 };
 void allocate_rows(const std::vector<BufferRow>& rows);
 int64_t rows_bytes(const std::vector<BufferRow>& rows, Mem category);
@@ -93,10 +98,23 @@ struct LayerActs {
   Buffer<float> x_mid;   // (N, C) residual after attention
   Buffer<float> rstd2;   // (N)
   Buffer<float> xn2;     // (N, C)
-  Buffer<float> gate;    // (N, I)
+  Buffer<float> gate;    // (N, I) (a layer of experts: the shared expert's, (N, I shared))
   Buffer<float> up;      // (N, I)
   Buffer<float> h;       // (N, I) silu(gate) * up
-  // Appends a row per buffer above (the qk_norm ones only with qk_norm).
+  // A layer of experts (cpu/moe.hpp; R = N K routed rows, Im the experts' width):
+  Buffer<float> router_logits;            // (N, E)
+  Buffer<float> probs;                    // (N, E)
+  Buffer<int32_t> expert, slot, row;      // (N, K), (R), (R)
+  Buffer<float> weight;                   // (N, K)
+  Buffer<int64_t> offsets;                // (E + 1)
+  Buffer<float> xs, y;                    // (R, C) the gathered inputs, the experts' outputs
+  Buffer<float> e_gate, e_up, e_h;        // (R, Im)
+  Buffer<float> shared_out;               // (N, C) the shared expert's output, before its gate
+  Buffer<float> shared_logit;             // (N) shared_expert_gate(xn2)
+  // Views of the routing buffers (read only through a const LayerActs).
+  MoeRouting<float> routing() const;
+  // Appends a row per buffer above (the qk_norm ones only with qk_norm, the
+  // experts' only in a model with experts).
   void add_rows(const ModelConfig& c, int64_t N, std::vector<BufferRow>& rows);
 };
 
@@ -109,6 +127,8 @@ struct LayerGradScratch {
   Buffer<float> dq, dk, dv;          // (N, H|KV, D)
   Buffer<float> dq_raw, dk_raw;      // (N, H|KV, D) (qk_norm only)
   Buffer<float> dh, dgate, dup;      // (N, I)
+  // A layer of experts: (N, K), (R, C), (R, Im) x 3, (R, C), (N, E) x 2, (N, C), (N).
+  Buffer<float> d_weight, d_y, d_eh, d_egate, d_eup, d_xs, d_logits, d_probs, d_shared, d_shared_logit;
   void add_rows(const ModelConfig& c, int64_t N, std::vector<BufferRow>& rows);
 };
 
@@ -133,10 +153,27 @@ void layer_out_forward(const ModelConfig& c, const LayerWeights<const float>& w,
                        float* x_out, LayerActs& acts, LinearFn linear = &linear_forward<float>);
 
 // d_x (N, C): in, the gradient at the layer's output; out, at its input.
-// Parameter gradients are accumulated into g.
+// Parameter gradients are accumulated into g. A layer of experts adds
+// `router_aux` (nullptr: none) to the router's gradient: the load-balancing
+// loss's, with every layer's expert counts of the micro-batch (RouterAux).
+struct RouterAux;
 void layer_backward(const ModelConfig& c, const LayerWeights<const float>& w, const LayerWeights<float>& g,
                     const TokenInputs& in, const float* x_in, const LayerActs& acts, float* d_x,
-                    LayerGradScratch& s);
+                    LayerGradScratch& s, const RouterAux* router_aux = nullptr);
+
+// The load-balancing loss of one micro-batch (transformers'
+// load_balancing_loss_func over every layer of experts): each layer's forward
+// adds its routing (add), the head reads the loss, each layer's backward its
+// gradient, `scale` times the loss (model.router_aux_loss_coef over the
+// update's micro-batches of every rank).
+struct RouterAux {
+  std::vector<double> counts, prob_sums;  // (E) over the layers' rows
+  int64_t rows = 0;                       // routed tokens: N per layer of experts
+  double scale = 0;
+  void reset(int64_t E, double scale);
+  void add(const LayerActs& acts, int64_t N, int64_t E, int64_t K);
+  double loss() const;
+};
 
 // Final norm + lm-head + cross-entropy, forward and backward in one pass over
 // token chunks, so (chunk, V) logits are the most ever held.

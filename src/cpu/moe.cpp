@@ -51,17 +51,18 @@ void moe_route(MoeRouting<T>& r, const T* logits, int64_t N, int64_t E, int64_t 
 template <class T>
 void moe_experts_forward(T* out, T* xs, T* gate, T* up, T* h, T* y, const T* x, const MoeRouting<T>& r,
                          const T* w_gate, const T* w_up, const T* w_down, int64_t N, int64_t C, int64_t I, int64_t E,
-                         int64_t K) {
+                         int64_t K, bool rowwise) {
   const int64_t R = N * K;
+  const auto linear = rowwise ? &linear_rowwise_forward<T> : &linear_forward<T>;
 #pragma omp parallel for schedule(static)
   for (int64_t row = 0; row < R; ++row) std::copy_n(x + (r.slot[row] / K) * C, C, xs + row * C);
   for (int64_t e = 0; e < E; ++e) {  // each expert's GEMMs over its rows
     const int64_t first = r.offsets[e], rows = r.offsets[e + 1] - first;
     if (rows == 0) continue;
-    linear_forward(gate + first * I, xs + first * C, w_gate + e * I * C, static_cast<const T*>(nullptr), rows, C, I);
-    linear_forward(up + first * I, xs + first * C, w_up + e * I * C, static_cast<const T*>(nullptr), rows, C, I);
+    linear(gate + first * I, xs + first * C, w_gate + e * I * C, static_cast<const T*>(nullptr), rows, C, I);
+    linear(up + first * I, xs + first * C, w_up + e * I * C, static_cast<const T*>(nullptr), rows, C, I);
     swiglu_forward(h + first * I, gate + first * I, up + first * I, rows * I);
-    linear_forward(y + first * C, h + first * I, w_down + e * C * I, static_cast<const T*>(nullptr), rows, I, C);
+    linear(y + first * C, h + first * I, w_down + e * C * I, static_cast<const T*>(nullptr), rows, I, C);
   }
   // Each token's sum over its K choices, in the order j = 0 .. K - 1.
 #pragma omp parallel for schedule(static)
@@ -170,7 +171,7 @@ void moe_aux_backward(T* dprobs, const double* counts, int64_t rows, int64_t N, 
 #define SHARDLM_CPU_MOE_INSTANTIATE(T)                                                                            \
   template void moe_route<T>(MoeRouting<T>&, const T*, int64_t, int64_t, int64_t, bool);                          \
   template void moe_experts_forward<T>(T*, T*, T*, T*, T*, T*, const T*, const MoeRouting<T>&, const T*,          \
-                                       const T*, const T*, int64_t, int64_t, int64_t, int64_t, int64_t);         \
+                                       const T*, const T*, int64_t, int64_t, int64_t, int64_t, int64_t, bool);   \
   template void moe_experts_backward<T>(T*, T*, T*, T*, T*, T*, T*, T*, T*, T*, const T*, const T*, const T*,     \
                                         const T*, const T*, const T*, const MoeRouting<T>&, const T*, const T*,   \
                                         const T*, int64_t, int64_t, int64_t, int64_t, int64_t);                   \

@@ -43,11 +43,13 @@ void moe_route(MoeRouting<T>& r, const T* logits, int64_t N, int64_t E, int64_t 
 
 // out (N, C) = sum over j of weight[n, j] * expert[n, j](x[n]); saves, per
 // permuted row, the gathered input xs (N K, C), gate, up, h = silu(gate) * up
-// (N K, I) and the expert's output y (N K, C) for the backward.
+// (N K, I) and the expert's output y (N K, C) for the backward. `rowwise`: the
+// GEMMs are linear_rowwise_forward (each row's bits independent of the other
+// rows an expert gets: sampling), else linear_forward.
 template <class T>
 void moe_experts_forward(T* out, T* xs, T* gate, T* up, T* h, T* y, const T* x, const MoeRouting<T>& r,
                          const T* w_gate, const T* w_up, const T* w_down, int64_t N, int64_t C, int64_t I, int64_t E,
-                         int64_t K);
+                         int64_t K, bool rowwise = false);
 
 // From dout (N, C): dx (N, C) overwritten with the experts' part of the input
 // gradient; dweight (N, K) overwritten with d loss / d weight[n, j]; the

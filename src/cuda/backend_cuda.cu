@@ -158,8 +158,14 @@ class CudaBackend final : public Backend {
     return {o.max_tokens, c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim,
             c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.vocab_size, std::min(o.chunk_tokens, o.max_tokens)};
   }
+  // A model of experts runs on the CPU backend only so far.
+  static void dense_only(const ModelConfig& c) {
+    SHARDLM_CHECK(!c.moe(), "a model of experts (arch %s) runs on the CPU backend only so far: set device.backend = "
+                  "\"cpu\"", c.arch.c_str());
+  }
   // The plan sums the table prepare() allocates from (a planner's, never allocated).
   int64_t activation_bytes(const ModelConfig& c, const EngineOptions& o) const override {
+    dense_only(c);
     CudaBackend planner;
     return table_bytes(planner.buffer_table(c, o), Mem::Activations);
   }
@@ -405,6 +411,7 @@ class CudaBackend final : public Backend {
   }
 
   void prepare(const ModelConfig& c, const EngineOptions& o) override {
+    dense_only(c);
     config_ = c;
     options_ = o;
     for (const BufferRow& r : buffer_table(c, o))

@@ -15,6 +15,9 @@ namespace shardlm {
 
 std::unique_ptr<Decoder> make_decoder(const InferenceModel& model, const DecoderLimits& limits,
                                       const std::string& backend) {
+  SHARDLM_CHECK(backend != "cuda" || !model.config().moe(),
+                "a model of experts (arch %s) samples on the CPU backend only so far: use --device cpu "
+                "(rollout: device.backend = \"cpu\")", model.config().arch.c_str());
   const DecoderLimits sized = size_pool(model.config(), limits, backend, decoder_device_memory(backend));
   if (backend == "cuda") return make_cuda_decoder(model, sized);
   SHARDLM_CHECK(backend == "cpu", "internal: generate on backend '%s'", backend.c_str());
@@ -199,7 +202,11 @@ std::vector<cpu::BufferRow> CpuDecoder::plan_rows(const ModelConfig& c, const De
   std::vector<cpu::BufferRow> act_rows;
   cpu::LayerActs counted;  // planning only: its rows are counted, never allocated
   (self ? self->acts_ : counted).add_rows(c, max_rows, act_rows);
-  for (auto& r : act_rows) r.category = Mem::Workspace, r.slot = self ? r.slot : nullptr, table.push_back(r);
+  for (auto& r : act_rows) {
+    r.category = Mem::Workspace;
+    if (!self) r.slot = nullptr, r.index_slot = nullptr, r.offset_slot = nullptr;
+    table.push_back(r);
+  }
   table.push_back({"head.x", at(&CpuDecoder::head_x_), limits.slots * C, Mem::Workspace});
   table.push_back({"head.rstd", at(&CpuDecoder::head_rstd_), limits.slots, Mem::Workspace});
   return table;

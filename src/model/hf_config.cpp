@@ -193,11 +193,18 @@ const char* hf_architecture(const std::string& model_type) {
   if (model_type == "llama") return "LlamaForCausalLM";
   if (model_type == "qwen2") return "Qwen2ForCausalLM";
   if (model_type == "qwen3") return "Qwen3ForCausalLM";
+  if (model_type == "qwen2_moe") return "Qwen2MoeForCausalLM";
+  if (model_type == "qwen3_moe") return "Qwen3MoeForCausalLM";
   return nullptr;
 }
 
+// Qwen2's attention (q/k/v biases) and Qwen3's (q/k norms), dense or experts.
+bool qwen2_attention(const std::string& model_type) { return model_type == "qwen2" || model_type == "qwen2_moe"; }
+bool qwen3_attention(const std::string& model_type) { return model_type == "qwen3" || model_type == "qwen3_moe"; }
+bool has_experts(const std::string& model_type) { return model_type == "qwen2_moe" || model_type == "qwen3_moe"; }
+
 std::string model_type_of_architecture(const std::string& arch) {
-  for (const char* mt : {"llama", "qwen2", "qwen3"})
+  for (const char* mt : {"llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe"})
     if (arch == hf_architecture(mt)) return mt;
   return "";
 }
@@ -219,13 +226,14 @@ std::string read_model_type(const ConfigReader& cr, const json& root) {
     model_type = model_type_of_architecture(architecture);
     if (model_type.empty())
       cr.fail(fmt("architecture '%s' is not supported (shardlm runs LlamaForCausalLM, Qwen2ForCausalLM, "
-                  "Qwen3ForCausalLM)", architecture.c_str()));
+                  "Qwen3ForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM)", architecture.c_str()));
   } else {
     cr.fail("required key 'model_type' is missing");
   }
   const char* expected_arch = hf_architecture(model_type);
   if (!expected_arch)
-    cr.fail(fmt("model_type '%s' is not supported (shardlm runs llama, qwen2 and qwen3)", model_type.c_str()));
+    cr.fail(fmt("model_type '%s' is not supported (shardlm runs llama, qwen2, qwen3, qwen2_moe and qwen3_moe)",
+                model_type.c_str()));
   if (!architecture.empty() && architecture != expected_arch)
     cr.fail(fmt("architecture '%s' is not supported for model_type '%s' (expected '%s')", architecture.c_str(),
                 model_type.c_str(), expected_arch));
@@ -250,6 +258,11 @@ void refuse_unsupported(const ConfigReader& cr, const json& root) {
       if (!t.is_string() || t.get<std::string>() != "full_attention")
         cr.fail(fmt("'layer_types' contains %s; shardlm runs full attention in every layer", ConfigReader::show(t).c_str()));
   }
+  if (const json* m = ConfigReader::find(root, "mlp_only_layers")) {
+    if (!m->is_array() || !m->empty())
+      cr.fail(fmt("'mlp_only_layers' = %s is not supported (shardlm places dense layers by decoder_sparse_step "
+                  "only; it takes [])", ConfigReader::show(*m).c_str()));
+  }
 
 }
 
@@ -273,6 +286,29 @@ void read_sizes(const ConfigReader& cr, const json& root, ModelConfig& c) {
   if (check_model_sizes(c).rule == ModelSizeProblem::Rule::HeadsNotMultipleOfKvHeads)
     cr.fail(fmt("num_attention_heads %lld is not divisible by num_key_value_heads %lld", (long long)c.num_heads,
                 (long long)c.num_kv_heads));
+}
+
+// One of the experts' members of a qwen2_moe / qwen3_moe config.json:
+// num_experts, num_experts_per_tok and moe_intermediate_size required, the
+// shared expert's size qwen2_moe's only, decoder_sparse_step 1 and
+// router_aux_loss_coef 0.001 when absent (transformers' defaults), the flags
+// false. moe_config_error checks them together after.
+void read_moe_member(const ConfigReader& cr, const json& root, const std::string& model_type, const ModelField& f,
+                     ModelConfig& c) {
+  const json* v = ConfigReader::find(root, f.hf_key);
+  if (field_is<bool>(f)) {
+    member_of<bool>(f, c) = cr.boolean(f.hf_key, false);
+  } else if (field_is<double>(f)) {
+    double& number = member_of<double>(f, c);
+    if (v) number = cr.to_double(*v, f.hf_key);
+    if (!(number >= 0)) cr.fail(fmt("'%s' must be at least 0, got %g", f.hf_key, number));
+  } else {
+    int64_t& size = member_of<int64_t>(f, c);
+    const bool shared = &size == &c.shared_expert_intermediate_size;
+    if (shared && model_type != "qwen2_moe") return;  // Qwen3-MoE has no shared expert
+    if (!v && &size == &c.decoder_sparse_step) return;  // 1
+    size = cr.positive_int(f.hf_key, (int64_t)f.max);
+  }
 }
 
 // The members after the sizes, in the table's order (RoPE's apart).
@@ -301,7 +337,7 @@ void read_members(const ConfigReader& cr, const json& root, const std::string& m
       // In Llama and Qwen3, attention_bias also puts a bias on o_proj, which
       // ModelConfig::attention_bias (q/k/v only) does not describe: refuse it.
       case HfForm::AttentionBias:
-        if (model_type == "qwen2") {
+        if (qwen2_attention(model_type)) {
           member_of<bool>(f, c) = true;
         } else if (cr.boolean(f.hf_key, false)) {
           cr.fail(fmt("'%s' = true is not supported for %s (it also adds an o_proj bias, which shardlm does "
@@ -309,7 +345,10 @@ void read_members(const ConfigReader& cr, const json& root, const std::string& m
         }
         break;
       case HfForm::QkNorm:
-        member_of<bool>(f, c) = (model_type == "qwen3");
+        member_of<bool>(f, c) = qwen3_attention(model_type);
+        break;
+      case HfForm::Moe:
+        if (has_experts(model_type)) read_moe_member(cr, root, model_type, f, c);
         break;
       case HfForm::TokenId:
         member_of<int64_t>(f, c) = cr.token_id(f.hf_key);
@@ -377,6 +416,7 @@ ModelConfig read_hf_config(const fs::path& dir) {
   read_rope(cr, root, c);
   // Every size is in range; their product (the parameter count) must be too.
   if (const std::string e = model_size_error(c); !e.empty()) cr.fail(e);
+  if (const std::string e = moe_config_error(c); !e.empty()) cr.fail(e);
   return c;
 }
 
@@ -386,17 +426,20 @@ void write_hf_config(const fs::path& dir, const ModelConfig& c, const std::strin
   SHARDLM_CHECK(torch_dtype == "float32" || torch_dtype == "bfloat16" || torch_dtype == "float16",
                 "write_hf_config: torch_dtype '%s' is not one of float32, bfloat16, float16", torch_dtype.c_str());
   const char* architecture = hf_architecture(c.arch);
-  SHARDLM_CHECK(architecture, "write_hf_config: arch '%s' has no Hugging Face equivalent (llama, qwen2, qwen3)",
+  SHARDLM_CHECK(architecture,
+                "write_hf_config: arch '%s' has no Hugging Face equivalent (llama, qwen2, qwen3, qwen2_moe, qwen3_moe)",
                 c.arch.c_str());
   // Only write what the named transformers class computes exactly.
-  SHARDLM_CHECK(c.arch != "qwen2" || c.attention_bias,
-                "write_hf_config: a qwen2 model always has q/k/v biases; this one has attention_bias = false");
-  SHARDLM_CHECK(c.arch == "qwen2" || !c.attention_bias,
+  SHARDLM_CHECK(!qwen2_attention(c.arch) || c.attention_bias,
+                "write_hf_config: a %s model always has q/k/v biases; this one has attention_bias = false",
+                c.arch.c_str());
+  SHARDLM_CHECK(qwen2_attention(c.arch) || !c.attention_bias,
                 "write_hf_config: %s with attention_bias = true would mean an o_proj bias too in transformers; "
-                "only qwen2 expresses q/k/v-only biases", c.arch.c_str());
-  SHARDLM_CHECK(c.qk_norm == (c.arch == "qwen3"),
-                "write_hf_config: qk_norm = %s cannot be expressed for arch '%s' (q/k norms exist in qwen3 only)",
-                c.qk_norm ? "true" : "false", c.arch.c_str());
+                "only qwen2 and qwen2_moe express q/k/v-only biases", c.arch.c_str());
+  SHARDLM_CHECK(c.qk_norm == qwen3_attention(c.arch),
+                "write_hf_config: qk_norm = %s cannot be expressed for arch '%s' (q/k norms exist in qwen3 and "
+                "qwen3_moe only)", c.qk_norm ? "true" : "false", c.arch.c_str());
+  if (const std::string e = moe_config_error(c); !e.empty()) SHARDLM_FAIL("write_hf_config: %s", e.c_str());
   const bool sizes_positive = std::ranges::all_of(
       model_fields(), [&](const ModelField& f) { return f.hf != HfForm::Integer || member_of<int64_t>(f, c) > 0; });
   SHARDLM_CHECK(sizes_positive && check_model_sizes(c).rule != ModelSizeProblem::Rule::HeadsNotMultipleOfKvHeads,
@@ -422,7 +465,12 @@ void write_hf_config(const fs::path& dir, const ModelConfig& c, const std::strin
         else j["rope_scaling"][f.hf_key] = value;
         break;
       case HfForm::AttentionBias:
-        if (c.arch != "qwen2") j[f.hf_key] = value;  // qwen2's biases are implied
+        if (!qwen2_attention(c.arch)) j[f.hf_key] = value;  // qwen2's biases are implied
+        break;
+      case HfForm::Moe:
+        if (has_experts(c.arch) &&
+            (std::string_view(f.hf_key) != "shared_expert_intermediate_size" || c.arch == "qwen2_moe"))
+          j[f.hf_key] = value;
         break;
       case HfForm::QkNorm:  // implied by model_type (checked above)
         break;
@@ -439,6 +487,7 @@ void write_hf_config(const fs::path& dir, const ModelConfig& c, const std::strin
     j["sliding_window"] = nullptr;
     j["max_window_layers"] = c.num_layers;
   }
+  if (has_experts(c.arch)) j["mlp_only_layers"] = ordered_json::array();
   j["attention_dropout"] = 0.0;
   j["torch_dtype"] = torch_dtype;
   j["use_cache"] = true;

@@ -17,12 +17,13 @@ namespace shardlm {
 
 // ---- config.json -----------------------------------------------------------
 
-// Reads DIR/config.json of a LlamaForCausalLM, Qwen2ForCausalLM or
-// Qwen3ForCausalLM model, in transformers 4.x (rope_theta + rope_scaling) or 5.x
+// Reads DIR/config.json of a LlamaForCausalLM, Qwen2ForCausalLM,
+// Qwen3ForCausalLM, Qwen2MoeForCausalLM or Qwen3MoeForCausalLM model, in transformers 4.x (rope_theta + rope_scaling) or 5.x
 // (rope_parameters) form. Throws Error naming the file, key and value for
 // anything shardlm cannot run exactly (other architectures, RoPE types other
 // than default/llama3, MLP biases, activations other than silu, sliding-window
-// attention, quantized weights, missing or non-positive sizes).
+// attention, quantized weights, missing or non-positive sizes, experts' rules
+// broken, dense layers placed by mlp_only_layers).
 ModelConfig read_hf_config(const std::filesystem::path& dir);
 
 // Writes DIR/config.json (DIR must exist) that transformers 4.x and 5.x and

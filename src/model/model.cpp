@@ -68,6 +68,7 @@ ModelLayout::ModelLayout(const ModelConfig& c, int world_size) : config(c), worl
                 kMaxWorld);
   // Before a name is built per parameter: 10^9 layers must be an error, not an OOM.
   if (std::string e = model_size_error(c); !e.empty()) SHARDLM_FAIL("model: %s", e.c_str());
+  if (std::string e = moe_config_error(c); !e.empty()) SHARDLM_FAIL("model: %s", e.c_str());
   const int64_t C = c.hidden_size, I = c.intermediate_size, D = c.head_dim;
   const int64_t qdim = c.num_heads * D, kvdim = c.num_kv_heads * D;
 
@@ -101,10 +102,29 @@ ModelLayout::ModelLayout(const ModelConfig& c, int world_size) : config(c), worl
       add_param(u, p + "self_attn.k_norm.weight", {D}, ParamKind::Norm);
     }
     add_param(u, p + "post_attention_layernorm.weight", {C}, ParamKind::Norm);
-    // gate and up adjacent: one (2 I, C) matrix.
-    add_param(u, p + "mlp.gate_proj.weight", {I, C}, ParamKind::Matrix);
-    add_param(u, p + "mlp.up_proj.weight", {I, C}, ParamKind::Matrix);
-    add_param(u, p + "mlp.down_proj.weight", {C, I}, ParamKind::Matrix);
+    if (c.moe_layer(l)) {
+      // The router, then each kind of the experts' weights expert after expert
+      // (every gate_proj, every up_proj, every down_proj: (E, I, C), (E, I, C),
+      // (E, C, I) stacks), then Qwen2-MoE's shared expert and its gate.
+      const int64_t E = c.num_experts, Im = c.moe_intermediate_size, Is = c.shared_expert_intermediate_size;
+      add_param(u, p + "mlp.gate.weight", {E, C}, ParamKind::Matrix);
+      for (const char* proj : {"gate_proj", "up_proj", "down_proj"})
+        for (int64_t e = 0; e < E; ++e)
+          add_param(u, p + "mlp.experts." + std::to_string(e) + "." + proj + ".weight",
+                    std::string_view(proj) == "down_proj" ? std::vector<int64_t>{C, Im} : std::vector<int64_t>{Im, C},
+                    ParamKind::Matrix);
+      if (Is > 0) {
+        add_param(u, p + "mlp.shared_expert.gate_proj.weight", {Is, C}, ParamKind::Matrix);
+        add_param(u, p + "mlp.shared_expert.up_proj.weight", {Is, C}, ParamKind::Matrix);
+        add_param(u, p + "mlp.shared_expert.down_proj.weight", {C, Is}, ParamKind::Matrix);
+        add_param(u, p + "mlp.shared_expert_gate.weight", {1, C}, ParamKind::Matrix);
+      }
+    } else {
+      // gate and up adjacent: one (2 I, C) matrix.
+      add_param(u, p + "mlp.gate_proj.weight", {I, C}, ParamKind::Matrix);
+      add_param(u, p + "mlp.up_proj.weight", {I, C}, ParamKind::Matrix);
+      add_param(u, p + "mlp.down_proj.weight", {C, I}, ParamKind::Matrix);
+    }
     finish_unit(u, world);
     units.push_back(std::move(u));
   }
@@ -125,10 +145,12 @@ int64_t ModelLayout::parameter_count() const {
 }
 
 int64_t ModelLayout::matmul_parameter_count() const {
-  int64_t n = 0;
+  int64_t n = 0, experts = 0;
   for (const auto& u : units)
     for (const auto& p : u.params)
-      if (p.kind == ParamKind::Matrix) n += p.numel;
+      if (p.kind == ParamKind::Matrix) (p.name.find(".mlp.experts.") != std::string::npos ? experts : n) += p.numel;
+  // A token goes through num_experts_per_tok of the num_experts experts.
+  if (experts > 0) n += experts / config.num_experts * config.num_experts_per_tok;
   if (config.tie_word_embeddings) n += embed().numel;  // the lm-head matmul uses the embedding
   return n;
 }

@@ -14,7 +14,7 @@ namespace {
 
 // A row's accessor: the member at `path` of a ModelConfig (rope_scaling.factor too).
 #define MEMBER(path) +[](ModelConfig& c) -> auto& { return c.path; }
-constexpr const char* kArchs[] = {"llama", "qwen2", "qwen3"};
+constexpr const char* kArchs[] = {"llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe"};
 constexpr const char* kRopeTypes[] = {"none", "llama3"};
 
 constexpr ModelField kFields[] = {
@@ -60,6 +60,25 @@ constexpr ModelField kFields[] = {
      .shapes_weights = true, .note = "qk norm"},
     {.name = "tie_word_embeddings", .attribute = "tie_word_embeddings", .hf_key = "tie_word_embeddings",
      .hf = HfForm::Flag, .ref = MEMBER(tie_word_embeddings), .shapes_weights = true, .note = "tied embeddings"},
+    // The experts (qwen2_moe, qwen3_moe; 0 in a dense model): moe_config_error's rules.
+    {.name = "num_experts", .attribute = "num_experts", .hf_key = "num_experts", .hf = HfForm::Moe,
+     .ref = MEMBER(num_experts), .max = kMaxExperts, .shapes_weights = true, .zero_ok = true},
+    {.name = "num_experts_per_tok", .attribute = "num_experts_per_tok", .hf_key = "num_experts_per_tok",
+     .hf = HfForm::Moe, .ref = MEMBER(num_experts_per_tok), .max = kMaxExperts, .zero_ok = true},
+    {.name = "moe_intermediate_size", .attribute = "moe_intermediate_size", .hf_key = "moe_intermediate_size",
+     .hf = HfForm::Moe, .ref = MEMBER(moe_intermediate_size), .max = kMaxIntermediateSize, .shapes_weights = true,
+     .zero_ok = true},
+    {.name = "shared_expert_intermediate_size", .attribute = "shared_expert_intermediate_size",
+     .hf_key = "shared_expert_intermediate_size", .hf = HfForm::Moe, .ref = MEMBER(shared_expert_intermediate_size),
+     .max = kMaxIntermediateSize, .shapes_weights = true, .zero_ok = true},
+    {.name = "decoder_sparse_step", .attribute = "decoder_sparse_step", .hf_key = "decoder_sparse_step",
+     .hf = HfForm::Moe, .ref = MEMBER(decoder_sparse_step), .max = kMaxLayers, .shapes_weights = true},
+    {.name = "norm_topk_prob", .attribute = "norm_topk_prob", .hf_key = "norm_topk_prob", .hf = HfForm::Moe,
+     .ref = MEMBER(norm_topk_prob), .note = "top-k renormalised"},
+    {.name = "router_aux_loss", .attribute = "router_aux_loss", .hf_key = "output_router_logits", .hf = HfForm::Moe,
+     .ref = MEMBER(router_aux_loss), .note = "router aux loss"},
+    {.name = "router_aux_loss_coef", .attribute = "router_aux_loss_coef", .hf_key = "router_aux_loss_coef",
+     .hf = HfForm::Moe, .ref = MEMBER(router_aux_loss_coef), .max = 1e6, .zero_ok = true},
     // The tokenizer's ids, from config.json only (a deck's model has no tokenizer).
     {.name = nullptr, .attribute = "bos_token_id", .hf_key = "bos_token_id", .hf = HfForm::TokenId,
      .ref = MEMBER(bos_token_id)},
@@ -68,32 +87,45 @@ constexpr ModelField kFields[] = {
 };
 #undef MEMBER
 
-// The sizes: the run of integers that shape the weights, from vocab_size.
+// The sizes: the run of integers that shape every model's weights, from vocab_size.
 constexpr size_t kFirstSize = 1, kSizes = 7;
 static_assert([] {
   for (size_t i = 0; i < std::size(kFields); ++i) {
-    const bool size = std::holds_alternative<ModelField::Member<int64_t>>(kFields[i].ref) && kFields[i].shapes_weights;
+    const bool size = std::holds_alternative<ModelField::Member<int64_t>>(kFields[i].ref) &&
+                      kFields[i].shapes_weights && kFields[i].hf == HfForm::Integer;
     if (size != (i >= kFirstSize && i < kFirstSize + kSizes)) return false;
   }
   return true;
 }(), "model_size_fields() is the run of integer rows with shapes_weights");
 
-// Parameters of one decoder layer and of the whole model, as ModelLayout lays
-// them out; nullopt when the count leaves int64.
-std::optional<int64_t> layer_parameters(const ModelConfig& c) {
+// Parameters of one decoder layer (its MLP the experts when `sparse`) and of
+// the whole model, as ModelLayout lays them out; nullopt when the count
+// leaves int64.
+std::optional<int64_t> layer_parameters(const ModelConfig& c, bool sparse) {
   const auto qdim = checked_product({c.num_heads, c.head_dim}), kvdim = checked_product({c.num_kv_heads, c.head_dim});
   if (!qdim || !kvdim) return std::nullopt;
   const auto qkv = checked_sum({*qdim, *kvdim, *kvdim});
   if (!qkv) return std::nullopt;
   const auto attention = checked_product({*qkv + *qdim, c.hidden_size});  // q, k, v and o
-  const auto mlp = checked_product({3, c.intermediate_size, c.hidden_size});
+  std::optional<int64_t> mlp = checked_product({3, c.intermediate_size, c.hidden_size});
+  if (sparse) {
+    const auto experts = checked_product({c.num_experts, 3, c.moe_intermediate_size, c.hidden_size});
+    const auto router = checked_product({c.num_experts, c.hidden_size});
+    const auto shared = checked_product({3 * c.shared_expert_intermediate_size + 1, c.hidden_size});
+    mlp = experts && router && shared
+              ? checked_sum({*experts, *router, c.shared_expert_intermediate_size > 0 ? *shared : 0})
+              : std::nullopt;
+  }
   if (!attention || !mlp) return std::nullopt;
   return checked_sum({*attention, *mlp, 2 * c.hidden_size, c.attention_bias ? *qkv : 0, c.qk_norm ? 2 * c.head_dim : 0});
 }
 
 std::optional<int64_t> model_parameters(const ModelConfig& c) {
-  const auto layer = layer_parameters(c);
-  const auto layers = layer ? checked_product({c.num_layers, *layer}) : std::nullopt;
+  const int64_t sparse = c.moe() && c.decoder_sparse_step > 0 ? c.num_layers / c.decoder_sparse_step : 0;
+  const auto dense_layer = layer_parameters(c, false), sparse_layer = layer_parameters(c, true);
+  const auto dense_layers = dense_layer ? checked_product({c.num_layers - sparse, *dense_layer}) : std::nullopt;
+  const auto sparse_layers = sparse_layer ? checked_product({sparse, *sparse_layer}) : std::nullopt;
+  const auto layers = dense_layers && sparse_layers ? checked_sum({*dense_layers, *sparse_layers}) : std::nullopt;
   const auto table = checked_product({c.vocab_size, c.hidden_size});
   if (!layers || !table) return std::nullopt;
   return checked_sum({*table, *layers, c.hidden_size, c.tie_word_embeddings ? 0 : *table});
@@ -167,6 +199,39 @@ std::string model_scale_error(const ModelConfig& c, int64_t tokens, int64_t chun
     return fmt("%lld tokens per micro-batch through %lld layers of hidden_size %lld (intermediate_size %lld) would "
                "hold more than 2^56 activation floats per rank: lower data.micro_batch or data.seq_len",
                (long long)tokens, (long long)c.num_layers, (long long)c.hidden_size, (long long)c.intermediate_size);
+  return "";
+}
+
+std::string moe_config_error(const ModelConfig& c) {
+  const bool moe_arch = c.arch == "qwen2_moe" || c.arch == "qwen3_moe";
+  if (!moe_arch) {
+    const ModelConfig dense;
+    for (const ModelField& f : model_fields()) {
+      if (f.hf != HfForm::Moe) continue;
+      const bool same = visit_member(f, c, [&](const auto& v) {
+        using T = std::decay_t<decltype(v)>;
+        return v == member_of<T>(f, dense);
+      });
+      if (!same)
+        return fmt("model.%s is set but arch '%s' has no experts (mixtures of experts are qwen2_moe and qwen3_moe)",
+                   f.name, c.arch.c_str());
+    }
+    return "";
+  }
+  if (c.num_experts < 2)
+    return fmt("model.num_experts = %lld: arch '%s' needs at least 2 experts", (long long)c.num_experts,
+               c.arch.c_str());
+  if (c.num_experts_per_tok < 1 || c.num_experts_per_tok > c.num_experts)
+    return fmt("model.num_experts_per_tok = %lld must be between 1 and model.num_experts = %lld",
+               (long long)c.num_experts_per_tok, (long long)c.num_experts);
+  if (c.moe_intermediate_size < 1)
+    return fmt("model.moe_intermediate_size = %lld: the experts need a positive width",
+               (long long)c.moe_intermediate_size);
+  if (c.decoder_sparse_step < 1)
+    return fmt("model.decoder_sparse_step = %lld must be at least 1", (long long)c.decoder_sparse_step);
+  if (c.arch == "qwen3_moe" && c.shared_expert_intermediate_size != 0)
+    return fmt("model.shared_expert_intermediate_size = %lld: qwen3_moe has no shared expert (qwen2_moe has)",
+               (long long)c.shared_expert_intermediate_size);
   return "";
 }
 

@@ -31,6 +31,8 @@ ModelConfig model_config_for(const Config& config) {
     const std::string fp8 = fp8_shape_error(arch, config.data.seq_len / config.model.context_parallel);
     SHARDLM_CHECK(fp8.empty(), "%s: %s", where.c_str(), fp8.c_str());
   }
+  const std::string moe = moe_deck_error(config, arch);
+  SHARDLM_CHECK(moe.empty(), "%s: %s", where.c_str(), moe.c_str());
   return arch;
 }
 
@@ -189,6 +191,10 @@ StepStats TrainSession::step(int64_t step) {
 UpdateStats TrainSession::update(int64_t step, int64_t part, const UpdatePlan& plan, StepStats& s, LossStats& sums) {
   UpdateStats u;
   const float grad_scale = plan.loss_divisor > 0 ? static_cast<float>(1.0 / plan.loss_divisor) : 0.0f;
+  // The load-balancing loss joins as transformers' gradient accumulation has it:
+  // the coefficient times the mean of the micro-batches' losses (every rank's).
+  const double router_aux_scale = arch.router_aux_loss && plan.micro_batches > 0
+      ? arch.router_aux_loss_coef / static_cast<double>(plan.micro_batches * comm.size()) : 0.0;
   const auto t_sync = Clock::now();
   state->begin_step(plan.micro_batches);  // gradients from zero, the backend's parameter copies current
   s.param_sync_s += seconds_since(t_sync);
@@ -199,7 +205,8 @@ UpdateStats TrainSession::update(int64_t step, int64_t part, const UpdatePlan& p
   LossStats mine;
   for (int64_t a = 0; a < plan.micro_batches; ++a) {
     const auto t_data = Clock::now();
-    const TokenBatch micro = reference_pass->attach(part, a, sequence_pass->attach(source->micro_batch(step, part, a)));
+    TokenBatch micro = reference_pass->attach(part, a, sequence_pass->attach(source->micro_batch(step, part, a)));
+    micro.router_aux_scale = router_aux_scale;
     s.data_s += seconds_since(t_data);
     // The offloaded units' updates may start under the last backward (as if unclipped).
     if (a + 1 == plan.micro_batches) state->speculate(s.lr);
@@ -218,6 +225,8 @@ UpdateStats TrainSession::update(int64_t step, int64_t part, const UpdatePlan& p
   // The loss is divided as its gradient was (the part's loss tokens, its
   // samples under loss.normalize = "sequence", or loss.normalize_constant).
   u.loss = reduced.loss / (plan.loss_divisor > 0 ? plan.loss_divisor : 1.0);
+  if (reduced.router_aux_batches > 0)
+    u.loss += arch.router_aux_loss_coef * reduced.router_aux_sum / static_cast<double>(reduced.router_aux_batches);
   const double tokens = reduced.loss_tokens > 0 ? static_cast<double>(reduced.loss_tokens) : 1.0;
   u.bound_fraction = static_cast<double>(reduced.masked_high + reduced.masked_low) / tokens;
   double sumsq = state->grad_sumsq();  // clip by the global norm: one all-reduce over the ranks' sums
@@ -254,6 +263,8 @@ void TrainSession::record_loss(StepStats& s, const LossStats& sums) const {
   s.is_capped_fraction = static_cast<double>(sums.is_capped) / tokens;
   s.is_masked_fraction = static_cast<double>(sums.is_masked) / tokens;
   s.ref_kl = sums.ref_kl_sum / tokens;
+  s.router_aux = sums.router_aux_batches > 0;
+  s.router_aux_loss = s.router_aux ? sums.router_aux_sum / static_cast<double>(sums.router_aux_batches) : 0.0;
 }
 
 void TrainSession::apply_update(int64_t step, double lr, UpdateStats& u) {

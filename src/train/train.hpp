@@ -59,6 +59,10 @@ struct StepStats {
   // [e^-20, e^20]), the tokens whose weight was capped, whose loss was masked.
   double is_ratio = 0, is_capped_fraction = 0, is_masked_fraction = 0;
   double ref_kl = 0;           // loss.ref_kl_coef > 0: the KL estimator against the starting weights
+  // A model of experts with model.router_aux_loss: the load-balancing loss,
+  // the mean over the step's micro-batches (its coefficient times it is in `loss`).
+  bool router_aux = false;
+  double router_aux_loss = 0;
   double rollout_wait_s = 0;   // time spent waiting for the rollout file
   // What the inference side measured making the step's rollout file (its
   // group 'metrics': reward_mean, reward_<component>, sampling_tokens_per_s, ...).

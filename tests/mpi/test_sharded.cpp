@@ -101,6 +101,39 @@ TEST_CASE("np N matches np 1: losses every step and parameters after 30 steps") 
   CHECK(ratio >= 1.0 / world * 0.95);
 }
 
+TEST_CASE("a model of experts (qwen3_moe, the load-balancing loss on): np N matches np 1 over 30 steps") {
+  int rank = 0, world = 1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &world);
+  const std::vector<std::string> sets = {
+      "data.micro_batch=1", "data.global_batch=12", "run.max_steps=30", "model.arch=qwen3_moe", "model.qk_norm=true",
+      "model.tie_word_embeddings=false", "model.num_experts=4", "model.num_experts_per_tok=2",
+      "model.moe_intermediate_size=48", "model.norm_topk_prob=true", "model.router_aux_loss=true",
+      "model.router_aux_loss_coef=0.01"};
+  MPI_Comm solo;
+  MPI_Comm_split(MPI_COMM_WORLD, rank == 0 ? 0 : MPI_UNDEFINED, 0, &solo);
+  const Run one = train_on(solo, tiny_deck(sets, 1), 30);
+  const Run all = train_on(MPI_COMM_WORLD, tiny_deck(sets, world), 30);
+  if (solo != MPI_COMM_NULL) MPI_Comm_free(&solo);
+  if (rank != 0) return;
+
+  REQUIRE(one.losses.size() == 30);
+  REQUIRE(all.losses.size() == 30);
+  double worst = 0;
+  for (int s = 0; s < 30; ++s) worst = std::max(worst, rel(all.losses[s], one.losses[s]));
+  MESSAGE("experts, world " << world << ": worst relative loss difference " << worst << "; loss "
+                            << one.losses.front() << " -> " << one.losses.back());
+  CHECK(worst < 1e-6);
+  CHECK(one.losses.back() < one.losses.front() - 1.0);
+  double max_abs = 0;
+  REQUIRE(one.params.size() == all.params.size());
+  for (size_t i = 0; i < one.params.size(); ++i)
+    for (size_t j = 0; j < one.params[i].size(); ++j)
+      max_abs = std::max(max_abs, (double)std::fabs(one.params[i][j] - all.params[i][j]));
+  MESSAGE("experts, world " << world << ": max |param difference| after 30 steps " << max_abs);
+  CHECK(max_abs < 1e-4);
+}
+
 TEST_CASE("model.fp8: np N matches np 1 in both modes; the losses follow fp32's; none is untouched") {
   int rank = 0, world = 1;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);

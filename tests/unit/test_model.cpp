@@ -109,7 +109,20 @@ TEST_CASE("HF fixtures: logits, loss and every parameter gradient match transfor
 
     double loss_tokens = 0;
     for (float w : fb.weights) loss_tokens += w;
-    const double loss = engine.forward_backward(fb.batch(), float(1.0 / loss_tokens)).loss / loss_tokens;
+    // A model of experts: the fixture's loss adds router_aux_loss_coef times the
+    // load-balancing loss over the whole batch (one micro-batch here).
+    TokenBatch batch = fb.batch();
+    if (config.moe()) batch.router_aux_scale = config.router_aux_loss_coef;
+    const LossStats stats = engine.forward_backward(batch, float(1.0 / loss_tokens));
+    double loss = stats.loss / loss_tokens;
+    if (config.moe()) {
+      REQUIRE(config.router_aux_loss);
+      REQUIRE(stats.router_aux_batches == 1);
+      const double ref_aux = read_h5<double>(ref, "aux_loss", H5T_NATIVE_DOUBLE)[0];
+      MESSAGE(name << ": load-balancing loss " << stats.router_aux_sum << ", transformers " << ref_aux);
+      CHECK(std::fabs(stats.router_aux_sum - ref_aux) / ref_aux < 1e-5);
+      loss += config.router_aux_loss_coef * stats.router_aux_sum;
+    }
     const double ref_loss = read_h5<double>(ref, "loss", H5T_NATIVE_DOUBLE)[0];
     CHECK(std::fabs(loss - ref_loss) / ref_loss < 1e-5);
 
@@ -129,83 +142,98 @@ TEST_CASE("HF fixtures: logits, loss and every parameter gradient match transfor
   }
 }
 
-TEST_CASE("whole-model finite differences agree with backward (fp32, directional)") {
-  ModelConfig c;
-  c.arch = "qwen3";
-  c.vocab_size = 50;
-  c.hidden_size = 32;
-  c.intermediate_size = 48;
-  c.num_layers = 2;
-  c.num_heads = 4;
-  c.num_kv_heads = 2;
-  c.head_dim = 8;
-  c.max_position_embeddings = 64;
-  c.qk_norm = true;
-  c.attention_bias = true;
-  c.rms_norm_eps = 1e-6;
-  auto comm = make_self_comm();
-  ShardedModel model(c, 0, 1);
-  model.init_seeded(7, 0.3);
-  // Norm weights away from 1 and non-zero biases, so every parameter matters.
-  std::mt19937_64 rng(11);
-  std::normal_distribution<float> gauss(0.0f, 1.0f);
-  for (size_t u = 0; u < model.layout.units.size(); ++u)
-    for (const auto& s : model.segments(model.layout.units[u]))
-      if (s.param->kind == ParamKind::Norm || s.param->kind == ParamKind::Bias)
-        for (int64_t i = 0; i < s.count; ++i) model.param[u][s.shard_offset + i] += 0.2f * gauss(rng);
-
-  const int64_t N = 16;
-  std::vector<int32_t> tokens(N), targets(N), positions(N), seq(N);
-  std::vector<float> weights(N, 1.0f);
-  for (int64_t i = 0; i < N; ++i) {
-    tokens[i] = int32_t(rng() % 50);
-    seq[i] = i < 7 ? 0 : 1;  // two documents
-    positions[i] = int32_t(i < 7 ? i : i - 7);
-    targets[i] = (i == 6 || i == N - 1) ? -1 : int32_t(rng() % 50);
-  }
-  const TokenBatch b{N, tokens.data(), targets.data(), weights.data(), positions.data(), seq.data()};
-  EngineOptions o;
-  o.max_tokens = N;
-  o.chunk_tokens = 5;
-  Engine engine(model, *comm, o);
-  model.zero_grads();
-  engine.forward_backward(b, 1.0f);
-  std::vector<std::vector<float>> grad;
-  for (auto& g : model.grad) grad.emplace_back(g.data(), g.data() + g.size());
-
-  int checked = 0;
-  for (size_t u = 0; u < model.layout.units.size(); ++u)
-    for (const auto& s : model.segments(model.layout.units[u])) {
-      // Direction: the gradient of this parameter plus an equal-norm random part.
-      std::vector<float> dir(s.count);
-      double gnorm = 0, rnorm = 0;
-      std::vector<float> r(s.count);
-      for (int64_t i = 0; i < s.count; ++i) {
-        r[i] = gauss(rng);
-        rnorm += double(r[i]) * r[i];
-        gnorm += double(grad[u][s.shard_offset + i]) * grad[u][s.shard_offset + i];
-      }
-      double analytic = 0;
-      for (int64_t i = 0; i < s.count; ++i) {
-        dir[i] = float(grad[u][s.shard_offset + i] / std::sqrt(gnorm) + r[i] / std::sqrt(rnorm));
-        analytic += double(grad[u][s.shard_offset + i]) * dir[i];
-      }
-      auto loss_at = [&](float eps) {
-        float* p = model.param[u].data() + s.shard_offset;
-        std::vector<float> saved(p, p + s.count);
-        for (int64_t i = 0; i < s.count; ++i) p[i] += eps * dir[i];
-        model.zero_grads();
-        const double l = engine.forward_backward(b, 1.0f).loss;
-        std::memcpy(p, saved.data(), sizeof(float) * s.count);
-        return l;
-      };
-      const float eps = 2e-3f;
-      const double numeric = (loss_at(eps) - loss_at(-eps)) / (2.0 * eps);
-      const double err = std::fabs(numeric - analytic) / std::max(std::fabs(analytic), 1e-3);
-      CHECK_MESSAGE(err < 1e-2, s.param->name << ": analytic " << analytic << " numeric " << numeric);
-      ++checked;
+TEST_CASE("whole-model finite differences agree with backward (fp32, directional; dense, and experts with the "
+          "load-balancing loss)") {
+  for (const bool experts : {false, true}) {
+    CAPTURE(experts);
+    ModelConfig c;
+    c.arch = "qwen3";
+    c.vocab_size = 50;
+    c.hidden_size = 32;
+    c.intermediate_size = 48;
+    c.num_layers = 2;
+    c.num_heads = 4;
+    c.num_kv_heads = 2;
+    c.head_dim = 8;
+    c.max_position_embeddings = 64;
+    c.qk_norm = true;
+    c.attention_bias = true;
+    c.rms_norm_eps = 1e-6;
+    if (experts) {  // Qwen2-MoE's layer: q/k/v biases, routed experts and a shared expert
+      c.arch = "qwen2_moe";
+      c.qk_norm = false;
+      c.num_experts = 4;
+      c.num_experts_per_tok = 2;
+      c.moe_intermediate_size = 12;
+      c.shared_expert_intermediate_size = 16;
+      c.router_aux_loss = true;
     }
-  CHECK(checked == int(model.layout.all_params().size()));
+    auto comm = make_self_comm();
+    ShardedModel model(c, 0, 1);
+    model.init_seeded(7, 0.3);
+    // Norm weights away from 1 and non-zero biases, so every parameter matters.
+    std::mt19937_64 rng(11);
+    std::normal_distribution<float> gauss(0.0f, 1.0f);
+    for (size_t u = 0; u < model.layout.units.size(); ++u)
+      for (const auto& s : model.segments(model.layout.units[u]))
+        if (s.param->kind == ParamKind::Norm || s.param->kind == ParamKind::Bias)
+          for (int64_t i = 0; i < s.count; ++i) model.param[u][s.shard_offset + i] += 0.2f * gauss(rng);
+
+    const int64_t N = 16;
+    std::vector<int32_t> tokens(N), targets(N), positions(N), seq(N);
+    std::vector<float> weights(N, 1.0f);
+    for (int64_t i = 0; i < N; ++i) {
+      tokens[i] = int32_t(rng() % 50);
+      seq[i] = i < 7 ? 0 : 1;  // two documents
+      positions[i] = int32_t(i < 7 ? i : i - 7);
+      targets[i] = (i == 6 || i == N - 1) ? -1 : int32_t(rng() % 50);
+    }
+    TokenBatch b{N, tokens.data(), targets.data(), weights.data(), positions.data(), seq.data()};
+    b.router_aux_scale = experts ? 0.5 : 0.0;  // large, so that its gradient shows in every router
+    EngineOptions o;
+    o.max_tokens = N;
+    o.chunk_tokens = 5;
+    Engine engine(model, *comm, o);
+    model.zero_grads();
+    engine.forward_backward(b, 1.0f);
+    std::vector<std::vector<float>> grad;
+    for (auto& g : model.grad) grad.emplace_back(g.data(), g.data() + g.size());
+
+    int checked = 0;
+    for (size_t u = 0; u < model.layout.units.size(); ++u)
+      for (const auto& s : model.segments(model.layout.units[u])) {
+        // Direction: the gradient of this parameter plus an equal-norm random part.
+        std::vector<float> dir(s.count);
+        double gnorm = 0, rnorm = 0;
+        std::vector<float> r(s.count);
+        for (int64_t i = 0; i < s.count; ++i) {
+          r[i] = gauss(rng);
+          rnorm += double(r[i]) * r[i];
+          gnorm += double(grad[u][s.shard_offset + i]) * grad[u][s.shard_offset + i];
+        }
+        double analytic = 0;
+        for (int64_t i = 0; i < s.count; ++i) {
+          dir[i] = float(grad[u][s.shard_offset + i] / std::sqrt(gnorm) + r[i] / std::sqrt(rnorm));
+          analytic += double(grad[u][s.shard_offset + i]) * dir[i];
+        }
+        auto loss_at = [&](float eps) {
+          float* p = model.param[u].data() + s.shard_offset;
+          std::vector<float> saved(p, p + s.count);
+          for (int64_t i = 0; i < s.count; ++i) p[i] += eps * dir[i];
+          model.zero_grads();
+          const LossStats st = engine.forward_backward(b, 1.0f);
+          const double l = st.loss + b.router_aux_scale * st.router_aux_sum;
+          std::memcpy(p, saved.data(), sizeof(float) * s.count);
+          return l;
+        };
+        const float eps = 2e-3f;
+        const double numeric = (loss_at(eps) - loss_at(-eps)) / (2.0 * eps);
+        const double err = std::fabs(numeric - analytic) / std::max(std::fabs(analytic), 1e-3);
+        CHECK_MESSAGE(err < 1e-2, s.param->name << ": analytic " << analytic << " numeric " << numeric);
+        ++checked;
+      }
+    CHECK(checked == int(model.layout.all_params().size()));
+  }
 }
 
 TEST_CASE("layout: HF names and shapes, equal aligned shards at any world size") {
