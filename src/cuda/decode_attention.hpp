@@ -53,7 +53,8 @@ size_t decode_attention_scratch_bytes(int64_t B, int64_t H, int64_t D, int64_t m
 // decoder's fused q|k|v rows); k_cache, v_cache (blocks, KV, block_size, D): a
 // kv head's positions of a block together (kernel_common.cuh's kv_cache_at).
 // pages: the block table, in device memory (rows of table_ld int32 block ids);
-// pages.block_size a multiple of 16. seq (B): the table row query b reads;
+// pages.block_size a multiple of 16. seq (B): the table row query b reads
+// (queries may share a row: a sequence's new tokens, each with its own len);
 // len (B): int32 on the device, len in [1, max_len]; only the table entries of
 // positions below len[b] are read. max_len (at most pages.capacity()) sizes the
 // grid and the chunks, so one launch shape (and one captured graph) serves

@@ -108,6 +108,13 @@ int64_t Decoder::decode_blocks(std::span<const int32_t> slots) const {
   return need;
 }
 
+int64_t Decoder::extend_blocks(std::span<const int32_t> slots, std::span<const std::span<const int32_t>> tokens) const {
+  int64_t need = 0;
+  for (size_t i = 0; i < slots.size(); ++i)
+    need += kv_.blocks_to_grow(slots[i], kv_.length(slots[i]) + int64_t(tokens[i].size()));
+  return need;
+}
+
 void Decoder::prefill(std::span<const int32_t> slots, std::span<const std::span<const int32_t>> prompts,
                       float* logits) {
   const int64_t n = static_cast<int64_t>(prompts.size());
@@ -162,6 +169,31 @@ void Decoder::decode(std::span<const int32_t> slots, std::span<const int32_t> to
     decode_positions_ += kv_.length(s);
   }
   decode_forward(slots, tokens, logits);
+}
+
+void Decoder::extend(std::span<const int32_t> slots, std::span<const std::span<const int32_t>> tokens,
+                     float* logits) {
+  const int64_t n = static_cast<int64_t>(slots.size());
+  SHARDLM_CHECK(n == int64_t(tokens.size()) && n >= 1 && n <= limits_.slots,
+                "internal: an extend of %zu slots by %zu token lists", slots.size(), tokens.size());
+  for (int64_t i = 0; i < n; ++i) {
+    const int32_t s = slots[size_t(i)];
+    const int64_t add = int64_t(tokens[size_t(i)].size());
+    SHARDLM_CHECK(s >= 0 && s < limits_.slots, "internal: slot %d of %lld", s, (long long)limits_.slots);
+    SHARDLM_CHECK(std::count(slots.begin(), slots.begin() + i, s) == 0, "internal: slot %d twice in an extend", s);
+    SHARDLM_CHECK(add >= 1 && kv_.length(s) >= 1 && kv_.length(s) + add <= limits_.max_len,
+                  "internal: %lld tokens appended to slot %d, which holds %lld of %lld positions", (long long)add, s,
+                  (long long)kv_.length(s), (long long)limits_.max_len);
+  }
+  SHARDLM_CHECK(extend_blocks(slots, tokens) <= kv_.free_blocks(), "internal: an extend needs %lld KV blocks, %lld free",
+                (long long)extend_blocks(slots, tokens), (long long)kv_.free_blocks());
+  for (int64_t i = 0; i < n; ++i) {
+    const int32_t s = slots[size_t(i)];
+    kv_.grow(s, kv_.length(s) + int64_t(tokens[size_t(i)].size()));
+    extend_computed_ += int64_t(tokens[size_t(i)].size());
+  }
+  ++extends_;
+  extend_forward(slots, tokens, logits);
 }
 
 DecoderPlan plan_decoder(const ModelConfig& c, const DecoderLimits& limits, const std::string& backend) {
@@ -226,7 +258,7 @@ CpuDecoder::CpuDecoder(const InferenceModel& model, const DecoderLimits& limits)
   positions_.resize(size_t(max_rows_));
   seq_ids_.resize(size_t(max_rows_));
   slot_of_.resize(size_t(max_rows_));
-  attend_len_.resize(size_t(limits.slots));
+  attend_len_.resize(size_t(max_rows_));
   host_logits_.resize(size_t(logits_bytes(c, limits)) / sizeof(float));
   temperatures_.resize(size_t(limits.slots));
 }
@@ -249,6 +281,15 @@ void CpuDecoder::token_logprobs(float* out, const float* logits, const int32_t* 
 
 int64_t CpuDecoder::cache_bytes() const { return cpu::rows_bytes(table_, Mem::Activations); }
 int64_t CpuDecoder::scratch_bytes() const { return cpu::rows_bytes(table_, Mem::Workspace); }
+
+const float* CpuDecoder::cached(const std::vector<Buffer<float>>& cache, int l, int32_t slot, int64_t pos) const {
+  const ModelConfig& c = model_.config();
+  SHARDLM_CHECK(l >= 0 && l < int(c.num_layers) && slot >= 0 && slot < limits_.slots && pos >= 0 &&
+                    pos < kv_.length(slot),
+                "internal: the cache of layer %d, slot %d, position %lld (the slot holds %lld)", l, slot,
+                (long long)pos, (long long)(slot >= 0 && slot < limits_.slots ? kv_.length(slot) : 0));
+  return cache[size_t(l)].data() + kv_cache_row(kv_.pages(), slot, pos) * c.num_kv_heads * c.head_dim;
+}
 
 void CpuDecoder::store_kv(int l, int64_t N, const int32_t* slot_of, const int32_t* pos_of) {
   const ModelConfig& c = model_.config();
@@ -335,6 +376,43 @@ void CpuDecoder::decode_forward(std::span<const int32_t> slots, std::span<const 
                                   slot_of_.data(), attend_len_.data(), B, c.num_heads, c.num_kv_heads, c.head_dim);
   });
   head(x_.data(), B, logits);
+}
+
+void CpuDecoder::extend_forward(std::span<const int32_t> slots, std::span<const std::span<const int32_t>> tokens,
+                                float* logits) {
+  const ModelConfig& c = model_.config();
+  const int64_t n = static_cast<int64_t>(slots.size()), C = c.hidden_size;
+  for (int64_t first = 0; first < n;) {
+    // Whole slots while their rows fit (one slot's always do: fewer than max_len).
+    int64_t N = 0, end = first;
+    for (; end < n; ++end) {
+      const auto& ids = tokens[size_t(end)];
+      const int64_t add = int64_t(ids.size());
+      if (end > first && N + add > max_rows_) break;
+      const int32_t s = slots[size_t(end)];
+      const int64_t start = kv_.length(s) - add;
+      for (int64_t t = 0; t < add; ++t) {
+        tokens_[size_t(N + t)] = ids[size_t(t)];
+        positions_[size_t(N + t)] = static_cast<int32_t>(start + t);
+        seq_ids_[size_t(N + t)] = static_cast<int32_t>(end);
+        slot_of_[size_t(N + t)] = s;
+        attend_len_[size_t(N + t)] = static_cast<int32_t>(start + t + 1);
+      }
+      N += add;
+    }
+    // run_layers stores the pass's keys and values before `attend`: a row
+    // reads the rows before it from the cache, as a decode step at its length would.
+    run_layers(N, [&](int l, const cpu::TokenInputs&) {
+      cpu::attention_decode_forward(acts_.att.data(), acts_.q.data(), k_cache(l), v_cache(l), kv_.pages(),
+                                    slot_of_.data(), attend_len_.data(), N, c.num_heads, c.num_kv_heads, c.head_dim);
+    });
+    for (int64_t i = first, row = 0; i < end; ++i) {
+      row += int64_t(tokens[size_t(i)].size());
+      std::memcpy(last_.data() + i * C, x_.data() + (row - 1) * C, sizeof(float) * C);
+    }
+    first = end;
+  }
+  head(last_.data(), n, logits);
 }
 
 }  // namespace shardlm

@@ -1,6 +1,8 @@
 // decoder.hpp — the model's forward for sampling: batched prefill of prompts
 // into a paged KV cache, then one token per sequence per decode step, attending
-// over the cache. Decoder is the interface generate() drives; CpuDecoder
+// over the cache; an extend appends several tokens to a sequence (an
+// environment's observation between two turns) in one forward against its
+// kept cache. Decoder is the interface generate() drives; CpuDecoder
 // (here, fp32) and the CUDA decoder (infer/decoder_cuda.hpp, bf16) implement
 // its forward, and make_decoder picks one by the resolved device backend, once.
 //
@@ -8,8 +10,8 @@
 // pool, the block tables, the lengths): a prefill hands each prompt the blocks
 // it fills, and the samples of a group (the same prompt span in one prefill)
 // share their prompt's blocks, so the prompt is computed once; a decode step
-// adds a block to a sequence that crosses into a new one; release() gives a
-// sequence's blocks back. The backends compute over the blocks they are given.
+// or an extend adds blocks to a sequence that crosses into new ones; release()
+// gives a sequence's blocks back. The backends compute over the blocks they are given.
 //
 // CpuDecoder:
 // A sequence's logits never depend on the other sequences of its batch, nor on
@@ -18,10 +20,13 @@
 // picks kernels by the matrix's shape, which changes a row's last bits), and
 // the prefill's attention (cpu::attention_forward) sums term for term as the
 // decode step's (cpu::attention_decode_forward) does: a prompt prefilled whole
-// leaves the cache bits a token-by-token decode would.
+// leaves the cache bits a token-by-token decode would. An extend stores every
+// new row's keys and values first and then runs the decode step's attention
+// once per new row, each with its own length: the cache and logits of tokens
+// fed one a decode step, bit for bit.
 //
 // Owns: the KV cache's storage (per layer, keys and values (blocks,
-// block_size, KV, D)) and every buffer a prefill or decode step uses, planned
+// block_size, KV, D)) and every buffer a prefill, extend or decode step uses, planned
 // once from DecoderLimits through one table of (name, numel, plan row) that
 // both allocates and counts (cpu/layers.hpp's BufferRow), so a step allocates
 // nothing. The arithmetic is training's own: cpu::layer_qkv_forward and
@@ -84,12 +89,22 @@ class Decoder {
   // (B, V) of those positions. Distinct slots, each with room for one more, and
   // decode_blocks(slots) blocks free.
   void decode(std::span<const int32_t> slots, std::span<const int32_t> tokens, float* logits);
+  // tokens[i] (n_i >= 1 ids) appended to slot slots[i], which holds a
+  // sequence, at positions length .. length + n_i - 1, all in one forward
+  // (a prefill against the kept cache: the projections and the MLP over every
+  // new row at once, each row attending over its slot's cached positions and
+  // the new ones up to its own); logits (n, V) of each slot's last new
+  // position. Distinct slots, each with room for its n_i, and
+  // extend_blocks(slots, tokens) blocks free.
+  void extend(std::span<const int32_t> slots, std::span<const std::span<const int32_t>> tokens, float* logits);
   // The slot's blocks back to the pool (those no other slot shares): its
   // sequence ended or gave way.
   void release(int32_t slot) { kv_.release(slot); }
-  // Blocks a prefill of these prompts takes / a decode step of these slots adds.
+  // Blocks a prefill of these prompts takes / a decode step of these slots
+  // adds / an extend of these slots by these tokens adds.
   int64_t prefill_blocks(std::span<const std::span<const int32_t>> prompts) const;
   int64_t decode_blocks(std::span<const int32_t> slots) const;
+  int64_t extend_blocks(std::span<const int32_t> slots, std::span<const std::span<const int32_t>> tokens) const;
   const KvBlocks& kv() const { return kv_; }
   int64_t length(int32_t slot) const { return kv_.length(slot); }
   const DecoderLimits& limits() const { return limits_; }
@@ -99,6 +114,11 @@ class Decoder {
   // Cached positions the decode steps attended over, summed (a step reads each
   // of its sequences' keys and values once): the KV part of the HBM floor.
   int64_t decode_positions_read() const { return decode_positions_; }
+  // Tokens the extends appended (each computed once, in its extend's
+  // forward; counted apart from the prefills' and the decode steps'), and the
+  // extend calls.
+  int64_t extend_tokens_computed() const { return extend_computed_; }
+  int64_t extends() const { return extends_; }
 
   // One parameter's new values (bf16, as the weight broadcast carries them),
   // after the InferenceModel took them: a decoder with its own copy of the
@@ -115,14 +135,15 @@ class Decoder {
   // logits (pinned memory on the GPU: the download runs at full PCIe speed).
   virtual float* host_logits() = 0;
   // log_softmax(logits / temperature)[tokens[b]] for the n rows of the last
-  // prefill or decode (`logits`: where that step put them). CpuDecoder runs
+  // prefill, extend or decode (`logits`: where that step put them). CpuDecoder runs
   // the trainer's cpu::token_logprobs on them; the GPU computes it from its own
   // copy of the step's logits (the host would need ~20 ms a step at batch 64
   // and V = 128256 for the softmax sums).
   virtual void token_logprobs(float* out, const float* logits, const int32_t* tokens, float temperature,
                               int64_t n) = 0;
   // Whether draw() samples where the logits are (the GPU): generate() then
-  // passes prefill and decode no host logits and calls draw() after each step.
+  // passes prefill, extend and decode no host logits and calls draw() after
+  // each step.
   virtual bool draws_on_device() const { return false; }
   // Row b of the last step's logits drawn with uniforms[b] (uniform_draw of its
   // key) as the host Sampler draws (infer/sampler.hpp): out[b], and the token's
@@ -156,12 +177,16 @@ class Decoder {
   // The backend's decode step: tokens[b] at position length(slots[b]) - 1 of
   // each slot, whose blocks kv() already lists.
   virtual void decode_forward(std::span<const int32_t> slots, std::span<const int32_t> tokens, float* logits) = 0;
+  // The backend's extend: tokens[i] at positions length(slots[i]) - n_i ..
+  // length(slots[i]) - 1 of each slot, whose blocks kv() already lists.
+  virtual void extend_forward(std::span<const int32_t> slots, std::span<const std::span<const int32_t>> tokens,
+                              float* logits) = 0;
 
   DecoderLimits limits_;
   KvBlocks kv_;
 
  private:
-  int64_t prefill_computed_ = 0, prefill_given_ = 0, decode_positions_ = 0;
+  int64_t prefill_computed_ = 0, prefill_given_ = 0, decode_positions_ = 0, extend_computed_ = 0, extends_ = 0;
   // prefill's plan, reused: the distinct prompts, their slots, each slot's source.
   std::vector<int32_t> unique_slots_, source_;
   std::vector<std::span<const int32_t>> unique_prompts_;
@@ -214,6 +239,11 @@ class CpuDecoder final : public Decoder {
   int64_t weight_bytes() const override { return 0; }
   const ModelConfig& config() const override { return model_.config(); }
   std::string describe() const override { return "cpu fp32"; }
+  // The keys or values (KV, D) layer l holds for position pos of the
+  // sequence in `slot` (below its length): for tests that compare caches
+  // filled in different ways.
+  const float* cached_keys(int l, int32_t slot, int64_t pos) const { return cached(k_cache_, l, slot, pos); }
+  const float* cached_values(int l, int32_t slot, int64_t pos) const { return cached(v_cache_, l, slot, pos); }
 
   // The table of buffers for these limits (each checked); self null: planning
   // only (plan_decoder), no slots.
@@ -225,6 +255,10 @@ class CpuDecoder final : public Decoder {
   void prefill_forward(std::span<const int32_t> slots, std::span<const std::span<const int32_t>> prompts,
                        std::span<const BlockCopy> copies, std::span<const int32_t> source, float* logits) override;
   void decode_forward(std::span<const int32_t> slots, std::span<const int32_t> tokens, float* logits) override;
+  // Passes of whole slots' new rows (at most max_rows_ each), the decode
+  // step's attention per row (see the header).
+  void extend_forward(std::span<const int32_t> slots, std::span<const std::span<const int32_t>> tokens,
+                      float* logits) override;
 
  private:
   // Embedding and layers 0..L-1 over the N tokens of tokens_ / positions_ /
@@ -233,6 +267,7 @@ class CpuDecoder final : public Decoder {
   void run_layers(int64_t N, Attend&& attend);
   // logits (n, V) from the hidden states rows (n, C): final norm, lm-head (row-wise).
   void head(const float* rows, int64_t n, float* logits);
+  const float* cached(const std::vector<Buffer<float>>& cache, int l, int32_t slot, int64_t pos) const;
   float* k_cache(int l) { return k_cache_[size_t(l)].data(); }
   float* v_cache(int l) { return v_cache_[size_t(l)].data(); }
   // Writes the N rows of k and v just computed into position pos_of[i] of slot slot_of[i], layer l.
@@ -248,7 +283,7 @@ class CpuDecoder final : public Decoder {
   Buffer<float> head_x_, head_rstd_;     // (slots, C), (slots): the final norm's output
   std::vector<double> inv_freq_;         // (D / 2)
   std::vector<int32_t> tokens_, positions_, seq_ids_, slot_of_;  // (max_rows)
-  std::vector<int32_t> attend_len_;      // (slots) decode: tokens each row attends to
+  std::vector<int32_t> attend_len_;      // (max_rows) decode, extend: positions each row attends to
   std::vector<float> host_logits_;       // (slots, V) generate()'s logits
   std::vector<float> temperatures_;      // (slots) token_logprobs' argument
 };

@@ -1,8 +1,10 @@
-// decoder_cuda.cu — prefill and decode over a bf16 KV cache on the GPU (see
-// infer/decoder_cuda.hpp). The layer is training's (backend_cuda.cu's
+// decoder_cuda.cu — prefill, extend and decode over a bf16 KV cache on the GPU
+// (see infer/decoder_cuda.hpp). The layer is training's (backend_cuda.cu's
 // forward_layer): the same kernels in the same order, with the cache store
 // after RoPE and decode_attention.hpp's kernel in place of the flash attention
-// when each row is one new token.
+// when the rows attend over the cache (a decode step's new token per
+// sequence; an extend's new tokens, each over its sequence's positions up to
+// its own).
 #include "infer/decoder_cuda.hpp"
 
 #include <cuda_runtime.h>
@@ -63,7 +65,9 @@ bool qkv_adjacent(const Unit& u) {
 // copied whole before the pass: tokens, positions, seq_ids, cache rows (`rows`
 // each), then slot, length, last-row source, last-row destination (`slots`
 // each). Prefill passes use a block of the largest pass's rows; decode steps a
-// block of `slots` rows, so a step uploads 8 x slots values.
+// block of `slots` rows, so a step uploads 8 x slots values; extend passes a
+// block of the largest pass's rows for every field (their attention has a row,
+// a slot and a length per new token).
 struct StepInts {
   enum Field { Tokens, Positions, SeqIds, CacheRows, SlotOf, Lens, LastSrc, LastDst };
   int32_t* dev = nullptr;
@@ -74,6 +78,13 @@ struct StepInts {
   int32_t* d(Field f) const { return dev + offset(f); }
   int32_t* h(Field f) const { return host + offset(f); }
 };
+
+// What a pass's rows attend over: the pass itself (a prefill's prompts, the
+// flash attention), or the cache, a row per new token (the decode attention):
+// an extend's rows (several a sequence), or a decode step's (one a sequence,
+// which may take the fused q|k|v GEMM and the K-parts down projection, whose
+// buffers hold `slots` rows).
+enum class Pass { Prefill, Extend, Decode };
 
 // Adds the time from its construction to its end to `wall` when `on`: a
 // decoder call, which returns synchronised, timed from the host.
@@ -133,6 +144,11 @@ class CudaDecoder final : public Decoder {
   void prefill_forward(std::span<const int32_t> slots, std::span<const std::span<const int32_t>> prompts,
                        std::span<const BlockCopy> copies, std::span<const int32_t> source, float* logits) override;
   void decode_forward(std::span<const int32_t> slots, std::span<const int32_t> tokens, float* logits) override;
+  // Passes of whole slots' new rows (at most prefill_rows_ each; every new k
+  // and v stored before the decode attention reads the cache), then the head
+  // over each slot's last row.
+  void extend_forward(std::span<const int32_t> slots, std::span<const std::span<const int32_t>> tokens,
+                      float* logits) override;
 
  private:
   // Where a broadcast parameter lives in the decoder's bf16 weights (checked against the layout).
@@ -167,18 +183,19 @@ class CudaDecoder final : public Decoder {
   // it the block run_layers reads.
   void begin_inputs();
   void send_inputs(const StepInts& in);
-  // Embedding and every layer over the N rows of tokens_/positions_/cache_row_:
-  // k and v stored in the cache, attention over the pass (prefill) or the cache (decode).
-  void run_layers(int64_t N, bool prefill) {
+  // Embedding and every layer over the N rows of the pass's inputs: k and v
+  // stored in the cache, attention over the pass (prefill) or the cache.
+  void run_layers(int64_t N, Pass pass) {
     embed(N);
-    layers(N, prefill, 0, int(model_.config().num_layers));
+    layers(N, pass, 0, int(model_.config().num_layers));
   }
   void embed(int64_t N);
-  void layers(int64_t N, bool prefill, int first, int last);  // layers [first, last)
+  void layers(int64_t N, Pass pass, int first, int last);  // layers [first, last)
   // Layer l's attention from xn_ into att_ (its k and v stored in the cache):
-  // q, k and v as three GEMMs (prefill, q/k norm models), or, decoding, as one
-  // (fused_qkv_) whose rows RoPE, the cache store and the decode attention read.
-  void attend(int l, int64_t N, bool prefill, const LayerWeights<const bf16>& w);
+  // q, k and v as three GEMMs (prefill, extend, q/k norm models), or, decoding,
+  // as one (fused_qkv_) whose rows RoPE, the cache store and the decode
+  // attention read.
+  void attend(int l, int64_t N, Pass pass, const LayerWeights<const bf16>& w);
   void attend_fused(int l, int64_t N, const LayerWeights<const bf16>& w);
   // logits_ (n, V) fp32 = lm_head(norm(rows)); rows (n, C) on the device.
   void head(const bf16* rows, int64_t n);
@@ -251,6 +268,7 @@ class CudaDecoder final : public Decoder {
   float* inv_freq_ = nullptr;                 // (D / 2)
   void* gemm_workspace_ = nullptr;
   StepInts prefill_in_, decode_in_;           // a prefill pass's inputs (rows_), a decode step's (slots)
+  StepInts extend_in_;                        // an extend pass's (rows_ for every field)
   const StepInts* in_ = nullptr;              // the block the pass being enqueued reads
   float* logits_host_ = nullptr;              // (slots, V) pinned: generate()'s logits
   int32_t* lp_tokens_ = nullptr;              // (slots) token_logprobs' tokens on the device
@@ -292,7 +310,7 @@ class CudaDecoder final : public Decoder {
   struct Wall {
     double seconds = 0;
     int64_t calls = 0;
-  } prefill_wall_, decode_wall_, draw_wall_;
+  } prefill_wall_, extend_wall_, decode_wall_, draw_wall_;
 
   const int32_t* in(StepInts::Field f) const { return in_->d(f); }
 };
@@ -318,7 +336,7 @@ void CudaDecoder::plan_buffers(const ModelConfig& c, const ModelLayout& layout, 
   for (int64_t l = 0; l < c.num_layers && fused; ++l) fused = qkv_adjacent(layout.layer(int(l)));
   const size_t attention_scratch = cuda::decode_attention_scratch_bytes(limits.slots, c.num_heads, c.head_dim,
                                                                        limits.max_len);
-  const int64_t prefill_ints = 4 * rows + 4 * limits.slots, decode_ints = 8 * limits.slots;
+  const int64_t prefill_ints = 4 * rows + 4 * limits.slots, decode_ints = 8 * limits.slots, extend_ints = 8 * rows;
   // The down projection in 4 K-parts where the sizes allow (1.235 against 1.283
   // ms a step with cuBLASLt's one GEMM at the 1B shape, batch 64, on an H200:
   // docs/benchmarks.md).
@@ -332,6 +350,7 @@ void CudaDecoder::plan_buffers(const ModelConfig& c, const ModelLayout& layout, 
     self->attention_scratch_bytes_ = attention_scratch;
     self->prefill_in_.rows = rows, self->prefill_in_.slots = limits.slots;
     self->decode_in_.rows = limits.slots, self->decode_in_.slots = limits.slots;
+    self->extend_in_.rows = rows, self->extend_in_.slots = rows;
     self->unit_w_.assign(layout.units.size(), nullptr);
     self->k_cache_.assign(size_t(c.num_layers), nullptr);
     self->v_cache_.assign(size_t(c.num_layers), nullptr);
@@ -391,10 +410,12 @@ void CudaDecoder::plan_buffers(const ModelConfig& c, const ModelLayout& layout, 
   add("draw_out", Mem::Workspace, 4 * S, at(&CudaDecoder::draw_out_));
   add("prefill_inputs", Mem::Workspace, prefill_ints, self ? &self->prefill_in_.dev : nullptr);
   add("decode_inputs", Mem::Workspace, decode_ints, self ? &self->decode_in_.dev : nullptr);
+  add("extend_inputs", Mem::Workspace, extend_ints, self ? &self->extend_in_.dev : nullptr);
 
   pin(prefill_ints, self ? &self->prefill_in_.host : nullptr);
   pin(aux, at(&CudaDecoder::aux_host_));
   pin(decode_ints, self ? &self->decode_in_.host : nullptr);
+  pin(extend_ints, self ? &self->extend_in_.host : nullptr);
   pin(S * V, at(&CudaDecoder::logits_host_));
   pin(kUploadElems, at(&CudaDecoder::upload_host_));
   pin(S, at(&CudaDecoder::lp_tokens_host_));
@@ -449,6 +470,7 @@ CudaDecoder::~CudaDecoder() {
   if (prefill_in_.host) cudaFreeHost(prefill_in_.host);
   if (aux_host_) cudaFreeHost(aux_host_);
   if (decode_in_.host) cudaFreeHost(decode_in_.host);
+  if (extend_in_.host) cudaFreeHost(extend_in_.host);
   if (logits_host_) cudaFreeHost(logits_host_);
   if (upload_host_) cudaFreeHost(upload_host_);
   if (lp_tokens_host_) cudaFreeHost(lp_tokens_host_);
@@ -523,7 +545,7 @@ void CudaDecoder::embed(int64_t N) {
   mark("embedding");
 }
 
-void CudaDecoder::layers(int64_t N, bool prefill, int first, int last) {
+void CudaDecoder::layers(int64_t N, Pass pass, int first, int last) {
   const ModelConfig& c = model_.config();
   const int64_t C = c.hidden_size, I = c.intermediate_size, HD = c.num_heads * c.head_dim;
   const double eps = c.rms_norm_eps;
@@ -532,17 +554,17 @@ void CudaDecoder::layers(int64_t N, bool prefill, int first, int last) {
   // K-parts (one batched GEMM, fp32 parts), reduced by one kernel with the
   // residual and the next layer's input norm (cuBLASLt's split-K reduce and the
   // norm's launch in one), so layers after the first find their input normed.
-  const bool split = !prefill && split_down_;
+  const bool split = pass == Pass::Decode && split_down_;
   for (int l = first; l < last; ++l) {
     const LayerWeights<const bf16> w = weights_of_layer(l);
     if (!split || l == 0) {
       cuda::rmsnorm_forward(xn_, rstd_, x_, w.input_norm, N, C, eps, stream_);
       mark("input norm");
     }
-    if (!prefill && fused_qkv_)
+    if (pass == Pass::Decode && fused_qkv_)
       attend_fused(l, N, w);
     else
-      attend(l, N, prefill, w);
+      attend(l, N, pass, w);
     // x_out holds the o_proj output until the residual add below overwrites it.
     cuda::linear_forward(*gemm_, x_out_, att_, w.wo, nullptr, N, HD, C);
     mark("o gemm");
@@ -571,7 +593,7 @@ void CudaDecoder::layers(int64_t N, bool prefill, int first, int last) {
   }
 }
 
-void CudaDecoder::attend(int l, int64_t N, bool prefill, const LayerWeights<const bf16>& w) {
+void CudaDecoder::attend(int l, int64_t N, Pass pass, const LayerWeights<const bf16>& w) {
   const ModelConfig& c = model_.config();
   const int64_t C = c.hidden_size, H = c.num_heads, KV = c.num_kv_heads, D = c.head_dim, HD = H * D, KVD = KV * D;
   bf16* q_proj = c.qk_norm ? q_raw_ : q_;
@@ -591,13 +613,21 @@ void CudaDecoder::attend(int l, int64_t N, bool prefill, const LayerWeights<cons
   cuda::store_kv(k_cache_[size_t(l)], v_cache_[size_t(l)], in(StepInts::CacheRows), k_, v_, KVD, N, KV, D,
                  kv_.block_size(), stream_);
   mark("kv store");
-  if (prefill)
+  if (pass == Pass::Prefill) {
     // Every prompt of the pass is a document of its own: it sees its own positions 0 .. t.
     cuda::attention_forward(att_, lse_, q_, k_, v_, in(StepInts::SeqIds), doc_start_, N, H, KV, D, stream_);
-  else
-    cuda::decode_attention_forward(att_, q_, HD, k_cache_[size_t(l)], v_cache_[size_t(l)], device_pages(),
-                                   in(StepInts::SlotOf), in(StepInts::Lens), N, H, KV, D, limits_.max_len, 0,
-                                   attention_scratch_, attention_scratch_bytes_, stream_);
+  } else {
+    // A row per new token over its sequence's block-table row to its own
+    // length (an extend's rows of one sequence share the row; every k and v
+    // of the pass is stored above). The partials' scratch holds `slots` rows:
+    // a longer extend pass goes in pieces of that many.
+    for (int64_t first = 0; first < N; first += limits_.slots) {
+      const int64_t B = std::min(limits_.slots, N - first);
+      cuda::decode_attention_forward(att_ + first * HD, q_ + first * HD, HD, k_cache_[size_t(l)], v_cache_[size_t(l)],
+                                     device_pages(), in(StepInts::SlotOf) + first, in(StepInts::Lens) + first, B, H,
+                                     KV, D, limits_.max_len, 0, attention_scratch_, attention_scratch_bytes_, stream_);
+    }
+  }
   mark("attention");
 }
 
@@ -759,7 +789,7 @@ void CudaDecoder::prefill_forward(std::span<const int32_t> slots, std::span<cons
       ++count;
     }
     send_inputs(prefill_in_);
-    run_layers(N, /*prefill=*/true);
+    run_layers(N, Pass::Prefill);
     cuda::copy_rows(last_, in(StepInts::LastDst), x_, in(StepInts::LastSrc), count, C, stream_);
     first += count;
   }
@@ -810,7 +840,7 @@ void CudaDecoder::decode_forward(std::span<const int32_t> slots, std::span<const
     for (cudaGraphExec_t g : step_graphs_) CUDA_CHECK(cudaGraphLaunch(g, stream_));
   } else {
     if (ops_) ops_->begin();
-    run_layers(B, /*prefill=*/false);
+    run_layers(B, Pass::Decode);
     head(x_, B);
     if (ops_) ops_->end();
   }
@@ -818,6 +848,47 @@ void CudaDecoder::decode_forward(std::span<const int32_t> slots, std::span<const
   step_pending_ = true;
   download_logits(B, logits);
   ++decode_steps_;
+}
+
+void CudaDecoder::extend_forward(std::span<const int32_t> slots, std::span<const std::span<const int32_t>> tokens,
+                                 float* logits) {
+  const int64_t n = int64_t(slots.size()), C = model_.config().hidden_size;
+  const CallTimer timed(ops_ != nullptr, extend_wall_);
+  const KvPages pages = kv_.pages();
+  // Passes of whole slots' rows, each at most prefill_rows_ (one slot's
+  // always fit: fewer than max_len); slot i's last row into row i of last_.
+  for (int64_t first = 0; first < n;) {
+    begin_inputs();
+    if (first == 0) send_table();
+    const StepInts& ints = extend_in_;
+    int64_t N = 0, count = 0;
+    for (int64_t i = first; i < n; ++i) {
+      const auto& ids = tokens[size_t(i)];
+      const int64_t add = int64_t(ids.size());
+      if (count > 0 && N + add > prefill_rows_) break;
+      const int32_t s = slots[size_t(i)];
+      const int64_t start = kv_.length(s) - add;
+      for (int64_t t = 0; t < add; ++t) {
+        const int32_t pos = int32_t(start + t);
+        ints.h(StepInts::Tokens)[N + t] = ids[size_t(t)];
+        ints.h(StepInts::Positions)[N + t] = pos;
+        ints.h(StepInts::SeqIds)[N + t] = int32_t(count);
+        ints.h(StepInts::CacheRows)[N + t] = int32_t(kv_cache_row(pages, s, pos));
+        ints.h(StepInts::SlotOf)[N + t] = s;
+        ints.h(StepInts::Lens)[N + t] = pos + 1;
+      }
+      ints.h(StepInts::LastSrc)[count] = int32_t(N + add - 1);
+      ints.h(StepInts::LastDst)[count] = int32_t(i);
+      N += add;
+      ++count;
+    }
+    send_inputs(extend_in_);
+    run_layers(N, Pass::Extend);
+    cuda::copy_rows(last_, in(StepInts::LastDst), x_, in(StepInts::LastSrc), count, C, stream_);
+    first += count;
+  }
+  head(last_, n);
+  download_logits(n, logits);
 }
 
 std::string CudaDecoder::profile_report(double generate_seconds) const {
@@ -830,9 +901,11 @@ std::string CudaDecoder::profile_report(double generate_seconds) const {
     out += line;
   };
   wall("prefill", prefill_wall_);
+  wall("extend", extend_wall_);
   wall("decode", decode_wall_);
   wall("draw", draw_wall_);
-  const double rest = generate_seconds - prefill_wall_.seconds - decode_wall_.seconds - draw_wall_.seconds;
+  const double rest = generate_seconds - prefill_wall_.seconds - extend_wall_.seconds - decode_wall_.seconds -
+                      draw_wall_.seconds;
   std::snprintf(line, sizeof line, "  %-8s %23.1f ms on the host outside the decoder's calls\n", "other", 1e3 * rest);
   out += line;
   out += "device time per operation (decode steps and draws, summed over the layers):\n";
@@ -856,7 +929,7 @@ void CudaDecoder::capture_full_step() {
     in.h(StepInts::Lens)[b] = 1;
   }
   send_inputs(decode_in_);
-  run_layers(S, /*prefill=*/false);
+  run_layers(S, Pass::Decode);
   head(x_, S);
   CUDA_CHECK(cudaStreamSynchronize(stream_));
   // Every pointer the step reads is fixed: its inputs are decode_in_'s, the
@@ -870,7 +943,7 @@ void CudaDecoder::capture_full_step() {
     cudaGraph_t graph = nullptr;
     CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
     if (piece.embed) embed(S);
-    layers(S, /*prefill=*/false, piece.first, piece.last);
+    layers(S, Pass::Decode, piece.first, piece.last);
     if (piece.last == L && piece.first < piece.last) head(x_, S);
     CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
     cudaGraphExec_t exec = nullptr;

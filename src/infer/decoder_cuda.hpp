@@ -10,7 +10,9 @@
 // (slots, max_len, KV, D)), and the activations of the largest prefill or
 // decode step; prefill packs every prompt of a call into one pass (the flash
 // attention's documents keep them apart), decode attends over the cache with
-// src/cuda/decode_attention.hpp. Logits come back fp32 to host memory, or stay
+// src/cuda/decode_attention.hpp, and an extend packs every sequence's new
+// tokens into one pass whose rows attend over the cache with the same kernel
+// (a row per new token, each to its own length). Logits come back fp32 to host memory, or stay
 // on the device where draw() samples them (src/cuda/sampling.hpp; the default:
 // SHARDLM_HOST_SAMPLER=1 samples on the host instead, to compare).
 // Must not know: sampling, prompt files, MPI, output.

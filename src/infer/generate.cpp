@@ -52,24 +52,28 @@ struct GenerateStream::State {
   // Planned once: the per-row values of a step.
   std::vector<Sampled> drawn;
   std::vector<double> uniforms;
-  std::vector<int32_t> step_slots, step_tokens;
-  std::vector<std::span<const int32_t>> step_prompts;
+  std::vector<int32_t> drawn_ids;
   std::vector<float> model_lp, tempered_lp;
+  // A round's calls: the prefill's slots and prompts; then every running
+  // sequence's ids not yet in its cache (`feeding`, unfed()), split into the
+  // extend's slots and ids and the decode step's slots and tokens.
+  std::vector<int32_t> step_slots;
+  std::vector<std::span<const int32_t>> step_prompts;
+  std::vector<int32_t> feeding;
+  std::vector<std::span<const int32_t>> feeds;
+  std::vector<int32_t> extend_slots, decode_slots, decode_tokens;
+  std::vector<std::span<const int32_t>> extend_ids;
 
   std::vector<GenerateRequest> requests;  // every request added, numbered from 0
   std::vector<Completion> out;            // each one's completion so far (moved out when taken)
   std::vector<char> finished;
   std::vector<int64_t> held;   // request per slot, -1 free
   std::vector<int64_t> since;  // when each slot's sequence was admitted (the latest gives way)
-  std::vector<int32_t> last;   // the token each slot feeds next
   // Requests not yet in a slot, in order; a sequence that gave way goes back
   // to the front with its prompt and the tokens it drew (`resume`), which a
   // prefill then computes whole.
   std::deque<int64_t> waiting;
   std::vector<std::vector<int32_t>> resume;
-  // Per request: observation ids still to feed (GenerateOptions::next_turn),
-  // one a decode step; the draws of those steps are not kept.
-  std::vector<std::deque<int32_t>> feed;
   int64_t active = 0, admitted = 0;
   GenerateStats counts;
   int64_t version = -1;  // of the weights the step being taken ran with
@@ -92,28 +96,35 @@ struct GenerateStream::State {
     logits = on_device ? nullptr : decoder.host_logits();
     drawn.resize(size_t(slots));
     uniforms.resize(size_t(slots));
+    drawn_ids.resize(size_t(slots));
     model_lp.resize(size_t(slots));
     tempered_lp.resize(size_t(slots));
-    step_slots.reserve(size_t(slots));
-    step_tokens.reserve(size_t(slots));
-    step_prompts.reserve(size_t(slots));
+    for (auto* v : {&step_slots, &feeding, &extend_slots, &decode_slots, &decode_tokens}) v->reserve(size_t(slots));
+    for (auto* v : {&step_prompts, &feeds, &extend_ids}) v->reserve(size_t(slots));
     held.assign(size_t(slots), -1);
     since.assign(size_t(slots), 0);
-    last.assign(size_t(slots), 0);
   }
 
   std::span<const int32_t> prompt_of(int64_t r) const {
     return resume[size_t(r)].empty() ? requests[size_t(r)].tokens : std::span<const int32_t>(resume[size_t(r)]);
   }
 
-  // Draws one token per row of `logits` for step_slots' sequences; ends those that stop.
-  void take() {
+  // The ids of the sequence in `slot` not yet in its cache: the token it drew
+  // last, or, after an observation, its stop id and the observation's ids.
+  std::span<const int32_t> unfed(int32_t slot) const {
+    const int64_t r = held[size_t(slot)];
+    const int64_t cached = decoder.length(slot) - int64_t(requests[size_t(r)].tokens.size());
+    return std::span<const int32_t>(out[size_t(r)].tokens).subspan(size_t(cached));
+  }
+
+  // Draws one token per row of `logits` for the sequences in `rows` (the
+  // slots of the call that wrote them); ends those that stop.
+  void take(std::span<const int32_t> rows) {
     // A step done: in an RL job, the trainers that ask where this rank is hear it is busy.
     answer_collective_queries("sampling");
-    const int64_t B = int64_t(step_slots.size());
-    step_tokens.resize(size_t(B));
+    const int64_t B = int64_t(rows.size());
     const auto key = [&](int64_t b) {
-      const Completion& done = out[size_t(held[size_t(step_slots[size_t(b)])])];
+      const Completion& done = out[size_t(held[size_t(rows[size_t(b)])])];
       return DrawKey{done.prompt, done.sample, int64_t(done.tokens.size())};
     };
     if (on_device) {
@@ -124,44 +135,29 @@ struct GenerateStream::State {
       for (int64_t b = 0; b < B; ++b)
         drawn[size_t(b)] = samplers[size_t(omp_get_thread_num())].sample(logits + b * V, key(b));
     }
-    for (int64_t b = 0; b < B; ++b) {
-      const int64_t r = held[size_t(step_slots[size_t(b)])];
-      Completion& done = out[size_t(r)];
-      const Sampled& s = drawn[size_t(b)];
-      step_tokens[size_t(b)] = s.token;
-      if (!feed[size_t(r)].empty()) continue;  // a step that fed an observation id: its draw is not kept
-      if (done.tokens.empty()) done.policy_first = version;
-      done.policy_last = version;
-      done.tokens.push_back(s.token);
-      done.sampling_logprobs.push_back(s.sampling_logprob);
-      if (!done.observed.empty()) done.observed.push_back(0);
-    }
+    for (int64_t b = 0; b < B; ++b) drawn_ids[size_t(b)] = drawn[size_t(b)].token;
     if (!on_device) {
-      decoder.token_logprobs(model_lp.data(), logits, step_tokens.data(), 1.0f, B);
+      decoder.token_logprobs(model_lp.data(), logits, drawn_ids.data(), 1.0f, B);
       if (o.sampling.temperature > 0)
-        decoder.token_logprobs(tempered_lp.data(), logits, step_tokens.data(), float(o.sampling.temperature), B);
+        decoder.token_logprobs(tempered_lp.data(), logits, drawn_ids.data(), float(o.sampling.temperature), B);
     }
     for (int64_t b = 0; b < B; ++b) {
-      const int32_t slot = step_slots[size_t(b)];
+      const int32_t slot = rows[size_t(b)];
       const int64_t r = held[size_t(slot)];
       Completion& done = out[size_t(r)];
-      std::deque<int32_t>& pending = feed[size_t(r)];
-      if (!pending.empty()) {  // the next observation id goes in next
-        last[size_t(slot)] = pending.front();
-        pending.pop_front();
-        continue;
-      }
+      const int32_t t = drawn_ids[size_t(b)];
+      if (done.tokens.empty()) done.policy_first = version;
+      done.policy_last = version;
+      done.tokens.push_back(t);
+      done.sampling_logprobs.push_back(drawn[size_t(b)].sampling_logprob);
       done.model_logprobs.push_back(model_lp[size_t(b)]);
       done.tempered_logprobs.push_back(o.sampling.temperature > 0 ? tempered_lp[size_t(b)] : model_lp[size_t(b)]);
-      const int32_t t = step_tokens[size_t(b)];
+      if (!done.observed.empty()) done.observed.push_back(0);
       const bool stop = std::find(o.stop_ids.begin(), o.stop_ids.end(), t) != o.stop_ids.end();
       std::optional<Finish> end;
       if (stop) end = o.next_turn ? observe(r, done) : Finish::Stop;
       else if (int64_t(done.tokens.size()) >= o.max_new_tokens) end = Finish::Length;
-      if (!end) {
-        last[size_t(slot)] = t;  // a turn's next token; after a stop id, the stop id, then the observation
-        continue;
-      }
+      if (!end) continue;  // fed next: the token, or after a stop id the stop id and the observation
       done.finish = *end;
       resume[size_t(r)] = {};
       finished[size_t(r)] = 1;
@@ -172,9 +168,9 @@ struct GenerateStream::State {
   }
 
   // A turn ended on a stop id: the caller's observation, appended to the
-  // completion and queued to be fed (nullopt: the sequence goes on), or how
-  // the sequence ends: Stop without an observation, Length when it would pass
-  // max_new_tokens.
+  // completion (nullopt: the sequence goes on; the next round feeds the stop
+  // id and the observation in one extend), or how the sequence ends: Stop
+  // without an observation, Length when it would pass max_new_tokens.
   std::optional<Finish> observe(int64_t r, Completion& done) {
     std::optional<std::vector<int32_t>> ids = o.next_turn(requests[size_t(r)], done);
     if (!ids) return Finish::Stop;
@@ -189,32 +185,38 @@ struct GenerateStream::State {
     done.observed.insert(done.observed.end(), ids->size(), 1);
     for (auto* v : {&done.sampling_logprobs, &done.model_logprobs, &done.tempered_logprobs})
       v->insert(v->end(), ids->size(), 0.0f);
-    feed[size_t(r)].assign(ids->begin(), ids->end());
     ++done.turns;
     return std::nullopt;
   }
 
-  // The running sequences, in slot order.
+  // The running sequences, in slot order, into `feeding`, and what each feeds next into `feeds`.
   void running() {
-    step_slots.clear();
+    feeding.clear();
+    feeds.clear();
     for (int32_t slot = 0; slot < int32_t(slots); ++slot)
-      if (held[size_t(slot)] >= 0) step_slots.push_back(slot);
+      if (held[size_t(slot)] >= 0) feeding.push_back(slot), feeds.push_back(unfed(slot));
   }
 
   // Fewer requests waiting than slots free: the next prefill leaves slots empty.
   bool queue_short() const { return int64_t(waiting.size()) < slots - active; }
 
-  // One round: free slots take the waiting requests (one prefill), then one
-  // decode step for every sequence running.
+  // One round: free slots take the waiting requests (one prefill), then every
+  // running sequence feeds what it has not yet: an extend for those that
+  // feed an observation after their stop id, one decode step for the others.
   void step() {
+    admit();
+    feed();
+  }
+
+  // Free slots take the waiting requests in order, all in one prefill, while
+  // the pool has the blocks their prompts fill and the next feed adds to every
+  // sequence then running (a group's samples share their prompt's blocks: the
+  // same span, prefilled once).
+  void admit() {
     const KvBlocks& kv = decoder.kv();
     const int64_t block_size = kv.block_size();
-    // Free slots take the waiting requests in order, all in one prefill, while
-    // the pool has the blocks their prompts fill and the next decode step
-    // adds to every sequence then running (a group's samples share their
-    // prompt's blocks: the same span, prefilled once).
     running();
-    int64_t next_step = decoder.decode_blocks(step_slots);
+    int64_t next_step = decoder.extend_blocks(feeding, feeds);
     step_slots.clear();
     step_prompts.clear();
     int64_t need = 0;
@@ -263,41 +265,66 @@ struct GenerateStream::State {
     }
     SHARDLM_CHECK(!step_slots.empty() || active > 0, "internal: a KV pool of %lld blocks admits no sequence",
                   (long long)kv.blocks());
-    if (!step_slots.empty()) {
-      if (o.policy) version = o.policy();
-      decoder.prefill(step_slots, step_prompts, logits);
-      counts.prefills += 1;
-      take();
-    }
-    // One token for every sequence still going, in slot order; while the pool
-    // lacks the blocks the step adds, the latest admitted sequence gives way.
+    if (step_slots.empty()) return;
+    if (o.policy) version = o.policy();
+    decoder.prefill(step_slots, step_prompts, logits);
+    counts.prefills += 1;
+    take(step_slots);
+  }
+
+  // Every running sequence's unfed ids into its cache, in slot order: those
+  // after an observation (the stop id, then the observation's ids) in one
+  // extend, whose last row draws the next turn's first token; the others'
+  // drawn tokens in one decode step. While the pool lacks the blocks these
+  // add, the latest admitted sequence gives way.
+  void feed() {
+    const KvBlocks& kv = decoder.kv();
     running();
-    while (!step_slots.empty() && decoder.decode_blocks(step_slots) > kv.free_blocks()) {
-      const auto latest = std::max_element(step_slots.begin(), step_slots.end(), [&](int32_t a, int32_t b) {
-        return since[size_t(a)] < since[size_t(b)];
-      });
-      const int32_t slot = *latest;
+    while (!feeding.empty() && decoder.extend_blocks(feeding, feeds) > kv.free_blocks()) {
+      const size_t latest = size_t(std::max_element(feeding.begin(), feeding.end(), [&](int32_t a, int32_t b) {
+                                     return since[size_t(a)] < since[size_t(b)];
+                                   }) - feeding.begin());
+      const int32_t slot = feeding[latest];
       const int64_t r = held[size_t(slot)];
       std::vector<int32_t>& again = resume[size_t(r)];
       const std::span<const int32_t> prompt = requests[size_t(r)].tokens;
       again.assign(prompt.begin(), prompt.end());
+      // Every token so far, an observation not yet fed included: the prefill of `again` computes them.
       again.insert(again.end(), out[size_t(r)].tokens.begin(), out[size_t(r)].tokens.end());
-      feed[size_t(r)].clear();  // the prefill of `again` covers the observation ids not fed yet
       decoder.release(slot);
       held[size_t(slot)] = -1;
       --active;
       waiting.push_front(r);
-      step_slots.erase(latest);
+      feeding.erase(feeding.begin() + ptrdiff_t(latest));
+      feeds.erase(feeds.begin() + ptrdiff_t(latest));
       ++counts.preemptions;
     }
-    step_tokens.clear();
-    for (int32_t slot : step_slots) step_tokens.push_back(last[size_t(slot)]);
-    if (!step_slots.empty()) {
+    extend_slots.clear();
+    extend_ids.clear();
+    decode_slots.clear();
+    decode_tokens.clear();
+    for (size_t i = 0; i < feeding.size(); ++i) {
+      if (feeds[i].size() > 1) {
+        extend_slots.push_back(feeding[i]);
+        extend_ids.push_back(feeds[i]);
+      } else {
+        decode_slots.push_back(feeding[i]);
+        decode_tokens.push_back(feeds[i][0]);
+      }
+    }
+    if (!extend_slots.empty()) {
       if (o.policy) version = o.policy();
-      decoder.decode(step_slots, step_tokens, logits);
+      decoder.extend(extend_slots, extend_ids, logits);
+      counts.extends += 1;
+      for (const auto& ids : extend_ids) counts.extend_tokens += int64_t(ids.size());
+      take(extend_slots);
+    }
+    if (!decode_slots.empty()) {
+      if (o.policy) version = o.policy();
+      decoder.decode(decode_slots, decode_tokens, logits);
       counts.decode_steps += 1;
-      counts.decode_rows += int64_t(step_slots.size());
-      take();
+      counts.decode_rows += int64_t(decode_slots.size());
+      take(decode_slots);
     }
   }
 };
@@ -324,7 +351,6 @@ int64_t GenerateStream::add(std::span<const GenerateRequest> requests) {
   s.out.resize(s.requests.size());
   s.finished.resize(s.requests.size(), 0);
   s.resume.resize(s.requests.size());
-  s.feed.resize(s.requests.size());
   return first;
 }
 
@@ -367,6 +393,8 @@ std::vector<Completion> generate(Decoder& decoder, std::span<const GenerateReque
     stats->prefills += counts.prefills;
     stats->decode_steps += counts.decode_steps;
     stats->decode_rows += counts.decode_rows;
+    stats->extends += counts.extends;
+    stats->extend_tokens += counts.extend_tokens;
   }
   return out;
 }

@@ -3,9 +3,11 @@
 // pool has the blocks it fills (the samples of a group, adjacent requests of
 // one prompt span, are prefilled once and share its blocks); a sequence that
 // stops gives its slot and blocks back, so the decode batch stays full while
-// prompts remain. When a decode step needs more blocks than are free, the
-// latest admitted sequence gives way: its blocks go back, and it waits at the
-// front of the queue to be prefilled again whole (prompt and tokens drawn).
+// prompts remain. With several turns (GenerateOptions::next_turn) a sequence's
+// observation goes into its cache in one extend, beside the decode step of the
+// others. When a round needs more blocks than are free, the latest admitted
+// sequence gives way: its blocks go back, and it waits at the front of the
+// queue to be prefilled again whole (prompt and tokens so far).
 //
 // Owns: GenerateRequest, Completion (tokens, the three logprobs of each token,
 // why it ended), GenerateOptions, generate(), and the planning of the
@@ -80,18 +82,19 @@ struct GenerateOptions {
   // The order free slots are taken in (empty: 0, 1, ...). Tests permute it to
   // show that a completion does not depend on its slot.
   std::vector<int32_t> slot_order;
-  // Called before every prefill and decode step: it may give the decoder new
-  // weights (an in-flight update: the running sequences go on with them, their
-  // cached keys and values staying as they were computed) and returns the
-  // version of the weights that step runs with, which each completion records
-  // (policy_first, policy_last). Empty: no version recorded.
+  // Called before every prefill, extend and decode step: it may give the
+  // decoder new weights (an in-flight update: the running sequences go on with
+  // them, their cached keys and values staying as they were computed) and
+  // returns the version of the weights that step runs with, which each
+  // completion records (policy_first, policy_last). Empty: no version recorded.
   std::function<int64_t()> policy;
   // Several turns: called when a sequence draws a stop id, with its request and
   // completion so far. Returning ids (an observation: a tool's result, the next
-  // user turn) goes on with the same sequence: they are fed through the decoder
-  // after the stop id, as if they had been drawn (its KV cache kept: nothing
-  // before them is computed again), recorded in the completion with
-  // `observed` 1, and the next turn is drawn after them. nullopt ends the
+  // user turn) goes on with the same sequence: the stop id and the ids go
+  // through the decoder in one extend (Decoder::extend: one forward over all
+  // of them, its KV cache kept: nothing before them is computed again), the
+  // ids are recorded in the completion with `observed` 1, and the next turn's
+  // first token is drawn from the extend's last row. nullopt ends the
   // sequence (Finish::Stop). Every token after the prompt, drawn or fed, counts
   // against max_new_tokens: an observation that would pass it ends the
   // sequence (Finish::Length) with what was drawn. Empty: one turn.
@@ -110,6 +113,8 @@ struct GenerateStats {
   int64_t prefills = 0;        // prefill calls
   int64_t decode_steps = 0;    // decode calls
   int64_t decode_rows = 0;     // sequences over the decode calls (the mean batch: rows / steps)
+  int64_t extends = 0;         // extend calls (observations fed after a stop id)
+  int64_t extend_tokens = 0;   // ids those fed: each observation's and the stop id before it
   int64_t preemptions = 0;     // sequences that gave their blocks way and were prefilled again later
   int64_t recomputed = 0;      // positions those later prefills computed again (prompt + tokens drawn)
 };

@@ -2,7 +2,8 @@
 // decode attention kernel against cpu::attention_decode_forward through paged
 // block tables (the same bits whatever the table), the CUDA
 // decoder against the CPU decoder on the HF fixtures (prefill and decode
-// logits, greedy choices, a weight refreshed through load_bf16), seeded
+// logits, greedy choices, a weight refreshed through load_bf16; an extend
+// against the same ids fed one a decode step), seeded
 // sampling on the GPU giving the same tokens twice, and the GPU sampler
 // (cuda::sample_rows) drawing the host Sampler's tokens from the same logits. The tolerances are in
 // tests/gpu/README.md ("Sampling on the GPU").
@@ -17,6 +18,7 @@
 #include <initializer_list>
 #include <memory>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -804,4 +806,110 @@ TEST_CASE("CUDA decoder: full-batch steps replayed as the CUDA graphs captured a
     REQUIRE(m.config().num_layers == 2);
     check_same_completions(run(nullptr, "decode steps as 3 CUDA graphs"), eager, 0.0f);
   }
+}
+
+TEST_CASE("CUDA decoder: an extend = the same ids fed one a decode step and = the CPU's extend (logits, the cache it "
+          "leaves, greedy choices); several turns drawn after extends on the device = on the host") {
+  require_gpu();
+  for (const std::string name : {"llama-gqa-tied", "qwen2-bias", "qwen3-qknorm", "llama-d64"}) {
+    CAPTURE(name);
+    InferenceModel m = bf16_fixture(name);
+    const int64_t V = m.config().vocab_size;
+    const auto prompts = fixture_prompts(V);  // 5, 11, 2 and 17 tokens
+    const DecoderLimits limits{4, 80};       // blocks of 16
+    CpuDecoder cpu(m, limits);
+    const std::unique_ptr<Decoder> extended = make_decoder(m, limits, "cuda"), fed = make_decoder(m, limits, "cuda");
+    const std::vector<int32_t> slots = {0, 1, 2, 3};
+    const std::vector<std::span<const int32_t>> spans(prompts.begin(), prompts.end());
+    std::vector<float> lc(size_t(4 * V)), lg(size_t(4 * V)), lf(size_t(4 * V));
+    cpu.prefill(slots, spans, lc.data());
+    extended->prefill(slots, spans, lg.data());
+    fed->prefill(slots, spans, lf.data());
+    // Slots 2, 0 and 3 by 1, 20 and 37 ids (past one and two block boundaries;
+    // 58 rows over 4 slots: the attention in pieces of 4 rows); slot 1 left out.
+    const std::vector<int32_t> ext_slots = {2, 0, 3};
+    std::vector<std::vector<int32_t>> ids;
+    for (int n : {1, 20, 37}) {
+      ids.emplace_back();
+      for (int t = 0; t < n; ++t) ids.back().push_back(int32_t((n * 13 + t * 29 + 3) % (V - 2)));
+    }
+    const std::vector<std::span<const int32_t>> id_spans(ids.begin(), ids.end());
+    cpu.extend(ext_slots, id_spans, lc.data());
+    extended->extend(ext_slots, id_spans, lg.data());
+    CHECK(extended->extend_tokens_computed() == 58);
+    CHECK(extended->decode_steps() == 0);
+    int decided = 0;
+    double worst_fed = 0, worst_cpu = 0;
+    std::vector<float> one(static_cast<size_t>(V));
+    for (size_t i = 0; i < ext_slots.size(); ++i) {
+      for (int32_t id : ids[i]) fed->decode(std::vector<int32_t>{ext_slots[i]}, std::vector<int32_t>{id}, one.data());
+      const float* g = lg.data() + int64_t(i) * V;
+      const float* c = lc.data() + int64_t(i) * V;
+      const double vs_fed = rel_rms(g, one.data(), size_t(V)), vs_cpu = rel_rms(g, c, size_t(V));
+      worst_fed = std::max(worst_fed, vs_fed), worst_cpu = std::max(worst_cpu, vs_cpu);
+      CHECK(vs_fed < 3e-2);  // the same bf16 arithmetic in other GEMM shapes (fused q|k|v, K-parts): ~1e-2
+      CHECK(vs_cpu < 3e-2);
+      CHECK(extended->length(ext_slots[i]) == fed->length(ext_slots[i]));
+      float max_diff = 0;
+      for (int64_t v = 0; v < V; ++v) max_diff = std::max(max_diff, std::fabs(g[v] - c[v]));
+      if (const Margin mc = top2(c, V); mc.gap > 2 * max_diff) {
+        ++decided;
+        CHECK(top2(g, V).best == mc.best);
+      }
+    }
+    CHECK(fed->decode_steps() == 58);
+    // A decode step of every slot reads what the extend stored.
+    const std::vector<int32_t> next = {3, 4, 5, 6};
+    cpu.decode(slots, next, lc.data());
+    extended->decode(slots, next, lg.data());
+    fed->decode(slots, next, lf.data());
+    double worst_after = 0;
+    for (int b = 0; b < 4; ++b) {
+      const double vs_fed = rel_rms(lg.data() + b * V, lf.data() + b * V, size_t(V));
+      const double vs_cpu = rel_rms(lg.data() + b * V, lc.data() + b * V, size_t(V));
+      worst_after = std::max({worst_after, vs_fed, vs_cpu});
+      CHECK(vs_fed < 3e-2);
+      CHECK(vs_cpu < 3e-2);
+    }
+    MESSAGE(name << " extend: |gpu - gpu fed one a step| / |.| <= " << worst_fed << ", |gpu - cpu extend| / |cpu| <= "
+                 << worst_cpu << ", the decode step after it <= " << worst_after << "; greedy compared at " << decided
+                 << " of 3 rows");
+    for (int32_t s : slots) extended->release(s);
+    CHECK(extended->kv().used_blocks() == 0);
+  }
+
+  // Several turns: after each stop id the observation goes in by an extend and
+  // the next turn's first token is drawn from its last row, on the device or on
+  // the host from the downloaded logits: the same tokens and model logprobs.
+  InferenceModel m = bf16_fixture("qwen3-qknorm");
+  const int64_t V = m.config().vocab_size;
+  const auto prompts = fixture_prompts(V);
+  const std::vector<GenerateRequest> requests = sample_requests(prompts, 3);
+  GenerateOptions o;
+  o.sampling = SamplingParams{0.9, 40, 0.95, 7};
+  o.max_new_tokens = 40;
+  for (int32_t id = 0; id < V; id += 5) o.stop_ids.push_back(id);
+  o.next_turn = [&](const GenerateRequest&, const Completion& c) -> std::optional<std::vector<int32_t>> {
+    if (c.turns >= 3) return std::nullopt;
+    std::vector<int32_t> obs;
+    for (int t = 0; t < 18; ++t) obs.push_back(int32_t((c.turns * 7 + t * 3 + 1) % V));  // past a block of 16
+    return obs;
+  };
+  const DecoderLimits limits = plan_limits(m.config(), requests, 5, o.max_new_tokens, "test");
+  GenerateStats device_stats;
+  auto run = [&](bool host, GenerateStats* stats) {
+    std::unique_ptr<Decoder> d = cuda_decoder_with({{"SHARDLM_HOST_SAMPLER", host ? "1" : nullptr}}, m, limits);
+    std::vector<Completion> out = generate(*d, requests, o, stats);
+    CHECK(d->kv().used_blocks() == 0);
+    return out;
+  };
+  const std::vector<Completion> on_device = run(false, &device_stats), on_host = run(true, nullptr);
+  check_same_completions(on_device, on_host, 1e-6f);
+  int64_t turns = 0;
+  for (const Completion& c : on_device) turns += c.turns;
+  MESSAGE("several turns on the GPU: " << turns << " turns over " << on_device.size() << " sequences, "
+                                       << device_stats.extends << " extends of " << device_stats.extend_tokens
+                                       << " ids");
+  CHECK(turns > int64_t(on_device.size()));
+  CHECK(device_stats.extends > 0);
 }

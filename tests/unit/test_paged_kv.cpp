@@ -1,5 +1,7 @@
 // test_paged_kv.cpp — the sampler's paged KV cache: the block pool's
-// bookkeeping (KvBlocks), and generate() over it against the unpaged layout.
+// bookkeeping (KvBlocks), generate() over it against the unpaged layout, and
+// an extend (several ids appended in one forward) against the same ids fed one
+// a decode step.
 // The reference is the decoder with one block of max_len positions per slot
 // (the cache laid out (slots, max_len, KV, D), as before paging) and every
 // sample prefilled on its own; the paged runs use blocks of 4 positions, a
@@ -10,6 +12,7 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <cstring>
 #include <filesystem>
 #include <numeric>
 #include <string>
@@ -263,8 +266,17 @@ TEST_CASE("several turns: an observation fed after a stop id goes on with the sa
       return std::nullopt;
     };
     CpuDecoder d(m, limits);
-    const Completion got = generate(d, one, turns)[0];
+    GenerateStats stats;
+    const Completion got = generate(d, one, turns, &stats)[0];
     CHECK(d.prefill_tokens_computed() == int64_t(prompts[p].size()));  // the history never prefilled again
+    // The stop id and the observation in one extend; a decode step for every other token fed (all but the last).
+    const int64_t fed = int64_t(got.tokens.size()) - 1, in_extend = 1 + int64_t(observation.size());
+    CHECK(stats.extends == 1);
+    CHECK(stats.extend_tokens == in_extend);
+    CHECK(d.extend_tokens_computed() == in_extend);
+    CHECK(stats.decode_steps == fed - in_extend);
+    MESSAGE("prompt " << p << ": " << stats.decode_steps << " decode steps and one extend of " << in_extend
+                      << " ids; fed one a decode step: " << fed << " steps");
     // The conversation so far as a prompt: what the second turn is drawn from.
     std::vector<int32_t> conversation = prompts[p];
     conversation.insert(conversation.end(), t.begin(), t.begin() + 3);
@@ -310,6 +322,151 @@ TEST_CASE("several turns: an observation fed after a stop id goes on with the sa
   CHECK(cut.finish == Finish::Length);
   CHECK(cut.tokens.size() == 4 + 1);  // turn, 3 observed, turn; a third turn would pass 8
   CHECK(cut.turns == 2);
+}
+
+TEST_CASE("extend = the same ids fed one a decode step: logits and cache bit for bit, mixed slots and lengths, "
+          "across block boundaries, n = 1 and n > block_size, passes split; the pool's blocks counted and freed") {
+  for (const std::string name : {"llama-gqa-tied", "qwen2-bias", "qwen3-qknorm"}) {
+    CAPTURE(name);
+    const InferenceModel m = InferenceModel::from_hf(fs::path("tests/fixtures") / name);
+    const ModelConfig& c = m.config();
+    const int64_t V = c.vocab_size, KVD = c.num_kv_heads * c.head_dim;
+    // max_len 20: an extend pass holds at most 20 rows (max(max_len, slots)).
+    const DecoderLimits limits{.slots = 4, .max_len = 20, .block_size = 4};
+    CpuDecoder extended(m, limits), fed(m, limits);
+    const auto ids = [&](int n, int salt) {
+      std::vector<int32_t> out;
+      for (int t = 0; t < n; ++t) out.push_back(int32_t((salt * 37 + t * 11 + 5) % V));
+      return out;
+    };
+    // Prompts of 3, 4 (a whole block), 7 and 1 tokens in slots 0 .. 3.
+    const std::vector<std::vector<int32_t>> by_slot = {ids(3, 11), ids(4, 12), ids(7, 13), ids(1, 14)};
+    const std::vector<int32_t> all = {0, 1, 2, 3};
+    const std::vector<std::span<const int32_t>> spans(by_slot.begin(), by_slot.end());
+    std::vector<float> logits(size_t(4 * V)), last_fed(static_cast<size_t>(V));
+    extended.prefill(all, spans, logits.data());
+    fed.prefill(all, spans, logits.data());
+    // Two extends: slots out of order, one left out, n = 1, 9 and 5 (9 crosses two
+    // block boundaries); then slot 1 by 14 and slot 3 by 11, 25 rows: two passes.
+    const std::vector<std::vector<int32_t>> slot_lists = {{2, 0, 3}, {1, 3}};
+    const std::vector<std::vector<std::vector<int32_t>>> id_lists = {{ids(1, 1), ids(9, 2), ids(5, 3)},
+                                                                     {ids(14, 4), ids(11, 5)}};
+    int64_t rows = 0, equal_rows = 0, blocks_added = 0;
+    for (size_t e = 0; e < slot_lists.size(); ++e) {
+      CAPTURE(e);
+      const std::vector<int32_t>& slots = slot_lists[e];
+      const std::vector<std::span<const int32_t>> new_ids(id_lists[e].begin(), id_lists[e].end());
+      const int64_t free_before = extended.kv().free_blocks(), need = extended.extend_blocks(slots, new_ids);
+      extended.extend(slots, new_ids, logits.data());
+      CHECK(free_before - extended.kv().free_blocks() == need);
+      blocks_added += need;
+      // The same ids one a decode step, slot after slot in the extend's order (so the pool hands out the same blocks).
+      for (size_t i = 0; i < slots.size(); ++i) {
+        for (int32_t id : new_ids[i]) {
+          const std::vector<int32_t> one_slot = {slots[i]}, one_id = {id};
+          fed.decode(one_slot, one_id, last_fed.data());
+        }
+        ++rows;
+        equal_rows += std::memcmp(last_fed.data(), logits.data() + int64_t(i) * V, sizeof(float) * size_t(V)) == 0;
+        CHECK(extended.length(slots[i]) == fed.length(slots[i]));
+      }
+    }
+    CHECK(equal_rows == rows);
+    CHECK(blocks_added == 2 + 0 + 1 + 4 + 3);  // slot 0: 3 -> 12, 2: 7 -> 8, 3: 1 -> 6 -> 17, 1: 4 -> 18
+    CHECK(extended.extend_tokens_computed() == 1 + 9 + 5 + 14 + 11);
+    CHECK(extended.extends() == 2);
+    CHECK(extended.decode_positions_read() == 0);
+    CHECK(fed.extend_tokens_computed() == 0);
+    CHECK(extended.kv().used_blocks() == fed.kv().used_blocks());
+    CHECK(extended.kv().used_blocks() == 3 + 5 + 2 + 5);  // ceil(12 / 4), ceil(18 / 4), ceil(8 / 4), ceil(17 / 4)
+    // The block tables and every layer's keys and values at every position, bit for bit.
+    const KvPages a = extended.kv().pages(), b = fed.kv().pages();
+    int64_t positions = 0, same = 0;
+    for (int32_t s : all) {
+      CHECK(std::equal(a.table + s * a.table_ld, a.table + s * a.table_ld + extended.kv().blocks_for(extended.length(s)),
+                       b.table + s * b.table_ld));
+      for (int l = 0; l < int(c.num_layers); ++l)
+        for (int64_t p = 0; p < extended.length(s); ++p, ++positions)
+          same += std::memcmp(extended.cached_keys(l, s, p), fed.cached_keys(l, s, p), sizeof(float) * KVD) == 0 &&
+                  std::memcmp(extended.cached_values(l, s, p), fed.cached_values(l, s, p), sizeof(float) * KVD) == 0;
+    }
+    CHECK(same == positions);
+    CHECK(positions == c.num_layers * (12 + 18 + 8 + 17));
+    // A decode step of every slot after them reads the caches: the same bits again.
+    std::vector<float> after_extend(size_t(4 * V)), after_fed(size_t(4 * V));
+    const std::vector<int32_t> next = {1, 2, 3, 4};
+    extended.decode(all, next, after_extend.data());
+    fed.decode(all, next, after_fed.data());
+    CHECK(after_extend == after_fed);
+    // Released, every block goes back.
+    for (int32_t s : all) extended.release(s), fed.release(s);
+    CHECK(extended.kv().free_blocks() == extended.kv().blocks());
+    CHECK(extended.kv().used_blocks() == 0);
+    CHECK(extended.kv().held_positions() == 0);
+    // Asking for more blocks than are free, or past max_len, is refused before anything changes.
+    CpuDecoder small(m, DecoderLimits{.slots = 2, .max_len = 20, .block_size = 4, .blocks = 6});
+    const std::vector<int32_t> two = {0, 1};
+    small.prefill(two, std::vector<std::span<const int32_t>>{spans[0], spans[1]}, logits.data());
+    const std::vector<int32_t> long_ids = ids(16, 6), short_ids = ids(3, 7);
+    const std::vector<std::span<const int32_t>> too_many = {long_ids, short_ids};
+    CHECK(small.extend_blocks(two, too_many) == 4 + 1);  // 3 -> 19: 4 more; 4 -> 7: 1 more; 4 are free
+    CHECK_THROWS_WITH(small.extend(two, too_many, logits.data()),
+                      doctest::Contains("an extend needs 5 KV blocks, 4 free"));
+    const std::vector<int32_t> past = ids(18, 8);
+    CHECK_THROWS_WITH(small.extend(std::vector<int32_t>{0}, std::vector<std::span<const int32_t>>{past}, logits.data()),
+                      doctest::Contains("18 tokens appended to slot 0, which holds 3 of 20 positions"));
+    CHECK(small.length(0) == 3);
+    CHECK(small.kv().free_blocks() == 4);
+  }
+}
+
+TEST_CASE("several turns in a batch: observations fed by extends give the tokens and logprobs of batch 1 and of a "
+          "tight pool (sequences give way with an observation not yet fed); decode rows drop by every fed id") {
+  const InferenceModel m = InferenceModel::from_hf(fs::path("tests/fixtures") / "qwen2-bias");
+  const int64_t V = m.config().vocab_size;
+  const auto prompts = mixed_prompts(8, V);
+  GenerateOptions o;
+  o.sampling = {.temperature = 0.9, .top_k = 0, .top_p = 1.0, .seed = 21};
+  o.max_new_tokens = 30;
+  for (int32_t id = 0; id < V; id += 6) o.stop_ids.push_back(id);  // turns of about six tokens
+  // Turn 1 is answered with 6 ids (more than a block of 4), turn 2 with 1, turn 3 ends the episode.
+  o.next_turn = [&](const GenerateRequest& r, const Completion& c) -> std::optional<std::vector<int32_t>> {
+    if (c.turns == 1) return std::vector<int32_t>{int32_t(V - 1), int32_t(r.prompt), 9, 10, 11, int32_t(V - 2)};
+    if (c.turns == 2) return std::vector<int32_t>{int32_t(V - 3)};
+    return std::nullopt;
+  };
+  const Run batch1 = sample(m, prompts, 2, o, 1, 4, 0, true);
+  const Run batch6 = sample(m, prompts, 2, o, 6, 4, 0, true);
+  // 48 positions: one sequence at its longest takes 42 of them.
+  const Run tight = sample(m, prompts, 2, o, 6, 4, 48, true);
+  check_same(batch6.out, batch1.out);
+  check_same(tight.out, batch1.out);
+  CHECK(tight.stats.preemptions > 0);
+  // Every token but a sequence's last is fed once: the observations' ids and
+  // the stop id before each by an extend, the drawn tokens by decode steps.
+  int64_t turns = 0, observed = 0, fed = 0;
+  for (const Completion& c : batch6.out) {
+    const int64_t obs = std::count(c.observed.begin(), c.observed.end(), uint8_t(1));
+    turns += c.turns;
+    observed += obs;
+    fed += int64_t(c.tokens.size()) - 1;
+    CHECK(c.turns <= 3);
+  }
+  const int64_t observations = turns - int64_t(batch6.out.size());
+  MESSAGE(observations << " observations of " << observed << " ids over " << batch6.out.size() << " sequences; "
+                       << "decode rows " << batch6.stats.decode_rows << " (one a fed token: " << fed
+                       << "), decode steps at batch 6 " << batch6.stats.decode_steps << ", at batch 1 "
+                       << batch1.stats.decode_steps << " (" << fed << " with one a fed token); extends "
+                       << batch6.stats.extends << " at batch 6, " << batch1.stats.extends << " at batch 1");
+  CHECK(observations >= int64_t(batch6.out.size()));  // most sequences had a second turn
+  for (const Run* r : {&batch1, &batch6}) {
+    CHECK(r->stats.preemptions == 0);
+    CHECK(r->stats.extend_tokens == observed + observations);
+    CHECK(r->stats.decode_rows == fed - observed - observations);
+  }
+  CHECK(batch1.stats.decode_steps == fed - observed - observations);
+  CHECK(batch1.stats.extends == observations);
+  CHECK(batch6.stats.extends < observations);  // several sequences' observations in one extend
 }
 
 }  // TEST_SUITE
