@@ -14,6 +14,7 @@
 #     acts from the second update of a step on, never in the first (on-policy);
 #     CISPO's rewards equal the clipped surrogate's while no weight is truncated;
 #     on-policy the importance ratio stays near 1;
+#   a mixture of experts (qwen3_moe, the load-balancing loss on) learns the same way;
 #   the filesystem broadcast with two inference ranks, data.max_async = 2,
 #     broadcast.interval = 3 and a reward program: every file's policy step is
 #     within the lag, the program's rewards are the exact verifier's;
@@ -183,6 +184,37 @@ m = [[json.loads(l) for l in open(f"{d}/metrics.jsonl") if '"clip_fraction"' in 
 assert len(m[0]) == 12 and all(r["clip_fraction"] == 0 for r in m[0]), m[0]
 assert all(abs(a["loss"] - b["loss"]) > 1e-3 for a, b in zip(*m)), [(a["loss"], b["loss"]) for a, b in zip(*m)]
 EOF
+
+# --- a mixture of experts learns too: the warm start as qwen3_moe (4 experts, 2 a token, the
+# load-balancing loss on; 30 SFT steps, as the experts' model learns the copy faster), then the same RL job from its export (trainers and inference rank on
+# the experts): the reward rises and the trainers log the load-balancing loss.
+MOE=(--set model.arch=qwen3_moe --set model.qk_norm=true --set model.num_experts=4 --set model.num_experts_per_tok=2
+     --set model.moe_intermediate_size=32 --set model.norm_topk_prob=true --set model.router_aux_loss=true
+     --set model.router_aux_loss_coef=0.01)
+timeout 120 "$BIN" train inputs/copy-sft.toml --set "data.path=$T/task/sft.h5" --set "run.dir=$T/moe-sft" \
+  --set "run.export_dir=$T/moe-sft/export" --set run.max_steps=30 "${MOE[@]}" > "$T/moe-sft.log" 2>&1
+check "experts: the warm start as qwen3_moe, exported as Qwen3MoeForCausalLM" \
+  grep -q '"Qwen3MoeForCausalLM"' "$T/moe-sft/export/config.json"
+start=$(date +%s.%N)
+rl "$T/moe" --set "model.hf=$T/moe-sft/export"
+timeout 300 "${MPI[@]}" -np 2 "$BIN" train "${ARGS[@]}" : -np 1 "$BIN" generate "${ARGS[@]}" > "$T/moe.log" 2>&1
+rc=$?
+seconds=$("$PY" -c "import time; print(f'{time.time() - $start:.1f}')")
+read -r steps before after aux_rows aux_first aux_last <<< "$("$PY" - "$T/moe" <<'EOF'
+import json, sys
+d = sys.argv[1]
+r = [json.loads(l)["reward_mean"] for l in open(f"{d}/rollouts.jsonl")]
+aux = [row["router_aux_loss"] for row in (json.loads(l) for l in open(f"{d}/metrics.jsonl")) if "router_aux_loss" in row]
+print(len(r), f"{sum(r[:5]) / 5:.4f}", f"{sum(r[-10:]) / 10:.4f}", len(aux), f"{aux[0]:.4f}", f"{aux[-1]:.4f}")
+EOF
+)"
+echo "experts: reward first 5 rollout steps ${before:-?}, last 10 ${after:-?} (${steps:-0} steps, $seconds s); \
+load-balancing loss ${aux_first:-?} -> ${aux_last:-?}"
+check "experts: the job exits 0 after 60 scored steps ($seconds s)" test $rc = 0 -a "${steps:-0}" = 60
+check "experts: the reward rises from ${before:-?} (< 0.30) to ${after:-?} (>= 0.45 and >= first 5 + 0.25)" \
+  "$PY" -c "assert ${before:-1} < 0.30 and ${after:-0} >= 0.45 and ${after:-0} >= ${before:-1} + 0.25"
+check "experts: every logged step has the load-balancing loss, between 1 and 4 (K = 2 of E = 4: 2 when balanced)" \
+  "$PY" -c "assert ${aux_rows:-0} == 12 and 1 <= ${aux_first:-0} <= 4 and 1 <= ${aux_last:-0} <= 4"
 
 # --- filesystem broadcast, two inference ranks, lag 2, a reward program
 cat > "$T/reward.py" <<'EOF'
