@@ -550,7 +550,7 @@ TEST_CASE("read_hf_config refuses bad configs with the file, key and value") {
   SUBCASE("not JSON") { CHECK(config_error("{\"model_type\": ").find("config.json: not valid JSON") != std::string::npos); }
   SUBCASE("unknown model_type") {
     std::string msg = config_error(llama_config_with("model_type", "\"mistral\""));
-    CHECK(msg.find("config.json: model_type 'mistral' is not supported (shardlm runs llama, qwen2 and qwen3)") !=
+    CHECK(msg.find("config.json: model_type 'mistral' is not supported (shardlm runs llama, qwen2, qwen3, qwen2_moe and qwen3_moe)") !=
           std::string::npos);
   }
   SUBCASE("architecture that is not the causal LM") {
