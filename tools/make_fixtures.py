@@ -437,7 +437,9 @@ def save_model(fx, model, out_dir):
     check(not cj.get("attention_bias", False) or fx["model_type"] in ("qwen2", "qwen2_moe"),
           f"{fx['name']}: attention_bias set")
     for k, v in fx.get("moe", {}).items():
-        check(cj.get(k) == v, f"{fx['name']}: config.json {k} = {cj.get(k)}, expected {v}")
+        # transformers 5 saves Qwen3-MoE's expert count as num_local_experts
+        got = cj.get(k, cj.get("num_local_experts")) if k == "num_experts" else cj.get(k)
+        check(got == v, f"{fx['name']}: config.json {k} = {got}, expected {v}")
     check(not cj.get("use_sliding_window", False), f"{fx['name']}: sliding window on")
     theta, scaling = effective_rope(cj)
     check_rope(fx, "config.json", theta, scaling)

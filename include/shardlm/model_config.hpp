@@ -207,6 +207,13 @@ std::string model_scale_error(const ModelConfig& c, int64_t tokens_per_micro_bat
 // default). "" when they hold; else a sentence naming the member by its deck key.
 std::string moe_config_error(const ModelConfig& c);
 
+// What the architecture's transformers class computes: q/k/v biases in
+// qwen2 and qwen2_moe (always), in no other (transformers' attention_bias
+// would add an o_proj bias too); q/k norms in qwen3 and qwen3_moe only. ""
+// when the config says so; else a sentence naming the deck key. Checked
+// before an export (run.export_dir) and by write_hf_config.
+std::string hf_attention_error(const ModelConfig& c);
+
 // model.fp8: cuBLASLt's FP8 GEMMs take sizes in multiples of 16, so the linears'
 // widths (hidden_size, intermediate_size, num_heads x head_dim, num_kv_heads x
 // head_dim) and the tokens of a row on one rank (data.seq_len /

@@ -582,6 +582,8 @@ void check_model(const Config& c, const std::set<std::string>& given, const Erro
       err(e);
     else if (std::string e = moe_deck_error(c, a); !e.empty())
       err(e);
+    else if (std::string e = hf_attention_error(a); !e.empty() && !c.run.export_dir.empty())
+      err("run.export_dir is set, but " + e);
     else if (tokens && *tokens <= kMaxTokensPerMicroBatch)
       if (std::string e = model_scale_error(a, *tokens, c.loss.chunk_tokens); !e.empty()) err("model: " + e);
     if (c.model.fp8 != "none" && c.model.context_parallel > 0)

@@ -307,7 +307,17 @@ void read_moe_member(const ConfigReader& cr, const json& root, const std::string
     const bool shared = &size == &c.shared_expert_intermediate_size;
     if (shared && model_type != "qwen2_moe") return;  // Qwen3-MoE has no shared expert
     if (!v && &size == &c.decoder_sparse_step) return;  // 1
+    // transformers 5 saves Qwen3-MoE's expert count as num_local_experts (the
+    // published checkpoints say num_experts, and so does the export).
+    const json* local = &size == &c.num_experts ? ConfigReader::find(root, "num_local_experts") : nullptr;
+    if (local && !v) {
+      size = cr.positive_int("num_local_experts", (int64_t)f.max);
+      return;
+    }
     size = cr.positive_int(f.hf_key, (int64_t)f.max);
+    if (local && cr.positive_int("num_local_experts", (int64_t)f.max) != size)
+      cr.fail(fmt("'num_experts' %lld and 'num_local_experts' %lld disagree", (long long)size,
+                  (long long)cr.positive_int("num_local_experts", (int64_t)f.max)));
   }
 }
 
@@ -430,15 +440,7 @@ void write_hf_config(const fs::path& dir, const ModelConfig& c, const std::strin
                 "write_hf_config: arch '%s' has no Hugging Face equivalent (llama, qwen2, qwen3, qwen2_moe, qwen3_moe)",
                 c.arch.c_str());
   // Only write what the named transformers class computes exactly.
-  SHARDLM_CHECK(!qwen2_attention(c.arch) || c.attention_bias,
-                "write_hf_config: a %s model always has q/k/v biases; this one has attention_bias = false",
-                c.arch.c_str());
-  SHARDLM_CHECK(qwen2_attention(c.arch) || !c.attention_bias,
-                "write_hf_config: %s with attention_bias = true would mean an o_proj bias too in transformers; "
-                "only qwen2 and qwen2_moe express q/k/v-only biases", c.arch.c_str());
-  SHARDLM_CHECK(c.qk_norm == qwen3_attention(c.arch),
-                "write_hf_config: qk_norm = %s cannot be expressed for arch '%s' (q/k norms exist in qwen3 and "
-                "qwen3_moe only)", c.qk_norm ? "true" : "false", c.arch.c_str());
+  if (const std::string e = hf_attention_error(c); !e.empty()) SHARDLM_FAIL("write_hf_config: %s", e.c_str());
   if (const std::string e = moe_config_error(c); !e.empty()) SHARDLM_FAIL("write_hf_config: %s", e.c_str());
   const bool sizes_positive = std::ranges::all_of(
       model_fields(), [&](const ModelField& f) { return f.hf != HfForm::Integer || member_of<int64_t>(f, c) > 0; });

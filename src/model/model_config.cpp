@@ -202,6 +202,21 @@ std::string model_scale_error(const ModelConfig& c, int64_t tokens, int64_t chun
   return "";
 }
 
+std::string hf_attention_error(const ModelConfig& c) {
+  const bool qwen2 = c.arch == "qwen2" || c.arch == "qwen2_moe";
+  const bool qwen3 = c.arch == "qwen3" || c.arch == "qwen3_moe";
+  if (qwen2 && !c.attention_bias)
+    return fmt("a %s model always has q/k/v biases; this one has model.attention_bias = false (set it true)",
+               c.arch.c_str());
+  if (!qwen2 && c.attention_bias)
+    return fmt("%s with model.attention_bias = true would mean an o_proj bias too in transformers; only qwen2 and "
+               "qwen2_moe express q/k/v-only biases", c.arch.c_str());
+  if (c.qk_norm != qwen3)
+    return fmt("model.qk_norm = %s cannot be expressed for arch '%s' (q/k norms exist in qwen3 and qwen3_moe only)",
+               c.qk_norm ? "true" : "false", c.arch.c_str());
+  return "";
+}
+
 std::string moe_config_error(const ModelConfig& c) {
   const bool moe_arch = c.arch == "qwen2_moe" || c.arch == "qwen3_moe";
   if (!moe_arch) {

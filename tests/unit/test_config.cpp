@@ -419,6 +419,26 @@ TEST_CASE("cross-field checks run before any work") {
         "deck.toml: data.seq_len = 64 is larger than model.max_position_embeddings = 32");
 }
 
+TEST_CASE("a model of experts: what the deck refuses before any work") {
+  const std::vector<std::string> moe = {"model.arch=qwen2_moe", "model.attention_bias=true", "model.num_experts=4",
+                                        "model.num_experts_per_tok=2", "model.moe_intermediate_size=8"};
+  auto with = [&](std::vector<std::string> extra) {
+    extra.insert(extra.begin(), moe.begin(), moe.end());
+    return extra;
+  };
+  CHECK(parse(kValid, with({})).ok());
+  CHECK(parse(kValid, with({"run.export_dir=out"})).ok());
+  CHECK(only_error(parse(kValid, with({"model.attention_bias=false", "run.export_dir=out"}))) ==
+        "deck.toml: run.export_dir is set, but a qwen2_moe model always has q/k/v biases; this one has "
+        "model.attention_bias = false (set it true)");
+  CHECK(parse(kValid, with({"model.attention_bias=false"})).ok());  // nothing to express without an export
+  CHECK(only_error(parse(kValid, with({"device.backend=cuda"}))) ==
+        "deck.toml: a model of experts (arch qwen2_moe) runs on the CPU backend only so far: set device.backend = "
+        "\"cpu\"");
+  CHECK(only_error(parse(kValid, with({"model.num_experts_per_tok=5"}))) ==
+        "deck.toml: model.num_experts_per_tok = 5 must be between 1 and model.num_experts = 4");
+}
+
 TEST_CASE("sizes past their bounds are refused by key with the accepted range, never wrapped") {
   // micro_batch x world must not wrap to 0 and divide by it (SIGFPE).
   CHECK(only_error(parse(kValid, {"data.micro_batch=4611686018427387904"}, 4)) ==

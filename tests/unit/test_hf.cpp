@@ -397,6 +397,44 @@ TEST_CASE("read_hf_config reads a Qwen3 config in the transformers 5.x form") {
   CHECK(c.eos_token_id == 151645);
 }
 
+// The config.json transformers 5.17 saves for a small Qwen3MoeForCausalLM: the
+// expert count as num_local_experts (the published checkpoints say num_experts).
+constexpr const char* kQwen3MoeConfig5x = R"({"architectures": ["Qwen3MoeForCausalLM"], "attention_bias": false,
+  "attention_dropout": 0.0, "bos_token_id": null, "decoder_sparse_step": 1, "dtype": "float32", "eos_token_id": null,
+  "head_dim": 8, "hidden_act": "silu", "hidden_size": 32, "initializer_range": 0.02, "intermediate_size": 80,
+  "max_position_embeddings": 32768, "mlp_only_layers": [], "model_type": "qwen3_moe", "moe_intermediate_size": 24,
+  "norm_topk_prob": true, "num_attention_heads": 4, "num_experts_per_tok": 2, "num_hidden_layers": 2,
+  "num_key_value_heads": 2, "num_local_experts": 4, "output_router_logits": true, "pad_token_id": null,
+  "rms_norm_eps": 1e-06, "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+  "router_aux_loss_coef": 0.01, "sliding_window": null, "tie_word_embeddings": false, "transformers_version": "5.17.0",
+  "use_cache": true, "use_sliding_window": false, "vocab_size": 64})";
+
+TEST_CASE("read_hf_config reads Qwen3-MoE's expert count as num_experts or transformers 5's num_local_experts") {
+  auto read = [](const nlohmann::json& j) {
+    TempDir d;
+    write_text(d.path / "config.json", j.dump());
+    return shardlm::read_hf_config(d.path);
+  };
+  nlohmann::json local = nlohmann::json::parse(kQwen3MoeConfig5x);
+  shardlm::ModelConfig c = read(local);
+  CHECK(c.arch == "qwen3_moe");
+  CHECK(c.num_experts == 4);
+  CHECK(c.num_experts_per_tok == 2);
+  CHECK(c.moe_intermediate_size == 24);
+  CHECK(c.norm_topk_prob);
+  CHECK(c.router_aux_loss);
+  CHECK(c.router_aux_loss_coef == doctest::Approx(0.01));
+  nlohmann::json hub = local;
+  hub.erase("num_local_experts");
+  hub["num_experts"] = 4;
+  CHECK(read(hub).num_experts == 4);
+  nlohmann::json both = hub;
+  both["num_local_experts"] = 8;
+  CHECK(config_error(both.dump()).find("'num_experts' 4 and 'num_local_experts' 8 disagree") != std::string::npos);
+  both["num_local_experts"] = 4;
+  CHECK(read(both).num_experts == 4);
+}
+
 TEST_CASE("read_hf_config reads the config.json transformers 5.x wrote for the llama fixture") {
   TempDir d;
   write_text(d.path / "config.json", kLlamaFixtureConfigTransformers5);
@@ -525,7 +563,8 @@ TEST_CASE("write_hf_config refuses what the architecture cannot express, and wri
   c.max_position_embeddings = 16;
   TempDir d;
   CHECK(error_of([&] { shardlm::write_hf_config(d.path, c, "bfloat16"); })
-            .find("a qwen2 model always has q/k/v biases; this one has attention_bias = false") != std::string::npos);
+            .find("a qwen2 model always has q/k/v biases; this one has model.attention_bias = false (set it true)") !=
+        std::string::npos);
   c.attention_bias = true;
   CHECK(error_of([&] { shardlm::write_hf_config(d.path, c, "fp8"); })
             .find("torch_dtype 'fp8' is not one of float32, bfloat16, float16") != std::string::npos);
@@ -535,7 +574,7 @@ TEST_CASE("write_hf_config refuses what the architecture cannot express, and wri
   c.qk_norm = false;
   c.arch = "llama";
   CHECK(error_of([&] { shardlm::write_hf_config(d.path, c, "float32"); })
-            .find("llama with attention_bias = true") != std::string::npos);
+            .find("llama with model.attention_bias = true") != std::string::npos);
   CHECK(fs::is_empty(d.path));
   CHECK(error_of([&] { shardlm::write_hf_config(d.path / "absent", c, "float32"); })
             .find("is not a directory") != std::string::npos);
