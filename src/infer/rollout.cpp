@@ -564,6 +564,9 @@ int run_inference_role(const Config& config, Runtime& rt) {
   if (next() == WeightReceiver::Got::Done) return ended();
   if (rank == 0) publisher->open_jsonl(fs::path(config.run.dir) / "rollouts.jsonl", receiver.step());
   evaluator.open_jsonl(config.run.dir, receiver.step());
+  // The starting weights are evaluated before any sampling: later, a drain
+  // with in-flight updates may already have taken the next ones.
+  evaluate_if_due();
 
   for (int64_t step = receiver.step(); step < config.run.max_steps; ++step) {
     // tests: SHARDLM_FAULT=generate_crash@R kills inference rank R (world rank) before rollout step 4

@@ -13,6 +13,7 @@
 #     with in-flight updates, some samples are fresher than the step's start;
 #   without rollout.in_flight_updates the same job takes no weights mid-step and
 #     every sample of a step is as old as the step's policy_step;
+#   eval during the run (eval.interval = 4) evaluates the starting weights first;
 #   in-flight updates with 2 inference ranks are refused, naming the key.
 # Prints PASS/FAIL lines; exits non-zero when anything failed.
 set -u
@@ -65,8 +66,11 @@ print(f"weights taken mid-step {loads} times; {fresher} of 8 steps hold samples 
 EOF
 }
 
+"$PY" tools/make_copy_task.py --out-dir "$T/held" --seed 1 --prompts 16 --sft-docs 1 > "$T/held.log" 2>&1 ||
+  { fail "make_copy_task.py (held-out prompts)"; cat "$T/held.log"; }
+EVAL=(--set "eval.prompts=$T/held/prompts.h5" --set eval.interval=4 --set eval.samples=2)
 for path in nccl filesystem; do
-  rl "$T/on-$path" --set rollout.in_flight_updates=true --set "broadcast.backend=\"$path\""
+  rl "$T/on-$path" --set rollout.in_flight_updates=true --set "broadcast.backend=\"$path\"" "${EVAL[@]}"
   s0=$(date +%s); job > "$T/on-$path.log" 2>&1; rc=$?; echo "$path: $(( $(date +%s) - s0 )) s"; (exit $rc)
   check "$path, in-flight updates: exit $? (0)" test $? = 0
   check "... weights taken mid-step; files' policy steps are their oldest samples', within data.max_async; \
@@ -76,6 +80,12 @@ check "... the trainer logs the histogram and its wait fraction" "$PY" - "$T/on-
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if '"loss"' in l]
 assert len(rows) == 8 and all("rollout_staleness_2" in r and 0 <= r["rollout_wait_fraction"] <= 1 for r in rows), rows[0]
+EOF
+check "... eval during the run: the starting weights first, though later weights arrive while the step before \
+the first evaluation finishes" "$PY" - "$T/on-nccl/eval.jsonl" <<'EOF'
+import json, sys
+steps = [json.loads(l)["eval_policy_step"] for l in open(sys.argv[1])]
+assert steps[0] == 0 and steps == sorted(set(steps)) and steps[-1] == 8, steps
 EOF
 rl "$T/off"
 job > "$T/off.log" 2>&1
