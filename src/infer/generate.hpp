@@ -62,6 +62,11 @@ struct Completion {
   // it came from the caller (an observation between two turns; its logprobs
   // are 0), 0 where it was drawn; empty while every token was drawn.
   std::vector<uint8_t> observed;
+  // Router replay (Decoder::record_routes): (prompt + tokens, route_width) the
+  // experts the router chose at each layer of experts for every position when
+  // it was fed in (the prompt's in its prefill, the group's samples sharing
+  // them); the last token, never fed, -1. Empty when not recorded.
+  std::vector<int32_t> routes;
   int64_t turns = 1;      // the turns drawn
   // RL with env.program (infer/episodes.hpp): the episode's reward, its
   // numbers (the environment's "metrics", a JSON object; "" when none) and
