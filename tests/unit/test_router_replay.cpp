@@ -10,18 +10,25 @@
 // identical weights the replayed logprobs are the sampler's.
 #include <doctest/doctest.h>
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
 #include <memory>
 #include <random>
 #include <vector>
 
+#include "data/rollouts.hpp"
 #include "infer/decoder.hpp"
 #include "infer/generate.hpp"
 #include "infer/model.hpp"
 #include "shardlm/comm.hpp"
+#include "shardlm/config.hpp"
+#include "shardlm/error.hpp"
 #include "train/engine.hpp"
 #include "train/shard.hpp"
+#include "train/step_source.hpp"
 
 using namespace shardlm;
 
@@ -181,6 +188,90 @@ TEST_CASE("the sampler records every fed token's experts (a group shares its pro
   CHECK(noisy.moved > 0);  // the trainer's own top-k differs from the sampler's somewhere
   CHECK(noisy.kl_replay < noisy.kl_plain);
   CHECK(noisy.max_replay < noisy.max_plain);
+}
+
+TEST_CASE("the trainers' rollout source: with replay a file's routes reach the micro-batch at the input token; a "
+          "file without routes, or of another width, is refused naming it; without replay its routes are unused") {
+  const std::filesystem::path dir =
+      std::filesystem::temp_directory_path() / ("shardlm-replay-" + std::to_string(getpid()));
+  std::filesystem::remove_all(dir);
+  const DeckResult deck = parse_deck_text(R"(
+[run]
+name = "replay"
+dir = "runs/replay"
+max_steps = 4
+[model]
+arch = "qwen3_moe"
+qk_norm = true
+vocab_size = 16
+hidden_size = 32
+intermediate_size = 64
+num_layers = 2
+num_heads = 2
+num_experts = 4
+num_experts_per_tok = 2
+moe_intermediate_size = 16
+[data]
+seq_len = 8
+micro_batch = 2
+rollout_timeout_s = 5
+[loss]
+type = "rl"
+router_replay = true
+)", "replay.toml", {"data.rollout_dir=" + dir.string()}, 1);
+  for (const auto& e : deck.errors) MESSAGE(e);
+  REQUIRE(deck.ok());
+  const int64_t R = deck.config.model.arch.route_width();
+  REQUIRE(R == 4);
+  // One sample of 5 tokens: token t's route {t, t + 1, t + 2, t + 3} % 4 (t = 4, the last: -1).
+  RolloutFile f;
+  f.tokens = {1, 2, 3, 4, 5};
+  f.offsets = {0, 5};
+  f.loss_mask = {0, 0, 1, 1, 1};
+  f.advantages = {1.0f};
+  f.inference_logprobs = {0, 0, -0.5f, -0.5f, -0.5f};
+  f.temperature = {1.0f};
+  f.route_width = R;
+  for (int32_t t = 0; t < 5; ++t)
+    for (int32_t k = 0; k < R; ++k) f.routes.push_back(t == 4 ? -1 : (t + k) % 4);
+  auto comm = make_self_comm();
+  const auto source = [&](int64_t width) { return make_rollout_source(deck.config, 16, *comm, nullptr, width); };
+
+  f.step = f.policy_step = 0;
+  write_rollouts(dir.string(), f);
+  auto replaying = source(R);
+  replaying->begin(0);
+  const TokenBatch b = replaying->micro_batch(0, 0, 0);
+  REQUIRE(b.routes);
+  for (int64_t at = 0; at < 4; ++at)  // input token t = at of the sample: its own route
+    for (int64_t k = 0; k < R; ++k) CHECK(b.routes[at * R + k] == (at + k) % 4);
+  for (int64_t at = 4; at < b.N; ++at) CHECK(b.routes[at * R] == -1);  // padding
+
+  auto plain = source(0);
+  plain->begin(0);
+  CHECK(plain->micro_batch(0, 0, 0).routes == nullptr);
+
+  RolloutFile without = f;
+  without.step = without.policy_step = 1;
+  without.routes.clear();
+  without.route_width = 0;
+  write_rollouts(dir.string(), without);
+  std::string message;
+  try {
+    source(R)->begin(1);
+  } catch (const Error& e) {
+    message = e.what();
+  }
+  CHECK(message.find("rollout file '" + rollout_path(dir.string(), 1) + "' has no dataset 'routes', which "
+                     "loss.router_replay = true replays") != std::string::npos);
+  message.clear();
+  try {
+    source(6)->begin(0);
+  } catch (const Error& e) {
+    message = e.what();
+  }
+  CHECK(message.find("'routes' has rows of 4 experts, but this model routes each token to 6") != std::string::npos);
+  std::filesystem::remove_all(dir);
 }
 
 }  // TEST_SUITE
