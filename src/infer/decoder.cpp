@@ -166,7 +166,11 @@ void Decoder::record_routes() {
   route_width_ = config().route_width();
   SHARDLM_CHECK(route_width_ > 0, "internal: router replay's routes recorded for arch %s, which has no experts",
                 config().arch.c_str());
-  routes_.assign(size_t(limits_.slots * limits_.max_len * route_width_), -1);
+  routes_.assign(size_t(routes_bytes(config(), limits_)) / sizeof(int32_t), -1);
+}
+
+int64_t routes_bytes(const ModelConfig& c, const DecoderLimits& limits) {
+  return limits.slots * limits.max_len * c.route_width() * int64_t(sizeof(int32_t));
 }
 
 void Decoder::decode(std::span<const int32_t> slots, std::span<const int32_t> tokens, float* logits) {

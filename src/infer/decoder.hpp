@@ -219,6 +219,9 @@ struct DecoderPlan {
   int64_t scratch = 0;   // the largest step's activations, logits, head scratch
   int64_t host = 0;      // host buffers beside them (the GPU's pinned logits and staging; the CPU's logits)
 };
+// Router replay's table of a decoder that records routes (Decoder::record_routes):
+// slots x max_len rows of the model's route width, int32, in host memory.
+int64_t routes_bytes(const ModelConfig& c, const DecoderLimits& limits);
 // The limits both decoders accept: 1 to 65536 slots, 1 to max_position_embeddings
 // positions. Throws Error naming the one out of range.
 void check_decoder_limits(const ModelConfig& c, const DecoderLimits& limits);
