@@ -68,7 +68,7 @@ struct RolloutFile {
   std::vector<float> inference_logprobs;   // (T) 0 on prompt tokens; log_softmax(logits / temperature)[token]
   std::vector<float> sampling_logprobs;    // (T) optional, 0 on prompt tokens: under the truncated (top-k, top-p)
                                            //   distribution the token was drawn from
-  std::vector<int32_t> routes;             // (T, route_width) optional: router replay's experts (RolloutBatch)
+  std::vector<int32_t> routes;             // (T, route_width) optional: router replay's experts (as RolloutBatch's)
   int64_t route_width = 0;
   std::vector<float> temperature;          // (S)
   std::vector<double> rewards;             // (S) optional: each sample's reward (the advantages' input)

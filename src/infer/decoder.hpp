@@ -12,6 +12,9 @@
 // share their prompt's blocks, so the prompt is computed once; a decode step
 // or an extend adds blocks to a sequence that crosses into new ones; release()
 // gives a sequence's blocks back. The backends compute over the blocks they are given.
+// With router replay on (record_routes), the base also keeps each slot's
+// table of the experts every fed position was routed to, which the backend's
+// forward fills and a prefill copies to a group's later samples.
 //
 // CpuDecoder:
 // A sequence's logits never depend on the other sequences of its batch, nor on

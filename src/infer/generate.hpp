@@ -10,7 +10,7 @@
 // queue to be prefilled again whole (prompt and tokens so far).
 //
 // Owns: GenerateRequest, Completion (tokens, the three logprobs of each token,
-// why it ended), GenerateOptions, generate(), and the planning of the
+// why it ended, router replay's routes), GenerateOptions, generate(), and the planning of the
 // decoder's limits from the prompts. Uses Decoder (forward, and the model's
 // logprobs: on the CPU cpu::token_logprobs, the function the RL loss computes
 // the trainer's logprobs with; on the GPU its counterpart on the device) and
