@@ -16,6 +16,7 @@
 #include <cmath>
 #include <filesystem>
 #include <memory>
+#include <optional>
 #include <random>
 #include <vector>
 
@@ -188,6 +189,61 @@ TEST_CASE("the sampler records every fed token's experts (a group shares its pro
   CHECK(noisy.moved > 0);  // the trainer's own top-k differs from the sampler's somewhere
   CHECK(noisy.kl_replay < noisy.kl_plain);
   CHECK(noisy.max_replay < noisy.max_plain);
+}
+
+TEST_CASE("recorded routes are those a prefill of the whole sequence computes, through decode steps, extends of "
+          "observations between turns, and sequences that give way and are prefilled again") {
+  const ModelConfig c = tiny_experts();
+  const int64_t R = c.route_width();
+  InferenceModel sampler;
+  sampler.weights = std::make_unique<ShardedModel>(c, 0, 1);
+  sampler.weights->init_seeded(8, 0.3);
+  std::vector<std::vector<int32_t>> prompts;
+  for (int p = 0; p < 4; ++p) {
+    std::vector<int32_t> ids;
+    for (int t = 0; t < 4 + 2 * p; ++t) ids.push_back(int32_t((p * 11 + t * 5 + 1) % c.vocab_size));
+    prompts.push_back(ids);
+  }
+  std::vector<GenerateRequest> requests;
+  for (size_t p = 0; p < prompts.size(); ++p)
+    for (int64_t s = 0; s < 2; ++s) requests.push_back({int64_t(p), s, prompts[p]});
+  GenerateOptions o;
+  o.sampling.temperature = 1.0;
+  o.sampling.seed = 4;
+  o.max_new_tokens = 20;
+  for (int32_t id = 0; id < 8; ++id) o.stop_ids.push_back(id * 8);  // one token in 8 ends a turn
+  o.next_turn = [](const GenerateRequest&, const Completion& done) -> std::optional<std::vector<int32_t>> {
+    if (done.turns > 1) return std::nullopt;
+    return std::vector<int32_t>{20, 21, 22};
+  };
+  DecoderLimits limits = plan_limits(c, requests, 4, o.max_new_tokens, "test");
+  limits.block_size = 4;
+  limits.blocks = 12;  // about two sequences at their longest: the latest admitted give way
+  CpuDecoder decoder(sampler, limits);
+  decoder.record_routes();
+  GenerateStats stats;
+  const std::vector<Completion> done = generate(decoder, requests, o, &stats);
+  MESSAGE(stats.extends << " extends, " << stats.preemptions << " sequences gave way, " << stats.decode_steps
+                        << " decode steps");
+  CHECK(stats.extends > 0);
+  CHECK(stats.preemptions > 0);
+
+  int64_t rows = 0;
+  for (const Completion& comp : done) {
+    std::vector<int32_t> fed = prompts[size_t(comp.prompt)];
+    fed.insert(fed.end(), comp.tokens.begin(), comp.tokens.end() - 1);  // every token but the last went in
+    const std::vector<GenerateRequest> whole{{comp.prompt, comp.sample, fed}};
+    GenerateOptions one = o;
+    one.max_new_tokens = 1;
+    one.next_turn = nullptr;
+    CpuDecoder fresh(sampler, plan_limits(c, whole, 1, 1, "test"));
+    fresh.record_routes();
+    const Completion want = generate(fresh, whole, one)[0];
+    REQUIRE(comp.routes.size() == (fed.size() + 1) * size_t(R));
+    CHECK(std::equal(want.routes.begin(), want.routes.begin() + ptrdiff_t(fed.size()) * R, comp.routes.begin()));
+    rows += int64_t(fed.size());
+  }
+  MESSAGE(rows << " fed positions compared");
 }
 
 TEST_CASE("the trainers' rollout source: with replay a file's routes reach the micro-batch at the input token; a "
