@@ -107,6 +107,11 @@ struct TokenBatch {
   // micro-batch's load-balancing loss in the update's loss
   // (model.router_aux_loss_coef over the update's micro-batches, all ranks); 0: none.
   double router_aux_scale = 0;
+  // loss.router_replay (a model of experts): the experts the sampler's router
+  // chose for each input token, (N, ModelConfig::route_width()) int32 (each
+  // layer of experts' K, layer after layer; -1: none recorded, the layer's own
+  // top-k). The forward takes them instead of its own top-k; nullptr: off.
+  const int32_t* routes = nullptr;
 
   // The RL loss's per-token inputs among these (host memory).
   RlTokenInputs rl_inputs() const {

@@ -174,6 +174,12 @@ struct LossSection {
   // divergence"). 0 = off: no frozen copy, no reference pass.
   double ref_kl_coef = 0.0;
   std::string ref_kl_estimator = "k3";  // k1 | k2 | k3
+  // Router replay (a model of experts): the inference ranks record the
+  // experts their router chose for every token they feed (the rollout file's
+  // 'routes'), and the trainers' forward takes those instead of its own top-k,
+  // weighted by its own router's probabilities of them, so the trainer's
+  // logprobs follow the sampler's routing (verl / prime-rl's routing replay).
+  bool router_replay = false;
 };
 
 struct CkptSection {

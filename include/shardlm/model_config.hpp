@@ -68,6 +68,10 @@ struct ModelConfig {
   bool moe() const { return num_experts > 0; }
   // Whether layer `l`'s MLP is the experts.
   bool moe_layer(int64_t l) const { return num_experts > 0 && (l + 1) % decoder_sparse_step == 0; }
+  // Router replay's table (a token's experts at every layer of experts, layer
+  // after layer): its width, and where layer l's K experts start in a row.
+  int64_t route_width() const { return moe() ? (num_layers / decoder_sparse_step) * num_experts_per_tok : 0; }
+  int64_t route_offset(int64_t l) const { return ((l + 1) / decoder_sparse_step - 1) * num_experts_per_tok; }
 };
 
 // The largest sizes shardlm accepts, from a deck or a config.json. Each is far

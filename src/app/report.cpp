@@ -142,7 +142,8 @@ std::string inference_report(const Config& config, const ModelConfig& arch, bool
   }
   const std::tuple<const char*, const char*, int64_t> rows[] = {
       {"weights (bf16)", where, d.weights}, {"KV cache", where, d.cache},   {"activations", where, d.scratch},
-      {"logits, staging", "host", d.host},  {"model (fp32)", "host", model_host}};
+      {"logits, staging", "host", d.host},  {"model (fp32)", "host", model_host},
+      {"routes (replay)", "host", config.loss.router_replay ? routes_bytes(arch, limits) : 0}};
   for (const auto& [name, place, bytes] : rows)
     if (bytes > 0) out += fmt("  %-18s %-5s %12.3f MiB\n", name, place, double(bytes) / kMiB);
   const int64_t device = d.weights + d.cache + d.scratch;

@@ -183,6 +183,7 @@ const std::vector<KeySpec>& key_table() {
       within(key("loss.mini_batches", Type::Int, FIELD(loss.mini_batches)), 1, 1 << 20),
       within(key("loss.ref_kl_coef", Type::Float, FIELD(loss.ref_kl_coef)), 0, 1e6),
       one_of(key("loss.ref_kl_estimator", Type::String, FIELD(loss.ref_kl_estimator)), {"k1", "k2", "k3"}),
+      key("loss.router_replay", Type::Bool, FIELD(loss.router_replay)),
 
       at_least(key("ckpt.interval", Type::Int, FIELD(ckpt.interval)), 0),
       at_least(key("ckpt.keep_last", Type::Int, FIELD(ckpt.keep_last)), 1),
@@ -489,7 +490,7 @@ std::string meaningless_with_the_rest(const Config& c, const std::string& path) 
                               path == "loss.clip_high" || path == "loss.normalize_constant" || path == "loss.is_level" ||
                               path == "loss.is_cap" || path == "loss.is_mask" || path == "loss.entropy_coef" ||
                               path == "loss.epochs" || path == "loss.mini_batches" || path == "loss.ref_kl_coef" ||
-                              path == "loss.ref_kl_estimator"))
+                              path == "loss.ref_kl_estimator" || path == "loss.router_replay"))
     return "sets the RL policy loss; it needs loss.type = \"rl\"";
   if (c.loss.objective == "masked" && (path == "loss.clip_low" || path == "loss.clip_high"))
     return "bounds the ratio of loss.objective = \"clipped\", \"gspo\" or \"cispo\"; loss.objective is \"masked\" here";
@@ -882,7 +883,14 @@ void validate(const Config& c, int world, const std::set<std::string>& given, st
 }  // namespace
 
 std::string moe_deck_error(const Config& c, const ModelConfig& arch) {
+  if (!arch.moe() && c.loss.router_replay)
+    return fmt("loss.router_replay = true replays the experts a sampler's router chose, but arch %s has no experts "
+               "(num_experts = 0): set loss.router_replay = false, or train a qwen3_moe / qwen2_moe model",
+               arch.arch.c_str());
   if (!arch.moe()) return "";
+  if (c.device.backend == "cuda" && c.loss.router_replay)
+    return fmt("loss.router_replay = true: router replay runs on the CPU backend only, as do the experts of arch "
+               "%s: set device.backend = \"cpu\"", arch.arch.c_str());
   if (c.device.backend == "cuda")
     return fmt("a model of experts (arch %s) runs on the CPU backend only so far: set device.backend = \"cpu\"",
                arch.arch.c_str());

@@ -53,11 +53,11 @@ bool rowwise_of(const LinearFn& linear) {
 // A layer of experts' MLP on xn2: out (N, C) = the routed experts' weighted sum
 // (+ the shared expert times sigmoid of its gate), without the residual.
 void experts_forward(const ModelConfig& c, const LayerWeights<const float>& w, int64_t N, float* out, LayerActs& a,
-                     const LinearFn& linear) {
+                     const LinearFn& linear, const int32_t* forced, int64_t forced_stride) {
   const Dims d(c);
   linear(a.router_logits.data(), a.xn2.data(), w.router, kNoBias, N, d.C, d.E);
   MoeRouting<float> r = a.routing();
-  moe_route(r, a.router_logits.data(), N, d.E, d.K, c.norm_topk_prob);
+  moe_route(r, a.router_logits.data(), N, d.E, d.K, c.norm_topk_prob, forced, forced_stride);
   moe_experts_forward(out, a.xs.data(), a.e_gate.data(), a.e_up.data(), a.e_h.data(), a.y.data(), a.xn2.data(), r,
                       w.e_gate, w.e_up, w.e_down, N, d.C, d.Im, d.E, d.K, rowwise_of(linear));
   if (d.Is == 0) return;
@@ -257,14 +257,15 @@ void layer_qkv_forward(const ModelConfig& c, const LayerWeights<const float>& w,
 }
 
 void layer_out_forward(const ModelConfig& c, const LayerWeights<const float>& w, int64_t N, const float* x_in,
-                       float* x_out, LayerActs& a, LinearFn linear) {
+                       float* x_out, LayerActs& a, LinearFn linear, const int32_t* forced,
+                       int64_t forced_stride) {
   const Dims d(c);
   // x_out serves as the scratch for the o_proj output before the residual add.
   linear(x_out, a.att.data(), w.wo, kNoBias, N, d.HD, d.C);
   add(a.x_mid.data(), x_in, x_out, N * d.C);
   rmsnorm_forward(a.xn2.data(), a.rstd2.data(), a.x_mid.data(), w.post_norm, N, d.C, c.rms_norm_eps);
   if (w.router) {
-    experts_forward(c, w, N, x_out, a, linear);
+    experts_forward(c, w, N, x_out, a, linear, forced, forced_stride);
   } else {
     linear(a.gate.data(), a.xn2.data(), w.w_gate, kNoBias, N, d.C, d.I);
     linear(a.up.data(), a.xn2.data(), w.w_up, kNoBias, N, d.C, d.I);
@@ -275,7 +276,8 @@ void layer_out_forward(const ModelConfig& c, const LayerWeights<const float>& w,
 }
 
 void layer_forward(const ModelConfig& c, const LayerWeights<const float>& w, const TokenInputs& in,
-                   const float* x_in, float* x_out, LayerActs& a, bool run_attention) {
+                   const float* x_in, float* x_out, LayerActs& a, bool run_attention, const int32_t* forced,
+                   int64_t forced_stride) {
   const Dims d(c);
   const LinearFn linear = forward_of(in);
   layer_qkv_forward(c, w, in, x_in, a, linear);
@@ -284,7 +286,7 @@ void layer_forward(const ModelConfig& c, const LayerWeights<const float>& w, con
   else if (run_attention)
     attention_forward(a.att.data(), a.lse.data(), a.q.data(), a.k.data(), a.v.data(), in.seq_ids, in.N, d.H, d.KV,
                       d.D);
-  layer_out_forward(c, w, in.N, x_in, x_out, a, linear);
+  layer_out_forward(c, w, in.N, x_in, x_out, a, linear, forced, forced_stride);
 }
 
 void layer_backward(const ModelConfig& c, const LayerWeights<const float>& w, const LayerWeights<float>& g,

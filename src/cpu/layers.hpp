@@ -135,8 +135,10 @@ struct LayerGradScratch {
 // x_out (N, C) = layer(x_in (N, C)); fills acts. With run_attention = false,
 // acts.att and acts.lse already hold this layer's attention (selective activation
 // checkpointing's recompute) and attention itself is skipped.
+// `forced`, `forced_stride`: router replay's experts (layer_out_forward).
 void layer_forward(const ModelConfig& c, const LayerWeights<const float>& w, const TokenInputs& in,
-                   const float* x_in, float* x_out, LayerActs& acts, bool run_attention = true);
+                   const float* x_in, float* x_out, LayerActs& acts, bool run_attention = true,
+                   const int32_t* forced = nullptr, int64_t forced_stride = 0);
 
 // The two halves of layer_forward around attention, for a caller that attends
 // in its own way (sampling with a KV cache, src/infer/): layer_forward is
@@ -147,10 +149,13 @@ void layer_forward(const ModelConfig& c, const LayerWeights<const float>& w, con
 // TokenInputs::linear (model.fp8), or linear_rowwise_forward where each row must
 // not depend on the others (decode).
 using LinearFn = std::function<void(float*, const float*, const float*, const float*, int64_t, int64_t, int64_t)>;
+// `forced` (a layer of experts, router replay): the experts each token takes
+// instead of its top-k, N rows of K at a stride of forced_stride (moe_route).
 void layer_qkv_forward(const ModelConfig& c, const LayerWeights<const float>& w, const TokenInputs& in,
                        const float* x_in, LayerActs& acts, LinearFn linear = &linear_forward<float>);
 void layer_out_forward(const ModelConfig& c, const LayerWeights<const float>& w, int64_t N, const float* x_in,
-                       float* x_out, LayerActs& acts, LinearFn linear = &linear_forward<float>);
+                       float* x_out, LayerActs& acts, LinearFn linear = &linear_forward<float>,
+                       const int32_t* forced = nullptr, int64_t forced_stride = 0);
 
 // d_x (N, C): in, the gradient at the layer's output; out, at its input.
 // Parameter gradients are accumulated into g. A layer of experts adds

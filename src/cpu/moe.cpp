@@ -10,7 +10,9 @@
 namespace shardlm::cpu {
 
 template <class T>
-void moe_route(MoeRouting<T>& r, const T* logits, int64_t N, int64_t E, int64_t K, bool norm_topk) {
+void moe_route(MoeRouting<T>& r, const T* logits, int64_t N, int64_t E, int64_t K, bool norm_topk,
+               const int32_t* forced, int64_t forced_stride) {
+  if (forced_stride == 0) forced_stride = K;
 #pragma omp parallel for schedule(static)
   for (int64_t n = 0; n < N; ++n) {
     const T* z = logits + n * E;
@@ -23,7 +25,14 @@ void moe_route(MoeRouting<T>& r, const T* logits, int64_t N, int64_t E, int64_t 
     int32_t* chosen = r.expert + n * K;
     T* w = r.weight + n * K;
     double picked = 0;
+    const int32_t* replay = forced && forced[n * forced_stride] >= 0 ? forced + n * forced_stride : nullptr;
     for (int64_t j = 0; j < K; ++j) {
+      if (replay) {
+        chosen[j] = replay[j];
+        w[j] = p[replay[j]];
+        picked += double(p[replay[j]]);
+        continue;
+      }
       int32_t best = -1;
       for (int32_t e = 0; e < int32_t(E); ++e) {
         if (std::find(chosen, chosen + j, e) != chosen + j) continue;
@@ -169,7 +178,7 @@ void moe_aux_backward(T* dprobs, const double* counts, int64_t rows, int64_t N, 
 }
 
 #define SHARDLM_CPU_MOE_INSTANTIATE(T)                                                                            \
-  template void moe_route<T>(MoeRouting<T>&, const T*, int64_t, int64_t, int64_t, bool);                          \
+  template void moe_route<T>(MoeRouting<T>&, const T*, int64_t, int64_t, int64_t, bool, const int32_t*, int64_t); \
   template void moe_experts_forward<T>(T*, T*, T*, T*, T*, T*, const T*, const MoeRouting<T>&, const T*,          \
                                        const T*, const T*, int64_t, int64_t, int64_t, int64_t, int64_t, bool);   \
   template void moe_experts_backward<T>(T*, T*, T*, T*, T*, T*, T*, T*, T*, T*, const T*, const T*, const T*,     \

@@ -38,8 +38,16 @@ struct MoeRouting {
 // probs, expert, weight, offsets, slot, row from the router's logits (N, E).
 // The softmax in double per token; top-k by probability (torch.topk's order;
 // equal probabilities: the lower index first).
+// Router replay: `forced` (N rows of K experts, row n at forced + n *
+// forced_stride; stride 0: K) names the experts instead of the top-k, in that
+// order; their weights are still this softmax's probabilities (renormalised
+// with norm_topk), so the router keeps its gradient and moe_route_backward
+// runs unchanged. A row whose first entry is negative (a position nothing was
+// recorded for: padding) takes the top-k. Entries must be distinct experts in
+// [0, E) (the caller checks: rows come from a file).
 template <class T>
-void moe_route(MoeRouting<T>& r, const T* logits, int64_t N, int64_t E, int64_t K, bool norm_topk);
+void moe_route(MoeRouting<T>& r, const T* logits, int64_t N, int64_t E, int64_t K, bool norm_topk,
+               const int32_t* forced = nullptr, int64_t forced_stride = 0);
 
 // out (N, C) = sum over j of weight[n, j] * expert[n, j](x[n]); saves, per
 // permuted row, the gathered input xs (N K, C), gate, up, h = silu(gate) * up

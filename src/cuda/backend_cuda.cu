@@ -544,6 +544,7 @@ class CudaBackend final : public Backend {
 
   void load_batch(const TokenBatch& b) override {
     SHARDLM_CHECK(b.N <= d_.N, "micro-batch of %lld tokens exceeds the planned %lld", (long long)b.N, (long long)d_.N);
+    SHARDLM_CHECK(!b.routes, "internal: router replay's routes reached the CUDA backend, which has no experts");
     n_ = b.N;
     has_rl_inputs_ = b.advantages != nullptr;
     host_targets_.assign(b.targets ? b.targets : b.tokens, (b.targets ? b.targets : b.tokens) + b.N);

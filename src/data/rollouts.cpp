@@ -105,6 +105,31 @@ std::vector<T> read_1d(hid_t file, const std::string& path, const char* name, Ki
   return values;
 }
 
+// The optional 2-D int32 dataset 'routes' (T, R): router replay's experts per
+// token. Absent: empty, width 0.
+std::vector<int32_t> read_routes(hid_t file, const std::string& path, int64_t& width) {
+  width = 0;
+  if (!has_link(file, "routes")) return {};
+  h5::Handle dset = h5::open_dataset(file, "routes", fmt("rollout file '%s'", path.c_str()));
+  h5::Handle type(H5_CHECK(H5Dget_type(dset)), H5Tclose);
+  SHARDLM_CHECK(has_type(type, Kind::Int, 4), "rollout file '%s': dataset 'routes' has dtype %s, expected int32",
+                path.c_str(), h5::dtype_name(type).c_str());
+  h5::Handle space(H5_CHECK(H5Dget_space(dset)), H5Sclose);
+  const int rank = H5_CHECK(H5Sget_simple_extent_ndims(space));
+  SHARDLM_CHECK(rank == 2, "rollout file '%s': dataset 'routes' has rank %d, expected (tokens, layers of experts x "
+                "experts a token)", path.c_str(), rank);
+  hsize_t dims[2] = {0, 0};
+  H5_CHECK(H5Sget_simple_extent_dims(space, dims, nullptr));
+  SHARDLM_CHECK(dims[1] >= 1, "rollout file '%s': dataset 'routes' has rows of 0 experts", path.c_str());
+  std::error_code ec;
+  h5::check_declared_size(dset, "routes", static_cast<int64_t>(dims[0] * dims[1]), 4,
+                          static_cast<int64_t>(fs::file_size(path, ec)), fmt("rollout file '%s'", path.c_str()));
+  std::vector<int32_t> values(dims[0] * dims[1]);
+  if (!values.empty()) H5_CHECK(H5Dread(dset, H5T_NATIVE_INT32, H5S_ALL, H5S_ALL, H5P_DEFAULT, values.data()));
+  width = static_cast<int64_t>(dims[1]);
+  return values;
+}
+
 int64_t read_int_attribute(hid_t file, const std::string& path, const char* name, const char* meaning) {
   SHARDLM_CHECK(H5_CHECK(H5Aexists(file, name)) > 0, "rollout file '%s' has no root attribute '%s' (int64: %s)",
                 path.c_str(), name, meaning);
@@ -186,6 +211,10 @@ void check_offsets_and_lengths(RolloutBatch& b, bool has_temperature, bool has_l
   check_length("loss_mask", b.loss_mask.size(), n_tokens, "token");
   check_length("inference_logprobs", b.inference_logprobs.size(), n_tokens, "token");
   if (!b.sampling_logprobs.empty()) check_length("sampling_logprobs", b.sampling_logprobs.size(), n_tokens, "token");
+  if (b.route_width > 0)
+    SHARDLM_CHECK(static_cast<int64_t>(b.routes.size()) == n_tokens * b.route_width,
+                  "rollout file '%s': 'routes' has %lld rows, expected %lld (one per token)", path,
+                  static_cast<long long>(b.routes.size()) / b.route_width, static_cast<long long>(n_tokens));
   if (has_temperature) check_length("temperature", b.temperature.size(), n_samples, "sample");
   if (has_loss_weight) check_length("loss_weight", b.loss_weight.size(), n_tokens, "token");
   const auto n_adv = static_cast<int64_t>(b.advantages.size());
@@ -211,6 +240,11 @@ void check_values(RolloutBatch& b, int64_t vocab_size, bool has_temperature, boo
                   "rollout file '%s': tokens[%lld] = %d (%s) is outside the model's vocabulary [0, %lld)", path,
                   static_cast<long long>(t), b.tokens[t], where_token(off, t).c_str(),
                   static_cast<long long>(vocab_size));
+  for (size_t i = 0; i < b.routes.size(); ++i)  // the experts' range is the model's: the backend checks it
+    SHARDLM_CHECK(b.routes[i] >= -1, "rollout file '%s': routes[%lld, %lld] = %d (%s); an expert is >= 0, -1 where "
+                  "nothing was recorded", path, static_cast<long long>(i) / b.route_width,
+                  static_cast<long long>(i) % b.route_width, b.routes[i],
+                  where_token(off, static_cast<int64_t>(i) / b.route_width).c_str());
   for (int64_t t = 0; t < n_tokens; ++t)
     SHARDLM_CHECK(b.loss_mask[t] <= 1, "rollout file '%s': loss_mask[%lld] = %d (%s); values must be 0 or 1", path,
                   static_cast<long long>(t), b.loss_mask[t], where_token(off, t).c_str());
@@ -305,6 +339,7 @@ RolloutBatch read_rollouts(const std::string& path_text, int64_t vocab_size) {
   b.sampling_logprobs = read_1d<float>(file, path_text, "sampling_logprobs", Kind::Float, "float32",
                                        H5T_NATIVE_FLOAT, false, &has_sampling);
   if (!has_sampling) b.sampling_logprobs.clear();
+  b.routes = read_routes(file, path_text, b.route_width);
   b.temperature = read_1d<float>(file, path_text, "temperature", Kind::Float, "float32", H5T_NATIVE_FLOAT,
                                  false, &has_temperature);
   b.loss_weight = read_1d<float>(file, path_text, "loss_weight", Kind::Float, "float32", H5T_NATIVE_FLOAT,
@@ -347,6 +382,7 @@ uint64_t rollout_fingerprint(const RolloutBatch& b) {
   add_vector(b.sampling_logprobs);
   add_vector(b.temperature);
   add_vector(b.loss_weight);
+  add_vector(b.routes);
   return h;
 }
 
@@ -436,6 +472,16 @@ void write_rollouts(const std::string& dir, const RolloutFile& r) {
     h5::write_1d(f, "inference_logprobs", H5T_IEEE_F32LE, H5T_NATIVE_FLOAT, r.inference_logprobs);
     if (!r.sampling_logprobs.empty())
       h5::write_1d(f, "sampling_logprobs", H5T_IEEE_F32LE, H5T_NATIVE_FLOAT, r.sampling_logprobs);
+    if (r.route_width > 0) {
+      SHARDLM_CHECK(r.routes.size() == r.tokens.size() * size_t(r.route_width),
+                    "internal: rollouts for step %lld: %zu route entries for %zu tokens of %lld", (long long)r.step,
+                    r.routes.size(), r.tokens.size(), (long long)r.route_width);
+      const hsize_t dims[2] = {r.tokens.size(), hsize_t(r.route_width)};
+      h5::Handle space(H5_CHECK(H5Screate_simple(2, dims, nullptr)), H5Sclose);
+      h5::Handle d(H5_CHECK(H5Dcreate2(f, "routes", H5T_STD_I32LE, space, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT)),
+                   H5Dclose);
+      if (!r.routes.empty()) H5_CHECK(H5Dwrite(d, H5T_NATIVE_INT32, H5S_ALL, H5S_ALL, H5P_DEFAULT, r.routes.data()));
+    }
     h5::write_1d(f, "temperature", H5T_IEEE_F32LE, H5T_NATIVE_FLOAT, r.temperature);
     h5::write_attr(f, "step", H5T_STD_I64LE, H5T_NATIVE_INT64, std::vector<int64_t>{r.step});
     h5::write_attr(f, "policy_step", H5T_STD_I64LE, H5T_NATIVE_INT64, std::vector<int64_t>{r.policy_step});
@@ -531,7 +577,7 @@ std::vector<std::vector<int64_t>> pack_rows(const RolloutBatch& b, const std::ve
   return rows;
 }
 
-void resize_micro_batch(RlMicroBatch& m, int64_t rows, int64_t seq_len, bool sampling_logprobs) {
+void resize_micro_batch(RlMicroBatch& m, int64_t rows, int64_t seq_len, bool sampling_logprobs, int64_t route_width) {
   const auto numel = static_cast<size_t>(rows * seq_len);
   m.batch.rows = rows;
   m.batch.seq_len = seq_len;
@@ -545,6 +591,8 @@ void resize_micro_batch(RlMicroBatch& m, int64_t rows, int64_t seq_len, bool sam
   m.inference_logprobs.assign(numel, 0.0f);
   if (sampling_logprobs) m.sampling_logprobs.assign(numel, 0.0f);
   else m.sampling_logprobs.clear();
+  m.routes.assign(numel * size_t(route_width), -1);
+  m.route_width = route_width;
   m.temperatures.assign(numel, 1.0f);
   m.sample_ids.assign(numel, -1);
 }
@@ -571,6 +619,9 @@ void fill_row(const RolloutBatch& b, const std::vector<int64_t>& samples, int64_
       m.advantages[at] = b.advantages[target];
       m.inference_logprobs[at] = b.inference_logprobs[target];
       if (!b.sampling_logprobs.empty()) m.sampling_logprobs[at] = b.sampling_logprobs[target];
+      if (b.route_width > 0)  // the input token's: the route recorded when it was fed in
+        std::copy_n(b.routes.begin() + (target - 1) * b.route_width, b.route_width,
+                    m.routes.begin() + at * b.route_width);
       m.temperatures[at] = b.temperature[s];
       m.sample_ids[at] = static_cast<int32_t>(s);
     }
@@ -633,7 +684,7 @@ RankRollouts pack_rollouts(const RolloutBatch& b, int64_t seq_len, int64_t micro
   out.micro_batches.resize(max_micro_batches);
   for (int64_t i = 0; i < max_micro_batches; ++i) {
     RlMicroBatch& m = out.micro_batches[i];
-    resize_micro_batch(m, micro_batch, seq_len, !b.sampling_logprobs.empty());
+    resize_micro_batch(m, micro_batch, seq_len, !b.sampling_logprobs.empty(), b.route_width);
     int32_t next_seq_id = 0;
     static const std::vector<int64_t> kEmptyRow;
     for (int64_t slot = 0; slot < micro_batch; ++slot) {

@@ -32,6 +32,12 @@ struct RolloutBatch {
   bool advantages_per_sample = false;      // how the file stored them
   std::vector<float> inference_logprobs;   // (T) log p_inference(token t | tokens < t), temperature-scaled full softmax
   std::vector<float> sampling_logprobs;    // (T) under the distribution drawn from (top-k/top-p); empty: = inference
+  // Router replay (a model of experts): (T, route_width) the experts the
+  // sampler's router chose for token t when it was fed in, each layer of
+  // experts' K in turn; -1 where nothing was fed (a sample's last token).
+  // Empty (route_width 0) when the file has none.
+  std::vector<int32_t> routes;
+  int64_t route_width = 0;
   std::vector<float> temperature;          // (S) 1 where the file has none
   std::vector<float> loss_weight;          // (T) 1 where the file has none
   // The group 'metrics': what the inference side measured while making the
@@ -62,6 +68,8 @@ struct RolloutFile {
   std::vector<float> inference_logprobs;   // (T) 0 on prompt tokens; log_softmax(logits / temperature)[token]
   std::vector<float> sampling_logprobs;    // (T) optional, 0 on prompt tokens: under the truncated (top-k, top-p)
                                            //   distribution the token was drawn from
+  std::vector<int32_t> routes;             // (T, route_width) optional: router replay's experts (as RolloutBatch's)
+  int64_t route_width = 0;
   std::vector<float> temperature;          // (S)
   std::vector<double> rewards;             // (S) optional: each sample's reward (the advantages' input)
   std::vector<std::pair<std::string, double>> metrics;  // optional: the group 'metrics', one attribute each
@@ -120,6 +128,11 @@ struct RlMicroBatch {
   std::vector<float> advantages;          // (rows, seq_len) A of the target; 0 padding
   std::vector<float> inference_logprobs;  // (rows, seq_len) logprob of the target; 0 padding
   std::vector<float> sampling_logprobs;   // (rows, seq_len) the same under the sampling distribution; empty: none
+  // (rows, seq_len, route_width) router replay: the experts the sampler chose
+  // for the INPUT token (the route recorded when it was fed in); -1 padding;
+  // empty: none.
+  std::vector<int32_t> routes;
+  int64_t route_width = 0;
   std::vector<float> temperatures;        // (rows, seq_len) the sample's; 1 padding
   std::vector<int32_t> sample_ids;        // (rows, seq_len) index of the sample in the file; -1 padding
 };

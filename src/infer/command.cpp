@@ -85,6 +85,7 @@ std::vector<char> pack(const std::vector<Completion>& cs) {
     put_vec(b, c.model_logprobs);
     put_vec(b, c.tempered_logprobs);
     put_vec(b, c.observed);
+    put_vec(b, c.routes);
     put(b, &c.turns, sizeof c.turns);
     put(b, &c.env_reward, sizeof c.env_reward);
     put_vec(b, std::vector<char>(c.env_metrics.begin(), c.env_metrics.end()));
@@ -106,6 +107,7 @@ void unpack(const char* p, const char* end, std::vector<Completion>& out) {
     get_vec(p, c.model_logprobs);
     get_vec(p, c.tempered_logprobs);
     get_vec(p, c.observed);
+    get_vec(p, c.routes);
     get(p, c.turns);
     get(p, c.env_reward);
     std::vector<char> metrics;

@@ -153,6 +153,24 @@ void Decoder::prefill(std::span<const int32_t> slots, std::span<const std::span<
     if (const BlockCopy copy = kv_.share(first, slots[size_t(i)]); copy.from >= 0) copies_.push_back(copy);
   }
   prefill_forward(unique_slots_, unique_prompts_, copies_, source_, logits);
+  if (route_width_ == 0) return;
+  // A group's later samples computed nothing: their prompt's routes are the first sample's.
+  for (int64_t i = 0; i < n; ++i) {
+    const int32_t first = unique_slots_[size_t(source_[size_t(i)])];
+    if (first != slots[size_t(i)])
+      std::copy_n(route_row(first, 0), prompts[size_t(i)].size() * size_t(route_width_), route_row(slots[size_t(i)], 0));
+  }
+}
+
+void Decoder::record_routes() {
+  route_width_ = config().route_width();
+  SHARDLM_CHECK(route_width_ > 0, "internal: router replay's routes recorded for arch %s, which has no experts",
+                config().arch.c_str());
+  routes_.assign(size_t(routes_bytes(config(), limits_)) / sizeof(int32_t), -1);
+}
+
+int64_t routes_bytes(const ModelConfig& c, const DecoderLimits& limits) {
+  return limits.slots * limits.max_len * c.route_width() * int64_t(sizeof(int32_t));
 }
 
 void Decoder::decode(std::span<const int32_t> slots, std::span<const int32_t> tokens, float* logits) {
@@ -323,6 +341,10 @@ void CpuDecoder::run_layers(int64_t N, Attend&& attend) {
     store_kv(l, N, slot_of_.data(), positions_.data());
     attend(l, in);
     cpu::layer_out_forward(c, w, N, x_.data(), x_next_.data(), acts_, &cpu::linear_rowwise_forward<float>);
+    if (route_width() > 0 && c.moe_layer(l))
+      for (int64_t i = 0; i < N; ++i)
+        std::copy_n(acts_.expert.data() + i * c.num_experts_per_tok, c.num_experts_per_tok,
+                    route_row(slot_of_[size_t(i)], positions_[size_t(i)]) + c.route_offset(l));
     std::swap(x_, x_next_);
   }
 }

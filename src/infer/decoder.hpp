@@ -12,6 +12,9 @@
 // share their prompt's blocks, so the prompt is computed once; a decode step
 // or an extend adds blocks to a sequence that crosses into new ones; release()
 // gives a sequence's blocks back. The backends compute over the blocks they are given.
+// With router replay on (record_routes), the base also keeps each slot's
+// table of the experts every fed position was routed to, which the backend's
+// forward fills and a prefill copies to a group's later samples.
 //
 // CpuDecoder:
 // A sequence's logits never depend on the other sequences of its batch, nor on
@@ -100,6 +103,17 @@ class Decoder {
   // The slot's blocks back to the pool (those no other slot shares): its
   // sequence ended or gave way.
   void release(int32_t slot) { kv_.release(slot); }
+  // Router replay (a model of experts, loss.router_replay): from now on every
+  // forward records, for each position it feeds, the experts the router chose
+  // at each layer of experts (ModelConfig::route_width() entries: each
+  // layer's K in turn; a group's samples get their shared prompt's). Sized
+  // once here: slots x max_len rows. routes(slot): the rows of positions 0 ..
+  // length(slot) - 1. route_width() 0: not recording.
+  void record_routes();
+  int64_t route_width() const { return route_width_; }
+  std::span<const int32_t> routes(int32_t slot) const {
+    return {routes_.data() + size_t(slot * limits_.max_len * route_width_), size_t(length(slot) * route_width_)};
+  }
   // Blocks a prefill of these prompts takes / a decode step of these slots
   // adds / an extend of these slots by these tokens adds.
   int64_t prefill_blocks(std::span<const std::span<const int32_t>> prompts) const;
@@ -182,10 +196,17 @@ class Decoder {
   virtual void extend_forward(std::span<const int32_t> slots, std::span<const std::span<const int32_t>> tokens,
                               float* logits) = 0;
 
+  // Row `pos` of the slot's routes (route_width() entries), for the backend's forward to fill.
+  int32_t* route_row(int32_t slot, int64_t pos) {
+    return routes_.data() + size_t((slot * limits_.max_len + pos) * route_width_);
+  }
+
   DecoderLimits limits_;
   KvBlocks kv_;
 
  private:
+  int64_t route_width_ = 0;
+  std::vector<int32_t> routes_;  // (slots, max_len, route_width) when recording
   int64_t prefill_computed_ = 0, prefill_given_ = 0, decode_positions_ = 0, extend_computed_ = 0, extends_ = 0;
   // prefill's plan, reused: the distinct prompts, their slots, each slot's source.
   std::vector<int32_t> unique_slots_, source_;
@@ -201,6 +222,9 @@ struct DecoderPlan {
   int64_t scratch = 0;   // the largest step's activations, logits, head scratch
   int64_t host = 0;      // host buffers beside them (the GPU's pinned logits and staging; the CPU's logits)
 };
+// Router replay's table of a decoder that records routes (Decoder::record_routes):
+// slots x max_len rows of the model's route width, int32, in host memory.
+int64_t routes_bytes(const ModelConfig& c, const DecoderLimits& limits);
 // The limits both decoders accept: 1 to 65536 slots, 1 to max_position_embeddings
 // positions. Throws Error naming the one out of range.
 void check_decoder_limits(const ModelConfig& c, const DecoderLimits& limits);

@@ -159,6 +159,12 @@ struct GenerateStream::State {
       else if (int64_t(done.tokens.size()) >= o.max_new_tokens) end = Finish::Length;
       if (!end) continue;  // fed next: the token, or after a stop id the stop id and the observation
       done.finish = *end;
+      if (decoder.route_width() > 0) {  // every fed position's, then -1 for the tokens never fed (the last)
+        const std::span<const int32_t> fed = decoder.routes(slot);
+        done.routes.assign(fed.begin(), fed.end());
+        done.routes.resize((requests[size_t(r)].tokens.size() + done.tokens.size()) * size_t(decoder.route_width()),
+                           -1);
+      }
       resume[size_t(r)] = {};
       finished[size_t(r)] = 1;
       held[size_t(slot)] = -1;

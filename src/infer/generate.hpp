@@ -10,7 +10,7 @@
 // queue to be prefilled again whole (prompt and tokens so far).
 //
 // Owns: GenerateRequest, Completion (tokens, the three logprobs of each token,
-// why it ended), GenerateOptions, generate(), and the planning of the
+// why it ended, router replay's routes), GenerateOptions, generate(), and the planning of the
 // decoder's limits from the prompts. Uses Decoder (forward, and the model's
 // logprobs: on the CPU cpu::token_logprobs, the function the RL loss computes
 // the trainer's logprobs with; on the GPU its counterpart on the device) and
@@ -62,6 +62,11 @@ struct Completion {
   // it came from the caller (an observation between two turns; its logprobs
   // are 0), 0 where it was drawn; empty while every token was drawn.
   std::vector<uint8_t> observed;
+  // Router replay (Decoder::record_routes): (prompt + tokens, route_width) the
+  // experts the router chose at each layer of experts for every position when
+  // it was fed in (the prompt's in its prefill, the group's samples sharing
+  // them); the last token, never fed, -1. Empty when not recorded.
+  std::vector<int32_t> routes;
   int64_t turns = 1;      // the turns drawn
   // RL with env.program (infer/episodes.hpp): the episode's reward, its
   // numbers (the environment's "metrics", a JSON object; "" when none) and

@@ -264,6 +264,15 @@ struct Publisher {
       f.inference_logprobs.insert(f.inference_logprobs.end(), c.tempered_logprobs.begin(), c.tempered_logprobs.end());
       f.sampling_logprobs.insert(f.sampling_logprobs.end(), prompt.size(), 0.0f);
       f.sampling_logprobs.insert(f.sampling_logprobs.end(), c.sampling_logprobs.begin(), c.sampling_logprobs.end());
+      if (config.loss.router_replay) {  // prompt and completion, recorded as they were fed
+        const size_t positions = prompt.size() + c.tokens.size();
+        const int64_t width = int64_t(c.routes.size() / positions);
+        SHARDLM_CHECK(width > 0 && c.routes.size() == positions * size_t(width) && (i == 0 || width == f.route_width),
+                      "internal: prompt %lld sample %lld has %zu route entries for %zu tokens", (long long)c.prompt,
+                      (long long)c.sample, c.routes.size(), positions);
+        f.routes.insert(f.routes.end(), c.routes.begin(), c.routes.end());
+        f.route_width = width;
+      }
       f.offsets.push_back(int64_t(f.tokens.size()));
       f.advantages.push_back(advantages[i]);
       f.temperature.push_back(float(ro.temperature));
@@ -421,6 +430,7 @@ int run_inference_role(const Config& config, Runtime& rt) {
   // The backend runtime_init resolved (device.backend, "auto" -> cuda when a GPU is there).
   const std::unique_ptr<Decoder> decoder_owner = make_decoder(model, limits, rt.backend);
   Decoder& decoder = *decoder_owner;
+  if (config.loss.router_replay) decoder.record_routes();  // the trainers replay them (docs/rollouts.md)
 
   // The text rewards see, on rank 0; with an environment every rank tells it its turns' text.
   std::unique_ptr<TokenDecoder> tokenizer;

@@ -48,6 +48,8 @@ TokenBatch ContextShare::take(const MicroBatch& full) {
 }
 
 TokenBatch ContextShare::take(const RlMicroBatch& full, const float* sampling_logprobs) {
+  // A model of experts refuses context parallelism (moe_deck_error), so router replay's routes never get here.
+  SHARDLM_CHECK(full.routes.empty(), "internal: router replay's routes in a context-parallel micro-batch");
   TokenBatch b = take(full.batch);
   auto gather = [&](auto& share, const auto* whole) {
     share.resize(index_.size());

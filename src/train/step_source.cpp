@@ -35,6 +35,7 @@ TokenBatch token_batch(const RlMicroBatch& mb) {
   b.sampling_logprobs = sampling_logprobs(mb);
   b.temperatures = mb.temperatures.data();
   b.sample_ids = mb.sample_ids.data();
+  b.routes = mb.routes.empty() ? nullptr : mb.routes.data();
   return b;
 }
 
@@ -81,9 +82,9 @@ class TokenSource final : public StepSource {
 
 class RolloutSource final : public StepSource {
  public:
-  RolloutSource(const Config& config, int64_t vocab_size, Comm& comm, Comm* cp_group)
+  RolloutSource(const Config& config, int64_t vocab_size, Comm& comm, Comm* cp_group, int64_t route_width)
       : data_(config.data), loss_(config.loss), per_sequence_(config.loss.normalize == "sequence"),
-        vocab_size_(vocab_size), comm_(comm),
+        vocab_size_(vocab_size), route_width_(route_width), comm_(comm),
         cp_size_(cp_group ? cp_group->size() : 1), dp_rank_(comm.rank() / cp_size_), dp_world_(comm.size() / cp_size_) {
     if (cp_size_ > 1) share_.emplace(cp_group->rank(), cp_size_);
     parts_.resize(size_t(config.loss.mini_batches));
@@ -105,6 +106,7 @@ class RolloutSource final : public StepSource {
     plan.rollout_wait_s = seconds_since(wait0);
     RolloutBatch file = read_agreed(path);
     check_rollout_step(file, step, data_.max_async);
+    take_routes(file);
     plan.rollout_metrics = std::move(file.metrics);
     const int64_t parts = int64_t(parts_.size());
     SHARDLM_CHECK(file.samples() >= parts,
@@ -156,6 +158,25 @@ class RolloutSource final : public StepSource {
     }
   }
 
+  // loss.router_replay: the file's routes, of this model's width, go to the
+  // forward; off: a file's routes are dropped (the forward takes its own top-k).
+  void take_routes(RolloutBatch& file) const {
+    if (route_width_ == 0) {
+      file.routes.clear();
+      file.route_width = 0;
+      return;
+    }
+    SHARDLM_CHECK(file.route_width > 0,
+                  "rollout file '%s' has no dataset 'routes', which loss.router_replay = true replays: the inference "
+                  "ranks record them when their deck sets loss.router_replay too (see docs/rollouts.md); regenerate "
+                  "the file so, or set loss.router_replay = false",
+                  file.path.c_str());
+    SHARDLM_CHECK(file.route_width == route_width_,
+                  "rollout file '%s': 'routes' has rows of %lld experts, but this model routes each token to %lld "
+                  "(its layers of experts x num_experts_per_tok): was it written for another model?",
+                  file.path.c_str(), (long long)file.route_width, (long long)route_width_);
+  }
+
   TokenBatch micro_batch(int64_t, int64_t part, int64_t index) override {
     // The inference ranks that wait for this job's next weights and ask where
     // this rank is hear it is busy (shardlm/comm.hpp).
@@ -172,6 +193,7 @@ class RolloutSource final : public StepSource {
   const LossSection loss_;
   const bool per_sequence_;  // loss.normalize = "sequence"
   const int64_t vocab_size_;
+  const int64_t route_width_;  // loss.router_replay: the model's; 0: off
   Comm& comm_;
   const int cp_size_, dp_rank_, dp_world_;  // context parallelism: the group size, this rank's group, their number
   std::optional<ContextShare> share_;       // context parallelism: this rank's share of each micro-batch
@@ -201,6 +223,9 @@ RolloutBatch rollout_part(const RolloutBatch& file, int64_t part, int64_t parts)
   b.advantages = tokens(file.advantages);
   b.inference_logprobs = tokens(file.inference_logprobs);
   b.sampling_logprobs = tokens(file.sampling_logprobs);
+  b.route_width = file.route_width;
+  if (file.route_width > 0)
+    b.routes.assign(file.routes.begin() + t0 * file.route_width, file.routes.begin() + t1 * file.route_width);
   b.loss_weight = tokens(file.loss_weight);
   b.temperature.assign(file.temperature.begin() + first, file.temperature.begin() + last);
   b.offsets.reserve(size_t(last - first + 1));
@@ -247,8 +272,8 @@ std::unique_ptr<StepSource> make_token_source(TokenDataset& data, Comm& comm, Co
 }
 
 std::unique_ptr<StepSource> make_rollout_source(const Config& config, int64_t vocab_size, Comm& comm,
-                                               Comm* cp_group) {
-  return std::make_unique<RolloutSource>(config, vocab_size, comm, cp_group);
+                                               Comm* cp_group, int64_t route_width) {
+  return std::make_unique<RolloutSource>(config, vocab_size, comm, cp_group, route_width);
 }
 
 }  // namespace shardlm

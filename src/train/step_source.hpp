@@ -78,9 +78,12 @@ DataSpec data_spec_for(const Config& config, int64_t vocab_size);
 // (index rank / C of world / C) and each keeps its share (context_split.hpp).
 std::unique_ptr<StepSource> make_token_source(TokenDataset& data, Comm& comm, Comm* cp_group = nullptr);
 // loss.type = "rl": data.rollout_dir/step_<N>.h5, waited for, validated against
-// data.max_async and packed into this rank's micro-batches.
+// data.max_async and packed into this rank's micro-batches. `route_width`:
+// with loss.router_replay the model's (ModelConfig::route_width()): each file
+// must carry routes of that width, which the micro-batches hand the forward;
+// 0: any routes a file has are left unused.
 std::unique_ptr<StepSource> make_rollout_source(const Config& config, int64_t vocab_size, Comm& comm,
-                                               Comm* cp_group = nullptr);
+                                               Comm* cp_group = nullptr, int64_t route_width = 0);
 
 TokenBatch token_batch(const MicroBatch& mb);
 

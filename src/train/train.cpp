@@ -136,7 +136,8 @@ TrainSession::TrainSession(const Config& c, Comm& comm_)
       engine(model, comm_, engine_options_for(c),
              c.device.backend == "cuda" ? make_cuda_backend() : make_cpu_backend()),
       source(data ? make_token_source(*data, comm_, cp_group.get())
-                  : make_rollout_source(c, arch.vocab_size, comm_, cp_group.get())),
+                  : make_rollout_source(c, arch.vocab_size, comm_, cp_group.get(),
+                                        c.loss.router_replay ? arch.route_width() : 0)),
       sequence_pass(make_sequence_pass(engine.options().rl, engine.options().rl_params, engine, comm_,
                                        engine.options().max_tokens)),
       reference_pass(make_reference_pass(engine.options().rl, engine.options().rl_params, engine, model)) {

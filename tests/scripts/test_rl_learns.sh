@@ -14,7 +14,8 @@
 #     acts from the second update of a step on, never in the first (on-policy);
 #     CISPO's rewards equal the clipped surrogate's while no weight is truncated;
 #     on-policy the importance ratio stays near 1;
-#   a mixture of experts (qwen3_moe, the load-balancing loss on) learns the same way;
+#   a mixture of experts (qwen3_moe, the load-balancing loss on, router replay on) learns the same way,
+#     its rollout files carrying every fed token's experts;
 #   the filesystem broadcast with two inference ranks, data.max_async = 2,
 #     broadcast.interval = 3 and a reward program: every file's policy step is
 #     within the lag, the program's rewards are the exact verifier's;
@@ -196,7 +197,7 @@ timeout 120 "$BIN" train inputs/copy-sft.toml --set "data.path=$T/task/sft.h5" -
 check "experts: the warm start as qwen3_moe, exported as Qwen3MoeForCausalLM" \
   grep -q '"Qwen3MoeForCausalLM"' "$T/moe-sft/export/config.json"
 start=$(date +%s.%N)
-rl "$T/moe" --set "model.hf=$T/moe-sft/export"
+rl "$T/moe" --set "model.hf=$T/moe-sft/export" --set loss.router_replay=true
 timeout 300 "${MPI[@]}" -np 2 "$BIN" train "${ARGS[@]}" : -np 1 "$BIN" generate "${ARGS[@]}" > "$T/moe.log" 2>&1
 rc=$?
 seconds=$("$PY" -c "import time; print(f'{time.time() - $start:.1f}')")
@@ -215,6 +216,24 @@ check "experts: the reward rises from ${before:-?} (< 0.30) to ${after:-?} (>= 0
   "$PY" -c "assert ${before:-1} < 0.30 and ${after:-0} >= 0.45 and ${after:-0} >= ${before:-1} + 0.25"
 check "experts: every logged step has the load-balancing loss, between 1 and 4 (K = 2 of E = 4: 2 when balanced)" \
   "$PY" -c "assert ${aux_rows:-0} == 12 and 1 <= ${aux_first:-0} <= 4 and 1 <= ${aux_last:-0} <= 4"
+check "experts with router replay: every rollout file records each fed token's 2 of 4 experts at both layers (-1 on \
+a sample's last token), the trainers log mismatch_kl" "$PY" - "$T/moe" <<'EOF'
+import json, sys, h5py
+import numpy as np
+d = sys.argv[1]
+for s in range(60):
+    with h5py.File(f"{d}/rollouts/step_{s}.h5") as f:
+        routes, offsets = f["routes"][:], f["offsets"][:]
+        assert routes.dtype == np.int32 and routes.shape == (len(f["tokens"]), 4), routes.shape
+        fed = np.ones(len(routes), bool)
+        fed[offsets[1:] - 1] = False
+        assert (routes[~fed] == -1).all()
+        r = routes[fed].reshape(-1, 2, 2)
+        assert ((r >= 0) & (r < 4)).all() and (r[:, :, 0] != r[:, :, 1]).all()
+kl = [row["mismatch_kl"] for row in (json.loads(l) for l in open(f"{d}/metrics.jsonl")) if "mismatch_kl" in row]
+assert len(kl) == 12 and all(0 <= k < 1e-2 for k in kl), kl
+print(f"experts with router replay: mismatch_kl mean {sum(kl) / len(kl):.2e}, max {max(kl):.2e}")
+EOF
 
 # --- filesystem broadcast, two inference ranks, lag 2, a reward program
 cat > "$T/reward.py" <<'EOF'

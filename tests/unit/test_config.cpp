@@ -714,6 +714,31 @@ TEST_CASE("RL loss keys: the objectives, their clip defaults, aggregation, impor
   CHECK(back.config.loss.clip_high == 4e-4);
 }
 
+TEST_CASE("loss.router_replay: on with a model of experts (CPU); refused for a dense model, on the CUDA backend and "
+          "outside RL") {
+  const std::vector<std::string> experts = {"model.arch=qwen3_moe", "model.qk_norm=true", "model.num_experts=4",
+                                            "model.num_experts_per_tok=2", "model.moe_intermediate_size=16"};
+  CHECK(!parse(kRl, experts).config.loss.router_replay);  // off by default
+  std::vector<std::string> on = experts;
+  on.push_back("loss.router_replay=true");
+  const DeckResult ok = parse(kRl, on);
+  for (const auto& e : ok.errors) MESSAGE(e);
+  REQUIRE(ok.ok());
+  CHECK(ok.config.loss.router_replay);
+  CHECK(ok.config.model.arch.route_width() == 2 * 2);  // 2 layers of experts x 2 a token
+
+  const std::string dense = only_error(parse(kRl, {"loss.router_replay=true"}));
+  CHECK(dense.find("loss.router_replay = true replays the experts a sampler's router chose, but arch llama has no "
+                   "experts (num_experts = 0): set loss.router_replay = false") != std::string::npos);
+  std::vector<std::string> cuda = on;
+  cuda.push_back("device.backend=cuda");
+  const std::string on_gpu = only_error(parse(kRl, cuda));
+  CHECK(on_gpu.find("loss.router_replay = true: router replay runs on the CPU backend only") != std::string::npos);
+  const std::string sft = only_error(parse(kValid, on));
+  CHECK(sft.find("loss.router_replay") != std::string::npos);
+  CHECK(sft.find("it needs loss.type = \"rl\"") != std::string::npos);
+}
+
 TEST_CASE("RL loss keys: unknown values list the accepted ones, bad numbers and keys without meaning are refused") {
   CHECK(only_error(parse(kRl, {"loss.objective=ppo"})) ==
         "--set loss.objective=ppo: loss.objective = \"ppo\" is not accepted: it must be one of \"masked\", \"clipped\", "

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <numeric>
 #include <random>
@@ -46,6 +47,7 @@ struct Block {
   bool norm_topk = true;
   double beta = 0.3;
   Vec x, router, w_gate, w_up, w_down, G;
+  std::vector<int32_t> forced;  // (N, K) router replay's experts; empty: the top-k
 
   explicit Block(std::mt19937_64& rng, bool norm) : norm_topk(norm) {
     x = randn(sz(N * C), rng);
@@ -72,7 +74,7 @@ struct Forward {
         h(gate.size()), y(xs.size()), counts(sz(b.E)), sums(sz(b.E)), rt(b.N, b.E, b.K) {
     cpu::linear_forward(logits.data(), b.x.data(), b.router.data(), static_cast<const double*>(nullptr), b.N, b.C,
                         b.E);
-    cpu::moe_route(rt.r, logits.data(), b.N, b.E, b.K, b.norm_topk);
+    cpu::moe_route(rt.r, logits.data(), b.N, b.E, b.K, b.norm_topk, b.forced.empty() ? nullptr : b.forced.data());
     cpu::moe_experts_forward(out.data(), xs.data(), gate.data(), up.data(), h.data(), y.data(), b.x.data(), rt.r,
                              b.w_gate.data(), b.w_up.data(), b.w_down.data(), b.N, b.C, b.I, b.E, b.K);
     cpu::moe_aux_counts(counts.data(), sums.data(), rt.r, b.N, b.E, b.K);
@@ -133,6 +135,64 @@ TEST_CASE("moe routing: softmax, top-k in probability order (the lower index amo
     CHECK(rt.offsets == std::vector<int64_t>{0, 1, 3, 4, 6});
     CHECK(rt.slot == std::vector<int32_t>{4, 0, 2, 5, 1, 3});
     for (int32_t s = 0; s < int32_t(N * K); ++s) CHECK(rt.slot[sz(rt.row[sz(s)])] == s);
+  }
+}
+
+TEST_CASE("moe routing replay: forced = its own top-k gives the same bits; other forced experts are taken in "
+          "their order, weighted by the router's own probabilities (renormalised with norm_topk); a row marked -1 "
+          "takes the top-k") {
+  std::mt19937_64 rng(21);
+  const int64_t N = 6, E = 5, K = 2, stride = 3 * K;  // the forced rows sit in a wider (N, layers K) table
+  const Vec logits = randn(sz(N * E), rng, 1.5);
+  for (bool norm : {true, false}) {
+    CAPTURE(norm);
+    Routed own(N, E, K);
+    cpu::moe_route(own.r, logits.data(), N, E, K, norm);
+    std::vector<int32_t> table(sz(N * stride), 99);
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t j = 0; j < K; ++j) table[sz(n * stride + K + j)] = own.expert[sz(n * K + j)];
+    Routed same(N, E, K);
+    cpu::moe_route(same.r, logits.data(), N, E, K, norm, table.data() + K, stride);
+    CHECK(same.expert == own.expert);
+    CHECK(std::memcmp(same.weight.data(), own.weight.data(), own.weight.size() * sizeof(double)) == 0);
+    CHECK(std::memcmp(same.probs.data(), own.probs.data(), own.probs.size() * sizeof(double)) == 0);
+    CHECK(same.offsets == own.offsets);
+    CHECK(same.slot == own.slot);
+    CHECK(same.row == own.row);
+
+    // Forced: each token's two least probable experts, the least first; token 4 unrecorded (-1).
+    std::vector<int32_t> low(sz(N * K));
+    for (int64_t n = 0; n < N; ++n) {
+      std::vector<int32_t> order(sz(E));
+      std::iota(order.begin(), order.end(), 0);
+      std::stable_sort(order.begin(), order.end(),
+                       [&](int32_t a, int32_t b) { return own.probs[sz(n * E + a)] < own.probs[sz(n * E + b)]; });
+      low[sz(n * K)] = order[0], low[sz(n * K + 1)] = order[1];
+    }
+    low[sz(4 * K)] = -1, low[sz(4 * K + 1)] = -1;
+    Routed forced(N, E, K);
+    cpu::moe_route(forced.r, logits.data(), N, E, K, norm, low.data());
+    for (int64_t n = 0; n < N; ++n) {
+      CAPTURE(n);
+      if (n == 4) {
+        CHECK(forced.expert[sz(n * K)] == own.expert[sz(n * K)]);
+        CHECK(forced.expert[sz(n * K + 1)] == own.expert[sz(n * K + 1)]);
+        continue;
+      }
+      const int32_t a = low[sz(n * K)], b = low[sz(n * K + 1)];
+      CHECK(forced.expert[sz(n * K)] == a);
+      CHECK(forced.expert[sz(n * K + 1)] == b);
+      CHECK(a != own.expert[sz(n * K)]);
+      const double pa = own.probs[sz(n * E + a)], pb = own.probs[sz(n * E + b)];
+      CHECK(std::abs(forced.weight[sz(n * K)] - (norm ? pa / (pa + pb) : pa)) < kExactTol);
+      CHECK(std::abs(forced.weight[sz(n * K + 1)] - (norm ? pb / (pa + pb) : pb)) < kExactTol);
+    }
+    for (int32_t s = 0; s < int32_t(N * K); ++s) {
+      CHECK(forced.slot[sz(forced.row[sz(s)])] == s);
+      const int64_t r = forced.row[sz(s)];
+      const int32_t e = forced.expert[sz(s)];
+      CHECK((r >= forced.offsets[sz(e)] && r < forced.offsets[sz(e + 1)]));
+    }
   }
 }
 
@@ -228,5 +288,42 @@ TEST_CASE("moe backward: the input, router and experts' gradients, and the aux l
     CHECK(rel_err(dw_down, numeric(b, b.w_down)) < kFdTol);
     // Every expert had rows, so every expert's weights were checked.
     for (int64_t e = 0; e < E; ++e) CHECK(rt.offsets[sz(e + 1)] > rt.offsets[sz(e)]);
+  }
+}
+
+TEST_CASE("moe backward under router replay: with forced experts (not the top-k) the router's and the input's "
+          "gradients through the replayed experts' own probabilities equal central differences") {
+  for (bool norm : {true, false}) {
+    CAPTURE(norm);
+    std::mt19937_64 rng(norm ? 5 : 6);
+    Block b(rng, norm);
+    const int64_t N = b.N, C = b.C, I = b.I, E = b.E, K = b.K;
+    // Each token's experts: the top-k shifted by one (e -> (e + 2) mod E), so most are not its own choice.
+    const std::vector<int32_t> own = b.choices();
+    b.forced.resize(own.size());
+    int64_t differ = 0;
+    for (size_t i = 0; i < own.size(); ++i) b.forced[i] = int32_t((own[i] + 2) % E);
+    for (int64_t n = 0; n < N; ++n) differ += b.forced[sz(n * K)] != own[sz(n * K)];
+    REQUIRE(differ == N);
+    const Forward f(b);
+    CHECK(f.rt.expert == b.forced);
+    Vec dx(sz(N * C)), dweight(sz(N * K)), dw_gate(b.w_gate.size()), dw_up(b.w_up.size()), dw_down(b.w_down.size()),
+        dy(f.xs.size()), dh(f.gate.size()), dgate(f.gate.size()), dup(f.gate.size()), dxs(f.xs.size());
+    cpu::moe_experts_backward(dx.data(), dweight.data(), dw_gate.data(), dw_up.data(), dw_down.data(), dy.data(),
+                              dh.data(), dgate.data(), dup.data(), dxs.data(), b.G.data(), f.xs.data(), f.gate.data(),
+                              f.up.data(), f.h.data(), f.y.data(), f.rt.r, b.w_gate.data(), b.w_up.data(),
+                              b.w_down.data(), N, C, I, E, K);
+    Vec dprobs(sz(N * E)), dlogits(sz(N * E)), dx_router(sz(N * C)), drouter(b.router.size());
+    cpu::moe_aux_backward(dprobs.data(), f.counts.data(), N, N, E, b.beta);
+    cpu::moe_route_backward(dlogits.data(), dweight.data(), dprobs.data(), f.rt.r, N, E, K, norm);
+    cpu::linear_backward(dx_router.data(), drouter.data(), static_cast<double*>(nullptr), dlogits.data(), b.x.data(),
+                         b.router.data(), N, C, E);
+    for (size_t i = 0; i < dx.size(); ++i) dx[i] += dx_router[i];
+    double router_norm = 0;
+    for (double g : drouter) router_norm += g * g;
+    CHECK(router_norm > 1e-6);  // the router has a gradient through the replayed experts
+    CHECK(rel_err(drouter, numeric(b, b.router)) < kFdTol);
+    CHECK(rel_err(dx, numeric(b, b.x)) < kFdTol);
+    CHECK(rel_err(dw_gate, numeric(b, b.w_gate)) < kFdTol);
   }
 }

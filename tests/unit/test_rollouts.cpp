@@ -618,4 +618,80 @@ TEST_CASE("tools/make_rollouts.py writes files the reader accepts and packs") {
   }
 }
 
+TEST_CASE("router replay's routes survive the file: written, read back, packed at the INPUT token, padding -1; a "
+          "file without them reads as before; bad routes are named") {
+  TempDir dir;
+  // The hand-made file's samples through the writer the inference ranks use, with routes of
+  // 2 layers x 2 experts: token t's row is {t % 8, (t + 1) % 8, (t + 3) % 8, (t + 5) % 8}, a
+  // sample's last token -1 (never fed).
+  const RolloutFile hand = hand_made();
+  shardlm::RolloutFile w;
+  w.step = 5;
+  w.policy_step = 4;
+  w.tokens = hand.tokens;
+  w.offsets = hand.offsets;
+  w.loss_mask = hand.loss_mask;
+  w.advantages = hand.advantages;
+  w.inference_logprobs = hand.inference_logprobs;
+  w.temperature = hand.temperature;
+  const int64_t R = 4, T = int64_t(w.tokens.size());
+  w.route_width = R;
+  for (int64_t t = 0; t < T; ++t) {
+    const bool last = std::find(w.offsets.begin() + 1, w.offsets.end(), t + 1) != w.offsets.end();
+    for (int32_t k : {0, 1, 3, 5}) w.routes.push_back(last ? -1 : int32_t((t + k) % 8));
+  }
+  shardlm::write_rollouts(dir.path.string(), w);
+  const std::string path = shardlm::rollout_path(dir.path.string(), 5);
+  const RolloutBatch b = shardlm::read_rollouts(path, kVocab);
+  CHECK(b.route_width == R);
+  CHECK(b.routes == w.routes);
+
+  const RankRollouts r = shardlm::pack_rollouts(b, 8, 2, 0, 1);
+  REQUIRE(r.micro_batches.size() == 1);
+  const RlMicroBatch& m = r.micro_batches[0];
+  CHECK(m.route_width == R);
+  REQUIRE(m.routes.size() == m.batch.tokens.size() * size_t(R));
+  int64_t filled = 0, padding = 0;
+  for (size_t at = 0; at < m.batch.tokens.size(); ++at) {
+    CAPTURE(at);
+    const std::vector<int32_t> row(m.routes.begin() + ptrdiff_t(at) * R, m.routes.begin() + ptrdiff_t(at + 1) * R);
+    if (m.sample_ids[at] < 0) {
+      CHECK(row == std::vector<int32_t>(size_t(R), -1));
+      ++padding;
+      continue;
+    }
+    // The hand-made tokens are their file index + 1: the input's row, never the target's.
+    const int64_t input = m.batch.tokens[at] - 1;
+    CHECK(row == std::vector<int32_t>(w.routes.begin() + input * R, w.routes.begin() + (input + 1) * R));
+    CHECK(row[0] >= 0);  // an input was always fed
+    ++filled;
+  }
+  CHECK(filled == 12);
+  CHECK(padding == 4);
+  CHECK(shardlm::rollout_fingerprint(b) != [&] {
+    RolloutBatch other = b;
+    other.routes[5] = (other.routes[5] + 1) % 8;
+    return shardlm::rollout_fingerprint(other);
+  }());
+
+  // Without routes: nothing to replay, the micro-batch has none.
+  shardlm::RolloutFile plain = w;
+  plain.step = 6;
+  plain.routes.clear();
+  plain.route_width = 0;
+  shardlm::write_rollouts(dir.path.string(), plain);
+  const RolloutBatch none = shardlm::read_rollouts(shardlm::rollout_path(dir.path.string(), 6), kVocab);
+  CHECK(none.route_width == 0);
+  CHECK(none.routes.empty());
+  CHECK(shardlm::pack_rollouts(none, 8, 2, 0, 1).micro_batches[0].routes.empty());
+
+  // An expert below -1 is named with its token.
+  shardlm::RolloutFile bad = w;
+  bad.step = 7;
+  bad.routes[size_t(6 * R + 2)] = -3;
+  shardlm::write_rollouts(dir.path.string(), bad);
+  check_error([&] { shardlm::read_rollouts(shardlm::rollout_path(dir.path.string(), 7), kVocab); },
+              {"routes[6, 2] = -3 (sample 1, token 1)", "-1 where nothing was recorded"});
+}
+
 }  // TEST_SUITE
