@@ -164,7 +164,7 @@ def sparse_layer(fx, i):
 TOL_LOGITS = 1e-5
 TOL_LOSS = 1e-6
 TOL_GRADS = 1e-4
-MAX_DIR_BYTES = 1_200_000
+MAX_DIR_BYTES = 1_300_000
 
 
 class FixtureError(RuntimeError):
@@ -298,6 +298,10 @@ def build_model(fx, config):
         config._attn_implementation = "eager"
         model = model_cls(config)
     check(type(model).__name__ == fx["model_class"], f"{fx['name']}: built {type(model).__name__}")
+    # transformers 5 runs experts through torch's grouped_mm by default, which
+    # has no float64: the per-expert loop instead
+    if fx.get("moe") and hasattr(model, "set_experts_implementation"):
+        model.set_experts_implementation("eager")
     model = model.to(torch.float32)
     model.eval()   # no dropout anywhere; gradients still flow
     return model

@@ -87,7 +87,7 @@ Config tiny_deck(std::vector<std::string> sets = {}) {
 TEST_SUITE("model") {
 
 TEST_CASE("HF fixtures: logits, loss and every parameter gradient match transformers") {
-  for (const std::string name : {"llama-gqa-tied", "qwen3-qknorm", "qwen2-bias"}) {
+  for (const std::string name : {"llama-gqa-tied", "qwen3-qknorm", "qwen2-bias", "qwen3-moe", "qwen2-moe"}) {
     CAPTURE(name);
     const fs::path dir = fs::path("tests/fixtures") / name, ref = dir / "reference.h5";
     const ModelConfig config = read_hf_config(dir);

@@ -61,10 +61,15 @@ TEST_CASE("rl jobs: a trainer waits past another job's file, says so once, and t
   JobDir dir;
   const std::string d = dir.path.string(), path = rollout_path(d, 2);
   write_rollouts(d, one_step(2, 111));  // an earlier job's
+  // This job's file, written aside now and renamed over the other job's later,
+  // as the inference rank's write ends: HDF5 is not called from two threads.
+  const fs::path aside = dir.path / "aside";
+  fs::create_directories(aside);
+  write_rollouts(aside.string(), one_step(2, 222));
   std::vector<std::string> said;
   std::thread own_inference_rank([&] {
     std::this_thread::sleep_for(std::chrono::milliseconds(400));
-    write_rollouts(d, one_step(2, 222));  // .tmp, then renamed over the other job's
+    fs::rename(rollout_path(aside.string(), 2), path);
   });
   const auto t0 = std::chrono::steady_clock::now();
   const std::string got = wait_for_rollouts(d, 2, 20.0, [&](const std::string& m) { said.push_back(m); }, 10.0, 222);

@@ -571,12 +571,12 @@ TEST_CASE("wait_for_rollouts: times out with the message, reports progress, igno
 TEST_CASE("wait_for_rollouts: returns when another thread renames a complete file into place") {
   TempDir dir;
   const std::string final_path = dir.file("step_3.h5");
+  RolloutFile f = hand_made();
+  f.step = 3;
+  f.policy_step = 3;
+  write_rollouts(final_path + ".tmp", f);  // here: HDF5 is not called from two threads
   std::thread writer([&] {
     std::this_thread::sleep_for(std::chrono::milliseconds(300));
-    RolloutFile f = hand_made();
-    f.step = 3;
-    f.policy_step = 3;
-    write_rollouts(final_path + ".tmp", f);
     fs::rename(final_path + ".tmp", final_path);
   });
   const auto t0 = std::chrono::steady_clock::now();
