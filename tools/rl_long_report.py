@@ -111,7 +111,10 @@ def main():
         for i, run in enumerate(runs):
             total = sum(run["stale"].values()) or 1
             ks = sorted(run["stale"])
-            right.bar([k + i * width for k in ks], [run["stale"][k] / total for k in ks], width, label=run["name"])
+            right.bar([k + (i - (len(runs) - 1) / 2) * width for k in ks], [run["stale"][k] / total for k in ks], width,
+                      label=run["name"])
+        oldest = max((k for run in runs for k in run["stale"]), default=0)
+        right.set_xticks(range(oldest + 1))
         left.set(xlabel="RL step", ylabel="mean reward: lines right (temperature 1)", ylim=(0, 1), title="training reward")
         mid.set(xlabel="policy step", ylabel="held-out", ylim=(0, 1), title="eval during the run")
         right.set(xlabel="steps old (oldest token)", ylabel="fraction of samples", title="staleness")
