@@ -33,7 +33,11 @@ def main():
         gt, go, gi = f["tokens"][()], f["offsets"][()], f["prompt_index"][()]
     ours = {int(gi[s]): gt[go[s]:go[s + 1]].tolist() for s in range(len(go) - 1)}
     new = max(len(v) for v in ours.values())
-    model = AutoModelForCausalLM.from_pretrained(a.model, torch_dtype=torch.bfloat16).cuda().eval()
+    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.bfloat16).cuda().eval()
+    # A model of experts: no load-balancing loss while generating (transformers
+    # computes it from the router logits, and left padding breaks its mask)
+    if getattr(model.config, "output_router_logits", False):
+        model.config.output_router_logits = False
     pad = model.config.vocab_size - 1
     theirs = {}
     for b in range(0, len(prompts), a.batch):
