@@ -310,14 +310,10 @@ void read_moe_member(const ConfigReader& cr, const json& root, const std::string
     // transformers 5 saves Qwen3-MoE's expert count as num_local_experts (the
     // published checkpoints say num_experts, and so does the export).
     const json* local = &size == &c.num_experts ? ConfigReader::find(root, "num_local_experts") : nullptr;
-    if (local && !v) {
-      size = cr.positive_int("num_local_experts", (int64_t)f.max);
-      return;
-    }
-    size = cr.positive_int(f.hf_key, (int64_t)f.max);
-    if (local && cr.positive_int("num_local_experts", (int64_t)f.max) != size)
-      cr.fail(fmt("'num_experts' %lld and 'num_local_experts' %lld disagree", (long long)size,
-                  (long long)cr.positive_int("num_local_experts", (int64_t)f.max)));
+    const int64_t local_count = local ? cr.positive_int("num_local_experts", (int64_t)f.max) : 0;
+    size = v || !local ? cr.positive_int(f.hf_key, (int64_t)f.max) : local_count;
+    if (local && local_count != size)
+      cr.fail(fmt("'num_experts' %lld and 'num_local_experts' %lld disagree", (long long)size, (long long)local_count));
   }
 }
 
