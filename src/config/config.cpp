@@ -888,10 +888,6 @@ std::string moe_deck_error(const Config& c, const ModelConfig& arch) {
                "(num_experts = 0): set loss.router_replay = false, or train a qwen3_moe / qwen2_moe model",
                arch.arch.c_str());
   if (!arch.moe()) return "";
-  if (c.device.backend == "cuda" && c.loss.type == "rl")
-    return fmt("an RL job of a model of experts (arch %s) on the CUDA backend: the GPU trains experts, but its "
-               "decoder does not sample them yet, so the inference ranks could not run; set device.backend = "
-               "\"cpu\"", arch.arch.c_str());
   if (c.model.fp8 != "none")
     return fmt("model.fp8 = \"%s\" does not reach the experts of arch %s: set model.fp8 = \"none\"",
                c.model.fp8.c_str(), arch.arch.c_str());

@@ -763,8 +763,8 @@ class CudaBackend final : public Backend {
     const int64_t N = n_;
     if (config_.moe_layer(l)) {  // MLP: x_out = x_mid + experts(xn2); gate|up's rows take their gradients
       cuda::MoeLayerActs ma = moe_acts(a);
-      cuda::moe_backward(d_xn_, stream_grad_bf16(d_x_), a.xn2, moe_weights(w), moe_grads(g), ma, moe_, moe_dims(),
-                         aux_scale_, aux_rows_, *gemm_, *grouped_, scratch_, scratch_bytes_, stream_);
+      cuda::moe_backward(d_xn_, stream_grad_bf16(d_x_), a.xn2, cuda::moe_weights(w), cuda::moe_grads(g), ma, moe_,
+                         moe_dims(), aux_scale_, aux_rows_, *gemm_, *grouped_, scratch_, scratch_bytes_, stream_);
     } else {
       // MLP: x_out = x_mid + down(silu(gate) * up)
       project_backward(cuda::Fp8Linear::Down, dh_, g.w_down, nullptr, stream_grad_bf16(d_x_), a.h, w.w_down, d.I,
@@ -961,17 +961,11 @@ class CudaBackend final : public Backend {
   }
 
   // The layer of experts' views (cuda/moe.hpp): its activations in `a`, its
-  // weights and gradients in the unit's, its sizes at this micro-batch.
+  // sizes at this micro-batch.
   cuda::MoeLayerActs moe_acts(Acts& a) const {
     const int64_t R = n_ * d_.K;
     return {a.probs,  a.expert, a.weight, a.slot, a.row, a.offsets, a.gu, a.h, a.y,
             a.gu + R * 2 * d_.Im, a.h + R * d_.Im, a.shared_out, a.shared_logit, &a.host_offsets};
-  }
-  static cuda::MoeWeights moe_weights(const LayerWeights<const bf16>& w) {
-    return {w.router, w.e_gate, w.e_up, w.e_down, w.s_gate, w.s_down, w.s_weight};
-  }
-  static cuda::MoeGrads moe_grads(const LayerWeights<float>& g) {
-    return {g.router, g.e_gate, g.e_up, g.e_down, g.s_gate, g.s_down, g.s_weight};
   }
   cuda::MoeDims moe_dims() const { return {n_, d_.C, d_.E, d_.K, d_.Im, d_.Is, config_.norm_topk_prob}; }
 
@@ -1005,9 +999,9 @@ class CudaBackend final : public Backend {
       cuda::MoeLayerActs ma = moe_acts(a);
       const int32_t* forced = has_routes_ ? routes_ + config_.route_offset(layer_) : nullptr;
       if (fp32_stream())
-        return cuda::moe_forward(f32(x_out), f32(a.x_mid), a.xn2, moe_weights(w), ma, moe_, moe_dims(), forced,
+        return cuda::moe_forward(f32(x_out), f32(a.x_mid), a.xn2, cuda::moe_weights(w), ma, moe_, moe_dims(), forced,
                                  config_.route_width(), *gemm_, *grouped_, stream_);
-      return cuda::moe_forward(bf(x_out), bf(a.x_mid), a.xn2, moe_weights(w), ma, moe_, moe_dims(), forced,
+      return cuda::moe_forward(bf(x_out), bf(a.x_mid), a.xn2, cuda::moe_weights(w), ma, moe_, moe_dims(), forced,
                                config_.route_width(), *gemm_, *grouped_, stream_);
     }
     gate_up_forward(a.gu, a.xn2, w);

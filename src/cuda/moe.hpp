@@ -8,7 +8,7 @@
 //
 // Owns: shardlm::cuda::{GroupedGemm, MoeDims, MoeLayerActs, MoeScratch,
 // moe_forward, moe_backward, moe_aux_add}.
-// Must not know: MPI, NCCL, units, the deck. Included only by .cu files.
+// Must not know: MPI, NCCL, the deck. Included only by .cu files.
 //
 // The permutation: row r of the grouped buffers is the (token, choice) slot
 // slot[r] = token * K + choice; the rows of expert e are [offsets[e],
@@ -31,6 +31,7 @@
 
 #include "cuda/gemm.hpp"
 #include "cuda/ops.hpp"
+#include "shardlm/model.hpp"
 
 namespace shardlm::cuda {
 
@@ -111,6 +112,13 @@ struct MoeWeights {
 struct MoeGrads {
   float *router, *gate, *up, *down, *s_gate_up, *s_down, *s_weight;
 };
+// A layer of experts' views in its unit (the shared expert's gate and up are adjacent: one (2 Is, C) matrix).
+inline MoeWeights moe_weights(const LayerWeights<const bf16>& w) {
+  return {w.router, w.e_gate, w.e_up, w.e_down, w.s_gate, w.s_down, w.s_weight};
+}
+inline MoeGrads moe_grads(const LayerWeights<float>& g) {
+  return {g.router, g.e_gate, g.e_up, g.e_down, g.s_gate, g.s_down, g.s_weight};
+}
 
 // Forward of a layer of experts on xn (N, C): the routing into `a` (forced:
 // router replay's experts, (N) rows of `forced_stride` with K entries each, a
