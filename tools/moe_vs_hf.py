@@ -11,7 +11,8 @@ Data: tools/fidelity_vs_hf.py's Markov stream (4,096 active ids, successor proba
 --seq tokens a step, the same rows in the same order on both sides. Both add the load-balancing loss at
 router_aux_loss_coef 0.001. AdamW lr 1e-4, betas 0.9/0.95, eps 1e-8, weight decay 0.1 on matrices,
 clip 1.0; transformers: fp32 parameters, bf16 autocast, fused AdamW, its default experts backend (the
-name is printed) and torch.compile of it.
+name is printed) and torch.compile of it; with --variants bf16,bf16-compile also bf16 parameters and AdamW
+state (its native bf16 grouped GEMM).
 
 Prints the losses, each window's mean relative difference to transformers (and compile's, its own
 spread), and the throughput: tokens/s over the steps after the second, MFU counted on the active
@@ -56,15 +57,18 @@ def run_hf(args, model_dir, rows, variant):
     import torch
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM
+    # default / compile: fp32 parameters under bf16 autocast (transformers' experts then run its grouped GEMM's
+    # fp32 fallback); bf16 / bf16-compile: bf16 parameters and optimizer (its native bf16 grouped GEMM).
+    bf16 = variant.startswith("bf16")
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16 if bf16 else torch.float32).cuda()
     model.config.use_cache = False
     backend = model.get_experts_implementation() if hasattr(model, "get_experts_implementation") else "?"
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
-    step_fn = torch.compile(model) if variant == "compile" else model
+    step_fn = torch.compile(model) if variant.endswith("compile") else model
     coef = model.config.router_aux_loss_coef
     losses, aux, times = [], [], []
     torch.cuda.reset_peak_memory_stats()
@@ -81,8 +85,8 @@ def run_hf(args, model_dir, rows, variant):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(float(ce))
-        aux.append(float(out.aux_loss))
+        losses.append(float(ce.detach()))
+        aux.append(float(out.aux_loss.detach()))
         torch.cuda.synchronize()
         times.append(time.time() - t0)
     peak = torch.cuda.max_memory_allocated() / 2**30
@@ -210,7 +214,8 @@ def main():
                           if k not in ("mlp_only_layers", "output_router_logits", "decoder_sparse_step"))
         shape = shape.replace("num_attention_heads", "num_heads").replace("num_key_value_heads", "num_kv_heads")
         model_lines = (f'arch = "qwen3_moe"\nqk_norm = true\nnum_layers = {args.shardlm_only_layers}\n{shape}\n'
-                       f'router_aux_loss = true\noptim_cpu_offload = true')
+                       f'max_position_embeddings = {max(args.seq, 4096)}\nrouter_aux_loss = true\n'
+                       f'optim_cpu_offload = true')
         results["shardlm offload"] = run_shardlm(args, f"shardlm-{args.shardlm_only_layers}-offload", model_lines,
                                                  data_path, min(args.steps, 8))
     ref = results.get("transformers default")

@@ -70,11 +70,19 @@ class CudaDeviceUnits final : public DeviceUnits {
       st.param = static_cast<float*>(memory_.own(Mem::ParamShard, 4 * n));
       st.grad = grads.empty() ? static_cast<float*>(memory_.own(Mem::GradShard, 4 * n)) : grads[u];
       for (int i = 0; i < states; ++i) st.states.push_back(static_cast<float*>(memory_.own(Mem::OptimState, 4 * n)));
+      // One segment per run of adjacent parameters with the same weight decay
+      // (a layer of experts' hundreds of matrices are one run).
       std::vector<cuda::OptimSegment> table;
-      for (const auto& s : model.segments(layout.units[u]))
-        table.push_back({s.shard_offset, s.count, s.param->weight_decay() ? static_cast<float>(optim.weight_decay) : 0.0f});
-      SHARDLM_CHECK(int(table.size()) <= cuda::kMaxOptimSegments, "unit %s has too many parameters for one update",
-                    layout.units[u].name.c_str());
+      for (const auto& s : model.segments(layout.units[u])) {
+        const float wd = s.param->weight_decay() ? static_cast<float>(optim.weight_decay) : 0.0f;
+        if (!table.empty() && table.back().weight_decay == wd && table.back().offset + table.back().count == s.shard_offset)
+          table.back().count += s.count;
+        else
+          table.push_back({s.shard_offset, s.count, wd});
+      }
+      SHARDLM_CHECK(int(table.size()) <= cuda::kMaxOptimSegments,
+                    "unit %s has %zu runs of parameters with one weight decay, more than the %d of one update",
+                    layout.units[u].name.c_str(), table.size(), cuda::kMaxOptimSegments);
       st.segments = static_cast<cuda::OptimSegment*>(
           memory_.own(Mem::OptimState, sizeof(cuda::OptimSegment) * std::max<size_t>(1, table.size())));
       st.num_segments = static_cast<int>(table.size());
