@@ -7,8 +7,8 @@
 The shape is Qwen3-30B-A3B's (hidden 2048, 32 query and 4 key/value heads of 128, 128 experts of width
 768, 8 a token, renormalised, vocabulary 151,936, untied) with --layers layers, every one a layer of
 experts; transformers makes the random init (seed 0, fp32) and saves it, shardlm reads it (model.hf).
-Data: tools/fidelity_vs_hf.py's Markov stream (4,096 active ids, successor probability 0.8), one row of
---seq tokens a step, the same rows in the same order on both sides. Both add the load-balancing loss at
+Data: tools/fidelity_vs_hf.py's Markov stream (4,096 active ids, successor probability 0.8), --rows rows of
+--seq tokens a step (gradient accumulation, a row a micro-batch), the same rows in the same order on both sides. Both add the load-balancing loss at
 router_aux_loss_coef 0.001. AdamW lr 1e-4, betas 0.9/0.95, eps 1e-8, weight decay 0.1 on matrices,
 clip 1.0; transformers: fp32 parameters, bf16 autocast, fused AdamW, its default experts backend (the
 name is printed) and torch.compile of it; with --variants bf16,bf16-compile also bf16 parameters and AdamW
@@ -75,25 +75,28 @@ def run_hf(args, model_dir, rows, variant):
     for step in range(args.steps):
         torch.cuda.synchronize()
         t0 = time.time()
-        doc = torch.from_numpy(rows[step % len(rows)].astype(np.int64)).cuda()
-        x, y = doc[:-1][None], doc[1:]
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            out = step_fn(input_ids=x, output_router_logits=True)
-        ce = F.cross_entropy(out.logits.float().view(-1, out.logits.shape[-1]), y)
-        loss = ce + coef * out.aux_loss.float()
-        loss.backward()
+        ce_sum, aux_sum = 0.0, 0.0
+        for r in range(args.rows):  # gradient accumulation over the step's rows, one row a micro-batch
+            doc = torch.from_numpy(rows[(step * args.rows + r) % len(rows)].astype(np.int64)).cuda()
+            x, y = doc[:-1][None], doc[1:]
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                out = step_fn(input_ids=x, output_router_logits=True)
+            ce = F.cross_entropy(out.logits.float().view(-1, out.logits.shape[-1]), y)
+            ((ce + coef * out.aux_loss.float()) / args.rows).backward()
+            ce_sum += float(ce.detach()) / args.rows
+            aux_sum += float(out.aux_loss.detach()) / args.rows
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(float(ce.detach()))
-        aux.append(float(out.aux_loss.detach()))
+        losses.append(ce_sum)
+        aux.append(aux_sum)
         torch.cuda.synchronize()
         times.append(time.time() - t0)
     peak = torch.cuda.max_memory_allocated() / 2**30
     del model, opt, step_fn
     torch.cuda.empty_cache()
     timed = times[2:]
-    tps = args.seq * len(timed) / sum(timed)
+    tps = args.seq * args.rows * len(timed) / sum(timed)
     print(f"transformers {variant} (experts backend {backend}): {tps:,.0f} tok/s, peak {peak:.1f} GiB, "
           f"losses {losses[0]:.4f} .. {losses[-1]:.4f}", flush=True)
     return dict(losses=losses, aux=aux, tokens_per_s=tps, peak_gib=peak, experts_backend=str(backend))
@@ -116,7 +119,7 @@ seed = 0
 path = "{data_path}"
 seq_len = {args.seq}
 micro_batch = 1
-global_batch = 1
+global_batch = {args.rows}
 shuffle = false
 
 [optim]
@@ -159,8 +162,10 @@ interval = 1
         for line in f:
             r = json.loads(line)
             if "step" in r and "loss" in r:
-                losses[int(r["step"])] = float(r["loss"])
+                # The logged loss adds router_aux_loss_coef times the load-balancing loss: the cross-entropy alone
+                # is compared with transformers'.
                 aux[int(r["step"])] = float(r.get("router_aux_loss", "nan"))
+                losses[int(r["step"])] = float(r["loss"]) - SHAPE["router_aux_loss_coef"] * aux[int(r["step"])]
     lines = [l for l in log.splitlines() if re.match(r"^(throughput|memory|step time|setup|attention)", l)]
     for l in lines:
         print(f"shardlm {label}: {l}", flush=True)
@@ -187,6 +192,7 @@ def main():
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--rows", type=int, default=8, help="rows of --seq tokens a step (micro-batches of one row)")
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--variants", default="default,compile")
     ap.add_argument("--shardlm", default="build/shardlm")
@@ -201,8 +207,8 @@ def main():
         make_model(model_dir, args.layers, args.seq)
         print(f"random init of {args.layers} layers saved in {time.time() - t0:.0f} s", flush=True)
     data_path = os.path.join(args.out, "data.h5")
-    rows = make_markov(data_path, SHAPE["vocab_size"], args.steps + 2, args.seq + 1, 7)
-    results = {"layers": args.layers, "steps": args.steps, "seq": args.seq}
+    rows = make_markov(data_path, SHAPE["vocab_size"], args.steps * args.rows + 2, args.seq + 1, 7)
+    results = {"layers": args.layers, "steps": args.steps, "seq": args.seq, "rows": args.rows}
     results["shardlm"] = run_shardlm(args, "shardlm", f'hf = "{model_dir}"', data_path, args.steps)
     for v in args.variants.split(","):
         try:
@@ -215,9 +221,9 @@ def main():
         shape = shape.replace("num_attention_heads", "num_heads").replace("num_key_value_heads", "num_kv_heads")
         model_lines = (f'arch = "qwen3_moe"\nqk_norm = true\nnum_layers = {args.shardlm_only_layers}\n{shape}\n'
                        f'max_position_embeddings = {max(args.seq, 4096)}\nrouter_aux_loss = true\n'
-                       f'optim_cpu_offload = true')
+                       f'optim_cpu_offload = true\noptim_gpu_state_gib = 0')
         results["shardlm offload"] = run_shardlm(args, f"shardlm-{args.shardlm_only_layers}-offload", model_lines,
-                                                 data_path, min(args.steps, 8))
+                                                 data_path, min(args.steps, 6))
     ref = results.get("transformers default")
     s = results.get("shardlm")
     if ref and s:

@@ -35,7 +35,8 @@ GroupedGemm::~GroupedGemm() {
 
 // gemm.cu's mapping: the row-major C (M, N) is the column-major C^T = op(B)^T
 // op(A)^T, so the library's A is our B and its B is our A, m = N, n = M.
-void GroupedGemm::run(bool trans_a, bool trans_b, const std::vector<Product>& products, float beta) {
+bool GroupedGemm::run(bool trans_a, bool trans_b, const std::vector<Product>& products, float beta, GemmOut out) {
+  if (out == GemmOut::F32 && !f32_out_) return false;
   std::vector<int64_t> m, n, k, lda, ldb, ldc, size;
   std::vector<cublasOperation_t> op_a, op_b;
   std::vector<float> alpha, betas;
@@ -50,7 +51,7 @@ void GroupedGemm::run(bool trans_a, bool trans_b, const std::vector<Product>& pr
     alpha.push_back(1.0f), betas.push_back(beta), size.push_back(1);
   }
   const int64_t count = int64_t(m.size());
-  if (count == 0) return;
+  if (count == 0) return true;
   SHARDLM_CHECK(count <= max_products_, "internal: %lld grouped products, planned for %lld", (long long)count,
                 (long long)max_products_);
   host_pointers_.assign(a.begin(), a.end());
@@ -63,10 +64,16 @@ void GroupedGemm::run(bool trans_a, bool trans_b, const std::vector<Product>& pr
   const void* const* dev_a = const_cast<const void* const*>(pointers_);
   const void* const* dev_b = const_cast<const void* const*>(pointers_ + count);
   void* const* dev_c = pointers_ + 2 * count;
-  CUBLAS_V2_CHECK(cublasGemmGroupedBatchedEx_64(handle_, op_a.data(), op_b.data(), m.data(), n.data(), k.data(),
-                                                alpha.data(), dev_a, CUDA_R_16BF, lda.data(), dev_b, CUDA_R_16BF,
-                                                ldb.data(), betas.data(), dev_c, CUDA_R_16BF, ldc.data(), count,
-                                                size.data(), CUBLAS_COMPUTE_32F));
+  const cublasStatus_t status = cublasGemmGroupedBatchedEx_64(
+      handle_, op_a.data(), op_b.data(), m.data(), n.data(), k.data(), alpha.data(), dev_a, CUDA_R_16BF, lda.data(),
+      dev_b, CUDA_R_16BF, ldb.data(), betas.data(), dev_c, out == GemmOut::F32 ? CUDA_R_32F : CUDA_R_16BF, ldc.data(),
+      count, size.data(), CUBLAS_COMPUTE_32F);
+  if (out == GemmOut::F32 && (status == CUBLAS_STATUS_NOT_SUPPORTED || status == CUBLAS_STATUS_INVALID_VALUE)) {
+    f32_out_ = false;
+    return false;
+  }
+  CUBLAS_V2_CHECK(status);
+  return true;
 }
 
 namespace {
@@ -314,21 +321,24 @@ struct ExpertRows {
   int64_t first(int64_t e) const { return offsets[size_t(e)]; }
 };
 
-// One kind of the experts' weight gradients, g (E, P, Q) fp32 +=: the grouped
-// GEMM writes them in bf16 into wgrad (an expert without rows: zeros), then added.
+// One kind of the experts' weight gradients, g (E, P, Q) fp32 +=: straight
+// from the grouped GEMM (fp32 C, beta 1) where cuBLAS takes it; else written in
+// bf16 into wgrad (an expert without rows: zeros), then added.
 void expert_wgrad(GroupedGemm& grouped, float* g, bf16* wgrad, const ExpertRows& x, int64_t E, int64_t P, int64_t Q,
                   const bf16* dout, int64_t ld_dout, const bf16* inp, int64_t ld_inp, cudaStream_t stream) {
-  std::vector<GroupedGemm::Product> products;
-  for (int64_t e = 0; e < E; ++e) {
-    if (x.rows(e) == 0) {
-      CUDA_CHECK(cudaMemsetAsync(wgrad + e * P * Q, 0, 2 * size_t(P * Q), stream));
-      continue;
-    }
-    // (P, Q) = dout_e^T (P x rows) inp_e (rows x Q)
-    products.push_back({P, Q, x.rows(e), dout + x.first(e) * ld_dout, ld_dout, inp + x.first(e) * ld_inp, ld_inp,
-                        wgrad + e * P * Q, Q});
-  }
-  grouped.run(/*trans_a=*/true, /*trans_b=*/false, products, 0.0f);
+  // (P, Q) = dout_e^T (P x rows) inp_e (rows x Q)
+  auto products = [&](bool f32) {
+    std::vector<GroupedGemm::Product> out;
+    for (int64_t e = 0; e < E; ++e)
+      if (x.rows(e) > 0)
+        out.push_back({P, Q, x.rows(e), dout + x.first(e) * ld_dout, ld_dout, inp + x.first(e) * ld_inp, ld_inp,
+                       f32 ? static_cast<void*>(g + e * P * Q) : static_cast<void*>(wgrad + e * P * Q), Q});
+    return out;
+  };
+  if (grouped.run(/*trans_a=*/true, /*trans_b=*/false, products(true), 1.0f, GemmOut::F32)) return;
+  for (int64_t e = 0; e < E; ++e)
+    if (x.rows(e) == 0) CUDA_CHECK(cudaMemsetAsync(wgrad + e * P * Q, 0, 2 * size_t(P * Q), stream));
+  grouped.run(true, false, products(false), 0.0f);
   add_bf16_to_f32(g, g, wgrad, E * P * Q, stream);
 }
 

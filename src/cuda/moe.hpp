@@ -20,8 +20,9 @@
 // with fp32 accumulation; each token's K outputs (and the shared expert's) are
 // summed in fp32 and added to the stream once. The experts' weight gradients
 // come from the grouped GEMM in bf16 (cuBLAS's grouped GEMM writes C in the
-// operands' type) and are accumulated into the fp32 gradients, as transformers'
-// autocast makes them. Deterministic: no atomics; every sum in a fixed order.
+// operands' type where this cuBLAS takes no fp32 C for bf16 operands) and are
+// accumulated into the fp32 gradients; where it takes fp32 C, straight into
+// them with beta 1. Deterministic: no atomics; every sum in a fixed order.
 #pragma once
 
 #include <cublas_v2.h>
@@ -48,7 +49,7 @@ class GroupedGemm {
     int64_t lda;
     const bf16* B;
     int64_t ldb;
-    bf16* C;
+    void* C;  // bf16, or fp32 with GemmOut::F32
     int64_t ldc;
   };
   // pointers: device memory for 3 * max_products pointers (the operand arrays).
@@ -56,7 +57,11 @@ class GroupedGemm {
   ~GroupedGemm();
   GroupedGemm(const GroupedGemm&) = delete;
   GroupedGemm& operator=(const GroupedGemm&) = delete;
-  void run(bool trans_a, bool trans_b, const std::vector<Product>& products, float beta);
+  // out F32: C in fp32 (weight gradients accumulated with beta 1), where this
+  // cuBLAS takes that mix of types; false (nothing run) where it does not, and
+  // from then on (the caller writes bf16 and adds it).
+  bool run(bool trans_a, bool trans_b, const std::vector<Product>& products, float beta,
+           GemmOut out = GemmOut::BF16);
 
  private:
   cudaStream_t stream_;
@@ -64,6 +69,7 @@ class GroupedGemm {
   int64_t max_products_;
   cublasHandle_t handle_ = nullptr;
   std::vector<const void*> host_pointers_;
+  bool f32_out_ = true;  // fp32 C still to be tried, or taken
 };
 
 struct MoeDims {
