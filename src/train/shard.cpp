@@ -94,8 +94,8 @@ void export_hf(const ShardedModel& model, Comm& comm, const std::filesystem::pat
   std::vector<TensorSpec> specs;
   // In the order of the model laid out without expert parallelism, so that the
   // file is the same whatever model.expert_parallel the run had.
-  for (const auto& [unit, p] : ModelLayout(model.layout.config, 1).all_params())
-    specs.push_back({p->name, p->shape, dtype});
+  const ModelLayout unsplit(model.layout.config, 1);
+  for (const auto& [unit, p] : unsplit.all_params()) specs.push_back({p->name, p->shape, dtype});
   std::unique_ptr<SafetensorsWriter> writer;
   if (comm.rank() == 0) {
     std::filesystem::create_directories(dir);

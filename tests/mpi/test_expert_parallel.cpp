@@ -27,6 +27,7 @@
 #include "shardlm/config.hpp"
 #include "train/engine.hpp"
 #include "train/train.hpp"
+#include "../test_util.hpp"
 #include "mpi_world.hpp"
 
 using namespace shardlm;
@@ -34,6 +35,7 @@ namespace fs = std::filesystem;
 
 namespace {
 
+using shardlm_test::SharedDir;
 using shardlm_test::world_rank;
 using shardlm_test::world_size;
 
@@ -64,27 +66,6 @@ float token_value(int q, int64_t n, int64_t c) { return float(q * 65536 + n * 64
 
 // ---------------------------------------------------------------- training runs
 
-// A fresh directory every rank sees (rank 0 makes it); removed by the destructor.
-struct SharedDir {
-  fs::path path;
-  SharedDir() {
-    std::string made;
-    if (world_rank() == 0) {
-      char templ[] = "/tmp/shardlm-ep-XXXXXX";
-      REQUIRE(mkdtemp(templ) != nullptr);
-      made = templ;
-    }
-    int n = static_cast<int>(made.size());
-    MPI_Bcast(&n, 1, MPI_INT, 0, MPI_COMM_WORLD);
-    made.resize(size_t(n));
-    MPI_Bcast(made.data(), n, MPI_CHAR, 0, MPI_COMM_WORLD);
-    path = made;
-  }
-  ~SharedDir() {
-    MPI_Barrier(MPI_COMM_WORLD);
-    if (world_rank() == 0) fs::remove_all(path);
-  }
-};
 
 std::string read_bytes(const fs::path& p) {
   std::ifstream in(p, std::ios::binary);
@@ -171,22 +152,7 @@ void check_world_invariance(const std::string& arch) {
 // ---------------------------------------------------------------- one micro-batch
 
 ModelConfig replay_model() {
-  ModelConfig c;
-  c.arch = "qwen3_moe";
-  c.vocab_size = 64;
-  c.hidden_size = 32;
-  c.intermediate_size = 48;
-  c.num_layers = 2;
-  c.num_heads = 4;
-  c.num_kv_heads = 2;
-  c.head_dim = 8;
-  c.max_position_embeddings = 64;
-  c.qk_norm = true;
-  c.rms_norm_eps = 1e-6;
-  c.num_experts = 12;
-  c.num_experts_per_tok = 2;
-  c.moe_intermediate_size = 16;
-  c.norm_topk_prob = true;
+  ModelConfig c = shardlm_test::tiny_experts(12);  // 12 experts: over 1, 2, 3 or 4 ranks
   c.router_aux_loss = true;
   return c;
 }
@@ -259,7 +225,7 @@ TEST_CASE("the exchange: each routed row reaches its expert's rank in (rank, exp
   cpu::moe_gather_rows(local.data(), x.data(), mine.r, N, C, K);
 
   // Every rank's rows per expert, as the layer all-gathers them.
-  std::vector<int32_t> own_rows(size_t(E)), rows_per_expert(size_t(P * E));
+  std::vector<int32_t> own_rows(static_cast<size_t>(E)), rows_per_expert(static_cast<size_t>(P * E));
   for (int64_t e = 0; e < E; ++e) own_rows[size_t(e)] = int32_t(mine.offsets[e + 1] - mine.offsets[e]);
   group->all_gather(own_rows.data(), rows_per_expert.data(), E, DType::F32).wait();
   cpu::ExpertExchange plan;
