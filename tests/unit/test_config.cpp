@@ -733,7 +733,7 @@ TEST_CASE("model.expert_parallel: 1 by default; the training ranks, for a model 
   CHECK(only_error(parse(kValid, {"model.expert_parallel=2"}, 2)) ==
         "deck.toml: model.expert_parallel = 2 splits the experts of a model of experts, but arch llama has none "
         "(num_experts = 0): set model.expert_parallel = 1");
-  CHECK(only_error(parse(kValid, with({"model.expert_parallel=3"}), 3)) ==
+  CHECK(only_error(parse(kValid, with({"model.expert_parallel=3", "data.global_batch=12"}), 3)) ==
         "deck.toml: model.expert_parallel = 3 does not divide num_experts = 4: each rank holds num_experts / "
         "model.expert_parallel whole experts");
   CHECK(only_error(parse(kValid, with({"model.expert_parallel=2"}), 4)) ==
