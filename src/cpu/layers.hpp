@@ -3,9 +3,9 @@
 //
 // Owns: the saved-activation layout of a layer (LayerActs) and the rows it and the
 // backward and head scratch add to the CPU backend's buffer table, layer forward and
-// backward on gathered weights, the chunked lm-head + cross-entropy, and the two
+// backward on gathered weights, the chunked lm-head + cross-entropy, and the three
 // hooks a layer calls instead of its local kernels (Attention: the ring; Linear:
-// model.fp8's projections). Knows
+// model.fp8's projections; Experts: expert parallelism's exchange). Knows
 // nothing about units, shards or MPI: the engine hands it weight and gradient
 // views into gathered buffers.
 #pragma once

@@ -2,7 +2,9 @@
 //
 // Owns: the unit loop of DESIGN.md's solver (gather u with u+1's gather in
 // flight; compute; release; backward in reverse with each unit's gradients
-// reduce-scattered into the gradient shards as soon as it is done), the
+// reduce-scattered into the gradient shards as soon as it is done; under
+// expert parallelism a layer's own experts handed to the backend from the
+// shard, never gathered, their gradients added to it unreduced), the
 // gathered-unit and gradient-slot buffers, the activations, and their sizes (the
 // memory plan). The arithmetic goes to a Backend, the collectives to a Comm,
 // each unit's reduced gradient to the TrainingState (train/state.hpp), which
