@@ -297,9 +297,9 @@ DeckResult parse_deck_text(const std::string& text, const std::string& source_na
                            const std::vector<std::string>& overrides, int world);
 
 // What a model of experts (`arch`: the deck's or model.hf's) does not run with
-// yet among the deck's other choices (the CUDA backend, model.fp8,
-// model.context_parallel > 1, and model.expert_parallel's own rules but the
-// world's), as a sentence naming the key; "" when none.
+// yet among the deck's other choices (model.fp8, model.context_parallel > 1,
+// and model.expert_parallel's rules but the world's, the CUDA backend among
+// them), as a sentence naming the key; "" when none.
 std::string moe_deck_error(const Config& config, const ModelConfig& arch);
 
 // The resolved deck as TOML: every key with its value, defaults included.

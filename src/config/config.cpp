@@ -925,12 +925,6 @@ std::string moe_deck_error(const Config& c, const ModelConfig& arch) {
                "(num_experts = 0): set loss.router_replay = false, or train a qwen3_moe / qwen2_moe model",
                arch.arch.c_str());
   if (!arch.moe()) return "";
-  if (c.device.backend == "cuda" && c.loss.router_replay)
-    return fmt("loss.router_replay = true: router replay runs on the CPU backend only, as do the experts of arch "
-               "%s: set device.backend = \"cpu\"", arch.arch.c_str());
-  if (c.device.backend == "cuda")
-    return fmt("a model of experts (arch %s) runs on the CPU backend only so far: set device.backend = \"cpu\"",
-               arch.arch.c_str());
   if (c.model.fp8 != "none")
     return fmt("model.fp8 = \"%s\" does not reach the experts of arch %s: set model.fp8 = \"none\"",
                c.model.fp8.c_str(), arch.arch.c_str());

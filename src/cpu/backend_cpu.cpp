@@ -70,7 +70,6 @@ class CpuBackend final : public Backend {
     SHARDLM_CHECK(options_.expert_parallel <= 1 || experts_,
                   "internal: model.expert_parallel = %lld without set_expert_parallel",
                   (long long)options_.expert_parallel);
-    if (b.routes) check_routes(b);
     batch_ = b;
     inputs_ = {b.N, b.positions, b.seq_ids, inv_freq_.data(), b.token_index, ring_.get(), fp8_.get(), experts_.get()};
     if (config_.moe()) router_aux_.reset(config_.num_experts, b.router_aux_scale);
@@ -232,27 +231,6 @@ class CpuBackend final : public Backend {
   // layer, or no routes: the layer's own top-k).
   const int32_t* forced(int l) const {
     return batch_.routes && config_.moe_layer(l) ? batch_.routes + config_.route_offset(l) : nullptr;
-  }
-  // The routes come from a rollout file: each recorded expert must be one of
-  // this model's and a token's K distinct (a row of -1 is a position nothing was recorded for).
-  void check_routes(const TokenBatch& b) const {
-    SHARDLM_CHECK(config_.moe(), "internal: router replay's routes for a model without experts");
-    const int64_t R = config_.route_width(), K = config_.num_experts_per_tok, E = config_.num_experts;
-    for (int64_t n = 0; n < b.N; ++n)
-      for (int64_t at = 0; at < R; at += K) {
-        const int32_t* e = b.routes + n * R + at;
-        if (e[0] < 0) continue;
-        for (int64_t j = 0; j < K; ++j)
-          SHARDLM_CHECK(e[j] >= 0 && e[j] < E && std::find(e, e + j, e[j]) == e + j,
-                        "router replay: token %lld of the micro-batch, layer of experts %lld, was routed to experts "
-                        "[%s] by the sampler: each of the K = %lld must be distinct and in [0, %lld) (was the "
-                        "rollout file written for another model?)",
-                        (long long)n, (long long)(at / K), [&] {
-                          std::string list;
-                          for (int64_t i = 0; i < K; ++i) list += (i ? ", " : "") + std::to_string(e[i]);
-                          return list;
-                        }().c_str(), (long long)K, (long long)E);
-      }
   }
   cpu::LayerActs& acts(int l) { return acts_[options_.checkpoint_activations ? 0 : l]; }
 

@@ -23,6 +23,7 @@
 #include "cuda/fp8_attention.hpp"
 #include "cuda/fp8_linear.hpp"
 #include "cuda/gemm.hpp"
+#include "cuda/moe.hpp"
 #include "cuda/ops.hpp"
 #include "cuda/ring_attention.hpp"
 #include "cuda/rl_loss.hpp"
@@ -34,18 +35,6 @@ namespace shardlm {
 namespace {
 
 using cuda::bf16;
-
-__global__ void accumulate_bf16_kernel(float* y, const bf16* x, int64_t n) {
-  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i < n) y[i] += __bfloat162float(x[i]);
-}
-
-// y (fp32) += x (bf16): a gradient slice reduced in bf16 into its fp32 shard.
-void accumulate_bf16(float* y, const bf16* x, int64_t n, cudaStream_t stream) {
-  if (n == 0) return;
-  accumulate_bf16_kernel<<<unsigned((n + 255) / 256), 256, 0, stream>>>(y, x, n);
-  CUDA_CHECK(cudaGetLastError());
-}
 
 class CudaBackend final : public Backend {
  public:
@@ -60,6 +49,7 @@ class CudaBackend final : public Backend {
     fp8_attention_.reset();  // it holds a reference to sdpa_
     sdpa_.reset();
     fp8_.reset();
+    grouped_.reset();
     gemm_.reset();
     for (auto& [ptr, size] : owned_) cudaFree(ptr);
     if (host_staging_) cudaFreeHost(host_staging_);
@@ -96,7 +86,7 @@ class CudaBackend final : public Backend {
   }
   void accumulate(float* dst, const void* src, int64_t n, DType type) override {
     if (type == DType::F32) cuda::accumulate_f32(dst, static_cast<const float*>(src), n, stream_);
-    else accumulate_bf16(dst, static_cast<const bf16*>(src), n, stream_);
+    else cuda::add_bf16_to_f32(dst, dst, static_cast<const bf16*>(src), n, stream_);
   }
   void cast_to_bf16(void* dst, const float* src, int64_t n) override {
     cuda::cast_f32_to_bf16(static_cast<bf16*>(dst), src, n, stream_);
@@ -151,21 +141,34 @@ class CudaBackend final : public Backend {
 
   // ------------------------------------------------------------ sizes
 
+  // gu, h: a layer's gate|up and h buffers' width per token, the largest of
+  // its kinds of layer: a dense MLP's 2I and I; a layer of experts' K rows of
+  // 2Im and Im a token, then the shared expert's 2Is and Is.
   struct Dims {
     int64_t N, C, I, H, KV, D, HD, KVD, V, chunk;
+    int64_t E, K, Im, Is, gu, h;
   };
   static Dims dims(const ModelConfig& c, const EngineOptions& o) {
-    return {o.max_tokens, c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim,
-            c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.vocab_size, std::min(o.chunk_tokens, o.max_tokens)};
+    Dims d{o.max_tokens, c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim,
+           c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.vocab_size, std::min(o.chunk_tokens, o.max_tokens),
+           c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.shared_expert_intermediate_size, 0, 0};
+    bool dense = false;
+    for (int64_t l = 0; l < c.num_layers; ++l) dense |= !c.moe_layer(l);
+    if (dense) d.gu = 2 * d.I, d.h = d.I;
+    if (c.moe()) d.gu = std::max(d.gu, 2 * (d.K * d.Im + d.Is)), d.h = std::max(d.h, d.K * d.Im + d.Is);
+    return d;
   }
-  // A model of experts runs on the CPU backend only so far.
-  static void dense_only(const ModelConfig& c) {
-    SHARDLM_CHECK(!c.moe(), "a model of experts (arch %s) runs on the CPU backend only so far: set device.backend = "
-                  "\"cpu\"", c.arch.c_str());
+  // What the experts on the GPU do not run yet.
+  static void check_supported(const ModelConfig& c, const EngineOptions& o) {
+    if (!c.moe()) return;
+    SHARDLM_CHECK(o.fp8 == Fp8Mode::None, "model.fp8 with a model of experts (arch %s): the experts' grouped GEMMs "
+                  "run in bf16 only; set model.fp8 = \"none\"", c.arch.c_str());
+    SHARDLM_CHECK(c.hidden_size % 8 == 0, "a model of experts on the GPU needs hidden_size a multiple of 8 (it is "
+                  "%lld)", (long long)c.hidden_size);
   }
   // The plan sums the table prepare() allocates from (a planner's, never allocated).
   int64_t activation_bytes(const ModelConfig& c, const EngineOptions& o) const override {
-    dense_only(c);
+    check_supported(c, o);
     CudaBackend planner;
     return table_bytes(planner.buffer_table(c, o), Mem::Activations);
   }
@@ -210,7 +213,7 @@ class CudaBackend final : public Backend {
   static size_t aligned(size_t b) { return (b + 255) / 256 * 256; }
   static Phases phases(const Dims& d, bool sdpa, bool fp8_attention, bool checkpointing) {
     Phases p;
-    p.gu_bytes = 2 * size_t(d.N * 2 * d.I);
+    p.gu_bytes = 2 * size_t(d.N * d.gu);
     p.dq = aligned(2 * size_t(d.N * d.HD));
     p.dk = p.dq + aligned(2 * size_t(d.N * d.HD));
     p.dv = p.dk + aligned(2 * size_t(d.N * d.KVD));
@@ -220,7 +223,7 @@ class CudaBackend final : public Backend {
     const size_t logits = 2 * size_t(d.chunk * d.V);
     p.attention_in_gu = p.attention <= p.gu_bytes;
     p.logits_in_gu = checkpointing && logits <= p.gu_bytes;
-    p.shared = std::max({aligned(2 * size_t(d.N * d.I)), p.logits_in_gu ? 0 : aligned(logits),
+    p.shared = std::max({aligned(2 * size_t(d.N * d.h)), p.logits_in_gu ? 0 : aligned(logits),
                          p.attention_in_gu ? 0 : p.attention});
     return p;
   }
@@ -244,6 +247,12 @@ class CudaBackend final : public Backend {
     float *rstd1, *q_rstd, *k_rstd, *lse, *rstd2;
     bf16 *xn1, *q_raw, *k_raw, *q, *k, *v, *att, *xn2, *gu, *h;
     void* x_mid;  // the residual stream after attention (bf16 or fp32: StreamBuf)
+    // A layer of experts (cuda::MoeLayerActs): gu and h above hold its rows'.
+    float *probs, *weight, *shared_logit;
+    int32_t *expert, *slot, *row;
+    int64_t* offsets;
+    bf16 *y, *shared_out;
+    std::vector<int64_t> host_offsets;
   };
 
   // One buffer of this backend: its name, the plan row it is counted in, its
@@ -337,8 +346,22 @@ class CudaBackend final : public Backend {
         rows.push_back(row("att", act, d.N * d.HD, &a.att));
         rows.push_back(row("lse", act, d.N * d.H, &a.lse));
       }
-      rows.push_back(row("gu", act, d.N * 2 * d.I, &a.gu));
-      rows.push_back(row("h", act, d.N * d.I, &a.h));
+      rows.push_back(row("gu", act, d.N * d.gu, &a.gu));
+      rows.push_back(row("h", act, d.N * d.h, &a.h));
+      if (c.moe()) {  // a layer of experts' routing and rows (cuda/moe.hpp)
+        const int64_t R = d.N * d.K;
+        rows.push_back(row("moe.probs", act, d.N * d.E, &a.probs));
+        rows.push_back(row("moe.expert", act, R, &a.expert));
+        rows.push_back(row("moe.weight", act, R, &a.weight));
+        rows.push_back(row("moe.slot", act, R, &a.slot));
+        rows.push_back(row("moe.row", act, R, &a.row));
+        rows.push_back(row("moe.offsets", act, d.E + 1, &a.offsets));
+        rows.push_back(row("moe.y", act, R * d.C, &a.y));
+        if (d.Is > 0) {
+          rows.push_back(row("moe.shared_out", act, d.N * d.C, &a.shared_out));
+          rows.push_back(row("moe.shared_logit", act, d.N, &a.shared_logit));
+        }
+      }
       if (c.qk_norm) {
         rows.push_back(row("q_raw", act, d.N * d.HD, &a.q_raw));
         rows.push_back(row("k_raw", act, d.N * d.KVD, &a.k_raw));
@@ -366,6 +389,22 @@ class CudaBackend final : public Backend {
     if (c.qk_norm) {
       rows.push_back(row("dq_raw", w, d.N * d.HD, &dq_raw_));
       rows.push_back(row("dk_raw", w, d.N * d.KVD, &dk_raw_));
+    }
+    if (c.moe()) {  // the experts' workspace (cuda/moe.hpp) and router replay's routes
+      const int64_t R = d.N * d.K;
+      rows.push_back(row("moe.logits", w, d.N * d.E, &moe_.logits));
+      rows.push_back(row("moe.rows", w, R * d.C, &moe_.rows));
+      rows.push_back(row("moe.dweight", w, R, &moe_.dweight));
+      rows.push_back(row("moe.dlogits", w, d.N * d.E, &moe_.dlogits));
+      rows.push_back(row("moe.wgrad", w, d.E * d.Im * d.C, &moe_.wgrad));
+      rows.push_back(row("moe.aux_counts", w, d.E, &moe_.aux_counts));
+      rows.push_back(row("moe.aux_prob_sums", w, d.E, &moe_.aux_prob_sums));
+      rows.push_back(row("moe.gemm_pointers", w, 3 * 2 * d.E, &moe_pointers_));
+      rows.push_back(row("moe.routes", w, d.N * c.route_width(), &routes_));
+      if (d.Is > 0) {
+        rows.push_back(row("moe.d_shared", w, d.N * d.C, &moe_.d_shared));
+        rows.push_back(row("moe.d_shared_logit", w, d.N, &moe_.d_shared_logit));
+      }
     }
     rows.push_back(row("head.xf", w, d.N * d.C, &xf_));
     rows.push_back(row("head.dxf", w, d.N * d.C, &dxf_));
@@ -411,7 +450,7 @@ class CudaBackend final : public Backend {
   }
 
   void prepare(const ModelConfig& c, const EngineOptions& o) override {
-    dense_only(c);
+    check_supported(c, o);
     config_ = c;
     options_ = o;
     for (const BufferRow& r : buffer_table(c, o))
@@ -425,6 +464,8 @@ class CudaBackend final : public Backend {
     place_attention_phase(attention_phase(acts_[0].gu));
     CUDA_CHECK(cudaMemsetAsync(loss_sum_, 0, 8, stream_));
     choose_attention(d_);
+    moe_.dh = dh_;
+    if (c.moe()) grouped_ = std::make_unique<cuda::GroupedGemm>(stream_, moe_pointers_, 2 * d_.E);
     if (o.fp8 != Fp8Mode::None)
       fp8_ = std::make_unique<cuda::Fp8Linear>(o.fp8, fp8_buffers_, stream_, gemm_workspace_, kGemmWorkspace, c,
                                                o.fp8_weight_cache ? c.num_layers : 0);
@@ -544,8 +585,15 @@ class CudaBackend final : public Backend {
 
   void load_batch(const TokenBatch& b) override {
     SHARDLM_CHECK(b.N <= d_.N, "micro-batch of %lld tokens exceeds the planned %lld", (long long)b.N, (long long)d_.N);
-    SHARDLM_CHECK(!b.routes, "internal: router replay's routes reached the CUDA backend, which has no experts");
     n_ = b.N;
+    has_routes_ = b.routes != nullptr;
+    if (has_routes_) upload(routes_, b.routes, 4 * b.N * config_.route_width());
+    if (config_.moe()) {  // the load-balancing loss's counts start anew
+      CUDA_CHECK(cudaMemsetAsync(moe_.aux_counts, 0, 8 * d_.E, stream_));
+      CUDA_CHECK(cudaMemsetAsync(moe_.aux_prob_sums, 0, 8 * d_.E, stream_));
+      aux_rows_ = 0;
+      aux_scale_ = b.router_aux_scale;
+    }
     has_rl_inputs_ = b.advantages != nullptr;
     host_targets_.assign(b.targets ? b.targets : b.tokens, (b.targets ? b.targets : b.tokens) + b.N);
     host_weights_.assign(b.N, 0.0f);
@@ -625,6 +673,11 @@ class CudaBackend final : public Backend {
     layer_ = l;
     forward_layer(layer_weights(unit, bf(params)), layer_norms(l, unit, bf(params)), residual_[l], residual_[l + 1],
                   acts(l));
+    if (config_.moe_layer(l) && aux_scale_ != 0) {  // not in a recompute: counted once a micro-batch
+      cuda::MoeLayerActs a = moe_acts(acts(l));
+      cuda::moe_aux_add(a, moe_, moe_dims(), stream_);
+      aux_rows_ += n_;
+    }
   }
 
   LossStats head_loss_backward(const void* norm_weight, const void* lm_head, float* norm_grad, float* lm_head_grad,
@@ -670,14 +723,31 @@ class CudaBackend final : public Backend {
     }
     CUDA_CHECK(cudaStreamSynchronize(stream_));
     if (options_.rl) {
-      const LossStats device = LossStats::from_array(rl);
+      LossStats device = LossStats::from_array(rl);
       SHARDLM_CHECK(device.loss_tokens == stats.loss_tokens,
                     "internal: the RL loss kernel counted %lld loss tokens, the host %lld",
                     (long long)device.loss_tokens, (long long)stats.loss_tokens);
+      add_router_aux(device);
       return device;
     }
     stats.loss = loss;
+    add_router_aux(stats);
     return stats;
+  }
+
+  // The micro-batch's load-balancing loss, E sum_e (counts_e / rows) (prob
+  // sums_e / rows), as the CPU's cpu::RouterAux forms it.
+  void add_router_aux(LossStats& stats) {
+    if (!config_.moe() || aux_scale_ == 0 || aux_rows_ == 0) return;
+    std::vector<double> counts(size_t(d_.E)), sums(size_t(d_.E));
+    CUDA_CHECK(cudaMemcpyAsync(counts.data(), moe_.aux_counts, 8 * d_.E, cudaMemcpyDeviceToHost, stream_));
+    CUDA_CHECK(cudaMemcpyAsync(sums.data(), moe_.aux_prob_sums, 8 * d_.E, cudaMemcpyDeviceToHost, stream_));
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+    double sum = 0;
+    const double rows = double(aux_rows_);
+    for (int64_t e = 0; e < d_.E; ++e) sum += (counts[size_t(e)] / rows) * (sums[size_t(e)] / rows);
+    stats.router_aux_sum = double(d_.E) * sum;
+    stats.router_aux_batches = 1;
   }
 
   void layer_backward(int l, const Unit& unit, const void* params, float* grads) override {
@@ -691,14 +761,21 @@ class CudaBackend final : public Backend {
       forward_layer(w, norms, x_in, recompute_out_, a, /*skip_attention=*/keeps_attention(l));
     const Dims& d = d_;
     const int64_t N = n_;
-    // MLP: x_out = x_mid + down(silu(gate) * up)
-    project_backward(cuda::Fp8Linear::Down, dh_, g.w_down, nullptr, stream_grad_bf16(d_x_), a.h, w.w_down, d.I, d.C,
-                     cuda::Dinp::Overwrite, false, amax_ready(amax_at(kH)), amax_ready(grad_amax_at(kStreamGrad)));
-    // dgate/dup in place of gate/up (Phases): dgu is a.gu from here on.
-    bf16* dgu = a.gu;
-    cuda::swiglu_backward(dgu, 2 * d.I, dgu + d.I, 2 * d.I, dh_, d.I, a.gu, 2 * d.I, a.gu + d.I, 2 * d.I, N, d.I,
-                          stream_, grad_amax_at(kDgate), grad_amax_at(kDup));
-    gate_up_backward(dgu, a.xn2, w, g);
+    if (config_.moe_layer(l)) {  // MLP: x_out = x_mid + experts(xn2); gate|up's rows take their gradients
+      cuda::MoeLayerActs ma = moe_acts(a);
+      cuda::moe_backward(d_xn_, stream_grad_bf16(d_x_), a.xn2, cuda::moe_weights(w), cuda::moe_grads(g), ma, moe_,
+                         moe_dims(), aux_scale_, aux_rows_, *gemm_, *grouped_, scratch_, scratch_bytes_, stream_);
+    } else {
+      // MLP: x_out = x_mid + down(silu(gate) * up)
+      project_backward(cuda::Fp8Linear::Down, dh_, g.w_down, nullptr, stream_grad_bf16(d_x_), a.h, w.w_down, d.I,
+                       d.C, cuda::Dinp::Overwrite, false, amax_ready(amax_at(kH)),
+                       amax_ready(grad_amax_at(kStreamGrad)));
+      // dgate/dup in place of gate/up (Phases): dgu is a.gu from here on.
+      bf16* dgu = a.gu;
+      cuda::swiglu_backward(dgu, 2 * d.I, dgu + d.I, 2 * d.I, dh_, d.I, a.gu, 2 * d.I, a.gu + d.I, 2 * d.I, N, d.I,
+                            stream_, grad_amax_at(kDgate), grad_amax_at(kDup));
+      gate_up_backward(dgu, a.xn2, w, g);
+    }
     norm_backward(d_mid_, g.post_norm, d_xn_, a.x_mid, norms.post, a.rstd2, d_x_, grad_amax_at(kStreamGrad));
     // attention: x_mid = x_in + o(attn(rope(norm(q)), rope(norm(k)), v)); its
     // gradients go where gate/up were (dead now), when they fit there
@@ -883,6 +960,15 @@ class CudaBackend final : public Backend {
     return static_cast<const float*>(norm_fp32_ + unit_norms_.back().final);
   }
 
+  // The layer of experts' views (cuda/moe.hpp): its activations in `a`, its
+  // sizes at this micro-batch.
+  cuda::MoeLayerActs moe_acts(Acts& a) const {
+    const int64_t R = n_ * d_.K;
+    return {a.probs,  a.expert, a.weight, a.slot, a.row, a.offsets, a.gu, a.h, a.y,
+            a.gu + R * 2 * d_.Im, a.h + R * d_.Im, a.shared_out, a.shared_logit, &a.host_offsets};
+  }
+  cuda::MoeDims moe_dims() const { return {n_, d_.C, d_.E, d_.K, d_.Im, d_.Is, config_.norm_topk_prob}; }
+
   // skip_attention: activation checkpointing's second forward in backward, for a
   // layer whose attention output selective checkpointing kept.
   void forward_layer(const LayerWeights<const bf16>& w, const LayerNorms& norms, const void* x_in, void* x_out,
@@ -909,6 +995,15 @@ class CudaBackend final : public Backend {
     bf16* projected = fp32_stream() ? proj_out_ : bf(x_out);
     project(cuda::Fp8Linear::O, projected, a.att, w.wo, nullptr, d.HD, d.C, nullptr, false, amax_kept(amax_at(kAtt)));
     add_norm_forward(a.x_mid, a.xn2, a.rstd2, x_in, projected, norms.post, amax_at(kXn2));
+    if (config_.moe_layer(layer_)) {  // x_out = x_mid + the experts' weighted sum, added unrounded
+      cuda::MoeLayerActs ma = moe_acts(a);
+      const int32_t* forced = has_routes_ ? routes_ + config_.route_offset(layer_) : nullptr;
+      if (fp32_stream())
+        return cuda::moe_forward(f32(x_out), f32(a.x_mid), a.xn2, cuda::moe_weights(w), ma, moe_, moe_dims(), forced,
+                                 config_.route_width(), *gemm_, *grouped_, stream_);
+      return cuda::moe_forward(bf(x_out), bf(a.x_mid), a.xn2, cuda::moe_weights(w), ma, moe_, moe_dims(), forced,
+                               config_.route_width(), *gemm_, *grouped_, stream_);
+    }
     gate_up_forward(a.gu, a.xn2, w);
     cuda::swiglu_forward(a.h, d.I, a.gu, 2 * d.I, a.gu + d.I, 2 * d.I, N, d.I, stream_, amax_at(kH));
     if (!fp32_stream())
@@ -974,6 +1069,13 @@ class CudaBackend final : public Backend {
   cudaStream_t stream_ = nullptr;
   void* gemm_workspace_ = nullptr;
   std::unique_ptr<cuda::Gemm> gemm_;
+  std::unique_ptr<cuda::GroupedGemm> grouped_;  // a model of experts' grouped GEMMs
+  cuda::MoeScratch moe_{};                 // its workspace (dh is dh_)
+  void** moe_pointers_ = nullptr;          // the grouped GEMMs' operand arrays
+  int32_t* routes_ = nullptr;              // router replay: (N, route_width) the sampler's experts
+  bool has_routes_ = false;                // the loaded micro-batch carries them
+  double aux_scale_ = 0;                   // its load-balancing loss's weight (0: none)
+  int64_t aux_rows_ = 0;                   // the rows its counts were taken over
   std::unique_ptr<cuda::Fp8Linear> fp8_;   // model.fp8's projections (nullptr: bf16 GEMMs)
   cuda::Fp8Linear::Buffers fp8_buffers_;   // its scratch, from the buffer table
   float* fp8_amaxes_ = nullptr;            // the fused amaxes' slots (fused_amax), else nullptr

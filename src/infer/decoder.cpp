@@ -15,9 +15,6 @@ namespace shardlm {
 
 std::unique_ptr<Decoder> make_decoder(const InferenceModel& model, const DecoderLimits& limits,
                                       const std::string& backend) {
-  SHARDLM_CHECK(backend != "cuda" || !model.config().moe(),
-                "a model of experts (arch %s) samples on the CPU backend only so far: use --device cpu "
-                "(rollout: device.backend = \"cpu\")", model.config().arch.c_str());
   const DecoderLimits sized = size_pool(model.config(), limits, backend, decoder_device_memory(backend));
   if (backend == "cuda") return make_cuda_decoder(model, sized);
   SHARDLM_CHECK(backend == "cpu", "internal: generate on backend '%s'", backend.c_str());

@@ -22,6 +22,7 @@
 #include "cuda/check.hpp"
 #include "cuda/decode_attention.hpp"
 #include "cuda/gemm.hpp"
+#include "cuda/moe.hpp"
 #include "cuda/op_timer.hpp"
 #include "cuda/ops.hpp"
 #include "cuda/sampling.hpp"
@@ -129,6 +130,7 @@ class CudaDecoder final : public Decoder {
     return "cuda bf16 on " + cuda_device_name(device_) +
            (graphs_ ? ", decode steps as " + std::to_string(step_graphs_.size()) + " CUDA graphs" : "") +
            (fused_qkv_ ? ", q|k|v as one GEMM" : "") +
+           (grouped_ ? ", the experts as cuBLAS grouped GEMMs" : "") +
            (split_down_ ? ", down in " + std::to_string(cuda::kSplitkParts) + " K-parts with the next norm" : "");
   }
   int64_t decode_steps() const override { return decode_steps_; }
@@ -196,6 +198,9 @@ class CudaDecoder final : public Decoder {
   // as one (fused_qkv_) whose rows RoPE, the cache store and the decode
   // attention read.
   void attend(int l, int64_t N, Pass pass, const LayerWeights<const bf16>& w);
+  // Layer l's MLP as a layer of experts (cuda/moe.hpp): x_out_ = x_mid_ +
+  // experts(xn_); recording routes, each row's experts into its slot's table.
+  void experts(int l, int64_t N, const LayerWeights<const bf16>& w);
   void attend_fused(int l, int64_t N, const LayerWeights<const bf16>& w);
   // logits_ (n, V) fp32 = lm_head(norm(rows)); rows (n, C) on the device.
   void head(const bf16* rows, int64_t n);
@@ -258,7 +263,17 @@ class CudaDecoder final : public Decoder {
   // epilogue (cuBLASLt's split-K and its reduce, then the norm's kernel).
   bool split_down_ = false;
   float* down_parts_ = nullptr;               // (S, slots, C) fp32: the parts
-  bf16 *gu_ = nullptr, *h_ = nullptr;         // (rows, 2 I) gate|up; (rows, I) swiglu
+  bf16 *gu_ = nullptr, *h_ = nullptr;         // (rows, 2 I) gate|up; (rows, I) swiglu (dense layers)
+  // A model of experts: the layer's routing, rows and workspace at `rows`
+  // tokens (cuda/moe.hpp); its forward brings the row offsets to the host, so
+  // no CUDA graphs. row_slot_: the pass's rows' slots; route_host_: a layer's
+  // experts of the pass on the host (router replay's recording).
+  std::unique_ptr<cuda::GroupedGemm> grouped_;
+  cuda::MoeLayerActs moe_{};
+  cuda::MoeScratch moe_scratch_{};
+  std::vector<int64_t> moe_offsets_;
+  void** moe_pointers_ = nullptr;
+  std::vector<int32_t> row_slot_, route_host_;
   float *rstd_ = nullptr;                     // (rows H) every norm's rstd (not kept: no backward)
   float *lse_ = nullptr;                      // (rows, H) the flash attention's logsumexp
   int32_t* doc_start_ = nullptr;              // (rows) the flash attention's scratch
@@ -340,7 +355,7 @@ void CudaDecoder::plan_buffers(const ModelConfig& c, const ModelLayout& layout, 
   // The down projection in 4 K-parts where the sizes allow (1.235 against 1.283
   // ms a step with cuBLASLt's one GEMM at the 1B shape, batch 64, on an H200:
   // docs/benchmarks.md).
-  const bool split_down = cuda::splitk_residual_rmsnorm_takes(c.hidden_size) &&
+  const bool split_down = !c.moe() && cuda::splitk_residual_rmsnorm_takes(c.hidden_size) &&
                           c.intermediate_size % (8 * cuda::kSplitkParts) == 0;
   if (self) {
     self->split_down_ = split_down;
@@ -390,8 +405,36 @@ void CudaDecoder::plan_buffers(const ModelConfig& c, const ModelLayout& layout, 
   }
   add("att", Mem::Workspace, R * HD, at(&CudaDecoder::att_));
   if (fused) add("qkv", Mem::Workspace, S * (HD + 2 * KVD), at(&CudaDecoder::qkv_));
-  add("gate_up", Mem::Workspace, R * 2 * I, at(&CudaDecoder::gu_));
-  add("h", Mem::Workspace, R * I, at(&CudaDecoder::h_));
+  bool dense = false;
+  for (int64_t l = 0; l < L; ++l) dense |= !c.moe_layer(l);
+  if (dense) {
+    add("gate_up", Mem::Workspace, R * 2 * I, at(&CudaDecoder::gu_));
+    add("h", Mem::Workspace, R * I, at(&CudaDecoder::h_));
+  }
+  if (c.moe()) {  // cuda/moe.hpp's buffers at R tokens, R K rows
+    const int64_t E = c.num_experts, K = c.num_experts_per_tok, Im = c.moe_intermediate_size;
+    const int64_t Is = c.shared_expert_intermediate_size, RK = R * K;
+    cuda::MoeLayerActs* a = self ? &self->moe_ : nullptr;
+    cuda::MoeScratch* sc = self ? &self->moe_scratch_ : nullptr;
+    add("moe.probs", Mem::Workspace, R * E, a ? &a->probs : nullptr);
+    add("moe.expert", Mem::Workspace, RK, a ? &a->expert : nullptr);
+    add("moe.weight", Mem::Workspace, RK, a ? &a->weight : nullptr);
+    add("moe.slot", Mem::Workspace, RK, a ? &a->slot : nullptr);
+    add("moe.row", Mem::Workspace, RK, a ? &a->row : nullptr);
+    add("moe.offsets", Mem::Workspace, E + 1, a ? &a->offsets : nullptr);
+    add("moe.gate_up", Mem::Workspace, RK * 2 * Im, a ? &a->gu : nullptr);
+    add("moe.h", Mem::Workspace, RK * Im, a ? &a->h : nullptr);
+    add("moe.y", Mem::Workspace, RK * C, a ? &a->y : nullptr);
+    add("moe.logits", Mem::Workspace, R * E, sc ? &sc->logits : nullptr);
+    add("moe.rows", Mem::Workspace, RK * C, sc ? &sc->rows : nullptr);
+    add("moe.gemm_pointers", Mem::Workspace, 3 * 2 * E, at(&CudaDecoder::moe_pointers_));
+    if (Is > 0) {
+      add("moe.shared_gate_up", Mem::Workspace, R * 2 * Is, a ? &a->shared_gu : nullptr);
+      add("moe.shared_h", Mem::Workspace, R * Is, a ? &a->shared_h : nullptr);
+      add("moe.shared_out", Mem::Workspace, R * C, a ? &a->shared_out : nullptr);
+      add("moe.shared_logit", Mem::Workspace, R, a ? &a->shared_logit : nullptr);
+    }
+  }
   if (split_down) add("down_parts", Mem::Workspace, cuda::kSplitkParts * S * C, at(&CudaDecoder::down_parts_));
   add("rstd", Mem::Workspace, R * std::max<int64_t>(H, 1), at(&CudaDecoder::rstd_));
   add("lse", Mem::Workspace, R * H, at(&CudaDecoder::lse_));
@@ -442,7 +485,11 @@ CudaDecoder::CudaDecoder(const InferenceModel& model, const DecoderLimits& limit
   CUDA_CHECK(cudaEventCreate(&step_begin_));
   CUDA_CHECK(cudaEventCreate(&step_end_));
   gemm_ = std::make_unique<cuda::Gemm>(stream_, gemm_workspace_, kGemmWorkspace);
-  graphs_ = !env_is("SHARDLM_DECODE_GRAPHS", "0");
+  if (c.moe()) {
+    grouped_ = std::make_unique<cuda::GroupedGemm>(stream_, moe_pointers_, 2 * c.num_experts);
+    moe_.host_offsets = &moe_offsets_;
+  }
+  graphs_ = !env_is("SHARDLM_DECODE_GRAPHS", "0") && !c.moe();
   if (env_is("SHARDLM_DECODE_PROFILE", "1")) {
     ops_ = std::make_unique<cuda::OpTimer>(stream_);
     graphs_ = false;  // an event per operation, recorded eagerly
@@ -465,6 +512,7 @@ CudaDecoder::~CudaDecoder() {
   // A destructor cannot throw: the frees report nothing (cuda_free handles its own errors).
   if (stream_) cudaStreamSynchronize(stream_);
   for (cudaGraphExec_t g : step_graphs_) cudaGraphExecDestroy(g);
+  grouped_.reset();
   gemm_.reset();
   for (BufferRow& r : table_) cuda_free(r.category, *r.ptr, r.bytes);
   if (prefill_in_.host) cudaFreeHost(prefill_in_.host);
@@ -570,6 +618,11 @@ void CudaDecoder::layers(int64_t N, Pass pass, int first, int last) {
     mark("o gemm");
     cuda::residual_rmsnorm_forward(x_mid_, xn_, rstd_, x_, x_out_, w.post_norm, N, C, eps, stream_);
     mark("add + norm");
+    if (c.moe_layer(l)) {
+      experts(l, N, w);
+      std::swap(x_, x_out_);
+      continue;
+    }
     cuda::linear_forward(*gemm_, gu_, xn_, w.w_gate, nullptr, N, C, 2 * I);
     mark("gate|up gemm");
     cuda::swiglu_forward(h_, I, gu_, 2 * I, gu_ + I, 2 * I, N, I, stream_);
@@ -591,6 +644,24 @@ void CudaDecoder::layers(int64_t N, Pass pass, int first, int last) {
     }
     std::swap(x_, x_out_);
   }
+}
+
+void CudaDecoder::experts(int l, int64_t N, const LayerWeights<const bf16>& w) {
+  const ModelConfig& c = model_.config();
+  const int64_t K = c.num_experts_per_tok;
+  const cuda::MoeDims d{N, c.hidden_size, c.num_experts, K, c.moe_intermediate_size,
+                        c.shared_expert_intermediate_size, c.norm_topk_prob};
+  cuda::moe_forward(x_out_, x_mid_, xn_, cuda::moe_weights(w), moe_, moe_scratch_, d, nullptr, 0, *gemm_, *grouped_,
+                    stream_);
+  mark("experts");
+  if (route_width() == 0) return;
+  route_host_.resize(size_t(N * K));
+  CUDA_CHECK(cudaMemcpyAsync(route_host_.data(), moe_.expert, sizeof(int32_t) * size_t(N * K), cudaMemcpyDeviceToHost,
+                             stream_));
+  CUDA_CHECK(cudaStreamSynchronize(stream_));
+  const int32_t* positions = in_->h(StepInts::Positions);
+  for (int64_t i = 0; i < N; ++i)
+    std::copy_n(route_host_.data() + i * K, K, route_row(row_slot_[size_t(i)], positions[i]) + c.route_offset(l));
 }
 
 void CudaDecoder::attend(int l, int64_t N, Pass pass, const LayerWeights<const bf16>& w) {
@@ -777,7 +848,9 @@ void CudaDecoder::prefill_forward(std::span<const int32_t> slots, std::span<cons
       const int64_t len = int64_t(p.size());
       if (count > 0 && N + len > prefill_rows_) break;
       const StepInts& in = prefill_in_;
+      row_slot_.resize(size_t(N + len));
       for (int64_t t = 0; t < len; ++t) {
+        row_slot_[size_t(N + t)] = slots[size_t(u)];
         in.h(StepInts::Tokens)[N + t] = p[size_t(t)];
         in.h(StepInts::Positions)[N + t] = int32_t(t);
         in.h(StepInts::SeqIds)[N + t] = int32_t(count);
@@ -825,6 +898,7 @@ void CudaDecoder::decode_forward(std::span<const int32_t> slots, std::span<const
   send_table();
   const StepInts& in = decode_in_;
   const KvPages pages = kv_.pages();
+  row_slot_.assign(slots.begin(), slots.end());
   for (int64_t b = 0; b < B; ++b) {
     const int32_t s = slots[size_t(b)];
     const int32_t pos = int32_t(kv_.length(s) - 1);
@@ -868,7 +942,9 @@ void CudaDecoder::extend_forward(std::span<const int32_t> slots, std::span<const
       if (count > 0 && N + add > prefill_rows_) break;
       const int32_t s = slots[size_t(i)];
       const int64_t start = kv_.length(s) - add;
+      row_slot_.resize(size_t(N + add));
       for (int64_t t = 0; t < add; ++t) {
+        row_slot_[size_t(N + t)] = s;
         const int32_t pos = int32_t(start + t);
         ints.h(StepInts::Tokens)[N + t] = ids[size_t(t)];
         ints.h(StepInts::Positions)[N + t] = pos;

@@ -119,6 +119,30 @@ RowChunks fp32_row_chunks(int world, int64_t max_tokens, int64_t hidden, int64_t
 }
 
 namespace {
+
+// Router replay's routes come from a rollout file: each recorded expert must
+// be one of this model's and a token's K distinct (a row of -1 is a position
+// nothing was recorded for). Checked before any backend indexes with them.
+void check_routes(const ModelConfig& c, const TokenBatch& b) {
+  SHARDLM_CHECK(c.moe(), "internal: router replay's routes for a model without experts");
+  const int64_t R = c.route_width(), K = c.num_experts_per_tok, E = c.num_experts;
+  for (int64_t n = 0; n < b.N; ++n)
+    for (int64_t at = 0; at < R; at += K) {
+      const int32_t* e = b.routes + n * R + at;
+      if (e[0] < 0) continue;
+      for (int64_t j = 0; j < K; ++j)
+        SHARDLM_CHECK(e[j] >= 0 && e[j] < E && std::find(e, e + j, e[j]) == e + j,
+                      "router replay: token %lld of the micro-batch, layer of experts %lld, was routed to experts "
+                      "[%s] by the sampler: each of the K = %lld must be distinct and in [0, %lld) (was the "
+                      "rollout file written for another model?)",
+                      (long long)n, (long long)(at / K), [&] {
+                        std::string list;
+                        for (int64_t i = 0; i < K; ++i) list += (i ? ", " : "") + std::to_string(e[i]);
+                        return list;
+                      }().c_str(), (long long)K, (long long)E);
+    }
+}
+
 // What bounds one reduce-scatter of the fp32 rows' parts: a staged device Comm
 // (ranks sharing a GPU, comm.backend = "mpi") copies through pinned buffers of
 // one fp32 unit (make_device_comm's staging below); NCCL and the host Comm take any size.
@@ -499,6 +523,7 @@ void Engine::forward(const TokenBatch& b, bool keep_for_backward) {
   const bool release_after = !keep_for_backward || options_.reshard_after_forward;
   // Caches of the weights (FP8 codes) hold for one version of the training weights; other weights are none.
   backend_->set_params_version(weights_ ? kOtherWeightsVersion : state_->param_version());
+  if (b.routes) check_routes(config_, b);
   backend_->load_batch(b);
   prefetch(1);  // the first layer's gather overlaps the embedding lookup
   if (float* rows = backend_->embedding_rows_fp32()) {

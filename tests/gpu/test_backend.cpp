@@ -18,6 +18,9 @@
 #include "../test_util.hpp"
 #include "../unit/run_command.hpp"
 #include "cuda/sdpa.hpp"
+#include "infer/decoder.hpp"
+#include "infer/generate.hpp"
+#include "infer/model.hpp"
 #include "model/hf_config.hpp"
 #include "model/safetensors.hpp"
 #include "shardlm/comm.hpp"
@@ -116,6 +119,7 @@ struct Rollouts {
 // fp32 reference: relative errors of the logits, the loss and the worst gradient.
 struct FixtureErrors {
   double logits = 0, loss = 0, worst_grad = 0;
+  double aux = 0;  // a model of experts: the load-balancing loss's relative error
 };
 FixtureErrors fixture_errors(const std::string& name, bool residual_fp32) {
   const fs::path dir = fs::path("tests/fixtures") / name, ref = dir / "reference.h5";
@@ -148,7 +152,17 @@ FixtureErrors fixture_errors(const std::string& name, bool residual_fp32) {
   double loss_tokens = 0;
   for (float w : weights) loss_tokens += w;
   model.zero_grads();
-  const double loss = engine.forward_backward(b, float(1.0 / loss_tokens)).loss / loss_tokens;
+  // A model of experts: the fixture's loss adds router_aux_loss_coef times the load-balancing loss.
+  const ModelConfig& config = model.layout.config;
+  if (config.moe()) b.router_aux_scale = config.router_aux_loss_coef;
+  const LossStats stats = engine.forward_backward(b, float(1.0 / loss_tokens));
+  double loss = stats.loss / loss_tokens;
+  if (config.moe()) {
+    REQUIRE(stats.router_aux_batches == 1);
+    const double ref_aux = read_h5<double>(ref, "aux_loss", H5T_NATIVE_DOUBLE)[0];
+    e.aux = std::fabs(stats.router_aux_sum - ref_aux) / ref_aux;
+    loss += config.router_aux_loss_coef * stats.router_aux_sum;
+  }
   const double ref_loss = read_h5<double>(ref, "loss", H5T_NATIVE_DOUBLE)[0];
   e.loss = std::fabs(loss - ref_loss) / ref_loss;
   for (const auto& [unit, p] : model.layout.all_params()) {
@@ -191,6 +205,137 @@ TEST_CASE("model.residual_dtype = fp32: the fixtures within bf16 tolerance, the 
     CHECK(fp32.loss < 1e-2);
     CHECK(fp32.logits < bf16.logits);
   }
+}
+
+// The experts' routing, grouped GEMMs and their backward (cuda/moe.hpp)
+// against transformers' fp32 reference: the same bounds as the dense models.
+TEST_CASE("experts on the GPU vs transformers fixtures: logits, loss with the load-balancing loss, gradients") {
+  GpuSetup gpu;
+  for (const std::string name : {"qwen3-moe", "qwen2-moe"}) {
+    CAPTURE(name);
+    const FixtureErrors e = fixture_errors(name, /*residual_fp32=*/true);
+    MESSAGE(name << ": GPU logits relative error " << e.logits << ", loss " << e.loss << ", load-balancing loss "
+                 << e.aux << ", worst gradient " << e.worst_grad);
+    CHECK(e.logits < 2e-2);
+    CHECK(e.loss < 1e-2);
+    CHECK(e.aux < 1e-2);
+  }
+}
+
+// The tiny deck as a model of experts (4 experts, 2 a token; Qwen2-MoE's
+// shared expert in the second set), the load-balancing loss on.
+const std::vector<std::string> kQwen3Moe = {
+    "model.arch=qwen3_moe", "model.qk_norm=true", "model.num_experts=4", "model.num_experts_per_tok=2",
+    "model.moe_intermediate_size=32", "model.norm_topk_prob=true", "model.router_aux_loss=true",
+    "model.router_aux_loss_coef=0.01"};
+const std::vector<std::string> kQwen2Moe = {
+    "model.arch=qwen2_moe", "model.attention_bias=true", "model.num_experts=4", "model.num_experts_per_tok=2",
+    "model.moe_intermediate_size=32", "model.shared_expert_intermediate_size=48", "model.router_aux_loss=true",
+    "model.router_aux_loss_coef=0.01"};
+
+std::vector<std::string> with(std::vector<std::string> a, const std::vector<std::string>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
+TEST_CASE("experts on the GPU: 30 steps follow the CPU losses; deterministic; checkpointing changes nothing") {
+  GpuSetup gpu;
+  for (const auto& moe : {kQwen3Moe, kQwen2Moe}) {
+    CAPTURE(moe[0]);
+    const auto cpu = train_losses(deck("inputs/tiny-sft.toml", with({"device.backend=cpu"}, moe)), 30);
+    const auto gpu_losses = deterministic_gpu_losses(moe, 30);
+    const RelativeDiff diff = relative_diff(gpu_losses, cpu);
+    MESSAGE(moe[0] << ": GPU vs CPU over 30 steps, relative loss difference mean " << diff.mean << ", worst "
+                   << diff.worst << "; final " << gpu_losses.back() << " vs " << cpu.back());
+    CHECK(diff.worst < 3e-2);
+    CHECK(gpu_losses.back() < gpu_losses.front() - 1.0);
+    const auto again = deterministic_gpu_losses(moe, 10);
+    const auto full = deterministic_gpu_losses(with({"model.activation_checkpointing=full"}, moe), 10);
+    for (int i = 0; i < 10; ++i) {
+      CHECK(again[size_t(i)] == gpu_losses[size_t(i)]);
+      CHECK(full[size_t(i)] == gpu_losses[size_t(i)]);
+    }
+  }
+}
+
+// Router replay with the trainer on the GPU: a CPU sampler (fp32) records the
+// experts of every token it feeds; the GPU trainer (bf16) scores the same
+// tokens with its own routing and with the sampler's. Replayed, its logprobs
+// follow the sampler's more closely (bf16 rounding alone moves near-ties).
+TEST_CASE("experts on the GPU: router replay brings the GPU trainer's logprobs to the CPU sampler's") {
+  GpuSetup gpu;
+  ModelConfig c;
+  c.arch = "qwen3_moe", c.vocab_size = 64, c.hidden_size = 32, c.intermediate_size = 48, c.num_layers = 2;
+  c.num_heads = 4, c.num_kv_heads = 2, c.head_dim = 8, c.max_position_embeddings = 64, c.qk_norm = true;
+  c.rms_norm_eps = 1e-6, c.num_experts = 8, c.num_experts_per_tok = 2, c.moe_intermediate_size = 16;
+  c.norm_topk_prob = true;
+  InferenceModel sampler;
+  sampler.weights = std::make_unique<ShardedModel>(c, 0, 1);
+  sampler.weights->init_seeded(5, 0.3);
+  std::vector<std::vector<int32_t>> prompts;
+  for (int p = 0; p < 8; ++p) {
+    std::vector<int32_t> ids;
+    for (int t = 0; t < 5 + p; ++t) ids.push_back(int32_t((p * 13 + t * 7 + 3) % c.vocab_size));
+    prompts.push_back(ids);
+  }
+  std::vector<GenerateRequest> requests;
+  for (size_t p = 0; p < prompts.size(); ++p) requests.push_back({int64_t(p), 0, prompts[p]});
+  GenerateOptions o;
+  o.sampling.temperature = 1.0;
+  o.sampling.seed = 9;
+  o.max_new_tokens = 24;
+  CpuDecoder decoder(sampler, plan_limits(c, requests, 4, o.max_new_tokens, "test"));
+  decoder.record_routes();
+  const std::vector<Completion> done = generate(decoder, requests, o);
+
+  auto comm = make_self_comm();
+  ShardedModel model(c, 0, 1);
+  for (size_t u = 0; u < model.param.size(); ++u)
+    std::copy_n(sampler.weights->param[u].data(), model.param[u].size(), model.param[u].data());
+  EngineOptions eo;
+  eo.max_tokens = c.max_position_embeddings;
+  Engine engine(model, *comm, eo, make_cuda_backend());
+  // log p(seq[t + 1]) at input t from the GPU's logits.
+  auto logprobs = [&](const std::vector<int32_t>& seq, const std::vector<int32_t>& routes) {
+    const int64_t N = int64_t(seq.size()) - 1, V = c.vocab_size;
+    const size_t n = seq.size() - 1;
+    std::vector<int32_t> positions(n), seq_ids(n, 0);
+    for (int64_t t = 0; t < N; ++t) positions[size_t(t)] = int32_t(t);
+    TokenBatch b;
+    b.N = N, b.tokens = seq.data(), b.positions = positions.data(), b.seq_ids = seq_ids.data();
+    b.routes = routes.empty() ? nullptr : routes.data();
+    std::vector<float> logits(size_t(N * V));
+    engine.forward_logits(b, logits.data());
+    std::vector<double> out(n);
+    for (int64_t t = 0; t < N; ++t) {
+      const float* z = logits.data() + t * V;
+      double top = z[0], sum = 0;
+      for (int64_t v = 1; v < V; ++v) top = std::max(top, double(z[v]));
+      for (int64_t v = 0; v < V; ++v) sum += std::exp(double(z[v]) - top);
+      out[size_t(t)] = double(z[seq[size_t(t) + 1]]) - top - std::log(sum);
+    }
+    return out;
+  };
+  auto k3 = [](double d) { return std::expm1(d) - d; };
+  double kl_plain = 0, kl_replay = 0;
+  int64_t tokens = 0;
+  for (const Completion& comp : done) {
+    std::vector<int32_t> seq = prompts[size_t(comp.prompt)];
+    const size_t P = seq.size();
+    seq.insert(seq.end(), comp.tokens.begin(), comp.tokens.end());
+    REQUIRE(comp.routes.size() == seq.size() * size_t(c.route_width()));
+    const std::vector<double> plain = logprobs(seq, {}), replay = logprobs(seq, comp.routes);
+    for (size_t i = 0; i < comp.tokens.size(); ++i) {
+      kl_plain += k3(plain[P - 1 + i] - comp.model_logprobs[i]);
+      kl_replay += k3(replay[P - 1 + i] - comp.model_logprobs[i]);
+      ++tokens;
+    }
+  }
+  kl_plain /= double(tokens), kl_replay /= double(tokens);
+  MESSAGE("GPU trainer (bf16) vs CPU sampler (fp32) over " << tokens << " drawn tokens: mismatch KL (k3) "
+          << kl_plain << " with its own routing, " << kl_replay << " with the sampler's");
+  CHECK(kl_replay < kl_plain);
+  CHECK(kl_replay < 1e-2);
 }
 
 TEST_CASE("tiny deck: 50 GPU steps follow the CPU losses within bf16 tolerance") {

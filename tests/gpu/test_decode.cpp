@@ -434,7 +434,7 @@ TEST_CASE("decode attention kernel = cpu::attention_decode_forward on bf16 input
 
 TEST_CASE("CUDA decoder = CPU decoder on the fixtures: prefill, 16 decode steps, a refreshed weight") {
   require_gpu();
-  for (const std::string name : {"llama-gqa-tied", "qwen2-bias", "qwen3-qknorm", "llama-d64"}) {
+  for (const std::string name : {"llama-gqa-tied", "qwen2-bias", "qwen3-qknorm", "llama-d64", "qwen3-moe", "qwen2-moe"}) {
     CAPTURE(name);
     InferenceModel m = bf16_fixture(name);
     const int64_t V = m.config().vocab_size;
@@ -446,7 +446,11 @@ TEST_CASE("CUDA decoder = CPU decoder on the fixtures: prefill, 16 decode steps,
     REQUIRE(gpu->weight_bytes() > 0);
     // Decode steps' down projection in K-parts reduced with the residual and the
     // next input norm: another summation order than the CPU's, the same bounds.
-    CHECK(gpu->describe().find("down in 4 K-parts") != std::string::npos);
+    // A model of experts: its layers' experts as grouped GEMMs, and both sides
+    // record the routes (router replay).
+    const bool experts = m.config().moe();
+    CHECK(gpu->describe().find(experts ? "experts as cuBLAS grouped GEMMs" : "down in 4 K-parts") != std::string::npos);
+    if (experts) cpu.record_routes(), gpu->record_routes();
 
     // Prefill into slots out of order; all four prompts in one pass.
     const std::vector<int32_t> slots = {2, 0, 3, 1};
@@ -459,6 +463,16 @@ TEST_CASE("CUDA decoder = CPU decoder on the fixtures: prefill, 16 decode steps,
       MESSAGE(name << " prefill prompt " << i << ": |gpu - cpu| / |cpu| = " << err);
       CHECK(err < 3e-2);  // bf16 activations through 2 layers: ~5e-3; a wrong row or position is O(1)
       CHECK(gpu->length(slots[size_t(i)]) == int64_t(prompts[size_t(i)].size()));
+    }
+    if (experts) {  // the prompts' recorded experts: the same but where bf16 moves a near-tie
+      int64_t same = 0, total = 0;
+      for (int32_t s : slots) {
+        const auto a = cpu.routes(s), b = gpu->routes(s);
+        REQUIRE(a.size() == b.size());
+        for (size_t k = 0; k < a.size(); ++k) same += a[k] == b[k], ++total;
+      }
+      MESSAGE(name << " routes recorded in the prefill: " << same << " of " << total << " the CPU's");
+      CHECK(same >= total * 9 / 10);
     }
 
     // Decode, teacher-forced with the CPU's greedy tokens so both see the same inputs.

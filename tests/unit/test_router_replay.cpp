@@ -18,6 +18,7 @@
 #include <memory>
 #include <optional>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "data/rollouts.hpp"
@@ -113,6 +114,39 @@ Measured measure(const ModelConfig& c, const InferenceModel& sampler, const std:
 }  // namespace
 
 TEST_SUITE("router replay") {
+
+// Routes come from rollout files: an expert outside the model, or one twice in
+// a token's K, is refused before any backend indexes with it, naming the token
+// and the layer; a row of -1 (nothing recorded) routes by the router.
+TEST_CASE("router replay refuses routes of another model: an expert out of range or repeated, naming token and layer") {
+  const ModelConfig c = tiny_experts();
+  ShardedModel weights(c, 0, 1);
+  weights.init_seeded(5, 0.3);
+  Trainer trainer(c, weights, 0.0);
+  const std::vector<int32_t> seq = {1, 2, 3, 4};
+  const int64_t R = c.route_width();  // 2 layers of experts, K = 2
+  std::vector<int32_t> routes(seq.size() * size_t(R), -1);
+  routes[1 * size_t(R) + 2] = 3, routes[1 * size_t(R) + 3] = 8;  // token 1, second layer: expert 8 of 8
+  std::string message;
+  try {
+    trainer.logprobs(seq, routes);
+  } catch (const Error& e) {
+    message = e.what();
+  }
+  CHECK(message.find("router replay: token 1 of the micro-batch, layer of experts 1, was routed to experts [3, 8] by "
+                     "the sampler: each of the K = 2 must be distinct and in [0, 8)") != std::string::npos);
+  routes[1 * size_t(R) + 3] = 3;  // the same expert twice
+  message.clear();
+  try {
+    trainer.logprobs(seq, routes);
+  } catch (const Error& e) {
+    message = e.what();
+  }
+  CHECK(message.find("was routed to experts [3, 3]") != std::string::npos);
+  routes[1 * size_t(R) + 3] = 5;  // distinct and in range: replayed
+  const std::vector<float> ok = trainer.logprobs(seq, routes);
+  for (float lp : ok) CHECK(std::isfinite(lp));
+}
 
 TEST_CASE("the sampler records every fed token's experts (a group shares its prompt's); replayed, the trainer's "
           "logprobs are the sampler's with its weights, and the mismatch KL falls with perturbed weights") {
