@@ -65,6 +65,9 @@ struct EngineOptions {
   std::string comm_backend = "nccl"; // "nccl" (one GPU per rank) | "mpi" (staged through host memory)
   double comm_timeout_s = 600;       // NCCL collectives older than this abort the job
   int64_t context_parallel = 1;      // model.context_parallel: ranks sharing one sequence (max_tokens is their share)
+  // model.expert_parallel: the ranks a layer's experts are split over (1: off;
+  // else the world). The backend plans the owners' rows for P x max_tokens x K.
+  int64_t expert_parallel = 1;
   std::string attention = "auto";    // device.attention: auto | cudnn | flash (GPU backends)
   bool deterministic = false;        // run.deterministic: only bitwise-reproducible kernels
   Fp8Mode fp8 = Fp8Mode::None;       // model.fp8
@@ -206,6 +209,27 @@ class Backend {
     (void)group;
     SHARDLM_FAIL("model.context_parallel > 1 is not implemented on the %s backend (the ring runs on the CPU and "
                  "CUDA backends): set model.context_parallel = 1", name());
+  }
+  // Expert parallelism (model.expert_parallel = group.size() > 1): each rank
+  // of `group` (borrowed for the backend's life) holds num_experts / P whole
+  // experts of every layer of experts, in units of their own that are never
+  // gathered (UnitKind::Experts). A layer sends each routed row to the rank
+  // owning its expert and gets the output back (all-to-all over `group`); the
+  // backward sends the rows' gradients and gets the input gradients back, so
+  // the owner's expert gradients are already the sum over every rank's tokens.
+  // Before the first micro-batch.
+  virtual void set_expert_parallel(Comm& group) {
+    (void)group;
+    SHARDLM_FAIL("model.expert_parallel > 1 is not implemented on the %s backend (the experts' exchange runs on the "
+                 "CPU backend): set model.expert_parallel = 1", name());
+  }
+  // Under expert parallelism: the experts this rank owns of layer `layer`
+  // (`unit`, UnitKind::Experts, and this rank's shard of it) for the next
+  // layer_forward / layer_backward of that layer, and where that backward adds
+  // their gradients (a shard-sized fp32 buffer; nullptr before a forward).
+  virtual void set_layer_experts(int layer, const Unit& unit, const void* shard, float* grads) {
+    (void)layer, (void)unit, (void)shard, (void)grads;
+    SHARDLM_FAIL("internal: the %s backend has no expert parallelism", name());
   }
   // Forward only: the cross-entropy sums of the micro-batch (loss, loss_tokens)
   // as head_loss_backward computes them for SFT, without gradients; also on a

@@ -54,6 +54,10 @@ struct ModelSection {
   bool reshard_after_forward = true;
   std::string reduce_dtype = "fp32";              // fp32 | bf16
   int64_t context_parallel = 1;     // ranks sharing one sequence (a group of consecutive ranks); docs/scaling.md
+  // A model of experts: the ranks its experts are split over (each holds
+  // num_experts / P whole experts; rows go to their expert's rank and back by
+  // all-to-all). 1: off; else the number of training ranks. docs/config.md
+  int64_t expert_parallel = 1;
   // The decoder blocks' linears (q, k, v, o, gate, up, down) in FP8 with one
   // scale per tensor or per row; embedding and lm-head stay as they are.
   std::string fp8 = "none";         // none | tensorwise | rowwise
@@ -293,8 +297,9 @@ DeckResult parse_deck_text(const std::string& text, const std::string& source_na
                            const std::vector<std::string>& overrides, int world);
 
 // What a model of experts (`arch`: the deck's or model.hf's) does not run with
-// yet among the deck's other choices (the CUDA backend, model.fp8,
-// model.context_parallel > 1), as a sentence naming the key; "" when none.
+// yet among the deck's other choices (model.fp8, model.context_parallel > 1,
+// and model.expert_parallel's rules but the world's, the CUDA backend among
+// them), as a sentence naming the key; "" when none.
 std::string moe_deck_error(const Config& config, const ModelConfig& arch);
 
 // The resolved deck as TOML: every key with its value, defaults included.

@@ -2,8 +2,9 @@
 //
 // Owns: ModelLayout (units embed, layers.0 .. layers.L-1, head; each a table of
 // (HF name, shape, offset) into one flat buffer padded to split evenly over the
-// ranks), the per-layer weight views, and the seeded initial value of every
-// element. Knows nothing about MPI, devices, optimizers or files: sharding uses
+// ranks; with expert parallelism, each layer of experts' experts in a unit of
+// their own after the head), the per-layer weight views, and the seeded
+// initial value of every element. Knows nothing about MPI, devices, optimizers or files: sharding uses
 // the layout's sizes, HF loading and checkpoints use its names and offsets.
 #pragma once
 
@@ -26,12 +27,16 @@ struct ParamInfo {
   bool weight_decay() const { return kind == ParamKind::Matrix || kind == ParamKind::Embedding; }
 };
 
-enum class UnitKind { Embed, Layer, Head };
+// Experts: a layer of experts' routed experts under expert parallelism
+// (ModelLayout::expert_parallel > 1), expert after expert (each one's
+// gate_proj, up_proj, down_proj), so rank r's shard is exactly experts
+// [r E / P, (r + 1) E / P): a unit that is never gathered.
+enum class UnitKind { Embed, Layer, Head, Experts };
 
 struct Unit {
-  std::string name;              // "embed", "layers.3", "head"
+  std::string name;              // "embed", "layers.3", "head", "layers.3.experts"
   UnitKind kind = UnitKind::Layer;
-  int layer = -1;                // for layers
+  int layer = -1;                // for layers and experts
   std::vector<ParamInfo> params;
   int64_t numel = 0;             // sum of the parameters
   int64_t padded_numel = 0;      // numel rounded up to world * kShardAlign
@@ -49,12 +54,18 @@ constexpr int kMaxWorld = 1000000;
 struct ModelLayout {
   ModelConfig config;
   int world = 1;
-  std::vector<Unit> units;       // embed, layers.0 .. layers.{L-1}, head
+  // model.expert_parallel: 1, or the world (each rank holds num_experts / world
+  // whole experts of every layer of experts).
+  int64_t expert_parallel = 1;
+  std::vector<Unit> units;       // embed, layers.0 .. layers.{L-1}, head, then the experts' units
+  std::vector<int> experts_unit; // [layer] the unit of its experts under expert parallelism; -1: none
 
-  // Throws Error naming the size when model_size_error(config) is not empty.
-  ModelLayout(const ModelConfig& config, int world);
+  // Throws Error naming the size when model_size_error(config) is not empty, or
+  // when expert_parallel > 1 is not the world or does not split the experts
+  // into shards of whole experts (expert_parallel_error).
+  ModelLayout(const ModelConfig& config, int world, int64_t expert_parallel = 1);
   const Unit& embed() const { return units.front(); }
-  const Unit& head() const { return units.back(); }
+  const Unit& head() const { return units[size_t(1 + num_layers())]; }
   const Unit& layer(int i) const { return units[1 + i]; }
   int num_layers() const { return static_cast<int>(config.num_layers); }
 
@@ -67,6 +78,13 @@ struct ModelLayout {
   std::vector<Located> all_params() const;
   const Located find(const std::string& name) const;  // unit == nullptr when absent
 };
+
+// Why `config` cannot run with model.expert_parallel = `expert_parallel` at
+// `world` training ranks (a sentence naming the numbers); "" when it can.
+// Each rank holds num_experts / P whole experts in a shard of its own, so P
+// divides num_experts, is the world (experts are not replicated across groups
+// of ranks), and a share of experts is a multiple of kShardAlign floats.
+std::string expert_parallel_error(const ModelConfig& config, int world, int64_t expert_parallel);
 
 // model.norm_dtype = "fp32": a unit's norm weights (ParamKind::Norm) as the GPU
 // backend keeps them in fp32, packed in unit order, each starting on a multiple
@@ -86,9 +104,16 @@ struct LayerWeights {
   T *post_norm, *w_gate, *w_up, *w_down;
   // A layer of experts (w_gate, w_up, w_down nullptr): the router (E, C), the
   // experts' stacks (E, I, C), (E, I, C), (E, C, I), and the shared expert's
-  // gate, up, down and gate weight (1, C) where there is one.
+  // gate, up, down and gate weight (1, C) where there is one. Under expert
+  // parallelism the routed experts are in a unit of their own (UnitKind::Experts,
+  // expert after expert): layer_weights of that unit fills e_gate, e_up,
+  // e_down with its first expert's, expert e + 1's 3 I C floats after expert e's.
   T *router, *e_gate, *e_up, *e_down, *s_gate, *s_up, *s_down, *s_weight;
 };
+// Floats from one expert's gate_proj to the next one's (also up_proj's,
+// down_proj's) in `u`: I C stacked by kind in a layer unit, 3 I C expert after
+// expert in an experts unit.
+int64_t expert_stride(const Unit& u);
 // Views of a layer's parameters (or of gradients laid out like them) inside a
 // unit buffer of element type T. w_gate and w_up are adjacent, so w_gate is also
 // the start of one (2 I, C) gate|up matrix.

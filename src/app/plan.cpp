@@ -114,7 +114,7 @@ std::string offload_split_line(const Config& config, const ModelLayout& layout, 
 }
 
 void refuse_plan_over_machine(const Runtime& rt, const Config& config) {
-  const ModelLayout layout(model_config_for(config), rt.num_trainers);
+  const ModelLayout layout(model_config_for(config), rt.num_trainers, config.model.expert_parallel);
   const bool cuda = rt.backend == "cuda";
   const MemoryPlan plan = run_memory_plan(config, layout, cuda ? *make_cuda_backend() : *make_cpu_backend());
   const int64_t gpu_bytes = cuda ? gpu_memory_bytes(rt, config) : 0;

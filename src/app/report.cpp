@@ -163,7 +163,7 @@ std::string inference_report(const Config& config, const ModelConfig& arch, bool
 void check_report(const Config& deck_config, const std::string& deck, int world) {
   Config config = deck_config;
   const ModelConfig arch = model_config_for(config);
-  const ModelLayout layout(arch, world);
+  const ModelLayout layout(arch, world, config.model.expert_parallel);
   const std::string data_lines = check_data(config, arch.vocab_size);
   // The plan of the backend this deck asks for; "auto" plans the CPU backend.
   const bool cuda = config.device.backend == "cuda";

@@ -21,6 +21,7 @@
 
 #include "shardlm/checked_math.hpp"
 #include "shardlm/error.hpp"
+#include "shardlm/model.hpp"
 
 namespace shardlm {
 namespace {
@@ -118,6 +119,7 @@ const std::vector<KeySpec>& key_table() {
       key("model.reshard_after_forward", Type::Bool, FIELD(model.reshard_after_forward)),
       one_of(key("model.reduce_dtype", Type::String, FIELD(model.reduce_dtype)), {"fp32", "bf16"}),
       up_to(positive(key("model.context_parallel", Type::Int, FIELD(model.context_parallel))), 65536),
+      up_to(positive(key("model.expert_parallel", Type::Int, FIELD(model.expert_parallel))), 65536),
       one_of(key("model.fp8", Type::String, FIELD(model.fp8)), {"none", "tensorwise", "rowwise"}),
       key("model.fp8_weight_cache", Type::Bool, FIELD(model.fp8_weight_cache)),
       key("model.fp8_attention", Type::Bool, FIELD(model.fp8_attention)),
@@ -602,6 +604,39 @@ void check_data_source(const Config& c, const Errors& err) {
     err("data.path is for SFT token files; with loss.type = \"rl\" the batches come from data.rollout_dir");
 }
 
+// model.expert_parallel = P > 1: whatever does not run with it yet, before
+// the model's own rules (expert_parallel_error); "" when none.
+std::string expert_parallel_deck_error(const Config& c, const ModelConfig& arch) {
+  const int64_t P = c.model.expert_parallel;
+  if (P <= 1) return "";
+  const std::string knob = fmt("model.expert_parallel = %lld", (long long)P);
+  if (c.device.backend == "cuda")
+    return knob + ": expert parallelism runs on the CPU backend only so far; set device.backend = \"cpu\" or "
+                  "model.expert_parallel = 1";
+  if (c.model.context_parallel > 1)
+    return fmt("%s with model.context_parallel = %lld: the two do not combine yet (the experts' rows would be "
+               "exchanged over a group that shares sequences); set one of them to 1",
+               knob.c_str(), (long long)c.model.context_parallel);
+  if (c.optim.name == "muon")
+    return knob + " with optim.name = \"muon\": Muon's owner exchange is not built over the experts' units; use "
+                  "adamw or sgd, or set model.expert_parallel = 1";
+  if (c.broadcast.backend != "none")
+    return fmt("%s with broadcast.backend = \"%s\": the inference ranks receive the model laid out whole; set "
+               "model.expert_parallel = 1 for a run that broadcasts weights", knob.c_str(), c.broadcast.backend.c_str());
+  // The world is checked in check_expert_parallel, where it is known.
+  return expert_parallel_error(arch, int(P), P);
+}
+
+// model.expert_parallel against the number of training ranks.
+void check_expert_parallel(const Config& c, int world, const Errors& err) {
+  const int64_t P = c.model.expert_parallel;
+  if (P > 1 && world > 0 && world != P)
+    err(fmt("model.expert_parallel = %lld with %d training ranks: it must equal the number of training ranks "
+            "(each rank holds num_experts / %lld whole experts; experts are not replicated over groups of ranks): "
+            "run %lld ranks or set model.expert_parallel = %d",
+            (long long)P, world, (long long)P, (long long)P, world));
+}
+
 // model.context_parallel: groups of ranks that share one sequence.
 void check_context_parallel(const Config& c, int world, const Errors& err) {
   const int64_t cp = c.model.context_parallel;
@@ -866,6 +901,7 @@ void validate(const Config& c, int world, const std::set<std::string>& given, st
   check_model(c, given, err);
   check_data_source(c, err);
   check_context_parallel(c, world, err);
+  check_expert_parallel(c, world, err);
   check_fp8(c, err);
   check_global_batch(c, world, err);
   check_schedule(c, err);
@@ -883,6 +919,7 @@ void validate(const Config& c, int world, const std::set<std::string>& given, st
 }  // namespace
 
 std::string moe_deck_error(const Config& c, const ModelConfig& arch) {
+  if (std::string e = expert_parallel_deck_error(c, arch); !e.empty()) return e;
   if (!arch.moe() && c.loss.router_replay)
     return fmt("loss.router_replay = true replays the experts a sampler's router chose, but arch %s has no experts "
                "(num_experts = 0): set loss.router_replay = false, or train a qwen3_moe / qwen2_moe model",

@@ -1,7 +1,8 @@
 // backend_cpu.cpp — the CPU backend: fp32 everywhere, the reference the GPU is
 // checked against. Holds the residual stream, every layer's saved activations
 // (or one set with activation checkpointing) and the backward scratch; with
-// model.fp8 its layers' projections are cpu::Fp8Linear's.
+// model.fp8 its layers' projections are cpu::Fp8Linear's; with
+// model.expert_parallel its layers of experts exchange rows (cpu::ExpertParallel).
 #include <algorithm>
 #include <cstring>
 #include <string>
@@ -9,6 +10,7 @@
 #include <vector>
 
 #include "shardlm/backend.hpp"
+#include "cpu/expert_parallel.hpp"
 #include "cpu/fp8_linear.hpp"
 #include "cpu/layers.hpp"
 #include "cpu/ops.hpp"
@@ -65,8 +67,11 @@ class CpuBackend final : public Backend {
     SHARDLM_CHECK(b.N <= options_.max_tokens, "micro-batch of %lld tokens exceeds the planned %lld", (long long)b.N,
                   (long long)options_.max_tokens);
     SHARDLM_CHECK(!ring_ || b.token_index, "internal: a context-parallel micro-batch without token indices");
+    SHARDLM_CHECK(options_.expert_parallel <= 1 || experts_,
+                  "internal: model.expert_parallel = %lld without set_expert_parallel",
+                  (long long)options_.expert_parallel);
     batch_ = b;
-    inputs_ = {b.N, b.positions, b.seq_ids, inv_freq_.data(), b.token_index, ring_.get(), fp8_.get()};
+    inputs_ = {b.N, b.positions, b.seq_ids, inv_freq_.data(), b.token_index, ring_.get(), fp8_.get(), experts_.get()};
     if (config_.moe()) router_aux_.reset(config_.num_experts, b.router_aux_scale);
   }
 
@@ -77,6 +82,22 @@ class CpuBackend final : public Backend {
     ring_ = std::make_unique<cpu::RingAttention>(group, ring_scratch_);
   }
 
+  void set_expert_parallel(Comm& group) override {
+    SHARDLM_CHECK(options_.expert_parallel == group.size(),
+                  "internal: the CPU backend was planned for model.expert_parallel = %lld, the group has %d ranks",
+                  (long long)options_.expert_parallel, group.size());
+    experts_ = std::make_unique<cpu::ExpertParallel>(group, config_, ep_scratch_);
+  }
+
+  void set_layer_experts(int l, const Unit& unit, const void* shard, float* grads) override {
+    SHARDLM_CHECK(experts_ && unit.kind == UnitKind::Experts && unit.layer == l,
+                  "internal: unit %s handed in as layer %d's own experts", unit.name.c_str(), l);
+    SHARDLM_CHECK(expert_stride(unit) == experts_->expert_stride(), "internal: unit %s is not expert after expert",
+                  unit.name.c_str());
+    own_experts_ = layer_weights(unit, f32(shard));
+    own_expert_grads_ = grads ? layer_weights(unit, grads) : cpu_no_weights<float>();
+  }
+
   void embed_forward(const void* table) override {
     cpu::embedding_forward(residual_[0].data(), batch_.tokens, f32(table), batch_.N, config_.vocab_size,
                            config_.hidden_size);
@@ -84,8 +105,9 @@ class CpuBackend final : public Backend {
 
   void layer_forward(int l, const Unit& unit, const void* params) override {
     SavedAttention slot(*this, l);
-    cpu::layer_forward(config_, layer_weights(unit, f32(params)), inputs_, residual_[l].data(), residual_[l + 1].data(),
-                       acts(l), /*run_attention=*/true, forced(l), config_.route_width());
+    cpu::layer_forward(config_, with_own_experts(l, layer_weights(unit, f32(params)), own_experts_), inputs_,
+                       residual_[l].data(), residual_[l + 1].data(), acts(l), /*run_attention=*/true, forced(l),
+                       config_.route_width());
     if (config_.moe_layer(l)) router_aux_.add(acts(l), batch_.N, config_.num_experts, config_.num_experts_per_tok);
   }
 
@@ -107,13 +129,14 @@ class CpuBackend final : public Backend {
   }
 
   void layer_backward(int l, const Unit& unit, const void* params, float* grads) override {
-    const auto weights = layer_weights(unit, f32(params));
+    const auto weights = with_own_experts(l, layer_weights(unit, f32(params)), own_experts_);
     SavedAttention slot(*this, l);
     if (options_.checkpoint_activations)  // recompute this layer's saved tensors (but a saved attention)
       cpu::layer_forward(config_, weights, inputs_, residual_[l].data(), recompute_out_.data(), acts(l),
                          /*run_attention=*/!keeps_attention(l), forced(l), config_.route_width());
-    cpu::layer_backward(config_, weights, layer_weights(unit, grads), inputs_, residual_[l].data(), acts(l),
-                        d_x_.data(), scratch_, config_.moe_layer(l) ? &router_aux_ : nullptr);
+    cpu::layer_backward(config_, weights, with_own_experts(l, layer_weights(unit, grads), own_expert_grads_), inputs_,
+                        residual_[l].data(), acts(l), d_x_.data(), scratch_,
+                        config_.moe_layer(l) ? &router_aux_ : nullptr);
   }
 
   void embed_backward(float* table_grad) override {
@@ -142,6 +165,20 @@ class CpuBackend final : public Backend {
 
  private:
   static const float* f32(const void* p) { return static_cast<const float*>(p); }
+  template <class T>
+  static LayerWeights<T> cpu_no_weights() {
+    LayerWeights<T> none{};
+    return none;
+  }
+  // Expert parallelism: a layer of experts' unit holds no routed experts; they
+  // are this rank's own, from set_layer_experts.
+  template <class T>
+  LayerWeights<T> with_own_experts(int l, LayerWeights<T> w, const LayerWeights<T>& own) const {
+    if (!experts_ || !config_.moe_layer(l)) return w;
+    SHARDLM_CHECK(own.e_gate, "internal: layer %d of experts without its own experts", l);
+    w.e_gate = own.e_gate, w.e_up = own.e_up, w.e_down = own.e_down;
+    return w;
+  }
   // Every buffer of this backend, one row each: where it goes, its fp32 element
   // count, its plan row. Sizes the vectors of buffers so the rows can point into them.
   std::vector<cpu::BufferRow> buffer_table(const ModelConfig& c, const EngineOptions& o) {
@@ -154,7 +191,7 @@ class CpuBackend final : public Backend {
     for (auto& x : residual_) rows.push_back({"residual", &x, N * C, act});
     acts_.clear();
     acts_.resize(size_t(o.checkpoint_activations ? 1 : L));
-    for (auto& a : acts_) a.add_rows(c, N, rows);
+    for (auto& a : acts_) a.add_rows(c, N, rows, o.expert_parallel);
     if (o.checkpoint_activations) rows.push_back({"recompute_out", &recompute_out_, N * C, act});
     saved_att_.clear();
     saved_lse_.clear();
@@ -165,7 +202,8 @@ class CpuBackend final : public Backend {
       rows.push_back({"saved_lse", &saved_lse_[size_t(l)], N * c.num_heads, act});
     }
     rows.push_back({"d_x", &d_x_, N * C, Mem::Workspace});
-    scratch_.add_rows(c, N, rows);
+    scratch_.add_rows(c, N, rows, o.expert_parallel);
+    if (o.expert_parallel > 1) ep_scratch_.add_rows(c, N, o.expert_parallel, rows);
     head_.add_rows(c, N, o.chunk_tokens, rows);
     if (o.context_parallel > 1) ring_scratch_.add_rows(c, N, rows);
     fp8_.reset();
@@ -213,6 +251,11 @@ class CpuBackend final : public Backend {
   cpu::RingScratch ring_scratch_;             // context parallelism: the ring's blocks
   std::unique_ptr<cpu::RingAttention> ring_;  // set by set_context_parallel
   std::unique_ptr<cpu::Fp8Linear> fp8_;       // model.fp8: the layers' projections (nullptr: fp32 GEMMs)
+  cpu::ExpertScratch ep_scratch_;                  // expert parallelism: the rows on their way
+  std::unique_ptr<cpu::ExpertParallel> experts_;   // set by set_expert_parallel
+  // The layer's own experts (and their gradients in a backward), set_layer_experts's.
+  LayerWeights<const float> own_experts_{};
+  LayerWeights<float> own_expert_grads_{};
 };
 
 }  // namespace

@@ -53,13 +53,16 @@ bool rowwise_of(const LinearFn& linear) {
 // A layer of experts' MLP on xn2: out (N, C) = the routed experts' weighted sum
 // (+ the shared expert times sigmoid of its gate), without the residual.
 void experts_forward(const ModelConfig& c, const LayerWeights<const float>& w, int64_t N, float* out, LayerActs& a,
-                     const LinearFn& linear, const int32_t* forced, int64_t forced_stride) {
+                     const LinearFn& linear, const int32_t* forced, int64_t forced_stride, Experts* experts) {
   const Dims d(c);
   linear(a.router_logits.data(), a.xn2.data(), w.router, kNoBias, N, d.C, d.E);
   MoeRouting<float> r = a.routing();
   moe_route(r, a.router_logits.data(), N, d.E, d.K, c.norm_topk_prob, forced, forced_stride);
-  moe_experts_forward(out, a.xs.data(), a.e_gate.data(), a.e_up.data(), a.e_h.data(), a.y.data(), a.xn2.data(), r,
-                      w.e_gate, w.e_up, w.e_down, N, d.C, d.Im, d.E, d.K, rowwise_of(linear));
+  if (experts)
+    experts->forward(out, a, w, N);
+  else
+    moe_experts_forward(out, a.xs.data(), a.e_gate.data(), a.e_up.data(), a.e_h.data(), a.y.data(), a.xn2.data(), r,
+                        w.e_gate, w.e_up, w.e_down, N, d.C, d.Im, d.E, d.K, rowwise_of(linear));
   if (d.Is == 0) return;
   linear(a.gate.data(), a.xn2.data(), w.s_gate, kNoBias, N, d.C, d.Is);
   linear(a.up.data(), a.xn2.data(), w.s_up, kNoBias, N, d.C, d.Is);
@@ -81,9 +84,13 @@ void experts_backward(const ModelConfig& c, const LayerWeights<const float>& w, 
   const Dims d(c);
   const int64_t N = in.N;
   const MoeRouting<float> r = a.routing();
-  moe_experts_backward(d_xn, s.d_weight.data(), g.e_gate, g.e_up, g.e_down, s.d_y.data(), s.d_eh.data(),
-                       s.d_egate.data(), s.d_eup.data(), s.d_xs.data(), d_out, a.xs.data(), a.e_gate.data(),
-                       a.e_up.data(), a.e_h.data(), a.y.data(), r, w.e_gate, w.e_up, w.e_down, N, d.C, d.Im, d.E, d.K);
+  if (in.experts)
+    in.experts->backward(d_xn, s.d_weight.data(), d_out, a, w, g, s, N);
+  else
+    moe_experts_backward(d_xn, s.d_weight.data(), g.e_gate, g.e_up, g.e_down, s.d_y.data(), s.d_eh.data(),
+                         s.d_egate.data(), s.d_eup.data(), s.d_xs.data(), d_out, a.xs.data(), a.e_gate.data(),
+                         a.e_up.data(), a.e_h.data(), a.y.data(), r, w.e_gate, w.e_up, w.e_down, N, d.C, d.Im, d.E,
+                         d.K);
   const float* d_probs = nullptr;
   if (aux && aux->scale != 0 && aux->rows > 0) {
     moe_aux_backward(s.d_probs.data(), aux->counts.data(), aux->rows, N, d.E, aux->scale);
@@ -117,7 +124,7 @@ void experts_backward(const ModelConfig& c, const LayerWeights<const float>& w, 
 
 }  // namespace
 
-void LayerActs::add_rows(const ModelConfig& c, int64_t N, std::vector<BufferRow>& rows) {
+void LayerActs::add_rows(const ModelConfig& c, int64_t N, std::vector<BufferRow>& rows, int64_t P) {
   const Dims d(c);
   const Mem m = Mem::Activations;
   rows.push_back({"rstd1", &rstd1, N, m});
@@ -148,11 +155,14 @@ void LayerActs::add_rows(const ModelConfig& c, int64_t N, std::vector<BufferRow>
   rows.push_back({"row", nullptr, R, m, &row});
   rows.push_back({"weight", &weight, N * d.K, m});
   rows.push_back({"offsets", nullptr, d.E + 1, m, nullptr, &offsets});
-  rows.push_back({"xs", &xs, R * d.C, m});
+  // Expert parallelism: an owner may get every rank's rows (all routed to its experts).
+  const int64_t Ro = P * R;
+  rows.push_back({"xs", &xs, Ro * d.C, m});
   rows.push_back({"y", &y, R * d.C, m});
-  rows.push_back({"e_gate", &e_gate, R * d.Im, m});
-  rows.push_back({"e_up", &e_up, R * d.Im, m});
-  rows.push_back({"e_h", &e_h, R * d.Im, m});
+  rows.push_back({"e_gate", &e_gate, Ro * d.Im, m});
+  rows.push_back({"e_up", &e_up, Ro * d.Im, m});
+  rows.push_back({"e_h", &e_h, Ro * d.Im, m});
+  if (P > 1) rows.push_back({"ep_rows", nullptr, P * d.E, m, &ep_rows});
   if (d.Is > 0) {
     rows.push_back({"shared_out", &shared_out, N * d.C, m});
     rows.push_back({"shared_logit", &shared_logit, N, m});
@@ -164,7 +174,7 @@ MoeRouting<float> LayerActs::routing() const {
   return {a.probs.data(), a.expert.data(), a.weight.data(), a.offsets.data(), a.slot.data(), a.row.data()};
 }
 
-void LayerGradScratch::add_rows(const ModelConfig& c, int64_t N, std::vector<BufferRow>& rows) {
+void LayerGradScratch::add_rows(const ModelConfig& c, int64_t N, std::vector<BufferRow>& rows, int64_t P) {
   const Dims d(c);
   const Mem m = Mem::Workspace;
   rows.push_back({"d_mid", &d_mid, N * d.C, m});
@@ -182,13 +192,13 @@ void LayerGradScratch::add_rows(const ModelConfig& c, int64_t N, std::vector<Buf
   rows.push_back({"dgate", &dgate, N * d.mlp_width(), m});
   rows.push_back({"dup", &dup, N * d.mlp_width(), m});
   if (!c.moe()) return;
-  const int64_t R = N * d.K;
+  const int64_t Ro = P * N * d.K;  // the owner's rows (LayerActs)
   rows.push_back({"d_weight", &d_weight, N * d.K, m});
-  rows.push_back({"d_y", &d_y, R * d.C, m});
-  rows.push_back({"d_eh", &d_eh, R * d.Im, m});
-  rows.push_back({"d_egate", &d_egate, R * d.Im, m});
-  rows.push_back({"d_eup", &d_eup, R * d.Im, m});
-  rows.push_back({"d_xs", &d_xs, R * d.C, m});
+  rows.push_back({"d_y", &d_y, Ro * d.C, m});
+  rows.push_back({"d_eh", &d_eh, Ro * d.Im, m});
+  rows.push_back({"d_egate", &d_egate, Ro * d.Im, m});
+  rows.push_back({"d_eup", &d_eup, Ro * d.Im, m});
+  rows.push_back({"d_xs", &d_xs, Ro * d.C, m});
   rows.push_back({"d_logits", &d_logits, N * d.E, m});
   rows.push_back({"d_probs", &d_probs, N * d.E, m});
   if (d.Is > 0) {
@@ -258,14 +268,14 @@ void layer_qkv_forward(const ModelConfig& c, const LayerWeights<const float>& w,
 
 void layer_out_forward(const ModelConfig& c, const LayerWeights<const float>& w, int64_t N, const float* x_in,
                        float* x_out, LayerActs& a, LinearFn linear, const int32_t* forced,
-                       int64_t forced_stride) {
+                       int64_t forced_stride, Experts* experts) {
   const Dims d(c);
   // x_out serves as the scratch for the o_proj output before the residual add.
   linear(x_out, a.att.data(), w.wo, kNoBias, N, d.HD, d.C);
   add(a.x_mid.data(), x_in, x_out, N * d.C);
   rmsnorm_forward(a.xn2.data(), a.rstd2.data(), a.x_mid.data(), w.post_norm, N, d.C, c.rms_norm_eps);
   if (w.router) {
-    experts_forward(c, w, N, x_out, a, linear, forced, forced_stride);
+    experts_forward(c, w, N, x_out, a, linear, forced, forced_stride, experts);
   } else {
     linear(a.gate.data(), a.xn2.data(), w.w_gate, kNoBias, N, d.C, d.I);
     linear(a.up.data(), a.xn2.data(), w.w_up, kNoBias, N, d.C, d.I);
@@ -286,7 +296,7 @@ void layer_forward(const ModelConfig& c, const LayerWeights<const float>& w, con
   else if (run_attention)
     attention_forward(a.att.data(), a.lse.data(), a.q.data(), a.k.data(), a.v.data(), in.seq_ids, in.N, d.H, d.KV,
                       d.D);
-  layer_out_forward(c, w, in.N, x_in, x_out, a, linear, forced, forced_stride);
+  layer_out_forward(c, w, in.N, x_in, x_out, a, linear, forced, forced_stride, in.experts);
 }
 
 void layer_backward(const ModelConfig& c, const LayerWeights<const float>& w, const LayerWeights<float>& g,

@@ -3,9 +3,9 @@
 //
 // Owns: the saved-activation layout of a layer (LayerActs) and the rows it and the
 // backward and head scratch add to the CPU backend's buffer table, layer forward and
-// backward on gathered weights, the chunked lm-head + cross-entropy, and the two
+// backward on gathered weights, the chunked lm-head + cross-entropy, and the three
 // hooks a layer calls instead of its local kernels (Attention: the ring; Linear:
-// model.fp8's projections). Knows
+// model.fp8's projections; Experts: expert parallelism's exchange). Knows
 // nothing about units, shards or MPI: the engine hands it weight and gradient
 // views into gathered buffers.
 #pragma once
@@ -50,6 +50,26 @@ class Linear {
                         const float* weight, int64_t N, int64_t IC, int64_t OC) = 0;
 };
 
+struct LayerActs;
+struct LayerGradScratch;
+
+// Who runs a layer's routed experts when this rank holds only some of them:
+// expert parallelism's exchange (cpu/expert_parallel.hpp). The layer has routed
+// its N tokens (acts' routing, from xn2). forward: out (N, C) overwritten with
+// the routed experts' weighted sum (moe_experts_forward's), acts' expert rows
+// filled. backward: from dout (N, C), dx (N, C) overwritten with the experts'
+// part of the input gradient and dweight (N, K) with d loss / d weight
+// (moe_experts_backward's), the owned experts' gradients accumulated into g's.
+// w's and g's e_gate, e_up, e_down are this rank's experts.
+class Experts {
+ public:
+  virtual ~Experts() = default;
+  virtual void forward(float* out, LayerActs& acts, const LayerWeights<const float>& w, int64_t N) = 0;
+  virtual void backward(float* dx, float* dweight, const float* dout, const LayerActs& acts,
+                        const LayerWeights<const float>& w, const LayerWeights<float>& g, LayerGradScratch& s,
+                        int64_t N) = 0;
+};
+
 // Token-level inputs of a micro-batch, shared by every layer. N = rows * seq_len
 // (this rank's share of it under context parallelism).
 struct TokenInputs {
@@ -62,6 +82,7 @@ struct TokenInputs {
   const int32_t* token_index = nullptr;  // (N) or nullptr
   Attention* attention = nullptr;        // nullptr: the local kernels
   Linear* linear = nullptr;              // model.fp8's projections; nullptr: the fp32 GEMMs
+  Experts* experts = nullptr;            // expert parallelism's exchange; nullptr: every expert here
 };
 
 // One buffer of the CPU backend's table: the Buffer it fills, its fp32 element
@@ -101,21 +122,24 @@ struct LayerActs {
   Buffer<float> gate;    // (N, I) (a layer of experts: the shared expert's, (N, I shared))
   Buffer<float> up;      // (N, I)
   Buffer<float> h;       // (N, I) silu(gate) * up
-  // A layer of experts (cpu/moe.hpp; R = N K routed rows, Im the experts' width):
+  // A layer of experts (cpu/moe.hpp; R = N K routed rows, Im the experts' width;
+  // under expert parallelism over P ranks the owner's rows are up to Ro = P R,
+  // every rank's rows of this rank's experts, else Ro = R):
   Buffer<float> router_logits;            // (N, E)
   Buffer<float> probs;                    // (N, E)
   Buffer<int32_t> expert, slot, row;      // (N, K), (R), (R)
   Buffer<float> weight;                   // (N, K)
   Buffer<int64_t> offsets;                // (E + 1)
-  Buffer<float> xs, y;                    // (R, C) the gathered inputs, the experts' outputs
-  Buffer<float> e_gate, e_up, e_h;        // (R, Im)
+  Buffer<float> xs, y;                    // (Ro, C) the experts' inputs, (R, C) their outputs of this rank's rows
+  Buffer<float> e_gate, e_up, e_h;        // (Ro, Im)
+  Buffer<int32_t> ep_rows;                // (P, E) expert parallelism: every rank's rows per expert
   Buffer<float> shared_out;               // (N, C) the shared expert's output, before its gate
   Buffer<float> shared_logit;             // (N) shared_expert_gate(xn2)
   // Views of the routing buffers (read only through a const LayerActs).
   MoeRouting<float> routing() const;
   // Appends a row per buffer above (the qk_norm ones only with qk_norm, the
-  // experts' only in a model with experts).
-  void add_rows(const ModelConfig& c, int64_t N, std::vector<BufferRow>& rows);
+  // experts' only in a model with experts; P: model.expert_parallel).
+  void add_rows(const ModelConfig& c, int64_t N, std::vector<BufferRow>& rows, int64_t P = 1);
 };
 
 // Scratch for one layer's backward (and the head), reused by every layer.
@@ -127,9 +151,10 @@ struct LayerGradScratch {
   Buffer<float> dq, dk, dv;          // (N, H|KV, D)
   Buffer<float> dq_raw, dk_raw;      // (N, H|KV, D) (qk_norm only)
   Buffer<float> dh, dgate, dup;      // (N, I)
-  // A layer of experts: (N, K), (R, C), (R, Im) x 3, (R, C), (N, E) x 2, (N, C), (N).
+  // A layer of experts: (N, K), (Ro, C), (Ro, Im) x 3, (Ro, C), (N, E) x 2, (N, C), (N)
+  // (Ro: LayerActs' owner rows).
   Buffer<float> d_weight, d_y, d_eh, d_egate, d_eup, d_xs, d_logits, d_probs, d_shared, d_shared_logit;
-  void add_rows(const ModelConfig& c, int64_t N, std::vector<BufferRow>& rows);
+  void add_rows(const ModelConfig& c, int64_t N, std::vector<BufferRow>& rows, int64_t P = 1);
 };
 
 // x_out (N, C) = layer(x_in (N, C)); fills acts. With run_attention = false,
@@ -153,9 +178,10 @@ using LinearFn = std::function<void(float*, const float*, const float*, const fl
 // instead of its top-k, N rows of K at a stride of forced_stride (moe_route).
 void layer_qkv_forward(const ModelConfig& c, const LayerWeights<const float>& w, const TokenInputs& in,
                        const float* x_in, LayerActs& acts, LinearFn linear = &linear_forward<float>);
+// `experts`: TokenInputs::experts (nullptr: every expert here).
 void layer_out_forward(const ModelConfig& c, const LayerWeights<const float>& w, int64_t N, const float* x_in,
                        float* x_out, LayerActs& acts, LinearFn linear = &linear_forward<float>,
-                       const int32_t* forced = nullptr, int64_t forced_stride = 0);
+                       const int32_t* forced = nullptr, int64_t forced_stride = 0, Experts* experts = nullptr);
 
 // d_x (N, C): in, the gradient at the layer's output; out, at its input.
 // Parameter gradients are accumulated into g. A layer of experts adds

@@ -58,22 +58,29 @@ void moe_route(MoeRouting<T>& r, const T* logits, int64_t N, int64_t E, int64_t 
 }
 
 template <class T>
-void moe_experts_forward(T* out, T* xs, T* gate, T* up, T* h, T* y, const T* x, const MoeRouting<T>& r,
-                         const T* w_gate, const T* w_up, const T* w_down, int64_t N, int64_t C, int64_t I, int64_t E,
-                         int64_t K, bool rowwise) {
+void moe_gather_rows(T* xs, const T* x, const MoeRouting<T>& r, int64_t N, int64_t C, int64_t K) {
   const int64_t R = N * K;
-  const auto linear = rowwise ? &linear_rowwise_forward<T> : &linear_forward<T>;
 #pragma omp parallel for schedule(static)
   for (int64_t row = 0; row < R; ++row) std::copy_n(x + (r.slot[row] / K) * C, C, xs + row * C);
-  for (int64_t e = 0; e < E; ++e) {  // each expert's GEMMs over its rows
-    const int64_t first = r.offsets[e], rows = r.offsets[e + 1] - first;
+}
+
+template <class T>
+void moe_expert_gemms_forward(T* gate, T* up, T* h, T* y, const T* xs, const int64_t* offsets, int64_t groups,
+                              int64_t experts, const T* w_gate, const T* w_up, const T* w_down, int64_t stride,
+                              int64_t C, int64_t I, bool rowwise) {
+  const auto linear = rowwise ? &linear_rowwise_forward<T> : &linear_forward<T>;
+  for (int64_t g = 0; g < groups; ++g) {  // each group's GEMMs with its expert's weights
+    const int64_t first = offsets[g], rows = offsets[g + 1] - first, e = g % experts;
     if (rows == 0) continue;
-    linear(gate + first * I, xs + first * C, w_gate + e * I * C, static_cast<const T*>(nullptr), rows, C, I);
-    linear(up + first * I, xs + first * C, w_up + e * I * C, static_cast<const T*>(nullptr), rows, C, I);
+    linear(gate + first * I, xs + first * C, w_gate + e * stride, static_cast<const T*>(nullptr), rows, C, I);
+    linear(up + first * I, xs + first * C, w_up + e * stride, static_cast<const T*>(nullptr), rows, C, I);
     swiglu_forward(h + first * I, gate + first * I, up + first * I, rows * I);
-    linear(y + first * C, h + first * I, w_down + e * C * I, static_cast<const T*>(nullptr), rows, I, C);
+    linear(y + first * C, h + first * I, w_down + e * stride, static_cast<const T*>(nullptr), rows, I, C);
   }
-  // Each token's sum over its K choices, in the order j = 0 .. K - 1.
+}
+
+template <class T>
+void moe_combine(T* out, const T* y, const MoeRouting<T>& r, int64_t N, int64_t C, int64_t K) {
 #pragma omp parallel for schedule(static)
   for (int64_t n = 0; n < N; ++n) {
     T* o = out + n * C;
@@ -87,10 +94,17 @@ void moe_experts_forward(T* out, T* xs, T* gate, T* up, T* h, T* y, const T* x, 
 }
 
 template <class T>
-void moe_experts_backward(T* dx, T* dweight, T* dw_gate, T* dw_up, T* dw_down, T* dy, T* dh, T* dgate, T* dup,
-                          T* dxs, const T* dout, const T* xs, const T* gate, const T* up, const T* h, const T* y,
-                          const MoeRouting<T>& r, const T* w_gate, const T* w_up, const T* w_down, int64_t N,
-                          int64_t C, int64_t I, int64_t E, int64_t K) {
+void moe_experts_forward(T* out, T* xs, T* gate, T* up, T* h, T* y, const T* x, const MoeRouting<T>& r,
+                         const T* w_gate, const T* w_up, const T* w_down, int64_t N, int64_t C, int64_t I, int64_t E,
+                         int64_t K, bool rowwise) {
+  moe_gather_rows(xs, x, r, N, C, K);
+  moe_expert_gemms_forward(gate, up, h, y, xs, r.offsets, E, E, w_gate, w_up, w_down, I * C, C, I, rowwise);
+  moe_combine(out, y, r, N, C, K);
+}
+
+template <class T>
+void moe_rows_backward(T* dy, T* dweight, const T* dout, const T* y, const MoeRouting<T>& r, int64_t N, int64_t C,
+                       int64_t K) {
   const int64_t R = N * K;
   // Per row: dy = weight * dout of its token; d weight = dout . y.
 #pragma omp parallel for schedule(static)
@@ -106,20 +120,30 @@ void moe_experts_backward(T* dx, T* dweight, T* dw_gate, T* dw_up, T* dw_down, T
     }
     dweight[s] = T(dot);
   }
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t first = r.offsets[e], rows = r.offsets[e + 1] - first;
+}
+
+template <class T>
+void moe_expert_gemms_backward(T* dxs, T* dw_gate, T* dw_up, T* dw_down, T* dh, T* dgate, T* dup, const T* dy,
+                               const T* xs, const T* gate, const T* up, const T* h, const int64_t* offsets,
+                               int64_t groups, int64_t experts, const T* w_gate, const T* w_up, const T* w_down,
+                               int64_t stride, int64_t C, int64_t I) {
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t first = offsets[g], rows = offsets[g + 1] - first, e = g % experts;
     if (rows == 0) continue;
-    linear_backward(dh + first * I, dw_down + e * C * I, static_cast<T*>(nullptr), dy + first * C, h + first * I,
-                    w_down + e * C * I, rows, I, C);
+    linear_backward(dh + first * I, dw_down + e * stride, static_cast<T*>(nullptr), dy + first * C, h + first * I,
+                    w_down + e * stride, rows, I, C);
     swiglu_backward(dgate + first * I, dup + first * I, dh + first * I, gate + first * I, up + first * I, rows * I);
-    linear_backward(dxs + first * C, dw_gate + e * I * C, static_cast<T*>(nullptr), dgate + first * I,
-                    xs + first * C, w_gate + e * I * C, rows, C, I);
+    linear_backward(dxs + first * C, dw_gate + e * stride, static_cast<T*>(nullptr), dgate + first * I,
+                    xs + first * C, w_gate + e * stride, rows, C, I);
     // dxs += dup W_up: the second input-gradient term, through a scratch-free GEMM with beta = 1.
-    gemm(false, false, rows, C, I, T(1), dup + first * I, I, w_up + e * I * C, C, T(1), dxs + first * C, C);
-    linear_backward(static_cast<T*>(nullptr), dw_up + e * I * C, static_cast<T*>(nullptr), dup + first * I,
-                    xs + first * C, w_up + e * I * C, rows, C, I);
+    gemm(false, false, rows, C, I, T(1), dup + first * I, I, w_up + e * stride, C, T(1), dxs + first * C, C);
+    linear_backward(static_cast<T*>(nullptr), dw_up + e * stride, static_cast<T*>(nullptr), dup + first * I,
+                    xs + first * C, w_up + e * stride, rows, C, I);
   }
-  // Each token's input gradient: its K rows, in the order j = 0 .. K - 1.
+}
+
+template <class T>
+void moe_scatter_rows(T* dx, const T* dxs, const MoeRouting<T>& r, int64_t N, int64_t C, int64_t K) {
 #pragma omp parallel for schedule(static)
   for (int64_t n = 0; n < N; ++n) {
     T* d = dx + n * C;
@@ -129,6 +153,17 @@ void moe_experts_backward(T* dx, T* dweight, T* dw_gate, T* dw_up, T* dw_down, T
       for (int64_t c = 0; c < C; ++c) d[c] += src[c];
     }
   }
+}
+
+template <class T>
+void moe_experts_backward(T* dx, T* dweight, T* dw_gate, T* dw_up, T* dw_down, T* dy, T* dh, T* dgate, T* dup,
+                          T* dxs, const T* dout, const T* xs, const T* gate, const T* up, const T* h, const T* y,
+                          const MoeRouting<T>& r, const T* w_gate, const T* w_up, const T* w_down, int64_t N,
+                          int64_t C, int64_t I, int64_t E, int64_t K) {
+  moe_rows_backward(dy, dweight, dout, y, r, N, C, K);
+  moe_expert_gemms_backward(dxs, dw_gate, dw_up, dw_down, dh, dgate, dup, dy, xs, gate, up, h, r.offsets, E, E,
+                            w_gate, w_up, w_down, I * C, C, I);
+  moe_scatter_rows(dx, dxs, r, N, C, K);
 }
 
 template <class T>
@@ -184,6 +219,15 @@ void moe_aux_backward(T* dprobs, const double* counts, int64_t rows, int64_t N, 
   template void moe_experts_backward<T>(T*, T*, T*, T*, T*, T*, T*, T*, T*, T*, const T*, const T*, const T*,     \
                                         const T*, const T*, const T*, const MoeRouting<T>&, const T*, const T*,   \
                                         const T*, int64_t, int64_t, int64_t, int64_t, int64_t);                   \
+  template void moe_gather_rows<T>(T*, const T*, const MoeRouting<T>&, int64_t, int64_t, int64_t);                \
+  template void moe_expert_gemms_forward<T>(T*, T*, T*, T*, const T*, const int64_t*, int64_t, int64_t, const T*,  \
+                                            const T*, const T*, int64_t, int64_t, int64_t, bool);                  \
+  template void moe_combine<T>(T*, const T*, const MoeRouting<T>&, int64_t, int64_t, int64_t);                    \
+  template void moe_rows_backward<T>(T*, T*, const T*, const T*, const MoeRouting<T>&, int64_t, int64_t, int64_t); \
+  template void moe_expert_gemms_backward<T>(T*, T*, T*, T*, T*, T*, T*, const T*, const T*, const T*, const T*,  \
+                                             const T*, const int64_t*, int64_t, int64_t, const T*, const T*,        \
+                                             const T*, int64_t, int64_t, int64_t);                                  \
+  template void moe_scatter_rows<T>(T*, const T*, const MoeRouting<T>&, int64_t, int64_t, int64_t);               \
   template void moe_route_backward<T>(T*, const T*, const T*, const MoeRouting<T>&, int64_t, int64_t, int64_t,    \
                                       bool);                                                                      \
   template void moe_aux_counts<T>(double*, double*, const MoeRouting<T>&, int64_t, int64_t, int64_t);             \

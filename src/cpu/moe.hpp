@@ -5,7 +5,9 @@
 //
 // Owns: MoeRouting (which experts each token goes to, with what weight, and
 // the tokens grouped by expert: the permutation the experts' GEMMs run over),
-// moe_route, moe_experts_forward / backward, moe_route_backward, the aux
+// moe_route, moe_experts_forward / backward and the steps they are made of
+// (rows gathered, the experts' GEMMs over groups of rows, rows combined: expert
+// parallelism moves the rows between the steps), moe_route_backward, the aux
 // loss's value and gradient. Templated on T as cpu/ops.hpp (float for the
 // backend, double for finite-difference tests), with its conventions: outputs
 // first, activation gradients overwritten, parameter gradients accumulated,
@@ -59,6 +61,23 @@ void moe_experts_forward(T* out, T* xs, T* gate, T* up, T* h, T* y, const T* x, 
                          const T* w_gate, const T* w_up, const T* w_down, int64_t N, int64_t C, int64_t I, int64_t E,
                          int64_t K, bool rowwise = false);
 
+// The steps of moe_experts_forward (which is the three in this order):
+// xs (N K, C) <- each permuted row's token of x (N, C);
+template <class T>
+void moe_gather_rows(T* xs, const T* x, const MoeRouting<T>& r, int64_t N, int64_t C, int64_t K);
+// the experts' GEMMs over `groups` groups of rows, group g = rows
+// [offsets[g], offsets[g + 1]) of xs, run by expert g % experts, whose gate,
+// up and down weights start `expert_stride` floats after the previous
+// expert's (moe_experts_forward: groups = experts = E, stride I C; expert
+// parallelism: a group per (source rank, owned expert));
+template <class T>
+void moe_expert_gemms_forward(T* gate, T* up, T* h, T* y, const T* xs, const int64_t* offsets, int64_t groups,
+                              int64_t experts, const T* w_gate, const T* w_up, const T* w_down, int64_t expert_stride,
+                              int64_t C, int64_t I, bool rowwise = false);
+// out (N, C) <- each token's weighted sum of its K rows of y (N K, C), j = 0 .. K - 1.
+template <class T>
+void moe_combine(T* out, const T* y, const MoeRouting<T>& r, int64_t N, int64_t C, int64_t K);
+
 // From dout (N, C): dx (N, C) overwritten with the experts' part of the input
 // gradient; dweight (N, K) overwritten with d loss / d weight[n, j]; the
 // experts' weight gradients accumulated. Scratch: dy (N K, C), dh, dgate, dup
@@ -68,6 +87,24 @@ void moe_experts_backward(T* dx, T* dweight, T* dw_gate, T* dw_up, T* dw_down, T
                           T* dxs, const T* dout, const T* xs, const T* gate, const T* up, const T* h, const T* y,
                           const MoeRouting<T>& r, const T* w_gate, const T* w_up, const T* w_down, int64_t N,
                           int64_t C, int64_t I, int64_t E, int64_t K);
+
+// The steps of moe_experts_backward (which is the three in this order):
+// dy (N K, C) <- each permuted row's weight times its token's dout, and
+// dweight (N, K) <- dout . y of each row;
+template <class T>
+void moe_rows_backward(T* dy, T* dweight, const T* dout, const T* y, const MoeRouting<T>& r, int64_t N, int64_t C,
+                       int64_t K);
+// the GEMMs' backward over the groups of moe_expert_gemms_forward: dxs (rows,
+// C) overwritten, the experts' weight gradients (at the same stride)
+// accumulated group after group; scratch dh, dgate, dup (rows, I);
+template <class T>
+void moe_expert_gemms_backward(T* dxs, T* dw_gate, T* dw_up, T* dw_down, T* dh, T* dgate, T* dup, const T* dy,
+                               const T* xs, const T* gate, const T* up, const T* h, const int64_t* offsets,
+                               int64_t groups, int64_t experts, const T* w_gate, const T* w_up, const T* w_down,
+                               int64_t expert_stride, int64_t C, int64_t I);
+// dx (N, C) <- each token's sum of its K rows of dxs (N K, C), j = 0 .. K - 1.
+template <class T>
+void moe_scatter_rows(T* dx, const T* dxs, const MoeRouting<T>& r, int64_t N, int64_t C, int64_t K);
 
 // dlogits (N, E) overwritten from dweight (N, K) (through the renormalisation
 // with norm_topk, the selection, and the softmax) and dprobs (N, E) (a

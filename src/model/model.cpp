@@ -63,12 +63,44 @@ const ParamInfo& Unit::param(const std::string& suffix) const {
   return *p;
 }
 
-ModelLayout::ModelLayout(const ModelConfig& c, int world_size) : config(c), world(world_size) {
+std::string expert_parallel_error(const ModelConfig& c, int world, int64_t P) {
+  if (P <= 1) return "";
+  if (!c.moe())
+    return "model.expert_parallel = " + std::to_string(P) + " splits the experts of a model of experts, but arch " +
+           c.arch + " has none (num_experts = 0): set model.expert_parallel = 1";
+  if (c.num_experts % P != 0)
+    return "model.expert_parallel = " + std::to_string(P) + " does not divide num_experts = " +
+           std::to_string(c.num_experts) + ": each rank holds num_experts / model.expert_parallel whole experts";
+  if (world != P)
+    return "model.expert_parallel = " + std::to_string(P) + " with " + std::to_string(world) +
+           " training ranks: it must equal the number of training ranks (each rank holds num_experts / " +
+           std::to_string(P) + " experts; experts are not replicated over groups of ranks): run " +
+           std::to_string(P) + " ranks or set model.expert_parallel = " + std::to_string(world);
+  const int64_t share = c.num_experts / P * 3 * c.moe_intermediate_size * c.hidden_size;
+  if (share % kShardAlign != 0)
+    return "model.expert_parallel = " + std::to_string(P) + ": a rank's share of a layer's experts (" +
+           std::to_string(c.num_experts / P) + " x 3 x " + std::to_string(c.moe_intermediate_size) + " x " +
+           std::to_string(c.hidden_size) + " = " + std::to_string(share) + " floats) must be a multiple of " +
+           std::to_string(kShardAlign) + " floats, a shard's alignment; set model.expert_parallel = 1";
+  return "";
+}
+
+int64_t expert_stride(const Unit& u) {
+  const ParamInfo& first = u.param("experts.0.gate_proj.weight");
+  const ParamInfo* second = u.find_param("experts.1.gate_proj.weight");
+  return second ? second->offset - first.offset : first.numel;
+}
+
+ModelLayout::ModelLayout(const ModelConfig& c, int world_size, int64_t ep)
+    : config(c), world(world_size), expert_parallel(ep) {
   SHARDLM_CHECK(world >= 1 && world <= kMaxWorld, "world size %d is out of range: shardlm runs 1 to %d ranks", world,
                 kMaxWorld);
   // Before a name is built per parameter: 10^9 layers must be an error, not an OOM.
   if (std::string e = model_size_error(c); !e.empty()) SHARDLM_FAIL("model: %s", e.c_str());
   if (std::string e = moe_config_error(c); !e.empty()) SHARDLM_FAIL("model: %s", e.c_str());
+  if (std::string e = expert_parallel_error(c, world, ep); !e.empty()) SHARDLM_FAIL("%s", e.c_str());
+  experts_unit.assign(size_t(c.num_layers), -1);
+  std::vector<Unit> experts_units;
   const int64_t C = c.hidden_size, I = c.intermediate_size, D = c.head_dim;
   const int64_t qdim = c.num_heads * D, kvdim = c.num_kv_heads * D;
 
@@ -106,13 +138,30 @@ ModelLayout::ModelLayout(const ModelConfig& c, int world_size) : config(c), worl
       // The router, then each kind of the experts' weights expert after expert
       // (every gate_proj, every up_proj, every down_proj: (E, I, C), (E, I, C),
       // (E, C, I) stacks), then Qwen2-MoE's shared expert and its gate.
+      // Under expert parallelism the experts go to a unit of their own, expert
+      // after expert, whose shards are each rank's whole experts (UnitKind::Experts).
       const int64_t E = c.num_experts, Im = c.moe_intermediate_size, Is = c.shared_expert_intermediate_size;
       add_param(u, p + "mlp.gate.weight", {E, C}, ParamKind::Matrix);
-      for (const char* proj : {"gate_proj", "up_proj", "down_proj"})
+      auto add_expert = [&](Unit& to, int64_t e, const char* proj) {
+        add_param(to, p + "mlp.experts." + std::to_string(e) + "." + proj + ".weight",
+                  std::string_view(proj) == "down_proj" ? std::vector<int64_t>{C, Im} : std::vector<int64_t>{Im, C},
+                  ParamKind::Matrix);
+      };
+      if (ep > 1) {
+        Unit x;
+        x.name = "layers." + std::to_string(l) + ".experts";
+        x.kind = UnitKind::Experts;
+        x.layer = static_cast<int>(l);
         for (int64_t e = 0; e < E; ++e)
-          add_param(u, p + "mlp.experts." + std::to_string(e) + "." + proj + ".weight",
-                    std::string_view(proj) == "down_proj" ? std::vector<int64_t>{C, Im} : std::vector<int64_t>{Im, C},
-                    ParamKind::Matrix);
+          for (const char* proj : {"gate_proj", "up_proj", "down_proj"}) add_expert(x, e, proj);
+        // No padding: expert_parallel_error saw that a share is whole aligned floats.
+        x.padded_numel = x.numel;
+        x.shard_numel = x.numel / world;
+        experts_units.push_back(std::move(x));
+      } else {
+        for (const char* proj : {"gate_proj", "up_proj", "down_proj"})
+          for (int64_t e = 0; e < E; ++e) add_expert(u, e, proj);
+      }
       if (Is > 0) {
         add_param(u, p + "mlp.shared_expert.gate_proj.weight", {Is, C}, ParamKind::Matrix);
         add_param(u, p + "mlp.shared_expert.up_proj.weight", {Is, C}, ParamKind::Matrix);
@@ -136,6 +185,10 @@ ModelLayout::ModelLayout(const ModelConfig& c, int world_size) : config(c), worl
   if (!c.tie_word_embeddings) add_param(head, "lm_head.weight", {c.vocab_size, C}, ParamKind::Matrix);
   finish_unit(head, world);
   units.push_back(std::move(head));
+  for (Unit& x : experts_units) {
+    experts_unit[size_t(x.layer)] = static_cast<int>(units.size());
+    units.push_back(std::move(x));
+  }
 }
 
 int64_t ModelLayout::parameter_count() const {

@@ -18,21 +18,33 @@ namespace shardlm {
 constexpr int64_t kOtherWeightsVersion = -2;
 namespace {
 
+// Expert parallelism's units (each rank's own experts) are never gathered nor
+// reduced: the gather and gradient slots are sized by the other units.
+bool gathered(const Unit& u) { return u.kind != UnitKind::Experts; }
 int64_t max_padded(const ModelLayout& layout) {
   int64_t n = 0;
-  for (const auto& u : layout.units) n = std::max(n, u.padded_numel);
+  for (const auto& u : layout.units)
+    if (gathered(u)) n = std::max(n, u.padded_numel);
   return n;
 }
 int64_t max_shard(const ModelLayout& layout) {
   int64_t n = 0;
-  for (const auto& u : layout.units) n = std::max(n, u.shard_numel);
+  for (const auto& u : layout.units)
+    if (gathered(u)) n = std::max(n, u.shard_numel);
+  return n;
+}
+// The largest experts unit's shard: the one buffer their gradients are computed in.
+int64_t max_experts_shard(const ModelLayout& layout) {
+  int64_t n = 0;
+  for (const auto& u : layout.units)
+    if (!gathered(u)) n = std::max(n, u.shard_numel);
   return n;
 }
 
 // Gathered parameter slots: current + prefetch, plus the embedding that a tied
 // head re-gathers; every unit when nothing is resharded after forward.
 int param_slot_count(const ModelLayout& layout, bool reshard) {
-  return reshard ? 3 : static_cast<int>(layout.units.size());
+  return reshard ? 3 : static_cast<int>(std::count_if(layout.units.begin(), layout.units.end(), gathered));
 }
 // Gradient slots: one being computed, one being reduced, plus the embedding's
 // when the tied head writes into it long before the embedding's own backward.
@@ -144,7 +156,7 @@ MemoryPlan plan_memory(const ModelConfig& config, int world, const EngineOptions
   // Every product below stays in int64 for sizes that pass this.
   if (std::string e = model_scale_error(config, o.max_tokens, o.chunk_tokens); !e.empty())
     SHARDLM_FAIL("memory plan: %s", e.c_str());
-  const ModelLayout layout(config, world);
+  const ModelLayout layout(config, world, o.expert_parallel);
   MemoryPlan plan;
   plan.device = !backend.host_resident();
   plan_state_memory(plan, o, layout, optim_states, backend);
@@ -157,6 +169,7 @@ MemoryPlan plan_memory(const ModelConfig& config, int world, const EngineOptions
     plan.gathered += 4 * grad_slot_count() * (max_padded(layout) + (world > 1 ? max_shard(layout) : 0));
     if (bf16_gradients(world, o)) plan.gathered += 2 * grad_slot_count() * max_padded(layout);
   }
+  plan.gathered += 4 * max_experts_shard(layout);  // expert parallelism: the owned experts' gradients
   // Several ranks on one GPU: two pinned host buffers of one full fp32 unit each.
   if (plan.device && world > 1 && o.comm_backend == "mpi") plan.comm_staging = 2 * 4 * max_padded(layout);
   if (plan.device && o.residual_fp32) {  // the fp32 embedding rows' ids and parts (Engine::embed_rows_fp32)
@@ -224,6 +237,9 @@ Engine::Engine(ShardedModel& model, Comm& comm, const EngineOptions& options, st
     device_comm_ = make_device_comm(comm, options.comm_backend, backend_->stream(), 4 * slot_floats_,
                                     options.comm_timeout_s);
   unit_comm_ = device_comm_ ? device_comm_.get() : &comm_;
+  experts_grad_floats_ = max_experts_shard(layout);
+  if (experts_grad_floats_ > 0)
+    experts_grad_ = static_cast<float*>(backend_->allocate(Mem::Gathered, 4 * experts_grad_floats_));
   backend_->attach_shards(layout);
   backend_->prepare(config_, options);
   plan_norm_copies();
@@ -351,6 +367,7 @@ Engine::~Engine() {
     if (s.recv) backend_->deallocate(Mem::Gathered, s.recv, 4 * recv_floats_);
     if (s.full_bf16) backend_->deallocate(Mem::Gathered, s.full_bf16, 2 * slot_floats_);
   }
+  if (experts_grad_) backend_->deallocate(Mem::Gathered, experts_grad_, 4 * experts_grad_floats_);
   // The device Comm's collectives are done before it goes.
   backend_->synchronize();
   if (row_ids_dev_) backend_->deallocate(Mem::Workspace, row_ids_dev_, 4 * row_chunks_.id_count);
@@ -485,8 +502,17 @@ void Engine::finish_all_grads() {
 
 // ---------------------------------------------------------------- forward / backward
 
+int Engine::own_experts(int layer, float* grads) {
+  const int unit = model_.layout.experts_unit.empty() ? -1 : model_.layout.experts_unit[size_t(layer)];
+  if (unit < 0) return -1;
+  state_->param_ready(unit);
+  if (grads) backend_->zero(grads, sizeof(float) * model_.layout.units[size_t(unit)].shard_numel);
+  backend_->set_layer_experts(layer, model_.layout.units[size_t(unit)], shard(unit), grads);
+  return unit;
+}
+
 const void* Engine::lm_head_weights() {
-  const int head = static_cast<int>(model_.layout.units.size()) - 1;
+  const int head = model_.layout.num_layers() + 1;
   if (config_.tie_word_embeddings) return params(0);
   return param_at(*backend_, params(head), model_.layout.head().param("lm_head.weight").offset);
 }
@@ -510,6 +536,7 @@ void Engine::forward(const TokenBatch& b, bool keep_for_backward) {
     const int unit = 1 + l;
     const void* w = params(unit);
     prefetch(unit + 1);
+    own_experts(l, nullptr);
     backend_->layer_forward(l, layout.units[unit], w);
     if (release_after) release(unit);
   }
@@ -541,7 +568,12 @@ LossStats Engine::forward_backward(const TokenBatch& b, float grad_scale) {
     const int unit = 1 + l;
     const void* w = params(unit);
     prefetch(l > 0 ? unit - 1 : 0);
+    const int experts = own_experts(l, experts_grad_);
     backend_->layer_backward(l, layout.units[unit], w, grads(unit));
+    if (experts >= 0) {  // the owner's gradients are every rank's rows' already: nothing to reduce
+      state_->add_reduced(experts, experts_grad_, layout.units[experts].shard_numel, DType::F32);
+      state_->unit_done(experts);
+    }
     reduce_grads(unit);
     finish_reductions_early(unit);
     release(unit);

@@ -2,7 +2,9 @@
 //
 // Owns: the unit loop of DESIGN.md's solver (gather u with u+1's gather in
 // flight; compute; release; backward in reverse with each unit's gradients
-// reduce-scattered into the gradient shards as soon as it is done), the
+// reduce-scattered into the gradient shards as soon as it is done; under
+// expert parallelism a layer's own experts handed to the backend from the
+// shard, never gathered, their gradients added to it unreduced), the
 // gathered-unit and gradient-slot buffers, the activations, and their sizes (the
 // memory plan). The arithmetic goes to a Backend, the collectives to a Comm,
 // each unit's reduced gradient to the TrainingState (train/state.hpp), which
@@ -150,6 +152,10 @@ class Engine {
   void finish_all_grads();
   void finish_reductions_early(int unit);  // the state moves each reduced gradient on early (offload)
   void forward(const TokenBatch& b, bool keep_head);
+  // Expert parallelism: hands the backend layer `layer`'s own experts (their
+  // shard, and `grads` zeroed for a backward; nullptr: a forward) and returns
+  // their unit; -1 (nothing done) for a layer without an experts unit.
+  int own_experts(int layer, float* grads);
   const void* lm_head_weights();
 
   ShardedModel& model_;
@@ -169,6 +175,10 @@ class Engine {
   bool grad_slots_used_ = false;        // sharded, or gradients outside host memory
   int64_t slot_floats_ = 0, recv_floats_ = 0;
   std::vector<ParamSlot> param_slots_;
+  // Expert parallelism: one layer's owned experts' gradients (the largest
+  // experts shard), added to the state's shard after the layer's backward.
+  float* experts_grad_ = nullptr;
+  int64_t experts_grad_floats_ = 0;
   std::vector<GradSlot> grad_slots_;
   int next_grad_slot_ = 0;
   // model.norm_dtype = "fp32" (NormPiece above).

@@ -16,8 +16,8 @@
 
 namespace shardlm {
 
-ShardedModel::ShardedModel(const ModelConfig& config, int rank_, int world_, bool host_grads)
-    : layout(config, world_), rank(rank_), world(world_) {
+ShardedModel::ShardedModel(const ModelConfig& config, int rank_, int world_, bool host_grads, int64_t expert_parallel)
+    : layout(config, world_, expert_parallel), rank(rank_), world(world_) {
   for (const auto& u : layout.units) {
     param.emplace_back(Mem::ParamShard, u.shard_numel);
     grad.emplace_back(Mem::GradShard, host_grads ? u.shard_numel : 0);
@@ -92,7 +92,10 @@ void ShardedModel::load_hf(const SafetensorsReader& weights) {
 
 void export_hf(const ShardedModel& model, Comm& comm, const std::filesystem::path& dir, const std::string& dtype) {
   std::vector<TensorSpec> specs;
-  for (const auto& [unit, p] : model.layout.all_params()) specs.push_back({p->name, p->shape, dtype});
+  // In the order of the model laid out without expert parallelism, so that the
+  // file is the same whatever model.expert_parallel the run had.
+  const ModelLayout unsplit(model.layout.config, 1);
+  for (const auto& [unit, p] : unsplit.all_params()) specs.push_back({p->name, p->shape, dtype});
   std::unique_ptr<SafetensorsWriter> writer;
   if (comm.rank() == 0) {
     std::filesystem::create_directories(dir);

@@ -42,8 +42,8 @@ struct ShardedModel {
   std::vector<Buffer<float>> grad;   // per unit: (shard_numel) fp32 accumulated gradients
 
   // host_grads = false: no host gradient shards (device-resident state keeps
-  // them on the GPU); grad[u] is then empty.
-  ShardedModel(const ModelConfig& config, int rank, int world, bool host_grads = true);
+  // them on the GPU); grad[u] is then empty. expert_parallel: ModelLayout's.
+  ShardedModel(const ModelConfig& config, int rank, int world, bool host_grads = true, int64_t expert_parallel = 1);
   int64_t shard_begin(const Unit& u) const { return rank * u.shard_numel; }
   std::vector<ShardSegment> segments(const Unit& u) const;
   void zero_grads();

@@ -58,6 +58,7 @@ EngineOptions engine_options_for(const Config& config) {
   o.rl_params = rl_loss_params(config.loss);
   // Under context parallelism each rank holds 1/C of every row: its activations are sized for its share.
   o.context_parallel = config.model.context_parallel;
+  o.expert_parallel = config.model.expert_parallel;
   o.max_tokens = config.data.micro_batch * config.data.seq_len / std::max<int64_t>(1, o.context_parallel);
   o.chunk_tokens = config.loss.chunk_tokens;
   o.reshard_after_forward = config.model.reshard_after_forward;
@@ -110,7 +111,8 @@ std::unique_ptr<Comm> context_group(const Config& c, Comm& comm) {
 }
 
 ShardedModel initial_model(const Config& c, const ModelConfig& arch, const Comm& comm) {
-  ShardedModel model(arch, comm.rank(), comm.size(), host_grad_shards(state_placement_for(c), offload_grads_on_device(c)));
+  ShardedModel model(arch, comm.rank(), comm.size(), host_grad_shards(state_placement_for(c), offload_grads_on_device(c)),
+                     c.model.expert_parallel);
   if (c.model.hf.empty()) model.init_seeded(static_cast<uint64_t>(c.run.seed), c.model.init_std);
   else model.load_hf(SafetensorsReader(c.model.hf));
   return model;
@@ -142,6 +144,8 @@ TrainSession::TrainSession(const Config& c, Comm& comm_)
                                        engine.options().max_tokens)),
       reference_pass(make_reference_pass(engine.options().rl, engine.options().rl_params, engine, model)) {
   if (cp_group) engine.backend().set_context_parallel(*cp_group);
+  // Expert parallelism's group is the training world (ModelLayout checked it).
+  if (c.model.expert_parallel > 1) engine.backend().set_expert_parallel(comm_);
   // Muon on a GPU: Newton–Schulz in bf16 on this rank's device (cuda/newton_schulz.hpp);
   // the CPU backend keeps the host fp32 one, the reference.
   if (c.device.backend == "cuda" && optimizer.muon())

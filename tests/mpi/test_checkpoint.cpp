@@ -44,31 +44,10 @@ namespace fs = std::filesystem;
 
 namespace {
 
+using shardlm_test::SharedDir;
 using shardlm_test::world_rank;
 using shardlm_test::world_size;
 
-// A fresh directory every rank sees (rank 0 makes it); removed by the destructor.
-struct SharedDir {
-  fs::path path;
-  SharedDir() {
-    std::string made;
-    if (world_rank() == 0) {
-      char templ[] = "/tmp/shardlm-ckpt-XXXXXX";
-      REQUIRE(mkdtemp(templ) != nullptr);
-      made = templ;
-    }
-    int n = static_cast<int>(made.size());
-    MPI_Bcast(&n, 1, MPI_INT, 0, MPI_COMM_WORLD);
-    made.resize(n);
-    MPI_Bcast(made.data(), n, MPI_CHAR, 0, MPI_COMM_WORLD);
-    path = made;
-  }
-  ~SharedDir() {
-    MPI_Barrier(MPI_COMM_WORLD);
-    if (world_rank() == 0) fs::remove_all(path);
-  }
-  fs::path ckpt() const { return path / "checkpoints"; }
-};
 
 // The job's first n ranks (MPI_COMM_NULL on the others).
 struct SubComm {

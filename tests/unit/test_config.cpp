@@ -712,6 +712,59 @@ TEST_CASE("RL loss keys: the objectives, their clip defaults, aggregation, impor
   CHECK(back.config.loss.clip_high == 4e-4);
 }
 
+TEST_CASE("model.expert_parallel: 1 by default; the training ranks, for a model of experts they divide, on the CPU "
+          "backend; every other case refused naming the knob") {
+  const std::vector<std::string> moe = {"model.arch=qwen3_moe", "model.qk_norm=true", "model.num_experts=4",
+                                        "model.num_experts_per_tok=2", "model.moe_intermediate_size=8"};
+  auto with = [&](std::vector<std::string> extra) {
+    extra.insert(extra.begin(), moe.begin(), moe.end());
+    return extra;
+  };
+  CHECK(parse(kValid, with({})).config.model.expert_parallel == 1);
+  const DeckResult ok = parse(kValid, with({"model.expert_parallel=2"}), 2);
+  for (const auto& e : ok.errors) MESSAGE(e);
+  REQUIRE(ok.ok());
+  CHECK(ok.config.model.expert_parallel == 2);
+  CHECK(resolved_deck(ok.config).find("expert_parallel = 2") != std::string::npos);  // `shardlm check` shows it
+  CHECK(parse(kValid, with({"model.expert_parallel=4"}), 4).ok());
+
+  CHECK(only_error(parse(kValid, {"model.expert_parallel=2"}, 2)) ==
+        "deck.toml: model.expert_parallel = 2 splits the experts of a model of experts, but arch llama has none "
+        "(num_experts = 0): set model.expert_parallel = 1");
+  CHECK(only_error(parse(kValid, with({"model.expert_parallel=3", "data.global_batch=12"}), 3)) ==
+        "deck.toml: model.expert_parallel = 3 does not divide num_experts = 4: each rank holds num_experts / "
+        "model.expert_parallel whole experts");
+  CHECK(only_error(parse(kValid, with({"model.expert_parallel=2"}), 4)) ==
+        "deck.toml: model.expert_parallel = 2 with 4 training ranks: it must equal the number of training ranks (each "
+        "rank holds num_experts / 2 whole experts; experts are not replicated over groups of ranks): run 2 ranks or "
+        "set model.expert_parallel = 4");
+  CHECK(only_error(parse(kValid, with({"model.expert_parallel=2", "device.backend=cuda"}), 2)) ==
+        "deck.toml: model.expert_parallel = 2: expert parallelism runs on the CPU backend only so far; set "
+        "device.backend = \"cpu\" or model.expert_parallel = 1");
+  CHECK(only_error(parse(kValid, with({"model.expert_parallel=2", "model.context_parallel=2"}), 2)) ==
+        "deck.toml: model.expert_parallel = 2 with model.context_parallel = 2: the two do not combine yet (the "
+        "experts' rows would be exchanged over a group that shares sequences); set one of them to 1");
+  CHECK(only_error(parse(kValid, with({"model.expert_parallel=2", "optim.name=muon"}), 2)) ==
+        "deck.toml: model.expert_parallel = 2 with optim.name = \"muon\": Muon's owner exchange is not built over "
+        "the experts' units; use adamw or sgd, or set model.expert_parallel = 1");
+  CHECK(only_error(parse(kValid, with({"model.expert_parallel=2", "model.hidden_size=40",
+                                       "model.moe_intermediate_size=1"}), 2)) ==
+        "deck.toml: model.expert_parallel = 2: a rank's share of a layer's experts (2 x 3 x 1 x 40 = 240 floats) "
+        "must be a multiple of 64 floats, a shard's alignment; set model.expert_parallel = 1");
+  // A run that broadcasts weights: the inference ranks lay the model out whole.
+  std::vector<std::string> rl = with({"model.expert_parallel=2", "broadcast.backend=filesystem",
+                                      "broadcast.dir=runs/rl/weights"});
+  const DeckResult broadcast = parse(kRl, rl, 2);
+  bool named = false;
+  for (const auto& e : broadcast.errors)
+    named |= e == "deck.toml: model.expert_parallel = 2 with broadcast.backend = \"filesystem\": the inference "
+                  "ranks receive the model laid out whole; set model.expert_parallel = 1 for a run that broadcasts "
+                  "weights";
+  CHECK(named);
+  CHECK(only_error(parse(kValid, with({"model.expert_parallel=0"}))).find("model.expert_parallel = 0 is out of "
+                                                                           "range") != std::string::npos);
+}
+
 TEST_CASE("loss.router_replay: on with a model of experts (CPU); refused for a dense model, on the CUDA backend and "
           "outside RL") {
   const std::vector<std::string> experts = {"model.arch=qwen3_moe", "model.qk_norm=true", "model.num_experts=4",

@@ -31,30 +31,13 @@
 #include "train/engine.hpp"
 #include "train/shard.hpp"
 #include "train/step_source.hpp"
+#include "../test_util.hpp"
 
 using namespace shardlm;
 
 namespace {
 
-ModelConfig tiny_experts() {
-  ModelConfig c;
-  c.arch = "qwen3_moe";
-  c.vocab_size = 64;
-  c.hidden_size = 32;
-  c.intermediate_size = 48;
-  c.num_layers = 2;
-  c.num_heads = 4;
-  c.num_kv_heads = 2;
-  c.head_dim = 8;
-  c.max_position_embeddings = 64;
-  c.qk_norm = true;
-  c.rms_norm_eps = 1e-6;
-  c.num_experts = 8;
-  c.num_experts_per_tok = 2;
-  c.moe_intermediate_size = 16;
-  c.norm_topk_prob = true;
-  return c;
-}
+ModelConfig tiny_experts() { return shardlm_test::tiny_experts(8); }
 
 // The trainer's side: its own weights, one sequence per forward, logprobs of
 // every target at temperature 1 (what the RL loss compares with the sampler's).
