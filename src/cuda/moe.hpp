@@ -7,14 +7,14 @@
 // and the CPU's losses).
 //
 // Owns: shardlm::cuda::{GroupedGemm, MoeDims, MoeLayerActs, MoeScratch,
-// moe_forward, moe_backward, moe_aux_add}.
+// MoeWeights, MoeGrads, moe_forward, moe_backward, moe_aux_add}.
 // Must not know: MPI, NCCL, the deck. Included only by .cu files.
 //
 // The permutation: row r of the grouped buffers is the (token, choice) slot
 // slot[r] = token * K + choice; the rows of expert e are [offsets[e],
 // offsets[e + 1]), in token order (a stable grouping, as the CPU's). The
 // grouped GEMMs take their sizes on the host, so a forward copies the offsets
-// down once per layer (one synchronisation); the backward reuses that copy.
+// to the host once per layer (one synchronisation); the backward reuses them.
 //
 // Precision: router logits and probabilities fp32, the experts' operands bf16
 // with fp32 accumulation; each token's K outputs (and the shared expert's) are
