@@ -312,11 +312,7 @@ TEST_CASE("experts on the GPU: 30 steps follow the CPU losses; deterministic; ch
 // follow the sampler's more closely (bf16 rounding alone moves near-ties).
 TEST_CASE("experts on the GPU: router replay brings the GPU trainer's logprobs to the CPU sampler's") {
   GpuSetup gpu;
-  ModelConfig c;
-  c.arch = "qwen3_moe", c.vocab_size = 64, c.hidden_size = 32, c.intermediate_size = 48, c.num_layers = 2;
-  c.num_heads = 4, c.num_kv_heads = 2, c.head_dim = 8, c.max_position_embeddings = 64, c.qk_norm = true;
-  c.rms_norm_eps = 1e-6, c.num_experts = 8, c.num_experts_per_tok = 2, c.moe_intermediate_size = 16;
-  c.norm_topk_prob = true;
+  const ModelConfig c = shardlm_test::tiny_experts(8);
   InferenceModel sampler;
   sampler.weights = std::make_unique<ShardedModel>(c, 0, 1);
   sampler.weights->init_seeded(5, 0.3);
