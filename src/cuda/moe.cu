@@ -14,19 +14,12 @@ using dev::kFullMask;
 using dev::SumOp;
 using dev::to_bf16;
 
-#define CUBLAS_V2_CHECK(call)                                                                             \
-  do {                                                                                                    \
-    const cublasStatus_t status_ = (call);                                                                \
-    SHARDLM_CHECK(status_ == CUBLAS_STATUS_SUCCESS, "cuBLAS error: %s failed at %s:%d: %s", #call, __FILE__, \
-                  __LINE__, cublasGetStatusString(status_));                                              \
-  } while (0)
-
 // ---------------------------------------------------------------- grouped GEMM
 
 GroupedGemm::GroupedGemm(cudaStream_t stream, void** pointers, int64_t max_products)
     : stream_(stream), pointers_(pointers), max_products_(max_products) {
-  CUBLAS_V2_CHECK(cublasCreate(&handle_));
-  CUBLAS_V2_CHECK(cublasSetStream(handle_, stream_));
+  CUBLAS_CHECK(cublasCreate(&handle_));
+  CUBLAS_CHECK(cublasSetStream(handle_, stream_));
 }
 
 GroupedGemm::~GroupedGemm() {
@@ -72,7 +65,7 @@ bool GroupedGemm::run(bool trans_a, bool trans_b, const std::vector<Product>& pr
     f32_out_ = false;
     return false;
   }
-  CUBLAS_V2_CHECK(status);
+  CUBLAS_CHECK(status);
   return true;
 }
 
