@@ -95,7 +95,7 @@ UNIT_OBJS := $(patsubst %.cpp,$(BUILD)/obj/%.o,$(wildcard tests/unit/*.cpp)) $(B
 MPI_OBJS  := $(patsubst %.cpp,$(BUILD)/obj/%.o,$(wildcard tests/mpi/*.cpp)) $(BUILD)/obj/tests/main_mpi.o
 GPU_OBJS  := $(patsubst %.cpp,$(BUILD)/obj/%.o,$(wildcard tests/gpu/*.cpp)) $(BUILD)/obj/tests/main_unit.o
 
-.PHONY: all run run-text test test-gpu test-sanitize test-suites clean deps bench-cpu-adamw bench-h2d bench-gemm-algos bench-cudnn-fp8-attention
+.PHONY: all run run-text test test-gpu test-sanitize test-suites clean deps bench-cpu-adamw bench-h2d bench-gemm-algos bench-cudnn-fp8-attention bench-moe-gemm
 all: $(BUILD)/shardlm $(BUILD)/test_unit $(BUILD)/test_mpi
 
 $(BUILD)/shardlm: $(BUILD)/obj/src/main.o $(LIB_OBJS)
@@ -136,6 +136,14 @@ bench-gemm-algos: $(BUILD)/bench_gemm_algos
 $(BUILD)/bench_gemm_algos: tools/bench_gemm_algos.cu
 	@mkdir -p $(dir $@)
 	$(NVCC) -O2 -std=c++17 $(CUDA_ARCH) -Xcompiler -Wall,-Wextra $< -o $@ -lcublasLt
+
+# A layer of experts' GEMMs each way cuBLAS runs them (tools/bench_moe_gemm.cu);
+# standalone, not part of `all`.
+bench-moe-gemm: $(BUILD)/bench_moe_gemm
+
+$(BUILD)/bench_moe_gemm: tools/bench_moe_gemm.cu
+	@mkdir -p $(dir $@)
+	$(NVCC) -O2 -std=c++17 $(CUDA_ARCH) -Xcompiler -Wall,-Wextra $< -o $@ -lcublas
 
 # cuDNN's FP8 attention against bf16 at the training shapes
 # (tools/bench_cudnn_fp8_attention.cu); standalone, not part of `all`: needs NVIDIA's
