@@ -3,6 +3,7 @@
 # tokens/s, TFLOP/s, MFU (vs 989 TFLOP/s H100 dense bf16), step-time breakdown, peak memory.
 #
 #   tools/bench.sh [NAME...]      names: 125m 1b 1b-8k 1b-32k 3b (default: all)
+#                                 moe-4l (on request: the Qwen3-30B-A3B shape, 4 layers)
 #                                 1b-mb2 1b-mb4 (on request: 1b's step as 2 / 1 micro-batches)
 #                                 1b-muon 1b-muon-ns1 1b-offload-adamw (on request: Muon's share
 #                                 of the step at 1B, docs/muon.md "GPU"); 1b-64k 1b-offload-64k
@@ -127,6 +128,9 @@ for n in $names; do
   case $n in
     125m) run 125m inputs/bench/llama-125m.toml ;;
     1b) run 1b inputs/bench/llama-1b.toml ;;
+    # A model of experts: the Qwen3-30B-A3B shape with 4 layers, 8 x 4096 tokens a step
+    # (docs/benchmarks.md "Mixture of experts"; tools/moe_vs_hf.py runs it beside transformers).
+    moe-4l) run moe-4l inputs/bench/qwen3-30b-a3b-4l.toml ;;
     # The same 16K tokens a step as micro-batches of 2 and 4 sequences: fewer, larger
     # GEMMs and half / a quarter of the fp32 gradient accumulations.
     1b-mb2) run 1b-mb2 inputs/bench/llama-1b.toml --set data.micro_batch=2 ;;
