@@ -22,7 +22,8 @@
 # MODE=bound runs, for SHAPE (llama-1b, qwen3-1.7b) and STREAM (markov, zipf), transformers
 # eager, shardlm default, transformers compile and eager again, in that order, and prints the
 # rerun bound: each window of shardlm within the larger of 2x |compile - eager| and
-# |eager #2 - eager|. Its runs resume: an invocation runs only the curves OUTDIR's losses.json
+# |eager #k - eager| (the farthest of eager's reruns). EAGER_RUNS=N (default 2) runs eager N
+# times in all, SHARDLM_RUNS=N (default 1) shardlm N times (its window is then their mean). Its runs resume: an invocation runs only the curves OUTDIR's losses.json
 # lacks, so a shape's two streams can take two calls. The random init is made once per shape
 # under MODELDIR and shared by the streams. On an H100 (65 steps) a stream took about 150 s at
 # the Llama-3.2-1B shape (eager 31-33 s, shardlm 22-23 s, compile 58 s, 31 s once inductor's
@@ -96,7 +97,8 @@ if [ "${MODE:-}" = bound ]; then
   fid $(hf) --variants eager --repeats 0
   fid $(hf) --skip-done --variants "" --label default
   fid $(hf) --variants compile --repeats 0
-  fid $(hf) --variants eager --hf-repeats 2 --repeats 0
+  fid $(hf) --variants eager --hf-repeats "${EAGER_RUNS:-2}" --repeats 0
+  [ "${SHARDLM_RUNS:-1}" -gt 1 ] && fid $(hf) --skip-done --variants "" --label default --repeats "$SHARDLM_RUNS"
 elif [ "${MODE:-}" = norms ]; then
   fid --variants eager,compile --label default --repeats 3
   fid --skip-hf "$L" --label fp32-norms --set model.norm_dtype=fp32 --repeats 3

@@ -246,6 +246,21 @@ json.dump({"transformers eager": e, "transformers compile": [x * (1 + k) for x i
     test "$(grep -A1 "mean curve (.*shardlm default: 2 runs" "$T/fid-4.log" | tail -1 | cut -c1-22)" = "shardlm default: HOLDS"
   check "fidelity_vs_hf.py: a rerun on the CPU moves no window (range 0)" has "$T/fid-4.log" "| 1–10 | 0.0e+00 | 0.0e+00 | 0.0e+00 |"
   check "fidelity_vs_hf.py: compile 3e-4: does not hold" has "$T/fid-3.log" "shardlm default: does not hold: 1–10 5.0e-04 vs 1.5 x 3.0e-04 NO"
+  # The rerun bound takes the farthest of eager's reruns: shardlm 5e-4 above eager, compile 2e-4 (2x: 4e-4);
+  # with one rerun on eager it is outside, a third eager run 6e-4 above sets the bound and it is within
+  out=$(cd tools && "$PY" -c 'import fidelity_vs_hf as F
+e = [10.0 - 0.05 * i for i in range(65)]
+c = {"transformers eager": e, "transformers compile": [x * (1 + 2e-4) for x in e],
+     "transformers eager #2": list(e), "shardlm default": [x * (1 + 5e-4) for x in e]}
+print("one rerun:", F.bound_test(c)[1]["shardlm default"])
+c["transformers eager #3"] = [x * (1 + 6e-4) for x in e]
+lines, verdict = F.bound_test(c)
+print("two reruns:", verdict["shardlm default"]); print(lines[0]); print(lines[2])' 2>&1)
+  check "fidelity_vs_hf.py: rerun bound, one rerun on eager: 5e-4 is outside 2 x 2e-4" has <(echo "$out") "one rerun: False"
+  check "fidelity_vs_hf.py: rerun bound, the farthest of two reruns (6e-4) sets it: within" has <(echo "$out") \
+    "two reruns: True"
+  check "fidelity_vs_hf.py: rerun bound, the table names the reruns and the one that set it" has <(echo "$out") \
+    "| 1–10 | +5.0e-04 | +2.0e-04 | +6.0e-04 | 6.0e-04 (rerun) | yes |"
   # fp8_vs_bf16.py (the FP8 loss test): both shardlm runs on the CPU with the llama fixture, then its
   # verdict on made-up curves: equal ones hold; 2% apart, or a spike in one only, do not
   OMP_NUM_THREADS=1 "$PY" tools/fp8_vs_bf16.py --shardlm "$BIN" --model tests/fixtures/llama-gqa-tied \
