@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# gpu_ab.sh — two builds of shardlm on the same GPU in one call: the 1B deck's
+# gpu_ab.sh — two builds of shardlm on the same GPU in one call: a bench deck's (the 1B one unless DECK names another)
 # step losses with run.deterministic = true (must be bit-identical for a change
 # that keeps the numbers), then its speed, alternating A B A B so drift in the
 # machine's clocks falls on both.
@@ -13,13 +13,16 @@
 #       changed between the two builds, name it in SET on both sides (630e6dd's norm
 #       weights were bf16: SET="--set model.norm_dtype=fp32"), or the losses part.
 #
+#   DECK=inputs/bench/qwen3-30b-a3b-4l.toml TAG=abmoe tools/gpu_ab.sh BUILD_A BUILD_B 6
+#       another bench deck (here the model of experts; its GPU kernels are deterministic too)
+#
 # Data: runs/bench-data/random-128k.h5 (tools/bench.sh makes it; its documents are
 # 32769 tokens, so up to 32K a sequence). Prints one "identical" or "DIFFER" line
 # for the losses and one throughput line per run.
 set -u
 cd "$(dirname "$0")/.."
 a=${1:?BUILD_A}; b=${2:?BUILD_B}; steps=${3:-8}
-deck=inputs/bench/llama-1b.toml
+deck=${DECK:-inputs/bench/llama-1b.toml}
 tag=${TAG:-ab}
 export OMP_WAIT_POLICY=passive
 read -r -a extra <<< "${SET:-}"
@@ -35,7 +38,7 @@ for which in a b; do
     --set run.max_steps=6 > runs/$tag-det-$which.log 2>&1 || { echo "$which: deterministic run failed"; tail -5 runs/$tag-det-$which.log; }
   losses runs/$tag-det-$which/metrics.jsonl > runs/$tag-det-$which.txt
 done
-echo "deterministic 1B losses, A:"; cat runs/$tag-det-a.txt
+echo "deterministic losses ($deck), A:"; cat runs/$tag-det-a.txt
 if [ -s runs/$tag-det-a.txt ] && cmp -s runs/$tag-det-a.txt runs/$tag-det-b.txt; then echo "deterministic losses: identical";
 else echo "deterministic losses: DIFFER"; diff runs/$tag-det-a.txt runs/$tag-det-b.txt | head; fi
 for round in 1 2; do
