@@ -23,8 +23,8 @@
 # eager, shardlm default, transformers compile and eager again, in that order, and prints the
 # rerun bound: each window of shardlm within the larger of 2x |compile - eager| and
 # |eager #k - eager| (the farthest of eager's reruns). EAGER_RUNS=N (default 2) runs eager N
-# times in all, SHARDLM_RUNS=N (default 1) shardlm N times (its window is then their mean). Its runs resume: an invocation runs only the curves OUTDIR's losses.json
-# lacks, so a shape's two streams can take two calls. The random init is made once per shape
+# times in all, SHARDLM_RUNS=N (default 1) shardlm N times (its window is then their mean).
+# Its runs resume: an invocation runs only the curves OUTDIR's losses.json lacks, so a shape's two streams can take two calls. The random init is made once per shape
 # under MODELDIR and shared by the streams. On an H100 (65 steps) a stream took about 150 s at
 # the Llama-3.2-1B shape (eager 31-33 s, shardlm 22-23 s, compile 58 s, 31 s once inductor's
 # cache held the graphs of the other stream) and 250 s at Qwen3-1.7B (eager 52-53 s, shardlm
@@ -98,7 +98,9 @@ if [ "${MODE:-}" = bound ]; then
   fid $(hf) --skip-done --variants "" --label default
   fid $(hf) --variants compile --repeats 0
   fid $(hf) --variants eager --hf-repeats "${EAGER_RUNS:-2}" --repeats 0
-  [ "${SHARDLM_RUNS:-1}" -gt 1 ] && fid $(hf) --skip-done --variants "" --label default --repeats "$SHARDLM_RUNS"
+  if [ "${SHARDLM_RUNS:-1}" -gt 1 ]; then
+    fid $(hf) --skip-done --variants "" --label default --repeats "$SHARDLM_RUNS"
+  fi
 elif [ "${MODE:-}" = norms ]; then
   fid --variants eager,compile --label default --repeats 3
   fid --skip-hf "$L" --label fp32-norms --set model.norm_dtype=fp32 --repeats 3

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# gpu_ab.sh — two builds of shardlm on the same GPU in one call: a bench deck's (the 1B one unless DECK names another)
-# step losses with run.deterministic = true (must be bit-identical for a change
+# gpu_ab.sh — two builds of shardlm on the same GPU in one call: a bench deck's (the
+# 1B one unless DECK names another) step losses with run.deterministic = true (must be bit-identical for a change
 # that keeps the numbers), then its speed, alternating A B A B so drift in the
 # machine's clocks falls on both.
 #
