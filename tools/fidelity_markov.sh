@@ -24,8 +24,8 @@
 # rerun bound: each window of shardlm within the larger of 2x |compile - eager| and
 # |eager #k - eager| (the farthest of eager's reruns). EAGER_RUNS=N (default 2) runs eager N
 # times in all, SHARDLM_RUNS=N (default 1) shardlm N times (its window is then their mean).
-# Its runs resume: an invocation runs only the curves OUTDIR's losses.json lacks, so a shape's two streams can take two calls. The random init is made once per shape
-# under MODELDIR and shared by the streams. On an H100 (65 steps) a stream took about 150 s at
+# Its runs resume: an invocation runs only the curves OUTDIR's losses.json lacks, so a
+# shape's two streams can take two calls. The random init is made once per shape under MODELDIR and shared by the streams. On an H100 (65 steps) a stream took about 150 s at
 # the Llama-3.2-1B shape (eager 31-33 s, shardlm 22-23 s, compile 58 s, 31 s once inductor's
 # cache held the graphs of the other stream) and 250 s at Qwen3-1.7B (eager 52-53 s, shardlm
 # 32 s, compile 104 s, 45 s with the cache).
