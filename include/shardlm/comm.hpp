@@ -134,6 +134,18 @@ class Comm {
   virtual void all_to_all_v(const float* send, const int64_t* send_counts, const int64_t* send_displs,
                             float* recv, const int64_t* recv_counts, const int64_t* recv_displs) = 0;
 
+  // The personalised exchange on device buffers (the device Comms; expert
+  // parallelism's rows on the GPU), in bytes: this rank sends
+  // send[send_displs[p], + send_bytes[p]) to rank p and receives p's block into
+  // recv[recv_displs[p], + recv_bytes[p]); the counts on the host, size()
+  // entries each, matching across ranks as all_to_all_v's. Ordered on the
+  // compute stream after the kernels queued before it, and the kernels queued
+  // after it see the received bytes (NCCL: one group of sends and receives on the
+  // comm stream; staged MPI: through pinned host memory, the host waiting).
+  // `send` and `recv` must not overlap; recv's span up to the farthest block's
+  // end may be written whole (the staged copy back), so its blocks should tile it.
+  virtual void all_to_all_v_device(const void* send, const int64_t* send_bytes, const int64_t* send_displs,
+                                   void* recv, const int64_t* recv_bytes, const int64_t* recv_displs);
   // Context parallelism's ring: send `bytes` bytes of `send` to rank + 1 and
   // receive as many from rank - 1 into `recv` (ranks modulo size()), started
   // now and completed by wait(), so the caller computes on one block while the

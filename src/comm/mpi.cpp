@@ -392,6 +392,11 @@ void CommRequest::wait() {
   owner_ = nullptr;
 }
 
+void Comm::all_to_all_v_device(const void*, const int64_t*, const int64_t*, void*, const int64_t*, const int64_t*) {
+  SHARDLM_FAIL("this communicator moves no device buffers: the exchange of expert parallelism's rows on the GPU "
+               "runs on the device communicators (NCCL, staged MPI) only");
+}
+
 CommRequest Comm::ring_exchange(const void*, void*, int64_t) {
   SHARDLM_FAIL("this communicator has no point-to-point ring: context parallelism (model.context_parallel > 1) "
                "runs on the MPI communicator and the device communicators only");

@@ -50,6 +50,7 @@
 #include <utility>
 
 #include "cuda/check.hpp"
+#include "cuda/kernel_common.cuh"
 #include "shardlm/error.hpp"
 
 namespace shardlm::cuda {
@@ -130,13 +131,7 @@ __device__ __forceinline__ float quad_sum(float x) {
   x += __shfl_xor_sync(0xffffffffu, x, 1);
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
-// Butterfly sum: every lane ends with the same bits (each level adds the same two
-// partials, only in swapped order).
-__device__ __forceinline__ float warp_sum(float x) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-  return x;
-}
+using dev::warp_sum;  // kernel_common.cuh's butterfly
 
 // ---------------------------------------------------------------- tiles
 

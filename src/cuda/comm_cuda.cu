@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 #include <nccl.h>
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
@@ -160,6 +161,26 @@ class NcclDeviceComm final : public HostForwarding {
     return end(ticket, "ring exchange", bytes);
   }
 
+  void all_to_all_v_device(const void* send, const int64_t* send_bytes, const int64_t* send_displs, void* recv,
+                           const int64_t* recv_bytes, const int64_t* recv_displs) override {
+    require_device(send, "all-to-all send buffer");
+    require_device(recv, "all-to-all receive buffer");
+    const int64_t ticket = begin();
+    int64_t total = 0;
+    NCCL_CHECK(ncclGroupStart());
+    for (int p = 0; p < size(); ++p) {
+      if (send_bytes[p] > 0)
+        NCCL_CHECK(ncclSend(static_cast<const char*>(send) + send_displs[p], size_t(send_bytes[p]), ncclUint8, p,
+                            nccl_, stream_));
+      if (recv_bytes[p] > 0)
+        NCCL_CHECK(ncclRecv(static_cast<char*>(recv) + recv_displs[p], size_t(recv_bytes[p]), ncclUint8, p, nccl_,
+                            stream_));
+      total += send_bytes[p];
+    }
+    NCCL_CHECK(ncclGroupEnd());
+    end(ticket, "all-to-all", total).wait();
+  }
+
   void complete(int64_t ticket) override {
     // A ticket older than the ring has had its event recorded again by a later
     // collective on the same stream, which completes after it: waiting on the
@@ -310,6 +331,30 @@ class StagedDeviceComm final : public HostForwarding {
     ring_bytes_ = bytes;
     return CommRequest(this, ++ring_ticket_);
   }
+  // Out to pinned memory in one copy (the send blocks are one span), MPI's
+  // exchange in 4-byte words between the pinned buffers, back in one copy.
+  void all_to_all_v_device(const void* send, const int64_t* send_bytes, const int64_t* send_displs, void* recv,
+                           const int64_t* recv_bytes, const int64_t* recv_displs) override {
+    require_device(send, "all-to-all send buffer");
+    require_device(recv, "all-to-all receive buffer");
+    const int P = size();
+    int64_t send_end = 0, recv_end = 0;
+    words_.assign(size_t(4 * P), 0);
+    for (int p = 0; p < P; ++p) {
+      SHARDLM_CHECK(send_bytes[p] % 4 == 0 && send_displs[p] % 4 == 0 && recv_bytes[p] % 4 == 0 &&
+                        recv_displs[p] % 4 == 0,
+                    "internal: a staged all-to-all of blocks that are not whole 4-byte words (rank %d)", p);
+      send_end = std::max(send_end, send_displs[p] + send_bytes[p]);
+      recv_end = std::max(recv_end, recv_displs[p] + recv_bytes[p]);
+      words_[size_t(p)] = send_bytes[p] / 4, words_[size_t(P + p)] = send_displs[p] / 4;
+      words_[size_t(2 * P + p)] = recv_bytes[p] / 4, words_[size_t(3 * P + p)] = recv_displs[p] / 4;
+    }
+    stage_out(send, send_end, std::max(send_end, recv_end));
+    host_.all_to_all_v(static_cast<const float*>(send_), words_.data(), words_.data() + P,
+                       static_cast<float*>(recv_), words_.data() + 2 * P, words_.data() + 3 * P);
+    CUDA_CHECK(cudaMemcpyAsync(recv, recv_, size_t(recv_end), cudaMemcpyHostToDevice, compute_));
+  }
+
   void complete(int64_t ticket) override {
     SHARDLM_CHECK(ticket == ring_ticket_ && ring_recv_, "internal: staged ring exchange %lld completed out of turn",
                   (long long)ticket);
@@ -332,6 +377,7 @@ class StagedDeviceComm final : public HostForwarding {
   int64_t staging_bytes_;
   void* send_ = nullptr;  // pinned (staging_bytes)
   void* recv_ = nullptr;  // pinned (staging_bytes)
+  std::vector<int64_t> words_;  // all_to_all_v_device's counts and displacements in 4-byte words (4 P)
   CommRequest ring_in_flight_;  // the host exchange of the ring's message in flight
   void* ring_recv_ = nullptr;   // its device destination, until complete()
   int64_t ring_bytes_ = 0;

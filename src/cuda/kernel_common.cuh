@@ -71,6 +71,19 @@ struct MaxOp {
   __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); }
 };
 
+// Whole-warp butterflies: every lane ends with the same bits (each level
+// combines the same two partials, only in swapped order).
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(kFullMask, x, o);
+  return x;
+}
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(kFullMask, x, o));
+  return x;
+}
+
 // Whole-block reduction in a fixed order: an xor butterfly inside each warp (both
 // partners combine the same two values, so every lane holds the same bits), then
 // the warp results in warp order. Every thread returns the same value.

@@ -78,6 +78,21 @@ void check_device_comm(const char* kind, double timeout_s) {
   REQUIRE_CUDA(cudaMemcpyAsync(back.data(), src, 4 * n, cudaMemcpyDeviceToHost, compute));
   REQUIRE_CUDA(cudaStreamSynchronize(compute));
   CHECK(std::memcmp(back.data(), pinned, 4 * n) == 0);
+  // The personalised exchange (expert parallelism's rows): on one rank the
+  // send span arrives whole at the receive buffer's offset, after the write
+  // queued just before it on the compute stream.
+  {
+    const int64_t bytes = 4 * n - 12, at = 8;  // the receive block starts 8 bytes in
+    const int64_t sb[1] = {bytes}, sd[1] = {0}, rb[1] = {bytes}, rd[1] = {at};
+    REQUIRE_CUDA(cudaMemsetAsync(dst, 0, 4 * n, compute));
+    REQUIRE_CUDA(cudaMemcpyAsync(src, pinned, bytes, cudaMemcpyHostToDevice, compute));
+    comm->all_to_all_v_device(src, sb, sd, dst, rb, rd);
+    std::vector<char> got(size_t(bytes + at));
+    REQUIRE_CUDA(cudaMemcpyAsync(got.data(), dst, size_t(bytes + at), cudaMemcpyDeviceToHost, compute));
+    REQUIRE_CUDA(cudaStreamSynchronize(compute));
+    INFO(kind << " all-to-all");
+    CHECK(std::memcmp(got.data() + at, pinned, size_t(bytes)) == 0);
+  }
   // DESIGN.md rule 4: NCCL, and any device Comm, is never handed host memory
   // (pinned or pageable).
   {
@@ -90,6 +105,10 @@ void check_device_comm(const char* kind, double timeout_s) {
                          Error);
     CHECK_THROWS_WITH_AS(comm->broadcast(pageable.data(), 16, DType::BF16, 0),
                          doctest::Contains((name + " was handed host memory for its broadcast buffer").c_str()), Error);
+    const int64_t sixteen[1] = {16}, zero[1] = {0};
+    CHECK_THROWS_WITH_AS(comm->all_to_all_v_device(src, sixteen, zero, pageable.data(), sixteen, zero),
+                         doctest::Contains((name + " was handed host memory for its all-to-all receive buffer").c_str()),
+                         Error);
   }
   comm.reset();
   cudaFree(src);
