@@ -110,6 +110,8 @@ if [ "${SHARDLM_TEST_GPU:-0}" = 1 ]; then
   run_script tests/gpu/test_rl_gpu_faults.sh 900
   # Context parallelism: the ring in the trainer, ranks sharing the GPU (staged MPI).
   run_script tests/gpu/test_context_parallel.sh 900
+  # Expert parallelism: a model of experts' rows over the ranks sharing the GPU (staged MPI).
+  run_script tests/gpu/test_expert_parallel.sh 900
 fi
 
 passed=$(awk '{p+=$1} END {print p+0}' "$results")

@@ -610,9 +610,6 @@ std::string expert_parallel_deck_error(const Config& c, const ModelConfig& arch)
   const int64_t P = c.model.expert_parallel;
   if (P <= 1) return "";
   const std::string knob = fmt("model.expert_parallel = %lld", (long long)P);
-  if (c.device.backend == "cuda")
-    return knob + ": expert parallelism runs on the CPU backend only so far; set device.backend = \"cpu\" or "
-                  "model.expert_parallel = 1";
   if (c.model.context_parallel > 1)
     return fmt("%s with model.context_parallel = %lld: the two do not combine yet (the experts' rows would be "
                "exchanged over a group that shares sequences); set one of them to 1",

@@ -46,6 +46,7 @@ class CudaBackend final : public Backend {
     cudaStreamSynchronize(stream_);
     ring_.reset();
     ring_comm_.reset();  // its collectives are ordered against stream_: gone before it
+    ep_comm_.reset();
     fp8_attention_.reset();  // it holds a reference to sdpa_
     sdpa_.reset();
     fp8_.reset();
@@ -143,19 +144,23 @@ class CudaBackend final : public Backend {
 
   // gu, h: a layer's gate|up and h buffers' width per token, the largest of
   // its kinds of layer: a dense MLP's 2I and I; a layer of experts' K rows of
-  // 2Im and Im a token, then the shared expert's 2Is and Is.
+  // 2Im and Im a token (P K under expert parallelism over P ranks: an owner
+  // may receive every rank's rows), then the shared expert's 2Is and Is.
   struct Dims {
     int64_t N, C, I, H, KV, D, HD, KVD, V, chunk;
-    int64_t E, K, Im, Is, gu, h;
+    int64_t E, K, Im, Is, gu, h, P;
+    int64_t expert_rows() const { return P * N * K; }  // the experts' rows a rank may run
   };
   static Dims dims(const ModelConfig& c, const EngineOptions& o) {
     Dims d{o.max_tokens, c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim,
            c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.vocab_size, std::min(o.chunk_tokens, o.max_tokens),
-           c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.shared_expert_intermediate_size, 0, 0};
+           c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.shared_expert_intermediate_size, 0, 0,
+           std::max<int64_t>(o.expert_parallel, 1)};
     bool dense = false;
     for (int64_t l = 0; l < c.num_layers; ++l) dense |= !c.moe_layer(l);
     if (dense) d.gu = 2 * d.I, d.h = d.I;
-    if (c.moe()) d.gu = std::max(d.gu, 2 * (d.K * d.Im + d.Is)), d.h = std::max(d.h, d.K * d.Im + d.Is);
+    const int64_t PK = d.P * d.K;
+    if (c.moe()) d.gu = std::max(d.gu, 2 * (PK * d.Im + d.Is)), d.h = std::max(d.h, PK * d.Im + d.Is);
     return d;
   }
   // What the experts on the GPU do not run yet.
@@ -253,6 +258,7 @@ class CudaBackend final : public Backend {
     int64_t* offsets;
     bf16 *y, *shared_out;
     std::vector<int64_t> host_offsets;
+    std::vector<int32_t> host_ep_rows;  // expert parallelism: (P, E) every rank's rows per expert
   };
 
   // One buffer of this backend: its name, the plan row it is counted in, its
@@ -405,6 +411,8 @@ class CudaBackend final : public Backend {
         rows.push_back(row("moe.d_shared", w, d.N * d.C, &moe_.d_shared));
         rows.push_back(row("moe.d_shared_logit", w, d.N, &moe_.d_shared_logit));
       }
+      // Expert parallelism: every rank's rows of this rank's experts (its device Comm's pinned buffers: engine.cpp).
+      if (d.P > 1) rows.push_back(row("moe.ep_owned", w, d.expert_rows() * d.C, &ep_.owned));
     }
     rows.push_back(row("head.xf", w, d.N * d.C, &xf_));
     rows.push_back(row("head.dxf", w, d.N * d.C, &dxf_));
@@ -640,6 +648,30 @@ class CudaBackend final : public Backend {
     ring_ = std::make_unique<cuda::RingAttention>(*ring_comm_, ring_buffers_, d_.N, stream_);
   }
 
+  // Expert parallelism's rows travel over a device Comm of their own on this
+  // backend's stream (NCCL, or MPI staged through pinned host memory as
+  // comm.backend says), sized for the largest exchange: every rank's rows to one owner.
+  void set_expert_parallel(Comm& group) override {
+    SHARDLM_CHECK(options_.expert_parallel == group.size() && ep_.owned,
+                  "internal: the CUDA backend was planned for model.expert_parallel = %lld, the group has %d ranks",
+                  (long long)options_.expert_parallel, group.size());
+    ep_comm_ = make_device_comm(group, options_.comm_backend, stream_, expert_staging_bytes(config_, options_),
+                                options_.comm_timeout_s);
+    ep_.group = ep_comm_.get();
+  }
+  // The pinned bytes of one of the staged Comm's two buffers: P N K rows of C bf16.
+  static int64_t expert_staging_bytes(const ModelConfig& c, const EngineOptions& o) {
+    return 2 * o.expert_parallel * o.max_tokens * c.num_experts_per_tok * c.hidden_size;
+  }
+  void set_layer_experts(int l, const Unit& unit, const void* shard, float* grads) override {
+    SHARDLM_CHECK(ep_.group && unit.kind == UnitKind::Experts && unit.layer == l,
+                  "internal: unit %s handed in as layer %d's own experts", unit.name.c_str(), l);
+    SHARDLM_CHECK(expert_stride(unit) == 3 * d_.Im * d_.C, "internal: unit %s is not expert after expert",
+                  unit.name.c_str());
+    own_experts_ = layer_weights(unit, bf(shard));
+    own_expert_grads_ = grads ? layer_weights(unit, grads) : LayerWeights<float>{};
+  }
+
   // A bf16 stream's start; an fp32 stream starts from the masters' rows, which
   // the engine writes (embedding_rows_fp32).
   void embed_forward(const void* table) override {
@@ -763,8 +795,10 @@ class CudaBackend final : public Backend {
     const int64_t N = n_;
     if (config_.moe_layer(l)) {  // MLP: x_out = x_mid + experts(xn2); gate|up's rows take their gradients
       cuda::MoeLayerActs ma = moe_acts(a);
-      cuda::moe_backward(d_xn_, stream_grad_bf16(d_x_), a.xn2, cuda::moe_weights(w), cuda::moe_grads(g), ma, moe_,
-                         moe_dims(), aux_scale_, aux_rows_, *gemm_, *grouped_, scratch_, scratch_bytes_, stream_);
+      SHARDLM_CHECK(!ep_.group || own_expert_grads_.e_gate, "internal: layer %d's backward without its own experts' "
+                    "gradients", l);
+      cuda::moe_backward(d_xn_, stream_grad_bf16(d_x_), a.xn2, moe_weights(w), moe_grads(g), ma, moe_, moe_dims(),
+                         aux_scale_, aux_rows_, ep_, *gemm_, *grouped_, scratch_, scratch_bytes_, stream_);
     } else {
       // MLP: x_out = x_mid + down(silu(gate) * up)
       project_backward(cuda::Fp8Linear::Down, dh_, g.w_down, nullptr, stream_grad_bf16(d_x_), a.h, w.w_down, d.I,
@@ -963,9 +997,17 @@ class CudaBackend final : public Backend {
   // The layer of experts' views (cuda/moe.hpp): its activations in `a`, its
   // sizes at this micro-batch.
   cuda::MoeLayerActs moe_acts(Acts& a) const {
-    const int64_t R = n_ * d_.K;
+    const int64_t R = d_.P * n_ * d_.K;  // the experts' rows (every rank's, at most, under expert parallelism)
     return {a.probs,  a.expert, a.weight, a.slot, a.row, a.offsets, a.gu, a.h, a.y,
-            a.gu + R * 2 * d_.Im, a.h + R * d_.Im, a.shared_out, a.shared_logit, &a.host_offsets};
+            a.gu + R * 2 * d_.Im, a.h + R * d_.Im, a.shared_out, a.shared_logit, &a.host_offsets, &a.host_ep_rows};
+  }
+  // The routed experts' weights and gradients: the layer unit's, or under
+  // expert parallelism this rank's own (set_layer_experts).
+  cuda::MoeWeights moe_weights(const LayerWeights<const bf16>& w) const {
+    return ep_.group ? cuda::moe_weights(w, own_experts_, 3 * d_.Im * d_.C) : cuda::moe_weights(w, w, d_.Im * d_.C);
+  }
+  cuda::MoeGrads moe_grads(const LayerWeights<float>& g) const {
+    return ep_.group ? cuda::moe_grads(g, own_expert_grads_, 3 * d_.Im * d_.C) : cuda::moe_grads(g, g, d_.Im * d_.C);
   }
   cuda::MoeDims moe_dims() const { return {n_, d_.C, d_.E, d_.K, d_.Im, d_.Is, config_.norm_topk_prob}; }
 
@@ -999,10 +1041,10 @@ class CudaBackend final : public Backend {
       cuda::MoeLayerActs ma = moe_acts(a);
       const int32_t* forced = has_routes_ ? routes_ + config_.route_offset(layer_) : nullptr;
       if (fp32_stream())
-        return cuda::moe_forward(f32(x_out), f32(a.x_mid), a.xn2, cuda::moe_weights(w), ma, moe_, moe_dims(), forced,
-                                 config_.route_width(), *gemm_, *grouped_, stream_);
-      return cuda::moe_forward(bf(x_out), bf(a.x_mid), a.xn2, cuda::moe_weights(w), ma, moe_, moe_dims(), forced,
-                               config_.route_width(), *gemm_, *grouped_, stream_);
+        return cuda::moe_forward(f32(x_out), f32(a.x_mid), a.xn2, moe_weights(w), ma, moe_, moe_dims(), forced,
+                                 config_.route_width(), ep_, *gemm_, *grouped_, stream_);
+      return cuda::moe_forward(bf(x_out), bf(a.x_mid), a.xn2, moe_weights(w), ma, moe_, moe_dims(), forced,
+                               config_.route_width(), ep_, *gemm_, *grouped_, stream_);
     }
     gate_up_forward(a.gu, a.xn2, w);
     cuda::swiglu_forward(a.h, d.I, a.gu, 2 * d.I, a.gu + d.I, 2 * d.I, N, d.I, stream_, amax_at(kH));
@@ -1149,6 +1191,11 @@ class CudaBackend final : public Backend {
   cuda::RingBuffers ring_buffers_;         // context parallelism: the ring's blocks and accumulators
   std::unique_ptr<Comm> ring_comm_;        // set_context_parallel: the device Comm over the group
   std::unique_ptr<cuda::RingAttention> ring_;
+  cuda::MoeExpertParallel ep_;             // expert parallelism: its exchange (group: set_expert_parallel)
+  std::unique_ptr<Comm> ep_comm_;          // the device Comm its rows travel over
+  // The layer's own experts and their gradients (set_layer_experts).
+  LayerWeights<const bf16> own_experts_{};
+  LayerWeights<float> own_expert_grads_{};
   void* sdpa_backward_buffers_ = nullptr;  // its backward buffers, in the shared region
   std::string attention_note_, reported_refusal_;
 };

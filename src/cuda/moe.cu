@@ -332,40 +332,88 @@ __global__ void aux_add_kernel(double* __restrict__ counts, double* __restrict__
   }
 }
 
-// The experts' products of one kind, each over its expert's rows.
-struct ExpertRows {
-  const std::vector<int64_t>& offsets;
-  int64_t rows(int64_t e) const { return offsets[size_t(e) + 1] - offsets[size_t(e)]; }
-  int64_t first(int64_t e) const { return offsets[size_t(e)]; }
+// The groups of rows the experts' GEMMs run over: group g is rows
+// [first[g], first[g + 1]) of expert g % experts (its index in MoeWeights).
+// Every expert's rows on one rank (count = experts = E), or under expert
+// parallelism source rank q's rows of owned expert j (g = q Ep + j).
+struct RowGroups {
+  const int64_t* first;
+  int64_t count, experts;
+  int64_t rows(int64_t g) const { return first[g + 1] - first[g]; }
+  int64_t expert(int64_t g) const { return g % experts; }
+  int64_t total() const { return first[count]; }
+  int64_t sources() const { return count / experts; }
 };
 
-// One kind of the experts' weight gradients, g (E, P, Q) fp32 +=: straight
-// from the grouped GEMM (fp32 C, beta 1) where cuBLAS takes it; else written in
-// bf16 into wgrad (an expert without rows: zeros), then added.
-void expert_wgrad(GroupedGemm& grouped, float* g, bf16* wgrad, const ExpertRows& x, int64_t E, int64_t P, int64_t Q,
-                  const bf16* dout, int64_t ld_dout, const bf16* inp, int64_t ld_inp, cudaStream_t stream) {
-  // (P, Q) = dout_e^T (P x rows) inp_e (rows x Q)
-  auto products = [&](bool f32) {
-    std::vector<GroupedGemm::Product> out;
-    for (int64_t e = 0; e < E; ++e)
-      if (x.rows(e) > 0)
-        out.push_back({P, Q, x.rows(e), dout + x.first(e) * ld_dout, ld_dout, inp + x.first(e) * ld_inp, ld_inp,
-                       f32 ? static_cast<void*>(g + e * P * Q) : static_cast<void*>(wgrad + e * P * Q), Q});
-    return out;
-  };
-  if (grouped.run(/*trans_a=*/true, /*trans_b=*/false, products(true), 1.0f, GemmOut::F32)) return;
-  for (int64_t e = 0; e < E; ++e)
-    if (x.rows(e) == 0) CUDA_CHECK(cudaMemsetAsync(wgrad + e * P * Q, 0, 2 * size_t(P * Q), stream));
-  grouped.run(true, false, products(false), 0.0f);
-  add_bf16_to_f32(g, g, wgrad, E * P * Q, stream);
+// One kind of the experts' weight gradients, g (expert e at g + e stride,
+// (P, Q) fp32) +=, one grouped launch per source so that no launch adds twice
+// into one expert: straight from the grouped GEMM (fp32 C, beta 1) where cuBLAS
+// takes it; else written in bf16 into wgrad (E, P, Q) and added.
+void expert_wgrad(GroupedGemm& grouped, float* g, int64_t stride, bf16* wgrad, const RowGroups& x, int64_t P,
+                  int64_t Q, const bf16* dout, int64_t ld_dout, const bf16* inp, int64_t ld_inp, cudaStream_t stream) {
+  for (int64_t q = 0; q < x.sources(); ++q) {
+    const int64_t g0 = q * x.experts, g1 = g0 + x.experts;
+    // (P, Q) = dout_e^T (P x rows) inp_e (rows x Q)
+    auto products = [&](bool f32) {
+      std::vector<GroupedGemm::Product> out;
+      for (int64_t i = g0; i < g1; ++i) {
+        const int64_t e = x.expert(i);
+        if (x.rows(i) > 0)
+          out.push_back({P, Q, x.rows(i), dout + x.first[i] * ld_dout, ld_dout, inp + x.first[i] * ld_inp, ld_inp,
+                         f32 ? static_cast<void*>(g + e * stride) : static_cast<void*>(wgrad + e * P * Q), Q});
+      }
+      return out;
+    };
+    if (grouped.run(/*trans_a=*/true, /*trans_b=*/false, products(true), 1.0f, GemmOut::F32)) continue;
+    grouped.run(true, false, products(false), 0.0f);
+    for (int64_t i = g0; i < g1; ++i)
+      if (x.rows(i) > 0) add_bf16_to_f32(g + x.expert(i) * stride, g + x.expert(i) * stride,
+                                         wgrad + x.expert(i) * P * Q, P * Q, stream);
+  }
+}
+
+// The plan of the exchange from a.host_ep_rows (the backward: the forward's rows).
+void replan_exchange(MoeExpertParallel& ep, const MoeLayerActs& a, int64_t E, int64_t C) {
+  // Rows of C bf16 channels: the plan's counts in bytes.
+  cpu::plan_expert_exchange(ep.plan, a.host_ep_rows->data(), ep.group->rank(), ep.group->size(), E, 2 * C);
+}
+// Expert parallelism's exchange of a layer: every rank's rows per expert
+// (all-reduced on the host from the offsets) into a.host_ep_rows, then the plan.
+void plan_exchange(MoeExpertParallel& ep, const MoeLayerActs& a, int64_t E, int64_t C) {
+  Comm& group = *ep.group;
+  const int P = group.size(), rank = group.rank();
+  std::vector<int64_t> rows(size_t(P * E), 0);
+  const std::vector<int64_t>& offsets = *a.host_offsets;
+  for (int64_t e = 0; e < E; ++e) rows[size_t(rank * E + e)] = offsets[size_t(e) + 1] - offsets[size_t(e)];
+  group.all_reduce_sum(rows.data(), P * E);
+  a.host_ep_rows->assign(rows.begin(), rows.end());
+  replan_exchange(ep, a, E, C);
+}
+// Rows to their owners: owned <- every rank's rows of this rank's experts.
+void to_owners(MoeExpertParallel& ep, const bf16* local, bf16* owned) {
+  const cpu::ExpertExchange& x = ep.plan;
+  ep.group->all_to_all_v_device(local, x.send_counts.data(), x.send_displs.data(), owned, x.recv_counts.data(),
+                                x.recv_displs.data());
+}
+// And back: local <- the owners' rows, in the order to_owners sent them.
+void from_owners(MoeExpertParallel& ep, const bf16* owned, bf16* local) {
+  const cpu::ExpertExchange& x = ep.plan;
+  ep.group->all_to_all_v_device(owned, x.recv_counts.data(), x.recv_displs.data(), local, x.send_counts.data(),
+                                x.send_displs.data());
+}
+// The groups the GEMMs run over: this rank's rows per expert, or the received (source, expert) groups.
+RowGroups row_groups(const MoeExpertParallel& ep, const MoeLayerActs& a, int64_t E) {
+  if (!ep.group) return {a.host_offsets->data(), E, E};
+  const int64_t Ep = E / ep.group->size();
+  return {ep.plan.groups.data(), int64_t(ep.plan.groups.size()) - 1, Ep};
 }
 
 }  // namespace
 
 template <class S>
 void moe_forward(S* out, const S* residual, const bf16* xn, const MoeWeights& w, MoeLayerActs& a,
-                 const MoeScratch& s, const MoeDims& d, const int32_t* forced, int64_t forced_stride, Gemm& gemm,
-                 GroupedGemm& grouped, cudaStream_t stream) {
+                 const MoeScratch& s, const MoeDims& d, const int32_t* forced, int64_t forced_stride,
+                 MoeExpertParallel& ep, Gemm& gemm, GroupedGemm& grouped, cudaStream_t stream) {
   SHARDLM_CHECK(d.C % 8 == 0, "a layer of experts on the GPU needs hidden_size a multiple of 8 (it is %lld)",
                 (long long)d.C);
   const int64_t N = d.N, C = d.C, E = d.E, K = d.K, Im = d.Im, R = d.rows();
@@ -380,18 +428,27 @@ void moe_forward(S* out, const S* residual, const bf16* xn, const MoeWeights& w,
   a.host_offsets->resize(size_t(E + 1));
   CUDA_CHECK(cudaMemcpyAsync(a.host_offsets->data(), a.offsets, 8 * size_t(E + 1), cudaMemcpyDeviceToHost, stream));
   CUDA_CHECK(cudaStreamSynchronize(stream));  // the grouped GEMMs' sizes
-  const ExpertRows x{*a.host_offsets};
   gather_kernel<<<unsigned(R), 128, 0, stream>>>(s.rows, xn, a.slot, C, int(K));
+  // The experts' inputs: this rank's rows, or every rank's rows of its own experts.
+  const bf16* in = s.rows;
+  if (ep.group) {
+    plan_exchange(ep, a, E, C);
+    to_owners(ep, s.rows, ep.owned);
+    in = ep.owned;
+  }
+  const RowGroups x = row_groups(ep, a, E);
+  bf16* y = ep.group ? ep.owned : a.y;  // the inputs are dead once gate | up is formed
   std::vector<GroupedGemm::Product> gate_up, down;
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t m = x.rows(e), o = x.first(e);
-    gate_up.push_back({m, Im, C, s.rows + o * C, C, w.gate + e * Im * C, C, a.gu + o * 2 * Im, 2 * Im});
-    gate_up.push_back({m, Im, C, s.rows + o * C, C, w.up + e * Im * C, C, a.gu + o * 2 * Im + Im, 2 * Im});
-    down.push_back({m, C, Im, a.h + o * Im, Im, w.down + e * C * Im, Im, a.y + o * C, C});
+  for (int64_t g = 0; g < x.count; ++g) {
+    const int64_t m = x.rows(g), o = x.first[g], e = x.expert(g);
+    gate_up.push_back({m, Im, C, in + o * C, C, w.gate + e * w.stride, C, a.gu + o * 2 * Im, 2 * Im});
+    gate_up.push_back({m, Im, C, in + o * C, C, w.up + e * w.stride, C, a.gu + o * 2 * Im + Im, 2 * Im});
+    down.push_back({m, C, Im, a.h + o * Im, Im, w.down + e * w.stride, Im, y + o * C, C});
   }
   grouped.run(false, true, gate_up, 0.0f);
-  swiglu_forward(a.h, Im, a.gu, 2 * Im, a.gu + Im, 2 * Im, R, Im, stream);
+  swiglu_forward(a.h, Im, a.gu, 2 * Im, a.gu + Im, 2 * Im, x.total(), Im, stream);
   grouped.run(false, true, down, 0.0f);
+  if (ep.group) from_owners(ep, ep.owned, a.y);
   if (d.Is > 0) {
     const int64_t Is = d.Is;
     linear_forward(gemm, a.shared_gu, xn, w.s_gate_up, nullptr, N, C, 2 * Is);
@@ -414,34 +471,51 @@ void moe_aux_add(const MoeLayerActs& a, const MoeScratch& s, const MoeDims& d, c
 
 void moe_backward(bf16* d_xn, const bf16* dout, const bf16* xn, const MoeWeights& w, const MoeGrads& g,
                   MoeLayerActs& a, const MoeScratch& s, const MoeDims& d, double aux_scale, int64_t aux_rows,
-                  Gemm& gemm, GroupedGemm& grouped, void* scratch, size_t scratch_bytes, cudaStream_t stream) {
+                  MoeExpertParallel& ep, Gemm& gemm, GroupedGemm& grouped, void* scratch, size_t scratch_bytes,
+                  cudaStream_t stream) {
   const int64_t N = d.N, C = d.C, E = d.E, K = d.K, Im = d.Im, R = d.rows();
   if (N == 0) return;
-  const ExpertRows x{*a.host_offsets};
   combine_backward_kernel<<<unsigned(R), kThreads, 0, stream>>>(s.rows, s.dweight, dout, a.y, a.weight, a.slot, C,
                                                                 int(K));
+  // dy at the experts: this rank's rows, or every rank's rows of its own experts.
+  const bf16* dy = s.rows;
+  if (ep.group) {
+    replan_exchange(ep, a, E, C);
+    to_owners(ep, s.rows, ep.owned);
+    dy = ep.owned;
+  }
+  const RowGroups x = row_groups(ep, a, E);
   // d h = dy W_down (rows x C)(C x Im); W_down's gradient dy^T h.
   std::vector<GroupedGemm::Product> dh;
-  for (int64_t e = 0; e < E; ++e)
-    dh.push_back({x.rows(e), Im, C, s.rows + x.first(e) * C, C, w.down + e * C * Im, Im, s.dh + x.first(e) * Im, Im});
+  for (int64_t g = 0; g < x.count; ++g)
+    dh.push_back({x.rows(g), Im, C, dy + x.first[g] * C, C, w.down + x.expert(g) * w.stride, Im,
+                  s.dh + x.first[g] * Im, Im});
   grouped.run(false, false, dh, 0.0f);
-  expert_wgrad(grouped, g.down, s.wgrad, x, E, C, Im, s.rows, C, a.h, Im, stream);
+  expert_wgrad(grouped, g.down, g.stride, s.wgrad, x, C, Im, dy, C, a.h, Im, stream);
   // dgate | dup in place of gate | up.
-  swiglu_backward(a.gu, 2 * Im, a.gu + Im, 2 * Im, s.dh, Im, a.gu, 2 * Im, a.gu + Im, 2 * Im, R, Im, stream);
-  // d rows = dgate W_gate + dup W_up, into the rows buffer (dy is dead).
+  const int64_t rows = x.total();
+  swiglu_backward(a.gu, 2 * Im, a.gu + Im, 2 * Im, s.dh, Im, a.gu, 2 * Im, a.gu + Im, 2 * Im, rows, Im, stream);
+  // d rows = dgate W_gate + dup W_up, where dy was (dead now).
+  bf16* drows = ep.group ? ep.owned : s.rows;
   std::vector<GroupedGemm::Product> from_gate, from_up;
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t m = x.rows(e), o = x.first(e);
-    from_gate.push_back({m, C, Im, a.gu + o * 2 * Im, 2 * Im, w.gate + e * Im * C, C, s.rows + o * C, C});
-    from_up.push_back({m, C, Im, a.gu + o * 2 * Im + Im, 2 * Im, w.up + e * Im * C, C, s.rows + o * C, C});
+  for (int64_t g = 0; g < x.count; ++g) {
+    const int64_t m = x.rows(g), o = x.first[g], e = x.expert(g);
+    from_gate.push_back({m, C, Im, a.gu + o * 2 * Im, 2 * Im, w.gate + e * w.stride, C, drows + o * C, C});
+    from_up.push_back({m, C, Im, a.gu + o * 2 * Im + Im, 2 * Im, w.up + e * w.stride, C, drows + o * C, C});
   }
   grouped.run(false, false, from_gate, 0.0f);
   grouped.run(false, false, from_up, 1.0f);
+  if (ep.group) from_owners(ep, ep.owned, s.rows);
   scatter_kernel<<<unsigned(N), kThreads, 0, stream>>>(d_xn, s.rows, a.row, C, int(K));
-  // The gate and up weights' gradients need the inputs again: gathered anew.
+  // The gate and up weights' gradients need the inputs again: gathered anew (and sent again).
   gather_kernel<<<unsigned(R), 128, 0, stream>>>(s.rows, xn, a.slot, C, int(K));
-  expert_wgrad(grouped, g.gate, s.wgrad, x, E, Im, C, a.gu, 2 * Im, s.rows, C, stream);
-  expert_wgrad(grouped, g.up, s.wgrad, x, E, Im, C, a.gu + Im, 2 * Im, s.rows, C, stream);
+  const bf16* in = s.rows;
+  if (ep.group) {
+    to_owners(ep, s.rows, ep.owned);
+    in = ep.owned;
+  }
+  expert_wgrad(grouped, g.gate, g.stride, s.wgrad, x, Im, C, a.gu, 2 * Im, in, C, stream);
+  expert_wgrad(grouped, g.up, g.stride, s.wgrad, x, Im, C, a.gu + Im, 2 * Im, in, C, stream);
   // The router: aux loss E sum_e f_e P_e with f_e = counts_e / rows, P_e = sum_n p_ne / rows,
   // so d aux / d p_ne = E counts_e / rows^2.
   const double aux_coef = aux_scale != 0 && aux_rows > 0 ? aux_scale * double(E) / (double(aux_rows) * aux_rows) : 0;
@@ -466,9 +540,10 @@ void moe_backward(bf16* d_xn, const bf16* dout, const bf16* xn, const MoeWeights
 }
 
 template void moe_forward<bf16>(bf16*, const bf16*, const bf16*, const MoeWeights&, MoeLayerActs&, const MoeScratch&,
-                                const MoeDims&, const int32_t*, int64_t, Gemm&, GroupedGemm&, cudaStream_t);
+                                const MoeDims&, const int32_t*, int64_t, MoeExpertParallel&, Gemm&, GroupedGemm&,
+                                cudaStream_t);
 template void moe_forward<float>(float*, const float*, const bf16*, const MoeWeights&, MoeLayerActs&,
-                                 const MoeScratch&, const MoeDims&, const int32_t*, int64_t, Gemm&, GroupedGemm&,
-                                 cudaStream_t);
+                                 const MoeScratch&, const MoeDims&, const int32_t*, int64_t, MoeExpertParallel&, Gemm&,
+                                 GroupedGemm&, cudaStream_t);
 
 }  // namespace shardlm::cuda

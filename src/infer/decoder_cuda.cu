@@ -651,8 +651,9 @@ void CudaDecoder::experts(int l, int64_t N, const LayerWeights<const bf16>& w) {
   const int64_t K = c.num_experts_per_tok;
   const cuda::MoeDims d{N, c.hidden_size, c.num_experts, K, c.moe_intermediate_size,
                         c.shared_expert_intermediate_size, c.norm_topk_prob};
-  cuda::moe_forward(x_out_, x_mid_, xn_, cuda::moe_weights(w), moe_, moe_scratch_, d, nullptr, 0, *gemm_, *grouped_,
-                    stream_);
+  cuda::MoeExpertParallel every_expert_here;
+  cuda::moe_forward(x_out_, x_mid_, xn_, cuda::moe_weights(w, w, c.moe_intermediate_size * c.hidden_size), moe_,
+                    moe_scratch_, d, nullptr, 0, every_expert_here, *gemm_, *grouped_, stream_);
   mark("experts");
   if (route_width() == 0) return;
   route_host_.resize(size_t(N * K));

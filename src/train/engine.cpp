@@ -192,6 +192,10 @@ MemoryPlan plan_memory(const ModelConfig& config, int world, const EngineOptions
   // block's fp32 dk | dv accumulators (2 x N x KV x D x 4 bytes).
   if (plan.device && o.context_parallel > 1 && o.comm_backend == "mpi")
     plan.comm_staging += 2 * 2 * o.max_tokens * config.num_kv_heads * config.head_dim * 4;
+  // Expert parallelism's device Comm (CudaBackend::set_expert_parallel): two
+  // pinned buffers of its largest exchange, every rank's rows to one owner (P N K rows of C bf16).
+  if (plan.device && o.expert_parallel > 1 && o.comm_backend == "mpi")
+    plan.comm_staging += 2 * 2 * o.expert_parallel * o.max_tokens * config.num_experts_per_tok * config.hidden_size;
   plan.activations = backend.activation_bytes(config, o);
   plan.workspace += backend.workspace_bytes(config, o);
   // A loss over whole samples: the forward-only pass's host buffers (train/sequence_pass.hpp).
